@@ -1,0 +1,36 @@
+# make demo  — set everything up and show what fleetwarden does
+# make test  — set everything up and run lint, types and the whole test suite
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-dev
+
+# The pure core: no I/O, checked with mypy --strict.
+CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py
+
+.PHONY: test demo lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict $(CORE)
+
+test: lint typecheck
+	$(BIN)/pytest
+
+demo: $(STAMP)
+	$(BIN)/fleetwarden demo
+
+bench: $(STAMP)
+	$(BIN)/python bench/ledger_tick.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,7 @@
+"""fleetwarden keeps a fleet of LLM inference engines serving.
+
+One router in front of the fleet notices failures on the request path; one authority behind it,
+the ledger, decides which engines serve, which join a weight sync and which are restarted.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from fleetwarden.cli import main
+
+main()

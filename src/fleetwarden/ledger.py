@@ -1,0 +1,742 @@
+"""The health ledger: which shards serve, which join a weight sync, which are restarted.
+
+Two rules, as in h11's ``_state.py``:
+
+* Everything that decides a shard's state lives in this file. The router, the watchdog and the
+  supervisor only *report* evidence here; they never decide.
+* This file does no I/O. It does not know about asyncio, sockets or files; time comes from an
+  injected clock. Callers feed operations in and read state out, and subscribe to the
+  :class:`Transition` events that every change emits (the journal and the dashboard do).
+
+Every change of a shard's record goes through :meth:`Ledger._apply`, which looks the move up in
+:data:`TRANSITIONS`. An operation whose guard does not hold changes nothing and says so in the
+:class:`Outcome` it returns, so no sequence of calls can produce a move the table does not list.
+
+Every counter reset says why, on its own line. Note 001 (``shared/seeds/001_*``) is what happens
+when one does not: a restarted engine inherited the dead one's failure streak.
+
+Keep in sync: :data:`TRANSITIONS`, the invariants in SYSTEM.md section 2, and the property test
+``tests/unit/test_ledger_properties.py`` that checks them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+__all__ = [
+    "ABSENT",
+    "SERVING",
+    "TRANSITIONS",
+    "Event",
+    "FleetExhausted",
+    "Ledger",
+    "LedgerError",
+    "Outcome",
+    "Policy",
+    "ShardRecord",
+    "ShardState",
+    "Transition",
+    "WeightsMode",
+]
+
+
+class ShardState(enum.Enum):
+    HEALTHY = "HEALTHY"  # serving, weights current
+    SUSPECT = "SUSPECT"  # failing, not yet condemned; still serves so one blip costs nothing
+    STALE = "STALE"  # process up, weights not current; joins the next refit, serves nothing
+    DEAD = "DEAD"  # condemned; replacement not started
+    RESTARTING = "RESTARTING"  # replacement coming up
+    RETIRED = "RETIRED"  # budget exhausted or removed by an operator; terminal
+
+    def __str__(self) -> str:
+        return self.value
+
+
+HEALTHY = ShardState.HEALTHY
+SUSPECT = ShardState.SUSPECT
+STALE = ShardState.STALE
+DEAD = ShardState.DEAD
+RESTARTING = ShardState.RESTARTING
+RETIRED = ShardState.RETIRED
+
+#: States whose shards receive traffic.
+SERVING: frozenset[ShardState] = frozenset({HEALTHY, SUSPECT})
+#: States whose shards have no usable process: left out of refits and of the serving set.
+ABSENT: frozenset[ShardState] = frozenset({DEAD, RESTARTING, RETIRED})
+
+
+class Event(enum.Enum):
+    """The kinds of evidence that move a shard. Each names one row group of :data:`TRANSITIONS`."""
+
+    PROBE_OK = "probe ok"
+    RECOVERED = "recovered"  # healthy_threshold good probes in a row lift SUSPECT
+    FAILURE = "failure"  # a failed probe or a failed window of real requests
+    FAILURES_AT_THRESHOLD = "failures at threshold"
+    REQUEST_OK = "request ok"  # a completed generation clears the reported streak
+    CONDEMNED = "condemned"  # conclusive evidence: exit, proven stall, failed lost-core canary
+    SILENT_PARTICIPANT = "silent participant"  # the one suspect of an aborted refit
+    WEIGHTS_PARTIAL = "weights partial"  # a refit aborted while the shard received
+    REFIT = "refit"  # a completed refit, nothing suspected
+    REFIT_STILL_SUSPECT = "refit, still suspect"  # a completed refit that was suspected before
+    NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
+    NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
+    RESTART_BEGUN = "restart begun"
+    BUDGET_EXHAUSTED = "budget exhausted"
+    RESTART_FAILED = "restart failed"
+    LOADED = "loaded"  # the replacement process answers
+    RETIRED_BY_OPERATOR = "retired"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+E = Event
+
+# fmt: off
+#: Every move the ledger can make: state -> {evidence -> next state}. A move that is not here
+#: cannot happen. Self-loops are counter updates (a streak grew, a weight version changed).
+#: Read it as the answer to "what can this evidence do to a shard in this state?".
+TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
+    HEALTHY: {
+        E.PROBE_OK: HEALTHY,
+        E.FAILURE: SUSPECT,
+        E.FAILURES_AT_THRESHOLD: DEAD,
+        E.REQUEST_OK: HEALTHY,
+        E.CONDEMNED: DEAD,
+        E.SILENT_PARTICIPANT: DEAD,
+        E.WEIGHTS_PARTIAL: STALE,
+        E.REFIT: HEALTHY,
+        E.NEW_INCARNATION: HEALTHY,
+        E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
+    SUSPECT: {
+        E.PROBE_OK: SUSPECT,
+        E.RECOVERED: HEALTHY,
+        E.FAILURE: SUSPECT,
+        E.FAILURES_AT_THRESHOLD: DEAD,
+        E.REQUEST_OK: SUSPECT,
+        E.CONDEMNED: DEAD,
+        E.SILENT_PARTICIPANT: DEAD,
+        E.WEIGHTS_PARTIAL: STALE,
+        E.REFIT_STILL_SUSPECT: SUSPECT,
+        E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
+        E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
+    STALE: {  # left only by a completed refit, a conclusive death, or retirement
+        E.REQUEST_OK: STALE,
+        E.CONDEMNED: DEAD,
+        E.SILENT_PARTICIPANT: DEAD,
+        E.WEIGHTS_PARTIAL: STALE,
+        E.REFIT: HEALTHY,
+        E.REFIT_STILL_SUSPECT: SUSPECT,
+        E.NEW_INCARNATION: STALE,
+        E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
+    DEAD: {  # re-entry is always DEAD -> RESTARTING -> STALE -> (refit) -> HEALTHY
+        E.REQUEST_OK: DEAD,
+        E.RESTART_BEGUN: RESTARTING,
+        E.BUDGET_EXHAUSTED: RETIRED,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
+    RESTARTING: {
+        E.REQUEST_OK: RESTARTING,
+        E.RESTART_FAILED: DEAD,
+        E.LOADED: STALE,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
+    RETIRED: {},  # terminal: nothing ever changes a retired shard again
+}
+# fmt: on
+
+WeightsMode = Literal["static", "trainer"]
+
+
+class LedgerError(Exception):
+    """A bug: an operation tried a move that :data:`TRANSITIONS` does not list."""
+
+
+class FleetExhausted(Exception):
+    """Too few shards remain that could ever serve again; the run is not worth continuing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The ledger's thresholds. Defaults and their reasons are those of SYSTEM.md section 3.2."""
+
+    #: Failed probes in a row, and failed request windows in a row, that condemn a shard.
+    #: Three: one blip is noise, two can be a restart of a neighbour, three is a pattern.
+    unhealthy_threshold: int = 3
+    #: Good probes in a row that lift SUSPECT. Two, so one lucky probe does not.
+    healthy_threshold: int = 2
+    #: Restarts a shard may use over the fleet's lifetime (persisted in the journal); the sixth
+    #: retires it. An engine that keeps dying costs minutes of a node each time.
+    max_restart_attempts: int = 5
+    #: Below this many shards that could still serve, :meth:`Ledger.raise_if_exhausted` raises.
+    min_serving_shards: int = 1
+    #: ``trainer``: a restarted engine holds the checkpoint's weights and waits in STALE for the
+    #: trainer's next refit. ``static``: weights never change, so a silent restart loses nothing.
+    weights: WeightsMode = "static"
+
+    def __post_init__(self) -> None:
+        for name in ("unhealthy_threshold", "healthy_threshold", "min_serving_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Policy.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_restart_attempts < 0:
+            raise ValueError(
+                f"Policy.max_restart_attempts must be at least 0, got {self.max_restart_attempts}"
+            )
+        if self.weights not in ("static", "trainer"):
+            raise ValueError(f"Policy.weights must be 'static' or 'trainer', got {self.weights!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    """What the ledger knows of one shard (SYSTEM.md section 3.1). Immutable: a copy."""
+
+    index: int
+    base_url: str
+    state: ShardState = HEALTHY
+    #: Identity of the process (launch id and/or the engine's ``process_start_time_seconds``).
+    incarnation: str | None = None
+    consecutive_probe_failures: int = 0
+    consecutive_probe_successes: int = 0
+    #: Failed real requests (one per failed router window). No probe can reset it: a shard that
+    #: answers every probe and fails every generation must still die (note 000).
+    consecutive_reported_failures: int = 0
+    restart_attempts: int = 0
+    #: What the shard was before an aborted refit made it STALE; read once by the next refit.
+    state_before_partial: ShardState | None = None
+    weight_version: int = 0
+    last_error: str = ""
+    #: Informational: when a probe or request last succeeded. Changes on every good probe, so it
+    #: is not a transition of its own; the journal keeps it with the next change or snapshot.
+    last_ok_at: float | None = None
+    last_transition_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state"] = self.state.value
+        sbp = self.state_before_partial
+        d["state_before_partial"] = sbp.value if sbp is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ShardRecord:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown shard record fields: {sorted(unknown)}")
+        values = dict(d)
+        values["state"] = ShardState(values["state"])
+        sbp = values.get("state_before_partial")
+        values["state_before_partial"] = ShardState(sbp) if sbp is not None else None
+        return cls(**values)
+
+
+#: Fields that identify a record for equality across a restore (timestamps excluded).
+_COUNTER_FIELDS = (
+    "consecutive_probe_failures",
+    "consecutive_probe_successes",
+    "consecutive_reported_failures",
+    "restart_attempts",
+    "state_before_partial",
+    "weight_version",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One change of one shard: a move between states, or a counter update (``from == to``)."""
+
+    shard: int
+    from_state: ShardState
+    to_state: ShardState
+    event: Event
+    cause: str
+    at: float
+    #: The whole record after the change: its counters, URL, incarnation and weight version.
+    record: ShardRecord
+
+    @property
+    def changes_state(self) -> bool:
+        return self.from_state is not self.to_state
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "from": self.from_state.value,
+            "to": self.to_state.value,
+            "event": self.event.value,
+            "cause": self.cause,
+            "at": self.at,
+            "record": self.record.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an operation did. Falsy when its guard did not hold and nothing changed."""
+
+    applied: bool
+    #: Why the operation was ignored; empty when it was applied.
+    reason: str = ""
+    #: The change it made; ``None`` when it changed nothing (ignored, or already so).
+    transition: Transition | None = None
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+
+_UNCHANGED = Outcome(applied=True)
+
+Subscriber = Callable[[Transition], None]
+
+
+@dataclass(slots=True)
+class _Shard:
+    """The ledger's mutable copy of a record. Only :meth:`Ledger._apply` writes its fields."""
+
+    index: int
+    base_url: str
+    state: ShardState = HEALTHY
+    incarnation: str | None = None
+    consecutive_probe_failures: int = 0
+    consecutive_probe_successes: int = 0
+    consecutive_reported_failures: int = 0
+    restart_attempts: int = 0
+    state_before_partial: ShardState | None = None
+    weight_version: int = 0
+    last_error: str = ""
+    last_ok_at: float | None = None
+    last_transition_at: float = 0.0
+    _record: ShardRecord | None = field(default=None, repr=False)
+
+    def record(self) -> ShardRecord:
+        if self._record is None:
+            self._record = ShardRecord(
+                index=self.index,
+                base_url=self.base_url,
+                state=self.state,
+                incarnation=self.incarnation,
+                consecutive_probe_failures=self.consecutive_probe_failures,
+                consecutive_probe_successes=self.consecutive_probe_successes,
+                consecutive_reported_failures=self.consecutive_reported_failures,
+                restart_attempts=self.restart_attempts,
+                state_before_partial=self.state_before_partial,
+                weight_version=self.weight_version,
+                last_error=self.last_error,
+                last_ok_at=self.last_ok_at,
+                last_transition_at=self.last_transition_at,
+            )
+        return self._record
+
+
+class Ledger:
+    """The single authority on which shards serve, join a refit, or are restarted.
+
+    Shards are addressed by index. Every operation returns an :class:`Outcome`; every change
+    is emitted as a :class:`Transition` to the subscribers, in order, before the call returns.
+    """
+
+    def __init__(
+        self,
+        urls: Iterable[str],
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy if policy is not None else Policy()
+        self._clock = clock
+        now = clock()
+        self._shards = [_Shard(i, url, last_transition_at=now) for i, url in enumerate(urls)]
+        self._by_url = {s.base_url: s.index for s in self._shards}
+        self._subscribers: list[Subscriber] = []
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Iterable[ShardRecord],
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Ledger:
+        """Rebuild a ledger from records (a journal restore). Indices must be 0..n-1 in order."""
+        records = list(records)
+        for expected, rec in enumerate(records):
+            if rec.index != expected:
+                raise ValueError(f"records must be indexed 0..n-1 in order; got {rec.index} "
+                                 f"at position {expected}")
+        ledger = cls([], policy, clock)
+        ledger._shards = [
+            _Shard(**{f.name: getattr(rec, f.name) for f in fields(ShardRecord)})
+            for rec in records
+        ]
+        ledger._by_url = {s.base_url: s.index for s in ledger._shards}
+        return ledger
+
+    # ------------------------------------------------------------------ subscribers
+
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
+        """Call ``subscriber`` with every :class:`Transition`; returns a function that stops it."""
+        self._subscribers.append(subscriber)
+
+        def unsubscribe() -> None:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+
+        return unsubscribe
+
+    # ------------------------------------------------------------------ the one writer
+
+    def _apply(
+        self, shard: _Shard, event: Event, cause: str, **changes: Any
+    ) -> Outcome:
+        """Make one change: look the move up in the table, write the fields, emit the event.
+
+        This is the only place that writes a shard's state or counters.
+        """
+        try:
+            to_state = TRANSITIONS[shard.state][event]
+        except KeyError:
+            raise LedgerError(
+                f"shard {shard.index}: {event} is not a move from {shard.state}"
+            ) from None
+        from_state = shard.state
+        if to_state is from_state and all(
+            getattr(shard, name) == value for name, value in changes.items()
+        ):
+            return _UNCHANGED
+        for name, value in changes.items():
+            setattr(shard, name, value)
+        now = self._clock()
+        if to_state is not from_state:
+            shard.state = to_state
+            shard.last_transition_at = now
+        if "base_url" in changes:
+            self._by_url = {s.base_url: s.index for s in self._shards}
+        shard._record = None
+        transition = Transition(
+            shard=shard.index,
+            from_state=from_state,
+            to_state=to_state,
+            event=event,
+            cause=cause,
+            at=now,
+            record=shard.record(),
+        )
+        for subscriber in list(self._subscribers):
+            subscriber(transition)
+        return Outcome(applied=True, transition=transition)
+
+    def _shard(self, i: int) -> _Shard:
+        if not 0 <= i < len(self._shards):
+            raise IndexError(f"no shard {i}: the fleet has shards 0..{len(self._shards) - 1}")
+        return self._shards[i]
+
+    @staticmethod
+    def _ignored(shard: _Shard, why: str) -> Outcome:
+        return Outcome(applied=False, reason=f"shard {shard.index} is {shard.state}: {why}")
+
+    # ------------------------------------------------------------------ probes and requests
+
+    def record_probe(self, i: int, ok: bool, error: str = "") -> Outcome:
+        """A watchdog probe of a serving shard: good, or failed with ``error``."""
+        s = self._shard(i)
+        if s.state not in SERVING:
+            return self._ignored(s, "probes only judge serving shards")
+        p = self.policy
+        if ok:
+            s.last_ok_at = self._clock()
+            successes = min(s.consecutive_probe_successes + 1, p.healthy_threshold)  # past the
+            # threshold the count decides nothing, so it saturates and steady ticks emit nothing
+            if s.state is SUSPECT and successes >= p.healthy_threshold:
+                return self._apply(
+                    s, E.RECOVERED, f"{successes} good probes in a row",
+                    consecutive_probe_failures=0,  # a good probe ends the failed-probe run
+                    consecutive_probe_successes=successes,
+                )
+            return self._apply(
+                s, E.PROBE_OK, "probe ok",
+                consecutive_probe_failures=0,  # a good probe ends the failed-probe run
+                consecutive_probe_successes=successes,
+            )  # never the reported streak: only a completed generation clears that (note 000)
+        failures = s.consecutive_probe_failures + 1
+        fields_ = dict(
+            consecutive_probe_failures=failures,
+            consecutive_probe_successes=0,  # the good-probe run that would lift SUSPECT is broken
+            last_error=error or "probe failed",
+        )
+        if failures >= p.unhealthy_threshold:
+            return self._apply(
+                s, E.FAILURES_AT_THRESHOLD,
+                f"{failures} failed probes in a row: {error or 'probe failed'}", **fields_,
+            )
+        return self._apply(s, E.FAILURE, f"probe failed: {error or 'probe failed'}", **fields_)
+
+    def report_failure(self, i: int, cause: str) -> Outcome:
+        """One failed real request (or one failed router window) on a serving shard."""
+        s = self._shard(i)
+        if s.state not in SERVING:
+            return self._ignored(s, "failures only count against serving shards")
+        return self._count_failure(s, s.consecutive_reported_failures + 1, cause)
+
+    def _count_failure(self, s: _Shard, streak: int, cause: str) -> Outcome:
+        fields_ = dict(
+            consecutive_reported_failures=streak,
+            consecutive_probe_successes=0,  # a failed request breaks the run that lifts SUSPECT
+            last_error=cause,
+        )
+        if streak >= self.policy.unhealthy_threshold:
+            return self._apply(
+                s, E.FAILURES_AT_THRESHOLD, f"{streak} failed request windows in a row: {cause}",
+                **fields_,
+            )
+        return self._apply(s, E.FAILURE, cause, **fields_)
+
+    def report_success(self, i: int) -> Outcome:
+        """A completed generation: the engine serves, so its failed-request streak is over."""
+        s = self._shard(i)
+        if s.state is RETIRED:
+            return self._ignored(s, "a retired shard never changes")
+        s.last_ok_at = self._clock()
+        return self._apply(
+            s, E.REQUEST_OK, "request completed",
+            consecutive_reported_failures=0,  # a completed generation proves the engine serves
+        )
+
+    def report_outcomes(
+        self, i: int, successes: int, failures: int, trailing_failures: int
+    ) -> Outcome:
+        """One router window for a serving shard (SYSTEM.md section 6.2).
+
+        If any request succeeded the streak is first cleared; then, if the window ended in
+        failure (``trailing_failures > 0``, or failures with no success), it counts as *one*
+        failure: a burst of concurrent failures is one observation, not three.
+        """
+        if min(successes, failures, trailing_failures) < 0:
+            raise ValueError(
+                f"outcome counts cannot be negative: {successes}, {failures}, {trailing_failures}"
+            )
+        s = self._shard(i)
+        if s.state not in SERVING:
+            return self._ignored(s, "outcomes only count for serving shards")
+        ended_in_failure = trailing_failures > 0 or (failures > 0 and successes == 0)
+        if successes > 0:
+            s.last_ok_at = self._clock()
+        if ended_in_failure:
+            if successes > 0:
+                # The window's successes cleared the old streak first; the failures that ended
+                # it start a new one. One change, so the window stays one observation.
+                return self._count_failure(
+                    s, 1, f"{trailing_failures} failed requests after {successes} completed "
+                    "in the last window",
+                )
+            return self._count_failure(
+                s, s.consecutive_reported_failures + 1,
+                f"{failures} failed requests in the last window",
+            )
+        if successes > 0:
+            return self._apply(
+                s, E.REQUEST_OK, f"{successes} requests completed",
+                consecutive_reported_failures=0,  # completed generations prove the engine serves
+            )
+        return _UNCHANGED
+
+    # ------------------------------------------------------------------ conclusive evidence
+
+    def condemn(self, i: int, cause: str) -> Outcome:
+        """Conclusive evidence (process exited, proven stall, failed lost-core canary): DEAD."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "already out of the fleet")
+        return self._apply(s, E.CONDEMNED, cause, last_error=cause)
+
+    # ------------------------------------------------------------------ refits
+
+    def mark_weights_partial(self, i: int) -> Outcome:
+        """A refit aborted while this shard received: its weights are a mix. STALE."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards take no part in a refit")
+        before = s.state_before_partial if s.state is STALE else s.state  # STALE itself would
+        # say nothing to the refit that reads it, so an already-STALE shard keeps its value
+        return self._apply(
+            s, E.WEIGHTS_PARTIAL, "a refit aborted while its weights were loading",
+            state_before_partial=before,
+        )
+
+    def suspected_shards(self) -> list[int]:
+        """SUSPECT shards, and STALE shards that were SUSPECT before an aborted refit."""
+        return [
+            s.index for s in self._shards
+            if s.state is SUSPECT or (s.state is STALE and s.state_before_partial is SUSPECT)
+        ]
+
+    def condemn_silent_participant(self, i: int, reason: str) -> Outcome:
+        """The one suspected shard of an aborted refit: it is what stalled the sync. DEAD."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "already out of the fleet")
+        cause = f"silent participant of an aborted refit: {reason}"
+        return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause)
+
+    def report_refit(self, i: int, version: int) -> Outcome:
+        """A refit to ``version`` completed on this shard."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards take no part in a refit")
+        was_suspect = s.state is SUSPECT or s.state_before_partial is SUSPECT
+        common = dict(
+            state_before_partial=None,  # read here, once: the refit it waited for has landed
+            weight_version=version,
+            consecutive_probe_failures=0,  # probes judged the old weights
+            consecutive_probe_successes=0,  # probes judged the old weights
+        )
+        if was_suspect:
+            # The suspicion survives: the refit has nothing to do with why requests failed,
+            # and that streak is the only thing that catches an engine which fails every
+            # generation while answering every probe. The reported streak is kept.
+            return self._apply(
+                s, E.REFIT_STILL_SUSPECT, f"refit to version {version}; still suspect", **common,
+            )
+        return self._apply(
+            s, E.REFIT, f"refit to version {version}",
+            consecutive_reported_failures=0,  # not suspected: the weights it failed with are gone
+            **common,
+        )
+
+    def observe_incarnation(self, i: int, incarnation: str) -> Outcome:
+        """The engine was seen under ``incarnation``. A different one means it restarted
+        without the supervisor: the new process has no history, and in trainer mode its
+        weights reverted to the checkpoint."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards have no process to observe")
+        if s.incarnation == incarnation:
+            return _UNCHANGED
+        trainer = self.policy.weights == "trainer"
+        event = E.NEW_INCARNATION_WEIGHTS_LOST if trainer else E.NEW_INCARNATION
+        cause = f"restarted on its own (incarnation {s.incarnation} -> {incarnation})"
+        return self._apply(
+            s, event, cause + ("; weights reverted to the checkpoint" if trainer else ""),
+            incarnation=incarnation,
+            consecutive_probe_failures=0,  # the old process failed those probes, not this one
+            consecutive_probe_successes=0,  # the old process passed those probes, not this one
+            consecutive_reported_failures=0,  # the old process failed those requests
+            state_before_partial=None,  # that verdict was about the old process too
+        )
+
+    # ------------------------------------------------------------------ restarts
+
+    def mark_restarting(self, i: int) -> Outcome:
+        """The supervisor starts a replacement for a DEAD shard; it spends one restart."""
+        s = self._shard(i)
+        if s.state is not DEAD:
+            return self._ignored(s, "only a DEAD shard is restarted")
+        attempts = s.restart_attempts + 1
+        limit = self.policy.max_restart_attempts
+        if attempts > limit:
+            cause = f"restart budget exhausted ({limit} restarts used)"
+            return self._apply(
+                s, E.BUDGET_EXHAUSTED, cause, restart_attempts=attempts, last_error=cause
+            )
+        return self._apply(
+            s, E.RESTART_BEGUN, f"restart {attempts} of {limit}", restart_attempts=attempts
+        )
+
+    def mark_restart_failed(self, i: int, error: str) -> Outcome:
+        """The replacement did not come up; the shard is DEAD again, awaiting the next try."""
+        s = self._shard(i)
+        if s.state is not RESTARTING:
+            return self._ignored(s, "no restart is in progress")
+        cause = f"restart failed: {error}"
+        return self._apply(s, E.RESTART_FAILED, cause, last_error=cause)
+
+    def mark_loaded(self, i: int, base_url: str, incarnation: str) -> Outcome:
+        """The replacement answers at ``base_url``. It is a new process with no history."""
+        s = self._shard(i)
+        if s.state is not RESTARTING:
+            return self._ignored(s, "no restart is in progress")
+        other = self._by_url.get(base_url)
+        if other is not None and other != i:
+            raise ValueError(f"{base_url} already belongs to shard {other}")
+        return self._apply(
+            s, E.LOADED, f"replacement up at {base_url}",
+            base_url=base_url,
+            incarnation=incarnation,
+            consecutive_probe_failures=0,  # the dead process failed those probes, not this one
+            consecutive_probe_successes=0,  # the dead process passed those probes, not this one
+            consecutive_reported_failures=0,  # the dead engine failed those requests, not this one
+            state_before_partial=None,  # that verdict was about the dead engine too (note 001)
+            last_error="",
+        )
+
+    def retire(self, i: int, reason: str) -> Outcome:
+        """Take a shard out for good (an operator's decision)."""
+        s = self._shard(i)
+        if s.state is RETIRED:
+            return self._ignored(s, "already retired")
+        return self._apply(s, E.RETIRED_BY_OPERATOR, reason, last_error=reason)
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def shard(self, i: int) -> ShardRecord:
+        return self._shard(i).record()
+
+    def state(self, i: int) -> ShardState:
+        return self._shard(i).state
+
+    def serving(self) -> list[int]:
+        return [s.index for s in self._shards if s.state in SERVING]
+
+    def absent(self) -> list[int]:
+        return [s.index for s in self._shards if s.state in ABSENT]
+
+    def refit_participants(self) -> list[int]:
+        """Serving and STALE shards: everyone with a process that can take new weights."""
+        return [s.index for s in self._shards if s.state not in ABSENT]
+
+    def serving_urls(self) -> list[str]:
+        return [s.base_url for s in self._shards if s.state in SERVING]
+
+    def shard_for_url(self, url: str) -> int | None:
+        return self._by_url.get(url)
+
+    def snapshot(self) -> list[ShardRecord]:
+        return [s.record() for s in self._shards]
+
+    def counts_by_state(self) -> dict[ShardState, int]:
+        counts = dict.fromkeys(ShardState, 0)
+        for s in self._shards:
+            counts[s.state] += 1
+        return counts
+
+    def raise_if_exhausted(self) -> None:
+        """Raise :class:`FleetExhausted` once fewer than ``min_serving_shards`` shards could
+        ever serve again (all others retired)."""
+        remaining = sum(1 for s in self._shards if s.state is not RETIRED)
+        if remaining < self.policy.min_serving_shards:
+            raise FleetExhausted(
+                f"{remaining} of {len(self._shards)} shards can still serve; "
+                f"min_serving_shards is {self.policy.min_serving_shards}"
+            )
+
+
+def same_counters(a: ShardRecord, b: ShardRecord) -> bool:
+    """Two records agree on everything but timestamps (what a journal restore must keep)."""
+    return (
+        a.index == b.index
+        and a.base_url == b.base_url
+        and a.state is b.state
+        and a.incarnation == b.incarnation
+        and a.last_error == b.last_error
+        and all(getattr(a, f) == getattr(b, f) for f in _COUNTER_FIELDS)
+    )

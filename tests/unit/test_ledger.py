@@ -1,0 +1,402 @@
+"""The ledger, read as a specification (SYSTEM.md sections 2-3, notes 000 and 001)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetwarden.ledger import (
+    TRANSITIONS,
+    Event,
+    FleetExhausted,
+    Ledger,
+    LedgerError,
+    Policy,
+    ShardRecord,
+    ShardState,
+    Transition,
+)
+from fleetwarden.story import play_note_001
+
+H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
+                     ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(n: int = 4, **policy: object) -> tuple[Ledger, list[Transition]]:
+    ledger = Ledger([f"http://127.0.0.1:{9000 + i}" for i in range(n)],
+                    Policy(**policy),  # type: ignore[arg-type]
+                    clock=Clock())
+    seen: list[Transition] = []
+    ledger.subscribe(seen.append)
+    return ledger, seen
+
+
+def kill(ledger: Ledger, i: int) -> None:
+    assert ledger.condemn(i, "process exited")
+
+
+def restart(ledger: Ledger, i: int, url: str, inc: str = "new") -> None:
+    assert ledger.mark_restarting(i)
+    assert ledger.mark_loaded(i, url, inc)
+
+
+# ---------------------------------------------------------------- note 001
+
+
+def test_a_restarted_engine_has_no_history() -> None:
+    ledger, _ = make(4)
+    ledger.report_failure(1, "timeout")
+    ledger.report_failure(1, "timeout")
+    r = ledger.shard(1)
+    assert (r.state, r.consecutive_reported_failures) == (S, 2)
+
+    for i in ledger.refit_participants():  # a refit aborts
+        ledger.mark_weights_partial(i)
+    r = ledger.shard(1)
+    assert (r.state, r.state_before_partial, r.consecutive_reported_failures) == (ST, S, 2)
+    assert ledger.suspected_shards() == [1]
+
+    assert ledger.condemn_silent_participant(1, "refit 1 aborted")
+    assert ledger.state(1) is D
+
+    assert ledger.mark_restarting(1)
+    assert ledger.mark_loaded(1, "http://127.0.0.1:9101", "launch-2")
+    r = ledger.shard(1)
+    assert r.state is ST
+    assert r.consecutive_reported_failures == 0
+    assert r.state_before_partial is None
+    assert (r.consecutive_probe_failures, r.consecutive_probe_successes) == (0, 0)
+    assert r.restart_attempts == 1
+    assert r.base_url == "http://127.0.0.1:9101"
+
+    for i in ledger.refit_participants():  # the next refit lands
+        ledger.report_refit(i, 1)
+    r = ledger.shard(1)
+    assert (r.state, r.consecutive_reported_failures, r.weight_version) == (H, 0, 1)
+
+    ledger.report_failure(1, "timeout")
+    assert ledger.state(1) is S  # one failure is SUSPECT, not DEAD
+    assert ledger.shard(1).consecutive_reported_failures == 1
+
+
+def test_the_story_the_demo_plays_matches_note_001() -> None:
+    steps = play_note_001()
+    assert [(s.record.state, s.record.consecutive_reported_failures,
+             s.record.state_before_partial) for s in steps] == [
+        (S, 2, None), (ST, 2, S), (D, 2, S), (ST, 0, None), (H, 0, None), (S, 1, None)]
+
+
+# ---------------------------------------------------------------- note 000
+
+
+def test_a_shard_that_passes_every_probe_but_fails_every_generation_still_dies() -> None:
+    ledger, _ = make(2)
+    for window in range(3):
+        assert ledger.record_probe(0, ok=True)
+        ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)
+        if window < 2:
+            assert ledger.state(0) in (H, S)
+    assert ledger.state(0) is D
+    assert ledger.serving_urls() == ["http://127.0.0.1:9001"]
+
+
+def test_an_ok_probe_never_clears_the_reported_streak() -> None:
+    ledger, _ = make(1)
+    ledger.report_failure(0, "reset")
+    ledger.report_failure(0, "reset")
+    for _ in range(10):
+        ledger.record_probe(0, ok=True)
+    assert ledger.shard(0).consecutive_reported_failures == 2
+    ledger.report_failure(0, "reset")
+    assert ledger.state(0) is D
+
+
+def test_a_success_clears_the_reported_streak() -> None:
+    ledger, _ = make(1)
+    ledger.report_failure(0, "reset")
+    ledger.report_failure(0, "reset")
+    assert ledger.report_success(0)
+    assert ledger.shard(0).consecutive_reported_failures == 0
+    ledger.report_failure(0, "reset")
+    ledger.report_failure(0, "reset")
+    assert ledger.state(0) is S  # two, not four: the success wiped the first two
+
+
+def test_successes_in_a_window_clear_the_streak_before_its_failures_count() -> None:
+    ledger, _ = make(1)
+    ledger.report_failure(0, "reset")
+    ledger.report_failure(0, "reset")
+    ledger.report_outcomes(0, successes=5, failures=3, trailing_failures=1)
+    assert ledger.shard(0).consecutive_reported_failures == 1
+    ledger.report_outcomes(0, successes=5, failures=3, trailing_failures=0)
+    assert ledger.shard(0).consecutive_reported_failures == 0
+
+
+def test_a_burst_of_failures_in_one_window_is_one_observation() -> None:
+    ledger, seen = make(2)
+    ledger.report_outcomes(0, successes=0, failures=40, trailing_failures=40)
+    assert ledger.state(0) is S
+    assert ledger.shard(0).consecutive_reported_failures == 1
+    assert len(seen) == 1
+
+
+def test_a_quiet_window_changes_nothing() -> None:
+    ledger, seen = make(1)
+    ledger.report_failure(0, "reset")
+    ledger.report_outcomes(0, 0, 0, 0)
+    assert ledger.shard(0).consecutive_reported_failures == 1
+    assert len(seen) == 1
+
+
+# ---------------------------------------------------------------- probes
+
+
+def test_three_failed_probes_condemn_and_two_good_ones_lift_suspect() -> None:
+    ledger, _ = make(2)
+    ledger.record_probe(0, ok=False, error="refused")
+    assert ledger.state(0) is S
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is S
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is H
+    for _ in range(3):
+        ledger.record_probe(1, ok=False, error="refused")
+    assert ledger.state(1) is D
+    assert "refused" in ledger.shard(1).last_error
+
+
+def test_probes_never_change_a_shard_that_is_not_serving() -> None:
+    ledger, seen = make(1)
+    kill(ledger, 0)
+    before = ledger.shard(0)
+    n = len(seen)
+    out = ledger.record_probe(0, ok=False, error="x")
+    assert not out and "serving" in out.reason
+    assert ledger.shard(0) == before
+    assert len(seen) == n
+
+
+def test_steady_good_probes_emit_nothing() -> None:
+    ledger, seen = make(1)
+    for _ in range(50):
+        ledger.record_probe(0, ok=True)
+    assert len(seen) == 2  # the streak grows to the threshold, then saturates
+    assert ledger.shard(0).last_ok_at is not None
+
+
+# ---------------------------------------------------------------- restarts and budget
+
+
+def test_the_sixth_restart_retires_and_retired_never_changes_again() -> None:
+    ledger, seen = make(2)
+    for n in range(5):
+        kill(ledger, 0)
+        restart(ledger, 0, f"http://127.0.0.1:{9500 + n}", f"launch-{n}")
+        assert ledger.shard(0).restart_attempts == n + 1
+        ledger.report_refit(0, 0)
+    kill(ledger, 0)
+    out = ledger.mark_restarting(0)
+    assert out and ledger.state(0) is X
+    assert "budget exhausted" in out.transition.cause  # type: ignore[union-attr]
+
+    frozen = ledger.shard(0)
+    n = len(seen)
+    for call in (
+        lambda: ledger.record_probe(0, True), lambda: ledger.record_probe(0, False),
+        lambda: ledger.report_failure(0, "x"), lambda: ledger.report_success(0),
+        lambda: ledger.report_outcomes(0, 1, 1, 1), lambda: ledger.condemn(0, "x"),
+        lambda: ledger.mark_weights_partial(0), lambda: ledger.condemn_silent_participant(0, "x"),
+        lambda: ledger.mark_restarting(0), lambda: ledger.mark_restart_failed(0, "x"),
+        lambda: ledger.mark_loaded(0, "http://x", "y"), lambda: ledger.report_refit(0, 9),
+        lambda: ledger.observe_incarnation(0, "z"), lambda: ledger.retire(0, "again"),
+    ):
+        assert not call()
+    assert ledger.shard(0) == frozen
+    assert len(seen) == n
+
+
+def test_a_failed_restart_is_dead_again_and_keeps_its_spent_attempt() -> None:
+    ledger, _ = make(1)
+    kill(ledger, 0)
+    ledger.mark_restarting(0)
+    assert ledger.mark_restart_failed(0, "no /health within 60 s")
+    r = ledger.shard(0)
+    assert (r.state, r.restart_attempts) == (D, 1)
+    assert "no /health" in r.last_error
+
+
+def test_there_is_no_way_from_dead_to_serving_but_through_a_restart_and_a_refit() -> None:
+    ledger, _ = make(1)
+    kill(ledger, 0)
+    for _ in range(5):
+        ledger.record_probe(0, ok=True)
+    ledger.report_success(0)
+    ledger.report_refit(0, 3)
+    ledger.observe_incarnation(0, "other")
+    assert ledger.state(0) is D
+    restart(ledger, 0, "http://127.0.0.1:9999")
+    assert ledger.state(0) is ST
+    assert ledger.serving_urls() == []
+    ledger.report_refit(0, 1)
+    assert ledger.serving_urls() == ["http://127.0.0.1:9999"]
+
+
+def test_mark_loaded_refuses_a_url_that_another_shard_holds() -> None:
+    ledger, _ = make(2)
+    kill(ledger, 0)
+    ledger.mark_restarting(0)
+    with pytest.raises(ValueError, match="shard 1"):
+        ledger.mark_loaded(0, "http://127.0.0.1:9001", "x")
+
+
+def test_a_new_url_is_found_by_shard_for_url() -> None:
+    ledger, _ = make(2)
+    kill(ledger, 0)
+    restart(ledger, 0, "http://127.0.0.1:7000")
+    assert ledger.shard_for_url("http://127.0.0.1:7000") == 0
+    assert ledger.shard_for_url("http://127.0.0.1:9000") is None
+
+
+# ---------------------------------------------------------------- refits
+
+
+def test_a_suspicion_survives_an_aborted_refit() -> None:
+    ledger, _ = make(2)
+    ledger.report_failure(0, "timeout")
+    ledger.report_failure(0, "timeout")
+    ledger.mark_weights_partial(0)
+    assert ledger.state(0) is ST
+    ledger.report_refit(0, 2)
+    r = ledger.shard(0)
+    assert (r.state, r.consecutive_reported_failures, r.weight_version) == (S, 2, 2)
+    assert r.state_before_partial is None
+    ledger.report_failure(0, "timeout")
+    assert ledger.state(0) is D
+
+
+def test_an_aborted_refit_on_a_stale_shard_keeps_what_it_was_before() -> None:
+    ledger, _ = make(1)
+    ledger.report_failure(0, "timeout")
+    ledger.mark_weights_partial(0)
+    ledger.mark_weights_partial(0)  # a second abort: STALE itself would say nothing
+    assert ledger.shard(0).state_before_partial is S
+
+
+def test_refit_participants_are_serving_and_stale_shards() -> None:
+    ledger, _ = make(5)
+    ledger.report_failure(1, "x")  # SUSPECT
+    ledger.mark_weights_partial(2)  # STALE
+    kill(ledger, 3)
+    ledger.retire(4, "operator")
+    assert ledger.refit_participants() == [0, 1, 2]
+    assert ledger.serving() == [0, 1]
+    assert ledger.absent() == [3, 4]
+
+
+def test_a_silent_restart_goes_stale_in_trainer_mode_and_not_in_static_mode() -> None:
+    trainer, _ = make(1, weights="trainer")
+    static, _ = make(1, weights="static")
+    for ledger in (trainer, static):
+        ledger.observe_incarnation(0, "start=1")  # first sighting of a process
+        ledger.report_failure(0, "x")
+        assert ledger.observe_incarnation(0, "start=2").transition is not None
+        assert ledger.shard(0).consecutive_reported_failures == 0
+    assert trainer.state(0) is ST
+    assert static.state(0) is H
+    assert not trainer.observe_incarnation(0, "start=2").transition  # same process: nothing
+
+
+# ---------------------------------------------------------------- events, queries, shape
+
+
+def test_every_change_emits_a_transition_with_the_counters_after() -> None:
+    ledger, seen = make(2)
+    ledger.report_failure(0, "reset by peer")
+    (t,) = seen
+    assert (t.shard, t.from_state, t.to_state, t.cause) == (0, H, S, "reset by peer")
+    assert t.record.consecutive_reported_failures == 1
+    assert t.event is Event.FAILURE
+    assert t.at == 1000.0
+
+
+def test_an_ignored_operation_says_why() -> None:
+    ledger, _ = make(1)
+    out = ledger.mark_restarting(0)
+    assert not out and out.transition is None
+    assert "HEALTHY" in out.reason and "DEAD" in out.reason
+
+
+def test_the_table_has_no_forbidden_move() -> None:
+    for src, moves in TRANSITIONS.items():
+        for dst in moves.values():
+            assert (src, dst) != (D, H)
+            assert src not in (D, R) or dst is not S
+            if src is ST:
+                assert dst in (ST, H, S, D, X)
+    assert TRANSITIONS[X] == {}
+
+
+def test_an_operation_outside_the_table_is_a_ledger_bug() -> None:
+    ledger, _ = make(1)
+    with pytest.raises(LedgerError):
+        ledger._apply(ledger._shards[0], Event.LOADED, "not a move from HEALTHY")
+
+
+def test_raise_if_exhausted_when_too_few_shards_can_serve_again() -> None:
+    ledger, _ = make(2, min_serving_shards=2)
+    kill(ledger, 0)
+    ledger.raise_if_exhausted()  # DEAD can come back
+    ledger.retire(0, "operator")
+    with pytest.raises(FleetExhausted, match="1 of 2"):
+        ledger.raise_if_exhausted()
+
+
+def test_counts_and_snapshot() -> None:
+    ledger, _ = make(3)
+    kill(ledger, 2)
+    counts = ledger.counts_by_state()
+    assert counts[H] == 2 and counts[D] == 1 and sum(counts.values()) == 3
+    snap = ledger.snapshot()
+    assert [r.index for r in snap] == [0, 1, 2]
+    assert ShardRecord.from_dict(snap[2].to_dict()) == snap[2]
+
+
+def test_unknown_shard_index_names_the_range() -> None:
+    ledger, _ = make(2)
+    with pytest.raises(IndexError, match=r"0\.\.1"):
+        ledger.condemn(5, "x")
+
+
+def test_invalid_policy_names_the_field() -> None:
+    with pytest.raises(ValueError, match="unhealthy_threshold"):
+        Policy(unhealthy_threshold=0)
+    with pytest.raises(ValueError, match="weights"):
+        Policy(weights="dynamic")  # type: ignore[arg-type]
+
+
+def test_negative_outcome_counts_are_refused() -> None:
+    ledger, _ = make(1)
+    with pytest.raises(ValueError):
+        ledger.report_outcomes(0, -1, 0, 0)
+
+
+def test_the_ledger_does_no_io() -> None:
+    import ast
+    import inspect
+
+    import fleetwarden.ledger as mod
+
+    tree = ast.parse(inspect.getsource(mod))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import | ast.ImportFrom)
+                for alias in (node.names if isinstance(node, ast.Import) else
+                              [type("A", (), {"name": node.module or ""})()])}
+    assert imported.isdisjoint({"asyncio", "aiohttp", "socket", "os", "pathlib", "sqlite3",
+                                "io", "threading", "subprocess"})

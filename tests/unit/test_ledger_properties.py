@@ -1,0 +1,216 @@
+"""Every invariant of SYSTEM.md section 2, checked after each step of random operation runs."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from fleetwarden.ledger import (
+    ABSENT,
+    SERVING,
+    TRANSITIONS,
+    Ledger,
+    Policy,
+    ShardRecord,
+    ShardState,
+    Transition,
+)
+
+N = 4
+H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
+                     ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+shard = st.integers(0, N - 1)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 0.0
+        self.ledger = Ledger([f"http://10.0.0.{i}:8000" for i in range(N)],
+                             Policy(weights="trainer"), clock=lambda: self.t)
+        self.seen: list[Transition] = []
+        self.ledger.subscribe(self.seen.append)
+        self.before = self.ledger.snapshot()
+        self.port = 20000
+        self.last_op: tuple[str, int] = ("init", -1)
+
+    def _op(self, name: str, i: int) -> None:
+        self.t += 1.0
+        self.before = self.ledger.snapshot()
+        self.seen_before = len(self.seen)
+        self.last_op = (name, i)
+
+    @rule(i=shard, ok=st.booleans())
+    def record_probe(self, i: int, ok: bool) -> None:
+        self._op("record_probe", i)
+        self.ledger.record_probe(i, ok, "" if ok else "refused")
+
+    @rule(i=shard)
+    def report_failure(self, i: int) -> None:
+        self._op("report_failure", i)
+        self.ledger.report_failure(i, "timeout")
+
+    @rule(i=shard)
+    def report_success(self, i: int) -> None:
+        self._op("report_success", i)
+        self.ledger.report_success(i)
+
+    @rule(i=shard, ok=st.integers(0, 3), bad=st.integers(0, 3), data=st.data())
+    def report_outcomes(self, i: int, ok: int, bad: int, data: st.DataObject) -> None:
+        trailing = data.draw(st.integers(0, bad))
+        self._op("report_outcomes", i)
+        self.ledger.report_outcomes(i, ok, bad, trailing)
+
+    @rule(i=shard)
+    def condemn(self, i: int) -> None:
+        self._op("condemn", i)
+        self.ledger.condemn(i, "exited")
+
+    @rule(i=shard)
+    def mark_weights_partial(self, i: int) -> None:
+        self._op("mark_weights_partial", i)
+        self.ledger.mark_weights_partial(i)
+
+    @rule()
+    def abort_refit(self) -> None:
+        self._op("abort_refit", -1)
+        for i in self.ledger.refit_participants():
+            self.ledger.mark_weights_partial(i)
+        suspects = self.ledger.suspected_shards()
+        if len(suspects) == 1:
+            self.ledger.condemn_silent_participant(suspects[0], "aborted")
+
+    @rule(i=shard)
+    def condemn_silent_participant(self, i: int) -> None:
+        self._op("condemn_silent_participant", i)
+        self.ledger.condemn_silent_participant(i, "aborted")
+
+    @rule(i=shard)
+    def mark_restarting(self, i: int) -> None:
+        self._op("mark_restarting", i)
+        self.ledger.mark_restarting(i)
+
+    @rule(i=shard)
+    def mark_restart_failed(self, i: int) -> None:
+        self._op("mark_restart_failed", i)
+        self.ledger.mark_restart_failed(i, "no health")
+
+    @rule(i=shard)
+    def mark_loaded(self, i: int) -> None:
+        self._op("mark_loaded", i)
+        self.port += 1
+        self.ledger.mark_loaded(i, f"http://10.0.0.{i}:{self.port}", f"launch-{self.port}")
+
+    @rule(i=shard, version=st.integers(0, 5))
+    def report_refit(self, i: int, version: int) -> None:
+        self._op("report_refit", i)
+        self.ledger.report_refit(i, version)
+
+    @rule(version=st.integers(0, 5))
+    def complete_refit(self, version: int) -> None:
+        self._op("complete_refit", -1)
+        for i in self.ledger.refit_participants():
+            self.ledger.report_refit(i, version)
+
+    @rule(i=shard, inc=st.sampled_from(["a", "b", "c"]))
+    def observe_incarnation(self, i: int, inc: str) -> None:
+        self._op("observe_incarnation", i)
+        self.ledger.observe_incarnation(i, inc)
+
+    @precondition(lambda self: self.t > 30)  # retirements late, so most runs see restarts first
+    @rule(i=shard)
+    def retire(self, i: int) -> None:
+        self._op("retire", i)
+        self.ledger.retire(i, "operator")
+
+    # ------------------------------------------------------------ invariants
+
+    def _pairs(self) -> list[tuple[ShardRecord, ShardRecord]]:
+        return list(zip(self.before, self.ledger.snapshot(), strict=True))
+
+    @invariant()
+    def only_moves_in_the_table(self) -> None:
+        for t in self.seen[getattr(self, "seen_before", 0):]:
+            assert TRANSITIONS[t.from_state][t.event] is t.to_state
+
+    @invariant()
+    def no_dead_to_healthy_and_no_absent_to_suspect(self) -> None:
+        for a, b in self._pairs():
+            assert not (a.state is D and b.state is H)
+            assert not (a.state in (D, R) and b.state is S)
+            # re-entry is always DEAD -> RESTARTING -> STALE -> HEALTHY
+            if a.state is D:
+                assert b.state in (D, R, X)
+            if a.state is R:
+                assert b.state in (R, ST, D, X)
+
+    @invariant()
+    def stale_is_left_only_by_refit_death_or_retirement(self) -> None:
+        name, _ = self.last_op
+        for a, b in self._pairs():
+            if a.state is ST and b.state is not ST:
+                assert b.state in (H, S, D, X)
+                if b.state in (H, S):
+                    assert name in ("report_refit", "complete_refit")
+                if b.state is D:
+                    assert name in ("condemn", "condemn_silent_participant", "abort_refit")
+
+    @invariant()
+    def probes_never_change_a_shard_that_is_not_serving(self) -> None:
+        name, i = self.last_op
+        if name == "record_probe":
+            a, b = self.before[i], self.ledger.shard(i)
+            if a.state not in SERVING:
+                assert a == b
+
+    @invariant()
+    def retired_never_changes_and_attempts_never_decrease(self) -> None:
+        for a, b in self._pairs():
+            if a.state is X:
+                assert a == b
+            assert b.restart_attempts >= a.restart_attempts
+            assert b.restart_attempts <= self.ledger.policy.max_restart_attempts + 1
+
+    @invariant()
+    def a_new_process_starts_with_no_history(self) -> None:
+        for a, b in self._pairs():
+            if a.state is R and b.state is ST:
+                assert (b.consecutive_probe_failures, b.consecutive_probe_successes,
+                        b.consecutive_reported_failures) == (0, 0, 0)
+                assert b.state_before_partial is None
+                assert b.restart_attempts == a.restart_attempts
+                assert b.weight_version == a.weight_version
+
+    @invariant()
+    def queries_agree_with_states(self) -> None:
+        snap = self.ledger.snapshot()
+        assert self.ledger.serving() == [r.index for r in snap if r.state in SERVING]
+        assert self.ledger.absent() == [r.index for r in snap if r.state in ABSENT]
+        assert self.ledger.refit_participants() == [r.index for r in snap if r.state not in ABSENT]
+        assert sum(self.ledger.counts_by_state().values()) == N
+        for r in snap:
+            assert self.ledger.shard_for_url(r.base_url) == r.index
+            assert r.state_before_partial is not ST
+            if r.state_before_partial is not None:
+                assert r.state is ST or r.state in ABSENT
+
+    @invariant()
+    def every_change_was_emitted(self) -> None:
+        emitted = {t.shard for t in self.seen[getattr(self, "seen_before", 0):]}
+        for a, b in self._pairs():
+            if (a.state, a.consecutive_reported_failures, a.restart_attempts, a.base_url) != (
+                b.state, b.consecutive_reported_failures, b.restart_attempts, b.base_url):
+                assert a.index in emitted
+        if self.seen:
+            last = {t.shard: t.record for t in self.seen}
+            for i, rec in last.items():
+                now = self.ledger.shard(i)
+                assert (rec.state, rec.consecutive_reported_failures) == (
+                    now.state, now.consecutive_reported_failures)
+
+
+LedgerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None
+)
+test_ledger_invariants_hold_for_any_sequence_of_operations = LedgerMachine.TestCase
