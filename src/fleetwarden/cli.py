@@ -53,6 +53,28 @@ def demo() -> None:
                   "one failed request made it SUSPECT, not DEAD.")
 
 
+@app.command()
+def config(
+    example: bool = typer.Option(False, "--example", help="Print a commented example config."),
+    check: str = typer.Option(None, "--check", metavar="FILE", help="Validate a config file."),
+) -> None:
+    """Print a commented example configuration, or validate a file."""
+    from fleetwarden.config import ConfigError, example_toml, load_config
+
+    if check:
+        try:
+            load_config(check)
+        except ConfigError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"{check}: valid")
+        return
+    if not example:
+        typer.echo("use --example to print an example, or --check FILE", err=True)
+        raise typer.Exit(2)
+    typer.echo(example_toml(), nl=False)
+
+
 def main() -> None:
     app()
 

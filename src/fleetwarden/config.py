@@ -1,0 +1,294 @@
+"""Configuration: one TOML file, validated with pydantic. Every default lives here, with its reason.
+
+The sections follow the picture of SYSTEM.md section 1: `[fleet]` (the engines), `[router]`,
+`[health]` (watchdog and ledger thresholds), `[supervisor]` (restarts), `[journal]` and
+`[admin]`. Components take their section as it is; nothing else holds a default.
+
+Invalid input is a :class:`ConfigError` whose lines name the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "AdminConfig",
+    "Config",
+    "ConfigError",
+    "FleetConfig",
+    "HealthConfig",
+    "JournalConfig",
+    "RouterConfig",
+    "SupervisorConfig",
+    "example_toml",
+    "load_config",
+    "parse_config",
+]
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class FleetConfig(_Section):
+    """The engines: launched here (a command template) and/or attached (URLs run elsewhere)."""
+
+    #: Engines to launch. Two is the smallest fleet where one can fail and the other serve.
+    engines: Annotated[int, Field(ge=0)] = 2
+    #: Command that starts one engine; `{host}`, `{port}`, `{shard}` and `{python}` are
+    #: filled in. Unset: a simulated vLLM engine (`fleetwarden sim`), so a newcomer's first
+    #: `fleetwarden up` works on any machine.
+    engine_cmd: str | None = None
+    #: Extra environment for launched engines; values are templates like `engine_cmd`.
+    engine_env: dict[str, str] = Field(default_factory=dict)
+    #: Where launched engines listen. Loopback: engines are reached only through the router.
+    host: str = "127.0.0.1"
+    #: Seconds an engine may take from launch to `/health` 200. vLLM loads a tiny model on a
+    #: CPU in ~30 s; real models on GPUs take minutes. A restart attempt that runs past it fails.
+    startup_timeout_s: PositiveFloat = 300.0
+    #: `static`: weights never change; a loaded engine serves after a good canary.
+    #: `trainer`: an RL trainer pushes weights; a restarted engine waits in STALE for its refit.
+    weights: Literal["static", "trainer"] = "static"
+    #: Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
+    backends: list[str] = Field(default_factory=list)
+    #: Attach mode: how to restart a condemned attached engine, e.g. `kubectl delete pod
+    #: {name}` or `systemctl restart vllm@{shard}`; `{shard}`, `{url}`, `{name}` (the
+    #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
+    #: routing, and re-admitted when it answers again under a new incarnation.
+    restart_command: str | None = None
+    #: One log file per engine incarnation goes here.
+    log_dir: Path = Path("fleetwarden-logs")
+
+    @model_validator(mode="after")
+    def _some_engines(self) -> FleetConfig:
+        if self.engines == 0 and not self.backends:
+            raise ValueError("a fleet needs engines > 0 or at least one backends URL")
+        for url in self.backends:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backends: {url!r} is not an http(s) URL")
+        if self.engine_cmd is not None and "{port}" not in self.engine_cmd:
+            raise ValueError("engine_cmd must contain {port}: each engine gets a free port")
+        return self
+
+
+class RouterConfig(_Section):
+    """The data path (SYSTEM.md section 4)."""
+
+    host: str = "127.0.0.1"
+    #: 0 picks a free port (printed at start).
+    port: Port = 8000
+    #: Seconds to open a connection to an engine. Short: a refused or unreachable engine costs
+    #: no engine any work, so the request is re-sent at once.
+    connect_timeout_s: PositiveFloat = 5.0
+    #: Seconds a whole request may take. Long: legitimate generations run for minutes; a wedge
+    #: is caught by the watchdog's progress signal and rescued long before this.
+    backend_timeout_s: PositiveFloat = 600.0
+    #: Request bodies are buffered (so they can be re-sent) up to this size; larger is 413.
+    max_body_bytes: PositiveInt = 32 * 1024 * 1024
+    #: Re-sends of a request an engine may have worked on (reset, timeout, 5xx).
+    max_retries: Annotated[int, Field(ge=0)] = 2
+    #: Such re-sends at most this share of the requests in flight, fleet-wide, so retries never
+    #: multiply the load on a struggling fleet ...
+    retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
+    #: ... and at least this many at once, so a small fleet can still retry.
+    retry_budget_min: Annotated[int, Field(ge=0)] = 3
+    #: Status when a request failed and other backends still serve: bounded-retry clients
+    #: (NeMo-Gym) re-send a 500 a few times. Never 504: clients retry it without bound.
+    status_when_others_serve: Annotated[int, Field(ge=400, le=599)] = 500
+    #: Status when no backend is left: 409 is not retried, so the row fails cleanly.
+    status_when_none_left: Annotated[int, Field(ge=400, le=599)] = 409
+
+    @model_validator(mode="after")
+    def _never_504(self) -> RouterConfig:
+        for name in ("status_when_others_serve", "status_when_none_left"):
+            if getattr(self, name) == 504:
+                raise ValueError(f"{name} cannot be 504: clients retry it without bound")
+        return self
+
+
+class HealthConfig(_Section):
+    """Watchdog and ledger thresholds (SYSTEM.md sections 3.2, 5 and 6)."""
+
+    #: Seconds between controller ticks. A crash is seen at once (process exit); this paces
+    #: the metrics reads and the outcome drains.
+    probe_interval_s: PositiveFloat = 5.0
+    #: Seconds a `/metrics` or `/health` read may take before the engine counts as unreachable.
+    probe_timeout_s: PositiveFloat = 3.0
+    #: Failed probes in a row, and failed request windows in a row, that condemn a shard.
+    unhealthy_threshold: PositiveInt = 3
+    #: Good probes in a row that lift SUSPECT.
+    healthy_threshold: PositiveInt = 2
+    #: Seconds without progress, over at least two reads, before a busy engine is STUCK. Longer
+    #: than any pause a healthy engine takes between steps, shorter than a client's patience.
+    stall_s: PositiveFloat = 15.0
+    #: Seconds between canaries to an idle engine: a canary is one tiny completion, sent only
+    #: when nothing runs there, so it never queues behind real work (note 002).
+    canary_interval_s: PositiveFloat = 30.0
+    #: Seconds a canary may take. An idle engine answers a 1-token completion in milliseconds.
+    canary_timeout_s: PositiveFloat = 10.0
+    #: Below this many shards that could still serve, the fleet reports itself exhausted.
+    min_serving_shards: PositiveInt = 1
+
+
+class SupervisorConfig(_Section):
+    """Restarts (SYSTEM.md section 7)."""
+
+    #: Restarts per shard over the fleet's lifetime (kept in the journal); the next retires it.
+    max_restart_attempts: Annotated[int, Field(ge=0)] = 5
+    #: Seconds before retrying a failed restart, doubling up to `backoff_max_s`.
+    backoff_initial_s: PositiveFloat = 2.0
+    backoff_max_s: PositiveFloat = 60.0
+    #: Restarts in progress at once, fleet-wide. Unset: a quarter of the fleet (at least one),
+    #: so a fleet-wide fault never takes every engine down for reloads at the same time.
+    max_concurrent_restarts: PositiveInt | None = None
+    #: Seconds between SIGTERM to an engine's process group and SIGKILL. vLLM exits cleanly on
+    #: SIGTERM in ~1.5 s on a CPU.
+    stop_grace_s: PositiveFloat = 10.0
+
+    def concurrency_cap(self, fleet_size: int) -> int:
+        if self.max_concurrent_restarts is not None:
+            return self.max_concurrent_restarts
+        return max(1, fleet_size // 4)
+
+
+class JournalConfig(_Section):
+    #: SQLite file of every transition, verdict and restart; restored on the next start.
+    path: Path = Path("fleetwarden.sqlite")
+
+
+class AdminConfig(_Section):
+    #: Loopback by default: the admin API can retire and restart engines.
+    host: str = "127.0.0.1"
+    port: Port = 8001
+    #: Bearer token file, created 0600 with a random token when missing.
+    token_file: Path = Path("fleetwarden-admin.token")
+
+
+class Config(_Section):
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    journal: JournalConfig = Field(default_factory=JournalConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+
+
+class ConfigError(Exception):
+    """Invalid configuration. `str()` names each bad key, its value and what is allowed."""
+
+
+def _describe(exc: ValidationError, source: str) -> ConfigError:
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in err["loc"][:-1])
+            allowed = _allowed_keys(parent)
+            msg = f"unknown key; allowed here: {', '.join(allowed)}"
+        elif err["type"] == "literal_error" and "expected" in err.get("ctx", {}):
+            msg = f"must be one of {err['ctx']['expected']}"
+        value = err.get("input")
+        shown = "" if err["type"] == "missing" or isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  {key}{shown}: {msg}")
+    return ConfigError("\n".join(lines))
+
+
+def _allowed_keys(section: str) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in filter(None, section.split(".")):
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(
+            field.annotation, BaseModel
+        ):
+            return []
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def parse_config(data: dict[str, Any], source: str = "configuration") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise _describe(exc, source) from None
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read and validate a TOML file; `None` gives the defaults."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    return parse_config(data, str(p))
+
+
+def example_toml() -> str:
+    """A commented example with every key at its default, the comments taken from this file."""
+    import inspect
+    import sys
+
+    source = inspect.getsource(sys.modules[__name__])
+    out = ["# fleetwarden configuration. Every key is optional; shown here at its default."]
+    for name, field in Config.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        out.append(f"\n[{name}]")
+        if model.__doc__:
+            out.append(f"# {model.__doc__.strip().splitlines()[0]}")
+        for key, sub in model.model_fields.items():
+            for comment in _comments_for(source, model.__name__, key):
+                out.append(f"# {comment}")
+            default = sub.get_default(call_default_factory=True)
+            out.append(_toml_line(key, default))
+    return "\n".join(out) + "\n"
+
+
+def _comments_for(source: str, class_name: str, key: str) -> list[str]:
+    lines = source.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"class {class_name}("))
+    except StopIteration:
+        return []
+    comments: list[str] = []
+    for line in lines[start + 1:]:
+        if line.startswith("class "):
+            break
+        stripped = line.strip()
+        if stripped.startswith("#:") or (comments and stripped.startswith("#")):
+            comments.append(stripped.lstrip("#:").strip())
+            continue
+        if stripped.startswith(f"{key}:"):
+            return comments
+        comments = []
+    return []
+
+
+def _toml_line(key: str, value: Any) -> str:
+    if value is None:
+        return f"# {key} = (unset)"
+    if isinstance(value, bool):
+        return f"{key} = {'true' if value else 'false'}"
+    if isinstance(value, int | float):
+        return f"{key} = {value!r}"
+    if isinstance(value, Path):
+        return f'{key} = "{value}"'
+    if isinstance(value, str):
+        return f"{key} = {value!r}".replace("'", '"')
+    if isinstance(value, list):
+        return f"{key} = []" if not value else f"{key} = {value!r}"
+    if isinstance(value, dict):
+        return f"{key} = {{}}" if not value else f"{key} = {value!r}"
+    return f"{key} = {value!r}"

@@ -1,0 +1,70 @@
+"""Launchers start and stop engine processes; the supervisor decides when.
+
+A launcher knows *how* an engine runs (a local process group, a Ray actor, something another
+system runs that a command restarts). It never touches the ledger: it reports an engine's exit
+through the callback it was given, and the supervisor turns that into ``condemn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["EngineHandle", "ExitCallback", "LaunchError", "Launcher"]
+
+
+class LaunchError(Exception):
+    """An engine could not be started, or did not become ready."""
+
+
+@dataclass(eq=False)
+class EngineHandle:
+    """One incarnation of one shard's engine."""
+
+    shard: int
+    url: str
+    #: Unique per launch; also in the engine's environment as FLEETWARDEN_LAUNCH_ID, so a
+    #: restarted fleetwarden can tell its own engines from a process that reused a PID.
+    launch_id: str
+    pid: int | None = None
+    pgid: int | None = None
+    #: The process's start time in clock ticks since boot (/proc/PID/stat field 22).
+    proc_start_ticks: int | None = None
+    log_path: Path | None = None
+    #: Wall-clock time of the launch.
+    launched_at: float = 0.0
+    #: Set when the process has exited (with ``returncode``).
+    returncode: int | None = None
+    #: True while the supervisor stops it on purpose: that exit is not a failure.
+    stopping: bool = field(default=False)
+
+    @property
+    def incarnation(self) -> str:
+        return self.launch_id
+
+    @property
+    def exited(self) -> bool:
+        return self.returncode is not None
+
+
+ExitCallback = Callable[[EngineHandle], None]
+
+
+class Launcher(Protocol):
+    """How engines are started and stopped. ``on_exit`` is called when a process ends."""
+
+    async def launch(self, shard: int) -> EngineHandle: ...
+
+    async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
+        """Return when the engine answers; raise :class:`LaunchError` if it cannot."""
+        ...
+
+    async def stop(self, handle: EngineHandle) -> None:
+        """Stop the engine and everything it started; verify that nothing is left."""
+        ...
+
+    async def close(self) -> None:
+        """Stop every engine this launcher started."""
+        ...

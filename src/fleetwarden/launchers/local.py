@@ -1,0 +1,211 @@
+"""Engines as local processes, one process group each.
+
+An engine is started with ``setsid`` (its own session and process group), on a free port, its
+output in a log file of its own per incarnation. Stop is SIGTERM to the whole group, SIGKILL
+after a grace period, then a check that nothing of the group is left: killing a vLLM API server
+alone orphans its EngineCore and Worker, which hold gigabytes for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+from fleetwarden.config import FleetConfig, SupervisorConfig
+from fleetwarden.launchers import EngineHandle, ExitCallback, LaunchError
+
+__all__ = ["LocalLauncher", "default_engine_command", "free_port", "group_members"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait after SIGKILL for the kernel to take the group down.
+_KILL_WAIT_S = 5.0
+#: Seconds between polls while waiting for an engine or a process group.
+_POLL_S = 0.1
+
+
+def default_engine_command() -> str:
+    """A simulated vLLM engine: what `fleetwarden up` runs when no engine command is given."""
+    return "{python} -m fleetwarden sim --host {host} --port {port}"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, to guard against reused PIDs."""
+    f = _stat_fields(pid)
+    return int(f[19]) if f else None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        f = _stat_fields(int(entry.name))
+        if f and int(f[2]) == pgid and f[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+async def terminate_group(pgid: int, grace_s: float) -> list[int]:
+    """SIGTERM the group, SIGKILL what is left after ``grace_s``; return PIDs still alive."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, _KILL_WAIT_S)):
+        if not group_members(pgid):
+            return []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+            if not group_members(pgid):
+                return []
+    return group_members(pgid)
+
+
+class LocalLauncher:
+    """Starts engines from ``fleet.engine_cmd`` as local process groups."""
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        supervisor: SupervisorConfig,
+        on_exit: ExitCallback,
+        *,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.grace_s = supervisor.stop_grace_s
+        self.template = fleet.engine_cmd or default_engine_command()
+        self.log_dir = log_dir or fleet.log_dir
+        self._on_exit = on_exit
+        self._handles: dict[str, EngineHandle] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+
+    def _fill(self, text: str, shard: int, port: int) -> str:
+        return text.format(python=sys.executable, host=self.fleet.host, port=port, shard=shard)
+
+    async def launch(self, shard: int) -> EngineHandle:
+        port = free_port(self.fleet.host)
+        launch_id = f"s{shard}-{uuid.uuid4().hex[:12]}"
+        argv = shlex.split(self._fill(self.template, shard, port))
+        env = dict(os.environ)
+        env.update({k: self._fill(v, shard, port) for k, v in self.fleet.engine_env.items()})
+        env.update(FLEETWARDEN_LAUNCH_ID=launch_id, FLEETWARDEN_SHARD=str(shard))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"shard-{shard}-{launch_id}.log"
+        with open(log_path, "ab") as out:  # noqa: ASYNC230 - a local create, microseconds
+            out.write(f"# fleetwarden: {shlex.join(argv)}\n".encode())
+            out.flush()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                )
+            except OSError as exc:
+                raise LaunchError(f"shard {shard}: cannot start {argv[0]!r}: {exc}") from exc
+        handle = EngineHandle(
+            shard=shard, url=f"http://{self.fleet.host}:{port}", launch_id=launch_id,
+            pid=proc.pid, pgid=proc.pid, proc_start_ticks=proc_start_ticks(proc.pid),
+            log_path=log_path, launched_at=time.time(),
+        )
+        self._handles[launch_id] = handle
+        self._procs[launch_id] = proc
+        self._watchers[launch_id] = asyncio.create_task(
+            self._watch(handle, proc), name=f"watch:{launch_id}"
+        )
+        log.info("shard %d: launched pid %d at %s (log %s)", shard, proc.pid, handle.url, log_path)
+        return handle
+
+    async def _watch(self, handle: EngineHandle, proc: asyncio.subprocess.Process) -> None:
+        handle.returncode = await proc.wait()
+        if not handle.stopping:
+            log.warning("shard %d: engine pid %s exited with code %s",
+                        handle.shard, handle.pid, handle.returncode)
+            self._on_exit(handle)
+
+    async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        last = "no answer yet"
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while time.monotonic() < deadline:
+                if handle.exited:
+                    raise LaunchError(f"exited with code {handle.returncode} while starting; "
+                                      f"see {handle.log_path}")
+                try:
+                    async with session.get(handle.url + "/health") as resp:
+                        if resp.status == 200:
+                            return
+                        last = f"/health answered {resp.status}"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(_POLL_S * 2)
+        raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); see {handle.log_path}")
+
+    async def stop(self, handle: EngineHandle) -> None:
+        handle.stopping = True
+        left: list[int] = []
+        if handle.pgid is not None and self._owns(handle):
+            left = await terminate_group(handle.pgid, self.grace_s)
+        watcher = self._watchers.pop(handle.launch_id, None)
+        if watcher is not None:
+            proc = self._procs.get(handle.launch_id)
+            if proc is not None and proc.returncode is None and not left:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(watcher), _KILL_WAIT_S)
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        self._handles.pop(handle.launch_id, None)
+        self._procs.pop(handle.launch_id, None)
+        if left:
+            raise LaunchError(f"shard {handle.shard}: processes {left} of group {handle.pgid} "
+                              "survived SIGKILL")
+        log.info("shard %d: engine %s stopped", handle.shard, handle.launch_id)
+
+    def _owns(self, handle: EngineHandle) -> bool:
+        """The group is ours: its leader is our child, or was (same start time), or it is gone
+        and only its members remain (a PGID cannot be reused while any member lives)."""
+        if handle.pid is None:
+            return False
+        ticks = proc_start_ticks(handle.pid)
+        return ticks is None or ticks == handle.proc_start_ticks
+
+    async def close(self) -> None:
+        handles = list(self._handles.values())
+        results = await asyncio.gather(*(self.stop(h) for h in handles), return_exceptions=True)
+        for h, r in zip(handles, results, strict=True):
+            if isinstance(r, BaseException):
+                log.error("shard %d: stop failed: %s", h.shard, r)
+
+    @property
+    def handles(self) -> list[EngineHandle]:
+        return list(self._handles.values())

@@ -1,0 +1,235 @@
+"""The supervisor: restarts condemned shards through a launcher, within budgets.
+
+The ledger decides *that* a shard is restarted (it is DEAD and has budget left); the supervisor
+does it: ``mark_restarting`` (spends one restart), launch, wait until the engine answers within
+``startup_timeout_s``, then ``mark_loaded`` with the new URL and incarnation. A failed attempt is
+``mark_restart_failed`` and an exponential backoff (2 s doubling to 60 s). At most
+``max_concurrent_restarts`` run at once, fleet-wide.
+
+Restarts run in the background, owned by the supervisor's task group; the ledger is only
+touched from :meth:`Supervisor.tick` and the exit callback, both on the controller's event loop.
+A process exit is conclusive: the shard is condemned the moment the launcher sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fleetwarden.config import FleetConfig, SupervisorConfig
+from fleetwarden.journal import Journal
+from fleetwarden.launchers import EngineHandle, Launcher, LaunchError
+from fleetwarden.ledger import ABSENT, Ledger, ShardState
+
+__all__ = ["RestartAttempt", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+#: Called with (shard, url) when a shard is condemned outside the tick (a process exit), so the
+#: controller can rescue the requests waiting there at once.
+CondemnedCallback = Callable[[int, str], None]
+
+
+@dataclass
+class RestartAttempt:
+    shard: int
+    attempt: int
+    started_at: float
+    task: asyncio.Task[EngineHandle]
+
+
+class Supervisor:
+    """Keeps one engine per shard running, restarting condemned ones within budgets."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        launcher: Launcher,
+        fleet: FleetConfig,
+        config: SupervisorConfig,
+        *,
+        journal: Journal | None = None,
+        on_condemned: CondemnedCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger
+        self.launcher = launcher
+        self.fleet = fleet
+        self.config = config
+        self.journal = journal
+        self.on_condemned = on_condemned
+        self.clock = clock
+        #: The engine of each shard that has one (launched by this supervisor or adopted).
+        self.engines: dict[int, EngineHandle] = {}
+        self.attempts: dict[int, RestartAttempt] = {}
+        #: Earliest time of the next attempt per shard, after a failed one.
+        self._not_before: dict[int, float] = {}
+        self._failures_in_a_row: dict[int, int] = {}
+        self._stops: set[asyncio.Task[None]] = set()
+        self.cap = config.concurrency_cap(len(ledger))
+        #: Restarts completed since start, for the fleet's own metrics.
+        self.restarts_completed = 0
+        self.restarts_failed = 0
+
+    # ------------------------------------------------------------------ start
+
+    async def launch_all(self, shards: list[int]) -> dict[int, str]:
+        """Start the first engine of each shard concurrently; return {shard: url} of those up.
+
+        A shard whose first engine does not come up is condemned, so the next tick restarts it
+        within the usual budget.
+        """
+        async def one(i: int) -> EngineHandle:
+            handle = await self.launcher.launch(i)
+            self.engines[i] = handle
+            await self.launcher.wait_ready(handle, self.fleet.startup_timeout_s)
+            return handle
+
+        results = await asyncio.gather(*(one(i) for i in shards), return_exceptions=True)
+        up: dict[int, str] = {}
+        for i, r in zip(shards, results, strict=True):
+            if isinstance(r, EngineHandle):
+                up[i] = r.url
+            else:
+                log.error("shard %d: first engine did not start: %s", i, r)
+                self._condemn(i, f"first start failed: {r}")
+        return up
+
+    # ------------------------------------------------------------------ the tick
+
+    def tick(self) -> None:
+        """Collect finished restarts, then start restarts for DEAD shards (within the cap)."""
+        self._collect()
+        now = self.clock()
+        for i in range(len(self.ledger)):
+            state = self.ledger.state(i)
+            if state is ShardState.RETIRED and i in self.engines:
+                self._stop_in_background(self.engines.pop(i))
+            if state is not ShardState.DEAD or i in self.attempts:
+                continue
+            if len(self.attempts) >= self.cap or now < self._not_before.get(i, 0.0):
+                continue
+            outcome = self.ledger.mark_restarting(i)
+            record = self.ledger.shard(i)
+            if self.ledger.state(i) is ShardState.RETIRED:
+                log.error("shard %d retired: %s", i, record.last_error)
+                if self.journal is not None:
+                    self.journal.record_restart(i, record.restart_attempts, "retired",
+                                                record.last_error)
+                old = self.engines.pop(i, None)
+                if old is not None:
+                    self._stop_in_background(old)
+                continue
+            if not outcome:
+                continue
+            attempt = record.restart_attempts
+            task = asyncio.create_task(self._restart(i), name=f"restart:{i}:{attempt}")
+            self.attempts[i] = RestartAttempt(i, attempt, now, task)
+            if self.journal is not None:
+                self.journal.record_restart(i, attempt, "started")
+            log.info("shard %d: restart %d of %d begun", i, attempt,
+                     self.ledger.policy.max_restart_attempts)
+
+    def _collect(self) -> None:
+        for i, attempt in list(self.attempts.items()):
+            if not attempt.task.done():
+                continue
+            del self.attempts[i]
+            try:
+                handle = attempt.task.result()
+            except asyncio.CancelledError:
+                error = "cancelled"
+                handle = None
+            except Exception as exc:  # a failed attempt, whatever its cause
+                error = str(exc) or type(exc).__name__
+                handle = None
+            if handle is not None and not handle.exited:
+                self.engines[i] = handle
+                if self.ledger.mark_loaded(i, handle.url, handle.incarnation):
+                    self._failures_in_a_row.pop(i, None)
+                    self._not_before.pop(i, None)
+                    self.restarts_completed += 1
+                    if self.journal is not None:
+                        self.journal.record_restart(i, attempt.attempt, "loaded", handle.url)
+                    log.info("shard %d: replacement up at %s", i, handle.url)
+                    continue
+                error = f"ledger refused the load: shard is {self.ledger.state(i)}"
+                self._stop_in_background(self.engines.pop(i))
+            elif handle is not None:
+                error = f"exited with code {handle.returncode} right after starting"
+            self.restarts_failed += 1
+            failures = self._failures_in_a_row.get(i, 0) + 1
+            self._failures_in_a_row[i] = failures
+            delay = min(self.config.backoff_initial_s * 2 ** (failures - 1),
+                        self.config.backoff_max_s)
+            self._not_before[i] = self.clock() + delay
+            self.ledger.mark_restart_failed(i, error)
+            if self.journal is not None:
+                self.journal.record_restart(i, attempt.attempt, "failed", error)
+            log.warning("shard %d: restart %d failed (%s); next try in %.0f s",
+                        i, attempt.attempt, error, delay)
+
+    async def _restart(self, i: int) -> EngineHandle:
+        old = self.engines.pop(i, None)
+        if old is not None:
+            await self.launcher.stop(old)  # the whole group, verified gone
+        handle = await self.launcher.launch(i)
+        try:
+            await self.launcher.wait_ready(handle, self.fleet.startup_timeout_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.launcher.stop(handle)
+            raise
+        return handle
+
+    # ------------------------------------------------------------------ exits and stops
+
+    def engine_exited(self, handle: EngineHandle) -> None:
+        """The launcher saw an engine's process end. Conclusive: condemn it now."""
+        current = self.engines.get(handle.shard)
+        if current is not handle:
+            return  # an old incarnation, or one that a restart attempt is watching itself
+        self._condemn(handle.shard, f"engine process exited with code {handle.returncode}")
+
+    def _condemn(self, i: int, cause: str) -> None:
+        url = self.ledger.shard(i).base_url
+        if self.ledger.condemn(i, cause) and self.on_condemned is not None:
+            self.on_condemned(i, url)
+
+    def _stop_in_background(self, handle: EngineHandle) -> None:
+        task = asyncio.create_task(self._stop_logged(handle), name=f"stop:{handle.launch_id}")
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
+
+    async def _stop_logged(self, handle: EngineHandle) -> None:
+        try:
+            await self.launcher.stop(handle)
+        except LaunchError as exc:
+            log.error("%s", exc)
+
+    async def restart_now(self, i: int, reason: str) -> bool:
+        """An operator's restart: condemn the shard so the next tick replaces it."""
+        if self.ledger.state(i) in ABSENT:
+            return False
+        self._condemn(i, reason)
+        self._not_before.pop(i, None)
+        self.tick()
+        return True
+
+    async def close(self) -> None:
+        """Cancel restarts in progress and stop every engine (the launcher's own check that
+        nothing of any group is left)."""
+        for attempt in self.attempts.values():
+            attempt.task.cancel()
+        for attempt in list(self.attempts.values()):
+            with contextlib.suppress(BaseException):
+                await attempt.task
+        self.attempts.clear()
+        if self._stops:
+            await asyncio.gather(*self._stops, return_exceptions=True)
+        self.engines.clear()
+        await self.launcher.close()

@@ -1,0 +1,66 @@
+"""Config: defaults with reasons, a commented example, errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.config import Config, ConfigError, example_toml, load_config, parse_config
+
+
+def test_the_example_is_valid_toml_and_equals_the_defaults() -> None:
+    text = example_toml()
+    assert parse_config(tomllib.loads(text)) == Config()
+    assert "# Seconds without progress" in text  # the reasons come along
+
+
+def test_invalid_config_names_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text('[router]\nport = "eighty"\nbogus = 1\n[fleet]\nweights = "dynamic"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert str(path) in text
+    assert "router.port = 'eighty'" in text and "integer" in text
+    assert "router.bogus" in text and "allowed here:" in text and "max_retries" in text
+    assert "fleet.weights = 'dynamic'" in text and "'static' or 'trainer'" in text
+
+
+def test_504_is_never_a_configured_status() -> None:
+    with pytest.raises(ConfigError, match="504"):
+        parse_config({"router": {"status_when_others_serve": 504}})
+
+
+def test_a_fleet_without_engines_or_backends_is_refused() -> None:
+    with pytest.raises(ConfigError, match="engines > 0 or at least one backends URL"):
+        parse_config({"fleet": {"engines": 0}})
+
+
+def test_an_engine_command_without_a_port_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"\{port\}"):
+        parse_config({"fleet": {"engine_cmd": "vllm serve m"}})
+
+
+def test_bad_toml_and_missing_files_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[fleet\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_restart_cap_defaults_to_a_quarter_of_the_fleet() -> None:
+    sup = Config().supervisor
+    assert [sup.concurrency_cap(n) for n in (1, 4, 8, 64)] == [1, 1, 2, 16]
+
+
+def test_config_example_command_prints_it() -> None:
+    out = subprocess.run([sys.executable, "-m", "fleetwarden", "config", "--example"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert parse_config(tomllib.loads(out.stdout)) == Config()

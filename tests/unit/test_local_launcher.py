@@ -1,0 +1,106 @@
+"""LocalLauncher on real processes: process groups, free ports, logs, stop that leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.config import FleetConfig, SupervisorConfig
+from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.launchers.local import LocalLauncher, group_members
+
+ENGINE = Path(__file__).parents[1] / "engines" / "tiny_engine.py"
+
+pytestmark = pytest.mark.scenario
+
+
+def launcher(tmp_path: Path, flags: str = "", grace_s: float = 10.0,
+             exits: list[EngineHandle] | None = None) -> LocalLauncher:
+    fleet = FleetConfig(engine_cmd=f"{{python}} {ENGINE} --host {{host}} --port {{port}} {flags}",
+                        log_dir=tmp_path / "logs")
+    sink = exits if exits is not None else []
+    return LocalLauncher(fleet, SupervisorConfig(stop_grace_s=grace_s), sink.append)
+
+
+async def test_an_engine_runs_in_its_own_group_and_stop_leaves_nothing(tmp_path: Path) -> None:
+    exits: list[EngineHandle] = []
+    lau = launcher(tmp_path, "--spawn-child", exits=exits)
+    h = await lau.launch(0)
+    try:
+        await lau.wait_ready(h, 30)
+        assert h.pgid == h.pid and os.getpgid(h.pid) == h.pid != os.getpgid(0)
+        await _wait_for(lambda: len(group_members(h.pgid or 0)) == 2)  # leader + "EngineCore"
+    finally:
+        await lau.stop(h)
+    assert group_members(h.pgid or 0) == []
+    assert exits == []  # a stop on purpose is not a failure
+
+
+async def test_an_engine_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    lau = launcher(tmp_path, "--spawn-child --ignore-term", grace_s=0.5)
+    h = await lau.launch(0)
+    await lau.wait_ready(h, 30)
+    await _wait_for(lambda: len(group_members(h.pgid or 0)) == 2)
+    await lau.stop(h)
+    assert group_members(h.pgid or 0) == []
+
+
+async def test_an_exit_is_reported_at_once_with_its_code(tmp_path: Path) -> None:
+    exits: list[EngineHandle] = []
+    lau = launcher(tmp_path, "--exit-after 0.5 --exit-code 7", exits=exits)
+    h = await lau.launch(0)
+    await _wait_for(lambda: bool(exits))
+    assert exits == [h] and h.returncode == 7
+    await lau.close()
+
+
+async def test_an_engine_that_never_answers_fails_its_start(tmp_path: Path) -> None:
+    lau = launcher(tmp_path, "--never-ready")
+    h = await lau.launch(0)
+    with pytest.raises(LaunchError, match="/health answered 503"):
+        await lau.wait_ready(h, 1.5)
+    await lau.close()
+    assert group_members(h.pgid or 0) == []
+
+
+async def test_an_engine_that_dies_while_starting_fails_fast(tmp_path: Path) -> None:
+    lau = launcher(tmp_path, "--never-ready --exit-after 0.3")
+    h = await lau.launch(0)
+    with pytest.raises(LaunchError, match="exited with code 3"):
+        await lau.wait_ready(h, 60)
+    await lau.close()
+
+
+async def test_each_incarnation_gets_a_free_port_and_a_log_of_its_own(tmp_path: Path) -> None:
+    lau = launcher(tmp_path)
+    a, b = await lau.launch(0), await lau.launch(0)
+    try:
+        await asyncio.gather(lau.wait_ready(a, 30), lau.wait_ready(b, 30))
+        assert a.url != b.url and a.launch_id != b.launch_id
+        assert a.log_path != b.log_path
+        assert a.log_path is not None and "ready" in a.log_path.read_text()
+        env = Path(f"/proc/{a.pid}/environ").read_bytes().split(b"\0")
+        assert f"FLEETWARDEN_LAUNCH_ID={a.launch_id}".encode() in env
+    finally:
+        await lau.close()
+    assert group_members(a.pgid or 0) == group_members(b.pgid or 0) == []
+
+
+async def test_a_missing_program_is_a_launch_error(tmp_path: Path) -> None:
+    fleet = FleetConfig(engine_cmd="/nonexistent/engine --port {port}", log_dir=tmp_path)
+    lau = LocalLauncher(fleet, SupervisorConfig(), lambda h: None)
+    with pytest.raises(LaunchError, match="cannot start"):
+        await lau.launch(0)
+
+
+async def _wait_for(cond: object, timeout: float = 20.0) -> None:
+    assert callable(cond)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)

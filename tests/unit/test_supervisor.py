@@ -1,0 +1,184 @@
+"""The supervisor's policy: budgets, backoff, the fleet-wide cap, exits are conclusive.
+
+A fake launcher whose engines come up (or fail) when the test says so; a fake clock for the
+backoff. No real time passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fleetwarden.config import FleetConfig, SupervisorConfig
+from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.ledger import Ledger, Policy, ShardState
+from fleetwarden.supervisor import Supervisor
+
+D, R, ST, X = ShardState.DEAD, ShardState.RESTARTING, ShardState.STALE, ShardState.RETIRED
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.port = 9000
+        self.launched: list[EngineHandle] = []
+        self.stopped: list[EngineHandle] = []
+        self.ready: dict[str, asyncio.Future[None]] = {}
+
+    async def launch(self, shard: int) -> EngineHandle:
+        self.port += 1
+        h = EngineHandle(shard, f"http://127.0.0.1:{self.port}", f"launch-{self.port}")
+        self.launched.append(h)
+        self.ready[h.launch_id] = asyncio.get_running_loop().create_future()
+        return h
+
+    async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
+        await self.ready[handle.launch_id]
+
+    async def stop(self, handle: EngineHandle) -> None:
+        self.stopped.append(handle)
+
+    async def close(self) -> None:
+        pass
+
+    def come_up(self, handle: EngineHandle) -> None:
+        self.ready[handle.launch_id].set_result(None)
+
+    def fail(self, handle: EngineHandle, why: str = "no /health") -> None:
+        self.ready[handle.launch_id].set_exception(LaunchError(why))
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def fleet(n: int, **cfg: object) -> tuple[Ledger, FakeLauncher, Supervisor, Clock, list[int]]:
+    ledger = Ledger([f"http://127.0.0.1:{8000 + i}" for i in range(n)],
+                    Policy(max_restart_attempts=cfg.pop("budget", 5)))  # type: ignore[arg-type]
+    launcher = FakeLauncher()
+    clock = Clock()
+    condemned: list[int] = []
+    sup = Supervisor(ledger, launcher, FleetConfig(), SupervisorConfig(**cfg),  # type: ignore[arg-type]
+                     on_condemned=lambda i, url: condemned.append(i), clock=clock)
+    return ledger, launcher, sup, clock, condemned
+
+
+async def test_a_dead_shard_is_restarted_on_a_new_url_with_no_history() -> None:
+    ledger, launcher, sup, _, _ = fleet(4)
+    ledger.report_failure(2, "x")
+    ledger.condemn(2, "stuck")
+    sup.tick()
+    assert ledger.state(2) is R  # RESTARTING before the controller's push
+    await settle()
+    (h,) = launcher.launched
+    launcher.come_up(h)
+    await settle()
+    sup.tick()
+    r = ledger.shard(2)
+    assert (r.state, r.base_url, r.incarnation, r.restart_attempts) == (ST, h.url, h.launch_id, 1)
+    assert r.consecutive_reported_failures == 0
+    assert sup.engines[2] is h
+
+
+async def test_backoff_doubles_up_to_the_maximum() -> None:
+    ledger, launcher, sup, clock, _ = fleet(4, backoff_initial_s=2, backoff_max_s=10, budget=20)
+    ledger.condemn(0, "exited")
+    waits = []
+    sup.tick()
+    for _ in range(5):
+        await settle()
+        launcher.fail(launcher.launched[-1])
+        await settle()
+        sup.tick()
+        assert ledger.state(0) is D
+        start = clock.now
+        while ledger.state(0) is D:
+            clock.now += 0.25
+            sup.tick()
+        waits.append(clock.now - start)
+    assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+async def test_the_restart_budget_retires_a_shard_that_keeps_dying() -> None:
+    ledger, launcher, sup, _clock, _ = fleet(2, budget=2)
+    for _ in range(2):
+        ledger.condemn(0, "exited")
+        sup.tick()
+        await settle()
+        launcher.come_up(launcher.launched[-1])
+        await settle()
+        sup.tick()
+        assert ledger.state(0) is ST
+        ledger.report_refit(0, 0)
+    ledger.condemn(0, "exited")
+    sup.tick()
+    assert ledger.state(0) is X
+    assert len(launcher.launched) == 2  # the third restart was never started
+    assert 0 not in sup.engines
+
+
+async def test_restarts_are_capped_fleet_wide() -> None:
+    ledger, launcher, sup, _, _ = fleet(8)  # cap: a quarter of 8 = 2
+    for i in range(6):
+        ledger.condemn(i, "exited")
+    sup.tick()
+    await settle()
+    assert [ledger.state(i) for i in range(6)].count(R) == 2
+    assert len(launcher.launched) == 2
+    launcher.come_up(launcher.launched[0])
+    await settle()
+    sup.tick()  # one finished: one more may start
+    await settle()
+    assert [ledger.state(i) for i in range(6)].count(R) == 2
+    assert len(launcher.launched) == 3
+
+
+async def test_an_engine_exit_is_conclusive_at_once() -> None:
+    ledger, launcher, sup, _, condemned = fleet(2)
+    up = await asyncio.wait_for(_launch_all(sup, launcher, [0, 1]), 5)
+    assert set(up) == {0, 1}
+    h = sup.engines[1]
+    h.returncode = -9
+    sup.engine_exited(h)
+    assert ledger.state(1) is D and condemned == [1]
+    assert "exited with code -9" in ledger.shard(1).last_error
+
+
+async def test_an_old_incarnation_exiting_condemns_nothing() -> None:
+    ledger, _launcher, sup, _, condemned = fleet(2)
+    old = EngineHandle(0, "http://127.0.0.1:1", "old", returncode=1)
+    sup.engine_exited(old)
+    assert ledger.state(0) is ShardState.HEALTHY and condemned == []
+
+
+async def test_a_retired_shard_has_its_engine_stopped() -> None:
+    ledger, launcher, sup, _, _ = fleet(2)
+    await _launch_all(sup, launcher, [0, 1])
+    ledger.retire(1, "operator")
+    sup.tick()
+    await settle()
+    assert launcher.stopped == [launcher.launched[1]]
+    await sup.close()
+
+
+async def test_close_cancels_restarts_in_progress() -> None:
+    ledger, _launcher, sup, _, _ = fleet(2)
+    ledger.condemn(0, "x")
+    sup.tick()
+    await settle()
+    await sup.close()
+    assert sup.attempts == {}
+
+
+async def _launch_all(sup: Supervisor, launcher: FakeLauncher, shards: list[int]) -> dict[int, str]:
+    task = asyncio.create_task(sup.launch_all(shards))
+    await settle()
+    for h in launcher.launched:
+        launcher.come_up(h)
+    return await task
