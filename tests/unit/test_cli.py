@@ -31,3 +31,31 @@ def test_the_ledger_demo_prints_each_transition_with_its_cause() -> None:
                      "RESTARTING → STALE: replacement up at",
                      "STALE → HEALTHY: refit to version 1"):
         assert expected in text
+
+
+def test_history_reads_the_journal(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from fleetwarden.journal import Journal
+    from fleetwarden.ledger import Ledger
+
+    assert isinstance(tmp_path, Path)
+    path = tmp_path / "fleet.sqlite"
+    ledger = Ledger(["http://a:1", "http://b:1"])
+    with Journal(path) as journal:
+        journal.attach(ledger)
+        ledger.report_failure(1, "reset by peer")
+        ledger.report_failure(1, "reset by peer")
+        ledger.condemn(0, "engine process exited with code -9")
+    out = fleetwarden("history", "--journal", str(path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2  # state changes only: the second failure only grew a streak
+    assert "shard 1  HEALTHY -> SUSPECT  reset by peer" in lines[0]
+    assert "shard 0  HEALTHY -> DEAD  engine process exited with code -9" in lines[1]
+    out = fleetwarden("history", "--journal", str(path), "--shard", "1", "--all", "--json")
+    assert len(out.stdout.strip().splitlines()) == 2
+    out = fleetwarden("history", "--journal", str(path), "--since", "1h")
+    assert len(out.stdout.strip().splitlines()) == 2
+    out = fleetwarden("history", "--journal", str(tmp_path / "missing.sqlite"))
+    assert out.returncode == 2 and "no journal" in out.stderr
