@@ -74,6 +74,8 @@ class Supervisor:
         #: Restarts completed since start, for the fleet's own metrics.
         self.restarts_completed = 0
         self.restarts_failed = 0
+        #: Durations of recent successful restarts, for the routers' Retry-After estimate.
+        self._durations: list[float] = []
 
     # ------------------------------------------------------------------ start
 
@@ -153,6 +155,7 @@ class Supervisor:
                     self._failures_in_a_row.pop(i, None)
                     self._not_before.pop(i, None)
                     self.restarts_completed += 1
+                    self._durations = [*self._durations[-9:], self.clock() - attempt.started_at]
                     if self.journal is not None:
                         self.journal.record_restart(i, attempt.attempt, "loaded", handle.url)
                     log.info("shard %d: replacement up at %s", i, handle.url)
@@ -185,6 +188,14 @@ class Supervisor:
                 await self.launcher.stop(handle)
             raise
         return handle
+
+    def typical_restart_s(self) -> float:
+        """The median of the last successful restarts; before any, the startup timeout's tenth
+        (a rough first guess that the next completed restart replaces)."""
+        if not self._durations:
+            return self.fleet.startup_timeout_s / 10
+        ordered = sorted(self._durations)
+        return ordered[len(ordered) // 2]
 
     # ------------------------------------------------------------------ exits and stops
 

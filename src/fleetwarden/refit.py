@@ -1,0 +1,168 @@
+"""Refit: what an RL trainer calls around a weight sync (SYSTEM.md section 8).
+
+``begin_refit(version)`` names the participants (serving and STALE shards: everyone with a
+process that can take new weights) and opens a lease; while it is open the watchdog does not
+judge stalls on them (an engine may pause generation while it loads weights).
+``complete_refit(version)`` is ``report_refit`` for each participant still present: STALE →
+HEALTHY, or back to SUSPECT when it was suspected before an abort. ``abort_refit(version,
+reason)`` is ``mark_weights_partial`` for the participants, and when exactly one shard is
+suspected it is the one that stalled the sync: ``condemn_silent_participant``.
+
+A lease that overruns marks its participants SUSPECT with the cause, once, and is closed.
+
+Pure: no I/O, an injected clock. The admin API and the in-process Python API both call this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleetwarden.ledger import ABSENT, Ledger
+
+__all__ = ["Lease", "RefitCoordinator", "RefitError", "RefitRecord"]
+
+#: Seconds a weight sync may take before its lease overruns. Loading weights into an engine
+#: takes seconds to a few minutes; ten minutes means something is stuck.
+DEFAULT_LEASE_S = 600.0
+
+
+class RefitError(Exception):
+    """A refit call out of order (no lease, another lease open, a version mismatch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Participant:
+    shard: int
+    url: str
+
+
+@dataclass(slots=True)
+class Lease:
+    version: int
+    participants: tuple[Participant, ...]
+    started_at: float
+    deadline: float
+
+    @property
+    def shards(self) -> frozenset[int]:
+        return frozenset(p.shard for p in self.participants)
+
+
+@dataclass(frozen=True, slots=True)
+class RefitRecord:
+    """One refit in the history: how it ended and who it touched."""
+
+    version: int
+    outcome: str  # "completed", "aborted", "overran"
+    started_at: float
+    ended_at: float
+    participants: tuple[int, ...]
+    detail: str = ""
+    condemned: tuple[int, ...] = field(default=())
+
+
+class RefitCoordinator:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.ledger = ledger
+        self.lease_s = lease_s
+        self.clock = clock
+        self.lease: Lease | None = None
+        self.history: list[RefitRecord] = []
+
+    @property
+    def current_version(self) -> int:
+        """The highest version any shard holds: what a new or restarted engine is behind."""
+        return max((r.weight_version for r in self.ledger.snapshot()), default=0)
+
+    def begin_refit(self, version: int, lease_s: float | None = None) -> Lease:
+        if self.lease is not None:
+            raise RefitError(f"refit to version {self.lease.version} is still open; complete "
+                             "or abort it first")
+        if version < self.current_version:
+            raise RefitError(f"version {version} is older than the fleet's {self.current_version}")
+        now = self.clock()
+        participants = tuple(
+            Participant(i, self.ledger.shard(i).base_url)
+            for i in self.ledger.refit_participants()
+        )
+        if not participants:
+            raise RefitError("no shard can take weights: every shard is DEAD, RESTARTING or "
+                             "RETIRED")
+        self.lease = Lease(version, participants, now, now + (lease_s or self.lease_s))
+        return self.lease
+
+    def _close(self, version: int) -> Lease:
+        lease = self.lease
+        if lease is None:
+            raise RefitError(f"no refit is open (version {version})")
+        if lease.version != version:
+            raise RefitError(f"the open refit is to version {lease.version}, not {version}")
+        self.lease = None
+        return lease
+
+    def complete_refit(self, version: int) -> RefitRecord:
+        lease = self._close(version)
+        done = []
+        for p in lease.participants:
+            # A shard that died during the sync, or whose process was replaced, did not get
+            # these weights: it stays out (absent) or STALE (a new process) for the next refit.
+            rec = self.ledger.shard(p.shard)
+            if rec.state in ABSENT or rec.base_url != p.url:
+                continue
+            if self.ledger.report_refit(p.shard, version):
+                done.append(p.shard)
+        record = RefitRecord(version, "completed", lease.started_at, self.clock(), tuple(done))
+        self.history.append(record)
+        return record
+
+    def abort_refit(self, version: int, reason: str) -> RefitRecord:
+        lease = self._close(version)
+        touched = []
+        for p in lease.participants:
+            rec = self.ledger.shard(p.shard)
+            if rec.state in ABSENT or rec.base_url != p.url:
+                continue
+            if self.ledger.mark_weights_partial(p.shard):
+                touched.append(p.shard)
+        condemned: tuple[int, ...] = ()
+        suspects = [i for i in self.ledger.suspected_shards() if i in lease.shards]
+        if len(suspects) == 1:
+            # Exactly one participant was already failing: it is the one that went silent.
+            # With several, or none, nobody can be singled out, and nobody is.
+            self.ledger.condemn_silent_participant(suspects[0], f"refit to version {version} "
+                                                   f"aborted: {reason}")
+            condemned = (suspects[0],)
+        record = RefitRecord(version, "aborted", lease.started_at, self.clock(), tuple(touched),
+                             reason, condemned)
+        self.history.append(record)
+        return record
+
+    def check_lease(self) -> RefitRecord | None:
+        """Called every tick: a lease past its deadline marks its participants SUSPECT."""
+        lease = self.lease
+        if lease is None or self.clock() < lease.deadline:
+            return None
+        self.lease = None
+        cause = (f"refit to version {lease.version} overran its lease of "
+                 f"{lease.deadline - lease.started_at:.0f} s")
+        marked = [p.shard for p in lease.participants
+                  if self.ledger.shard(p.shard).base_url == p.url
+                  and self.ledger.report_failure(p.shard, cause)]
+        record = RefitRecord(lease.version, "overran", lease.started_at, self.clock(),
+                             tuple(marked), cause)
+        self.history.append(record)
+        return record
+
+    def stalls_excused(self) -> frozenset[int]:
+        """Shards whose stalls the watchdog must not judge right now."""
+        return self.lease.shards if self.lease is not None else frozenset()

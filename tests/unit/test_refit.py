@@ -1,0 +1,117 @@
+"""The refit coordinator: leases, the single-suspect rule, overruns (SYSTEM.md section 8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetwarden.ledger import Ledger, Policy, ShardState
+from fleetwarden.refit import RefitCoordinator, RefitError
+
+H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
+                     ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(n: int = 4, lease_s: float = 60) -> tuple[Ledger, RefitCoordinator, Clock]:
+    clock = Clock()
+    ledger = Ledger([f"http://127.0.0.1:{9000 + i}" for i in range(n)],
+                    Policy(weights="trainer"), clock=clock)
+    return ledger, RefitCoordinator(ledger, lease_s=lease_s, clock=clock), clock
+
+
+def test_participants_are_serving_and_stale_shards_with_their_urls() -> None:
+    ledger, refit, _ = make(4)
+    ledger.condemn(3, "exited")
+    ledger.mark_weights_partial(2)
+    lease = refit.begin_refit(1)
+    assert [(p.shard, p.url) for p in lease.participants] == [
+        (0, "http://127.0.0.1:9000"), (1, "http://127.0.0.1:9001"), (2, "http://127.0.0.1:9002")]
+    assert refit.stalls_excused() == {0, 1, 2}
+
+
+def test_a_completed_refit_brings_stale_shards_back_and_sets_the_version() -> None:
+    ledger, refit, _ = make(3)
+    ledger.condemn(1, "exited")
+    ledger.mark_restarting(1)
+    ledger.mark_loaded(1, "http://127.0.0.1:7001", "launch-2")
+    refit.begin_refit(5)
+    record = refit.complete_refit(5)
+    assert record.participants == (0, 1, 2)
+    assert [ledger.state(i) for i in range(3)] == [H, H, H]
+    assert {ledger.shard(i).weight_version for i in range(3)} == {5}
+    assert refit.current_version == 5 and refit.lease is None
+
+
+def test_an_aborted_refit_keeps_a_suspicion() -> None:
+    ledger, refit, _ = make(3)
+    ledger.report_failure(0, "timeout")  # SUSPECT
+    ledger.report_failure(1, "timeout")  # a second suspect: nobody can be singled out
+    refit.begin_refit(1)
+    record = refit.abort_refit(1, "trainer timed out")
+    assert record.condemned == ()
+    assert [ledger.state(i) for i in range(3)] == [ST, ST, ST]
+    refit.begin_refit(1)
+    refit.complete_refit(1)
+    assert [ledger.state(i) for i in range(3)] == [S, S, H]
+    assert ledger.shard(0).consecutive_reported_failures == 1
+
+
+def test_an_abort_with_exactly_one_suspect_condemns_the_silent_participant() -> None:
+    ledger, refit, _ = make(4)
+    ledger.report_failure(1, "timeout")
+    ledger.report_failure(1, "timeout")
+    refit.begin_refit(1)
+    record = refit.abort_refit(1, "NCCL broadcast timed out")
+    assert record.condemned == (1,)
+    assert ledger.state(1) is D
+    assert "NCCL broadcast timed out" in ledger.shard(1).last_error
+    assert [ledger.state(i) for i in (0, 2, 3)] == [ST, ST, ST]
+
+
+def test_a_lease_overrun_marks_suspect() -> None:
+    ledger, refit, clock = make(3, lease_s=60)
+    refit.begin_refit(1)
+    clock.now = 59
+    assert refit.check_lease() is None
+    clock.now = 61
+    record = refit.check_lease()
+    assert record is not None and record.outcome == "overran"
+    assert [ledger.state(i) for i in range(3)] == [S, S, S]
+    assert "overran its lease of 60 s" in ledger.shard(0).last_error
+    assert refit.lease is None and refit.stalls_excused() == frozenset()
+    assert refit.check_lease() is None  # once
+
+
+def test_a_shard_replaced_during_the_sync_did_not_get_the_weights() -> None:
+    ledger, refit, _ = make(2)
+    refit.begin_refit(3)
+    ledger.condemn(1, "exited")
+    ledger.mark_restarting(1)
+    ledger.mark_loaded(1, "http://127.0.0.1:7001", "launch-2")
+    record = refit.complete_refit(3)
+    assert record.participants == (0,)
+    assert ledger.state(1) is ST and ledger.shard(1).weight_version == 0
+
+
+def test_refit_calls_out_of_order_are_errors() -> None:
+    ledger, refit, _ = make(2)
+    with pytest.raises(RefitError, match="no refit is open"):
+        refit.complete_refit(1)
+    refit.begin_refit(2)
+    with pytest.raises(RefitError, match="still open"):
+        refit.begin_refit(3)
+    with pytest.raises(RefitError, match="version 2, not 3"):
+        refit.complete_refit(3)
+    refit.complete_refit(2)
+    with pytest.raises(RefitError, match="older"):
+        refit.begin_refit(1)
+    for i in range(2):
+        ledger.retire(i, "operator")
+    with pytest.raises(RefitError, match="no shard can take weights"):
+        refit.begin_refit(5)
