@@ -1,0 +1,2 @@
+"""Launchers start and stop engine processes for the supervisor; ``procs`` reads them from
+``/proc``."""
