@@ -149,10 +149,13 @@ def vllm_engine_command(
 def vllm_engine_env(*, cpu: str = "{shard}", kv_cache_gib: int = 1) -> dict[str, str]:
     """Environment variables an engine needs, to add to the launcher's environment.
 
-    ``cpu`` is the value of ``VLLM_CPU_OMP_THREADS_BIND``: the CPU (or list, ``0-1``, ``0,1``)
-    the engine's compute threads are pinned to. Left as the ``{shard}`` placeholder, a launcher
-    pins shard 0 to CPU 0 and shard 1 to CPU 1, so two engines on this 2-core machine do not
-    fight for one core. A CPU number the machine lacks fails the engine at start.
+    ``cpu`` is the value of ``VLLM_CPU_OMP_THREADS_BIND``: the CPU ids the engine's worker
+    (its compute threads) is pinned to, as vLLM reads them (``0``, ``1``, ``0-1``, ``0,1``).
+    Left as the ``{shard}`` placeholder, a launcher pins shard 0 to CPU 0 and shard 1 to CPU 1,
+    so two engines on a 2-core machine do not fight for one core (measured: the worker's
+    ``Cpus_allowed_list`` is ``0`` and ``1``; the API server and engine core stay unpinned).
+    A CPU the machine lacks is ignored, not an error: shard 2 on 2 cores starts and serves,
+    unpinned.
     """
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB; the default is sized for big models
