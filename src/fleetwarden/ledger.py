@@ -82,6 +82,7 @@ class Event(enum.Enum):
     WEIGHTS_PARTIAL = "weights partial"  # a refit aborted while the shard received
     REFIT = "refit"  # a completed refit, nothing suspected
     REFIT_STILL_SUSPECT = "refit, still suspect"  # a completed refit that was suspected before
+    IDENTIFIED = "identified"  # the first incarnation seen of a shard's process: no restart
     NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
     NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
     RESTART_BEGUN = "restart begun"
@@ -110,6 +111,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
         E.REFIT: HEALTHY,
+        E.IDENTIFIED: HEALTHY,
         E.NEW_INCARNATION: HEALTHY,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
@@ -124,6 +126,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
         E.REFIT_STILL_SUSPECT: SUSPECT,
+        E.IDENTIFIED: SUSPECT,
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
@@ -135,6 +138,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.WEIGHTS_PARTIAL: STALE,
         E.REFIT: HEALTHY,
         E.REFIT_STILL_SUSPECT: SUSPECT,
+        E.IDENTIFIED: STALE,
         E.NEW_INCARNATION: STALE,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
@@ -619,6 +623,10 @@ class Ledger:
             return self._ignored(s, "absent shards have no process to observe")
         if s.incarnation == incarnation:
             return _UNCHANGED
+        if s.incarnation is None:
+            # The first incarnation seen of this shard: who its process is, not a restart.
+            return self._apply(s, E.IDENTIFIED, f"engine identified as {incarnation}",
+                               incarnation=incarnation)
         trainer = self.policy.weights == "trainer"
         event = E.NEW_INCARNATION_WEIGHTS_LOST if trainer else E.NEW_INCARNATION
         cause = f"restarted on its own (incarnation {s.incarnation} -> {incarnation})"

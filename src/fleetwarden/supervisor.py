@@ -25,7 +25,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, Launcher, LaunchError
 from fleetwarden.ledger import ABSENT, Ledger, ShardState
 
-__all__ = ["RestartAttempt", "Supervisor"]
+__all__ = ["RestartAttempt", "Supervisor", "launch_first"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class RestartAttempt:
     attempt: int
     started_at: float
     task: asyncio.Task[EngineHandle]
+    #: Waiting for something else to restart the engine: no budget spent until it returns.
+    passive: bool = False
 
 
 class Supervisor:
@@ -54,6 +56,7 @@ class Supervisor:
         *,
         journal: Journal | None = None,
         on_condemned: CondemnedCallback | None = None,
+        passive: Callable[[int], bool] = lambda i: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ledger = ledger
@@ -62,6 +65,9 @@ class Supervisor:
         self.config = config
         self.journal = journal
         self.on_condemned = on_condemned
+        #: Shards whose engines something else restarts: wait for their return, spend the
+        #: budget only when a new process answers (attach mode with no restart command).
+        self.passive = passive
         self.clock = clock
         #: The engine of each shard that has one (launched by this supervisor or adopted).
         self.engines: dict[int, EngineHandle] = {}
@@ -79,27 +85,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------ start
 
-    async def launch_all(self, shards: list[int]) -> dict[int, str]:
-        """Start the first engine of each shard concurrently; return {shard: url} of those up.
-
-        A shard whose first engine does not come up is condemned, so the next tick restarts it
-        within the usual budget.
-        """
-        async def one(i: int) -> EngineHandle:
-            handle = await self.launcher.launch(i)
-            self.engines[i] = handle
-            await self.launcher.wait_ready(handle, self.fleet.startup_timeout_s)
-            return handle
-
-        results = await asyncio.gather(*(one(i) for i in shards), return_exceptions=True)
-        up: dict[int, str] = {}
-        for i, r in zip(shards, results, strict=True):
-            if isinstance(r, EngineHandle):
-                up[i] = r.url
-            else:
-                log.error("shard %d: first engine did not start: %s", i, r)
-                self._condemn(i, f"first start failed: {r}")
-        return up
+    def adopt(self, i: int, handle: EngineHandle) -> None:
+        """Take charge of a running engine (a first launch, or one from an earlier run)."""
+        self.engines[i] = handle
 
     # ------------------------------------------------------------------ the tick
 
@@ -112,6 +100,10 @@ class Supervisor:
             if state is ShardState.RETIRED and i in self.engines:
                 self._stop_in_background(self.engines.pop(i))
             if state is not ShardState.DEAD or i in self.attempts:
+                continue
+            if self.passive(i):
+                task = asyncio.create_task(self._restart(i), name=f"await-return:{i}")
+                self.attempts[i] = RestartAttempt(i, 0, now, task, passive=True)
                 continue
             if len(self.attempts) >= self.cap or now < self._not_before.get(i, 0.0):
                 continue
@@ -149,6 +141,13 @@ class Supervisor:
             except Exception as exc:  # a failed attempt, whatever its cause
                 error = str(exc) or type(exc).__name__
                 handle = None
+            if attempt.passive:
+                if handle is None or self.ledger.state(i) is not ShardState.DEAD:
+                    continue  # cancelled, or the shard left DEAD some other way; look again
+                self.ledger.mark_restarting(i)  # restarted by someone else: still a restart
+                if self.ledger.state(i) is not ShardState.RESTARTING:
+                    continue  # that restart exhausted the budget: RETIRED
+                attempt.attempt = self.ledger.shard(i).restart_attempts
             if handle is not None and not handle.exited:
                 self.engines[i] = handle
                 if self.ledger.mark_loaded(i, handle.url, handle.incarnation):
@@ -181,8 +180,9 @@ class Supervisor:
         if old is not None:
             await self.launcher.stop(old)  # the whole group, verified gone
         handle = await self.launcher.launch(i)
+        timeout = float("inf") if self.passive(i) else self.fleet.startup_timeout_s
         try:
-            await self.launcher.wait_ready(handle, self.fleet.startup_timeout_s)
+            await self.launcher.wait_ready(handle, timeout)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.launcher.stop(handle)
@@ -244,3 +244,23 @@ class Supervisor:
             await asyncio.gather(*self._stops, return_exceptions=True)
         self.engines.clear()
         await self.launcher.close()
+
+
+async def launch_first(
+    launcher: Launcher, shards: list[int], startup_timeout_s: float
+) -> dict[int, EngineHandle | BaseException]:
+    """Start the first engine of each shard concurrently, before there is a ledger to record
+    them in (the ledger is then built with their URLs). A failure is returned, not raised."""
+
+    async def one(i: int) -> EngineHandle:
+        handle = await launcher.launch(i)
+        try:
+            await launcher.wait_ready(handle, startup_timeout_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await launcher.stop(handle)
+            raise
+        return handle
+
+    results = await asyncio.gather(*(one(i) for i in shards), return_exceptions=True)
+    return dict(zip(shards, results, strict=True))

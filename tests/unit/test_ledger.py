@@ -304,8 +304,11 @@ def test_a_silent_restart_goes_stale_in_trainer_mode_and_not_in_static_mode() ->
     trainer, _ = make(1, weights="trainer")
     static, _ = make(1, weights="static")
     for ledger in (trainer, static):
-        ledger.observe_incarnation(0, "start=1")  # first sighting of a process
         ledger.report_failure(0, "x")
+        first = ledger.observe_incarnation(0, "start=1")  # first sighting: an identity
+        assert first.transition is not None and first.transition.event is Event.IDENTIFIED
+        assert ledger.shard(0).consecutive_reported_failures == 1  # not a restart
+        assert ledger.state(0) is S
         assert ledger.observe_incarnation(0, "start=2").transition is not None
         assert ledger.shard(0).consecutive_reported_failures == 0
     assert trainer.state(0) is ST

@@ -10,7 +10,8 @@ import pytest
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, LaunchError
-from fleetwarden.launchers.local import LocalLauncher, group_members
+from fleetwarden.launchers.local import LocalLauncher
+from fleetwarden.launchers.procs import group_members
 
 ENGINE = Path(__file__).parents[1] / "engines" / "tiny_engine.py"
 

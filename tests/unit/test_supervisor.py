@@ -11,7 +11,7 @@ import asyncio
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Ledger, Policy, ShardState
-from fleetwarden.supervisor import Supervisor
+from fleetwarden.supervisor import Supervisor, launch_first
 
 D, R, ST, X = ShardState.DEAD, ShardState.RESTARTING, ShardState.STALE, ShardState.RETIRED
 
@@ -177,8 +177,42 @@ async def test_close_cancels_restarts_in_progress() -> None:
 
 
 async def _launch_all(sup: Supervisor, launcher: FakeLauncher, shards: list[int]) -> dict[int, str]:
-    task = asyncio.create_task(sup.launch_all(shards))
+    task = asyncio.create_task(launch_first(launcher, shards, 30))
     await settle()
     for h in launcher.launched:
         launcher.come_up(h)
-    return await task
+    up = {}
+    for i, h in (await task).items():
+        assert isinstance(h, EngineHandle)
+        sup.adopt(i, h)
+        up[i] = h.url
+    return up
+
+
+async def test_a_first_launch_that_fails_is_returned_not_raised() -> None:
+    launcher = FakeLauncher()
+    task = asyncio.create_task(launch_first(launcher, [0, 1], 30))
+    await settle()
+    launcher.come_up(launcher.launched[0])
+    launcher.fail(launcher.launched[1], "exited with code 1")
+    results = await task
+    assert isinstance(results[0], EngineHandle)
+    assert isinstance(results[1], LaunchError) and launcher.stopped == [launcher.launched[1]]
+
+
+async def test_a_passive_shard_spends_no_budget_until_its_engine_returns() -> None:
+    ledger = Ledger(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    launcher = FakeLauncher()
+    sup = Supervisor(ledger, launcher, FleetConfig(), SupervisorConfig(),
+                     passive=lambda i: i == 1)
+    ledger.condemn(1, "stuck")
+    for _ in range(3):
+        sup.tick()
+        await settle()
+    assert ledger.state(1) is D and ledger.shard(1).restart_attempts == 0
+    assert len(launcher.launched) == 1  # one wait for its return, not one per tick
+    launcher.come_up(launcher.launched[0])
+    await settle()
+    sup.tick()
+    r = ledger.shard(1)
+    assert (r.state, r.restart_attempts) == (ST, 1)

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import shlex
-import signal
 import socket
 import sys
 import time
@@ -24,8 +23,9 @@ import aiohttp
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, ExitCallback, LaunchError
+from fleetwarden.launchers.procs import process_start_ticks, terminate_group
 
-__all__ = ["LocalLauncher", "default_engine_command", "free_port", "group_members"]
+__all__ = ["LocalLauncher", "default_engine_command", "free_port"]
 
 log = logging.getLogger(__name__)
 
@@ -45,48 +45,6 @@ def free_port(host: str) -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'
-    return raw[raw.rindex(")") + 2:].split()
-
-
-def proc_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, to guard against reused PIDs."""
-    f = _stat_fields(pid)
-    return int(f[19]) if f else None
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        f = _stat_fields(int(entry.name))
-        if f and int(f[2]) == pgid and f[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
-async def terminate_group(pgid: int, grace_s: float) -> list[int]:
-    """SIGTERM the group, SIGKILL what is left after ``grace_s``; return PIDs still alive."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, _KILL_WAIT_S)):
-        if not group_members(pgid):
-            return []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_S)
-            if not group_members(pgid):
-                return []
-    return group_members(pgid)
 
 
 class LocalLauncher:
@@ -133,7 +91,7 @@ class LocalLauncher:
                 raise LaunchError(f"shard {shard}: cannot start {argv[0]!r}: {exc}") from exc
         handle = EngineHandle(
             shard=shard, url=f"http://{self.fleet.host}:{port}", launch_id=launch_id,
-            pid=proc.pid, pgid=proc.pid, proc_start_ticks=proc_start_ticks(proc.pid),
+            pid=proc.pid, pgid=proc.pid, proc_start_ticks=process_start_ticks(proc.pid),
             log_path=log_path, launched_at=time.time(),
         )
         self._handles[launch_id] = handle
@@ -172,9 +130,12 @@ class LocalLauncher:
 
     async def stop(self, handle: EngineHandle) -> None:
         handle.stopping = True
-        left: list[int] = []
+        left: tuple[object, ...] = ()
         if handle.pgid is not None and self._owns(handle):
-            left = await terminate_group(handle.pgid, self.grace_s)
+            stopped = await asyncio.to_thread(
+                terminate_group, handle.pgid, self.grace_s, _KILL_WAIT_S
+            )
+            left = stopped.left
         watcher = self._watchers.pop(handle.launch_id, None)
         if watcher is not None:
             proc = self._procs.get(handle.launch_id)
@@ -187,8 +148,8 @@ class LocalLauncher:
         self._handles.pop(handle.launch_id, None)
         self._procs.pop(handle.launch_id, None)
         if left:
-            raise LaunchError(f"shard {handle.shard}: processes {left} of group {handle.pgid} "
-                              "survived SIGKILL")
+            raise LaunchError(f"shard {handle.shard}: processes {[p.pid for p in left]} of "
+                              f"group {handle.pgid} survived SIGKILL")
         log.info("shard %d: engine %s stopped", handle.shard, handle.launch_id)
 
     def _owns(self, handle: EngineHandle) -> bool:
@@ -196,7 +157,7 @@ class LocalLauncher:
         and only its members remain (a PGID cannot be reused while any member lives)."""
         if handle.pid is None:
             return False
-        ticks = proc_start_ticks(handle.pid)
+        ticks = process_start_ticks(handle.pid)
         return ticks is None or ticks == handle.proc_start_ticks
 
     async def close(self) -> None:
