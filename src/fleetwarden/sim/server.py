@@ -142,8 +142,15 @@ class Sim:
             await self.set_fault(self.config.fault, self.config.fault_factor)
 
     async def stop(self) -> None:
+        """Stop serving. Requests still in the engine lose their connections, as they would
+        when a real engine's process ends."""
         if self._fault_timer is not None:
             self._fault_timer.cancel()
+        for pending in list(self._pending.values()):
+            if pending.transport is not None:
+                pending.transport.close()
+            pending.events.put_nowait(("dropped", None))
+        self._pending.clear()
         for task in [*self._tasks, self._engine_task]:
             if task is not None:
                 task.cancel()
