@@ -32,6 +32,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger_tick.py
+	$(BIN)/python bench/metrics_parse.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -57,9 +57,6 @@ def demo() -> None:
 
 _SIM = SimConfig()  # the simulator's defaults, shown in --help
 _FAULTS = tuple(m.value for m in FaultMode)
-#: Seconds between a check's reads. A healthy busy engine takes a step every 10-125 ms, so two
-#: reads 2 s apart that show none are worth a third look; and a liveness probe stays quick.
-CHECK_INTERVAL_S = 2.0
 
 
 @app.command()
@@ -108,7 +105,7 @@ def check(
     url: str = typer.Argument(..., help="The engine's base URL, e.g. http://127.0.0.1:8000"),
     proxy: bool = typer.Option(False, "--proxy", help="URL is a load balancer: only "
                                "GET /v1/models is read through it."),
-    interval: float = typer.Option(CHECK_INTERVAL_S, min=0.0,
+    interval: float = typer.Option(DEFAULT_POLICY.check_interval_s, min=0.0,
                                    help="Seconds between reads."),
     stall_s: float = typer.Option(DEFAULT_POLICY.stall_s, min=0.0,
                                   help="How long a stall must last, over two waits, to be "
@@ -135,9 +132,9 @@ def check(
     from fleetwarden.watchdog import check as run_check
 
     policy = replace(DEFAULT_POLICY, stall_s=stall_s, read_timeout_s=timeout,
-                     canary_timeout_s=canary_timeout)
-    result = asyncio.run(run_check(url, proxy=proxy, interval_s=interval, in_flight=in_flight,
-                                   policy=policy, model=model))
+                     canary_timeout_s=canary_timeout, check_interval_s=interval)
+    result = asyncio.run(run_check(url, proxy=proxy, in_flight=in_flight, policy=policy,
+                                   model=model))
     report = result.report
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))

@@ -86,9 +86,14 @@ class WatchdogPolicy:
     canary_timeout_s: float = 5.0
     #: A ``/metrics`` body larger than this is not read further (see metrics.MAX_BODY_BYTES).
     max_metrics_bytes: int = MAX_BODY_BYTES
+    #: ``fleetwarden check``: seconds between its reads. A healthy busy engine takes a step
+    #: every 10-125 ms, so two reads 2 s apart that show none are worth a third look, and a
+    #: liveness probe that finds an engine busy or idle answers in about 2 s.
+    check_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("stall_s", "canary_interval_s", "read_timeout_s", "canary_timeout_s"):
+        for name in ("stall_s", "canary_interval_s", "read_timeout_s", "canary_timeout_s",
+                     "check_interval_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"WatchdogPolicy.{name} must be >= 0, got {value!r}")

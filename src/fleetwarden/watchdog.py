@@ -407,15 +407,16 @@ class Check:
         return {**self.report.to_dict(), "reads": self.reads, "exit_code": self.exit_code}
 
 
-async def check(url: str, *, proxy: bool = False, interval_s: float = 2.0, in_flight: int = 0,
+async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
                 policy: WatchdogPolicy = DEFAULT_POLICY, model: str | None = None) -> Check:
-    """One engine, judged once: a baseline read, then reads ``interval_s`` apart until the
+    """One engine, judged once: a baseline read, then reads ``check_interval_s`` apart until the
     verdict is final — a third read only to tell STALLED from STUCK (timed so that the stall
     spans ``stall_s``), or to compare a restarted engine within its new process.
 
     A proxy is read once, ``GET /v1/models`` only.
     """
     target = Target(url.rstrip("/"), in_flight=in_flight, proxy=proxy)
+    interval_s = policy.check_interval_s
     async with Watchdog(policy, model=model) as watchdog:
         if proxy:
             report = await watchdog.probe(target)

@@ -238,14 +238,14 @@ async def test_the_watchdog_never_sends_a_request_to_a_busy_engine(
     async with Load(http, sim.url, n=4, max_tokens=4000):  # 200 s each at 20 steps/s
         await running(http, sim.url, 4)
         async with Watchdog(POLICY) as watchdog:
-            reports = await rounds(watchdog, Target(sim.url, in_flight=4), 15, 0.25)
+            reports = await rounds(watchdog, Target(sim.url, in_flight=4), 12, 0.4)
     assert reports[0].verdict is Verdict.FIRST_READ
-    assert [r.verdict for r in reports[1:]] == [Verdict.BUSY] * 14
+    assert [r.verdict for r in reports[1:]] == [Verdict.BUSY] * 11
     assert all(r.canary is None for r in reports)
     seen = await stats(http, sim.url)
     assert canaries(seen) == []
     assert seen["by_path"]["/v1/completions"] == 4  # the load, and nothing else
-    assert seen["by_path"]["/metrics"] >= 15
+    assert seen["by_path"]["/metrics"] >= 12
 
 
 async def test_the_note_002_day_compressed_a_slow_batch_is_never_worse_than_busy(

@@ -590,7 +590,13 @@ async def _serve(config: SimConfig, ready: Callable[[Sim], None]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sim = Sim(config)
-    await sim.start()
+    try:
+        await sim.start()
+    except OSError as e:
+        await sim.stop()
+        print(f"fleetwarden sim: cannot listen on {config.host}:{config.port}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
     ready(sim)
     stopping = asyncio.ensure_future(stop.wait())
     exiting = asyncio.ensure_future(sim.exited.wait())
