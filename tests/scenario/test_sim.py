@@ -144,6 +144,21 @@ async def test_requests_beyond_the_slots_wait(sim: Sim, http: aiohttp.ClientSess
     assert (await metrics(http, sim.url)).finished_requests == 0  # an abort is no success
 
 
+async def test_a_client_that_leaves_a_stream_aborts_its_request(
+    sim: Sim, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(sim.url + "/v1/completions",
+                         json={"prompt": "x", "max_tokens": 4000, "stream": True}) as r:
+        assert (await r.content.readline()).startswith(b"data: ")
+        assert (await metrics(http, sim.url)).running == 1
+    # the response is closed unread: the connection goes, and the engine drops the request
+
+    async def idle() -> bool:
+        return (await metrics(http, sim.url)).idle
+
+    await until(idle)
+
+
 async def test_a_long_prompt_prefills_over_several_steps_without_output_tokens(
     http: aiohttp.ClientSession,
 ) -> None:

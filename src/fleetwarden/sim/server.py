@@ -453,11 +453,13 @@ class Sim:
             if body.get("stream"):
                 return await self._stream(request, pending, chat, include_usage)
             return await self._answer(pending, chat)
-        except asyncio.CancelledError:
+        finally:
+            # Still pending here: the client went away (cancelled, or a write failed) before
+            # the engine finished it. Abort it, as vLLM does; the engine takes the abort at its
+            # next turn (not while wedged: a stopped EngineCore takes nothing).
             if self._pending.pop(sim_request, None) is not None:
-                self._inbox.append(("abort", pending))  # the engine takes it at its next turn
+                self._inbox.append(("abort", pending))
                 self._wake.set()
-            raise
 
     async def _answer(self, pending: _Pending, chat: bool) -> web.StreamResponse:
         r = pending.request
