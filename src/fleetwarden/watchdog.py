@@ -184,8 +184,8 @@ class Watchdog:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             # No keep-alive: a pooled connection could outlive the engine it reached, and a
-            # fresh connect per visit is what tells "refused" from "answers". It costs well
-            # under a millisecond on a LAN, a few times per engine per tick.
+            # fresh connect per visit is what tells "refused" from "answers". It costs one TCP
+            # handshake per request, a few per engine per tick.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, force_close=True),
                 headers={"user-agent": "fleetwarden-watchdog"},
