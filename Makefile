@@ -10,9 +10,11 @@ STAMP  := $(VENV)/.installed-dev
 
 # The pure core: no I/O, checked with mypy --strict.
 CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
-        src/fleetwarden/config.py src/fleetwarden/refit.py
+        src/fleetwarden/config.py src/fleetwarden/refit.py src/fleetwarden/metrics.py \
+        src/fleetwarden/judge.py
 # Shell modules that are mypy --strict clean too.
-STRICT := src/fleetwarden/launchers/procs.py src/fleetwarden/testing/*.py
+STRICT := src/fleetwarden/launchers/procs.py src/fleetwarden/testing/*.py \
+          src/fleetwarden/watchdog.py
 
 .PHONY: test test-vllm demo lint typecheck unit bench clean
 
@@ -39,6 +41,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger_tick.py
+	$(BIN)/python bench/metrics_parse.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

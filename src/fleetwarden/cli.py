@@ -6,6 +6,8 @@ import typer
 from rich.console import Console
 
 from fleetwarden import __version__
+from fleetwarden.judge import DEFAULT_POLICY
+from fleetwarden.sim.config import FaultMode, SimConfig
 
 app = typer.Typer(
     help="Keep a fleet of LLM inference engines serving.",
@@ -136,6 +138,110 @@ def history(
             typer.echo(f"{when}  shard {e.shard}  {e.from_state} -> {e.to_state}  {e.cause}")
     if not entries and not as_json:
         typer.echo("no transitions recorded")
+
+_SIM = SimConfig()  # the simulator's defaults, shown in --help
+_FAULTS = tuple(m.value for m in FaultMode)
+
+
+@app.command()
+def sim(
+    port: int = typer.Option(8000, help="Port to listen on; 0 picks a free one (see the "
+                             "ready line)."),
+    host: str = typer.Option(_SIM.host, help="Address to listen on."),
+    slots: int = typer.Option(_SIM.slots, min=1, help="Requests running at once (vLLM's "
+                              "max_num_seqs); more wait."),
+    steps_per_s: float = typer.Option(_SIM.steps_per_s, min=0.001,
+                                      help="Engine steps per second while there is work."),
+    tokens_per_step: int = typer.Option(_SIM.tokens_per_step, min=1,
+                                        help="Output tokens per running request per step."),
+    max_num_batched_tokens: int = typer.Option(
+        _SIM.max_num_batched_tokens, min=1,
+        help="Token budget of one step: longer prompts prefill over several steps."),
+    max_model_len: int = typer.Option(_SIM.max_model_len, min=2,
+                                      help="Context length (prompt + output)."),
+    model: str = typer.Option(_SIM.model, help="Served model name."),
+    fault: str | None = typer.Option(
+        None, help="Start with a fault: " + ", ".join(_FAULTS) + "."),
+    factor: float = typer.Option(_SIM.fault_factor, min=0.001,
+                                 help="Slowdown of the 'slow' fault."),
+) -> None:
+    """Run one simulated vLLM engine (OpenAI API, /metrics, faults) until SIGTERM.
+
+    Prints "ready URL ..." once it listens. Change its fault at run time with
+    POST /sim/fault {"mode": "wedge"}; {"mode": null} or DELETE /sim/fault clears it.
+    GET /sim/stats lists every request it received.
+    """
+    from fleetwarden.sim import serve
+
+    if fault is not None and fault not in _FAULTS:
+        raise typer.BadParameter(f"{fault!r}; choose one of: {', '.join(_FAULTS)}",
+                                 param_hint="--fault")
+    config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
+                       tokens_per_step=tokens_per_step,
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_model_len,
+                       fault=None if fault is None else FaultMode(fault), fault_factor=factor)
+    raise typer.Exit(serve(config))
+
+
+@app.command()
+def check(
+    url: str = typer.Argument(..., help="The engine's base URL, e.g. http://127.0.0.1:8000"),
+    proxy: bool = typer.Option(False, "--proxy", help="URL is a load balancer: only "
+                               "GET /v1/models is read through it."),
+    interval: float = typer.Option(DEFAULT_POLICY.check_interval_s, min=0.0,
+                                   help="Seconds between reads."),
+    stall_s: float = typer.Option(DEFAULT_POLICY.stall_s, min=0.0,
+                                  help="How long a stall must last, over two waits, to be "
+                                  "STUCK."),
+    in_flight: int = typer.Option(0, min=0, help="Requests a router has in flight there: "
+                                  "with an idle engine that is a lost core."),
+    model: str | None = typer.Option(None, help="Model for the canary (default: the first "
+                                     "from /v1/models)."),
+    timeout: float = typer.Option(DEFAULT_POLICY.read_timeout_s, min=0.001,
+                                  help="Timeout of one read."),
+    canary_timeout: float = typer.Option(DEFAULT_POLICY.canary_timeout_s, min=0.001,
+                                         help="Timeout of the canary."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Judge one engine once from its /metrics, the way the fleet's watchdog does.
+
+    Exit status: 0 healthy (busy, or idle with a good canary), 1 stuck or lost-core (or an idle
+    engine's canary failed), 2 unreachable, 3 cannot judge.
+    """
+    import asyncio
+    import json
+    from dataclasses import replace
+
+    from fleetwarden.watchdog import check as run_check
+
+    policy = replace(DEFAULT_POLICY, stall_s=stall_s, read_timeout_s=timeout,
+                     canary_timeout_s=canary_timeout, check_interval_s=interval)
+    result = asyncio.run(run_check(url, proxy=proxy, in_flight=in_flight, policy=policy,
+                                   model=model))
+    report = result.report
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        console = Console(highlight=False)
+        colour = {0: "green", 1: "red", 2: "red", 3: "yellow"}[result.exit_code]
+        console.print(f"{report.url}  [bold {colour}]{report.verdict.value.upper()}[/] "
+                      f"({report.health.value})")
+        console.print(f"  {report.evidence.summary}", markup=False)
+        details = [f"{result.reads} reads"]
+        if report.tokens_per_s is not None:
+            details.append(f"{report.tokens_per_s:.0f} tokens/s")
+        if report.incarnation is not None:
+            details.append(f"process started {report.incarnation}")
+        console.print("  " + "; ".join(details), markup=False)
+        canary = report.canary
+        if canary is not None:
+            console.print(f"  canary: {'answered' if canary.ok else 'FAILED'} in "
+                          f"{canary.latency_s:.2f} s" + (f" ({canary.error})" if canary.error
+                                                        else ""), markup=False)
+        else:
+            console.print(f"  canary: none sent ({report.canary_rule.value})", markup=False)
+    raise typer.Exit(result.exit_code)
 
 
 def main() -> None:

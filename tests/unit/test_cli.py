@@ -17,7 +17,9 @@ def test_version_and_help() -> None:
     out = fleetwarden("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"fleetwarden {__version__}"
     out = fleetwarden("--help")
-    assert out.returncode == 0 and "demo" in out.stdout
+    assert out.returncode == 0
+    for command in ("demo", "check", "sim"):
+        assert command in out.stdout
 
 
 def test_the_ledger_demo_prints_each_transition_with_its_cause() -> None:

@@ -1,0 +1,402 @@
+"""Verdicts on an engine from two reads of its metrics (pure; SYSTEM.md section 5, note 002).
+
+Two rules, as in h11's ``_state.py``:
+
+* Everything that decides what a read of an engine means lives in this file: the verdicts, the
+  stall memory, when a canary may be sent, and what each outcome amounts to. The watchdog only
+  fetches; it never decides.
+* This file does no I/O and reads no clock. The caller passes the previous sample, the new
+  reading, the seconds between them and the router's in-flight count, and carries the returned
+  :class:`Stall` into the next call.
+
+The rule behind every line here: **a health check must never consume the resource it
+protects.** An engine's scarce resource is its request slots. A canary (one tiny generation) is
+allowed only where it takes no slot from real work: an idle engine, or one whose emptiness
+contradicts the router (lost core). A busy engine proves its health by progress alone.
+
+| verdict | when | canary |
+|---|---|---|
+| DEAD | ``/metrics`` and ``/health`` unreachable, or ``/health`` not 200 | never |
+| NO_METRICS | reachable; ``/metrics`` missing, unparseable or lacking | when due; none in flight |
+| FIRST_READ | busy at the first read: nothing to compare with yet | never |
+| RESTARTED | the process start time changed, or a counter went backwards | now if idle |
+| BUSY | work in the engine, and steps or the work fingerprint advanced | never |
+| STALLED | work in the engine, nothing advanced since the last read | never |
+| STUCK | stalled on ``stall_waits`` reads in a row, for ``stall_s`` | never: conclusive |
+| IDLE | nothing running, nothing waiting | when due |
+| LOST_CORE | idle and flat, but the router has requests in flight there | now; conclusive |
+| REACHABLE | a proxy answered ``GET /v1/models`` (its backends are judged directly) | never |
+
+Keep in sync: this table, :func:`judge`, :func:`conclude`, the mapping table in
+``watchdog.py``, and SYSTEM.md section 5.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fleetwarden.metrics import MAX_BODY_BYTES, Sample
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "NO_STALL",
+    "CanaryRule",
+    "Down",
+    "Evidence",
+    "Health",
+    "Judgement",
+    "NoMetrics",
+    "ProxyAnswered",
+    "Reading",
+    "Stall",
+    "Verdict",
+    "WatchdogPolicy",
+    "conclude",
+    "judge",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogPolicy:
+    """Every default of the watchdog and the judge, each with its reason."""
+
+    #: A stall must last this long before it is conclusive (SYSTEM.md section 5). A healthy
+    #: engine takes a step every 10-125 ms (note 002's slow GB10 made 8 tokens/s); 15 s without
+    #: one is 100+ missed steps, while a pause to swap or compile passes well inside it.
+    stall_s: float = 15.0
+    #: ...and be seen on this many reads in a row: note 002's "two waits", so that one late read
+    #: (a slow scrape, a GC pause) is never a stall by itself.
+    stall_waits: int = 2
+    #: At most one canary per engine this often while it stays idle. Every canary is a real
+    #: generation; 30 s bounds them to 120 an hour per engine (nothing for an idle engine) and
+    #: still catches an idle wedge within half a minute, usually before the router's first
+    #: request to it would (a lost core is caught at once, whatever the interval).
+    canary_interval_s: float = 30.0
+    #: One read of ``/metrics``, ``/health`` or ``/v1/models``. A real ``/metrics`` answers in
+    #: <= 16 ms (the captures); the only slower read seen (5.8 s) was a host whose CPUs its own
+    #: client saturated. 2 s, and at most 4 s with the ``/health`` fallback, keeps a round inside
+    #: the controller's 5 s tick.
+    read_timeout_s: float = 2.0
+    #: The canary: one completion of ``max_tokens`` 1 on an idle engine is one prefill step,
+    #: well under a second even for large models. 5 s fails a wedged engine quickly, and is far
+    #: from note 002's 45 s that a busy engine's queue could eat.
+    canary_timeout_s: float = 5.0
+    #: A ``/metrics`` body larger than this is not read further (see metrics.MAX_BODY_BYTES).
+    max_metrics_bytes: int = MAX_BODY_BYTES
+    #: ``fleetwarden check``: seconds between its reads. A healthy busy engine takes a step
+    #: every 10-125 ms, so two reads 2 s apart that show none are worth a third look, and a
+    #: liveness probe that finds an engine busy or idle answers in about 2 s.
+    check_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("stall_s", "canary_interval_s", "read_timeout_s", "canary_timeout_s",
+                     "check_interval_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"WatchdogPolicy.{name} must be >= 0, got {value!r}")
+        if self.stall_waits < 1:
+            raise ValueError(f"WatchdogPolicy.stall_waits must be at least 1, got "
+                             f"{self.stall_waits}")
+        if self.max_metrics_bytes < 1024:
+            raise ValueError(f"WatchdogPolicy.max_metrics_bytes must be at least 1024, got "
+                             f"{self.max_metrics_bytes}")
+
+
+DEFAULT_POLICY = WatchdogPolicy()
+
+
+class Verdict(enum.Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+    STALLED = "stalled"
+    STUCK = "stuck"
+    RESTARTED = "restarted"
+    NO_METRICS = "no-metrics"
+    LOST_CORE = "lost-core"
+    DEAD = "dead"
+    FIRST_READ = "first-read"
+    REACHABLE = "reachable"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CanaryRule(enum.Enum):
+    """What the verdict allows: may a canary generation be sent to this engine?"""
+
+    NEVER = "never"  # its slots hold real work, or nothing answers, or it is a proxy
+    WHEN_DUE = "when due"  # idle: at most one per canary_interval_s
+    NOW = "now"  # whatever the interval: a lost core, or a new process that is idle
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Health(enum.Enum):
+    """What a verdict (and the canary, if one was sent) amounts to, for whoever keeps score."""
+
+    SERVING = "serving"  # proved: progress, or a canary answered. A good probe
+    UNPROVEN = "unproven"  # nothing proved either way (stalled, not yet compared, no canary)
+    FAILING = "failing"  # one failed probe: unreachable, or an idle engine's canary failed
+    CONDEMNED = "condemned"  # conclusive: stuck, or a lost core's canary failed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# ---------------------------------------------------------------------- readings
+
+
+@dataclass(frozen=True, slots=True)
+class NoMetrics:
+    """The engine answered ``/health`` with 200, but ``/metrics`` gave no :class:`Sample`."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Down:
+    """Neither ``/metrics`` nor ``/health`` answered, or ``/health`` answered other than 200."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyAnswered:
+    """A proxy target answered ``GET /v1/models`` with a model list."""
+
+    models: tuple[str, ...]
+
+
+#: One visit to an engine, as the watchdog found it.
+Reading = Sample | NoMetrics | Down | ProxyAnswered
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """How long work has sat in an engine with nothing advancing: the judge's only memory."""
+
+    waits: int = 0  # reads in a row that found nothing advanced
+    seconds: float = 0.0  # the time those reads span
+
+
+NO_STALL = Stall()
+
+
+# ---------------------------------------------------------------------- the answer
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """Why: what moved between the reads, what did not, and for how long."""
+
+    summary: str
+    running: float | None = None
+    waiting: float | None = None
+    in_flight: int = 0  # the router's requests in flight on this engine
+    elapsed_s: float | None = None  # between the two samples compared
+    #: Each counter's increase between the two samples (``Sample.COUNTERS``).
+    deltas: Mapping[str, float] = field(default_factory=dict)
+    stalled_waits: int = 0
+    stalled_for_s: float = 0.0
+    stalls_excused: bool = False
+    incarnation: str | None = None
+    previous_incarnation: str | None = None
+    problem: str = ""  # what went wrong reading the engine, for DEAD and NO_METRICS
+
+    @property
+    def moved(self) -> tuple[str, ...]:
+        return tuple(name for name, d in self.deltas.items() if d > 0)
+
+    @property
+    def flat(self) -> tuple[str, ...]:
+        return tuple(name for name, d in self.deltas.items() if d == 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary,
+            "running": self.running,
+            "waiting": self.waiting,
+            "in_flight": self.in_flight,
+            "elapsed_s": self.elapsed_s,
+            "deltas": dict(self.deltas),
+            "moved": list(self.moved),
+            "flat": list(self.flat),
+            "stalled_waits": self.stalled_waits,
+            "stalled_for_s": self.stalled_for_s,
+            "stalls_excused": self.stalls_excused,
+            "incarnation": self.incarnation,
+            "previous_incarnation": self.previous_incarnation,
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    verdict: Verdict
+    evidence: Evidence
+    canary: CanaryRule
+    #: The rule applied to the time since the last canary: send one now?
+    send_canary: bool
+    #: Carry into the next :func:`judge` call for this engine.
+    stall: Stall
+
+    @property
+    def canary_is_conclusive(self) -> bool:
+        """A failed canary condemns (a lost core); elsewhere it is one failed probe."""
+        return self.verdict is Verdict.LOST_CORE
+
+
+# ---------------------------------------------------------------------- the judge
+
+
+def judge(
+    before: Sample | None,
+    after: Reading,
+    *,
+    elapsed_s: float,
+    in_flight: int = 0,
+    stall: Stall = NO_STALL,
+    since_canary_s: float | None = None,
+    stalls_excused: bool = False,
+    policy: WatchdogPolicy = DEFAULT_POLICY,
+) -> Judgement:
+    """The verdict on an engine from its last sample and a new reading.
+
+    ``elapsed_s`` is the time between the sample ``before`` was taken and ``after``;
+    ``in_flight`` is how many requests the router has outstanding there; ``stall`` is what the
+    previous call returned; ``since_canary_s`` the time since the last canary (``None``: never).
+    ``stalls_excused`` (a refit lease: an engine may pause while it loads weights) keeps a stall
+    from ever becoming STUCK, and its wait from counting towards one.
+    """
+    elapsed = max(0.0, elapsed_s)
+
+    def rule(canary: CanaryRule) -> bool:
+        if canary is CanaryRule.NOW:
+            return True
+        if canary is CanaryRule.WHEN_DUE:
+            return since_canary_s is None or since_canary_s >= policy.canary_interval_s
+        return False
+
+    def verdict(v: Verdict, canary: CanaryRule, evidence: Evidence, new_stall: Stall = NO_STALL
+                ) -> Judgement:
+        return Judgement(v, evidence, canary, rule(canary), new_stall)
+
+    if isinstance(after, Down):
+        return verdict(Verdict.DEAD, CanaryRule.NEVER,
+                       Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
+                                problem=after.reason))
+    if isinstance(after, ProxyAnswered):
+        names = ", ".join(after.models) or "no models"
+        return verdict(Verdict.REACHABLE, CanaryRule.NEVER,
+                       Evidence(f"proxy answered GET /v1/models ({names}); its backends are "
+                                "judged directly, never through it", in_flight=in_flight))
+    if isinstance(after, NoMetrics):
+        if in_flight:
+            summary = (f"no metrics ({after.reason}); /health 200; {in_flight} requests in "
+                       "flight, so no canary: one would queue behind them")
+            canary = CanaryRule.NEVER
+        else:
+            summary = f"no metrics ({after.reason}); /health 200; nothing in flight"
+            canary = CanaryRule.WHEN_DUE
+        return verdict(Verdict.NO_METRICS, canary,
+                       Evidence(summary, in_flight=in_flight, problem=after.reason))
+
+    has_work = not after.idle
+    gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
+    base = Evidence(gauges, running=after.running, waiting=after.waiting, in_flight=in_flight,
+                    incarnation=after.incarnation)
+
+    if before is None:
+        if has_work:
+            return verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
+                           replace(base, summary=f"{gauges}; first read, nothing to compare "
+                                   "with yet"))
+        return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
+                       replace(base, summary=f"idle at the first read; {in_flight} in flight"))
+
+    deltas = {name: value - getattr(before, name) for name, value in after.counters().items()}
+    base = replace(base, elapsed_s=elapsed, deltas=deltas,
+                   previous_incarnation=before.incarnation)
+
+    new_process = (before.start_time is not None and after.start_time is not None
+                   and before.start_time != after.start_time)
+    went_back = [name for name, d in deltas.items() if d < 0]
+    if new_process or went_back:
+        why = (f"process start time {before.incarnation} -> {after.incarnation}" if new_process
+               else "counters went backwards: " + ", ".join(went_back))
+        canary = CanaryRule.NEVER if has_work else CanaryRule.NOW
+        return verdict(Verdict.RESTARTED, canary,
+                       replace(base, summary=f"a new process ({why}); counters are never "
+                               f"compared across processes; {gauges}", deltas={}))
+
+    moved = [name for name, d in deltas.items() if d > 0]
+    if has_work:
+        if moved:
+            return verdict(Verdict.BUSY, CanaryRule.NEVER,
+                           replace(base, summary=f"{gauges}; {_moves(deltas)} in {elapsed:.1f} s"))
+        if stalls_excused:
+            return verdict(Verdict.STALLED, CanaryRule.NEVER,
+                           replace(base, stalls_excused=True,
+                                   summary=f"{gauges}; nothing advanced in {elapsed:.1f} s; "
+                                   "excused (refit lease)"))
+        now_stalled = Stall(stall.waits + 1, stall.seconds + elapsed)
+        stalled = replace(base, stalled_waits=now_stalled.waits,
+                          stalled_for_s=now_stalled.seconds)
+        if now_stalled.waits >= policy.stall_waits and now_stalled.seconds >= policy.stall_s:
+            return verdict(Verdict.STUCK, CanaryRule.NEVER,
+                           replace(stalled, summary=f"{gauges}; nothing advanced on "
+                                   f"{now_stalled.waits} reads over {now_stalled.seconds:.1f} s "
+                                   f"(stall_s {policy.stall_s:g})"),
+                           now_stalled)
+        return verdict(Verdict.STALLED, CanaryRule.NEVER,
+                       replace(stalled, summary=f"{gauges}; nothing advanced on "
+                               f"{now_stalled.waits} read(s) over {now_stalled.seconds:.1f} s; "
+                               f"waiting for {policy.stall_waits} reads and "
+                               f"{policy.stall_s:g} s"),
+                       now_stalled)
+
+    if in_flight > 0 and not moved:
+        return verdict(Verdict.LOST_CORE, CanaryRule.NOW,
+                       replace(base, summary=f"idle and flat for {elapsed:.1f} s, but the "
+                               f"router has {in_flight} requests in flight there"))
+    what = f"; {_moves(deltas)}" if moved else "; nothing moved"
+    return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
+                   replace(base, summary=f"idle{what} in {elapsed:.1f} s"))
+
+
+def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
+    """What a verdict amounts to, given the canary's outcome (``None``: none was sent)."""
+    v = judgement.verdict
+    if v in (Verdict.BUSY, Verdict.REACHABLE):
+        return Health.SERVING
+    if v is Verdict.STUCK:
+        return Health.CONDEMNED
+    if v is Verdict.DEAD:
+        return Health.FAILING
+    if canary_ok is None:  # STALLED, FIRST_READ, or a canary not due or not allowed
+        return Health.UNPROVEN
+    if canary_ok:
+        return Health.SERVING
+    return Health.CONDEMNED if judgement.canary_is_conclusive else Health.FAILING
+
+
+def _n(x: float) -> str:
+    return f"{x:.0f}" if x == int(x) else f"{x:g}"
+
+
+_LABELS = {
+    "steps": "steps",
+    "generation_tokens": "generation tokens",
+    "prompt_tokens": "prompt tokens",
+    "preemptions": "preemptions",
+    "finished_requests": "finished requests",
+}
+
+
+def _moves(deltas: Mapping[str, float]) -> str:
+    moved = [f"{_LABELS[name]} +{_n(d)}" for name, d in deltas.items() if d > 0]
+    return ", ".join(moved) if moved else "nothing advanced"

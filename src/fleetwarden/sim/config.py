@@ -1,0 +1,56 @@
+"""What a simulated engine is told at start: its size, its speed, and its fault (no imports
+of the server, so the command line can show these defaults cheaply)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["FaultMode", "SimConfig"]
+
+
+class FaultMode(enum.Enum):
+    WEDGE = "wedge"
+    CRASH = "crash"
+    REFUSE = "refuse"
+    SLOW = "slow"
+    ERROR5XX = "error5xx"
+    NO_METRICS = "no_metrics"
+    GARBAGE_METRICS = "garbage_metrics"
+    RESTART = "restart"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port; the bound one is in Sim.url and the ready line
+    model: str = "tiny"  # the served name of the captures' model
+    #: Requests in the running batch at once (vLLM's max_num_seqs); more wait. 8: a handful of
+    #: test clients can fill it, so "every slot busy" is cheap to arrange.
+    slots: int = 8
+    #: Engine steps per second while there is work. 20 keeps a test machine's CPU quiet; a
+    #: request of max_tokens 2000 then takes 100 s, a long generation a watchdog must respect.
+    steps_per_s: float = 20.0
+    #: Output tokens each running request gains per step (1, as vLLM without speculation).
+    tokens_per_step: int = 1
+    #: The step's token budget (vLLM's max_num_batched_tokens, 2048 as vLLM's chunked-prefill
+    #: default): longer prompts prefill over several steps that emit no token.
+    max_num_batched_tokens: int = 2048
+    #: Room for a long prompt and a 2,000-token generation (the captures' model had 512).
+    max_model_len: int = 8192
+    fault: FaultMode | None = None
+    fault_factor: float = 4.0  # the default slowdown of ``slow``
+    #: After ``crash``: how long the dying process still answers (503 /health) before it goes.
+    #: Real vLLM refused connections ~0.4 s after its EngineCore was killed.
+    crash_exit_s: float = 0.4
+    #: Entries kept in the /sim/stats log (the counts by path are never trimmed).
+    stats_log_size: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("slots, tokens_per_step and max_num_batched_tokens must be >= 1")
+        if not self.steps_per_s > 0 or not self.fault_factor > 0:
+            raise ValueError("steps_per_s and fault_factor must be > 0")

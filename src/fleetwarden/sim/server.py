@@ -1,0 +1,635 @@
+"""The simulated engine's shell: an aiohttp server around the engine core.
+
+Like a real vLLM, the HTTP side (here: handlers) and the engine core (here: one loop task) meet
+only through a queue. Handlers put requests into an inbox; the engine loop takes them in,
+steps at ``steps_per_s``, and hands tokens back. That one seam is what makes the faults
+faithful:
+
+* ``wedge`` stops the loop (as ``SIGSTOP`` stops vLLM's EngineCore): requests are still
+  accepted into the inbox and never answered, ``/health`` and ``/v1/models`` still answer, and
+  every metric is frozen — ``num_requests_running`` at its value — because only the loop
+  writes them. Clearing it resumes the loop; held requests then complete.
+* ``crash`` fails every request in the engine with vLLM's 500 body, answers ``/health`` 503,
+  then stops listening and ends the process with a non-zero status (in-process: sets
+  :attr:`Sim.exited` with ``exit_code`` 1).
+* ``restart`` is a new process: a new ``process_start_time_seconds``, every counter from zero,
+  and the connections of requests in flight dropped.
+* ``refuse`` closes the listening socket (and idle connections): connections are refused while
+  the process lives on. Clear it with ``duration_s`` or in-process, since the control endpoint
+  is behind the closed socket too.
+* ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
+  body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
+
+Control: ``POST /sim/fault {"mode": "wedge", "factor": 4, "duration_s": 5}`` (``"mode": null``
+or ``DELETE /sim/fault`` clears), ``GET /sim/fault``, and ``GET /sim/stats``: every request
+received, by path, and a bounded log with method, path, time and ``x-request-id``, so tests can
+prove what a health check sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from aiohttp import web
+
+from fleetwarden.sim import wire
+from fleetwarden.sim.config import FaultMode, SimConfig
+from fleetwarden.sim.engine import EngineCore, SimRequest, StepResult
+from fleetwarden.sim.families import CONTENT_TYPE, VllmFamilies
+
+__all__ = ["FaultMode", "Sim", "SimConfig", "serve"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    mode: FaultMode | None = None
+    factor: float = 1.0
+    until: float | None = None  # loop time when it clears itself
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": None if self.mode is None else self.mode.value, "factor": self.factor,
+                "clears_in_s": None if self.until is None
+                else max(0.0, self.until - asyncio.get_running_loop().time())}
+
+
+class _Pending:
+    """A generation between its handler and the engine: the handler reads ``events``."""
+
+    __slots__ = ("core", "events", "request", "transport")
+
+    def __init__(self, request: SimRequest, core: EngineCore,
+                 transport: asyncio.BaseTransport | None) -> None:
+        self.request = request
+        self.core = core  # the process it was sent to; a restart makes a new one
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.transport = transport
+
+
+class Sim:
+    """One simulated vLLM engine on the running event loop.
+
+    ``async with Sim(SimConfig(...)) as sim:`` serves at ``sim.url`` until the block ends. The
+    ``fleetwarden sim`` command runs the same class in its own process (:func:`serve`).
+    """
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        config = config if config is not None else SimConfig()
+        self.config = config
+        self.exited = asyncio.Event()  # set when a crash ends the simulated process
+        self.exit_code = 0
+        self.restarts = 0
+        self._fault = Fault()
+        self._crashed = False
+        self._wake = asyncio.Event()
+        self._inbox: list[tuple[str, _Pending]] = []
+        self._pending: dict[SimRequest, _Pending] = {}
+        self._by_path: Counter[str] = Counter()
+        self._log: deque[dict[str, Any]] = deque(maxlen=config.stats_log_size)
+        self._received = 0
+        self._families, self._core = self._new_process(None)
+        self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self._port = config.port
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._engine_task: asyncio.Task[None] | None = None
+        self._fault_timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._record, self._vllm_errors],
+                              client_max_size=64 * 1024 * 1024)
+        app.add_routes([
+            web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+            web.get("/v1/models", self._models),
+            web.get("/version", self._version),
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat),
+            web.post("/tokenize", self._tokenize),
+            web.post("/detokenize", self._detokenize),
+            web.get("/sim/stats", self._stats),
+            web.get("/sim/fault", self._get_fault),
+            web.post("/sim/fault", self._post_fault),
+            web.delete("/sim/fault", self._delete_fault),
+        ])
+        # handler_cancellation: a client that goes away cancels its handler, which aborts its
+        # request in the engine, as vLLM does (no orphaned decoding).
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                                     handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        await self._listen()
+        self._engine_task = asyncio.create_task(self._engine_loop(), name="sim-engine")
+        if self.config.fault is not None:
+            await self.set_fault(self.config.fault, self.config.fault_factor)
+
+    async def stop(self) -> None:
+        """Stop serving. Requests still in the engine lose their connections, as they would
+        when a real engine's process ends."""
+        if self._fault_timer is not None:
+            self._fault_timer.cancel()
+        for pending in list(self._pending.values()):
+            if pending.transport is not None:
+                pending.transport.close()
+            pending.events.put_nowait(("dropped", None))
+        self._pending.clear()
+        for task in [*self._tasks, self._engine_task]:
+            if task is not None:
+                task.cancel()
+        for task in [*self._tasks, self._engine_task]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._tasks.clear()
+        self._engine_task = None
+        self._close_listener()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> Sim:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _listen(self) -> None:
+        assert self._runner is not None and self._runner.server is not None
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            self._runner.server, self.config.host, self._port, reuse_address=True)
+        self._port = self._listener.sockets[0].getsockname()[1]
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # owned: stop() cancels it
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _new_process(self, previous_start: float | None) -> tuple[VllmFamilies, EngineCore]:
+        c = self.config
+        start = time.time()
+        if previous_start is not None:
+            start = max(start, previous_start + 0.001)  # a new process never shares a start
+        families = VllmFamilies(c.model, max_model_len=c.max_model_len,
+                                kv_capacity_tokens=c.slots * c.max_model_len, start_time=start)
+        core = EngineCore(families, slots=c.slots, tokens_per_step=c.tokens_per_step,
+                          max_num_batched_tokens=c.max_num_batched_tokens)
+        return families, core
+
+    # ------------------------------------------------------------------ faults
+
+    @property
+    def fault(self) -> Fault:
+        return self._fault
+
+    async def set_fault(self, mode: FaultMode | None, factor: float | None = None,
+                        duration_s: float | None = None) -> Fault:
+        """Change the fault (``None`` clears it). ``duration_s``: clear it by itself after."""
+        loop = asyncio.get_running_loop()
+        if self._fault_timer is not None:
+            self._fault_timer.cancel()
+            self._fault_timer = None
+        if self._crashed:
+            return self._fault  # a dead process takes no more orders
+        previous = self._fault.mode
+        if previous is FaultMode.REFUSE and mode is not FaultMode.REFUSE:
+            await self._listen()
+        if mode is FaultMode.RESTART:
+            self._restart()
+            mode = None
+        until = None if duration_s is None or mode is None else loop.time() + duration_s
+        self._fault = Fault(mode, factor if factor is not None else (
+            self.config.fault_factor if mode is FaultMode.SLOW else 1.0), until)
+        if mode is FaultMode.REFUSE and previous is not FaultMode.REFUSE:
+            self._refuse()
+        if mode is FaultMode.CRASH:
+            self._crash()
+        if until is not None:
+            self._fault_timer = loop.call_at(until, self._clear_by_timer)
+        self._wake.set()
+        return self._fault
+
+    def _clear_by_timer(self) -> None:
+        self._fault_timer = None
+
+        async def clear() -> None:
+            await self.set_fault(None)
+
+        self._spawn(clear(), "sim-fault-clear")
+
+    def _refuse(self) -> None:
+        self._close_listener()
+        assert self._runner is not None and self._runner.server is not None
+        for connection in self._runner.server.connections:
+            connection.close()  # idle ones at once, busy ones after their current response
+
+    def _crash(self) -> None:
+        self._crashed = True
+        for pending in list(self._pending.values()):
+            pending.events.put_nowait(("error", wire.ENGINE_DEAD))
+        self._pending.clear()
+        self._inbox.clear()
+
+        async def die() -> None:
+            await asyncio.sleep(self.config.crash_exit_s)
+            self._close_listener()
+            self.exit_code = 1
+            self.exited.set()
+
+        self._spawn(die(), "sim-crash")
+
+    def _restart(self) -> None:
+        dropped = list(self._pending.values())
+        self._pending.clear()
+        self._inbox.clear()
+        self._families, self._core = self._new_process(self._families.start_time)
+        self.restarts += 1
+        for pending in dropped:  # the old process's connections die with it
+            if pending.transport is not None:
+                pending.transport.close()
+            pending.events.put_nowait(("dropped", None))
+
+    # ------------------------------------------------------------------ the engine loop
+
+    def _step_interval(self) -> float:
+        factor = self._fault.factor if self._fault.mode is FaultMode.SLOW else 1.0
+        return factor / self.config.steps_per_s
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            if self._fault.mode is FaultMode.WEDGE or self._crashed:
+                self._wake.clear()
+                await self._wake.wait()  # frozen: nothing below runs, no metric changes
+                next_at = loop.time()
+                continue
+            self._drain_inbox()
+            if not self._core.has_work:
+                self._wake.clear()
+                if not self._inbox:
+                    await self._wake.wait()
+                next_at = loop.time()
+                continue
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue  # look at faults and the inbox again before stepping
+            now = loop.time()
+            self._deliver(self._core.step(now))
+            next_at += self._step_interval()
+            if next_at < now:
+                next_at = now  # a late loop steps late; it never bursts to catch up
+
+    def _drain_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for op, pending in inbox:
+            if pending.core is not self._core:
+                continue  # sent to a process that has since restarted
+            if op == "add":
+                self._core.add(pending.request)
+            else:
+                self._core.abort(pending.request)
+
+    def _deliver(self, result: StepResult) -> None:
+        finished = set(result.finished)
+        for request, tokens in result.produced:
+            pending = self._pending.get(request)
+            if pending is not None:
+                done = request in finished
+                pending.events.put_nowait(("tokens", (tokens, "length" if done else None)))
+                if done:
+                    del self._pending[request]
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _record(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+        self._received += 1
+        self._by_path[request.path] += 1
+        self._log.append({"method": request.method, "path": request.path, "at": time.time(),
+                          "request_id": request.headers.get("x-request-id")})
+        return await handler(request)
+
+    @web.middleware
+    async def _vllm_errors(self, request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return _json(wire.NOT_FOUND, 404)
+        except web.HTTPMethodNotAllowed:
+            return _json(wire.METHOD_NOT_ALLOWED, 405)
+
+    # ------------------------------------------------------------------ probes and metadata
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self._crashed else 200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        mode = self._fault.mode
+        if mode is FaultMode.NO_METRICS:
+            return _json(wire.NOT_FOUND, 404)
+        body = self._families.exposition()
+        if mode is FaultMode.GARBAGE_METRICS:
+            body = _garbage(body)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        return _json(wire.models(self.config.model, self.config.max_model_len, created))
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return _json({"version": "0.32.0"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.bad_json(), 400)
+        if "messages" in body and isinstance(body["messages"], list):
+            tokens = wire.encode(wire.chat_prompt(body["messages"]))
+        else:
+            tokens = wire.encode(str(body.get("prompt", "")))
+        return _json({"count": len(tokens), "max_model_len": self.config.max_model_len,
+                      "tokens": tokens, "token_strs": None})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return _json(wire.invalid("tokens must be a list of integers", "tokens"), 400)
+        return _json({"prompt": wire.decode([t for t in tokens if t != wire.BOS])})
+
+    # ------------------------------------------------------------------ generations
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        c = self.config
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.bad_json(), 400)
+        model = body.get("model", c.model)
+        if model != c.model:
+            return _json(wire.unknown_model(str(model), c.model), 404)
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                return _json(wire.invalid("messages must be a list of messages", "messages"),
+                             400)
+            prompt = wire.chat_prompt(messages)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            raw = body.get("prompt")
+            if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
+                prompt = wire.decode(raw)
+            elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+                prompt = raw[0]
+            elif isinstance(raw, str):
+                prompt = raw
+            else:
+                return _json(wire.invalid("prompt must be a string or a list of tokens",
+                                          "prompt"), 400)
+            max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = 16
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            return _json(wire.invalid(f"max_tokens must be at least 1, got {max_tokens!r}.",
+                                      "max_tokens"), 400)
+        prompt_tokens = len(wire.encode(prompt))
+        if max_tokens > c.max_model_len:
+            return _json(wire.max_tokens_too_large(max_tokens, c.max_model_len), 400)
+        if prompt_tokens > c.max_model_len:
+            return _json(wire.prompt_too_long(c.max_model_len), 400)
+        if prompt_tokens + max_tokens > c.max_model_len:
+            return _json(wire.context_too_long(c.max_model_len, prompt_tokens, max_tokens), 400)
+        if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
+            return _json(wire.ENGINE_DEAD, 500)
+
+        loop = asyncio.get_running_loop()
+        sim_request = SimRequest(id=wire.completion_id(chat), prompt_tokens=prompt_tokens,
+                                 max_tokens=max_tokens, arrived_at=loop.time(),
+                                 next_token=wire.token_picker(prompt))
+        pending = _Pending(sim_request, self._core, request.transport)
+        self._pending[sim_request] = pending
+        self._inbox.append(("add", pending))
+        self._wake.set()
+        stream_options = body.get("stream_options")
+        include_usage = isinstance(stream_options, dict) and bool(
+            stream_options.get("include_usage"))
+        try:
+            if body.get("stream"):
+                return await self._stream(request, pending, chat, include_usage)
+            return await self._answer(pending, chat)
+        finally:
+            # Still pending here: the client went away (cancelled, or a write failed) before
+            # the engine finished it. Abort it, as vLLM does; the engine takes the abort at its
+            # next turn (not while wedged: a stopped EngineCore takes nothing).
+            if self._pending.pop(sim_request, None) is not None:
+                self._inbox.append(("abort", pending))
+                self._wake.set()
+
+    async def _answer(self, pending: _Pending, chat: bool) -> web.StreamResponse:
+        r = pending.request
+        created = int(time.time())
+        while True:
+            kind, value = await pending.events.get()
+            if kind == "error":
+                return _json(value, 500)
+            if kind == "dropped":
+                raise asyncio.CancelledError  # the connection is already gone
+            tokens, finish_reason = value
+            del tokens  # the text is decoded once, at the end
+            if finish_reason is not None:
+                text = wire.decode(r.output)
+                make = wire.chat_completion if chat else wire.completion
+                return _json(make(r.id, created, self.config.model, text, finish_reason,
+                                  r.prompt_tokens, len(r.output)))
+
+    async def _stream(self, request: web.Request, pending: _Pending, chat: bool,
+                      include_usage: bool) -> web.StreamResponse:
+        r = pending.request
+        model = self.config.model
+        created = int(time.time())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
+                                                               "charset=utf-8"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        first = True
+        while True:
+            kind, value = await pending.events.get()
+            if kind == "error":
+                await response.write(wire.sse(value))
+                break
+            if kind == "dropped":
+                raise asyncio.CancelledError
+            tokens, finish_reason = value
+            if chat and first:
+                await response.write(wire.sse(wire.chat_role_chunk(r.id, created, model)))
+            first = False
+            text = "".join(wire.piece(t) for t in tokens)
+            last = finish_reason is not None and not include_usage
+            make = wire.chat_chunk if chat else wire.completion_chunk
+            await response.write(wire.sse(make(r.id, created, model, text, finish_reason, last)))
+            if finish_reason is not None:
+                if include_usage:
+                    await response.write(wire.sse(wire.usage_chunk(
+                        r.id, created, model, chat, r.prompt_tokens, len(r.output))))
+                break
+        await response.write(wire.SSE_DONE)
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------ control
+
+    def stats(self) -> dict[str, Any]:
+        core = self._core
+        return {
+            "received": self._received,
+            "by_path": dict(self._by_path),
+            "log": list(self._log),
+            "log_size": self.config.stats_log_size,
+            "fault": self._fault.to_dict(),
+            "engine": {
+                "running": len(core.running), "waiting": len(core.waiting),
+                "held": sum(1 for op, _ in self._inbox if op == "add"),
+                "steps": core.steps, "start_time": self._families.start_time,
+                "restarts": self.restarts, "crashed": self._crashed,
+            },
+            "config": {k: (str(v) if isinstance(v, FaultMode) else v)
+                       for k, v in asdict(self.config).items()},
+        }
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return _json(self.stats())
+
+    async def _get_fault(self, request: web.Request) -> web.Response:
+        return _json({"fault": self._fault.to_dict()})
+
+    async def _delete_fault(self, request: web.Request) -> web.Response:
+        return _json({"fault": (await self.set_fault(None)).to_dict()})
+
+    async def _post_fault(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        allowed = [m.value for m in FaultMode]
+        if not isinstance(body, dict) or "mode" not in body:
+            return _json({"error": f'expected {{"mode": one of {allowed} or null}}'}, 400)
+        try:
+            mode = None if body["mode"] is None else FaultMode(body["mode"])
+            factor = None if body.get("factor") is None else float(body["factor"])
+            duration = None if body.get("duration_s") is None else float(body["duration_s"])
+        except (ValueError, TypeError):
+            return _json({"error": f"mode must be one of {allowed} or null; factor and "
+                                   "duration_s numbers"}, 400)
+        if factor is not None and not factor > 0:
+            return _json({"error": "factor must be > 0"}, 400)
+        if mode is FaultMode.REFUSE:
+            # Answer first: the socket this answer travels on is about to be closed.
+            response = _json({"fault": replace(self._fault, mode=mode).to_dict()})
+            await response.prepare(request)
+            await response.write_eof()
+            await self.set_fault(mode, factor, duration)
+            return response
+        return _json({"fault": (await self.set_fault(mode, factor, duration)).to_dict()})
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=wire.dumps(obj), status=status,
+                        headers={"Content-Type": "application/json"})
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _garbage(body: bytes) -> bytes:
+    """A /metrics body as a broken exporter might send it: cut short, then junk."""
+    return (body[: len(body) // 3] + b"\n\x00\xff\xfe{{{ not metrics\n"
+            + b'vllm:num_requests_running{engine="0" 4.0 nan\n')
+
+
+# ---------------------------------------------------------------------- the process
+
+
+async def _serve(config: SimConfig, ready: Callable[[Sim], None]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    sim = Sim(config)
+    try:
+        await sim.start()
+    except OSError as e:
+        await sim.stop()
+        print(f"fleetwarden sim: cannot listen on {config.host}:{config.port}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
+    ready(sim)
+    stopping = asyncio.ensure_future(stop.wait())
+    exiting = asyncio.ensure_future(sim.exited.wait())
+    try:
+        await asyncio.wait({stopping, exiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        exiting.cancel()
+        await sim.stop()
+    return sim.exit_code
+
+
+def serve(config: SimConfig) -> int:
+    """Run one simulated engine until SIGTERM/SIGINT (status 0) or a ``crash`` fault (1).
+
+    Prints one line, ``ready URL pid=N ...``, on stdout once it listens; a parent may instead
+    poll ``/health``.
+    """
+
+    def ready(sim: Sim) -> None:
+        c = sim.config
+        print(f"ready {sim.url} pid={os.getpid()} model={c.model} slots={c.slots} "
+              f"steps_per_s={c.steps_per_s:g} fault={c.fault or 'none'}", flush=True)
+
+    try:
+        import uvloop
+
+        runner: Any = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover — uvloop is optional on some platforms
+        runner = asyncio.Runner()
+    with runner:
+        code: int = runner.run(_serve(config, ready))
+    sys.stdout.flush()
+    return code

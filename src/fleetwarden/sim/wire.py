@@ -1,0 +1,238 @@
+"""What vLLM 0.32's OpenAI server sends: bodies, SSE chunks and error shapes (no I/O).
+
+Every shape here was copied from the real captures in ``tests/fixtures/vllm/`` (key order,
+``null`` fields, compact separators, raw UTF-8 in JSON), so a client that parses vLLM parses
+the simulator the same way. ``tests/scenario/test_sim.py`` compares them key by key.
+
+The tokenizer is byte-level — one token per UTF-8 byte of the prompt, after a BOS token — so
+``/tokenize`` and ``/detokenize`` round-trip and prompt lengths are easy to reason about in tests
+(a prompt of 3,000 ASCII characters is 3,001 tokens). Generated tokens are word pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+SYSTEM_FINGERPRINT = "vllm-0.32.0-fleetsim"
+BOS = 256
+_PIECES = (" the", " engine", " takes", " a", " step", ",", " and", " every", " slot", " is",
+           " busy", ".", " tokens", " flow", " while", " prompts", " are", " read", " by",
+           " steady", " work", " on", " time", "\n", " model", " serves", " again", " so",
+           " nothing", " stalls", " here", " yet")
+FIRST_PIECE = 257
+
+
+def dumps(obj: Any) -> bytes:
+    """vLLM's JSON: compact, raw UTF-8, control characters escaped."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+
+def encode(text: str) -> list[int]:
+    return [BOS, *text.encode()]
+
+
+def decode(tokens: list[int]) -> str:
+    out = bytearray()
+    for t in tokens:
+        if 0 <= t < 256:
+            out += bytes([t])
+        elif t >= FIRST_PIECE:
+            out += _PIECES[(t - FIRST_PIECE) % len(_PIECES)].encode()
+    return out.decode("utf-8", errors="replace")
+
+
+def piece(token: int) -> str:
+    return decode([token])
+
+
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
+    """A plain chat template: one block per message, then the assistant's turn."""
+    parts = [f"<|{m.get('role', 'user')}|>\n{_content(m.get('content'))}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def token_picker(seed: str) -> Any:
+    """A request's deterministic output: the i-th token depends only on the prompt and i."""
+    base = sum(seed.encode()) % len(_PIECES)
+
+    def next_token(i: int) -> int:
+        return FIRST_PIECE + (base + 7 * i) % len(_PIECES)
+
+    return next_token
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
+
+
+# ---------------------------------------------------------------------- bodies
+
+
+def models(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{
+        "id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
+        "parent": None, "max_model_len": max_model_len,
+        "permission": [{
+            "id": "modelperm-" + secrets.token_hex(8), "object": "model_permission",
+            "created": created, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False,
+        }],
+    }]}
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
+
+
+def completion(rid: str, created: int, model: str, text: str, finish_reason: str,
+               prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                     "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+                     "prompt_token_ids": None, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+        "usage": _usage(prompt_tokens, completion_tokens),
+        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+    }
+
+
+def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0,
+                     "message": {"role": "assistant", "content": text, "refusal": None,
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "reasoning": None},
+                     "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+                     "token_ids": None, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+        "usage": _usage(prompt_tokens, completion_tokens),
+        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+    }
+
+
+# ---------------------------------------------------------------------- SSE chunks
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str,
+                     finish_reason: str | None, last: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                     "stop_reason": None, "prompt_token_ids": None, "token_ids": None}],
+    }
+    if last:
+        chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+    return chunk
+
+
+def chat_role_chunk(rid: str, created: int, model: str) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}],
+        "prompt_token_ids": None, "prompt_text": None,
+    }
+
+
+def chat_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+               last: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                              "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = None
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": [choice]}
+    if last:
+        chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+    return chunk
+
+
+def usage_chunk(rid: str, created: int, model: str, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created, "model": model, "choices": [],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens +
+                  completion_tokens, "completion_tokens": completion_tokens},
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def error(message: str, type_: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_json() -> dict[str, Any]:
+    return error("1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.0', 'msg': 'JSON "
+                 "decode error', 'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting "
+                 "value'}}", "Bad Request", "body.0", 400)
+
+
+def invalid(message: str, param: str | None) -> dict[str, Any]:
+    return error(message, "BadRequestError", param, 400)
+
+
+def unknown_model(model: str, served: str) -> dict[str, Any]:
+    return error(f"The model `{model}` does not exist. Valid aliases: {served}.",
+                 "NotFoundError", "model", 404)
+
+
+def max_tokens_too_large(max_tokens: int, max_model_len: int) -> dict[str, Any]:
+    return invalid(f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                   f"{max_model_len}. Please request fewer output tokens. (parameter=max_tokens, "
+                   f"value={max_tokens})", "max_tokens")
+
+
+def prompt_too_long(max_model_len: int) -> dict[str, Any]:
+    n = max_model_len + 1  # vLLM counts only up to the limit + 1 (see the capture)
+    return invalid(f"This model's maximum context length is {max_model_len} tokens. However, "
+                   f"your prompt contains at least {n} input tokens, which exceeds this limit "
+                   f"even without any output tokens. Please reduce the length of the input "
+                   f"prompt. (parameter=input_tokens, value={n})", "input_tokens")
+
+
+def context_too_long(max_model_len: int, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
+    return invalid(f"This model's maximum context length is {max_model_len} tokens. However, "
+                   f"you requested {max_tokens} output tokens and your prompt contains "
+                   f"{prompt_tokens} input tokens, for a total of {prompt_tokens + max_tokens} "
+                   f"tokens. Please reduce the length of the input prompt or the number of "
+                   f"requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
+                   "input_tokens")
+
+
+#: The body of every in-flight request when vLLM's EngineCore dies (``engine-dead.http``).
+ENGINE_DEAD = error("EngineCore encountered an issue. See stack trace (above) for the root "
+                    "cause.", "InternalServerError", None, 500)
+
+NOT_FOUND = {"detail": "Not Found"}  # FastAPI's body for an unknown path
+METHOD_NOT_ALLOWED = {"detail": "Method Not Allowed"}

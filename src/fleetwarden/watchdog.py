@@ -1,0 +1,437 @@
+"""The watchdog: the I/O around :mod:`fleetwarden.judge` (SYSTEM.md section 5, note 002).
+
+It reads each engine's ``/metrics`` (short timeout, bounded size), falls back to ``/health``
+when there are no metrics, keeps the previous sample per engine URL, asks the judge, and sends a
+canary — one completion of ``max_tokens`` 1 — only when the judge allows it and at most every
+``canary_interval_s``. A proxy target is only ever asked ``GET /v1/models``: behind a
+least-connections proxy every ``/metrics`` read may come from another backend, and two of them
+compared would look like a restart (``tests/scenario/test_watchdog.py`` shows it).
+
+The rule it exists for: **a health check must never consume the resource it protects.** A busy
+engine is never sent a request; its progress counters are the proof of health.
+
+A controller calls :meth:`Watchdog.round` once per tick for the whole fleet; the engines are
+visited concurrently, so a round costs one engine's worst case (a read, the ``/health``
+fallback, a canary), not the sum. Parsing is done inline, between awaits: ``metrics.parse``
+cuts the 52 KB body to the judged families first, so one body costs ~0.3 ms of CPU instead of
+~10 ms (``bench/metrics_parse.py``) — at 64 engines, ~20 ms per 5 s tick in 0.3 ms slices, none
+long enough to move the latency of a router on the same loop.
+
+What a later controller does with a :class:`Report` (this module does not import the ledger):
+
+| verdict | canary | ``Report.health`` | ledger operation |
+|---|---|---|---|
+| BUSY | never sent | SERVING | ``record_probe(i, ok=True)`` |
+| IDLE, NO_METRICS | answered | SERVING | ``record_probe(i, ok=True)`` |
+| IDLE, NO_METRICS | failed | FAILING | ``record_probe(i, ok=False, error=canary.error)`` |
+| IDLE, NO_METRICS | not due / not allowed | UNPROVEN | nothing |
+| STALLED, FIRST_READ | never sent | UNPROVEN | nothing: wait |
+| STUCK | never sent | CONDEMNED | ``condemn(i, evidence.summary)`` |
+| LOST_CORE | failed | CONDEMNED | ``condemn(i, ...)``: an idle wedge, proven |
+| LOST_CORE | answered | SERVING | ``record_probe(i, ok=True)`` |
+| RESTARTED | if idle | as IDLE, by the canary | first ``observe_incarnation(i, incarnation)`` |
+| DEAD | never sent | FAILING | ``record_probe(i, ok=False, error=evidence.problem)`` |
+| REACHABLE | never sent | SERVING | a proxy is no shard; its backends are probed directly |
+
+Keep in sync: this table, ``judge.conclude`` and SYSTEM.md section 5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from fleetwarden.judge import (
+    DEFAULT_POLICY,
+    NO_STALL,
+    CanaryRule,
+    Down,
+    Evidence,
+    Health,
+    NoMetrics,
+    ProxyAnswered,
+    Reading,
+    Stall,
+    Verdict,
+    WatchdogPolicy,
+    conclude,
+    judge,
+)
+from fleetwarden.metrics import Sample, Unreadable, parse
+
+__all__ = [
+    "CANARY_ID_PREFIX",
+    "EXIT_CANNOT_JUDGE",
+    "EXIT_HEALTHY",
+    "EXIT_NOT_SERVING",
+    "EXIT_UNREACHABLE",
+    "CanaryResult",
+    "Check",
+    "Report",
+    "Target",
+    "Watchdog",
+    "check",
+    "exit_code",
+]
+
+#: Every canary carries ``x-request-id: fleetwarden-canary-…``, so an engine's logs (and the
+#: simulator's ``/sim/stats``) tell a health check from real traffic.
+CANARY_ID_PREFIX = "fleetwarden-canary-"
+#: The canary's prompt: a few tokens, so it is one short prefill step on any engine.
+CANARY_PROMPT = "ping"
+_MODELS_BODY_LIMIT = 1024 * 1024  # a model list is a few KB; a proxy's may list many models
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One engine to visit in a round, with what the router knows about it."""
+
+    url: str
+    in_flight: int = 0  # the router's requests outstanding there
+    proxy: bool = False  # a load balancer: only ``GET /v1/models``, never ``/metrics``
+    stalls_excused: bool = False  # a refit lease: the engine may pause while loading weights
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryResult:
+    ok: bool
+    latency_s: float
+    status: int | None = None  # HTTP status, None when no answer came
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "latency_s": self.latency_s, "status": self.status,
+                "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one visit found: the verdict, why, and what it amounts to."""
+
+    url: str
+    verdict: Verdict
+    evidence: Evidence
+    health: Health
+    canary_rule: CanaryRule
+    #: The sample read this time (for dashboards: running, waiting), None without metrics.
+    sample: Sample | None
+    #: Output tokens per second since the previous sample of the same process.
+    tokens_per_s: float | None
+    canary: CanaryResult | None  # the canary sent in this visit, if any
+    #: The engine's process start time as a string (what the ledger stores), when known.
+    incarnation: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "verdict": self.verdict.value,
+            "health": self.health.value,
+            "canary_rule": self.canary_rule.value,
+            "evidence": self.evidence.to_dict(),
+            "sample": None if self.sample is None else self.sample.to_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "canary": None if self.canary is None else self.canary.to_dict(),
+            "incarnation": self.incarnation,
+        }
+
+
+@dataclass(slots=True)
+class _Memory:
+    """What the watchdog keeps per engine URL between visits."""
+
+    sample: Sample | None = None
+    sample_at: float = 0.0
+    stall: Stall = NO_STALL
+    canary_at: float | None = None
+    model: str | None = None  # from /v1/models, for the canary; looked up again after a restart
+
+
+class Watchdog:
+    """Visits engines and judges them. Use as ``async with Watchdog() as watchdog:``.
+
+    ``model`` names the model a canary asks for; without it, each engine's ``/v1/models`` is
+    asked once (and again after a restart). ``clock`` is monotonic seconds (inject one in tests).
+    """
+
+    def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY, *, model: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.policy = policy
+        self.model = model
+        self._clock = clock
+        self._session = session
+        self._own_session = session is None
+        self._memory: dict[str, _Memory] = {}
+
+    async def __aenter__(self) -> Watchdog:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No keep-alive: a pooled connection could outlive the engine it reached, and a
+            # fresh connect per visit is what tells "refused" from "answers". It costs one TCP
+            # handshake per request, a few per engine per tick.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                headers={"user-agent": "fleetwarden-watchdog"},
+            )
+        return self._session
+
+    def forget(self, url: str) -> None:
+        """Drop what is remembered of an engine (it left the fleet, or moved)."""
+        self._memory.pop(url, None)
+
+    # ------------------------------------------------------------------ a round
+
+    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
+        """Visit every target concurrently; one :class:`Report` per URL."""
+        targets = list(targets)
+        urls = [t.url for t in targets]
+        if len(set(urls)) != len(urls):
+            raise ValueError("each engine URL may appear once in a round")
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self.probe(t)) for t in targets]
+        return {t.url: task.result() for t, task in zip(targets, tasks, strict=True)}
+
+    async def probe(self, target: Target) -> Report:
+        """One visit: read, judge, and send a canary if (and only if) the judge allows it."""
+        memory = self._memory.setdefault(target.url, _Memory())
+        reading = await self.read(target.url, proxy=target.proxy)
+        now = self._clock()
+        before = None if target.proxy else memory.sample
+        since_canary = None if memory.canary_at is None else now - memory.canary_at
+        judgement = judge(
+            before, reading,
+            elapsed_s=now - memory.sample_at if before is not None else 0.0,
+            in_flight=target.in_flight, stall=memory.stall, since_canary_s=since_canary,
+            stalls_excused=target.stalls_excused, policy=self.policy,
+        )
+        canary = None
+        if judgement.send_canary:
+            if judgement.verdict is Verdict.RESTARTED:
+                memory.model = None  # a new process may serve another model
+            memory.canary_at = now
+            canary = await self.canary(target.url, memory)
+        tokens_per_s = None
+        elapsed = judgement.evidence.elapsed_s
+        if elapsed and judgement.evidence.deltas:
+            tokens_per_s = judgement.evidence.deltas.get("generation_tokens", 0.0) / elapsed
+        if isinstance(reading, Sample):
+            memory.sample, memory.sample_at = reading, now
+        memory.stall = judgement.stall
+        return Report(
+            url=target.url, verdict=judgement.verdict, evidence=judgement.evidence,
+            health=conclude(judgement, None if canary is None else canary.ok),
+            canary_rule=judgement.canary,
+            sample=reading if isinstance(reading, Sample) else None,
+            tokens_per_s=tokens_per_s, canary=canary,
+            incarnation=reading.incarnation if isinstance(reading, Sample) else None,
+        )
+
+    async def observe(self, target: Target) -> Reading:
+        """Read an engine and remember the sample as the baseline; judge and send nothing."""
+        reading = await self.read(target.url, proxy=target.proxy)
+        if isinstance(reading, Sample) and not target.proxy:
+            memory = self._memory.setdefault(target.url, _Memory())
+            memory.sample, memory.sample_at = reading, self._clock()
+        return reading
+
+    # ------------------------------------------------------------------ reads
+
+    async def read(self, url: str, *, proxy: bool = False) -> Reading:
+        """One look at an engine: its metrics, else its liveness. Never raises for I/O."""
+        if proxy:
+            models = await self._models(url)
+            if isinstance(models, str):
+                return Down(f"GET /v1/models: {models}")
+            return ProxyAnswered(models)
+        problem = await self._metrics(url)
+        if isinstance(problem, Sample):
+            return problem
+        health = await self._get_status(url + "/health")
+        if health == 200:
+            return NoMetrics(problem)
+        why = health if isinstance(health, str) else f"answered {health}"
+        return Down(f"/metrics: {problem}; /health: {why}")
+
+    async def _metrics(self, url: str) -> Sample | str:
+        """The sample, or why there is none."""
+        limit = self.policy.max_metrics_bytes
+        try:
+            async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
+                if resp.status != 200:
+                    return f"/metrics answered {resp.status}"
+                body = await _read_bounded(resp, limit)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return _describe(e)
+        if body is None:
+            return f"/metrics body over the {limit}-byte limit"
+        result = parse(body, max_bytes=limit)
+        return result.reason if isinstance(result, Unreadable) else result
+
+    async def _get_status(self, url: str) -> int | str:
+        try:
+            async with self._http().get(url, timeout=self._read_timeout()) as resp:
+                await resp.content.readany()  # /health is empty; never read a large body
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return _describe(e)
+
+    async def _models(self, url: str) -> tuple[str, ...] | str:
+        """The served model names, or why they could not be had."""
+        try:
+            async with self._http().get(url + "/v1/models", timeout=self._read_timeout()) as resp:
+                if resp.status != 200:
+                    return f"answered {resp.status}"
+                body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return _describe(e)
+        try:
+            data = json.loads(body or b"")["data"]
+            return tuple(str(m["id"]) for m in data)
+        except (ValueError, KeyError, TypeError):
+            return "not a model list"
+
+    def _read_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
+
+    # ------------------------------------------------------------------ the canary
+
+    async def canary(self, url: str, memory: _Memory | None = None) -> CanaryResult:
+        """One tiny completion (``max_tokens`` 1), with the canary timeout over everything."""
+        memory = memory if memory is not None else self._memory.setdefault(url, _Memory())
+        started = self._clock()
+        timeout = self.policy.canary_timeout_s
+
+        def result(ok: bool, status: int | None = None, error: str = "") -> CanaryResult:
+            return CanaryResult(ok, self._clock() - started, status, error)
+
+        try:
+            async with asyncio.timeout(timeout):
+                model = self.model or memory.model
+                if model is None:
+                    models = await self._models(url)
+                    if isinstance(models, str) or not models:
+                        return result(False, error=f"no model to ask for: GET /v1/models "
+                                      f"{models or 'listed none'}")
+                    model = memory.model = models[0]
+                headers = {"x-request-id": CANARY_ID_PREFIX + uuid.uuid4().hex[:16]}
+                payload = {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1,
+                           "temperature": 0}
+                async with self._http().post(url + "/v1/completions", json=payload,
+                                             headers=headers) as resp:
+                    body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
+                    if resp.status != 200:
+                        return result(False, resp.status, f"answered {resp.status}: "
+                                      f"{(body or b'')[:200].decode(errors='replace')}")
+                    try:
+                        choices = json.loads(body or b"")["choices"]
+                    except (ValueError, KeyError, TypeError):
+                        choices = None
+                    if not choices:
+                        return result(False, resp.status, "answered 200 without a completion")
+                    return result(True, resp.status)
+        except TimeoutError:
+            return result(False, error=f"no answer within {timeout:g} s")
+        except (aiohttp.ClientError, OSError) as e:
+            return result(False, error=_describe(e))
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body, or None as soon as it is known to be over ``limit`` bytes."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return f"cannot connect: {e.os_error.strerror or e.os_error}"
+    return f"{type(e).__name__}: {e}".rstrip(": ")
+
+
+# ---------------------------------------------------------------------- one-shot check
+
+EXIT_HEALTHY = 0  # busy, or idle (no metrics, lost core, restarted) with a good canary
+EXIT_NOT_SERVING = 1  # stuck, a lost core, or a canary that failed on an idle engine
+EXIT_UNREACHABLE = 2  # neither /metrics nor /health answered (or /health not 200)
+EXIT_CANNOT_JUDGE = 3  # nothing proved: no metrics and no canary allowed, or still stalled
+
+#: Reads a one-shot check may take: a baseline, a comparison, and more only while the verdict
+#: needs them (a stall to be told from a wedge, a restart to be compared within its process).
+MAX_CHECK_READS = 5
+
+
+def exit_code(report: Report) -> int:
+    """``fleetwarden check``'s status for a report."""
+    if report.health is Health.SERVING:
+        return EXIT_HEALTHY
+    if report.verdict is Verdict.DEAD:
+        return EXIT_UNREACHABLE
+    if report.health in (Health.CONDEMNED, Health.FAILING):
+        return EXIT_NOT_SERVING
+    return EXIT_CANNOT_JUDGE
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    report: Report
+    reads: int
+    exit_code: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.report.to_dict(), "reads": self.reads, "exit_code": self.exit_code}
+
+
+async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
+                policy: WatchdogPolicy = DEFAULT_POLICY, model: str | None = None) -> Check:
+    """One engine, judged once: a baseline read, then reads ``check_interval_s`` apart until the
+    verdict is final — a third read only to tell STALLED from STUCK (timed so that the stall
+    spans ``stall_s``), or to compare a restarted engine within its new process.
+
+    A proxy is read once, ``GET /v1/models`` only.
+    """
+    target = Target(url.rstrip("/"), in_flight=in_flight, proxy=proxy)
+    interval_s = policy.check_interval_s
+    async with Watchdog(policy, model=model) as watchdog:
+        if proxy:
+            report = await watchdog.probe(target)
+            return Check(report, 1, exit_code(report))
+        await watchdog.observe(target)
+        reads = 1
+        wait = interval_s
+        while True:
+            await asyncio.sleep(wait)
+            report = await watchdog.probe(target)
+            reads += 1
+            more = report.verdict in (Verdict.STALLED, Verdict.FIRST_READ) or (
+                report.verdict is Verdict.RESTARTED and report.canary is None)
+            if not more or reads >= MAX_CHECK_READS:
+                return Check(report, reads, exit_code(report))
+            wait = interval_s
+            if report.verdict is Verdict.STALLED:
+                wait = max(interval_s, policy.stall_s - report.evidence.stalled_for_s)

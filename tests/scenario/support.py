@@ -1,0 +1,180 @@
+"""Real `fleetwarden sim` processes on 127.0.0.1, and what scenario tests do with them.
+
+Every process a test starts runs in its own process group and is stopped by the fixture that
+started it (SIGTERM to its group, then SIGKILL), whatever the test did. Waits poll for a
+condition with a deadline; none is a fixed sleep that a slow machine could outrun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fleetwarden.metrics import Sample, parse
+
+#: Generous: a loaded 2-core machine may take seconds to start a Python process.
+START_TIMEOUT_S = 30.0
+
+
+class SimProcess:
+    """One `fleetwarden sim --port 0 ...` subprocess."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetwarden", "sim", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        line = self._ready_line()
+        match = re.match(r"ready (http://\S+) pid=(\d+)", line)
+        if match is None:
+            self.kill()
+            raise RuntimeError(f"sim did not start: {line!r} {self._stderr()}")
+        self.url = match.group(1)
+        assert int(match.group(2)) == self.proc.pid
+
+    def _ready_line(self) -> str:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout=START_TIMEOUT_S):
+                self.kill()
+                raise RuntimeError(f"sim printed no ready line in {START_TIMEOUT_S} s")
+        return self.proc.stdout.readline().strip()
+
+    def _stderr(self) -> str:
+        try:
+            return self.proc.communicate(timeout=5)[1][-2000:]
+        except subprocess.TimeoutExpired:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the sim's process group (only the group this object started)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.terminate(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.terminate(signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., SimProcess]]:
+    """``spawn("--slots", "2")`` starts a sim; all of them are stopped after the test."""
+    started: list[SimProcess] = []
+
+    def start(*args: str) -> SimProcess:
+        sim = SimProcess(*args)
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.kill()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then closed at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------- talking to a sim
+
+
+async def metrics(http: aiohttp.ClientSession, url: str) -> Sample:
+    async with http.get(url + "/metrics") as r:
+        sample = parse(await r.read())
+    assert isinstance(sample, Sample), sample
+    return sample
+
+
+async def stats(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(url + "/sim/stats") as r:
+        result: dict[str, Any] = await r.json()
+        return result
+
+
+async def set_fault(http: aiohttp.ClientSession, url: str, mode: str | None,
+                    **extra: float) -> None:
+    async with http.post(url + "/sim/fault", json={"mode": mode, **extra}) as r:
+        assert r.status == 200, await r.text()
+
+
+async def until(condition: Callable[[], Awaitable[bool]], within_s: float = 20.0,
+                every_s: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; fail after ``within_s`` seconds (generous: a loaded
+    2-core machine is slow, and a condition that holds returns at once anyway)."""
+    deadline = time.monotonic() + within_s
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {within_s} s")
+        await asyncio.sleep(every_s)
+
+
+def canaries(sim_stats: dict[str, Any]) -> list[dict[str, Any]]:
+    from fleetwarden.watchdog import CANARY_ID_PREFIX
+
+    return [e for e in sim_stats["log"]
+            if (e["request_id"] or "").startswith(CANARY_ID_PREFIX)]
+
+
+class Load:
+    """Long generations kept in flight against one engine; cancelled (and so aborted in the
+    engine, by the closed connection) when the block ends. Bounded by construction: ``n``
+    requests, each of ``max_tokens``."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, n: int, max_tokens: int,
+                 prompt: str = "hello") -> None:
+        self.http, self.url, self.n = http, url, n
+        self.body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
+        self.tasks: list[asyncio.Task[int]] = []
+
+    async def _one(self) -> int:
+        async with self.http.post(self.url + "/v1/completions", json=self.body) as r:
+            await r.read()
+            return r.status
+
+    async def __aenter__(self) -> Load:
+        self.tasks = [asyncio.create_task(self._one()) for _ in range(self.n)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,303 @@
+"""The judge, read as a specification (SYSTEM.md section 5, note 002). Pure: no sockets, no
+sleeps; time is whatever the test says passed between two reads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleetwarden.judge import (
+    DEFAULT_POLICY,
+    NO_STALL,
+    CanaryRule,
+    Down,
+    Health,
+    Judgement,
+    NoMetrics,
+    ProxyAnswered,
+    Reading,
+    Stall,
+    Verdict,
+    WatchdogPolicy,
+    conclude,
+    judge,
+)
+from fleetwarden.metrics import Sample, Unreadable, parse
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
+
+
+def capture(name: str) -> Sample:
+    sample = parse((FIXTURES / name).read_bytes())
+    assert isinstance(sample, Sample)
+    return sample
+
+
+BUSY = Sample(running=4, waiting=0, steps=1000, generation_tokens=4000, prompt_tokens=40,
+              finished_requests=10, start_time=1.7e9)
+IDLE = Sample(running=0, waiting=0, steps=1000, generation_tokens=4000, prompt_tokens=40,
+              finished_requests=10, start_time=1.7e9)
+
+
+def advanced(s: Sample, **deltas: float) -> Sample:
+    return replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
+
+
+def run(reads: list[tuple[float, Reading]], in_flight: int = 0, excused: bool = False,
+        policy: WatchdogPolicy = DEFAULT_POLICY) -> list[Judgement]:
+    """Judge a series of reads (seconds since the previous read, reading), as the watchdog does."""
+    out: list[Judgement] = []
+    before: Sample | None = None
+    stall = NO_STALL
+    elapsed = 0.0
+    for gap, reading in reads:
+        elapsed += gap
+        j = judge(before, reading, elapsed_s=elapsed, in_flight=in_flight, stall=stall,
+                  stalls_excused=excused, policy=policy)
+        out.append(j)
+        stall = j.stall
+        if isinstance(reading, Sample):
+            before, elapsed = reading, 0.0
+    return out
+
+
+# ------------------------------------------------------------------ the real captures
+
+
+def test_the_real_busy_pair_is_busy_and_gets_no_canary() -> None:
+    j = judge(capture("metrics-busy-1.txt"), capture("metrics-busy-2.txt"), elapsed_s=2.0)
+    assert j.verdict is Verdict.BUSY
+    assert (j.canary, j.send_canary) == (CanaryRule.NEVER, False)
+    assert j.evidence.deltas["steps"] == 900 and j.evidence.deltas["generation_tokens"] == 3586
+    assert "steps +900" in j.evidence.summary
+    assert conclude(j, None) is Health.SERVING
+
+
+def test_the_real_wedged_busy_pair_is_stalled_then_stuck_after_two_waits_and_stall_s() -> None:
+    one, two = capture("metrics-wedged-busy-1.txt"), capture("metrics-wedged-busy-2.txt")
+    first = judge(one, two, elapsed_s=3.0)
+    assert first.verdict is Verdict.STALLED and not first.send_canary
+    assert first.stall == Stall(waits=1, seconds=3.0)
+    assert first.evidence.moved == () and "steps" in first.evidence.flat
+    assert conclude(first, None) is Health.UNPROVEN
+
+    second = judge(two, two, elapsed_s=3.0, stall=first.stall)  # two waits, but only 6 s
+    assert second.verdict is Verdict.STALLED
+
+    third = judge(two, two, elapsed_s=9.0, stall=second.stall)  # three waits, 15 s
+    assert third.verdict is Verdict.STUCK
+    assert (third.evidence.stalled_waits, third.evidence.stalled_for_s) == (3, 15.0)
+    assert conclude(third, None) is Health.CONDEMNED
+
+
+def test_the_real_restart_is_restarted_and_asks_for_a_canary_now() -> None:
+    j = judge(capture("metrics-idle.txt"), capture("metrics-restarted.txt"), elapsed_s=117.0,
+              since_canary_s=1.0)
+    assert j.verdict is Verdict.RESTARTED
+    assert (j.canary, j.send_canary) == (CanaryRule.NOW, True)
+    assert (j.evidence.previous_incarnation, j.evidence.incarnation) == (
+        "1795973023.5", "1795973153.19")
+    assert j.evidence.deltas == {}  # never compared across processes
+
+
+def test_the_real_wedged_idle_pair_is_idle_and_lost_core_when_the_router_has_requests() -> None:
+    one, two = capture("metrics-wedged-idle-1.txt"), capture("metrics-wedged-idle-2.txt")
+    alone = judge(one, two, elapsed_s=3.0)
+    assert alone.verdict is Verdict.IDLE and alone.canary is CanaryRule.WHEN_DUE
+    lost = judge(one, two, elapsed_s=3.0, in_flight=1, since_canary_s=1.0)
+    assert lost.verdict is Verdict.LOST_CORE
+    assert (lost.canary, lost.send_canary) == (CanaryRule.NOW, True)
+    assert conclude(lost, canary_ok=False) is Health.CONDEMNED
+    assert conclude(lost, canary_ok=True) is Health.SERVING
+
+
+# ------------------------------------------------------------------ progress and stalls
+
+
+def test_a_long_prompt_that_yields_no_tokens_is_busy_because_steps_advance() -> None:
+    """Note 002: vLLM reads a long prompt for a while without emitting a token, but steps."""
+    j = judge(BUSY, advanced(BUSY, steps=12), elapsed_s=5.0)
+    assert j.verdict is Verdict.BUSY and j.evidence.moved == ("steps",)
+
+
+@pytest.mark.parametrize("counter", Sample.COUNTERS)
+def test_any_counter_of_the_fingerprint_moving_is_progress(counter: str) -> None:
+    j = judge(BUSY, advanced(BUSY, **{counter: 1}), elapsed_s=5.0)
+    assert j.verdict is Verdict.BUSY and j.stall == NO_STALL
+
+
+def test_waiting_requests_that_never_start_are_a_stall() -> None:
+    queued = replace(IDLE, waiting=3)
+    js = run([(0, queued), (10, queued), (10, queued)])
+    assert [j.verdict for j in js] == [Verdict.FIRST_READ, Verdict.STALLED, Verdict.STUCK]
+
+
+def test_one_long_wait_is_not_enough_for_stuck() -> None:
+    js = run([(0, BUSY), (600, BUSY)])
+    assert js[-1].verdict is Verdict.STALLED
+
+
+def test_many_short_waits_are_not_enough_for_stuck_until_stall_s_has_passed() -> None:
+    js = run([(0, BUSY)] + [(1.0, BUSY)] * 15)
+    assert [j.verdict for j in js[1:15]] == [Verdict.STALLED] * 14
+    assert js[15].verdict is Verdict.STUCK and js[15].evidence.stalled_for_s == 15.0
+
+
+def test_progress_ends_a_stall_and_the_next_one_starts_from_nothing() -> None:
+    moving = advanced(BUSY, steps=1)
+    js = run([(0, BUSY), (10, BUSY), (1, moving), (10, moving), (1, moving)])
+    assert [j.verdict for j in js] == [Verdict.FIRST_READ, Verdict.STALLED, Verdict.BUSY,
+                                       Verdict.STALLED, Verdict.STALLED]
+    assert js[2].stall == NO_STALL and js[4].stall == Stall(2, 11.0)
+
+
+def test_a_stall_excused_by_a_refit_lease_never_becomes_stuck() -> None:
+    js = run([(0, BUSY)] + [(10, BUSY)] * 10, excused=True)
+    assert {j.verdict for j in js[1:]} == {Verdict.STALLED}
+    assert all(j.evidence.stalls_excused and j.stall == NO_STALL for j in js[1:])
+    # ...and when the lease ends, the stall is judged afresh: two more waits and stall_s.
+    after = run([(0, BUSY), (10, BUSY), (10, BUSY)])
+    assert after[-1].verdict is Verdict.STUCK
+
+
+def test_a_read_that_fails_in_the_middle_breaks_a_run_of_stalled_reads() -> None:
+    js = run([(0, BUSY), (10, BUSY), (1, Down("timeout")), (10, BUSY)])
+    assert [j.verdict for j in js] == [Verdict.FIRST_READ, Verdict.STALLED, Verdict.DEAD,
+                                       Verdict.STALLED]
+
+
+# ------------------------------------------------------------------ the canary rule
+
+
+@given(
+    running=st.integers(0, 64), waiting=st.integers(0, 64),
+    steps=st.integers(0, 5), tokens=st.integers(0, 5),
+    in_flight=st.integers(0, 64), gap=st.floats(0, 1000),
+    since=st.none() | st.floats(0, 1000),
+    waits=st.integers(0, 5), stalled_for=st.floats(0, 100), excused=st.booleans(),
+)
+def test_an_engine_with_work_in_it_is_never_sent_a_canary(
+    running: int, waiting: int, steps: int, tokens: int, in_flight: int, gap: float,
+    since: float | None, waits: int, stalled_for: float, excused: bool,
+) -> None:
+    """The note-002 rule: a check must never take a slot from real work."""
+    before = replace(BUSY, running=running, waiting=waiting)
+    after = advanced(before, steps=steps, generation_tokens=tokens)
+    if after.idle:
+        return
+    j = judge(before, after, elapsed_s=gap, in_flight=in_flight, stall=Stall(waits, stalled_for),
+              since_canary_s=since, stalls_excused=excused)
+    assert j.canary is CanaryRule.NEVER and not j.send_canary
+    assert j.verdict in (Verdict.BUSY, Verdict.STALLED, Verdict.STUCK)
+
+
+def test_an_idle_engine_gets_a_canary_at_most_every_canary_interval() -> None:
+    policy = WatchdogPolicy(canary_interval_s=30)
+    sends = [judge(IDLE, IDLE, elapsed_s=5, since_canary_s=since, policy=policy).send_canary
+             for since in (None, 0.0, 29.9, 30.0, 300.0)]
+    assert sends == [True, False, False, True, True]
+
+
+def test_no_metrics_allows_a_canary_only_with_nothing_in_flight() -> None:
+    quiet = judge(IDLE, NoMetrics("/metrics answered 404"), elapsed_s=5)
+    assert (quiet.verdict, quiet.canary, quiet.send_canary) == (
+        Verdict.NO_METRICS, CanaryRule.WHEN_DUE, True)
+    assert conclude(quiet, canary_ok=True) is Health.SERVING
+    assert conclude(quiet, canary_ok=False) is Health.FAILING
+    loaded = judge(IDLE, NoMetrics("/metrics answered 404"), elapsed_s=5, in_flight=3)
+    assert (loaded.canary, loaded.send_canary) == (CanaryRule.NEVER, False)
+    assert conclude(loaded, None) is Health.UNPROVEN
+    assert "404" in loaded.evidence.problem
+
+
+def test_a_restarted_engine_with_work_in_it_gets_no_canary() -> None:
+    restarted_busy = replace(BUSY, start_time=1.8e9, steps=3, generation_tokens=3)
+    j = judge(BUSY, restarted_busy, elapsed_s=5)
+    assert (j.verdict, j.canary, j.send_canary) == (Verdict.RESTARTED, CanaryRule.NEVER, False)
+    assert conclude(j, None) is Health.UNPROVEN
+
+
+def test_counters_going_backwards_is_a_restart_even_without_a_start_time() -> None:
+    old = replace(IDLE, start_time=None)
+    j = judge(old, replace(old, generation_tokens=8, steps=8), elapsed_s=5)
+    assert j.verdict is Verdict.RESTARTED
+    assert "counters went backwards" in j.evidence.summary
+
+
+def test_a_restart_is_seen_even_when_the_new_counters_have_overtaken_the_old_ones() -> None:
+    j = judge(BUSY, advanced(BUSY, steps=10**6, start_time=1.0), elapsed_s=5)
+    assert j.verdict is Verdict.RESTARTED
+
+
+# ------------------------------------------------------------------ first reads, dead, proxy
+
+
+def test_a_first_read_of_an_idle_engine_is_idle_and_of_a_busy_one_proves_nothing() -> None:
+    idle = judge(None, IDLE, elapsed_s=0)
+    assert (idle.verdict, idle.send_canary) == (Verdict.IDLE, True)
+    busy = judge(None, BUSY, elapsed_s=0)
+    assert (busy.verdict, busy.send_canary) == (Verdict.FIRST_READ, False)
+    assert conclude(busy, None) is Health.UNPROVEN
+
+
+def test_an_unreachable_engine_is_dead_and_that_is_one_failed_probe() -> None:
+    j = judge(BUSY, Down("connection refused"), elapsed_s=5, stall=Stall(1, 10))
+    assert (j.verdict, j.send_canary, j.stall) == (Verdict.DEAD, False, NO_STALL)
+    assert conclude(j, None) is Health.FAILING
+    assert "connection refused" in j.evidence.summary
+
+
+def test_a_proxy_is_judged_only_by_its_model_list() -> None:
+    j = judge(None, ProxyAnswered(("tiny",)), elapsed_s=0, in_flight=5)
+    assert (j.verdict, j.canary) == (Verdict.REACHABLE, CanaryRule.NEVER)
+    assert conclude(j, None) is Health.SERVING
+
+
+def test_an_idle_engine_whose_canary_fails_is_one_failed_probe_not_condemned() -> None:
+    j = judge(IDLE, IDLE, elapsed_s=5)
+    assert conclude(j, canary_ok=False) is Health.FAILING
+    assert conclude(j, canary_ok=True) is Health.SERVING
+    assert conclude(j, canary_ok=None) is Health.UNPROVEN
+
+
+def test_the_judge_never_raises_on_whatever_metrics_parse_returns() -> None:
+    for body in ("", "garbage", "\x00" * 100, "# TYPE vllm:num_requests_running gauge\n"):
+        result = parse(body)
+        assert isinstance(result, Unreadable)
+        j = judge(BUSY, NoMetrics(result.reason), elapsed_s=1)
+        assert j.verdict is Verdict.NO_METRICS
+
+
+def test_the_policy_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="stall_waits"):
+        WatchdogPolicy(stall_waits=0)
+    with pytest.raises(ValueError, match="stall_s"):
+        WatchdogPolicy(stall_s=-1)
+    with pytest.raises(ValueError, match="canary_timeout_s"):
+        WatchdogPolicy(canary_timeout_s=float("nan"))
+
+
+REAL_BODY = (FIXTURES / "metrics-busy-2.txt").read_text()
+
+
+@given(st.one_of(
+    st.text(max_size=2000),
+    st.integers(0, len(REAL_BODY)).map(lambda cut: REAL_BODY[:cut]),
+    st.integers(0, len(REAL_BODY)).map(lambda at: REAL_BODY[:at] + "\x00garbage{" + REAL_BODY[at:]),
+))
+def test_garbage_or_truncated_metrics_never_raise_out_of_the_judge(body: str) -> None:
+    result = parse(body)
+    reading: Reading = result if isinstance(result, Sample) else NoMetrics(result.reason)
+    j = judge(BUSY, reading, elapsed_s=2.0, in_flight=1)
+    assert isinstance(j.verdict, Verdict)
+
+
+def test_an_enormous_metrics_body_is_no_metrics() -> None:
+    body = REAL_BODY * 100  # 5 MB of real lines
+    result = parse(body)
+    assert isinstance(result, Unreadable) and "limit" in result.reason
+    assert judge(BUSY, NoMetrics(result.reason), elapsed_s=2.0).verdict is Verdict.NO_METRICS
