@@ -7,7 +7,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
 # The pure core: no I/O, checked with mypy --strict.
-CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py
+CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
+        src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py
 
 .PHONY: test demo lint typecheck unit bench clean
 
