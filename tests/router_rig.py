@@ -34,9 +34,10 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def rig(engines: int = 1, *, health_managed: bool = False,
+async def rig(engines: int = 1, *, health_managed: bool = False, control_token: str | None = None,
               **settings: Any) -> AsyncIterator[Rig]:
-    """``engines`` scripted engines behind one started :class:`Router`."""
+    """``engines`` scripted engines behind one started :class:`Router` (with its control API
+    on a free port when a ``control_token`` is given)."""
     started: list[ScriptedEngine] = []
     router = None
     try:
@@ -44,7 +45,10 @@ async def rig(engines: int = 1, *, health_managed: bool = False,
             started.append(await ScriptedEngine().start())
         router = Router([e.url for e in started], RouterSettings(**settings),
                         health_managed=health_managed)
-        await router.start()
+        if control_token is None:
+            await router.start()
+        else:
+            await router.start(control_port=0, control_token=control_token)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             yield Rig(router, started, http)
     finally:

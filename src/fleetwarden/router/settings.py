@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FORBIDDEN_STATUS", "RouterSettings"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "RouterSettings"]
+
+#: Where ``fleetwarden route`` listens unless told otherwise. Loopback: exposing a fleet is a
+#: decision (``--host 0.0.0.0``), never an accident.
+DEFAULT_HOST = "127.0.0.1"
+#: 8080, not vLLM's 8000: the router often runs on a host whose engines use 8000 and up.
+DEFAULT_PORT = 8080
 
 #: The one status the router never answers with: clients (NeMo-Gym among them) retry a 504
 #: without bound, so a wedged engine would turn into an endless retry loop.
