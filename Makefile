@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-dev
 CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
         src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py
 
-.PHONY: test demo lint typecheck unit bench clean
+.PHONY: test demo lint typecheck unit bench bench-router clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger_tick.py
+
+bench-router: $(STAMP)
+	$(BIN)/python bench/router_overhead.py --peer sglang-router
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -50,10 +50,17 @@ _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-#: The body is buffered and re-sent, so its length is recomputed; the Host is the backend's.
-_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
+#: The body is buffered and re-sent, so its length is recomputed and there is nothing left to
+#: expect; the Host is the backend's.
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "expect"}
+#: An answer relayed whole is re-framed: its length is recomputed.
+_NOT_RELAYED_WHOLE = _HOP_BY_HOP | {"content-length"}
 #: Parsed target URLs kept (backends x allowlisted paths, plus any query strings).
 _MAX_CACHED_TARGETS = 4096
+#: Answers of known length up to this size are read whole and sent in one write: a
+#: non-streamed completion arrives in one or two TCP segments anyway, and this saves a system
+#: call and several awaits per request. Streams (no length) and larger bodies go chunk by chunk.
+_WHOLE_ANSWER_BYTES = 256 * 1024
 
 
 class Cause(enum.Enum):
@@ -112,8 +119,18 @@ def error_response(status: int, message: str, error_type: str,
                         content_type="application/json", headers=headers)
 
 
-def _response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP)
+def _response_headers(upstream: CIMultiDictProxy[str],
+                      dropped: frozenset[str] = _HOP_BY_HOP) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in dropped)
+
+
+async def _read(upstream: aiohttp.ClientResponse) -> bytes:
+    """The whole body; on any interruption the connection is closed, never pooled half-read."""
+    try:
+        return await upstream.read()
+    except BaseException:
+        upstream.close()
+        raise
 
 
 class Forwarder:
@@ -270,19 +287,43 @@ class Forwarder:
                             allow_redirects=False)
                         if upstream.status >= 500:
                             return _Failure(backend, Cause.SERVER_ERROR, upstream.status,
-                                            upstream.headers, await upstream.read())
+                                            upstream.headers, await _read(upstream))
                     finally:
                         waiting.discard(scope)
+                backend_time = time.perf_counter() - sent
+                length = upstream.content_length
+                if length is not None and length <= _WHOLE_ANSWER_BYTES:
+                    # A small answer of known length: taken whole, then sent in one write.
+                    # Nothing has reached the client yet, so a break here can still be retried.
+                    return await self._answer_whole(request, upstream, await _read(upstream),
+                                                    backend, started, backend_time)
             except TimeoutError as exc:
                 if scope.expired():
                     return _Failure(backend, Cause.RESCUED)
                 return _Failure(backend, _classify(exc))
             except aiohttp.ClientError as exc:
                 return _Failure(backend, _classify(exc))
-            return await self._relay(request, upstream, backend, started,
-                                     backend_time=time.perf_counter() - sent)
+            return await self._relay(request, upstream, backend, started, backend_time)
         finally:
             pool.finished(backend)
+
+    async def _answer_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                            body: bytes, backend: str, started: float,
+                            backend_time: float) -> web.StreamResponse:
+        """Send a complete answer: headers and body in one write."""
+        status = upstream.status
+        response = web.Response(status=status, reason=upstream.reason, body=body,
+                                headers=_response_headers(upstream.headers, _NOT_RELAYED_WHOLE))
+        if status < 400:
+            self.pool.record_success(backend)  # the engine's answer is complete
+        try:
+            await response.prepare(request)
+            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
+            self.stats.responded(status)
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client left: its loss, not the engine's
+        return response
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
                      backend: str, started: float, backend_time: float) -> web.StreamResponse:
