@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from fleetwarden.router import Router, RouterSettings
 from scripted_engine import ScriptedEngine
@@ -25,7 +26,8 @@ class Rig:
         """POST through the router; (status, headers, body)."""
         if payload is None and "data" not in kwargs:
             payload = {"model": "tiny", "prompt": "hello", "max_tokens": 8}
-        async with self.http.post(self.router.url + path, json=payload, **kwargs) as response:
+        url = URL(self.router.url + path, encoded=True)  # the path exactly as written
+        async with self.http.post(url, json=payload, **kwargs) as response:
             return response.status, response.headers, await response.read()
 
     async def get(self, path: str) -> tuple[int, bytes]:

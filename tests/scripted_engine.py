@@ -143,7 +143,7 @@ class ScriptedEngine:
         body = await request.read()
         self.received += 1
         if self.keep_seen:
-            self.seen.append(Seen(request.method, request.path_qs,
+            self.seen.append(Seen(request.method, request.raw_path,
                                   CIMultiDict(request.headers), body))
         if self._reset:
             assert request.transport is not None

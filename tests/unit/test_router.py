@@ -72,6 +72,7 @@ async def test_the_last_backend_failing_answers_409(fault: str) -> None:
         assert status == 409
         assert error_of(body)["cause"] == cause and error_of(body)["backend"] == last.url
         assert r.router.serving_backends() == []
+        assert r.router.stats.retries == {"free": 0, "paid": 0}  # nobody left to re-send to
         assert "Retry-After" not in headers
         # with nothing left, every request is 409 at once, with the caller's estimate if any
         r.router.set_retry_after(7.2)
@@ -365,13 +366,14 @@ async def test_requests_and_answers_pass_through_unchanged() -> None:
         (engine,) = r.engines
         payload = b'{"model": "tiny", "prompt": "h\xc3\xa9llo", "max_tokens": 8}'
         status, headers, body = await r.post(
-            "/v1/completions?trace=1", data=payload,
+            "/v1/completions?trace=a%20b&x=%2F", data=payload,
             headers={"Content-Type": "application/json", "Authorization": "Bearer k",
                      "Connection": "keep-alive, X-Hop", "X-Hop": "1", "X-Trace": "t"})
         assert (status, body) == (200, COMPLETION.body)
         assert headers["Content-Type"] == "application/json"
         seen = engine.seen[-1]
-        assert (seen.method, seen.path, seen.body) == ("POST", "/v1/completions?trace=1", payload)
+        assert (seen.method, seen.path, seen.body) == ("POST", "/v1/completions?trace=a%20b&x=%2F",
+                                                       payload)
         assert seen.headers["Authorization"] == "Bearer k" and seen.headers["X-Trace"] == "t"
         assert "X-Hop" not in seen.headers  # named in Connection: hop-by-hop
         for name in ("tokenize", "detokenize", "v1/embeddings", "v1/responses"):

@@ -184,7 +184,8 @@ class Forwarder:
             return 0
         now = asyncio.get_running_loop().time()
         for scope in waiting:
-            scope.reschedule(now)
+            scope.reschedule(now)  # expires at once: the request moves on from its wait
+        self.stats.rescues += len(waiting)
         return len(waiting)
 
     def forget_idle(self, keep: set[str]) -> None:
@@ -223,17 +224,20 @@ class Forwarder:
             tried: list[str] = []
             paid_retries = 0
             last: _Failure | None = None
+            resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
             while True:
                 backend = pool.pick(tried, session if not tried else None)
                 if backend is None:
-                    return self._refuse(last)
+                    return self._refuse(last)  # nobody left to try: the router cannot serve
+                if resend:
+                    stats.retries[resend] += 1
                 tried.append(backend)
                 answer = await self._attempt(request, backend, body, headers, started)
                 if not isinstance(answer, _Failure):
                     return answer
                 failure = answer
                 if failure.cause is Cause.RESCUED:
-                    stats.rescues += 1  # the controller's call, at once, and no budget spent
+                    resend = ""  # the controller's call: re-sent at once, and no budget spent
                     last = failure
                     continue
                 if (failure.cause is Cause.SERVER_ERROR and last is not None
@@ -244,14 +248,16 @@ class Forwarder:
                 self._count_failure(failure)
                 last = failure
                 if failure.cause.never_reached_an_engine:
-                    stats.retries["free"] += 1
+                    resend = "free"  # it cost no engine any work
                     continue
                 if paid_retries < self.settings.max_retries and (
                         holds_retry_token or budget.try_acquire()):
-                    holds_retry_token = True
+                    holds_retry_token = True  # held until this request is answered
                     paid_retries += 1
-                    stats.retries["paid"] += 1
+                    resend = "paid"
                     continue
+                # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's
+                # own 5xx goes back as it is; a transport failure gets the router's answer.
                 if failure.cause is Cause.SERVER_ERROR:
                     return self._pass_through(failure)
                 return self._refuse(failure)
@@ -266,12 +272,12 @@ class Forwarder:
         """One try on one backend: its answer relayed, or why there is none."""
         assert self._session is not None, "Forwarder.open() was not awaited"
         pool = self.pool
-        key = backend + request.path_qs
+        key = backend + request.raw_path  # the request target exactly as the client sent it
         target = self._targets.get(key)
         if target is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()  # query strings or many restarts: start afresh
-            target = self._targets[key] = URL(key)
+            target = self._targets[key] = URL(key, encoded=True)
         waiting = self._waiting.get(backend)
         if waiting is None:
             waiting = self._waiting[backend] = set()
@@ -385,7 +391,7 @@ class Forwarder:
         self.stats.responded(failure.status)
         assert failure.headers is not None
         return web.Response(status=failure.status, body=failure.body,
-                            headers=_response_headers(failure.headers))
+                            headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE))
 
     def _refuse(self, failure: _Failure | None) -> web.Response:
         """The deliberate answer when the router cannot serve this request."""

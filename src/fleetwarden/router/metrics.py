@@ -108,7 +108,7 @@ class RouterCollector(Collector):
 
         rescues = CounterMetricFamily(
             "fleetwarden_router_rescues",
-            "Requests moved off a condemned backend before it sent anything.")
+            "Requests taken off a condemned backend before it sent anything, to be re-sent.")
         rescues.add_metric([], s.rescues)
         yield rescues
 

@@ -75,7 +75,9 @@ def _ring_hash(key: str) -> int:
 class SessionRing:
     """A consistent-hash ring over backend URLs: a session's home engine.
 
-    When the set changes, only the sessions of the backends that left or joined move.
+    The pool keeps it over the serving backends only. When an engine leaves, its sessions move
+    to their next engine on the ring, and no other session moves; when one joins, it takes
+    over only the sessions that now land on it.
     """
 
     __slots__ = ("_points", "_urls")
