@@ -10,6 +10,9 @@ STAMP  := $(VENV)/.installed-dev
 CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
         src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py
 
+# The shell modules that are kept --strict clean too (typed I/O around the core).
+TYPED_SHELL := src/fleetwarden/router src/fleetwarden/cli.py
+
 .PHONY: test demo lint typecheck unit bench bench-router clean
 
 $(STAMP): pyproject.toml
@@ -23,6 +26,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict $(CORE)
+	$(BIN)/mypy --strict $(TYPED_SHELL)
 
 test: lint typecheck
 	$(BIN)/pytest
