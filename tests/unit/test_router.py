@@ -82,6 +82,18 @@ async def test_the_last_backend_failing_answers_409(fault: str) -> None:
         assert error_of(body)["backend"] is None
 
 
+@pytest.mark.parametrize("engines", [1, 2])
+async def test_an_engines_own_504_is_never_passed_on(engines: int) -> None:
+    # e.g. a gateway in front of the engine timed out; clients would retry a 504 forever
+    async with rig(engines) as r:
+        for e in r.engines:
+            e.answer_status(504, b'{"error": "gateway timeout"}')
+        status, _, body = await r.post()
+        assert status == 500
+        assert error_of(body)["cause"] == "server_error" and "(504)" in str(
+            error_of(body)["message"])
+
+
 async def test_the_status_mapping_is_configurable() -> None:
     async with rig(2, health_managed=True, max_retries=0, backend_timeout_s=0.3,
                    status_when_others_serve=503, status_when_none_left=502) as r:
