@@ -11,12 +11,14 @@ STAMP  := $(VENV)/.installed-dev
 # The pure core: no I/O, checked with mypy --strict.
 CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
         src/fleetwarden/config.py src/fleetwarden/refit.py src/fleetwarden/metrics.py \
-        src/fleetwarden/judge.py
-# Shell modules that are mypy --strict clean too.
+        src/fleetwarden/judge.py src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py
+# The shell modules that are kept --strict clean too (typed I/O around the core).
 STRICT := src/fleetwarden/launchers/procs.py src/fleetwarden/testing/*.py \
-          src/fleetwarden/watchdog.py
+          src/fleetwarden/watchdog.py src/fleetwarden/cli.py \
+          $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py, \
+                       $(wildcard src/fleetwarden/router/*.py))
 
-.PHONY: test test-vllm demo lint typecheck unit bench clean
+.PHONY: test test-vllm demo lint typecheck unit bench bench-router clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +44,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/ledger_tick.py
 	$(BIN)/python bench/metrics_parse.py
+
+bench-router: $(STAMP)
+	$(BIN)/python bench/router_overhead.py --peer sglang-router
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

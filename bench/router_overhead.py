@@ -1,0 +1,287 @@
+"""What the router adds: latency at concurrency 1 and throughput at concurrency 64.
+
+Three processes, so that none steals the others' event loop: a minimal HTTP backend (raw
+asyncio, uvloop, a fixed vLLM completion body), the router under test (``fleetwarden route``,
+a separate process, as it is deployed), and a load generator (raw asyncio, keep-alive
+connections, closed loop). The same backend is measured directly and through each router, in
+one run, and the figures are printed side by side.
+
+    python bench/router_overhead.py [--requests 4000] [--seconds 6] [--peer sglang-router]
+
+``--peer sglang-router`` also measures sglang-router 0.3.2, installed on first use into its own
+virtual environment under ``~/.cache/fleetwarden/bench-venvs/``.
+
+Targets (issue 4): added p50 <= 0.5 ms; >= 3,000 req/s through one router process. The machine
+is shared and small (2 cores hold all three processes): compare figures within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SGLANG_ROUTER = "sglang-router==0.3.2"
+VENVS = Path.home() / ".cache" / "fleetwarden" / "bench-venvs"
+
+#: The backend's answer: vLLM's real completion body (tests/fixtures/vllm/completions.http).
+BODY = (ROOT / "tests/fixtures/vllm/completions.http").read_bytes().partition(b"\r\n\r\n")[2]
+PAYLOAD = b'{"model": "tiny", "prompt": "hello", "max_tokens": 8}'
+
+
+def _loop_policy() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+# ---------------------------------------------------------------------- the backend process
+
+async def _serve_backend(port: int) -> None:
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(BODY)).encode() + b"\r\n\r\n")
+    answer = head + BODY
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                headers = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in headers.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                if length:
+                    await reader.readexactly(length)
+                writer.write(answer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(connection, "127.0.0.1", port, backlog=1024)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+# ---------------------------------------------------------------------- the load process
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = -1
+    chunked = False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    if chunked:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif length > 0:
+        await reader.readexactly(length)
+    return status
+
+
+async def _load(url: str, concurrency: int, requests: int, seconds: float) -> dict[str, object]:
+    host, port = url.removeprefix("http://").split(":")
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(PAYLOAD)}\r\n\r\n"
+               ).encode() + PAYLOAD
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    counting = False
+    done = 0
+    stop_at = float("inf")
+
+    async def worker() -> None:
+        nonlocal done
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while time.perf_counter() < stop_at and (requests == 0 or done < requests):
+                start = time.perf_counter()
+                writer.write(request)
+                status = await _read_response(reader)
+                if counting:
+                    latencies.append(time.perf_counter() - start)
+                    statuses[status] = statuses.get(status, 0) + 1
+                    done += 1
+        finally:
+            writer.close()
+
+    # warm up: connections open, caches filled, the router's JIT-free paths hot
+    warm_until = time.perf_counter() + 1.0
+    stop_at = warm_until
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    counting = True
+    started = time.perf_counter()
+    stop_at = started + seconds if requests == 0 else float("inf")
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "requests": len(latencies),
+        "seconds": elapsed,
+        "rps": len(latencies) / elapsed,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)],
+        "mean_ms": 1000 * statistics.fmean(latencies),
+        "statuses": statuses,
+    }
+
+
+# ---------------------------------------------------------------------- the orchestrator
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], **kwargs: object) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)  # type: ignore[call-overload]
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run_load(url: str, concurrency: int, requests: int, seconds: float) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--role", "load", "--url", url,
+         "--concurrency", str(concurrency), "--requests", str(requests),
+         "--seconds", str(seconds)],
+        capture_output=True, text=True, timeout=600, check=True)
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def _wait_until_serving(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    host, port = url.removeprefix("http://").split(":")
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1) as s:
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                          f"Content-Type: application/json\r\n"
+                          f"Content-Length: {len(PAYLOAD)}\r\nConnection: close\r\n\r\n"
+                          .encode() + PAYLOAD)
+                if s.recv(12)[9:12] == b"200":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not start serving within {timeout_s} s")
+
+
+def _sglang_router_python() -> Path:
+    venv = VENVS / SGLANG_ROUTER.replace("==", "-")
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"installing {SGLANG_ROUTER} into {venv} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", SGLANG_ROUTER],
+                       check=True)
+    return python
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", choices=["bench", "backend", "load"], default="bench")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--url")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=4000,
+                        help="requests measured at concurrency 1")
+    parser.add_argument("--seconds", type=float, default=6.0,
+                        help="seconds measured at concurrency 64")
+    parser.add_argument("--peer", choices=["sglang-router"], action="append", default=[])
+    args = parser.parse_args()
+    _loop_policy()
+    if args.role == "backend":
+        asyncio.run(_serve_backend(args.port))
+        return
+    if args.role == "load":
+        print(json.dumps(asyncio.run(
+            _load(args.url, args.concurrency, args.requests, args.seconds))))
+        return
+
+    with _process([sys.executable, __file__, "--role", "backend"]) as backend:
+        assert backend.stdout is not None
+        backend_url = f"http://127.0.0.1:{backend.stdout.readline().strip()}"
+        targets: dict[str, str] = {"direct": backend_url}
+        with contextlib.ExitStack() as stack:
+            router = stack.enter_context(_process(
+                [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
+                 "--backend", backend_url, "--log-level", "error"]))
+            assert router.stdout is not None
+            line = router.stdout.readline()
+            targets["fleetwarden route"] = line.split(" on ", 1)[1].split(",")[0]
+            if "sglang-router" in args.peer:
+                python = _sglang_router_python()
+                port = _free_port()
+                stack.enter_context(_process(
+                    [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                     "--port", str(port), "--worker-urls", backend_url,
+                     "--policy", "round_robin", "--log-level", "warn",
+                     # its exporter defaults to port 29000, which another run may hold
+                     "--prometheus-port", str(_free_port())],
+                    stderr=subprocess.DEVNULL))
+                targets["sglang-router 0.3.2"] = f"http://127.0.0.1:{port}"
+            for url in targets.values():
+                _wait_until_serving(url)
+            results = {}
+            for name, url in targets.items():
+                single = _run_load(url, 1, args.requests, 0)
+                many = _run_load(url, 64, 0, args.seconds)
+                results[name] = (single, many)
+                print(f"{name}: {single['statuses']} {many['statuses']}", file=sys.stderr)
+    _report(results)
+
+
+def _report(results: dict[str, tuple[dict[str, object], dict[str, object]]]) -> None:
+    direct_single, direct_many = results["direct"]
+    cpu = os.cpu_count()
+    print(f"\n{cpu} CPUs; same backend measured directly and through each router\n")
+    print("| path | p50 ms (c=1) | p99 ms (c=1) | added p50 ms | added p99 ms "
+          "| req/s (c=64) | throughput vs direct |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (single, many) in results.items():
+        p50, p99 = float(single["p50_ms"]), float(single["p99_ms"])  # type: ignore[arg-type]
+        rps = float(many["rps"])  # type: ignore[arg-type]
+        added50 = p50 - float(direct_single["p50_ms"])  # type: ignore[arg-type]
+        added99 = p99 - float(direct_single["p99_ms"])  # type: ignore[arg-type]
+        ratio = rps / float(direct_many["rps"])  # type: ignore[arg-type]
+        added = "—" if name == "direct" else f"{added50:.3f}"
+        added_tail = "—" if name == "direct" else f"{added99:.3f}"
+        print(f"| {name} | {p50:.3f} | {p99:.3f} | {added} | {added_tail} | {rps:,.0f} "
+              f"| {ratio:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The router: the fleet's data path (SYSTEM.md section 4).
+
+``pool`` (pure) holds the serving backends, their in-flight counts, picking and the outcome
+tallies; ``forward`` sends one request through them, with retries, rescue and deliberate
+statuses; ``app`` is the :class:`Router` itself; ``control`` its control API and clients;
+``settings`` every default with its reason; ``metrics`` its own Prometheus registry.
+
+The names below are imported on first use, so that ``fleetwarden.router.settings`` (pure) can
+be read without loading aiohttp.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleetwarden.router.app import Router
+    from fleetwarden.router.control import (
+        ControlError,
+        InProcessRouter,
+        RemoteRouter,
+        RouterControl,
+    )
+    from fleetwarden.router.settings import RouterSettings
+
+__all__ = ["ControlError", "InProcessRouter", "RemoteRouter", "Router", "RouterControl",
+           "RouterSettings"]
+
+_HOMES = {
+    "Router": "fleetwarden.router.app",
+    "ControlError": "fleetwarden.router.control",
+    "InProcessRouter": "fleetwarden.router.control",
+    "RemoteRouter": "fleetwarden.router.control",
+    "RouterControl": "fleetwarden.router.control",
+    "RouterSettings": "fleetwarden.router.settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'fleetwarden.router' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

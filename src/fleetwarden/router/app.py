@@ -1,0 +1,250 @@
+"""The router: the OpenAI API on one URL, in front of the backends it is told may serve.
+
+It counts and obeys; it never decides health. A controller pushes the serving set
+(:meth:`Router.set_serving_backends`, the whole list every tick), drains what happened to the
+requests (:meth:`Router.drain_outcomes`), and moves requests off a backend it condemned
+(:meth:`Router.rescue`). The same calls are served on an optional control port
+(:mod:`fleetwarden.router.control`), so one controller can drive several router processes.
+
+Several routers can run in one event loop: each has its own application, client session and
+Prometheus registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fleetwarden.router.forward import Forwarder, error_response
+from fleetwarden.router.metrics import RouterStats, make_registry
+from fleetwarden.router.pool import Pool, RetryBudget
+from fleetwarden.router.settings import RouterSettings
+
+if TYPE_CHECKING:
+    from fleetwarden.router.control import InProcessRouter
+
+__all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router"]
+
+log = logging.getLogger("fleetwarden.router")
+
+#: The OpenAI API the router forwards (SYSTEM.md section 4). Anything else is answered 404 here.
+FORWARDED_POST: tuple[str, ...] = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+    "/tokenize", "/detokenize",
+)
+FORWARDED_GET: tuple[str, ...] = ("/v1/models",)
+
+DISARMED_WARNING = (
+    "reflex drop disarmed: fleet health does not drive this router's membership, so a "
+    "backend dropped on a failure would never be put back. Failing backends stay in the "
+    "list; retries still move their requests elsewhere."
+)
+
+
+class Router:
+    """An OpenAI-compatible reverse proxy over a changing set of backend URLs.
+
+    ``health_managed``: a controller pushes the serving set from the fleet's health. Only then
+    does a failure drop its backend from the local list at once (the reflex), since only then
+    does a later push put it back.
+    """
+
+    def __init__(
+        self,
+        backends: Iterable[str] = (),
+        settings: RouterSettings | None = None,
+        *,
+        health_managed: bool = False,
+    ) -> None:
+        self.settings = settings if settings is not None else RouterSettings()
+        self.health_managed = health_managed
+        if not health_managed:
+            log.warning(DISARMED_WARNING)
+        s = self.settings
+        self.pool = Pool(
+            backends,
+            retry_budget=RetryBudget(s.retry_budget_ratio, s.retry_budget_min),
+            affinity_load_factor=s.affinity_load_factor,
+            affinity_virtual_nodes=s.affinity_virtual_nodes,
+        )
+        self.stats = RouterStats()
+        self.registry = make_registry(self.stats, self.pool)
+        self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
+        self.app = self._make_app()
+        self._runner: web.AppRunner | None = None
+        self._control_runner: web.AppRunner | None = None
+        self._url: str | None = None
+        self._control_url: str | None = None
+
+    # ------------------------------------------------------------------ the controller's calls
+
+    @property
+    def reflex_armed(self) -> bool:
+        return self.health_managed
+
+    def set_serving_backends(self, urls: Iterable[str]) -> None:
+        """Replace the whole serving list; URLs never seen before are welcome (a restarted
+        engine comes back on a new port). Requests in flight elsewhere finish where they are."""
+        self.pool.replace(urls)
+        self._forwarder.forget_idle(set(self.pool.serving))
+
+    def serving_backends(self) -> list[str]:
+        return list(self.pool.serving)
+
+    def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        """``{url: (successes, failures, trailing_failures)}`` since the last drain, then zero."""
+        return self.pool.drain_outcomes()
+
+    def rescue(self, url: str) -> int:
+        """Move the requests waiting on ``url`` with nothing sent to their client to other
+        backends, at once. Returns how many were moved."""
+        return self._forwarder.rescue(url)
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per backend, counted from dispatch to the last byte."""
+        return self.pool.in_flight()
+
+    def set_retry_after(self, seconds: float | None) -> None:
+        """When the caller expects a backend back in ``seconds``, the router's deliberate
+        answers carry ``Retry-After``; ``None`` removes it."""
+        if seconds is not None and (not math.isfinite(seconds) or seconds < 0):
+            raise ValueError(f"retry_after must be a finite number >= 0 or None, got {seconds}")
+        self._forwarder.retry_after = seconds
+
+    def control(self) -> InProcessRouter:
+        """This router behind the async methods a controller calls on any router."""
+        from fleetwarden.router.control import InProcessRouter
+
+        return InProcessRouter(self)
+
+    def status(self) -> dict[str, Any]:
+        """What the router is doing now, as plain JSON-able data."""
+        return {
+            "url": self._url,
+            "serving": self.serving_backends(),
+            "in_flight": self.in_flight(),
+            "health_managed": self.health_managed,
+            "reflex_armed": self.reflex_armed,
+            "retry_after": self._forwarder.retry_after,
+            "requests": self.stats.requests,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        control_port: int | None = None,
+        control_token: str | None = None,
+        control_host: str = "127.0.0.1",
+    ) -> None:
+        """Listen on ``host:port`` (0: any free port; read :attr:`url` or :attr:`port`). With a
+        ``control_port``, also serve the control API there, behind ``control_token``."""
+        if self._runner is not None:
+            raise RuntimeError("Router.start() was already called")
+        if control_port is not None and not control_token:
+            raise ValueError("a control port needs a control token")
+        await self._forwarder.open()
+        # handler_cancellation: a client that disconnects cancels its handler, and with it the
+        # upstream request (the engine then aborts it: no orphaned decoding).
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=self.settings.shutdown_grace_s)
+        try:
+            await runner.setup()
+            await web.TCPSite(runner, host, port, backlog=1024).start()
+        except BaseException:
+            await runner.cleanup()
+            await self._forwarder.close()
+            raise
+        self._runner = runner
+        self._url = _url_of(runner)
+        if control_port is not None:
+            from fleetwarden.router.control import make_control_app
+
+            assert control_token is not None
+            control = web.AppRunner(make_control_app(self, control_token), access_log=None,
+                                    shutdown_timeout=self.settings.shutdown_grace_s)
+            try:
+                await control.setup()
+                await web.TCPSite(control, control_host, control_port).start()
+            except BaseException:
+                await control.cleanup()
+                await self.stop()
+                raise
+            self._control_runner = control
+            self._control_url = _url_of(control)
+
+    async def stop(self) -> None:
+        """Stop listening, end the requests in flight, close the client session."""
+        if self._control_runner is not None:
+            await self._control_runner.cleanup()
+            self._control_runner = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self._forwarder.close()
+
+    async def __aenter__(self) -> Router:
+        if self._runner is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` the router listens on (after :meth:`start`)."""
+        if self._url is None:
+            raise RuntimeError("the router is not started")
+        return self._url
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def control_url(self) -> str | None:
+        """``http://127.0.0.1:port`` of the control API, if one was started."""
+        return self._control_url
+
+    # ------------------------------------------------------------------ the application
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        forward = self._forwarder.forward
+        for path in FORWARDED_POST:
+            app.router.add_post(path, forward)
+        for path in FORWARDED_GET:
+            app.router.add_get(path, forward, allow_head=False)
+        app.router.add_get("/metrics", self._metrics, allow_head=False)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        self.stats.responded(404)
+        return error_response(
+            404, f"No route for {request.method} {request.path}: the router serves "
+            "POST " + ", ".join(FORWARDED_POST) + "; GET " + ", ".join(FORWARDED_GET)
+            + " and its own /metrics.", "not_found")
+
+
+def _url_of(runner: web.AppRunner) -> str:
+    host, port = runner.addresses[0][:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

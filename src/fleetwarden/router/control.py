@@ -1,0 +1,264 @@
+"""The router's control API, so that one controller can drive several router processes.
+
+Served on its own port, on 127.0.0.1 by default, and only to callers holding the bearer token
+(401 otherwise). The controller's tick (SYSTEM.md section 6) uses it to push the serving set,
+drain outcomes and rescue requests off condemned backends.
+
+=======  ===============  ===============================  ==============================
+method   path             body                             answer
+=======  ===============  ===============================  ==============================
+GET      /status          -                                :meth:`Router.status`
+PUT      /serving         ``{"backends": [url, ...]}``     ``{"serving": [url, ...]}``
+POST     /outcomes/drain  -                                ``{"outcomes": {url: [s, f, t]}}``
+POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
+GET      /in-flight       -                                ``{"in_flight": {url: n}}``
+PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x or null}``
+=======  ===============  ===============================  ==============================
+
+:class:`RemoteRouter` is the client of this API and :class:`InProcessRouter` wraps a
+:class:`~fleetwarden.router.app.Router` in the same async methods, so a controller treats a
+router in its own process and one across a socket alike (:class:`RouterControl`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import os
+import secrets
+import stat
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from fleetwarden.router.forward import error_response
+
+if TYPE_CHECKING:
+    from fleetwarden.router.app import Router
+
+__all__ = ["ControlError", "InProcessRouter", "RemoteRouter", "RouterControl",
+           "load_or_create_token", "make_control_app"]
+
+#: How long a control call may take. The calls are in-memory operations on the router, so
+#: seconds without an answer mean the router process is gone or stuck; the tick moves on.
+CONTROL_TIMEOUT_S = 5.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RouterControl(Protocol):
+    """What a controller calls on a router, wherever it runs."""
+
+    async def set_serving_backends(self, urls: Iterable[str]) -> None: ...
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
+    async def rescue(self, url: str) -> int: ...
+    async def in_flight(self) -> dict[str, int]: ...
+    async def set_retry_after(self, seconds: float | None) -> None: ...
+    async def status(self) -> dict[str, Any]: ...
+
+
+def load_or_create_token(path: Path) -> str:
+    """The control token kept in ``path``: read it, or create the file (0600) with a new one.
+
+    A token file that others can read is refused: the token lets its holder drain the
+    outcomes and empty the serving list.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise ValueError(f"token file {path} has mode {mode:o}; it must be readable by "
+                             f"its owner only (chmod 600 {path})") from None
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"token file {path} is empty") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+class ControlError(Exception):
+    """A control call was refused or failed; the message carries the router's answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"router control answered {status}: {message}")
+        self.status = status
+
+
+# ---------------------------------------------------------------------- the server side
+
+def make_control_app(router: Router, token: str) -> web.Application:
+    """The control API of ``router``, for callers presenting ``Bearer <token>``."""
+    if not token:
+        raise ValueError("the control API needs a non-empty token")
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            response = error_response(401, "A bearer token is required.", "unauthorized")
+            response.headers["WWW-Authenticate"] = 'Bearer realm="fleetwarden router control"'
+            return response
+        return await handler(request)
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(router.status())
+
+    async def put_serving(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        backends = body.get("backends")
+        if not isinstance(backends, list) or not all(isinstance(u, str) for u in backends):
+            raise _bad_request("'backends' must be a list of URL strings")
+        router.set_serving_backends(backends)
+        return web.json_response({"serving": router.serving_backends()})
+
+    async def drain(request: web.Request) -> web.Response:
+        return web.json_response({"outcomes": router.drain_outcomes()})
+
+    async def rescue(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        backend = body.get("backend")
+        if not isinstance(backend, str):
+            raise _bad_request("'backend' must be a URL string")
+        return web.json_response({"rescued": router.rescue(backend)})
+
+    async def in_flight(request: web.Request) -> web.Response:
+        return web.json_response({"in_flight": router.in_flight()})
+
+    async def put_retry_after(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        seconds = body.get("seconds", ...)
+        if seconds is not None and (isinstance(seconds, bool)
+                                    or not isinstance(seconds, int | float)
+                                    or not math.isfinite(seconds) or seconds < 0):
+            raise _bad_request("'seconds' must be a number >= 0 or null")
+        router.set_retry_after(seconds)
+        return web.json_response({"retry_after": seconds})
+
+    async def not_found(request: web.Request) -> web.Response:
+        return error_response(404, f"No control route for {request.method} {request.path}.",
+                              "not_found")
+
+    app = web.Application(middlewares=[require_token], client_max_size=1024 * 1024)
+    app.router.add_get("/status", status)
+    app.router.add_put("/serving", put_serving)
+    app.router.add_post("/outcomes/drain", drain)
+    app.router.add_post("/rescue", rescue)
+    app.router.add_get("/in-flight", in_flight)
+    app.router.add_put("/retry-after", put_retry_after)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(
+        text=json.dumps({"error": {"message": message, "type": "invalid_request",
+                                   "param": None, "code": 400}}),
+        content_type="application/json")
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _bad_request("the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise _bad_request("the body must be a JSON object")
+    return body
+
+
+# ---------------------------------------------------------------------- the two clients
+
+class InProcessRouter:
+    """A :class:`Router` in this process, behind the async :class:`RouterControl` methods."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def set_serving_backends(self, urls: Iterable[str]) -> None:
+        self.router.set_serving_backends(urls)
+
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        return self.router.drain_outcomes()
+
+    async def rescue(self, url: str) -> int:
+        return self.router.rescue(url)
+
+    async def in_flight(self) -> dict[str, int]:
+        return self.router.in_flight()
+
+    async def set_retry_after(self, seconds: float | None) -> None:
+        self.router.set_retry_after(seconds)
+
+    async def status(self) -> dict[str, Any]:
+        return self.router.status()
+
+
+class RemoteRouter:
+    """A router in another process, driven through its control API.
+
+    ``url`` is the control API's base URL (``http://127.0.0.1:PORT``), ``token`` its bearer
+    token. Use as ``async with RemoteRouter(url, token) as router:``, or call :meth:`close`.
+    """
+
+    def __init__(self, url: str, token: str, *, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RemoteRouter:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, path: str, body: object = None) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        kwargs: dict[str, Any] = {} if body is None else {"json": body}
+        async with self._session.request(method, self.url + path, **kwargs) as response:
+            text = await response.text()
+            if response.status != 200:
+                try:
+                    message = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = text
+                raise ControlError(response.status, message)
+            return json.loads(text)
+
+    async def set_serving_backends(self, urls: Iterable[str]) -> None:
+        await self._call("PUT", "/serving", {"backends": list(urls)})
+
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        answer = await self._call("POST", "/outcomes/drain")
+        return {url: (int(s), int(f), int(t)) for url, (s, f, t) in answer["outcomes"].items()}
+
+    async def rescue(self, url: str) -> int:
+        return int((await self._call("POST", "/rescue", {"backend": url}))["rescued"])
+
+    async def in_flight(self) -> dict[str, int]:
+        return {url: int(n) for url, n in (await self._call("GET", "/in-flight"))["in_flight"]
+                .items()}
+
+    async def set_retry_after(self, seconds: float | None) -> None:
+        await self._call("PUT", "/retry-after", {"seconds": seconds})
+
+    async def status(self) -> dict[str, Any]:
+        answer: dict[str, Any] = await self._call("GET", "/status")
+        return answer

@@ -1,0 +1,422 @@
+"""Forwarding one request: pick a backend, send, stream the answer back, count what happened.
+
+The imperative shell around :class:`~fleetwarden.router.pool.Pool`. Its rules (SYSTEM.md
+section 4):
+
+* Upstream statuses pass through untouched. A transport error (refused, reset, timeout), or a
+  5xx before any byte reached the client, is a backend failure; a completed 2xx/3xx response
+  is a success; a 4xx (429 included) is neither: the client's request was at fault, and an
+  engine whose core is wedged still answers validation errors from its API process.
+* A request that has sent nothing to its client can be re-sent elsewhere: freely if it never
+  reached an engine (refused, connect timeout), at most ``max_retries`` times and within the
+  fleet's retry budget if an engine may have worked on it. The same 5xx on two backends marks
+  the request itself as the problem (poison): it is answered and counted no further.
+* While a request waits on a backend with nothing sent to its client, the controller may
+  :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
+* When it cannot serve, the router answers deliberately: ``status_when_others_serve`` (500)
+  while backends remain, ``status_when_none_left`` (409) when none does. Never 504: clients
+  retry it without bound (aiohttp itself turns an escaped ``TimeoutError`` into 504, so none
+  may escape a handler).
+* The router decides nothing about health. Its one local act, the reflex drop, happens only
+  when fleet health drives membership (``health_managed``), so that the next push undoes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from fleetwarden.router.metrics import RouterStats
+from fleetwarden.router.pool import Pool
+from fleetwarden.router.settings import FORBIDDEN_STATUS, RouterSettings
+
+__all__ = ["Cause", "Forwarder", "error_response"]
+
+log = logging.getLogger("fleetwarden.router")
+
+#: Hop-by-hop headers (RFC 9110 section 7.6.1) and those the router recomputes: never forwarded.
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+#: The body is buffered and re-sent, so its length is recomputed and there is nothing left to
+#: expect; the Host is the backend's.
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "expect"}
+#: An answer relayed whole is re-framed: its length is recomputed.
+_NOT_RELAYED_WHOLE = _HOP_BY_HOP | {"content-length"}
+#: Parsed target URLs kept (backends x allowlisted paths, plus any query strings).
+_MAX_CACHED_TARGETS = 4096
+#: Answers of known length up to this size are read whole and sent in one write: a
+#: non-streamed completion arrives in one or two TCP segments anyway, and this saves a system
+#: call and several awaits per request. Streams (no length) and larger bodies go chunk by chunk.
+_WHOLE_ANSWER_BYTES = 256 * 1024
+
+
+class Cause(enum.Enum):
+    """Why an attempt on a backend ended without an answer. Values are metric labels."""
+
+    REFUSED = "refused"  # nothing listens: the request never reached an engine
+    CONNECT_TIMEOUT = "connect_timeout"  # no connection: the request never reached an engine
+    RESET = "reset"  # the connection broke: an engine may have worked on it
+    TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
+    SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
+    RESCUED = "rescued"  # the controller condemned the backend while the request waited there
+
+    @property
+    def never_reached_an_engine(self) -> bool:
+        return self is Cause.REFUSED or self is Cause.CONNECT_TIMEOUT
+
+
+_DESCRIPTIONS = {
+    Cause.REFUSED: "refused the connection",
+    Cause.CONNECT_TIMEOUT: "did not accept a connection in time",
+    Cause.RESET: "broke the connection",
+    Cause.TIMEOUT: "did not answer within the backend timeout",
+    Cause.SERVER_ERROR: "answered with a server error",
+    Cause.RESCUED: "was condemned while the request waited on it",
+}
+
+
+def _classify(exc: BaseException) -> Cause:
+    # Order matters: the connect errors are subclasses of the generic ones below them.
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return Cause.CONNECT_TIMEOUT
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return Cause.REFUSED
+    if isinstance(exc, TimeoutError):  # the total timeout, or a socket read timeout
+        return Cause.TIMEOUT
+    return Cause.RESET
+
+
+@dataclass(slots=True)
+class _Failure:
+    """One attempt that ended without an answer the client could be given as it stands."""
+
+    backend: str
+    cause: Cause
+    #: For SERVER_ERROR: the engine's answer, kept so that it can be passed through.
+    status: int = 0
+    headers: CIMultiDictProxy[str] | None = None
+    body: bytes = b""
+
+
+def error_response(status: int, message: str, error_type: str,
+                   headers: dict[str, str] | None = None, **extra: object) -> web.Response:
+    """A JSON error in the OpenAI shape (``{"error": {...}}``), with extra fields if given."""
+    error = {"message": message, "type": error_type, "param": None, "code": status, **extra}
+    return web.Response(status=status, body=json.dumps({"error": error}).encode(),
+                        content_type="application/json", headers=headers)
+
+
+def _response_headers(upstream: CIMultiDictProxy[str],
+                      dropped: frozenset[str] = _HOP_BY_HOP) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in dropped)
+
+
+async def _read(upstream: aiohttp.ClientResponse) -> bytes:
+    """The whole body; on any interruption the connection is closed, never pooled half-read."""
+    try:
+        return await upstream.read()
+    except BaseException:
+        upstream.close()
+        raise
+
+
+class Forwarder:
+    """Sends requests to the pool's backends through one shared client session."""
+
+    def __init__(self, pool: Pool, settings: RouterSettings, stats: RouterStats, *,
+                 health_managed: bool) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.stats = stats
+        self.health_managed = health_managed
+        #: Seconds a client should wait before retrying, when the caller expects a backend back.
+        self.retry_after: float | None = None
+        self._session: aiohttp.ClientSession | None = None
+        #: Requests waiting on each backend with nothing sent to their client: what a rescue
+        #: may cancel. Each is the timeout scope around its wait.
+        self._waiting: dict[str, set[asyncio.Timeout]] = {}
+        #: Parsed target URLs, by backend + path (the allowlist keeps this small).
+        self._targets: dict[str, URL] = {}
+        self._session_header = settings.session_header
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0,  # unlimited: the engines queue; the router never should
+            keepalive_timeout=s.keepalive_timeout_s,
+            enable_cleanup_closed=False,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=s.backend_timeout_s, connect=s.connect_timeout_s),
+            auto_decompress=False,  # bytes pass through as the engine encoded them
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------ control
+
+    def rescue(self, backend: str) -> int:
+        """Cancel the requests waiting on ``backend`` that have sent nothing to their client;
+        each is re-sent elsewhere at once. Returns how many were moved."""
+        waiting = self._waiting.pop(backend, None)
+        if not waiting:
+            return 0
+        now = asyncio.get_running_loop().time()
+        for scope in waiting:
+            scope.reschedule(now)  # expires at once: the request moves on from its wait
+        self.stats.rescues += len(waiting)
+        return len(waiting)
+
+    def forget_idle(self, keep: set[str]) -> None:
+        """Drop bookkeeping for backends that are neither kept nor have anything waiting."""
+        for url in [u for u, w in self._waiting.items() if not w and u not in keep]:
+            del self._waiting[url]
+
+    # ------------------------------------------------------------------ the request path
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """Answer one allowlisted request through the fleet."""
+        started = time.perf_counter()
+        stats = self.stats
+        stats.requests += 1
+        limit = self.settings.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            return self._too_large()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._too_large()
+        not_forwarded = _NOT_FORWARDED
+        connection = request.headers.get("Connection")
+        if connection is not None:  # headers it names are hop-by-hop too
+            not_forwarded = not_forwarded | {t.strip().lower() for t in connection.split(",")}
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in not_forwarded]
+        header = self._session_header
+        session = request.headers.get(header) if header is not None else None
+
+        pool = self.pool
+        budget = pool.retry_budget
+        budget.requests_in_flight += 1
+        holds_retry_token = False
+        try:
+            tried: list[str] = []
+            paid_retries = 0
+            last: _Failure | None = None
+            resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
+            while True:
+                backend = pool.pick(tried, session if not tried else None)
+                if backend is None:
+                    return self._refuse(last)  # nobody left to try: the router cannot serve
+                if resend:
+                    stats.retries[resend] += 1
+                tried.append(backend)
+                answer = await self._attempt(request, backend, body, headers, started)
+                if not isinstance(answer, _Failure):
+                    return answer
+                failure = answer
+                if failure.cause is Cause.RESCUED:
+                    resend = ""  # the controller's call: re-sent at once, and no budget spent
+                    last = failure
+                    continue
+                if (failure.cause is Cause.SERVER_ERROR and last is not None
+                        and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
+                    # The same 5xx on a second backend: the request is the problem, not them.
+                    stats.poison_requests += 1
+                    return self._pass_through(failure)
+                self._count_failure(failure)
+                last = failure
+                if failure.cause.never_reached_an_engine:
+                    resend = "free"  # it cost no engine any work
+                    continue
+                if paid_retries < self.settings.max_retries and (
+                        holds_retry_token or budget.try_acquire()):
+                    holds_retry_token = True  # held until this request is answered
+                    paid_retries += 1
+                    resend = "paid"
+                    continue
+                # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's
+                # own 5xx goes back as it is; a transport failure gets the router's answer.
+                if failure.cause is Cause.SERVER_ERROR:
+                    return self._pass_through(failure)
+                return self._refuse(failure)
+        finally:
+            budget.requests_in_flight -= 1
+            if holds_retry_token:
+                budget.release()
+
+    async def _attempt(self, request: web.Request, backend: str, body: bytes,
+                       headers: list[tuple[str, str]],
+                       started: float) -> web.StreamResponse | _Failure:
+        """One try on one backend: its answer relayed, or why there is none."""
+        assert self._session is not None, "Forwarder.open() was not awaited"
+        pool = self.pool
+        key = backend + request.raw_path  # the request target exactly as the client sent it
+        target = self._targets.get(key)
+        if target is None:
+            if len(self._targets) >= _MAX_CACHED_TARGETS:
+                self._targets.clear()  # query strings or many restarts: start afresh
+            target = self._targets[key] = URL(key, encoded=True)
+        waiting = self._waiting.get(backend)
+        if waiting is None:
+            waiting = self._waiting[backend] = set()
+        pool.dispatched(backend)
+        try:
+            sent = time.perf_counter()
+            try:
+                async with asyncio.timeout(None) as scope:
+                    waiting.add(scope)
+                    try:
+                        upstream = await self._session.request(
+                            request.method, target, data=body, headers=headers,
+                            allow_redirects=False)
+                        if upstream.status >= 500:
+                            return _Failure(backend, Cause.SERVER_ERROR, upstream.status,
+                                            upstream.headers, await _read(upstream))
+                    finally:
+                        waiting.discard(scope)
+                backend_time = time.perf_counter() - sent
+                length = upstream.content_length
+                if length is not None and length <= _WHOLE_ANSWER_BYTES:
+                    # A small answer of known length: taken whole, then sent in one write.
+                    # Nothing has reached the client yet, so a break here can still be retried.
+                    return await self._answer_whole(request, upstream, await _read(upstream),
+                                                    backend, started, backend_time)
+            except TimeoutError as exc:
+                if scope.expired():
+                    return _Failure(backend, Cause.RESCUED)
+                return _Failure(backend, _classify(exc))
+            except aiohttp.ClientError as exc:
+                return _Failure(backend, _classify(exc))
+            return await self._relay(request, upstream, backend, started, backend_time)
+        finally:
+            pool.finished(backend)
+
+    async def _answer_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                            body: bytes, backend: str, started: float,
+                            backend_time: float) -> web.StreamResponse:
+        """Send a complete answer: headers and body in one write."""
+        status = upstream.status
+        response = web.Response(status=status, reason=upstream.reason, body=body,
+                                headers=_response_headers(upstream.headers, _NOT_RELAYED_WHOLE))
+        if status < 400:
+            self.pool.record_success(backend)  # the engine's answer is complete
+        try:
+            await response.prepare(request)
+            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
+            self.stats.responded(status)
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client left: its loss, not the engine's
+        return response
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                     backend: str, started: float, backend_time: float) -> web.StreamResponse:
+        """Stream the engine's answer to the client chunk by chunk; count it when complete."""
+        status = upstream.status
+        response = web.StreamResponse(status=status, reason=upstream.reason,
+                                      headers=_response_headers(upstream.headers))
+        complete = False
+        try:
+            try:
+                await response.prepare(request)
+            except ConnectionError:
+                return response  # the client left before its answer began: nothing to count
+            # What the router added before the first byte: all of the wait but the answering
+            # engine's own time to headers (failed attempts and retries count as added).
+            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
+            self.stats.responded(status)
+            content = upstream.content
+            while True:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # The engine broke off mid-answer. Its status is already sent, so all that
+                    # is left is to make the client see an incomplete response: close.
+                    failure = _Failure(backend, _classify(exc))
+                    self._count_failure(failure)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                try:
+                    await response.write(chunk)
+                except ConnectionError:
+                    return response  # the client left: not the engine's doing, not counted
+            complete = True
+            if status < 400:
+                self.pool.record_success(backend)
+            with contextlib.suppress(ConnectionError):  # the client left after the last byte
+                await response.write_eof()
+            return response
+        finally:
+            if not complete:
+                upstream.close()  # the engine sees the disconnect and aborts the generation
+
+    # ------------------------------------------------------------------ outcomes and answers
+
+    def _count_failure(self, failure: _Failure) -> None:
+        self.pool.record_failure(failure.backend)
+        self.stats.backend_failed(failure.backend, failure.cause.value)
+        if self.health_managed and self.pool.drop(failure.backend):
+            log.info("reflex drop: %s %s; out until the next push", failure.backend,
+                     _DESCRIPTIONS[failure.cause])
+
+    def _pass_through(self, failure: _Failure) -> web.Response:
+        """The engine's own 5xx, untouched, unless it is the one status never to send."""
+        if failure.status == FORBIDDEN_STATUS:
+            return self._refuse(failure)
+        self.stats.responded(failure.status)
+        assert failure.headers is not None
+        return web.Response(status=failure.status, body=failure.body,
+                            headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE))
+
+    def _refuse(self, failure: _Failure | None) -> web.Response:
+        """The deliberate answer when the router cannot serve this request."""
+        none_left = not self.pool.serving
+        s = self.settings
+        status = s.status_when_none_left if none_left else s.status_when_others_serve
+        if failure is None:
+            cause, backend = "no_backend", None
+            message = "No backend is serving."
+        else:
+            cause, backend = failure.cause.value, failure.backend
+            message = f"Backend {failure.backend} {_DESCRIPTIONS[failure.cause]}"
+            if failure.cause is Cause.SERVER_ERROR:
+                message += f" ({failure.status})"
+            message += "; no backend is left." if none_left else "; other backends still serve."
+        headers = None
+        if self.retry_after is not None:
+            headers = {"Retry-After": str(max(0, math.ceil(self.retry_after)))}
+        self.stats.responded(status)
+        return error_response(status, message,
+                              "no_backend_left" if none_left else "backend_failed",
+                              headers, cause=cause, backend=backend)
+
+    def _too_large(self) -> web.Response:
+        self.stats.responded(413)
+        return error_response(
+            413, f"Request body larger than {self.settings.max_body_bytes} bytes.",
+            "request_too_large")

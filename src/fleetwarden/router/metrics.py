@@ -1,0 +1,151 @@
+"""The router's own Prometheus metrics.
+
+The request path only bumps plain integers in :class:`RouterStats` (no locks, no label lookups);
+:class:`RouterCollector` turns them into metric families when ``/metrics`` is scraped. Each
+router has its own ``CollectorRegistry``, so several routers can live in one process.
+
+The router never forwards an engine's ``/metrics``: one shard's counters would pass for the
+fleet's.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from fleetwarden.router.pool import Pool
+
+__all__ = ["ADDED_LATENCY_BUCKETS_S", "RouterCollector", "RouterStats", "make_registry"]
+
+#: Buckets of the added-latency histogram, in seconds. The router's own cost is tens to hundreds
+#: of microseconds; retries and rescues add whole attempts, up to seconds.
+ADDED_LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)
+
+
+class RouterStats:
+    """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
+
+    __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
+                 "backend_failures", "poison_requests", "requests", "rescues", "responses",
+                 "retries")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        #: status -> responses sent with it (the router's own answers included)
+        self.responses: dict[int, int] = {}
+        #: (backend, cause) -> failures
+        self.backend_failures: dict[tuple[str, str], int] = {}
+        #: kind ("free": never reached an engine; "paid": an engine may have worked on it)
+        self.retries: dict[str, int] = {"free": 0, "paid": 0}
+        self.rescues = 0
+        self.poison_requests = 0
+        self.added_latency_buckets = [0] * (len(ADDED_LATENCY_BUCKETS_S) + 1)
+        self.added_latency_count = 0
+        self.added_latency_sum = 0.0
+
+    def responded(self, status: int) -> None:
+        responses = self.responses
+        responses[status] = responses.get(status, 0) + 1
+
+    def backend_failed(self, backend: str, cause: str) -> None:
+        key = (backend, cause)
+        self.backend_failures[key] = self.backend_failures.get(key, 0) + 1
+
+    def observe_added_latency(self, seconds: float) -> None:
+        self.added_latency_buckets[bisect.bisect_left(ADDED_LATENCY_BUCKETS_S, seconds)] += 1
+        self.added_latency_count += 1
+        self.added_latency_sum += seconds
+
+
+class RouterCollector(Collector):
+    """Reads :class:`RouterStats` and the pool at scrape time."""
+
+    def __init__(self, stats: RouterStats, pool: Pool) -> None:
+        self._stats = stats
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        pool = self._pool
+        requests = CounterMetricFamily(
+            "fleetwarden_router_requests", "Requests received on the OpenAI API.")
+        requests.add_metric([], s.requests)
+        yield requests
+
+        responses = CounterMetricFamily(
+            "fleetwarden_router_responses", "Responses sent, by HTTP status.", labels=["status"])
+        for status, n in sorted(s.responses.items()):
+            responses.add_metric([str(status)], n)
+        yield responses
+
+        failures = CounterMetricFamily(
+            "fleetwarden_router_backend_failures",
+            "Backend failures (transport errors, or a 5xx before any byte reached the client).",
+            labels=["backend", "cause"])
+        for (backend, cause), n in sorted(s.backend_failures.items()):
+            failures.add_metric([backend, cause], n)
+        yield failures
+
+        retries = CounterMetricFamily(
+            "fleetwarden_router_retries",
+            "Requests re-sent to another backend: free (never reached an engine) or paid.",
+            labels=["kind"])
+        for kind, n in sorted(s.retries.items()):
+            retries.add_metric([kind], n)
+        yield retries
+
+        rescues = CounterMetricFamily(
+            "fleetwarden_router_rescues",
+            "Requests taken off a condemned backend before it sent anything, to be re-sent.")
+        rescues.add_metric([], s.rescues)
+        yield rescues
+
+        poison = CounterMetricFamily(
+            "fleetwarden_router_poison_requests",
+            "Requests answered after the same 5xx on two backends, counted against neither.")
+        poison.add_metric([], s.poison_requests)
+        yield poison
+
+        in_flight = GaugeMetricFamily(
+            "fleetwarden_router_in_flight",
+            "Requests in flight per backend, dispatch to last byte.", labels=["backend"])
+        for backend, n in sorted(pool.in_flight().items()):
+            in_flight.add_metric([backend], n)
+        yield in_flight
+
+        serving = GaugeMetricFamily(
+            "fleetwarden_router_serving_backends", "Backends the router may send requests to.")
+        serving.add_metric([], len(pool.serving))
+        yield serving
+
+        added = HistogramMetricFamily(
+            "fleetwarden_router_added_latency_seconds",
+            "Time the router adds before the first byte: the whole wait minus the answering "
+            "backend's own time to headers (failed attempts and retries count as added).")
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, n in zip(ADDED_LATENCY_BUCKETS_S, s.added_latency_buckets, strict=False):
+            cumulative += n
+            buckets.append((repr(bound), cumulative))
+        buckets.append(("+Inf", s.added_latency_count))
+        added.add_metric([], buckets, s.added_latency_sum)
+        yield added
+
+
+def make_registry(stats: RouterStats, pool: Pool) -> CollectorRegistry:
+    """A registry of its own, holding only this router's metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(stats, pool))
+    return registry

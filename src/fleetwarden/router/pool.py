@@ -1,0 +1,235 @@
+"""The backends a router may use, what is in flight on each, and what happened to its requests.
+
+The functional core of the router: no I/O, no asyncio, no clock. The forwarding shell
+(:mod:`fleetwarden.router.forward`) asks this module where to send a request and tells it how
+each attempt ended; the controller reads the tallies out with :meth:`Pool.drain_outcomes`.
+
+Two rules, after Envoy's outlier detection:
+
+* The pool never decides health. Its serving list is whatever was last pushed
+  (:meth:`Pool.replace`); the only local change is the reflex drop (:meth:`Pool.drop`), which the
+  shell makes only when fleet health drives membership, so that the next push can undo it.
+* It counts; the ledger judges. A tally is handed over once and zeroed
+  (:meth:`Pool.drain_outcomes`), so no failure is ever reported twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+__all__ = ["OutcomeTally", "Pool", "RetryBudget", "SessionRing"]
+
+
+@dataclass(slots=True)
+class OutcomeTally:
+    """One backend's requests since the last drain (SYSTEM.md section 6.2's router window)."""
+
+    successes: int = 0
+    failures: int = 0
+    #: Failures since the last success in this window: did the window end failing?
+    trailing_failures: int = 0
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.successes, self.failures, self.trailing_failures)
+
+
+class RetryBudget:
+    """Envoy's retry budget: paid retries in flight at most ``ratio`` of the requests in flight.
+
+    A paid retry is the re-send of a request an engine may have worked on; a request holds its
+    token from its first paid retry until it is answered. Free re-sends (the request never
+    reached an engine) and rescues (the controller condemned the backend) take no token.
+    """
+
+    __slots__ = ("minimum", "ratio", "requests_in_flight", "retries_in_flight")
+
+    def __init__(self, ratio: float, minimum: int) -> None:
+        self.ratio = ratio
+        self.minimum = minimum
+        self.requests_in_flight = 0
+        self.retries_in_flight = 0
+
+    def limit(self) -> int:
+        return max(self.minimum, int(self.ratio * self.requests_in_flight))
+
+    def try_acquire(self) -> bool:
+        if self.retries_in_flight >= self.limit():
+            return False
+        self.retries_in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.retries_in_flight -= 1
+
+
+def _ring_hash(key: str) -> int:
+    # A keyed hash that every router process computes alike (``hash()`` is salted per process),
+    # so a session lands on the same engine whichever router receives it.
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class SessionRing:
+    """A consistent-hash ring over backend URLs: a session's home engine.
+
+    The pool keeps it over the serving backends only. When an engine leaves, its sessions move
+    to their next engine on the ring, and no other session moves; when one joins, it takes
+    over only the sessions that now land on it.
+    """
+
+    __slots__ = ("_points", "_urls")
+
+    def __init__(self, urls: Iterable[str], virtual_nodes: int) -> None:
+        points = sorted((_ring_hash(f"{url}#{v}"), url)
+                        for url in set(urls) for v in range(virtual_nodes))
+        self._points = [p for p, _ in points]
+        self._urls = [u for _, u in points]
+
+    def home(self, session: str) -> str | None:
+        """The first backend clockwise from the session's point, or ``None`` on an empty ring."""
+        if not self._points:
+            return None
+        i = bisect.bisect_left(self._points, _ring_hash(session))
+        return self._urls[i % len(self._urls)]
+
+
+class Pool:
+    """Serving backends, in-flight counts, picking, outcome tallies and the retry budget."""
+
+    def __init__(
+        self,
+        urls: Iterable[str] = (),
+        *,
+        retry_budget: RetryBudget | None = None,
+        affinity_load_factor: float = 1.25,
+        affinity_virtual_nodes: int = 64,
+    ) -> None:
+        self.retry_budget = retry_budget if retry_budget is not None else RetryBudget(0.2, 3)
+        self._load_factor = affinity_load_factor
+        self._virtual_nodes = affinity_virtual_nodes
+        self._serving: tuple[str, ...] = ()
+        self._ring = SessionRing((), affinity_virtual_nodes)
+        #: Requests dispatched and not yet finished, per backend. Holds the serving backends and
+        #: any that left the list with requests still on them (they finish where they are).
+        self._in_flight: dict[str, int] = {}
+        self._total_in_flight = 0
+        self._tallies: dict[str, OutcomeTally] = {}
+        self._turn = 0
+        self.replace(urls)
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def serving(self) -> tuple[str, ...]:
+        return self._serving
+
+    def replace(self, urls: Iterable[str]) -> None:
+        """Make ``urls`` the whole serving list (a push). New URLs are welcome: a restarted
+        engine comes back on a new port. Order is kept, duplicates are dropped."""
+        serving = tuple(dict.fromkeys(u.rstrip("/") for u in urls))
+        if serving == self._serving:
+            return
+        if set(serving) != set(self._serving):
+            self._ring = SessionRing(serving, self._virtual_nodes)
+        self._serving = serving
+        for url in serving:
+            self._in_flight.setdefault(url, 0)
+        self._forget_idle_leavers()
+
+    def drop(self, url: str) -> bool:
+        """The reflex: take ``url`` out of the local list until the next push. True if it was in."""
+        if url not in self._serving:
+            return False
+        self.replace(u for u in self._serving if u != url)
+        return True
+
+    def _forget_idle_leavers(self) -> None:
+        # A backend that left the list and has nothing in flight needs no counter any more
+        # (restarted engines come back on new ports, so old URLs would pile up otherwise).
+        serving = set(self._serving)
+        for url in [u for u, n in self._in_flight.items() if n == 0 and u not in serving]:
+            del self._in_flight[url]
+
+    # ------------------------------------------------------------------ picking
+
+    def pick(self, exclude: Collection[str] = (), session: str | None = None) -> str | None:
+        """The serving backend for the next attempt, or ``None`` if every one is excluded.
+
+        With a ``session``: its home on the ring, unless excluded or loaded beyond
+        ``affinity_load_factor`` times the average; otherwise, and without a session, the
+        backend with the fewest requests in flight, ties taken in rotating order (the order
+        moves on per request, not per retry, so a failing backend is not first for everyone).
+        """
+        serving = self._serving
+        n = len(serving)
+        if n == 0:
+            return None
+        in_flight = self._in_flight
+        if session is not None:
+            home = self._ring.home(session)
+            if home is not None and home not in exclude:
+                bound = math.ceil(self._load_factor * (self._total_in_flight + 1) / n)
+                if in_flight[home] < bound:
+                    return home
+        if exclude:
+            turn = self._turn % n  # a retry scans on from this request's turn
+        else:
+            turn = self._turn = (self._turn + 1) % n  # each new request moves the tie-break on
+        best: str | None = None
+        best_load = -1
+        for k in range(n):
+            url = serving[(turn + k) % n]
+            load = in_flight[url]
+            if (best is None or load < best_load) and url not in exclude:
+                best, best_load = url, load
+        return best
+
+    # ------------------------------------------------------------------ in flight
+
+    def dispatched(self, url: str) -> None:
+        """An attempt left for ``url``; it counts until its last byte (:meth:`finished`)."""
+        self._in_flight[url] = self._in_flight.get(url, 0) + 1
+        self._total_in_flight += 1
+
+    def finished(self, url: str) -> None:
+        n = self._in_flight[url] - 1
+        self._total_in_flight -= 1
+        if n == 0 and url not in self._serving:
+            del self._in_flight[url]  # it left the list and is now idle: forget it
+        else:
+            self._in_flight[url] = n
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per backend: every serving one, and leavers still finishing."""
+        return dict(self._in_flight)
+
+    @property
+    def total_in_flight(self) -> int:
+        return self._total_in_flight
+
+    # ------------------------------------------------------------------ outcomes
+
+    def record_success(self, url: str) -> None:
+        tally = self._tallies.get(url)
+        if tally is None:
+            tally = self._tallies[url] = OutcomeTally()
+        tally.successes += 1
+        tally.trailing_failures = 0  # the window no longer ends failing
+
+    def record_failure(self, url: str) -> None:
+        tally = self._tallies.get(url)
+        if tally is None:
+            tally = self._tallies[url] = OutcomeTally()
+        tally.failures += 1
+        tally.trailing_failures += 1
+
+    def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        """``{url: (successes, failures, trailing_failures)}`` since the last drain, then zero.
+
+        Only backends with something to report appear; each outcome is handed over once.
+        """
+        tallies, self._tallies = self._tallies, {}
+        return {url: t.as_tuple() for url, t in tallies.items()}

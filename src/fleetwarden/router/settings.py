@@ -1,0 +1,95 @@
+"""The router's settings: every default in one place, each with its reason (SYSTEM.md section 4).
+
+Pure: no I/O. A setting that is out of range is an error naming the field and what it allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "RouterSettings"]
+
+#: Where ``fleetwarden route`` listens unless told otherwise. Loopback: exposing a fleet is a
+#: decision (``--host 0.0.0.0``), never an accident.
+DEFAULT_HOST = "127.0.0.1"
+#: 8080, not vLLM's 8000: the router often runs on a host whose engines use 8000 and up.
+DEFAULT_PORT = 8080
+
+#: The one status the router never answers with: clients (NeMo-Gym among them) retry a 504
+#: without bound, so a wedged engine would turn into an endless retry loop.
+FORBIDDEN_STATUS = 504
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """How the router forwards, retries and answers when it cannot serve."""
+
+    #: Total time one attempt on a backend may take, headers to last byte. Long: a real
+    #: generation can run for minutes, and only the controller (progress counters, rescue) can
+    #: tell a long generation from a wedge. A timeout here is the last resort, not the detector.
+    backend_timeout_s: float = 600.0
+    #: Time to open a connection to a backend. Short: a local engine accepts in microseconds,
+    #: so seconds without a connection mean it is gone, and such a request is retried for free.
+    connect_timeout_s: float = 5.0
+    #: Largest request body buffered (bodies are buffered so they can be re-sent). 32 MiB holds
+    #: any chat with long contexts, and a few images; larger bodies are refused with 413.
+    max_body_bytes: int = 32 * 1024 * 1024
+    #: Re-sends of a request an engine may have worked on (reset, timeout, 5xx). Two: one
+    #: failure is a bad engine, a second in a row on another one suggests the request.
+    #: Requests that never reached an engine (refused, connect timeout) are re-sent freely.
+    max_retries: int = 2
+    #: Such re-sends in flight at once, as a share of the requests in flight (Envoy's retry
+    #: budget): retries must never multiply the load on a struggling fleet.
+    retry_budget_ratio: float = 0.2
+    #: ... but at least this many, so a small or idle fleet can still retry.
+    retry_budget_min: int = 3
+    #: Status when this request failed but other backends still serve. 500 is in the bounded
+    #: retry set of clients such as NeMo-Gym: it re-sends that one call.
+    status_when_others_serve: int = 500
+    #: Status when no backend is left. 409 is not retried by those clients: with nothing to
+    #: route to, failing the row is the right answer.
+    status_when_none_left: int = 409
+    #: Header that names a session (a multi-turn rollout). Requests carrying it go to the
+    #: engine that holds the session's prefix cache; ``None`` turns affinity off.
+    session_header: str | None = "x-session-id"
+    #: A session's engine is used only while its in-flight count is below this factor times
+    #: the fleet's average (consistent hashing with bounded loads): a hot session must not
+    #: overload one engine while others idle.
+    affinity_load_factor: float = 1.25
+    #: Points per backend on the hash ring. 64 spreads sessions within a few per cent.
+    affinity_virtual_nodes: int = 64
+    #: How long an idle pooled connection to a backend is kept. Below uvicorn's 5 s (vLLM's
+    #: server): a connection is never reused at the moment the engine closes it, so a reset
+    #: means the engine, not the pool.
+    keepalive_timeout_s: float = 4.0
+    #: How long :meth:`Router.stop` lets requests in flight finish before it cuts them. Short
+    #: requests complete; a long generation would not finish within any reasonable grace, and
+    #: a stop must never hang on a wedged engine.
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("backend_timeout_s", "connect_timeout_s", "keepalive_timeout_s",
+                     "affinity_load_factor", "shutdown_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RouterSettings.{name} must be > 0, got {getattr(self, name)}")
+        if self.affinity_load_factor < 1:
+            raise ValueError("RouterSettings.affinity_load_factor must be at least 1 (1 = even "
+                             f"load), got {self.affinity_load_factor}")
+        for name in ("max_body_bytes", "affinity_virtual_nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterSettings.{name} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        for name in ("max_retries", "retry_budget_min"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RouterSettings.{name} must be at least 0, "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.retry_budget_ratio <= 1:
+            raise ValueError("RouterSettings.retry_budget_ratio must be between 0 and 1, "
+                             f"got {self.retry_budget_ratio}")
+        for name in ("status_when_others_serve", "status_when_none_left"):
+            status = getattr(self, name)
+            if not 400 <= status <= 599 or status == FORBIDDEN_STATUS:
+                raise ValueError(f"RouterSettings.{name} must be a 4xx or 5xx status other "
+                                 f"than {FORBIDDEN_STATUS}, got {status}")
+        if self.session_header is not None and not self.session_header.strip():
+            raise ValueError("RouterSettings.session_header must be a header name or None")

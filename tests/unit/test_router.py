@@ -1,0 +1,494 @@
+"""The router, read as a specification (SYSTEM.md section 4, note 000).
+
+Every test runs the real router on a real socket on 127.0.0.1, in front of scripted engines
+that answer with real vLLM captures (``tests/scripted_engine.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetwarden.ledger import Ledger
+from fleetwarden.router import Router, RouterSettings
+from router_rig import rig, until
+from scripted_engine import (
+    CHAT,
+    CHAT_STREAM,
+    COMPLETION,
+    COMPLETION_STREAM,
+    ENGINE_DEAD,
+    UNKNOWN_MODEL,
+    Capture,
+    ScriptedEngine,
+)
+
+
+def error_of(body: bytes) -> dict[str, object]:
+    error = json.loads(body)["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+# ---------------------------------------------------------------------- deliberate statuses
+
+async def test_a_wedged_backend_is_answered_500_and_never_504() -> None:
+    # Retries off, so the status shows. The wedge costs one backend timeout, as it would
+    # without a controller to rescue the request.
+    async with rig(2, health_managed=True, max_retries=0, backend_timeout_s=0.5) as r:
+        good, wedged = r.engines
+        wedged.wedge()
+        answers = await asyncio.gather(r.post(), r.post())  # least in flight: one each
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [200, 500]
+        assert good.answered == 1 and wedged.received == 1
+        body = next(body for status, _, body in answers if status == 500)
+        error = error_of(body)
+        assert error["cause"] == "timeout" and error["backend"] == wedged.url
+        assert error["code"] == 500
+        # the reflex: the wedged backend is out of the local list until the next push
+        assert r.router.serving_backends() == [good.url]
+        assert [(await r.post())[0] for _ in range(4)] == [200] * 4
+        assert wedged.received == 1
+
+
+@pytest.mark.parametrize("fault", ["engine dead", "crash"])
+async def test_the_last_backend_failing_answers_409(fault: str) -> None:
+    async with rig(1, health_managed=True) as r:
+        (last,) = r.engines
+        if fault == "engine dead":
+            last.answer(ENGINE_DEAD)
+            cause = "server_error"
+        else:
+            await last.crash()
+            cause = "refused"
+        status, headers, body = await r.post()
+        assert status == 409
+        assert error_of(body)["cause"] == cause and error_of(body)["backend"] == last.url
+        assert r.router.serving_backends() == []
+        assert r.router.stats.retries == {"free": 0, "paid": 0}  # nobody left to re-send to
+        assert "Retry-After" not in headers
+        # with nothing left, every request is 409 at once, with the caller's estimate if any
+        r.router.set_retry_after(7.2)
+        status, headers, body = await r.post()
+        assert status == 409 and error_of(body)["cause"] == "no_backend"
+        assert headers["Retry-After"] == "8"
+        assert error_of(body)["backend"] is None
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+async def test_an_engines_own_504_is_never_passed_on(engines: int) -> None:
+    # e.g. a gateway in front of the engine timed out; clients would retry a 504 forever
+    async with rig(engines) as r:
+        for e in r.engines:
+            e.answer_status(504, b'{"error": "gateway timeout"}')
+        status, _, body = await r.post()
+        assert status == 500
+        assert error_of(body)["cause"] == "server_error" and "(504)" in str(
+            error_of(body)["message"])
+
+
+async def test_the_status_mapping_is_configurable() -> None:
+    async with rig(2, health_managed=True, max_retries=0, backend_timeout_s=0.3,
+                   status_when_others_serve=503, status_when_none_left=502) as r:
+        for e in r.engines:
+            e.wedge()
+        statuses = sorted(s for s, _, _ in await asyncio.gather(r.post(), r.post()))
+        # the first failure leaves the other backend serving; the second leaves none
+        assert statuses == [502, 503]
+    with pytest.raises(ValueError, match="status_when_others_serve"):
+        RouterSettings(status_when_others_serve=504)
+
+
+async def test_reflex_drop_is_disarmed_without_fleet_health(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fleetwarden.router"):
+        async with rig(2, health_managed=False) as r:
+            assert "reflex drop disarmed" in caplog.text
+            assert not r.router.reflex_armed
+            good, failing = r.engines
+            failing.answer(ENGINE_DEAD)
+            statuses = [(await r.post())[0] for _ in range(6)]
+            assert statuses == [200] * 6  # each failure is retried on the good backend
+            assert failing.received >= 3  # it kept getting requests: nothing dropped it
+            assert r.router.serving_backends() == [good.url, failing.url]
+            assert r.router.drain_outcomes()[failing.url] == (0, failing.received,
+                                                              failing.received)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fleetwarden.router"):
+        assert Router([], health_managed=True).reflex_armed
+        assert "reflex drop disarmed" not in caplog.text
+
+
+# ---------------------------------------------------------------------- outcome accounting
+
+async def test_drain_counts_once_and_resets() -> None:
+    async with rig(1, max_retries=0) as r:
+        (engine,) = r.engines
+        url = engine.url
+        engine.answer(ENGINE_DEAD)
+        assert [(await r.post())[0] for _ in range(3)] == [500] * 3
+        assert r.router.drain_outcomes() == {url: (0, 3, 3)}
+        assert r.router.drain_outcomes() == {}  # handed over once
+        engine.answer(None)
+        await r.post()
+        engine.answer(ENGINE_DEAD)
+        await r.post()
+        engine.answer(None)
+        await r.post()
+        engine.answer(ENGINE_DEAD)
+        await r.post()
+        await r.post()
+        # 2 successes, 3 failures, and the window ended on 2 failures since the last success
+        assert r.router.drain_outcomes() == {url: (2, 3, 2)}
+        assert r.router.drain_outcomes() == {}
+
+
+async def test_successes_are_counted_for_the_ledger() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        ledger = Ledger([engine.url])
+        ledger.report_failure(0, "timeout")
+        ledger.report_failure(0, "timeout")
+        assert ledger.shard(0).consecutive_reported_failures == 2
+        await r.post("/v1/completions")
+        await r.post("/v1/chat/completions", {"model": "tiny", "messages": [], "stream": True})
+        assert (await r.get("/v1/models"))[0] == 200
+        outcomes = r.router.drain_outcomes()
+        assert outcomes == {engine.url: (3, 0, 0)}
+        for url, (successes, failures, trailing) in outcomes.items():
+            i = ledger.shard_for_url(url)
+            assert i is not None
+            ledger.report_outcomes(i, successes, failures, trailing)
+        assert ledger.shard(0).consecutive_reported_failures == 0
+
+
+async def test_4xx_and_429_are_not_failures() -> None:
+    async with rig(2, health_managed=True) as r:
+        a, b = r.engines
+        for capture in (UNKNOWN_MODEL, Capture.load("error-context-length.http"),
+                        Capture.load("error-bad-json.http")):
+            a.answer(capture)
+            b.answer(capture)
+            status, _, body = await r.post()
+            assert status == capture.status and body == capture.body  # passed through untouched
+        for e in r.engines:
+            e.answer_status(429, b'{"error": "slow down"}')
+        status, _, body = await r.post()
+        assert (status, body) == (429, b'{"error": "slow down"}')
+        assert a.received + b.received == 4  # none was retried
+        # not failures; not successes either: a wedged vLLM still answers validation errors
+        # from its API process, so they prove nothing about generation
+        assert r.router.drain_outcomes() == {}
+        assert r.router.serving_backends() == [a.url, b.url]  # nothing dropped
+
+
+# ---------------------------------------------------------------------- membership
+
+async def test_a_new_url_pushed_is_served() -> None:
+    async with rig(1) as r:
+        (old,) = r.engines
+        new = await ScriptedEngine().start()  # a restarted engine: a new process, a new port
+        try:
+            r.router.set_serving_backends([new.url])
+            assert [(await r.post())[0] for _ in range(3)] == [200] * 3
+            assert new.answered == 3 and old.received == 0
+            assert r.router.in_flight() == {new.url: 0}  # the idle leaver is forgotten
+            assert r.router.drain_outcomes() == {new.url: (3, 0, 0)}
+        finally:
+            await new.stop()
+
+
+# ---------------------------------------------------------------------- retries
+
+@pytest.mark.parametrize("fault", ["refused", "reset", "timeout", "server_error"])
+async def test_a_failed_request_is_retried_on_another_backend(fault: str) -> None:
+    async with rig(2, backend_timeout_s=0.3) as r:
+        good, bad = r.engines
+        if fault == "refused":
+            await bad.crash()
+        elif fault == "reset":
+            bad.reset()
+        elif fault == "timeout":
+            bad.wedge()
+        else:
+            bad.answer(ENGINE_DEAD)
+        # least in flight with rotating ties: consecutive requests start on alternate backends
+        assert [(await r.post())[0] for _ in range(4)] == [200] * 4
+        outcomes = r.router.drain_outcomes()
+        assert outcomes[good.url] == (4, 0, 0)
+        assert outcomes[bad.url][1] == 2
+        kind = "free" if fault == "refused" else "paid"
+        assert r.router.stats.retries[kind] == 2
+        assert r.router.stats.backend_failures == {(bad.url, fault): 2}
+
+
+async def test_retries_stop_at_max_retries() -> None:
+    async with rig(4, max_retries=2) as r:
+        for i, e in enumerate(r.engines):
+            e.answer_status(500 + i)  # different 5xx: not poison, plain failures
+        status, _, _ = await r.post()
+        assert status in (500, 501, 502, 503)  # the last engine's own answer, passed through
+        assert sum(e.received for e in r.engines) == 3  # one try and two retries
+
+
+async def test_paid_retries_stay_within_the_fleet_budget() -> None:
+    # 8 requests fail at once; the budget allows max(3, 20 % of 8) paid retries in flight.
+    async with rig(2, max_retries=2, retry_budget_min=3, retry_budget_ratio=0.2) as r:
+        bad, slow = r.engines
+        r.router.set_serving_backends([bad.url])
+        bad.wedge()
+        tasks = [asyncio.create_task(r.post()) for _ in range(8)]
+        await until(lambda: bad.held == 8, what="all 8 on bad")
+        r.router.set_serving_backends([bad.url, slow.url])
+        slow.wedge()  # a retry that lands here holds its budget until released
+        bad.answer(ENGINE_DEAD)
+        bad.unwedge()  # all 8 fail at once
+        await until(lambda: slow.held == 3 and sum(t.done() for t in tasks) == 5,
+                    what="3 retries in flight, 5 answered without one")
+        slow.unwedge()
+        statuses = sorted([(await t)[0] for t in tasks])
+        assert statuses == [200] * 3 + [500] * 5
+        assert r.router.stats.retries["paid"] == 3
+
+
+async def test_a_poison_request_is_not_retried_across_the_fleet() -> None:
+    async with rig(3, max_retries=2) as r:
+        for e in r.engines:
+            e.answer(ENGINE_DEAD)
+        status, _, body = await r.post()
+        assert (status, body) == (500, ENGINE_DEAD.body)  # answered with the engine's own error
+        assert sum(e.received for e in r.engines) == 2  # two backends, not the whole fleet
+        outcomes = r.router.drain_outcomes()
+        assert sum(f for _, f, _ in outcomes.values()) == 1  # only the first counts
+        assert r.router.stats.poison_requests == 1
+
+
+# ---------------------------------------------------------------------- rescue, disconnect
+
+async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
+    # backend_timeout_s stays 600 s: only the rescue can end these waits within the test.
+    async with rig(2, health_managed=True) as r:
+        good, wedged = r.engines
+        wedged.wedge()
+        tasks = [asyncio.create_task(r.post()) for _ in range(6)]
+        await until(lambda: good.answered + wedged.held == 6, what="all 6 placed")
+        parked = wedged.held
+        assert parked >= 1
+        r.router.set_serving_backends([good.url])  # the controller condemned it: a push...
+        assert r.router.rescue(wedged.url) == parked  # ... then the rescue
+        statuses = [(await t)[0] for t in tasks]
+        assert statuses == [200] * 6
+        assert good.answered == 6
+        await until(lambda: wedged.cancelled == parked, what="the engine saw them leave")
+        assert r.router.in_flight() == {good.url: 0}
+        assert r.router.stats.rescues == parked
+        assert r.router.drain_outcomes() == {good.url: (6, 0, 0)}  # a rescue is no failure
+        assert r.router.rescue(wedged.url) == 0
+
+
+async def test_rescue_leaves_a_request_whose_answer_has_begun() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.stall_streams()
+        payload = {"model": "tiny", "messages": [], "stream": True}
+        async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            assert r.router.rescue(engine.url) == 0  # its client has bytes: it stays
+            engine.unwedge()
+            rest = await response.read()
+        assert first + rest == CHAT_STREAM.body
+        assert r.router.drain_outcomes() == {engine.url: (1, 0, 0)}
+
+
+async def test_an_engine_breaking_off_mid_answer_is_a_failure_the_client_sees() -> None:
+    async with rig(2) as r:
+        engine, _ = r.engines
+        r.router.set_serving_backends([engine.url])
+        engine.stall_streams()
+        payload = {"model": "tiny", "messages": [], "stream": True}
+        async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
+            assert response.status == 200
+            await response.content.readuntil(b"\n\n")
+            await engine.crash()  # bytes already reached the client: no retry can hide this
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await response.read()
+        assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
+        assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
+        await until(lambda: r.router.in_flight() == {engine.url: 0})
+
+
+async def test_client_disconnect_cancels_the_upstream_request() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.wedge()
+        request = asyncio.create_task(r.post())
+        await until(lambda: engine.held == 1, what="the request reached the engine")
+        assert r.router.in_flight() == {engine.url: 1}
+        request.cancel()  # the client gives up and closes its connection
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        await until(lambda: engine.cancelled == 1, what="the engine saw the disconnect")
+        await until(lambda: r.router.in_flight() == {engine.url: 0})
+        assert r.router.drain_outcomes() == {}  # the engine did nothing wrong
+
+
+# ---------------------------------------------------------------------- the surface
+
+async def test_oversized_body_is_413() -> None:
+    async with rig(1, max_body_bytes=1024) as r:
+        (engine,) = r.engines
+        status, _, body = await r.post(data=b"x" * 2048,
+                                       headers={"Content-Type": "application/json"})
+        assert status == 413 and error_of(body)["type"] == "request_too_large"
+
+        async def chunks():  # no Content-Length: the limit holds while reading
+            for _ in range(4):
+                yield b"y" * 512
+
+        status, _, body = await r.post(data=chunks())
+        assert status == 413 and error_of(body)["code"] == 413
+        assert engine.received == 0  # nothing was forwarded
+        status, _, _ = await r.post(data=b"z" * 1024)
+        assert status == 200 and engine.seen[-1].body == b"z" * 1024  # the limit itself is fine
+
+
+async def test_unknown_path_is_404() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        for method, path in [("GET", "/health"), ("POST", "/v1/fine_tuning/jobs"),
+                             ("GET", "/v1/chat/completions"), ("DELETE", "/v1/models"),
+                             ("GET", "/version")]:
+            async with r.http.request(method, r.router.url + path) as response:
+                assert response.status == 404, (method, path)
+                assert response.content_type == "application/json"
+                error = error_of(await response.read())
+                assert error["code"] == 404 and path in str(error["message"])
+        assert engine.received == 0
+
+
+async def test_requests_and_answers_pass_through_unchanged() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        payload = b'{"model": "tiny", "prompt": "h\xc3\xa9llo", "max_tokens": 8}'
+        status, headers, body = await r.post(
+            "/v1/completions?trace=a%20b&x=%2F", data=payload,
+            headers={"Content-Type": "application/json", "Authorization": "Bearer k",
+                     "Connection": "keep-alive, X-Hop", "X-Hop": "1", "X-Trace": "t"})
+        assert (status, body) == (200, COMPLETION.body)
+        assert headers["Content-Type"] == "application/json"
+        seen = engine.seen[-1]
+        assert (seen.method, seen.path, seen.body) == ("POST", "/v1/completions?trace=a%20b&x=%2F",
+                                                       payload)
+        assert seen.headers["Authorization"] == "Bearer k" and seen.headers["X-Trace"] == "t"
+        assert "X-Hop" not in seen.headers  # named in Connection: hop-by-hop
+        for name in ("tokenize", "detokenize", "v1/embeddings", "v1/responses"):
+            status, _, body = await r.post("/" + name, {"x": 1})
+            assert status == 200 and json.loads(body)["path"] == "/" + name
+
+
+async def test_streaming_passes_through_with_the_openai_client() -> None:
+    async with rig(2) as r:
+        client = openai.AsyncOpenAI(base_url=r.router.url + "/v1", api_key="unused",
+                                    max_retries=0)
+        try:
+            chat = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+            assert chat.choices[0].message.content == json.loads(CHAT.body)["choices"][0][
+                "message"]["content"]
+            completion = await client.completions.create(model="tiny", prompt="hello",
+                                                         max_tokens=8)
+            assert completion.choices[0].text == json.loads(COMPLETION.body)["choices"][0]["text"]
+
+            stream = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                stream=True)
+            deltas = [c.choices[0].delta.content or "" async for c in stream]
+            expected = [json.loads(e[len(b"data: "):])["choices"][0]["delta"].get("content", "")
+                        for e in CHAT_STREAM.events() if e != b"data: [DONE]\n\n"]
+            assert deltas == expected
+
+            stream = await client.completions.create(model="tiny", prompt="hello",
+                                                     max_tokens=8, stream=True)
+            texts = [c.choices[0].text async for c in stream]
+            assert "".join(texts) == "".join(
+                json.loads(e[len(b"data: "):])["choices"][0]["text"]
+                for e in COMPLETION_STREAM.events() if e != b"data: [DONE]\n\n")
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+        finally:
+            await client.close()
+        # and byte for byte, event by event, as the engine sent them
+        async with r.http.post(r.router.url + "/v1/completions",
+                               json={"model": "tiny", "prompt": "hello", "stream": True}) as resp:
+            assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+            assert "Content-Length" not in resp.headers
+            assert await resp.read() == COMPLETION_STREAM.body
+
+
+async def test_session_affinity_keeps_a_session_on_one_engine() -> None:
+    async with rig(3) as r:
+        homes = set()
+        for _ in range(6):
+            before = [e.received for e in r.engines]
+            await r.post(headers={"x-session-id": "rollout-17"})
+            homes |= {i for i, e in enumerate(r.engines) if e.received != before[i]}
+        assert len(homes) == 1
+        # without the header, requests spread over the fleet
+        for e in r.engines:
+            e.seen.clear()
+        await asyncio.gather(*(r.post() for _ in range(3)))
+        assert all(len(e.seen) == 1 for e in r.engines)
+
+
+async def test_router_metrics_are_prometheus_text() -> None:
+    async with rig(2, max_retries=0) as r, rig(1) as other:
+        good, bad = r.engines
+        bad.answer(ENGINE_DEAD)
+        statuses = [(await r.post())[0] for _ in range(4)]
+        assert sorted(statuses) == [200, 200, 500, 500]
+        await r.get("/nowhere")
+        async with r.http.get(r.router.url + "/metrics") as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = await response.text()
+        assert "vllm:" not in text  # never an engine's metrics
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text)
+                   for s in family.samples}
+        assert samples[("fleetwarden_router_requests_total", ())] == 4
+        assert samples[("fleetwarden_router_responses_total", (("status", "200"),))] == 2
+        assert samples[("fleetwarden_router_responses_total", (("status", "500"),))] == 2
+        assert samples[("fleetwarden_router_responses_total", (("status", "404"),))] == 1
+        assert samples[("fleetwarden_router_backend_failures_total",
+                        (("backend", bad.url), ("cause", "server_error")))] == 2
+        assert samples[("fleetwarden_router_in_flight", (("backend", good.url),))] == 0
+        assert samples[("fleetwarden_router_serving_backends", ())] == 2
+        assert samples[("fleetwarden_router_added_latency_seconds_count", ())] == 2
+        assert samples[("fleetwarden_router_added_latency_seconds_bucket", (("le", "+Inf"),))] == 2
+        assert samples[("fleetwarden_router_retries_total", (("kind", "paid"),))] == 0
+        assert ("fleetwarden_router_rescues_total", ()) in samples
+        # a second router in the same process keeps its own registry
+        _, body = await other.get("/metrics")
+        assert "fleetwarden_router_requests_total 0.0" in body.decode()
+
+
+async def test_several_routers_share_one_event_loop() -> None:
+    async with rig(1) as a, rig(1) as b:
+        assert a.router.port != b.router.port
+        assert (await a.post())[0] == (await b.post())[0] == 200
+        assert a.engines[0].answered == b.engines[0].answered == 1
+
+
+async def test_a_stopped_router_releases_its_port() -> None:
+    async with rig(1) as r:
+        url = r.router.url
+    with pytest.raises(aiohttp.ClientConnectorError):
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics"):
+            pass

@@ -1,0 +1,179 @@
+"""The router's control API and its clients: one controller drives routers in or out of its
+process alike (SYSTEM.md section 4, last bullet)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from fleetwarden.router import ControlError, RemoteRouter, Router, RouterControl
+from fleetwarden.router.control import load_or_create_token
+from router_rig import rig, until
+from scripted_engine import ScriptedEngine
+
+TOKEN = "s3cret-token"
+
+
+async def test_the_control_api_refuses_callers_without_the_token() -> None:
+    router = Router([])
+    await router.start(control_port=0, control_token=TOKEN)
+    try:
+        control = router.control_url
+        assert control is not None and control.startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession() as http:
+            for method, path in [("GET", "/status"), ("PUT", "/serving"),
+                                 ("POST", "/outcomes/drain"), ("POST", "/rescue"),
+                                 ("GET", "/in-flight"), ("PUT", "/retry-after"),
+                                 ("GET", "/nowhere")]:
+                for headers in ({}, {"Authorization": "Bearer wrong"},
+                                {"Authorization": TOKEN}):
+                    async with http.request(method, control + path, headers=headers,
+                                            json={"backends": ["http://x:1"]}) as response:
+                        assert response.status == 401, (method, path, headers)
+                        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        assert router.serving_backends() == []  # nothing was pushed
+        async with RemoteRouter(control, "wrong") as remote:
+            with pytest.raises(ControlError) as refused:
+                await remote.status()
+            assert refused.value.status == 401
+        with pytest.raises(ValueError, match="control token"):
+            await Router([]).start(control_port=0, control_token="")
+    finally:
+        await router.stop()
+
+
+async def test_a_remote_router_is_driven_like_an_in_process_one() -> None:
+    async with rig(1, health_managed=True, control_token=TOKEN) as r:
+        (old,) = r.engines
+        new = await ScriptedEngine().start()
+        router = r.router
+        assert router.control_url is not None
+        remote = RemoteRouter(router.control_url, TOKEN)
+        try:
+            handles: list[RouterControl] = [remote, router.control()]
+            for handle in handles:
+                await handle.set_serving_backends([old.url, new.url])
+                assert router.serving_backends() == [old.url, new.url]
+                status = await handle.status()
+                assert status["serving"] == [old.url, new.url] and status["reflex_armed"]
+
+            await remote.set_serving_backends([new.url])  # a URL it has never seen
+            assert [(await r.post())[0] for _ in range(3)] == [200] * 3
+            assert new.answered == 3
+            assert await remote.drain_outcomes() == {new.url: (3, 0, 0)}
+            assert await remote.drain_outcomes() == {}
+
+            new.wedge()
+            held = asyncio.create_task(r.post())
+            await until(lambda: new.held == 1)
+            assert await remote.in_flight() == {new.url: 1}
+            await remote.set_serving_backends([old.url])
+            assert await remote.rescue(new.url) == 1
+            assert (await held)[0] == 200 and old.answered == 1
+
+            await remote.set_serving_backends([])
+            await remote.set_retry_after(12.5)
+            status, headers, _ = await r.post()
+            assert status == 409 and headers["Retry-After"] == "13"
+            await router.control().set_retry_after(None)
+            status, headers, _ = await r.post()
+            assert status == 409 and "Retry-After" not in headers
+        finally:
+            await remote.close()
+            await new.stop()
+
+
+async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
+    router = Router(["http://127.0.0.1:9"])
+    await router.start(control_port=0, control_token=TOKEN)
+    try:
+        assert router.control_url is not None
+        async with RemoteRouter(router.control_url, TOKEN) as remote:
+            for method, path, body in [("PUT", "/serving", {"backends": "http://x:1"}),
+                                       ("PUT", "/serving", [1]),
+                                       ("POST", "/rescue", {}),
+                                       ("PUT", "/retry-after", {"seconds": -1}),
+                                       ("PUT", "/retry-after", {})]:
+                with pytest.raises(ControlError) as bad:
+                    await remote._call(method, path, body)
+                assert bad.value.status == 400, (method, path, body)
+        assert router.serving_backends() == ["http://127.0.0.1:9"]
+    finally:
+        await router.stop()
+
+
+def test_a_token_file_is_created_private_and_refused_when_others_can_read_it(
+        tmp_path: Path) -> None:
+    path = tmp_path / "router.token"
+    token = load_or_create_token(path)
+    assert len(token) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_token(path) == token  # read back, not replaced
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        load_or_create_token(path)
+
+
+async def test_fleetwarden_route_serves_a_static_list_and_its_control_api(
+        tmp_path: Path) -> None:
+    engines = [await ScriptedEngine().start() for _ in range(2)]
+    token_file = tmp_path / "token"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fleetwarden", "route", "--port", "0",
+        "--backend", engines[0].url, "--backend", engines[1].url,
+        "--control-port", "0", "--token-file", str(token_file),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        async with asyncio.timeout(60):
+            listening = (await proc.stdout.readline()).decode()
+            control_line = (await proc.stdout.readline()).decode()
+        assert listening.startswith("fleetwarden route: listening on http://127.0.0.1:")
+        url = listening.split(" on ", 1)[1].split(",")[0]
+        control = control_line.rsplit(" ", 1)[1].strip()
+        async with aiohttp.ClientSession() as http:
+            for _ in range(4):
+                async with http.post(url + "/v1/completions",
+                                     json={"model": "tiny", "prompt": "hi"}) as response:
+                    assert response.status == 200
+            await engines[1].crash()  # static list, no health management: retries cover it
+            for _ in range(4):
+                async with http.post(url + "/v1/completions",
+                                     json={"model": "tiny", "prompt": "hi"}) as response:
+                    assert response.status == 200
+        assert engines[0].answered == 6
+        async with RemoteRouter(control, token_file.read_text().strip()) as remote:
+            status = await remote.status()
+            assert status["serving"] == [e.url for e in engines]  # no reflex: nothing dropped
+            assert not status["reflex_armed"]
+        proc.terminate()
+        async with asyncio.timeout(30):
+            assert await proc.wait() == 0
+        assert b"reflex drop disarmed" in await proc.stderr.read()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for e in engines:
+            await e.stop()
+
+
+def test_fleetwarden_route_refuses_bad_arguments_by_name(tmp_path: Path) -> None:
+    import subprocess
+
+    def route(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fleetwarden", "route", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    out = route("--backend", "localhost:8000")
+    assert out.returncode == 2 and "is not an http:// or https:// URL" in out.stderr
+    out = route("--backend", "http://127.0.0.1:9", "--control-port", "0")
+    assert out.returncode == 2 and "--token-file" in out.stderr
+    out = route("--backend", "http://127.0.0.1:9", "--max-retries", "-1", "--port", "0")
+    assert out.returncode == 2 and "max_retries" in out.stderr

@@ -1,0 +1,170 @@
+"""The router's pure core: picking, in-flight counts, outcome tallies, the retry budget."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleetwarden.router.pool import Pool, RetryBudget, SessionRing
+from fleetwarden.router.settings import RouterSettings
+
+A, B, C, D = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
+
+
+def test_the_least_loaded_backend_is_picked() -> None:
+    pool = Pool([A, B, C])
+    pool.dispatched(A)
+    pool.dispatched(A)
+    pool.dispatched(B)
+    assert pool.pick() == C
+    pool.dispatched(C)
+    pool.dispatched(C)
+    assert pool.pick() == B
+
+
+def test_ties_rotate_so_an_idle_fleet_shares_sequential_requests() -> None:
+    pool = Pool([A, B, C])
+    picks = Counter(pool.pick() for _ in range(300))
+    assert picks == {A: 100, B: 100, C: 100}
+
+
+def test_a_retry_never_returns_to_a_backend_it_tried() -> None:
+    pool = Pool([A, B, C])
+    assert pool.pick(exclude=[A, B]) == C
+    assert pool.pick(exclude=[A, B, C]) is None
+    assert Pool().pick() is None
+
+
+def test_retries_do_not_move_the_rotation() -> None:
+    # If every retry moved the tie-break on, a failing backend could be first for every request.
+    pool = Pool([A, B])
+    firsts = []
+    for _ in range(10):
+        first = pool.pick()
+        firsts.append(first)
+        if first == B:
+            assert pool.pick(exclude=[B]) == A
+    assert firsts.count(B) == 5
+
+
+def test_in_flight_is_counted_until_finished_and_a_leaver_is_forgotten_when_idle() -> None:
+    pool = Pool([A, B])
+    pool.dispatched(A)
+    pool.replace([B, C])  # A leaves with one request still on it; C is new
+    assert pool.in_flight() == {A: 1, B: 0, C: 0}
+    assert pool.pick() in (B, C)  # a leaver is never picked
+    pool.finished(A)
+    assert pool.in_flight() == {B: 0, C: 0}
+    assert pool.total_in_flight == 0
+
+
+def test_a_push_replaces_the_list_and_welcomes_new_urls() -> None:
+    pool = Pool([A, B])
+    pool.replace([C, D, C])
+    assert pool.serving == (C, D)
+    assert pool.drop(C) and not pool.drop(C)
+    assert pool.serving == (D,)
+    pool.replace([A, B, C, D])
+    assert pool.serving == (A, B, C, D)
+
+
+def test_outcomes_are_tallied_per_backend_and_handed_over_once() -> None:
+    pool = Pool([A, B])
+    for outcome in "FFSFF":
+        (pool.record_failure if outcome == "F" else pool.record_success)(A)
+    pool.record_success(B)
+    assert pool.drain_outcomes() == {A: (1, 4, 2), B: (1, 0, 0)}
+    assert pool.drain_outcomes() == {}
+
+
+def test_the_retry_budget_is_a_share_of_the_requests_in_flight_with_a_floor() -> None:
+    budget = RetryBudget(ratio=0.2, minimum=3)
+    budget.requests_in_flight = 10
+    assert [budget.try_acquire() for _ in range(4)] == [True, True, True, False]
+    budget.requests_in_flight = 100
+    assert sum(budget.try_acquire() for _ in range(30)) == 20 - 3
+    budget.release()
+    assert budget.try_acquire() and not budget.try_acquire()
+
+
+def test_a_session_stays_on_its_home_while_it_is_not_overloaded() -> None:
+    pool = Pool([A, B, C], affinity_load_factor=1.25)
+    home = pool.pick(session="rollout-1")
+    assert all(pool.pick(session="rollout-1") == home for _ in range(10))
+    sessions = Counter(pool.pick(session=f"rollout-{i}") for i in range(3000))
+    assert set(sessions) == {A, B, C}
+    assert min(sessions.values()) > 600  # spread over the fleet, within a few tens of per cent
+
+
+def test_an_overloaded_home_falls_back_to_the_least_loaded_backend() -> None:
+    pool = Pool([A, B, C], affinity_load_factor=1.25)
+    home = pool.pick(session="s")
+    assert home is not None
+    for _ in range(4):
+        pool.dispatched(home)
+    # average 4/3: the bound is ceil(1.25 * 5 / 3) = 3, and home holds 4
+    other = pool.pick(session="s")
+    assert other != home and other is not None
+    assert pool.pick(session="s", exclude=[home]) != home
+
+
+def test_a_fleet_change_moves_only_the_sessions_of_the_backend_that_left() -> None:
+    before = SessionRing([A, B, C, D], virtual_nodes=64)
+    after = SessionRing([A, B, C], virtual_nodes=64)
+    for i in range(2000):
+        s = f"session-{i}"
+        if before.home(s) != D:
+            assert after.home(s) == before.home(s)
+        else:
+            assert after.home(s) in (A, B, C)
+    # and every router process agrees (no per-process hash salt)
+    assert SessionRing([A, B, C], virtual_nodes=64).home("x") == after.home("x")
+
+
+def test_settings_refuse_504_and_name_the_field() -> None:
+    with pytest.raises(ValueError, match="status_when_none_left"):
+        RouterSettings(status_when_none_left=504)
+    with pytest.raises(ValueError, match="retry_budget_ratio"):
+        RouterSettings(retry_budget_ratio=1.5)
+    with pytest.raises(ValueError, match="backend_timeout_s"):
+        RouterSettings(backend_timeout_s=0)
+    assert RouterSettings().backend_timeout_s == 600.0
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["dispatch", "finish", "push", "drop", "pick"]),
+              st.lists(st.sampled_from([A, B, C, D]), max_size=4)),
+    max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_in_flight_counts_stay_exact_under_any_sequence_of_pushes(ops: list) -> None:
+    pool = Pool([A, B])
+    outstanding: Counter[str] = Counter()
+    for op, urls in ops:
+        if op == "dispatch":
+            picked = pool.pick(exclude=urls[:1])
+            if picked is not None:
+                assert picked in pool.serving and picked not in urls[:1]
+                pool.dispatched(picked)
+                outstanding[picked] += 1
+        elif op == "finish":
+            done = next((u for u in urls if outstanding[u] > 0), None)
+            if done is not None:
+                pool.finished(done)
+                outstanding[done] -= 1
+        elif op == "push":
+            pool.replace(urls)
+        elif op == "drop" and urls:
+            pool.drop(urls[0])
+        else:
+            assert pool.pick() is None or pool.pick() in pool.serving
+        in_flight = pool.in_flight()
+        assert {u: n for u, n in in_flight.items() if n} == {u: n for u, n in
+                                                            outstanding.items() if n}
+        assert set(pool.serving) <= set(in_flight)
+        assert pool.total_in_flight == sum(outstanding.values())
