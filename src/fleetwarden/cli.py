@@ -257,6 +257,9 @@ def check(
         else:
             console.print(f"  canary: none sent ({report.canary_rule.value})", markup=False)
     raise typer.Exit(result.exit_code)
+
+
+@app.command()
 def route(
     backend: Annotated[list[str], typer.Option(
         "--backend", "-b", help="An engine's base URL (http://host:port); repeat for each.")],
