@@ -317,7 +317,7 @@ def route(
             backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
             max_retries=max_retries, max_body_bytes=max_body_bytes,
             session_header=session_header or None)
-        from fleetwarden.router.control import load_or_create_token
+        from fleetwarden.tokens import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None
     except (ValueError, OSError) as exc:
@@ -344,6 +344,197 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
         await stop.wait()
     finally:
         await router.stop()
+
+
+def _load_config(config_file: Path | None, overrides: dict[str, dict[str, Any]]) -> Any:
+    """The config file (or the defaults) with command-line overrides, validated together."""
+    import tomllib
+
+    from fleetwarden.config import ConfigError, parse_config
+
+    data: dict[str, Any] = {}
+    source = "the command line"
+    if config_file is not None:
+        try:
+            data = tomllib.loads(config_file.read_text())
+        except OSError as exc:
+            typer.echo(f"error: cannot read {config_file}: {exc.strerror}", err=True)
+            raise typer.Exit(2) from None
+        except tomllib.TOMLDecodeError as exc:
+            typer.echo(f"error: {config_file} is not valid TOML: {exc}", err=True)
+            raise typer.Exit(2) from None
+        source = f"{config_file} and the command line"
+    for section, values in overrides.items():
+        for key, value in values.items():
+            if value is not None:
+                data.setdefault(section, {})[key] = value
+    try:
+        return parse_config(data, source)
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def up(
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="TOML config file (see `fleetwarden config --example`).")] = None,
+    engines: Annotated[int | None, typer.Option(
+        "--engines", "-n", help="Engines to launch (default 2, or 0 with --backend).")] = None,
+    engine_cmd: Annotated[str | None, typer.Option(
+        "--engine-cmd", help="Command that starts one engine; {host}, {port}, {shard} and "
+                             "{python} are filled in. Default: a simulated vLLM engine.")] = None,
+    backend: Annotated[list[str] | None, typer.Option(
+        "--backend", "-b", help="Attach an engine something else runs (repeat).")] = None,
+    restart_command: Annotated[str | None, typer.Option(
+        "--restart-command", help="Restarts a condemned attached engine; {shard}, {url}, "
+                                  "{name} are filled in.")] = None,
+    weights: Annotated[str | None, typer.Option(
+        "--weights", help="static (plain serving) or trainer (an RL trainer refits).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Router port.")] = None,
+    admin_port: Annotated[int | None, typer.Option("--admin-port", help="Admin port.")] = None,
+    journal: Annotated[Path | None, typer.Option("--journal", help="Journal file.")] = None,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="No live status table; log lines only.")] = False,
+    log_level: Annotated[str, typer.Option(
+        "--log-level", help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Run a fleet: engines, router, watchdog, controller, supervisor, admin API.
+
+    With no options: two simulated vLLM engines on this machine. Ctrl-C or SIGTERM stops
+    every engine it started and leaves nothing running.
+    """
+    if backend and engines is None:
+        engines = 0
+    cfg = _load_config(config_file, {
+        "fleet": {"engines": engines, "engine_cmd": engine_cmd, "backends": backend or None,
+                  "restart_command": restart_command, "weights": weights},
+        "router": {"port": port}, "admin": {"port": admin_port},
+        "journal": {"path": str(journal) if journal else None},
+    })
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not quiet:
+        logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))
+    _run(_up(cfg, quiet))
+
+
+async def _up(cfg: Any, quiet: bool) -> None:
+    from rich.live import Live
+
+    from fleetwarden.console import fleet_view
+    from fleetwarden.fleet import Fleet
+
+    fleet = Fleet(cfg)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, fleet.request_stop)
+    console = Console(highlight=False)
+    console.print(f"fleetwarden {__version__}: starting {cfg.fleet.engines} engine(s)"
+                  + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))
+    try:
+        await fleet.start()
+    except Exception as exc:
+        await fleet.stop()
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    try:
+        console.print(f"router     {fleet.router_url}/v1   (OpenAI API)")
+        console.print(f"admin      {fleet.admin_url}/admin/status   "
+                      f"(token in {cfg.admin.token_file})")
+        console.print(f"dashboard  {fleet.admin_url}/?token={fleet.token}")
+        console.print(f"journal    {cfg.journal.path}   logs {cfg.fleet.log_dir}/")
+        console.print("Ctrl-C stops the fleet and every engine it started.\n")
+        if quiet:
+            await fleet.run()
+            return
+
+        async def live() -> None:
+            with Live(console=console, refresh_per_second=2, transient=False) as view:
+                while not fleet.stopping:
+                    view.update(fleet_view(fleet.describe(), fleet.shards_view(),
+                                           fleet.recent))
+                    await asyncio.sleep(0.5)
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(fleet.run())
+            group.create_task(live())
+    finally:
+        console.print("stopping: every engine this fleet started ...")
+        await fleet.stop()
+        console.print("stopped; nothing left running.")
+
+
+def _client(config_file: Path | None, admin: str | None, token_file: Path | None) -> Any:
+    from fleetwarden.client import FleetClient, FleetClientError
+
+    cfg = _load_config(config_file, {})
+    url = admin or f"http://{cfg.admin.host}:{cfg.admin.port}"
+    try:
+        return FleetClient(url, token_file=token_file or cfg.admin.token_file)
+    except FleetClientError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+
+
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", help="The fleet's config file (for its admin address and token).")]
+AdminOpt = Annotated[str | None, typer.Option(
+    "--admin", help="Admin API URL (default: from the config, http://127.0.0.1:8081).")]
+TokenOpt = Annotated[Path | None, typer.Option(
+    "--token-file", help="Admin token file (default: from the config).")]
+
+
+@app.command()
+def status(
+    config_file: ConfigOpt = None, admin: AdminOpt = None, token_file: TokenOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """The running fleet's shards, states and counters (from its admin API)."""
+    import json
+
+    from fleetwarden.client import FleetClientError
+    from fleetwarden.console import fleet_view
+
+    client = _client(config_file, admin, token_file)
+    try:
+        st, shards, transitions = client.status(), client.shards(), client.transitions()
+    except FleetClientError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps({"status": st, "shards": shards}, indent=2))
+        return
+    Console(highlight=False).print(fleet_view(st, shards, transitions))
+
+
+@app.command()
+def chaos(
+    fault: Annotated[str, typer.Argument(
+        help="wedge, unwedge, crash, slow, error5xx, refuse, restart, no_metrics, "
+             "garbage_metrics or clear")],
+    shard: Annotated[int, typer.Argument(help="The shard's index.")],
+    factor: Annotated[float | None, typer.Option(help="For slow: how many times slower.")] = None,
+    duration: Annotated[float | None, typer.Option(
+        "--duration", help="Seconds until a simulated engine clears the fault by itself.")] = None,
+    config_file: ConfigOpt = None, admin: AdminOpt = None, token_file: TokenOpt = None,
+) -> None:
+    """Inject a fault into one shard's engine (simulated: its fault endpoint; real local vLLM:
+    SIGSTOP / SIGCONT / SIGKILL of its EngineCore)."""
+    from fleetwarden.client import FleetClientError
+
+    client = _client(config_file, admin, token_file)
+    options: dict[str, Any] = {}
+    if factor is not None:
+        options["factor"] = factor
+    if duration is not None:
+        options["duration_s"] = duration
+    try:
+        result = client.chaos(shard, fault, **options)
+    except FleetClientError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"shard {shard}: {result['how']}")
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:

@@ -1,4 +1,4 @@
-"""Configuration: one TOML file, validated with pydantic. Every default lives here, with its reason.
+"""Configuration: one TOML file, validated with pydantic. Every default has one home.
 
 The sections follow the picture of SYSTEM.md section 1: `[fleet]` (the engines), `[router]`,
 `[health]` (watchdog and ledger thresholds), `[supervisor]` (restarts), `[journal]` and
@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fleetwarden.judge import WatchdogPolicy
+from fleetwarden.ledger import Policy
+from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
 
 __all__ = [
     "AdminConfig",
@@ -28,6 +32,11 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
+
+#: Defaults that a component defines (with their reasons, beside the code they govern).
+_WATCHDOG = WatchdogPolicy()
+_LEDGER = Policy()
+_ROUTER = RouterSettings()
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -82,60 +91,67 @@ class FleetConfig(_Section):
 class RouterConfig(_Section):
     """The data path (SYSTEM.md section 4)."""
 
-    host: str = "127.0.0.1"
+    _defaults_from: ClassVar[dict[str, type]] = {
+        name: RouterSettings for name in RouterSettings.__dataclass_fields__
+    }
+
+    #: Where the router listens for the OpenAI API.
+    host: str = DEFAULT_HOST
     #: 0 picks a free port (printed at start).
-    port: Port = 8000
-    #: Seconds to open a connection to an engine. Short: a refused or unreachable engine costs
-    #: no engine any work, so the request is re-sent at once.
-    connect_timeout_s: PositiveFloat = 5.0
-    #: Seconds a whole request may take. Long: legitimate generations run for minutes; a wedge
-    #: is caught by the watchdog's progress signal and rescued long before this.
-    backend_timeout_s: PositiveFloat = 600.0
-    #: Request bodies are buffered (so they can be re-sent) up to this size; larger is 413.
-    max_body_bytes: PositiveInt = 32 * 1024 * 1024
-    #: Re-sends of a request an engine may have worked on (reset, timeout, 5xx).
-    max_retries: Annotated[int, Field(ge=0)] = 2
-    #: Such re-sends at most this share of the requests in flight, fleet-wide, so retries never
-    #: multiply the load on a struggling fleet ...
-    retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
-    #: ... and at least this many at once, so a small fleet can still retry.
-    retry_budget_min: Annotated[int, Field(ge=0)] = 3
-    #: Status when a request failed and other backends still serve: bounded-retry clients
-    #: (NeMo-Gym) re-send a 500 a few times. Never 504: clients retry it without bound.
-    status_when_others_serve: Annotated[int, Field(ge=400, le=599)] = 500
-    #: Status when no backend is left: 409 is not retried, so the row fails cleanly.
-    status_when_none_left: Annotated[int, Field(ge=400, le=599)] = 409
+    port: Port = DEFAULT_PORT
+    backend_timeout_s: PositiveFloat = _ROUTER.backend_timeout_s
+    connect_timeout_s: PositiveFloat = _ROUTER.connect_timeout_s
+    max_body_bytes: PositiveInt = _ROUTER.max_body_bytes
+    max_retries: Annotated[int, Field(ge=0)] = _ROUTER.max_retries
+    retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = _ROUTER.retry_budget_ratio
+    retry_budget_min: Annotated[int, Field(ge=0)] = _ROUTER.retry_budget_min
+    status_when_others_serve: Annotated[int, Field(ge=400, le=599)] = (
+        _ROUTER.status_when_others_serve)
+    status_when_none_left: Annotated[int, Field(ge=400, le=599)] = _ROUTER.status_when_none_left
+    session_header: str | None = _ROUTER.session_header
+    affinity_load_factor: Annotated[float, Field(ge=1)] = _ROUTER.affinity_load_factor
+    affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
+    keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
+    shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
 
     @model_validator(mode="after")
-    def _never_504(self) -> RouterConfig:
-        for name in ("status_when_others_serve", "status_when_none_left"):
-            if getattr(self, name) == 504:
-                raise ValueError(f"{name} cannot be 504: clients retry it without bound")
+    def _valid_settings(self) -> RouterConfig:
+        self.settings()  # RouterSettings checks what a field alone cannot (never 504)
         return self
+
+    def settings(self) -> RouterSettings:
+        return RouterSettings(**{name: getattr(self, name)
+                                 for name in RouterSettings.__dataclass_fields__})
 
 
 class HealthConfig(_Section):
     """Watchdog and ledger thresholds (SYSTEM.md sections 3.2, 5 and 6)."""
 
+    _defaults_from: ClassVar[dict[str, type]] = {
+        "probe_timeout_s": WatchdogPolicy, "stall_s": WatchdogPolicy,
+        "stall_waits": WatchdogPolicy, "canary_interval_s": WatchdogPolicy,
+        "canary_timeout_s": WatchdogPolicy, "unhealthy_threshold": Policy,
+        "healthy_threshold": Policy, "min_serving_shards": Policy,
+    }
+
     #: Seconds between controller ticks. A crash is seen at once (process exit); this paces
     #: the metrics reads and the outcome drains.
     probe_interval_s: PositiveFloat = 5.0
-    #: Seconds a `/metrics` or `/health` read may take before the engine counts as unreachable.
-    probe_timeout_s: PositiveFloat = 3.0
-    #: Failed probes in a row, and failed request windows in a row, that condemn a shard.
-    unhealthy_threshold: PositiveInt = 3
-    #: Good probes in a row that lift SUSPECT.
-    healthy_threshold: PositiveInt = 2
-    #: Seconds without progress, over at least two reads, before a busy engine is STUCK. Longer
-    #: than any pause a healthy engine takes between steps, shorter than a client's patience.
-    stall_s: PositiveFloat = 15.0
-    #: Seconds between canaries to an idle engine: a canary is one tiny completion, sent only
-    #: when nothing runs there, so it never queues behind real work (note 002).
-    canary_interval_s: PositiveFloat = 30.0
-    #: Seconds a canary may take. An idle engine answers a 1-token completion in milliseconds.
-    canary_timeout_s: PositiveFloat = 10.0
-    #: Below this many shards that could still serve, the fleet reports itself exhausted.
-    min_serving_shards: PositiveInt = 1
+    probe_timeout_s: PositiveFloat = _WATCHDOG.read_timeout_s
+    unhealthy_threshold: PositiveInt = _LEDGER.unhealthy_threshold
+    healthy_threshold: PositiveInt = _LEDGER.healthy_threshold
+    stall_s: PositiveFloat = _WATCHDOG.stall_s
+    stall_waits: PositiveInt = _WATCHDOG.stall_waits
+    canary_interval_s: PositiveFloat = _WATCHDOG.canary_interval_s
+    canary_timeout_s: PositiveFloat = _WATCHDOG.canary_timeout_s
+    min_serving_shards: PositiveInt = _LEDGER.min_serving_shards
+
+    def watchdog_policy(self) -> WatchdogPolicy:
+        return WatchdogPolicy(
+            stall_s=self.stall_s, stall_waits=self.stall_waits,
+            canary_interval_s=self.canary_interval_s, read_timeout_s=self.probe_timeout_s,
+            canary_timeout_s=self.canary_timeout_s,
+        )
 
 
 class SupervisorConfig(_Section):
@@ -167,7 +183,7 @@ class JournalConfig(_Section):
 class AdminConfig(_Section):
     #: Loopback by default: the admin API can retire and restart engines.
     host: str = "127.0.0.1"
-    port: Port = 8001
+    port: Port = DEFAULT_PORT + 1
     #: Bearer token file, created 0600 with a random token when missing.
     token_file: Path = Path("fleetwarden-admin.token")
 
@@ -248,18 +264,26 @@ def example_toml() -> str:
         out.append(f"\n[{name}]")
         if model.__doc__:
             out.append(f"# {model.__doc__.strip().splitlines()[0]}")
+        elsewhere: dict[str, type] = getattr(model, "_defaults_from", {})
         for key, sub in model.model_fields.items():
-            for comment in _comments_for(source, model.__name__, key):
+            comments = _comments_for(source, model.__name__, key)
+            if not comments and key in elsewhere:
+                owner = elsewhere[key]
+                owner_key = {"probe_timeout_s": "read_timeout_s"}.get(key, key)
+                comments = _comments_for(inspect.getsource(sys.modules[owner.__module__]),
+                                         owner.__name__, owner_key)
+            for comment in comments:
                 out.append(f"# {comment}")
             default = sub.get_default(call_default_factory=True)
             out.append(_toml_line(key, default))
-    return "\n".join(out) + "\n"
+    return ("\n".join(out) + "\n").replace("``", "`")
 
 
 def _comments_for(source: str, class_name: str, key: str) -> list[str]:
     lines = source.splitlines()
     try:
-        start = next(i for i, line in enumerate(lines) if line.startswith(f"class {class_name}("))
+        start = next(i for i, line in enumerate(lines)
+                     if line.startswith((f"class {class_name}(", f"class {class_name}:")))
     except StopIteration:
         return []
     comments: list[str] = []

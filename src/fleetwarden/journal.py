@@ -183,6 +183,19 @@ class Journal:
             ) from exc
         return conn
 
+    # ------------------------------------------------------------------ meta
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._read.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        """Write one small key at once (rare: start and clean stop), beside the writer."""
+        with self._read:
+            self._read.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                               "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                               (key, value))
+
     # ------------------------------------------------------------------ restore
 
     def restore(

@@ -231,9 +231,9 @@ class Supervisor:
         self.tick()
         return True
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         """Cancel restarts in progress and stop every engine (the launcher's own check that
-        nothing of any group is left)."""
+        nothing of any group is left). True when every engine was stopped and verified gone."""
         for attempt in self.attempts.values():
             attempt.task.cancel()
         for attempt in list(self.attempts.values()):
@@ -243,7 +243,12 @@ class Supervisor:
         if self._stops:
             await asyncio.gather(*self._stops, return_exceptions=True)
         self.engines.clear()
-        await self.launcher.close()
+        try:
+            await self.launcher.close()
+        except LaunchError as exc:
+            log.error("stopping the engines: %s", exc)
+            return False
+        return True
 
 
 async def launch_first(

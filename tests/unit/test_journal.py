@@ -222,3 +222,14 @@ def test_appends_return_while_the_database_is_locked(tmp_path: Path) -> None:
     journal.flush()
     assert len(journal.transitions(shard=0)) == 100
     journal.close()
+
+
+def test_meta_keys_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.sqlite"
+    with Journal(path) as journal:
+        assert journal.get_meta("clean_shutdown") is None
+        journal.set_meta("clean_shutdown", "0")
+        journal.set_meta("clean_shutdown", "1")
+    with Journal(path) as journal:
+        assert journal.get_meta("clean_shutdown") == "1"
+        assert journal.get_meta("schema_version") == "1"

@@ -72,7 +72,7 @@ async def test_the_last_backend_failing_answers_409(fault: str) -> None:
         assert status == 409
         assert error_of(body)["cause"] == cause and error_of(body)["backend"] == last.url
         assert r.router.serving_backends() == []
-        assert r.router.stats.retries == {"free": 0, "paid": 0}  # nobody left to re-send to
+        assert r.router.stats.retries == {"free": 0, "paid": 0, "replaced": 0}  # nobody left
         assert "Retry-After" not in headers
         # with nothing left, every request is 409 at once, with the caller's estimate if any
         r.router.set_retry_after(7.2)
@@ -256,6 +256,28 @@ async def test_paid_retries_stay_within_the_fleet_budget() -> None:
         statuses = sorted([(await t)[0] for t in tasks])
         assert statuses == [200] * 3 + [500] * 5
         assert r.router.stats.retries["paid"] == 3
+
+
+async def test_every_request_of_a_crashed_backend_moves_whatever_the_budget() -> None:
+    # Health-managed: the reflex takes the crashed backend out at its first failure, so
+    # re-sending what it failed moves its load rather than adding to the fleet's. All 8
+    # requests it held fail at once (vLLM's engine-dead 500) and all 8 are answered elsewhere,
+    # although the budget alone would allow 3 retries in flight.
+    async with rig(2, health_managed=True, max_retries=2, retry_budget_min=3,
+                   retry_budget_ratio=0.2) as r:
+        bad, good = r.engines
+        r.router.set_serving_backends([bad.url])
+        bad.wedge()
+        tasks = [asyncio.create_task(r.post()) for _ in range(8)]
+        await until(lambda: bad.held == 8, what="all 8 on bad")
+        r.router.set_serving_backends([bad.url, good.url])
+        good.wedge()  # the retries wait here, holding whatever they hold
+        bad.answer(ENGINE_DEAD)
+        bad.unwedge()  # all 8 fail at once
+        await until(lambda: good.held == 8, what="all 8 retried on good")
+        good.unwedge()
+        assert sorted([(await t)[0] for t in tasks]) == [200] * 8
+        assert r.router.stats.retries == {"free": 0, "paid": 0, "replaced": 8}
 
 
 async def test_a_poison_request_is_not_retried_across_the_fleet() -> None:

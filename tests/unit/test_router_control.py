@@ -4,8 +4,6 @@ process alike (SYSTEM.md section 4, last bullet)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
 import sys
 from pathlib import Path
 
@@ -13,7 +11,6 @@ import aiohttp
 import pytest
 
 from fleetwarden.router import ControlError, RemoteRouter, Router, RouterControl
-from fleetwarden.router.control import load_or_create_token
 from router_rig import rig, until
 from scripted_engine import ScriptedEngine
 
@@ -106,18 +103,6 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
         assert router.serving_backends() == ["http://127.0.0.1:9"]
     finally:
         await router.stop()
-
-
-def test_a_token_file_is_created_private_and_refused_when_others_can_read_it(
-        tmp_path: Path) -> None:
-    path = tmp_path / "router.token"
-    token = load_or_create_token(path)
-    assert len(token) >= 32
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert load_or_create_token(path) == token  # read back, not replaced
-    os.chmod(path, 0o644)
-    with pytest.raises(ValueError, match="chmod 600"):
-        load_or_create_token(path)
 
 
 async def test_fleetwarden_route_serves_a_static_list_and_its_control_api(

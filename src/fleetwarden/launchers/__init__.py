@@ -66,5 +66,5 @@ class Launcher(Protocol):
         ...
 
     async def close(self) -> None:
-        """Stop every engine this launcher started."""
+        """Stop every engine this launcher started; :class:`LaunchError` if any is left."""
         ...

@@ -23,7 +23,7 @@ import aiohttp
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, ExitCallback, LaunchError
-from fleetwarden.launchers.procs import process_start_ticks, terminate_group
+from fleetwarden.launchers.procs import ProcessInfo, process_start_ticks, terminate_group
 
 __all__ = ["LocalLauncher", "default_engine_command", "free_port"]
 
@@ -130,7 +130,7 @@ class LocalLauncher:
 
     async def stop(self, handle: EngineHandle) -> None:
         handle.stopping = True
-        left: tuple[object, ...] = ()
+        left: tuple[ProcessInfo, ...] = ()
         if handle.pgid is not None and self._owns(handle):
             stopped = await asyncio.to_thread(
                 terminate_group, handle.pgid, self.grace_s, _KILL_WAIT_S
@@ -163,9 +163,10 @@ class LocalLauncher:
     async def close(self) -> None:
         handles = list(self._handles.values())
         results = await asyncio.gather(*(self.stop(h) for h in handles), return_exceptions=True)
-        for h, r in zip(handles, results, strict=True):
-            if isinstance(r, BaseException):
-                log.error("shard %d: stop failed: %s", h.shard, r)
+        failed = [f"shard {h.shard}: {r}" for h, r in zip(handles, results, strict=True)
+                  if isinstance(r, BaseException)]
+        if failed:
+            raise LaunchError("; ".join(failed))
 
     @property
     def handles(self) -> list[EngineHandle]:

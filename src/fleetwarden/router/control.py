@@ -25,11 +25,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
-import os
-import secrets
-import stat
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,7 +38,7 @@ if TYPE_CHECKING:
     from fleetwarden.router.app import Router
 
 __all__ = ["ControlError", "InProcessRouter", "RemoteRouter", "RouterControl",
-           "load_or_create_token", "make_control_app"]
+           "make_control_app"]
 
 #: How long a control call may take. The calls are in-memory operations on the router, so
 #: seconds without an answer mean the router process is gone or stuck; the tick moves on.
@@ -60,29 +56,6 @@ class RouterControl(Protocol):
     async def in_flight(self) -> dict[str, int]: ...
     async def set_retry_after(self, seconds: float | None) -> None: ...
     async def status(self) -> dict[str, Any]: ...
-
-
-def load_or_create_token(path: Path) -> str:
-    """The control token kept in ``path``: read it, or create the file (0600) with a new one.
-
-    A token file that others can read is refused: the token lets its holder drain the
-    outcomes and empty the serving list.
-    """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise ValueError(f"token file {path} has mode {mode:o}; it must be readable by "
-                             f"its owner only (chmod 600 {path})") from None
-        token = path.read_text().strip()
-        if not token:
-            raise ValueError(f"token file {path} is empty") from None
-        return token
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
 
 
 class ControlError(Exception):

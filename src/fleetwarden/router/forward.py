@@ -250,11 +250,16 @@ class Forwarder:
                 if failure.cause.never_reached_an_engine:
                     resend = "free"  # it cost no engine any work
                     continue
+                # A backend the reflex took out carries nothing any more: re-sending what it
+                # failed moves its load to the others rather than adding to the fleet's, so it
+                # spends no budget (a crash fails all its requests at once, and each must move).
+                replaced = self.health_managed and failure.backend not in pool.serving
                 if paid_retries < self.settings.max_retries and (
-                        holds_retry_token or budget.try_acquire()):
-                    holds_retry_token = True  # held until this request is answered
+                        replaced or holds_retry_token or budget.try_acquire()):
+                    if not replaced:
+                        holds_retry_token = True  # held until this request is answered
                     paid_retries += 1
-                    resend = "paid"
+                    resend = "replaced" if replaced else "paid"
                     continue
                 # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's
                 # own 5xx goes back as it is; a transport failure gets the router's answer.

@@ -48,7 +48,9 @@ class RouterStats:
         #: (backend, cause) -> failures
         self.backend_failures: dict[tuple[str, str], int] = {}
         #: kind ("free": never reached an engine; "paid": an engine may have worked on it)
-        self.retries: dict[str, int] = {"free": 0, "paid": 0}
+        #: free: never reached an engine; replaced: its backend was dropped, so the retry moves
+        #: load rather than adding it; paid: within max_retries and the fleet's retry budget.
+        self.retries: dict[str, int] = {"free": 0, "paid": 0, "replaced": 0}
         self.rescues = 0
         self.poison_requests = 0
         self.added_latency_buckets = [0] * (len(ADDED_LATENCY_BUCKETS_S) + 1)

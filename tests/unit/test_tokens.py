@@ -1,4 +1,4 @@
-"""The admin token file: created 0600, refused when others can read it."""
+"""Token files: created 0600, refused when others can read it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetwarden.admin.token import AdminTokenError, load_or_create_token, token_matches
+from fleetwarden.tokens import TokenFileError, load_or_create_token, token_matches
 
 
 def test_a_missing_token_file_is_created_0600_and_read_back(tmp_path: Path) -> None:
@@ -22,7 +22,7 @@ def test_a_token_file_others_can_read_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "admin.token"
     load_or_create_token(path)
     os.chmod(path, 0o644)
-    with pytest.raises(AdminTokenError, match="chmod 600"):
+    with pytest.raises(TokenFileError, match="chmod 600"):
         load_or_create_token(path)
 
 
@@ -30,7 +30,7 @@ def test_an_empty_token_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "admin.token"
     path.write_text("\n")
     os.chmod(path, 0o600)
-    with pytest.raises(AdminTokenError, match="no usable token"):
+    with pytest.raises(TokenFileError, match="no usable token"):
         load_or_create_token(path)
 
 

@@ -1,7 +1,9 @@
-"""The admin bearer token: a 0600 file, created with a random token when missing.
+"""Bearer tokens in 0600 files, created with a random token when missing.
 
-The token is compared in constant time and never written to a log: the admin server runs
-without aiohttp's access log line for query strings (see ``app.py``).
+The admin API and a router's control API both take one. A token file others can read is
+refused: the token lets its holder retire engines, drain outcomes and empty the serving list.
+Tokens are compared in constant time and never written to a log (the servers run without an
+access log line that could carry a ``?token=`` query).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["AdminTokenError", "load_or_create_token", "token_matches"]
+__all__ = ["TokenFileError", "load_or_create_token", "token_matches"]
 
 
-class AdminTokenError(Exception):
+class TokenFileError(ValueError):
     """The token file cannot be used; the message names the file and the fix."""
 
 
@@ -33,12 +35,12 @@ def load_or_create_token(path: str | Path) -> str:
         return token
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:
-        raise AdminTokenError(
-            f"admin token file {p} is readable by others (mode {mode:04o}); run: chmod 600 {p}"
+        raise TokenFileError(
+            f"token file {p} is readable by others (mode {mode:04o}); run: chmod 600 {p}"
         )
     token = p.read_text().strip()
     if len(token) < 16:
-        raise AdminTokenError(f"admin token file {p} holds no usable token (at least 16 "
+        raise TokenFileError(f"token file {p} holds no usable token (at least 16 "
                               "characters); delete it to have a new one made")
     return token
 

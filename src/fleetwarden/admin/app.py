@@ -1,0 +1,269 @@
+"""The admin API: fleet state, history, operator actions, refits, and external routers.
+
+On its own port, 127.0.0.1 by default, every route behind the bearer token (401 without it,
+and nothing changes). The token is never logged: the server runs without an access log line
+that would carry a ``?token=`` query.
+
+    GET  /admin/status                      fleet status, counts, router and admin URLs
+    GET  /admin/shards                      every shard's record, in-flight and last sample
+    GET  /admin/transitions?since=SEQ       transitions after a sequence number (journal)
+    POST /admin/shards/{i}/retire           {"reason": "..."}
+    POST /admin/shards/{i}/restart          {"reason": "..."}
+    POST /admin/shards/{i}/chaos            {"fault": "wedge|unwedge|crash|slow|error5xx|..."}
+    GET  /admin/serving                     the serving set, for routers that poll
+    POST /admin/outcomes                    {"outcomes": {url: [ok, failed, trailing]}}
+    POST /admin/refit/begin|complete|abort  {"version": N, "reason": "..."}
+    GET  /admin/refits                      the refit history and the open lease
+    GET  /metrics                           Prometheus: shards by state, restarts, verdicts
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from fleetwarden.refit import RefitError
+from fleetwarden.tokens import token_matches
+
+if TYPE_CHECKING:
+    from fleetwarden.fleet import Fleet
+
+__all__ = ["make_admin_app"]
+
+log = logging.getLogger(__name__)
+
+FLEET: web.AppKey[Fleet] = web.AppKey("fleet")
+TOKEN: web.AppKey[str] = web.AppKey("token")
+
+#: Admin request bodies are small JSON objects.
+_MAX_BODY = 64 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status, **extra}},
+                             status=status)
+
+
+def presented_token(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer "):].strip()
+    cookie = request.cookies.get("fleetwarden_token")
+    if cookie:
+        return cookie
+    return request.query.get("token")
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in _PUBLIC:
+        return await handler(request)
+    if not token_matches(request.app[TOKEN], presented_token(request)):
+        resp = _error(401, "missing or wrong admin token: send 'Authorization: Bearer <token>' "
+                      "with the token from the admin token file")
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="fleetwarden"'
+        return resp
+    return await handler(request)
+
+
+#: Paths served without the token: the login page and its static files (issue 9) only.
+_PUBLIC: set[str] = set()
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if request.content_length and request.content_length > _MAX_BODY:
+        raise web.HTTPRequestEntityTooLarge(max_size=_MAX_BODY, actual_size=request.content_length)
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise _http_error(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise _http_error(400, "the body must be a JSON object")
+    return body
+
+
+def _http_error(status: int, message: str) -> web.HTTPException:
+    exc = web.HTTPException()
+    exc.set_status(status)
+    exc.text = json.dumps({"error": {"message": message, "code": status}})
+    exc.content_type = "application/json"
+    return exc
+
+
+def _shard_index(request: web.Request) -> int:
+    fleet = request.app[FLEET]
+    try:
+        i = int(request.match_info["i"])
+    except ValueError:
+        raise _http_error(400, f"shard must be an integer, got {request.match_info['i']!r}") \
+            from None
+    if not 0 <= i < len(fleet.ledger):
+        raise _http_error(404, f"no shard {i}: the fleet has shards 0..{len(fleet.ledger) - 1}")
+    return i
+
+
+def _version(body: dict[str, Any]) -> int:
+    v = body.get("version")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _http_error(400, f"version must be a non-negative integer, got {v!r}")
+    return v
+
+
+# ---------------------------------------------------------------------- read
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[FLEET].describe())
+
+
+async def shards(request: web.Request) -> web.Response:
+    return web.json_response({"shards": request.app[FLEET].shards_view()})
+
+
+async def transitions(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    try:
+        since = int(request.query.get("since", "0"))
+        limit = min(int(request.query.get("limit", "1000")), 10_000)
+        shard = int(request.query["shard"]) if "shard" in request.query else None
+    except ValueError:
+        raise _http_error(400, "since, limit and shard must be integers") from None
+    return web.json_response({"transitions": fleet.transitions_view(since, limit, shard)})
+
+
+async def serving(request: web.Request) -> web.Response:
+    return web.json_response({"urls": request.app[FLEET].ledger.serving_urls()})
+
+
+async def refits(request: web.Request) -> web.Response:
+    return web.json_response(request.app[FLEET].refits_view())
+
+
+# ---------------------------------------------------------------------- act
+
+async def retire(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    i = _shard_index(request)
+    body = await _json_body(request)
+    reason = str(body.get("reason") or "retired by an operator")
+    outcome = fleet.ledger.retire(i, reason)
+    fleet.controller.wake()
+    return web.json_response({"shard": i, "applied": outcome.applied, "reason": outcome.reason,
+                              "state": str(fleet.ledger.state(i))},
+                             status=200 if outcome.applied else 409)
+
+
+async def restart(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    i = _shard_index(request)
+    body = await _json_body(request)
+    reason = str(body.get("reason") or "restart requested by an operator")
+    ok = await fleet.supervisor.restart_now(i, reason)
+    fleet.controller.wake()
+    return web.json_response({"shard": i, "applied": ok, "state": str(fleet.ledger.state(i))},
+                             status=200 if ok else 409)
+
+
+async def chaos(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    i = _shard_index(request)
+    body = await _json_body(request)
+    fault = body.get("fault")
+    if not isinstance(fault, str):
+        raise _http_error(400, "fault must be a string such as 'wedge', 'unwedge' or 'crash'")
+    try:
+        how = await fleet.inject_fault(i, fault, body)
+    except ValueError as exc:
+        raise _http_error(400, str(exc)) from None
+    except LookupError as exc:
+        raise _http_error(409, str(exc)) from None
+    return web.json_response({"shard": i, "fault": fault, "how": how})
+
+
+async def outcomes(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    raw = body.get("outcomes")
+    if not isinstance(raw, dict):
+        raise _http_error(400, 'outcomes must be an object {url: [ok, failed, trailing]}')
+    parsed: dict[str, tuple[int, int, int]] = {}
+    for url, counts in raw.items():
+        if (not isinstance(counts, list) or len(counts) != 3
+                or not all(isinstance(c, int) and c >= 0 for c in counts)):
+            raise _http_error(400, f"outcomes[{url!r}] must be three non-negative integers")
+        parsed[url] = (counts[0], counts[1], counts[2])
+    fleet.controller.apply_outcomes(parsed)
+    return web.json_response({"accepted": len(parsed)})
+
+
+async def refit_begin(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    try:
+        lease = fleet.begin_refit(_version(body))
+    except RefitError as exc:
+        raise _http_error(409, str(exc)) from None
+    return web.json_response({
+        "version": lease.version,
+        "participants": [{"shard": p.shard, "url": p.url} for p in lease.participants],
+        "lease_s": lease.deadline - lease.started_at,
+    })
+
+
+async def refit_complete(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    try:
+        record = fleet.complete_refit(_version(body))
+    except RefitError as exc:
+        raise _http_error(409, str(exc)) from None
+    return web.json_response({"version": record.version, "refitted": list(record.participants),
+                              "states": fleet.states_view()})
+
+
+async def refit_abort(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    reason = str(body.get("reason") or "aborted by the trainer")
+    try:
+        record = fleet.abort_refit(_version(body), reason)
+    except RefitError as exc:
+        raise _http_error(409, str(exc)) from None
+    return web.json_response({"version": record.version, "partial": list(record.participants),
+                              "condemned": list(record.condemned),
+                              "states": fleet.states_view()})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body, content_type = fleet.metrics_text()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def make_admin_app(fleet: Fleet, token: str) -> web.Application:
+    app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
+    app[FLEET] = fleet
+    app[TOKEN] = token
+    r = app.router
+    r.add_get("/admin/status", status)
+    r.add_get("/admin/shards", shards)
+    r.add_get("/admin/transitions", transitions)
+    r.add_get("/admin/serving", serving)
+    r.add_get("/admin/refits", refits)
+    r.add_post("/admin/shards/{i}/retire", retire)
+    r.add_post("/admin/shards/{i}/restart", restart)
+    r.add_post("/admin/shards/{i}/chaos", chaos)
+    r.add_post("/admin/outcomes", outcomes)
+    r.add_post("/admin/refit/begin", refit_begin)
+    r.add_post("/admin/refit/complete", refit_complete)
+    r.add_post("/admin/refit/abort", refit_abort)
+    r.add_get("/metrics", metrics)
+    return app

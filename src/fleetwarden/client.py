@@ -1,0 +1,132 @@
+"""A small client for a fleet's admin API: what a trainer in another process, and the CLI, use.
+
+    from fleetwarden.client import FleetClient
+
+    fleet = FleetClient("http://127.0.0.1:8081", token_file="fleetwarden-admin.token")
+    lease = fleet.begin_refit(7)            # {"version": 7, "participants": [...], ...}
+    ...                                     # push weights to lease["participants"]
+    fleet.complete_refit(7)                 # or fleet.abort_refit(7, "NCCL timeout")
+
+Synchronous and dependency-free (the standard library's HTTP client), so it drops into any
+training loop. Every refused call raises :class:`FleetClientError` with the fleet's message.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FleetClient", "FleetClientError"]
+
+
+class FleetClientError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+class FleetClient:
+    def __init__(self, admin_url: str, *, token: str | None = None,
+                 token_file: str | Path | None = None, timeout_s: float = 30.0) -> None:
+        if token is None:
+            if token_file is None:
+                raise ValueError("FleetClient needs token= or token_file=")
+            try:
+                token = Path(token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise FleetClientError(0, f"cannot read the admin token file {token_file}: "
+                                          f"{exc.strerror}") from None
+        self.admin_url = admin_url.rstrip("/")
+        self._token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.admin_url + path, data=data, method=method,
+            headers={"Authorization": f"Bearer {self._token}",
+                     "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                message = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = raw.decode(errors="replace")[:300] or exc.reason
+            raise FleetClientError(exc.code, str(message)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise FleetClientError(0, f"cannot reach the admin API at {self.admin_url}: "
+                                      f"{reason}") from None
+
+    # ------------------------------------------------------------------ reading
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/admin/status")
+        return result
+
+    def shards(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/admin/shards")["shards"]
+        return result
+
+    def states(self) -> dict[int, str]:
+        return {s["index"]: s["state"] for s in self.shards()}
+
+    def transitions(self, since: int = 0) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call(
+            "GET", f"/admin/transitions?since={since}")["transitions"]
+        return result
+
+    def serving(self) -> list[str]:
+        result: list[str] = self._call("GET", "/admin/serving")["urls"]
+        return result
+
+    # ------------------------------------------------------------------ refits
+
+    def begin_refit(self, version: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", "/admin/refit/begin", {"version": version})
+        return result
+
+    def complete_refit(self, version: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", "/admin/refit/complete",
+                                            {"version": version})
+        return result
+
+    def abort_refit(self, version: int, reason: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", "/admin/refit/abort",
+                                            {"version": version, "reason": reason})
+        return result
+
+    def refits(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/admin/refits")
+        return result
+
+    # ------------------------------------------------------------------ operator actions
+
+    def retire(self, shard: int, reason: str = "") -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/admin/shards/{shard}/retire",
+                                            {"reason": reason})
+        return result
+
+    def restart(self, shard: int, reason: str = "") -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/admin/shards/{shard}/restart",
+                                            {"reason": reason})
+        return result
+
+    def chaos(self, shard: int, fault: str, **options: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/admin/shards/{shard}/chaos",
+                                            {"fault": fault, **options})
+        return result
+
+    def report_outcomes(self, outcomes: dict[str, tuple[int, int, int]]) -> int:
+        """For an external router: hand over one drained window of outcomes."""
+        result = self._call("POST", "/admin/outcomes",
+                            {"outcomes": {u: list(c) for u, c in outcomes.items()}})
+        return int(result["accepted"])

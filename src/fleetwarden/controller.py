@@ -1,0 +1,335 @@
+"""The controller tick: the one loop that couples watchdog, ledger, supervisor and routers.
+
+Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
+
+1. a watchdog round for every shard that has a process (serving and STALE), concurrently;
+   verdicts go into the ledger;
+2. a supervisor tick: restarts start for DEAD shards (so a shard condemned this tick is
+   RESTARTING before the push), finished restarts are collected;
+3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
+4. ``serving_urls()`` is pushed to every router, every tick, unconditionally (no deltas, so a
+   restarted router converges on the next push);
+5. the routers rescue the requests waiting on shards condemned this tick.
+
+A router that fails is logged and tried again next tick; nothing a router does stops the loop.
+A process exit does not wait for the tick: the supervisor condemns at once and the controller
+pushes and rescues at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleetwarden.config import Config
+from fleetwarden.journal import Journal
+from fleetwarden.judge import Health, Verdict
+from fleetwarden.ledger import (
+    ABSENT,
+    FleetExhausted,
+    Ledger,
+    ShardState,
+    Transition,
+)
+from fleetwarden.refit import RefitCoordinator
+from fleetwarden.supervisor import Supervisor
+from fleetwarden.watchdog import Report, Target, Watchdog
+
+__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport"]
+
+log = logging.getLogger(__name__)
+
+
+class RouterLink(Protocol):
+    """What the controller needs of a router, in-process or in another process."""
+
+    async def set_serving_backends(self, urls: Sequence[str]) -> None: ...
+
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
+
+    async def rescue(self, url: str) -> int: ...
+
+    async def in_flight(self) -> dict[str, int]: ...
+
+    async def set_retry_after(self, seconds: float | None) -> None: ...
+
+
+def _name(link: RouterLink) -> str:
+    return str(getattr(link, "url", None) or type(link).__name__)
+
+
+@dataclass
+class TickReport:
+    """What one tick saw and did (for the dashboard, tests and the status command)."""
+
+    number: int
+    started_at: float
+    duration_s: float = 0.0
+    verdicts: dict[int, str] = field(default_factory=dict)
+    condemned: list[int] = field(default_factory=list)
+    rescued: int = 0
+    router_errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FleetStatus:
+    """The fleet-level answer to "can this fleet serve?" — never an exception to the caller."""
+
+    state: str  # "serving", "degraded", "down", "exhausted"
+    detail: str
+    counts: dict[str, int]
+
+
+class Controller:
+    def __init__(
+        self,
+        ledger: Ledger,
+        watchdog: Watchdog,
+        supervisor: Supervisor,
+        routers: Sequence[RouterLink],
+        config: Config,
+        *,
+        journal: Journal | None = None,
+        refit: RefitCoordinator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger
+        self.refit = refit
+        self.watchdog = watchdog
+        self.supervisor = supervisor
+        self.routers = list(routers)
+        self.config = config
+        self.journal = journal
+        self.clock = clock
+        self.tick_number = 0
+        self.last_tick: TickReport | None = None
+        #: The last watchdog report per shard (dashboards read running/waiting/tokens from it).
+        self.reports: dict[int, Report] = {}
+        #: Verdicts seen since start, by name (the fleet's Prometheus counter).
+        self.verdict_counts: dict[str, int] = {}
+        #: Consecutive unreachable reads of a STALE shard (probes do not move STALE shards in
+        #: the ledger, so the controller proves such a death itself).
+        self._stale_unreachable: dict[int, int] = {}
+        self._condemned: dict[int, str] = {}
+        self._urgent: set[asyncio.Task[None]] = set()
+        self._unsubscribe = ledger.subscribe(self._on_transition)
+        self._wake = asyncio.Event()
+        self.status = self._status()
+
+    # ------------------------------------------------------------------ events
+
+    def _on_transition(self, t: Transition) -> None:
+        if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
+            # The URL the shard had when it was condemned: the routers' requests wait there.
+            self._condemned[t.shard] = t.record.base_url
+
+    def shard_condemned_now(self, shard: int, url: str) -> None:
+        """Called outside the tick (a process exit): push and rescue without waiting."""
+        task = asyncio.create_task(self._react(url), name=f"react:{shard}")
+        self._urgent.add(task)
+        task.add_done_callback(self._urgent.discard)
+
+    async def _react(self, url: str) -> None:
+        urls = self.ledger.serving_urls()
+        for link in self.routers:
+            try:
+                await link.set_serving_backends(urls)
+                await link.rescue(url)
+            except Exception as exc:
+                log.warning("router %s: urgent push/rescue failed: %s", _name(link), exc)
+
+    # ------------------------------------------------------------------ the tick
+
+    async def tick(self) -> TickReport:
+        self.tick_number += 1
+        report = TickReport(self.tick_number, self.clock())
+        started = time.perf_counter()
+
+        # 0. a refit lease that overran marks its participants SUSPECT
+        if self.refit is not None:
+            self.refit.check_lease()
+        excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
+
+        # 1. the watchdog round, for every shard with a process
+        in_flight = await self._in_flight(report)
+        shards = {}
+        for i in range(len(self.ledger)):
+            if self.ledger.state(i) not in ABSENT:
+                shards[self.ledger.shard(i).base_url] = i
+        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused)
+                   for url, i in shards.items()]
+        reports = await self.watchdog.round(targets)
+        for url, i in shards.items():
+            r = reports.get(url)
+            if r is None or self.ledger.shard(i).base_url != url:
+                continue  # the shard moved during the round (a restart finished)
+            self.reports[i] = r
+            report.verdicts[i] = r.verdict.name
+            self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
+            self.apply_report(i, r)
+
+        # 2. the supervisor: a shard condemned above is RESTARTING before the push
+        self.supervisor.tick()
+
+        # 3. outcomes from every router, one window each
+        for link in self.routers:
+            try:
+                outcomes = await link.drain_outcomes()
+            except Exception as exc:
+                report.router_errors.append(f"{_name(link)}: drain: {exc}")
+                continue
+            self.apply_outcomes(outcomes)
+
+        # 4. push, every tick, unconditionally
+        urls = self.ledger.serving_urls()
+        retry_after = self._retry_after_estimate()
+        for link in self.routers:
+            try:
+                await link.set_serving_backends(urls)
+                await link.set_retry_after(retry_after)
+            except Exception as exc:
+                report.router_errors.append(f"{_name(link)}: push: {exc}")
+
+        # 5. rescue what waits on shards condemned this tick
+        condemned, self._condemned = self._condemned, {}
+        report.condemned = sorted(condemned)
+        for url in condemned.values():
+            for link in self.routers:
+                try:
+                    report.rescued += await link.rescue(url)
+                except Exception as exc:
+                    report.router_errors.append(f"{_name(link)}: rescue: {exc}")
+
+        for err in report.router_errors:
+            log.warning("%s", err)
+        self.status = self._status()
+        report.duration_s = time.perf_counter() - started
+        self.last_tick = report
+        return report
+
+    async def _in_flight(self, report: TickReport) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for link in self.routers:
+            try:
+                for url, n in (await link.in_flight()).items():
+                    total[url] = total.get(url, 0) + n
+            except Exception as exc:
+                report.router_errors.append(f"{_name(link)}: in-flight: {exc}")
+        return total
+
+    def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
+        for url, (successes, failures, trailing) in outcomes.items():
+            i = self.ledger.shard_for_url(url)
+            if i is not None:
+                self.ledger.report_outcomes(i, successes, failures, trailing)
+
+    def apply_report(self, i: int, r: Report) -> None:
+        """One watchdog verdict into the ledger (the table in ``watchdog.py``)."""
+        v, health = r.verdict, r.health
+        if self.journal is not None and v not in (Verdict.BUSY, Verdict.IDLE):
+            # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
+            self.journal.record_verdict(i, r.url, v.name, r.evidence.to_dict())
+        if v is Verdict.RESTARTED and r.incarnation is not None:
+            self.ledger.observe_incarnation(i, r.incarnation)
+        state = self.ledger.state(i)
+        why = r.evidence.summary
+        if state is ShardState.STALE and v is Verdict.DEAD:
+            # Probes do not move a STALE shard; the controller proves such a death itself.
+            n = self._stale_unreachable.get(i, 0) + 1
+            self._stale_unreachable[i] = n
+            if n >= self.config.health.unhealthy_threshold:
+                self.ledger.condemn(i, f"unreachable on {n} reads while STALE: {why}")
+            return
+        self._stale_unreachable.pop(i, None)
+        if health is Health.CONDEMNED:
+            self.ledger.condemn(i, f"{v.name}: {why}")
+        elif state is ShardState.STALE:
+            if self.config.fleet.weights == "static" and health is Health.SERVING and (
+                    r.canary is not None and r.canary.ok):
+                # Static weights: a loaded engine that answers a canary has the only weights
+                # there are, so it is promoted by an automatic refit to the fleet's version.
+                self.ledger.report_refit(i, self._static_version())
+        elif health is Health.SERVING:
+            self.ledger.record_probe(i, True)
+        elif health is Health.FAILING:
+            error = r.canary.error if r.canary is not None and r.canary.error else why
+            self.ledger.record_probe(i, False, f"{v.name}: {error}")
+
+    def _static_version(self) -> int:
+        return max((rec.weight_version for rec in self.ledger.snapshot()), default=0)
+
+    def _retry_after_estimate(self) -> float | None:
+        """Seconds until a shard is expected back, when some are restarting; else None."""
+        restarting = [a for a in self.supervisor.attempts.values() if not a.passive]
+        if not restarting:
+            return None
+        expected = self.supervisor.typical_restart_s()
+        now = self.clock()
+        left = min(max(1.0, expected - (now - a.started_at)) for a in restarting)
+        return round(left)
+
+    def _status(self) -> FleetStatus:
+        counts = {s.value: n for s, n in self.ledger.counts_by_state().items()}
+        serving = len(self.ledger.serving())
+        try:
+            self.ledger.raise_if_exhausted()
+        except FleetExhausted as exc:
+            return FleetStatus("exhausted", str(exc), counts)
+        if serving == 0:
+            return FleetStatus("down", "no shard serves; restarts in progress", counts)
+        if serving < len(self.ledger):
+            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve", counts)
+        return FleetStatus("serving", f"all {serving} shards serve", counts)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
+        the loop goes on."""
+        interval = self.config.health.probe_interval_s
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("controller tick %d failed; the next one runs as usual",
+                              self.tick_number)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wait_either(stop), interval)
+
+    async def _wait_either(self, stop: asyncio.Event) -> None:
+        waiter = asyncio.create_task(self._wake.wait())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            stopper.cancel()
+            self._wake.clear()
+
+    async def push_now(self) -> None:
+        """Push the serving set to every router now (start-up, admin actions)."""
+        urls = self.ledger.serving_urls()
+        for link in self.routers:
+            try:
+                await link.set_serving_backends(urls)
+            except Exception as exc:
+                log.warning("router %s: push failed: %s", _name(link), exc)
+
+    def wake(self) -> None:
+        """Run the next tick now (an admin action changed the fleet)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._unsubscribe()
+        for task in list(self._urgent):
+            task.cancel()
+        await asyncio.gather(*self._urgent, return_exceptions=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {"status": self.status.state, "detail": self.status.detail,
+                "counts": self.status.counts, "tick": self.tick_number}

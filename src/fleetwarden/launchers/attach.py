@@ -1,0 +1,117 @@
+"""Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
+
+fleetwarden routes to them, watches them and judges them as it does its own engines. When one
+is condemned, ``restart_command`` (a template such as ``kubectl delete pod {name}`` or
+``systemctl restart vllm@{shard}``) asks the system that runs it for a new process, within the
+supervisor's budget, backoff and concurrency cap. With no command, fleetwarden only waits for
+that system to replace the engine itself. Either way the engine is ready again when it answers
+under a new incarnation (``process_start_time_seconds`` changed; ``/health`` 200 where it has
+no metrics), and it serves again after the canary (static weights) or the next refit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import time
+import uuid
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from fleetwarden.config import FleetConfig, HealthConfig
+from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.metrics import Sample, parse
+
+__all__ = ["AttachLauncher", "read_incarnation"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between reads while waiting for an attached engine to come back.
+_POLL_S = 0.5
+
+
+async def read_incarnation(
+    session: aiohttp.ClientSession, url: str
+) -> tuple[bool, str | None]:
+    """(answers /health 200, process start time from /metrics or None)."""
+    try:
+        async with session.get(url + "/health") as resp:
+            healthy = resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False, None
+    try:
+        async with session.get(url + "/metrics") as resp:
+            if resp.status != 200:
+                return healthy, None
+            sample = parse(await resp.read())
+    except (aiohttp.ClientError, TimeoutError):
+        return healthy, None
+    return healthy, sample.incarnation if isinstance(sample, Sample) else None
+
+
+class AttachLauncher:
+    """Restarts attached engines through ``restart_command``; starts nothing itself."""
+
+    def __init__(self, fleet: FleetConfig, health: HealthConfig) -> None:
+        self.command = fleet.restart_command
+        self.urls = {fleet.engines + k: url for k, url in enumerate(fleet.backends)}
+        self.read_timeout = aiohttp.ClientTimeout(total=health.probe_timeout_s)
+        #: The incarnation each engine had before its restart began.
+        self._before: dict[str, str | None] = {}
+
+    @property
+    def can_restart(self) -> bool:
+        return self.command is not None
+
+    async def launch(self, shard: int) -> EngineHandle:
+        url = self.urls[shard]
+        async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
+            _, before = await read_incarnation(session, url)
+        handle = EngineHandle(shard=shard, url=url, launch_id=f"attach-{uuid.uuid4().hex[:12]}",
+                              launched_at=time.time())
+        self._before[handle.launch_id] = before
+        if self.command is not None:
+            name = urlsplit(url).hostname or url
+            argv = shlex.split(self.command.format(shard=shard, url=url, name=name))
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                )
+            except OSError as exc:
+                raise LaunchError(f"shard {shard}: cannot run restart command {argv[0]!r}: "
+                                  f"{exc}") from exc
+            out, _ = await proc.communicate()
+            if proc.returncode != 0:
+                tail = out.decode(errors="replace")[-500:].strip()
+                raise LaunchError(f"shard {shard}: restart command exited with code "
+                                  f"{proc.returncode}: {tail}")
+            log.info("shard %d: ran restart command for %s", shard, url)
+        return handle
+
+    async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
+        """Ready when the engine answers under a new incarnation (or, without metrics, when it
+        answers /health again after the restart command)."""
+        before = self._before.get(handle.launch_id)
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
+            while time.monotonic() < deadline:
+                healthy, now = await read_incarnation(session, handle.url)
+                if healthy and now is not None and now != before:
+                    handle.launch_id = f"start={now}"
+                    return
+                if healthy and now is None and before is None and self.command is not None:
+                    return  # no metrics to tell processes apart: /health after the command
+                last = ("answers under the same incarnation" if healthy and now == before
+                        else "not answering /health" if not healthy else "no incarnation")
+                await asyncio.sleep(_POLL_S)
+        raise LaunchError(f"{handle.url} did not come back within {timeout_s:g} s ({last})")
+
+    async def stop(self, handle: EngineHandle) -> None:
+        self._before.pop(handle.launch_id, None)  # someone else runs it: nothing to stop
+
+    async def close(self) -> None:
+        self._before.clear()
