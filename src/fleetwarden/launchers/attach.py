@@ -101,7 +101,7 @@ class AttachLauncher:
             while time.monotonic() < deadline:
                 healthy, now = await read_incarnation(session, handle.url)
                 if healthy and now is not None and now != before:
-                    handle.launch_id = f"start={now}"
+                    handle.launch_id = now  # the incarnation the watchdog reports, same spelling
                     return
                 if healthy and now is None and before is None and self.command is not None:
                     return  # no metrics to tell processes apart: /health after the command

@@ -1,0 +1,136 @@
+"""A bounded, closed-loop load of OpenAI completions: what tests, the demo and benchmarks drive.
+
+Each of ``concurrency`` workers sends one request, waits for its answer, and sends the next,
+until the load is stopped or ``total`` requests were sent. The client is the official
+``openai`` package with its own retries **off**: a failure the router lets through must be seen,
+never re-sent quietly by the client. Every request carries ``x-request-id: load-N``, so an
+engine's log (and the simulator's ``/sim/stats``) says which requests it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Load", "RequestResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    request_id: str
+    started: float  # time.monotonic()
+    latency_s: float
+    status: int  # 200, the HTTP status of a refusal, or 0 when no answer came
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+@dataclass
+class Load:
+    base_url: str  # the router's URL, without /v1
+    concurrency: int = 8
+    max_tokens: int = 16
+    model: str = "tiny"
+    prompt: str = "hello"
+    stream: bool = False
+    #: Stop after this many requests in all (None: until stopped).
+    total: int | None = None
+    #: Seconds between one worker's requests (0: closed loop, back to back).
+    think_s: float = 0.0
+    #: A request unanswered after this long is a failure (status 0).
+    timeout_s: float = 120.0
+    results: list[RequestResult] = field(default_factory=list)
+    _sent: int = 0
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def __aenter__(self) -> Load:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def start(self) -> None:
+        from openai import AsyncOpenAI
+
+        self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key="none",
+                                   max_retries=0, timeout=self.timeout_s)
+        self._t0 = time.monotonic()
+        self._tasks = [asyncio.create_task(self._worker(), name=f"load-{i}")
+                       for i in range(self.concurrency)]
+
+    async def stop(self) -> None:
+        """Stop sending; wait for the requests in flight to be answered (up to their timeout)."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._client.close()
+
+    async def wait(self) -> None:
+        """Until ``total`` requests were answered."""
+        await asyncio.gather(*self._tasks)
+
+    async def _worker(self) -> None:
+        while not self._stop.is_set():
+            if self.total is not None and self._sent >= self.total:
+                return
+            self._sent += 1
+            await self._one(f"load-{self._sent}")
+            if self.think_s:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.think_s)
+
+    async def _one(self, request_id: str) -> None:
+        import openai
+
+        started = time.monotonic()
+        status, error = 200, ""
+        try:
+            headers = {"x-request-id": request_id}
+            if self.stream:
+                stream = await self._client.completions.create(
+                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    stream=True, extra_headers=headers)
+                async for _ in stream:
+                    pass
+            else:
+                await self._client.completions.create(
+                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    extra_headers=headers)
+        except openai.APIStatusError as exc:
+            status, error = exc.status_code, str(exc)[:300]
+        except openai.APIError as exc:  # no answer: connection error or timeout
+            status, error = 0, f"{type(exc).__name__}: {exc}"[:300]
+        self.results.append(RequestResult(request_id, started, time.monotonic() - started,
+                                          status, error))
+
+    # ------------------------------------------------------------------ reading results
+
+    @property
+    def failures(self) -> list[RequestResult]:
+        return [r for r in self.results if not r.ok]
+
+    def since(self, t: float) -> list[RequestResult]:
+        return [r for r in self.results if r.started >= t]
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(r.latency_s for r in self.results if r.ok)
+        by_status: dict[str, int] = {}
+        for r in self.results:
+            by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
+        return {
+            "sent": len(self.results), "ok": sum(r.ok for r in self.results),
+            "failed": len(self.failures), "by_status": by_status,
+            "p50_s": statistics.median(lat) if lat else None,
+            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+            "max_s": lat[-1] if lat else None,
+            "slower_than_10s": sum(1 for x in lat if x > 10),
+        }

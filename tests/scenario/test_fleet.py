@@ -1,0 +1,401 @@
+"""The fleet end to end (issue 5): real engine processes, the router, the controller's tick,
+the supervisor's restarts, and load from a bounded client (the official `openai` package).
+
+Each scenario prints what it measured (detection time, rescued requests, restarts); the
+figures of record come from the demo and the benchmarks, which run at the default timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from fleetwarden.ledger import ShardState
+from fleetwarden.testing.load import Load
+
+from .fleet_support import (
+    SIM,
+    record_transitions,
+    running_fleet,
+    served_ids,
+    sim_stats,
+    states,
+    until,
+)
+
+pytestmark = pytest.mark.scenario
+
+H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
+                     ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+
+
+async def test_a_crashed_engine_is_restarted_and_no_request_is_lost(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet={"engines": 3}) as fleet:
+        old_url = fleet.ledger.shard(0).base_url
+        seen = record_transitions(fleet)
+        async with Load(fleet.router_url, concurrency=9, max_tokens=24) as load:
+            await until(lambda: len(load.results) >= 20, what="load flowing")
+            await until(lambda: fleet.router.in_flight().get(old_url, 0) >= 2,
+                        what="requests in flight on shard 0")
+            await fleet.inject_fault(0, "crash", {})
+            await until(lambda: fleet.ledger.state(0) is D, what="shard 0 condemned")
+            await until(lambda: fleet.ledger.state(0) is H, timeout=60, what="shard 0 back")
+            back = time.monotonic()
+            await until(lambda: len(load.since(back)) >= 20, what="load after the restart")
+        r = fleet.ledger.shard(0)
+        assert r.base_url != old_url and r.restart_attempts == 1
+        death = next(t for t in seen if t.shard == 0 and t.to_state is D)
+        assert "exited" in death.cause  # seen as a process exit, not after probes
+        assert load.failures == [], load.failures[:3]
+        assert served_ids(await sim_stats(r.base_url))  # the new engine gets traffic
+        print(f"\ncrash: {load.summary()}, retries {fleet.router.stats.retries}")
+
+
+async def test_a_wedged_engine_is_quarantined_and_its_requests_rescued(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet={"engines": 3}) as fleet:
+        wedged = fleet.ledger.shard(1).base_url
+        seen = record_transitions(fleet)
+        async with Load(fleet.router_url, concurrency=9, max_tokens=40) as load:
+            await until(lambda: fleet.router.in_flight().get(wedged, 0) >= 2,
+                        what="requests in flight on shard 1")
+            await fleet.inject_fault(1, "wedge", {})
+            wedged_at = time.monotonic()
+            held = await sim_stats(wedged)
+            await until(lambda: fleet.ledger.state(1) is not H and fleet.ledger.state(1)
+                        is not S, timeout=30, what="shard 1 condemned")
+            detected_s = time.monotonic() - wedged_at
+            await until(lambda: fleet.ledger.state(1) is H, timeout=60, what="shard 1 back")
+        death = next(t for t in seen if t.shard == 1 and t.to_state is D)
+        assert "STUCK" in death.cause or "stuck" in death.cause.lower()
+        assert load.failures == [], load.failures[:3]
+        rescued = fleet.router.stats.rescues
+        assert rescued >= 2
+        # the requests that were waiting on the wedge were answered elsewhere
+        on_wedge = served_ids(held)
+        answered = {r.request_id for r in load.results if r.ok}
+        assert on_wedge and on_wedge <= answered | {r.request_id for r in load.results
+                                                   if r.started > wedged_at}
+        print(f"\nwedge: condemned after {detected_s:.1f} s (stall_s 2, tick 0.5), "
+              f"{rescued} rescued, {load.summary()}")
+
+
+async def test_an_idle_wedge_is_caught(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as fleet:
+        seen = record_transitions(fleet)
+        await until(lambda: 0 in fleet.controller.reports, what="a first round")
+        await fleet.inject_fault(0, "wedge", {})  # idle: running 0, metrics say nothing
+        await until(lambda: fleet.ledger.state(0) is D or fleet.ledger.state(0) is R,
+                    timeout=40, what="the idle wedge condemned by failed canaries")
+        death = next(t for t in seen if t.shard == 0 and t.to_state is D)
+        assert "canary" in death.cause or "probe" in death.cause, death.cause
+        await until(lambda: fleet.ledger.state(0) is H, timeout=60, what="shard 0 back")
+
+
+async def test_an_idle_wedge_is_caught_by_the_first_routed_request(tmp_path: Path) -> None:
+    # canaries far apart: the routed request, not a canary, exposes the wedge (lost core)
+    async with running_fleet(tmp_path, health={"canary_interval_s": 3600}) as fleet:
+        seen = record_transitions(fleet)
+        await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
+        await fleet.inject_fault(0, "wedge", {})
+        async with Load(fleet.router_url, concurrency=2, max_tokens=8, total=6) as load:
+            await until(lambda: fleet.ledger.state(0) is D or fleet.ledger.state(0) is R,
+                        timeout=20, what="lost core condemned")
+            await load.wait()
+        death = next(t for t in seen if t.shard == 0 and t.to_state is D)
+        assert "LOST_CORE" in death.cause, death.cause
+        assert load.failures == [] and len(load.results) == 6  # the held request was rescued
+
+
+async def test_trickle_failures_condemn_after_three_windows(tmp_path: Path) -> None:
+    # No canary after the first (a far interval): every probe is a metrics read, and they all
+    # pass. Every generation fails. Only the reported streak can catch it.
+    async with running_fleet(tmp_path, health={"canary_interval_s": 3600}) as fleet:
+        await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
+        seen = record_transitions(fleet)
+        await fleet.inject_fault(0, "error5xx", {})
+        async with Load(fleet.router_url, concurrency=1, max_tokens=4, think_s=0.1) as load:
+            await until(lambda: fleet.ledger.state(0) in (D, R), timeout=30,
+                        what="shard 0 condemned by failed windows")
+        death = next(t for t in seen if t.shard == 0 and t.to_state is D)
+        assert "3 failed request windows in a row" in death.cause, death.cause
+        assert fleet.ledger.shard(0).consecutive_probe_failures == 0  # probes never failed
+        assert load.failures == []  # every failed request was retried on shard 1
+
+
+async def test_a_saturated_healthy_fleet_is_never_restarted(tmp_path: Path) -> None:
+    slow = SIM + " --slots 2 --steps-per-s 20"
+    async with running_fleet(tmp_path, fleet={"engine_cmd": slow}) as fleet:
+        await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
+        seen = record_transitions(fleet)
+        urls = fleet.ledger.serving_urls()
+        # 8 clients, 4 slots: every slot busy, requests waiting, for many ticks
+        async with Load(fleet.router_url, concurrency=8, max_tokens=40) as load:
+            await until(lambda: all(
+                (rep.sample is not None and rep.sample.running == 2 and rep.sample.waiting > 0)
+                for rep in fleet.controller.reports.values()), what="saturated")
+            before = {u: served_ids(await sim_stats(u), "fleetwarden-canary") for u in urls}
+            ticks = fleet.controller.tick_number
+            await until(lambda: fleet.controller.tick_number >= ticks + 16, what="16 ticks")
+            after = {u: served_ids(await sim_stats(u), "fleetwarden-canary") for u in urls}
+            verdicts = {rep.verdict.name for rep in fleet.controller.reports.values()}
+        assert after == before  # not one canary while the engines were busy
+        assert seen == [] and states(fleet) == [H, H]
+        assert fleet.supervisor.restarts_completed == 0
+        assert verdicts <= {"BUSY"}
+        assert load.failures == []
+
+
+async def test_restart_budget_retires_a_shard_that_keeps_dying(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, supervisor={"max_restart_attempts": 2}) as fleet:
+        for n in range(2):
+            await fleet.inject_fault(0, "crash", {})
+            await until(lambda: fleet.ledger.state(0) is not H, what=f"crash {n + 1} seen")
+            await until(lambda: fleet.ledger.state(0) is H, timeout=60, what="back")
+        await fleet.inject_fault(0, "crash", {})
+        await until(lambda: fleet.ledger.state(0) is X, what="retired")
+        r = fleet.ledger.shard(0)
+        assert "restart budget exhausted" in r.last_error
+        assert 0 not in fleet.supervisor.engines  # nothing left running for a retired shard
+        assert fleet.ledger.serving_urls() == [fleet.ledger.shard(1).base_url]
+        async with Load(fleet.router_url, concurrency=2, total=6) as load:
+            await load.wait()
+        assert load.failures == []
+
+
+async def test_restarts_are_capped_fleet_wide(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet={"engines": 4},
+                             supervisor={"max_concurrent_restarts": 1}) as fleet:
+        restarting: list[int] = []
+
+        def count(_: object) -> None:
+            restarting.append(sum(1 for s in states(fleet) if s is R))
+
+        fleet.ledger.subscribe(count)
+        for i in range(3):
+            await fleet.inject_fault(i, "crash", {})
+        await until(lambda: fleet.supervisor.restarts_completed >= 3, timeout=90,
+                    what="three restarts")
+        assert max(restarting) == 1
+        assert all(fleet.ledger.shard(i).restart_attempts == 1 for i in range(3))
+
+
+async def test_a_restarted_engine_comes_back_on_a_new_port_and_gets_traffic(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as fleet:
+        old = fleet.ledger.shard(1).base_url
+        await fleet.inject_fault(1, "crash", {})
+        await until(lambda: fleet.ledger.state(1) is not H, what="crash seen")
+        await until(lambda: fleet.ledger.state(1) is H, timeout=60, what="back")
+        new = fleet.ledger.shard(1).base_url
+        assert new != old and new in fleet.router.serving_backends()
+        async with Load(fleet.router_url, concurrency=4, total=20) as load:
+            await load.wait()
+        assert load.failures == []
+        assert len(served_ids(await sim_stats(new))) >= 5
+
+
+def test_stopping_fleetwarden_leaves_no_engine_process(tmp_path: Path) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        work = tmp_path / sig.name
+        work.mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetwarden", "up", "--quiet", "--engines", "2",
+             "--port", "0", "--admin-port", "0", "--engine-cmd", SIM + " --slots 4"],
+            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        try:
+            engine_pids = _engine_pids(work)
+            assert len(engine_pids) == 2 and all(_alive(p) for p in engine_pids)
+            proc.send_signal(sig)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 0, out
+        assert "nothing left running" in out
+        assert not any(_alive(p) for p in engine_pids)
+        assert not any(_group_alive(p) for p in engine_pids)
+
+
+def _engine_pids(work: Path) -> list[int]:
+    """The engines' PIDs, from the log file names' launch ids and /proc environ."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = list((work / "fleetwarden-logs").glob("shard-*.log"))
+        ids = {p.stem.split("-", 2)[2] for p in logs}
+        pids = [pid for pid in _pids() if _launch_id(pid) in ids]
+        if len(logs) == 2 and len(pids) == 2:
+            return pids
+        time.sleep(0.2)  # polling for the engines to appear, with the deadline above
+    raise AssertionError("engines did not start")
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _launch_id(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"FLEETWARDEN_LAUNCH_ID="):
+            return item.split(b"=", 1)[1].decode()
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _group_alive(pgid: int) -> bool:
+    from fleetwarden.launchers.procs import group_members
+
+    return bool(group_members(pgid))
+
+
+async def test_attach_mode_quarantines_an_engine_it_did_not_start_and_runs_the_restart_command(
+        tmp_path: Path) -> None:
+    from .support import SimProcess
+
+    marker = tmp_path / "restarted.txt"
+    script = Path(__file__).parents[1] / "engines" / "restart_sim.py"
+    sims = [SimProcess("--steps-per-s", "40"), SimProcess("--steps-per-s", "40")]
+    try:
+        urls = [s.url for s in sims]
+        command = f"{sys.executable} {script} {{url}} {marker} {{shard}}"
+        async with running_fleet(tmp_path, fleet={"engines": 0, "backends": urls,
+                                                  "restart_command": command}) as fleet:
+            seen = record_transitions(fleet)
+            assert fleet.ledger.serving_urls() == urls
+            async with Load(fleet.router_url, concurrency=4, max_tokens=40) as load:
+                await until(lambda: fleet.router.in_flight().get(urls[1], 0) >= 1,
+                            what="in flight on the attached engine")
+                await fleet.inject_fault(1, "wedge", {})
+                await until(lambda: fleet.ledger.state(1) is not H
+                            and fleet.ledger.state(1) is not S, what="condemned")
+                await until(lambda: fleet.ledger.state(1) is H, timeout=60,
+                            what="re-admitted under a new incarnation")
+            assert marker.read_text().split() == ["1"]  # the command ran, once, for shard 1
+            r = fleet.ledger.shard(1)
+            assert r.base_url == urls[1] and r.restart_attempts == 1
+            started = (await sim_stats(urls[1]))["engine"]["start_time"]
+            assert r.incarnation == repr(started)  # the new process, as the watchdog names it
+            assert [(t.from_state, t.to_state) for t in seen if t.shard == 1] == [
+                (H, D), (D, R), (R, ST), (ST, H)]
+            assert load.failures == []
+        assert all(s.proc.poll() is None for s in sims)  # attached engines are not ours to stop
+    finally:
+        for s in sims:
+            s.kill()
+
+
+async def test_admin_api_refuses_requests_without_the_token(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as fleet, aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-xxxxxxxxxxxxxxxx"}):
+            for method, path in (("GET", "/admin/shards"), ("GET", "/admin/status"),
+                                 ("POST", "/admin/shards/0/retire"),
+                                 ("POST", "/admin/refit/begin"), ("GET", "/metrics")):
+                async with http.request(method, fleet.admin_url + path,
+                                        headers=headers) as resp:
+                    assert resp.status == 401, (method, path)
+                    assert "token" in (await resp.json())["error"]["message"]
+        assert states(fleet) == [H, H]  # nothing changed
+        good = {"Authorization": f"Bearer {fleet.token}"}
+        async with http.get(fleet.admin_url + "/admin/shards", headers=good) as resp:
+            assert resp.status == 200
+            assert [s["state"] for s in (await resp.json())["shards"]] == ["HEALTHY"] * 2
+        async with http.get(fleet.admin_url + "/metrics", headers=good) as resp:
+            text = await resp.text()
+            assert 'fleetwarden_shards{state="HEALTHY"} 2.0' in text
+
+
+async def test_admin_api_retires_and_restarts_shards(tmp_path: Path) -> None:
+    from fleetwarden.client import FleetClient, FleetClientError
+
+    async with running_fleet(tmp_path, fleet={"engines": 3}) as fleet:
+        client = FleetClient(fleet.admin_url, token=fleet.token)
+        old = fleet.ledger.shard(0).base_url
+        result = await asyncio.to_thread(client.restart, 0, "operator test")
+        assert result["applied"]
+        await until(lambda: fleet.ledger.state(0) is H
+                    and fleet.ledger.shard(0).base_url != old, timeout=60, what="restarted")
+        await asyncio.to_thread(client.retire, 2, "decommissioned")
+        assert fleet.ledger.state(2) is X
+        await until(lambda: 2 not in fleet.supervisor.engines, what="its engine stopped")
+        with pytest.raises(FleetClientError) as err:
+            await asyncio.to_thread(client.retire, 2, "again")
+        assert err.value.status == 409
+        with pytest.raises(FleetClientError) as err:
+            await asyncio.to_thread(client.retire, 7, "no such shard")
+        assert err.value.status == 404
+
+
+async def test_external_routers_get_the_serving_set_and_report_outcomes(tmp_path: Path) -> None:
+    from fleetwarden.client import FleetClient
+
+    async with running_fleet(tmp_path) as fleet:
+        client = FleetClient(fleet.admin_url, token=fleet.token)
+        assert await asyncio.to_thread(client.serving) == fleet.ledger.serving_urls()
+        url = fleet.ledger.shard(0).base_url
+        for _ in range(3):
+            await asyncio.to_thread(client.report_outcomes, {url: (0, 5, 5)})
+        assert fleet.ledger.state(0) in (D, R)
+        assert await asyncio.to_thread(client.report_outcomes,
+                                       {"http://10.9.9.9:1": (1, 0, 0)}) == 1  # ignored
+
+
+async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
+    class Broken:
+        url = "http://broken-router"
+
+        async def set_serving_backends(self, urls: object) -> None:
+            raise ConnectionError("router unreachable")
+
+        async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+            raise ConnectionError("router unreachable")
+
+        async def rescue(self, url: str) -> int:
+            raise ConnectionError("router unreachable")
+
+        async def in_flight(self) -> dict[str, int]:
+            raise ConnectionError("router unreachable")
+
+        async def set_retry_after(self, seconds: float | None) -> None:
+            raise ConnectionError("router unreachable")
+
+    async with running_fleet(tmp_path) as fleet:
+        fleet.controller.routers.insert(0, Broken())
+        ticks = fleet.controller.tick_number
+        await until(lambda: fleet.controller.tick_number >= ticks + 3, what="ticks go on")
+        last = fleet.controller.last_tick
+        assert last is not None and any("broken-router" in e for e in last.router_errors)
+        await fleet.inject_fault(0, "crash", {})
+        await until(lambda: fleet.ledger.state(0) is H and fleet.supervisor.restarts_completed,
+                    timeout=60, what="the healthy router still gets the replacement")
+        assert fleet.ledger.shard(0).base_url in fleet.router.serving_backends()
+
+
+def test_invalid_config_names_the_key_at_the_command_line(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.toml"
+    bad.write_text('[health]\nstall_s = "soon"\n[fleet]\nengines = 2\nweights = "dynamic"\n')
+    out = subprocess.run([sys.executable, "-m", "fleetwarden", "up", "--config", str(bad)],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "health.stall_s = 'soon'" in out.stderr
+    assert "fleet.weights = 'dynamic'" in out.stderr and "'static' or 'trainer'" in out.stderr
+    assert not (tmp_path / "fleetwarden-logs").exists()  # refused before anything started
