@@ -88,6 +88,16 @@ class FleetConfig(_Section):
         return self
 
 
+class RemoteRouterConfig(_Section):
+    """A router in another process (``fleetwarden route --control-port``) that this fleet's
+    controller drives like its own: the serving set pushed every tick, outcomes drained."""
+
+    #: The router's control URL, e.g. ``http://10.0.0.5:8090``.
+    url: str
+    #: The bearer token file of that router's control API.
+    token_file: Path
+
+
 class RouterConfig(_Section):
     """The data path (SYSTEM.md section 4)."""
 
@@ -113,6 +123,8 @@ class RouterConfig(_Section):
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
+    #: More routers for the same fleet, in other processes or on other hosts; none by default.
+    remote: list[RemoteRouterConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _valid_settings(self) -> RouterConfig:

@@ -35,6 +35,7 @@ from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.ledger import ABSENT, Ledger, Policy, ShardState, Transition
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.router import Router
+from fleetwarden.router.control import RemoteRouter
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.tokens import load_or_create_token
 from fleetwarden.watchdog import Watchdog
@@ -93,6 +94,7 @@ class Fleet:
         self._refit: RefitCoordinator | None = None
         self._launchers: ShardLaunchers | None = None
         self.routers: list[RouterLink] = []
+        self._remotes: list[RemoteRouter] = []
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_FleetCollector(self))
 
@@ -215,6 +217,10 @@ class Fleet:
         self._router = Router(ledger.serving_urls(), cfg.router.settings(), health_managed=True)
         await self._router.start(cfg.router.host, cfg.router.port)
         self.routers = [self._router.control()]
+        for remote in cfg.router.remote:
+            link = RemoteRouter(remote.url, load_or_create_token(remote.token_file))
+            self._remotes.append(link)
+            self.routers.append(link)
         self._refit = RefitCoordinator(ledger, clock=time.time)
         self._controller = Controller(
             ledger, self._watchdog, self._supervisor, self.routers, cfg,
@@ -293,6 +299,8 @@ class Fleet:
             await self._controller.close()
         if self._router is not None:
             await self._router.stop()
+        for remote in self._remotes:
+            await remote.close()
         stopped_all = False
         if self._supervisor is not None:
             stopped_all = await self._supervisor.close()

@@ -399,3 +399,27 @@ def test_invalid_config_names_the_key_at_the_command_line(tmp_path: Path) -> Non
     assert "health.stall_s = 'soon'" in out.stderr
     assert "fleet.weights = 'dynamic'" in out.stderr and "'static' or 'trainer'" in out.stderr
     assert not (tmp_path / "fleetwarden-logs").exists()  # refused before anything started
+
+
+async def test_the_controller_drives_a_router_in_another_process(tmp_path: Path) -> None:
+    from fleetwarden.router import Router
+    from fleetwarden.tokens import load_or_create_token
+
+    token_file = tmp_path / "router.token"
+    token = load_or_create_token(token_file)
+    other = Router([], health_managed=True)
+    await other.start("127.0.0.1", 0, control_port=0, control_token=token)
+    try:
+        remote = [{"url": other.control_url, "token_file": str(token_file)}]
+        async with running_fleet(tmp_path, router={"remote": remote}) as fleet:
+            await until(lambda: other.serving_backends() == fleet.ledger.serving_urls(),
+                        what="the serving set pushed to the other router")
+            async with Load(other.url, concurrency=2, total=8) as load:
+                await load.wait()
+            assert load.failures == []
+            await fleet.inject_fault(1, "crash", {})
+            await until(lambda: fleet.ledger.state(1) is H
+                        and other.serving_backends() == fleet.ledger.serving_urls(),
+                        timeout=60, what="the replacement pushed there too")
+    finally:
+        await other.stop()
