@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fleetwarden.judge import WatchdogPolicy
 from fleetwarden.ledger import Policy
+from fleetwarden.refit import DEFAULT_LEASE_S
 from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
 _WATCHDOG = WatchdogPolicy()
 _LEDGER = Policy()
 _ROUTER = RouterSettings()
+
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -187,6 +189,14 @@ class SupervisorConfig(_Section):
         return max(1, fleet_size // 4)
 
 
+class RefitConfig(_Section):
+    """The weight-sync API for RL trainers (SYSTEM.md section 8)."""
+
+    #: Seconds a weight sync may take before its lease overruns and its participants are
+    #: marked SUSPECT. Loading weights takes seconds to a few minutes; ten minutes means stuck.
+    lease_s: PositiveFloat = DEFAULT_LEASE_S
+
+
 class JournalConfig(_Section):
     #: SQLite file of every transition, verdict and restart; restored on the next start.
     path: Path = Path("fleetwarden.sqlite")
@@ -205,6 +215,7 @@ class Config(_Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    refit: RefitConfig = Field(default_factory=RefitConfig)
     journal: JournalConfig = Field(default_factory=JournalConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
 

@@ -221,7 +221,7 @@ class Fleet:
             link = RemoteRouter(remote.url, load_or_create_token(remote.token_file))
             self._remotes.append(link)
             self.routers.append(link)
-        self._refit = RefitCoordinator(ledger, clock=time.time)
+        self._refit = RefitCoordinator(ledger, lease_s=cfg.refit.lease_s, clock=time.time)
         self._controller = Controller(
             ledger, self._watchdog, self._supervisor, self.routers, cfg,
             journal=self._journal, refit=self._refit,

@@ -23,8 +23,7 @@ from fleetwarden.ledger import ABSENT, Ledger
 
 __all__ = ["Lease", "RefitCoordinator", "RefitError", "RefitRecord"]
 
-#: Seconds a weight sync may take before its lease overruns. Loading weights into an engine
-#: takes seconds to a few minutes; ten minutes means something is stuck.
+#: The default of ``[refit] lease_s`` (``config.py`` gives its reason).
 DEFAULT_LEASE_S = 600.0
 
 

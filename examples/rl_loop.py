@@ -1,0 +1,158 @@
+"""A toy RL training loop on a fleetwarden fleet: rollouts through the router, then a refit.
+
+Each step generates ``--rollouts`` chat completions through the router with the official
+``openai`` client (retrying a 500 at most 3 times, as NeMo-Gym does; a 409 fails the row),
+then pushes "new weights" with a refit to version + 1 through ``FleetClient``: begin (the
+participants to push to), the push (a pause here: the engines are simulated), complete.
+
+With ``--kill-at-step K`` it crashes one engine in the middle of step K's rollouts. The loop
+must finish every step: the router re-sends what the dead engine held, the supervisor starts
+a replacement, which waits in STALE (its weights are the checkpoint's) until the next refit.
+
+    python examples/rl_loop.py --steps 6 --kill-at-step 2          # starts its own fleet
+    python examples/rl_loop.py --admin http://127.0.0.1:8081 --token-file fleetwarden-admin.token \\
+                               --router http://127.0.0.1:8080     # or uses a running one
+
+Exit status 0 when every rollout of every step succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import openai
+
+from fleetwarden.client import FleetClient
+
+#: The NeMo-Gym rule: a 500 is re-sent a bounded number of times; anything else fails the row.
+CLIENT_RETRIES_ON_500 = 3
+
+
+def start_fleet(workdir: Path, engines: int) -> tuple[subprocess.Popen[str], str, str]:
+    """`fleetwarden up` in trainer mode, in the background; returns (process, router, admin)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetwarden", "up", "--quiet", "--weights", "trainer",
+         "--engines", str(engines), "--port", "0", "--admin-port", "0",
+         "--engine-cmd", "{python} -m fleetwarden sim --host {host} --port {port} "
+                         "--steps-per-s 40"],
+        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    router = admin = ""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        if m := re.match(r"router\s+(http://\S+)/v1", line):
+            router = m.group(1)
+        if m := re.match(r"admin\s+(http://\S+)/admin/status", line):
+            admin = m.group(1)
+        if router and admin:
+            break
+        if time.monotonic() > deadline:
+            break
+    if not (router and admin):
+        proc.kill()
+        raise SystemExit("fleetwarden up did not start")
+    return proc, router, admin
+
+
+async def rollout(client: openai.AsyncOpenAI, step: int, n: int) -> tuple[bool, int]:
+    """One rollout; returns (succeeded, client re-sends)."""
+    resent = 0
+    while True:
+        try:
+            await client.chat.completions.create(
+                model="tiny", max_tokens=16,
+                messages=[{"role": "user", "content": f"step {step} rollout {n}"}],
+                extra_headers={"x-request-id": f"rollout-{step}-{n}"})
+            return True, resent
+        except openai.APIStatusError as exc:
+            if exc.status_code == 500 and resent < CLIENT_RETRIES_ON_500:
+                resent += 1
+                continue
+            return False, resent
+        except openai.APIError:
+            return False, resent
+
+
+async def run(args: argparse.Namespace, router: str, fleet: FleetClient) -> bool:
+    client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0,
+                                timeout=120)
+    version = fleet.refits()["current_version"]
+    all_ok = True
+    print(f"{'step':>4}  {'rollouts ok':>11}  {'re-sent':>7}  {'refit':>10}  shards")
+    try:
+        for step in range(1, args.steps + 1):
+            tasks = [asyncio.create_task(rollout(client, step, n)) for n in range(args.rollouts)]
+            if step == args.kill_at_step:
+                await asyncio.sleep(0.2)  # let the rollouts spread over the engines first
+                victim = next(s["index"] for s in fleet.shards() if s["state"] == "HEALTHY")
+                await asyncio.to_thread(fleet.chaos, victim, "crash")
+                print(f"      -- crashed shard {victim}'s engine mid-step --")
+            results = await asyncio.gather(*tasks)
+            ok = sum(1 for good, _ in results if good)
+            resent = sum(r for _, r in results)
+            all_ok &= ok == args.rollouts
+
+            version += 1
+            lease = await asyncio.to_thread(fleet.begin_refit, version)
+            await asyncio.sleep(args.push_s)  # a real trainer broadcasts weights here
+            done = await asyncio.to_thread(fleet.complete_refit, version)
+            states = Counter(done["states"].values())
+            per_shard = " ".join(f"{i}:{s[:4]}" for i, s in sorted(done["states"].items()))
+            print(f"{step:>4}  {ok:>5}/{args.rollouts:<5}  {resent:>7}  "
+                  f"v{version} ({len(lease['participants'])})  "
+                  f"{dict(sorted(states.items()))}  [{per_shard}]", flush=True)
+    finally:
+        await client.close()
+    return all_ok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rollouts", type=int, default=16, help="rollouts per step")
+    p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--engines", type=int, default=3, help="engines of the fleet it starts")
+    p.add_argument("--push-s", type=float, default=0.3, help="the toy weight push's pause")
+    p.add_argument("--admin", help="a running fleet's admin URL (else one is started)")
+    p.add_argument("--token-file", default="fleetwarden-admin.token")
+    p.add_argument("--router", help="that fleet's router URL")
+    args = p.parse_args()
+
+    proc = None
+    tmp = None
+    if args.admin:
+        router, admin, token_file = args.router, args.admin, Path(args.token_file)
+        if not router:
+            raise SystemExit("--router is needed with --admin")
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="rl-loop-")
+        proc, router, admin = start_fleet(Path(tmp.name), args.engines)
+        token_file = Path(tmp.name) / "fleetwarden-admin.token"
+        print(f"started a fleet: router {router}, admin {admin}")
+    try:
+        fleet = FleetClient(admin, token_file=token_file)
+        ok = asyncio.run(run(args, router, fleet))
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        if tmp is not None:
+            tmp.cleanup()
+    print("every step finished, every rollout succeeded" if ok else "some rollouts FAILED")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

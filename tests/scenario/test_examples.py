@@ -1,0 +1,29 @@
+"""The examples run as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.scenario
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def test_the_rl_loop_finishes_every_step_when_an_engine_is_killed(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "rl_loop.py"), "--steps", "5", "--kill-at-step", "2",
+         "--rollouts", "12"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    steps = [line for line in lines if line.strip()[:1].isdigit()]
+    assert len(steps) == 5
+    assert all(" 12/12 " in line for line in steps), steps
+    assert any("crashed shard" in line for line in lines)
+    assert "HEALTHY': 3" in steps[-1]  # the replacement rejoined at a later refit
+    assert "every step finished" in out.stdout

@@ -1,0 +1,215 @@
+"""Refit end to end (issue 6): a trainer's weight syncs through the admin API, on real
+engine processes, with leases, the single-suspect rule and restarted engines held in STALE.
+
+The trainer is `FleetClient` (the synchronous client a training loop uses), run in a thread.
+`healthy_threshold` is set high where a story needs a shard to stay SUSPECT between steps:
+at a 0.5 s tick, two good metrics reads would otherwise lift it within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.client import FleetClient
+from fleetwarden.fleet import Fleet
+from fleetwarden.ledger import ShardState
+from fleetwarden.testing.load import Load
+
+from .fleet_support import record_transitions, running_fleet, served_ids, sim_stats, until
+
+pytestmark = pytest.mark.scenario
+
+H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
+                     ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+
+TRAINER = {"weights": "trainer", "engines": 3}
+
+
+def trainer(fleet: Fleet) -> FleetClient:
+    return FleetClient(fleet.admin_url, token=fleet.token)
+
+
+async def call(fn: object, *args: object) -> dict[str, object]:
+    assert callable(fn)
+    result: dict[str, object] = await asyncio.to_thread(fn, *args)
+    return result
+
+
+async def fail_requests(fleet: Fleet, shards: list[int], streak: int) -> None:
+    """Make ``shards`` fail real requests until each reported streak is ``streak``; then heal
+    them. Each router window counts once, so this takes ``streak`` ticks."""
+    for shard in shards:
+        await fleet.inject_fault(shard, "error5xx", {})
+    async with Load(fleet.router_url, concurrency=len(shards), max_tokens=2, think_s=0.05):
+        await until(lambda: all(fleet.ledger.shard(i).consecutive_reported_failures >= streak
+                                for i in shards), what=f"shards {shards}: {streak} failed windows")
+    for shard in shards:
+        await fleet.inject_fault(shard, "clear", {})
+    assert [fleet.ledger.shard(i).consecutive_reported_failures for i in shards] == (
+        [streak] * len(shards))
+
+
+async def test_a_restarted_engine_has_no_history_end_to_end(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER, health={"healthy_threshold": 1000}) as f:
+        t = trainer(f)
+        await fail_requests(f, [1], 2)
+        assert f.ledger.state(1) is S  # two failed requests: SUSPECT, streak 2
+
+        lease = await call(t.begin_refit, 1)
+        assert {p["shard"] for p in lease["participants"]} == {0, 1, 2}  # type: ignore[union-attr,index]
+        aborted = await call(t.abort_refit, 1, "weight broadcast timed out")
+        assert aborted["condemned"] == [1]  # the one suspect is the silent participant
+        old = f.ledger.shard(1).base_url
+
+        await until(lambda: f.ledger.state(1) is ST and f.ledger.shard(1).base_url != old,
+                    timeout=60, what="restarted on a new port, waiting in STALE")
+        r = f.ledger.shard(1)
+        assert r.consecutive_reported_failures == 0 and r.state_before_partial is None
+
+        await call(t.begin_refit, 2)
+        done = await call(t.complete_refit, 2)
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}
+        r = f.ledger.shard(1)
+        assert (r.state, r.consecutive_reported_failures, r.weight_version) == (H, 0, 2)
+
+        await fail_requests(f, [1], 1)
+        assert f.ledger.state(1) is S  # one failed request: SUSPECT, not DEAD
+        assert f.ledger.shard(1).restart_attempts == 1
+
+
+async def test_a_restarted_engine_does_not_serve_until_the_next_refit(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        t = trainer(f)
+        await f.inject_fault(0, "crash", {})
+        await until(lambda: f.ledger.state(0) is ST, timeout=60, what="restarted, STALE")
+        new = f.ledger.shard(0).base_url
+        assert new not in f.router.serving_backends()
+        async with Load(f.router_url, concurrency=4, total=40) as load:
+            await load.wait()
+        assert load.failures == []
+        assert served_ids(await sim_stats(new)) == set()  # not one routed request while STALE
+        assert f.ledger.state(0) is ST  # and it stays there: no canary promotes in trainer mode
+
+        await call(t.begin_refit, 1)
+        await call(t.complete_refit, 1)
+        assert f.ledger.state(0) is H
+        await until(lambda: new in f.router.serving_backends(), what="pushed to the router")
+        async with Load(f.router_url, concurrency=4, total=30) as load:
+            await load.wait()
+        assert load.failures == [] and served_ids(await sim_stats(new))
+
+
+async def test_stalls_during_a_refit_lease_are_not_condemned(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        t = trainer(f)
+        url = f.ledger.shard(2).base_url
+        async with Load(f.router_url, concurrency=6, max_tokens=30) as load:
+            await until(lambda: f.router.in_flight().get(url, 0) >= 1, what="in flight on 2")
+            await call(t.begin_refit, 1)
+            await f.inject_fault(2, "wedge", {})  # an engine pausing while it loads weights
+            ticks = f.controller.tick_number
+            # stall_s is 2 s: run well past two waits and the stall time
+            await until(lambda: f.controller.tick_number >= ticks + 12, what="12 ticks")
+            assert f.ledger.state(2) is H
+            assert f.controller.reports[2].verdict.name == "STALLED"
+            assert f.controller.reports[2].evidence.stalls_excused
+            await f.inject_fault(2, "unwedge", {})
+            await call(t.complete_refit, 1)
+        assert [f.ledger.state(i) for i in range(3)] == [H, H, H]
+        assert load.failures == []  # the paused requests finished when the engine went on
+
+
+async def test_a_stall_after_the_lease_is_judged_again(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        t = trainer(f)
+        url = f.ledger.shard(2).base_url
+        async with Load(f.router_url, concurrency=6, max_tokens=30) as load:
+            await until(lambda: f.router.in_flight().get(url, 0) >= 1, what="in flight on 2")
+            await call(t.begin_refit, 1)
+            await f.inject_fault(2, "wedge", {})
+            await call(t.complete_refit, 1)  # the lease ends; the engine stays wedged
+            await until(lambda: f.ledger.state(2) in (D, R, ST), timeout=30,
+                        what="condemned once the lease is over")
+        assert load.failures == []
+
+
+async def test_a_lease_overrun_marks_suspect(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER, refit={"lease_s": 1.5},
+                             health={"healthy_threshold": 1000}) as f:
+        t = trainer(f)
+        seen = record_transitions(f)
+        await call(t.begin_refit, 1)
+        await until(lambda: all(f.ledger.state(i) is S for i in range(3)), timeout=20,
+                    what="every participant SUSPECT")
+        assert all("overran its lease" in f.ledger.shard(i).last_error for i in range(3))
+        refits = await call(t.refits)
+        assert refits["lease"] is None
+        assert refits["history"][-1]["outcome"] == "overran"  # type: ignore[index]
+        assert {(x.from_state, x.to_state) for x in seen} == {(H, S)}
+
+
+async def test_a_silent_restart_goes_stale_in_trainer_mode(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        await until(lambda: len(f.controller.reports) == 3, what="a first round")
+        before = f.ledger.shard(1).incarnation
+        seen = record_transitions(f)
+        await f.inject_fault(1, "restart", {})  # the engine restarts without the supervisor
+        await until(lambda: f.ledger.state(1) is ST, what="STALE: weights reverted")
+        assert f.ledger.shard(1).incarnation != before
+        (move,) = [x for x in seen if x.shard == 1]
+        assert "restarted on its own" in move.cause and "weights reverted" in move.cause
+        assert f.supervisor.restarts_completed == 0
+        assert f.ledger.shard(1).base_url not in f.router.serving_backends()
+
+
+async def test_a_silent_restart_stays_serving_in_static_mode(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path) as f:
+        await until(lambda: len(f.controller.reports) == 2, what="a first round")
+        seen = record_transitions(f)
+        await f.inject_fault(1, "restart", {})
+        await until(lambda: f.controller.reports[1].verdict.name == "RESTARTED",
+                    what="the watchdog saw the new process")
+        await until(lambda: f.ledger.shard(1).incarnation
+                    == f.controller.reports[1].incarnation, what="the ledger took it")
+        assert f.ledger.state(1) is H and seen == []
+
+
+async def test_an_aborted_refit_keeps_a_suspicion(tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet={"weights": "trainer", "engines": 3},
+                             health={"healthy_threshold": 1000}) as f:
+        t = trainer(f)
+        await fail_requests(f, [0, 1], 2)
+        assert [f.ledger.state(i) for i in range(3)] == [S, S, H]
+        await call(t.begin_refit, 1)
+        aborted = await call(t.abort_refit, 1, "trainer crashed")
+        assert aborted["condemned"] == []  # two suspects: nobody can be singled out
+        assert [f.ledger.state(i) for i in range(3)] == [ST, ST, ST]
+        assert [f.ledger.shard(i).state_before_partial for i in range(3)] == [S, S, H]
+        await call(t.begin_refit, 1)
+        await call(t.complete_refit, 1)
+        assert [f.ledger.state(i) for i in range(3)] == [S, S, H]
+        assert [f.ledger.shard(i).consecutive_reported_failures for i in range(3)] == [2, 2, 0]
+
+
+async def test_refit_calls_out_of_order_are_refused_with_the_reason(tmp_path: Path) -> None:
+    from fleetwarden.client import FleetClientError
+
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        t = trainer(f)
+        with pytest.raises(FleetClientError) as err:
+            await call(t.complete_refit, 1)
+        assert err.value.status == 409 and "no refit is open" in err.value.message
+        with pytest.raises(FleetClientError) as err:
+            await asyncio.to_thread(t._call, "POST", "/admin/refit/begin", {"version": "x"})
+        assert err.value.status == 400 and "version" in err.value.message
+        await call(t.begin_refit, 3)
+        with pytest.raises(FleetClientError) as err:
+            await call(t.begin_refit, 4)
+        assert err.value.status == 409 and "still open" in err.value.message
+        started = time.monotonic()
+        await call(t.abort_refit, 3, "test")
+        assert time.monotonic() - started < 30
