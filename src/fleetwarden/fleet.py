@@ -29,7 +29,7 @@ from fleetwarden.admin.app import make_admin_app
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, RouterLink
 from fleetwarden.journal import Journal
-from fleetwarden.launchers import EngineHandle, Launcher
+from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.ledger import ABSENT, Ledger, Policy, ShardState, Transition
@@ -46,6 +46,29 @@ log = logging.getLogger(__name__)
 
 #: State changes kept in memory for the admin API and the dashboard's last hour.
 _RECENT = 5000
+
+
+class _JournalEngines:
+    """Engines started and stopped, written to the journal as it happens."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def launched(self, handle: EngineHandle) -> None:
+        self.journal.engine_launched(handle.launch_id, handle.shard,
+                                     EngineRecord.of(handle).to_dict())
+
+    def stopped(self, handle: EngineHandle) -> None:
+        self.journal.engine_stopped(handle.launch_id)
+
+
+async def _answers(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s, \
+                s.get(url + "/health") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
 
 
 class ShardLaunchers:
@@ -169,14 +192,23 @@ class Fleet:
             )
 
         local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+        local.events = _JournalEngines(self._journal)
         attach = AttachLauncher(cfg.fleet, cfg.health)
         self._launchers = ShardLaunchers(
             {i: local for i in launched} | {i: attach for i in attached}
         )
+        clean = self._journal.get_meta("clean_shutdown") == "1"
+        self._journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
+
+        # Engines an earlier run left running: the current one of each shard is adopted, the
+        # rest (a restart in progress, a condemned engine not yet stopped) are stopped.
+        adopted: dict[int, EngineHandle] = {}
+        if restored is not None:
+            adopted = await self._adopt_or_stop(local, restored)
 
         # The first engines start before the ledger exists, so it is built with their URLs.
-        to_launch = [i for i in launched
-                     if restored is None or restored.state(i) is not ShardState.RETIRED]
+        to_launch = [i for i in launched if i not in adopted and (
+            restored is None or restored.state(i) is not ShardState.RETIRED)]
         first = await launch_first(local, to_launch, cfg.fleet.startup_timeout_s)
         urls = []
         for i in range(size):
@@ -187,8 +219,6 @@ class Fleet:
             else:
                 urls.append(f"http://{cfg.fleet.host}:0/shard-{i}-not-started")
 
-        clean = self._journal.get_meta("clean_shutdown") == "1"
-        self._journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
         if restored is not None and clean:
             ledger = self._after_clean_stop(restored, first)
         elif restored is not None:
@@ -204,6 +234,8 @@ class Fleet:
             ledger, self._launchers, cfg.fleet, cfg.supervisor, journal=self._journal,
             on_condemned=self._condemned_now, passive=self._launchers.passive,
         )
+        for i, handle in adopted.items():
+            self._supervisor.adopt(i, handle)
         for i, result in first.items():
             if isinstance(result, EngineHandle):
                 self._supervisor.adopt(i, result)
@@ -230,6 +262,26 @@ class Fleet:
         await self._admin.setup()
         await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
         self.admin_url = _url_of(self._admin)
+
+    async def _adopt_or_stop(
+        self, local: LocalLauncher, restored: Ledger
+    ) -> dict[int, EngineHandle]:
+        assert self._journal is not None
+        adopted: dict[int, EngineHandle] = {}
+        for d in self._journal.running_engines():
+            saved = EngineRecord(**{k: d[k] for k in EngineRecord.__dataclass_fields__})
+            current = (saved.shard < len(restored) and saved.shard not in adopted
+                       and restored.shard(saved.shard).base_url == saved.url
+                       and restored.state(saved.shard) not in ABSENT)
+            if current and local.adoptable(saved) and await _answers(saved.url):
+                adopted[saved.shard] = await local.adopt(saved)
+                continue
+            stopped = await local.stop_leftover(saved)
+            self._journal.engine_stopped(saved.launch_id)
+            if stopped:
+                log.warning("shard %d: an engine of the earlier run (%s) was not adopted and "
+                            "was stopped", saved.shard, saved.launch_id)
+        return adopted
 
     def _after_clean_stop(
         self, restored: Ledger, first: dict[int, EngineHandle | BaseException]

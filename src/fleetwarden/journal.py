@@ -63,6 +63,13 @@ CREATE TABLE IF NOT EXISTS verdicts (
     evidence TEXT NOT NULL,
     wall REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS engines (
+    launch_id TEXT PRIMARY KEY,
+    shard INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    launched_wall REAL NOT NULL,
+    stopped_wall REAL
+);
 CREATE TABLE IF NOT EXISTS restarts (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     shard INTEGER NOT NULL,
@@ -195,6 +202,28 @@ class Journal:
             self._read.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
                                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                                (key, value))
+
+    # ------------------------------------------------------------------ engines
+
+    def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
+        """An engine process started (PID, process group, start time, URL): written at once,
+        so a fleetwarden killed a moment later still knows what it left running."""
+        with self._read:
+            self._read.execute(
+                "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
+                "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
+
+    def engine_stopped(self, launch_id: str) -> None:
+        with self._read:
+            self._read.execute("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
+                               (time.time(), launch_id))
+
+    def running_engines(self) -> list[dict[str, Any]]:
+        """Engines launched and never seen stopped: what an earlier run may have left."""
+        rows = self._read.execute(
+            "SELECT shard, record FROM engines WHERE stopped_wall IS NULL ORDER BY launched_wall"
+        ).fetchall()
+        return [{"shard": shard, **json.loads(record)} for shard, record in rows]
 
     # ------------------------------------------------------------------ restore
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["EngineHandle", "ExitCallback", "LaunchError", "Launcher"]
+__all__ = ["EngineHandle", "EngineRecord", "ExitCallback", "LaunchError", "LaunchEvents",
+           "Launcher"]
 
 
 class LaunchError(Exception):
@@ -50,6 +51,40 @@ class EngineHandle:
 
 
 ExitCallback = Callable[[EngineHandle], None]
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What the journal keeps of a launched engine, to find it again after a restart of
+    fleetwarden (launch id, PID, process group, start time: together they rule out a reused
+    PID)."""
+
+    shard: int
+    launch_id: str
+    url: str
+    pid: int
+    pgid: int
+    proc_start_ticks: int | None
+    log_path: str | None
+    launched_at: float
+
+    @classmethod
+    def of(cls, handle: EngineHandle) -> EngineRecord:
+        assert handle.pid is not None and handle.pgid is not None
+        return cls(handle.shard, handle.launch_id, handle.url, handle.pid, handle.pgid,
+                   handle.proc_start_ticks, str(handle.log_path) if handle.log_path else None,
+                   handle.launched_at)
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+class LaunchEvents(Protocol):
+    """Told of every engine process started and stopped (the journal implements it)."""
+
+    def launched(self, handle: EngineHandle) -> None: ...
+
+    def stopped(self, handle: EngineHandle) -> None: ...
 
 
 class Launcher(Protocol):

@@ -13,17 +13,32 @@ import contextlib
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
-from fleetwarden.launchers import EngineHandle, ExitCallback, LaunchError
-from fleetwarden.launchers.procs import ProcessInfo, process_start_ticks, terminate_group
+from fleetwarden.launchers import (
+    EngineHandle,
+    EngineRecord,
+    ExitCallback,
+    LaunchError,
+    LaunchEvents,
+)
+from fleetwarden.launchers.procs import (
+    ProcessInfo,
+    group_members,
+    process_info,
+    process_start_ticks,
+    signal_process,
+    terminate_group,
+)
 
 __all__ = ["LocalLauncher", "default_engine_command", "free_port"]
 
@@ -47,6 +62,46 @@ def free_port(host: str) -> int:
         return port
 
 
+def launch_id_of(pid: int) -> str | None:
+    """FLEETWARDEN_LAUNCH_ID from a process's environment (children inherit it)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(b"FLEETWARDEN_LAUNCH_ID="):
+            return item.split(b"=", 1)[1].decode(errors="replace")
+    return None
+
+
+def _alive(p: ProcessInfo) -> bool:
+    now = process_info(p.pid)
+    return now is not None and now.start_ticks == p.start_ticks and now.state not in ("Z", "X")
+
+
+async def _pid_exit(pid: int) -> int:
+    """Wait for a process that is not our child to exit (Linux pidfd). Its exit status is not
+    ours to read: -1."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return -1
+
+
 class LocalLauncher:
     """Starts engines from ``fleet.engine_cmd`` as local process groups."""
 
@@ -63,6 +118,9 @@ class LocalLauncher:
         self.template = fleet.engine_cmd or default_engine_command()
         self.log_dir = log_dir or fleet.log_dir
         self._on_exit = on_exit
+        #: Told of every engine started and stopped (the journal keeps them, so a restarted
+        #: fleetwarden knows what an earlier run left running).
+        self.events: LaunchEvents | None = None
         self._handles: dict[str, EngineHandle] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
@@ -96,18 +154,69 @@ class LocalLauncher:
         )
         self._handles[launch_id] = handle
         self._procs[launch_id] = proc
+        if self.events is not None:
+            self.events.launched(handle)
         self._watchers[launch_id] = asyncio.create_task(
-            self._watch(handle, proc), name=f"watch:{launch_id}"
+            self._watch(handle, proc.wait()), name=f"watch:{launch_id}"
         )
         log.info("shard %d: launched pid %d at %s (log %s)", shard, proc.pid, handle.url, log_path)
         return handle
 
-    async def _watch(self, handle: EngineHandle, proc: asyncio.subprocess.Process) -> None:
-        handle.returncode = await proc.wait()
+    async def _watch(self, handle: EngineHandle, exited: Awaitable[int]) -> None:
+        handle.returncode = await exited
         if not handle.stopping:
             log.warning("shard %d: engine pid %s exited with code %s",
                         handle.shard, handle.pid, handle.returncode)
             self._on_exit(handle)
+
+    # ------------------------------------------------------------------ an earlier run's engines
+
+    def adoptable(self, saved: EngineRecord) -> bool:
+        """The process an earlier run started is still that process: its PID is alive with the
+        same start time, and its environment carries the same launch id. A reused PID fails
+        the start time or the launch id, and is never adopted (nor signalled)."""
+        info = process_info(saved.pid)
+        return (info is not None and info.start_ticks == saved.proc_start_ticks
+                and info.state not in ("Z", "X") and launch_id_of(saved.pid) == saved.launch_id)
+
+    async def adopt(self, saved: EngineRecord) -> EngineHandle:
+        """Take charge of an engine an earlier run started (check :meth:`adoptable` first).
+        It is not this process's child: its exit is watched through a pidfd."""
+        handle = EngineHandle(
+            shard=saved.shard, url=saved.url, launch_id=saved.launch_id, pid=saved.pid,
+            pgid=saved.pgid, proc_start_ticks=saved.proc_start_ticks,
+            log_path=Path(saved.log_path) if saved.log_path else None,
+            launched_at=saved.launched_at,
+        )
+        self._handles[handle.launch_id] = handle
+        self._watchers[handle.launch_id] = asyncio.create_task(
+            self._watch(handle, _pid_exit(saved.pid)), name=f"watch:{handle.launch_id}"
+        )
+        log.info("shard %d: adopted pid %d at %s from an earlier run", handle.shard, saved.pid,
+                 handle.url)
+        return handle
+
+    async def stop_leftover(self, saved: EngineRecord) -> int:
+        """Stop what is left of an earlier run's engine that is not adopted: the members of its
+        process group that carry its launch id (an orphaned engine core holds gigabytes).
+        Returns how many processes were stopped; a process without the launch id is never
+        touched."""
+        members = [p for p in await asyncio.to_thread(group_members, saved.pgid)
+                   if launch_id_of(p.pid) == saved.launch_id]
+        if not members:
+            return 0
+        for p in members:
+            signal_process(p.pid, p.start_ticks, signal.SIGTERM)
+            signal_process(p.pid, p.start_ticks, signal.SIGCONT)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(_alive(p) for p in members):  # noqa: ASYNC110
+            await asyncio.sleep(_POLL_S)  # /proc has no event to wait on
+        for p in members:
+            if _alive(p):
+                signal_process(p.pid, p.start_ticks, signal.SIGKILL)
+        log.warning("shard %d: stopped %d leftover process(es) of %s from an earlier run",
+                    saved.shard, len(members), saved.launch_id)
+        return len(members)
 
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -147,6 +256,8 @@ class LocalLauncher:
                 await watcher
         self._handles.pop(handle.launch_id, None)
         self._procs.pop(handle.launch_id, None)
+        if self.events is not None and not left:
+            self.events.stopped(handle)
         if left:
             raise LaunchError(f"shard {handle.shard}: processes {[p.pid for p in left]} of "
                               f"group {handle.pgid} survived SIGKILL")

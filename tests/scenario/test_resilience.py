@@ -1,0 +1,203 @@
+"""fleetwarden survives its own restart (issue 11): budgets kept, engines adopted, nothing
+orphaned, a reused PID never adopted. `fleetwarden up` runs as a real subprocess and is killed
+with SIGKILL, as an OOM killer or an operator would."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.client import FleetClient
+from fleetwarden.config import FleetConfig, SupervisorConfig
+from fleetwarden.journal import Journal
+from fleetwarden.launchers import EngineRecord
+from fleetwarden.launchers.local import LocalLauncher, launch_id_of
+from fleetwarden.launchers.procs import process_start_ticks
+
+from .fleet_support import SIM
+
+pytestmark = pytest.mark.scenario
+
+FAST = ["--engine-cmd", SIM]
+
+
+class Up:
+    """`fleetwarden up` in a work folder, on free ports; its router and admin URLs."""
+
+    def __init__(self, work: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetwarden", "up", "--quiet", "--port", "0",
+             "--admin-port", "0", "--engines", "2", *args],
+            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        self.output: list[str] = []
+        self.router = self.admin = ""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 90
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if m := re.match(r"router\s+(http://\S+)/v1", line):
+                self.router = m.group(1)
+            if m := re.match(r"admin\s+(http://\S+)/admin/status", line):
+                self.admin = m.group(1)
+            if (self.router and self.admin) or time.monotonic() > deadline:
+                break
+        if not (self.router and self.admin):
+            self.kill9()
+            raise AssertionError("fleetwarden up did not start:\n" + "".join(self.output))
+        self.client = FleetClient(self.admin, token_file=work / "fleetwarden-admin.token")
+
+    def kill9(self) -> None:
+        """SIGKILL to fleetwarden only: its engines run in sessions of their own."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=90)
+        return "".join(self.output) + out
+
+
+def wait_for(cond: object, timeout: float = 60.0, what: str = "") -> None:
+    assert callable(cond)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if cond():
+                return
+        except Exception:  # the admin API is not up yet, or a read raced a restart
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.2)  # polling a subprocess's state, with the deadline above
+
+
+def live_engines(work: Path) -> set[str]:
+    """Launch ids, of those this journal ever recorded, that some live process still carries
+    (an engine may be several processes: a shell and its child, a server and its core)."""
+    with Journal(work / "fleetwarden.sqlite") as journal:
+        rows = journal._read.execute("SELECT launch_id FROM engines").fetchall()
+    ids = {r[0] for r in rows}
+    alive = set()
+    for p in os.listdir("/proc"):
+        launch_id = launch_id_of(int(p)) if p.isdigit() else None
+        if launch_id in ids:
+            try:
+                state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in ("Z", "X"):
+                alive.add(launch_id)
+    return alive
+
+
+def test_fleetwarden_restart_keeps_budgets_and_adopts_engines(tmp_path: Path) -> None:
+    up = Up(tmp_path, *FAST)
+    try:
+        up.client.chaos(0, "crash")
+        wait_for(lambda: up.client.shards()[0]["restart_attempts"] == 1
+                 and up.client.shards()[0]["state"] == "HEALTHY", what="shard 0 restarted")
+        before = {s["index"]: (s["pid"], s["base_url"]) for s in up.client.shards()}
+        up.kill9()
+
+        again = Up(tmp_path, *FAST)
+        shards = again.client.shards()
+        assert {s["index"]: (s["pid"], s["base_url"]) for s in shards} == before  # adopted
+        assert [s["restart_attempts"] for s in shards] == [1, 0]  # the budget it had
+        assert [s["state"] for s in shards] == ["HEALTHY", "HEALTHY"]
+        import asyncio
+
+        from fleetwarden.testing.load import Load
+
+        async def serve() -> list[object]:
+            async with Load(again.router, concurrency=2, total=10) as load:
+                await load.wait()
+            return list(load.failures)
+
+        assert asyncio.run(serve()) == []
+        # an adopted engine that dies is still seen at once
+        again.client.chaos(1, "crash")
+        wait_for(lambda: again.client.shards()[1]["restart_attempts"] == 1
+                 and again.client.shards()[1]["state"] == "HEALTHY", what="adopted one replaced")
+        out = again.stop()
+        assert "nothing left running" in out
+    finally:
+        up.kill9()
+    assert live_engines(tmp_path) == set()
+
+
+def test_kill_9_of_fleetwarden_orphans_nothing(tmp_path: Path) -> None:
+    # Engines take 2 s to start, so a restart is in progress when fleetwarden is killed.
+    slow = ["--engine-cmd", f"sh -c 'sleep 2 && exec {SIM}'"]
+    up = Up(tmp_path, *slow)
+    try:
+        up.client.chaos(0, "crash")
+        wait_for(lambda: up.client.shards()[0]["state"] == "RESTARTING", what="restarting")
+        up.kill9()
+        assert len(live_engines(tmp_path)) == 2  # shard 1's engine, and the one starting
+
+        again = Up(tmp_path, *slow)
+        wait_for(lambda: [s["state"] for s in again.client.shards()] == ["HEALTHY"] * 2,
+                 what="the fleet whole again")
+        shards = again.client.shards()
+        assert shards[0]["restart_attempts"] == 1  # the interrupted restart was not re-charged
+        assert len(live_engines(tmp_path)) == 2  # the half-started one was stopped, not kept
+        assert "nothing left running" in again.stop()
+    finally:
+        up.kill9()
+    assert live_engines(tmp_path) == set()
+
+
+async def test_a_reused_pid_is_never_adopted(tmp_path: Path) -> None:
+    launcher = LocalLauncher(FleetConfig(log_dir=tmp_path), SupervisorConfig(stop_grace_s=1),
+                             lambda h: None)
+    # A live process that is not the engine: same PID as the record, but another program.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                start_new_session=True)
+    try:
+        ticks = process_start_ticks(stranger.pid)
+        assert ticks is not None
+        record = EngineRecord(shard=0, launch_id="s0-gone", url="http://127.0.0.1:9",
+                              pid=stranger.pid, pgid=stranger.pid, proc_start_ticks=ticks,
+                              log_path=None, launched_at=0.0)
+        assert not launcher.adoptable(record)  # no FLEETWARDEN_LAUNCH_ID=s0-gone in its env
+        older = EngineRecord(**{**record.to_dict(), "proc_start_ticks": ticks - 100})
+        assert not launcher.adoptable(older)  # and a start time that does not match
+        assert await launcher.stop_leftover(record) == 0
+        assert stranger.poll() is None  # never signalled
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+async def test_an_engine_with_the_same_launch_id_is_adopted_and_stopped_through_its_group(
+        tmp_path: Path) -> None:
+    env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": "s0-real"}
+    engine = subprocess.Popen([sys.executable, "-m", "fleetwarden", "sim", "--port", "0"],
+                              env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None
+        url = engine.stdout.readline().split()[1]
+        record = EngineRecord(shard=0, launch_id="s0-real", url=url, pid=engine.pid,
+                              pgid=engine.pid, proc_start_ticks=process_start_ticks(engine.pid),
+                              log_path=None, launched_at=0.0)
+        exits: list[object] = []
+        launcher = LocalLauncher(FleetConfig(log_dir=tmp_path), SupervisorConfig(),
+                                 exits.append)
+        assert launcher.adoptable(record)
+        handle = await launcher.adopt(record)
+        await launcher.stop(handle)
+        assert engine.wait(timeout=10) is not None and exits == []  # a stop is not an exit
+    finally:
+        if engine.poll() is None:
+            engine.kill()
