@@ -114,6 +114,7 @@ class RouterConfig(_Section):
     backend_timeout_s: PositiveFloat = _ROUTER.backend_timeout_s
     connect_timeout_s: PositiveFloat = _ROUTER.connect_timeout_s
     max_body_bytes: PositiveInt = _ROUTER.max_body_bytes
+    client_body_timeout_s: PositiveFloat = _ROUTER.client_body_timeout_s
     max_retries: Annotated[int, Field(ge=0)] = _ROUTER.max_retries
     retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = _ROUTER.retry_budget_ratio
     retry_budget_min: Annotated[int, Field(ge=0)] = _ROUTER.retry_budget_min

@@ -392,12 +392,14 @@ async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
 
 def test_invalid_config_names_the_key_at_the_command_line(tmp_path: Path) -> None:
     bad = tmp_path / "fleet.toml"
-    bad.write_text('[health]\nstall_s = "soon"\n[fleet]\nengines = 2\nweights = "dynamic"\n')
+    bad.write_text('[health]\nstall_s = "soon"\n[fleet]\nengines = 2\nweights = "dynamic"\n'
+                   'enginez = 3\n')
     out = subprocess.run([sys.executable, "-m", "fleetwarden", "up", "--config", str(bad)],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2
     assert "health.stall_s = 'soon'" in out.stderr
     assert "fleet.weights = 'dynamic'" in out.stderr and "'static' or 'trainer'" in out.stderr
+    assert "fleet.enginez = 3: unknown key; allowed here:" in out.stderr
     assert not (tmp_path / "fleetwarden-logs").exists()  # refused before anything started
 
 

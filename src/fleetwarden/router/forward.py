@@ -205,9 +205,17 @@ class Forwarder:
         if length is not None and length > limit:
             return self._too_large()
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.settings.client_body_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
+        except TimeoutError:
+            # A client that sent its headers and stalled: no backend was picked yet, so it
+            # held nothing but this handler, which it now gives back.
+            self.stats.responded(408)
+            return error_response(
+                408, f"The request body did not arrive within "
+                f"{self.settings.client_body_timeout_s:g} s.", "request_timeout")
         not_forwarded = _NOT_FORWARDED
         connection = request.headers.get("Connection")
         if connection is not None:  # headers it names are hop-by-hop too

@@ -49,6 +49,10 @@ class RouterSettings:
     #: Status when no backend is left. 409 is not retried by those clients: with nothing to
     #: route to, failing the row is the right answer.
     status_when_none_left: int = 409
+    #: Seconds a client may take to send its request body. The body is read whole before a
+    #: backend is picked (so it can be re-sent), so a client that stalls holds no engine slot,
+    #: only its own handler; 30 s is ample for 32 MiB on any link a client would use.
+    client_body_timeout_s: float = 30.0
     #: Header that names a session (a multi-turn rollout). Requests carrying it go to the
     #: engine that holds the session's prefix cache; ``None`` turns affinity off.
     session_header: str | None = "x-session-id"
@@ -69,6 +73,7 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         for name in ("backend_timeout_s", "connect_timeout_s", "keepalive_timeout_s",
+                     "client_body_timeout_s",
                      "affinity_load_factor", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterSettings.{name} must be > 0, got {getattr(self, name)}")
