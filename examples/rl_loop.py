@@ -20,50 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
 import openai
 
 from fleetwarden.client import FleetClient
+from fleetwarden.testing.up import UpProcess
 
 #: The NeMo-Gym rule: a 500 is re-sent a bounded number of times; anything else fails the row.
 CLIENT_RETRIES_ON_500 = 3
-
-
-def start_fleet(workdir: Path, engines: int) -> tuple[subprocess.Popen[str], str, str]:
-    """`fleetwarden up` in trainer mode, in the background; returns (process, router, admin)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleetwarden", "up", "--quiet", "--weights", "trainer",
-         "--engines", str(engines), "--port", "0", "--admin-port", "0",
-         "--engine-cmd", "{python} -m fleetwarden sim --host {host} --port {port} "
-                         "--steps-per-s 40"],
-        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    router = admin = ""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        if m := re.match(r"router\s+(http://\S+)/v1", line):
-            router = m.group(1)
-        if m := re.match(r"admin\s+(http://\S+)/admin/status", line):
-            admin = m.group(1)
-        if router and admin:
-            break
-        if time.monotonic() > deadline:
-            break
-    if not (router and admin):
-        proc.kill()
-        raise SystemExit("fleetwarden up did not start")
-    return proc, router, admin
 
 
 async def rollout(client: openai.AsyncOpenAI, step: int, n: int) -> tuple[bool, int]:
@@ -130,24 +97,24 @@ def main() -> None:
     p.add_argument("--router", help="that fleet's router URL")
     args = p.parse_args()
 
-    proc = None
+    up = None
     tmp = None
     if args.admin:
-        router, admin, token_file = args.router, args.admin, Path(args.token_file)
-        if not router:
+        if not args.router:
             raise SystemExit("--router is needed with --admin")
+        router, fleet = args.router, FleetClient(args.admin, token_file=args.token_file)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="rl-loop-")
-        proc, router, admin = start_fleet(Path(tmp.name), args.engines)
-        token_file = Path(tmp.name) / "fleetwarden-admin.token"
-        print(f"started a fleet: router {router}, admin {admin}")
+        up = UpProcess(Path(tmp.name), "--weights", "trainer", "--engines", str(args.engines),
+                       "--engine-cmd", "{python} -m fleetwarden sim --host {host} --port {port} "
+                       "--steps-per-s 40")
+        router, fleet = up.router, up.client
+        print(f"started a fleet: router {router}, admin {up.admin}")
     try:
-        fleet = FleetClient(admin, token_file=token_file)
         ok = asyncio.run(run(args, router, fleet))
     finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+        if up is not None:
+            up.stop()
         if tmp is not None:
             tmp.cleanup()
     print("every step finished, every rollout succeeded" if ok else "some rollouts FAILED")

@@ -48,7 +48,37 @@ def _root(
 
 
 @app.command()
-def demo() -> None:
+def demo(
+    quick: Annotated[bool, typer.Option("--quick", help="Shorter acts (CI).")] = False,
+    engine_cmd: Annotated[str | None, typer.Option(
+        "--engine-cmd", help="Run the story on real engines (a command template, as for up).")
+    ] = None,
+    report: Annotated[Path, typer.Option(
+        "--report", help="Where summary.json and timeline.png go.")] = Path("demo-report"),
+    no_live: Annotated[bool, typer.Option("--no-live", help="No live view (logs only).")] = False,
+    ledger_story: Annotated[bool, typer.Option(
+        "--ledger-story", help="Instead: the note-001 story through the ledger alone.")] = False,
+) -> None:
+    """The whole story on three engines: a wedge under load, a crash, a trickle of failures,
+    an idle wedge, a saturated-but-healthy stretch; a summary and a timeline picture."""
+    if ledger_story:
+        _ledger_story()
+        return
+    from fleetwarden.demo import run_demo
+
+    logging.basicConfig(level=logging.ERROR)
+    code = 0
+
+    async def main() -> None:
+        nonlocal code
+        code = await run_demo(quick=quick, engine_cmd=engine_cmd, report_dir=report,
+                              live=not no_live)
+
+    _run(main())
+    raise typer.Exit(code)
+
+
+def _ledger_story() -> None:
     """Play the note-001 story through the real ledger and print every transition."""
     from fleetwarden.story import play_note_001
 

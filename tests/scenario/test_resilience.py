@@ -5,8 +5,6 @@ with SIGKILL, as an OOM killer or an operator would."""
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -14,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fleetwarden.client import FleetClient
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineRecord
 from fleetwarden.launchers.local import LocalLauncher, launch_id_of
 from fleetwarden.launchers.procs import process_start_ticks
+from fleetwarden.testing.up import UpProcess
 
 from .fleet_support import SIM
 
@@ -28,44 +26,8 @@ pytestmark = pytest.mark.scenario
 FAST = ["--engine-cmd", SIM]
 
 
-class Up:
-    """`fleetwarden up` in a work folder, on free ports; its router and admin URLs."""
-
-    def __init__(self, work: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetwarden", "up", "--quiet", "--port", "0",
-             "--admin-port", "0", "--engines", "2", *args],
-            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )
-        self.output: list[str] = []
-        self.router = self.admin = ""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 90
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if m := re.match(r"router\s+(http://\S+)/v1", line):
-                self.router = m.group(1)
-            if m := re.match(r"admin\s+(http://\S+)/admin/status", line):
-                self.admin = m.group(1)
-            if (self.router and self.admin) or time.monotonic() > deadline:
-                break
-        if not (self.router and self.admin):
-            self.kill9()
-            raise AssertionError("fleetwarden up did not start:\n" + "".join(self.output))
-        self.client = FleetClient(self.admin, token_file=work / "fleetwarden-admin.token")
-
-    def kill9(self) -> None:
-        """SIGKILL to fleetwarden only: its engines run in sessions of their own."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=90)
-        return "".join(self.output) + out
+def Up(work: Path, *args: str) -> UpProcess:
+    return UpProcess(work, "--engines", "2", *args)
 
 
 def wait_for(cond: object, timeout: float = 60.0, what: str = "") -> None:

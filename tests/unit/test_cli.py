@@ -23,7 +23,7 @@ def test_version_and_help() -> None:
 
 
 def test_the_ledger_demo_prints_each_transition_with_its_cause() -> None:
-    out = fleetwarden("demo")
+    out = fleetwarden("demo", "--ledger-story")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for expected in ("HEALTHY → SUSPECT: request timed out",

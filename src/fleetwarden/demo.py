@@ -1,0 +1,406 @@
+"""`fleetwarden demo`: the whole story on three engines, live, in about two minutes.
+
+A fleet of three simulated vLLM engines (or real ones, with ``--engine-cmd``) under steady
+load from the official ``openai`` client, and a script of faults: a wedge under load, a
+crash, a trickle of failed generations, an idle wedge, and a saturated-but-healthy stretch.
+A live view shows shards, states, in-flight requests, requests answered and failed, and the
+transitions as they happen. At the end: a summary per fault (time to quarantine, requests
+rescued, client errors, restarts), ``summary.json`` and ``timeline.png`` in the report folder.
+Exit status 1 if any request was lost.
+
+Timings are compressed so the story fits in minutes (a 1 s tick instead of 5 s, ``stall_s``
+4 s instead of 15 s, a canary every 5 s instead of 30 s): the logic is the one that runs at the
+defaults, only faster. `make demo` runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from fleetwarden.config import parse_config
+from fleetwarden.console import fleet_view
+from fleetwarden.fleet import Fleet
+from fleetwarden.ledger import ShardState
+from fleetwarden.testing.load import Load
+
+__all__ = ["FaultResult", "run_demo"]
+
+SIM = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 40 --slots 8"
+#: The faults a real engine can show (signals to its engine core); the others need a sim.
+REAL_ENGINE_PHASES = ("wedge under load", "crash", "idle wedge", "saturated but healthy")
+
+
+@dataclass
+class FaultResult:
+    """What one act of the story did, for the summary."""
+
+    name: str
+    shard: int | None
+    injected_at: float  # seconds since the demo started
+    what_happened: str = ""
+    quarantined_after_s: float | None = None
+    back_after_s: float | None = None
+    rescued: int = 0
+    retried: int = 0
+    client_errors: int = 0
+    restarts: int = 0
+    canaries: int | None = None
+    requests: int = 0
+    skipped: str = ""
+
+
+@dataclass
+class Story:
+    fleet: Fleet
+    console: Console
+    quick: bool
+    real: bool
+    t0: float = field(default_factory=time.monotonic)
+    load: Load | None = None
+    results: list[FaultResult] = field(default_factory=list)
+    phase: str = "starting"
+    states: list[tuple[float, list[str]]] = field(default_factory=list)
+    marks: list[tuple[float, str]] = field(default_factory=list)
+    finished_loads: list[Load] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def until(self, cond: Callable[[], bool], limit_s: float, what: str) -> float | None:
+        start = time.monotonic()
+        while not cond():
+            if time.monotonic() - start > limit_s:
+                self.console.print(f"[yellow]not within {limit_s:g} s: {what}[/yellow]")
+                return None
+            await asyncio.sleep(0.1)
+        return time.monotonic() - start
+
+    def state(self, i: int) -> ShardState:
+        return self.fleet.ledger.state(i)
+
+    # ------------------------------------------------------------------ load
+
+    def start_load(self, concurrency: int = 9, max_tokens: int = 24) -> None:
+        self.load = Load(self.fleet.router_url, concurrency=concurrency, max_tokens=max_tokens,
+                         timeout_s=120)
+        self.load.start()
+
+    async def stop_load(self) -> None:
+        if self.load is not None:
+            await self.load.stop()
+            self.finished_loads.append(self.load)
+            self.load = None
+
+    def all_results(self) -> list[Any]:
+        loads = [*self.finished_loads, *([self.load] if self.load else [])]
+        return [r for load in loads for r in load.results]
+
+    def errors_between(self, start: float, end: float) -> int:
+        lo, hi = self.t0 + start, self.t0 + end
+        return sum(1 for r in self.all_results() if not r.ok and lo <= r.started <= hi)
+
+    def requests_between(self, start: float, end: float) -> int:
+        lo, hi = self.t0 + start, self.t0 + end
+        return sum(1 for r in self.all_results() if lo <= r.started <= hi)
+
+    # ------------------------------------------------------------------ one fault
+
+    async def fault(self, name: str, shard: int, fault: str,
+                    before: Callable[[], Awaitable[None]] | None = None) -> FaultResult:
+        """Inject ``fault`` into ``shard``; wait for the quarantine and the way back."""
+        fleet = self.fleet
+        rescues, retries = fleet.router.stats.rescues, sum(fleet.router.stats.retries.values())
+        restarts = fleet.supervisor.restarts_completed
+        self.phase = f"{name}: {fault} on shard {shard}"
+        result = FaultResult(name, shard, round(self.now(), 1))
+        self.marks.append((self.now(), f"{name} (shard {shard})"))
+        await fleet.inject_fault(shard, fault, {})
+        if before is not None:
+            await before()
+        start = time.monotonic()
+        seen = await self.until(lambda: self.state(shard) not in (
+            ShardState.HEALTHY, ShardState.SUSPECT), 90, f"{name}: quarantine")
+        if seen is not None:
+            result.quarantined_after_s = round(time.monotonic() - start, 1)
+            deaths = [t for t in fleet.recent if t["shard"] == shard and t["to"] == "DEAD"]
+            result.what_happened = deaths[-1]["cause"][:160] if deaths else ""
+        back = await self.until(lambda: self.state(shard) is ShardState.HEALTHY, 120,
+                                f"{name}: back")
+        if back is not None:
+            result.back_after_s = round(time.monotonic() - start, 1)
+        await asyncio.sleep(1.0)  # the requests of the act finish before it is counted
+        result.rescued = fleet.router.stats.rescues - rescues
+        result.retried = sum(fleet.router.stats.retries.values()) - retries
+        result.restarts = fleet.supervisor.restarts_completed - restarts
+        result.client_errors = self.errors_between(result.injected_at - 0.5, self.now())
+        result.requests = self.requests_between(result.injected_at, self.now())
+        self.results.append(result)
+        return result
+
+    def skip(self, name: str, why: str) -> None:
+        self.results.append(FaultResult(name, None, round(self.now(), 1), skipped=why))
+
+    # ------------------------------------------------------------------ the acts
+
+    async def play(self) -> None:
+        q = self.quick
+        self.phase = "steady load"
+        self.start_load()
+        await asyncio.sleep(3 if q else 6)
+
+        await self.fault("wedge under load", 0, "wedge")
+        await self.fault("crash", 1, "crash")
+        if self.real:
+            self.skip("trickle", "a real engine cannot be made to fail every generation "
+                                 "while answering every probe")
+        else:
+            await self.fault("trickle", 2, "error5xx")
+
+        # idle wedge: nothing runs anywhere; the wedged engine's metrics say nothing at all
+        self.phase = "idle: load stopped"
+        await self.stop_load()
+
+        async def then_route_requests() -> None:
+            await asyncio.sleep(1.5)
+            self.phase = "idle wedge: the first routed requests find it (lost core)"
+            self.start_load(concurrency=3, max_tokens=8)
+
+        await self.fault("idle wedge", 0, "wedge", before=then_route_requests)
+        await self.stop_load()
+
+        # saturated but healthy: more clients than slots, long generations, for many ticks
+        self.phase = "saturated but healthy: 36 clients, 24 slots, long generations"
+        fleet = self.fleet
+        urls = fleet.ledger.serving_urls()
+        result = FaultResult("saturated but healthy", None, round(self.now(), 1))
+        self.marks.append((self.now(), "saturated but healthy"))
+        self.start_load(concurrency=36, max_tokens=120)
+        reports = fleet.controller.reports
+        await self.until(lambda: len(reports) >= len(urls) and all(
+            r.sample is not None and r.sample.waiting > 0 for r in reports.values()),
+            30, "every engine saturated")
+        # measured from here: every slot busy, requests waiting, on every engine
+        canaries_before = await _canaries(urls)
+        restarts = fleet.supervisor.restarts_completed
+        changes = len(fleet.recent)
+        ticks = fleet.controller.tick_number
+        verdicts: set[str] = set()
+        deadline = time.monotonic() + (8 if q else 20)
+        while time.monotonic() < deadline:
+            verdicts |= {r.verdict.name for r in reports.values()}
+            await asyncio.sleep(0.25)
+        result.canaries = None if self.real else (await _canaries(urls)) - canaries_before
+        await self.stop_load()
+        result.restarts = fleet.supervisor.restarts_completed - restarts
+        transitions = len(fleet.recent) - changes
+        result.what_happened = (f"{fleet.controller.tick_number - ticks} ticks saturated: "
+                                f"{transitions} state changes, verdicts {sorted(verdicts)}")
+        result.client_errors = self.errors_between(result.injected_at, self.now())
+        result.requests = self.requests_between(result.injected_at, self.now())
+        self.results.append(result)
+        self.phase = "done"
+
+    # ------------------------------------------------------------------ the view
+
+    def view(self) -> Group:
+        fleet = self.fleet
+        results = self.all_results()
+        ok = sum(1 for r in results if r.ok)
+        head = Text.assemble(("fleetwarden demo ", "bold"), f"{self.now():5.0f} s  ",
+                             (self.phase, "bold cyan"),
+                             f"   requests {len(results)}: ", (f"{ok} ok", "green"), ", ",
+                             (f"{len(results) - ok} failed",
+                              "red" if len(results) > ok else "dim"))
+        return Group(head, fleet_view(fleet.describe(), fleet.shards_view(), fleet.recent))
+
+    def sample(self) -> None:
+        self.states.append((self.now(), [r.state.value for r in self.fleet.ledger.snapshot()]))
+
+
+async def _canaries(urls: list[str]) -> int:
+    """Canaries the simulated engines received so far (their /sim/stats logs)."""
+    total = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        for url in urls:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url + "/sim/stats") as resp:
+                    log = (await resp.json())["log"]
+                total += sum(1 for e in log if (e.get("request_id") or "").startswith(
+                    "fleetwarden-canary"))
+    return total
+
+
+def demo_config(work: Path, engine_cmd: str | None) -> Any:
+    return parse_config({
+        "fleet": {"engines": 3, "engine_cmd": engine_cmd or SIM, "log_dir": str(work / "logs"),
+                  "startup_timeout_s": 120},
+        "router": {"port": 0},
+        "health": {"probe_interval_s": 1.0, "stall_s": 4.0, "canary_interval_s": 5.0,
+                   "canary_timeout_s": 2.0},
+        "supervisor": {"backoff_initial_s": 1.0, "backoff_max_s": 5.0,
+                       "max_concurrent_restarts": 2},
+        "journal": {"path": str(work / "fleet.sqlite")},
+        "admin": {"port": 0, "token_file": str(work / "admin.token")},
+    }, "the demo")
+
+
+async def run_demo(*, quick: bool = False, engine_cmd: str | None = None,
+                   report_dir: Path = Path("demo-report"), console: Console | None = None,
+                   live: bool = True) -> int:
+    console = console or Console(highlight=False)
+    report_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
+    with tempfile.TemporaryDirectory(prefix="fleetwarden-demo-") as tmp:
+        fleet = Fleet(demo_config(Path(tmp), engine_cmd))
+        console.print("[bold]fleetwarden demo[/bold]: 3 engines"
+                      f"{' (real)' if engine_cmd else ' (simulated vLLM)'}, the router, the "
+                      "watchdog, the ledger; a wedge under load, a crash, a trickle of failures, "
+                      "an idle wedge, and a saturated-but-healthy stretch.")
+        console.print("[dim]timings compressed: tick 1 s, stall_s 4 s, canary every 5 s "
+                      "(defaults 5 s, 15 s, 30 s)[/dim]")
+        async with fleet:
+            story = Story(fleet, console, quick, real=engine_cmd is not None)
+            controller = asyncio.create_task(fleet.run(), name="controller")
+            play = asyncio.create_task(story.play(), name="story")
+            try:
+                if live:
+                    with Live(story.view(), console=console, refresh_per_second=4) as view:
+                        while not play.done():
+                            story.sample()
+                            view.update(story.view())
+                            await asyncio.sleep(0.25)
+                else:
+                    while not play.done():
+                        story.sample()
+                        await asyncio.sleep(0.25)
+                await play
+            finally:
+                play.cancel()
+                with contextlib.suppress(BaseException):
+                    await play
+                await story.stop_load()
+                fleet.request_stop()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(controller, 30)
+            story.sample()
+            summary = _summary(story)
+    _print_summary(console, summary)
+    (report_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _timeline(story, report_dir / "timeline.png")
+    console.print(f"\nreport: {report_dir / 'summary.json'}, {report_dir / 'timeline.png'}")
+    lost = summary["totals"]["client_errors"]
+    console.print("[green]no request was lost[/green]" if lost == 0
+                  else f"[red]{lost} requests were lost[/red]")
+    return 0 if lost == 0 else 1
+
+
+def _summary(story: Story) -> dict[str, Any]:
+    results = story.all_results()
+    lat = sorted(r.latency_s for r in results if r.ok)
+    return {
+        "faults": [asdict(r) for r in story.results],
+        "totals": {
+            "requests": len(results), "ok": sum(1 for r in results if r.ok),
+            "client_errors": sum(1 for r in results if not r.ok),
+            "rescued": story.fleet.router.stats.rescues,
+            "retried": dict(story.fleet.router.stats.retries),
+            "restarts": story.fleet.supervisor.restarts_completed,
+            "p50_s": lat[len(lat) // 2] if lat else None,
+            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+            "duration_s": round(story.now(), 1),
+        },
+        "transitions": [{k: t[k] for k in ("wall", "shard", "from", "to", "cause")}
+                        for t in story.fleet.recent],
+    }
+
+
+def _print_summary(console: Console, summary: dict[str, Any]) -> None:
+    console.print("\n[bold]what happened[/bold]")
+    for f in summary["faults"]:
+        where = "" if f["shard"] is None else f" (shard {f['shard']})"
+        if f["skipped"]:
+            console.print(f"[bold]{f['name']}[/bold]: skipped: {f['skipped']}")
+            continue
+        line = Text.assemble((f"{f['name']}{where}: ", "bold"))
+        if f["quarantined_after_s"] is not None:
+            line.append(f"quarantined after {f['quarantined_after_s']:.1f} s, ")
+        if f["back_after_s"] is not None:
+            line.append(f"serving again after {f['back_after_s']:.1f} s, ")
+        if f["canaries"] is not None:
+            line.append(f"{f['canaries']} canaries sent, ")
+        line.append(f"{f['rescued']} rescued, {f['retried']} retried, {f['restarts']} restarts, ")
+        line.append(f"{f['client_errors']} client errors",
+                    style="red" if f["client_errors"] else "green")
+        line.append(f" of {f['requests']} requests")
+        console.print(line)
+        if f["what_happened"]:
+            console.print(f"    [dim]{f['what_happened']}[/dim]")
+    t = summary["totals"]
+    console.print(f"totals: {t['requests']} requests, {t['ok']} ok, {t['client_errors']} "
+                  f"client errors; {t['rescued']} rescued, retries {t['retried']}, "
+                  f"{t['restarts']} restarts; latency p50 {t['p50_s'] or 0:.2f} s, "
+                  f"p99 {t['p99_s'] or 0:.2f} s; {t['duration_s']:.0f} s in all")
+
+
+_COLOURS = {"HEALTHY": "#2e9e44", "SUSPECT": "#e6b800", "STALE": "#2bb3c0", "DEAD": "#d62728",
+            "RESTARTING": "#9467bd", "RETIRED": "#7f7f7f"}
+
+
+def _timeline(story: Story, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [1.2, 1]})
+    shards = len(story.states[-1][1]) if story.states else 0
+    end: list[tuple[float, list[str | None]]] = [(story.now(), [None] * shards)]
+    samples: list[tuple[float, list[str | None]]] = [(t, list(s)) for t, s in story.states]
+    for i in range(shards):
+        start, current = 0.0, None
+        for t, states in [*samples, *end]:
+            state = states[i]
+            if state != current:
+                if current is not None:
+                    top.broken_barh([(start, t - start)], (i - 0.4, 0.8),
+                                    color=_COLOURS.get(current, "#cccccc"))
+                start, current = t, state
+    top.set_yticks(range(shards), [f"shard {i}" for i in range(shards)])
+    top.invert_yaxis()
+    top.set_title("shard states", loc="left", pad=20)
+    top.legend(handles=[Patch(color=c, label=s) for s, c in _COLOURS.items()
+                        if s != "RETIRED"], loc="upper right", ncol=5, fontsize=8)
+    results = story.all_results()
+    ok = [(r.started - story.t0, r.latency_s) for r in results if r.ok]
+    bad = [(r.started - story.t0, r.latency_s) for r in results if not r.ok]
+    if ok:
+        bottom.scatter(*zip(*ok, strict=True), s=4, color="#1f77b4", label="answered 200")
+    if bad:
+        bottom.scatter(*zip(*bad, strict=True), s=12, color="#d62728", marker="x",
+                       label="failed")
+    bottom.set_ylabel("latency (s)")
+    bottom.set_xlabel("seconds since start")
+    bottom.set_title("requests (each dot one request, at its start)")
+    bottom.legend(loc="upper right", fontsize=8)
+    for t, label in story.marks:
+        for ax in (top, bottom):
+            ax.axvline(t, color="black", linestyle="--", linewidth=0.8)
+        top.annotate(label, (t, -0.6), rotation=0, fontsize=8, ha="left", va="bottom",
+                     annotation_clip=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,37 @@
+"""`fleetwarden demo --quick` as CI runs it: every fault detected, no request lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.scenario
+
+
+def test_the_demo_detects_every_fault_and_loses_no_request(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "fleetwarden", "demo", "--quick", "--no-live",
+                          "--report", str(tmp_path / "report")],
+                         capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    faults = {f["name"]: f for f in summary["faults"]}
+    assert set(faults) == {"wedge under load", "crash", "trickle", "idle wedge",
+                           "saturated but healthy"}
+    for name in ("wedge under load", "crash", "trickle", "idle wedge"):
+        f = faults[name]
+        assert f["quarantined_after_s"] is not None, name  # detected
+        assert f["back_after_s"] is not None and f["restarts"] >= 1, name  # and repaired
+    assert "STUCK" in faults["wedge under load"]["what_happened"]
+    assert faults["wedge under load"]["rescued"] >= 1
+    assert "exited" in faults["crash"]["what_happened"]
+    assert "failed request windows" in faults["trickle"]["what_happened"]
+    assert "LOST_CORE" in faults["idle wedge"]["what_happened"]
+    saturated = faults["saturated but healthy"]
+    assert saturated["canaries"] == 0 and saturated["restarts"] == 0
+    assert "0 state changes" in saturated["what_happened"]
+    assert summary["totals"]["client_errors"] == 0 and summary["totals"]["ok"] > 200
+    assert (tmp_path / "report" / "timeline.png").stat().st_size > 10_000
