@@ -17,7 +17,7 @@ STRICT := src/fleetwarden/testing/*.py \
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py \
           src/fleetwarden/controller.py src/fleetwarden/supervisor.py src/fleetwarden/client.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/tokens.py \
-          src/fleetwarden/admin/app.py src/fleetwarden/launchers/*.py \
+          src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
