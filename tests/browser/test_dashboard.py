@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -163,3 +164,27 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
     for log_file in (tmp_path / "logs").iterdir():
         assert token not in log_file.read_text(errors="replace"), log_file
     assert token not in "\n".join(said)
+
+
+async def test_the_page_reconnects_by_itself_when_the_fleet_comes_back(
+        tmp_path: Path, browser: BrowserContext) -> None:
+    with socket.socket() as s:  # one admin port for both runs: the page's address stays
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    page = await browser.new_page()
+    async with running_fleet(tmp_path, fleet={"engines": 1}, admin={"port": port}) as fleet:
+        await page.goto(f"{fleet.admin_url}/?token={fleet.token}")
+        await expect(page.locator("#link")).to_have_attribute("data-link", "live")
+        first_url = fleet.ledger.shard(0).base_url
+        await expect(page.locator("#shards .card .url")).to_have_text(first_url)
+    # The fleet said bye as it stopped; the page waits for it, retrying on its own.
+    await expect(page.locator("#link")).to_have_attribute("data-link", "stopped")
+    # A larger fleet this time (its own journal): the page must rebuild from a fresh hello.
+    async with running_fleet(tmp_path, fleet={"engines": 2}, admin={"port": port},
+                             journal={"path": str(tmp_path / "second.sqlite")}) as fleet:
+        # The same page, never reloaded.
+        await expect(page.locator("#link")).to_have_attribute("data-link", "live",
+                                                               timeout=20_000)
+        await expect(page.locator("#shards .card .url")).to_have_text(
+            [fleet.ledger.shard(0).base_url, fleet.ledger.shard(1).base_url])
+        await page.close()
