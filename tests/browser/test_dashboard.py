@@ -51,6 +51,7 @@ async def chaos_cli(fault: str, shard: int, admin_url: str, token_file: Path) ->
         cwd=token_file.parent)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, out.decode()
+    assert token_file.read_text().strip() not in out.decode()
     return out.decode()
 
 
@@ -172,7 +173,7 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
     assert token not in "\n".join(said)
 
 
-async def test_the_page_reconnects_by_itself_when_the_fleet_comes_back(
+async def test_the_page_reconnects_by_itself_and_asks_to_sign_in_when_its_token_changed(
         tmp_path: Path, browser: BrowserContext) -> None:
     with socket.socket() as s:  # one admin port for both runs: the page's address stays
         s.bind(("127.0.0.1", 0))
@@ -193,4 +194,10 @@ async def test_the_page_reconnects_by_itself_when_the_fleet_comes_back(
                                                                timeout=20_000)
         await expect(page.locator("#shards .card .url")).to_have_text(
             [fleet.ledger.shard(0).base_url, fleet.ledger.shard(1).base_url])
+    # A run with another token: the page's cookie is refused, and it goes to the sign-in form.
+    async with running_fleet(tmp_path, fleet={"engines": 1}, admin={
+            "port": port, "token_file": str(tmp_path / "other.token")},
+            journal={"path": str(tmp_path / "third.sqlite")}):
+        await expect(page.locator("#signin .problem")).to_contain_text(
+            "no longer valid", timeout=20_000)
         await page.close()
