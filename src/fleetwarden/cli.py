@@ -471,8 +471,10 @@ async def _up(cfg: Any, quiet: bool) -> None:
     try:
         console.print(f"router     {fleet.router_url}/v1   (OpenAI API)")
         console.print(f"admin      {fleet.admin_url}/admin/status   "
-                      f"(token in {cfg.admin.token_file})")
-        console.print(f"dashboard  {fleet.admin_url}/?token={fleet.token}")
+                      f"(token in {cfg.admin.token_file})", soft_wrap=True)
+        # The one place the token is shown (the terminal, never a log): one line, unwrapped,
+        # so that it can be copied whole however narrow the terminal.
+        console.print(f"dashboard  {fleet.admin_url}/?token={fleet.token}", soft_wrap=True)
         console.print(f"journal    {cfg.journal.path}   logs {cfg.fleet.log_dir}/")
         console.print("Ctrl-C stops the fleet and every engine it started.\n")
         if quiet:

@@ -12,6 +12,8 @@ Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
 5. the routers rescue the requests waiting on shards condemned this tick.
 
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
+After each tick ``on_tick`` (when given) sees the tick's report: the fleet publishes the
+dashboard's snapshot from there, so a page learns what the controller learned, when it did.
 A process exit does not wait for the tick: the supervisor condemns at once and the controller
 pushes and rescues at once.
 """
@@ -97,6 +99,7 @@ class Controller:
         journal: Journal | None = None,
         refit: RefitCoordinator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_tick: Callable[[TickReport], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.refit = refit
@@ -106,6 +109,7 @@ class Controller:
         self.config = config
         self.journal = journal
         self.clock = clock
+        self.on_tick = on_tick
         self.tick_number = 0
         self.last_tick: TickReport | None = None
         #: The last watchdog report per shard (dashboards read running/waiting/tokens from it).
@@ -210,6 +214,12 @@ class Controller:
         self.status = self._status()
         report.duration_s = time.perf_counter() - started
         self.last_tick = report
+        if self.on_tick is not None:
+            try:
+                self.on_tick(report)
+            except Exception:
+                # An observer never stops the loop, and never makes a tick count as failed.
+                log.exception("tick %d: the on_tick observer failed", report.number)
         return report
 
     async def _in_flight(self, report: TickReport) -> dict[str, int]:

@@ -25,9 +25,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from fleetwarden.admin import dashboard
 from fleetwarden.admin.app import make_admin_app
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller, RouterLink
+from fleetwarden.controller import Controller, RouterLink, TickReport
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: State changes kept in memory for the admin API and the dashboard's last hour.
 _RECENT = 5000
+#: Events a listener (a dashboard's event stream) may fall behind by before it starts over.
+_LISTENER_QUEUE = 1000
 
 
 class _JournalEngines:
@@ -108,6 +111,10 @@ class Fleet:
         self._admin: web.AppRunner | None = None
         self._stop = asyncio.Event()
         self._listeners: set[asyncio.Queue[dict[str, Any]]] = set()
+        #: The router's counters over the last hour for the dashboard: a point per tick, one a
+        #: second at most (an hour holds 720 points at the default 5 s tick, 3600 at most).
+        self.traffic = dashboard.Traffic(step_s=min(
+            dashboard.TRAFFIC_STEP_S, max(1.0, config.health.probe_interval_s)))
         self._journal: Journal | None = None
         self._router: Router | None = None
         self._watchdog: Watchdog | None = None
@@ -256,7 +263,7 @@ class Fleet:
         self._refit = RefitCoordinator(ledger, lease_s=cfg.refit.lease_s, clock=time.time)
         self._controller = Controller(
             ledger, self._watchdog, self._supervisor, self.routers, cfg,
-            journal=self._journal, refit=self._refit,
+            journal=self._journal, refit=self._refit, on_tick=self._after_tick,
         )
         self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
         await self._admin.setup()
@@ -341,9 +348,7 @@ class Fleet:
     async def stop(self) -> None:
         """Stop serving, then stop every engine this fleet started, leaving nothing running."""
         self._stop.set()
-        for q in list(self._listeners):
-            with contextlib.suppress(asyncio.QueueFull):
-                q.put_nowait({"type": "bye"})
+        self.publish({"type": "bye"})  # open event streams end now, not at the server's close
         if self._admin is not None:
             await self._admin.cleanup()
             self._admin = None
@@ -390,13 +395,38 @@ class Fleet:
             del self.recent[: len(self.recent) - _RECENT]
         self.publish({"type": "transition", "data": entry})
 
+    def _after_tick(self, report: TickReport) -> None:
+        self.traffic.record(dashboard.traffic_point(
+            self.router.stats, time.time(), self._failure_statuses))
+        if self._listeners:  # nobody watching: nothing built
+            self.publish({"type": "snapshot", "data": dashboard.snapshot(self)})
+
+    @property
+    def _failure_statuses(self) -> frozenset[int]:
+        r = self.config.router
+        return frozenset({r.status_when_others_serve, r.status_when_none_left})
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last state change (``recent[-1]["seq"]``)."""
+        return self._seq
+
     def publish(self, event: dict[str, Any]) -> None:
+        """Hand ``event`` (``{"type": ..., "data": ...}``) to every listener. A listener that
+        fell :data:`_LISTENER_QUEUE` events behind has lost some: its queue is emptied and
+        told to start over (``resync``); a ``bye`` always gets through."""
         for q in list(self._listeners):
-            with contextlib.suppress(asyncio.QueueFull):
+            try:
                 q.put_nowait(event)
+            except asyncio.QueueFull:
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait({"type": "resync"})
+                if event["type"] == "bye":
+                    q.put_nowait(event)
 
     def listen(self) -> asyncio.Queue[dict[str, Any]]:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=_LISTENER_QUEUE)
         self._listeners.add(q)
         return q
 

@@ -1,8 +1,8 @@
 """The admin API: fleet state, history, operator actions, refits, and external routers.
 
 On its own port, 127.0.0.1 by default, every route behind the bearer token (401 without it,
-and nothing changes). The token is never logged: the server runs without an access log line
-that would carry a ``?token=`` query.
+and nothing changes); a browser presents it as the dashboard's cookie. The token is never
+logged: the server runs without an access log line that would carry a ``?token=`` query.
 
     GET  /admin/status                      fleet status, counts, router and admin URLs
     GET  /admin/shards                      every shard's record, in-flight and last sample
@@ -15,6 +15,8 @@ that would carry a ``?token=`` query.
     POST /admin/refit/begin|complete|abort  {"version": N, "reason": "..."}
     GET  /admin/refits                      the refit history and the open lease
     GET  /metrics                           Prometheus: shards by state, restarts, verdicts
+    GET  /admin/events                      server-sent events for the dashboard
+    GET  /                                  the dashboard (``dashboard.py``), or its sign-in
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet")
 TOKEN: web.AppKey[str] = web.AppKey("token")
+#: Paths served without the token: the dashboard's sign-in and its static files only.
+PUBLIC: web.AppKey[frozenset[str]] = web.AppKey("public")
 
 #: Admin request bodies are small JSON objects.
 _MAX_BODY = 64 * 1024
@@ -62,7 +66,7 @@ def presented_token(request: web.Request) -> str | None:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path in _PUBLIC:
+    if request.path in request.app[PUBLIC]:
         return await handler(request)
     if not token_matches(request.app[TOKEN], presented_token(request)):
         resp = _error(401, "missing or wrong admin token: send 'Authorization: Bearer <token>' "
@@ -70,10 +74,6 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         resp.headers["WWW-Authenticate"] = 'Bearer realm="fleetwarden"'
         return resp
     return await handler(request)
-
-
-#: Paths served without the token: the login page and its static files (issue 9) only.
-_PUBLIC: set[str] = set()
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -249,9 +249,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_admin_app(fleet: Fleet, token: str) -> web.Application:
+    from fleetwarden.admin import dashboard  # it builds on this module's keys
+
     app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
     app[FLEET] = fleet
     app[TOKEN] = token
+    app[PUBLIC] = dashboard.PUBLIC_PATHS
     r = app.router
     r.add_get("/admin/status", status)
     r.add_get("/admin/shards", shards)
@@ -266,4 +269,5 @@ def make_admin_app(fleet: Fleet, token: str) -> web.Application:
     r.add_post("/admin/refit/complete", refit_complete)
     r.add_post("/admin/refit/abort", refit_abort)
     r.add_get("/metrics", metrics)
+    dashboard.add_routes(app)
     return app
