@@ -478,7 +478,9 @@ class Fleet:
                          "failed": self.supervisor.restarts_failed,
                          "in_progress": len(self.supervisor.attempts)},
             "refit": self.refits_view()["lease"],
-            "router": {"requests": self.router.stats.requests},
+            "router": {"requests": self.router.stats.requests,
+                       "rescues": self.router.stats.rescues,
+                       "retries": dict(self.router.stats.retries)},
         }
 
     def shards_view(self) -> list[dict[str, Any]]:

@@ -52,7 +52,8 @@ class UpProcess:
         if not (self.router and self.admin):
             self.kill9()
             raise RuntimeError("fleetwarden up did not start:\n" + "".join(self.output))
-        self.client = FleetClient(self.admin, token_file=self._token_file())
+        self.client_token_file = self._token_file()
+        self.client = FleetClient(self.admin, token_file=self.client_token_file)
 
     def _token_file(self) -> Path:
         args = self.proc.args

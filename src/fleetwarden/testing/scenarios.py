@@ -1,0 +1,204 @@
+"""Fault scenarios on a running fleet, with the figures each one prints: what the real-vLLM
+tier asserts on and `bench/engine_scenarios.py` records, on real and simulated engines alike.
+
+Each scenario drives load through the fleet's router with the official ``openai`` client,
+injects one fault with ``fleetwarden chaos`` (the CLI, as an operator would: on a real local
+engine a signal to its ``VLLM::EngineCore``, on a simulated one its fault endpoint), and waits
+until the shard is quarantined and serving again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetwarden.testing.load import Load
+from fleetwarden.testing.up import UpProcess
+
+__all__ = ["Figures", "crash_under_load", "fleet_toml", "idle_wedge", "wedge_under_load"]
+
+
+@dataclass
+class Figures:
+    scenario: str
+    engines: str
+    detected_after_s: float | None = None
+    cause: str = ""
+    back_after_s: float | None = None
+    rescued: int = 0
+    retried: int = 0
+    restarts: int = 0
+    requests: int = 0
+    client_errors: int = 0
+    #: The slowest request that was in flight when the fault struck, minus the median.
+    extra_latency_s: float | None = None
+    old_pid: int | None = None
+    new_url: str = ""
+    old_url: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        def s(x: float | None) -> str:
+            return "—" if x is None else f"{x:.1f} s"
+
+        return (f"{self.scenario} ({self.engines}): detected after {s(self.detected_after_s)} "
+                f"[{self.cause[:70]}], serving again after {s(self.back_after_s)}; "
+                f"{self.rescued} rescued, {self.retried} retried, {self.restarts} restarts, "
+                f"{self.client_errors} client errors of {self.requests} requests, "
+                f"extra latency {s(self.extra_latency_s)}")
+
+
+def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
+               admin_port: int, *, engines: int = 2, stall_s: float = 15.0,
+               startup_timeout_s: float = 180.0) -> str:
+    """A fleet at the default judgement (stall_s 15 s) with a 1 s tick, so figures are those
+    of the defaults but for the tick; canaries far apart, so a check sees no fleet canary."""
+    env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
+    return f"""
+[fleet]
+engines = {engines}
+engine_cmd = '''{engine_cmd}'''
+startup_timeout_s = {startup_timeout_s}
+
+[fleet.engine_env]
+{env}
+
+[router]
+port = {router_port}
+
+[admin]
+port = {admin_port}
+
+[health]
+probe_interval_s = 1.0
+stall_s = {stall_s}
+canary_interval_s = 3600
+
+[supervisor]
+max_restart_attempts = 50
+backoff_initial_s = 2.0
+backoff_max_s = 10.0
+"""
+
+
+def chaos(up: UpProcess, fault: str, shard: int) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetwarden", "chaos", fault, str(shard), "--admin", up.admin,
+         "--token-file", str(up.client_token_file)],
+        capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"chaos {fault} {shard}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+async def _state(up: UpProcess, shard: int) -> dict[str, Any]:
+    shards = await asyncio.to_thread(up.client.shards)
+    return shards[shard]
+
+
+async def _until_state(up: UpProcess, shard: int, states: set[str], limit_s: float) -> float:
+    start = time.monotonic()
+    while (await _state(up, shard))["state"] not in states:
+        if time.monotonic() - start > limit_s:
+            raise AssertionError(f"shard {shard} not {states} within {limit_s} s")
+        await asyncio.sleep(0.1)
+    return time.monotonic() - start
+
+
+async def _router(up: UpProcess) -> dict[str, Any]:
+    status = await asyncio.to_thread(up.client.status)
+    router: dict[str, Any] = status["router"]
+    return router
+
+
+async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault: str,
+                       load: Load | None, then_route: bool = False) -> Figures:
+    fig = Figures(name, engines)
+    before = await _state(up, shard)
+    fig.old_url, fig.old_pid = before["base_url"], before["pid"]
+    router0 = await _router(up)
+    struck = time.monotonic()
+    await asyncio.to_thread(chaos, up, fault, shard)
+    late: Load | None = None
+    if then_route:  # an idle wedge: the first routed requests find it
+        await asyncio.sleep(1.0)
+        late = Load(up.router, concurrency=2, max_tokens=16, timeout_s=300)
+        late.start()
+    await _until_state(up, shard, {"DEAD", "RESTARTING", "STALE"}, 120)
+    fig.detected_after_s = round(time.monotonic() - struck, 1)
+    history = await asyncio.to_thread(up.client.transitions)
+    deaths = [t for t in history if t["shard"] == shard and t["to"] == "DEAD"]
+    fig.cause = deaths[-1]["cause"] if deaths else ""
+    await _until_state(up, shard, {"HEALTHY"}, 300)
+    fig.back_after_s = round(time.monotonic() - struck, 1)
+    after = await _state(up, shard)
+    fig.new_url = after["base_url"]
+    router1 = await _router(up)
+    fig.rescued = router1["rescues"] - router0["rescues"]
+    fig.retried = sum(router1["retries"].values()) - sum(router0["retries"].values())
+    fig.restarts = after["restart_attempts"] - before["restart_attempts"]
+    for extra in (load, late):
+        if extra is None:
+            continue
+        if extra is late:
+            await extra.stop()
+        results = extra.results
+        fig.requests += len(results)
+        fig.client_errors += len(extra.failures)
+        ok = sorted(r.latency_s for r in results if r.ok)
+        spanning = [r.latency_s for r in results if r.started <= struck
+                    and r.started + r.latency_s > struck and r.ok]
+        if ok and spanning:
+            fig.extra_latency_s = round(max(spanning) - ok[len(ok) // 2], 1)
+        if extra is late and ok:
+            fig.extra_latency_s = round(ok[-1] - ok[len(ok) // 2], 1)
+    return fig
+
+
+async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figures:
+    """SIGSTOP of the engine core (or a simulated wedge) with requests in flight."""
+    async with Load(up.router, concurrency=6, max_tokens=200, timeout_s=300) as load:
+        await _in_flight(up, shard)
+        fig = await _fault_under(up, "wedge under load", engines, shard, "wedge", load)
+    return _count(fig, load)
+
+
+async def crash_under_load(up: UpProcess, engines: str, shard: int = 1) -> Figures:
+    """SIGKILL of the engine core (or a simulated crash) with requests in flight."""
+    async with Load(up.router, concurrency=6, max_tokens=200, timeout_s=300) as load:
+        await _in_flight(up, shard)
+        fig = await _fault_under(up, "crash under load", engines, shard, "crash", load)
+    return _count(fig, load)
+
+
+async def idle_wedge(up: UpProcess, engines: str, shard: int = 0) -> Figures:
+    """A wedge while nothing runs; then the first routed requests."""
+    return await _fault_under(up, "idle wedge", engines, shard, "wedge", None, then_route=True)
+
+
+def _count(fig: Figures, load: Load) -> Figures:
+    """The load's whole run, once it has been stopped and its requests answered."""
+    fig.requests = len(load.results)
+    fig.client_errors = len(load.failures)
+    return fig
+
+
+async def _in_flight(up: UpProcess, shard: int) -> None:
+    start = time.monotonic()
+    while (await _state(up, shard))["in_flight"] < 1:
+        if time.monotonic() - start > 60:
+            raise AssertionError(f"no request in flight on shard {shard}")
+        await asyncio.sleep(0.05)
+
+
+def write_config(work: Path, text: str) -> Path:
+    path = work / "fleet.toml"
+    path.write_text(text)
+    return path
