@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import socket
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetwarden.journal import Journal
-from fleetwarden.launchers.local import launch_id_of
+from fleetwarden.launchers.local import kill_launched, live_launch_ids
 from fleetwarden.ledger import TRANSITIONS, Event, ShardState
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
@@ -125,18 +124,8 @@ def cause_of(text: str) -> str:
     return text[:40]
 
 
-def leftovers(journal: Journal) -> list[str]:
-    ids = {r[0] for r in journal._read.execute("SELECT launch_id FROM engines").fetchall()}
-    alive = []
-    for p in os.listdir("/proc"):
-        if p.isdigit() and launch_id_of(int(p)) in ids:
-            try:
-                state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state not in ("Z", "X"):
-                alive.append(p)
-    return alive
+def leftovers(journal: Journal) -> set[str]:
+    return live_launch_ids(journal.launch_ids())
 
 
 # ---------------------------------------------------------------------- the run
@@ -195,6 +184,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                          if e.to_state == "DEAD")
         restarts = Counter(r["outcome"] for r in journal.restarts())
         left = leftovers(journal)
+        kill_launched(journal.launch_ids())  # counted above; none may outlive the soak
 
     def during_down(r: Any) -> bool:
         return down_window is not None and down_window[0] - 1 <= r.started <= down_window[1]

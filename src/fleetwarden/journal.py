@@ -218,6 +218,10 @@ class Journal:
             self._read.execute("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
                                (time.time(), launch_id))
 
+    def launch_ids(self) -> set[str]:
+        """Every engine this journal ever recorded."""
+        return {r[0] for r in self._read.execute("SELECT launch_id FROM engines")}
+
     def running_engines(self) -> list[dict[str, Any]]:
         """Engines launched and never seen stopped: what an earlier run may have left."""
         rows = self._read.execute(

@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from fleetwarden.journal import Journal
+from fleetwarden.launchers.local import kill_launched, launch_id_of
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
 
@@ -220,6 +222,8 @@ def test_stopping_fleetwarden_leaves_no_engine_process(tmp_path: Path) -> None:
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+                with Journal(work / "fleetwarden.sqlite") as journal:
+                    kill_launched(journal.launch_ids())  # nothing this test started lives on
         assert proc.returncode == 0, out
         assert "nothing left running" in out
         assert not any(_alive(p) for p in engine_pids)
@@ -232,7 +236,7 @@ def _engine_pids(work: Path) -> list[int]:
     while time.monotonic() < deadline:
         logs = list((work / "fleetwarden-logs").glob("shard-*.log"))
         ids = {p.stem.split("-", 2)[2] for p in logs}
-        pids = [pid for pid in _pids() if _launch_id(pid) in ids]
+        pids = [pid for pid in _pids() if launch_id_of(pid) in ids]
         if len(logs) == 2 and len(pids) == 2:
             return pids
         time.sleep(0.2)  # polling for the engines to appear, with the deadline above
@@ -241,17 +245,6 @@ def _engine_pids(work: Path) -> list[int]:
 
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _launch_id(pid: int) -> str | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in env:
-        if item.startswith(b"FLEETWARDEN_LAUNCH_ID="):
-            return item.split(b"=", 1)[1].decode()
-    return None
 
 
 def _alive(pid: int) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineRecord
-from fleetwarden.launchers.local import LocalLauncher, launch_id_of
+from fleetwarden.launchers.local import LocalLauncher, kill_launched, live_launch_ids
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.testing.up import UpProcess
 
@@ -44,23 +44,15 @@ def wait_for(cond: object, timeout: float = 60.0, what: str = "") -> None:
         time.sleep(0.2)  # polling a subprocess's state, with the deadline above
 
 
-def live_engines(work: Path) -> set[str]:
-    """Launch ids, of those this journal ever recorded, that some live process still carries
-    (an engine may be several processes: a shell and its child, a server and its core)."""
+def kill_leftovers(work: Path) -> None:
     with Journal(work / "fleetwarden.sqlite") as journal:
-        rows = journal._read.execute("SELECT launch_id FROM engines").fetchall()
-    ids = {r[0] for r in rows}
-    alive = set()
-    for p in os.listdir("/proc"):
-        launch_id = launch_id_of(int(p)) if p.isdigit() else None
-        if launch_id in ids:
-            try:
-                state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state not in ("Z", "X"):
-                alive.add(launch_id)
-    return alive
+        kill_launched(journal.launch_ids())
+
+
+def live_engines(work: Path) -> set[str]:
+    """Launch ids, of those this journal ever recorded, that a live process still carries."""
+    with Journal(work / "fleetwarden.sqlite") as journal:
+        return live_launch_ids(journal.launch_ids())
 
 
 def test_fleetwarden_restart_keeps_budgets_and_adopts_engines(tmp_path: Path) -> None:
@@ -95,7 +87,9 @@ def test_fleetwarden_restart_keeps_budgets_and_adopts_engines(tmp_path: Path) ->
         assert "nothing left running" in out
     finally:
         up.kill9()
-    assert live_engines(tmp_path) == set()
+        left = live_engines(tmp_path)
+        kill_leftovers(tmp_path)  # whatever happened above, nothing this test started lives on
+    assert left == set()
 
 
 def test_kill_9_of_fleetwarden_orphans_nothing(tmp_path: Path) -> None:
@@ -117,7 +111,9 @@ def test_kill_9_of_fleetwarden_orphans_nothing(tmp_path: Path) -> None:
         assert "nothing left running" in again.stop()
     finally:
         up.kill9()
-    assert live_engines(tmp_path) == set()
+        left = live_engines(tmp_path)
+        kill_leftovers(tmp_path)  # whatever happened above, nothing this test started lives on
+    assert left == set()
 
 
 async def test_a_reused_pid_is_never_adopted(tmp_path: Path) -> None:

@@ -114,21 +114,24 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
                              capture_output=True, text=True, timeout=120)
         return out.returncode, json.loads(out.stdout)
 
-    def finished() -> float:
+    def metric(name: str) -> float:
         body = subprocess.run(["curl", "-s", url + "/metrics"], capture_output=True,
                               text=True, timeout=30).stdout
         return sum(s.value for fam in text_string_to_metric_families(body)
-                   for s in fam.samples if s.name == "vllm:request_success_total")
+                   for s in fam.samples if s.name == name)
+
+    def finished() -> float:
+        return metric("vllm:request_success_total")
 
     code, result = check()
     assert (code, result["verdict"]) == (0, "idle")  # idle: one canary, answered
 
     # busy: requests straight to the engine, every one counted; the check adds none
-    sent = 24
+    sent = 32
     before = finished()
 
     async def busy() -> tuple[int, dict[str, object]]:
-        async with Load(url, concurrency=4, max_tokens=400, total=sent) as load:
+        async with Load(url, concurrency=8, max_tokens=480, total=sent) as load:
             await asyncio.sleep(0.5)
             got = await asyncio.to_thread(check)
             await load.wait()
@@ -143,12 +146,18 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
     # stuck: the engine core stopped with requests in flight (the fleet's stall_s is 15 s,
     # the check's 3 s: the check answers long before the fleet acts)
     async def stuck() -> tuple[int, dict[str, object]]:
-        async with Load(url, concurrency=4, max_tokens=400, total=4, timeout_s=300) as load:
-            await asyncio.sleep(0.3)
-            await asyncio.to_thread(chaos, fleet, "wedge", 0)
+        # a closed loop of long requests; stopped while the engine reports some running (the
+        # tiny model finishes 400 tokens in under a second, so the moment is caught, not timed)
+        async with Load(url, concurrency=4, max_tokens=480, timeout_s=300) as load:
+            while True:
+                await asyncio.to_thread(chaos, fleet, "wedge", 0)
+                if await asyncio.to_thread(metric, "vllm:num_requests_running") > 0:
+                    break
+                await asyncio.to_thread(chaos, fleet, "unwedge", 0)  # caught between batches
+                await asyncio.sleep(0.05)
             got = await asyncio.to_thread(check, "--stall-s", "3")
             await asyncio.to_thread(chaos, fleet, "unwedge", 0)
-            await load.wait()
+        assert load.failures == []  # the held requests finished after SIGCONT
         return got
 
     code, result = asyncio.run(stuck())

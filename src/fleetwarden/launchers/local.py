@@ -40,7 +40,8 @@ from fleetwarden.launchers.procs import (
     terminate_group,
 )
 
-__all__ = ["LocalLauncher", "default_engine_command", "free_port"]
+__all__ = ["LocalLauncher", "default_engine_command", "free_port", "kill_launched",
+           "launch_id_of", "live_launch_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,34 @@ def launch_id_of(pid: int) -> str | None:
         if item.startswith(b"FLEETWARDEN_LAUNCH_ID="):
             return item.split(b"=", 1)[1].decode(errors="replace")
     return None
+
+
+def live_launch_ids(launch_ids: set[str]) -> set[str]:
+    """Which of ``launch_ids`` a live process still carries (an engine may be several
+    processes: a shell and its child, a server and its engine core). What a check that
+    nothing was left behind reads."""
+    alive = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        launch_id = launch_id_of(int(entry.name))
+        if launch_id in launch_ids:
+            info = process_info(int(entry.name))
+            if info is not None and info.state not in ("Z", "X"):
+                alive.add(launch_id)
+    return alive
+
+
+def kill_launched(launch_ids: set[str]) -> int:
+    """SIGKILL every live process carrying one of ``launch_ids`` (a test's or benchmark's last
+    resort after a failure, so nothing it started outlives it). Returns how many."""
+    killed = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and launch_id_of(int(entry.name)) in launch_ids:
+            info = process_info(int(entry.name))
+            if info is not None and signal_process(info.pid, info.start_ticks, signal.SIGKILL):
+                killed += 1
+    return killed
 
 
 def _alive(p: ProcessInfo) -> bool:

@@ -119,75 +119,77 @@ async def _router(up: UpProcess) -> dict[str, Any]:
 
 
 async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault: str,
-                       load: Load | None, then_route: bool = False) -> Figures:
+                       load: Load, then_route: bool = False) -> Figures:
+    """Inject ``fault`` into ``shard`` while ``load`` runs (started by the caller, or by this
+    function ``then_route``: an idle wedge found by the first routed requests); detect; let
+    the load run on a few seconds on the engines left; stop it; wait for the replacement.
+
+    The load stops before the replacement starts on purpose: on a 2-core machine a loaded
+    surviving engine starves the new one's start-up, and the figure would be the machine's.
+    """
     fig = Figures(name, engines)
     before = await _state(up, shard)
     fig.old_url, fig.old_pid = before["base_url"], before["pid"]
     router0 = await _router(up)
-    struck = time.monotonic()
+    struck, struck_wall = time.monotonic(), time.time()
     await asyncio.to_thread(chaos, up, fault, shard)
-    late: Load | None = None
-    if then_route:  # an idle wedge: the first routed requests find it
+    if then_route:
         await asyncio.sleep(1.0)
-        late = Load(up.router, concurrency=2, max_tokens=16, timeout_s=300)
-        late.start()
+        load.start()
     await _until_state(up, shard, {"DEAD", "RESTARTING", "STALE"}, 120)
-    fig.detected_after_s = round(time.monotonic() - struck, 1)
-    history = await asyncio.to_thread(up.client.transitions)
-    deaths = [t for t in history if t["shard"] == shard and t["to"] == "DEAD"]
-    fig.cause = deaths[-1]["cause"] if deaths else ""
+    await asyncio.sleep(_AFTER_DETECTION_S)  # the rescued and retried requests finish
+    await load.stop()
     await _until_state(up, shard, {"HEALTHY"}, 300)
-    fig.back_after_s = round(time.monotonic() - struck, 1)
+    # the times the fleet itself recorded, not when this poll happened to look
+    history = [t for t in await asyncio.to_thread(up.client.transitions)
+               if t["shard"] == shard and t["wall"] >= struck_wall]
+    death = next(t for t in history if t["to"] == "DEAD")
+    back = next(t for t in history if t["to"] == "HEALTHY" and t["wall"] >= death["wall"])
+    fig.cause = death["cause"]
+    fig.detected_after_s = round(death["wall"] - struck_wall, 1)
+    fig.back_after_s = round(back["wall"] - struck_wall, 1)
     after = await _state(up, shard)
     fig.new_url = after["base_url"]
     router1 = await _router(up)
     fig.rescued = router1["rescues"] - router0["rescues"]
     fig.retried = sum(router1["retries"].values()) - sum(router0["retries"].values())
     fig.restarts = after["restart_attempts"] - before["restart_attempts"]
-    for extra in (load, late):
-        if extra is None:
-            continue
-        if extra is late:
-            await extra.stop()
-        results = extra.results
-        fig.requests += len(results)
-        fig.client_errors += len(extra.failures)
-        ok = sorted(r.latency_s for r in results if r.ok)
-        spanning = [r.latency_s for r in results if r.started <= struck
-                    and r.started + r.latency_s > struck and r.ok]
-        if ok and spanning:
-            fig.extra_latency_s = round(max(spanning) - ok[len(ok) // 2], 1)
-        if extra is late and ok:
-            fig.extra_latency_s = round(ok[-1] - ok[len(ok) // 2], 1)
+    results = load.results
+    fig.requests = len(results)
+    fig.client_errors = len(load.failures)
+    ok = sorted(r.latency_s for r in results if r.ok)
+    caught = [r.latency_s for r in results if r.ok and (
+        r.started <= struck < r.started + r.latency_s or then_route)]
+    if ok and caught:
+        fig.extra_latency_s = round(max(caught) - ok[len(ok) // 2], 1)
     return fig
+
+
+#: Seconds the load runs on after detection: long enough for every rescued or retried
+#: request to be answered by the engines left.
+_AFTER_DETECTION_S = 5.0
 
 
 async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figures:
     """SIGSTOP of the engine core (or a simulated wedge) with requests in flight."""
-    async with Load(up.router, concurrency=6, max_tokens=200, timeout_s=300) as load:
-        await _in_flight(up, shard)
-        fig = await _fault_under(up, "wedge under load", engines, shard, "wedge", load)
-    return _count(fig, load)
+    load = Load(up.router, concurrency=6, max_tokens=200, timeout_s=300)
+    load.start()
+    await _in_flight(up, shard)
+    return await _fault_under(up, "wedge under load", engines, shard, "wedge", load)
 
 
 async def crash_under_load(up: UpProcess, engines: str, shard: int = 1) -> Figures:
     """SIGKILL of the engine core (or a simulated crash) with requests in flight."""
-    async with Load(up.router, concurrency=6, max_tokens=200, timeout_s=300) as load:
-        await _in_flight(up, shard)
-        fig = await _fault_under(up, "crash under load", engines, shard, "crash", load)
-    return _count(fig, load)
+    load = Load(up.router, concurrency=6, max_tokens=200, timeout_s=300)
+    load.start()
+    await _in_flight(up, shard)
+    return await _fault_under(up, "crash under load", engines, shard, "crash", load)
 
 
 async def idle_wedge(up: UpProcess, engines: str, shard: int = 0) -> Figures:
     """A wedge while nothing runs; then the first routed requests."""
-    return await _fault_under(up, "idle wedge", engines, shard, "wedge", None, then_route=True)
-
-
-def _count(fig: Figures, load: Load) -> Figures:
-    """The load's whole run, once it has been stopped and its requests answered."""
-    fig.requests = len(load.results)
-    fig.client_errors = len(load.failures)
-    return fig
+    load = Load(up.router, concurrency=2, max_tokens=16, timeout_s=300)
+    return await _fault_under(up, "idle wedge", engines, shard, "wedge", load, then_route=True)
 
 
 async def _in_flight(up: UpProcess, shard: int) -> None:
