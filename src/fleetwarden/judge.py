@@ -270,11 +270,15 @@ def judge(
     ``in_flight`` is how many requests the router has outstanding there; ``stall`` is what the
     previous call returned; ``since_canary_s`` the time since the last canary (``None``: never).
     ``stalls_excused`` (a refit lease: an engine may pause while it loads weights) keeps a stall
-    from ever becoming STUCK, and its wait from counting towards one.
+    from ever becoming STUCK, and its wait from counting towards one; and no canary is sent
+    (it would wait behind the weight load, and its failure would prove nothing), so requests
+    held while the engine reads as idle are no lost core either.
     """
     elapsed = max(0.0, elapsed_s)
 
     def rule(canary: CanaryRule) -> bool:
+        if stalls_excused:
+            return False
         if canary is CanaryRule.NOW:
             return True
         if canary is CanaryRule.WHEN_DUE:
@@ -359,6 +363,11 @@ def judge(
                                f"{policy.stall_s:g} s"),
                        now_stalled)
 
+    if in_flight > 0 and not moved and stalls_excused:
+        return verdict(Verdict.STALLED, CanaryRule.NEVER,
+                       replace(base, stalls_excused=True,
+                               summary=f"idle and flat for {elapsed:.1f} s with {in_flight} "
+                               "requests in flight; excused (refit lease)"))
     if in_flight > 0 and not moved:
         return verdict(Verdict.LOST_CORE, CanaryRule.NOW,
                        replace(base, summary=f"idle and flat for {elapsed:.1f} s, but the "

@@ -288,8 +288,10 @@ async def test_attach_mode_quarantines_an_engine_it_did_not_start_and_runs_the_r
             assert r.base_url == urls[1] and r.restart_attempts == 1
             started = (await sim_stats(urls[1]))["engine"]["start_time"]
             assert r.incarnation == repr(started)  # the new process, as the watchdog names it
-            assert [(t.from_state, t.to_state) for t in seen if t.shard == 1] == [
-                (H, D), (D, R), (R, ST), (ST, H)]
+            moves = [(t.from_state, t.to_state) for t in seen if t.shard == 1]
+            # maybe SUSPECT first (a failed canary), then condemned, restarted, re-admitted
+            assert moves[-3:] == [(D, R), (R, ST), (ST, H)] and moves[-4][1] is D, moves
+            assert (H, S) in moves or moves[0] == (H, D)
             assert load.failures == []
         assert all(s.proc.poll() is None for s in sims)  # attached engines are not ours to stop
     finally:

@@ -115,6 +115,20 @@ def test_the_real_wedged_idle_pair_is_idle_and_lost_core_when_the_router_has_req
     assert conclude(lost, canary_ok=True) is Health.SERVING
 
 
+def test_a_refit_lease_sends_no_canary_and_sees_no_lost_core() -> None:
+    # An engine loading weights may hold requests without running them, and answer nothing:
+    # during the lease a canary would only wait behind the load and prove nothing.
+    one, two = capture("metrics-wedged-idle-1.txt"), capture("metrics-wedged-idle-2.txt")
+    held = judge(one, two, elapsed_s=3.0, in_flight=2, stalls_excused=True)
+    assert held.verdict is Verdict.STALLED and held.evidence.stalls_excused
+    assert held.send_canary is False
+    assert conclude(held, canary_ok=None) is Health.UNPROVEN
+    idle = judge(one, two, elapsed_s=3.0, stalls_excused=True)
+    assert idle.verdict is Verdict.IDLE and idle.send_canary is False
+    first = judge(None, two, elapsed_s=0.0, stalls_excused=True)
+    assert first.send_canary is False
+
+
 # ------------------------------------------------------------------ progress and stalls
 
 
