@@ -16,6 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# Imported here, not when a load starts: importing openai takes most of a second of CPU, and a
+# load that starts beside a fleet in the same event loop would stall that loop for as long
+# (a canary's timer runs on while the loop is blocked).
+import openai
+from openai import AsyncOpenAI
+
 __all__ = ["Load", "RequestResult"]
 
 
@@ -59,8 +65,6 @@ class Load:
         await self.stop()
 
     def start(self) -> None:
-        from openai import AsyncOpenAI
-
         self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key="none",
                                    max_retries=0, timeout=self.timeout_s)
         self._t0 = time.monotonic()
@@ -89,8 +93,6 @@ class Load:
                     await asyncio.wait_for(self._stop.wait(), self.think_s)
 
     async def _one(self, request_id: str) -> None:
-        import openai
-
         started = time.monotonic()
         status, error = 200, ""
         try:
