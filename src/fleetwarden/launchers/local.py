@@ -25,7 +25,7 @@ from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, ExitCallback, LaunchError
 from fleetwarden.launchers.procs import ProcessInfo, process_start_ticks, terminate_group
 
-__all__ = ["LocalLauncher", "default_engine_command", "free_port"]
+__all__ = ["LocalLauncher", "default_engine_command", "free_port", "wait_healthy"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,27 @@ def free_port(host: str) -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+async def wait_healthy(handle: EngineHandle, timeout_s: float, hint: str) -> None:
+    """Return when ``handle.url`` answers ``/health`` with 200; :class:`LaunchError` (ending
+    with ``hint``, e.g. where the log is) when the engine ends first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    last = "no answer yet"
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() < deadline:
+            if handle.exited:
+                raise LaunchError(f"{handle.exit_description} while starting; {hint}")
+            try:
+                async with session.get(handle.url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"/health answered {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(_POLL_S * 2)
+    raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); {hint}")
 
 
 class LocalLauncher:
@@ -110,23 +131,7 @@ class LocalLauncher:
             self._on_exit(handle)
 
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        timeout = aiohttp.ClientTimeout(total=2.0)
-        last = "no answer yet"
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while time.monotonic() < deadline:
-                if handle.exited:
-                    raise LaunchError(f"exited with code {handle.returncode} while starting; "
-                                      f"see {handle.log_path}")
-                try:
-                    async with session.get(handle.url + "/health") as resp:
-                        if resp.status == 200:
-                            return
-                        last = f"/health answered {resp.status}"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(_POLL_S * 2)
-        raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); see {handle.log_path}")
+        await wait_healthy(handle, timeout_s, f"see {handle.log_path}")
 
     async def stop(self, handle: EngineHandle) -> None:
         handle.stopping = True
