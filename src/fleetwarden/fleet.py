@@ -49,7 +49,8 @@ _RECENT = 5000
 
 
 class ShardLaunchers:
-    """One launcher per shard: launched shards locally, attached shards by their command."""
+    """One launcher per shard: launched shards locally or as Ray actors (``fleet.launcher``),
+    attached shards by their command."""
 
     def __init__(self, by_shard: dict[int, Launcher]) -> None:
         self.by_shard = by_shard
@@ -168,16 +169,22 @@ class Fleet:
                 f"config has {size}; use another journal.path for a different fleet"
             )
 
-        local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+        launcher: Launcher
+        if cfg.fleet.launcher == "ray":
+            from fleetwarden.launchers.ray import RayLauncher  # the optional extra
+
+            launcher = RayLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+        else:
+            launcher = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
         attach = AttachLauncher(cfg.fleet, cfg.health)
         self._launchers = ShardLaunchers(
-            {i: local for i in launched} | {i: attach for i in attached}
+            {i: launcher for i in launched} | {i: attach for i in attached}
         )
 
         # The first engines start before the ledger exists, so it is built with their URLs.
         to_launch = [i for i in launched
                      if restored is None or restored.state(i) is not ShardState.RETIRED]
-        first = await launch_first(local, to_launch, cfg.fleet.startup_timeout_s)
+        first = await launch_first(launcher, to_launch, cfg.fleet.startup_timeout_s)
         urls = []
         for i in range(size):
             if i in attached:
