@@ -433,9 +433,16 @@ async def _up(cfg: Any, quiet: bool) -> None:
     from fleetwarden.fleet import Fleet
 
     fleet = Fleet(cfg)
+
+    def stop_on_signal() -> None:
+        # A Ray driver (launcher = "ray") catches SIGTERM in C++ first and arms a 3 s alarm
+        # that aborts the process; a graceful stop of every engine takes longer. Disarm it.
+        signal.alarm(0)
+        fleet.request_stop()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, fleet.request_stop)
+        loop.add_signal_handler(signum, stop_on_signal)
     console = Console(highlight=False)
     console.print(f"fleetwarden {__version__}: starting {cfg.fleet.engines} engine(s)"
                   + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))

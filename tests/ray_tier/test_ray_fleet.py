@@ -8,6 +8,11 @@ Each scenario prints what it measured (how fast a death was seen, what the load 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -200,3 +205,41 @@ async def test_stopping_fleetwarden_releases_every_ray_actor(
                     what="every engine slot free again")
     finally:
         await asyncio.to_thread(ray.shutdown)
+
+
+def test_fleetwarden_up_on_ray_stops_its_engines_and_exits_cleanly_on_sigterm(
+        tmp_path: Path, cluster: RayCluster) -> None:
+    # Each engine takes 4 s to stop (its shell waits before it exits). A Ray driver's C++ code
+    # answers SIGTERM with a 3 s alarm that aborts the process; `up` must disarm it and finish
+    # its graceful stop.
+    slow_stop = ("sh -c \"trap 'sleep 4; exit 0' TERM; {python} -m fleetwarden sim --host {host}"
+                 " --port {port} & wait\"")
+    q = json.dumps  # a JSON string is a TOML string
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f"[fleet]\nengines = 2\nlauncher = \"ray\"\nray_address = {q(cluster.address)}\n"
+        f"ray_resources = {{ engine_slot = 1 }}\nengine_cmd = {q(slow_stop)}\n"
+        f"log_dir = {q(str(tmp_path / 'logs'))}\n"
+        f"[router]\nport = 0\n[admin]\nport = 0\ntoken_file = {q(str(tmp_path / 'token'))}\n"
+        f"[journal]\npath = {q(str(tmp_path / 'fleet.sqlite'))}\n")
+    up = subprocess.Popen([sys.executable, "-m", "fleetwarden", "up", "--config", str(config),
+                           "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True, cwd=tmp_path)
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:  # until it serves (or exits: the loop ends)
+            lines.append(line)
+            if line.startswith("Ctrl-C stops the fleet"):
+                break
+        assert up.poll() is None, "".join(lines)
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    text = "".join(lines) + out
+    assert up.returncode == 0, text[-3000:]
+    assert "stopped; nothing left running." in text
+    assert text.count("stopped on node") == 2, text[-3000:]
