@@ -170,10 +170,12 @@ class Fleet:
             )
 
         launcher: Launcher
-        if cfg.fleet.launcher == "ray":
+        if cfg.fleet.launcher == "ray" and launched:
             from fleetwarden.launchers.ray import RayLauncher  # the optional extra
 
-            launcher = RayLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+            ray_launcher = RayLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+            await ray_launcher.connect()  # a wrong address fails the start, not each shard
+            launcher = ray_launcher
         else:
             launcher = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
         attach = AttachLauncher(cfg.fleet, cfg.health)

@@ -21,11 +21,13 @@ import pytest
 import ray
 
 from fleetwarden.fleet import Fleet
+from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.procs import group_members, process_info
 from fleetwarden.launchers.ray import RayEngineHandle
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
 from scenario.fleet_support import (
+    fleet_config,
     record_transitions,
     running_fleet,
     served_ids,
@@ -34,7 +36,7 @@ from scenario.fleet_support import (
     until,
 )
 
-from .cluster import SLOTS_PER_NODE, RayCluster
+from .cluster import SLOTS_PER_NODE, RayCluster, free_ports
 
 pytestmark = pytest.mark.ray
 
@@ -243,3 +245,14 @@ def test_fleetwarden_up_on_ray_stops_its_engines_and_exits_cleanly_on_sigterm(
     assert up.returncode == 0, text[-3000:]
     assert "stopped; nothing left running." in text
     assert text.count("stopped on node") == 2, text[-3000:]
+
+
+async def test_a_ray_address_where_nothing_listens_fails_the_start_at_once(
+        tmp_path: Path) -> None:
+    port = free_ports(1)[0]  # nothing listens there
+    fleet = Fleet(fleet_config(tmp_path, fleet={"launcher": "ray",
+                                                "ray_address": f"127.0.0.1:{port}"}))
+    with pytest.raises(LaunchError, match=f"cannot join the Ray cluster at '127.0.0.1:{port}'"):
+        async with fleet:
+            pass
+    assert not ray.is_initialized()

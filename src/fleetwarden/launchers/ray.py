@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import threading
@@ -70,6 +71,8 @@ _KILL_WAIT_S = 5.0
 _NODE_TASK_MARGIN_S = 60.0
 #: Seconds between asking again after Ray said an actor is unavailable (not yet known dead).
 _UNAVAILABLE_RETRY_S = 0.5
+#: Seconds to wait for a TCP connection to the GCS before ray.init (which would wait minutes).
+_GCS_CONNECT_TIMEOUT_S = 5.0
 #: Calls an actor serves at once: wait_exit blocks for the engine's lifetime beside stop.
 _ACTOR_CONCURRENCY = 4
 
@@ -246,12 +249,15 @@ class RayLauncher:
             if self._connected:
                 return
             if not ray.is_initialized():
+                address = self.fleet.ray_address
                 try:
-                    await asyncio.to_thread(ray.init, address=self.fleet.ray_address,
-                                            namespace=NAMESPACE, log_to_driver=False)
+                    # Ray waits minutes for a GCS that is not there; a refused port is clear.
+                    await asyncio.to_thread(_check_gcs_port, address)
+                    await asyncio.to_thread(ray.init, address=address, namespace=NAMESPACE,
+                                            log_to_driver=False)
                 except Exception as exc:  # ConnectionError, ValueError, RuntimeError, ...
-                    raise LaunchError(f"cannot join the Ray cluster at "
-                                      f"{self.fleet.ray_address!r}: {exc}") from exc
+                    raise LaunchError(f"cannot join the Ray cluster at {address!r}: "
+                                      f"{exc}") from exc
                 self._owns_connection = True
             self._actor_class = ray.remote(EngineActor)
             self._reaper = ray.remote(_reap)
@@ -431,6 +437,14 @@ async def _result(ref: Any, timeout_s: float | None = None) -> Any:
     if timeout_s is None:
         return await future
     return await asyncio.wait_for(future, timeout_s)
+
+
+def _check_gcs_port(address: str) -> None:
+    """For a ``host:port`` address, that something listens there (OSError if not)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", "local", "ray://...": ray.init knows what to do
+    socket.create_connection((host.strip("[]"), int(port)), timeout=_GCS_CONNECT_TIMEOUT_S).close()
 
 
 def _kill(actor: Any) -> None:
