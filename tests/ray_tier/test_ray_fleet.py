@@ -256,3 +256,21 @@ async def test_a_ray_address_where_nothing_listens_fails_the_start_at_once(
         async with fleet:
             pass
     assert not ray.is_initialized()
+
+
+async def test_an_engine_that_cannot_start_on_its_node_is_a_failed_launch_with_the_cause(
+        tmp_path: Path, cluster: RayCluster) -> None:
+    sections = on_ray(cluster, 1)
+    sections["fleet"]["engine_cmd"] = "/nonexistent/engine --port {port}"
+    async with running_fleet(tmp_path, **sections) as fleet:
+        await until(lambda: "cannot start" in fleet.ledger.shard(0).last_error,
+                    what="the first start's failure recorded")
+        error = fleet.ledger.shard(0).last_error
+        assert "/nonexistent/engine" in error and "see " in error, error
+        assert fleet.ledger.state(0) is not H
+    await asyncio.to_thread(ray.init, address=cluster.address, log_to_driver=False)
+    try:  # the failed launches released their actors
+        await until(lambda: ray.available_resources().get("engine_slot", 0)
+                    == ray.cluster_resources()["engine_slot"], what="every engine slot free")
+    finally:
+        await asyncio.to_thread(ray.shutdown)

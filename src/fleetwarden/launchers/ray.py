@@ -47,7 +47,7 @@ from typing import Any
 
 try:
     import ray
-    from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+    from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"launcher = 'ray' needs Ray: pip install 'fleetwarden[ray]' ({exc})"
@@ -469,8 +469,14 @@ def _cluster_summary() -> str:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The gist of an error. A failure inside an actor method arrives as a RayTaskError
+    (also an instance of the original's class) whose text opens with a traceback: the
+    original exception is its cause."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException):
+        exc = cause
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    return text.splitlines()[0][:500]
 
 
 def _death_reason(exc: BaseException) -> str:
