@@ -265,16 +265,16 @@ class RayLauncher:
             log.info("joined the Ray cluster at %s", self.fleet.ray_address)
 
     def _actor_options(self) -> dict[str, Any]:
-        resources = dict(self.fleet.ray_resources)
+        custom = dict(self.fleet.ray_resources)  # what is left after Ray's own names
         options: dict[str, Any] = {
-            "num_cpus": resources.pop("CPU", 0.0),
-            "num_gpus": resources.pop("GPU", 0.0),
-            "resources": resources,
+            "num_cpus": custom.pop("CPU", 0.0),
+            "num_gpus": custom.pop("GPU", 0.0),
             "max_restarts": 0,  # a restart is the supervisor's, within its budget
             "max_concurrency": _ACTOR_CONCURRENCY,
         }
-        if "memory" in resources:
-            options["memory"] = resources.pop("memory")
+        if "memory" in custom:
+            options["memory"] = custom.pop("memory")
+        options["resources"] = custom
         if self.fleet.ray_scheduling == "SPREAD":
             options["scheduling_strategy"] = "SPREAD"
         return options
