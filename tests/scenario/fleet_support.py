@@ -41,7 +41,11 @@ def fleet_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
 @contextlib.asynccontextmanager
 async def running_fleet(tmp_path: Path, **sections: dict[str, Any]) -> AsyncIterator[Fleet]:
     fleet = Fleet(fleet_config(tmp_path, **sections))
-    await fleet.start()
+    try:
+        await fleet.start()
+    except BaseException:
+        await fleet.stop()  # whatever it started before it failed
+        raise
     loop = asyncio.create_task(fleet.run(), name="controller")
     try:
         yield fleet

@@ -65,3 +65,23 @@ def test_config_example_command_prints_it() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert parse_config(tomllib.loads(out.stdout)) == Config()
+
+
+def test_the_ray_launcher_is_chosen_in_the_fleet_section() -> None:
+    fleet = Config().fleet
+    assert fleet.launcher == "local"  # nothing but this machine by default
+    assert fleet.ray_resources == {"GPU": 1.0} and fleet.ray_scheduling == "SPREAD"
+    cfg = parse_config({"fleet": {"launcher": "ray", "ray_address": "10.0.0.1:6379",
+                                  "ray_resources": {"engine_slot": 1, "CPU": 2}}})
+    assert cfg.fleet.ray_resources == {"engine_slot": 1.0, "CPU": 2.0}
+    assert cfg.fleet.ray_address == "10.0.0.1:6379"
+
+
+def test_bad_ray_settings_name_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"fleet": {"launcher": "k8s", "ray_resources": {"GPU": 0},
+                                "ray_scheduling": "PACK"}})
+    text = str(err.value)
+    assert "fleet.launcher = 'k8s'" in text and "'local' or 'ray'" in text
+    assert "fleet.ray_resources.GPU = 0" in text and "greater than 0" in text
+    assert "fleet.ray_scheduling = 'PACK'" in text

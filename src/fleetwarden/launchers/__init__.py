@@ -40,6 +40,9 @@ class EngineHandle:
     returncode: int | None = None
     #: True while the supervisor stops it on purpose: that exit is not a failure.
     stopping: bool = field(default=False)
+    #: Why the engine ended when a launcher knows more than an exit code, or knows that no
+    #: exit code will ever come (a Ray engine whose actor or node died).
+    exit_cause: str = ""
 
     @property
     def incarnation(self) -> str:
@@ -47,7 +50,12 @@ class EngineHandle:
 
     @property
     def exited(self) -> bool:
-        return self.returncode is not None
+        return self.returncode is not None or bool(self.exit_cause)
+
+    @property
+    def exit_description(self) -> str:
+        """How the engine ended, in words: the condemnation's cause."""
+        return self.exit_cause or f"engine process exited with code {self.returncode}"
 
 
 ExitCallback = Callable[[EngineHandle], None]

@@ -41,7 +41,7 @@ from fleetwarden.launchers.procs import (
 )
 
 __all__ = ["LocalLauncher", "default_engine_command", "free_port", "kill_launched",
-           "launch_id_of", "live_launch_ids"]
+           "launch_id_of", "live_launch_ids", "wait_healthy"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,27 @@ async def _pid_exit(pid: int) -> int:
         loop.remove_reader(fd)
         os.close(fd)
     return -1
+
+
+async def wait_healthy(handle: EngineHandle, timeout_s: float, hint: str) -> None:
+    """Return when ``handle.url`` answers ``/health`` with 200; :class:`LaunchError` (ending
+    with ``hint``, e.g. where the log is) when the engine ends first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    last = "no answer yet"
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() < deadline:
+            if handle.exited:
+                raise LaunchError(f"{handle.exit_description} while starting; {hint}")
+            try:
+                async with session.get(handle.url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"/health answered {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(_POLL_S * 2)
+    raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); {hint}")
 
 
 class LocalLauncher:
@@ -248,23 +269,7 @@ class LocalLauncher:
         return len(members)
 
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        timeout = aiohttp.ClientTimeout(total=2.0)
-        last = "no answer yet"
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while time.monotonic() < deadline:
-                if handle.exited:
-                    raise LaunchError(f"exited with code {handle.returncode} while starting; "
-                                      f"see {handle.log_path}")
-                try:
-                    async with session.get(handle.url + "/health") as resp:
-                        if resp.status == 200:
-                            return
-                        last = f"/health answered {resp.status}"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(_POLL_S * 2)
-        raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); see {handle.log_path}")
+        await wait_healthy(handle, timeout_s, f"see {handle.log_path}")
 
     async def stop(self, handle: EngineHandle) -> None:
         handle.stopping = True

@@ -1,0 +1,149 @@
+"""The keeper (launchers.keeper): the process that owns a Ray engine's process group, without
+Ray. Each test starts a real keeper around a small shell "engine" and reads what it says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetwarden.launchers.procs import group_members, process_info
+
+#: A loaded 2-core machine may take seconds to start a Python process.
+_WAIT_S = 30.0
+
+
+class Keeper:
+    def __init__(self, log: Path, command: list[str], grace: float = 5.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetwarden.launchers.keeper", "--grace", str(grace),
+             "--kill-wait", "5", "--log", str(log), "--", *command],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.first_exit = self.proc.wait(_WAIT_S)  # the keeper detaches: its caller returns
+        self.started = self.read()
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            assert sel.select(_WAIT_S), "the keeper said nothing"
+        line = self.proc.stdout.readline()
+        assert line, "the keeper closed its output without a word"
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    @property
+    def pgid(self) -> int:
+        pid: int = self.started["pid"]
+        return pid
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"stop\n")
+        self.proc.stdin.flush()
+
+    def close_stdin(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+
+
+def live(pid: int) -> bool:
+    info = process_info(pid)
+    return info is not None and info.state not in "ZX"
+
+
+def until(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {_WAIT_S} s: {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def keepers(tmp_path: Path) -> Iterator[Callable[..., Keeper]]:
+    started: list[Keeper] = []
+
+    def start(command: list[str], grace: float = 5.0) -> Keeper:
+        keeper = Keeper(tmp_path / "engine.log", command, grace)
+        started.append(keeper)
+        return keeper
+
+    yield start
+    for k in started:  # whatever a failed test left: only what these keepers started
+        for pid in [m.pid for m in group_members(k.started.get("pid", -1))]:
+            os.kill(pid, signal.SIGKILL)
+        keeper_pid = k.started.get("keeper_pid")
+        if keeper_pid and live(keeper_pid):
+            os.kill(keeper_pid, signal.SIGKILL)
+
+
+#: An engine with a child in its group, as vLLM's API server has its EngineCore.
+TWO = ["sh", "-c", "sleep 300 & exec sleep 300"]
+
+
+def test_the_keeper_detaches_and_runs_the_engine_in_a_group_of_its_own(
+        keepers: Callable[..., Keeper]) -> None:
+    k = keepers(TWO)
+    assert k.first_exit == 0 and k.started["event"] == "started"
+    keeper = process_info(k.started["keeper_pid"])
+    engine = process_info(k.pgid)
+    assert keeper is not None and engine is not None
+    assert keeper.pid != k.proc.pid and keeper.ppid != os.getpid()  # no child of its caller
+    assert keeper.sid == keeper.pid  # a session of its own: no signal to ours reaches it
+    assert engine.pgid == engine.pid != keeper.pgid  # the engine leads its own group
+    assert engine.start_ticks == k.started["start_ticks"]
+    until(lambda: len(group_members(k.pgid)) == 2, "the engine's child started")
+
+
+def test_the_keeper_stops_the_whole_group_when_its_owner_is_gone(
+        keepers: Callable[..., Keeper]) -> None:
+    k = keepers(TWO)
+    until(lambda: len(group_members(k.pgid)) == 2, "the engine's child started")
+    k.close_stdin()  # what a killed Ray actor's pipe does
+    end = k.read()
+    assert end["event"] == "ended" and end["why"] == "owner gone", end
+    assert end["left"] == [] and group_members(k.pgid) == []
+    assert end["code"] == -signal.SIGTERM
+    until(lambda: not live(k.started["keeper_pid"]), "the keeper exited")
+
+
+def test_a_stop_kills_a_group_that_ignores_sigterm(keepers: Callable[..., Keeper]) -> None:
+    k = keepers(["sh", "-c", "trap '' TERM; sleep 300 & wait"], grace=0.5)
+    until(lambda: len(group_members(k.pgid)) == 2, "the engine's child started")
+    k.stop()
+    end = k.read()
+    assert end["why"] == "stop" and end["killed"] is True and end["left"] == [], end
+    assert group_members(k.pgid) == []
+
+
+def test_an_engine_that_exits_takes_what_it_left_in_its_group_with_it(
+        keepers: Callable[..., Keeper]) -> None:
+    # the leader exits with 3 and leaves a child behind, as a killed vLLM API server leaves
+    # its EngineCore
+    k = keepers(["sh", "-c", "sleep 300 & sleep 0.5; exit 3"])
+    end = k.read()
+    assert end["why"] == "exited" and end["code"] == 3 and end["left"] == [], end
+    assert group_members(k.pgid) == []
+
+
+def test_sigterm_to_the_keeper_stops_the_group(keepers: Callable[..., Keeper]) -> None:
+    k = keepers(TWO)
+    os.kill(k.started["keeper_pid"], signal.SIGTERM)
+    end = k.read()
+    assert end["why"] == "signalled" and end["left"] == [], end
+    assert group_members(k.pgid) == []
+
+
+def test_an_engine_that_cannot_start_is_reported(tmp_path: Path) -> None:
+    k = Keeper(tmp_path / "engine.log", ["/nonexistent/engine"])
+    assert k.started["event"] == "failed" and "/nonexistent/engine" in k.started["error"]
