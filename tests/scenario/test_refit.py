@@ -108,8 +108,9 @@ async def test_stalls_during_a_refit_lease_are_not_condemned(tmp_path: Path) -> 
         t = trainer(f)
         url = f.ledger.shard(2).base_url
         async with Load(f.router_url, concurrency=6, max_tokens=30) as load:
-            await until(lambda: f.router.in_flight().get(url, 0) >= 1, what="in flight on 2")
-            assert [f.ledger.state(i) for i in range(3)] == [H, H, H]
+            await until(lambda: f.router.in_flight().get(url, 0) >= 1
+                        and [f.ledger.state(i) for i in range(3)] == [H, H, H],
+                        what="in flight on 2, every shard HEALTHY")
             await call(t.begin_refit, 1)
             await f.inject_fault(2, "wedge", {})  # an engine pausing while it loads weights
             ticks = f.controller.tick_number

@@ -27,10 +27,12 @@ def tiny_model_dir(vllm_python: Path) -> Path:
     return ensure_tiny_model(python=vllm_python)
 
 
-@pytest.fixture
-def engine(vllm_python: Path, tiny_model_dir: Path, tmp_path: Path) -> Iterator[VllmEngine]:
-    """One real engine, up and answering /health; stopped as a group however the test ends."""
-    eng = start_vllm_engine(vllm_python, tiny_model_dir, tmp_path)
+@pytest.fixture(scope="module")
+def engine(vllm_python: Path, tiny_model_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+    """One real engine for the module's tests, in file order (the last one kills its core), up
+    and answering /health; stopped as a group however the tests end."""
+    eng = start_vllm_engine(vllm_python, tiny_model_dir, tmp_path_factory.mktemp("engine"))
     try:
         eng.wait_ready()
         yield eng

@@ -1,0 +1,80 @@
+"""The controller's mapping of watchdog reports into the ledger (the table in watchdog.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetwarden.config import Config
+from fleetwarden.controller import Controller
+from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
+from fleetwarden.ledger import Ledger, Policy, ShardState
+from fleetwarden.refit import RefitCoordinator
+from fleetwarden.watchdog import CanaryResult, Report
+
+H, S, ST, D = ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE, ShardState.DEAD
+
+
+def report(verdict: Verdict, health: Health, canary: bool | None = None,
+           incarnation: str | None = None) -> Report:
+    result = None if canary is None else CanaryResult(canary, 1.5, None if not canary else 200,
+                                                      "" if canary else "no answer")
+    return Report("http://e", verdict, Evidence(verdict.name.lower()), health, CanaryRule.NEVER,
+                  None, None, result, incarnation)
+
+
+def controller(weights: str = "static") -> tuple[Controller, Ledger, RefitCoordinator]:
+    config: Any = Config.model_validate({"fleet": {"weights": weights}})
+    ledger = Ledger(["http://a", "http://b"], Policy(weights=config.fleet.weights))
+    refit = RefitCoordinator(ledger)
+    c = Controller(ledger, None, None, [], config, refit=refit)  # type: ignore[arg-type]
+    return c, ledger, refit
+
+
+def test_verdicts_map_to_ledger_operations() -> None:
+    c, ledger, _ = controller()
+    c.apply_report(0, report(Verdict.IDLE, Health.FAILING, canary=False))
+    assert ledger.state(0) is S and ledger.shard(0).consecutive_probe_failures == 1
+    c.apply_report(0, report(Verdict.BUSY, Health.SERVING))
+    c.apply_report(0, report(Verdict.BUSY, Health.SERVING))
+    assert ledger.state(0) is H
+    c.apply_report(0, report(Verdict.STALLED, Health.UNPROVEN))
+    assert ledger.shard(0).consecutive_probe_successes == 2  # unproven: no probe either way
+    c.apply_report(1, report(Verdict.STUCK, Health.CONDEMNED))
+    assert ledger.state(1) is D and ledger.shard(1).last_error.startswith("STUCK")
+
+
+def test_a_failed_canary_that_lands_during_a_refit_lease_counts_for_nothing() -> None:
+    c, ledger, refit = controller("trainer")
+    refit.begin_refit(1)
+    c.apply_report(0, report(Verdict.IDLE, Health.FAILING, canary=False))
+    c.apply_report(1, report(Verdict.LOST_CORE, Health.CONDEMNED, canary=False))
+    assert [ledger.state(0), ledger.state(1)] == [H, H]
+    refit.complete_refit(1)
+    c.apply_report(0, report(Verdict.IDLE, Health.FAILING, canary=False))
+    assert ledger.state(0) is S  # after the lease, a failed canary is a failed probe again
+
+
+def test_a_silent_restart_goes_stale_in_trainer_mode_and_a_canary_promotes_in_static() -> None:
+    c, ledger, _ = controller("trainer")
+    ledger.observe_incarnation(0, "1.0")
+    c.apply_report(0, report(Verdict.RESTARTED, Health.SERVING, canary=True, incarnation="2.0"))
+    assert ledger.state(0) is ST
+    c.apply_report(0, report(Verdict.IDLE, Health.SERVING, canary=True))
+    assert ledger.state(0) is ST  # trainer mode: only a refit brings it back
+
+    s, static, _ = controller("static")
+    static.condemn(0, "exited")
+    static.mark_restarting(0)
+    static.mark_loaded(0, "http://a2", "launch-2")
+    s.apply_report(0, report(Verdict.IDLE, Health.SERVING, canary=True))
+    assert static.state(0) is H  # static weights: a good canary is the refit
+
+
+def test_an_unreachable_stale_shard_is_condemned_after_the_threshold() -> None:
+    c, ledger, _ = controller("trainer")
+    ledger.mark_weights_partial(0)
+    for _ in range(2):
+        c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
+        assert ledger.state(0) is ST
+    c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
+    assert ledger.state(0) is D
