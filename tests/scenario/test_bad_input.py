@@ -137,7 +137,8 @@ class BadEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", models)
         app.router.add_post(COMPLETIONS, complete)
-        self.runner = web.AppRunner(app)
+        # a handler asleep in "slow" must not hold the runner for its 30 s at cleanup
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
