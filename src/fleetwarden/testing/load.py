@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class RequestResult:
     latency_s: float
     status: int  # 200, the HTTP status of a refusal, or 0 when no answer came
     error: str = ""
+    max_tokens: int = 0  # what the request asked for (its generation's length)
 
     @property
     def ok(self) -> bool:
@@ -37,6 +39,10 @@ class Load:
     base_url: str  # the router's URL, without /v1
     concurrency: int = 8
     max_tokens: int = 16
+    #: Draw each request's max_tokens uniformly from this range (inclusive) instead: a mix of
+    #: short and long generations. Seeded by ``seed``, so two runs send the same sequence.
+    max_tokens_range: tuple[int, int] | None = None
+    seed: int = 0
     model: str = "tiny"
     prompt: str = "hello"
     stream: bool = False
@@ -64,6 +70,7 @@ class Load:
         self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key="none",
                                    max_retries=0, timeout=self.timeout_s)
         self._t0 = time.monotonic()
+        self._rng = random.Random(self.seed)
         self._tasks = [asyncio.create_task(self._worker(), name=f"load-{i}")
                        for i in range(self.concurrency)]
 
@@ -91,26 +98,28 @@ class Load:
     async def _one(self, request_id: str) -> None:
         import openai
 
+        max_tokens = (self._rng.randint(*self.max_tokens_range)
+                      if self.max_tokens_range is not None else self.max_tokens)
         started = time.monotonic()
         status, error = 200, ""
         try:
             headers = {"x-request-id": request_id}
             if self.stream:
                 stream = await self._client.completions.create(
-                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    model=self.model, prompt=self.prompt, max_tokens=max_tokens,
                     stream=True, extra_headers=headers)
                 async for _ in stream:
                     pass
             else:
                 await self._client.completions.create(
-                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    model=self.model, prompt=self.prompt, max_tokens=max_tokens,
                     extra_headers=headers)
         except openai.APIStatusError as exc:
             status, error = exc.status_code, str(exc)[:300]
         except openai.APIError as exc:  # no answer: connection error or timeout
             status, error = 0, f"{type(exc).__name__}: {exc}"[:300]
         self.results.append(RequestResult(request_id, started, time.monotonic() - started,
-                                          status, error))
+                                          status, error, max_tokens))
 
     # ------------------------------------------------------------------ reading results
 
