@@ -21,7 +21,10 @@ STRICT := src/fleetwarden/testing/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
-.PHONY: test test-vllm demo lint typecheck unit bench bench-router clean
+# The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
+BENCH_TYPED := bench/_peers.py bench/failover.py
+
+.PHONY: test test-vllm demo lint typecheck unit bench bench-router bench-failover clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +37,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict $(CORE) $(STRICT)
+	MYPYPATH=src:bench $(BIN)/mypy --strict $(BENCH_TYPED)
 
 test: lint typecheck
 	$(BIN)/pytest
@@ -50,6 +54,10 @@ bench: $(STAMP)
 
 bench-router: $(STAMP)
 	$(BIN)/python bench/router_overhead.py --peer sglang-router
+
+# ~20 min: every scenario against every peer router; writes BENCHMARKS.md and docs/failover.png
+bench-failover: $(STAMP)
+	$(BIN)/python bench/failover.py --write
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
