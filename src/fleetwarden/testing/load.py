@@ -50,6 +50,10 @@ class Load:
     total: int | None = None
     #: Seconds between one worker's requests (0: closed loop, back to back).
     think_s: float = 0.0
+    #: Seconds a worker waits after a failed request before its next one (the failed one is
+    #: never re-sent), as a real client backs off; 0: at once. Keeps a router that fails fast
+    #: from turning the closed loop into a busy loop.
+    pause_after_failure_s: float = 0.0
     #: A request unanswered after this long is a failure (status 0).
     timeout_s: float = 120.0
     results: list[RequestResult] = field(default_factory=list)
@@ -90,12 +94,13 @@ class Load:
             if self.total is not None and self._sent >= self.total:
                 return
             self._sent += 1
-            await self._one(f"load-{self._sent}")
-            if self.think_s:
+            result = await self._one(f"load-{self._sent}")
+            pause = self.think_s + (0.0 if result.ok else self.pause_after_failure_s)
+            if pause:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), self.think_s)
+                    await asyncio.wait_for(self._stop.wait(), pause)
 
-    async def _one(self, request_id: str) -> None:
+    async def _one(self, request_id: str) -> RequestResult:
         import openai
 
         max_tokens = (self._rng.randint(*self.max_tokens_range)
@@ -118,8 +123,10 @@ class Load:
             status, error = exc.status_code, str(exc)[:300]
         except openai.APIError as exc:  # no answer: connection error or timeout
             status, error = 0, f"{type(exc).__name__}: {exc}"[:300]
-        self.results.append(RequestResult(request_id, started, time.monotonic() - started,
-                                          status, error, max_tokens))
+        result = RequestResult(request_id, started, time.monotonic() - started, status, error,
+                               max_tokens)
+        self.results.append(result)
+        return result
 
     # ------------------------------------------------------------------ reading results
 
