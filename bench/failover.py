@@ -74,6 +74,10 @@ MARK_END = "<!-- failover:end -->"
 BAD = 1
 #: A request is "slow" when it took this much longer than its own generation needs.
 SLOW_S = 10.0
+#: A client that got an error waits this long before its next request (it never re-sends the
+#: failed one): a router that fails fast would otherwise turn the closed loop into a busy loop
+#: that takes the CPU from the engines and the next run.
+PAUSE_AFTER_FAILURE_S = 1.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -122,17 +126,17 @@ def _short(name: str, title: str, fault: str | None, **timing: float) -> Scenari
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
-    _short("wedge", "wedge under load", "wedge", warm_s=4, observe_s=25),
-    _short("crash", "crash under load", "crash", warm_s=4, observe_s=12),
+    _short("wedge", "wedge under load", "wedge", warm_s=4, observe_s=20),
+    _short("crash", "crash under load", "crash", warm_s=4, observe_s=10),
     _short("trickle", "every generation fails, every probe passes", "error5xx",
            warm_s=4, observe_s=20),
     Scenario("saturated", "healthy, 2x more clients than slots", None, slots=2,
-             steps_per_s=20.0, max_tokens=(40, 80), clients=12, warm_s=0, observe_s=20,
+             steps_per_s=20.0, max_tokens=(40, 80), clients=12, warm_s=0, observe_s=15,
              client_timeout_s=30.0),
-    _short("idle-wedge", "wedge while idle, then load", "wedge", warm_s=0, observe_s=20,
+    _short("idle-wedge", "wedge while idle, then load", "wedge", warm_s=0, observe_s=15,
            idle_before_s=3.0),
     Scenario("long", "long generations (20-60 s) + a wedge", "wedge", slots=8,
-             steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=24,
+             steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=20,
              client_timeout_s=90.0),
 ]}
 #: What --engines real runs (the tiny model answers in well under a second: no "long").
@@ -228,11 +232,13 @@ class Launcher:
     def sims(self, scenario: Scenario, n: int = 3) -> list[str]:
         procs = []
         for i in range(n):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetwarden", "sim", "--port", "0",
-                 "--slots", str(scenario.slots), "--steps-per-s", f"{scenario.steps_per_s:g}"],
-                stdout=subprocess.PIPE, stderr=(self.folder / f"sim{i}.log").open("w"),
-                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+            with (self.folder / f"sim{i}.log").open("w") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fleetwarden", "sim", "--port", "0",
+                     "--slots", str(scenario.slots),
+                     "--steps-per-s", f"{scenario.steps_per_s:g}"],
+                    stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                    start_new_session=True)
             self.procs.append(proc)
             procs.append(proc)
         urls = []
@@ -492,7 +498,7 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
     # Closed loop, fixed seed: every router sees the same sequence of generation lengths.
     load = Load(router.url, concurrency=scenario.clients,
                 max_tokens_range=scenario.max_tokens, seed=8,
-                timeout_s=scenario.client_timeout_s)
+                timeout_s=scenario.client_timeout_s, pause_after_failure_s=PAUSE_AFTER_FAILURE_S)
     polling = True
 
     async def poller() -> None:
@@ -581,7 +587,8 @@ def run_one(spec: RouterSpec, scenario: Scenario, quick: bool, keep: bool,
         row.version = router.version
         fault_at = asyncio.run(_drive(scenario, router, engines, row))
         ejected, notes = router.verdicts(fault_at)
-        row.healthy_ejected = len(ejected - {engines.urls[BAD]})
+        healthy = set(engines.urls) - ({engines.urls[BAD]} if scenario.fault else set())
+        row.healthy_ejected = len(ejected & healthy)
         row.notes = _shorten(notes, engines.urls)
     except Exception as exc:  # one broken run is a row that says so, not a lost benchmark
         row.not_run = f"error: {type(exc).__name__}: {exc}"[:200]
@@ -701,6 +708,12 @@ def _failed_cell(row: Row) -> str:
     return f"**{row.failed}** ({pct:.0f} %: {detail})"
 
 
+def _load_cell(row: Row) -> str:
+    # More runnable processes than cores: the machine was busy beyond this run (others' work).
+    busy = max(row.load_avg) > (os.cpu_count() or 1)
+    return f"{row.load_avg[0]:.1f}–{row.load_avg[1]:.1f}" + (" ⚠ busy" if busy else "")
+
+
 def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
     lines = ["| scenario | router | sent | client-visible failures | slow (>10 s extra) "
              "| p50 / p99 s | new requests on the bad engine after the fault: last (count) "
@@ -715,7 +728,7 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
         lines.append(
             f"| {title} | {row.router} | {row.sent} | {_failed_cell(row)} | {row.slow} "
             f"| {_fmt_s(row.p50_s)} / {_fmt_s(row.p99_s)} | {_bad_cell(row)} "
-            f"| {row.healthy_ejected} | {row.load_avg[0]:.1f}–{row.load_avg[1]:.1f} |")
+            f"| {row.healthy_ejected} | {_load_cell(row)} |")
     return "\n".join(lines)
 
 
@@ -729,12 +742,20 @@ def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: li
                   if s.idle_before_s else
                   f"{s.warm_s:g} s of load, the fault, {s.observe_s:g} s more"
                   if s.fault else f"{s.observe_s:g} s of load")
-        lines.append(f"- **{s.name}** ({s.title}): {s.clients} clients, "
-                     f"{s.slots} slots per engine, generations {gen}"
-                     + ("" if real else f" ({s.max_tokens[0]}–{s.max_tokens[1]} tokens at "
-                                        f"{s.steps_per_s:g} steps/s)")
-                     + f"; {timing}; client timeout {s.client_timeout_s:g} s.")
-    lines += ["", "Routers:", ""]
+        shape = (f"max_tokens {s.max_tokens[0]}–{s.max_tokens[1]} on the tiny model (well "
+                 "under a second each)" if real else
+                 f"{s.slots} slots per engine, generations {gen} ({s.max_tokens[0]}–"
+                 f"{s.max_tokens[1]} tokens at {s.steps_per_s:g} steps/s)")
+        lines.append(f"- **{s.name}** ({s.title}): {s.clients} clients, {shape}; {timing}; "
+                     f"client timeout {s.client_timeout_s:g} s.")
+    lines += ["", f"Every client waits {PAUSE_AFTER_FAILURE_S:g} s after a failed request before "
+              "its next one (the failed one is not re-sent). *Slow*: answered or not, more than "
+              f"{SLOW_S:g} s beyond the request's own generation time. p50/p99: answered "
+              "requests. *New requests on the bad engine*: from the engine's own request log, "
+              "requests that arrived after the fault, and when the last one came (**still at "
+              "end**: one came in the last fifth of the window). *Ejected*: a healthy engine "
+              "that the router took out (its breaker, health check, fleetwarden's ledger, "
+              "nginx's max_fails).", "", "Routers:", ""]
     versions = {r.router: r.version for r in rows if r.version}
     for spec in routers:
         lines.append(f"- **{spec.name}** {versions.get(spec.name, '')}: {spec.flags}")
@@ -748,11 +769,16 @@ def chart(rows: list[Row], scenarios: list[str], routers: list[str], path: Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(3.1 * len(scenarios) + 1.5, 4.2),
+    cols = min(3, len(scenarios))
+    nrows = (len(scenarios) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols + 1.6, 2.3 * nrows + 1.0),
                              sharey=True, squeeze=False)
+    flat = [ax for row_axes in axes for ax in row_axes]
+    for ax in flat[len(scenarios):]:
+        ax.set_visible(False)
     by_key = {(r.router, r.scenario): r for r in rows}
     colours = ["#2a9d8f", "#e76f51", "#f4a261", "#8d6cab", "#b5a0cc", "#6c757d"]
-    for ax, scenario in zip(axes[0], scenarios, strict=True):
+    for ax, scenario in zip(flat, scenarios, strict=False):
         for i, router in enumerate(routers):
             row = by_key.get((router, scenario))
             if row is None or row.not_run or not row.sent:
@@ -763,13 +789,14 @@ def chart(rows: list[Row], scenarios: list[str], routers: list[str], path: Path,
             ax.barh(i, failed, color=colours[i % len(colours)])
             ax.barh(i, slow_ok, left=failed, color=colours[i % len(colours)], alpha=0.35,
                     hatch="///", edgecolor="white")
-            ax.text(min(failed + slow_ok, 100) + 2, i, f"{failed:.0f}%", va="center",
-                    fontsize=7)
+            label = f"{failed:.0f}%" + (f" (+{slow_ok:.0f}% slow)" if slow_ok >= 0.5 else "")
+            ax.text(min(failed + slow_ok, 100) + 2, i, label, va="center", fontsize=7)
         ax.set_title(scenario, fontsize=9)
-        ax.set_xlim(0, 115)
+        ax.set_xlim(0, 125)
         ax.set_xlabel("% of requests", fontsize=8)
         ax.tick_params(labelsize=7)
-    axes[0][0].set_yticks(range(len(routers)), routers)
+    for row_axes in axes:
+        row_axes[0].set_yticks(range(len(routers)), routers)
     axes[0][0].invert_yaxis()
     fig.suptitle("Client-visible failures (solid) and answered-but-slow requests (hatched, "
                  f">{SLOW_S:g} s beyond their generation)\n{subtitle}", fontsize=9)
