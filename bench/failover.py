@@ -158,6 +158,8 @@ class RouterSpec:
 #: opens after 2 failures. Everything else at the router's defaults.
 TUNED_TIMEOUT_S = 5
 TUNED_RUST = ["--request-timeout-secs", str(TUNED_TIMEOUT_S), "--cb-failure-threshold", "2"]
+#: As REAL-ENGINES.md launches them (their own default is cache_aware).
+RUST_POLICY = "--policy round_robin"
 #: nginx: an upstream that fails twice (within fail_timeout) is left out for fail_timeout.
 NGINX_MAX_FAILS = 2
 NGINX_FAIL_TIMEOUT_S = 15
@@ -165,10 +167,10 @@ NGINX_FAIL_TIMEOUT_S = 15
 ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
     RouterSpec("fleetwarden", "fleetwarden",
                flags="defaults (tick 5 s, stall_s 15 s, canary every 30 s, 3 failed windows)"),
-    RouterSpec("sglang-router", "sglang", flags="defaults"),
-    RouterSpec("sglang-router-tuned", "sglang", True, " ".join(TUNED_RUST)),
-    RouterSpec("vllm-router", "vllm", flags="defaults"),
-    RouterSpec("vllm-router-tuned", "vllm", True, " ".join(TUNED_RUST)),
+    RouterSpec("sglang-router", "sglang", flags=f"defaults, {RUST_POLICY}"),
+    RouterSpec("sglang-router-tuned", "sglang", True, f"{' '.join(TUNED_RUST)}, {RUST_POLICY}"),
+    RouterSpec("vllm-router", "vllm", flags=f"defaults, {RUST_POLICY}"),
+    RouterSpec("vllm-router-tuned", "vllm", True, f"{' '.join(TUNED_RUST)}, {RUST_POLICY}"),
     RouterSpec("nginx", "nginx", True,
                f"max_fails={NGINX_MAX_FAILS} fail_timeout={NGINX_FAIL_TIMEOUT_S}s "
                f"proxy_read_timeout={TUNED_TIMEOUT_S}s, proxy_next_upstream error timeout "
@@ -263,7 +265,7 @@ class Launcher:
             python = peer_python(requirement)
             prom = free_port()
             argv = [str(python), "-m", f"{module}.launch_router", "--host", "127.0.0.1",
-                    "--port", str(port), "--worker-urls", *engines, "--policy", "round_robin",
+                    "--port", str(port), "--worker-urls", *engines, *RUST_POLICY.split(),
                     "--log-level", "warn" if spec.kind == "sglang" else "warning",
                     "--prometheus-port", str(prom)]
             proc = self.spawn(argv + (TUNED_RUST if spec.tuned else []), log)
@@ -733,7 +735,7 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
 
 
 def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: list[Row],
-             real: bool) -> str:
+             real: bool, quick: bool) -> str:
     lines = ["Scenarios (engine 1 gets the fault; 3 engines"
              + (" — 2 real vLLM engines with --engines real" if real else "") + "):", ""]
     for s in scenarios.values():
@@ -758,7 +760,11 @@ def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: li
               "nginx's max_fails).", "", "Routers:", ""]
     versions = {r.router: r.version for r in rows if r.version}
     for spec in routers:
-        lines.append(f"- **{spec.name}** {versions.get(spec.name, '')}: {spec.flags}")
+        flags = spec.flags
+        if quick and spec.kind == "fleetwarden":
+            flags = ("compressed for --quick: " + ", ".join(f"{k} {v:g}"
+                                                           for k, v in QUICK_HEALTH.items()))
+        lines.append(f"- **{spec.name}** {versions.get(spec.name, '')}: {flags}")
     return "\n".join(lines)
 
 
@@ -909,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{elapsed / 60:.1f} min; load average (1 min) {load_start[0]:.2f} at the start, "
                f"{load_end[0]:.2f} at the end" + (" (--quick)" if args.quick else ""))
     body = "\n\n".join([f"```\n{command}\n```", summary, table(rows, scenarios),
-                        describe(scenarios, routers, rows, real)])
+                        describe(scenarios, routers, rows, real, args.quick)])
     print("\n" + body)
     notes = [f"- {r.router} / {r.scenario}: {n}" for r in rows for n in r.notes]
     if notes:
