@@ -66,9 +66,10 @@ from fleetwarden.testing.load import Load, RequestResult
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-CHART = ROOT / "docs" / "failover.png"
-MARK_BEGIN = "<!-- failover:begin (written by bench/failover.py --write) -->"
-MARK_END = "<!-- failover:end -->"
+#: Where --write puts the chart, and the markers of its section in BENCHMARKS.md, by engines.
+CHARTS = {"sim": ROOT / "docs" / "failover.png", "real": ROOT / "docs" / "failover-real.png"}
+SECTIONS = {"sim": "Failover against peer routers (issue 8)",
+            "real": "Failover against peer routers on real vLLM (issue 8)"}
 
 #: The engine that gets the fault (of engines 0, 1, 2).
 BAD = 1
@@ -817,15 +818,19 @@ def _slow_failed(row: Row) -> int:
     return row.by_status.get("timeout", 0)
 
 
-def write_benchmarks(section: str) -> None:
+def write_benchmarks(section: str, engines: str) -> None:
+    """Replace this kind's measured block in BENCHMARKS.md (or add it at the end); whatever
+    was written by hand around the markers stays."""
+    begin = f"<!-- failover-{engines}:begin (written by bench/failover.py --write) -->"
+    end = f"<!-- failover-{engines}:end -->"
     text = BENCHMARKS_MD.read_text()
-    block = f"{MARK_BEGIN}\n{section.rstrip()}\n{MARK_END}"
-    if MARK_BEGIN in text and MARK_END in text:
-        head, _, rest = text.partition(MARK_BEGIN)
-        _, _, tail = rest.partition(MARK_END)
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
         text = head + block + tail
     else:
-        text = text.rstrip() + "\n\n## Failover against peer routers (issue 8)\n\n" + block + "\n"
+        text = text.rstrip() + f"\n\n## {SECTIONS[engines]}\n\n" + block + "\n"
     BENCHMARKS_MD.write_text(text)
 
 
@@ -865,7 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", choices=["sim", "real"], default="sim")
     parser.add_argument("--write", action="store_true",
                         help=f"write the table into {BENCHMARKS_MD.name} and the chart to "
-                             f"{CHART.relative_to(ROOT)}")
+                             f"{CHARTS['sim'].relative_to(ROOT)} (real engines: "
+                             f"{CHARTS['real'].relative_to(ROOT)})")
     parser.add_argument("--json", type=Path, help="also write every row as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs)")
     args = parser.parse_args(argv)
@@ -925,9 +931,11 @@ def main(argv: list[str] | None = None) -> int:
                                          "rows": [dataclasses.asdict(r) for r in rows]},
                                         indent=2))
     if args.write:
-        chart(rows, list(scenarios), [r.name for r in routers], CHART, summary)
-        write_benchmarks(body + f"\n\n![failover chart]({CHART.relative_to(ROOT)})")
-        print(f"\nwrote {BENCHMARKS_MD.name} and {CHART.relative_to(ROOT)}", file=sys.stderr)
+        where = CHARTS[args.engines]
+        chart(rows, list(scenarios), [r.name for r in routers], where, summary)
+        write_benchmarks(body + f"\n\n![failover chart]({where.relative_to(ROOT)})",
+                         args.engines)
+        print(f"\nwrote {BENCHMARKS_MD.name} and {where.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
 
