@@ -137,7 +137,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     _short("idle-wedge", "wedge while idle, then load", "wedge", warm_s=0, observe_s=15,
            idle_before_s=3.0),
     Scenario("long", "long generations (20-60 s) + a wedge", "wedge", slots=8,
-             steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=20,
+             steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=30,
              client_timeout_s=90.0),
 ]}
 #: What --engines real runs (the tiny model answers in well under a second: no "long").
