@@ -42,10 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -486,11 +486,21 @@ async def _inject(url: str, mode: str) -> None:
                 raise
 
 
+class RequestLog(Protocol):
+    """What the engines say reached them: StatsLog (simulated), _LoadGauge (real vLLM)."""
+
+    interval_s: float
+
+    async def poll(self, http: aiohttp.ClientSession) -> None: ...
+
+    def arrivals(self, url: str) -> list[tuple[float, str]]: ...
+
+
 @dataclass
 class Engines:
     urls: list[str]
-    inject: Callable[[str, str], Any]  # (url, fault) -> awaitable
-    stats: Any  # StatsLog or _LoadGauge: poll(http), arrivals(url), gone
+    inject: Callable[[str, str], Awaitable[None]]  # (url, fault)
+    stats: RequestLog
 
 
 async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
@@ -537,6 +547,7 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
         load_stopped = time.time()
         await load.stop()  # waits for every request in flight: an answer or the client timeout
     finally:
+        await load.stop()  # at once when it already stopped; after an error, the load's end
         polling = False
         await task
     _score(scenario, load.results, engines, bad, fault_at, load_stopped, row)
@@ -695,7 +706,7 @@ def _bad_cell(row: Row) -> str:
     if row.bad_after is None:
         return "—"
     if row.bad_exited:
-        return "exited (0.4 s)"
+        return "exited"
     if row.bad_after == 0:
         return "none"
     when = f"+{row.bad_last_s:.1f} s"
@@ -737,8 +748,9 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
 
 def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: list[Row],
              real: bool, quick: bool) -> str:
-    lines = ["Scenarios (engine 1 gets the fault; 3 engines"
-             + (" — 2 real vLLM engines with --engines real" if real else "") + "):", ""]
+    lines = ["Scenarios (engine 1 gets the fault; "
+             + ("2 real vLLM engines: wedge = SIGSTOP of its `VLLM::EngineCore`, crash = "
+                "SIGKILL of it" if real else "3 simulated engines") + "):", ""]
     for s in scenarios.values():
         gen = f"{s.max_tokens[0] / s.steps_per_s:g}–{s.longest_generation_s():g} s"
         timing = (f"fault {s.idle_before_s:g} s before the load, then {s.observe_s:g} s of load"
@@ -754,9 +766,13 @@ def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: li
     lines += ["", f"Every client waits {PAUSE_AFTER_FAILURE_S:g} s after a failed request before "
               "its next one (the failed one is not re-sent). *Slow*: answered or not, more than "
               f"{SLOW_S:g} s beyond the request's own generation time. p50/p99: answered "
-              "requests. *New requests on the bad engine*: from the engine's own request log, "
-              "requests that arrived after the fault, and when the last one came (**still at "
-              "end**: one came in the last fifth of the window). *Ejected*: a healthy engine "
+              "requests. *New requests on the bad engine*: "
+              + ("rises of its API server's in-flight count (`GET /load`, "
+                 "`--enable-server-load-tracking`, read every 0.2 s: a lower bound)"
+                 if real else "from the engine's own request log (`/sim/stats`)")
+              + ", requests that arrived after the fault, and when the last one came "
+              "(**still at end**: one came in the last fifth of the window; *exited*: the "
+              "crashed engine's process is gone). *Ejected*: a healthy engine "
               "that the router took out (its breaker, health check, fleetwarden's ledger, "
               "nginx's max_fails).", "", "Routers:", ""]
     versions = {r.router: r.version for r in rows if r.version}
