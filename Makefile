@@ -28,9 +28,11 @@ STRICT := src/fleetwarden/testing/*.py \
 
 # The browser tier drives this browser (Playwright with executable_path; nothing downloaded).
 CHROMIUM ?= /usr/bin/chromium
+# The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
+BENCH_TYPED := bench/_peers.py bench/failover.py
 
 .PHONY: test test-browser test-ray test-vllm chromium demo lint typecheck unit bench \
-        bench-router dashboard-screenshot clean
+        bench-router bench-failover dashboard-screenshot clean
 
 # With the ray extra: the Ray tier is part of `make test` (without Ray it fails, never skips).
 $(STAMP): pyproject.toml
@@ -44,6 +46,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict $(CORE) $(STRICT)
+	MYPYPATH=src:bench $(BIN)/mypy --strict $(BENCH_TYPED)
 
 # The browser tier is part of the suite: chromium is installed first (apt-get, as root), and a
 # machine where that fails fails the run, naming the cause; the tier is never skipped.
@@ -78,6 +81,10 @@ bench: $(STAMP)
 
 bench-router: $(STAMP)
 	$(BIN)/python bench/router_overhead.py --peer sglang-router
+
+# ~20 min: every scenario against every peer router; writes BENCHMARKS.md and docs/failover.png
+bench-failover: $(STAMP)
+	$(BIN)/python bench/failover.py --write
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

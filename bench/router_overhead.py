@@ -27,12 +27,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from _peers import SGLANG_ROUTER, free_port, peer_python, process
+
 ROOT = Path(__file__).resolve().parent.parent
-SGLANG_ROUTER = "sglang-router==0.3.2"
-VENVS = Path.home() / ".cache" / "fleetwarden" / "bench-venvs"
 
 #: The backend's answer: vLLM's real completion body (tests/fixtures/vllm/completions.http).
 BODY = (ROOT / "tests/fixtures/vllm/completions.http").read_bytes().partition(b"\r\n\r\n")[2]
@@ -150,27 +149,6 @@ async def _load(url: str, concurrency: int, requests: int, seconds: float) -> di
 
 # ---------------------------------------------------------------------- the orchestrator
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _process(argv: list[str], **kwargs: object) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)  # type: ignore[call-overload]
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _run_load(url: str, concurrency: int, requests: int, seconds: float) -> dict[str, object]:
     out = subprocess.run(
         [sys.executable, __file__, "--role", "load", "--url", url,
@@ -199,17 +177,6 @@ def _wait_until_serving(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not start serving within {timeout_s} s")
 
 
-def _sglang_router_python() -> Path:
-    venv = VENVS / SGLANG_ROUTER.replace("==", "-")
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"installing {SGLANG_ROUTER} into {venv} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", SGLANG_ROUTER],
-                       check=True)
-    return python
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=["bench", "backend", "load"], default="bench")
@@ -231,26 +198,26 @@ def main() -> None:
             _load(args.url, args.concurrency, args.requests, args.seconds))))
         return
 
-    with _process([sys.executable, __file__, "--role", "backend"]) as backend:
+    with process([sys.executable, __file__, "--role", "backend"]) as backend:
         assert backend.stdout is not None
         backend_url = f"http://127.0.0.1:{backend.stdout.readline().strip()}"
         targets: dict[str, str] = {"direct": backend_url}
         with contextlib.ExitStack() as stack:
-            router = stack.enter_context(_process(
+            router = stack.enter_context(process(
                 [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
                  "--backend", backend_url, "--log-level", "error"]))
             assert router.stdout is not None
             line = router.stdout.readline()
             targets["fleetwarden route"] = line.split(" on ", 1)[1].split(",")[0]
             if "sglang-router" in args.peer:
-                python = _sglang_router_python()
-                port = _free_port()
-                stack.enter_context(_process(
+                python = peer_python(SGLANG_ROUTER)
+                port = free_port()
+                stack.enter_context(process(
                     [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                      "--port", str(port), "--worker-urls", backend_url,
                      "--policy", "round_robin", "--log-level", "warn",
                      # its exporter defaults to port 29000, which another run may hold
-                     "--prometheus-port", str(_free_port())],
+                     "--prometheus-port", str(free_port())],
                     stderr=subprocess.DEVNULL))
                 targets["sglang-router 0.3.2"] = f"http://127.0.0.1:{port}"
             for url in targets.values():

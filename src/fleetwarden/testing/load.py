@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class RequestResult:
     latency_s: float
     status: int  # 200, the HTTP status of a refusal, or 0 when no answer came
     error: str = ""
+    max_tokens: int = 0  # what the request asked for (its generation's length)
 
     @property
     def ok(self) -> bool:
@@ -43,6 +45,10 @@ class Load:
     base_url: str  # the router's URL, without /v1
     concurrency: int = 8
     max_tokens: int = 16
+    #: Draw each request's max_tokens uniformly from this range (inclusive) instead: a mix of
+    #: short and long generations. Seeded by ``seed``, so two runs send the same sequence.
+    max_tokens_range: tuple[int, int] | None = None
+    seed: int = 0
     model: str = "tiny"
     prompt: str = "hello"
     stream: bool = False
@@ -50,6 +56,10 @@ class Load:
     total: int | None = None
     #: Seconds between one worker's requests (0: closed loop, back to back).
     think_s: float = 0.0
+    #: Seconds a worker waits after a failed request before its next one (the failed one is
+    #: never re-sent), as a real client backs off; 0: at once. Keeps a router that fails fast
+    #: from turning the closed loop into a busy loop.
+    pause_after_failure_s: float = 0.0
     #: A request unanswered after this long is a failure (status 0).
     timeout_s: float = 120.0
     results: list[RequestResult] = field(default_factory=list)
@@ -68,6 +78,7 @@ class Load:
         self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key="none",
                                    max_retries=0, timeout=self.timeout_s)
         self._t0 = time.monotonic()
+        self._rng = random.Random(self.seed)
         self._tasks = [asyncio.create_task(self._worker(), name=f"load-{i}")
                        for i in range(self.concurrency)]
 
@@ -87,32 +98,37 @@ class Load:
             if self.total is not None and self._sent >= self.total:
                 return
             self._sent += 1
-            await self._one(f"load-{self._sent}")
-            if self.think_s:
+            result = await self._one(f"load-{self._sent}")
+            pause = self.think_s + (0.0 if result.ok else self.pause_after_failure_s)
+            if pause:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), self.think_s)
+                    await asyncio.wait_for(self._stop.wait(), pause)
 
-    async def _one(self, request_id: str) -> None:
+    async def _one(self, request_id: str) -> RequestResult:
+        max_tokens = (self._rng.randint(*self.max_tokens_range)
+                      if self.max_tokens_range is not None else self.max_tokens)
         started = time.monotonic()
         status, error = 200, ""
         try:
             headers = {"x-request-id": request_id}
             if self.stream:
                 stream = await self._client.completions.create(
-                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    model=self.model, prompt=self.prompt, max_tokens=max_tokens,
                     stream=True, extra_headers=headers)
                 async for _ in stream:
                     pass
             else:
                 await self._client.completions.create(
-                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    model=self.model, prompt=self.prompt, max_tokens=max_tokens,
                     extra_headers=headers)
         except openai.APIStatusError as exc:
             status, error = exc.status_code, str(exc)[:300]
         except openai.APIError as exc:  # no answer: connection error or timeout
             status, error = 0, f"{type(exc).__name__}: {exc}"[:300]
-        self.results.append(RequestResult(request_id, started, time.monotonic() - started,
-                                          status, error))
+        result = RequestResult(request_id, started, time.monotonic() - started, status, error,
+                               max_tokens)
+        self.results.append(result)
+        return result
 
     # ------------------------------------------------------------------ reading results
 

@@ -103,12 +103,14 @@ def free_port() -> int:
 
 def start_vllm_engine(python: str | os.PathLike[str], model_dir: str | os.PathLike[str],
                       log_dir: str | os.PathLike[str], shard: int = 0,
-                      port: int | None = None) -> VllmEngine:
+                      port: int | None = None, extra_args: str = "") -> VllmEngine:
     """Launch one engine on 127.0.0.1 (a free port unless given) and return at once; call
-    :meth:`VllmEngine.wait_ready` next, and :meth:`VllmEngine.stop` in a ``finally``."""
+    :meth:`VllmEngine.wait_ready` next, and :meth:`VllmEngine.stop` in a ``finally``.
+    ``extra_args`` go to the API server as they are (e.g. ``--enable-server-load-tracking``)."""
     port = port or free_port()
     values = {"host": "127.0.0.1", "port": port, "shard": shard}
-    argv = shlex.split(vllm_engine_command(model_dir, python).format(**values))
+    command = vllm_engine_command(model_dir, python, extra_args=extra_args)
+    argv = shlex.split(command.format(**values))
     env = {**os.environ, **fill_engine_env(vllm_engine_env(), **values)}
     log_path = Path(log_dir) / f"vllm-shard{shard}-port{port}.log"
     with log_path.open("wb") as log:
