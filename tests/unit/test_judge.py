@@ -216,6 +216,30 @@ def test_an_idle_engine_gets_a_canary_at_most_every_canary_interval() -> None:
     assert sends == [True, False, False, True, True]
 
 
+def test_an_engine_empty_at_the_read_but_working_since_the_last_is_busy_and_gets_no_canary(
+) -> None:
+    # Real vLLM's gauges are the last step's: under load they read 0 between one request's
+    # end and the next one's first step. The counters say what the gauges missed.
+    worked = advanced(IDLE, steps=623, generation_tokens=623, prompt_tokens=6,
+                      finished_requests=2)
+    j = judge(IDLE, worked, elapsed_s=1.6, since_canary_s=None)
+    assert (j.verdict, j.canary, j.send_canary) == (Verdict.BUSY, CanaryRule.NEVER, False)
+    assert conclude(j, None) is Health.SERVING  # progress is the proof
+    assert "worked since the last" in j.evidence.summary
+    assert judge(IDLE, worked, elapsed_s=1.6, since_canary_s=600.0).verdict is Verdict.BUSY
+
+
+def test_progress_that_our_own_canary_explains_leaves_an_idle_engine_idle() -> None:
+    # The canary sent at the last read is the only work since: nothing new is proved, and the
+    # next canary waits for its interval.
+    canaried = advanced(IDLE, steps=2, generation_tokens=1, prompt_tokens=1,
+                        finished_requests=1)
+    j = judge(IDLE, canaried, elapsed_s=5.0, since_canary_s=5.0)
+    assert (j.verdict, j.send_canary) == (Verdict.IDLE, False)
+    assert conclude(j, None) is Health.UNPROVEN
+    assert judge(IDLE, IDLE, elapsed_s=5.0, since_canary_s=None).verdict is Verdict.IDLE
+
+
 def test_no_metrics_allows_a_canary_only_with_nothing_in_flight() -> None:
     quiet = judge(IDLE, NoMetrics("/metrics answered 404"), elapsed_s=5)
     assert (quiet.verdict, quiet.canary, quiet.send_canary) == (

@@ -17,10 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 
-__all__ = ["Figures", "crash_under_load", "fleet_toml", "idle_wedge", "wedge_under_load"]
+__all__ = ["Figures", "crash_under_load", "engine_metric", "fleet_toml", "idle_wedge",
+           "wedge_under_load", "wedge_while_running"]
 
 
 @dataclass
@@ -171,10 +175,22 @@ _AFTER_DETECTION_S = 5.0
 
 
 async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figures:
-    """SIGSTOP of the engine core (or a simulated wedge) with requests in flight."""
-    load = Load(up.router, concurrency=6, max_tokens=200, timeout_s=300)
+    """SIGSTOP of the engine core (or a simulated wedge) while it runs requests.
+
+    Struck once the engine itself reports requests running, with generations of mixed
+    lengths. Its gauges freeze with the core: stopped at a step that left them at 0 (real
+    vLLM reads 0 between one request's end and the next one's first step), the engine looks
+    idle with the router's requests in flight there, and the watchdog condemns a lost core
+    instead of a stuck one; both are this fault, caught.
+    """
+    load = Load(up.router, concurrency=6, max_tokens_range=(120, 280), timeout_s=300)
     load.start()
     await _in_flight(up, shard)
+    url = (await _state(up, shard))["base_url"]
+    for _ in range(600):  # 30 s at most
+        if await engine_metric(url, "vllm:num_requests_running") > 0:
+            break
+        await asyncio.sleep(0.05)
     return await _fault_under(up, "wedge under load", engines, shard, "wedge", load)
 
 
@@ -197,6 +213,41 @@ async def _in_flight(up: UpProcess, shard: int) -> None:
     while (await _state(up, shard))["in_flight"] < 1:
         if time.monotonic() - start > 60:
             raise AssertionError(f"no request in flight on shard {shard}")
+        await asyncio.sleep(0.05)
+
+
+async def engine_metric(base_url: str, name: str) -> float:
+    """The sum of one sample's values in an engine's ``/metrics`` (read straight from it)."""
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as http, \
+            http.get(base_url + "/metrics") as r:
+        body = await r.text()
+    return sum(s.value for fam in text_string_to_metric_families(body)
+               for s in fam.samples if s.name == name)
+
+
+async def wedge_while_running(up: UpProcess, shard: int,
+                              limit_s: float = 60.0) -> tuple[float, float]:
+    """Wedge ``shard`` at a moment its engine reports requests running; return when it was
+    struck (``time.monotonic()``, ``time.time()``).
+
+    A closed loop of requests still leaves gaps: the batch can empty between one request's
+    end and the next one's arrival, and a core stopped then reports nothing running. The
+    engine's gauges freeze with the core, so the moment is checked after the stop, not
+    timed: caught in a gap, the engine is let go and struck again. Only for load sent straight
+    to the engine: with the router's requests in flight, a core stopped in a gap is a lost
+    core, which the fleet condemns within a second or two, before the engine is let go.
+    """
+    url = (await _state(up, shard))["base_url"]
+    deadline = time.monotonic() + limit_s
+    while True:
+        struck, struck_wall = time.monotonic(), time.time()
+        await asyncio.to_thread(chaos, up, "wedge", shard)
+        if await engine_metric(url, "vllm:num_requests_running") > 0:
+            return struck, struck_wall
+        await asyncio.to_thread(chaos, up, "unwedge", shard)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"shard {shard} never caught running within {limit_s} s")
         await asyncio.sleep(0.05)
 
 
