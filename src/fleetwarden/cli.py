@@ -53,14 +53,17 @@ def demo(
     engine_cmd: Annotated[str | None, typer.Option(
         "--engine-cmd", help="Run the story on real engines (a command template, as for up).")
     ] = None,
+    engines: Annotated[int | None, typer.Option(
+        "--engines", min=2, help="How many engines (default: 3 simulated, 2 real).")] = None,
     report: Annotated[Path, typer.Option(
         "--report", help="Where summary.json and timeline.png go.")] = Path("demo-report"),
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view (logs only).")] = False,
     ledger_story: Annotated[bool, typer.Option(
         "--ledger-story", help="Instead: the note-001 story through the ledger alone.")] = False,
 ) -> None:
-    """The whole story on three engines: a wedge under load, a crash, a trickle of failures,
-    an idle wedge, a saturated-but-healthy stretch; a summary and a timeline picture."""
+    """The whole story on a fleet: a wedge under load, a crash, a trickle of failures, an idle
+    wedge, a saturated-but-healthy stretch; a summary and a timeline picture. Exit 1 if a
+    request was lost or an act could not be played."""
     if ledger_story:
         _ledger_story()
         return
@@ -71,8 +74,8 @@ def demo(
 
     async def main() -> None:
         nonlocal code
-        code = await run_demo(quick=quick, engine_cmd=engine_cmd, report_dir=report,
-                              live=not no_live)
+        code = await run_demo(quick=quick, engine_cmd=engine_cmd, engines=engines,
+                              report_dir=report, live=not no_live)
 
     _run(main())
     raise typer.Exit(code)

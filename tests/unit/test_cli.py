@@ -61,3 +61,9 @@ def test_history_reads_the_journal(tmp_path: object) -> None:
     assert len(out.stdout.strip().splitlines()) == 2
     out = fleetwarden("history", "--journal", str(tmp_path / "missing.sqlite"))
     assert out.returncode == 2 and "no journal" in out.stderr
+
+
+def test_the_demo_refuses_a_fleet_too_small_to_rescue_anything() -> None:
+    out = fleetwarden("demo", "--engines", "1", "--no-live")
+    assert out.returncode == 2
+    assert "--engines" in out.stderr and "greater than or equal to 2" in out.stderr
