@@ -104,8 +104,14 @@ def test_a_process_that_is_gone_reads_as_none() -> None:
 
 def test_a_zombie_is_not_a_member(start_group: GroupStarter) -> None:
     # The child exits and its parent (a sleeping shell that never waits) leaves it a zombie.
-    leader = start_group("sh -c 'exit 0' & exec sleep 60")
-    until(lambda: any(p.state == "Z" for p in _all_in_group(leader.pid)))
+    # It exits only once its parent has become `sleep`: exiting earlier, the shell would reap
+    # it before the exec and no zombie would ever appear (seen once in a full run).
+    leader = start_group("sh -c 'until [ \"$(cat /proc/$PPID/comm)\" = sleep ]; do "
+                         "sleep 0.01; done' & exec sleep 60")
+    # The zombie is the shell, the leader's child (not one of the shell's own short-lived
+    # children, which it reaps itself).
+    until(lambda: any(p.state == "Z" and p.ppid == leader.pid
+                      for p in _all_in_group(leader.pid)))
     assert [m.comm for m in procs.group_members(leader.pid)] == ["sleep"]
 
 
