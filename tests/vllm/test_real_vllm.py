@@ -174,6 +174,8 @@ def test_a_killed_engine_core_fails_in_flight_requests_and_the_server_exits(
             return 200
         except openai.APIStatusError as e:
             return e.status_code
+        except openai.APIConnectionError:
+            return 0  # no answer: the API server went away before it wrote one
 
     def in_first_half(tokens_before: float) -> bool:
         body = engine.get("/metrics")[1]
@@ -198,12 +200,15 @@ def test_a_killed_engine_core_fails_in_flight_requests_and_the_server_exits(
         assert procs.signal_process(core.pid, core.start_ticks, signal.SIGKILL)
         outcomes = [f.result(timeout=30) for f in futures]
         answered_s = time.monotonic() - killed_at
-    assert outcomes == [500] * 4, "in-flight requests get vLLM's engine-dead 500"
+    # Usually vLLM's engine-dead 500 for each; but the API server may exit before it writes
+    # some of them (seen once in a fresh-clone run): a dropped connection. Never a 200.
+    assert set(outcomes) <= {500, 0}, outcomes
 
     engine.process.wait(timeout=30)  # the API server exits by itself
     exited_s = time.monotonic() - killed_at
     until(lambda: not procs.group_members(engine.pgid), 30, "the whole group gone")
     gone_s = time.monotonic() - killed_at
-    print(f"\nSIGKILL EngineCore: 4 × 500 within {answered_s:.2f} s, API server exited after "
+    print(f"\nSIGKILL EngineCore: {outcomes.count(500)} × 500, {outcomes.count(0)} dropped "
+          f"within {answered_s:.2f} s, API server exited after "
           f"{exited_s:.2f} s (status {engine.process.returncode}), group gone after "
           f"{gone_s:.2f} s")
