@@ -181,10 +181,18 @@ async def test_a_silent_restart_stays_serving_in_static_mode(tmp_path: Path) -> 
 
 
 async def test_an_aborted_refit_keeps_a_suspicion(tmp_path: Path) -> None:
+    # No threshold is reached here: the requests that were failing when the load stopped can
+    # land in one more router window (a streak of 3, condemned at the default threshold, seen
+    # once in a full run); this test is about the suspicion surviving the refit, not counts.
     async with running_fleet(tmp_path, fleet={"weights": "trainer", "engines": 3},
-                             health={"healthy_threshold": 1000}) as f:
+                             health={"healthy_threshold": 1000,
+                                     "unhealthy_threshold": 1000}) as f:
         t = trainer(f)
         await fail_requests(f, [0, 1], 2)
+        ticks = f.controller.tick_number
+        await until(lambda: f.controller.tick_number >= ticks + 2, what="two more ticks")
+        streaks = [f.ledger.shard(i).consecutive_reported_failures for i in range(3)]
+        assert streaks[0] >= 2 and streaks[1] >= 2 and streaks[2] == 0
         assert [f.ledger.state(i) for i in range(3)] == [S, S, H]
         await call(t.begin_refit, 1)
         aborted = await call(t.abort_refit, 1, "trainer crashed")
@@ -194,7 +202,7 @@ async def test_an_aborted_refit_keeps_a_suspicion(tmp_path: Path) -> None:
         await call(t.begin_refit, 1)
         await call(t.complete_refit, 1)
         assert [f.ledger.state(i) for i in range(3)] == [S, S, H]
-        assert [f.ledger.shard(i).consecutive_reported_failures for i in range(3)] == [2, 2, 0]
+        assert [f.ledger.shard(i).consecutive_reported_failures for i in range(3)] == streaks
 
 
 async def test_refit_calls_out_of_order_are_refused_with_the_reason(tmp_path: Path) -> None:
