@@ -38,8 +38,10 @@ def test_the_demo_on_real_vllm_plays_every_real_act_and_loses_no_request(
         assert f["back_after_s"] is not None and f["restarts"] == 1, name
         assert f["client_errors"] == 0, name
     assert faults["wedge under load"]["rescued"] >= 1
-    assert "exited" in faults["crash"]["what_happened"] or "probes" in faults["crash"][
-        "what_happened"]
+    # A crash is seen by whichever comes first: the process's exit, three failed probes (the
+    # API server outlived its core), or three failed request windows (its engine-dead 500s).
+    assert any(how in faults["crash"]["what_happened"]
+               for how in ("exited", "failed probes", "failed request windows")), faults["crash"]
     saturated = faults["saturated but healthy"]
     assert "ticks saturated: 0 state changes" in saturated["what_happened"], saturated
     assert saturated["restarts"] == 0
