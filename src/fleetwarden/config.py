@@ -168,9 +168,11 @@ class HealthConfig(_Section):
 
     _defaults_from: ClassVar[dict[str, type]] = {
         "probe_timeout_s": WatchdogPolicy, "stall_s": WatchdogPolicy,
+        "stall_factor": WatchdogPolicy,
         "stall_waits": WatchdogPolicy, "canary_interval_s": WatchdogPolicy,
         "canary_timeout_s": WatchdogPolicy, "unhealthy_threshold": Policy,
         "healthy_threshold": Policy, "min_serving_shards": Policy,
+        "ejection_base_s": Policy, "ejection_max_s": Policy,
     }
 
     #: Seconds between controller ticks. A crash is seen at once (process exit); this paces
@@ -180,14 +182,33 @@ class HealthConfig(_Section):
     unhealthy_threshold: PositiveInt = _LEDGER.unhealthy_threshold
     healthy_threshold: PositiveInt = _LEDGER.healthy_threshold
     stall_s: PositiveFloat = _WATCHDOG.stall_s
+    stall_factor: Annotated[float, Field(ge=1)] = _WATCHDOG.stall_factor
     stall_waits: PositiveInt = _WATCHDOG.stall_waits
     canary_interval_s: PositiveFloat = _WATCHDOG.canary_interval_s
     canary_timeout_s: PositiveFloat = _WATCHDOG.canary_timeout_s
     min_serving_shards: PositiveInt = _LEDGER.min_serving_shards
+    ejection_base_s: Annotated[float, Field(ge=0)] = _LEDGER.ejection_base_s
+    ejection_max_s: Annotated[float, Field(ge=0)] = _LEDGER.ejection_max_s
+    #: Seconds between the focused reads of an accused engine (a failed request, a request
+    #: silent for ``silent_after_s``, a stall or an unreachable read at the tick). A reduced
+    #: ``/metrics`` read costs ~0.3 ms of CPU (``bench/metrics_parse.py``), so four a second
+    #: per accused engine is nothing, and a stall floor of 5 s is then judged on ~20 reads.
+    confirm_interval_s: PositiveFloat = 0.25
+    #: A request that has received nothing for this long makes its engine accused: the
+    #: controller reads it at once and at ``confirm_interval_s`` (reads only: a busy engine
+    #: that shows progress is never sent a canary). Short generations here take 0.5-1.5 s;
+    #: a longer wait costs a few reads of an engine that is simply busy, never more.
+    silent_after_s: PositiveFloat = 1.0
+    #: How often the controller asks its in-process routers which engines hold silent
+    #: requests (remote routers: once a tick). An in-memory scan of the waiting requests.
+    evidence_poll_s: PositiveFloat = 0.5
+    #: The longest a run of focused reads goes on without a conclusion, before the tick takes
+    #: over again: twice the longest stall floor anyone sets here, and a bound on the reads.
+    confirm_max_s: PositiveFloat = 60.0
 
     def watchdog_policy(self) -> WatchdogPolicy:
         return WatchdogPolicy(
-            stall_s=self.stall_s, stall_waits=self.stall_waits,
+            stall_s=self.stall_s, stall_factor=self.stall_factor, stall_waits=self.stall_waits,
             canary_interval_s=self.canary_interval_s, read_timeout_s=self.probe_timeout_s,
             canary_timeout_s=self.canary_timeout_s,
         )

@@ -14,8 +14,20 @@ Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
 After each tick ``on_tick`` (when given) sees the tick's report: the fleet publishes the
 dashboard's snapshot from there, so a page learns what the controller learned, when it did.
-A process exit does not wait for the tick: the supervisor condemns at once and the controller
-pushes and rescues at once.
+
+The tick is the heartbeat; evidence does not wait for it (docs/design.md, "Judgement at the
+speed of evidence"):
+
+* **One channel.** Whatever moves a shard (a verdict, a drained window, a process exit the
+  supervisor saw, an operator), the routers learn it from the ledger's transition stream: a
+  transition that changes what may be routed, or condemns a shard, pushes and rescues at once.
+* **Evidence is an event.** An in-process router reports each failed attempt as it happens
+  (:meth:`InProcessRouter.listen`); its outcomes are drained at once, so the ledger ejects the
+  engine within milliseconds. Engines holding requests silent for ``silent_after_s`` are
+  asked for every ``evidence_poll_s`` (remote routers: once a tick).
+* **Confirm at once.** An accused shard (ejected, silent requests, a stall or an unreachable
+  read at the tick) gets focused reads: right away, then every ``confirm_interval_s``, until
+  they conclude (condemned, proven, or nothing left to prove) or ``confirm_max_s`` passes.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.judge import Health, Verdict
 from fleetwarden.ledger import (
     ABSENT,
+    Event,
     FleetExhausted,
     Ledger,
     ShardState,
@@ -121,31 +134,193 @@ class Controller:
         self._stale_unreachable: dict[int, int] = {}
         self._condemned: dict[int, str] = {}
         self._urgent: set[asyncio.Task[None]] = set()
+        #: The serving and trial sets last pushed: a transition that changes them pushes now.
+        self._pushed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self._push_pending = False
+        #: Shards under focused reads, by index: the task doing them.
+        self._focus: dict[int, asyncio.Task[None]] = {}
+        #: Links whose outcomes are drained now (an evidence event came), not at the tick.
+        self._drain_pending: set[int] = set()
+        #: Focused read runs started, by why (for the fleet's metrics and the tests).
+        self.focus_started: dict[str, int] = {}
         self._unsubscribe = ledger.subscribe(self._on_transition)
+        self._unlisten = [
+            listen(self._evidence_from(k))
+            for k, link in enumerate(self.routers)
+            if (listen := getattr(link, "listen", None)) is not None
+        ]
         self._wake = asyncio.Event()
         self.status = self._status()
 
     # ------------------------------------------------------------------ events
 
     def _on_transition(self, t: Transition) -> None:
+        """The one channel: every change of the ledger passes here, whoever caused it."""
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
+            self._push_soon()
+        elif self._sets() != self._pushed:
+            self._push_soon()
+        if t.event is Event.EJECTED:
+            self.confirm(t.shard, "ejected")
 
-    def shard_condemned_now(self, shard: int, url: str) -> None:
-        """Called outside the tick (a process exit): push and rescue without waiting."""
-        task = asyncio.create_task(self._react(url), name=f"react:{shard}")
+    def _sets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return tuple(self.ledger.serving_urls()), tuple(self.ledger.trial_urls())
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None] | None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            coro.close()  # no loop (a unit test of the mapping): the tick pushes when one runs
+            return None
+        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
         self._urgent.add(task)
         task.add_done_callback(self._urgent.discard)
+        return task
 
-    async def _react(self, url: str) -> None:
-        urls = self.ledger.serving_urls()
+    def _push_soon(self) -> None:
+        if not self._push_pending:
+            self._push_pending = True
+            self._spawn(self._push_and_rescue(), "push")
+
+    async def _push_and_rescue(self) -> None:
+        """Push what the ledger says now, and rescue what waits on condemned shards."""
+        self._push_pending = False
+        await self._push(None)
+        await self._rescue(None)
+
+    async def _push(self, report: TickReport | None) -> None:
+        serving, trial = self._pushed = self._sets()
         for link in self.routers:
             try:
-                await link.set_serving_backends(urls)
-                await link.rescue(url)
+                await link.set_serving_backends(list(serving))
+                set_trial = getattr(link, "set_trial_backends", None)
+                if set_trial is not None:
+                    await set_trial(list(trial))
             except Exception as exc:
-                log.warning("router %s: urgent push/rescue failed: %s", _name(link), exc)
+                self._router_error(report, f"{_name(link)}: push: {exc}")
+
+    async def _rescue(self, report: TickReport | None) -> None:
+        condemned, self._condemned = self._condemned, {}
+        if report is not None:
+            report.condemned = sorted(condemned)
+        for url in condemned.values():
+            for link in self.routers:
+                try:
+                    rescued = await link.rescue(url)
+                except Exception as exc:
+                    self._router_error(report, f"{_name(link)}: rescue: {exc}")
+                    continue
+                if report is not None:
+                    report.rescued += rescued
+
+    @staticmethod
+    def _router_error(report: TickReport | None, message: str) -> None:
+        if report is None:
+            log.warning("%s", message)
+        else:
+            report.router_errors.append(message)
+
+    # ------------------------------------------------------------------ evidence
+
+    def _evidence_from(self, k: int) -> Callable[[str, str], None]:
+        def failed(url: str, cause: str) -> None:
+            # Called inside the router's request path: only schedule, never wait. Failures
+            # that come in the same turn of the loop (a burst) are drained as one window.
+            if k not in self._drain_pending:
+                self._drain_pending.add(k)
+                self._spawn(self._drain_now(k), f"drain:{k}")
+        return failed
+
+    async def _drain_now(self, k: int) -> None:
+        self._drain_pending.discard(k)
+        link = self.routers[k]
+        try:
+            outcomes = await link.drain_outcomes()
+        except Exception as exc:
+            log.warning("router %s: drain: %s", _name(link), exc)
+            return
+        self.apply_outcomes(outcomes)
+
+    def confirm(self, shard: int, why: str) -> None:
+        """Accuse ``shard``: focused reads of its engine, now and every ``confirm_interval_s``,
+        until they conclude. One run per shard at a time."""
+        if shard in self._focus or self.ledger.state(shard) in ABSENT or self.watchdog is None:
+            return
+        url = self.ledger.shard(shard).base_url
+        task = self._spawn(self._confirm(shard, url), f"confirm:{shard}")
+        if task is not None:
+            self.focus_started[why] = self.focus_started.get(why, 0) + 1
+            self._focus[shard] = task
+            task.add_done_callback(lambda _: self._focus.pop(shard, None))
+
+    async def _confirm(self, i: int, url: str) -> None:
+        h = self.config.health
+        deadline = self.clock() + h.confirm_max_s
+        first = True
+        canaried_for: float | None = -1.0  # the ejection a canary was sent for
+        while True:
+            rec = self.ledger.shard(i)
+            if rec.base_url != url or rec.state in ABSENT:
+                return  # condemned, or a new process: nothing left to confirm about this one
+            excused = self.refit is not None and i in self.refit.stalls_excused()
+            in_flight = (await self._in_flight(None)).get(url, 0)
+            # A canary, if the engine is idle: on the first read (the accusation itself), and
+            # once per ejection when its time is up (the proof that may put it on trial).
+            due = rec.ejected_until is not None and self.clock() >= rec.ejected_until
+            ask = first or (due and canaried_for != rec.ejected_until)
+            if due and ask:
+                canaried_for = rec.ejected_until
+            r = await self.watchdog.probe(Target(url=url, in_flight=in_flight,
+                                                 stalls_excused=excused, confirm=ask))
+            rec = self.ledger.shard(i)
+            if rec.base_url != url:
+                return
+            self.reports[i] = r
+            self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
+            # The first read compares with the tick's sample, taken before the accusation:
+            # progress it shows may predate the fault, so it proves nothing (a canary does).
+            self.apply_report(i, r, progress_proves=not first)
+            rec = self.ledger.shard(i)
+            if rec.state in ABSENT:
+                return
+            unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.DEAD,
+                                      Verdict.LOST_CORE, Verdict.NO_METRICS)
+            if not first and not unsettled and rec.ejected_until is None:
+                return  # proven, or nothing to prove: the tick takes over again
+            if self.clock() >= deadline:
+                return
+            first = False
+            await asyncio.sleep(h.confirm_interval_s)
+
+    async def _watch_silence(self, stop: asyncio.Event) -> None:
+        """Every ``evidence_poll_s``: engines holding requests silent for ``silent_after_s``
+        are accused (in-process routers; remote ones are asked at the tick)."""
+        h = self.config.health
+        local = [link for link in self.routers if getattr(link, "listen", None) is not None]
+        if not local:
+            return
+        while not stop.is_set():
+            await self._accuse_silent(local)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), h.evidence_poll_s)
+
+    async def _accuse_silent(self, links: Sequence[RouterLink]) -> None:
+        after = self.config.health.silent_after_s
+        for link in links:
+            silent_backends = getattr(link, "silent_backends", None)
+            if silent_backends is None:
+                continue
+            try:
+                silent = await silent_backends(after)
+            except Exception as exc:
+                log.warning("router %s: silent: %s", _name(link), exc)
+                continue
+            for url in silent:
+                i = self.ledger.shard_for_url(url)
+                if i is not None:
+                    self.confirm(i, "silent requests")
 
     # ------------------------------------------------------------------ the tick
 
@@ -159,11 +334,12 @@ class Controller:
             self.refit.check_lease()
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
 
-        # 1. the watchdog round, for every shard with a process
+        # 1. the watchdog round, for every shard with a process (those under focused reads
+        # are being read already)
         in_flight = await self._in_flight(report)
         shards = {}
         for i in range(len(self.ledger)):
-            if self.ledger.state(i) not in ABSENT:
+            if self.ledger.state(i) not in ABSENT and i not in self._focus:
                 shards[self.ledger.shard(i).base_url] = i
         targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused)
                    for url, i in shards.items()]
@@ -176,6 +352,8 @@ class Controller:
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
             self.apply_report(i, r)
+            if r.verdict in (Verdict.STALLED, Verdict.DEAD) and self.ledger.state(i) not in ABSENT:
+                self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
         self.supervisor.tick()
@@ -188,26 +366,21 @@ class Controller:
                 report.router_errors.append(f"{_name(link)}: drain: {exc}")
                 continue
             self.apply_outcomes(outcomes)
+        remote = [link for link in self.routers if getattr(link, "listen", None) is None]
+        if remote:
+            await self._accuse_silent(remote)
 
-        # 4. push, every tick, unconditionally
-        urls = self.ledger.serving_urls()
+        # 4. push, every tick, unconditionally (the heartbeat: a restarted router converges)
+        await self._push(report)
         retry_after = self._retry_after_estimate()
         for link in self.routers:
             try:
-                await link.set_serving_backends(urls)
                 await link.set_retry_after(retry_after)
             except Exception as exc:
-                report.router_errors.append(f"{_name(link)}: push: {exc}")
+                report.router_errors.append(f"{_name(link)}: retry-after: {exc}")
 
-        # 5. rescue what waits on shards condemned this tick
-        condemned, self._condemned = self._condemned, {}
-        report.condemned = sorted(condemned)
-        for url in condemned.values():
-            for link in self.routers:
-                try:
-                    report.rescued += await link.rescue(url)
-                except Exception as exc:
-                    report.router_errors.append(f"{_name(link)}: rescue: {exc}")
+        # 5. rescue what waits on shards condemned since (if no transition did it already)
+        await self._rescue(report)
 
         for err in report.router_errors:
             log.warning("%s", err)
@@ -222,14 +395,14 @@ class Controller:
                 log.exception("tick %d: the on_tick observer failed", report.number)
         return report
 
-    async def _in_flight(self, report: TickReport) -> dict[str, int]:
+    async def _in_flight(self, report: TickReport | None) -> dict[str, int]:
         total: dict[str, int] = {}
         for link in self.routers:
             try:
                 for url, n in (await link.in_flight()).items():
                     total[url] = total.get(url, 0) + n
             except Exception as exc:
-                report.router_errors.append(f"{_name(link)}: in-flight: {exc}")
+                self._router_error(report, f"{_name(link)}: in-flight: {exc}")
         return total
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
@@ -238,8 +411,11 @@ class Controller:
             if i is not None:
                 self.ledger.report_outcomes(i, successes, failures, trailing)
 
-    def apply_report(self, i: int, r: Report) -> None:
-        """One watchdog verdict into the ledger (the table in ``watchdog.py``)."""
+    def apply_report(self, i: int, r: Report, *, progress_proves: bool = True) -> None:
+        """One watchdog verdict into the ledger (the table in ``watchdog.py``).
+
+        ``progress_proves`` False: progress without a canary counts for nothing (the first
+        focused read of an accused engine compares with a sample older than the accusation)."""
         v, health = r.verdict, r.health
         if self.journal is not None and v not in (Verdict.BUSY, Verdict.IDLE):
             # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
@@ -270,7 +446,8 @@ class Controller:
                 # there are, so it is promoted by an automatic refit to the fleet's version.
                 self.ledger.report_refit(i, self._static_version())
         elif health is Health.SERVING:
-            self.ledger.record_probe(i, True)
+            if progress_proves or (r.canary is not None and r.canary.ok):
+                self.ledger.record_probe(i, True)
         elif health is Health.FAILING:
             error = r.canary.error if r.canary is not None and r.canary.error else why
             self.ledger.record_probe(i, False, f"{v.name}: {error}")
@@ -307,14 +484,20 @@ class Controller:
         """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
         the loop goes on."""
         interval = self.config.health.probe_interval_s
-        while not stop.is_set():
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("controller tick %d failed; the next one runs as usual",
-                              self.tick_number)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait_either(stop), interval)
+        watcher = asyncio.create_task(self._watch_silence(stop), name="watch-silence")
+        try:
+            while not stop.is_set():
+                try:
+                    await self.tick()
+                except Exception:
+                    log.exception("controller tick %d failed; the next one runs as usual",
+                                  self.tick_number)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wait_either(stop), interval)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
     async def _wait_either(self, stop: asyncio.Event) -> None:
         waiter = asyncio.create_task(self._wake.wait())
@@ -328,12 +511,7 @@ class Controller:
 
     async def push_now(self) -> None:
         """Push the serving set to every router now (start-up, admin actions)."""
-        urls = self.ledger.serving_urls()
-        for link in self.routers:
-            try:
-                await link.set_serving_backends(urls)
-            except Exception as exc:
-                log.warning("router %s: push failed: %s", _name(link), exc)
+        await self._push(None)
 
     def wake(self) -> None:
         """Run the next tick now (an admin action changed the fleet)."""
@@ -341,6 +519,8 @@ class Controller:
 
     async def close(self) -> None:
         self._unsubscribe()
+        for unlisten in self._unlisten:
+            unlisten()
         for task in list(self._urgent):
             task.cancel()
         await asyncio.gather(*self._urgent, return_exceptions=True)

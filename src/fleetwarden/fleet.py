@@ -182,7 +182,8 @@ class Fleet:
         return Policy(unhealthy_threshold=h.unhealthy_threshold,
                       healthy_threshold=h.healthy_threshold,
                       max_restart_attempts=s.max_restart_attempts,
-                      min_serving_shards=h.min_serving_shards, weights=f.weights)
+                      min_serving_shards=h.min_serving_shards, weights=f.weights,
+                      ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s)
 
     async def start(self) -> None:
         cfg = self.config
@@ -251,7 +252,7 @@ class Fleet:
 
         self._supervisor = Supervisor(
             ledger, self._launchers, cfg.fleet, cfg.supervisor, journal=self._journal,
-            on_condemned=self._condemned_now, passive=self._launchers.passive,
+            passive=self._launchers.passive,
         )
         for i, handle in adopted.items():
             self._supervisor.adopt(i, handle)
@@ -392,10 +393,6 @@ class Fleet:
     def _engine_exited(self, handle: EngineHandle) -> None:
         if self._supervisor is not None:
             self._supervisor.engine_exited(handle)
-
-    def _condemned_now(self, shard: int, url: str) -> None:
-        if self._controller is not None:
-            self._controller.shard_condemned_now(shard, url)
 
     def _remember(self, t: Transition) -> None:
         if not t.changes_state:

@@ -21,11 +21,15 @@ contradicts the router (lost core). A busy engine proves its health by progress 
 | FIRST_READ | busy at the first read: nothing to compare with yet | never |
 | RESTARTED | the process start time changed, or a counter went backwards | now if idle |
 | BUSY | work in it and something advanced; or empty, but it worked since the last read | never |
-| STALLED | work in the engine, nothing advanced since the last read | never |
-| STUCK | stalled on ``stall_waits`` reads in a row, for ``stall_s`` | never: conclusive |
+| STALLED | running or waiting (waiting alone too), nothing advanced since the last read | never |
+| STUCK | stalled on ``stall_waits`` reads in a row, for the stall limit | never: conclusive |
 | IDLE | nothing running or waiting; nothing done since the last read but our canary | when due |
 | LOST_CORE | idle and flat, but the router has requests in flight there | now; conclusive |
 | REACHABLE | a proxy answered ``GET /v1/models`` (its backends are judged directly) | never |
+
+The stall limit is the engine's own: ``stall_factor`` times the longest flat stretch that this
+engine was seen to end with progress at the same load or less (:class:`Cadence`), and never less
+than ``stall_s``, the floor that covers the longest single step an engine configuration allows.
 
 Keep in sync: this table, :func:`judge`, :func:`conclude`, the mapping table in
 ``watchdog.py``, and SYSTEM.md section 5.
@@ -42,7 +46,9 @@ from fleetwarden.metrics import MAX_BODY_BYTES, Sample
 
 __all__ = [
     "DEFAULT_POLICY",
+    "NO_CADENCE",
     "NO_STALL",
+    "Cadence",
     "CanaryRule",
     "Down",
     "Evidence",
@@ -63,10 +69,18 @@ __all__ = [
 class WatchdogPolicy:
     """Every default of the watchdog and the judge, each with its reason."""
 
-    #: A stall must last this long before it is conclusive (SYSTEM.md section 5). A healthy
-    #: engine takes a step every 10-125 ms (note 002's slow GB10 made 8 tokens/s); 15 s without
-    #: one is 100+ missed steps, while a pause to swap or compile passes well inside it.
-    stall_s: float = 15.0
+    #: The floor of the stall limit: no stall shorter than this is ever conclusive, however
+    #: regular the engine was. It must cover the longest single step the engine's
+    #: configuration allows, since one step is one flat stretch of every counter. vLLM steps
+    #: every 10-125 ms (the captures; note 002's slow GB10 made 8 tokens/s); the longest
+    #: single step measured on any engine here is llama.cpp reading a 14,802-token prompt in
+    #: one batch (``-b 16384``): 4 s flat (``shared/fixtures/llamacpp/README.md``). 5 s covers
+    #: it; an engine configured for larger batches needs a larger floor.
+    stall_s: float = 5.0
+    #: The stall limit is this many times the longest flat stretch the engine was seen to end
+    #: with progress at the same load or less (its own cadence). Three: a batch a little
+    #: larger than any seen so far takes longer, but not three times longer.
+    stall_factor: float = 3.0
     #: ...and be seen on this many reads in a row: note 002's "two waits", so that one late read
     #: (a slow scrape, a GC pause) is never a stall by itself.
     stall_waits: int = 2
@@ -97,6 +111,9 @@ class WatchdogPolicy:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"WatchdogPolicy.{name} must be >= 0, got {value!r}")
+        if not self.stall_factor >= 1:
+            raise ValueError(f"WatchdogPolicy.stall_factor must be >= 1, got "
+                             f"{self.stall_factor!r}")
         if self.stall_waits < 1:
             raise ValueError(f"WatchdogPolicy.stall_waits must be at least 1, got "
                              f"{self.stall_waits}")
@@ -186,6 +203,39 @@ class Stall:
 NO_STALL = Stall()
 
 
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    """The engine's own rhythm: the longest flat stretch it was seen to end with progress, by
+    load (``gaps[k]``: the load, running + waiting, below ``2**k``). A new process starts
+    with none."""
+
+    gaps: tuple[float, ...] = ()
+
+    @staticmethod
+    def bucket(load: float) -> int:
+        return max(0, int(load)).bit_length()
+
+    def gap_at(self, load: float) -> float:
+        """The longest gap seen at this load or less (heavier batches take longer steps)."""
+        k = self.bucket(load)
+        return max(self.gaps[: k + 1], default=0.0)
+
+    def saw(self, load: float, gap: float) -> Cadence:
+        k = self.bucket(load)
+        gaps = list(self.gaps) + [0.0] * (k + 1 - len(self.gaps))
+        if gap <= gaps[k]:
+            return self
+        gaps[k] = gap
+        return Cadence(tuple(gaps))
+
+    def limit(self, load: float, policy: WatchdogPolicy) -> float:
+        """Seconds of flat counters that make a stall conclusive at this load."""
+        return max(policy.stall_s, policy.stall_factor * self.gap_at(load))
+
+
+NO_CADENCE = Cadence()
+
+
 # ---------------------------------------------------------------------- the answer
 
 
@@ -243,6 +293,8 @@ class Judgement:
     send_canary: bool
     #: Carry into the next :func:`judge` call for this engine.
     stall: Stall
+    #: Carry into the next :func:`judge` call for this engine (NO_CADENCE after a restart).
+    cadence: Cadence = NO_CADENCE
 
     @property
     def canary_is_conclusive(self) -> bool:
@@ -262,6 +314,8 @@ def judge(
     stall: Stall = NO_STALL,
     since_canary_s: float | None = None,
     stalls_excused: bool = False,
+    cadence: Cadence = NO_CADENCE,
+    confirm: bool = False,
     policy: WatchdogPolicy = DEFAULT_POLICY,
 ) -> Judgement:
     """The verdict on an engine from its last sample and a new reading.
@@ -272,7 +326,10 @@ def judge(
     ``stalls_excused`` (a refit lease: an engine may pause while it loads weights) keeps a stall
     from ever becoming STUCK, and its wait from counting towards one; and no canary is sent
     (it would wait behind the weight load, and its failure would prove nothing), so requests
-    held while the engine reads as idle are no lost core either.
+    held while the engine reads as idle are no lost core either. ``cadence`` is what the
+    previous call returned; ``confirm`` (the engine is accused, and a canary is what would
+    prove or refute it) makes a canary that is allowed but not yet due, due now: an idle
+    engine only, never a busy one.
     """
     elapsed = max(0.0, elapsed_s)
 
@@ -282,12 +339,13 @@ def judge(
         if canary is CanaryRule.NOW:
             return True
         if canary is CanaryRule.WHEN_DUE:
-            return since_canary_s is None or since_canary_s >= policy.canary_interval_s
+            return (confirm or since_canary_s is None
+                    or since_canary_s >= policy.canary_interval_s)
         return False
 
-    def verdict(v: Verdict, canary: CanaryRule, evidence: Evidence, new_stall: Stall = NO_STALL
-                ) -> Judgement:
-        return Judgement(v, evidence, canary, rule(canary), new_stall)
+    def verdict(v: Verdict, canary: CanaryRule, evidence: Evidence, new_stall: Stall = NO_STALL,
+                new_cadence: Cadence = cadence) -> Judgement:
+        return Judgement(v, evidence, canary, rule(canary), new_stall, new_cadence)
 
     if isinstance(after, Down):
         return verdict(Verdict.DEAD, CanaryRule.NEVER,
@@ -335,32 +393,42 @@ def judge(
         canary = CanaryRule.NEVER if has_work else CanaryRule.NOW
         return verdict(Verdict.RESTARTED, canary,
                        replace(base, summary=f"a new process ({why}); counters are never "
-                               f"compared across processes; {gauges}", deltas={}))
+                               f"compared across processes; {gauges}", deltas={}),
+                       new_cadence=NO_CADENCE)  # the old process's rhythm is not this one's
 
     moved = [name for name, d in deltas.items() if d > 0]
+    load = after.running + after.waiting
     if has_work:
         if moved:
+            # A flat stretch that ended in progress was this engine's own pause (a long
+            # prefill step, a swap): remember it, so its like is never taken for a wedge.
+            learned = cadence.saw(load, stall.seconds) if stall.waits else cadence
             return verdict(Verdict.BUSY, CanaryRule.NEVER,
-                           replace(base, summary=f"{gauges}; {_moves(deltas)} in {elapsed:.1f} s"))
+                           replace(base, summary=f"{gauges}; {_moves(deltas)} in {elapsed:.1f} s"),
+                           new_cadence=learned)
         if stalls_excused:
             return verdict(Verdict.STALLED, CanaryRule.NEVER,
                            replace(base, stalls_excused=True,
                                    summary=f"{gauges}; nothing advanced in {elapsed:.1f} s; "
                                    "excused (refit lease)"))
+        # Waiting alone counts as work: vLLM's gauges can read 0 running while requests wait on
+        # a wedged core (vLLM issues #39863, #46811), and nothing advances for them either.
         now_stalled = Stall(stall.waits + 1, stall.seconds + elapsed)
         stalled = replace(base, stalled_waits=now_stalled.waits,
                           stalled_for_s=now_stalled.seconds)
-        if now_stalled.waits >= policy.stall_waits and now_stalled.seconds >= policy.stall_s:
+        limit = cadence.limit(load, policy)
+        if now_stalled.waits >= policy.stall_waits and now_stalled.seconds >= limit:
+            why = _limit_reason(cadence, load, policy)
             return verdict(Verdict.STUCK, CanaryRule.NEVER,
                            replace(stalled, summary=f"{gauges}; nothing advanced on "
                                    f"{now_stalled.waits} reads over {now_stalled.seconds:.1f} s "
-                                   f"(stall_s {policy.stall_s:g})"),
+                                   f"(stall limit {limit:g} s: {why})"),
                            now_stalled)
         return verdict(Verdict.STALLED, CanaryRule.NEVER,
                        replace(stalled, summary=f"{gauges}; nothing advanced on "
                                f"{now_stalled.waits} read(s) over {now_stalled.seconds:.1f} s; "
                                f"waiting for {policy.stall_waits} reads and "
-                               f"{policy.stall_s:g} s"),
+                               f"{limit:g} s"),
                        now_stalled)
 
     if in_flight > 0 and not moved and stalls_excused:
@@ -402,6 +470,13 @@ def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
     if canary_ok:
         return Health.SERVING
     return Health.CONDEMNED if judgement.canary_is_conclusive else Health.FAILING
+
+
+def _limit_reason(cadence: Cadence, load: float, policy: WatchdogPolicy) -> str:
+    gap = cadence.gap_at(load)
+    if policy.stall_factor * gap > policy.stall_s:
+        return f"{policy.stall_factor:g} x its longest pause seen at this load, {gap:.1f} s"
+    return f"the floor, stall_s {policy.stall_s:g}"
 
 
 def _n(x: float) -> str:

@@ -77,6 +77,9 @@ class Event(enum.Enum):
     FAILURE = "failure"  # a failed probe or a failed window of real requests
     FAILURES_AT_THRESHOLD = "failures at threshold"
     REQUEST_OK = "request ok"  # a completed generation clears the reported streak
+    EJECTED = "ejected"  # a failed window of real requests: out of routing until proof
+    ON_TRIAL = "on trial"  # proof (a good probe) after the ejection: one request at a time
+    CONFIRMED = "confirmed"  # reported failures, then a failed probe of the ejected shard
     CONDEMNED = "condemned"  # conclusive evidence: exit, proven stall, failed lost-core canary
     SILENT_PARTICIPANT = "silent participant"  # the one suspect of an aborted refit
     WEIGHTS_PARTIAL = "weights partial"  # a refit aborted while the shard received
@@ -107,6 +110,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.FAILURE: SUSPECT,
         E.FAILURES_AT_THRESHOLD: DEAD,
         E.REQUEST_OK: HEALTHY,
+        E.EJECTED: SUSPECT,
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
@@ -122,6 +126,9 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.FAILURE: SUSPECT,
         E.FAILURES_AT_THRESHOLD: DEAD,
         E.REQUEST_OK: SUSPECT,
+        E.EJECTED: SUSPECT,
+        E.ON_TRIAL: SUSPECT,
+        E.CONFIRMED: DEAD,
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
@@ -187,8 +194,22 @@ class Policy:
     #: ``trainer``: a restarted engine holds the checkpoint's weights and waits in STALE for the
     #: trainer's next refit. ``static``: weights never change, so a silent restart loses nothing.
     weights: WeightsMode = "static"
+    #: A shard ejected for failed requests stays out of routing at least this long before a
+    #: good probe may put it on trial; each ejection since it was last HEALTHY doubles it (1, 2,
+    #: 4 ... s), as in Envoy's outlier ejection. What brings it back is proof, not the time, so
+    #: the first wait is short: a busy engine that answered one blip is back after a read
+    #: that shows its progress, and one that keeps failing is paced by the doubling.
+    ejection_base_s: float = 1.0
+    #: ... up to this. A minute: an engine that failed its trial six times in a row is
+    #: condemned by its reported streak long before (unhealthy_threshold windows).
+    ejection_max_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.ejection_base_s <= self.ejection_max_s:
+            raise ValueError(
+                f"Policy.ejection_base_s must be >= 0 and <= ejection_max_s, got "
+                f"{self.ejection_base_s} and {self.ejection_max_s}"
+            )
         for name in ("unhealthy_threshold", "healthy_threshold", "min_serving_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Policy.{name} must be at least 1, got {getattr(self, name)}")
@@ -223,6 +244,18 @@ class ShardRecord:
     #: is not a transition of its own; the journal keeps it with the next change or snapshot.
     last_ok_at: float | None = None
     last_transition_at: float = 0.0
+    #: Ejections for failed requests since the shard was last HEALTHY (the backoff's exponent).
+    ejections: int = 0
+    #: Out of routing since its requests failed (the router dropped it at the first failure,
+    #: and no push puts it back); a good probe after this time puts it on trial. None: routed.
+    ejected_until: float | None = None
+    #: Back in routing on probation: one request at a time until one completes.
+    on_trial: bool = False
+
+    @property
+    def routable(self) -> bool:
+        """Pushed to the routers: serving, and not ejected (a shard on trial is routable)."""
+        return self.state in SERVING and self.ejected_until is None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -252,6 +285,8 @@ _COUNTER_FIELDS = (
     "restart_attempts",
     "state_before_partial",
     "weight_version",
+    "ejections",
+    "on_trial",
 )
 
 
@@ -320,6 +355,9 @@ class _Shard:
     last_error: str = ""
     last_ok_at: float | None = None
     last_transition_at: float = 0.0
+    ejections: int = 0
+    ejected_until: float | None = None
+    on_trial: bool = False
     _record: ShardRecord | None = field(default=None, repr=False)
 
     def record(self) -> ShardRecord:
@@ -338,6 +376,9 @@ class _Shard:
                 last_error=self.last_error,
                 last_ok_at=self.last_ok_at,
                 last_transition_at=self.last_transition_at,
+                ejections=self.ejections,
+                ejected_until=self.ejected_until,
+                on_trial=self.on_trial,
             )
         return self._record
 
@@ -455,14 +496,36 @@ class Ledger:
             return self._ignored(s, "probes only judge serving shards")
         p = self.policy
         if ok:
-            s.last_ok_at = self._clock()
+            now = s.last_ok_at = self._clock()
             successes = min(s.consecutive_probe_successes + 1, p.healthy_threshold)  # past the
             # threshold the count decides nothing, so it saturates and steady ticks emit nothing
+            if s.ejected_until is not None:
+                if now < s.ejected_until:
+                    return self._apply(
+                        s, E.PROBE_OK, "probe ok; still ejected",
+                        consecutive_probe_failures=0,  # a good probe ends the failed-probe run
+                        consecutive_probe_successes=successes,
+                    )
+                return self._apply(
+                    s, E.ON_TRIAL, "probe ok after its ejection: on trial, one request at a time",
+                    consecutive_probe_failures=0,  # a good probe ends the failed-probe run
+                    consecutive_probe_successes=successes,
+                    ejected_until=None,
+                    on_trial=True,
+                )
+            if s.state is SUSPECT and s.on_trial:
+                # On trial only a completed request ends the probation; probes keep counting.
+                return self._apply(
+                    s, E.PROBE_OK, "probe ok; on trial",
+                    consecutive_probe_failures=0,  # a good probe ends the failed-probe run
+                    consecutive_probe_successes=successes,
+                )
             if s.state is SUSPECT and successes >= p.healthy_threshold:
                 return self._apply(
                     s, E.RECOVERED, f"{successes} good probes in a row",
                     consecutive_probe_failures=0,  # a good probe ends the failed-probe run
                     consecutive_probe_successes=successes,
+                    ejections=0,  # HEALTHY again: the next ejection starts the backoff afresh
                 )
             return self._apply(
                 s, E.PROBE_OK, "probe ok",
@@ -475,6 +538,14 @@ class Ledger:
             consecutive_probe_successes=0,  # the good-probe run that would lift SUSPECT is broken
             last_error=error or "probe failed",
         )
+        if s.ejected_until is not None and s.consecutive_reported_failures > 0:
+            # Its requests failed, the router dropped it, and the focused look that followed
+            # failed too: the accusation is confirmed (note 000's burst, plus one probe).
+            return self._apply(
+                s, E.CONFIRMED,
+                f"{s.consecutive_reported_failures} failed request window(s), confirmed by a "
+                f"failed probe: {error or 'probe failed'}", **fields_,
+            )
         if failures >= p.unhealthy_threshold:
             return self._apply(
                 s, E.FAILURES_AT_THRESHOLD,
@@ -489,8 +560,14 @@ class Ledger:
             return self._ignored(s, "failures only count against serving shards")
         return self._count_failure(s, s.consecutive_reported_failures + 1, cause)
 
-    def _count_failure(self, s: _Shard, streak: int, cause: str) -> Outcome:
-        fields_ = dict(
+    def _count_failure(self, s: _Shard, streak: int, cause: str, *, window: bool = False
+                       ) -> Outcome:
+        if window and s.ejected_until is not None:
+            # Out of routing since the first of these failures: what still fails in a router
+            # window are requests that were already on it, the same burst. One observation,
+            # as SYSTEM.md 6.2 says.
+            streak = min(streak, max(s.consecutive_reported_failures, 1))
+        fields_: dict[str, Any] = dict(
             consecutive_reported_failures=streak,
             consecutive_probe_successes=0,  # a failed request breaks the run that lifts SUSPECT
             last_error=cause,
@@ -500,7 +577,17 @@ class Ledger:
                 s, E.FAILURES_AT_THRESHOLD, f"{streak} failed request windows in a row: {cause}",
                 **fields_,
             )
-        return self._apply(s, E.FAILURE, cause, **fields_)
+        if s.ejected_until is not None:
+            return self._apply(s, E.FAILURE, f"still ejected: {cause}", **fields_)
+        p = self.policy
+        ejections = s.ejections + 1
+        out_s = min(p.ejection_base_s * 2 ** (ejections - 1), p.ejection_max_s)
+        trial = " (its trial request failed)" if s.on_trial else ""
+        return self._apply(
+            s, E.EJECTED, f"{cause}{trial}; out of routing for at least {out_s:g} s, then back "
+            "on proof", ejections=ejections, ejected_until=self._clock() + out_s,
+            on_trial=False, **fields_,
+        )
 
     def report_success(self, i: int) -> Outcome:
         """A completed generation: the engine serves, so its failed-request streak is over."""
@@ -538,13 +625,19 @@ class Ledger:
                 # it start a new one. One change, so the window stays one observation.
                 return self._count_failure(
                     s, 1, f"{trailing_failures} failed requests after {successes} completed "
-                    "in the last window",
+                    "in the last window", window=True,
                 )
             return self._count_failure(
                 s, s.consecutive_reported_failures + 1,
-                f"{failures} failed requests in the last window",
+                f"{failures} failed requests in the last window", window=True,
             )
         if successes > 0:
+            if s.on_trial:
+                return self._apply(
+                    s, E.REQUEST_OK, "its trial request completed: back in full traffic",
+                    consecutive_reported_failures=0,  # a completed generation proves it serves
+                    on_trial=False,
+                )
             return self._apply(
                 s, E.REQUEST_OK, f"{successes} requests completed",
                 consecutive_reported_failures=0,  # completed generations prove the engine serves
@@ -611,6 +704,9 @@ class Ledger:
         return self._apply(
             s, E.REFIT, f"refit to version {version}",
             consecutive_reported_failures=0,  # not suspected: the weights it failed with are gone
+            ejections=0,  # HEALTHY: a later ejection starts the backoff afresh
+            ejected_until=None,  # not suspected: nothing to keep it out for
+            on_trial=False,  # not suspected: nothing to prove
             **common,
         )
 
@@ -637,6 +733,9 @@ class Ledger:
             consecutive_probe_successes=0,  # the old process passed those probes, not this one
             consecutive_reported_failures=0,  # the old process failed those requests
             state_before_partial=None,  # that verdict was about the old process too
+            ejections=0,  # the old process was ejected, not this one
+            ejected_until=None,  # the old process was ejected, not this one
+            on_trial=False,  # the old process was on trial, not this one
         )
 
     # ------------------------------------------------------------------ restarts
@@ -681,6 +780,9 @@ class Ledger:
             consecutive_probe_successes=0,  # the dead process passed those probes, not this one
             consecutive_reported_failures=0,  # the dead engine failed those requests, not this one
             state_before_partial=None,  # that verdict was about the dead engine too (note 001)
+            ejections=0,  # the dead engine was ejected, not this one
+            ejected_until=None,  # the dead engine was ejected, not this one
+            on_trial=False,  # the dead engine was on trial, not this one
             last_error="",
         )
 
@@ -713,7 +815,20 @@ class Ledger:
         return [s.index for s in self._shards if s.state not in ABSENT]
 
     def serving_urls(self) -> list[str]:
-        return [s.base_url for s in self._shards if s.state in SERVING]
+        """What the routers may use: serving shards, less those ejected for failed requests
+        (a shard on trial is in, and :meth:`trial_urls` says which)."""
+        return [s.base_url for s in self._shards
+                if s.state in SERVING and s.ejected_until is None]
+
+    def trial_urls(self) -> list[str]:
+        """Routable shards on probation: a router sends each one request at a time."""
+        return [s.base_url for s in self._shards
+                if s.state in SERVING and s.ejected_until is None and s.on_trial]
+
+    def ejected(self) -> list[int]:
+        """Serving shards kept out of routing for failed requests, until proof."""
+        return [s.index for s in self._shards
+                if s.state in SERVING and s.ejected_until is not None]
 
     def shard_for_url(self, url: str) -> int | None:
         return self._by_url.get(url)

@@ -9,6 +9,10 @@ does it: ``mark_restarting`` (spends one restart), launch, wait until the engine
 Restarts run in the background, owned by the supervisor's task group; the ledger is only
 touched from :meth:`Supervisor.tick` and the exit callback, both on the controller's event loop.
 A process exit is conclusive: the shard is condemned the moment the launcher sees it.
+
+A condemnation reaches the supervisor the way it reaches the routers: through the ledger's
+transition stream. A shard that goes DEAD, whoever condemned it, has its restart begun on the
+next turn of the event loop, not at the next tick.
 """
 
 from __future__ import annotations
@@ -23,16 +27,11 @@ from dataclasses import dataclass
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, Launcher, LaunchError
-from fleetwarden.ledger import ABSENT, Ledger, ShardState
+from fleetwarden.ledger import ABSENT, Ledger, ShardState, Transition
 
 __all__ = ["RestartAttempt", "Supervisor", "launch_first"]
 
 log = logging.getLogger(__name__)
-
-#: Called with (shard, url) when a shard is condemned outside the tick (a process exit), so the
-#: controller can rescue the requests waiting there at once.
-CondemnedCallback = Callable[[int, str], None]
-
 
 @dataclass
 class RestartAttempt:
@@ -55,7 +54,6 @@ class Supervisor:
         config: SupervisorConfig,
         *,
         journal: Journal | None = None,
-        on_condemned: CondemnedCallback | None = None,
         passive: Callable[[int], bool] = lambda i: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -64,7 +62,6 @@ class Supervisor:
         self.fleet = fleet
         self.config = config
         self.journal = journal
-        self.on_condemned = on_condemned
         #: Shards whose engines something else restarts: wait for their return, spend the
         #: budget only when a new process answers (attach mode with no restart command).
         self.passive = passive
@@ -82,6 +79,25 @@ class Supervisor:
         self.restarts_failed = 0
         #: Durations of recent successful restarts, for the routers' Retry-After estimate.
         self._durations: list[float] = []
+        self._tick_pending = False
+        self._unsubscribe = ledger.subscribe(self._on_transition)
+
+    def _on_transition(self, t: Transition) -> None:
+        if t.to_state is not ShardState.DEAD or self._tick_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop: the next tick begins the restart
+        self._tick_pending = True
+        loop.call_soon(self._tick_now)
+
+    def _tick_now(self) -> None:
+        self._tick_pending = False
+        try:
+            self.tick()
+        except Exception:
+            log.exception("supervisor: a restart begun on a condemnation failed to start")
 
     # ------------------------------------------------------------------ start
 
@@ -207,9 +223,7 @@ class Supervisor:
         self._condemn(handle.shard, handle.exit_description)
 
     def _condemn(self, i: int, cause: str) -> None:
-        url = self.ledger.shard(i).base_url
-        if self.ledger.condemn(i, cause) and self.on_condemned is not None:
-            self.on_condemned(i, url)
+        self.ledger.condemn(i, cause)  # the transition tells the routers and this supervisor
 
     def _stop_in_background(self, handle: EngineHandle) -> None:
         task = asyncio.create_task(self._stop_logged(handle), name=f"stop:{handle.launch_id}")
@@ -234,6 +248,7 @@ class Supervisor:
     async def close(self) -> bool:
         """Cancel restarts in progress and stop every engine (the launcher's own check that
         nothing of any group is left). True when every engine was stopped and verified gone."""
+        self._unsubscribe()
         for attempt in self.attempts.values():
             attempt.task.cancel()
         for attempt in list(self.attempts.values()):

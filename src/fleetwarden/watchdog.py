@@ -50,7 +50,9 @@ import aiohttp
 
 from fleetwarden.judge import (
     DEFAULT_POLICY,
+    NO_CADENCE,
     NO_STALL,
+    Cadence,
     CanaryRule,
     Down,
     Evidence,
@@ -97,6 +99,9 @@ class Target:
     in_flight: int = 0  # the router's requests outstanding there
     proxy: bool = False  # a load balancer: only ``GET /v1/models``, never ``/metrics``
     stalls_excused: bool = False  # a refit lease: the engine may pause while loading weights
+    #: The engine is accused (failed requests, silent requests): if it is idle, a canary now
+    #: rather than when due. Never a canary to an engine with work in it.
+    confirm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,7 @@ class _Memory:
     sample: Sample | None = None
     sample_at: float = 0.0
     stall: Stall = NO_STALL
+    cadence: Cadence = NO_CADENCE
     canary_at: float | None = None
     model: str | None = None  # from /v1/models, for the canary; looked up again after a restart
 
@@ -219,7 +225,8 @@ class Watchdog:
             before, reading,
             elapsed_s=now - memory.sample_at if before is not None else 0.0,
             in_flight=target.in_flight, stall=memory.stall, since_canary_s=since_canary,
-            stalls_excused=target.stalls_excused, policy=self.policy,
+            stalls_excused=target.stalls_excused, cadence=memory.cadence,
+            confirm=target.confirm, policy=self.policy,
         )
         canary = None
         if judgement.send_canary:
@@ -234,6 +241,7 @@ class Watchdog:
         if isinstance(reading, Sample):
             memory.sample, memory.sample_at = reading, now
         memory.stall = judgement.stall
+        memory.cadence = judgement.cadence
         return Report(
             url=target.url, verdict=judgement.verdict, evidence=judgement.evidence,
             health=conclude(judgement, None if canary is None else canary.ok),

@@ -15,7 +15,7 @@ from fleetwarden.config import Config, ConfigError, example_toml, load_config, p
 def test_the_example_is_valid_toml_and_equals_the_defaults() -> None:
     text = example_toml()
     assert parse_config(tomllib.loads(text)) == Config()
-    assert "# A stall must last this long" in text  # reasons come along, from where they live
+    assert "# The floor of the stall limit" in text  # reasons come along, from where they live
     assert "# Seconds between controller ticks" in text
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from typing import Any
 
 from fleetwarden.config import Config
@@ -9,7 +11,8 @@ from fleetwarden.controller import Controller
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.ledger import Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
-from fleetwarden.watchdog import CanaryResult, Report
+from fleetwarden.watchdog import CanaryResult, Report, Target
+from router_rig import rig, until
 
 H, S, ST, D = ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE, ShardState.DEAD
 
@@ -78,3 +81,122 @@ def test_an_unreachable_stale_shard_is_condemned_after_the_threshold() -> None:
         assert ledger.state(0) is ST
     c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
     assert ledger.state(0) is D
+
+
+# ---------------------------------------------------------------------- evidence (issue 14)
+# A real router on real sockets in front of scripted engines; the controller's reads of the
+# engines are scripted (what each read concludes), so that each test shows one mechanism.
+
+
+class ScriptedReads:
+    """The watchdog's side: what a read of each engine concludes, set by the test."""
+
+    def __init__(self, default: Report) -> None:
+        self.default = default
+        self.by_url: dict[str, Report] = {}
+        self.probed: list[Target] = []
+
+    async def probe(self, target: Target) -> Report:
+        self.probed.append(target)
+        r = self.by_url.get(target.url, self.default)
+        return dataclasses.replace(r, url=target.url)
+
+    async def round(self, targets: list[Target]) -> dict[str, Report]:
+        return {t.url: await self.probe(t) for t in targets}
+
+
+class IdleSupervisor:
+    attempts: dict[int, Any] = {}
+
+    def tick(self) -> None:
+        pass
+
+
+def evidence_controller(r: Any, reads: ScriptedReads) -> tuple[Controller, Ledger]:
+    config = Config.model_validate({"health": {"confirm_interval_s": 0.01,
+                                               "ejection_base_s": 0.3}})
+    h = config.health
+    ledger = Ledger([e.url for e in r.engines],
+                    Policy(ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s))
+    c = Controller(ledger, reads, IdleSupervisor(), [r.router.control()], config)  # type: ignore[arg-type]
+    return c, ledger
+
+
+BUSY_REPORT = report(Verdict.BUSY, Health.SERVING)
+STALLED_REPORT = report(Verdict.STALLED, Health.UNPROVEN)
+
+
+async def failing_request(r: Any, bad: Any) -> None:
+    """Requests through the router until one fails on ``bad`` (and is re-sent elsewhere)."""
+    before = r.router.stats.retries["paid"] + r.router.stats.retries["replaced"]
+    while r.router.stats.retries["paid"] + r.router.stats.retries["replaced"] == before:
+        status, _, _ = await r.post()
+        assert status == 200
+
+
+async def test_a_failed_request_ejects_its_engine_before_any_tick() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        reads = ScriptedReads(STALLED_REPORT)  # nothing proves it either way
+        c, ledger = evidence_controller(r, reads)
+        bad.answer_status(503)
+        await failing_request(r, bad)
+        await until(lambda: ledger.ejected() == [1], what="ejected by the event")
+        assert c.tick_number == 0
+        assert c.focus_started == {"ejected": 1}
+        await until(lambda: any(t.url == bad.url for t in reads.probed), what="a focused read")
+        await c.close()
+
+
+async def test_an_ejected_engine_stays_out_of_every_push_while_its_evidence_stands() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        reads = ScriptedReads(BUSY_REPORT)
+        reads.by_url[bad.url] = STALLED_REPORT  # its reads prove nothing
+        c, ledger = evidence_controller(r, reads)
+        bad.answer_status(503)
+        await failing_request(r, bad)
+        await until(lambda: ledger.ejected() == [1], what="ejected")
+        for _ in range(3):
+            await c.tick()  # the heartbeat pushes every tick: it leaves the engine out
+            assert r.router.serving_backends() == [good.url]
+            assert ledger.state(1) is S
+        await c.close()
+
+
+async def test_proof_puts_an_ejected_engine_on_trial_and_a_completed_request_ends_it() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        reads = ScriptedReads(BUSY_REPORT)
+        c, ledger = evidence_controller(r, reads)
+        bad.answer_status(503)
+        await failing_request(r, bad)
+        await until(lambda: ledger.ejected() == [1], what="ejected")
+        # Its focused reads show progress: after the ejection's 0.3 s, that is proof.
+        await until(lambda: r.router.pool.trial == {bad.url}, what="on trial")
+        assert set(r.router.serving_backends()) == {good.url, bad.url}
+        first = next(i for i, t in enumerate(reads.probed) if t.url == bad.url)
+        assert ledger.shard(1).on_trial and len(reads.probed) > first + 1  # not the first read
+        bad.answer(None)  # it serves again
+        answered = bad.answered
+        while bad.answered == answered:  # its one trial request, among the others
+            assert (await r.post())[0] == 200
+        await c.tick()  # the window with its completed trial request
+        assert not ledger.shard(1).on_trial and r.router.pool.trial == frozenset()
+        await c.close()
+
+
+async def test_a_condemnation_reaches_the_routers_through_the_ledger_alone() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()
+        reads = ScriptedReads(BUSY_REPORT)
+        c, ledger = evidence_controller(r, reads)
+        tasks = [asyncio.create_task(r.post()) for _ in range(4)]
+        await until(lambda: good.answered + bad.held == 4, what="all 4 placed")
+        parked = bad.held
+        ledger.condemn(1, "engine process exited with code -9")  # as the supervisor does
+        assert [(await t)[0] for t in tasks] == [200] * 4  # rescued
+        assert r.router.serving_backends() == [good.url]
+        assert r.router.stats.rescues == parked and c.tick_number == 0
+        await c.close()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from fleetwarden.judge import (
     DEFAULT_POLICY,
+    NO_CADENCE,
     NO_STALL,
     CanaryRule,
     Down,
@@ -43,6 +44,10 @@ IDLE = Sample(running=0, waiting=0, steps=1000, generation_tokens=4000, prompt_t
               finished_requests=10, start_time=1.7e9)
 
 
+#: The earlier default floor: the tests of the two-waits rule keep their numbers with it.
+FLOOR_15 = WatchdogPolicy(stall_s=15.0)
+
+
 def advanced(s: Sample, **deltas: float) -> Sample:
     return replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
 
@@ -53,13 +58,14 @@ def run(reads: list[tuple[float, Reading]], in_flight: int = 0, excused: bool = 
     out: list[Judgement] = []
     before: Sample | None = None
     stall = NO_STALL
+    cadence = NO_CADENCE
     elapsed = 0.0
     for gap, reading in reads:
         elapsed += gap
         j = judge(before, reading, elapsed_s=elapsed, in_flight=in_flight, stall=stall,
-                  stalls_excused=excused, policy=policy)
+                  stalls_excused=excused, cadence=cadence, policy=policy)
         out.append(j)
-        stall = j.stall
+        stall, cadence = j.stall, j.cadence
         if isinstance(reading, Sample):
             before, elapsed = reading, 0.0
     return out
@@ -79,16 +85,16 @@ def test_the_real_busy_pair_is_busy_and_gets_no_canary() -> None:
 
 def test_the_real_wedged_busy_pair_is_stalled_then_stuck_after_two_waits_and_stall_s() -> None:
     one, two = capture("metrics-wedged-busy-1.txt"), capture("metrics-wedged-busy-2.txt")
-    first = judge(one, two, elapsed_s=3.0)
+    first = judge(one, two, elapsed_s=3.0, policy=FLOOR_15)
     assert first.verdict is Verdict.STALLED and not first.send_canary
     assert first.stall == Stall(waits=1, seconds=3.0)
     assert first.evidence.moved == () and "steps" in first.evidence.flat
     assert conclude(first, None) is Health.UNPROVEN
 
-    second = judge(two, two, elapsed_s=3.0, stall=first.stall)  # two waits, but only 6 s
+    second = judge(two, two, elapsed_s=3.0, stall=first.stall, policy=FLOOR_15)  # only 6 s
     assert second.verdict is Verdict.STALLED
 
-    third = judge(two, two, elapsed_s=9.0, stall=second.stall)  # three waits, 15 s
+    third = judge(two, two, elapsed_s=9.0, stall=second.stall, policy=FLOOR_15)  # 15 s
     assert third.verdict is Verdict.STUCK
     assert (third.evidence.stalled_waits, third.evidence.stalled_for_s) == (3, 15.0)
     assert conclude(third, None) is Health.CONDEMNED
@@ -156,14 +162,14 @@ def test_one_long_wait_is_not_enough_for_stuck() -> None:
 
 
 def test_many_short_waits_are_not_enough_for_stuck_until_stall_s_has_passed() -> None:
-    js = run([(0, BUSY)] + [(1.0, BUSY)] * 15)
+    js = run([(0, BUSY)] + [(1.0, BUSY)] * 15, policy=FLOOR_15)
     assert [j.verdict for j in js[1:15]] == [Verdict.STALLED] * 14
     assert js[15].verdict is Verdict.STUCK and js[15].evidence.stalled_for_s == 15.0
 
 
 def test_progress_ends_a_stall_and_the_next_one_starts_from_nothing() -> None:
     moving = advanced(BUSY, steps=1)
-    js = run([(0, BUSY), (10, BUSY), (1, moving), (10, moving), (1, moving)])
+    js = run([(0, BUSY), (10, BUSY), (1, moving), (10, moving), (1, moving)], policy=FLOOR_15)
     assert [j.verdict for j in js] == [Verdict.FIRST_READ, Verdict.STALLED, Verdict.BUSY,
                                        Verdict.STALLED, Verdict.STALLED]
     assert js[2].stall == NO_STALL and js[4].stall == Stall(2, 11.0)
@@ -339,3 +345,78 @@ def test_an_enormous_metrics_body_is_no_metrics() -> None:
     result = parse(body)
     assert isinstance(result, Unreadable) and "limit" in result.reason
     assert judge(BUSY, NoMetrics(result.reason), elapsed_s=2.0).verdict is Verdict.NO_METRICS
+
+
+# ------------------------------------------------------------------ the engine's own cadence
+
+
+def focused(flat_s: float, every_s: float = 0.25) -> list[tuple[float, Reading]]:
+    """Reads ``every_s`` apart over ``flat_s`` seconds of flat counters (focused reads)."""
+    return [(every_s, BUSY)] * round(flat_s / every_s)
+
+
+def test_a_long_prefill_step_is_not_a_stall_at_the_default_floor() -> None:
+    # llama.cpp reading a 14,802-token prompt in one batch kept every counter flat for 4 s
+    # (shared/fixtures/llamacpp/README.md). Read four times a second through it: never STUCK.
+    done = advanced(BUSY, steps=1, prompt_tokens=14802)
+    js = run([(0, BUSY)] + focused(4.0) + [(0.25, done)])
+    assert Verdict.STUCK not in {j.verdict for j in js}
+    assert js[-1].verdict is Verdict.BUSY
+
+
+def test_a_stall_past_the_floor_is_stuck_on_an_engine_with_no_long_pauses() -> None:
+    js = run([(0, BUSY)] + focused(5.5))
+    verdicts = [j.verdict for j in js]
+    first_stuck = verdicts.index(Verdict.STUCK)
+    assert js[first_stuck].evidence.stalled_for_s == DEFAULT_POLICY.stall_s
+    assert set(verdicts[1:first_stuck]) == {Verdict.STALLED}
+    assert "the floor" in js[first_stuck].evidence.summary
+
+
+def test_an_engine_seen_pausing_gets_its_own_longer_limit_at_that_load() -> None:
+    # It paused 2.5 s once and went on: at that load its stall limit is 3 x 2.5 = 7.5 s.
+    moving = advanced(BUSY, steps=1)
+    paused = run([(0, BUSY)] + focused(2.5) + [(0.25, moving)])
+    cadence = paused[-1].cadence
+    assert cadence.gap_at(BUSY.running) == 2.5
+    assert cadence.limit(BUSY.running, DEFAULT_POLICY) == 7.5
+    flat = moving
+    j = None
+    stall = NO_STALL
+    for _ in range(round(7.0 / 0.25)):  # 7 s flat: past the floor, not past 7.5 s
+        j = judge(moving, flat, elapsed_s=0.25, stall=stall, cadence=cadence)
+        stall = j.stall
+        assert j.verdict is Verdict.STALLED
+    assert j is not None and j.stall.seconds == 7.0
+    j = judge(moving, flat, elapsed_s=0.5, stall=stall, cadence=cadence)
+    assert j.verdict is Verdict.STUCK and "longest pause" in j.evidence.summary
+    # A lighter load never seen pausing keeps the floor.
+    assert cadence.limit(0, DEFAULT_POLICY) == DEFAULT_POLICY.stall_s
+
+
+def test_a_restarted_engine_starts_with_no_cadence() -> None:
+    paused = run([(0, BUSY)] + focused(2.0) + [(0.25, advanced(BUSY, steps=1))])
+    assert paused[-1].cadence != NO_CADENCE
+    new = replace(BUSY, start_time=1.8e9)
+    j = judge(BUSY, new, elapsed_s=1.0, cadence=paused[-1].cadence)
+    assert j.verdict is Verdict.RESTARTED and j.cadence == NO_CADENCE
+
+
+def test_waiting_requests_with_nothing_running_and_every_counter_flat_are_a_stall() -> None:
+    # vLLM issues #39863 and #46811: 0 running, 3 waiting, on a wedged core.
+    waiting_only = replace(BUSY, running=0, waiting=3)
+    js = run([(0, waiting_only)] + [(1.0, waiting_only)] * 6, in_flight=3)
+    assert [j.verdict for j in js[1:5]] == [Verdict.STALLED] * 4
+    assert js[5].verdict is Verdict.STUCK
+    assert not any(j.send_canary for j in js)  # work is waiting there: never a canary
+
+
+def test_a_confirmation_makes_a_canary_due_on_an_idle_engine_only() -> None:
+    idle = judge(IDLE, IDLE, elapsed_s=1.0, since_canary_s=1.0)
+    assert idle.verdict is Verdict.IDLE and not idle.send_canary  # not due
+    accused = judge(IDLE, IDLE, elapsed_s=1.0, since_canary_s=1.0, confirm=True)
+    assert accused.send_canary
+    busy = judge(BUSY, advanced(BUSY, steps=3), elapsed_s=1.0, confirm=True)
+    assert busy.verdict is Verdict.BUSY and not busy.send_canary
+    stalled = judge(BUSY, BUSY, elapsed_s=1.0, confirm=True)
+    assert stalled.verdict is Verdict.STALLED and not stalled.send_canary

@@ -97,10 +97,12 @@ def test_the_story_the_demo_plays_matches_note_001() -> None:
 
 
 def test_a_shard_that_passes_every_probe_but_fails_every_generation_still_dies() -> None:
-    ledger, _ = make(2)
+    clock = Clock()
+    ledger = Ledger(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], clock=clock)
     for window in range(3):
+        clock.now += 120  # past any ejection: each good probe puts it on trial
         assert ledger.record_probe(0, ok=True)
-        ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)
+        ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)  # the trial's
         if window < 2:
             assert ledger.state(0) in (H, S)
     assert ledger.state(0) is D
@@ -323,9 +325,10 @@ def test_every_change_emits_a_transition_with_the_counters_after() -> None:
     ledger, seen = make(2)
     ledger.report_failure(0, "reset by peer")
     (t,) = seen
-    assert (t.shard, t.from_state, t.to_state, t.cause) == (0, H, S, "reset by peer")
+    assert (t.shard, t.from_state, t.to_state) == (0, H, S)
+    assert t.cause.startswith("reset by peer; out of routing")
     assert t.record.consecutive_reported_failures == 1
-    assert t.event is Event.FAILURE
+    assert t.event is Event.EJECTED
     assert t.at == 1000.0
 
 
@@ -403,3 +406,95 @@ def test_the_ledger_does_no_io() -> None:
                               [type("A", (), {"name": node.module or ""})()])}
     assert imported.isdisjoint({"asyncio", "aiohttp", "socket", "os", "pathlib", "sqlite3",
                                 "io", "threading", "subprocess"})
+
+
+# ------------------------------------------------------------------ out stays out (issue 14)
+
+
+def ejected_ledger(**policy: object) -> tuple[Ledger, Clock]:
+    clock = Clock()
+    ledger = Ledger(["http://127.0.0.1:9000", "http://127.0.0.1:9001"],
+                    Policy(**policy), clock=clock)  # type: ignore[arg-type]
+    ledger.report_outcomes(0, successes=0, failures=2, trailing_failures=2)
+    return ledger, clock
+
+
+def test_a_failed_window_ejects_the_shard_and_every_push_leaves_it_out_while_suspect() -> None:
+    ledger, clock = ejected_ledger()
+    assert ledger.state(0) is S and ledger.ejected() == [0]
+    assert ledger.serving_urls() == ["http://127.0.0.1:9001"]
+    assert ledger.shard(0).ejected_until == clock.now + 1.0
+    clock.now += 30
+    assert ledger.serving_urls() == ["http://127.0.0.1:9001"]  # time alone brings nothing back
+
+
+def test_failures_drained_after_the_ejection_are_the_same_burst() -> None:
+    ledger, _ = ejected_ledger()
+    for _ in range(5):  # requests that were on it when it was dropped, failing one by one
+        ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)
+    assert ledger.state(0) is S and ledger.shard(0).consecutive_reported_failures == 1
+
+
+def test_a_good_probe_before_the_ejection_ends_brings_nothing_back() -> None:
+    ledger, clock = ejected_ledger()
+    clock.now += 0.5
+    ledger.record_probe(0, ok=True)
+    assert ledger.ejected() == [0] and not ledger.shard(0).on_trial
+
+
+def test_proof_puts_it_on_trial_and_a_completed_trial_request_returns_it_to_traffic() -> None:
+    ledger, clock = ejected_ledger()
+    clock.now += 1.0
+    out = ledger.record_probe(0, ok=True)
+    assert out.transition is not None and out.transition.event is Event.ON_TRIAL
+    assert ledger.serving_urls() == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    assert ledger.trial_urls() == ["http://127.0.0.1:9000"]
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is S  # probes alone never end a trial: a request must complete
+    ledger.report_outcomes(0, successes=1, failures=0, trailing_failures=0)
+    assert ledger.trial_urls() == [] and not ledger.shard(0).on_trial
+    assert ledger.shard(0).consecutive_reported_failures == 0
+    ledger.record_probe(0, ok=True)
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is H and ledger.shard(0).ejections == 0
+
+
+def test_an_engine_that_keeps_failing_its_trial_is_kept_out_longer_each_time() -> None:
+    ledger, clock = ejected_ledger(unhealthy_threshold=10)
+    outs = []
+    for _ in range(4):
+        rec = ledger.shard(0)
+        assert rec.ejected_until is not None
+        outs.append(rec.ejected_until - clock.now)
+        clock.now = rec.ejected_until
+        ledger.record_probe(0, ok=True)  # proof: on trial
+        ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)  # trial fails
+    assert outs == [1.0, 2.0, 4.0, 8.0]
+    assert ledger.shard(0).ejections == 5 and ledger.state(0) is S
+
+
+def test_a_burst_confirmed_by_a_failed_probe_is_enough_to_condemn() -> None:
+    # Seed 000: three requests park on the wedge and fail together. One window, one reported
+    # failure, and the focused look that follows fails: condemned, without two more windows.
+    ledger, _ = ejected_ledger()
+    assert ledger.shard(0).consecutive_reported_failures == 1
+    out = ledger.record_probe(0, ok=False, error="canary: no answer within 5 s")
+    assert out.transition is not None and out.transition.event is Event.CONFIRMED
+    assert ledger.state(0) is D
+
+
+def test_a_failed_probe_without_reported_failures_is_one_failed_probe() -> None:
+    ledger, _ = make(2)
+    ledger.record_probe(0, ok=False, error="unreachable")
+    assert ledger.state(0) is S and ledger.serving_urls() == [
+        "http://127.0.0.1:9000", "http://127.0.0.1:9001"]  # suspicion alone ejects nothing
+
+
+def test_a_new_process_is_neither_ejected_nor_on_trial() -> None:
+    ledger, _ = ejected_ledger()
+    ledger.observe_incarnation(0, "1.0")
+    ledger.observe_incarnation(0, "2.0")
+    rec = ledger.shard(0)
+    assert (rec.ejected_until, rec.on_trial, rec.ejections) == (None, False, 0)
+    assert rec.consecutive_reported_failures == 0
+    assert "http://127.0.0.1:9000" in ledger.serving_urls()

@@ -514,3 +514,65 @@ async def test_a_stopped_router_releases_its_port() -> None:
     with pytest.raises(aiohttp.ClientConnectorError):
         async with aiohttp.ClientSession() as http, http.get(url + "/metrics"):
             pass
+
+
+# ---------------------------------------------------------------------- evidence (issue 14)
+
+async def test_every_failed_attempt_is_reported_as_it_happens() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        await bad.crash()  # refused from now on
+        seen: list[tuple[str, str]] = []
+        unlisten = r.router.control().listen(lambda url, cause: seen.append((url, cause)))
+        status, _, _ = await r.post()
+        while (bad.url, "refused") not in seen:  # the first request may have picked the good one
+            status, _, _ = await r.post()
+        assert status == 200  # the refused attempt was re-sent to the good engine
+        assert seen == [(bad.url, "refused")]  # reported before any drain asked for it
+        assert r.router.drain_outcomes()[bad.url] == (0, 1, 1)  # and still tallied once
+        unlisten()
+        r.router.set_serving_backends([good.url, bad.url])
+        while r.router.drain_outcomes().get(bad.url) is None:
+            await r.post()
+        assert seen == [(bad.url, "refused")]  # no longer listening
+
+
+async def test_a_listener_that_raises_never_breaks_a_request() -> None:
+    async with rig(2, health_managed=True) as r:
+        _, bad = r.engines
+        bad.answer_status(503)
+
+        def broken(url: str, cause: str) -> None:
+            raise RuntimeError("listener bug")
+
+        r.router.listen(broken)
+        assert [(await r.post())[0] for _ in range(4)] == [200] * 4
+
+
+async def test_backends_holding_silent_requests_are_named_with_their_oldest_wait() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, wedged = r.engines
+        wedged.wedge()
+        tasks = [asyncio.create_task(r.post()) for _ in range(4)]
+        await until(lambda: good.answered + wedged.held == 4, what="all 4 placed")
+        await asyncio.sleep(0.3)
+        silent = r.router.silent_backends(0.2)
+        assert list(silent) == [wedged.url] and silent[wedged.url] >= 0.3
+        assert r.router.silent_backends(5.0) == {}
+        r.router.set_serving_backends([good.url])
+        r.router.rescue(wedged.url)
+        assert [(await t)[0] for t in tasks] == [200] * 4
+        assert r.router.silent_backends(0.0) == {}
+
+
+async def test_a_backend_on_trial_takes_one_request_at_a_time() -> None:
+    async with rig(2, health_managed=True) as r:
+        good, trial = r.engines
+        trial.wedge()  # holds what it gets, so the trial request stays in flight
+        r.router.set_trial_backends([trial.url])
+        tasks = [asyncio.create_task(r.post()) for _ in range(6)]
+        await until(lambda: good.answered + trial.held == 6, what="all 6 placed")
+        assert trial.held == 1 and good.answered == 5
+        r.router.set_serving_backends([good.url])
+        r.router.rescue(trial.url)
+        assert [(await t)[0] for t in tasks] == [200] * 6

@@ -168,3 +168,23 @@ def test_in_flight_counts_stay_exact_under_any_sequence_of_pushes(ops: list) -> 
                                                             outstanding.items() if n}
         assert set(pool.serving) <= set(in_flight)
         assert pool.total_in_flight == sum(outstanding.values())
+
+
+def test_a_backend_on_trial_takes_a_second_request_only_when_nothing_else_is_left() -> None:
+    pool = Pool([A, B])
+    pool.set_trial([B])
+    pool.dispatched(A)
+    pool.dispatched(A)
+    assert pool.pick() == B  # on trial, and free: it may take its one request
+    pool.dispatched(B)
+    assert [pool.pick() for _ in range(5)] == [A] * 5  # its trial is in flight: nobody else
+    assert pool.pick(exclude=[A]) == B  # ...unless nothing else is left: sent beats refused
+    pool.finished(B)
+    pool.set_trial([])
+    pool.dispatched(B)
+    pool.dispatched(B)
+    pool.dispatched(B)
+    assert pool.pick() == A
+    pool.finished(A)
+    pool.finished(A)
+    assert pool.pick() == A  # least loaded again, no longer limited

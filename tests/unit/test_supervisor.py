@@ -10,7 +10,7 @@ import asyncio
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, LaunchError
-from fleetwarden.ledger import Ledger, Policy, ShardState
+from fleetwarden.ledger import ABSENT, Ledger, Policy, ShardState
 from fleetwarden.supervisor import Supervisor, launch_first
 
 D, R, ST, X = ShardState.DEAD, ShardState.RESTARTING, ShardState.STALE, ShardState.RETIRED
@@ -65,7 +65,10 @@ def fleet(n: int, **cfg: object) -> tuple[Ledger, FakeLauncher, Supervisor, Cloc
     clock = Clock()
     condemned: list[int] = []
     sup = Supervisor(ledger, launcher, FleetConfig(), SupervisorConfig(**cfg),  # type: ignore[arg-type]
-                     on_condemned=lambda i, url: condemned.append(i), clock=clock)
+                     clock=clock)
+    # Condemnations travel one way: the ledger's transition stream.
+    ledger.subscribe(lambda t: condemned.append(t.shard) if t.to_state is ShardState.DEAD
+                     and t.from_state not in ABSENT else None)
     return ledger, launcher, sup, clock, condemned
 
 

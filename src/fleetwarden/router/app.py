@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,8 @@ class Router:
         self.stats = RouterStats()
         self.registry = make_registry(self.stats, self.pool)
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
+        self._forwarder.on_failure = self._failed
+        self._evidence: list[Callable[[str, str], None]] = []
         self.app = self._make_app()
         self._runner: web.AppRunner | None = None
         self._control_runner: web.AppRunner | None = None
@@ -93,6 +95,34 @@ class Router:
         engine comes back on a new port). Requests in flight elsewhere finish where they are."""
         self.pool.replace(urls)
         self._forwarder.forget_idle(set(self.pool.serving))
+
+    def set_trial_backends(self, urls: Iterable[str]) -> None:
+        """Backends on probation: each takes one request at a time (the ledger lifts it)."""
+        self.pool.set_trial(urls)
+
+    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
+        """Call ``callback(backend, cause)`` for every failed attempt, as it happens (the
+        evidence stream: refused, reset, timeout, server_error). Returns the unsubscribe."""
+        self._evidence.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._evidence:
+                self._evidence.remove(callback)
+
+        return unsubscribe
+
+    def _failed(self, backend: str, cause: str) -> None:
+        for callback in list(self._evidence):
+            try:
+                callback(backend, cause)
+            except Exception:
+                # A listener never breaks the data path.
+                log.exception("an evidence listener failed on %s %s", backend, cause)
+
+    def silent_backends(self, after_s: float) -> dict[str, float]:
+        """Backends holding a request that has received nothing for ``after_s`` seconds or
+        more, with the oldest such wait: a wedge shows here before any timeout."""
+        return self._forwarder.silent(after_s)
 
     def serving_backends(self) -> list[str]:
         return list(self.pool.serving)
@@ -128,6 +158,7 @@ class Router:
         return {
             "url": self._url,
             "serving": self.serving_backends(),
+            "trial": sorted(self.pool.trial),
             "in_flight": self.in_flight(),
             "health_managed": self.health_managed,
             "reflex_armed": self.reflex_armed,

@@ -12,12 +12,19 @@ PUT      /serving         ``{"backends": [url, ...]}``     ``{"serving": [url, .
 POST     /outcomes/drain  -                                ``{"outcomes": {url: [s, f, t]}}``
 POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
+PUT      /trial           ``{"backends": [url, ...]}``     ``{"trial": [url, ...]}``
+GET      /silent?after_s  -                                ``{"silent": {url: seconds}}``
 PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x or null}``
 =======  ===============  ===============================  ==============================
 
 :class:`RemoteRouter` is the client of this API and :class:`InProcessRouter` wraps a
 :class:`~fleetwarden.router.app.Router` in the same async methods, so a controller treats a
 router in its own process and one across a socket alike (:class:`RouterControl`).
+
+Evidence (each failed attempt, as it happens) reaches a controller in the same process through
+:meth:`InProcessRouter.listen`. A remote router has no such stream: the controller reads its
+failures at the tick's drain and its silent backends with ``GET /silent`` (polling, one call a
+tick), so a remote router is judged at the tick's pace, as before.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class RouterControl(Protocol):
     async def rescue(self, url: str) -> int: ...
     async def in_flight(self) -> dict[str, int]: ...
     async def set_retry_after(self, seconds: float | None) -> None: ...
+    async def set_trial_backends(self, urls: Iterable[str]) -> None: ...
+    async def silent_backends(self, after_s: float) -> dict[str, float]: ...
     async def status(self) -> dict[str, Any]: ...
 
 
@@ -117,6 +126,23 @@ def make_control_app(router: Router, token: str) -> web.Application:
         router.set_retry_after(seconds)
         return web.json_response({"retry_after": seconds})
 
+    async def put_trial(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        backends = body.get("backends")
+        if not isinstance(backends, list) or not all(isinstance(u, str) for u in backends):
+            raise _bad_request("'backends' must be a list of URL strings")
+        router.set_trial_backends(backends)
+        return web.json_response({"trial": sorted(router.pool.trial)})
+
+    async def silent(request: web.Request) -> web.Response:
+        try:
+            after_s = float(request.query.get("after_s", "0"))
+        except ValueError:
+            raise _bad_request("'after_s' must be a number of seconds") from None
+        if not math.isfinite(after_s) or after_s < 0:
+            raise _bad_request("'after_s' must be a number >= 0")
+        return web.json_response({"silent": router.silent_backends(after_s)})
+
     async def not_found(request: web.Request) -> web.Response:
         return error_response(404, f"No control route for {request.method} {request.path}.",
                               "not_found")
@@ -128,6 +154,8 @@ def make_control_app(router: Router, token: str) -> web.Application:
     app.router.add_post("/rescue", rescue)
     app.router.add_get("/in-flight", in_flight)
     app.router.add_put("/retry-after", put_retry_after)
+    app.router.add_put("/trial", put_trial)
+    app.router.add_get("/silent", silent, allow_head=False)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 
@@ -171,6 +199,16 @@ class InProcessRouter:
 
     async def set_retry_after(self, seconds: float | None) -> None:
         self.router.set_retry_after(seconds)
+
+    async def set_trial_backends(self, urls: Iterable[str]) -> None:
+        self.router.set_trial_backends(urls)
+
+    async def silent_backends(self, after_s: float) -> dict[str, float]:
+        return self.router.silent_backends(after_s)
+
+    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
+        """Every failed attempt, as it happens: ``callback(backend, cause)``."""
+        return self.router.listen(callback)
 
     async def status(self) -> dict[str, Any]:
         return self.router.status()
@@ -231,6 +269,13 @@ class RemoteRouter:
 
     async def set_retry_after(self, seconds: float | None) -> None:
         await self._call("PUT", "/retry-after", {"seconds": seconds})
+
+    async def set_trial_backends(self, urls: Iterable[str]) -> None:
+        await self._call("PUT", "/trial", {"backends": list(urls)})
+
+    async def silent_backends(self, after_s: float) -> dict[str, float]:
+        answer = await self._call("GET", f"/silent?after_s={after_s:g}")
+        return {url: float(x) for url, x in answer["silent"].items()}
 
     async def status(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self._call("GET", "/status")

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -146,8 +147,12 @@ class Forwarder:
         self.retry_after: float | None = None
         self._session: aiohttp.ClientSession | None = None
         #: Requests waiting on each backend with nothing sent to their client: what a rescue
-        #: may cancel. Each is the timeout scope around its wait.
-        self._waiting: dict[str, set[asyncio.Timeout]] = {}
+        #: may cancel. Each is the timeout scope around its wait, with the loop time it began
+        #: (what :meth:`silent` reports).
+        self._waiting: dict[str, dict[asyncio.Timeout, float]] = {}
+        #: Told of every failed attempt as it happens: (backend, cause). The router's evidence
+        #: stream; whoever listens must not raise.
+        self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, URL] = {}
         self._session_header = settings.session_header
@@ -187,6 +192,18 @@ class Forwarder:
             scope.reschedule(now)  # expires at once: the request moves on from its wait
         self.stats.rescues += len(waiting)
         return len(waiting)
+
+    def silent(self, after_s: float) -> dict[str, float]:
+        """Backends holding a request that has received nothing for at least ``after_s``:
+        ``{backend: seconds the oldest has waited}``."""
+        now = asyncio.get_running_loop().time()
+        out: dict[str, float] = {}
+        for backend, waiting in self._waiting.items():
+            if waiting:
+                oldest = now - min(waiting.values())
+                if oldest >= after_s:
+                    out[backend] = oldest
+        return out
 
     def forget_idle(self, keep: set[str]) -> None:
         """Drop bookkeeping for backends that are neither kept nor have anything waiting."""
@@ -293,13 +310,13 @@ class Forwarder:
             target = self._targets[key] = URL(key, encoded=True)
         waiting = self._waiting.get(backend)
         if waiting is None:
-            waiting = self._waiting[backend] = set()
+            waiting = self._waiting[backend] = {}
         pool.dispatched(backend)
         try:
             sent = time.perf_counter()
             try:
                 async with asyncio.timeout(None) as scope:
-                    waiting.add(scope)
+                    waiting[scope] = asyncio.get_running_loop().time()
                     try:
                         upstream = await self._session.request(
                             request.method, target, data=body, headers=headers,
@@ -308,7 +325,7 @@ class Forwarder:
                             return _Failure(backend, Cause.SERVER_ERROR, upstream.status,
                                             upstream.headers, await _read(upstream))
                     finally:
-                        waiting.discard(scope)
+                        waiting.pop(scope, None)
                 backend_time = time.perf_counter() - sent
                 length = upstream.content_length
                 if length is not None and length <= _WHOLE_ANSWER_BYTES:
@@ -393,6 +410,8 @@ class Forwarder:
     def _count_failure(self, failure: _Failure) -> None:
         self.pool.record_failure(failure.backend)
         self.stats.backend_failed(failure.backend, failure.cause.value)
+        if self.on_failure is not None:
+            self.on_failure(failure.backend, failure.cause.value)
         if self.health_managed and self.pool.drop(failure.backend):
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
                      _DESCRIPTIONS[failure.cause])

@@ -8,7 +8,9 @@ Two rules, after Envoy's outlier detection:
 
 * The pool never decides health. Its serving list is whatever was last pushed
   (:meth:`Pool.replace`); the only local change is the reflex drop (:meth:`Pool.drop`), which the
-  shell makes only when fleet health drives membership, so that the next push can undo it.
+  shell makes only when fleet health drives membership. The ledger keeps a dropped backend out
+  of the next pushes until it proves itself, then pushes it *on trial* (:meth:`Pool.set_trial`):
+  it gets one request at a time until the ledger lifts the probation.
 * It counts; the ledger judges. A tally is handed over once and zeroed
   (:meth:`Pool.drain_outcomes`), so no failure is ever reported twice.
 """
@@ -118,6 +120,8 @@ class Pool:
         self._total_in_flight = 0
         self._tallies: dict[str, OutcomeTally] = {}
         self._turn = 0
+        #: Backends on probation: each takes one request at a time (the trial request).
+        self._trial: frozenset[str] = frozenset()
         self.replace(urls)
 
     # ------------------------------------------------------------------ membership
@@ -138,6 +142,15 @@ class Pool:
         for url in serving:
             self._in_flight.setdefault(url, 0)
         self._forget_idle_leavers()
+
+    @property
+    def trial(self) -> frozenset[str]:
+        return self._trial
+
+    def set_trial(self, urls: Iterable[str]) -> None:
+        """Backends on probation (pushed by the ledger): at most one request in flight each,
+        until the next push says otherwise."""
+        self._trial = frozenset(u.rstrip("/") for u in urls)
 
     def drop(self, url: str) -> bool:
         """The reflex: take ``url`` out of the local list until the next push. True if it was in."""
@@ -168,13 +181,23 @@ class Pool:
         if n == 0:
             return None
         in_flight = self._in_flight
+        retry = bool(exclude)
+        if self._trial:
+            # A backend on trial that holds its one request is taken by nobody else.
+            # When every backend left is a busy trial, the limit yields: a request sent to an
+            # engine under probation beats a request refused.
+            busy_trials = [u for u in self._trial if in_flight.get(u, 0) > 0]
+            if busy_trials:
+                limited = {*exclude, *busy_trials}
+                if not all(u in limited for u in serving):
+                    exclude = limited
         if session is not None:
             home = self._ring.home(session)
             if home is not None and home not in exclude:
                 bound = math.ceil(self._load_factor * (self._total_in_flight + 1) / n)
                 if in_flight[home] < bound:
                     return home
-        if exclude:
+        if retry:
             turn = self._turn % n  # a retry scans on from this request's turn
         else:
             turn = self._turn = (self._turn + 1) % n  # each new request moves the tie-break on

@@ -1,0 +1,83 @@
+"""Judgement at the speed of evidence (issue 14, docs/design.md), on real simulated engines.
+
+The tick is set to a minute here, so that whatever happens within a test happened on
+evidence: a failed request, a request gone silent, a focused read. Each test names its
+mechanism and asserts it, never how many seconds it took (that is ``bench/failover.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fleetwarden.ledger import Event, ShardState
+from fleetwarden.testing.load import Load
+
+from .fleet_support import (
+    SIM,
+    record_transitions,
+    running_fleet,
+    served_ids,
+    sim_stats,
+    until,
+)
+
+D, R = ShardState.DEAD, ShardState.RESTARTING
+#: One tick a minute: only the evidence can act within a test.
+SLOW_TICK = {"probe_interval_s": 60.0}
+
+
+async def test_a_refusing_engine_is_condemned_by_a_focused_read_at_once(tmp_path: Path) -> None:
+    # The process lives on (no exit to see), its socket is closed: every connection refused,
+    # as an attached engine that crashed looks to fleetwarden.
+    async with running_fleet(tmp_path, health=SLOW_TICK) as fleet:
+        await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
+        seen = record_transitions(fleet)
+        await fleet.inject_fault(0, "refuse", {})
+        async with Load(fleet.router_url, concurrency=2, max_tokens=4, think_s=0.05) as load:
+            await until(lambda: any(t.shard == 0 and t.to_state is D for t in seen),
+                        what="shard 0 condemned")
+        death = next(t for t in seen if t.shard == 0 and t.to_state is D)
+        assert death.event is Event.CONFIRMED, death.cause  # one refusal, one failed read
+        assert "refused" in death.cause or "cannot connect" in death.cause, death.cause
+        assert fleet.controller.tick_number == 1
+        assert load.failures == []  # a refused request never reached an engine: re-sent
+
+
+async def test_a_wedge_under_load_is_condemned_by_focused_reads_not_the_tick(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet={"engines": 3}, health=SLOW_TICK) as fleet:
+        wedged = fleet.ledger.shard(1).base_url
+        seen = record_transitions(fleet)
+        async with Load(fleet.router_url, concurrency=9, max_tokens=40) as load:
+            await until(lambda: fleet.router.in_flight().get(wedged, 0) >= 2,
+                        what="requests in flight on shard 1")
+            await fleet.inject_fault(1, "wedge", {})
+            await until(lambda: any(t.shard == 1 and t.to_state is D for t in seen),
+                        what="shard 1 condemned")
+        death = next(t for t in seen if t.shard == 1 and t.to_state is D)
+        assert "STUCK" in death.cause, death.cause
+        assert fleet.controller.focus_started.get("silent requests", 0) >= 1
+        assert fleet.controller.tick_number == 1
+        assert fleet.router.stats.rescues >= 2
+        assert load.failures == [], load.failures[:3]
+
+
+async def test_a_busy_engine_accused_of_silence_is_read_but_never_sent_a_canary(
+        tmp_path: Path) -> None:
+    # Generations longer than silent_after_s: every engine is accused again and again while it
+    # works. Reads show its progress; no canary, no ejection, nothing condemned.
+    slow = SIM + " --slots 2 --steps-per-s 20"
+    health = {**SLOW_TICK, "silent_after_s": 0.3, "canary_interval_s": 1.0}
+    async with running_fleet(tmp_path, fleet={"engine_cmd": slow}, health=health) as fleet:
+        await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
+        urls = fleet.ledger.serving_urls()
+        before = {u: served_ids(await sim_stats(u), "fleetwarden-canary") for u in urls}
+        seen = record_transitions(fleet)
+        async with Load(fleet.router_url, concurrency=6, max_tokens=40) as load:
+            await until(lambda: fleet.controller.focus_started.get("silent requests", 0) >= 6,
+                        what="engines accused of silence")
+            await until(lambda: len(load.results) >= 12, what="requests answered")
+        after = {u: served_ids(await sim_stats(u), "fleetwarden-canary") for u in urls}
+        assert after == before  # not one canary to an engine with work in it
+        assert seen == [] and fleet.ledger.ejected() == []
+        assert load.failures == []
