@@ -39,25 +39,20 @@ async def call(fn: object, *args: object) -> dict[str, object]:
     return result
 
 
-async def fail_requests(fleet: Fleet, shards: list[int], streak: int) -> None:
-    """Make ``shards`` fail real requests until each reported streak is ``streak``; then heal
-    them. Each router window counts once, so this takes ``streak`` ticks."""
-    for shard in shards:
-        await fleet.inject_fault(shard, "error5xx", {})
-    async with Load(fleet.router_url, concurrency=len(shards), max_tokens=2, think_s=0.05):
-        await until(lambda: all(fleet.ledger.shard(i).consecutive_reported_failures >= streak
-                                for i in shards), what=f"shards {shards}: {streak} failed windows")
-    for shard in shards:
-        await fleet.inject_fault(shard, "clear", {})
-    assert [fleet.ledger.shard(i).consecutive_reported_failures for i in shards] == (
-        [streak] * len(shards))
+async def fail_requests(fleet: Fleet, shards: list[int]) -> None:
+    """A router window of failed requests for each of ``shards``, as a router reports it: the
+    shard is ejected, SUSPECT with a reported streak of 1. (Failing engines themselves would
+    be condemned by the confirmation canary at once, issue 14; these tests are about a
+    suspicion, so the engines stay healthy and the suspicion stands on the reported window.)"""
+    fleet.controller.apply_outcomes({fleet.ledger.shard(i).base_url: (0, 2, 2) for i in shards})
+    assert all(fleet.ledger.shard(i).consecutive_reported_failures >= 1 for i in shards)
 
 
 async def test_a_restarted_engine_has_no_history_end_to_end(tmp_path: Path) -> None:
     async with running_fleet(tmp_path, fleet=TRAINER, health={"healthy_threshold": 1000}) as f:
         t = trainer(f)
-        await fail_requests(f, [1], 2)
-        assert f.ledger.state(1) is S  # two failed requests: SUSPECT, streak 2
+        await fail_requests(f, [1])
+        assert f.ledger.state(1) is S  # failed requests: SUSPECT
 
         lease = await call(t.begin_refit, 1)
         assert {p["shard"] for p in lease["participants"]} == {0, 1, 2}  # type: ignore[union-attr,index]
@@ -76,8 +71,8 @@ async def test_a_restarted_engine_has_no_history_end_to_end(tmp_path: Path) -> N
         r = f.ledger.shard(1)
         assert (r.state, r.consecutive_reported_failures, r.weight_version) == (H, 0, 2)
 
-        await fail_requests(f, [1], 1)
-        assert f.ledger.state(1) is S  # one failed request: SUSPECT, not DEAD
+        await fail_requests(f, [1])
+        assert f.ledger.state(1) is S  # one failed window: SUSPECT, not DEAD
         assert f.ledger.shard(1).restart_attempts == 1
 
 
@@ -188,11 +183,11 @@ async def test_an_aborted_refit_keeps_a_suspicion(tmp_path: Path) -> None:
                              health={"healthy_threshold": 1000,
                                      "unhealthy_threshold": 1000}) as f:
         t = trainer(f)
-        await fail_requests(f, [0, 1], 2)
+        await fail_requests(f, [0, 1])
         ticks = f.controller.tick_number
         await until(lambda: f.controller.tick_number >= ticks + 2, what="two more ticks")
         streaks = [f.ledger.shard(i).consecutive_reported_failures for i in range(3)]
-        assert streaks[0] >= 2 and streaks[1] >= 2 and streaks[2] == 0
+        assert streaks[0] >= 1 and streaks[1] >= 1 and streaks[2] == 0
         assert [f.ledger.state(i) for i in range(3)] == [S, S, H]
         await call(t.begin_refit, 1)
         aborted = await call(t.abort_refit, 1, "trainer crashed")

@@ -89,6 +89,9 @@ async def test_twenty_thousand_requests_through_a_failing_wedging_recovering_eng
                 phase, mark = "wedged", done
             # the tick: outcomes -> ledger; watchdog verdict; supervisor; push; rescue
             drain()
+            if phase == "failing" and ledger.ejected() == [2]:
+                # the focused read of the ejected engine: its canary fails as its requests do
+                ledger.record_probe(2, ok=False, error="canary answered 500")
             condemned = []
             if phase == "wedged" and done >= mark + 1500 and by_url[victim].held > 0:
                 ledger.condemn(2, "stuck: requests in flight, no progress")  # the watchdog

@@ -106,7 +106,8 @@ class ScriptedReads:
 
 
 class IdleSupervisor:
-    attempts: dict[int, Any] = {}
+    def __init__(self) -> None:
+        self.attempts: dict[int, Any] = {}
 
     def tick(self) -> None:
         pass
@@ -136,7 +137,7 @@ async def failing_request(r: Any, bad: Any) -> None:
 
 async def test_a_failed_request_ejects_its_engine_before_any_tick() -> None:
     async with rig(2, health_managed=True) as r:
-        good, bad = r.engines
+        _good, bad = r.engines
         reads = ScriptedReads(STALLED_REPORT)  # nothing proves it either way
         c, ledger = evidence_controller(r, reads)
         bad.answer_status(503)

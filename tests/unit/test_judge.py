@@ -359,13 +359,13 @@ def test_a_long_prefill_step_is_not_a_stall_at_the_default_floor() -> None:
     # llama.cpp reading a 14,802-token prompt in one batch kept every counter flat for 4 s
     # (shared/fixtures/llamacpp/README.md). Read four times a second through it: never STUCK.
     done = advanced(BUSY, steps=1, prompt_tokens=14802)
-    js = run([(0, BUSY)] + focused(4.0) + [(0.25, done)])
+    js = run([(0, BUSY), *focused(4.0), (0.25, done)])
     assert Verdict.STUCK not in {j.verdict for j in js}
     assert js[-1].verdict is Verdict.BUSY
 
 
 def test_a_stall_past_the_floor_is_stuck_on_an_engine_with_no_long_pauses() -> None:
-    js = run([(0, BUSY)] + focused(5.5))
+    js = run([(0, BUSY), *focused(5.5)])
     verdicts = [j.verdict for j in js]
     first_stuck = verdicts.index(Verdict.STUCK)
     assert js[first_stuck].evidence.stalled_for_s == DEFAULT_POLICY.stall_s
@@ -376,7 +376,7 @@ def test_a_stall_past_the_floor_is_stuck_on_an_engine_with_no_long_pauses() -> N
 def test_an_engine_seen_pausing_gets_its_own_longer_limit_at_that_load() -> None:
     # It paused 2.5 s once and went on: at that load its stall limit is 3 x 2.5 = 7.5 s.
     moving = advanced(BUSY, steps=1)
-    paused = run([(0, BUSY)] + focused(2.5) + [(0.25, moving)])
+    paused = run([(0, BUSY), *focused(2.5), (0.25, moving)])
     cadence = paused[-1].cadence
     assert cadence.gap_at(BUSY.running) == 2.5
     assert cadence.limit(BUSY.running, DEFAULT_POLICY) == 7.5
@@ -395,7 +395,7 @@ def test_an_engine_seen_pausing_gets_its_own_longer_limit_at_that_load() -> None
 
 
 def test_a_restarted_engine_starts_with_no_cadence() -> None:
-    paused = run([(0, BUSY)] + focused(2.0) + [(0.25, advanced(BUSY, steps=1))])
+    paused = run([(0, BUSY), *focused(2.0), (0.25, advanced(BUSY, steps=1))])
     assert paused[-1].cadence != NO_CADENCE
     new = replace(BUSY, start_time=1.8e9)
     j = judge(BUSY, new, elapsed_s=1.0, cadence=paused[-1].cadence)
