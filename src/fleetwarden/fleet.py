@@ -277,6 +277,8 @@ class Fleet:
             ledger, self._watchdog, self._supervisor, self.routers, cfg,
             journal=self._journal, refit=self._refit, on_tick=self._after_tick,
         )
+        # The first answers already name their weights: the push's facts, before any tick.
+        self._router.set_serving_backends(*self._controller.serving_push())
         self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
         await self._admin.setup()
         await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
