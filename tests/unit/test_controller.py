@@ -78,3 +78,13 @@ def test_an_unreachable_stale_shard_is_condemned_after_the_threshold() -> None:
         assert ledger.state(0) is ST
     c.apply_report(0, report(Verdict.UNREACHABLE, Health.FAILING))
     assert ledger.state(0) is D
+
+
+def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None:
+    from fleetwarden.router.pool import BackendFacts
+
+    c, ledger, refit = controller("trainer")
+    refit.begin_refit(4)
+    refit.complete_refit(4)
+    ledger.condemn(0, "gone")
+    assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})

@@ -22,12 +22,14 @@ if TYPE_CHECKING:
         RemoteRouter,
         RouterControl,
     )
+    from fleetwarden.router.pool import BackendFacts
     from fleetwarden.router.settings import RouterSettings
 
-__all__ = ["ControlError", "InProcessRouter", "RemoteRouter", "Router", "RouterControl",
-           "RouterSettings"]
+__all__ = ["BackendFacts", "ControlError", "InProcessRouter", "RemoteRouter", "Router",
+           "RouterControl", "RouterSettings"]
 
 _HOMES = {
+    "BackendFacts": "fleetwarden.router.pool",
     "Router": "fleetwarden.router.app",
     "ControlError": "fleetwarden.router.control",
     "InProcessRouter": "fleetwarden.router.control",
