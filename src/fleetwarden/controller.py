@@ -264,7 +264,7 @@ class Controller:
             # A canary sent just before a refit lease began, answered (or not) during it: an
             # engine loading weights may not generate, so its silence proves nothing.
             return
-        if state is ShardState.STALE and v is Verdict.DEAD:
+        if state is ShardState.STALE and v is Verdict.UNREACHABLE:
             # Probes do not move a STALE shard; the controller proves such a death itself.
             n = self._stale_unreachable.get(i, 0) + 1
             self._stale_unreachable[i] = n
@@ -275,12 +275,12 @@ class Controller:
         if health is Health.CONDEMNED:
             self.ledger.condemn(i, f"{v.name}: {why}")
         elif state is ShardState.STALE:
-            if self.config.fleet.weights == "static" and health is Health.SERVING and (
+            if self.config.fleet.weights == "static" and health is Health.PROVEN and (
                     r.canary is not None and r.canary.ok):
                 # Static weights: a loaded engine that answers a canary has the only weights
                 # there are, so it is promoted by an automatic refit to the fleet's version.
                 self.ledger.report_refit(i, self._static_version())
-        elif health is Health.SERVING:
+        elif health is Health.PROVEN:
             self.ledger.record_probe(i, True)
         elif health is Health.FAILING:
             error = r.canary.error if r.canary is not None and r.canary.error else why

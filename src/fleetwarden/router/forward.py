@@ -42,7 +42,6 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from fleetwarden.router.metrics import RouterStats
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
 from fleetwarden.router.settings import (
     FORBIDDEN_STATUS,
@@ -51,6 +50,7 @@ from fleetwarden.router.settings import (
     WEIGHT_VERSION_HEADER,
     RouterSettings,
 )
+from fleetwarden.router.stats import RouterStats
 
 __all__ = ["Cause", "Forwarder", "error_response"]
 
