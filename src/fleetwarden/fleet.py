@@ -417,6 +417,8 @@ class Fleet:
                          "failed": self.supervisor.restarts_failed,
                          "in_progress": len(self.supervisor.attempts)},
             "refit": self.refits_view()["lease"],
+            "journal": {"failure": self._journal.failure if self._journal else None,
+                        "dropped": self._journal.dropped if self._journal else 0},
             "router": {"requests": self.router.stats.requests,
                        "rescues": self.router.stats.rescues,
                        "retries": dict(self.router.stats.retries)},
@@ -501,7 +503,13 @@ class _FleetCollector:
                                      labels=["shard"])
         for rec in fleet.ledger.snapshot():
             attempts.add_metric([str(rec.index)], rec.restart_attempts)
-        return [shards, restarts, verdicts, status, attempts]
+        journal = fleet.journal
+        dropped = CounterMetricFamily(
+            "fleetwarden_journal_dropped",
+            "Journal records (transitions, verdicts, restarts) lost because its writes fail; "
+            "anything above 0 means restart budgets and history are not being kept.")
+        dropped.add_metric([], journal.dropped if journal is not None else 0)
+        return [shards, restarts, verdicts, status, attempts, dropped]
 
 
 def _url_of(runner: web.AppRunner) -> str:
