@@ -8,7 +8,8 @@ Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
    RESTARTING before the push), finished restarts are collected;
 3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
 4. ``serving_urls()`` is pushed to every router, every tick, unconditionally (no deltas, so a
-   restarted router converges on the next push);
+   restarted router converges on the next push), with each backend's facts (shard index,
+   weight version) beside it;
 5. the routers rescue the requests waiting on shards condemned this tick.
 
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
@@ -52,6 +53,7 @@ from fleetwarden.ledger import (
     Transition,
 )
 from fleetwarden.refit import RefitCoordinator
+from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
 
@@ -63,7 +65,8 @@ log = logging.getLogger(__name__)
 class RouterLink(Protocol):
     """What the controller needs of a router, in-process or in another process."""
 
-    async def set_serving_backends(self, urls: Sequence[str]) -> None: ...
+    async def set_serving_backends(self, urls: Sequence[str],
+                                   facts: Mapping[str, BackendFacts] | None = None) -> None: ...
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
 
@@ -89,6 +92,9 @@ class TickReport:
     condemned: list[int] = field(default_factory=list)
     rescued: int = 0
     router_errors: list[str] = field(default_factory=list)
+    #: Steps of this tick that failed (a bug, a journal that raised): logged, and the tick
+    #: went on to its push and rescue all the same.
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -179,6 +185,14 @@ class Controller:
         task.add_done_callback(self._urgent.discard)
         return task
 
+    def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
+        """What every push carries: the serving URLs, and each one's shard and weight version."""
+        urls = self.ledger.serving_urls()
+        wanted = set(urls)
+        facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version)
+                 for rec in self.ledger.snapshot() if rec.base_url in wanted}
+        return urls, facts
+
     def _push_soon(self) -> None:
         if not self._push_pending:
             self._push_pending = True
@@ -191,13 +205,15 @@ class Controller:
         await self._rescue(None)
 
     async def _push(self, report: TickReport | None) -> None:
-        serving, trial = self._pushed = self._sets()
+        urls, facts = self.serving_push()
+        trial = self.ledger.trial_urls()
+        self._pushed = (tuple(urls), tuple(trial))
         for link in self.routers:
             try:
-                await link.set_serving_backends(list(serving))
+                await link.set_serving_backends(urls, facts)
                 set_trial = getattr(link, "set_trial_backends", None)
                 if set_trial is not None:
-                    await set_trial(list(trial))
+                    await set_trial(trial)
             except Exception as exc:
                 self._router_error(report, f"{_name(link)}: push: {exc}")
 
@@ -285,7 +301,7 @@ class Controller:
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
-            unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.DEAD,
+            unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
                                       Verdict.LOST_CORE, Verdict.NO_METRICS)
             if not first and not unsettled and rec.ejected_until is None:
                 return  # proven, or nothing to prove: the tick takes over again
@@ -331,7 +347,7 @@ class Controller:
 
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
-            self.refit.check_lease()
+            self._guarded(report, "refit lease", self.refit.check_lease)
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
 
         # 1. the watchdog round, for every shard with a process (those under focused reads
@@ -351,12 +367,13 @@ class Controller:
             self.reports[i] = r
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
-            self.apply_report(i, r)
-            if r.verdict in (Verdict.STALLED, Verdict.DEAD) and self.ledger.state(i) not in ABSENT:
+            self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+            if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
+                    and self.ledger.state(i) not in ABSENT):
                 self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
-        self.supervisor.tick()
+        self._guarded(report, "supervisor", self.supervisor.tick)
 
         # 3. outcomes from every router, one window each
         for link in self.routers:
@@ -395,6 +412,16 @@ class Controller:
                 log.exception("tick %d: the on_tick observer failed", report.number)
         return report
 
+    @staticmethod
+    def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
+        """Run one step of the tick. No step's failure aborts the tick: the push and the rescue
+        that follow are what keep requests away from a bad engine."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("tick %d: %s failed; the tick goes on", report.number, step)
+            report.errors.append(f"{step}: {type(exc).__name__}: {exc}")
+
     async def _in_flight(self, report: TickReport | None) -> dict[str, int]:
         total: dict[str, int] = {}
         for link in self.routers:
@@ -429,7 +456,7 @@ class Controller:
             # A canary sent just before a refit lease began, answered (or not) during it: an
             # engine loading weights may not generate, so its silence proves nothing.
             return
-        if state is ShardState.STALE and v is Verdict.DEAD:
+        if state is ShardState.STALE and v is Verdict.UNREACHABLE:
             # Probes do not move a STALE shard; the controller proves such a death itself.
             n = self._stale_unreachable.get(i, 0) + 1
             self._stale_unreachable[i] = n
@@ -440,12 +467,12 @@ class Controller:
         if health is Health.CONDEMNED:
             self.ledger.condemn(i, f"{v.name}: {why}")
         elif state is ShardState.STALE:
-            if self.config.fleet.weights == "static" and health is Health.SERVING and (
+            if self.config.fleet.weights == "static" and health is Health.PROVEN and (
                     r.canary is not None and r.canary.ok):
                 # Static weights: a loaded engine that answers a canary has the only weights
                 # there are, so it is promoted by an automatic refit to the fleet's version.
                 self.ledger.report_refit(i, self._static_version())
-        elif health is Health.SERVING:
+        elif health is Health.PROVEN:
             if progress_proves or (r.canary is not None and r.canary.ok):
                 self.ledger.record_probe(i, True)
         elif health is Health.FAILING:
@@ -474,9 +501,19 @@ class Controller:
             return FleetStatus("exhausted", str(exc), counts)
         if serving == 0:
             return FleetStatus("down", "no shard serves; restarts in progress", counts)
+        journal = self._journal_problem()
         if serving < len(self.ledger):
-            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve", counts)
+            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve"
+                               + journal, counts)
+        if journal:
+            return FleetStatus("degraded", f"all {serving} shards serve" + journal, counts)
         return FleetStatus("serving", f"all {serving} shards serve", counts)
+
+    def _journal_problem(self) -> str:
+        if self.journal is None or self.journal.failure is None:
+            return ""
+        return (f"; the journal fails ({self.journal.failure}): {self.journal.dropped} "
+                "records lost, restart budgets and history are not being kept")
 
     # ------------------------------------------------------------------ the loop
 

@@ -20,10 +20,27 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["OutcomeTally", "Pool", "RetryBudget", "SessionRing"]
+__all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "RetryBudget", "SessionRing"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendFacts:
+    """What the controller's push says of one backend, beside its URL: the shard it is and the
+    weight version it holds (the ledger's). ``None``: the push did not say (an older
+    controller, or a router whose membership nobody manages)."""
+
+    shard: int | None = None
+    weight_version: int | None = None
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {"shard": self.shard, "weight_version": self.weight_version}
+
+
+#: The facts of a backend the push said nothing about.
+UNKNOWN_FACTS = BackendFacts()
 
 
 @dataclass(slots=True)
@@ -113,6 +130,8 @@ class Pool:
         self._load_factor = affinity_load_factor
         self._virtual_nodes = affinity_virtual_nodes
         self._serving: tuple[str, ...] = ()
+        #: The last push's facts, per serving backend that it gave facts for.
+        self._facts: dict[str, BackendFacts] = {}
         self._ring = SessionRing((), affinity_virtual_nodes)
         #: Requests dispatched and not yet finished, per backend. Holds the serving backends and
         #: any that left the list with requests still on them (they finish where they are).
@@ -130,10 +149,16 @@ class Pool:
     def serving(self) -> tuple[str, ...]:
         return self._serving
 
-    def replace(self, urls: Iterable[str]) -> None:
+    def replace(self, urls: Iterable[str],
+                facts: Mapping[str, BackendFacts] | None = None) -> None:
         """Make ``urls`` the whole serving list (a push). New URLs are welcome: a restarted
-        engine comes back on a new port. Order is kept, duplicates are dropped."""
+        engine comes back on a new port. Order is kept, duplicates are dropped.
+
+        ``facts`` (shard index, weight version per URL) replace the last push's whole; a push
+        without them leaves every backend's facts unknown, as an older controller's does."""
         serving = tuple(dict.fromkeys(u.rstrip("/") for u in urls))
+        given = {u.rstrip("/"): f for u, f in (facts or {}).items()}
+        self._facts = {u: given[u] for u in serving if u in given}
         if serving == self._serving:
             return
         if set(serving) != set(self._serving):
@@ -156,8 +181,16 @@ class Pool:
         """The reflex: take ``url`` out of the local list until the next push. True if it was in."""
         if url not in self._serving:
             return False
-        self.replace(u for u in self._serving if u != url)
+        self.replace((u for u in self._serving if u != url), self._facts)
         return True
+
+    def facts(self, url: str) -> BackendFacts:
+        """What the last push said of ``url`` (:data:`UNKNOWN_FACTS` if nothing)."""
+        return self._facts.get(url, UNKNOWN_FACTS)
+
+    def all_facts(self) -> dict[str, BackendFacts]:
+        """The last push's facts, for the serving backends it gave them for."""
+        return dict(self._facts)
 
     def _forget_idle_leavers(self) -> None:
         # A backend that left the list and has nothing in flight needs no counter any more
@@ -168,18 +201,37 @@ class Pool:
 
     # ------------------------------------------------------------------ picking
 
-    def pick(self, exclude: Collection[str] = (), session: str | None = None) -> str | None:
+    def qualifies(self, url: str, min_version: int | None = None,
+                  version: int | None = None) -> bool:
+        """Whether the last push said ``url`` holds weights of at least ``min_version`` and
+        exactly ``version`` (each ``None``: no demand). An unknown version qualifies for no
+        demand: nothing proves it."""
+        if min_version is None and version is None:
+            return True
+        held = self.facts(url).weight_version
+        if held is None:
+            return False
+        return (min_version is None or held >= min_version) and (version is None
+                                                                 or held == version)
+
+    def pick(self, exclude: Collection[str] = (), session: str | None = None, *,
+             min_version: int | None = None, version: int | None = None) -> str | None:
         """The serving backend for the next attempt, or ``None`` if every one is excluded.
 
         With a ``session``: its home on the ring, unless excluded or loaded beyond
         ``affinity_load_factor`` times the average; otherwise, and without a session, the
         backend with the fewest requests in flight, ties taken in rotating order (the order
         moves on per request, not per retry, so a failing backend is not first for everyone).
+        ``min_version`` / ``version``: only backends that :meth:`qualifies` are picked.
         """
         serving = self._serving
         n = len(serving)
         if n == 0:
             return None
+        retry = bool(exclude)  # backends it failed on, not those the demand rules out
+        if min_version is not None or version is not None:
+            exclude = set(exclude) | {u for u in serving
+                                      if not self.qualifies(u, min_version, version)}
         in_flight = self._in_flight
         retry = bool(exclude)
         if self._trial:
