@@ -462,6 +462,7 @@ def up(
 async def _up(cfg: Any, quiet: bool) -> None:
     from rich.live import Live
 
+    from fleetwarden.admin import views
     from fleetwarden.console import fleet_view
     from fleetwarden.fleet import Fleet
 
@@ -501,8 +502,9 @@ async def _up(cfg: Any, quiet: bool) -> None:
         async def live() -> None:
             with Live(console=console, refresh_per_second=2, transient=False) as view:
                 while not fleet.stopping:
-                    view.update(fleet_view(fleet.describe(), fleet.shards_view(),
-                                           fleet.recent))
+                    snap = fleet.snapshot()
+                    view.update(fleet_view(views.describe(snap), views.shards_view(snap),
+                                           fleet.events.recent))
                     await asyncio.sleep(0.5)
 
         async with asyncio.TaskGroup() as group:
