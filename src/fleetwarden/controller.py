@@ -8,7 +8,8 @@ Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
    RESTARTING before the push), finished restarts are collected;
 3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
 4. ``serving_urls()`` is pushed to every router, every tick, unconditionally (no deltas, so a
-   restarted router converges on the next push);
+   restarted router converges on the next push), with each backend's facts (shard index,
+   weight version) beside it;
 5. the routers rescue the requests waiting on shards condemned this tick.
 
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
@@ -39,6 +40,7 @@ from fleetwarden.ledger import (
     Transition,
 )
 from fleetwarden.refit import RefitCoordinator
+from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
 
@@ -50,7 +52,8 @@ log = logging.getLogger(__name__)
 class RouterLink(Protocol):
     """What the controller needs of a router, in-process or in another process."""
 
-    async def set_serving_backends(self, urls: Sequence[str]) -> None: ...
+    async def set_serving_backends(self, urls: Sequence[str],
+                                   facts: Mapping[str, BackendFacts] | None = None) -> None: ...
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
 
@@ -138,11 +141,19 @@ class Controller:
         self._urgent.add(task)
         task.add_done_callback(self._urgent.discard)
 
-    async def _react(self, url: str) -> None:
+    def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
+        """What every push carries: the serving URLs, and each one's shard and weight version."""
         urls = self.ledger.serving_urls()
+        wanted = set(urls)
+        facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version)
+                 for rec in self.ledger.snapshot() if rec.base_url in wanted}
+        return urls, facts
+
+    async def _react(self, url: str) -> None:
+        urls, facts = self.serving_push()
         for link in self.routers:
             try:
-                await link.set_serving_backends(urls)
+                await link.set_serving_backends(urls, facts)
                 await link.rescue(url)
             except Exception as exc:
                 log.warning("router %s: urgent push/rescue failed: %s", _name(link), exc)
@@ -190,11 +201,11 @@ class Controller:
             self.apply_outcomes(outcomes)
 
         # 4. push, every tick, unconditionally
-        urls = self.ledger.serving_urls()
+        urls, facts = self.serving_push()
         retry_after = self._retry_after_estimate()
         for link in self.routers:
             try:
-                await link.set_serving_backends(urls)
+                await link.set_serving_backends(urls, facts)
                 await link.set_retry_after(retry_after)
             except Exception as exc:
                 report.router_errors.append(f"{_name(link)}: push: {exc}")
@@ -253,7 +264,7 @@ class Controller:
             # A canary sent just before a refit lease began, answered (or not) during it: an
             # engine loading weights may not generate, so its silence proves nothing.
             return
-        if state is ShardState.STALE and v is Verdict.DEAD:
+        if state is ShardState.STALE and v is Verdict.UNREACHABLE:
             # Probes do not move a STALE shard; the controller proves such a death itself.
             n = self._stale_unreachable.get(i, 0) + 1
             self._stale_unreachable[i] = n
@@ -264,12 +275,12 @@ class Controller:
         if health is Health.CONDEMNED:
             self.ledger.condemn(i, f"{v.name}: {why}")
         elif state is ShardState.STALE:
-            if self.config.fleet.weights == "static" and health is Health.SERVING and (
+            if self.config.fleet.weights == "static" and health is Health.PROVEN and (
                     r.canary is not None and r.canary.ok):
                 # Static weights: a loaded engine that answers a canary has the only weights
                 # there are, so it is promoted by an automatic refit to the fleet's version.
                 self.ledger.report_refit(i, self._static_version())
-        elif health is Health.SERVING:
+        elif health is Health.PROVEN:
             self.ledger.record_probe(i, True)
         elif health is Health.FAILING:
             error = r.canary.error if r.canary is not None and r.canary.error else why
@@ -328,10 +339,10 @@ class Controller:
 
     async def push_now(self) -> None:
         """Push the serving set to every router now (start-up, admin actions)."""
-        urls = self.ledger.serving_urls()
+        urls, facts = self.serving_push()
         for link in self.routers:
             try:
-                await link.set_serving_backends(urls)
+                await link.set_serving_backends(urls, facts)
             except Exception as exc:
                 log.warning("router %s: push failed: %s", _name(link), exc)
 

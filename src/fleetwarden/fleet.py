@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetwarden.admin import dashboard
 from fleetwarden.admin.app import make_admin_app
+from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, RouterLink, TickReport
 from fleetwarden.journal import Journal
@@ -38,7 +39,6 @@ from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.router import Router
 from fleetwarden.router.control import RemoteRouter
 from fleetwarden.supervisor import Supervisor, launch_first
-from fleetwarden.tokens import load_or_create_token
 from fleetwarden.watchdog import Watchdog
 
 __all__ = ["Fleet", "ShardLaunchers"]

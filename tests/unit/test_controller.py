@@ -34,8 +34,8 @@ def test_verdicts_map_to_ledger_operations() -> None:
     c, ledger, _ = controller()
     c.apply_report(0, report(Verdict.IDLE, Health.FAILING, canary=False))
     assert ledger.state(0) is S and ledger.shard(0).consecutive_probe_failures == 1
-    c.apply_report(0, report(Verdict.BUSY, Health.SERVING))
-    c.apply_report(0, report(Verdict.BUSY, Health.SERVING))
+    c.apply_report(0, report(Verdict.BUSY, Health.PROVEN))
+    c.apply_report(0, report(Verdict.BUSY, Health.PROVEN))
     assert ledger.state(0) is H
     c.apply_report(0, report(Verdict.STALLED, Health.UNPROVEN))
     assert ledger.shard(0).consecutive_probe_successes == 2  # unproven: no probe either way
@@ -57,16 +57,16 @@ def test_a_failed_canary_that_lands_during_a_refit_lease_counts_for_nothing() ->
 def test_a_silent_restart_goes_stale_in_trainer_mode_and_a_canary_promotes_in_static() -> None:
     c, ledger, _ = controller("trainer")
     ledger.observe_incarnation(0, "1.0")
-    c.apply_report(0, report(Verdict.RESTARTED, Health.SERVING, canary=True, incarnation="2.0"))
+    c.apply_report(0, report(Verdict.RESTARTED, Health.PROVEN, canary=True, incarnation="2.0"))
     assert ledger.state(0) is ST
-    c.apply_report(0, report(Verdict.IDLE, Health.SERVING, canary=True))
+    c.apply_report(0, report(Verdict.IDLE, Health.PROVEN, canary=True))
     assert ledger.state(0) is ST  # trainer mode: only a refit brings it back
 
     s, static, _ = controller("static")
     static.condemn(0, "exited")
     static.mark_restarting(0)
     static.mark_loaded(0, "http://a2", "launch-2")
-    s.apply_report(0, report(Verdict.IDLE, Health.SERVING, canary=True))
+    s.apply_report(0, report(Verdict.IDLE, Health.PROVEN, canary=True))
     assert static.state(0) is H  # static weights: a good canary is the refit
 
 
@@ -74,7 +74,17 @@ def test_an_unreachable_stale_shard_is_condemned_after_the_threshold() -> None:
     c, ledger, _ = controller("trainer")
     ledger.mark_weights_partial(0)
     for _ in range(2):
-        c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
+        c.apply_report(0, report(Verdict.UNREACHABLE, Health.FAILING))
         assert ledger.state(0) is ST
-    c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
+    c.apply_report(0, report(Verdict.UNREACHABLE, Health.FAILING))
     assert ledger.state(0) is D
+
+
+def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None:
+    from fleetwarden.router.pool import BackendFacts
+
+    c, ledger, refit = controller("trainer")
+    refit.begin_refit(4)
+    refit.complete_refit(4)
+    ledger.condemn(0, "gone")
+    assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from fleetwarden.router import ControlError, RemoteRouter, Router, RouterControl
+from fleetwarden.router import BackendFacts, ControlError, RemoteRouter, Router, RouterControl
 from router_rig import rig, until
 from scripted_engine import ScriptedEngine
 
@@ -86,6 +86,40 @@ async def test_a_remote_router_is_driven_like_an_in_process_one() -> None:
             await new.stop()
 
 
+async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways() -> None:
+    router = Router([])
+    await router.start(control_port=0, control_token=TOKEN)
+    a, b = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
+    try:
+        assert router.control_url is not None
+        async with RemoteRouter(router.control_url, TOKEN) as remote:
+            handles: list[RouterControl] = [remote, router.control()]
+            for version, handle in enumerate(handles, start=3):
+                facts = {a: BackendFacts(0, version), b: BackendFacts(1, version + 1)}
+                await handle.set_serving_backends([a, b], facts)
+                assert router.backend_facts() == facts
+                assert router.pool.facts(b) == BackendFacts(shard=1, weight_version=version + 1)
+                assert (await handle.status())["facts"] == {
+                    a: {"shard": 0, "weight_version": version},
+                    b: {"shard": 1, "weight_version": version + 1}}
+            # Facts for a URL not pushed are dropped; a push without facts (an older
+            # controller) is served, and leaves every backend's facts unknown.
+            await remote.set_serving_backends([a], {a: BackendFacts(0, 7),
+                                                    b: BackendFacts(1, 7)})
+            assert router.backend_facts() == {a: BackendFacts(0, 7)}
+            old = await remote._call("PUT", "/serving", {"backends": [a, b]})
+            assert old == {"serving": [a, b], "facts": {}}
+            assert router.pool.facts(a) == BackendFacts(None, None)
+            # A field left out or null is unknown, the other one kept.
+            answer = await remote._call("PUT", "/serving", {
+                "backends": [a, b], "facts": {a: {"shard": 0}, b: {"weight_version": 2,
+                                                                 "shard": None}}})
+            assert answer["facts"] == {a: {"shard": 0, "weight_version": None},
+                                       b: {"shard": None, "weight_version": 2}}
+    finally:
+        await router.stop()
+
+
 async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
     router = Router(["http://127.0.0.1:9"])
     await router.start(control_port=0, control_token=TOKEN)
@@ -94,6 +128,13 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
         async with RemoteRouter(router.control_url, TOKEN) as remote:
             for method, path, body in [("PUT", "/serving", {"backends": "http://x:1"}),
                                        ("PUT", "/serving", [1]),
+                                       ("PUT", "/serving", {"backends": [], "facts": []}),
+                                       ("PUT", "/serving", {"backends": [],
+                                                            "facts": {"http://x:1": 3}}),
+                                       ("PUT", "/serving", {"backends": [], "facts": {
+                                           "http://x:1": {"weight_version": -1}}}),
+                                       ("PUT", "/serving", {"backends": [], "facts": {
+                                           "http://x:1": {"shard": True}}}),
                                        ("POST", "/rescue", {}),
                                        ("PUT", "/retry-after", {"seconds": -1}),
                                        ("PUT", "/retry-after", {})]:

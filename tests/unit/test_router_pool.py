@@ -168,3 +168,18 @@ def test_in_flight_counts_stay_exact_under_any_sequence_of_pushes(ops: list) -> 
                                                             outstanding.items() if n}
         assert set(pool.serving) <= set(in_flight)
         assert pool.total_in_flight == sum(outstanding.values())
+
+
+def test_a_push_keeps_the_facts_of_the_backends_it_serves_and_a_drop_keeps_the_rest() -> None:
+    from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts
+
+    pool = Pool(["http://a", "http://b"])
+    assert pool.facts("http://a") == UNKNOWN_FACTS
+    pool.replace(["http://a/", "http://b"], {"http://a": BackendFacts(0, 2),
+                                            "http://b/": BackendFacts(1, 3),
+                                            "http://c": BackendFacts(2, 3)})
+    assert pool.all_facts() == {"http://a": BackendFacts(0, 2), "http://b": BackendFacts(1, 3)}
+    pool.drop("http://a")
+    assert pool.all_facts() == {"http://b": BackendFacts(1, 3)}
+    pool.replace(["http://a", "http://b"])  # an older controller's push: no facts
+    assert pool.all_facts() == {} and pool.facts("http://b") == UNKNOWN_FACTS

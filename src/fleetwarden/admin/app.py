@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
-from fleetwarden.tokens import token_matches
 
 if TYPE_CHECKING:
     from fleetwarden.fleet import Fleet

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from fleetwarden.config import FleetConfig, HealthConfig
+from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.launchers import EngineHandle, LaunchError
-from fleetwarden.metrics import Sample, parse
 
 __all__ = ["AttachLauncher", "read_incarnation"]
 

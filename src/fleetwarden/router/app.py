@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +22,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router.forward import Forwarder, error_response
-from fleetwarden.router.metrics import RouterStats, make_registry
-from fleetwarden.router.pool import Pool, RetryBudget
+from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.stats import RouterStats, make_registry
 
 if TYPE_CHECKING:
     from fleetwarden.router.control import InProcessRouter
@@ -88,14 +88,22 @@ class Router:
     def reflex_armed(self) -> bool:
         return self.health_managed
 
-    def set_serving_backends(self, urls: Iterable[str]) -> None:
+    def set_serving_backends(self, urls: Iterable[str],
+                             facts: Mapping[str, BackendFacts] | None = None) -> None:
         """Replace the whole serving list; URLs never seen before are welcome (a restarted
-        engine comes back on a new port). Requests in flight elsewhere finish where they are."""
-        self.pool.replace(urls)
+        engine comes back on a new port). Requests in flight elsewhere finish where they are.
+
+        ``facts``: each backend's shard index and weight version, as the ledger has them; a
+        push without them (an older controller) leaves them unknown."""
+        self.pool.replace(urls, facts)
         self._forwarder.forget_idle(set(self.pool.serving))
 
     def serving_backends(self) -> list[str]:
         return list(self.pool.serving)
+
+    def backend_facts(self) -> dict[str, BackendFacts]:
+        """The last push's facts, per serving backend it gave them for."""
+        return self.pool.all_facts()
 
     def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         """``{url: (successes, failures, trailing_failures)}`` since the last drain, then zero."""
@@ -128,6 +136,7 @@ class Router:
         return {
             "url": self._url,
             "serving": self.serving_backends(),
+            "facts": {url: f.to_dict() for url, f in self.backend_facts().items()},
             "in_flight": self.in_flight(),
             "health_managed": self.health_managed,
             "reflex_armed": self.reflex_armed,

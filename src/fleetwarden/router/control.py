@@ -8,7 +8,8 @@ drain outcomes and rescue requests off condemned backends.
 method   path             body                             answer
 =======  ===============  ===============================  ==============================
 GET      /status          -                                :meth:`Router.status`
-PUT      /serving         ``{"backends": [url, ...]}``     ``{"serving": [url, ...]}``
+PUT      /serving         ``{"backends": [url, ...],       ``{"serving": [url, ...],
+                          "facts": {url: facts}}``         "facts": {url: facts}}``
 POST     /outcomes/drain  -                                ``{"outcomes": {url: [s, f, t]}}``
 POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
@@ -18,6 +19,10 @@ PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x o
 :class:`RemoteRouter` is the client of this API and :class:`InProcessRouter` wraps a
 :class:`~fleetwarden.router.app.Router` in the same async methods, so a controller treats a
 router in its own process and one across a socket alike (:class:`RouterControl`).
+
+``facts`` of a backend are ``{"shard": i, "weight_version": v}`` (:class:`BackendFacts`). They
+are optional both ways: a push without them (an older controller) is served, with every
+backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from fleetwarden.router.forward import error_response
+from fleetwarden.router.pool import BackendFacts
 
 if TYPE_CHECKING:
     from fleetwarden.router.app import Router
@@ -50,7 +56,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class RouterControl(Protocol):
     """What a controller calls on a router, wherever it runs."""
 
-    async def set_serving_backends(self, urls: Iterable[str]) -> None: ...
+    async def set_serving_backends(self, urls: Iterable[str],
+                                   facts: Mapping[str, BackendFacts] | None = None) -> None: ...
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
     async def rescue(self, url: str) -> int: ...
     async def in_flight(self) -> dict[str, int]: ...
@@ -91,8 +98,9 @@ def make_control_app(router: Router, token: str) -> web.Application:
         backends = body.get("backends")
         if not isinstance(backends, list) or not all(isinstance(u, str) for u in backends):
             raise _bad_request("'backends' must be a list of URL strings")
-        router.set_serving_backends(backends)
-        return web.json_response({"serving": router.serving_backends()})
+        router.set_serving_backends(backends, _facts_of(body.get("facts")))
+        return web.json_response({"serving": router.serving_backends(),
+                                  "facts": _facts_json(router.backend_facts())})
 
     async def drain(request: web.Request) -> web.Response:
         return web.json_response({"outcomes": router.drain_outcomes()})
@@ -139,6 +147,32 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
         content_type="application/json")
 
 
+def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
+    """``facts`` of a push: absent or null (an older controller), or ``{url: {"shard": i,
+    "weight_version": v}}`` with either field absent or null when unknown."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _bad_request("'facts' must be an object mapping URLs to facts")
+    facts = {}
+    for url, fact in raw.items():
+        if not isinstance(fact, dict):
+            raise _bad_request(f"'facts.{url}' must be an object")
+        values: dict[str, int | None] = {}
+        for name in ("shard", "weight_version"):
+            value = fact.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise _bad_request(f"'facts.{url}.{name}' must be an integer >= 0 or null")
+            values[name] = value
+        facts[url] = BackendFacts(values["shard"], values["weight_version"])
+    return facts
+
+
+def _facts_json(facts: Mapping[str, BackendFacts]) -> dict[str, dict[str, int | None]]:
+    return {url: f.to_dict() for url, f in facts.items()}
+
+
 async def _json_object(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -157,8 +191,9 @@ class InProcessRouter:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def set_serving_backends(self, urls: Iterable[str]) -> None:
-        self.router.set_serving_backends(urls)
+    async def set_serving_backends(self, urls: Iterable[str],
+                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
+        self.router.set_serving_backends(urls, facts)
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return self.router.drain_outcomes()
@@ -215,8 +250,12 @@ class RemoteRouter:
                 raise ControlError(response.status, message)
             return json.loads(text)
 
-    async def set_serving_backends(self, urls: Iterable[str]) -> None:
-        await self._call("PUT", "/serving", {"backends": list(urls)})
+    async def set_serving_backends(self, urls: Iterable[str],
+                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
+        body: dict[str, Any] = {"backends": list(urls)}
+        if facts is not None:
+            body["facts"] = _facts_json(facts)
+        await self._call("PUT", "/serving", body)
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         answer = await self._call("POST", "/outcomes/drain")

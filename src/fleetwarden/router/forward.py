@@ -37,9 +37,9 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from fleetwarden.router.metrics import RouterStats
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.settings import FORBIDDEN_STATUS, RouterSettings
+from fleetwarden.router.stats import RouterStats
 
 __all__ = ["Cause", "Forwarder", "error_response"]
 

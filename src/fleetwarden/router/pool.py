@@ -18,10 +18,27 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["OutcomeTally", "Pool", "RetryBudget", "SessionRing"]
+__all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "RetryBudget", "SessionRing"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendFacts:
+    """What the controller's push says of one backend, beside its URL: the shard it is and the
+    weight version it holds (the ledger's). ``None``: the push did not say (an older
+    controller, or a router whose membership nobody manages)."""
+
+    shard: int | None = None
+    weight_version: int | None = None
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {"shard": self.shard, "weight_version": self.weight_version}
+
+
+#: The facts of a backend the push said nothing about.
+UNKNOWN_FACTS = BackendFacts()
 
 
 @dataclass(slots=True)
@@ -111,6 +128,8 @@ class Pool:
         self._load_factor = affinity_load_factor
         self._virtual_nodes = affinity_virtual_nodes
         self._serving: tuple[str, ...] = ()
+        #: The last push's facts, per serving backend that it gave facts for.
+        self._facts: dict[str, BackendFacts] = {}
         self._ring = SessionRing((), affinity_virtual_nodes)
         #: Requests dispatched and not yet finished, per backend. Holds the serving backends and
         #: any that left the list with requests still on them (they finish where they are).
@@ -126,10 +145,16 @@ class Pool:
     def serving(self) -> tuple[str, ...]:
         return self._serving
 
-    def replace(self, urls: Iterable[str]) -> None:
+    def replace(self, urls: Iterable[str],
+                facts: Mapping[str, BackendFacts] | None = None) -> None:
         """Make ``urls`` the whole serving list (a push). New URLs are welcome: a restarted
-        engine comes back on a new port. Order is kept, duplicates are dropped."""
+        engine comes back on a new port. Order is kept, duplicates are dropped.
+
+        ``facts`` (shard index, weight version per URL) replace the last push's whole; a push
+        without them leaves every backend's facts unknown, as an older controller's does."""
         serving = tuple(dict.fromkeys(u.rstrip("/") for u in urls))
+        given = {u.rstrip("/"): f for u, f in (facts or {}).items()}
+        self._facts = {u: given[u] for u in serving if u in given}
         if serving == self._serving:
             return
         if set(serving) != set(self._serving):
@@ -143,8 +168,16 @@ class Pool:
         """The reflex: take ``url`` out of the local list until the next push. True if it was in."""
         if url not in self._serving:
             return False
-        self.replace(u for u in self._serving if u != url)
+        self.replace((u for u in self._serving if u != url), self._facts)
         return True
+
+    def facts(self, url: str) -> BackendFacts:
+        """What the last push said of ``url`` (:data:`UNKNOWN_FACTS` if nothing)."""
+        return self._facts.get(url, UNKNOWN_FACTS)
+
+    def all_facts(self) -> dict[str, BackendFacts]:
+        """The last push's facts, for the serving backends it gave them for."""
+        return dict(self._facts)
 
     def _forget_idle_leavers(self) -> None:
         # A backend that left the list and has nothing in flight needs no counter any more

@@ -375,7 +375,10 @@ class Sim:
         if not isinstance(body, dict):
             return _json(wire.bad_json(), 400)
         if "messages" in body and isinstance(body["messages"], list):
-            tokens = wire.encode(wire.chat_prompt(body["messages"]))
+            tokens = wire.encode(wire.chat_prompt(
+                body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                continue_final_message=bool(body.get("continue_final_message", False))))
         else:
             tokens = wire.encode(str(body.get("prompt", "")))
         return _json({"count": len(tokens), "max_model_len": self.config.max_model_len,
@@ -409,16 +412,23 @@ class Sim:
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 return _json(wire.invalid("messages must be a list of messages", "messages"),
                              400)
-            prompt = wire.chat_prompt(messages)
+            add_generation_prompt = body.get("add_generation_prompt", True) is not False
+            continue_final = bool(body.get("continue_final_message", False))
+            if add_generation_prompt and continue_final:
+                return _json(wire.BOTH_GENERATION_PROMPTS, 400)
+            prompt_ids = wire.encode(wire.chat_prompt(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final))
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
             raw = body.get("prompt")
-            if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
-                prompt = wire.decode(raw)
+            if isinstance(raw, list) and raw and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+                prompt_ids = list(raw)  # a prompt of token ids is taken as it is (no BOS added)
             elif isinstance(raw, list) and raw and isinstance(raw[0], str):
-                prompt = raw[0]
+                prompt_ids = wire.encode(raw[0])
             elif isinstance(raw, str):
-                prompt = raw
+                prompt_ids = wire.encode(raw)
             else:
                 return _json(wire.invalid("prompt must be a string or a list of tokens",
                                           "prompt"), 400)
@@ -428,7 +438,7 @@ class Sim:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return _json(wire.invalid(f"max_tokens must be at least 1, got {max_tokens!r}.",
                                       "max_tokens"), 400)
-        prompt_tokens = len(wire.encode(prompt))
+        prompt_tokens = len(prompt_ids)
         if max_tokens > c.max_model_len:
             return _json(wire.max_tokens_too_large(max_tokens, c.max_model_len), 400)
         if prompt_tokens > c.max_model_len:
@@ -441,7 +451,7 @@ class Sim:
         loop = asyncio.get_running_loop()
         sim_request = SimRequest(id=wire.completion_id(chat), prompt_tokens=prompt_tokens,
                                  max_tokens=max_tokens, arrived_at=loop.time(),
-                                 next_token=wire.token_picker(prompt))
+                                 next_token=wire.TokenPicker(prompt_ids))
         pending = _Pending(sim_request, self._core, request.transport)
         self._pending[sim_request] = pending
         self._inbox.append(("add", pending))
@@ -449,10 +459,13 @@ class Sim:
         stream_options = body.get("stream_options")
         include_usage = isinstance(stream_options, dict) and bool(
             stream_options.get("include_usage"))
+        # vLLM's return_token_ids: the output's ids, and the prompt's (for a chat, the rendered
+        # template's), which is what a router needs to continue a generation elsewhere.
+        ids = prompt_ids if body.get("return_token_ids") else None
         try:
             if body.get("stream"):
-                return await self._stream(request, pending, chat, include_usage)
-            return await self._answer(pending, chat)
+                return await self._stream(request, pending, chat, include_usage, ids)
+            return await self._answer(pending, chat, ids)
         finally:
             # Still pending here: the client went away (cancelled, or a write failed) before
             # the engine finished it. Abort it, as vLLM does; the engine takes the abort at its
@@ -461,7 +474,8 @@ class Sim:
                 self._inbox.append(("abort", pending))
                 self._wake.set()
 
-    async def _answer(self, pending: _Pending, chat: bool) -> web.StreamResponse:
+    async def _answer(self, pending: _Pending, chat: bool,
+                      prompt_ids: list[int] | None) -> web.StreamResponse:
         r = pending.request
         created = int(time.time())
         while True:
@@ -476,10 +490,11 @@ class Sim:
                 text = wire.decode(r.output)
                 make = wire.chat_completion if chat else wire.completion
                 return _json(make(r.id, created, self.config.model, text, finish_reason,
-                                  r.prompt_tokens, len(r.output)))
+                                  r.prompt_tokens, len(r.output),
+                                  None if prompt_ids is None else list(r.output), prompt_ids))
 
     async def _stream(self, request: web.Request, pending: _Pending, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:
+                      include_usage: bool, prompt_ids: list[int] | None) -> web.StreamResponse:
         r = pending.request
         model = self.config.model
         created = int(time.time())
@@ -496,13 +511,20 @@ class Sim:
             if kind == "dropped":
                 raise asyncio.CancelledError
             tokens, finish_reason = value
-            if chat and first:
-                await response.write(wire.sse(wire.chat_role_chunk(r.id, created, model)))
-            first = False
             text = "".join(wire.piece(t) for t in tokens)
             last = finish_reason is not None and not include_usage
-            make = wire.chat_chunk if chat else wire.completion_chunk
-            await response.write(wire.sse(make(r.id, created, model, text, finish_reason, last)))
+            token_ids = None if prompt_ids is None else list(tokens)
+            if chat:
+                if first:
+                    await response.write(wire.sse(wire.chat_role_chunk(
+                        r.id, created, model, prompt_ids)))
+                chunk = wire.chat_chunk(r.id, created, model, text, finish_reason, last,
+                                        token_ids)
+            else:
+                chunk = wire.completion_chunk(r.id, created, model, text, finish_reason, last,
+                                              token_ids, prompt_ids if first else None)
+            first = False
+            await response.write(wire.sse(chunk))
             if finish_reason is not None:
                 if include_usage:
                     await response.write(wire.sse(wire.usage_chunk(

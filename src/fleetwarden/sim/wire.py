@@ -7,10 +7,16 @@ the simulator the same way. ``tests/scenario/test_sim.py`` compares them key by 
 The tokenizer is byte-level — one token per UTF-8 byte of the prompt, after a BOS token — so
 ``/tokenize`` and ``/detokenize`` round-trip and prompt lengths are easy to reason about in tests
 (a prompt of 3,000 ASCII characters is 3,001 tokens). Generated tokens are word pieces.
+
+The "model" is deterministic and has no memory but its context: each output token depends only
+on the bytes of everything before it (prompt and output so far). So a generation cut after k
+tokens and continued from ``prompt + those k tokens`` — as token ids, or as text — produces
+exactly the tokens the uninterrupted run would have: a continuation can be checked against it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from typing import Any
@@ -36,24 +42,39 @@ def encode(text: str) -> list[int]:
     return [BOS, *text.encode()]
 
 
-def decode(tokens: list[int]) -> str:
+def token_bytes(tokens: list[int]) -> bytes:
+    """What the tokens spell, as bytes (BOS spells nothing)."""
     out = bytearray()
     for t in tokens:
         if 0 <= t < 256:
-            out += bytes([t])
+            out.append(t)
         elif t >= FIRST_PIECE:
             out += _PIECES[(t - FIRST_PIECE) % len(_PIECES)].encode()
-    return out.decode("utf-8", errors="replace")
+    return bytes(out)
+
+
+def decode(tokens: list[int]) -> str:
+    return token_bytes(tokens).decode("utf-8", errors="replace")
 
 
 def piece(token: int) -> str:
     return decode([token])
 
 
-def chat_prompt(messages: list[dict[str, Any]]) -> str:
-    """A plain chat template: one block per message, then the assistant's turn."""
+def chat_prompt(messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """A plain chat template: one block per message, then the assistant's turn.
+
+    ``continue_final_message`` leaves the last message open (no end of turn), so the model goes
+    on with it; with this template, a partial assistant message renders exactly as the
+    generation prompt followed by that text.
+    """
     parts = [f"<|{m.get('role', 'user')}|>\n{_content(m.get('content'))}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+    if continue_final_message and parts:
+        parts[-1] = parts[-1][:-1]  # the final message stays open
+    elif add_generation_prompt:
+        parts.append("<|assistant|>\n")
+    return "".join(parts)
 
 
 def _content(content: Any) -> str:
@@ -62,14 +83,21 @@ def _content(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def token_picker(seed: str) -> Any:
-    """A request's deterministic output: the i-th token depends only on the prompt and i."""
-    base = sum(seed.encode()) % len(_PIECES)
+class TokenPicker:
+    """A request's deterministic output: each token depends only on the bytes before it.
 
-    def next_token(i: int) -> int:
-        return FIRST_PIECE + (base + 7 * i) % len(_PIECES)
+    Called once per output token, in order (the engine core passes the token's index).
+    """
 
-    return next_token
+    __slots__ = ("_context",)
+
+    def __init__(self, prompt_tokens: list[int]) -> None:
+        self._context = hashlib.blake2b(token_bytes(prompt_tokens), digest_size=8)
+
+    def __call__(self, i: int) -> int:
+        token = FIRST_PIECE + self._context.digest()[0] % len(_PIECES)
+        self._context.update(_PIECES[token - FIRST_PIECE].encode())
+        return token
 
 
 def completion_id(chat: bool) -> str:
@@ -100,12 +128,15 @@ def _usage(prompt: int, completion: int) -> dict[str, Any]:
 
 
 def completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-               prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+               prompt_tokens: int, completion_tokens: int, token_ids: list[int] | None = None,
+               prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """``token_ids`` and ``prompt_token_ids``: given when the request set ``return_token_ids``
+    (``completions-token-ids.http``), ``null`` otherwise."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                     "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
-                     "prompt_token_ids": None, "routed_experts": None}],
+                     "stop_reason": None, "token_ids": token_ids, "prompt_logprobs": None,
+                     "prompt_token_ids": prompt_token_ids, "routed_experts": None}],
         "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": _usage(prompt_tokens, completion_tokens),
         "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
@@ -113,7 +144,11 @@ def completion(rid: str, created: int, model: str, text: str, finish_reason: str
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int,
+                    token_ids: list[int] | None = None,
+                    prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """As :func:`completion`; a chat's ``prompt_token_ids`` are the rendered template's, at the
+    top level as in the streamed chat's first chunk (no capture of this one)."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0,
@@ -121,10 +156,10 @@ def chat_completion(rid: str, created: int, model: str, text: str, finish_reason
                                  "annotations": None, "audio": None, "function_call": None,
                                  "reasoning": None},
                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
-                     "token_ids": None, "routed_experts": None}],
+                     "token_ids": token_ids, "routed_experts": None}],
         "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": _usage(prompt_tokens, completion_tokens),
-        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+        "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids, "prompt_text": None,
         "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
     }
 
@@ -140,33 +175,40 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str,
-                     finish_reason: str | None, last: bool) -> dict[str, Any]:
+                     finish_reason: str | None, last: bool, token_ids: list[int] | None = None,
+                     prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """With ``return_token_ids``: the chunk's new ``token_ids``, and the prompt's in the first
+    chunk only (``completions-stream-token-ids.http``)."""
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                     "stop_reason": None, "prompt_token_ids": None, "token_ids": None}],
+                     "stop_reason": None, "prompt_token_ids": prompt_token_ids,
+                     "token_ids": token_ids}],
     }
     if last:
         chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
     return chunk
 
 
-def chat_role_chunk(rid: str, created: int, model: str) -> dict[str, Any]:
+def chat_role_chunk(rid: str, created: int, model: str,
+                    prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """A streamed chat's first chunk; with ``return_token_ids`` it carries the rendered
+    prompt's ids at the top level (``chat-stream-token-ids.http``)."""
     return {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}],
-        "prompt_token_ids": None, "prompt_text": None,
+        "prompt_token_ids": prompt_token_ids, "prompt_text": None,
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-               last: bool) -> dict[str, Any]:
+               last: bool, token_ids: list[int] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
                               "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = None
-    choice["token_ids"] = None
+    choice["token_ids"] = token_ids
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                              "model": model, "choices": [choice]}
     if last:
@@ -200,6 +242,11 @@ def bad_json() -> dict[str, Any]:
 
 def invalid(message: str, param: str | None) -> dict[str, Any]:
     return error(message, "BadRequestError", param, 400)
+
+
+#: vLLM's request validator refuses both at once (not captured: its text, from vLLM's source).
+BOTH_GENERATION_PROMPTS = invalid("Cannot set both `continue_final_message` and "
+                                  "`add_generation_prompt` to True.", None)
 
 
 def unknown_model(model: str, served: str) -> dict[str, Any]:
