@@ -79,9 +79,10 @@ class Family:
         return self.written or self.sample
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class EngineProfile:
-    """What the judge needs from one kind of engine (see the module's docstring)."""
+    """What the judge needs from one kind of engine (see the module's docstring). Each profile
+    is one object in :data:`PROFILES`: compared by identity."""
 
     name: str  # the config value: ``engine = "llamacpp"``
     title: str  # for people: "llama.cpp llama-server"
