@@ -433,8 +433,14 @@ class Ledger:
             at=now,
             record=shard.record(),
         )
+        errors: list[Exception] = []
         for subscriber in list(self._subscribers):
-            subscriber(transition)
+            try:
+                subscriber(transition)
+            except Exception as exc:  # every subscriber hears of the change, whatever another
+                errors.append(exc)  # does; the change itself is made and stays made
+        if errors:
+            raise errors[0]
         return Outcome(applied=True, transition=transition)
 
     def _shard(self, i: int) -> _Shard:
@@ -672,7 +678,9 @@ class Ledger:
             return self._ignored(s, "no restart is in progress")
         other = self._by_url.get(base_url)
         if other is not None and other != i:
-            raise ValueError(f"{base_url} already belongs to shard {other}")
+            # A launcher can be handed a port that a DEAD or RETIRED shard still records: the
+            # attempt fails, the caller goes on (two shards on one URL would share evidence).
+            return self._ignored(s, f"{base_url} already belongs to shard {other}")
         return self._apply(
             s, E.LOADED, f"replacement up at {base_url}",
             base_url=base_url,

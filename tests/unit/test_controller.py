@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from fleetwarden.config import Config
@@ -88,3 +89,67 @@ def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None
     refit.complete_refit(4)
     ledger.condemn(0, "gone")
     assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})
+
+
+class _Watchdog:
+    async def round(self, targets: list[Any]) -> dict[str, Report]:
+        return {}
+
+
+class _Router:
+    def __init__(self) -> None:
+        self.pushed: list[list[str]] = []
+
+    async def set_serving_backends(self, urls: Any, facts: Any = None) -> None:
+        self.pushed.append(list(urls))
+
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        return {}
+
+    async def rescue(self, url: str) -> int:
+        return 0
+
+    async def in_flight(self) -> dict[str, int]:
+        return {}
+
+    async def set_retry_after(self, seconds: float | None) -> None:
+        pass
+
+
+class _BrokenSupervisor:
+    def __init__(self) -> None:
+        self.attempts: dict[int, Any] = {}
+
+    def tick(self) -> None:
+        raise RuntimeError("a bug in the supervisor")
+
+
+async def test_a_step_that_raises_never_aborts_the_tick_before_its_push() -> None:
+    config: Any = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b"])
+    router = _Router()
+    c = Controller(ledger, _Watchdog(), _BrokenSupervisor(), [router], config)  # type: ignore[arg-type]
+    ledger.condemn(1, "exited")
+    report = await c.tick()
+    assert router.pushed == [["http://a"]]
+    assert report.errors and "a bug in the supervisor" in report.errors[0]
+
+
+async def test_a_failing_journal_is_in_the_fleet_status(tmp_path: Any) -> None:
+    from fleetwarden.journal import Journal
+
+    config: Any = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b"])
+    journal = Journal(tmp_path / "j.sqlite")
+    journal.attach(ledger)
+    router = _Router()
+    c = Controller(ledger, _Watchdog(), _BrokenSupervisor(), [router], config,  # type: ignore[arg-type]
+                   journal=journal)
+    journal._failed(OSError("disk full"))  # what the writer thread does when a commit fails
+    ledger.condemn(1, "exited")
+    await c.tick()
+    assert c.status.state == "degraded" and "journal fails" in c.status.detail
+    assert "disk full" in c.status.detail
+    assert router.pushed == [["http://a"]]
+    with contextlib.suppress(Exception):
+        journal.close()
