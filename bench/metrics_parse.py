@@ -4,8 +4,8 @@ The body is a real vLLM 0.32 capture (52 KB, ~630 lines, 92 families). Three way
 
 * whole body: prometheus-client's text parser over every family, then pick the judged samples
   (what a watchdog does when it parses first and asks questions later);
-* reduce: only ``metrics.reduce`` — cutting the text to the judged families' lines;
-* reduce + parse: ``metrics.parse`` — what the watchdog does per engine per round.
+* reduce: only ``engine_metrics.reduce`` — cutting the text to the judged families' lines;
+* reduce + parse: ``engine_metrics.parse`` — what the watchdog does per engine per round.
 
     python bench/metrics_parse.py [--repeat 300] [--engines 64]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetwarden.metrics import JUDGED, Sample, parse, reduce
+from fleetwarden.engine_metrics import JUDGED, Sample, parse, reduce
 
 CAPTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "vllm" / "metrics-busy-1.txt"
 WANTED = {f.sample for f in JUDGED.values()}

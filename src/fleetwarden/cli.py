@@ -350,7 +350,7 @@ def route(
             backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
             max_retries=max_retries, max_body_bytes=max_body_bytes,
             session_header=session_header or None)
-        from fleetwarden.tokens import load_or_create_token
+        from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None
     except (ValueError, OSError) as exc:

@@ -14,7 +14,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fleetwarden.judge import WatchdogPolicy
 from fleetwarden.ledger import Policy
@@ -101,6 +108,20 @@ class FleetConfig(_Section):
     #: allow, so one lost node takes the fewest engines with it; `DEFAULT` is Ray's own
     #: policy (packs a node before using the next).
     ray_scheduling: Literal["SPREAD", "DEFAULT"] = "SPREAD"
+
+    @field_validator("backends")
+    @classmethod
+    def _one_spelling(cls, urls: list[str]) -> list[str]:
+        """Each URL in the one spelling the router, ledger and watchdog all use (no trailing
+        slash): a URL written `http://host:8000/` would otherwise be two shards' worth of
+        names for one engine, and its outcomes would match no shard (issue 15, item 6)."""
+        normal = [url.strip().rstrip("/") for url in urls]
+        seen: dict[str, str] = {}
+        for raw, url in zip(urls, normal, strict=True):
+            if url in seen:
+                raise ValueError(f"backends: {raw!r} and {seen[url]!r} are the same engine")
+            seen[url] = raw
+        return normal
 
     @model_validator(mode="after")
     def _some_engines(self) -> FleetConfig:

@@ -79,6 +79,9 @@ class TickReport:
     condemned: list[int] = field(default_factory=list)
     rescued: int = 0
     router_errors: list[str] = field(default_factory=list)
+    #: Steps of this tick that failed (a bug, a journal that raised): logged, and the tick
+    #: went on to its push and rescue all the same.
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -167,7 +170,7 @@ class Controller:
 
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
-            self.refit.check_lease()
+            self._guarded(report, "refit lease", self.refit.check_lease)
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
 
         # 1. the watchdog round, for every shard with a process
@@ -186,10 +189,10 @@ class Controller:
             self.reports[i] = r
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
-            self.apply_report(i, r)
+            self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
-        self.supervisor.tick()
+        self._guarded(report, "supervisor", self.supervisor.tick)
 
         # 3. outcomes from every router, one window each
         for link in self.routers:
@@ -233,6 +236,16 @@ class Controller:
                 log.exception("tick %d: the on_tick observer failed", report.number)
         return report
 
+    @staticmethod
+    def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
+        """Run one step of the tick. No step's failure aborts the tick: the push and the rescue
+        that follow are what keep requests away from a bad engine."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("tick %d: %s failed; the tick goes on", report.number, step)
+            report.errors.append(f"{step}: {type(exc).__name__}: {exc}")
+
     async def _in_flight(self, report: TickReport) -> dict[str, int]:
         total: dict[str, int] = {}
         for link in self.routers:
@@ -264,7 +277,7 @@ class Controller:
             # A canary sent just before a refit lease began, answered (or not) during it: an
             # engine loading weights may not generate, so its silence proves nothing.
             return
-        if state is ShardState.STALE and v is Verdict.DEAD:
+        if state is ShardState.STALE and v is Verdict.UNREACHABLE:
             # Probes do not move a STALE shard; the controller proves such a death itself.
             n = self._stale_unreachable.get(i, 0) + 1
             self._stale_unreachable[i] = n
@@ -275,12 +288,12 @@ class Controller:
         if health is Health.CONDEMNED:
             self.ledger.condemn(i, f"{v.name}: {why}")
         elif state is ShardState.STALE:
-            if self.config.fleet.weights == "static" and health is Health.SERVING and (
+            if self.config.fleet.weights == "static" and health is Health.PROVEN and (
                     r.canary is not None and r.canary.ok):
                 # Static weights: a loaded engine that answers a canary has the only weights
                 # there are, so it is promoted by an automatic refit to the fleet's version.
                 self.ledger.report_refit(i, self._static_version())
-        elif health is Health.SERVING:
+        elif health is Health.PROVEN:
             self.ledger.record_probe(i, True)
         elif health is Health.FAILING:
             error = r.canary.error if r.canary is not None and r.canary.error else why
@@ -308,9 +321,19 @@ class Controller:
             return FleetStatus("exhausted", str(exc), counts)
         if serving == 0:
             return FleetStatus("down", "no shard serves; restarts in progress", counts)
+        journal = self._journal_problem()
         if serving < len(self.ledger):
-            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve", counts)
+            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve"
+                               + journal, counts)
+        if journal:
+            return FleetStatus("degraded", f"all {serving} shards serve" + journal, counts)
         return FleetStatus("serving", f"all {serving} shards serve", counts)
+
+    def _journal_problem(self) -> str:
+        if self.journal is None or self.journal.failure is None:
+            return ""
+        return (f"; the journal fails ({self.journal.failure}): {self.journal.dropped} "
+                "records lost, restart budgets and history are not being kept")
 
     # ------------------------------------------------------------------ the loop
 

@@ -16,7 +16,7 @@ contradicts the router (lost core). A busy engine proves its health by progress 
 
 | verdict | when | canary |
 |---|---|---|
-| DEAD | ``/metrics`` and ``/health`` unreachable, or ``/health`` not 200 | never |
+| UNREACHABLE | ``/metrics`` and ``/health`` unreachable, or ``/health`` not 200 | never |
 | NO_METRICS | reachable; ``/metrics`` missing, unparseable or lacking | when due; none in flight |
 | FIRST_READ | busy at the first read: nothing to compare with yet | never |
 | RESTARTED | the process start time changed, or a counter went backwards | now if idle |
@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fleetwarden.metrics import MAX_BODY_BYTES, Sample
+from fleetwarden.engine_metrics import MAX_BODY_BYTES, Sample
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -116,7 +116,7 @@ class Verdict(enum.Enum):
     RESTARTED = "restarted"
     NO_METRICS = "no-metrics"
     LOST_CORE = "lost-core"
-    DEAD = "dead"
+    UNREACHABLE = "unreachable"
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
 
@@ -138,7 +138,7 @@ class CanaryRule(enum.Enum):
 class Health(enum.Enum):
     """What a verdict (and the canary, if one was sent) amounts to, for whoever keeps score."""
 
-    SERVING = "serving"  # proved: progress, or a canary answered. A good probe
+    PROVEN = "proven"  # proved: progress, or a canary answered. A good probe
     UNPROVEN = "unproven"  # nothing proved either way (stalled, not yet compared, no canary)
     FAILING = "failing"  # one failed probe: unreachable, or an idle engine's canary failed
     CONDEMNED = "condemned"  # conclusive: stuck, or a lost core's canary failed
@@ -290,7 +290,7 @@ def judge(
         return Judgement(v, evidence, canary, rule(canary), new_stall)
 
     if isinstance(after, Down):
-        return verdict(Verdict.DEAD, CanaryRule.NEVER,
+        return verdict(Verdict.UNREACHABLE, CanaryRule.NEVER,
                        Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
                                 problem=after.reason))
     if isinstance(after, ProxyAnswered):
@@ -392,15 +392,15 @@ def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
     """What a verdict amounts to, given the canary's outcome (``None``: none was sent)."""
     v = judgement.verdict
     if v in (Verdict.BUSY, Verdict.REACHABLE):
-        return Health.SERVING
+        return Health.PROVEN
     if v is Verdict.STUCK:
         return Health.CONDEMNED
-    if v is Verdict.DEAD:
+    if v is Verdict.UNREACHABLE:
         return Health.FAILING
     if canary_ok is None:  # STALLED, FIRST_READ, or a canary not due or not allowed
         return Health.UNPROVEN
     if canary_ok:
-        return Health.SERVING
+        return Health.PROVEN
     return Health.CONDEMNED if judgement.canary_is_conclusive else Health.FAILING
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 __all__ = [
     "ABSENT",
-    "SERVING",
+    "ROUTABLE",
     "TRANSITIONS",
     "Event",
     "FleetExhausted",
@@ -64,7 +64,7 @@ RESTARTING = ShardState.RESTARTING
 RETIRED = ShardState.RETIRED
 
 #: States whose shards receive traffic.
-SERVING: frozenset[ShardState] = frozenset({HEALTHY, SUSPECT})
+ROUTABLE: frozenset[ShardState] = frozenset({HEALTHY, SUSPECT})
 #: States whose shards have no usable process: left out of refits and of the serving set.
 ABSENT: frozenset[ShardState] = frozenset({DEAD, RESTARTING, RETIRED})
 
@@ -433,8 +433,14 @@ class Ledger:
             at=now,
             record=shard.record(),
         )
+        errors: list[Exception] = []
         for subscriber in list(self._subscribers):
-            subscriber(transition)
+            try:
+                subscriber(transition)
+            except Exception as exc:  # every subscriber hears of the change, whatever another
+                errors.append(exc)  # does; the change itself is made and stays made
+        if errors:
+            raise errors[0]
         return Outcome(applied=True, transition=transition)
 
     def _shard(self, i: int) -> _Shard:
@@ -451,7 +457,7 @@ class Ledger:
     def record_probe(self, i: int, ok: bool, error: str = "") -> Outcome:
         """A watchdog probe of a serving shard: good, or failed with ``error``."""
         s = self._shard(i)
-        if s.state not in SERVING:
+        if s.state not in ROUTABLE:
             return self._ignored(s, "probes only judge serving shards")
         p = self.policy
         if ok:
@@ -485,7 +491,7 @@ class Ledger:
     def report_failure(self, i: int, cause: str) -> Outcome:
         """One failed real request (or one failed router window) on a serving shard."""
         s = self._shard(i)
-        if s.state not in SERVING:
+        if s.state not in ROUTABLE:
             return self._ignored(s, "failures only count against serving shards")
         return self._count_failure(s, s.consecutive_reported_failures + 1, cause)
 
@@ -527,7 +533,7 @@ class Ledger:
                 f"outcome counts cannot be negative: {successes}, {failures}, {trailing_failures}"
             )
         s = self._shard(i)
-        if s.state not in SERVING:
+        if s.state not in ROUTABLE:
             return self._ignored(s, "outcomes only count for serving shards")
         ended_in_failure = trailing_failures > 0 or (failures > 0 and successes == 0)
         if successes > 0:
@@ -672,7 +678,9 @@ class Ledger:
             return self._ignored(s, "no restart is in progress")
         other = self._by_url.get(base_url)
         if other is not None and other != i:
-            raise ValueError(f"{base_url} already belongs to shard {other}")
+            # A launcher can be handed a port that a DEAD or RETIRED shard still records: the
+            # attempt fails, the caller goes on (two shards on one URL would share evidence).
+            return self._ignored(s, f"{base_url} already belongs to shard {other}")
         return self._apply(
             s, E.LOADED, f"replacement up at {base_url}",
             base_url=base_url,
@@ -703,7 +711,7 @@ class Ledger:
         return self._shard(i).state
 
     def serving(self) -> list[int]:
-        return [s.index for s in self._shards if s.state in SERVING]
+        return [s.index for s in self._shards if s.state in ROUTABLE]
 
     def absent(self) -> list[int]:
         return [s.index for s in self._shards if s.state in ABSENT]
@@ -713,7 +721,7 @@ class Ledger:
         return [s.index for s in self._shards if s.state not in ABSENT]
 
     def serving_urls(self) -> list[str]:
-        return [s.base_url for s in self._shards if s.state in SERVING]
+        return [s.base_url for s in self._shards if s.state in ROUTABLE]
 
     def shard_for_url(self, url: str) -> int | None:
         return self._by_url.get(url)

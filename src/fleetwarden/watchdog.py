@@ -12,7 +12,7 @@ engine is never sent a request; its progress counters are the proof of health.
 
 A controller calls :meth:`Watchdog.round` once per tick for the whole fleet; the engines are
 visited concurrently, so a round costs one engine's worst case (a read, the ``/health``
-fallback, a canary), not the sum. Parsing is done inline, between awaits: ``metrics.parse``
+fallback, a canary), not the sum. Parsing is done inline, between awaits: ``engine_metrics.parse``
 cuts the 52 KB body to the judged families first, so one body costs ~0.3 ms of CPU instead of
 ~10 ms (``bench/metrics_parse.py``) — at 64 engines, ~20 ms per 5 s tick in 0.3 ms slices, none
 long enough to move the latency of a router on the same loop.
@@ -21,17 +21,17 @@ What a later controller does with a :class:`Report` (this module does not import
 
 | verdict | canary | ``Report.health`` | ledger operation |
 |---|---|---|---|
-| BUSY | never sent | SERVING | ``record_probe(i, ok=True)`` |
-| IDLE, NO_METRICS | answered | SERVING | ``record_probe(i, ok=True)`` |
+| BUSY | never sent | PROVEN | ``record_probe(i, ok=True)`` |
+| IDLE, NO_METRICS | answered | PROVEN | ``record_probe(i, ok=True)`` |
 | IDLE, NO_METRICS | failed | FAILING | ``record_probe(i, ok=False, error=canary.error)`` |
 | IDLE, NO_METRICS | not due / not allowed | UNPROVEN | nothing |
 | STALLED, FIRST_READ | never sent | UNPROVEN | nothing: wait |
 | STUCK | never sent | CONDEMNED | ``condemn(i, evidence.summary)`` |
 | LOST_CORE | failed | CONDEMNED | ``condemn(i, ...)``: an idle wedge, proven |
-| LOST_CORE | answered | SERVING | ``record_probe(i, ok=True)`` |
+| LOST_CORE | answered | PROVEN | ``record_probe(i, ok=True)`` |
 | RESTARTED | if idle | as IDLE, by the canary | first ``observe_incarnation(i, incarnation)`` |
-| DEAD | never sent | FAILING | ``record_probe(i, ok=False, error=evidence.problem)`` |
-| REACHABLE | never sent | SERVING | a proxy is no shard; its backends are probed directly |
+| UNREACHABLE | never sent | FAILING | ``record_probe(i, ok=False, error=evidence.problem)`` |
+| REACHABLE | never sent | PROVEN | a proxy is no shard; its backends are probed directly |
 
 Keep in sync: this table, ``judge.conclude`` and SYSTEM.md section 5.
 """
@@ -48,6 +48,7 @@ from typing import Any
 
 import aiohttp
 
+from fleetwarden.engine_metrics import Sample, Unreadable, parse
 from fleetwarden.judge import (
     DEFAULT_POLICY,
     NO_STALL,
@@ -64,7 +65,6 @@ from fleetwarden.judge import (
     conclude,
     judge,
 )
-from fleetwarden.metrics import Sample, Unreadable, parse
 
 __all__ = [
     "CANARY_ID_PREFIX",
@@ -388,9 +388,9 @@ MAX_CHECK_READS = 5
 
 def exit_code(report: Report) -> int:
     """``fleetwarden check``'s status for a report."""
-    if report.health is Health.SERVING:
+    if report.health is Health.PROVEN:
         return EXIT_HEALTHY
-    if report.verdict is Verdict.DEAD:
+    if report.verdict is Verdict.UNREACHABLE:
         return EXIT_UNREACHABLE
     if report.health in (Health.CONDEMNED, Health.FAILING):
         return EXIT_NOT_SERVING

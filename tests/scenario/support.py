@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from fleetwarden.metrics import Sample, parse
+from fleetwarden.engine_metrics import Sample, parse
 
 #: Generous: a loaded 2-core machine may take seconds to start a Python process.
 START_TIMEOUT_S = 30.0

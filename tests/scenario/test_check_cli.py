@@ -105,7 +105,7 @@ async def test_an_engine_that_is_gone_is_unreachable(spawn: Any, http: aiohttp.C
     if mode == "crash":
         await asyncio.to_thread(sim.wait, 20)
     code, report = await check(sim.url)
-    assert (code, report["verdict"]) == (2, "dead")
+    assert (code, report["verdict"]) == (2, "unreachable")
 
 
 async def test_a_closed_port_is_unreachable_and_says_so_in_words(spawn: Any) -> None:
@@ -114,7 +114,7 @@ async def test_a_closed_port_is_unreachable_and_says_so_in_words(spawn: Any) -> 
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
-    assert "DEAD (failing)" in out.decode() and "cannot connect" in out.decode()
+    assert "UNREACHABLE (failing)" in out.decode() and "cannot connect" in out.decode()
 
 
 async def test_an_engine_whose_generations_fail_fails_its_canary(
@@ -166,4 +166,4 @@ async def test_a_proxy_is_checked_by_its_model_list(spawn: Any,
     assert (code, report["verdict"], report["reads"]) == (0, "reachable", 1)
     assert proxy.forwarded and {p for _, p, _ in proxy.forwarded} == {"/v1/models"}
     code, report = await check(f"http://127.0.0.1:{free_port()}", "--proxy")
-    assert (code, report["verdict"]) == (2, "dead")
+    assert (code, report["verdict"]) == (2, "unreachable")

@@ -399,8 +399,8 @@ def test_invalid_config_names_the_key_at_the_command_line(tmp_path: Path) -> Non
 
 
 async def test_the_controller_drives_a_router_in_another_process(tmp_path: Path) -> None:
+    from fleetwarden.auth import load_or_create_token
     from fleetwarden.router import Router
-    from fleetwarden.tokens import load_or_create_token
 
     token_file = tmp_path / "router.token"
     token = load_or_create_token(token_file)

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetwarden.metrics import JUDGED, Sample, parse
+from fleetwarden.engine_metrics import JUDGED, Sample, parse
 from fleetwarden.sim import FaultMode, Sim, SimConfig
 
 from .support import SimProcess, metrics, set_fault, stats, until

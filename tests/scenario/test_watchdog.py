@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.judge import Health, Verdict, WatchdogPolicy, judge
-from fleetwarden.metrics import Sample, parse
 from fleetwarden.watchdog import Report, Target, Watchdog
 
 from .proxy import LeastConnectionsProxy
@@ -50,7 +50,7 @@ async def test_an_idle_engine_is_idle_and_gets_one_canary_per_interval(
     sim: SimProcess = spawn()
     async with Watchdog(POLICY) as watchdog:
         first, second = await rounds(watchdog, Target(sim.url), 2, 0.2)
-    assert (first.verdict, first.health) == (Verdict.IDLE, Health.SERVING)
+    assert (first.verdict, first.health) == (Verdict.IDLE, Health.PROVEN)
     assert first.canary is not None and first.canary.ok and first.canary.status == 200
     assert (second.verdict, second.canary, second.health) == (
         Verdict.IDLE, None, Health.UNPROVEN)  # the next canary is not due for 30 s
@@ -69,7 +69,7 @@ async def test_a_busy_engine_is_busy_and_proves_it_by_progress(
             reports = await rounds(watchdog, Target(sim.url, in_flight=2), 3, 0.3)
     assert [r.verdict for r in reports] == [Verdict.FIRST_READ, Verdict.BUSY, Verdict.BUSY]
     busy = reports[-1]
-    assert busy.health is Health.SERVING and busy.canary is None
+    assert busy.health is Health.PROVEN and busy.canary is None
     assert busy.sample is not None and busy.sample.running == 2
     assert busy.tokens_per_s is not None and busy.tokens_per_s > 0
     assert "steps" in busy.evidence.moved
@@ -126,7 +126,7 @@ async def test_a_restarted_engine_is_restarted_and_gets_a_canary_at_once(
     assert before.verdict is Verdict.IDLE and before.canary is not None
     assert after.verdict is Verdict.RESTARTED
     assert after.canary is not None and after.canary.ok  # not waiting for the interval
-    assert after.health is Health.SERVING
+    assert after.health is Health.PROVEN
     assert after.incarnation != before.incarnation
     assert after.evidence.previous_incarnation == before.incarnation
     # One canary per process: the interval did not hold back the new process's first.
@@ -141,7 +141,7 @@ async def test_an_engine_without_metrics_is_judged_by_health_and_a_canary(
         quiet = await watchdog.probe(Target(sim.url))
     async with Watchdog(POLICY) as watchdog:
         loaded = await watchdog.probe(Target(sim.url, in_flight=3))
-    assert (quiet.verdict, quiet.health) == (Verdict.NO_METRICS, Health.SERVING)
+    assert (quiet.verdict, quiet.health) == (Verdict.NO_METRICS, Health.PROVEN)
     assert quiet.canary is not None and quiet.canary.ok
     assert "404" in quiet.evidence.problem
     # With requests in flight a canary would queue behind them: none is sent, nothing proved.
@@ -167,7 +167,7 @@ async def test_a_proxy_is_read_only_through_v1_models(spawn: Any,
     async with LeastConnectionsProxy([a.url, b.url]) as proxy, Watchdog(POLICY) as watchdog:
         reports = await rounds(watchdog, Target(proxy.url, in_flight=5, proxy=True), 4, 0.05)
     assert [(r.verdict, r.health, r.canary) for r in reports] == [
-        (Verdict.REACHABLE, Health.SERVING, None)] * 4
+        (Verdict.REACHABLE, Health.PROVEN, None)] * 4
     assert {(m, p) for m, p, _ in proxy.forwarded} == {("GET", "/v1/models")}
     assert {backend for _, _, backend in proxy.forwarded} == {a.url, b.url}
     for sim in (a, b):
@@ -194,7 +194,8 @@ async def test_a_closed_port_is_dead(spawn: Any, http: aiohttp.ClientSession) ->
     url = f"http://127.0.0.1:{free_port()}"
     async with Watchdog(POLICY) as watchdog:
         report = await watchdog.probe(Target(url))
-    assert (report.verdict, report.health, report.canary) == (Verdict.DEAD, Health.FAILING, None)
+    assert (report.verdict, report.health, report.canary) == (
+        Verdict.UNREACHABLE, Health.FAILING, None)
     assert "cannot connect" in report.evidence.problem
 
 
@@ -205,7 +206,7 @@ async def test_a_crashed_engine_is_dead(spawn: Any, http: aiohttp.ClientSession)
         await set_fault(http, sim.url, "crash")
         assert await asyncio.to_thread(sim.wait, 20) != 0
         report = await watchdog.probe(Target(sim.url))
-    assert (report.verdict, report.health) == (Verdict.DEAD, Health.FAILING)
+    assert (report.verdict, report.health) == (Verdict.UNREACHABLE, Health.FAILING)
 
 
 async def test_an_idle_wedge_with_requests_in_flight_is_a_lost_core_and_its_canary_condemns(
@@ -271,7 +272,7 @@ async def test_the_note_002_day_compressed_a_slow_batch_is_never_worse_than_busy
             reports = await rounds(watchdog, Target(sim.url, in_flight=6), 10, 0.6)
     assert reports[0].verdict is Verdict.FIRST_READ
     assert [r.verdict for r in reports[1:]] == [Verdict.BUSY] * 9
-    assert {r.health for r in reports[1:]} == {Health.SERVING}
+    assert {r.health for r in reports[1:]} == {Health.PROVEN}
     # The scenario did what it says: rounds in which steps advanced and no token appeared.
     assert any(r.evidence.deltas["generation_tokens"] == 0 and r.evidence.deltas["steps"] > 0
                for r in reports[1:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from fleetwarden.config import Config
@@ -34,8 +35,8 @@ def test_verdicts_map_to_ledger_operations() -> None:
     c, ledger, _ = controller()
     c.apply_report(0, report(Verdict.IDLE, Health.FAILING, canary=False))
     assert ledger.state(0) is S and ledger.shard(0).consecutive_probe_failures == 1
-    c.apply_report(0, report(Verdict.BUSY, Health.SERVING))
-    c.apply_report(0, report(Verdict.BUSY, Health.SERVING))
+    c.apply_report(0, report(Verdict.BUSY, Health.PROVEN))
+    c.apply_report(0, report(Verdict.BUSY, Health.PROVEN))
     assert ledger.state(0) is H
     c.apply_report(0, report(Verdict.STALLED, Health.UNPROVEN))
     assert ledger.shard(0).consecutive_probe_successes == 2  # unproven: no probe either way
@@ -57,16 +58,16 @@ def test_a_failed_canary_that_lands_during_a_refit_lease_counts_for_nothing() ->
 def test_a_silent_restart_goes_stale_in_trainer_mode_and_a_canary_promotes_in_static() -> None:
     c, ledger, _ = controller("trainer")
     ledger.observe_incarnation(0, "1.0")
-    c.apply_report(0, report(Verdict.RESTARTED, Health.SERVING, canary=True, incarnation="2.0"))
+    c.apply_report(0, report(Verdict.RESTARTED, Health.PROVEN, canary=True, incarnation="2.0"))
     assert ledger.state(0) is ST
-    c.apply_report(0, report(Verdict.IDLE, Health.SERVING, canary=True))
+    c.apply_report(0, report(Verdict.IDLE, Health.PROVEN, canary=True))
     assert ledger.state(0) is ST  # trainer mode: only a refit brings it back
 
     s, static, _ = controller("static")
     static.condemn(0, "exited")
     static.mark_restarting(0)
     static.mark_loaded(0, "http://a2", "launch-2")
-    s.apply_report(0, report(Verdict.IDLE, Health.SERVING, canary=True))
+    s.apply_report(0, report(Verdict.IDLE, Health.PROVEN, canary=True))
     assert static.state(0) is H  # static weights: a good canary is the refit
 
 
@@ -74,9 +75,9 @@ def test_an_unreachable_stale_shard_is_condemned_after_the_threshold() -> None:
     c, ledger, _ = controller("trainer")
     ledger.mark_weights_partial(0)
     for _ in range(2):
-        c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
+        c.apply_report(0, report(Verdict.UNREACHABLE, Health.FAILING))
         assert ledger.state(0) is ST
-    c.apply_report(0, report(Verdict.DEAD, Health.FAILING))
+    c.apply_report(0, report(Verdict.UNREACHABLE, Health.FAILING))
     assert ledger.state(0) is D
 
 
@@ -88,3 +89,67 @@ def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None
     refit.complete_refit(4)
     ledger.condemn(0, "gone")
     assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})
+
+
+class _Watchdog:
+    async def round(self, targets: list[Any]) -> dict[str, Report]:
+        return {}
+
+
+class _Router:
+    def __init__(self) -> None:
+        self.pushed: list[list[str]] = []
+
+    async def set_serving_backends(self, urls: Any, facts: Any = None) -> None:
+        self.pushed.append(list(urls))
+
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        return {}
+
+    async def rescue(self, url: str) -> int:
+        return 0
+
+    async def in_flight(self) -> dict[str, int]:
+        return {}
+
+    async def set_retry_after(self, seconds: float | None) -> None:
+        pass
+
+
+class _BrokenSupervisor:
+    def __init__(self) -> None:
+        self.attempts: dict[int, Any] = {}
+
+    def tick(self) -> None:
+        raise RuntimeError("a bug in the supervisor")
+
+
+async def test_a_step_that_raises_never_aborts_the_tick_before_its_push() -> None:
+    config: Any = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b"])
+    router = _Router()
+    c = Controller(ledger, _Watchdog(), _BrokenSupervisor(), [router], config)  # type: ignore[arg-type]
+    ledger.condemn(1, "exited")
+    report = await c.tick()
+    assert router.pushed == [["http://a"]]
+    assert report.errors and "a bug in the supervisor" in report.errors[0]
+
+
+async def test_a_failing_journal_is_in_the_fleet_status(tmp_path: Any) -> None:
+    from fleetwarden.journal import Journal
+
+    config: Any = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b"])
+    journal = Journal(tmp_path / "j.sqlite")
+    journal.attach(ledger)
+    router = _Router()
+    c = Controller(ledger, _Watchdog(), _BrokenSupervisor(), [router], config,  # type: ignore[arg-type]
+                   journal=journal)
+    journal._failed(OSError("disk full"))  # what the writer thread does when a commit fails
+    ledger.condemn(1, "exited")
+    await c.tick()
+    assert c.status.state == "degraded" and "journal fails" in c.status.detail
+    assert "disk full" in c.status.detail
+    assert router.pushed == [["http://a"]]
+    with contextlib.suppress(Exception):
+        journal.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 from fleetwarden.admin.dashboard import Traffic, TrafficPoint, traffic_point
 from fleetwarden.config import parse_config
 from fleetwarden.fleet import Fleet
-from fleetwarden.router.metrics import RouterStats
+from fleetwarden.router.stats import RouterStats
 
 
 def point(at: float, requests: int = 0, errors: int = 0) -> TrafficPoint:

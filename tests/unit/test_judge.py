@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fleetwarden.engine_metrics import Sample, Unreadable, parse
 from fleetwarden.judge import (
     DEFAULT_POLICY,
     NO_STALL,
@@ -26,7 +27,6 @@ from fleetwarden.judge import (
     conclude,
     judge,
 )
-from fleetwarden.metrics import Sample, Unreadable, parse
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
 
@@ -74,7 +74,7 @@ def test_the_real_busy_pair_is_busy_and_gets_no_canary() -> None:
     assert (j.canary, j.send_canary) == (CanaryRule.NEVER, False)
     assert j.evidence.deltas["steps"] == 900 and j.evidence.deltas["generation_tokens"] == 3586
     assert "steps +900" in j.evidence.summary
-    assert conclude(j, None) is Health.SERVING
+    assert conclude(j, None) is Health.PROVEN
 
 
 def test_the_real_wedged_busy_pair_is_stalled_then_stuck_after_two_waits_and_stall_s() -> None:
@@ -112,7 +112,7 @@ def test_the_real_wedged_idle_pair_is_idle_and_lost_core_when_the_router_has_req
     assert lost.verdict is Verdict.LOST_CORE
     assert (lost.canary, lost.send_canary) == (CanaryRule.NOW, True)
     assert conclude(lost, canary_ok=False) is Health.CONDEMNED
-    assert conclude(lost, canary_ok=True) is Health.SERVING
+    assert conclude(lost, canary_ok=True) is Health.PROVEN
 
 
 def test_a_refit_lease_sends_no_canary_and_sees_no_lost_core() -> None:
@@ -180,7 +180,7 @@ def test_a_stall_excused_by_a_refit_lease_never_becomes_stuck() -> None:
 
 def test_a_read_that_fails_in_the_middle_breaks_a_run_of_stalled_reads() -> None:
     js = run([(0, BUSY), (10, BUSY), (1, Down("timeout")), (10, BUSY)])
-    assert [j.verdict for j in js] == [Verdict.FIRST_READ, Verdict.STALLED, Verdict.DEAD,
+    assert [j.verdict for j in js] == [Verdict.FIRST_READ, Verdict.STALLED, Verdict.UNREACHABLE,
                                        Verdict.STALLED]
 
 
@@ -224,7 +224,7 @@ def test_an_engine_empty_at_the_read_but_working_since_the_last_is_busy_and_gets
                       finished_requests=2)
     j = judge(IDLE, worked, elapsed_s=1.6, since_canary_s=None)
     assert (j.verdict, j.canary, j.send_canary) == (Verdict.BUSY, CanaryRule.NEVER, False)
-    assert conclude(j, None) is Health.SERVING  # progress is the proof
+    assert conclude(j, None) is Health.PROVEN  # progress is the proof
     assert "worked since the last" in j.evidence.summary
     assert judge(IDLE, worked, elapsed_s=1.6, since_canary_s=600.0).verdict is Verdict.BUSY
 
@@ -244,7 +244,7 @@ def test_no_metrics_allows_a_canary_only_with_nothing_in_flight() -> None:
     quiet = judge(IDLE, NoMetrics("/metrics answered 404"), elapsed_s=5)
     assert (quiet.verdict, quiet.canary, quiet.send_canary) == (
         Verdict.NO_METRICS, CanaryRule.WHEN_DUE, True)
-    assert conclude(quiet, canary_ok=True) is Health.SERVING
+    assert conclude(quiet, canary_ok=True) is Health.PROVEN
     assert conclude(quiet, canary_ok=False) is Health.FAILING
     loaded = judge(IDLE, NoMetrics("/metrics answered 404"), elapsed_s=5, in_flight=3)
     assert (loaded.canary, loaded.send_canary) == (CanaryRule.NEVER, False)
@@ -284,7 +284,7 @@ def test_a_first_read_of_an_idle_engine_is_idle_and_of_a_busy_one_proves_nothing
 
 def test_an_unreachable_engine_is_dead_and_that_is_one_failed_probe() -> None:
     j = judge(BUSY, Down("connection refused"), elapsed_s=5, stall=Stall(1, 10))
-    assert (j.verdict, j.send_canary, j.stall) == (Verdict.DEAD, False, NO_STALL)
+    assert (j.verdict, j.send_canary, j.stall) == (Verdict.UNREACHABLE, False, NO_STALL)
     assert conclude(j, None) is Health.FAILING
     assert "connection refused" in j.evidence.summary
 
@@ -292,13 +292,13 @@ def test_an_unreachable_engine_is_dead_and_that_is_one_failed_probe() -> None:
 def test_a_proxy_is_judged_only_by_its_model_list() -> None:
     j = judge(None, ProxyAnswered(("tiny",)), elapsed_s=0, in_flight=5)
     assert (j.verdict, j.canary) == (Verdict.REACHABLE, CanaryRule.NEVER)
-    assert conclude(j, None) is Health.SERVING
+    assert conclude(j, None) is Health.PROVEN
 
 
 def test_an_idle_engine_whose_canary_fails_is_one_failed_probe_not_condemned() -> None:
     j = judge(IDLE, IDLE, elapsed_s=5)
     assert conclude(j, canary_ok=False) is Health.FAILING
-    assert conclude(j, canary_ok=True) is Health.SERVING
+    assert conclude(j, canary_ok=True) is Health.PROVEN
     assert conclude(j, canary_ok=None) is Health.UNPROVEN
 
 

@@ -249,11 +249,14 @@ def test_there_is_no_way_from_dead_to_serving_but_through_a_restart_and_a_refit(
 
 
 def test_mark_loaded_refuses_a_url_that_another_shard_holds() -> None:
+    """Refused as a failed guard, not raised: a launcher can be handed a port that a DEAD or
+    RETIRED shard still records, and that must fail one attempt, never the caller's tick."""
     ledger, _ = make(2)
     kill(ledger, 0)
     ledger.mark_restarting(0)
-    with pytest.raises(ValueError, match="shard 1"):
-        ledger.mark_loaded(0, "http://127.0.0.1:9001", "x")
+    outcome = ledger.mark_loaded(0, "http://127.0.0.1:9001", "x")
+    assert not outcome and "shard 1" in outcome.reason
+    assert ledger.state(0) is R and ledger.shard_for_url("http://127.0.0.1:9001") == 1
 
 
 def test_a_new_url_is_found_by_shard_for_url() -> None:
@@ -403,3 +406,19 @@ def test_the_ledger_does_no_io() -> None:
                               [type("A", (), {"name": node.module or ""})()])}
     assert imported.isdisjoint({"asyncio", "aiohttp", "socket", "os", "pathlib", "sqlite3",
                                 "io", "threading", "subprocess"})
+
+
+def test_every_subscriber_sees_a_transition_even_when_one_raises() -> None:
+    """The change is made and every subscriber told before any subscriber's error surfaces:
+    the ledger is never left half-applied (issue 15, item 5)."""
+    ledger, _ = make(2)
+    seen: list[int] = []
+
+    def broken(t: object) -> None:
+        raise RuntimeError("disk full")
+
+    ledger.subscribe(broken)
+    ledger.subscribe(lambda t: seen.append(t.shard))
+    with pytest.raises(RuntimeError, match="disk full"):
+        ledger.condemn(0, "exited")
+    assert ledger.state(0) is D and seen == [0]

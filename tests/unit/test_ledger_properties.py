@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fleetwarden.ledger import (
     ABSENT,
-    SERVING,
+    ROUTABLE,
     TRANSITIONS,
     Ledger,
     Policy,
@@ -161,7 +161,7 @@ class LedgerMachine(RuleBasedStateMachine):
         name, i = self.last_op
         if name == "record_probe":
             a, b = self.before[i], self.ledger.shard(i)
-            if a.state not in SERVING:
+            if a.state not in ROUTABLE:
                 assert a == b
 
     @invariant()
@@ -185,7 +185,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def queries_agree_with_states(self) -> None:
         snap = self.ledger.snapshot()
-        assert self.ledger.serving() == [r.index for r in snap if r.state in SERVING]
+        assert self.ledger.serving() == [r.index for r in snap if r.state in ROUTABLE]
         assert self.ledger.absent() == [r.index for r in snap if r.state in ABSENT]
         assert self.ledger.refit_participants() == [r.index for r in snap if r.state not in ABSENT]
         assert sum(self.ledger.counts_by_state().values()) == N

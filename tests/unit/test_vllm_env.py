@@ -87,9 +87,12 @@ def test_two_processes_asking_at_once_install_once(fake_python: Path, tmp_path: 
     script = ("from fleetwarden.testing.vllm_env import ensure_vllm_env; "
               f"print(ensure_vllm_env(base_python={str(fake_python)!r}))")
     env_cmd = f"FAKE_VENV_SECONDS=1 {shlex.quote(sys.executable)} -c {shlex.quote(script)}"
-    both = subprocess.run(["bash", "-c", f"{env_cmd} & {env_cmd} & wait"],
-                          capture_output=True, text=True, timeout=60, check=True)
-    assert both.stdout.split() == [str(vllm_env_dir() / "bin" / "python")] * 2
+    # Each writes to a file of its own: two writers on one pipe may interleave their lines.
+    outs = [tmp_path / "first.out", tmp_path / "second.out"]
+    subprocess.run(["bash", "-c", f"{env_cmd} > {shlex.quote(str(outs[0]))} & "
+                    f"{env_cmd} > {shlex.quote(str(outs[1]))} & wait"],
+                   capture_output=True, text=True, timeout=60, check=True)
+    assert [o.read_text().strip() for o in outs] == [str(vllm_env_dir() / "bin" / "python")] * 2
     assert sum(c.startswith("-m venv") for c in calls(tmp_path)) == 1
 
 

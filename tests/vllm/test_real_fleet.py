@@ -19,8 +19,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetwarden.engine_metrics import JUDGED
 from fleetwarden.launchers.procs import group_members
-from fleetwarden.metrics import JUDGED
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import (
     Figures,

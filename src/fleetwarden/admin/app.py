@@ -1,8 +1,10 @@
 """The admin API: fleet state, history, operator actions, refits, and external routers.
 
 On its own port, 127.0.0.1 by default, every route behind the bearer token (401 without it,
-and nothing changes); a browser presents it as the dashboard's cookie. The token is never
-logged: the server runs without an access log line that would carry a ``?token=`` query.
+and nothing changes); a browser presents it as the dashboard's cookie, and a state change
+signed in by the cookie must carry this page's ``Origin`` and a JSON body (403 otherwise: see
+:func:`cross_site_refusal`). The token is never logged: the server runs without an access log
+line that would carry the sign-in link's ``?token=`` query.
 
     GET  /admin/status                      fleet status, counts, router and admin URLs
     GET  /admin/shards                      every shard's record, in-flight and last sample
@@ -28,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
-from fleetwarden.tokens import token_matches
 
 if TYPE_CHECKING:
     from fleetwarden.fleet import Fleet
@@ -54,14 +56,48 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
                              status=status)
 
 
-def presented_token(request: web.Request) -> str | None:
+def _bearer(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
-    if auth.startswith("Bearer "):
-        return auth[len("Bearer "):].strip()
-    cookie = request.cookies.get("fleetwarden_token")
-    if cookie:
-        return cookie
-    return request.query.get("token")
+    return auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else None
+
+
+def presented_token(request: web.Request) -> str | None:
+    """The bearer token, else the dashboard's cookie. A ``?token=`` query is no credential
+    here: it belongs to the sign-in link (``GET /?token=``) alone, which trades it for the
+    cookie and takes it out of the address bar."""
+    bearer = _bearer(request)
+    if bearer is not None:
+        return bearer
+    return request.cookies.get("fleetwarden_token") or None
+
+
+def own_origin(request: web.Request) -> str:
+    return f"{request.scheme}://{request.host}"
+
+
+#: Methods that change nothing, so a cross-site request with the cookie can do no harm.
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_site_refusal(request: web.Request) -> str | None:
+    """Why a state-changing request signed in by the cookie is refused, or ``None``.
+
+    A browser sends the cookie with a request that another page starts, and SameSite does
+    not help here: pages on other ports of 127.0.0.1 (a notebook, a Ray dashboard) are the
+    same *site*. Such a page can post a form, but cannot set an ``Origin`` of ours nor a JSON
+    content type without a CORS preflight that this server never answers. So a cookie-signed
+    state change needs both; a bearer token (the CLI, clients, trainers) is never sent by a
+    browser on its own and needs neither."""
+    if request.method in _SAFE_METHODS or _bearer(request) is not None:
+        return None
+    origin = request.headers.get("Origin")
+    if origin != own_origin(request):
+        return (f"a state change signed in by the cookie must come from this page (Origin "
+                f"{own_origin(request)}), not {origin or 'an unknown origin'}")
+    if request.content_type != "application/json":
+        return (f"a state change signed in by the cookie must send JSON (Content-Type "
+                f"application/json), not {request.content_type or 'nothing'}")
+    return None
 
 
 @web.middleware
@@ -73,6 +109,9 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
                       "with the token from the admin token file")
         resp.headers["WWW-Authenticate"] = 'Bearer realm="fleetwarden"'
         return resp
+    refusal = cross_site_refusal(request)
+    if refusal is not None:
+        return _error(403, refusal)
     return await handler(request)
 
 
@@ -140,7 +179,9 @@ async def transitions(request: web.Request) -> web.Response:
 
 
 async def serving(request: web.Request) -> web.Response:
-    return web.json_response({"urls": request.app[FLEET].ledger.serving_urls()})
+    urls, facts = request.app[FLEET].controller.serving_push()
+    return web.json_response({"urls": urls,
+                              "facts": {url: f.to_dict() for url, f in facts.items()}})
 
 
 async def refits(request: web.Request) -> web.Response:
@@ -225,6 +266,8 @@ async def refit_complete(request: web.Request) -> web.Response:
         record = fleet.complete_refit(_version(body))
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
+    # The routers learn the new weight versions before the trainer's next rollout is sent.
+    await fleet.controller.push_now()
     return web.json_response({"version": record.version, "refitted": list(record.participants),
                               "states": fleet.states_view()})
 
@@ -237,6 +280,7 @@ async def refit_abort(request: web.Request) -> web.Response:
         record = fleet.abort_refit(_version(body), reason)
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
+    await fleet.controller.push_now()  # the shards it left STALE or condemned serve no more
     return web.json_response({"version": record.version, "partial": list(record.participants),
                               "condemned": list(record.condemned),
                               "states": fleet.states_view()})

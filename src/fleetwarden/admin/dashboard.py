@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from fleetwarden.admin.app import FLEET, TOKEN, presented_token
-from fleetwarden.tokens import token_matches
+from fleetwarden.auth import token_matches
 
 if TYPE_CHECKING:
     from fleetwarden.fleet import Fleet
-    from fleetwarden.router.metrics import RouterStats
+    from fleetwarden.router.stats import RouterStats
 
 __all__ = ["COOKIE", "PUBLIC_PATHS", "WINDOW_S", "Traffic", "TrafficPoint", "add_routes",
            "hello", "snapshot", "traffic_point"]

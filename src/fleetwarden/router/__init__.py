@@ -3,7 +3,7 @@
 ``pool`` (pure) holds the serving backends, their in-flight counts, picking and the outcome
 tallies; ``forward`` sends one request through them, with retries, rescue and deliberate
 statuses; ``app`` is the :class:`Router` itself; ``control`` its control API and clients;
-``settings`` every default with its reason; ``metrics`` its own Prometheus registry.
+``settings`` every default with its reason; ``stats`` its own Prometheus registry.
 
 The names below are imported on first use, so that ``fleetwarden.router.settings`` (pure) can
 be read without loading aiohttp.

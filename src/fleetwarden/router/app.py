@@ -22,9 +22,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router.forward import Forwarder, error_response
-from fleetwarden.router.metrics import RouterStats, make_registry
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.stats import RouterStats, make_registry
 
 if TYPE_CHECKING:
     from fleetwarden.router.control import InProcessRouter

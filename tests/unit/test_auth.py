@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetwarden.tokens import TokenFileError, load_or_create_token, token_matches
+from fleetwarden.auth import TokenFileError, load_or_create_token, token_matches
 
 
 def test_a_missing_token_file_is_created_0600_and_read_back(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetwarden.metrics import JUDGED, MAX_BODY_BYTES, Sample, Unreadable, parse, reduce
+from fleetwarden.engine_metrics import JUDGED, MAX_BODY_BYTES, Sample, Unreadable, parse, reduce
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
 CAPTURES = sorted(p.name for p in FIXTURES.glob("metrics-*.txt"))
