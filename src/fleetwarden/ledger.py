@@ -84,6 +84,7 @@ class Event(enum.Enum):
     WEIGHTS_PARTIAL = "weights partial"  # a refit aborted while the shard received
     REFIT = "refit"  # a completed refit, nothing suspected
     REFIT_STILL_SUSPECT = "refit, still suspect"  # a completed refit that was suspected before
+    MISSED_REFIT = "missed refit"  # a refit completed, but this process did not take part
     IDENTIFIED = "identified"  # the first incarnation seen of a shard's process: no restart
     NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
     NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
@@ -112,6 +113,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
+        E.MISSED_REFIT: STALE,
         E.REFIT: HEALTHY,
         E.IDENTIFIED: HEALTHY,
         E.NEW_INCARNATION: HEALTHY,
@@ -128,6 +130,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
+        E.MISSED_REFIT: STALE,
         E.REFIT_STILL_SUSPECT: SUSPECT,
         E.IDENTIFIED: SUSPECT,
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
@@ -144,6 +147,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
+        E.MISSED_REFIT: STALE,
         E.REFIT: HEALTHY,
         E.REFIT_STILL_SUSPECT: SUSPECT,
         E.IDENTIFIED: STALE,
@@ -614,7 +618,7 @@ class Ledger:
             return self._ignored(s, "readings only judge shards that have a process")
         outcome = _UNCHANGED
         if r.restarted:
-            outcome = self.observe_incarnation(i, r.incarnation)
+            outcome = self.observe_incarnation(i, r.incarnation, restarted=True)
         if r.canary_ok is False and r.excused:
             return outcome
         why = f"{r.verdict}: {r.canary_error or r.summary}"
@@ -669,6 +673,18 @@ class Ledger:
         cause = f"silent participant of an aborted refit: {reason}"
         return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause)
 
+    def missed_refit(self, i: int, version: int) -> Outcome:
+        """A refit to ``version`` completed, but this shard's process is not the one that took
+        part (it restarted during the sync): it holds other weights. STALE, for the next one."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards take no part in a refit")
+        return self._apply(
+            s, E.MISSED_REFIT,
+            f"a new process during the refit to version {version}: it did not get the weights",
+            state_before_partial=None,  # a verdict on the process that took part, not this one
+        )
+
     def report_refit(self, i: int, version: int) -> Outcome:
         """A refit to ``version`` completed on this shard."""
         s = self._shard(i)
@@ -694,17 +710,23 @@ class Ledger:
             **common,
         )
 
-    def observe_incarnation(self, i: int, incarnation: str | None) -> Outcome:
+    def observe_incarnation(
+        self, i: int, incarnation: str | None, *, restarted: bool = False
+    ) -> Outcome:
         """The engine was seen under ``incarnation``. A different one means it restarted
         without the supervisor: the new process has no history, and in trainer mode its
         weights reverted to the checkpoint. ``None``: a restart was seen (its counters went
-        back) but the engine gives no start time; it is a new process all the same."""
+        back) but the engine gives no start time; it is a new process all the same.
+
+        ``restarted``: the watchdog saw the restart itself. Then a shard whose process was
+        never identified (an attached engine) has a new process too; without it, the first
+        incarnation seen only says who the process is."""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards have no process to observe")
         if incarnation is not None and s.incarnation == incarnation:
             return _UNCHANGED
-        if s.incarnation is None and incarnation is not None:
+        if s.incarnation is None and incarnation is not None and not restarted:
             # The first incarnation seen of this shard: who its process is, not a restart.
             return self._apply(s, E.IDENTIFIED, f"engine identified as {incarnation}",
                                incarnation=incarnation)
