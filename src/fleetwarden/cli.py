@@ -261,6 +261,8 @@ def check(
                                   help="Timeout of one read."),
     canary_timeout: float = typer.Option(DEFAULT_POLICY.canary_timeout_s, min=0.001,
                                          help="Timeout of the canary."),
+    engine: str = typer.Option("auto", help="The engine's kind: auto (recognised from "
+                               "/metrics), vllm, llamacpp, sglang, tgi or openai (no /metrics)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Judge one engine once from its /metrics, the way the fleet's watchdog does.
@@ -272,12 +274,16 @@ def check(
     import json
     from dataclasses import replace
 
+    from fleetwarden.engines import ENGINE_NAMES
     from fleetwarden.watchdog import check as run_check
 
+    if engine not in ENGINE_NAMES:
+        raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(ENGINE_NAMES)}",
+                                 param_hint="--engine")
     policy = replace(DEFAULT_POLICY, stall_s=stall_s, read_timeout_s=timeout,
                      canary_timeout_s=canary_timeout, check_interval_s=interval)
     result = asyncio.run(run_check(url, proxy=proxy, in_flight=in_flight, policy=policy,
-                                   model=model))
+                                   model=model, engine=engine))
     report = result.report
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
@@ -290,9 +296,16 @@ def check(
         details = [f"{result.reads} reads"]
         if report.tokens_per_s is not None:
             details.append(f"{report.tokens_per_s:.0f} tokens/s")
+        kind = report.engine
         if report.incarnation is not None:
-            details.append(f"process started {report.incarnation}")
+            details.append(f"process {report.incarnation} (from the {kind.start_header} header: "
+                           "compared, not a time)" if kind is not None and kind.start_header
+                           else f"process started {report.incarnation}")
         console.print("  " + "; ".join(details), markup=False)
+        console.print(f"  engine: {kind.title if kind else 'not recognised'}"
+                      + (f"; progress proof: {kind.progress}" if kind else ""), markup=False)
+        for limit in kind.limits if kind is not None else ():
+            console.print(f"  limit: {limit}", markup=False)
         canary = report.canary
         if canary is not None:
             console.print(f"  canary: {'answered' if canary.ok else 'FAILED'} in "

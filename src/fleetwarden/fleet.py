@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -34,8 +33,9 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
-from fleetwarden.ledger import ABSENT, Ledger, Policy, ShardState, Transition
+from fleetwarden.ledger import Ledger, Policy, ShardState, Transition
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
+from fleetwarden.restore import adopt_or_stop, after_clean_stop, restore_onto
 from fleetwarden.router import Router
 from fleetwarden.router.control import RemoteRouter
 from fleetwarden.supervisor import Supervisor, launch_first
@@ -63,15 +63,6 @@ class _JournalEngines:
 
     def stopped(self, handle: EngineHandle) -> None:
         self.journal.engine_stopped(handle.launch_id)
-
-
-async def _answers(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s, \
-                s.get(url + "/health") as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False
 
 
 class ShardLaunchers:
@@ -223,7 +214,7 @@ class Fleet:
         # engines are Ray's: their actors end with the driver that started them.)
         adopted: dict[int, EngineHandle] = {}
         if restored is not None and local is not None:
-            adopted = await self._adopt_or_stop(local, restored)
+            adopted = await adopt_or_stop(self._journal, local, restored)
 
         # The first engines start before the ledger exists, so it is built with their URLs.
         to_launch = [i for i in launched if i not in adopted and (
@@ -239,10 +230,10 @@ class Fleet:
                 urls.append(f"http://{cfg.fleet.host}:0/shard-{i}-not-started")
 
         if restored is not None and clean:
-            ledger = self._after_clean_stop(restored, first)
+            ledger = after_clean_stop(restored, first, self._policy(), cfg.fleet.weights)
         elif restored is not None:
             ledger = restored
-            self._restore_onto(ledger, first)
+            restore_onto(ledger, first)
         else:
             ledger = Ledger(urls, self._policy(), clock=time.time)
         self._ledger = ledger
@@ -277,74 +268,12 @@ class Fleet:
             ledger, self._watchdog, self._supervisor, self.routers, cfg,
             journal=self._journal, refit=self._refit, on_tick=self._after_tick,
         )
+        # The first answers already name their weights: the push's facts, before any tick.
+        self._router.set_serving_backends(*self._controller.serving_push())
         self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
         await self._admin.setup()
         await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
         self.admin_url = _url_of(self._admin)
-
-    async def _adopt_or_stop(
-        self, local: LocalLauncher, restored: Ledger
-    ) -> dict[int, EngineHandle]:
-        assert self._journal is not None
-        adopted: dict[int, EngineHandle] = {}
-        for d in self._journal.running_engines():
-            saved = EngineRecord(**{k: d[k] for k in EngineRecord.__dataclass_fields__})
-            current = (saved.shard < len(restored) and saved.shard not in adopted
-                       and restored.shard(saved.shard).base_url == saved.url
-                       and restored.state(saved.shard) not in ABSENT)
-            if current and local.adoptable(saved) and await _answers(saved.url):
-                adopted[saved.shard] = await local.adopt(saved)
-                continue
-            stopped = await local.stop_leftover(saved)
-            self._journal.engine_stopped(saved.launch_id)
-            if stopped:
-                log.warning("shard %d: an engine of the earlier run (%s) was not adopted and "
-                            "was stopped", saved.shard, saved.launch_id)
-        return adopted
-
-    def _after_clean_stop(
-        self, restored: Ledger, first: dict[int, EngineHandle | BaseException]
-    ) -> Ledger:
-        """The last run stopped its engines on purpose: this run's engines are a start, not a
-        restart. The fleet keeps what it learned (restart budgets spent, retirements, weight
-        versions); each engine is a new process, so streaks start at 0. In trainer mode a new
-        process holds the checkpoint's weights: STALE until the trainer's next refit."""
-        trainer = self.config.fleet.weights == "trainer"
-        records = []
-        for rec in restored.snapshot():
-            handle = first.get(rec.index)
-            if rec.state is ShardState.RETIRED:
-                records.append(rec)
-                continue
-            url = handle.url if isinstance(handle, EngineHandle) else rec.base_url
-            records.append(replace(
-                rec, base_url=url,
-                incarnation=handle.incarnation if isinstance(handle, EngineHandle) else None,
-                state=ShardState.STALE if trainer else ShardState.HEALTHY,
-                consecutive_probe_failures=0, consecutive_probe_successes=0,
-                consecutive_reported_failures=0,  # the last run's processes failed those
-                state_before_partial=None,  # a verdict on the last run's processes
-                last_error="", last_transition_at=time.time(),
-            ))
-        return Ledger.from_records(records, self._policy(), clock=time.time)
-
-    def _restore_onto(self, ledger: Ledger, first: dict[int, EngineHandle | BaseException]) -> None:
-        """A restored ledger: the engines of the last run are gone, fresh ones stand in.
-
-        A shard that was serving or STALE is condemned (its process is gone) and its fresh
-        engine is taken through the usual restart: RESTARTING -> STALE, budget spent, no
-        history carried over; then canary or refit. Adopting the last run's engines, where they
-        still run, comes with fleetwarden's own restart (resilience).
-        """
-        for i, result in first.items():
-            state = ledger.state(i)
-            if state not in ABSENT:
-                ledger.condemn(i, "fleetwarden restarted: the engine of its last run is gone")
-            if ledger.state(i) in (ShardState.DEAD, ShardState.RESTARTING):
-                if ledger.state(i) is ShardState.DEAD:
-                    ledger.mark_restarting(i)
-                if isinstance(result, EngineHandle):
-                    ledger.mark_loaded(i, result.url, result.incarnation)
 
     async def run(self) -> None:
         """Run the controller loop until :meth:`request_stop`."""

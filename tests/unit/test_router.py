@@ -514,3 +514,94 @@ async def test_a_stopped_router_releases_its_port() -> None:
     with pytest.raises(aiohttp.ClientConnectorError):
         async with aiohttp.ClientSession() as http, http.get(url + "/metrics"):
             pass
+
+
+# ---------------------------------------------------------------------- the weights behind answers
+
+async def test_every_answer_names_the_weight_version_and_shard_that_produced_it() -> None:
+    from fleetwarden.router import BackendFacts
+
+    async with rig(2, backend_timeout_s=0.3) as r:
+        a, b = r.engines
+        r.router.set_serving_backends([a.url, b.url], {a.url: BackendFacts(0, 7),
+                                                       b.url: BackendFacts(1, 8)})
+        which = {"0": (a, "7"), "1": (b, "8")}
+        for _ in range(4):  # plain answers, whole and streamed, on both engines
+            status, headers, _ = await r.post()
+            assert status == 200
+            _, version = which[headers["x-fleetwarden-shard"]]
+            assert headers["x-fleetwarden-weight-version"] == version
+        for _ in range(2):
+            async with r.http.post(r.router.url + "/v1/completions",
+                                   json={"model": "tiny", "prompt": "hi", "stream": True}) as resp:
+                assert await resp.read() == COMPLETION_STREAM.body
+                shard = resp.headers["x-fleetwarden-shard"]
+                assert resp.headers["x-fleetwarden-weight-version"] == which[shard][1]
+        # a retried answer names the engine that answered, not the one that failed
+        b.wedge()
+        before = a.answered
+        for _ in range(2):
+            status, headers, _ = await r.post()
+            assert status == 200
+            assert (headers["x-fleetwarden-shard"], headers["x-fleetwarden-weight-version"]) \
+                == ("0", "7")
+        assert a.answered == before + 2 and r.router.stats.retries["paid"] >= 1
+        # an engine's own 5xx, passed through (the same 501 twice: a poison request), names
+        # the engine that gave it
+        b.unwedge()
+        a.answer_status(501)
+        b.answer_status(501)
+        status, headers, body = await r.post()
+        assert status == 501, body
+        shard = headers["x-fleetwarden-shard"]
+        assert headers["x-fleetwarden-weight-version"] == which[shard][1]
+
+
+async def test_without_facts_an_answer_carries_no_weight_headers() -> None:
+    async with rig(1) as r:  # a router nobody manages: nothing is known of its backend
+        status, headers, _ = await r.post()
+        assert status == 200
+        assert "x-fleetwarden-weight-version" not in headers
+        assert "x-fleetwarden-shard" not in headers
+
+
+async def test_a_minimum_weight_version_is_never_served_by_an_engine_behind_it() -> None:
+    from fleetwarden.router import BackendFacts
+
+    async with rig(3, health_managed=True) as r:
+        old, new, unknown = r.engines
+        r.router.set_serving_backends([e.url for e in r.engines],
+                                      {old.url: BackendFacts(0, 4), new.url: BackendFacts(1, 5),
+                                       unknown.url: BackendFacts(2, None)})
+        demand = {"x-fleetwarden-min-weight-version": "5"}
+        for _ in range(6):
+            status, headers, _ = await r.post(headers=demand)
+            assert status == 200 and headers["x-fleetwarden-weight-version"] == "5"
+        assert new.answered == 6 and old.received == 0 and unknown.received == 0
+        for _ in range(3):  # without the demand, everyone serves
+            assert (await r.post())[0] == 200
+        assert old.received == 1 and unknown.received == 1
+
+        # None qualifies: answered deliberately, never sent anywhere, never a 504
+        received = [e.received for e in r.engines]
+        status, headers, body = await r.post(headers={"x-fleetwarden-min-weight-version": "6"})
+        assert status == 409 and headers["Content-Type"].startswith("application/json")
+        error = error_of(body)
+        assert error["type"] == "weight_version_unavailable" and error["code"] == 409
+        assert error["min_weight_version"] == 6 and error["serving_versions"] == [4, 5]
+        assert "version 6" in str(error["message"])
+        assert [e.received for e in r.engines] == received
+        assert r.router.drain_outcomes() == {old.url: (1, 0, 0), new.url: (7, 0, 0),
+                                             unknown.url: (1, 0, 0)}  # nobody failed
+
+        # The one qualifying engine fails: the retry never falls back to older weights, and
+        # for this request no backend is left
+        await new.crash()
+        status, _, body = await r.post(headers=demand)
+        assert status == 409 and error_of(body)["cause"] == "refused"
+        assert old.received == 1 and unknown.received == 1
+
+        for bad in ("-1", "five", "1.5", "", "²"):
+            status, _, body = await r.post(headers={"x-fleetwarden-min-weight-version": bad})
+            assert status == 400, bad
+            assert error_of(body)["param"] == "x-fleetwarden-min-weight-version"

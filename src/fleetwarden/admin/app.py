@@ -179,7 +179,9 @@ async def transitions(request: web.Request) -> web.Response:
 
 
 async def serving(request: web.Request) -> web.Response:
-    return web.json_response({"urls": request.app[FLEET].ledger.serving_urls()})
+    urls, facts = request.app[FLEET].controller.serving_push()
+    return web.json_response({"urls": urls,
+                              "facts": {url: f.to_dict() for url, f in facts.items()}})
 
 
 async def refits(request: web.Request) -> web.Response:
@@ -264,6 +266,8 @@ async def refit_complete(request: web.Request) -> web.Response:
         record = fleet.complete_refit(_version(body))
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
+    # The routers learn the new weight versions before the trainer's next rollout is sent.
+    await fleet.controller.push_now()
     return web.json_response({"version": record.version, "refitted": list(record.participants),
                               "states": fleet.states_view()})
 
@@ -276,6 +280,7 @@ async def refit_abort(request: web.Request) -> web.Response:
         record = fleet.abort_refit(_version(body), reason)
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
+    await fleet.controller.push_now()  # the shards it left STALE or condemned serve no more
     return web.json_response({"version": record.version, "partial": list(record.participants),
                               "condemned": list(record.condemned),
                               "states": fleet.states_view()})

@@ -17,6 +17,11 @@ section 4):
   while backends remain, ``status_when_none_left`` (409) when none does. Never 504: clients
   retry it without bound (aiohttp itself turns an escaped ``TimeoutError`` into 504, so none
   may escape a handler).
+* Every answer an engine produced carries the weight version and shard index the controller's
+  push gave that engine (``x-fleetwarden-weight-version``, ``x-fleetwarden-shard``). A request
+  with ``x-fleetwarden-min-weight-version: N`` is sent only to engines at version N or later;
+  when none is, it is answered ``status_when_none_left`` (409), type
+  ``weight_version_unavailable``, naming the versions that serve.
 * The router decides nothing about health. Its one local act, the reflex drop, happens only
   when fleet health drives membership (``health_managed``), so that the next push undoes it.
 """
@@ -37,8 +42,14 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from fleetwarden.router.pool import Pool
-from fleetwarden.router.settings import FORBIDDEN_STATUS, RouterSettings
+from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
+from fleetwarden.router.settings import (
+    FORBIDDEN_STATUS,
+    MIN_VERSION_HEADER,
+    SHARD_HEADER,
+    WEIGHT_VERSION_HEADER,
+    RouterSettings,
+)
 from fleetwarden.router.stats import RouterStats
 
 __all__ = ["Cause", "Forwarder", "error_response"]
@@ -109,6 +120,8 @@ class _Failure:
     status: int = 0
     headers: CIMultiDictProxy[str] | None = None
     body: bytes = b""
+    #: What the push said of the backend when the attempt left (it may have left the list since).
+    facts: BackendFacts = UNKNOWN_FACTS
 
 
 def error_response(status: int, message: str, error_type: str,
@@ -120,8 +133,29 @@ def error_response(status: int, message: str, error_type: str,
 
 
 def _response_headers(upstream: CIMultiDictProxy[str],
-                      dropped: frozenset[str] = _HOP_BY_HOP) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in dropped)
+                      dropped: frozenset[str] = _HOP_BY_HOP,
+                      facts: BackendFacts = UNKNOWN_FACTS) -> CIMultiDict[str]:
+    headers = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in dropped)
+    # The router's word on which weights answered, never an engine's header of the same name.
+    headers.popall(WEIGHT_VERSION_HEADER, None)
+    headers.popall(SHARD_HEADER, None)
+    if facts.weight_version is not None:
+        headers[WEIGHT_VERSION_HEADER] = str(facts.weight_version)
+    if facts.shard is not None:
+        headers[SHARD_HEADER] = str(facts.shard)
+    return headers
+
+
+def _min_version(request: web.Request) -> int | web.Response | None:
+    """The request's minimum weight version, ``None`` without one, or the 400 for a bad one."""
+    raw = request.headers.get(MIN_VERSION_HEADER)
+    if raw is None:
+        return None
+    digits = raw.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        return error_response(400, f"{MIN_VERSION_HEADER} must be an integer >= 0, got "
+                              f"{raw!r}.", "invalid_request_error", param=MIN_VERSION_HEADER)
+    return int(digits)
 
 
 async def _read(upstream: aiohttp.ClientResponse) -> bytes:
@@ -223,6 +257,10 @@ class Forwarder:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in not_forwarded]
         header = self._session_header
         session = request.headers.get(header) if header is not None else None
+        min_version = _min_version(request)
+        if isinstance(min_version, web.Response):
+            self.stats.responded(min_version.status)
+            return min_version
 
         pool = self.pool
         budget = pool.retry_budget
@@ -234,9 +272,13 @@ class Forwarder:
             last: _Failure | None = None
             resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
             while True:
-                backend = pool.pick(tried, session if not tried else None)
+                backend = pool.pick(tried, session if not tried else None,
+                                    min_version=min_version)
                 if backend is None:
-                    return self._refuse(last)  # nobody left to try: the router cannot serve
+                    if last is None and min_version is not None and pool.serving:
+                        return self._refuse_version(min_version)
+                    # nobody left to try: the router cannot serve
+                    return self._refuse(last, min_version)
                 if resend:
                     stats.retries[resend] += 1
                 tried.append(backend)
@@ -273,7 +315,7 @@ class Forwarder:
                 # own 5xx goes back as it is; a transport failure gets the router's answer.
                 if failure.cause is Cause.SERVER_ERROR:
                     return self._pass_through(failure)
-                return self._refuse(failure)
+                return self._refuse(failure, min_version)
         finally:
             budget.requests_in_flight -= 1
             if holds_retry_token:
@@ -294,6 +336,7 @@ class Forwarder:
         waiting = self._waiting.get(backend)
         if waiting is None:
             waiting = self._waiting[backend] = set()
+        facts = pool.facts(backend)  # what the push said of it as the attempt leaves
         pool.dispatched(backend)
         try:
             sent = time.perf_counter()
@@ -306,7 +349,7 @@ class Forwarder:
                             allow_redirects=False)
                         if upstream.status >= 500:
                             return _Failure(backend, Cause.SERVER_ERROR, upstream.status,
-                                            upstream.headers, await _read(upstream))
+                                            upstream.headers, await _read(upstream), facts)
                     finally:
                         waiting.discard(scope)
                 backend_time = time.perf_counter() - sent
@@ -315,24 +358,25 @@ class Forwarder:
                     # A small answer of known length: taken whole, then sent in one write.
                     # Nothing has reached the client yet, so a break here can still be retried.
                     return await self._answer_whole(request, upstream, await _read(upstream),
-                                                    backend, started, backend_time)
+                                                    backend, started, backend_time, facts)
             except TimeoutError as exc:
                 if scope.expired():
                     return _Failure(backend, Cause.RESCUED)
                 return _Failure(backend, _classify(exc))
             except aiohttp.ClientError as exc:
                 return _Failure(backend, _classify(exc))
-            return await self._relay(request, upstream, backend, started, backend_time)
+            return await self._relay(request, upstream, backend, started, backend_time, facts)
         finally:
             pool.finished(backend)
 
     async def _answer_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
                             body: bytes, backend: str, started: float,
-                            backend_time: float) -> web.StreamResponse:
+                            backend_time: float, facts: BackendFacts) -> web.StreamResponse:
         """Send a complete answer: headers and body in one write."""
         status = upstream.status
         response = web.Response(status=status, reason=upstream.reason, body=body,
-                                headers=_response_headers(upstream.headers, _NOT_RELAYED_WHOLE))
+                                headers=_response_headers(upstream.headers, _NOT_RELAYED_WHOLE,
+                                                          facts))
         if status < 400:
             self.pool.record_success(backend)  # the engine's answer is complete
         try:
@@ -345,11 +389,13 @@ class Forwarder:
         return response
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                     backend: str, started: float, backend_time: float) -> web.StreamResponse:
+                     backend: str, started: float, backend_time: float,
+                     facts: BackendFacts) -> web.StreamResponse:
         """Stream the engine's answer to the client chunk by chunk; count it when complete."""
         status = upstream.status
         response = web.StreamResponse(status=status, reason=upstream.reason,
-                                      headers=_response_headers(upstream.headers))
+                                      headers=_response_headers(upstream.headers, _HOP_BY_HOP,
+                                                                facts))
         complete = False
         try:
             try:
@@ -404,11 +450,14 @@ class Forwarder:
         self.stats.responded(failure.status)
         assert failure.headers is not None
         return web.Response(status=failure.status, body=failure.body,
-                            headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE))
+                            headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE,
+                                                      failure.facts))
 
-    def _refuse(self, failure: _Failure | None) -> web.Response:
-        """The deliberate answer when the router cannot serve this request."""
-        none_left = not self.pool.serving
+    def _refuse(self, failure: _Failure | None, min_version: int | None = None) -> web.Response:
+        """The deliberate answer when the router cannot serve this request (one demanding
+        ``min_version``: no backend is left when none holding such weights serves)."""
+        pool = self.pool
+        none_left = not any(pool.qualifies(u, min_version) for u in pool.serving)
         s = self.settings
         status = s.status_when_none_left if none_left else s.status_when_others_serve
         if failure is None:
@@ -427,6 +476,19 @@ class Forwarder:
         return error_response(status, message,
                               "no_backend_left" if none_left else "backend_failed",
                               headers, cause=cause, backend=backend)
+
+    def _refuse_version(self, min_version: int) -> web.Response:
+        """No serving backend holds weights at ``min_version`` or later: for this request, no
+        backend is left (``status_when_none_left``; never a 504 a client would retry blindly)."""
+        held = sorted({v for u in self.pool.serving
+                       if (v := self.pool.facts(u).weight_version) is not None})
+        status = self.settings.status_when_none_left
+        self.stats.responded(status)
+        said = ", ".join(map(str, held)) if held else "none known"
+        return error_response(
+            status, f"No serving backend holds weights of version {min_version} or later "
+            f"(serving versions: {said}).", "weight_version_unavailable",
+            None, min_weight_version=min_version, serving_versions=held)
 
     def _too_large(self) -> web.Response:
         self.stats.responded(413)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "RouterSettings"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "MIN_VERSION_HEADER",
+           "SHARD_HEADER", "WEIGHT_VERSION_HEADER", "RouterSettings"]
 
 #: Where ``fleetwarden route`` listens unless told otherwise. Loopback: exposing a fleet is a
 #: decision (``--host 0.0.0.0``), never an accident.
@@ -18,6 +19,15 @@ DEFAULT_PORT = 8080
 #: The one status the router never answers with: clients (NeMo-Gym among them) retry a 504
 #: without bound, so a wedged engine would turn into an endless retry loop.
 FORBIDDEN_STATUS = 504
+
+#: On every answer an engine produced through the router: the weight version the controller's
+#: last push gave that engine, and its shard index (an RL trainer must know which policy
+#: produced each rollout). Left off when the push did not say (a router nobody manages).
+WEIGHT_VERSION_HEADER = "x-fleetwarden-weight-version"
+SHARD_HEADER = "x-fleetwarden-shard"
+#: A request carrying it (an integer >= 0) is only ever sent to an engine whose weight version
+#: is at least that; when none is, the router answers ``status_when_none_left`` itself.
+MIN_VERSION_HEADER = "x-fleetwarden-min-weight-version"
 
 
 @dataclass(frozen=True, slots=True)
