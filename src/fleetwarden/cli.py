@@ -16,7 +16,7 @@ from rich.console import Console
 from fleetwarden import __version__
 from fleetwarden.judge import DEFAULT_POLICY
 from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
-from fleetwarden.sim.config import FaultMode, SimConfig
+from fleetwarden.sim.config import SIM_ENGINES, FaultMode, SimConfig
 
 if TYPE_CHECKING:
     from fleetwarden.router import Router
@@ -223,8 +223,12 @@ def sim(
         None, help="Start with a fault: " + ", ".join(_FAULTS) + "."),
     factor: float = typer.Option(_SIM.fault_factor, min=0.001,
                                  help="Slowdown of the 'slow' fault."),
+    engine: str = typer.Option(_SIM.engine, help="Whose wire to speak: "
+                               + ", ".join(SIM_ENGINES) + " (their /metrics names and "
+                               "endpoints)."),
 ) -> None:
-    """Run one simulated vLLM engine (OpenAI API, /metrics, faults) until SIGTERM.
+    """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
+    or llama.cpp's or SGLang's metrics and endpoints with --engine.
 
     Prints "ready URL ..." once it listens. Change its fault at run time with
     POST /sim/fault {"mode": "wedge"}; {"mode": null} or DELETE /sim/fault clears it.
@@ -235,11 +239,15 @@ def sim(
     if fault is not None and fault not in _FAULTS:
         raise typer.BadParameter(f"{fault!r}; choose one of: {', '.join(_FAULTS)}",
                                  param_hint="--fault")
+    if engine not in SIM_ENGINES:
+        raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(SIM_ENGINES)}",
+                                 param_hint="--engine")
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
                        tokens_per_step=tokens_per_step,
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
-                       fault=None if fault is None else FaultMode(fault), fault_factor=factor)
+                       fault=None if fault is None else FaultMode(fault), fault_factor=factor,
+                       engine=engine)
     raise typer.Exit(serve(config))
 
 
@@ -486,6 +494,7 @@ def up(
 async def _up(cfg: Any, quiet: bool) -> None:
     from rich.live import Live
 
+    from fleetwarden.admin import views
     from fleetwarden.console import fleet_view
     from fleetwarden.fleet import Fleet
 
@@ -525,8 +534,9 @@ async def _up(cfg: Any, quiet: bool) -> None:
         async def live() -> None:
             with Live(console=console, refresh_per_second=2, transient=False) as view:
                 while not fleet.stopping:
-                    view.update(fleet_view(fleet.describe(), fleet.shards_view(),
-                                           fleet.recent))
+                    snap = fleet.snapshot()
+                    view.update(fleet_view(views.describe(snap), views.shards_view(snap),
+                                           fleet.events.recent))
                     await asyncio.sleep(0.5)
 
         async with asyncio.TaskGroup() as group:

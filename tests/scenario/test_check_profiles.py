@@ -26,6 +26,8 @@ from fleetwarden.engines import AUTO
 from fleetwarden.judge import Verdict, WatchdogPolicy
 from fleetwarden.watchdog import Target, Watchdog
 
+from .support import Load, canaries, set_fault, stats, until
+
 pytestmark = pytest.mark.scenario
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -247,3 +249,57 @@ async def test_an_unknown_metrics_body_is_no_metrics_and_names_the_engines_known
     assert report["verdict"] == "no-metrics" and report["engine"] is None
     assert "vllm, llamacpp, sglang, tgi" in report["evidence"]["problem"]
     assert code == 0  # idle as far as anyone can tell: its canary answered
+
+
+# ---------------------------------------------------------------------- the simulator's dialects
+
+
+async def busy(http: Any, url: str, n: int) -> None:
+    async def full() -> bool:
+        return int((await stats(http, url))["engine"]["running"]) == n
+
+    await until(full)
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "sglang"])
+async def test_a_simulated_engine_speaks_its_dialect_idle(spawn: Any, http: Any,
+                                                          engine: str) -> None:
+    sim = spawn("--engine", engine)
+    code, report = await check(sim.url)
+    assert (code, report["verdict"], report["engine"]) == (0, "idle", engine)
+    assert len(canaries(await stats(http, sim.url))) == 1
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "sglang"])
+async def test_a_simulated_engine_busy_in_its_dialect_gets_no_canary(spawn: Any, http: Any,
+                                                                     engine: str) -> None:
+    sim = spawn("--engine", engine, "--slots", "2")
+    async with Load(http, sim.url, n=2, max_tokens=4000):
+        await busy(http, sim.url, 2)
+        await asyncio.sleep(0.5)  # SGLang's gauges are written at the prefill: let it happen
+        code, report = await check(sim.url)
+    assert (code, report["verdict"], report["engine"], report["canary"]) == (
+        0, "busy", engine, None)
+    assert canaries(await stats(http, sim.url)) == []
+
+
+async def test_a_simulated_llamacpp_wedge_under_load_is_stuck(spawn: Any, http: Any) -> None:
+    sim = spawn("--engine", "llamacpp", "--slots", "2")
+    async with Load(http, sim.url, n=2, max_tokens=4000):
+        await busy(http, sim.url, 2)
+        await set_fault(http, sim.url, "wedge")
+        code, report = await check(sim.url)
+    assert (code, report["verdict"], report["engine"]) == (1, "stuck", "llamacpp")
+    assert canaries(await stats(http, sim.url)) == []
+
+
+async def test_the_simulated_llamacpp_header_changes_on_a_restart(spawn: Any, http: Any) -> None:
+    sim = spawn("--engine", "llamacpp")
+    async with http.get(sim.url + "/metrics") as r:
+        first = r.headers["Process-Start-Time-Unix"]
+        assert "process_start_time" not in await r.text() and "{" not in await r.text()
+    await set_fault(http, sim.url, "restart")
+    async with http.get(sim.url + "/metrics") as r:
+        assert r.headers["Process-Start-Time-Unix"] != first
+    async with http.get(sim.url + "/slots") as r:
+        assert [s["is_processing"] for s in await r.json()] == [False] * 8
