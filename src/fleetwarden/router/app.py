@@ -88,6 +88,15 @@ class Router:
     def reflex_armed(self) -> bool:
         return self.health_managed
 
+    def arm_reflex(self) -> None:
+        """A controller drives this router from the fleet's health (its first push over the
+        control API): a failure may now drop its backend at once, since the next push puts
+        it back."""
+        if not self.health_managed:
+            log.info("a controller drives this router: reflex drop armed")
+        self.health_managed = True
+        self._forwarder.health_managed = True
+
     def set_serving_backends(self, urls: Iterable[str],
                              facts: Mapping[str, BackendFacts] | None = None) -> None:
         """Replace the whole serving list; URLs never seen before are welcome (a restarted
@@ -142,6 +151,12 @@ class Router:
             "reflex_armed": self.reflex_armed,
             "retry_after": self._forwarder.retry_after,
             "requests": self.stats.requests,
+            "stats": {"requests": self.stats.requests,
+                      "responses": {str(k): n for k, n in self.stats.responses.items()},
+                      "backend_failures": sum(self.stats.backend_failures.values()),
+                      "retries": dict(self.stats.retries),
+                      "rescues": self.stats.rescues,
+                      "poison_requests": self.stats.poison_requests},
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -154,9 +169,12 @@ class Router:
         control_port: int | None = None,
         control_token: str | None = None,
         control_host: str = "127.0.0.1",
+        reuse_port: bool = False,
     ) -> None:
         """Listen on ``host:port`` (0: any free port; read :attr:`url` or :attr:`port`). With a
-        ``control_port``, also serve the control API there, behind ``control_token``."""
+        ``control_port``, also serve the control API there, behind ``control_token``.
+        ``reuse_port``: ``SO_REUSEPORT``, so that several router processes share the port (the
+        kernel spreads connections over them)."""
         if self._runner is not None:
             raise RuntimeError("Router.start() was already called")
         if control_port is not None and not control_token:
@@ -168,7 +186,8 @@ class Router:
                                shutdown_timeout=self.settings.shutdown_grace_s)
         try:
             await runner.setup()
-            await web.TCPSite(runner, host, port, backlog=1024).start()
+            await web.TCPSite(runner, host, port, backlog=1024,
+                              reuse_port=reuse_port or None).start()
         except BaseException:
             await runner.cleanup()
             await self._forwarder.close()

@@ -99,6 +99,7 @@ def make_control_app(router: Router, token: str) -> web.Application:
         if not isinstance(backends, list) or not all(isinstance(u, str) for u in backends):
             raise _bad_request("'backends' must be a list of URL strings")
         router.set_serving_backends(backends, _facts_of(body.get("facts")))
+        router.arm_reflex()  # pushed from the fleet's health: the next push undoes a drop
         return web.json_response({"serving": router.serving_backends(),
                                   "facts": _facts_json(router.backend_facts())})
 
