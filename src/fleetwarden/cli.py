@@ -342,6 +342,10 @@ def route(
         "--managed", hidden=True,
         help="Started by a fleet's controller: the reflex drop is armed from the start.")
     ] = False,
+    worker: Annotated[int | None, typer.Option(
+        "--worker", hidden=True, min=0,
+        help="Worker N of several router processes on one port: its metrics carry "
+             "worker=\"N\".")] = None,
     log_level: Annotated[str, typer.Option(
         "--log-level", help="debug, info, warning or error.")] = "warning",
 ) -> None:
@@ -385,16 +389,17 @@ def route(
     except (ValueError, TypeError, OSError) as exc:
         refuse(str(exc))
     _run(_serve_router(backends, settings, host, port, control_port, token,
-                       control_host=control_host, reuse_port=reuse_port, managed=managed))
+                       control_host=control_host, reuse_port=reuse_port, managed=managed,
+                       worker=worker))
 
 
 async def _serve_router(backends: list[str], settings: RouterSettings, host: str, port: int,
                         control_port: int | None, token: str | None, *,
                         control_host: str = DEFAULT_HOST, reuse_port: bool = False,
-                        managed: bool = False) -> None:
+                        managed: bool = False, worker: int | None = None) -> None:
     from fleetwarden.router import Router
 
-    router: Router = Router(backends, settings, health_managed=managed)
+    router: Router = Router(backends, settings, health_managed=managed, worker=worker)
     await router.start(host, port, control_port=control_port, control_token=token,
                        control_host=control_host, reuse_port=reuse_port)
     try:

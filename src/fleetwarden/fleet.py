@@ -275,6 +275,7 @@ class Fleet:
                 cfg.router, load_or_create_token(cfg.router.control_token_file),
                 cfg.router.control_token_file, cfg.fleet.log_dir, self._journal)
             await self._workers.start(ledger.serving_urls())
+            self.registry.register(self._workers.collector())  # the router's, per worker
             self.routers = list(self._workers.links)
         else:
             self._router = Router(ledger.serving_urls(), cfg.router.settings(),

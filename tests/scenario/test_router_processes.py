@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,14 @@ def everything_live(work: Path) -> set[str]:
 def kill_everything(work: Path) -> None:
     with journal_of(work) as j:
         kill_launched(j.launch_ids() | j.router_launch_ids())
+
+
+def admin_metrics(up: UpProcess) -> str:
+    token = up.client_token_file.read_text().strip()
+    request = urllib.request.Request(up.admin + "/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return str(response.read().decode())
 
 
 async def until(cond: object, timeout: float = 60.0, what: str = "") -> None:
@@ -97,6 +106,10 @@ def test_sigkill_of_fleetwarden_under_load_loses_no_request(tmp_path: Path) -> N
         with_canaries = len(load.results)
         asyncio.run(until(lambda: again.client.status()["router"]["requests"]  # type: ignore[union-attr]
                           >= with_canaries, 10, "every worker's requests counted"))
+        # One scrape of the fleet's /metrics sees every worker's own series, labelled.
+        scraped = admin_metrics(again)
+        for worker in ("0", "1"):
+            assert f'fleetwarden_router_requests_total{{worker="{worker}"}}' in scraped
         assert "nothing left running" in again.stop()
         assert running_routers(tmp_path) == {}
     finally:

@@ -30,10 +30,14 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from fleetwarden.config import RouterConfig
 from fleetwarden.launchers import LaunchError
@@ -146,6 +150,9 @@ class WorkerLink:
     async def status(self) -> dict[str, Any]:
         return await self._now().status()
 
+    async def metrics_text(self) -> str:
+        return await self._now().metrics_text()
+
 
 @dataclass(eq=False)
 class _Process:
@@ -173,6 +180,7 @@ class RouterWorkers:
         self.started = 0
         self._procs: dict[int, _Process] = {}
         self._statuses: dict[int, dict[str, Any]] = {}
+        self._metrics: dict[int, str] = {}
         #: Counters of workers that are gone, so the fleet's totals never go backwards.
         self._gone = RouterStats()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -202,6 +210,12 @@ class RouterWorkers:
             for url, n in status.get("in_flight", {}).items():
                 total[url] = total.get(url, 0) + int(n)
         return total
+
+    def collector(self) -> Collector:
+        """Every worker's own metrics (each series labelled ``worker="N"``), as last read: for
+        the fleet's ``/metrics``, so that one scrape sees the whole router. (A scrape of the
+        router's port reaches one worker, whichever the kernel picks.)"""
+        return _WorkersCollector(self._metrics)
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"worker": i, "pid": p.record.pid, "launch_id": p.record.launch_id,
@@ -282,7 +296,8 @@ class RouterWorkers:
         argv = [sys.executable, "-m", "fleetwarden", "route",
                 "--host", self.config.host, "--port", str(self.port), "--reuse-port",
                 "--control-port", str(control_port), "--token-file", str(self.token_file),
-                "--settings-json", json.dumps(settings), "--managed", "--log-level", "info"]
+                "--settings-json", json.dumps(settings), "--managed", "--worker", str(worker),
+                "--log-level", "info"]
         for url in self.links[worker].last_push:
             argv += ["--backend", url]
         return argv
@@ -352,6 +367,7 @@ class RouterWorkers:
         p.watcher = asyncio.create_task(watch(), name=f"router-watch:{worker}")
 
     def _retire_counters(self, worker: int) -> None:
+        self._metrics.pop(worker, None)
         status = self._statuses.pop(worker, None)
         if status is not None:
             _add_status(self._gone, status.get("stats", {}))
@@ -361,6 +377,7 @@ class RouterWorkers:
             for link in self.links:
                 with contextlib.suppress(Exception):
                     self._statuses[link.worker] = await link.status()
+                    self._metrics[link.worker] = await link.metrics_text()
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def stop(self) -> None:
@@ -414,6 +431,25 @@ class RouterWorkers:
                 p.watcher.cancel()
         for link in self.links:
             await link.disconnect()
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, texts: Mapping[int, str]) -> None:
+        self._texts = texts
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for _, text in sorted(self._texts.items()):
+            try:
+                parsed = list(text_string_to_metric_families(text))
+            except ValueError:
+                continue
+            for family in parsed:
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
 
 
 def _same(pid: int, start_ticks: int | None) -> bool:

@@ -53,6 +53,9 @@ class Router:
     ``health_managed``: a controller pushes the serving set from the fleet's health. Only then
     does a failure drop its backend from the local list at once (the reflex), since only then
     does a later push put it back.
+
+    ``worker``: this router is worker N of several processes sharing one port; its
+    ``/metrics`` series carry ``worker="N"``.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Router:
         settings: RouterSettings | None = None,
         *,
         health_managed: bool = False,
+        worker: int | None = None,
     ) -> None:
         self.settings = settings if settings is not None else RouterSettings()
         self.health_managed = health_managed
@@ -74,7 +78,8 @@ class Router:
             affinity_virtual_nodes=s.affinity_virtual_nodes,
         )
         self.stats = RouterStats()
-        self.registry = make_registry(self.stats, self.pool)
+        self.worker = worker
+        self.registry = make_registry(self.stats, self.pool, worker)
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
         self.app = self._make_app()
         self._runner: web.AppRunner | None = None
@@ -151,6 +156,7 @@ class Router:
             "reflex_armed": self.reflex_armed,
             "retry_after": self._forwarder.retry_after,
             "requests": self.stats.requests,
+            "worker": self.worker,
             "stats": {"requests": self.stats.requests,
                       "responses": {str(k): n for k, n in self.stats.responses.items()},
                       "backend_failures": sum(self.stats.backend_failures.values()),
