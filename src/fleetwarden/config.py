@@ -14,7 +14,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fleetwarden.judge import WatchdogPolicy
 from fleetwarden.ledger import Policy
@@ -77,6 +84,12 @@ class FleetConfig(_Section):
     #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
     #: routing, and re-admitted when it answers again under a new incarnation.
     restart_command: str | None = None
+    #: `true`: launched engines outlive a fleetwarden that dies without stopping them (a
+    #: crash, `kill -9`), so that the next `fleetwarden up` on the same journal adopts them
+    #: instead of reloading weights. `false`: the kernel sends each engine SIGTERM when its
+    #: fleetwarden dies, however it dies (what `fleetwarden demo` uses: its journal is
+    #: temporary, so nothing could ever adopt an engine it left).
+    engines_outlive_fleetwarden: bool = True
     #: One log file per engine incarnation goes here (with `launcher = "ray"`, on the node that
     #: runs the engine, at this path made absolute on the controller's machine).
     log_dir: Path = Path("fleetwarden-logs")
@@ -101,6 +114,20 @@ class FleetConfig(_Section):
     #: allow, so one lost node takes the fewest engines with it; `DEFAULT` is Ray's own
     #: policy (packs a node before using the next).
     ray_scheduling: Literal["SPREAD", "DEFAULT"] = "SPREAD"
+
+    @field_validator("backends")
+    @classmethod
+    def _one_spelling(cls, urls: list[str]) -> list[str]:
+        """Each URL in the one spelling the router, ledger and watchdog all use (no trailing
+        slash): a URL written `http://host:8000/` would otherwise be two shards' worth of
+        names for one engine, and its outcomes would match no shard (issue 15, item 6)."""
+        normal = [url.strip().rstrip("/") for url in urls]
+        seen: dict[str, str] = {}
+        for raw, url in zip(urls, normal, strict=True):
+            if url in seen:
+                raise ValueError(f"backends: {raw!r} and {seen[url]!r} are the same engine")
+            seen[url] = raw
+        return normal
 
     @model_validator(mode="after")
     def _some_engines(self) -> FleetConfig:
@@ -150,6 +177,7 @@ class RouterConfig(_Section):
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
+    continue_streams: bool = _ROUTER.continue_streams
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
     #: over the control API. They keep serving with the last serving set through
     #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is

@@ -31,11 +31,13 @@ from typing import Any, Protocol
 
 from fleetwarden.config import Config
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Health, Verdict
+from fleetwarden.judge import Verdict
 from fleetwarden.ledger import (
     ABSENT,
+    Event,
     FleetExhausted,
     Ledger,
+    Reading,
     ShardState,
     Transition,
 )
@@ -44,7 +46,7 @@ from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
 
-__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport"]
+__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,9 @@ class TickReport:
     condemned: list[int] = field(default_factory=list)
     rescued: int = 0
     router_errors: list[str] = field(default_factory=list)
+    #: Steps of this tick that failed (a bug, a journal that raised): logged, and the tick
+    #: went on to its push and rescue all the same.
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -119,9 +124,9 @@ class Controller:
         self.reports: dict[int, Report] = {}
         #: Verdicts seen since start, by name (the fleet's Prometheus counter).
         self.verdict_counts: dict[str, int] = {}
-        #: Consecutive unreachable reads of a STALE shard (probes do not move STALE shards in
-        #: the ledger, so the controller proves such a death itself).
-        self._stale_unreachable: dict[int, int] = {}
+        #: URLs whose engine was seen restarted on its own since their last drained window:
+        #: that window's failures are the old process's (issue 15, item 8).
+        self._renewed: set[str] = set()
         self._condemned: dict[int, str] = {}
         self._urgent: set[asyncio.Task[None]] = set()
         self._unsubscribe = ledger.subscribe(self._on_transition)
@@ -131,6 +136,8 @@ class Controller:
     # ------------------------------------------------------------------ events
 
     def _on_transition(self, t: Transition) -> None:
+        if t.event in (Event.NEW_INCARNATION, Event.NEW_INCARNATION_WEIGHTS_LOST):
+            self._renewed.add(t.record.base_url)
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
@@ -167,7 +174,7 @@ class Controller:
 
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
-            self.refit.check_lease()
+            self._guarded(report, "refit lease", self.refit.check_lease)
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
 
         # 1. the watchdog round, for every shard with a process
@@ -186,10 +193,10 @@ class Controller:
             self.reports[i] = r
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
-            self.apply_report(i, r)
+            self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
-        self.supervisor.tick()
+        self._guarded(report, "supervisor", self.supervisor.tick)
 
         # 3. outcomes from every router, one window each
         for link in self.routers:
@@ -233,6 +240,16 @@ class Controller:
                 log.exception("tick %d: the on_tick observer failed", report.number)
         return report
 
+    @staticmethod
+    def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
+        """Run one step of the tick. No step's failure aborts the tick: the push and the rescue
+        that follow are what keep requests away from a bad engine."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("tick %d: %s failed; the tick goes on", report.number, step)
+            report.errors.append(f"{step}: {type(exc).__name__}: {exc}")
+
     async def _in_flight(self, report: TickReport) -> dict[str, int]:
         total: dict[str, int] = {}
         for link in self.routers:
@@ -244,50 +261,25 @@ class Controller:
         return total
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
+        renewed, self._renewed = self._renewed, set()
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
-            if i is not None:
-                self.ledger.report_outcomes(i, successes, failures, trailing)
+            if i is None:
+                continue
+            if url in renewed:
+                # The engine restarted on its own during this window: its failures are the old
+                # process's (they are why it restarted), and a new process has no history.
+                failures = trailing = 0
+            self.ledger.report_outcomes(i, successes, failures, trailing)
 
     def apply_report(self, i: int, r: Report) -> None:
-        """One watchdog verdict into the ledger (the table in ``watchdog.py``)."""
-        v, health = r.verdict, r.health
-        if self.journal is not None and v not in (Verdict.BUSY, Verdict.IDLE):
+        """One watchdog verdict into the ledger: the mapping is the ledger's
+        (:meth:`Ledger.record_reading`); the controller only gathers and calls."""
+        if self.journal is not None and r.verdict not in (Verdict.BUSY, Verdict.IDLE):
             # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
-            self.journal.record_verdict(i, r.url, v.name, r.evidence.to_dict())
-        if v is Verdict.RESTARTED and r.incarnation is not None:
-            self.ledger.observe_incarnation(i, r.incarnation)
-        state = self.ledger.state(i)
-        why = r.evidence.summary
-        if (r.canary is not None and not r.canary.ok and self.refit is not None
-                and i in self.refit.stalls_excused()):
-            # A canary sent just before a refit lease began, answered (or not) during it: an
-            # engine loading weights may not generate, so its silence proves nothing.
-            return
-        if state is ShardState.STALE and v is Verdict.UNREACHABLE:
-            # Probes do not move a STALE shard; the controller proves such a death itself.
-            n = self._stale_unreachable.get(i, 0) + 1
-            self._stale_unreachable[i] = n
-            if n >= self.config.health.unhealthy_threshold:
-                self.ledger.condemn(i, f"unreachable on {n} reads while STALE: {why}")
-            return
-        self._stale_unreachable.pop(i, None)
-        if health is Health.CONDEMNED:
-            self.ledger.condemn(i, f"{v.name}: {why}")
-        elif state is ShardState.STALE:
-            if self.config.fleet.weights == "static" and health is Health.PROVEN and (
-                    r.canary is not None and r.canary.ok):
-                # Static weights: a loaded engine that answers a canary has the only weights
-                # there are, so it is promoted by an automatic refit to the fleet's version.
-                self.ledger.report_refit(i, self._static_version())
-        elif health is Health.PROVEN:
-            self.ledger.record_probe(i, True)
-        elif health is Health.FAILING:
-            error = r.canary.error if r.canary is not None and r.canary.error else why
-            self.ledger.record_probe(i, False, f"{v.name}: {error}")
-
-    def _static_version(self) -> int:
-        return max((rec.weight_version for rec in self.ledger.snapshot()), default=0)
+            self.journal.record_verdict(i, r.url, r.verdict.name, r.evidence.to_dict())
+        excused = self.refit is not None and i in self.refit.stalls_excused()
+        self.ledger.record_reading(i, reading_of(r, excused=excused))
 
     def _retry_after_estimate(self) -> float | None:
         """Seconds until a shard is expected back, when some are restarting; else None."""
@@ -308,9 +300,19 @@ class Controller:
             return FleetStatus("exhausted", str(exc), counts)
         if serving == 0:
             return FleetStatus("down", "no shard serves; restarts in progress", counts)
+        journal = self._journal_problem()
         if serving < len(self.ledger):
-            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve", counts)
+            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve"
+                               + journal, counts)
+        if journal:
+            return FleetStatus("degraded", f"all {serving} shards serve" + journal, counts)
         return FleetStatus("serving", f"all {serving} shards serve", counts)
+
+    def _journal_problem(self) -> str:
+        if self.journal is None or self.journal.failure is None:
+            return ""
+        return (f"; the journal fails ({self.journal.failure}): {self.journal.dropped} "
+                "records lost, restart budgets and history are not being kept")
 
     # ------------------------------------------------------------------ the loop
 
@@ -359,3 +361,15 @@ class Controller:
     def describe(self) -> dict[str, Any]:
         return {"status": self.status.state, "detail": self.status.detail,
                 "counts": self.status.counts, "tick": self.tick_number}
+
+
+def reading_of(r: Report, *, excused: bool = False) -> Reading:
+    """A watchdog report as the ledger reads it (plain facts)."""
+    return Reading(
+        health=r.health.value,  # the same four words
+        verdict=r.verdict.name, summary=r.evidence.summary,
+        restarted=r.verdict is Verdict.RESTARTED, incarnation=r.incarnation,
+        canary_ok=None if r.canary is None else r.canary.ok,
+        canary_error=r.canary.error if r.canary is not None else "",
+        excused=excused,
+    )

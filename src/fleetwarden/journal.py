@@ -19,6 +19,7 @@ attached, every ``snapshot_every`` transitions (from the writer's own mirror), a
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import sqlite3
 import threading
@@ -31,6 +32,8 @@ from typing import Any
 from fleetwarden.ledger import Ledger, Policy, ShardRecord, Transition
 
 __all__ = ["SCHEMA_VERSION", "Journal", "JournalEntry", "JournalError"]
+
+log = logging.getLogger(__name__)
 
 #: Bump when the tables change in a way an older fleetwarden cannot read.
 SCHEMA_VERSION = 1
@@ -160,6 +163,8 @@ class Journal:
         self._ledger: Ledger | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._writer_error: BaseException | None = None
+        #: Items (transitions, verdicts, restarts) not written because the journal had failed.
+        self.dropped = 0
         self._closed = False
         self._read = self._open_checked()
 
@@ -215,15 +220,23 @@ class Journal:
     def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
         """An engine process started (PID, process group, start time, URL): written at once,
         so a fleetwarden killed a moment later still knows what it left running."""
-        with self._read:
-            self._read.execute(
-                "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
-                "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
+        try:
+            with self._read:
+                self._read.execute(
+                    "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
+                    "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
+        except sqlite3.Error as exc:  # the engine runs all the same; the failure is reported
+            self.dropped += 1
+            self._failed(exc)
 
     def engine_stopped(self, launch_id: str) -> None:
-        with self._read:
-            self._read.execute("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
-                               (time.time(), launch_id))
+        try:
+            with self._read:
+                self._read.execute("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
+                                   (time.time(), launch_id))
+        except sqlite3.Error as exc:
+            self.dropped += 1
+            self._failed(exc)
 
     def launch_ids(self) -> set[str]:
         """Every engine this journal ever recorded."""
@@ -300,16 +313,37 @@ class Journal:
 
     def append(self, transition: Transition) -> None:
         """Queue one transition. Returns at once; the writer thread commits it."""
-        self._check_writer()
-        self._queue.put(transition)
+        self._put(transition)
 
     def record_verdict(self, shard: int, url: str, verdict: str, evidence: dict[str, Any]) -> None:
-        self._check_writer()
-        self._queue.put(_Verdict(shard, url, verdict, evidence, time.time()))
+        self._put(_Verdict(shard, url, verdict, evidence, time.time()))
 
     def record_restart(self, shard: int, attempt: int, outcome: str, detail: str = "") -> None:
-        self._check_writer()
-        self._queue.put(_Restart(shard, attempt, outcome, detail, time.time()))
+        self._put(_Restart(shard, attempt, outcome, detail, time.time()))
+
+    @property
+    def failure(self) -> str | None:
+        """Why the journal stopped writing (the first error, in words); ``None`` while it
+        writes. A failing journal never stops the fleet: the fleet's status, its log and the
+        ``fleetwarden_journal_dropped_total`` metric say so instead."""
+        exc = self._writer_error
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+    def _put(self, item: _Item) -> None:
+        """Queue ``item``; once the writer has failed, count it as dropped instead. Never
+        raises: the journal's callers are the ledger's subscribers and the controller's tick,
+        and a disk that fails must not stop them (issue 15, item 5)."""
+        if self._closed or self._writer_error is not None:
+            self.dropped += 1
+            return
+        self._start()
+        self._queue.put(item)
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._writer_error is None:
+            self._writer_error = exc
+            log.error("journal %s: writes fail (%s); the fleet goes on without a history until "
+                      "the journal is fixed and fleetwarden restarted", self.path, exc)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until everything queued so far is committed."""
@@ -388,8 +422,9 @@ class Journal:
                     f.done.set()
                 if stop:
                     return
-        except BaseException as exc:  # surfaced to the next caller; never silently lost
-            self._writer_error = exc
+        except BaseException as exc:  # reported (status, log, metric); never silently lost
+            self.dropped += sum(1 for item in batch if isinstance(item, _Item))
+            self._failed(exc)
             while True:  # release anyone waiting on a flush
                 try:
                     item = self._queue.get_nowait()
@@ -397,6 +432,8 @@ class Journal:
                     break
                 if isinstance(item, _Flush):
                     item.done.set()
+                elif isinstance(item, _Item):
+                    self.dropped += 1
         finally:
             conn.close()
 

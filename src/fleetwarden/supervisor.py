@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
@@ -75,7 +76,7 @@ class Supervisor:
         #: Earliest time of the next attempt per shard, after a failed one.
         self._not_before: dict[int, float] = {}
         self._failures_in_a_row: dict[int, int] = {}
-        self._stops: set[asyncio.Task[None]] = set()
+        self._stops: set[asyncio.Task[Any]] = set()
         self.cap = config.concurrency_cap(len(ledger))
         #: Restarts completed since start, for the fleet's own metrics.
         self.restarts_completed = 0
@@ -97,15 +98,23 @@ class Supervisor:
         now = self.clock()
         for i in range(len(self.ledger)):
             state = self.ledger.state(i)
-            if state is ShardState.RETIRED and i in self.engines:
-                self._stop_in_background(self.engines.pop(i))
+            if state is ShardState.RETIRED:
+                if i in self.attempts:  # retired while restarting or awaited: nothing to wait for
+                    self._cancel(self.attempts.pop(i))
+                if i in self.engines:
+                    self._stop_in_background(self.engines.pop(i))
+            if state is ShardState.RESTARTING and i not in self.attempts:
+                # Nothing of ours brings it up (a restore whose first launch failed): without
+                # this it would wait for ever. The next pass restarts it as any DEAD shard.
+                self.ledger.mark_restart_failed(i, "no restart attempt is in progress")
+                state = self.ledger.state(i)
             if state is not ShardState.DEAD or i in self.attempts:
                 continue
             if self.passive(i):
                 task = asyncio.create_task(self._restart(i), name=f"await-return:{i}")
                 self.attempts[i] = RestartAttempt(i, 0, now, task, passive=True)
                 continue
-            if len(self.attempts) >= self.cap or now < self._not_before.get(i, 0.0):
+            if self.restarts_in_progress() >= self.cap or now < self._not_before.get(i, 0.0):
                 continue
             outcome = self.ledger.mark_restarting(i)
             record = self.ledger.shard(i)
@@ -128,66 +137,81 @@ class Supervisor:
             log.info("shard %d: restart %d of %d begun", i, attempt,
                      self.ledger.policy.max_restart_attempts)
 
+    def restarts_in_progress(self) -> int:
+        """Attempts that hold a slot of the fleet-wide cap. A passive wait for an attached
+        engine's return costs this machine nothing and may last for ever (the system that runs
+        it may never replace it), so it holds none: it never keeps another shard DEAD."""
+        return sum(1 for a in self.attempts.values() if not a.passive)
+
+    def _cancel(self, attempt: RestartAttempt) -> None:
+        attempt.task.cancel()  # the attempt stops what it launched on its way out
+        self._stops.add(attempt.task)  # awaited by close()
+        attempt.task.add_done_callback(self._stops.discard)
+
     def _collect(self) -> None:
         for i, attempt in list(self.attempts.items()):
             if not attempt.task.done():
                 continue
             del self.attempts[i]
             try:
-                handle = attempt.task.result()
-            except asyncio.CancelledError:
-                error = "cancelled"
-                handle = None
-            except Exception as exc:  # a failed attempt, whatever its cause
-                error = str(exc) or type(exc).__name__
-                handle = None
-            if attempt.passive:
-                if handle is None or self.ledger.state(i) is not ShardState.DEAD:
-                    continue  # cancelled, or the shard left DEAD some other way; look again
-                self.ledger.mark_restarting(i)  # restarted by someone else: still a restart
-                if self.ledger.state(i) is not ShardState.RESTARTING:
-                    continue  # that restart exhausted the budget: RETIRED
-                attempt.attempt = self.ledger.shard(i).restart_attempts
-            if handle is not None and not handle.exited:
-                self.engines[i] = handle
-                if self.ledger.mark_loaded(i, handle.url, handle.incarnation):
-                    self._failures_in_a_row.pop(i, None)
-                    self._not_before.pop(i, None)
-                    self.restarts_completed += 1
-                    self._durations = [*self._durations[-9:], self.clock() - attempt.started_at]
-                    if self.journal is not None:
-                        self.journal.record_restart(i, attempt.attempt, "loaded", handle.url)
-                    log.info("shard %d: replacement up at %s", i, handle.url)
-                    continue
-                error = f"ledger refused the load: shard is {self.ledger.state(i)}"
-                self._stop_in_background(self.engines.pop(i))
-            elif handle is not None:
-                error = f"{handle.exit_description} right after starting"
-            self.restarts_failed += 1
-            failures = self._failures_in_a_row.get(i, 0) + 1
-            self._failures_in_a_row[i] = failures
-            delay = min(self.config.backoff_initial_s * 2 ** (failures - 1),
-                        self.config.backoff_max_s)
-            self._not_before[i] = self.clock() + delay
-            self.ledger.mark_restart_failed(i, error)
-            if self.journal is not None:
-                self.journal.record_restart(i, attempt.attempt, "failed", error)
-            log.warning("shard %d: restart %d failed (%s); next try in %.0f s",
-                        i, attempt.attempt, error, delay)
+                self._finish(i, attempt)
+            except Exception:
+                # A bug here must cost one attempt, never the caller's tick: the shard is put
+                # back to DEAD (when the attempt had made it RESTARTING) so the next tick retries.
+                log.exception("shard %d: collecting restart %d failed", i, attempt.attempt)
+                self.ledger.mark_restart_failed(i, "the attempt could not be collected")
+
+    def _finish(self, i: int, attempt: RestartAttempt) -> None:
+        try:
+            handle = attempt.task.result()
+        except asyncio.CancelledError:
+            error = "cancelled"
+            handle = None
+        except Exception as exc:  # a failed attempt, whatever its cause
+            error = str(exc) or type(exc).__name__
+            handle = None
+        if attempt.passive:
+            if handle is None or self.ledger.state(i) is not ShardState.DEAD:
+                return  # cancelled, or the shard left DEAD some other way; look again
+            self.ledger.mark_restarting(i)  # restarted by someone else: still a restart
+            if self.ledger.state(i) is not ShardState.RESTARTING:
+                return  # that restart exhausted the budget: RETIRED
+            attempt.attempt = self.ledger.shard(i).restart_attempts
+        if handle is not None and not handle.exited:
+            self.engines[i] = handle
+            loaded = self.ledger.mark_loaded(i, handle.url, handle.incarnation)
+            if loaded:
+                self._failures_in_a_row.pop(i, None)
+                self._not_before.pop(i, None)
+                self.restarts_completed += 1
+                self._durations = [*self._durations[-9:], self.clock() - attempt.started_at]
+                if self.journal is not None:
+                    self.journal.record_restart(i, attempt.attempt, "loaded", handle.url)
+                log.info("shard %d: replacement up at %s", i, handle.url)
+                return
+            error = f"ledger refused the load: {loaded.reason}"
+            self._stop_in_background(self.engines.pop(i))
+        elif handle is not None:
+            error = f"{handle.exit_description} right after starting"
+        self.restarts_failed += 1
+        failures = self._failures_in_a_row.get(i, 0) + 1
+        self._failures_in_a_row[i] = failures
+        delay = min(self.config.backoff_initial_s * 2 ** (failures - 1),
+                    self.config.backoff_max_s)
+        self._not_before[i] = self.clock() + delay
+        self.ledger.mark_restart_failed(i, error)
+        if self.journal is not None:
+            self.journal.record_restart(i, attempt.attempt, "failed", error)
+        log.warning("shard %d: restart %d failed (%s); next try in %.0f s",
+                    i, attempt.attempt, error, delay)
 
     async def _restart(self, i: int) -> EngineHandle:
         old = self.engines.pop(i, None)
         if old is not None:
             await self.launcher.stop(old)  # the whole group, verified gone
-        handle = await self.launcher.launch(i)
-        timeout = float("inf") if self.passive(i) else self.fleet.startup_timeout_s
-        try:
-            await self.launcher.wait_ready(handle, timeout)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.launcher.stop(handle)
-            raise
-        return handle
+        if self.passive(i):  # waits for as long as the system that runs it takes
+            return await _launch_ready(self.launcher, i, float("inf"))
+        return await _launch_ready(self.launcher, i, self.fleet.startup_timeout_s)
 
     def typical_restart_s(self) -> float:
         """The median of the last successful restarts; before any, the startup timeout's tenth
@@ -257,15 +281,37 @@ async def launch_first(
     """Start the first engine of each shard concurrently, before there is a ledger to record
     them in (the ledger is then built with their URLs). A failure is returned, not raised."""
 
-    async def one(i: int) -> EngineHandle:
-        handle = await launcher.launch(i)
-        try:
-            await launcher.wait_ready(handle, startup_timeout_s)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await launcher.stop(handle)
-            raise
-        return handle
-
-    results = await asyncio.gather(*(one(i) for i in shards), return_exceptions=True)
+    results = await asyncio.gather(
+        *(_launch_ready(launcher, i, startup_timeout_s) for i in shards), return_exceptions=True
+    )
     return dict(zip(shards, results, strict=True))
+
+
+async def _launch_ready(launcher: Launcher, i: int, timeout_s: float) -> EngineHandle:
+    """Launch shard ``i``'s engine and wait until it answers, all within ``timeout_s``: a
+    launch that hangs (a restart command, a scheduler that never places the engine) fails the
+    attempt like an engine that never answers. What was launched is stopped on any failure."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    handle: EngineHandle | None = None
+    try:
+        async with asyncio.timeout_at(deadline if timeout_s != float("inf") else None):
+            handle = await launcher.launch(i)
+            await launcher.wait_ready(handle, max(0.0, deadline - loop.time()))
+    except TimeoutError:
+        await _stop_quietly(launcher, handle)
+        step = "launch" if handle is None else "wait for /health"
+        raise LaunchError(f"shard {i}: no engine ready within {timeout_s:g} s "
+                          f"(the {step} did not finish)") from None
+    except BaseException:
+        await _stop_quietly(launcher, handle)
+        raise
+    return handle
+
+
+async def _stop_quietly(launcher: Launcher, handle: EngineHandle | None) -> None:
+    if handle is not None:
+        try:
+            await launcher.stop(handle)
+        except Exception as exc:
+            log.error("shard %d: stopping a failed attempt's engine: %s", handle.shard, exc)

@@ -85,6 +85,41 @@ def set_cookie(resp: aiohttp.ClientResponse) -> SimpleCookie:
     return jar
 
 
+async def test_a_cookie_signed_state_change_needs_our_origin_and_json(tmp_path: Path) -> None:
+    """Cross-site requests (issue 15, item 12): a page on another port of 127.0.0.1 is the
+    same site for SameSite, so the browser sends it our cookie. It can post a form; it cannot
+    set our Origin nor a JSON content type without a preflight that is never answered."""
+    async with running_fleet(tmp_path) as fleet, \
+            aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+        url, cookie = fleet.admin_url, f"fleetwarden_token={fleet.token}"
+        other = "http://127.0.0.1:8888"  # a notebook, a Ray dashboard
+        for headers, data in (
+            ({"Cookie": cookie, "Origin": other,
+              "Content-Type": "application/x-www-form-urlencoded"}, b""),
+            ({"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"}, b""),
+            ({"Cookie": cookie, "Origin": url, "Content-Type": "text/plain"}, b"{}"),
+            ({"Cookie": cookie, "Origin": other, "Content-Type": "application/json"}, b"{}"),
+        ):
+            async with http.post(url + "/admin/shards/0/retire", headers=headers,
+                                 data=data) as resp:
+                assert resp.status == 403, headers
+                assert "cookie" in (await resp.json())["error"]["message"]
+        async with http.post(url + "/admin/refit/begin", data=b'{"version": 1}',
+                             headers={"Cookie": cookie, "Origin": other,
+                                      "Content-Type": "application/json"}) as resp:
+            assert resp.status == 403 and fleet.refit.lease is None
+        async with http.get(url + f"/admin/status?token={fleet.token}") as resp:
+            assert resp.status == 401  # a query token is the sign-in link's, nothing else's
+        assert fleet.ledger.state(0) is ShardState.HEALTHY  # nothing was changed
+        async with http.post(url + "/admin/shards/0/retire", data=b"{}", headers={
+                "Cookie": cookie, "Origin": url, "Content-Type": "application/json"}) as resp:
+            assert resp.status == 200  # the dashboard's own request
+        assert fleet.ledger.state(0) is ShardState.RETIRED
+        async with http.post(url + "/admin/refit/begin", data=b'{"version": 1}',
+                             headers={"Authorization": f"Bearer {fleet.token}"}) as resp:
+            assert resp.status == 200  # a bearer token is never sent by a browser on its own
+
+
 async def test_the_page_needs_the_token_and_the_link_trades_it_for_a_cookie(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
@@ -170,9 +205,10 @@ async def test_the_event_stream_follows_the_controller(tmp_path: Path) -> None:
             refits = (await stream.until("snapshot"))["refits"]
             assert refits["lease"] is None and refits["current_version"] == 1
             assert [(r["version"], r["outcome"]) for r in refits["history"]] == [(1, "completed")]
-            assert len(fleet._listeners) == 1
+            assert len(fleet.events.listeners) == 1
         # the page went away: its listener goes at the next write (the next tick)
-        await until(lambda: not fleet._listeners, what="the listener of a closed stream removed")
+        await until(lambda: not fleet.events.listeners,
+                    what="the listener of a closed stream removed")
 
 
 async def test_a_page_that_reconnects_starts_from_a_hello_with_the_history(

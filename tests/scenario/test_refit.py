@@ -223,3 +223,38 @@ async def test_refit_calls_out_of_order_are_refused_with_the_reason(tmp_path: Pa
         started = time.monotonic()
         await call(t.abort_refit, 3, "test")
         assert time.monotonic() - started < 30
+
+
+async def test_every_rollout_names_its_weights_and_a_minimum_version_is_kept(
+        tmp_path: Path) -> None:
+    import openai
+
+    async with running_fleet(tmp_path, fleet={"weights": "trainer", "engines": 2}) as f:
+        t = trainer(f)
+        client = openai.AsyncOpenAI(base_url=f.router_url + "/v1", api_key="unused",
+                                    max_retries=0)
+        try:
+            async def rollout(**headers: str) -> tuple[str, str]:
+                raw = await client.completions.with_raw_response.create(
+                    model="tiny", prompt="hi", max_tokens=2,
+                    extra_headers={k.replace("_", "-"): v for k, v in headers.items()})
+                return (raw.headers["x-fleetwarden-weight-version"],
+                        raw.headers["x-fleetwarden-shard"])
+
+            before = {await rollout() for _ in range(4)}
+            assert before == {("0", "0"), ("0", "1")}
+
+            await call(t.begin_refit, 1)
+            await call(t.complete_refit, 1)
+            # Pushed before complete_refit answered: the very next rollout names version 1
+            demand = {"x_fleetwarden_min_weight_version": "1"}
+            after = {await rollout(**demand) for _ in range(4)}
+            assert after == {("1", "0"), ("1", "1")}
+
+            with pytest.raises(openai.ConflictError) as refused:
+                await rollout(x_fleetwarden_min_weight_version="2")
+            error = refused.value.body
+            assert isinstance(error, dict) and error["type"] == "weight_version_unavailable"
+            assert error["serving_versions"] == [1]
+        finally:
+            await client.close()

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from fleetwarden.config import Config, ConfigError, example_toml, load_config, parse_config
+from fleetwarden.config import (
+    Config,
+    ConfigError,
+    FleetConfig,
+    example_toml,
+    load_config,
+    parse_config,
+)
 
 
 def test_the_example_is_valid_toml_and_equals_the_defaults() -> None:
@@ -85,3 +92,12 @@ def test_bad_ray_settings_name_the_key() -> None:
     assert "fleet.launcher = 'k8s'" in text and "'local' or 'ray'" in text
     assert "fleet.ray_resources.GPU = 0" in text and "greater than 0" in text
     assert "fleet.ray_scheduling = 'PACK'" in text
+
+
+def test_backend_urls_are_normalised_once_at_the_config() -> None:
+    """A URL written with a trailing slash is the same engine: the router, the ledger and the
+    watchdog must all use one spelling, or outcomes match no shard (issue 15, item 6)."""
+    fleet = FleetConfig(engines=0, backends=["http://127.0.0.1:8000/", " http://10.0.0.2:8000//"])
+    assert fleet.backends == ["http://127.0.0.1:8000", "http://10.0.0.2:8000"]
+    with pytest.raises(ValueError, match="same engine"):
+        FleetConfig(engines=0, backends=["http://127.0.0.1:8000/", "http://127.0.0.1:8000"])

@@ -233,3 +233,33 @@ def test_meta_keys_are_kept(tmp_path: Path) -> None:
     with Journal(path) as journal:
         assert journal.get_meta("clean_shutdown") == "1"
         assert journal.get_meta("schema_version") == "1"
+
+
+def test_a_failing_journal_never_stops_the_ledger_nor_its_subscribers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails (disk full, file gone) is reported, never raised into the ledger:
+    the transition happens and every subscriber sees it."""
+    ledger = Ledger(["http://a:1", "http://b:1"])
+    journal = Journal(tmp_path / "fleet.sqlite")
+    journal.attach(ledger)
+    seen: list[str] = []
+    ledger.subscribe(lambda t: seen.append(f"{t.shard}:{t.to_state}"))
+    journal.flush()
+    assert journal.failure is None
+
+    def disk_full(*args: object) -> int:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Journal, "_write", staticmethod(disk_full))
+    ledger.condemn(0, "exited")
+    with pytest.raises(JournalError):
+        journal.flush()
+    ledger.condemn(1, "exited")  # after the failure: must not raise
+    journal.record_verdict(1, "http://b:1", "STUCK", {})
+    journal.record_restart(1, 1, "started")
+    assert [ledger.state(0), ledger.state(1)] == [ShardState.DEAD, ShardState.DEAD]
+    assert seen == ["0:DEAD", "1:DEAD"]
+    assert journal.failure is not None and "disk is full" in journal.failure
+    assert journal.dropped >= 3
+    with pytest.raises(JournalError, match="disk is full"):
+        journal.close()

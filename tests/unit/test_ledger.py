@@ -172,15 +172,31 @@ def test_three_failed_probes_condemn_and_two_good_ones_lift_suspect() -> None:
     assert "refused" in ledger.shard(1).last_error
 
 
-def test_probes_never_change_a_shard_that_is_not_serving() -> None:
+def test_probes_never_change_a_shard_without_a_process() -> None:
     ledger, seen = make(1)
     kill(ledger, 0)
     before = ledger.shard(0)
     n = len(seen)
     out = ledger.record_probe(0, ok=False, error="x")
-    assert not out and "serving" in out.reason
+    assert not out and "process" in out.reason
     assert ledger.shard(0) == before
     assert len(seen) == n
+
+
+def test_failed_reads_condemn_a_stale_shard_and_good_ones_never_lift_it() -> None:
+    """A STALE engine that died must not wait for a refit that never comes (issue 15, item
+    10: the controller kept this streak itself, reset without a reason)."""
+    ledger, _ = make(1, weights="trainer")
+    ledger.mark_weights_partial(0)
+    ledger.record_probe(0, ok=True)
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is ST
+    for _ in range(2):
+        ledger.record_probe(0, ok=False, error="refused")
+        assert ledger.state(0) is ST
+    out = ledger.record_probe(0, ok=False, error="refused")
+    assert ledger.state(0) is D and out.transition is not None
+    assert out.transition.event is Event.FAILURES_AT_THRESHOLD
 
 
 def test_steady_good_probes_emit_nothing() -> None:
@@ -249,11 +265,14 @@ def test_there_is_no_way_from_dead_to_serving_but_through_a_restart_and_a_refit(
 
 
 def test_mark_loaded_refuses_a_url_that_another_shard_holds() -> None:
+    """Refused as a failed guard, not raised: a launcher can be handed a port that a DEAD or
+    RETIRED shard still records, and that must fail one attempt, never the caller's tick."""
     ledger, _ = make(2)
     kill(ledger, 0)
     ledger.mark_restarting(0)
-    with pytest.raises(ValueError, match="shard 1"):
-        ledger.mark_loaded(0, "http://127.0.0.1:9001", "x")
+    outcome = ledger.mark_loaded(0, "http://127.0.0.1:9001", "x")
+    assert not outcome and "shard 1" in outcome.reason
+    assert ledger.state(0) is R and ledger.shard_for_url("http://127.0.0.1:9001") == 1
 
 
 def test_a_new_url_is_found_by_shard_for_url() -> None:
@@ -403,3 +422,46 @@ def test_the_ledger_does_no_io() -> None:
                               [type("A", (), {"name": node.module or ""})()])}
     assert imported.isdisjoint({"asyncio", "aiohttp", "socket", "os", "pathlib", "sqlite3",
                                 "io", "threading", "subprocess"})
+
+
+def test_every_subscriber_sees_a_transition_even_when_one_raises() -> None:
+    """The change is made and every subscriber told before any subscriber's error surfaces:
+    the ledger is never left half-applied (issue 15, item 5)."""
+    ledger, _ = make(2)
+    seen: list[int] = []
+
+    def broken(t: object) -> None:
+        raise RuntimeError("disk full")
+
+    ledger.subscribe(broken)
+    ledger.subscribe(lambda t: seen.append(t.shard))
+    with pytest.raises(RuntimeError, match="disk full"):
+        ledger.condemn(0, "exited")
+    assert ledger.state(0) is D and seen == [0]
+
+
+def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
+    """Issue 15, item 14: a shard made SUSPECT by /metrics reads that timed out under load
+    and whose requests then complete is HEALTHY again from that window, not after the next
+    canary (an hour away in the real-vLLM tier's config)."""
+    ledger, _ = make(2)
+    ledger.record_probe(1, False, "UNREACHABLE: /metrics timed out")
+    ledger.record_probe(1, False, "UNREACHABLE: /metrics timed out")
+    assert ledger.state(1) is S
+    out = ledger.report_outcomes(1, 3, 0, 0)
+    assert ledger.state(1) is H and out.transition is not None
+    assert out.transition.event is Event.SERVED and "3 requests completed" in out.transition.cause
+    r = ledger.shard(1)
+    assert r.consecutive_probe_failures == 0 and r.consecutive_reported_failures == 0
+
+
+def test_a_window_with_any_failure_lifts_no_suspicion() -> None:
+    """Note 000's engine fails some generations and answers every probe: a window that saw a
+    failure, even before its successes, is no proof that it serves."""
+    ledger, _ = make(2)
+    ledger.report_failure(0, "500")
+    assert ledger.state(0) is S
+    ledger.report_outcomes(0, 5, 1, 0)
+    assert ledger.state(0) is S
+    ledger.report_outcomes(0, 5, 0, 0)
+    assert ledger.state(0) is H

@@ -315,8 +315,8 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         assert r.router.rescue(wedged.url) == 0
 
 
-async def test_rescue_leaves_a_request_whose_answer_has_begun() -> None:
-    async with rig(1) as r:
+async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued() -> None:
+    async with rig(1, continue_streams=False) as r:
         (engine,) = r.engines
         engine.stall_streams()
         payload = {"model": "tiny", "messages": [], "stream": True}
@@ -329,8 +329,36 @@ async def test_rescue_leaves_a_request_whose_answer_has_begun() -> None:
         assert r.router.drain_outcomes() == {engine.url: (1, 0, 0)}
 
 
-async def test_an_engine_breaking_off_mid_answer_is_a_failure_the_client_sees() -> None:
-    async with rig(2) as r:
+def stream_error(body: bytes) -> dict[str, object]:
+    """The error event that ends a stream the router could not continue (then one [DONE])."""
+    events = body.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""], body[-200:]
+    error = json.loads(events[-3].removeprefix(b"data: "))["error"]
+    assert isinstance(error, dict) and error["type"] == "stream_interrupted"
+    return error
+
+
+async def test_rescue_reaches_a_begun_stream_which_ends_with_why_when_it_cannot_go_on() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.stall_streams()
+        payload = {"model": "tiny", "messages": [], "stream": True}
+        async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            assert r.router.rescue(engine.url) == 1  # a wedge must not hold it for 600 s
+            rest = await response.read()
+        assert first == CHAT_STREAM.events()[0]  # the role chunk, as the engine sent it
+        error = stream_error(rest)
+        assert error["cause"] == "rescued" and error["backend"] == engine.url
+        assert error["reason"] == "no other backend with the same weights"
+        assert r.router.stats.streams_ended == {"no other backend with the same weights": 1}
+        assert r.router.drain_outcomes() == {}  # a rescue is the controller's call, no failure
+        await until(lambda: r.router.in_flight() == {engine.url: 0})
+
+
+async def test_an_engine_breaking_off_mid_answer_is_cut_when_streams_are_not_continued(
+) -> None:
+    async with rig(2, continue_streams=False) as r:
         engine, _ = r.engines
         r.router.set_serving_backends([engine.url])
         engine.stall_streams()
@@ -341,6 +369,23 @@ async def test_an_engine_breaking_off_mid_answer_is_a_failure_the_client_sees() 
             await engine.crash()  # bytes already reached the client: no retry can hide this
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
+        assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
+        assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
+        await until(lambda: r.router.in_flight() == {engine.url: 0})
+
+
+async def test_an_engine_breaking_off_mid_answer_ends_the_stream_with_an_error_event() -> None:
+    async with rig(2) as r:
+        engine, _ = r.engines
+        r.router.set_serving_backends([engine.url])  # nowhere to continue it
+        engine.stall_streams()
+        payload = {"model": "tiny", "messages": [], "stream": True}
+        async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
+            assert response.status == 200
+            await response.content.readuntil(b"\n\n")
+            await engine.crash()
+            error = stream_error(await response.read())  # never a silent cut
+        assert error["cause"] == "reset" and error["backend"] == engine.url
         assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
         assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
         await until(lambda: r.router.in_flight() == {engine.url: 0})
@@ -514,3 +559,94 @@ async def test_a_stopped_router_releases_its_port() -> None:
     with pytest.raises(aiohttp.ClientConnectorError):
         async with aiohttp.ClientSession() as http, http.get(url + "/metrics"):
             pass
+
+
+# ---------------------------------------------------------------------- the weights behind answers
+
+async def test_every_answer_names_the_weight_version_and_shard_that_produced_it() -> None:
+    from fleetwarden.router import BackendFacts
+
+    async with rig(2, backend_timeout_s=0.3) as r:
+        a, b = r.engines
+        r.router.set_serving_backends([a.url, b.url], {a.url: BackendFacts(0, 7),
+                                                       b.url: BackendFacts(1, 8)})
+        which = {"0": (a, "7"), "1": (b, "8")}
+        for _ in range(4):  # plain answers, whole and streamed, on both engines
+            status, headers, _ = await r.post()
+            assert status == 200
+            _, version = which[headers["x-fleetwarden-shard"]]
+            assert headers["x-fleetwarden-weight-version"] == version
+        for _ in range(2):
+            async with r.http.post(r.router.url + "/v1/completions",
+                                   json={"model": "tiny", "prompt": "hi", "stream": True}) as resp:
+                assert await resp.read() == COMPLETION_STREAM.body
+                shard = resp.headers["x-fleetwarden-shard"]
+                assert resp.headers["x-fleetwarden-weight-version"] == which[shard][1]
+        # a retried answer names the engine that answered, not the one that failed
+        b.wedge()
+        before = a.answered
+        for _ in range(2):
+            status, headers, _ = await r.post()
+            assert status == 200
+            assert (headers["x-fleetwarden-shard"], headers["x-fleetwarden-weight-version"]) \
+                == ("0", "7")
+        assert a.answered == before + 2 and r.router.stats.retries["paid"] >= 1
+        # an engine's own 5xx, passed through (the same 501 twice: a poison request), names
+        # the engine that gave it
+        b.unwedge()
+        a.answer_status(501)
+        b.answer_status(501)
+        status, headers, body = await r.post()
+        assert status == 501, body
+        shard = headers["x-fleetwarden-shard"]
+        assert headers["x-fleetwarden-weight-version"] == which[shard][1]
+
+
+async def test_without_facts_an_answer_carries_no_weight_headers() -> None:
+    async with rig(1) as r:  # a router nobody manages: nothing is known of its backend
+        status, headers, _ = await r.post()
+        assert status == 200
+        assert "x-fleetwarden-weight-version" not in headers
+        assert "x-fleetwarden-shard" not in headers
+
+
+async def test_a_minimum_weight_version_is_never_served_by_an_engine_behind_it() -> None:
+    from fleetwarden.router import BackendFacts
+
+    async with rig(3, health_managed=True) as r:
+        old, new, unknown = r.engines
+        r.router.set_serving_backends([e.url for e in r.engines],
+                                      {old.url: BackendFacts(0, 4), new.url: BackendFacts(1, 5),
+                                       unknown.url: BackendFacts(2, None)})
+        demand = {"x-fleetwarden-min-weight-version": "5"}
+        for _ in range(6):
+            status, headers, _ = await r.post(headers=demand)
+            assert status == 200 and headers["x-fleetwarden-weight-version"] == "5"
+        assert new.answered == 6 and old.received == 0 and unknown.received == 0
+        for _ in range(3):  # without the demand, everyone serves
+            assert (await r.post())[0] == 200
+        assert old.received == 1 and unknown.received == 1
+
+        # None qualifies: answered deliberately, never sent anywhere, never a 504
+        received = [e.received for e in r.engines]
+        status, headers, body = await r.post(headers={"x-fleetwarden-min-weight-version": "6"})
+        assert status == 409 and headers["Content-Type"].startswith("application/json")
+        error = error_of(body)
+        assert error["type"] == "weight_version_unavailable" and error["code"] == 409
+        assert error["min_weight_version"] == 6 and error["serving_versions"] == [4, 5]
+        assert "version 6" in str(error["message"])
+        assert [e.received for e in r.engines] == received
+        assert r.router.drain_outcomes() == {old.url: (1, 0, 0), new.url: (7, 0, 0),
+                                             unknown.url: (1, 0, 0)}  # nobody failed
+
+        # The one qualifying engine fails: the retry never falls back to older weights, and
+        # for this request no backend is left
+        await new.crash()
+        status, _, body = await r.post(headers=demand)
+        assert status == 409 and error_of(body)["cause"] == "refused"
+        assert old.received == 1 and unknown.received == 1
+
+        for bad in ("-1", "five", "1.5", "", "²"):
+            status, _, body = await r.post(headers={"x-fleetwarden-min-weight-version": bad})
+            assert status == 400, bad
+            assert error_of(body)["param"] == "x-fleetwarden-min-weight-version"

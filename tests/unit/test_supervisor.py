@@ -216,3 +216,102 @@ async def test_a_passive_shard_spends_no_budget_until_its_engine_returns() -> No
     sup.tick()
     r = ledger.shard(1)
     assert (r.state, r.restart_attempts) == (ST, 1)
+
+
+# ---------------------------------------------------------------- no state without a way out
+# (issue 15: each of these left a shard where nothing would ever move it again)
+
+
+async def test_a_passive_wait_never_holds_a_restart_slot() -> None:
+    """Two launched engines and one attached with no restart command: the cap is 1. The
+    attached engine's wait for its return must not keep a crashed launched shard DEAD."""
+    ledger = Ledger(["http://127.0.0.1:8000", "http://127.0.0.1:8001", "http://10.0.0.2:8000"])
+    launcher = FakeLauncher()
+    sup = Supervisor(ledger, launcher, FleetConfig(), SupervisorConfig(),
+                     passive=lambda i: i == 2)
+    assert sup.cap == 1
+    ledger.condemn(2, "wedged")
+    sup.tick()
+    await settle()
+    ledger.condemn(0, "exited with code -9")
+    sup.tick()
+    assert ledger.state(0) is R
+    await sup.close()
+
+
+async def test_retiring_a_shard_cancels_its_attempt() -> None:
+    ledger = Ledger(["http://127.0.0.1:8000", "http://10.0.0.2:8000"])
+    launcher = FakeLauncher()
+    sup = Supervisor(ledger, launcher, FleetConfig(), SupervisorConfig(),
+                     passive=lambda i: i == 1)
+    ledger.condemn(1, "wedged")
+    ledger.condemn(0, "exited")
+    sup.tick()
+    await settle()
+    waits = [a.task for a in sup.attempts.values()]
+    assert len(waits) == 2
+    ledger.retire(1, "operator")
+    ledger.retire(0, "operator")
+    sup.tick()
+    await settle()
+    assert sup.attempts == {} and all(t.cancelled() for t in waits)
+    await sup.close()
+
+
+class HangingLauncher(FakeLauncher):
+    """A launch that never returns (a restart command that hangs, a scheduler that never
+    places the engine)."""
+
+    async def launch(self, shard: int) -> EngineHandle:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_launch_that_hangs_fails_after_the_startup_timeout() -> None:
+    ledger = Ledger(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
+    sup = Supervisor(ledger, HangingLauncher(), FleetConfig(startup_timeout_s=0.2),
+                     SupervisorConfig())
+    ledger.condemn(0, "exited")
+    sup.tick()
+    assert ledger.state(0) is R
+    await asyncio.sleep(0.4)
+    sup.tick()
+    r = ledger.shard(0)
+    assert r.state is D and sup.attempts == {}
+    assert "0.2 s" in r.last_error and sup.restarts_failed == 1
+
+
+async def test_a_port_that_a_dead_shard_still_records_fails_the_attempt_not_the_tick() -> None:
+    ledger, launcher, sup, _, _ = fleet(2)
+    ledger.condemn(1, "exited")
+    ledger.mark_restarting(1)
+    ledger.mark_restart_failed(1, "no /health")  # DEAD, still recording port 8001
+    ledger.condemn(0, "exited")
+    launcher.port = 8000  # the next launch is given port 8001
+    sup.tick()
+    await settle()
+    (h, *_) = launcher.launched
+    assert h.url == "http://127.0.0.1:8001"
+    launcher.come_up(h)
+    await settle()
+    sup.tick()  # must not raise
+    r = ledger.shard(0)
+    assert r.state is D and "shard 1" in r.last_error
+    await settle()
+    assert launcher.stopped == [h]  # the engine that could not be recorded is not left running
+    await sup.close()
+
+
+async def test_a_restarting_shard_that_no_attempt_brings_up_is_restarted() -> None:
+    """A restore whose first launch failed leaves a shard RESTARTING with nothing of the
+    supervisor's bringing it up; it must not wait there for ever."""
+    ledger, launcher, sup, _, _ = fleet(2)
+    ledger.condemn(0, "fleetwarden restarted")
+    ledger.mark_restarting(0)
+    sup.tick()
+    assert ledger.state(0) is R and 0 in sup.attempts
+    await settle()
+    launcher.come_up(launcher.launched[0])
+    await settle()
+    sup.tick()
+    assert ledger.state(0) is ST

@@ -1,8 +1,10 @@
 """The admin API: fleet state, history, operator actions, refits, and external routers.
 
 On its own port, 127.0.0.1 by default, every route behind the bearer token (401 without it,
-and nothing changes); a browser presents it as the dashboard's cookie. The token is never
-logged: the server runs without an access log line that would carry a ``?token=`` query.
+and nothing changes); a browser presents it as the dashboard's cookie, and a state change
+signed in by the cookie must carry this page's ``Origin`` and a JSON body (403 otherwise: see
+:func:`cross_site_refusal`). The token is never logged: the server runs without an access log
+line that would carry the sign-in link's ``?token=`` query.
 
     GET  /admin/status                      fleet status, counts, router and admin URLs
     GET  /admin/shards                      every shard's record, in-flight and last sample
@@ -24,24 +26,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from fleetwarden.admin import dashboard, views
+from fleetwarden.admin.keys import FLEET, PUBLIC, TOKEN, bearer, presented_token
+from fleetwarden.admin.surface import FleetSurface
 from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
 
-if TYPE_CHECKING:
-    from fleetwarden.fleet import Fleet
-
-__all__ = ["make_admin_app"]
+__all__ = ["make_admin_app", "presented_token"]
 
 log = logging.getLogger(__name__)
-
-FLEET: web.AppKey[Fleet] = web.AppKey("fleet")
-TOKEN: web.AppKey[str] = web.AppKey("token")
-#: Paths served without the token: the dashboard's sign-in and its static files only.
-PUBLIC: web.AppKey[frozenset[str]] = web.AppKey("public")
 
 #: Admin request bodies are small JSON objects.
 _MAX_BODY = 64 * 1024
@@ -54,14 +51,33 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
                              status=status)
 
 
-def presented_token(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth.startswith("Bearer "):
-        return auth[len("Bearer "):].strip()
-    cookie = request.cookies.get("fleetwarden_token")
-    if cookie:
-        return cookie
-    return request.query.get("token")
+def own_origin(request: web.Request) -> str:
+    return f"{request.scheme}://{request.host}"
+
+
+#: Methods that change nothing, so a cross-site request with the cookie can do no harm.
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_site_refusal(request: web.Request) -> str | None:
+    """Why a state-changing request signed in by the cookie is refused, or ``None``.
+
+    A browser sends the cookie with a request that another page starts, and SameSite does
+    not help here: pages on other ports of 127.0.0.1 (a notebook, a Ray dashboard) are the
+    same *site*. Such a page can post a form, but cannot set an ``Origin`` of ours nor a JSON
+    content type without a CORS preflight that this server never answers. So a cookie-signed
+    state change needs both; a bearer token (the CLI, clients, trainers) is never sent by a
+    browser on its own and needs neither."""
+    if request.method in _SAFE_METHODS or bearer(request) is not None:
+        return None
+    origin = request.headers.get("Origin")
+    if origin != own_origin(request):
+        return (f"a state change signed in by the cookie must come from this page (Origin "
+                f"{own_origin(request)}), not {origin or 'an unknown origin'}")
+    if request.content_type != "application/json":
+        return (f"a state change signed in by the cookie must send JSON (Content-Type "
+                f"application/json), not {request.content_type or 'nothing'}")
+    return None
 
 
 @web.middleware
@@ -73,6 +89,9 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
                       "with the token from the admin token file")
         resp.headers["WWW-Authenticate"] = 'Bearer realm="fleetwarden"'
         return resp
+    refusal = cross_site_refusal(request)
+    if refusal is not None:
+        return _error(403, refusal)
     return await handler(request)
 
 
@@ -106,8 +125,8 @@ def _shard_index(request: web.Request) -> int:
     except ValueError:
         raise _http_error(400, f"shard must be an integer, got {request.match_info['i']!r}") \
             from None
-    if not 0 <= i < len(fleet.ledger):
-        raise _http_error(404, f"no shard {i}: the fleet has shards 0..{len(fleet.ledger) - 1}")
+    if not 0 <= i < fleet.size:
+        raise _http_error(404, f"no shard {i}: the fleet has shards 0..{fleet.size - 1}")
     return i
 
 
@@ -121,11 +140,11 @@ def _version(body: dict[str, Any]) -> int:
 # ---------------------------------------------------------------------- read
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FLEET].describe())
+    return web.json_response(views.describe(request.app[FLEET].snapshot()))
 
 
 async def shards(request: web.Request) -> web.Response:
-    return web.json_response({"shards": request.app[FLEET].shards_view()})
+    return web.json_response({"shards": views.shards_view(request.app[FLEET].snapshot())})
 
 
 async def transitions(request: web.Request) -> web.Response:
@@ -136,15 +155,17 @@ async def transitions(request: web.Request) -> web.Response:
         shard = int(request.query["shard"]) if "shard" in request.query else None
     except ValueError:
         raise _http_error(400, "since, limit and shard must be integers") from None
-    return web.json_response({"transitions": fleet.transitions_view(since, limit, shard)})
+    return web.json_response({"transitions": fleet.events.since(since, limit, shard)})
 
 
 async def serving(request: web.Request) -> web.Response:
-    return web.json_response({"urls": request.app[FLEET].ledger.serving_urls()})
+    urls, facts = request.app[FLEET].serving()
+    return web.json_response({"urls": urls,
+                              "facts": {url: f.to_dict() for url, f in facts.items()}})
 
 
 async def refits(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FLEET].refits_view())
+    return web.json_response(views.refits_view(request.app[FLEET].snapshot()))
 
 
 # ---------------------------------------------------------------------- act
@@ -154,11 +175,10 @@ async def retire(request: web.Request) -> web.Response:
     i = _shard_index(request)
     body = await _json_body(request)
     reason = str(body.get("reason") or "retired by an operator")
-    outcome = fleet.ledger.retire(i, reason)
-    fleet.controller.wake()
-    return web.json_response({"shard": i, "applied": outcome.applied, "reason": outcome.reason,
-                              "state": str(fleet.ledger.state(i))},
-                             status=200 if outcome.applied else 409)
+    acted = fleet.retire(i, reason)
+    return web.json_response({"shard": i, "applied": acted.applied, "reason": acted.reason,
+                              "state": str(acted.state)},
+                             status=200 if acted.applied else 409)
 
 
 async def restart(request: web.Request) -> web.Response:
@@ -166,10 +186,9 @@ async def restart(request: web.Request) -> web.Response:
     i = _shard_index(request)
     body = await _json_body(request)
     reason = str(body.get("reason") or "restart requested by an operator")
-    ok = await fleet.supervisor.restart_now(i, reason)
-    fleet.controller.wake()
-    return web.json_response({"shard": i, "applied": ok, "state": str(fleet.ledger.state(i))},
-                             status=200 if ok else 409)
+    acted = await fleet.restart(i, reason)
+    return web.json_response({"shard": i, "applied": acted.applied, "state": str(acted.state)},
+                             status=200 if acted.applied else 409)
 
 
 async def chaos(request: web.Request) -> web.Response:
@@ -200,7 +219,7 @@ async def outcomes(request: web.Request) -> web.Response:
                 or not all(isinstance(c, int) and c >= 0 for c in counts)):
             raise _http_error(400, f"outcomes[{url!r}] must be three non-negative integers")
         parsed[url] = (counts[0], counts[1], counts[2])
-    fleet.controller.apply_outcomes(parsed)
+    fleet.apply_outcomes(parsed)
     return web.json_response({"accepted": len(parsed)})
 
 
@@ -225,8 +244,10 @@ async def refit_complete(request: web.Request) -> web.Response:
         record = fleet.complete_refit(_version(body))
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
+    # The routers learn the new weight versions before the trainer's next rollout is sent.
+    await fleet.push()
     return web.json_response({"version": record.version, "refitted": list(record.participants),
-                              "states": fleet.states_view()})
+                              "states": views.states_view(fleet.snapshot())})
 
 
 async def refit_abort(request: web.Request) -> web.Response:
@@ -237,9 +258,10 @@ async def refit_abort(request: web.Request) -> web.Response:
         record = fleet.abort_refit(_version(body), reason)
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
+    await fleet.push()  # the shards it left STALE or condemned serve no more
     return web.json_response({"version": record.version, "partial": list(record.participants),
                               "condemned": list(record.condemned),
-                              "states": fleet.states_view()})
+                              "states": views.states_view(fleet.snapshot())})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -248,9 +270,7 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def make_admin_app(fleet: Fleet, token: str) -> web.Application:
-    from fleetwarden.admin import dashboard  # it builds on this module's keys
-
+def make_admin_app(fleet: FleetSurface, token: str) -> web.Application:
     app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
     app[FLEET] = fleet
     app[TOKEN] = token

@@ -12,8 +12,11 @@ no metrics), and it serves again after the canary (static weights) or the next r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import shlex
+import signal
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -58,6 +61,8 @@ class AttachLauncher:
         self.command = fleet.restart_command
         self.urls = {fleet.engines + k: url for k, url in enumerate(fleet.backends)}
         self.read_timeout = aiohttp.ClientTimeout(total=health.probe_timeout_s)
+        #: A restart command is part of the attempt, so it gets the attempt's time.
+        self.command_timeout_s = fleet.startup_timeout_s
         #: The incarnation each engine had before its restart began.
         self._before: dict[str, str | None] = {}
 
@@ -83,13 +88,29 @@ class AttachLauncher:
             except OSError as exc:
                 raise LaunchError(f"shard {shard}: cannot run restart command {argv[0]!r}: "
                                   f"{exc}") from exc
-            out, _ = await proc.communicate()
+            out = await self._finish(proc, shard)
             if proc.returncode != 0:
                 tail = out.decode(errors="replace")[-500:].strip()
                 raise LaunchError(f"shard {shard}: restart command exited with code "
                                   f"{proc.returncode}: {tail}")
             log.info("shard %d: ran restart command for %s", shard, url)
         return handle
+
+    async def _finish(self, proc: asyncio.subprocess.Process, shard: int) -> bytes:
+        """The command's output once it exits. A command still running after
+        ``startup_timeout_s`` (a hung ``kubectl``), or whose attempt is cancelled (the shard
+        retired, fleetwarden stopping), is ended with its whole process group."""
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.command_timeout_s)
+        except TimeoutError:
+            await _end_group(proc)
+            raise LaunchError(f"shard {shard}: restart command still running after "
+                              f"{self.command_timeout_s:g} s (startup_timeout_s); "
+                              "ended it") from None
+        except BaseException:
+            await _end_group(proc)
+            raise
+        return out
 
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
         """Ready when the engine answers under a new incarnation (or, without metrics, when it
@@ -115,3 +136,12 @@ class AttachLauncher:
 
     async def close(self) -> None:
         self._before.clear()
+
+
+async def _end_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the command's process group (it was started in a session of its own) and reap
+    it. A restart command holds no state worth a grace period."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        await asyncio.shield(proc.wait())

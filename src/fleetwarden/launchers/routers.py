@@ -41,7 +41,12 @@ from prometheus_client.registry import Collector
 
 from fleetwarden.config import RouterConfig
 from fleetwarden.launchers import LaunchError
-from fleetwarden.launchers.local import _pid_exit, free_port, launch_id_of
+from fleetwarden.launchers.local import (
+    _pid_exit,
+    _term_when_parent_dies,
+    free_port,
+    launch_id_of,
+)
 from fleetwarden.launchers.procs import (
     group_members,
     process_info,
@@ -166,7 +171,7 @@ class RouterWorkers:
     """``config.workers`` router processes on one port, adopted or started by :meth:`start`."""
 
     def __init__(self, config: RouterConfig, token: str, token_file: Path, log_dir: Path,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, *, outlive: bool = True) -> None:
         if config.workers < 1:
             raise ValueError("RouterWorkers needs [router] workers >= 1")
         self.config = config
@@ -174,6 +179,9 @@ class RouterWorkers:
         self.token_file = token_file
         self.log_dir = log_dir
         self.journal = journal
+        #: False: the workers get SIGTERM when this process dies (as engines do with
+        #: ``engines_outlive_fleetwarden = false``): nothing would adopt them.
+        self.outlive = outlive
         self.links = [WorkerLink(i, token) for i in range(config.workers)]
         self.port = config.port
         self.adopted = 0
@@ -314,7 +322,8 @@ class RouterWorkers:
             out.flush()
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True)
+                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=None if self.outlive else _term_when_parent_dies)
         record = RouterRecord(
             worker=worker, launch_id=launch_id, url=f"http://{self.config.host}:{self.port}",
             control_url=f"http://127.0.0.1:{control_port}", pid=proc.pid, pgid=proc.pid,

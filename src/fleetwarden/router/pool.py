@@ -188,18 +188,37 @@ class Pool:
 
     # ------------------------------------------------------------------ picking
 
-    def pick(self, exclude: Collection[str] = (), session: str | None = None) -> str | None:
+    def qualifies(self, url: str, min_version: int | None = None,
+                  version: int | None = None) -> bool:
+        """Whether the last push said ``url`` holds weights of at least ``min_version`` and
+        exactly ``version`` (each ``None``: no demand). An unknown version qualifies for no
+        demand: nothing proves it."""
+        if min_version is None and version is None:
+            return True
+        held = self.facts(url).weight_version
+        if held is None:
+            return False
+        return (min_version is None or held >= min_version) and (version is None
+                                                                 or held == version)
+
+    def pick(self, exclude: Collection[str] = (), session: str | None = None, *,
+             min_version: int | None = None, version: int | None = None) -> str | None:
         """The serving backend for the next attempt, or ``None`` if every one is excluded.
 
         With a ``session``: its home on the ring, unless excluded or loaded beyond
         ``affinity_load_factor`` times the average; otherwise, and without a session, the
         backend with the fewest requests in flight, ties taken in rotating order (the order
         moves on per request, not per retry, so a failing backend is not first for everyone).
+        ``min_version`` / ``version``: only backends that :meth:`qualifies` are picked.
         """
         serving = self._serving
         n = len(serving)
         if n == 0:
             return None
+        retry = bool(exclude)  # backends it failed on, not those the demand rules out
+        if min_version is not None or version is not None:
+            exclude = set(exclude) | {u for u in serving
+                                      if not self.qualifies(u, min_version, version)}
         in_flight = self._in_flight
         if session is not None:
             home = self._ring.home(session)
@@ -207,7 +226,7 @@ class Pool:
                 bound = math.ceil(self._load_factor * (self._total_in_flight + 1) / n)
                 if in_flight[home] < bound:
                     return home
-        if exclude:
+        if retry:
             turn = self._turn % n  # a retry scans on from this request's turn
         else:
             turn = self._turn = (self._turn + 1) % n  # each new request moves the tie-break on
@@ -219,6 +238,18 @@ class Pool:
             if (best is None or load < best_load) and url not in exclude:
                 best, best_load = url, load
         return best
+
+    def pick_same_weights(self, weight_version: int | None,
+                          exclude: Collection[str] = ()) -> str | None:
+        """A serving backend holding ``weight_version``, for a generation continued elsewhere
+        (an RL rollout must come from one policy); least in flight among them.
+
+        ``None``: the first engine's version is unknown (the push does not say, as in a fleet
+        whose membership nobody manages, where every backend is taken to hold the same
+        weights): any serving backend. A backend whose version is unknown never continues a
+        generation from a known one.
+        """
+        return self.pick(exclude, version=weight_version)
 
     # ------------------------------------------------------------------ in flight
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "RouterSettings"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "MIN_VERSION_HEADER",
+           "SHARD_HEADER", "WEIGHT_VERSION_HEADER", "RouterSettings"]
 
 #: Where ``fleetwarden route`` listens unless told otherwise. Loopback: exposing a fleet is a
 #: decision (``--host 0.0.0.0``), never an accident.
@@ -18,6 +19,15 @@ DEFAULT_PORT = 8080
 #: The one status the router never answers with: clients (NeMo-Gym among them) retry a 504
 #: without bound, so a wedged engine would turn into an endless retry loop.
 FORBIDDEN_STATUS = 504
+
+#: On every answer an engine produced through the router: the weight version the controller's
+#: last push gave that engine, and its shard index (an RL trainer must know which policy
+#: produced each rollout). Left off when the push did not say (a router nobody manages).
+WEIGHT_VERSION_HEADER = "x-fleetwarden-weight-version"
+SHARD_HEADER = "x-fleetwarden-shard"
+#: A request carrying it (an integer >= 0) is only ever sent to an engine whose weight version
+#: is at least that; when none is, the router answers ``status_when_none_left`` itself.
+MIN_VERSION_HEADER = "x-fleetwarden-min-weight-version"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,13 @@ class RouterSettings:
     affinity_load_factor: float = 1.25
     #: Points per backend on the hash ring. 64 spreads sessions within a few per cent.
     affinity_virtual_nodes: int = 64
+    #: Continue a streamed completion or chat on another engine when its engine fails it
+    #: after the first bytes reached the client (router/splice.py). On: a crash or a wedge
+    #: then costs a stream a pause, not the generation. The router asks engines for
+    #: ``return_token_ids`` (vLLM 0.32 knows it; other OpenAI servers ignore unknown fields)
+    #: and strips them from what the client did not ask for. Off: streams pass through
+    #: untouched, and one cut mid-answer is cut for its client too.
+    continue_streams: bool = True
     #: How long an idle pooled connection to a backend is kept. Below uvicorn's 5 s (vLLM's
     #: server): a connection is never reused at the moment the engine closes it, so a reset
     #: means the engine, not the pool.

@@ -1,0 +1,71 @@
+"""AttachLauncher's restart command on real processes: it ends, whatever the command does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.config import FleetConfig, HealthConfig
+from fleetwarden.launchers import LaunchError
+from fleetwarden.launchers.attach import AttachLauncher
+from fleetwarden.launchers.local import free_port
+
+pytestmark = pytest.mark.scenario
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+async def test_a_restart_command_that_hangs_is_ended_with_its_group(tmp_path: Path) -> None:
+    """A hung `kubectl` must not leave the shard RESTARTING for good: past
+    `startup_timeout_s` the command's whole process group is ended and the attempt fails."""
+    pidfile = tmp_path / "pids"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens: read fails fast
+    command = f"sh -c 'sleep 1000 & echo $$ $! > {pidfile}; wait'"
+    fleet = FleetConfig(engines=0, backends=[url], restart_command=command,
+                        startup_timeout_s=1.0)
+    launcher = AttachLauncher(fleet, HealthConfig(probe_timeout_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"restart command .*1 s"):
+        await asyncio.wait_for(launcher.launch(0), 10)
+    assert time.monotonic() - started < 5
+    pids = [int(p) for p in pidfile.read_text().split()]
+    assert len(pids) == 2
+    for _ in range(50):
+        if not any(_alive(p) for p in pids):
+            break
+        await asyncio.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "the command's process group outlived it"
+    assert os.getpgid(0) != pids[0]
+
+
+async def test_a_cancelled_restart_command_is_ended_with_its_group(tmp_path: Path) -> None:
+    """Retiring a shard or stopping fleetwarden cancels the attempt: the command goes too."""
+    pidfile = tmp_path / "pids"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    command = f"sh -c 'sleep 1000 & echo $$ $! > {pidfile}; wait'"
+    fleet = FleetConfig(engines=0, backends=[url], restart_command=command)
+    launcher = AttachLauncher(fleet, HealthConfig(probe_timeout_s=0.5))
+    task = asyncio.create_task(launcher.launch(0))
+    for _ in range(100):
+        if pidfile.exists() and len(pidfile.read_text().split()) == 2:
+            break
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pids = [int(p) for p in pidfile.read_text().split()]
+    for _ in range(50):
+        if not any(_alive(p) for p in pids):
+            break
+        await asyncio.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
