@@ -177,6 +177,7 @@ class RouterConfig(_Section):
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
+    continue_streams: bool = _ROUTER.continue_streams
     #: More routers for the same fleet, in other processes or on other hosts; none by default.
     remote: list[RemoteRouterConfig] = Field(default_factory=list)
 
