@@ -181,8 +181,8 @@ class Fleet:
 
     async def start(self) -> None:
         cfg = self.config
-        launched = list(range(cfg.fleet.engines))
-        attached = {cfg.fleet.engines + k: url for k, url in enumerate(cfg.fleet.backends)}
+        launched = list(range(cfg.fleet.launched))
+        attached = {cfg.fleet.launched + k: url for k, url in enumerate(cfg.fleet.backends)}
         size = len(launched) + len(attached)
 
         self.token = load_or_create_token(cfg.admin.token_file)
