@@ -487,6 +487,14 @@ def up(
     engine_cmd: Annotated[str | None, typer.Option(
         "--engine-cmd", help="Command that starts one engine; {host}, {port}, {shard} and "
                              "{python} are filled in. Default: a simulated vLLM engine.")] = None,
+    engine: Annotated[str | None, typer.Option(
+        "--engine", help="The kind of --engine-cmd's (and --backend's) engines: auto (from "
+                         "/metrics), vllm, llamacpp, sglang, tgi or openai (no /metrics).")
+    ] = None,
+    group: Annotated[list[str] | None, typer.Option(
+        "--group", help="More engines of another kind and command (a mixed fleet), as "
+                        "KIND:COUNT:COMMAND, e.g. 'llamacpp:2:llama-server --port {port} ...' "
+                        "(repeat).")] = None,
     backend: Annotated[list[str] | None, typer.Option(
         "--backend", "-b", help="Attach an engine something else runs (repeat).")] = None,
     restart_command: Annotated[str | None, typer.Option(
@@ -520,6 +528,7 @@ def up(
         engines = 0
     cfg = _load_config(config_file, {
         "fleet": {"engines": engines, "engine_cmd": engine_cmd, "backends": backend or None,
+                  "engine": engine, "groups": [_group(g) for g in group] if group else None,
                   "restart_command": restart_command, "weights": weights,
                   "launcher": launcher, "ray_address": ray_address},
         "router": {"port": port, "workers": router_workers}, "admin": {"port": admin_port},
@@ -530,6 +539,18 @@ def up(
     if not quiet:
         logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))
     _run(_up(cfg, quiet))
+
+
+def _group(spec: str) -> dict[str, Any]:
+    """``--group KIND:COUNT:COMMAND`` as a ``[[fleet.groups]]`` table (validated with the rest
+    of the config, so a bad kind or command is named like any config error)."""
+    kind, _, rest = spec.partition(":")
+    count, _, command = rest.partition(":")
+    if not (kind and count.isdigit() and command):
+        typer.echo(f"--group {spec!r}: expected KIND:COUNT:COMMAND, e.g. "
+                   "'llamacpp:2:llama-server -m tiny.gguf --port {port} --metrics'", err=True)
+        raise typer.Exit(2)
+    return {"engine": kind, "engines": int(count), "engine_cmd": command}
 
 
 async def _up(cfg: Any, quiet: bool) -> None:
@@ -551,7 +572,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_on_signal)
     console = Console(highlight=False)
-    console.print(f"fleetwarden {__version__}: starting {cfg.fleet.engines} engine(s)"
+    console.print(f"fleetwarden {__version__}: starting {cfg.fleet.launched} engine(s)"
                   + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))
     try:
         await fleet.start()

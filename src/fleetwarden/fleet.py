@@ -44,7 +44,7 @@ from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers
 from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
-from fleetwarden.restore import adopt_or_stop, after_clean_stop, restore_onto
+from fleetwarden.restore import adopt_or_stop, begin_run
 from fleetwarden.router import Router
 from fleetwarden.router.app import listening_url
 from fleetwarden.router.control import RemoteRouter
@@ -186,8 +186,8 @@ class Fleet:
 
     async def start(self) -> None:
         cfg = self.config
-        launched = list(range(cfg.fleet.engines))
-        attached = {cfg.fleet.engines + k: url for k, url in enumerate(cfg.fleet.backends)}
+        launched = list(range(cfg.fleet.launched))
+        attached = {cfg.fleet.launched + k: url for k, url in enumerate(cfg.fleet.backends)}
         size = len(launched) + len(attached)
 
         self.token = load_or_create_token(cfg.admin.token_file)
@@ -226,8 +226,9 @@ class Fleet:
             adopted = await adopt_or_stop(self._journal, local, restored)
 
         # The first engines start before the ledger exists, so it is built with their URLs.
+        # A restored DEAD shard is not among them: the supervisor restarts it, within budget.
         to_launch = [i for i in launched if i not in adopted and (
-            restored is None or restored.state(i) is not ShardState.RETIRED)]
+            restored is None or restored.state(i) not in (ShardState.RETIRED, ShardState.DEAD))]
         first = await launch_first(launcher, to_launch, cfg.fleet.startup_timeout_s)
         urls = []
         for i in range(size):
@@ -238,16 +239,15 @@ class Fleet:
             else:
                 urls.append(f"http://{cfg.fleet.host}:0/shard-{i}-not-started")
 
-        if restored is not None and clean:
-            ledger = after_clean_stop(restored, first, self._policy(), cfg.fleet.weights)
-        elif restored is not None:
-            ledger = restored
-            restore_onto(ledger, first)
-        else:
-            ledger = Ledger(urls, self._policy(), clock=time.time)
+        ledger = restored if restored is not None else Ledger(urls, self._policy(),
+                                                              clock=time.time)
         self._ledger = ledger
         ledger.subscribe(self.events.transition)
         self._journal.attach(ledger)
+        if restored is not None:  # journaled, each change with its cause
+            log.info("restoring the fleet from %s (last run stopped %s)", cfg.journal.path,
+                     "cleanly" if clean else "without a clean stop")
+            begin_run(ledger, first, attached)
 
         self._supervisor = Supervisor(
             ledger, self._launchers, cfg.fleet, cfg.supervisor, journal=self._journal,
