@@ -232,6 +232,17 @@ class RouterConfig(_Section):
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     continue_streams: bool = _ROUTER.continue_streams
+    #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
+    #: over the control API. They keep serving with the last serving set through
+    #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is
+    #: what `fleetwarden up` runs; more use more cores. 0 runs the router inside the fleet's
+    #: own process (an embedded `Fleet`, the demo, tests that read `fleet.router`): it then
+    #: dies with the fleet.
+    workers: Annotated[int, Field(ge=0, le=64)] = 1
+    #: Bearer token of the router processes' control API (bound to 127.0.0.1); created
+    #: (0600) with a new token if missing. It must outlive a run: the next one adopts the
+    #: routers with it.
+    control_token_file: Path = Path("fleetwarden-router.token")
     #: More routers for the same fleet, in other processes or on other hosts; none by default.
     remote: list[RemoteRouterConfig] = Field(default_factory=list)
 
