@@ -21,7 +21,7 @@ CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/sto
 # The shell modules that are kept --strict clean too (typed I/O around the core).
 STRICT := src/fleetwarden/testing/*.py \
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py src/fleetwarden/restore.py \
-          src/fleetwarden/snapshot.py \
+          src/fleetwarden/snapshot.py src/fleetwarden/probe.py \
           src/fleetwarden/controller.py src/fleetwarden/supervisor.py src/fleetwarden/client.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/auth.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \

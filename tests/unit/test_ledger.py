@@ -422,3 +422,19 @@ def test_every_subscriber_sees_a_transition_even_when_one_raises() -> None:
     with pytest.raises(RuntimeError, match="disk full"):
         ledger.condemn(0, "exited")
     assert ledger.state(0) is D and seen == [0]
+
+
+def test_the_ledgers_working_copy_has_exactly_a_records_fields() -> None:
+    """``_Shard`` mirrors ``ShardRecord`` one for one (names and defaults), so a field added to
+    the record is kept by the ledger, not silently dropped by a field-by-field copy."""
+    from dataclasses import MISSING, fields
+
+    from fleetwarden.ledger import ShardRecord, _Shard
+
+    def shape(cls: type) -> list[tuple[str, object]]:
+        return [(f.name, f.default if f.default is not MISSING else f.default_factory)
+                for f in fields(cls) if not f.name.startswith("_")]
+
+    assert shape(_Shard) == shape(ShardRecord)
+    rec = ShardRecord(3, "http://x", S, "7", 1, 2, 3, 4, D, 5, "e", 6.0, 7.0)
+    assert _Shard(**{f.name: getattr(rec, f.name) for f in fields(rec)}).record() == rec
