@@ -74,8 +74,19 @@ def demo(
 
     async def main() -> None:
         nonlocal code
-        code = await run_demo(quick=quick, engine_cmd=engine_cmd, engines=engines,
-                              report_dir=report, live=not no_live)
+        # SIGTERM (a test's timeout, a CI job cancelled) and Ctrl-C end the story the way an
+        # exception does: through the fleet's stop, which stops every engine it started.
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        try:
+            code = await run_demo(quick=quick, engine_cmd=engine_cmd, engines=engines,
+                                  report_dir=report, live=not no_live)
+        except asyncio.CancelledError:
+            typer.echo("demo: stopped by a signal; every engine it started is stopped", err=True)
+            code = 1
 
     _run(main())
     raise typer.Exit(code)

@@ -85,6 +85,12 @@ class FleetConfig(_Section):
     #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
     #: routing, and re-admitted when it answers again under a new incarnation.
     restart_command: str | None = None
+    #: `true`: launched engines outlive a fleetwarden that dies without stopping them (a
+    #: crash, `kill -9`), so that the next `fleetwarden up` on the same journal adopts them
+    #: instead of reloading weights. `false`: the kernel sends each engine SIGTERM when its
+    #: fleetwarden dies, however it dies (what `fleetwarden demo` uses: its journal is
+    #: temporary, so nothing could ever adopt an engine it left).
+    engines_outlive_fleetwarden: bool = True
     #: One log file per engine incarnation goes here (with `launcher = "ray"`, on the node that
     #: runs the engine, at this path made absolute on the controller's machine).
     log_dir: Path = Path("fleetwarden-logs")

@@ -407,6 +407,8 @@ class Fleet:
             restarts_in_progress=len(s.attempts),
             refit_lease=refit.lease, refit_version=refit.current_version,
             refit_history=tuple(refit.history), router=RouterCounters.of(self.router.stats),
+            journal_failure=self._journal.failure if self._journal is not None else None,
+            journal_dropped=self._journal.dropped if self._journal is not None else 0,
         )
 
     def metrics_text(self) -> tuple[bytes, str]:

@@ -172,15 +172,31 @@ def test_three_failed_probes_condemn_and_two_good_ones_lift_suspect() -> None:
     assert "refused" in ledger.shard(1).last_error
 
 
-def test_probes_never_change_a_shard_that_is_not_serving() -> None:
+def test_probes_never_change_a_shard_without_a_process() -> None:
     ledger, seen = make(1)
     kill(ledger, 0)
     before = ledger.shard(0)
     n = len(seen)
     out = ledger.record_probe(0, ok=False, error="x")
-    assert not out and "serving" in out.reason
+    assert not out and "process" in out.reason
     assert ledger.shard(0) == before
     assert len(seen) == n
+
+
+def test_failed_reads_condemn_a_stale_shard_and_good_ones_never_lift_it() -> None:
+    """A STALE engine that died must not wait for a refit that never comes (issue 15, item
+    10: the controller kept this streak itself, reset without a reason)."""
+    ledger, _ = make(1, weights="trainer")
+    ledger.mark_weights_partial(0)
+    ledger.record_probe(0, ok=True)
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is ST
+    for _ in range(2):
+        ledger.record_probe(0, ok=False, error="refused")
+        assert ledger.state(0) is ST
+    out = ledger.record_probe(0, ok=False, error="refused")
+    assert ledger.state(0) is D and out.transition is not None
+    assert out.transition.event is Event.FAILURES_AT_THRESHOLD
 
 
 def test_steady_good_probes_emit_nothing() -> None:
@@ -436,5 +452,36 @@ def test_the_ledgers_working_copy_has_exactly_a_records_fields() -> None:
                 for f in fields(cls) if not f.name.startswith("_")]
 
     assert shape(_Shard) == shape(ShardRecord)
-    rec = ShardRecord(3, "http://x", S, "7", 1, 2, 3, 4, D, 5, "e", 6.0, 7.0)
+    rec = ShardRecord(index=3, base_url="http://x", state=S, incarnation="7",
+                      consecutive_probe_failures=1, consecutive_probe_successes=2,
+                      consecutive_reported_failures=3, restart_attempts=4,
+                      state_before_partial=D, weight_version=5, last_error="e", last_ok_at=6.0,
+                      last_transition_at=7.0)
     assert _Shard(**{f.name: getattr(rec, f.name) for f in fields(rec)}).record() == rec
+
+
+def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
+    """Issue 15, item 14: a shard made SUSPECT by /metrics reads that timed out under load
+    and whose requests then complete is HEALTHY again from that window, not after the next
+    canary (an hour away in the real-vLLM tier's config)."""
+    ledger, _ = make(2)
+    ledger.record_probe(1, False, "UNREACHABLE: /metrics timed out")
+    ledger.record_probe(1, False, "UNREACHABLE: /metrics timed out")
+    assert ledger.state(1) is S
+    out = ledger.report_outcomes(1, 3, 0, 0)
+    assert ledger.state(1) is H and out.transition is not None
+    assert out.transition.event is Event.SERVED and "3 requests completed" in out.transition.cause
+    r = ledger.shard(1)
+    assert r.consecutive_probe_failures == 0 and r.consecutive_reported_failures == 0
+
+
+def test_a_window_with_any_failure_lifts_no_suspicion() -> None:
+    """Note 000's engine fails some generations and answers every probe: a window that saw a
+    failure, even before its successes, is no proof that it serves."""
+    ledger, _ = make(2)
+    ledger.report_failure(0, "500")
+    assert ledger.state(0) is S
+    ledger.report_outcomes(0, 5, 1, 0)
+    assert ledger.state(0) is S
+    ledger.report_outcomes(0, 5, 0, 0)
+    assert ledger.state(0) is H

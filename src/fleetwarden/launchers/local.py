@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import shlex
@@ -66,6 +67,19 @@ def free_port(host: str) -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+#: prctl(2) option: the signal this process gets when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_when_parent_dies() -> None:
+    """In the child, before exec: SIGTERM when fleetwarden dies, however it dies (Linux).
+    An engine then stops its own children as on any SIGTERM (vLLM's API server ends its
+    EngineCore). The fork happens on the event loop's thread, which lives as long as
+    fleetwarden does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def launch_id_of(pid: int) -> str | None:
@@ -196,6 +210,8 @@ class LocalLauncher:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                    preexec_fn=None if self.fleet.engines_outlive_fleetwarden
+                    else _term_when_parent_dies,
                 )
             except OSError as exc:
                 raise LaunchError(f"shard {shard}: cannot start {argv[0]!r}: {exc}") from exc
