@@ -48,6 +48,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("#", "shard"), ("state", ""), ("engine", "URL (loopback: its port)"),
     ("infl", "router in-flight"), ("verdict", "the watchdog's last"),
     ("last error", ""), ("restarts", "spent/budget"),
+    ("kind", "engine profile (fleetwarden.engines)"),
     ("p/r", "failed probes / failed request windows"), ("run/wait", "running/waiting"),
     ("tok/s", "output tokens per second"), ("age", "of the engine's process"),
     ("w", "weight version"),
@@ -71,6 +72,7 @@ def _cells(s: dict[str, Any], now: float) -> dict[str, str | Text]:
         "verdict": wd.get("verdict") or "—",
         "last error": (s.get("last_error") or "")[:80],
         "restarts": f"{s['restart_attempts']}/{s['restart_attempts'] + s['restart_budget_left']}",
+        "kind": wd.get("engine") or "—",
         "p/r": f"{s['consecutive_probe_failures']}/{s['consecutive_reported_failures']}",
         "run/wait": (f"{sample['running']:.0f}/{sample['waiting']:.0f}"
                      if "running" in sample else "—"),

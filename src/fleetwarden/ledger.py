@@ -88,6 +88,8 @@ class Event(enum.Enum):
     IDENTIFIED = "identified"  # the first incarnation seen of a shard's process: no restart
     NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
     NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
+    NEW_RUN = "new run"  # fleetwarden started again; a new engine stands in, no failure of its
+    NEW_RUN_WEIGHTS_LOST = "new run, weights lost"  # the same, trainer mode: checkpoint weights
     RESTART_BEGUN = "restart begun"
     BUDGET_EXHAUSTED = "budget exhausted"
     RESTART_FAILED = "restart failed"
@@ -118,6 +120,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.IDENTIFIED: HEALTHY,
         E.NEW_INCARNATION: HEALTHY,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: HEALTHY,
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
     },
     SUSPECT: {
@@ -135,6 +139,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.IDENTIFIED: SUSPECT,
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: HEALTHY,  # the suspicion was about the last run's process
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
     },
     STALE: {  # left only by a completed refit, a death (conclusive, or proven by failed reads)
@@ -153,6 +159,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.IDENTIFIED: STALE,
         E.NEW_INCARNATION: STALE,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: STALE,  # its weights are whatever the new engine loaded: a refit's to say
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
     },
     DEAD: {  # re-entry is always DEAD -> RESTARTING -> STALE -> (refit) -> HEALTHY
@@ -734,6 +742,32 @@ class Ledger:
             consecutive_probe_successes=0,  # the old process passed those probes, not this one
             consecutive_reported_failures=0,  # the old process failed those requests
             state_before_partial=None,  # that verdict was about the old process too
+        )
+
+    def new_run(self, i: int, base_url: str, incarnation: str | None) -> Outcome:
+        """fleetwarden started again (after a clean stop, or its own crash) and this shard, which
+        had a process, has a new one that no failure of its own made necessary: no restart is
+        spent (fleetwarden's death is not the engine's failure), and the new process starts
+        with no history. In trainer mode it holds the checkpoint's weights: STALE until the
+        next refit. A STALE shard stays STALE (its weights were not current before either)."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "a shard with no process is restarted, not run anew")
+        other = self._by_url.get(base_url)
+        if other is not None and other != i:
+            return self._ignored(s, f"{base_url} already belongs to shard {other}")
+        trainer = self.policy.weights == "trainer"
+        event = E.NEW_RUN_WEIGHTS_LOST if trainer else E.NEW_RUN
+        return self._apply(
+            s, event, f"fleetwarden started again: a new engine at {base_url}, no restart spent"
+            + ("; weights are the checkpoint's" if trainer else ""),
+            base_url=base_url,
+            incarnation=incarnation,
+            consecutive_probe_failures=0,  # the last run's process failed those probes
+            consecutive_probe_successes=0,  # the last run's process passed those probes
+            consecutive_reported_failures=0,  # the last run's process failed those requests
+            state_before_partial=None,  # a verdict on the last run's process
+            last_error="",
         )
 
     # ------------------------------------------------------------------ restarts

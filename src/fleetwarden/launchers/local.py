@@ -197,9 +197,12 @@ class LocalLauncher:
     async def launch(self, shard: int) -> EngineHandle:
         port = free_port(self.fleet.host)
         launch_id = f"s{shard}-{uuid.uuid4().hex[:12]}"
-        argv = shlex.split(self._fill(self.template, shard, port))
+        group = self.fleet.group_of(shard)  # a mixed fleet: the group's own command
+        template = group.engine_cmd if group is not None else self.template
+        extra = {**self.fleet.engine_env, **(group.engine_env if group is not None else {})}
+        argv = shlex.split(self._fill(template, shard, port))
         env = dict(os.environ)
-        env.update({k: self._fill(v, shard, port) for k, v in self.fleet.engine_env.items()})
+        env.update({k: self._fill(v, shard, port) for k, v in extra.items()})
         env.update(FLEETWARDEN_LAUNCH_ID=launch_id, FLEETWARDEN_SHARD=str(shard))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"shard-{shard}-{launch_id}.log"
