@@ -360,7 +360,8 @@ class Controller:
         for i in range(len(self.ledger)):
             if self.ledger.state(i) not in ABSENT and i not in self._focus:
                 shards[self.ledger.shard(i).base_url] = i
-        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused)
+        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
+                          engine=self.config.fleet.engine_of(i))
                    for url, i in shards.items()]
         reports = await self.watchdog.round(targets)
         for url, i in shards.items():

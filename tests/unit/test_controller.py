@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from fleetwarden.config import Config
@@ -51,7 +51,7 @@ class _Watchdog(Watchdog):
         super().__init__()
         self.next: dict[str, Report] = {}
 
-    async def round(self, targets: Sequence[Target]) -> dict[str, Report]:
+    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
         reports, self.next = self.next, {}
         return reports
 

@@ -12,6 +12,7 @@ from fleetwarden.ledger import (
     TRANSITIONS,
     Ledger,
     Policy,
+    Reading,
     ShardRecord,
     ShardState,
     Transition,
@@ -118,6 +119,32 @@ class LedgerMachine(RuleBasedStateMachine):
         self._op("observe_incarnation", i)
         self.ledger.observe_incarnation(i, inc)
 
+    @rule(i=shard, inc=st.sampled_from([None, "a", "d"]))
+    def observe_restart(self, i: int, inc: str | None) -> None:
+        self._op("observe_incarnation", i)
+        self.ledger.observe_incarnation(i, inc, restarted=True)
+
+    @rule(i=shard)
+    def new_run(self, i: int) -> None:
+        self._op("new_run", i)
+        self.port += 1
+        self.ledger.new_run(i, f"http://10.0.1.{i}:{self.port}", f"run-{self.port}")
+
+    @rule(i=shard, version=st.integers(0, 5))
+    def missed_refit(self, i: int, version: int) -> None:
+        self._op("missed_refit", i)
+        self.ledger.missed_refit(i, version)
+
+    @rule(i=shard, health=st.sampled_from(["proven", "unproven", "failing", "condemned"]),
+          restarted=st.booleans(), canary=st.sampled_from([None, True, False]),
+          excused=st.booleans())
+    def record_reading(self, i: int, health: str, restarted: bool, canary: bool | None,
+                       excused: bool) -> None:
+        self._op("record_reading", i)
+        self.ledger.record_reading(i, Reading(
+            health, "X", restarted=restarted, incarnation="r" if restarted else None,  # type: ignore[arg-type]
+            canary_ok=canary, excused=excused))
+
     @precondition(lambda self: self.t > 30)  # retirements late, so most runs see restarts first
     @rule(i=shard)
     def retire(self, i: int) -> None:
@@ -151,11 +178,11 @@ class LedgerMachine(RuleBasedStateMachine):
         for a, b in self._pairs():
             if a.state is ST and b.state is not ST:
                 assert b.state in (H, S, D, X)
-                if b.state in (H, S):
-                    assert name in ("report_refit", "complete_refit")
+                if b.state in (H, S):  # a refit (static weights: a good canary is one)
+                    assert name in ("report_refit", "complete_refit", "record_reading")
                 if b.state is D:
                     assert name in ("condemn", "condemn_silent_participant", "abort_refit",
-                                    "record_probe")
+                                    "record_probe", "record_reading")
 
     @invariant()
     def probes_never_change_a_shard_without_a_process_nor_lift_a_stale_one(self) -> None:

@@ -26,6 +26,7 @@ import aiohttp
 from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.probe import health_status
 
 __all__ = ["AttachLauncher", "read_incarnation"]
 
@@ -39,11 +40,10 @@ async def read_incarnation(
     session: aiohttp.ClientSession, url: str
 ) -> tuple[bool, str | None]:
     """(answers /health 200, process start time from /metrics or None)."""
-    try:
-        async with session.get(url + "/health") as resp:
-            healthy = resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
+    status = await health_status(session, url + "/health")
+    if isinstance(status, str):  # no answer at all
         return False, None
+    healthy = status == 200
     try:
         async with session.get(url + "/metrics") as resp:
             if resp.status != 200:
@@ -59,7 +59,7 @@ class AttachLauncher:
 
     def __init__(self, fleet: FleetConfig, health: HealthConfig) -> None:
         self.command = fleet.restart_command
-        self.urls = {fleet.engines + k: url for k, url in enumerate(fleet.backends)}
+        self.urls = {fleet.launched + k: url for k, url in enumerate(fleet.backends)}
         self.read_timeout = aiohttp.ClientTimeout(total=health.probe_timeout_s)
         #: A restart command is part of the attempt, so it gets the attempt's time.
         self.command_timeout_s = fleet.startup_timeout_s
