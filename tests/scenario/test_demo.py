@@ -32,7 +32,7 @@ def test_the_demo_detects_every_fault_and_loses_no_request(tmp_path: Path) -> No
     crash = faults["crash"]["what_happened"]
     assert "exited" in crash or "confirmed by a failed probe" in crash, crash
     # failed requests, then their confirmation (or a streak of failed windows on trial)
-    assert "failed request window" in faults["trickle"]["what_happened"]
+    assert "failed request window" in faults["trickle"]["what_happened"], faults["trickle"]
     assert "LOST_CORE" in faults["idle wedge"]["what_happened"]
     saturated = faults["saturated but healthy"]
     assert saturated["canaries"] == 0 and saturated["restarts"] == 0
