@@ -224,7 +224,8 @@ class LocalLauncher:
         self._handles[launch_id] = handle
         self._procs[launch_id] = proc
         if self.events is not None:
-            self.events.launched(handle)
+            # A synchronous SQLite commit (an fsync, seconds on a busy disk): off the loop.
+            await asyncio.to_thread(self.events.launched, handle)
         self._watchers[launch_id] = asyncio.create_task(
             self._watch(handle, proc.wait()), name=f"watch:{launch_id}"
         )
@@ -310,7 +311,7 @@ class LocalLauncher:
         self._handles.pop(handle.launch_id, None)
         self._procs.pop(handle.launch_id, None)
         if self.events is not None and not left:
-            self.events.stopped(handle)
+            await asyncio.to_thread(self.events.stopped, handle)
         if left:
             raise LaunchError(f"shard {handle.shard}: processes {[p.pid for p in left]} of "
                               f"group {handle.pgid} survived SIGKILL")
