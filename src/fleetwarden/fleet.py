@@ -236,6 +236,8 @@ class Fleet:
         ledger = restored if restored is not None else Ledger(urls, self._policy(),
                                                               clock=time.time)
         self._ledger = ledger
+        if local is not None:
+            local.taken_urls = lambda: {r.base_url for r in ledger.snapshot()}
         ledger.subscribe(self.events.transition)
         self._journal.attach(ledger)
         if restored is not None:  # journaled, each change with its cause

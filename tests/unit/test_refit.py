@@ -149,7 +149,7 @@ def test_a_new_process_the_ledger_only_identified_during_the_lease_is_not_credit
 def test_the_refit_history_in_memory_is_bounded() -> None:
     from fleetwarden.refit import HISTORY_KEPT
 
-    ledger, refit, _ = make(1)
+    _, refit, _ = make(1)
     for v in range(HISTORY_KEPT + 20):
         refit.begin_refit(v)
         refit.complete_refit(v)

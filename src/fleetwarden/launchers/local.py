@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 _KILL_WAIT_S = 5.0
 #: Seconds between polls while waiting for an engine or a process group.
 _POLL_S = 0.1
+#: Free ports asked for before a launch gives up avoiding the URLs shards record.
+_PORT_TRIES = 20
 
 
 def default_engine_command() -> str:
@@ -185,6 +187,8 @@ class LocalLauncher:
         #: Told of every engine started and stopped (the journal keeps them, so a restarted
         #: fleetwarden knows what an earlier run left running).
         self.events: LaunchEvents | None = None
+        #: The URLs the fleet's shards record (the fleet sets it once its ledger exists).
+        self.taken_urls: Callable[[], set[str]] | None = None
         self._handles: dict[str, EngineHandle] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
@@ -192,8 +196,18 @@ class LocalLauncher:
     def _fill(self, text: str, shard: int, port: int) -> str:
         return text.format(python=sys.executable, host=self.fleet.host, port=port, shard=shard)
 
+    def _port(self) -> int:
+        """A free port whose URL no shard records: the kernel may hand back the port of a DEAD
+        or RETIRED shard's engine, and two shards on one URL would share their evidence."""
+        taken = self.taken_urls() if self.taken_urls is not None else set()
+        for _ in range(_PORT_TRIES):
+            port = free_port(self.fleet.host)
+            if f"http://{self.fleet.host}:{port}" not in taken:
+                return port
+        return port  # the ledger refuses the load: one failed attempt, and the next tries again
+
     async def launch(self, shard: int) -> EngineHandle:
-        port = free_port(self.fleet.host)
+        port = self._port()
         launch_id = f"s{shard}-{uuid.uuid4().hex[:12]}"
         group = self.fleet.group_of(shard)  # a mixed fleet: the group's own command
         template = group.engine_cmd if group is not None else self.template
