@@ -40,6 +40,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
+from fleetwarden.launchers.routers import RouterWorkers
 from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run
@@ -111,6 +112,7 @@ class Fleet:
         self.traffic = Traffic(step_s=min(TRAFFIC_STEP_S, max(1.0, config.health.probe_interval_s)))
         self._journal: Journal | None = None
         self._router: Router | None = None
+        self._workers: RouterWorkers | None = None
         self._watchdog: Watchdog | None = None
         self._supervisor: Supervisor | None = None
         self._controller: Controller | None = None
@@ -141,9 +143,12 @@ class Fleet:
         return self._supervisor
 
     @property
-    def router(self) -> Router:
-        assert self._router is not None, "the fleet is not started"
-        return self._router
+    def router(self) -> Router | RouterWorkers:
+        """The router in this process (``[router] workers = 0``), or its processes (their
+        URL, counters and in-flight requests as last read)."""
+        router = self._router or self._workers
+        assert router is not None, "the fleet is not started"
+        return router
 
     @property
     def refit(self) -> RefitCoordinator:
@@ -261,9 +266,19 @@ class Fleet:
                 ledger.condemn(i, f"first start failed: {result}")
 
         self._watchdog = Watchdog(cfg.health.watchdog_policy())
-        self._router = Router(ledger.serving_urls(), cfg.router.settings(), health_managed=True)
-        await self._router.start(cfg.router.host, cfg.router.port)
-        self.routers = [self._router.control()]
+        if cfg.router.workers:  # router processes of their own, adopted when they still run
+            self._workers = RouterWorkers(
+                cfg.router, load_or_create_token(cfg.router.control_token_file),
+                cfg.router.control_token_file, cfg.fleet.log_dir, self._journal,
+                outlive=cfg.fleet.engines_outlive_fleetwarden)
+            await self._workers.start(ledger.serving_urls())
+            self.registry.register(self._workers.collector())  # the router's, per worker
+            self.routers = list(self._workers.links)
+        else:
+            self._router = Router(ledger.serving_urls(), cfg.router.settings(),
+                                  health_managed=True)
+            await self._router.start(cfg.router.host, cfg.router.port)
+            self.routers = [self._router.control()]
         for remote in cfg.router.remote:
             link = RemoteRouter(remote.url, load_or_create_token(remote.token_file))
             self._remotes.append(link)
@@ -274,7 +289,10 @@ class Fleet:
             journal=self._journal, refit=self._refit, on_tick=self._after_tick,
         )
         # The first answers already name their weights: the push's facts, before any tick.
-        self._router.set_serving_backends(*self._controller.serving_push())
+        if self._router is not None:
+            self._router.set_serving_backends(*self._controller.serving_push())
+        else:
+            await self._controller.push_now()
         self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
         await self._admin.setup()
         await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
@@ -303,6 +321,11 @@ class Fleet:
             await self._controller.close()
         if self._router is not None:
             await self._router.stop()
+        if self._workers is not None:
+            try:
+                await self._workers.stop()
+            except Exception as exc:
+                log.error("%s", exc)
         for remote in self._remotes:
             await remote.close()
         stopped_all = False
