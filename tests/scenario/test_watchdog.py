@@ -16,9 +16,8 @@ import pytest
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.judge import Health, Verdict, WatchdogPolicy, judge
 from fleetwarden.watchdog import Report, Target, Watchdog
-
-from .proxy import LeastConnectionsProxy
-from .support import Load, SimProcess, canaries, free_port, metrics, set_fault, stats, until
+from support.proxy import LeastConnectionsProxy
+from support.sim import Load, SimProcess, canaries, free_port, metrics, set_fault, stats, until
 
 pytestmark = pytest.mark.scenario
 

@@ -13,7 +13,7 @@ from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.procs import group_members
 
-ENGINE = Path(__file__).parents[1] / "engines" / "tiny_engine.py"
+ENGINE = Path(__file__).parents[1] / "support" / "engines" / "tiny_engine.py"
 
 pytestmark = pytest.mark.scenario
 
