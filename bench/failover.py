@@ -109,6 +109,9 @@ class Scenario:
     client_timeout_s: float
     #: Idle wedge: the fault comes this long *before* the load starts, on idle engines.
     idle_before_s: float = 0.0
+    #: Whose wire each simulated engine speaks (``sim --engine``), engine i the i-th (cycled):
+    #: a mixed fleet. The faulted engine is engine BAD (the second).
+    sim_engines: tuple[str, ...] = ("vllm",)
     #: Streamed completions: a request counts as answered only when its stream is whole
     #: (every token once, a finish, usage for the whole; see testing.load.Load).
     stream: bool = False
@@ -254,6 +257,7 @@ class Launcher:
             with (self.folder / f"sim{i}.log").open("w") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fleetwarden", "sim", "--port", "0",
+                     "--engine", scenario.sim_engines[i % len(scenario.sim_engines)],
                      "--slots", str(scenario.slots),
                      "--steps-per-s", f"{scenario.steps_per_s:g}"],
                     stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
@@ -911,6 +915,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", help="comma-separated: " + ",".join(SCENARIOS))
     parser.add_argument("--routers", help="comma-separated: " + ",".join(ROUTERS))
     parser.add_argument("--engines", choices=["sim", "real"], default="sim")
+    parser.add_argument("--sim-engines", default="vllm",
+                        help="comma-separated kinds the simulated engines speak, cycled "
+                             "(vllm, llamacpp, sglang), e.g. vllm,llamacpp,sglang: a mixed "
+                             "fleet; the second is the faulted one")
     parser.add_argument("--write", action="store_true",
                         help=f"write the table into {BENCHMARKS_MD.name} and the chart to "
                              f"{CHARTS['sim'].relative_to(ROOT)} (real engines: "
@@ -936,6 +944,12 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = {n: dataclasses.replace(s, slots=0, steps_per_s=1000.0, max_tokens=(16, 64),
                                             clients=8) for n, s in scenarios.items()}
     routers = [ROUTERS[n] for n in _pick(args.routers, ROUTERS, "router")]
+    kinds = tuple(k for k in args.sim_engines.split(",") if k)
+    from fleetwarden.sim.config import SIM_ENGINES
+
+    if not kinds or set(kinds) - set(SIM_ENGINES):
+        parser.error(f"--sim-engines {args.sim_engines!r}: each of {', '.join(SIM_ENGINES)}")
+    scenarios = {n: dataclasses.replace(s, sim_engines=kinds) for n, s in scenarios.items()}
 
     engines_real: RealEngines | None = None
     if real:

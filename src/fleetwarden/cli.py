@@ -94,11 +94,14 @@ def demo(
 
 def _ledger_story() -> None:
     """Play the note-001 story through the real ledger and print every transition."""
+    from fleetwarden.ledger import Policy
     from fleetwarden.story import play_note_001
 
+    policy = Policy()  # the story plays on the default policy
     console = Console(highlight=False)
     console.print("[bold]Note 001: a restarted engine has no history[/bold]")
-    console.print("4 shards, default policy (3 failures condemn, 5 restarts); shard 1 fails.\n")
+    console.print(f"4 shards, default policy ({policy.unhealthy_threshold} failures condemn, "
+                  f"{policy.max_restart_attempts} restarts); shard 1 fails.\n")
     for n, s in enumerate(play_note_001(), 1):
         console.print(f"[bold]{n}. {s.title}[/bold]")
         for t in s.transitions:
@@ -108,7 +111,7 @@ def _ledger_story() -> None:
         console.print(
             f"   [dim]now {r.state}, reported streak {r.consecutive_reported_failures}, "
             f"state_before_partial {r.state_before_partial or 'none'}, "
-            f"restarts {r.restart_attempts}/5, {r.base_url}[/dim]"
+            f"restarts {r.restart_attempts}/{policy.max_restart_attempts}, {r.base_url}[/dim]"
         )
     console.print("\nThe replacement came back [green]HEALTHY with streak 0[/green]; "
                   "one failed request made it SUSPECT, not DEAD.")
@@ -451,28 +454,10 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
 
 def _load_config(config_file: Path | None, overrides: dict[str, dict[str, Any]]) -> Any:
     """The config file (or the defaults) with command-line overrides, validated together."""
-    import tomllib
+    from fleetwarden.config import ConfigError, load_config
 
-    from fleetwarden.config import ConfigError, parse_config
-
-    data: dict[str, Any] = {}
-    source = "the command line"
-    if config_file is not None:
-        try:
-            data = tomllib.loads(config_file.read_text())
-        except OSError as exc:
-            typer.echo(f"error: cannot read {config_file}: {exc.strerror}", err=True)
-            raise typer.Exit(2) from None
-        except tomllib.TOMLDecodeError as exc:
-            typer.echo(f"error: {config_file} is not valid TOML: {exc}", err=True)
-            raise typer.Exit(2) from None
-        source = f"{config_file} and the command line"
-    for section, values in overrides.items():
-        for key, value in values.items():
-            if value is not None:
-                data.setdefault(section, {})[key] = value
     try:
-        return parse_config(data, source)
+        return load_config(config_file, overrides)
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
@@ -625,7 +610,8 @@ def _client(config_file: Path | None, admin: str | None, token_file: Path | None
 ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", help="The fleet's config file (for its admin address and token).")]
 AdminOpt = Annotated[str | None, typer.Option(
-    "--admin", help="Admin API URL (default: from the config, http://127.0.0.1:8081).")]
+    "--admin", help="Admin API URL (default: the config's [admin] host and port; "
+    "`fleetwarden config --example` shows their defaults).")]
 TokenOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Admin token file (default: from the config).")]
 

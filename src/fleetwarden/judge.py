@@ -18,7 +18,7 @@ contradicts the router (lost core). A busy engine proves its health by progress 
 |---|---|---|
 | UNREACHABLE | ``/metrics`` and ``/health`` unreachable, or ``/health`` not 200 | never |
 | NO_METRICS | reachable; ``/metrics`` missing, unparseable or lacking | when due; none in flight |
-| FIRST_READ | busy at the first read: nothing to compare with yet | never |
+| FIRST_READ | busy at the first read, or routed requests it does not show yet | never |
 | RESTARTED | the process start time changed, or a counter went backwards | now if idle |
 | BUSY | work in it and something advanced; or empty, but it worked since the last read | never |
 | STALLED | work in the engine, nothing advanced since the last read | never |
@@ -319,6 +319,13 @@ def judge(
             return verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
                            replace(base, summary=f"{gauges}; first read, nothing to compare "
                                    "with yet"))
+        if in_flight:
+            # The router has requests on it that its gauges do not show yet (they arrived
+            # after the scrape, or a core is lost: the next read tells). A canary now would
+            # queue behind them, or be judged against a slot they hold.
+            return verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
+                           replace(base, summary=f"{gauges}; {in_flight} in flight; first "
+                                   "read, nothing to compare with yet"))
         return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
                        replace(base, summary=f"idle at the first read; {in_flight} in flight"))
 

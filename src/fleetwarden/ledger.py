@@ -25,7 +25,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "ABSENT",
@@ -226,8 +226,9 @@ class Policy:
     max_restart_attempts: int = 5
     #: Below this many shards that could still serve, :meth:`Ledger.raise_if_exhausted` raises.
     min_serving_shards: int = 1
-    #: ``trainer``: a restarted engine holds the checkpoint's weights and waits in STALE for the
-    #: trainer's next refit. ``static``: weights never change, so a silent restart loses nothing.
+    #: ``static``: weights never change, so a silent restart loses nothing and a loaded engine
+    #: serves after a good canary. ``trainer``: an RL trainer pushes weights; a restarted
+    #: engine holds the checkpoint's weights and waits in STALE for the trainer's next refit.
     weights: WeightsMode = "static"
 
     def __post_init__(self) -> None:
@@ -238,7 +239,7 @@ class Policy:
             raise ValueError(
                 f"Policy.max_restart_attempts must be at least 0, got {self.max_restart_attempts}"
             )
-        if self.weights not in ("static", "trainer"):
+        if self.weights not in get_args(WeightsMode):
             raise ValueError(f"Policy.weights must be 'static' or 'trainer', got {self.weights!r}")
 
 
@@ -345,9 +346,15 @@ _UNCHANGED = Outcome(applied=True)
 Subscriber = Callable[[Transition], None]
 
 
+#: A record's fields, which :class:`_Shard` mirrors one for one (a unit test holds them equal).
+_RECORD_FIELDS = tuple(f.name for f in fields(ShardRecord))
+
+
 @dataclass(slots=True)
 class _Shard:
-    """The ledger's mutable copy of a record. Only :meth:`Ledger._apply` writes its fields."""
+    """The ledger's mutable copy of a record: :class:`ShardRecord`'s fields, same names, same
+    defaults. Only :meth:`Ledger._apply` writes its fields (and ``last_ok_at``, which is no
+    transition)."""
 
     index: int
     base_url: str
@@ -366,21 +373,7 @@ class _Shard:
 
     def record(self) -> ShardRecord:
         if self._record is None:
-            self._record = ShardRecord(
-                index=self.index,
-                base_url=self.base_url,
-                state=self.state,
-                incarnation=self.incarnation,
-                consecutive_probe_failures=self.consecutive_probe_failures,
-                consecutive_probe_successes=self.consecutive_probe_successes,
-                consecutive_reported_failures=self.consecutive_reported_failures,
-                restart_attempts=self.restart_attempts,
-                state_before_partial=self.state_before_partial,
-                weight_version=self.weight_version,
-                last_error=self.last_error,
-                last_ok_at=self.last_ok_at,
-                last_transition_at=self.last_transition_at,
-            )
+            self._record = ShardRecord(**{name: getattr(self, name) for name in _RECORD_FIELDS})
         return self._record
 
 
@@ -419,7 +412,7 @@ class Ledger:
                                  f"at position {expected}")
         ledger = cls([], policy, clock)
         ledger._shards = [
-            _Shard(**{f.name: getattr(rec, f.name) for f in fields(ShardRecord)})
+            _Shard(**{name: getattr(rec, name) for name in _RECORD_FIELDS})
             for rec in records
         ]
         ledger._by_url = {s.base_url: s.index for s in ledger._shards}

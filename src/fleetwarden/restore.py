@@ -19,19 +19,23 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.ledger import ABSENT, Ledger, ShardState
+from fleetwarden.probe import health_status
 
 __all__ = ["adopt_or_stop", "begin_run"]
 
 log = logging.getLogger(__name__)
 
 
+#: Seconds an engine of the last run gets to answer ``/health`` before it is stopped instead of
+#: adopted. A live engine answers in milliseconds; one that cannot answer in 3 s is not worth
+#: keeping, and the start of the whole fleet waits on this once per leftover engine.
+ADOPT_HEALTH_TIMEOUT_S = 3.0
+
+
 async def _answers(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s, \
-                s.get(url + "/health") as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False
+    async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=ADOPT_HEALTH_TIMEOUT_S)) as s:
+        return await health_status(s, url + "/health") == 200
 
 
 async def adopt_or_stop(

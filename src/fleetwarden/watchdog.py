@@ -67,6 +67,8 @@ from fleetwarden.judge import (
     conclude,
     judge,
 )
+from fleetwarden.probe import describe as _describe
+from fleetwarden.probe import health_status
 
 __all__ = [
     "CANARY_ID_PREFIX",
@@ -167,6 +169,8 @@ class _Memory:
     #: balancer answering from several engines, and the URL is judged as a proxy from then on.
     incarnations: list[str] = field(default_factory=list)
     proxy: bool = False
+    #: When this URL was last read: a URL no one reads any more is forgotten.
+    visited_at: float = 0.0
     #: The engine's profile: configured, or recognised at a read (then kept for this URL).
     profile: EngineProfile | None = None
 
@@ -222,6 +226,7 @@ class Watchdog:
         urls = [t.url for t in targets]
         if len(set(urls)) != len(urls):
             raise ValueError("each engine URL may appear once in a round")
+        self._forget_gone()
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self.probe(t)) for t in targets]
         return {t.url: task.result() for t, task in zip(targets, tasks, strict=True)}
@@ -271,6 +276,13 @@ class Watchdog:
             engine=memory.profile,
         )
 
+    def _forget_gone(self) -> None:
+        """Drop what is kept of URLs not read for :data:`FORGET_AFTER_S`: a restarted engine's
+        old port, a retired shard's URL. Memory that only grows is a leak (issue 15)."""
+        cutoff = self._clock() - FORGET_AFTER_S
+        for url in [u for u, m in self._memory.items() if m.visited_at < cutoff]:
+            del self._memory[url]
+
     def is_proxy(self, url: str) -> bool:
         """``url`` was found to be a load balancer (its start time came back)."""
         memory = self._memory.get(url)
@@ -286,6 +298,7 @@ class Watchdog:
 
     def _remember(self, target: Target) -> _Memory:
         memory = self._memory.setdefault(target.url, _Memory())
+        memory.visited_at = self._clock()
         if target.engine != AUTO and (memory.profile is None
                                       or memory.profile.name != target.engine):
             memory.profile = profile(target.engine)
@@ -354,12 +367,7 @@ class Watchdog:
         return (result.reason if isinstance(result, Unreadable) else result), engine
 
     async def _get_status(self, url: str) -> int | str:
-        try:
-            async with self._http().get(url, timeout=self._read_timeout()) as resp:
-                await resp.content.readany()  # /health is empty; never read a large body
-                return resp.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e)
+        return await health_status(self._http(), url, read_timeout=self._read_timeout())
 
     async def _models(self, url: str) -> tuple[str, ...] | str:
         """The served model names, or why they could not be had."""
@@ -383,7 +391,9 @@ class Watchdog:
 
     async def canary(self, url: str, memory: _Memory | None = None) -> CanaryResult:
         """One tiny completion (``max_tokens`` 1), with the canary timeout over everything."""
-        memory = memory if memory is not None else self._memory.setdefault(url, _Memory())
+        if memory is None:
+            memory = self._memory.setdefault(url, _Memory())
+            memory.visited_at = self._clock()
         started = self._clock()
         timeout = self.policy.canary_timeout_s
 
@@ -433,14 +443,6 @@ async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | Non
             return None
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
-        return "timed out"
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return f"cannot connect: {e.os_error.strerror or e.os_error}"
-    return f"{type(e).__name__}: {e}".rstrip(": ")
 
 
 # ---------------------------------------------------------------------- one-shot check
@@ -509,6 +511,10 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
                 stall_s = watchdog.policy_for(report.engine).stall_s
                 wait = max(interval_s, stall_s - report.evidence.stalled_for_s)
 
+
+#: Seconds after its last read that a URL's memory is dropped. An hour: far longer than any
+#: tick or canary interval of a URL still in the fleet, so only gone URLs are forgotten.
+FORGET_AFTER_S = 3600.0
 
 #: Start times remembered per URL to tell a load balancer from a restarting engine.
 _INCARNATIONS_KEPT = 8

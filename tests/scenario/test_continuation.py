@@ -26,8 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import FaultMode, Sim, SimConfig
-
-from .support import SimProcess, until
+from support.sim import SimProcess, until
 
 pytestmark = pytest.mark.scenario
 

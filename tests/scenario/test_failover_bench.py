@@ -2,7 +2,8 @@
 
 One short scenario (``--quick``: a wedge under load, fleetwarden's timings compressed) run the
 way a user runs the benchmark, as a process; its JSON rows are checked for what actually
-happened on the engines and at the clients, not only that it ran.
+happened on the engines and at the clients, not only that it ran. The engines are a mixed
+fleet (``--sim-engines vllm,llamacpp,sglang``): the wedged one speaks llama.cpp's metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def test_the_failover_harness_measures_a_wedge_on_fleetwarden(tmp_path: Path) ->
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "failover.py"), "--quick",
-         "--routers", "fleetwarden", "--scenarios", "wedge", "--json", str(out)],
+         "--routers", "fleetwarden", "--scenarios", "wedge", "--json", str(out),
+         "--sim-engines", "vllm,llamacpp,sglang"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]

@@ -282,6 +282,14 @@ def test_a_first_read_of_an_idle_engine_is_idle_and_of_a_busy_one_proves_nothing
     assert conclude(busy, None) is Health.UNPROVEN
 
 
+def test_a_first_read_sends_no_canary_while_the_router_has_requests_on_it() -> None:
+    """Issue 15 (smaller): idle gauges at the first read, but requests in flight that the
+    scrape did not see yet: a canary would queue behind them. The next read compares."""
+    j = judge(None, IDLE, elapsed_s=0, in_flight=2)
+    assert (j.verdict, j.send_canary) == (Verdict.FIRST_READ, False)
+    assert conclude(j, None) is Health.UNPROVEN
+
+
 def test_an_unreachable_engine_is_dead_and_that_is_one_failed_probe() -> None:
     j = judge(BUSY, Down("connection refused"), elapsed_s=5, stall=Stall(1, 10))
     assert (j.verdict, j.send_canary, j.stall) == (Verdict.UNREACHABLE, False, NO_STALL)

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from fleetwarden.router import BackendFacts, ControlError, RemoteRouter, Router, RouterControl
-from router_rig import rig, until
-from scripted_engine import ScriptedEngine
+from support.router_rig import rig, until
+from support.scripted_engine import ScriptedEngine
 
 TOKEN = "s3cret-token"
 
