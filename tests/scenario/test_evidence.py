@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fleetwarden.ledger import Event, ShardState
 from fleetwarden.testing.load import Load
-
-from .fleet_support import (
+from support.fleet import (
     SIM,
     record_transitions,
     running_fleet,
@@ -20,6 +21,8 @@ from .fleet_support import (
     sim_stats,
     until,
 )
+
+pytestmark = pytest.mark.scenario
 
 D, R = ShardState.DEAD, ShardState.RESTARTING
 #: One tick a minute: only the evidence can act within a test.

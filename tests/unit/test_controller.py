@@ -17,7 +17,7 @@ from fleetwarden.ledger import Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
-from router_rig import rig, until
+from support.router_rig import rig, until
 
 H, S, ST, D = ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE, ShardState.DEAD
 
