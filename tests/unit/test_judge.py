@@ -16,6 +16,7 @@ from fleetwarden.judge import (
     NO_STALL,
     CanaryRule,
     Down,
+    Evidence,
     Health,
     Judgement,
     NoMetrics,
@@ -347,3 +348,22 @@ def test_an_enormous_metrics_body_is_no_metrics() -> None:
     result = parse(body)
     assert isinstance(result, Unreadable) and "limit" in result.reason
     assert judge(BUSY, NoMetrics(result.reason), elapsed_s=2.0).verdict is Verdict.NO_METRICS
+
+
+def test_the_verdict_table_has_a_row_for_every_verdict_and_lets_a_canary_decide() -> None:
+    """``judge.VERDICTS`` is the one home of the verdict table: every verdict has a row, and a
+    verdict that allows a canary proves nothing by itself (the canary's answer decides), while
+    one that proves by itself never sends one."""
+    from fleetwarden.judge import VERDICTS
+
+    assert set(VERDICTS) == set(Verdict)
+    for verdict, rule in VERDICTS.items():
+        if not rule.canary.startswith("never"):
+            assert rule.proves is None, verdict
+        for ok in (None, True, False):
+            j = Judgement(verdict, Evidence(""), CanaryRule.NEVER, False, NO_STALL)
+            expected = rule.proves if rule.proves is not None else (
+                Health.UNPROVEN if ok is None else Health.PROVEN if ok else rule.failed_canary)
+            assert conclude(j, ok) is expected
+    design = (Path(__file__).parents[2] / "docs" / "design.md").read_text()
+    assert "judge.VERDICTS" in design  # the docs say where the table is, not what it says
