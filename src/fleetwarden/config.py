@@ -233,6 +233,7 @@ class RouterConfig(_Section):
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     continue_streams: bool = _ROUTER.continue_streams
+    continue_answers: bool = _ROUTER.continue_answers
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
     #: over the control API. They keep serving with the last serving set through
     #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is

@@ -243,8 +243,9 @@ class Supervisor:
     async def _stop_logged(self, handle: EngineHandle) -> None:
         try:
             await self.launcher.stop(handle)
-        except LaunchError as exc:
-            log.error("%s", exc)
+        except Exception as exc:  # never swallowed: an engine may be left running
+            log.error("shard %d: stopping engine %s failed: %s", handle.shard, handle.launch_id,
+                      exc)
 
     async def restart_now(self, i: int, reason: str) -> bool:
         """An operator's restart: condemn the shard so the next tick replaces it."""

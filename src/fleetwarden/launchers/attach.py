@@ -81,7 +81,6 @@ class AttachLauncher:
             _, before = await read_incarnation(session, url)
         handle = EngineHandle(shard=shard, url=url, launch_id=f"attach-{uuid.uuid4().hex[:12]}",
                               launched_at=time.time())
-        self._before[handle.launch_id] = before
         if self.command is not None:
             name = urlsplit(url).hostname or url
             argv = shlex.split(self.command.format(shard=shard, url=url, name=name))
@@ -99,6 +98,9 @@ class AttachLauncher:
                 raise LaunchError(f"shard {shard}: restart command exited with code "
                                   f"{proc.returncode}: {tail}")
             log.info("shard %d: ran restart command for %s", shard, url)
+        # Kept only once the launch succeeded: a failed one has no handle to stop, and an
+        # entry for it would stay for good.
+        self._before[handle.launch_id] = before
         return handle
 
     async def _finish(self, proc: asyncio.subprocess.Process, shard: int) -> bytes:

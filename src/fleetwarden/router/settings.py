@@ -79,6 +79,12 @@ class RouterSettings:
     #: and strips them from what the client did not ask for. Off: streams pass through
     #: untouched, and one cut mid-answer is cut for its client too.
     continue_streams: bool = True
+    #: Also continue non-streamed completions and chats: the router asks the engine for a
+    #: stream and assembles the answer in vLLM's shape, so a long generation rescued from a
+    #: wedge or cut by a crash goes on elsewhere instead of starting over. Off by default: it
+    #: costs the router the parsing of every token's chunk (BENCHMARKS.md), and requests with
+    #: logprobs are not assembled.
+    continue_answers: bool = False
     #: How long an idle pooled connection to a backend is kept. Below uvicorn's 5 s (vLLM's
     #: server): a connection is never reused at the moment the engine closes it, so a reset
     #: means the engine, not the pool.

@@ -124,7 +124,9 @@ class RouterCollector(Collector):
 
         poison = CounterMetricFamily(
             "fleetwarden_router_poison_requests",
-            "Requests answered after the same 5xx on two backends, counted against neither.")
+            "Requests that got the same 5xx from a second backend: that answer is passed to "
+            "the client and not counted against the second backend (the first backend's 5xx "
+            "was counted before the retry).")
         poison.add_metric([], s.poison_requests)
         yield poison
 
