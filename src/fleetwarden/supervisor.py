@@ -1,5 +1,9 @@
 """The supervisor: restarts condemned shards through a launcher, within budgets.
 
+Owns: restarts: budgets, backoff, the concurrency cap, and every task it starts.
+Must not: decide that a shard is condemned (the ledger does) or how an engine is launched (the
+launchers do).
+
 The ledger decides *that* a shard is restarted (it is DEAD and has budget left); the supervisor
 does it: ``mark_restarting`` (spends one restart), launch, wait until the engine answers within
 ``startup_timeout_s``, then ``mark_loaded`` with the new URL and incarnation. A failed attempt is

@@ -1,5 +1,9 @@
 """Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
 
+Owns: attached engines: their restart command, its timeout, and telling a new process from the
+old one.
+Must not: start engines itself: something else runs them.
+
 fleetwarden routes to them, watches them and judges them as it does its own engines. When one
 is condemned, ``restart_command`` (a template such as ``kubectl delete pod {name}`` or
 ``systemctl restart vllm@{shard}``) asks the system that runs it for a new process, within the
