@@ -188,6 +188,9 @@ ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
     RouterSpec("fleetwarden", "fleetwarden",
                flags="defaults (tick 5 s; a failed request ejects at once, a request silent "
                "1 s accuses; focused reads every 0.25 s; stall floor 5 s)"),
+    # Not in the default set: non-streamed answers continued too (issue 16, off by default).
+    RouterSpec("fleetwarden-answers", "fleetwarden", True,
+               "defaults, and [router] continue_answers = true"),
     RouterSpec("sglang-router", "sglang", flags=f"defaults, {RUST_POLICY}"),
     RouterSpec("sglang-router-tuned", "sglang", True, f"{' '.join(TUNED_RUST)}, {RUST_POLICY}"),
     RouterSpec("vllm-router", "vllm", flags=f"defaults, {RUST_POLICY}"),
@@ -197,6 +200,10 @@ ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
                f"proxy_read_timeout={TUNED_TIMEOUT_S}s, proxy_next_upstream error timeout "
                "http_500 http_502 http_503 non_idempotent (3 tries)"),
 ]}
+
+
+#: Run only when named in --routers.
+OPTIONAL_ROUTERS = ("fleetwarden-answers",)
 
 
 @dataclass
@@ -280,7 +287,7 @@ class Launcher:
         url = f"http://127.0.0.1:{port}"
         log = self.folder / f"{spec.name}.log"
         if spec.kind == "fleetwarden":
-            return self._fleetwarden(port, engines, log)
+            return self._fleetwarden(port, engines, log, answers=spec.tuned)
         if spec.kind in ("sglang", "vllm"):
             requirement = SGLANG_ROUTER if spec.kind == "sglang" else VLLM_ROUTER
             module = "sglang_router" if spec.kind == "sglang" else "vllm_router"
@@ -306,11 +313,14 @@ class Launcher:
                                  lambda _: _nginx_verdicts(folder / "error.log", engines))
         raise ValueError(spec.kind)
 
-    def _fleetwarden(self, port: int, engines: list[str], log: Path) -> RunningRouter:
+    def _fleetwarden(self, port: int, engines: list[str], log: Path,
+                     answers: bool = False) -> RunningRouter:
         config: dict[str, dict[str, Any]] = {
             "fleet": {"log_dir": str(self.folder / "fw-logs")},
             "admin": {"token_file": str(self.folder / "fw-admin.token")},
         }
+        if answers:
+            config["router"] = {"continue_answers": True}
         if self.quick:
             config["health"] = dict(QUICK_HEALTH)
         conf = self.folder / "fleetwarden.toml"
@@ -434,6 +444,7 @@ class Row:
     slow: int = 0
     p50_s: float | None = None
     p99_s: float | None = None
+    max_s: float | None = None  # the slowest answer
     #: New requests that reached the bad engine after the fault, and when the last one came
     #: (seconds after the fault); None when there is no bad engine or it exited.
     bad_after: int | None = None
@@ -597,6 +608,7 @@ def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, b
     if lat:
         row.p50_s = lat[len(lat) // 2]
         row.p99_s = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        row.max_s = lat[-1]
     if fault_at is None:
         return
     row.bad_exited = scenario.fault == "crash"
@@ -775,7 +787,8 @@ def _load_cell(row: Row) -> str:
 def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
     lines = ["| scenario | router | sent (whole streams) | client-visible failures "
              "| slow (>10 s extra) "
-             "| p50 / p99 s | requests parked on the bad engine: last answered (count) "
+             "| p50 / p99 / slowest s "
+             "| requests parked on the bad engine: last answered (count) "
              "| new requests on the bad engine after the fault: last (count) "
              "| healthy engines ejected | load avg |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -788,7 +801,8 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
         sent = f"{row.sent} ({row.ok} whole)" if scenarios[row.scenario].stream else row.sent
         lines.append(
             f"| {title} | {row.router} | {sent} | {_failed_cell(row)} | {row.slow} "
-            f"| {_fmt_s(row.p50_s)} / {_fmt_s(row.p99_s)} | {_parked_cell(row)} "
+            f"| {_fmt_s(row.p50_s)} / {_fmt_s(row.p99_s)} / {_fmt_s(row.max_s)} "
+            f"| {_parked_cell(row)} "
             f"| {_bad_cell(row)} "
             f"| {row.healthy_ejected} | {_load_cell(row)} |")
     return "\n".join(lines)
@@ -968,7 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     if real:
         scenarios = {n: dataclasses.replace(s, slots=0, steps_per_s=1000.0, max_tokens=(16, 64),
                                             clients=8) for n, s in scenarios.items()}
-    routers = [ROUTERS[n] for n in _pick(args.routers, ROUTERS, "router")]
+    routers = [ROUTERS[n] for n in _pick(args.routers, ROUTERS, "router")
+               if args.routers or n not in OPTIONAL_ROUTERS]
     kinds = tuple(k for k in args.sim_engines.split(",") if k)
     from fleetwarden.sim.config import SIM_ENGINES
 

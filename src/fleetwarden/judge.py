@@ -1,5 +1,10 @@
 """Verdicts on an engine from two reads of its metrics (pure; SYSTEM.md section 5, note 002).
 
+Owns: the verdicts, the stall memory, when a canary may be sent and what each outcome amounts to
+(``VERDICTS``).
+Must not: do I/O or read a clock (pure), or touch the ledger (it answers; the ledger decides the
+shard's state).
+
 Two rules, as in h11's ``_state.py``:
 
 * Everything that decides what a read of an engine means lives in this file: the verdicts, the
