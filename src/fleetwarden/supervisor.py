@@ -89,6 +89,7 @@ class Supervisor:
         #: Durations of recent successful restarts, for the routers' Retry-After estimate.
         self._durations: list[float] = []
         self._tick_pending = False
+        self._closing = False
         self._unsubscribe = ledger.subscribe(self._on_transition)
 
     def _on_transition(self, t: Transition) -> None:
@@ -103,6 +104,8 @@ class Supervisor:
 
     def _tick_now(self) -> None:
         self._tick_pending = False
+        if self._closing:
+            return  # scheduled before close(): nothing new starts now
         try:
             self.tick()
         except Exception:
@@ -278,6 +281,7 @@ class Supervisor:
     async def close(self) -> bool:
         """Cancel restarts in progress and stop every engine (the launcher's own check that
         nothing of any group is left). True when every engine was stopped and verified gone."""
+        self._closing = True
         self._unsubscribe()
         for attempt in self.attempts.values():
             attempt.task.cancel()
