@@ -34,6 +34,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.judge import Health, Verdict
 from fleetwarden.ledger import (
     ABSENT,
+    ROUTABLE,
     FleetExhausted,
     Ledger,
     ShardState,
@@ -88,7 +89,7 @@ class TickReport:
 class FleetStatus:
     """The fleet-level answer to "can this fleet serve?" — never an exception to the caller."""
 
-    state: str  # "serving", "degraded", "down", "exhausted"
+    state: str  # "serving", "degraded", "asleep", "down", "exhausted"
     detail: str
     counts: dict[str, int]
 
@@ -126,6 +127,8 @@ class Controller:
         #: the ledger, so the controller proves such a death itself).
         self._stale_unreachable: dict[int, int] = {}
         self._condemned: dict[int, str] = {}
+        #: Shards that fell asleep since the last tick: their waiting requests move elsewhere.
+        self._fell_asleep: dict[int, str] = {}
         self._urgent: set[asyncio.Task[None]] = set()
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._wake = asyncio.Event()
@@ -137,6 +140,10 @@ class Controller:
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
+        elif t.to_state is ShardState.SLEEPING and t.from_state in ROUTABLE:
+            # A sleeping engine holds what it has not begun to answer until it wakes: those
+            # requests are rescued, as off a condemned one (it is not condemned).
+            self._fell_asleep[t.shard] = t.record.base_url
 
     def shard_condemned_now(self, shard: int, url: str) -> None:
         """Called outside the tick (a process exit): push and rescue without waiting."""
@@ -172,6 +179,9 @@ class Controller:
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        excused = excused | frozenset(self.ledger.sleeping())
 
         # 1. the watchdog round, for every shard with a process
         in_flight = await self._in_flight(report)
@@ -216,7 +226,8 @@ class Controller:
         # 5. rescue what waits on shards condemned this tick
         condemned, self._condemned = self._condemned, {}
         report.condemned = sorted(condemned)
-        for url in condemned.values():
+        asleep, self._fell_asleep = self._fell_asleep, {}
+        for url in [*condemned.values(), *asleep.values()]:
             for link in self.routers:
                 try:
                     report.rescued += await link.rescue(url)
@@ -270,19 +281,29 @@ class Controller:
             self.journal.record_verdict(i, r.url, v.name, r.evidence.to_dict())
         if v is Verdict.RESTARTED and r.incarnation is not None:
             self.ledger.observe_incarnation(i, r.incarnation)
-        state = self.ledger.state(i)
         why = r.evidence.summary
+        if v is Verdict.SLEEPING:
+            if r.evidence.previous_incarnation is not None and r.incarnation is not None:
+                self.ledger.observe_incarnation(i, r.incarnation)  # a new process, asleep
+            self.ledger.report_asleep(i, f"{v.name}: {why}")
+            self._stale_unreachable.pop(i, None)
+            return
+        if (self.ledger.state(i) is ShardState.SLEEPING and r.sample is not None
+                and r.sample.sleep_level == 0):
+            self.ledger.report_awake(i, f"reports awake: {why}")
+        state = self.ledger.state(i)
         if (r.canary is not None and not r.canary.ok and self.refit is not None
                 and i in self.refit.stalls_excused()):
             # A canary sent just before a refit lease began, answered (or not) during it: an
             # engine loading weights may not generate, so its silence proves nothing.
             return
-        if state is ShardState.STALE and v is Verdict.UNREACHABLE:
-            # Probes do not move a STALE shard; the controller proves such a death itself.
+        if state in (ShardState.STALE, ShardState.SLEEPING) and v is Verdict.UNREACHABLE:
+            # Probes do not move a STALE or sleeping shard; the controller proves such a death
+            # itself.
             n = self._stale_unreachable.get(i, 0) + 1
             self._stale_unreachable[i] = n
             if n >= self.config.health.unhealthy_threshold:
-                self.ledger.condemn(i, f"unreachable on {n} reads while STALE: {why}")
+                self.ledger.condemn(i, f"unreachable on {n} reads while {state}: {why}")
             return
         self._stale_unreachable.pop(i, None)
         if health is Health.CONDEMNED:
@@ -319,6 +340,9 @@ class Controller:
             self.ledger.raise_if_exhausted()
         except FleetExhausted as exc:
             return FleetStatus("exhausted", str(exc), counts)
+        if serving == 0 and self.ledger.sleeping():
+            return FleetStatus("asleep", f"{len(self.ledger.sleeping())} shards asleep; none "
+                               "serves until one wakes", counts)
         if serving == 0:
             return FleetStatus("down", "no shard serves; restarts in progress", counts)
         journal = self._journal_problem()
@@ -368,6 +392,21 @@ class Controller:
                 await link.set_serving_backends(urls, facts)
             except Exception as exc:
                 log.warning("router %s: push failed: %s", _name(link), exc)
+
+    async def push_and_rescue_now(self) -> int:
+        """Push now, and move the requests waiting on shards that fell asleep since the last
+        push elsewhere (the trainer's sleep bracket, before its engines sleep). Returns how
+        many were moved."""
+        await self.push_now()
+        asleep, self._fell_asleep = self._fell_asleep, {}
+        moved = 0
+        for url in asleep.values():
+            for link in self.routers:
+                try:
+                    moved += await link.rescue(url)
+                except Exception as exc:
+                    log.warning("router %s: rescue failed: %s", _name(link), exc)
+        return moved
 
     def wake(self) -> None:
         """Run the next tick now (an admin action changed the fleet)."""

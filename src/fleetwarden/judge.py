@@ -26,6 +26,12 @@ contradicts the router (lost core). A busy engine proves its health by progress 
 | IDLE | nothing running or waiting; nothing done since the last read but our canary | when due |
 | LOST_CORE | idle and flat, but the router has requests in flight there | now; conclusive |
 | REACHABLE | a proxy answered ``GET /v1/models`` (its backends are judged directly) | never |
+| SLEEPING | ``vllm:engine_sleep_state`` says asleep: it holds generations until woken | never |
+
+A sleeping engine (vLLM's sleep mode, while a trainer uses the GPU) answers ``/health`` 200,
+shows 0 running and 0 waiting, and holds what is sent to it: exactly a lost core, or an idle
+engine whose canary fails. Its own word decides first, so it is never canaried, never STUCK and
+never LOST_CORE; it proves nothing either way (UNPROVEN) and its stall memory is cleared.
 
 Keep in sync: this table, :func:`judge`, :func:`conclude`, the mapping table in
 ``watchdog.py``, and SYSTEM.md section 5.
@@ -119,6 +125,7 @@ class Verdict(enum.Enum):
     UNREACHABLE = "unreachable"
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
+    SLEEPING = "sleeping"
 
     def __str__(self) -> str:
         return self.value
@@ -314,6 +321,18 @@ def judge(
     base = Evidence(gauges, running=after.running, waiting=after.waiting, in_flight=in_flight,
                     incarnation=after.incarnation)
 
+    if after.sleeping:
+        held = f"; the {in_flight} requests in flight wait for its wake-up" if in_flight else ""
+        restarted = ""
+        if before is not None and before.start_time != after.start_time:
+            # Asleep already in a new process: the restart is told (previous_incarnation), so
+            # that the ledger does not wake it to the weights the old process had.
+            base = replace(base, previous_incarnation=before.incarnation)
+            restarted = f"; a new process ({before.incarnation} -> {after.incarnation})"
+        return verdict(Verdict.SLEEPING, CanaryRule.NEVER,
+                       replace(base, summary=f"asleep (sleep level {after.sleep_level}); "
+                               f"{gauges}{held}{restarted}"))
+
     if before is None:
         if has_work:
             return verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
@@ -393,6 +412,8 @@ def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
     v = judgement.verdict
     if v in (Verdict.BUSY, Verdict.REACHABLE):
         return Health.PROVEN
+    if v is Verdict.SLEEPING:
+        return Health.UNPROVEN  # asleep proves nothing; the ledger takes it out of routing
     if v is Verdict.STUCK:
         return Health.CONDEMNED
     if v is Verdict.UNREACHABLE:

@@ -51,6 +51,9 @@ class ShardState(enum.Enum):
     DEAD = "DEAD"  # condemned; replacement not started
     RESTARTING = "RESTARTING"  # replacement coming up
     RETIRED = "RETIRED"  # budget exhausted or removed by an operator; terminal
+    #: vLLM's sleep mode (a trainer has the GPU): process up, serves nothing, never judged
+    #: stuck; it goes back to what it was (``state_before_sleep``) when it reports awake.
+    SLEEPING = "SLEEPING"
 
     def __str__(self) -> str:
         return self.value
@@ -62,6 +65,7 @@ STALE = ShardState.STALE
 DEAD = ShardState.DEAD
 RESTARTING = ShardState.RESTARTING
 RETIRED = ShardState.RETIRED
+SLEEPING = ShardState.SLEEPING
 
 #: States whose shards receive traffic.
 ROUTABLE: frozenset[ShardState] = frozenset({HEALTHY, SUSPECT})
@@ -90,6 +94,10 @@ class Event(enum.Enum):
     RESTART_FAILED = "restart failed"
     LOADED = "loaded"  # the replacement process answers
     RETIRED_BY_OPERATOR = "retired"
+    ASLEEP = "asleep"  # it reports asleep, or the trainer put it to sleep
+    WOKE = "woke"  # it reports awake again: back to HEALTHY, as it was before the sleep
+    WOKE_SUSPECT = "woke, still suspect"  # ... back to SUSPECT: a sleep proves nothing
+    WOKE_STALE = "woke, still stale"  # ... back to STALE: its weights are still not current
 
     def __str__(self) -> str:
         return self.value
@@ -115,6 +123,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_INCARNATION: HEALTHY,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        E.ASLEEP: SLEEPING,
     },
     SUSPECT: {
         E.PROBE_OK: SUSPECT,
@@ -130,6 +139,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        E.ASLEEP: SLEEPING,
     },
     STALE: {  # left only by a completed refit, a conclusive death, or retirement
         E.REQUEST_OK: STALE,
@@ -142,6 +152,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_INCARNATION: STALE,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        E.ASLEEP: SLEEPING,
     },
     DEAD: {  # re-entry is always DEAD -> RESTARTING -> STALE -> (refit) -> HEALTHY
         E.REQUEST_OK: DEAD,
@@ -156,6 +167,28 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.RETIRED_BY_OPERATOR: RETIRED,
     },
     RETIRED: {},  # terminal: nothing ever changes a retired shard again
+    # Asleep: serves nothing and is judged on nothing (probes, failures and outcomes only count
+    # for serving shards). It wakes to the state it slept in; it takes part in a refit (a
+    # trainer loads weights into a sleeping engine, and vLLM's level-2 sleep needs it), which
+    # changes what it wakes to. Its process can still die, restart, or be retired.
+    SLEEPING: {
+        E.ASLEEP: SLEEPING,  # the trainer now holds it asleep
+        E.WOKE: HEALTHY,
+        E.WOKE_SUSPECT: SUSPECT,
+        E.WOKE_STALE: STALE,
+        E.REQUEST_OK: SLEEPING,
+        E.CONDEMNED: DEAD,
+        E.SILENT_PARTICIPANT: DEAD,
+        E.WEIGHTS_PARTIAL: SLEEPING,  # wakes STALE
+        E.REFIT: SLEEPING,  # wakes HEALTHY
+        E.REFIT_STILL_SUSPECT: SLEEPING,  # wakes SUSPECT
+        E.IDENTIFIED: SLEEPING,
+        # A new process starts awake, with nothing proved of its weights: STALE, promoted by a
+        # good canary with static weights, by the next refit with a trainer's.
+        E.NEW_INCARNATION: STALE,
+        E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
 }
 # fmt: on
 
@@ -219,6 +252,11 @@ class ShardRecord:
     state_before_partial: ShardState | None = None
     weight_version: int = 0
     last_error: str = ""
+    #: While SLEEPING: the state it wakes to (what it slept in, as refits since changed it).
+    state_before_sleep: ShardState | None = None
+    #: While SLEEPING: the trainer put it to sleep, so only the trainer's wake puts it back
+    #: (an engine read awake between the bracket's mark and its ``/sleep`` proves nothing).
+    sleep_held: bool = False
     #: Informational: when a probe or request last succeeded. Changes on every good probe, so it
     #: is not a transition of its own; the journal keeps it with the next change or snapshot.
     last_ok_at: float | None = None
@@ -229,6 +267,8 @@ class ShardRecord:
         d["state"] = self.state.value
         sbp = self.state_before_partial
         d["state_before_partial"] = sbp.value if sbp is not None else None
+        sbs = self.state_before_sleep
+        d["state_before_sleep"] = sbs.value if sbs is not None else None
         return d
 
     @classmethod
@@ -241,6 +281,8 @@ class ShardRecord:
         values["state"] = ShardState(values["state"])
         sbp = values.get("state_before_partial")
         values["state_before_partial"] = ShardState(sbp) if sbp is not None else None
+        sbs = values.get("state_before_sleep")
+        values["state_before_sleep"] = ShardState(sbs) if sbs is not None else None
         return cls(**values)
 
 
@@ -252,6 +294,8 @@ _COUNTER_FIELDS = (
     "restart_attempts",
     "state_before_partial",
     "weight_version",
+    "state_before_sleep",
+    "sleep_held",
 )
 
 
@@ -318,6 +362,8 @@ class _Shard:
     state_before_partial: ShardState | None = None
     weight_version: int = 0
     last_error: str = ""
+    state_before_sleep: ShardState | None = None
+    sleep_held: bool = False
     last_ok_at: float | None = None
     last_transition_at: float = 0.0
     _record: ShardRecord | None = field(default=None, repr=False)
@@ -336,6 +382,8 @@ class _Shard:
                 state_before_partial=self.state_before_partial,
                 weight_version=self.weight_version,
                 last_error=self.last_error,
+                state_before_sleep=self.state_before_sleep,
+                sleep_held=self.sleep_held,
                 last_ok_at=self.last_ok_at,
                 last_transition_at=self.last_transition_at,
             )
@@ -564,7 +612,7 @@ class Ledger:
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "already out of the fleet")
-        return self._apply(s, E.CONDEMNED, cause, last_error=cause)
+        return self._apply(s, E.CONDEMNED, cause, last_error=cause, **_NOT_ASLEEP)
 
     # ------------------------------------------------------------------ refits
 
@@ -573,18 +621,22 @@ class Ledger:
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards take no part in a refit")
-        before = s.state_before_partial if s.state is STALE else s.state  # STALE itself would
+        awake = _awake_state(s)
+        before = s.state_before_partial if awake is STALE else awake  # STALE itself would
         # say nothing to the refit that reads it, so an already-STALE shard keeps its value
+        asleep: dict[str, Any] = {"state_before_sleep": STALE} if s.state is SLEEPING else {}
         return self._apply(
             s, E.WEIGHTS_PARTIAL, "a refit aborted while its weights were loading",
-            state_before_partial=before,
+            state_before_partial=before, **asleep,  # a sleeping shard wakes STALE
         )
 
     def suspected_shards(self) -> list[int]:
-        """SUSPECT shards, and STALE shards that were SUSPECT before an aborted refit."""
+        """SUSPECT shards, and STALE shards that were SUSPECT before an aborted refit (asleep
+        or not: a sleeping shard is judged as what it wakes to)."""
         return [
             s.index for s in self._shards
-            if s.state is SUSPECT or (s.state is STALE and s.state_before_partial is SUSPECT)
+            if (awake := _awake_state(s)) is SUSPECT
+            or (awake is STALE and s.state_before_partial is SUSPECT)
         ]
 
     def condemn_silent_participant(self, i: int, reason: str) -> Outcome:
@@ -593,20 +645,22 @@ class Ledger:
         if s.state in ABSENT:
             return self._ignored(s, "already out of the fleet")
         cause = f"silent participant of an aborted refit: {reason}"
-        return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause)
+        return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause, **_NOT_ASLEEP)
 
     def report_refit(self, i: int, version: int) -> Outcome:
         """A refit to ``version`` completed on this shard."""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards take no part in a refit")
-        was_suspect = s.state is SUSPECT or s.state_before_partial is SUSPECT
-        common = dict(
+        was_suspect = _awake_state(s) is SUSPECT or s.state_before_partial is SUSPECT
+        common: dict[str, Any] = dict(
             state_before_partial=None,  # read here, once: the refit it waited for has landed
             weight_version=version,
             consecutive_probe_failures=0,  # probes judged the old weights
             consecutive_probe_successes=0,  # probes judged the old weights
         )
+        if s.state is SLEEPING:  # loaded while asleep: it wakes to what the refit made it
+            common["state_before_sleep"] = SUSPECT if was_suspect else HEALTHY
         if was_suspect:
             # The suspicion survives: the refit has nothing to do with why requests failed,
             # and that streak is the only thing that catches an engine which fails every
@@ -643,7 +697,38 @@ class Ledger:
             consecutive_probe_successes=0,  # the old process passed those probes, not this one
             consecutive_reported_failures=0,  # the old process failed those requests
             state_before_partial=None,  # that verdict was about the old process too
+            **_NOT_ASLEEP,  # a new process starts awake
         )
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def report_asleep(self, i: int, cause: str, *, held: bool = False) -> Outcome:
+        """The engine is asleep (it says so, or the trainer put it to sleep: ``held``). It
+        serves nothing until it wakes; it wakes to the state it slept in."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards have no process to sleep")
+        if s.state is SLEEPING:
+            if held and not s.sleep_held:
+                return self._apply(s, E.ASLEEP, cause, sleep_held=True)
+            return _UNCHANGED
+        return self._apply(s, E.ASLEEP, cause, state_before_sleep=s.state, sleep_held=held)
+
+    def report_awake(self, i: int, cause: str, *, by_trainer: bool = False) -> Outcome:
+        """The engine is awake again: back to the state it slept in (a refit while asleep
+        changed that). No counter moves: a sleep proves nothing either way. A shard the
+        trainer put to sleep wakes only by the trainer's word (``by_trainer``)."""
+        s = self._shard(i)
+        if s.state is not SLEEPING:
+            return self._ignored(s, "only a sleeping shard wakes")
+        if s.sleep_held and not by_trainer:
+            return self._ignored(s, "the trainer holds it asleep until its wake")
+        to = s.state_before_sleep
+        event = E.WOKE_SUSPECT if to is SUSPECT else E.WOKE_STALE if to is STALE else E.WOKE
+        return self._apply(s, event, cause, **_NOT_ASLEEP)
+
+    def sleeping(self) -> list[int]:
+        return [s.index for s in self._shards if s.state is SLEEPING]
 
     # ------------------------------------------------------------------ restarts
 
@@ -697,7 +782,7 @@ class Ledger:
         s = self._shard(i)
         if s.state is RETIRED:
             return self._ignored(s, "already retired")
-        return self._apply(s, E.RETIRED_BY_OPERATOR, reason, last_error=reason)
+        return self._apply(s, E.RETIRED_BY_OPERATOR, reason, last_error=reason, **_NOT_ASLEEP)
 
     # ------------------------------------------------------------------ queries
 
@@ -744,6 +829,17 @@ class Ledger:
                 f"{remaining} of {len(self._shards)} shards can still serve; "
                 f"min_serving_shards is {self.policy.min_serving_shards}"
             )
+
+
+#: The fields of a shard that is not asleep (every move out of SLEEPING writes them).
+_NOT_ASLEEP: Mapping[str, Any] = {"state_before_sleep": None, "sleep_held": False}
+
+
+def _awake_state(s: _Shard) -> ShardState:
+    """What the shard is, or wakes to when asleep: what refits and their aborts read."""
+    if s.state is SLEEPING and s.state_before_sleep is not None:
+        return s.state_before_sleep
+    return s.state
 
 
 def same_counters(a: ShardRecord, b: ShardRecord) -> bool:

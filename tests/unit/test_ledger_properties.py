@@ -20,6 +20,7 @@ from fleetwarden.ledger import (
 N = 4
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
                      ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+SL = ShardState.SLEEPING
 shard = st.integers(0, N - 1)
 
 
@@ -118,6 +119,17 @@ class LedgerMachine(RuleBasedStateMachine):
         self._op("observe_incarnation", i)
         self.ledger.observe_incarnation(i, inc)
 
+    @rule(i=shard, held=st.booleans())
+    def report_asleep(self, i: int, held: bool) -> None:
+        self._op("report_asleep", i)
+        self.ledger.report_asleep(i, "asleep", held=held)
+
+    @rule(i=shard, by_trainer=st.booleans())
+    def report_awake(self, i: int, by_trainer: bool) -> None:
+        self._op("report_awake", i)
+        self.last_awake_by_trainer = by_trainer
+        self.ledger.report_awake(i, "awake", by_trainer=by_trainer)
+
     @precondition(lambda self: self.t > 30)  # retirements late, so most runs see restarts first
     @rule(i=shard)
     def retire(self, i: int) -> None:
@@ -150,11 +162,33 @@ class LedgerMachine(RuleBasedStateMachine):
         name, _ = self.last_op
         for a, b in self._pairs():
             if a.state is ST and b.state is not ST:
-                assert b.state in (H, S, D, X)
+                assert b.state in (H, S, D, X, SL)
+                if b.state is SL:
+                    assert name == "report_asleep" and b.state_before_sleep is ST
                 if b.state in (H, S):
                     assert name in ("report_refit", "complete_refit")
                 if b.state is D:
                     assert name in ("condemn", "condemn_silent_participant", "abort_refit")
+
+    @invariant()
+    def a_sleeping_shard_wakes_to_what_it_slept_in_as_refits_made_it(self) -> None:
+        name, _ = self.last_op
+        for a, b in self._pairs():
+            if a.state is SL and b.state is not SL:
+                if b.state in (H, S) or (b.state is ST and name == "report_awake"):
+                    assert name == "report_awake" and b.state is a.state_before_sleep
+                    assert not a.sleep_held or self.last_awake_by_trainer
+                else:
+                    assert b.state in (ST, D, X)  # a new process, a death, a retirement
+            if a.state is SL and b.state is SL and a.state_before_sleep is not ST \
+                    and b.state_before_sleep is ST:
+                assert name in ("mark_weights_partial", "abort_refit", "complete_refit")
+            if a.state is not SL and b.state is SL:
+                assert name == "report_asleep" and b.state_before_sleep is a.state
+        for r in self.ledger.snapshot():
+            assert (r.state_before_sleep is not None) == (r.state is SL)
+            assert r.state_before_sleep in (None, H, S, ST)
+            assert not r.sleep_held or r.state is SL
 
     @invariant()
     def probes_never_change_a_shard_that_is_not_serving(self) -> None:
@@ -193,7 +227,8 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.shard_for_url(r.base_url) == r.index
             assert r.state_before_partial is not ST
             if r.state_before_partial is not None:
-                assert r.state is ST or r.state in ABSENT
+                assert r.state is ST or r.state in ABSENT or (
+                    r.state is SL and r.state_before_sleep is ST)
 
     @invariant()
     def every_change_was_emitted(self) -> None:

@@ -16,6 +16,9 @@ line that would carry the sign-in link's ``?token=`` query.
     POST /admin/outcomes                    {"outcomes": {url: [ok, failed, trailing]}}
     POST /admin/refit/begin|complete|abort  {"version": N, "reason": "..."}
     GET  /admin/refits                      the refit history and the open lease
+    POST /admin/sleep                       {"level": 1|2, "shards": [i, ...]}: the trainer's
+                                            sleep bracket (default: every awake shard)
+    POST /admin/wake                        {"shards": [i, ...]} (default: every sleeper)
     GET  /metrics                           Prometheus: shards by state, restarts, verdicts
     GET  /admin/events                      server-sent events for the dashboard
     GET  /                                  the dashboard (``dashboard.py``), or its sign-in
@@ -32,6 +35,7 @@ from aiohttp import web
 
 from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
+from fleetwarden.sleep import put_to_sleep, wake
 
 if TYPE_CHECKING:
     from fleetwarden.fleet import Fleet
@@ -286,6 +290,45 @@ async def refit_abort(request: web.Request) -> web.Response:
                               "states": fleet.states_view()})
 
 
+def _shards_of(body: dict[str, Any]) -> list[int] | None:
+    shards = body.get("shards")
+    if shards is None:
+        return None
+    if not isinstance(shards, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in shards):
+        raise _http_error(400, "shards must be a list of shard indices")
+    return shards
+
+
+async def sleep(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    level = body.get("level", 1)
+    if level not in (1, 2) or isinstance(level, bool):
+        raise _http_error(400, f"level must be 1 (weights offloaded) or 2 (discarded), "
+                          f"got {level!r}")
+    try:
+        results = await put_to_sleep(fleet.ledger, fleet.controller, level=level,
+                                     shards=_shards_of(body))
+    except ValueError as exc:
+        raise _http_error(400, str(exc)) from None
+    fleet.controller.wake()
+    return web.json_response({"level": level, "shards": [r.to_dict() for r in results],
+                              "states": fleet.states_view()})
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    try:
+        results = await wake(fleet.ledger, fleet.controller, shards=_shards_of(body))
+    except ValueError as exc:
+        raise _http_error(400, str(exc)) from None
+    fleet.controller.wake()
+    return web.json_response({"shards": [r.to_dict() for r in results],
+                              "states": fleet.states_view()})
+
+
 async def metrics(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     body, content_type = fleet.metrics_text()
@@ -312,6 +355,8 @@ def make_admin_app(fleet: Fleet, token: str) -> web.Application:
     r.add_post("/admin/refit/begin", refit_begin)
     r.add_post("/admin/refit/complete", refit_complete)
     r.add_post("/admin/refit/abort", refit_abort)
+    r.add_post("/admin/sleep", sleep)
+    r.add_post("/admin/wake", wake_up)
     r.add_get("/metrics", metrics)
     dashboard.add_routes(app)
     return app
