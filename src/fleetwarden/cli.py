@@ -16,7 +16,7 @@ from rich.console import Console
 from fleetwarden import __version__
 from fleetwarden.judge import DEFAULT_POLICY
 from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
-from fleetwarden.sim.config import FaultMode, SimConfig
+from fleetwarden.sim.config import SIM_ENGINES, FaultMode, SimConfig
 
 if TYPE_CHECKING:
     from fleetwarden.router import Router
@@ -212,8 +212,12 @@ def sim(
         None, help="Start with a fault: " + ", ".join(_FAULTS) + "."),
     factor: float = typer.Option(_SIM.fault_factor, min=0.001,
                                  help="Slowdown of the 'slow' fault."),
+    engine: str = typer.Option(_SIM.engine, help="Whose wire to speak: "
+                               + ", ".join(SIM_ENGINES) + " (their /metrics names and "
+                               "endpoints)."),
 ) -> None:
-    """Run one simulated vLLM engine (OpenAI API, /metrics, faults) until SIGTERM.
+    """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
+    or llama.cpp's or SGLang's metrics and endpoints with --engine.
 
     Prints "ready URL ..." once it listens. Change its fault at run time with
     POST /sim/fault {"mode": "wedge"}; {"mode": null} or DELETE /sim/fault clears it.
@@ -224,11 +228,15 @@ def sim(
     if fault is not None and fault not in _FAULTS:
         raise typer.BadParameter(f"{fault!r}; choose one of: {', '.join(_FAULTS)}",
                                  param_hint="--fault")
+    if engine not in SIM_ENGINES:
+        raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(SIM_ENGINES)}",
+                                 param_hint="--engine")
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
                        tokens_per_step=tokens_per_step,
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
-                       fault=None if fault is None else FaultMode(fault), fault_factor=factor)
+                       fault=None if fault is None else FaultMode(fault), fault_factor=factor,
+                       engine=engine)
     raise typer.Exit(serve(config))
 
 
@@ -250,6 +258,8 @@ def check(
                                   help="Timeout of one read."),
     canary_timeout: float = typer.Option(DEFAULT_POLICY.canary_timeout_s, min=0.001,
                                          help="Timeout of the canary."),
+    engine: str = typer.Option("auto", help="The engine's kind: auto (recognised from "
+                               "/metrics), vllm, llamacpp, sglang, tgi or openai (no /metrics)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Judge one engine once from its /metrics, the way the fleet's watchdog does.
@@ -261,12 +271,16 @@ def check(
     import json
     from dataclasses import replace
 
+    from fleetwarden.engines import ENGINE_NAMES
     from fleetwarden.watchdog import check as run_check
 
+    if engine not in ENGINE_NAMES:
+        raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(ENGINE_NAMES)}",
+                                 param_hint="--engine")
     policy = replace(DEFAULT_POLICY, stall_s=stall_s, read_timeout_s=timeout,
                      canary_timeout_s=canary_timeout, check_interval_s=interval)
     result = asyncio.run(run_check(url, proxy=proxy, in_flight=in_flight, policy=policy,
-                                   model=model))
+                                   model=model, engine=engine))
     report = result.report
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
@@ -279,9 +293,16 @@ def check(
         details = [f"{result.reads} reads"]
         if report.tokens_per_s is not None:
             details.append(f"{report.tokens_per_s:.0f} tokens/s")
+        kind = report.engine
         if report.incarnation is not None:
-            details.append(f"process started {report.incarnation}")
+            details.append(f"process {report.incarnation} (from the {kind.start_header} header: "
+                           "compared, not a time)" if kind is not None and kind.start_header
+                           else f"process started {report.incarnation}")
         console.print("  " + "; ".join(details), markup=False)
+        console.print(f"  engine: {kind.title if kind else 'not recognised'}"
+                      + (f"; progress proof: {kind.progress}" if kind else ""), markup=False)
+        for limit in kind.limits if kind is not None else ():
+            console.print(f"  limit: {limit}", markup=False)
         canary = report.canary
         if canary is not None:
             console.print(f"  canary: {'answered' if canary.ok else 'FAILED'} in "
@@ -462,6 +483,7 @@ def up(
 async def _up(cfg: Any, quiet: bool) -> None:
     from rich.live import Live
 
+    from fleetwarden.admin import views
     from fleetwarden.console import fleet_view
     from fleetwarden.fleet import Fleet
 
@@ -501,8 +523,9 @@ async def _up(cfg: Any, quiet: bool) -> None:
         async def live() -> None:
             with Live(console=console, refresh_per_second=2, transient=False) as view:
                 while not fleet.stopping:
-                    view.update(fleet_view(fleet.describe(), fleet.shards_view(),
-                                           fleet.recent))
+                    snap = fleet.snapshot()
+                    view.update(fleet_view(views.describe(snap), views.shards_view(snap),
+                                           fleet.events.recent))
                     await asyncio.sleep(0.5)
 
         async with asyncio.TaskGroup() as group:

@@ -37,6 +37,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from fleetwarden.admin import views
 from fleetwarden.config import parse_config
 from fleetwarden.console import fleet_view
 from fleetwarden.fleet import Fleet
@@ -101,11 +102,11 @@ class Story:
         return time.monotonic() - start
 
     def state(self, i: int) -> ShardState:
-        return self.fleet.ledger.state(i)
+        return self.fleet.snapshot().shards[i].state
 
     @property
     def engines(self) -> int:
-        return len(self.fleet.ledger)
+        return self.fleet.size
 
     async def whole(self, name: str) -> bool:
         """Wait until every shard serves, so an act starts on a whole fleet (a real engine
@@ -146,8 +147,9 @@ class Story:
                     before: Callable[[], Awaitable[None]] | None = None) -> FaultResult:
         """Inject ``fault`` into ``shard``; wait for the quarantine and the way back."""
         fleet = self.fleet
-        rescues, retries = fleet.router.stats.rescues, sum(fleet.router.stats.retries.values())
-        restarts = fleet.supervisor.restarts_completed
+        snap = fleet.snapshot()
+        rescues, retries = snap.router.rescues, sum(snap.router.retries.values())
+        restarts = snap.restarts_completed
         self.phase = f"{name}: {fault} on shard {shard}"
         result = FaultResult(name, shard, round(self.now(), 1))
         if not await self.whole(name):
@@ -169,7 +171,7 @@ class Story:
             ShardState.HEALTHY, ShardState.SUSPECT), 90, f"{name}: quarantine")
         if seen is not None:
             result.quarantined_after_s = round(time.monotonic() - start, 1)
-            deaths = [t for t in fleet.recent if t["shard"] == shard and t["to"] == "DEAD"]
+            deaths = [t for t in fleet.events.recent if t["shard"] == shard and t["to"] == "DEAD"]
             result.what_happened = deaths[-1]["cause"][:160] if deaths else ""
         paused = self.real and self.load is not None
         if paused:
@@ -189,9 +191,10 @@ class Story:
         else:
             result.failed = f"shard {shard} not serving again within {self.back_limit_s:g} s"
         await asyncio.sleep(1.0)  # the requests of the act finish before it is counted
-        result.rescued = fleet.router.stats.rescues - rescues
-        result.retried = sum(fleet.router.stats.retries.values()) - retries
-        result.restarts = fleet.supervisor.restarts_completed - restarts
+        snap = fleet.snapshot()
+        result.rescued = snap.router.rescues - rescues
+        result.retried = sum(snap.router.retries.values()) - retries
+        result.restarts = snap.restarts_completed - restarts
         result.client_errors = self.errors_between(result.injected_at - 0.5, self.now())
         result.requests = self.requests_between(result.injected_at, self.now())
         self.results.append(result)
@@ -237,35 +240,40 @@ class Story:
             result.failed = f"the fleet was not whole within {self.back_limit_s:g} s"
             self.results.append(result)
             return
-        urls = fleet.ledger.serving_urls()
+        urls, _ = fleet.serving()
         result.injected_at = round(self.now(), 1)
         self.marks.append((self.now(), "saturated but healthy"))
         self.start_load(concurrency=36, max_tokens=120)
-        reports = fleet.controller.reports
-        saturated = await self.until(lambda: len(reports) >= len(urls) and all(
-            r.sample is not None and r.sample.waiting > 0 for r in reports.values()),
+        def reports() -> dict[int, Any]:
+            return fleet.snapshot().reports
+
+        saturated = await self.until(lambda: len(reports()) >= len(urls) and all(
+            r.sample is not None and r.sample.waiting > 0 for r in reports().values()),
             30, "every engine saturated")
         # measured from here: every slot busy, requests waiting, on every engine
         # Canaries: a simulated engine logs each one it receives; a real one does not say, so
         # there the count is the watchdog's own (each tick's reports, kept so none is missed).
         canaries_before = 0 if self.real else await _canaries(urls)
         sent: dict[int, Any] = {}
-        restarts = fleet.supervisor.restarts_completed
-        changes = len(fleet.recent)
-        ticks = fleet.controller.tick_number
+        before = fleet.snapshot()
+        restarts = before.restarts_completed
+        changes = len(fleet.events.recent)
+        ticks = before.controller["tick"]
         verdicts: set[str] = set()
         deadline = time.monotonic() + (8 if q else 20)
         while time.monotonic() < deadline:
-            verdicts |= {r.verdict.name for r in reports.values()}
-            sent.update({id(r): r for r in reports.values() if r.canary is not None})
+            now = reports()
+            verdicts |= {r.verdict.name for r in now.values()}
+            sent.update({id(r): r for r in now.values() if r.canary is not None})
             await asyncio.sleep(0.25)
         result.canaries = (len(sent) if self.real
                            else (await _canaries(urls)) - canaries_before)
         await self.stop_load()
-        result.restarts = fleet.supervisor.restarts_completed - restarts
-        transitions = len(fleet.recent) - changes
+        after = fleet.snapshot()
+        result.restarts = after.restarts_completed - restarts
+        transitions = len(fleet.events.recent) - changes
         how = "saturated" if saturated is not None else "loaded (not every engine saturated)"
-        result.what_happened = (f"{fleet.controller.tick_number - ticks} ticks {how}: "
+        result.what_happened = (f"{after.controller['tick'] - ticks} ticks {how}: "
                                 f"{transitions} state changes, verdicts {sorted(verdicts)}")
         result.client_errors = self.errors_between(result.injected_at, self.now())
         result.requests = self.requests_between(result.injected_at, self.now())
@@ -283,10 +291,12 @@ class Story:
                              f"   requests {len(results)}: ", (f"{ok} ok", "green"), ", ",
                              (f"{len(results) - ok} failed",
                               "red" if len(results) > ok else "dim"))
-        return Group(head, fleet_view(fleet.describe(), fleet.shards_view(), fleet.recent))
+        snap = fleet.snapshot()
+        return Group(head, fleet_view(views.describe(snap), views.shards_view(snap),
+                                      fleet.events.recent))
 
     def sample(self) -> None:
-        self.states.append((self.now(), [r.state.value for r in self.fleet.ledger.snapshot()]))
+        self.states.append((self.now(), [r.state.value for r in self.fleet.snapshot().shards]))
 
 
 #: Seconds the load runs on after a real engine's quarantine before it pauses (see fault()).
@@ -386,21 +396,22 @@ async def run_demo(*, quick: bool = False, engine_cmd: str | None = None,
 
 def _summary(story: Story) -> dict[str, Any]:
     results = story.all_results()
+    snap = story.fleet.snapshot()
     lat = sorted(r.latency_s for r in results if r.ok)
     return {
         "faults": [asdict(r) for r in story.results],
         "totals": {
             "requests": len(results), "ok": sum(1 for r in results if r.ok),
             "client_errors": sum(1 for r in results if not r.ok),
-            "rescued": story.fleet.router.stats.rescues,
-            "retried": dict(story.fleet.router.stats.retries),
-            "restarts": story.fleet.supervisor.restarts_completed,
+            "rescued": snap.router.rescues,
+            "retried": dict(snap.router.retries),
+            "restarts": snap.restarts_completed,
             "p50_s": lat[len(lat) // 2] if lat else None,
             "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
             "duration_s": round(story.now(), 1),
         },
         "transitions": [{k: t[k] for k in ("wall", "shard", "from", "to", "cause")}
-                        for t in story.fleet.recent],
+                        for t in story.fleet.events.recent],
     }
 
 

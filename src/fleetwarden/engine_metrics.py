@@ -1,4 +1,8 @@
-"""vLLM's ``/metrics`` text → a small :class:`Sample` of what the judge reads (pure).
+"""An engine's ``/metrics`` text → a small :class:`Sample` of what the judge reads (pure).
+
+Which families are read, and which :class:`Sample` field each fills, is the engine's profile
+(:mod:`fleetwarden.engines`): vLLM by default; llama.cpp, SGLang and TGI by name or by
+:func:`fleetwarden.engines.detect`.
 
 Two rules:
 
@@ -20,7 +24,8 @@ though its content type says ``version=1.0.0`` — the plain text parser is the 
 Every family is summed over its labels (``engine`` for data-parallel engines,
 ``finished_reason`` for finished requests).
 
-Keep in sync: :data:`JUDGED`, the fields of :class:`Sample`, and SYSTEM.md section 5.
+Keep in sync: :data:`fleetwarden.engines.PROFILES`, the fields of :class:`Sample`, and SYSTEM.md
+section 5.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from fleetwarden.engines import VLLM, EngineProfile, Family
 
 __all__ = [
     "JUDGED",
@@ -48,51 +55,9 @@ __all__ = [
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Family:
-    """One family the judge reads: as its ``# TYPE`` line names it, and the sample it sums."""
-
-    type: str  # the family's type in the ``# TYPE`` line
-    sample: str  # the exact sample name whose values are summed
-    field: str  # the :class:`Sample` field it fills
-    required: bool  # without it there is no verdict (NO_METRICS); optional ones default to 0
-
-
-# fmt: off
-#: The families the judge reads, keyed by the name in their ``# TYPE`` line. Note the histogram
-#: ``vllm:iteration_tokens_total``: its family name ends in ``_total`` but it is no counter; its
-#: ``_count`` advances once per engine step — also while a long prompt is read and no output
-#: token appears (note 002: count steps, not tokens).
-JUDGED: Mapping[str, Family] = {
-    "vllm:num_requests_running":   Family("gauge", "vllm:num_requests_running", "running", True),
-    "vllm:num_requests_waiting":   Family("gauge", "vllm:num_requests_waiting", "waiting", True),
-    "vllm:iteration_tokens_total": Family("histogram", "vllm:iteration_tokens_total_count",
-                                          "steps", True),
-    "vllm:generation_tokens_total": Family("counter", "vllm:generation_tokens_total",
-                                           "generation_tokens", True),
-    "vllm:prompt_tokens_total":    Family("counter", "vllm:prompt_tokens_total",
-                                          "prompt_tokens", False),
-    "vllm:num_preemptions_total":  Family("counter", "vllm:num_preemptions_total",
-                                          "preemptions", False),
-    "vllm:request_success_total":  Family("counter", "vllm:request_success_total",
-                                          "finished_requests", False),
-    "process_start_time_seconds":  Family("gauge", "process_start_time_seconds",
-                                          "start_time", False),
-    # vLLM 0.32's sleep mode, one series per ``sleep_state`` label: ``awake`` 0 while asleep,
-    # ``weights_offloaded`` 1 at level 1, ``discard_all`` 1 at level 2 (read per label, never
-    # summed: see :func:`_sleep_level`). Older engines lack it: the level is then unknown.
-    "vllm:engine_sleep_state":     Family("gauge", "vllm:engine_sleep_state", "sleep_level",
-                                          False),
-}
-# fmt: on
-
-_BY_SAMPLE: Mapping[str, Family] = {f.sample: f for f in JUDGED.values()}
-#: prometheus-client's name for each family after parsing: counters lose ``_total``.
-_PARSED_FAMILY: Mapping[str, str] = {
-    f.sample: name.removesuffix("_total") if f.type == "counter" else name
-    for name, f in JUDGED.items()
-}
-
+#: The families read from vLLM (the default profile), keyed by the name in their ``# TYPE``
+#: line. Every profile's table is in :mod:`fleetwarden.engines`.
+JUDGED: Mapping[str, Family] = VLLM.families
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -105,7 +70,9 @@ class Sample:
     prompt_tokens: float = 0.0  # prompt tokens whose prefill completed
     preemptions: float = 0.0
     finished_requests: float = 0.0  # every ``finished_reason``
-    start_time: float | None = None  # ``process_start_time_seconds``: which process answered
+    #: Which process answered, compared between reads only: vLLM's
+    #: ``process_start_time_seconds``; llama.cpp's ``Process-Start-Time-Unix`` header (no time).
+    start_time: float | None = None
     #: ``vllm:engine_sleep_state``: 0 awake, 1 weights offloaded, 2 everything discarded;
     #: ``None`` when the engine does not export it.
     sleep_level: int | None = None
@@ -149,7 +116,7 @@ class Unreadable:
     reason: str
 
 
-def reduce(text: str) -> str:
+def reduce(text: str, profile: EngineProfile = VLLM) -> str:
     """Only the ``# TYPE`` line and the exactly-named sample lines of each judged family.
 
     A family's block runs from its ``# TYPE`` line to the next comment line (vLLM writes
@@ -159,7 +126,7 @@ def reduce(text: str) -> str:
     text, so the cost is a few scans of memory, not one Python step per line.
     """
     kept: list[str] = []
-    for name, family in JUDGED.items():
+    for name, family in profile.families.items():
         key = f"# TYPE {name} "
         start = 0 if text.startswith(key) else text.find("\n" + key)
         if start < 0:
@@ -170,7 +137,7 @@ def reduce(text: str) -> str:
         block = text[start:] if end < 0 else text[start:end]
         lines = block.split("\n")
         kept.append(lines[0])
-        sample = family.sample
+        sample = family.line
         cut = len(sample)
         for line in lines[1:]:
             if line.startswith(sample) and line[cut : cut + 1] in ("{", " ", "\t"):
@@ -178,20 +145,33 @@ def reduce(text: str) -> str:
     return "\n".join(kept) + "\n"
 
 
-def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES) -> Sample | Unreadable:
-    """Read a ``/metrics`` body. Never raises: garbage is an :class:`Unreadable`."""
+def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES,
+          profile: EngineProfile = VLLM, start_header: str | None = None) -> Sample | Unreadable:
+    """Read a ``/metrics`` body as ``profile`` names it. Never raises: garbage is an
+    :class:`Unreadable`.
+
+    ``start_header`` is the value of the profile's start header (llama.cpp's
+    ``Process-Start-Time-Unix``), when it has one: it becomes ``start_time``, to be compared
+    between reads and never read as a time.
+    """
+    if not profile.has_metrics:
+        return Unreadable(f"the {profile.name} profile reads no /metrics")
     if len(body) > max_bytes:
         return Unreadable(f"body of {len(body)} bytes is over the {max_bytes}-byte limit")
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    by_sample = {f.sample: f for f in profile.families.values()}
+    # prometheus-client's name for each family after parsing: counters lose ``_total``.
+    parsed_family = {f.sample: name.removesuffix("_total") if f.type == "counter" else name
+                     for name, f in profile.families.items()}
     totals: dict[str, float] = {}
     sleep_states: dict[str, list[float]] = {}
     try:
         # The parser raises while iterating, and not only ValueError (IndexError, KeyError and
         # TypeError come out of malformed lines too); any of them means "not a metrics body".
-        for family in text_string_to_metric_families(reduce(text)):
+        for family in text_string_to_metric_families(reduce(text, profile)):
             for s in family.samples:
-                judged = _BY_SAMPLE.get(s.name)
-                if judged is None or family.name != _PARSED_FAMILY[s.name]:
+                judged = by_sample.get(s.name)
+                if judged is None or family.name != parsed_family[s.name]:
                     continue
                 if family.type != judged.type:
                     return Unreadable(f"{s.name} is a {family.type}, not a {judged.type}")
@@ -206,19 +186,22 @@ def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES) -> Sample | Unr
                     totals[s.name] = totals.get(s.name, 0.0) + value
     except Exception as e:  # the contract is "never raise" (see above)
         return Unreadable(f"unparseable: {type(e).__name__}: {e}"[:300])
-    missing = [f.sample for f in JUDGED.values() if f.required and f.sample not in totals]
+    missing = [f.line for f in profile.families.values() if f.required and f.sample not in totals]
     if missing:
         return Unreadable("lacks " + ", ".join(missing))
-    values = {f.field: totals[f.sample] for f in JUDGED.values() if f.sample in totals}
+    values = {f.field: totals[f.sample] for f in profile.families.values() if f.sample in totals}
+    start_time = values.get("start_time")
+    if start_header is not None:
+        start_time = _header_number(start_header)
     return Sample(
         running=values["running"],
         waiting=values["waiting"],
         steps=values["steps"],
-        generation_tokens=values["generation_tokens"],
+        generation_tokens=values.get("generation_tokens", 0.0),
         prompt_tokens=values.get("prompt_tokens", 0.0),
         preemptions=values.get("preemptions", 0.0),
         finished_requests=values.get("finished_requests", 0.0),
-        start_time=values.get("start_time"),
+        start_time=start_time,
         sleep_level=_sleep_level(sleep_states),
     )
 
@@ -233,3 +216,12 @@ def _sleep_level(states: Mapping[str, list[float]]) -> int | None:
     if min(awake) > 0:
         return 0
     return 2 if max(states.get("discard_all", [0.0])) > 0 else 1
+
+
+def _header_number(value: str) -> float | None:
+    """A start header's value as a number to compare (``None`` when it is not one)."""
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None

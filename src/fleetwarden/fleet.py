@@ -1,8 +1,15 @@
 """A whole fleet in one process: what ``fleetwarden up`` runs, and what tests embed.
 
-It builds the picture of SYSTEM.md section 1 from a :class:`~fleetwarden.config.Config`: the
-journal (restored when it exists), the ledger, the launchers and the supervisor, the watchdog,
-the router, the refit coordinator, the controller that ticks them, and the admin API.
+Owns: starting, stopping and wiring. It builds the picture of SYSTEM.md section 1 from a
+:class:`~fleetwarden.config.Config`: the journal (restored when it exists, by ``restore.py``),
+the ledger, the launchers and the supervisor, the watchdog, the router, the refit coordinator,
+the controller that ticks them, and the admin API with its event bus and views; and it offers
+the narrow surface of operations (:class:`~fleetwarden.admin.surface.FleetSurface`: retire,
+restart, refits, outcomes, a fault, a snapshot) that the admin API, the demo and the CLI use.
+
+Must not: decide health (the ledger and the judge do), build views (``admin/views.py``), or
+hold a restore policy (``restore.py``). The parts (``fleet.ledger``, ``fleet.controller``...)
+are reachable for tests; callers outside tests use the surface.
 
     async with Fleet(config) as fleet:     # engines up, router and admin listening
         print(fleet.router_url)
@@ -16,16 +23,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetwarden.admin import dashboard
 from fleetwarden.admin.app import make_admin_app
+from fleetwarden.admin.events import EventBus
+from fleetwarden.admin.views import TRAFFIC_STEP_S, FleetCollector, Traffic, traffic_point
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, RouterLink, TickReport
@@ -33,23 +41,22 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
-from fleetwarden.ledger import Ledger, Policy, ShardState, Transition
+from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, after_clean_stop, restore_onto
 from fleetwarden.router import Router
+from fleetwarden.router.app import listening_url
 from fleetwarden.router.control import RemoteRouter
+from fleetwarden.router.pool import BackendFacts
+from fleetwarden.sleep import SleepResult, put_to_sleep
+from fleetwarden.sleep import wake as wake_shards
+from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import Watchdog
 
 __all__ = ["Fleet", "ShardLaunchers"]
 
 log = logging.getLogger(__name__)
-
-#: State changes kept in memory for the admin API and the dashboard's last hour.
-_RECENT = 5000
-#: Events a listener (a dashboard's event stream) may fall behind by before it starts over.
-_LISTENER_QUEUE = 1000
-
 
 class _JournalEngines:
     """Engines started and stopped, written to the journal as it happens."""
@@ -98,15 +105,13 @@ class Fleet:
         self.started_at = time.time()
         self.token = ""
         self.admin_url = ""
-        self.recent: list[dict[str, Any]] = []
-        self._seq = 0
         self._admin: web.AppRunner | None = None
         self._stop = asyncio.Event()
-        self._listeners: set[asyncio.Queue[dict[str, Any]]] = set()
+        #: State changes and the dashboard's listeners (the admin side's).
+        self.events = EventBus()
         #: The router's counters over the last hour for the dashboard: a point per tick, one a
         #: second at most (an hour holds 720 points at the default 5 s tick, 3600 at most).
-        self.traffic = dashboard.Traffic(step_s=min(
-            dashboard.TRAFFIC_STEP_S, max(1.0, config.health.probe_interval_s)))
+        self.traffic = Traffic(step_s=min(TRAFFIC_STEP_S, max(1.0, config.health.probe_interval_s)))
         self._journal: Journal | None = None
         self._router: Router | None = None
         self._watchdog: Watchdog | None = None
@@ -118,7 +123,8 @@ class Fleet:
         self.routers: list[RouterLink] = []
         self._remotes: list[RemoteRouter] = []
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_FleetCollector(self))
+        self.registry.register(FleetCollector(
+            lambda: self.snapshot() if self._controller is not None else None))
 
     # ------------------------------------------------------------------ parts (once started)
 
@@ -237,7 +243,7 @@ class Fleet:
         else:
             ledger = Ledger(urls, self._policy(), clock=time.time)
         self._ledger = ledger
-        ledger.subscribe(self._remember)
+        ledger.subscribe(self.events.transition)
         self._journal.attach(ledger)
 
         self._supervisor = Supervisor(
@@ -273,7 +279,7 @@ class Fleet:
         self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
         await self._admin.setup()
         await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
-        self.admin_url = _url_of(self._admin)
+        self.admin_url = listening_url(self._admin)
 
     async def run(self) -> None:
         """Run the controller loop until :meth:`request_stop`."""
@@ -289,7 +295,8 @@ class Fleet:
     async def stop(self) -> None:
         """Stop serving, then stop every engine this fleet started, leaving nothing running."""
         self._stop.set()
-        self.publish({"type": "bye"})  # open event streams end now, not at the server's close
+        # open event streams end now, not at the server's close
+        self.events.publish({"type": "bye"})
         if self._admin is not None:
             await self._admin.cleanup()
             self._admin = None
@@ -326,74 +333,69 @@ class Fleet:
         if self._controller is not None:
             self._controller.shard_condemned_now(shard, url)
 
-    def _remember(self, t: Transition) -> None:
-        if not t.changes_state:
-            return
-        self._seq += 1
-        entry = {"seq": self._seq, "wall": t.at, **t.to_dict()}
-        self.recent.append(entry)
-        if len(self.recent) > _RECENT:
-            del self.recent[: len(self.recent) - _RECENT]
-        self.publish({"type": "transition", "data": entry})
-
     def _after_tick(self, report: TickReport) -> None:
-        self.traffic.record(dashboard.traffic_point(
-            self.router.stats, time.time(), self._failure_statuses))
-        if self._listeners:  # nobody watching: nothing built
-            self.publish({"type": "snapshot", "data": dashboard.snapshot(self)})
+        self.traffic.record(traffic_point(self.router.stats, time.time(), self._failure_statuses))
+        if self.events.listeners:  # nobody watching: nothing built
+            self.events.publish({"type": "snapshot", "data": dashboard.snapshot(self)})
 
     @property
     def _failure_statuses(self) -> frozenset[int]:
         r = self.config.router
         return frozenset({r.status_when_others_serve, r.status_when_none_left})
 
+    # ------------------------------------------------------------------ operations (the surface)
+
     @property
-    def seq(self) -> int:
-        """The sequence number of the last state change (``recent[-1]["seq"]``)."""
-        return self._seq
+    def size(self) -> int:
+        return len(self.ledger)
 
-    def publish(self, event: dict[str, Any]) -> None:
-        """Hand ``event`` (``{"type": ..., "data": ...}``) to every listener. A listener that
-        fell :data:`_LISTENER_QUEUE` events behind has lost some: its queue is emptied and
-        told to start over (``resync``); a ``bye`` always gets through."""
-        for q in list(self._listeners):
-            try:
-                q.put_nowait(event)
-            except asyncio.QueueFull:
-                while not q.empty():
-                    q.get_nowait()
-                q.put_nowait({"type": "resync"})
-                if event["type"] == "bye":
-                    q.put_nowait(event)
+    def serving(self) -> tuple[list[str], dict[str, BackendFacts]]:
+        return self.controller.serving_push()
 
-    def listen(self) -> asyncio.Queue[dict[str, Any]]:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=_LISTENER_QUEUE)
-        self._listeners.add(q)
-        return q
+    def retire(self, i: int, reason: str) -> Acted:
+        outcome: Outcome = self.ledger.retire(i, reason)
+        self.controller.wake()
+        return Acted(i, outcome.applied, outcome.reason, self.ledger.state(i))
 
-    def unlisten(self, q: asyncio.Queue[dict[str, Any]]) -> None:
-        self._listeners.discard(q)
+    async def restart(self, i: int, reason: str) -> Acted:
+        ok = await self.supervisor.restart_now(i, reason)
+        self.controller.wake()
+        return Acted(i, ok, "", self.ledger.state(i))
 
-    # ------------------------------------------------------------------ refit (the trainer's API)
+    def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
+        self.controller.apply_outcomes(outcomes)
+
+    async def push(self) -> None:
+        await self.controller.push_now()
+
+    async def sleep(self, level: int, shards: list[int] | None) -> list[SleepResult]:
+        results = await put_to_sleep(self.ledger, self.controller, level=level, shards=shards)
+        self.controller.wake()
+        self.events.publish({"type": "sleep", "data": {"phase": "sleep", "level": level}})
+        return results
+
+    async def wake(self, shards: list[int] | None) -> list[SleepResult]:
+        results = await wake_shards(self.ledger, self.controller, shards=shards)
+        self.controller.wake()
+        self.events.publish({"type": "sleep", "data": {"phase": "wake"}})
+        return results
 
     def begin_refit(self, version: int) -> Lease:
         lease = self.refit.begin_refit(version)
-        self.publish({"type": "refit", "data": {"phase": "begin", "version": version}})
+        self.events.publish({"type": "refit", "data": {"phase": "begin", "version": version}})
         return lease
 
     def complete_refit(self, version: int) -> RefitRecord:
         record = self.refit.complete_refit(version)
         self.controller.wake()
-        self.publish({"type": "refit", "data": {"phase": "complete", "version": version}})
+        self.events.publish({"type": "refit", "data": {"phase": "complete", "version": version}})
         return record
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         record = self.refit.abort_refit(version, reason)
         self.controller.wake()
-        self.publish({"type": "refit", "data": {"phase": "abort", "version": version}})
+        self.events.publish({"type": "refit", "data": {"phase": "abort", "version": version}})
         return record
-
-    # ------------------------------------------------------------------ chaos
 
     async def inject_fault(self, i: int, fault: str, options: dict[str, Any]) -> str:
         """Inject ``fault`` into shard ``i``'s engine: through a simulated engine's fault
@@ -404,134 +406,22 @@ class Fleet:
         url = self.ledger.shard(i).base_url
         return await inject(url, handle, fault, options)
 
-    # ------------------------------------------------------------------ views
-
-    def describe(self) -> dict[str, Any]:
-        c = self.controller
-        return {
-            **c.describe(),
-            "router_url": self.router.url,
-            "admin_url": self.admin_url,
-            "shards": len(self.ledger),
-            "weights": self.config.fleet.weights,
-            "uptime_s": round(time.time() - self.started_at, 1),
-            "restarts": {"completed": self.supervisor.restarts_completed,
-                         "failed": self.supervisor.restarts_failed,
-                         "in_progress": len(self.supervisor.attempts)},
-            "refit": self.refits_view()["lease"],
-            "journal": {"failure": self._journal.failure if self._journal else None,
-                        "dropped": self._journal.dropped if self._journal else 0},
-            "router": {"requests": self.router.stats.requests,
-                       "rescues": self.router.stats.rescues,
-                       "retries": dict(self.router.stats.retries)},
-        }
-
-    def shards_view(self) -> list[dict[str, Any]]:
-        in_flight = self.router.in_flight()
-        budget = self.ledger.policy.max_restart_attempts
-        out = []
-        for rec in self.ledger.snapshot():
-            handle = self.supervisor.engines.get(rec.index)
-            report = self.controller.reports.get(rec.index)
-            d = rec.to_dict()
-            d.update(
-                in_flight=in_flight.get(rec.base_url, 0),
-                restart_budget_left=max(0, budget - rec.restart_attempts),
-                incarnation_started_at=handle.launched_at if handle else None,
-                pid=handle.pid if handle else None,
-                log_path=str(handle.log_path) if handle and handle.log_path else None,
-                watchdog=report.to_dict() if report is not None else None,
-            )
-            out.append(d)
-        return out
-
-    def states_view(self) -> dict[str, str]:
-        return {str(r.index): r.state.value for r in self.ledger.snapshot()}
-
-    def transitions_view(self, since: int, limit: int, shard: int | None) -> list[dict[str, Any]]:
-        picked = [e for e in self.recent
-                  if e["seq"] > since and (shard is None or e["shard"] == shard)]
-        return picked[:limit]
-
-    def refits_view(self) -> dict[str, Any]:
-        lease = self.refit.lease
-        return {
-            "lease": None if lease is None else {
-                "version": lease.version, "participants": sorted(lease.shards),
-                "started_at": lease.started_at, "deadline": lease.deadline},
-            "current_version": self.refit.current_version,
-            "history": [
-                {"version": r.version, "outcome": r.outcome, "started_at": r.started_at,
-                 "ended_at": r.ended_at, "participants": list(r.participants),
-                 "detail": r.detail, "condemned": list(r.condemned)}
-                for r in self.refit.history[-100:]
-            ],
-        }
+    def snapshot(self) -> Snapshot:
+        """Everything the views show, read from the parts now (``admin/views.py``)."""
+        c, s, refit = self.controller, self.supervisor, self.refit
+        return Snapshot(
+            at=time.time(), started_at=self.started_at, router_url=self.router.url,
+            admin_url=self.admin_url, weights=self.config.fleet.weights,
+            shards=tuple(self.ledger.snapshot()),
+            max_restart_attempts=self.ledger.policy.max_restart_attempts,
+            controller=c.describe(), status=c.status, verdict_counts=dict(c.verdict_counts),
+            reports=dict(c.reports), engines=dict(s.engines),
+            in_flight=self.router.in_flight(),
+            restarts_completed=s.restarts_completed, restarts_failed=s.restarts_failed,
+            restarts_in_progress=len(s.attempts),
+            refit_lease=refit.lease, refit_version=refit.current_version,
+            refit_history=tuple(refit.history), router=RouterCounters.of(self.router.stats),
+        )
 
     def metrics_text(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-class _FleetCollector:
-    """Fleet gauges, read at scrape time (nothing to keep in sync)."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> list[Metric]:
-        fleet = self.fleet
-        if fleet._ledger is None or fleet._controller is None or fleet._supervisor is None:
-            return []
-        shards = GaugeMetricFamily("fleetwarden_shards", "Shards by state.", labels=["state"])
-        for state, n in fleet.ledger.counts_by_state().items():
-            shards.add_metric([state.value], n)
-        restarts = CounterMetricFamily("fleetwarden_restarts", "Restarts by outcome.",
-                                       labels=["outcome"])
-        restarts.add_metric(["completed"], fleet.supervisor.restarts_completed)
-        restarts.add_metric(["failed"], fleet.supervisor.restarts_failed)
-        verdicts = CounterMetricFamily("fleetwarden_verdicts", "Watchdog verdicts.",
-                                       labels=["verdict"])
-        for verdict, n in sorted(fleet.controller.verdict_counts.items()):
-            verdicts.add_metric([verdict], n)
-        status = GaugeMetricFamily("fleetwarden_fleet_status",
-                                   "1 for the fleet's current status.", labels=["status"])
-        for name in ("serving", "degraded", "asleep", "down", "exhausted"):
-            status.add_metric([name], 1.0 if fleet.controller.status.state == name else 0.0)
-        attempts = GaugeMetricFamily("fleetwarden_restart_attempts",
-                                     "Restarts spent per shard (of the budget).",
-                                     labels=["shard"])
-        for rec in fleet.ledger.snapshot():
-            attempts.add_metric([str(rec.index)], rec.restart_attempts)
-        journal = fleet.journal
-        dropped = CounterMetricFamily(
-            "fleetwarden_journal_dropped",
-            "Journal records (transitions, verdicts, restarts) lost because its writes fail; "
-            "anything above 0 means restart budgets and history are not being kept.")
-        dropped.add_metric([], journal.dropped if journal is not None else 0)
-        return [shards, restarts, verdicts, status, attempts, dropped]
-
-
-def _url_of(runner: web.AppRunner) -> str:
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            host, port = server.sockets[0].getsockname()[:2]
-            return f"http://{host}:{port}"
-    raise RuntimeError("the admin server is not listening")
-
-
-async def admin_call(admin_url: str, token: str, method: str, path: str,
-                     body: dict[str, Any] | None = None, timeout_s: float = 30.0) -> Any:
-    """One call to a fleet's admin API (the CLI's and FleetClient's transport)."""
-    async with aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-        headers={"Authorization": f"Bearer {token}"},
-    ) as session, session.request(method, admin_url + path, json=body) as resp:
-        data = await resp.json(content_type=None)
-        if resp.status >= 400:
-            message = data.get("error", {}).get("message") if isinstance(data, dict) else data
-            raise RuntimeError(f"{method} {path}: {resp.status}: {message}")
-        return data

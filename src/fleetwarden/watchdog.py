@@ -43,12 +43,13 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
 from fleetwarden.engine_metrics import Sample, Unreadable, parse
+from fleetwarden.engines import AUTO, EngineProfile, detect, profile
 from fleetwarden.judge import (
     DEFAULT_POLICY,
     NO_STALL,
@@ -97,6 +98,9 @@ class Target:
     in_flight: int = 0  # the router's requests outstanding there
     proxy: bool = False  # a load balancer: only ``GET /v1/models``, never ``/metrics``
     stalls_excused: bool = False  # a refit lease: the engine may pause while loading weights
+    #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
+    #: ``/metrics`` at the first read.
+    engine: str = AUTO
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,8 @@ class Report:
     canary: CanaryResult | None  # the canary sent in this visit, if any
     #: The engine's process start time as a string (what the ledger stores), when known.
     incarnation: str | None
+    #: The engine profile it was judged by; None while it is not recognised (``auto``).
+    engine: EngineProfile | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +145,8 @@ class Report:
             "tokens_per_s": self.tokens_per_s,
             "canary": None if self.canary is None else self.canary.to_dict(),
             "incarnation": self.incarnation,
+            "engine": None if self.engine is None else self.engine.name,
+            "engine_limits": [] if self.engine is None else list(self.engine.limits),
         }
 
 
@@ -151,6 +159,8 @@ class _Memory:
     stall: Stall = NO_STALL
     canary_at: float | None = None
     model: str | None = None  # from /v1/models, for the canary; looked up again after a restart
+    #: The engine's profile: configured, or recognised at a read (then kept for this URL).
+    profile: EngineProfile | None = None
 
 
 class Watchdog:
@@ -210,8 +220,8 @@ class Watchdog:
 
     async def probe(self, target: Target) -> Report:
         """One visit: read, judge, and send a canary if (and only if) the judge allows it."""
-        memory = self._memory.setdefault(target.url, _Memory())
-        reading = await self.read(target.url, proxy=target.proxy)
+        memory = self._remember(target)
+        reading = await self._read(target.url, target.proxy, memory)
         now = self._clock()
         before = None if target.proxy else memory.sample
         since_canary = None if memory.canary_at is None else now - memory.canary_at
@@ -219,7 +229,7 @@ class Watchdog:
             before, reading,
             elapsed_s=now - memory.sample_at if before is not None else 0.0,
             in_flight=target.in_flight, stall=memory.stall, since_canary_s=since_canary,
-            stalls_excused=target.stalls_excused, policy=self.policy,
+            stalls_excused=target.stalls_excused, policy=self.policy_for(memory.profile),
         )
         canary = None
         if judgement.send_canary:
@@ -241,48 +251,85 @@ class Watchdog:
             sample=reading if isinstance(reading, Sample) else None,
             tokens_per_s=tokens_per_s, canary=canary,
             incarnation=reading.incarnation if isinstance(reading, Sample) else None,
+            engine=memory.profile,
         )
+
+    def policy_for(self, engine: EngineProfile | None) -> WatchdogPolicy:
+        """The policy an engine is judged by: no stall is concluded sooner than its profile's
+        ``min_stall_s`` (an engine whose gauges lag can read "running" and flat while healthy).
+        """
+        if engine is None or engine.min_stall_s <= self.policy.stall_s:
+            return self.policy
+        return replace(self.policy, stall_s=engine.min_stall_s)
+
+    def _remember(self, target: Target) -> _Memory:
+        memory = self._memory.setdefault(target.url, _Memory())
+        if target.engine != AUTO and (memory.profile is None
+                                      or memory.profile.name != target.engine):
+            memory.profile = profile(target.engine)
+        return memory
 
     async def observe(self, target: Target) -> Reading:
         """Read an engine and remember the sample as the baseline; judge and send nothing."""
-        reading = await self.read(target.url, proxy=target.proxy)
+        memory = self._remember(target)
+        reading = await self._read(target.url, target.proxy, memory)
         if isinstance(reading, Sample) and not target.proxy:
-            memory = self._memory.setdefault(target.url, _Memory())
             memory.sample, memory.sample_at = reading, self._clock()
         return reading
 
     # ------------------------------------------------------------------ reads
 
-    async def read(self, url: str, *, proxy: bool = False) -> Reading:
+    async def read(self, url: str, *, proxy: bool = False, engine: str = AUTO) -> Reading:
         """One look at an engine: its metrics, else its liveness. Never raises for I/O."""
+        return await self._read(url, proxy, self._remember(Target(url, engine=engine)))
+
+    async def _read(self, url: str, proxy: bool, memory: _Memory) -> Reading:
         if proxy:
             models = await self._models(url)
             if isinstance(models, str):
                 return Down(f"GET /v1/models: {models}")
             return ProxyAnswered(models)
-        problem = await self._metrics(url)
-        if isinstance(problem, Sample):
-            return problem
-        health = await self._get_status(url + "/health")
+        known = memory.profile
+        if known is not None and not known.has_metrics:
+            problem = (f"the {known.name} profile has no /metrics: nothing proves progress; "
+                       "canaries when idle and the router's outcomes only")
+        else:
+            result, found = await self._metrics(url, known)
+            if found is not None:
+                memory.profile = found
+            if isinstance(result, Sample):
+                return result
+            problem = result
+        path = memory.profile.health_path if memory.profile is not None else "/health"
+        health = await self._get_status(url + path)
         if health == 200:
             return NoMetrics(problem)
         why = health if isinstance(health, str) else f"answered {health}"
-        return Down(f"/metrics: {problem}; /health: {why}")
+        return Down(f"/metrics: {problem}; {path}: {why}")
 
-    async def _metrics(self, url: str) -> Sample | str:
-        """The sample, or why there is none."""
+    async def _metrics(self, url: str, known: EngineProfile | None
+                       ) -> tuple[Sample | str, EngineProfile | None]:
+        """The sample, or why there is none; and the profile it was read by, if any."""
         limit = self.policy.max_metrics_bytes
         try:
             async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
                 if resp.status != 200:
-                    return f"/metrics answered {resp.status}"
+                    return f"/metrics answered {resp.status}", None
                 body = await _read_bounded(resp, limit)
+                headers = resp.headers
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e)
+            return _describe(e), None
         if body is None:
-            return f"/metrics body over the {limit}-byte limit"
-        result = parse(body, max_bytes=limit)
-        return result.reason if isinstance(result, Unreadable) else result
+            return f"/metrics body over the {limit}-byte limit", None
+        engine = known
+        if engine is None:
+            engine = detect(body[:limit].decode("utf-8", errors="replace"))
+            if engine is None:
+                return ("no known engine's families in /metrics (vllm, llamacpp, sglang, tgi); "
+                        "set engine in the config"), None
+        start = headers.get(engine.start_header) if engine.start_header else None
+        result = parse(body, max_bytes=limit, profile=engine, start_header=start)
+        return (result.reason if isinstance(result, Unreadable) else result), engine
 
     async def _get_status(self, url: str) -> int | str:
         try:
@@ -408,14 +455,17 @@ class Check:
 
 
 async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
-                policy: WatchdogPolicy = DEFAULT_POLICY, model: str | None = None) -> Check:
+                policy: WatchdogPolicy = DEFAULT_POLICY, model: str | None = None,
+                engine: str = AUTO) -> Check:
     """One engine, judged once: a baseline read, then reads ``check_interval_s`` apart until the
     verdict is final — a third read only to tell STALLED from STUCK (timed so that the stall
     spans ``stall_s``), or to compare a restarted engine within its new process.
 
-    A proxy is read once, ``GET /v1/models`` only.
+    A proxy is read once, ``GET /v1/models`` only. ``engine`` names the engine's profile
+    (``auto``: recognised from ``/metrics``); a stall is never concluded sooner than the
+    profile's ``min_stall_s``.
     """
-    target = Target(url.rstrip("/"), in_flight=in_flight, proxy=proxy)
+    target = Target(url.rstrip("/"), in_flight=in_flight, proxy=proxy, engine=engine)
     interval_s = policy.check_interval_s
     async with Watchdog(policy, model=model) as watchdog:
         if proxy:
@@ -434,4 +484,5 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
                 return Check(report, reads, exit_code(report))
             wait = interval_s
             if report.verdict is Verdict.STALLED:
-                wait = max(interval_s, policy.stall_s - report.evidence.stalled_for_s)
+                stall_s = watchdog.policy_for(report.engine).stall_s
+                wait = max(interval_s, stall_s - report.evidence.stalled_for_s)

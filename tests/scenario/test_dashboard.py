@@ -205,9 +205,10 @@ async def test_the_event_stream_follows_the_controller(tmp_path: Path) -> None:
             refits = (await stream.until("snapshot"))["refits"]
             assert refits["lease"] is None and refits["current_version"] == 1
             assert [(r["version"], r["outcome"]) for r in refits["history"]] == [(1, "completed")]
-            assert len(fleet._listeners) == 1
+            assert len(fleet.events.listeners) == 1
         # the page went away: its listener goes at the next write (the next tick)
-        await until(lambda: not fleet._listeners, what="the listener of a closed stream removed")
+        await until(lambda: not fleet.events.listeners,
+                    what="the listener of a closed stream removed")
 
 
 async def test_a_page_that_reconnects_starts_from_a_hello_with_the_history(

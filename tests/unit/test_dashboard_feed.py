@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetwarden.admin.dashboard import Traffic, TrafficPoint, traffic_point
+from fleetwarden.admin.views import Traffic, TrafficPoint, traffic_point
 from fleetwarden.config import parse_config
 from fleetwarden.fleet import Fleet
 from fleetwarden.router.stats import RouterStats
@@ -57,28 +57,28 @@ def _fleet(tmp_path: Path) -> Fleet:
 
 def test_a_listener_that_falls_behind_is_told_to_start_over(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path)
-    q = fleet.listen()
+    q = fleet.events.listen()
     for n in range(q.maxsize + 1):
-        fleet.publish({"type": "snapshot", "data": n})
+        fleet.events.publish({"type": "snapshot", "data": n})
     assert q.qsize() == 1 and q.get_nowait() == {"type": "resync"}
-    fleet.publish({"type": "transition", "data": 1})
+    fleet.events.publish({"type": "transition", "data": 1})
     assert q.get_nowait() == {"type": "transition", "data": 1}
 
 
 def test_bye_reaches_even_a_listener_that_fell_behind(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path)
-    q = fleet.listen()
+    q = fleet.events.listen()
     for n in range(q.maxsize):
-        fleet.publish({"type": "snapshot", "data": n})
-    fleet.publish({"type": "bye"})
+        fleet.events.publish({"type": "snapshot", "data": n})
+    fleet.events.publish({"type": "bye"})
     assert [q.get_nowait() for _ in range(q.qsize())] == [{"type": "resync"}, {"type": "bye"}]
 
 
 def test_a_listener_that_left_gets_nothing(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path)
-    q = fleet.listen()
-    fleet.unlisten(q)
-    fleet.publish({"type": "bye"})
+    q = fleet.events.listen()
+    fleet.events.unlisten(q)
+    fleet.events.publish({"type": "bye"})
     assert q.empty()
 
 

@@ -29,25 +29,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from fleetwarden.admin import dashboard, views
+from fleetwarden.admin.keys import FLEET, PUBLIC, TOKEN, bearer, presented_token
+from fleetwarden.admin.surface import FleetSurface
 from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
-from fleetwarden.sleep import put_to_sleep, wake
 
-if TYPE_CHECKING:
-    from fleetwarden.fleet import Fleet
-
-__all__ = ["make_admin_app"]
+__all__ = ["make_admin_app", "presented_token"]
 
 log = logging.getLogger(__name__)
-
-FLEET: web.AppKey[Fleet] = web.AppKey("fleet")
-TOKEN: web.AppKey[str] = web.AppKey("token")
-#: Paths served without the token: the dashboard's sign-in and its static files only.
-PUBLIC: web.AppKey[frozenset[str]] = web.AppKey("public")
 
 #: Admin request bodies are small JSON objects.
 _MAX_BODY = 64 * 1024
@@ -58,21 +52,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status, **extra}},
                              status=status)
-
-
-def _bearer(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    return auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else None
-
-
-def presented_token(request: web.Request) -> str | None:
-    """The bearer token, else the dashboard's cookie. A ``?token=`` query is no credential
-    here: it belongs to the sign-in link (``GET /?token=``) alone, which trades it for the
-    cookie and takes it out of the address bar."""
-    bearer = _bearer(request)
-    if bearer is not None:
-        return bearer
-    return request.cookies.get("fleetwarden_token") or None
 
 
 def own_origin(request: web.Request) -> str:
@@ -92,7 +71,7 @@ def cross_site_refusal(request: web.Request) -> str | None:
     content type without a CORS preflight that this server never answers. So a cookie-signed
     state change needs both; a bearer token (the CLI, clients, trainers) is never sent by a
     browser on its own and needs neither."""
-    if request.method in _SAFE_METHODS or _bearer(request) is not None:
+    if request.method in _SAFE_METHODS or bearer(request) is not None:
         return None
     origin = request.headers.get("Origin")
     if origin != own_origin(request):
@@ -149,8 +128,8 @@ def _shard_index(request: web.Request) -> int:
     except ValueError:
         raise _http_error(400, f"shard must be an integer, got {request.match_info['i']!r}") \
             from None
-    if not 0 <= i < len(fleet.ledger):
-        raise _http_error(404, f"no shard {i}: the fleet has shards 0..{len(fleet.ledger) - 1}")
+    if not 0 <= i < fleet.size:
+        raise _http_error(404, f"no shard {i}: the fleet has shards 0..{fleet.size - 1}")
     return i
 
 
@@ -164,11 +143,11 @@ def _version(body: dict[str, Any]) -> int:
 # ---------------------------------------------------------------------- read
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FLEET].describe())
+    return web.json_response(views.describe(request.app[FLEET].snapshot()))
 
 
 async def shards(request: web.Request) -> web.Response:
-    return web.json_response({"shards": request.app[FLEET].shards_view()})
+    return web.json_response({"shards": views.shards_view(request.app[FLEET].snapshot())})
 
 
 async def transitions(request: web.Request) -> web.Response:
@@ -179,17 +158,17 @@ async def transitions(request: web.Request) -> web.Response:
         shard = int(request.query["shard"]) if "shard" in request.query else None
     except ValueError:
         raise _http_error(400, "since, limit and shard must be integers") from None
-    return web.json_response({"transitions": fleet.transitions_view(since, limit, shard)})
+    return web.json_response({"transitions": fleet.events.since(since, limit, shard)})
 
 
 async def serving(request: web.Request) -> web.Response:
-    urls, facts = request.app[FLEET].controller.serving_push()
+    urls, facts = request.app[FLEET].serving()
     return web.json_response({"urls": urls,
                               "facts": {url: f.to_dict() for url, f in facts.items()}})
 
 
 async def refits(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FLEET].refits_view())
+    return web.json_response(views.refits_view(request.app[FLEET].snapshot()))
 
 
 # ---------------------------------------------------------------------- act
@@ -199,11 +178,10 @@ async def retire(request: web.Request) -> web.Response:
     i = _shard_index(request)
     body = await _json_body(request)
     reason = str(body.get("reason") or "retired by an operator")
-    outcome = fleet.ledger.retire(i, reason)
-    fleet.controller.wake()
-    return web.json_response({"shard": i, "applied": outcome.applied, "reason": outcome.reason,
-                              "state": str(fleet.ledger.state(i))},
-                             status=200 if outcome.applied else 409)
+    acted = fleet.retire(i, reason)
+    return web.json_response({"shard": i, "applied": acted.applied, "reason": acted.reason,
+                              "state": str(acted.state)},
+                             status=200 if acted.applied else 409)
 
 
 async def restart(request: web.Request) -> web.Response:
@@ -211,10 +189,9 @@ async def restart(request: web.Request) -> web.Response:
     i = _shard_index(request)
     body = await _json_body(request)
     reason = str(body.get("reason") or "restart requested by an operator")
-    ok = await fleet.supervisor.restart_now(i, reason)
-    fleet.controller.wake()
-    return web.json_response({"shard": i, "applied": ok, "state": str(fleet.ledger.state(i))},
-                             status=200 if ok else 409)
+    acted = await fleet.restart(i, reason)
+    return web.json_response({"shard": i, "applied": acted.applied, "state": str(acted.state)},
+                             status=200 if acted.applied else 409)
 
 
 async def chaos(request: web.Request) -> web.Response:
@@ -245,7 +222,7 @@ async def outcomes(request: web.Request) -> web.Response:
                 or not all(isinstance(c, int) and c >= 0 for c in counts)):
             raise _http_error(400, f"outcomes[{url!r}] must be three non-negative integers")
         parsed[url] = (counts[0], counts[1], counts[2])
-    fleet.controller.apply_outcomes(parsed)
+    fleet.apply_outcomes(parsed)
     return web.json_response({"accepted": len(parsed)})
 
 
@@ -271,9 +248,9 @@ async def refit_complete(request: web.Request) -> web.Response:
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
     # The routers learn the new weight versions before the trainer's next rollout is sent.
-    await fleet.controller.push_now()
+    await fleet.push()
     return web.json_response({"version": record.version, "refitted": list(record.participants),
-                              "states": fleet.states_view()})
+                              "states": views.states_view(fleet.snapshot())})
 
 
 async def refit_abort(request: web.Request) -> web.Response:
@@ -284,10 +261,10 @@ async def refit_abort(request: web.Request) -> web.Response:
         record = fleet.abort_refit(_version(body), reason)
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
-    await fleet.controller.push_now()  # the shards it left STALE or condemned serve no more
+    await fleet.push()  # the shards it left STALE or condemned serve no more
     return web.json_response({"version": record.version, "partial": list(record.participants),
                               "condemned": list(record.condemned),
-                              "states": fleet.states_view()})
+                              "states": views.states_view(fleet.snapshot())})
 
 
 def _shards_of(body: dict[str, Any]) -> list[int] | None:
@@ -308,25 +285,22 @@ async def sleep(request: web.Request) -> web.Response:
         raise _http_error(400, f"level must be 1 (weights offloaded) or 2 (discarded), "
                           f"got {level!r}")
     try:
-        results = await put_to_sleep(fleet.ledger, fleet.controller, level=level,
-                                     shards=_shards_of(body))
+        results = await fleet.sleep(level, _shards_of(body))
     except ValueError as exc:
         raise _http_error(400, str(exc)) from None
-    fleet.controller.wake()
     return web.json_response({"level": level, "shards": [r.to_dict() for r in results],
-                              "states": fleet.states_view()})
+                              "states": views.states_view(fleet.snapshot())})
 
 
 async def wake_up(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     body = await _json_body(request)
     try:
-        results = await wake(fleet.ledger, fleet.controller, shards=_shards_of(body))
+        results = await fleet.wake(_shards_of(body))
     except ValueError as exc:
         raise _http_error(400, str(exc)) from None
-    fleet.controller.wake()
     return web.json_response({"shards": [r.to_dict() for r in results],
-                              "states": fleet.states_view()})
+                              "states": views.states_view(fleet.snapshot())})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -335,9 +309,7 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def make_admin_app(fleet: Fleet, token: str) -> web.Application:
-    from fleetwarden.admin import dashboard  # it builds on this module's keys
-
+def make_admin_app(fleet: FleetSurface, token: str) -> web.Application:
     app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
     app[FLEET] = fleet
     app[TOKEN] = token

@@ -30,29 +30,21 @@ import html
 import json
 import math
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from fleetwarden.admin.app import FLEET, TOKEN, presented_token
+from fleetwarden.admin import views
+from fleetwarden.admin.keys import FLEET, TOKEN, presented_token
+from fleetwarden.admin.surface import FleetSurface
+from fleetwarden.admin.views import WINDOW_S
 from fleetwarden.auth import token_matches
 
-if TYPE_CHECKING:
-    from fleetwarden.fleet import Fleet
-    from fleetwarden.router.stats import RouterStats
-
-__all__ = ["COOKIE", "PUBLIC_PATHS", "WINDOW_S", "Traffic", "TrafficPoint", "add_routes",
-           "hello", "snapshot", "traffic_point"]
+__all__ = ["COOKIE", "PUBLIC_PATHS", "WINDOW_S", "add_routes", "hello", "snapshot"]
 
 COOKIE = "fleetwarden_token"
-#: What the page shows of the past: transitions and traffic of the last hour.
-WINDOW_S = 3600.0
-#: Traffic points are kept at most this far apart when ticks come faster (a fleet's own step
-#: follows its tick: see ``Fleet.traffic``).
-TRAFFIC_STEP_S = 5.0
 #: EventSource waits this long before it reconnects (the stream's ``retry:`` hint).
 RETRY_MS = 2000
 #: A comment line goes out after this long without an event, so a page that left is noticed.
@@ -78,77 +70,24 @@ _PAGE_HEADERS = {
 }
 
 
-# ---------------------------------------------------------------------- the router's traffic
-
-@dataclass(frozen=True, slots=True)
-class TrafficPoint:
-    """The router's cumulative counters at one moment; rates are differences of two points."""
-
-    at: float  # wall-clock seconds
-    requests: int
-    #: Answers that say the fleet could not serve: 5xx, and the router's deliberate statuses.
-    errors: int
-    #: Attempts that failed on an engine (most were retried: the client saw no error).
-    backend_failures: int
-    retries: int
-    rescues: int
-
-
-def traffic_point(stats: RouterStats, at: float, failure_statuses: frozenset[int]) -> TrafficPoint:
-    errors = sum(n for status, n in stats.responses.items()
-                 if status >= 500 or status in failure_statuses)
-    return TrafficPoint(at=at, requests=stats.requests, errors=errors,
-                        backend_failures=sum(stats.backend_failures.values()),
-                        retries=sum(stats.retries.values()), rescues=stats.rescues)
-
-
-class Traffic:
-    """The router's counters over the last ``window_s``, one point per ``step_s`` at most.
-
-    Counters, not rates, are kept: the page draws a rate from two consecutive points, and a
-    point dropped by thinning loses no request (the next one still counts it).
-    """
-
-    def __init__(self, step_s: float = TRAFFIC_STEP_S, window_s: float = WINDOW_S) -> None:
-        self.step_s = step_s
-        self.window_s = window_s
-        self._points: deque[TrafficPoint] = deque()
-
-    def record(self, point: TrafficPoint) -> bool:
-        """Keep ``point`` if the last kept one is ``step_s`` old; True when it was kept."""
-        if self._points and point.at - self._points[-1].at < self.step_s:
-            return False
-        self._points.append(point)
-        # One point older than the window stays: the first rate inside it needs a start.
-        while len(self._points) > 2 and self._points[1].at < point.at - self.window_s:
-            self._points.popleft()
-        return True
-
-    @property
-    def latest(self) -> TrafficPoint | None:
-        return self._points[-1] if self._points else None
-
-    def points(self) -> list[dict[str, Any]]:
-        return [asdict(p) for p in self._points]
-
-
 # ---------------------------------------------------------------------- what the page shows
 
-def snapshot(fleet: Fleet) -> dict[str, Any]:
+def snapshot(fleet: FleetSurface) -> dict[str, Any]:
     """The fleet as the page shows it now (published after every controller tick)."""
     latest = fleet.traffic.latest
+    snap = fleet.snapshot()
     return {
         "at": time.time(),
-        "fleet": fleet.describe(),
-        "shards": fleet.shards_view(),
-        "max_restart_attempts": fleet.ledger.policy.max_restart_attempts,
-        "refits": fleet.refits_view(),
+        "fleet": views.describe(snap),
+        "shards": views.shards_view(snap),
+        "max_restart_attempts": snap.max_restart_attempts,
+        "refits": views.refits_view(snap),
         "traffic": None if latest is None else asdict(latest),
-        "seq": fleet.seq,
+        "seq": fleet.events.seq,
     }
 
 
-def hello(fleet: Fleet) -> dict[str, Any]:
+def hello(fleet: FleetSurface) -> dict[str, Any]:
     """A snapshot and the history the page draws: what a page (re)connecting starts from."""
     view = snapshot(fleet)
     since = view["at"] - WINDOW_S
@@ -157,7 +96,7 @@ def hello(fleet: Fleet) -> dict[str, Any]:
         started_at=fleet.started_at,
         traffic=fleet.traffic.points(),
         transitions=[{k: e[k] for k in ("seq", "shard", "from", "to", "event", "cause", "at")}
-                     for e in fleet.recent if e["at"] >= since],
+                     for e in fleet.events.recent if e["at"] >= since],
     )
     return view
 
@@ -287,7 +226,7 @@ def _finite(data: Any) -> Any:
 async def events(request: web.Request) -> web.StreamResponse:
     """The page's event stream (see the module's docstring)."""
     fleet = request.app[FLEET]
-    queue = fleet.listen()  # before the hello: nothing that happens after it is missed
+    queue = fleet.events.listen()  # before the hello: nothing that happens after it is missed
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-store",
                                        "X-Accel-Buffering": "no"})
@@ -312,7 +251,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     except ConnectionResetError:
         pass  # the page went away; its queue goes with it below
     finally:
-        fleet.unlisten(queue)
+        fleet.events.unlisten(queue)
     return resp
 
 

@@ -29,7 +29,7 @@ from fleetwarden.router.stats import RouterStats, make_registry
 if TYPE_CHECKING:
     from fleetwarden.router.control import InProcessRouter
 
-__all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router"]
+__all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "listening_url"]
 
 log = logging.getLogger("fleetwarden.router")
 
@@ -174,7 +174,7 @@ class Router:
             await self._forwarder.close()
             raise
         self._runner = runner
-        self._url = _url_of(runner)
+        self._url = listening_url(runner)
         if control_port is not None:
             from fleetwarden.router.control import make_control_app
 
@@ -189,7 +189,7 @@ class Router:
                 await self.stop()
                 raise
             self._control_runner = control
-            self._control_url = _url_of(control)
+            self._control_url = listening_url(control)
 
     async def stop(self) -> None:
         """Stop listening, end the requests in flight, close the client session."""
@@ -252,7 +252,8 @@ class Router:
             + " and its own /metrics.", "not_found")
 
 
-def _url_of(runner: web.AppRunner) -> str:
+def listening_url(runner: web.AppRunner) -> str:
+    """The URL a started runner listens on (aiohttp's public ``addresses``)."""
     host, port = runner.addresses[0][:2]
     if ":" in host:
         host = f"[{host}]"

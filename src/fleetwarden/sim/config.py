@@ -6,7 +6,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["FaultMode", "SimConfig"]
+__all__ = ["SIM_ENGINES", "FaultMode", "SimConfig"]
+
+#: The engines whose wire the simulator speaks.
+SIM_ENGINES = ("vllm", "llamacpp", "sglang")
 
 
 class FaultMode(enum.Enum):
@@ -48,9 +51,15 @@ class SimConfig:
     crash_exit_s: float = 0.4
     #: Entries kept in the /sim/stats log (the counts by path are never trimmed).
     stats_log_size: int = 2000
+    #: Whose wire to speak: ``vllm``, or ``llamacpp`` / ``sglang`` (their /metrics names,
+    #: llama.cpp's /health body, /slots and start header; ``fleetwarden.sim.dialects``).
+    engine: str = "vllm"
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("slots, tokens_per_step and max_num_batched_tokens must be >= 1")
+        if self.engine not in SIM_ENGINES:
+            raise ValueError(f"engine {self.engine!r}: the simulator speaks "
+                             f"{', '.join(SIM_ENGINES)}")
         if not self.steps_per_s > 0 or not self.fault_factor > 0:
             raise ValueError("steps_per_s and fault_factor must be > 0")

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleetwarden.sim.families import VllmFamilies
+from fleetwarden.sim.dialects import Families
 
 
 @dataclass(eq=False)
@@ -59,7 +59,7 @@ class StepResult:
 
 
 class EngineCore:
-    def __init__(self, families: VllmFamilies, *, slots: int, tokens_per_step: int,
+    def __init__(self, families: Families, *, slots: int, tokens_per_step: int,
                  max_num_batched_tokens: int) -> None:
         if slots < 1 or tokens_per_step < 1 or max_num_batched_tokens < 1:
             raise ValueError("slots, tokens_per_step and max_num_batched_tokens must be >= 1")

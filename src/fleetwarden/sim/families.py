@@ -266,3 +266,6 @@ class VllmFamilies:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": CONTENT_TYPE}

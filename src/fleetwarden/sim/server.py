@@ -51,8 +51,9 @@ from aiohttp import web
 
 from fleetwarden.sim import wire
 from fleetwarden.sim.config import FaultMode, SimConfig
+from fleetwarden.sim.dialects import DIALECTS, Families
 from fleetwarden.sim.engine import EngineCore, SimRequest, StepResult
-from fleetwarden.sim.families import CONTENT_TYPE, VllmFamilies
+from fleetwarden.sim.families import VllmFamilies
 
 __all__ = ["FaultMode", "Sim", "SimConfig", "serve"]
 
@@ -142,6 +143,8 @@ class Sim:
             web.post("/sim/fault", self._post_fault),
             web.delete("/sim/fault", self._delete_fault),
         ])
+        if self.config.engine == "llamacpp":
+            app.add_routes([web.get("/slots", self._slots)])
         # handler_cancellation: a client that goes away cancels its handler, which aborts its
         # request in the engine, as vLLM does (no orphaned decoding).
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
@@ -201,12 +204,13 @@ class Sim:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _new_process(self, previous_start: float | None) -> tuple[VllmFamilies, EngineCore]:
+    def _new_process(self, previous_start: float | None) -> tuple[Families, EngineCore]:
         c = self.config
         start = time.time()
         if previous_start is not None:
             start = max(start, previous_start + 0.001)  # a new process never shares a start
-        families = VllmFamilies(c.model, max_model_len=c.max_model_len,
+        kind = DIALECTS.get(c.engine, VllmFamilies)
+        families = kind(c.model, max_model_len=c.max_model_len,
                                 kv_capacity_tokens=c.slots * c.max_model_len, start_time=start)
         core = EngineCore(families, slots=c.slots, tokens_per_step=c.tokens_per_step,
                           max_num_batched_tokens=c.max_num_batched_tokens)
@@ -402,7 +406,18 @@ class Sim:
     # ------------------------------------------------------------------ probes and metadata
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.config.engine == "llamacpp":  # llama-server answers with a body
+            if self._crashed:
+                return _json({"error": {"code": 503, "message": "Loading model",
+                                        "type": "unavailable_error"}}, 503)
+            return _json({"status": "ok"})
         return web.Response(status=503 if self._crashed else 200)
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        """llama-server's ``/slots``: one entry per slot, ``is_processing`` where busy."""
+        busy = len(self._core.running)
+        return _json([{"id": i, "n_ctx": self.config.max_model_len,
+                       "is_processing": i < busy} for i in range(self.config.slots)])
 
     async def _metrics(self, request: web.Request) -> web.Response:
         mode = self._fault.mode
@@ -411,7 +426,7 @@ class Sim:
         body = self._families.exposition()
         if mode is FaultMode.GARBAGE_METRICS:
             body = _garbage(body)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=body, headers=self._families.headers())
 
     async def _models(self, request: web.Request) -> web.Response:
         created = int(time.time())

@@ -1,0 +1,82 @@
+"""The fleet's surface: what the admin API, the dashboard, the demo and the CLI may ask of a
+running fleet.
+
+Owns: :class:`FleetSurface`, the narrow typed set of operations (retire, restart, refits,
+outcomes, a fault, a snapshot, a push) that ``fleet.Fleet`` implements.
+
+Must not: import ``fleet.py``. The admin side depends on this protocol, never on the class
+that implements it: that is what keeps fleet.py -> admin/ a one-way street (no import circle),
+and what keeps callers from reaching into ``fleet.ledger``, ``fleet.controller`` or
+``fleet.router``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from fleetwarden.admin.events import EventBus
+from fleetwarden.admin.views import Traffic
+from fleetwarden.refit import Lease, RefitRecord
+from fleetwarden.router.pool import BackendFacts
+from fleetwarden.sleep import SleepResult
+from fleetwarden.snapshot import Acted, Snapshot
+
+__all__ = ["FleetSurface"]
+
+
+class FleetSurface(Protocol):
+    """The operations of a running fleet (``fleet.Fleet`` implements them)."""
+
+    token: str
+    admin_url: str
+    started_at: float
+    #: State changes and the dashboard's events (``admin/events.py``).
+    events: EventBus
+    #: The router's counters over the last hour (``admin/views.py``).
+    traffic: Traffic
+
+    @property
+    def router_url(self) -> str: ...
+
+    @property
+    def size(self) -> int:
+        """How many shards the fleet has (indices 0 .. size - 1)."""
+        ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def serving(self) -> tuple[list[str], dict[str, BackendFacts]]:
+        """The serving set as the controller pushes it: URLs and each backend's facts."""
+        ...
+
+    def retire(self, i: int, reason: str) -> Acted: ...
+
+    async def restart(self, i: int, reason: str) -> Acted: ...
+
+    def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None: ...
+
+    def begin_refit(self, version: int) -> Lease: ...
+
+    def complete_refit(self, version: int) -> RefitRecord: ...
+
+    def abort_refit(self, version: int, reason: str) -> RefitRecord: ...
+
+    async def sleep(self, level: int, shards: list[int] | None) -> list[SleepResult]:
+        """The trainer's sleep bracket: out of routing, then each engine's ``/sleep``."""
+        ...
+
+    async def wake(self, shards: list[int] | None) -> list[SleepResult]:
+        """Each sleeping engine's ``/wake_up``; back in routing once it says it is awake."""
+        ...
+
+    async def push(self) -> None:
+        """Push the serving set to every router now (after a refit, before the next tick)."""
+        ...
+
+    async def inject_fault(self, i: int, fault: str, options: dict[str, Any]) -> str: ...
+
+    def metrics_text(self) -> tuple[bytes, str]: ...

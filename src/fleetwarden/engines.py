@@ -1,0 +1,303 @@
+"""Engine profiles: what the judge needs from each kind of engine, as data (pure; issue 18).
+
+The judge is profile-agnostic: it compares two :class:`~fleetwarden.metrics.Sample` values
+(running, waiting, a progress counter, the fingerprint counters, which process answered). A
+profile says, for one engine, where each of those comes from — and what the engine cannot prove.
+One table, :data:`PROFILES`; no subclass per engine. To add an engine, add one entry (see
+``README.md``, "Engines").
+
+What each field means:
+
+* ``families`` — the ``/metrics`` families read, keyed by the name in their ``# TYPE`` line,
+  each naming the :class:`Sample` field it fills. ``steps`` is the **progress proof**: a counter
+  that advances with every engine step, also while requests run and before any finishes. A
+  counter that moves only when a request finishes (llama.cpp's ``tokens_predicted_total``,
+  SGLang's ``generation_tokens_total``, TGI's ``tgi_request_generated_tokens``) is a fingerprint
+  field, never ``steps``: a long generation would read as a stall.
+* ``detect`` — a ``# TYPE`` line prefix that only this engine writes: how an engine whose kind
+  is not configured is recognised at its first ``/metrics`` read.
+* ``start_header`` — a response header that changes when the process does (llama.cpp's
+  ``Process-Start-Time-Unix``): compared, never read as a time. Without it (and without a
+  start-time family) a restart shows only as counters going backwards.
+* ``min_stall_s`` — the shortest stall that proves anything on this engine: an engine whose
+  gauges are refreshed only now and then can read "running" with flat counters for that long
+  while healthy. The watchdog never concludes STUCK sooner (the policy's ``stall_s`` is raised
+  to it), so two reads that are to prove a stall are always further apart than it.
+* ``health_path`` — the liveness read used when ``/metrics`` gives no sample: it must never
+  start a generation (SGLang's ``/health_generate`` does; its ``/health`` does not).
+* ``sleep`` — how the engine says it is asleep or paused, where it has such a state (vLLM's
+  ``vllm:engine_sleep_state`` is read: the judge's SLEEPING verdict; the others are said here
+  so that a sleeping engine is not mistaken for a wedged one).
+* ``limits`` — what this profile cannot prove, printed by ``fleetwarden check``.
+
+Sources: vLLM and llama.cpp from captures on this project's machines
+(``tests/fixtures/vllm``, ``tests/fixtures/llamacpp``); SGLang and TGI from their source (no
+engine runs here): ``tests/fixtures/sglang/README.md`` and ``tests/fixtures/tgi/README.md`` name
+the files and commits.
+
+Keep in sync: :data:`PROFILES`, the fixtures' READMEs, ``README.md`` ("Engines").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "AUTO",
+    "ENGINE_NAMES",
+    "LLAMACPP",
+    "OPENAI",
+    "PROFILES",
+    "SGLANG",
+    "TGI",
+    "VLLM",
+    "EngineProfile",
+    "Family",
+    "detect",
+    "profile",
+]
+
+#: ``engine = "auto"``: the kind is recognised from ``/metrics`` at the first read.
+AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One family the judge reads: as its ``# TYPE`` line names it, and the sample it sums."""
+
+    type: str  # the family's type in the ``# TYPE`` line
+    sample: str  # the sample name as prometheus-client's parser reports it; values are summed
+    field: str  # the :class:`Sample` field it fills
+    required: bool  # without it there is no verdict (NO_METRICS); optional ones default to 0
+    #: The sample name as the engine writes it, where the parser reports another: TGI's Rust
+    #: exporter writes counters without ``_total``, which the parser then adds.
+    written: str = ""
+
+    @property
+    def line(self) -> str:
+        """The sample name at the start of the body's lines."""
+        return self.written or self.sample
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineProfile:
+    """What the judge needs from one kind of engine (see the module's docstring). Each profile
+    is one object in :data:`PROFILES`: compared by identity."""
+
+    name: str  # the config value: ``engine = "llamacpp"``
+    title: str  # for people: "llama.cpp llama-server"
+    families: Mapping[str, Family]  # empty: the engine has no /metrics (``openai``)
+    detect: str  # a ``# TYPE`` prefix only this engine writes; "" for none
+    progress: str  # what proves progress, in words
+    health_path: str = "/health"
+    start_header: str | None = None
+    min_stall_s: float = 0.0
+    sleep: str = "none known"
+    limits: tuple[str, ...] = ()
+    #: The fields of :class:`Sample` this profile fills (the rest read 0 / unknown).
+    fields: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", frozenset(f.field for f in self.families.values()))
+        if self.families:
+            for needed in ("running", "waiting", "steps"):
+                if not any(f.field == needed and f.required for f in self.families.values()):
+                    raise ValueError(f"profile {self.name}: a required {needed!r} family is "
+                                     "needed to judge progress")
+
+    @property
+    def has_metrics(self) -> bool:
+        return bool(self.families)
+
+
+# fmt: off
+#: vLLM (0.32 captured). ``vllm:iteration_tokens_total`` is a histogram whose family name ends
+#: in ``_total``; its ``_count`` advances once per engine step, also while a long prompt is read
+#: and no output token appears (note 002: count steps, not tokens).
+VLLM = EngineProfile(
+    name="vllm", title="vLLM",
+    families={
+        "vllm:num_requests_running":   Family("gauge", "vllm:num_requests_running", "running",
+                                              True),
+        "vllm:num_requests_waiting":   Family("gauge", "vllm:num_requests_waiting", "waiting",
+                                              True),
+        "vllm:iteration_tokens_total": Family("histogram", "vllm:iteration_tokens_total_count",
+                                              "steps", True),
+        "vllm:generation_tokens_total": Family("counter", "vllm:generation_tokens_total",
+                                               "generation_tokens", True),
+        "vllm:prompt_tokens_total":    Family("counter", "vllm:prompt_tokens_total",
+                                              "prompt_tokens", False),
+        "vllm:num_preemptions_total":  Family("counter", "vllm:num_preemptions_total",
+                                              "preemptions", False),
+        "vllm:request_success_total":  Family("counter", "vllm:request_success_total",
+                                              "finished_requests", False),
+        "process_start_time_seconds":  Family("gauge", "process_start_time_seconds",
+                                              "start_time", False),
+        # Sleep mode, one series per ``sleep_state`` label: ``awake`` 0 while asleep,
+        # ``weights_offloaded`` 1 at level 1, ``discard_all`` 1 at level 2 (read per label,
+        # never summed). Engines before sleep mode lack it: the level is then unknown.
+        "vllm:engine_sleep_state":     Family("gauge", "vllm:engine_sleep_state",
+                                              "sleep_level", False),
+    },
+    detect="vllm:",
+    progress="vllm:iteration_tokens_total_count: +1 per engine step",
+    sleep="vllm:engine_sleep_state (read: the SLEEPING verdict); /sleep, /wake_up and "
+          "/is_sleeping with VLLM_SERVER_DEV_MODE=1",
+    limits=("a wedged EngineCore leaves the API server answering /metrics and /health: the "
+            "frozen step counter is the proof, after stall_s",),
+)
+
+#: llama.cpp ``llama-server --metrics`` (build 0.6.0-dev, captured: tests/fixtures/llamacpp).
+#: One process: no labels, no start-time family; the ``Process-Start-Time-Unix`` header changes
+#: on a restart (its value is an uptime clock, not Unix time).
+LLAMACPP = EngineProfile(
+    name="llamacpp", title="llama.cpp llama-server",
+    families={
+        "llamacpp:requests_processing": Family("gauge", "llamacpp:requests_processing",
+                                               "running", True),
+        "llamacpp:requests_deferred":   Family("gauge", "llamacpp:requests_deferred",
+                                               "waiting", True),
+        "llamacpp:n_decode_total":      Family("counter", "llamacpp:n_decode_total", "steps",
+                                               True),
+        "llamacpp:tokens_predicted_total": Family("counter", "llamacpp:tokens_predicted_total",
+                                                  "generation_tokens", False),
+        "llamacpp:prompt_tokens_total": Family("counter", "llamacpp:prompt_tokens_total",
+                                               "prompt_tokens", False),
+    },
+    detect="llamacpp:",
+    progress="llamacpp:n_decode_total: +1 per llama_decode() call (one call for all busy slots)",
+    start_header="Process-Start-Time-Unix",
+    sleep="none read (llama-server has no sleep state in /metrics)",
+    limits=(
+        "tokens_predicted_total moves only when a request finishes: a fingerprint, never "
+        "the progress proof",
+        "one long prefill (a prompt of -b tokens) keeps n_decode_total flat for its whole "
+        "batch: stall_s must outlast the slowest single batch",
+        "a restart shows only in the Process-Start-Time-Unix header (compared, not a time) "
+        "and in counters starting again from 0",
+        "SIGSTOP freezes /metrics and /health too (the engine is one process): unreachable, "
+        "not stuck",
+    ),
+)
+
+#: SGLang (``--enable-metrics``), from source: sgl-project/sglang
+#: ``python/sglang/srt/managers/scheduler_components/metrics_reporter.py`` (00df707e) and the
+#: collector (``SchedulerMetricsCollector``). ``sglang:realtime_tokens_total`` (label ``mode``:
+#: prefill_compute, prefill_cache, decode) is increased on every decode iteration (by the batch
+#: size) and on every prefill batch: the progress counter. The gauges are *not* per step: they
+#: are written on each prefill batch, every ``decode_log_interval`` (40) decode iterations, and
+#: when idle only every 30 s — so an engine that just went idle can read "running" with flat
+#: counters for up to ~30 s. Hence ``min_stall_s`` 45. Its metrics come through prometheus
+#: multiprocess mode: no ``process_start_time_seconds``.
+SGLANG = EngineProfile(
+    name="sglang", title="SGLang",
+    families={
+        "sglang:num_running_reqs":       Family("gauge", "sglang:num_running_reqs", "running",
+                                                True),
+        "sglang:num_queue_reqs":         Family("gauge", "sglang:num_queue_reqs", "waiting",
+                                                True),
+        "sglang:realtime_tokens_total":  Family("counter", "sglang:realtime_tokens_total",
+                                                "steps", True),
+        "sglang:generation_tokens_total": Family("counter", "sglang:generation_tokens_total",
+                                                 "generation_tokens", False),
+        "sglang:prompt_tokens_total":    Family("counter", "sglang:prompt_tokens_total",
+                                                "prompt_tokens", False),
+        "sglang:num_requests_total":     Family("counter", "sglang:num_requests_total",
+                                                "finished_requests", False),
+    },
+    detect="sglang:",
+    progress="sglang:realtime_tokens_total (all modes): + batch size per decode iteration, "
+             "+ prompt tokens per prefill batch",
+    min_stall_s=45.0,
+    sleep="sglang:num_paused_reqs (requests paused by a weight sync); not read yet",
+    limits=(
+        "the running/waiting gauges are refreshed every 40 decode iterations and only every "
+        "30 s when idle: no stall is concluded in under 45 s",
+        "generation_tokens_total moves only when a request finishes: a fingerprint, never the "
+        "progress proof",
+        "no start-time family (multiprocess metrics): a restart shows only as counters going "
+        "backwards",
+        "older SGLang without sglang:realtime_tokens_total has no progress proof: NO_METRICS, "
+        "canaries only",
+        "constructed from source, not captured: no SGLang engine runs on these machines",
+    ),
+)
+
+#: Text Generation Inference (router v2/v3 backends), from source: huggingface/
+#: text-generation-inference ``backends/v2/src/backend.rs`` (``prefill``/``decode``). Its Rust
+#: exporter writes counters without ``_total``. ``tgi_batch_inference_count`` (label
+#: ``method``) is increased at the start of every prefill and decode call: one per step.
+#: ``tgi_batch_current_size`` is set each decode loop and back to 0 when the batch empties.
+TGI = EngineProfile(
+    name="tgi", title="Text Generation Inference",
+    families={
+        "tgi_batch_current_size":    Family("gauge", "tgi_batch_current_size", "running", True),
+        "tgi_queue_size":            Family("gauge", "tgi_queue_size", "waiting", True),
+        "tgi_batch_inference_count": Family("counter", "tgi_batch_inference_count_total",
+                                            "steps", True, written="tgi_batch_inference_count"),
+        "tgi_request_generated_tokens": Family("histogram", "tgi_request_generated_tokens_sum",
+                                               "generation_tokens", False),
+        "tgi_request_success":       Family("counter", "tgi_request_success_total",
+                                            "finished_requests", False,
+                                            written="tgi_request_success"),
+    },
+    detect="tgi_",
+    progress="tgi_batch_inference_count (prefill + decode): +1 at the start of every step",
+    sleep="none",
+    limits=(
+        "tgi_request_generated_tokens moves only when a request finishes: a fingerprint",
+        "the step counter is increased as a step starts: a step that never returns leaves it "
+        "flat, as it should, but one read may land between the count and the step",
+        "no start-time family: a restart shows only as counters going backwards",
+        "/health may run a one-token prefill when TGI's last generation failed",
+        "constructed from source, not captured: no TGI engine runs on these machines",
+    ),
+)
+
+#: Any OpenAI-compatible server without a Prometheus ``/metrics`` (a hosted endpoint, Ollama):
+#: nothing proves progress. Liveness is ``GET /v1/models``; the canary when nothing of the
+#: router's is in flight, and the router's own outcomes, are the only evidence.
+OPENAI = EngineProfile(
+    name="openai", title="OpenAI-compatible (no /metrics)",
+    families={},
+    detect="",
+    progress="none: no /metrics",
+    health_path="/v1/models",
+    limits=(
+        "no /metrics: no progress proof and no wedge detection from counters",
+        "a busy engine is never probed, so a wedge under load shows only in the router's "
+        "failed or timed-out requests (the ledger's failure windows)",
+        "an idle engine is proved by a canary (one max_tokens-1 completion) when due",
+        "a restart is invisible except through failed requests",
+    ),
+)
+# fmt: on
+
+#: Every profile, by its config name.
+PROFILES: Mapping[str, EngineProfile] = {
+    p.name: p for p in (VLLM, LLAMACPP, SGLANG, TGI, OPENAI)
+}
+#: What ``engine =`` accepts.
+ENGINE_NAMES: tuple[str, ...] = (AUTO, *PROFILES)
+
+
+def profile(name: str) -> EngineProfile:
+    """The profile of that name; a clear error naming the choices otherwise."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"engine {name!r} is not known; choose one of: "
+                         f"{', '.join(ENGINE_NAMES)}") from None
+
+
+def detect(body: str) -> EngineProfile | None:
+    """The engine whose families a ``/metrics`` body holds, or None.
+
+    Plain string searches for each profile's ``# TYPE`` prefix (no parse). vLLM's body also
+    holds ``process_*`` families of its own, which no other profile's prefix matches.
+    """
+    for p in PROFILES.values():
+        if p.detect and ("\n# TYPE " + p.detect in body or body.startswith("# TYPE " + p.detect)):
+            return p
+    return None

@@ -1,0 +1,100 @@
+"""The engine profile table (issue 18): every profile is well-formed, and each engine's body is
+recognised as its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.engine_metrics import Sample, Unreadable, parse
+from fleetwarden.engines import (
+    ENGINE_NAMES,
+    LLAMACPP,
+    OPENAI,
+    PROFILES,
+    SGLANG,
+    TGI,
+    VLLM,
+    EngineProfile,
+    Family,
+    detect,
+    profile,
+)
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+BODIES = {
+    "vllm": FIXTURES / "vllm" / "metrics-busy-1.txt",
+    "llamacpp": FIXTURES / "llamacpp" / "metrics_busy.txt",
+    "sglang": FIXTURES / "sglang" / "metrics_busy_1.txt",
+    "tgi": FIXTURES / "tgi" / "metrics_busy_1.txt",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_each_engines_body_is_recognised_as_its_own(name: str) -> None:
+    assert detect(BODIES[name].read_text()) is PROFILES[name]
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_each_body_reads_only_under_its_own_profile(name: str) -> None:
+    text = BODIES[name].read_text()
+    for other in PROFILES.values():
+        result = parse(text, profile=other)
+        if other.name == name:
+            assert isinstance(result, Sample) and not result.idle, other.name
+        else:
+            assert isinstance(result, Unreadable), other.name
+
+
+def test_nothing_known_is_recognised_as_nothing() -> None:
+    assert detect("# TYPE foo gauge\nfoo 1\n") is None
+    assert detect("") is None
+
+
+def test_every_profile_reads_what_the_judge_needs_or_nothing() -> None:
+    for p in PROFILES.values():
+        assert p.name in ENGINE_NAMES and p.progress and p.health_path.startswith("/")
+        assert p.health_path != "/health_generate"  # a generation, never a liveness read
+        if p.has_metrics:
+            assert {"running", "waiting", "steps"} <= p.fields
+            assert p.detect and all(name.startswith(p.detect) or name.startswith("process_")
+                                    for name in p.families)
+    assert not OPENAI.has_metrics and OPENAI.limits
+
+
+def test_a_counter_that_moves_only_on_finish_is_never_the_progress_proof() -> None:
+    finish_only = {LLAMACPP: "llamacpp:tokens_predicted_total",
+                   SGLANG: "sglang:generation_tokens_total",
+                   TGI: "tgi_request_generated_tokens"}
+    for p, name in finish_only.items():
+        assert p.families[name].field != "steps"
+    assert VLLM.families["vllm:iteration_tokens_total"].field == "steps"
+
+
+def test_a_profile_without_a_progress_counter_is_refused() -> None:
+    with pytest.raises(ValueError, match="'steps'"):
+        EngineProfile(name="x", title="x", detect="x:", progress="none",
+                      families={"x:running": Family("gauge", "x:running", "running", True),
+                                "x:waiting": Family("gauge", "x:waiting", "waiting", True)})
+
+
+def test_an_unknown_engine_name_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="choose one of: auto, vllm, llamacpp, sglang, tgi"):
+        profile("ollama")
+
+
+def test_llamacpp_start_header_is_compared_not_read_as_time() -> None:
+    text = BODIES["llamacpp"].read_text()
+    a = parse(text, profile=LLAMACPP, start_header="2633240348")
+    b = parse(text, profile=LLAMACPP, start_header="2680303722")
+    assert isinstance(a, Sample) and isinstance(b, Sample)
+    assert a.start_time != b.start_time
+    garbled = parse(text, profile=LLAMACPP, start_header="soon")
+    assert isinstance(garbled, Sample) and garbled.start_time is None
+
+
+def test_tgi_counters_written_without_total_are_read() -> None:
+    sample = parse(BODIES["tgi"].read_text(), profile=TGI)
+    assert isinstance(sample, Sample)
+    assert (sample.running, sample.waiting, sample.steps) == (4, 2, 9 + 1730)
