@@ -74,8 +74,19 @@ def demo(
 
     async def main() -> None:
         nonlocal code
-        code = await run_demo(quick=quick, engine_cmd=engine_cmd, engines=engines,
-                              report_dir=report, live=not no_live)
+        # SIGTERM (a test's timeout, a CI job cancelled) and Ctrl-C end the story the way an
+        # exception does: through the fleet's stop, which stops every engine it started.
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        try:
+            code = await run_demo(quick=quick, engine_cmd=engine_cmd, engines=engines,
+                                  report_dir=report, live=not no_live)
+        except asyncio.CancelledError:
+            typer.echo("demo: stopped by a signal; every engine it started is stopped", err=True)
+            code = 1
 
     _run(main())
     raise typer.Exit(code)
@@ -438,6 +449,14 @@ def up(
     engine_cmd: Annotated[str | None, typer.Option(
         "--engine-cmd", help="Command that starts one engine; {host}, {port}, {shard} and "
                              "{python} are filled in. Default: a simulated vLLM engine.")] = None,
+    engine: Annotated[str | None, typer.Option(
+        "--engine", help="The kind of --engine-cmd's (and --backend's) engines: auto (from "
+                         "/metrics), vllm, llamacpp, sglang, tgi or openai (no /metrics).")
+    ] = None,
+    group: Annotated[list[str] | None, typer.Option(
+        "--group", help="More engines of another kind and command (a mixed fleet), as "
+                        "KIND:COUNT:COMMAND, e.g. 'llamacpp:2:llama-server --port {port} ...' "
+                        "(repeat).")] = None,
     backend: Annotated[list[str] | None, typer.Option(
         "--backend", "-b", help="Attach an engine something else runs (repeat).")] = None,
     restart_command: Annotated[str | None, typer.Option(
@@ -468,6 +487,7 @@ def up(
         engines = 0
     cfg = _load_config(config_file, {
         "fleet": {"engines": engines, "engine_cmd": engine_cmd, "backends": backend or None,
+                  "engine": engine, "groups": [_group(g) for g in group] if group else None,
                   "restart_command": restart_command, "weights": weights,
                   "launcher": launcher, "ray_address": ray_address},
         "router": {"port": port}, "admin": {"port": admin_port},
@@ -478,6 +498,18 @@ def up(
     if not quiet:
         logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))
     _run(_up(cfg, quiet))
+
+
+def _group(spec: str) -> dict[str, Any]:
+    """``--group KIND:COUNT:COMMAND`` as a ``[[fleet.groups]]`` table (validated with the rest
+    of the config, so a bad kind or command is named like any config error)."""
+    kind, _, rest = spec.partition(":")
+    count, _, command = rest.partition(":")
+    if not (kind and count.isdigit() and command):
+        typer.echo(f"--group {spec!r}: expected KIND:COUNT:COMMAND, e.g. "
+                   "'llamacpp:2:llama-server -m tiny.gguf --port {port} --metrics'", err=True)
+        raise typer.Exit(2)
+    return {"engine": kind, "engines": int(count), "engine_cmd": command}
 
 
 async def _up(cfg: Any, quiet: bool) -> None:
@@ -499,7 +531,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_on_signal)
     console = Console(highlight=False)
-    console.print(f"fleetwarden {__version__}: starting {cfg.fleet.engines} engine(s)"
+    console.print(f"fleetwarden {__version__}: starting {cfg.fleet.launched} engine(s)"
                   + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))
     try:
         await fleet.start()

@@ -48,6 +48,10 @@ _LEDGER = Policy()
 _ROUTER = RouterSettings()
 
 
+#: The engine kinds a fleet names (``fleetwarden.engines.ENGINE_NAMES``; a unit test keeps the
+#: two in step): ``auto`` recognises each engine from its ``/metrics`` at the first read.
+EngineName = Literal["auto", "vllm", "llamacpp", "sglang", "tgi", "openai"]
+
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -55,6 +59,27 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class EngineGroup(_Section):
+    """More launched engines, of another command and kind: a mixed fleet. A group's shards are
+    numbered after the fleet's own `engines`, in the order the groups are listed (attached
+    `backends` come last)."""
+
+    #: Engines of this group.
+    engines: PositiveInt = 1
+    #: Command that starts one engine of this group; the placeholders of `fleet.engine_cmd`.
+    engine_cmd: str
+    #: Their kind (as `fleet.engine`).
+    engine: EngineName = "auto"
+    #: Extra environment for this group's engines, on top of `fleet.engine_env`.
+    engine_env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _has_port(self) -> EngineGroup:
+        if "{port}" not in self.engine_cmd:
+            raise ValueError("engine_cmd must contain {port}: each engine gets a free port")
+        return self
 
 
 class FleetConfig(_Section):
@@ -68,6 +93,14 @@ class FleetConfig(_Section):
     engine_cmd: str | None = None
     #: Extra environment for launched engines; values are templates like `engine_cmd`.
     engine_env: dict[str, str] = Field(default_factory=dict)
+    #: What kind of engine `engine_cmd` starts (and `backends` are): `vllm`, `llamacpp`,
+    #: `sglang`, `tgi`, or `openai` (no /metrics: canaries and the router's evidence only).
+    #: `auto` recognises each engine from its /metrics at the first read; an engine with no
+    #: known /metrics is judged by canaries until it has. See README, "Engines".
+    engine: EngineName = "auto"
+    #: More launched engines with a command and kind of their own (a mixed fleet), e.g.
+    #: `[[fleet.groups]]` with `engines = 2`, `engine = "llamacpp"`, `engine_cmd = "..."`.
+    groups: list[EngineGroup] = Field(default_factory=list)
     #: Where launched engines listen. Loopback: engines are reached only through the router.
     #: (With `launcher = "ray"`, `{host}` is the IP of the node that runs the engine.)
     host: str = "127.0.0.1"
@@ -84,6 +117,12 @@ class FleetConfig(_Section):
     #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
     #: routing, and re-admitted when it answers again under a new incarnation.
     restart_command: str | None = None
+    #: `true`: launched engines outlive a fleetwarden that dies without stopping them (a
+    #: crash, `kill -9`), so that the next `fleetwarden up` on the same journal adopts them
+    #: instead of reloading weights. `false`: the kernel sends each engine SIGTERM when its
+    #: fleetwarden dies, however it dies (what `fleetwarden demo` uses: its journal is
+    #: temporary, so nothing could ever adopt an engine it left).
+    engines_outlive_fleetwarden: bool = True
     #: One log file per engine incarnation goes here (with `launcher = "ray"`, on the node that
     #: runs the engine, at this path made absolute on the controller's machine).
     log_dir: Path = Path("fleetwarden-logs")
@@ -125,14 +164,35 @@ class FleetConfig(_Section):
 
     @model_validator(mode="after")
     def _some_engines(self) -> FleetConfig:
-        if self.engines == 0 and not self.backends:
-            raise ValueError("a fleet needs engines > 0 or at least one backends URL")
+        if self.engines == 0 and not self.backends and not self.groups:
+            raise ValueError("a fleet needs engines > 0, a group, or at least one backends URL")
+        if self.groups and self.launcher == "ray":
+            raise ValueError('groups: a mixed fleet runs with launcher = "local" only (yet)')
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backends: {url!r} is not an http(s) URL")
         if self.engine_cmd is not None and "{port}" not in self.engine_cmd:
             raise ValueError("engine_cmd must contain {port}: each engine gets a free port")
         return self
+
+    @property
+    def launched(self) -> int:
+        """Engines launched here: the fleet's own, then each group's."""
+        return self.engines + sum(g.engines for g in self.groups)
+
+    def group_of(self, shard: int) -> EngineGroup | None:
+        """The group a launched shard belongs to; None for the fleet's own (and attached)."""
+        first = self.engines
+        for group in self.groups:
+            if first <= shard < first + group.engines:
+                return group
+            first += group.engines
+        return None
+
+    def engine_of(self, shard: int) -> str:
+        """The engine kind of a shard (``auto``: recognised at its first read)."""
+        group = self.group_of(shard)
+        return group.engine if group is not None else self.engine
 
 
 class RemoteRouterConfig(_Section):
@@ -171,6 +231,7 @@ class RouterConfig(_Section):
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
+    continue_streams: bool = _ROUTER.continue_streams
     #: More routers for the same fleet, in other processes or on other hosts; none by default.
     remote: list[RemoteRouterConfig] = Field(default_factory=list)
 

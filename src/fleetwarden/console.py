@@ -42,7 +42,8 @@ def fleet_view(status: dict[str, Any], shards: list[dict[str, Any]],
                          f"  {status.get('detail', '')}  ·  router {status.get('router_url', '')}"
                          f"  ·  tick {status.get('tick', 0)}")
     table = Table(expand=False, pad_edge=False)
-    for col, hint in (("#", "shard"), ("state", ""), ("engine", ""), ("age", ""),
+    for col, hint in (("#", "shard"), ("state", ""), ("engine", ""),
+                      ("kind", "engine profile (fleetwarden.engines)"), ("age", ""),
                       ("infl", "router in-flight"), ("run/wait", ""), ("tok/s", ""),
                       ("verdict", ""), ("p/r", "failed probes / failed request windows"),
                       ("restarts", "spent/budget"), ("w", "weight version"),
@@ -59,7 +60,8 @@ def fleet_view(status: dict[str, Any], shards: list[dict[str, Any]],
         started = s.get("incarnation_started_at")
         table.add_row(
             str(s["index"]), Text(s["state"], style=STATE_STYLE.get(s["state"], "")),
-            _short(s["base_url"]), _age(now - started if started else None),
+            _short(s["base_url"]), wd.get("engine") or "—",
+            _age(now - started if started else None),
             str(s["in_flight"]),
             run_wait, "—" if tps is None else f"{tps:.0f}", (wd.get("verdict") or "—"),
             f"{s['consecutive_probe_failures']}/{s['consecutive_reported_failures']}",

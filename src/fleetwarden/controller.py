@@ -31,12 +31,14 @@ from typing import Any, Protocol
 
 from fleetwarden.config import Config
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Health, Verdict
+from fleetwarden.judge import Verdict
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
+    Event,
     FleetExhausted,
     Ledger,
+    Reading,
     ShardState,
     Transition,
 )
@@ -45,7 +47,7 @@ from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
 
-__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport"]
+__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +125,9 @@ class Controller:
         self.reports: dict[int, Report] = {}
         #: Verdicts seen since start, by name (the fleet's Prometheus counter).
         self.verdict_counts: dict[str, int] = {}
-        #: Consecutive unreachable reads of a STALE shard (probes do not move STALE shards in
-        #: the ledger, so the controller proves such a death itself).
-        self._stale_unreachable: dict[int, int] = {}
+        #: URLs whose engine was seen restarted on its own since their last drained window:
+        #: that window's failures are the old process's (issue 15, item 8).
+        self._renewed: set[str] = set()
         self._condemned: dict[int, str] = {}
         #: Shards that fell asleep since the last tick: their waiting requests move elsewhere.
         self._fell_asleep: dict[int, str] = {}
@@ -137,6 +139,8 @@ class Controller:
     # ------------------------------------------------------------------ events
 
     def _on_transition(self, t: Transition) -> None:
+        if t.event in (Event.NEW_INCARNATION, Event.NEW_INCARNATION_WEIGHTS_LOST):
+            self._renewed.add(t.record.base_url)
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
@@ -189,7 +193,8 @@ class Controller:
         for i in range(len(self.ledger)):
             if self.ledger.state(i) not in ABSENT:
                 shards[self.ledger.shard(i).base_url] = i
-        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused)
+        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
+                          engine=self.config.fleet.engine_of(i))
                    for url, i in shards.items()]
         reports = await self.watchdog.round(targets)
         for url, i in shards.items():
@@ -268,60 +273,25 @@ class Controller:
         return total
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
+        renewed, self._renewed = self._renewed, set()
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
-            if i is not None:
-                self.ledger.report_outcomes(i, successes, failures, trailing)
+            if i is None:
+                continue
+            if url in renewed:
+                # The engine restarted on its own during this window: its failures are the old
+                # process's (they are why it restarted), and a new process has no history.
+                failures = trailing = 0
+            self.ledger.report_outcomes(i, successes, failures, trailing)
 
     def apply_report(self, i: int, r: Report) -> None:
-        """One watchdog verdict into the ledger (the table in ``watchdog.py``)."""
-        v, health = r.verdict, r.health
-        if self.journal is not None and v not in (Verdict.BUSY, Verdict.IDLE):
+        """One watchdog verdict into the ledger: the mapping is the ledger's
+        (:meth:`Ledger.record_reading`); the controller only gathers and calls."""
+        if self.journal is not None and r.verdict not in (Verdict.BUSY, Verdict.IDLE):
             # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
-            self.journal.record_verdict(i, r.url, v.name, r.evidence.to_dict())
-        if v is Verdict.RESTARTED and r.incarnation is not None:
-            self.ledger.observe_incarnation(i, r.incarnation)
-        why = r.evidence.summary
-        if v is Verdict.SLEEPING:
-            if r.evidence.previous_incarnation is not None and r.incarnation is not None:
-                self.ledger.observe_incarnation(i, r.incarnation)  # a new process, asleep
-            self.ledger.report_asleep(i, f"{v.name}: {why}")
-            self._stale_unreachable.pop(i, None)
-            return
-        if (self.ledger.state(i) is ShardState.SLEEPING and r.sample is not None
-                and r.sample.sleep_level == 0):
-            self.ledger.report_awake(i, f"reports awake: {why}")
-        state = self.ledger.state(i)
-        if (r.canary is not None and not r.canary.ok and self.refit is not None
-                and i in self.refit.stalls_excused()):
-            # A canary sent just before a refit lease began, answered (or not) during it: an
-            # engine loading weights may not generate, so its silence proves nothing.
-            return
-        if state in (ShardState.STALE, ShardState.SLEEPING) and v is Verdict.UNREACHABLE:
-            # Probes do not move a STALE or sleeping shard; the controller proves such a death
-            # itself.
-            n = self._stale_unreachable.get(i, 0) + 1
-            self._stale_unreachable[i] = n
-            if n >= self.config.health.unhealthy_threshold:
-                self.ledger.condemn(i, f"unreachable on {n} reads while {state}: {why}")
-            return
-        self._stale_unreachable.pop(i, None)
-        if health is Health.CONDEMNED:
-            self.ledger.condemn(i, f"{v.name}: {why}")
-        elif state is ShardState.STALE:
-            if self.config.fleet.weights == "static" and health is Health.PROVEN and (
-                    r.canary is not None and r.canary.ok):
-                # Static weights: a loaded engine that answers a canary has the only weights
-                # there are, so it is promoted by an automatic refit to the fleet's version.
-                self.ledger.report_refit(i, self._static_version())
-        elif health is Health.PROVEN:
-            self.ledger.record_probe(i, True)
-        elif health is Health.FAILING:
-            error = r.canary.error if r.canary is not None and r.canary.error else why
-            self.ledger.record_probe(i, False, f"{v.name}: {error}")
-
-    def _static_version(self) -> int:
-        return max((rec.weight_version for rec in self.ledger.snapshot()), default=0)
+            self.journal.record_verdict(i, r.url, r.verdict.name, r.evidence.to_dict())
+        excused = self.refit is not None and i in self.refit.stalls_excused()
+        self.ledger.record_reading(i, reading_of(r, excused=excused))
 
     def _retry_after_estimate(self) -> float | None:
         """Seconds until a shard is expected back, when some are restarting; else None."""
@@ -421,3 +391,19 @@ class Controller:
     def describe(self) -> dict[str, Any]:
         return {"status": self.status.state, "detail": self.status.detail,
                 "counts": self.status.counts, "tick": self.tick_number}
+
+
+def reading_of(r: Report, *, excused: bool = False) -> Reading:
+    """A watchdog report as the ledger reads it (plain facts)."""
+    return Reading(
+        health=r.health.value,  # the same four words
+        verdict=r.verdict.name, summary=r.evidence.summary,
+        # A restart is also told by a SLEEPING verdict: a new process already asleep
+        restarted=r.verdict is Verdict.RESTARTED or (
+            r.verdict is Verdict.SLEEPING and r.evidence.previous_incarnation is not None),
+        incarnation=r.incarnation,
+        canary_ok=None if r.canary is None else r.canary.ok,
+        canary_error=r.canary.error if r.canary is not None else "",
+        excused=excused,
+        sleep_level=r.sample.sleep_level if r.sample is not None else None,
+    )

@@ -322,7 +322,10 @@ def demo_config(work: Path, engine_cmd: str | None, engines: int) -> Any:
     return parse_config({
         "fleet": {"engines": engines, "engine_cmd": engine_cmd or SIM,
                   "log_dir": str(work / "logs"),
-                  "startup_timeout_s": 120 if engine_cmd is None else 300},
+                  "startup_timeout_s": 120 if engine_cmd is None else 300,
+                  # its journal is temporary: an engine it left could never be adopted, so
+                  # every engine ends with the demo, however the demo ends (even kill -9)
+                  "engines_outlive_fleetwarden": False},
         "router": {"port": 0},
         "health": {"probe_interval_s": 1.0, "stall_s": 4.0, "canary_interval_s": 5.0,
                    "canary_timeout_s": 2.0},

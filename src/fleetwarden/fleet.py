@@ -183,8 +183,8 @@ class Fleet:
 
     async def start(self) -> None:
         cfg = self.config
-        launched = list(range(cfg.fleet.engines))
-        attached = {cfg.fleet.engines + k: url for k, url in enumerate(cfg.fleet.backends)}
+        launched = list(range(cfg.fleet.launched))
+        attached = {cfg.fleet.launched + k: url for k, url in enumerate(cfg.fleet.backends)}
         size = len(launched) + len(attached)
 
         self.token = load_or_create_token(cfg.admin.token_file)
@@ -421,6 +421,8 @@ class Fleet:
             restarts_in_progress=len(s.attempts),
             refit_lease=refit.lease, refit_version=refit.current_version,
             refit_history=tuple(refit.history), router=RouterCounters.of(self.router.stats),
+            journal_failure=self._journal.failure if self._journal is not None else None,
+            journal_dropped=self._journal.dropped if self._journal is not None else 0,
         )
 
     def metrics_text(self) -> tuple[bytes, str]:

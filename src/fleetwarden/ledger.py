@@ -37,6 +37,7 @@ __all__ = [
     "LedgerError",
     "Outcome",
     "Policy",
+    "Reading",
     "ShardRecord",
     "ShardState",
     "Transition",
@@ -81,11 +82,13 @@ class Event(enum.Enum):
     FAILURE = "failure"  # a failed probe or a failed window of real requests
     FAILURES_AT_THRESHOLD = "failures at threshold"
     REQUEST_OK = "request ok"  # a completed generation clears the reported streak
+    SERVED = "served"  # a window of completed generations and no failure lifts SUSPECT
     CONDEMNED = "condemned"  # conclusive evidence: exit, proven stall, failed lost-core canary
     SILENT_PARTICIPANT = "silent participant"  # the one suspect of an aborted refit
     WEIGHTS_PARTIAL = "weights partial"  # a refit aborted while the shard received
     REFIT = "refit"  # a completed refit, nothing suspected
     REFIT_STILL_SUSPECT = "refit, still suspect"  # a completed refit that was suspected before
+    MISSED_REFIT = "missed refit"  # a refit completed, but this process did not take part
     IDENTIFIED = "identified"  # the first incarnation seen of a shard's process: no restart
     NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
     NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
@@ -118,6 +121,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
+        E.MISSED_REFIT: STALE,
         E.REFIT: HEALTHY,
         E.IDENTIFIED: HEALTHY,
         E.NEW_INCARNATION: HEALTHY,
@@ -131,9 +135,11 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.FAILURE: SUSPECT,
         E.FAILURES_AT_THRESHOLD: DEAD,
         E.REQUEST_OK: SUSPECT,
+        E.SERVED: HEALTHY,  # successful work is evidence: no canary needed to come back
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
+        E.MISSED_REFIT: STALE,
         E.REFIT_STILL_SUSPECT: SUSPECT,
         E.IDENTIFIED: SUSPECT,
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
@@ -141,11 +147,17 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
     },
-    STALE: {  # left only by a completed refit, a conclusive death, or retirement
+    STALE: {  # left only by a completed refit, a death (conclusive, or proven by failed reads)
+        # or retirement. Its process is judged like any other: reads that keep failing
+        # condemn it (a STALE engine that died must not wait for a refit that never comes).
+        E.PROBE_OK: STALE,
+        E.FAILURE: STALE,
+        E.FAILURES_AT_THRESHOLD: DEAD,
         E.REQUEST_OK: STALE,
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
+        E.MISSED_REFIT: STALE,
         E.REFIT: HEALTHY,
         E.REFIT_STILL_SUSPECT: SUSPECT,
         E.IDENTIFIED: STALE,
@@ -176,9 +188,15 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.WOKE: HEALTHY,
         E.WOKE_SUSPECT: SUSPECT,
         E.WOKE_STALE: STALE,
+        # Reads of its process: one that answers ends a failed run; reads that keep failing
+        # (unreachable, never a canary: none is sent to a sleeper) prove it died
+        E.PROBE_OK: SLEEPING,
+        E.FAILURE: SLEEPING,
+        E.FAILURES_AT_THRESHOLD: DEAD,
         E.REQUEST_OK: SLEEPING,
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
+        E.MISSED_REFIT: SLEEPING,  # wakes STALE
         E.WEIGHTS_PARTIAL: SLEEPING,  # wakes STALE
         E.REFIT: SLEEPING,  # wakes HEALTHY
         E.REFIT_STILL_SUSPECT: SLEEPING,  # wakes SUSPECT
@@ -193,6 +211,31 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
 # fmt: on
 
 WeightsMode = Literal["static", "trainer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A watchdog verdict as the ledger needs it (:meth:`Ledger.record_reading`): plain facts,
+    so the ledger depends on no judge and a test needs no watchdog."""
+
+    #: The judge's summary: ``proven`` (progress, or a canary answered), ``unproven``,
+    #: ``failing`` (unreachable, or an idle engine's canary failed), ``condemned``.
+    health: Literal["proven", "unproven", "failing", "condemned"]
+    #: The verdict's name and evidence, for the cause.
+    verdict: str
+    summary: str = ""
+    #: The engine restarted since the last read (start time changed, or counters went back).
+    restarted: bool = False
+    #: Its process start time, when it gives one.
+    incarnation: str | None = None
+    #: ``None``: no canary was sent with this read.
+    canary_ok: bool | None = None
+    canary_error: str = ""
+    #: During a refit lease: a failed canary proves nothing.
+    excused: bool = False
+    #: ``vllm:engine_sleep_state`` at this read: 0 awake, 1 or 2 asleep, ``None`` unknown (no
+    #: sample, or an engine that does not export it).
+    sleep_level: int | None = None
 
 
 class LedgerError(Exception):
@@ -503,10 +546,13 @@ class Ledger:
     # ------------------------------------------------------------------ probes and requests
 
     def record_probe(self, i: int, ok: bool, error: str = "") -> Outcome:
-        """A watchdog probe of a serving shard: good, or failed with ``error``."""
+        """A watchdog probe of a shard that has a process (serving, STALE or asleep): good, or
+        failed with ``error``. A STALE or sleeping shard's failed probes count as any other's,
+        so an engine that died is condemned; its good probes lift nothing (only a refit, or a
+        wake-up, does)."""
         s = self._shard(i)
-        if s.state not in ROUTABLE:
-            return self._ignored(s, "probes only judge serving shards")
+        if s.state in ABSENT:
+            return self._ignored(s, "probes only judge shards that have a process")
         p = self.policy
         if ok:
             s.last_ok_at = self._clock()
@@ -533,6 +579,7 @@ class Ledger:
             return self._apply(
                 s, E.FAILURES_AT_THRESHOLD,
                 f"{failures} failed probes in a row: {error or 'probe failed'}", **fields_,
+                **_NOT_ASLEEP,
             )
         return self._apply(s, E.FAILURE, f"probe failed: {error or 'probe failed'}", **fields_)
 
@@ -598,12 +645,70 @@ class Ledger:
                 s, s.consecutive_reported_failures + 1,
                 f"{failures} failed requests in the last window",
             )
+        if successes > 0 and failures == 0 and s.state is SUSPECT:
+            # Successful work is evidence (issue 15, item 14): an engine that completes every
+            # generation routed to it in a window serves, whatever made it suspect (a /metrics
+            # read that timed out under load, a failed window before). Without this an idle
+            # suspect waits a canary interval (an hour in some configs) for the only other
+            # evidence that lifts it. A window with any failure lifts nothing.
+            return self._apply(
+                s, E.SERVED, f"{successes} requests completed and none failed",
+                consecutive_reported_failures=0,  # completed generations prove the engine serves
+                consecutive_probe_failures=0,  # the failed reads judged an engine that serves
+            )
         if successes > 0:
             return self._apply(
                 s, E.REQUEST_OK, f"{successes} requests completed",
                 consecutive_reported_failures=0,  # completed generations prove the engine serves
             )
         return _UNCHANGED
+
+    def record_reading(self, i: int, r: Reading) -> Outcome:
+        """One watchdog verdict, as the judge summed it up (the table in ``watchdog.py``).
+
+        The whole mapping from a reading to the ledger's moves is here, so that the controller
+        only gathers readings and calls this: a restart seen makes a new process first (its
+        streaks start at 0), then the health decides. A failed canary during a refit lease
+        proves nothing (an engine loading weights may not generate). A STALE shard is not
+        lifted by a good read, but in static-weights mode a good canary is its refit: it has
+        the only weights there are."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "readings only judge shards that have a process")
+        outcome = _UNCHANGED
+        if r.restarted:
+            outcome = self.observe_incarnation(i, r.incarnation, restarted=True)
+        if r.sleep_level is not None and r.sleep_level > 0:
+            # Asleep by its own word (the SLEEPING verdict): out of routing, judged on nothing
+            outcome = self.report_asleep(i, f"{r.verdict}: {r.summary}")
+            if s.consecutive_probe_failures:
+                self.record_probe(i, True)  # it answered: a failed-read run is over
+            return outcome
+        if s.state is SLEEPING and r.sleep_level == 0:
+            outcome = self.report_awake(i, f"reports awake: {r.summary}")  # unless held
+        if s.state is SLEEPING:
+            # Still asleep (the trainer holds it, or it exports no sleep state): only a read
+            # that failed to reach it counts; a sleeper's silence to a canary proves nothing.
+            if r.health == "failing" and r.canary_ok is None:
+                return self.record_probe(i, False, f"{r.verdict}: {r.summary}")
+            if r.health != "failing" and s.consecutive_probe_failures:
+                return self.record_probe(i, True)
+            return outcome
+        if r.canary_ok is False and r.excused:
+            return outcome
+        why = f"{r.verdict}: {r.canary_error or r.summary}"
+        if r.health == "condemned":
+            return self.condemn(i, f"{r.verdict}: {r.summary}")
+        if s.state is STALE and r.health == "proven":
+            if self.policy.weights == "static" and r.canary_ok:
+                version = max((x.weight_version for x in self._shards), default=0)
+                return self.report_refit(i, version)
+            return self.record_probe(i, True)
+        if r.health == "proven":
+            return self.record_probe(i, True)
+        if r.health == "failing":
+            return self.record_probe(i, False, why)
+        return outcome
 
     # ------------------------------------------------------------------ conclusive evidence
 
@@ -647,6 +752,20 @@ class Ledger:
         cause = f"silent participant of an aborted refit: {reason}"
         return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause, **_NOT_ASLEEP)
 
+    def missed_refit(self, i: int, version: int) -> Outcome:
+        """A refit to ``version`` completed, but this shard's process is not the one that took
+        part (it restarted during the sync): it holds other weights. STALE, for the next one."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards take no part in a refit")
+        asleep: dict[str, Any] = {"state_before_sleep": STALE} if s.state is SLEEPING else {}
+        return self._apply(
+            s, E.MISSED_REFIT,
+            f"a new process during the refit to version {version}: it did not get the weights",
+            state_before_partial=None,  # a verdict on the process that took part, not this one
+            **asleep,  # a sleeping shard wakes STALE
+        )
+
     def report_refit(self, i: int, version: int) -> Outcome:
         """A refit to ``version`` completed on this shard."""
         s = self._shard(i)
@@ -674,22 +793,30 @@ class Ledger:
             **common,
         )
 
-    def observe_incarnation(self, i: int, incarnation: str) -> Outcome:
+    def observe_incarnation(
+        self, i: int, incarnation: str | None, *, restarted: bool = False
+    ) -> Outcome:
         """The engine was seen under ``incarnation``. A different one means it restarted
         without the supervisor: the new process has no history, and in trainer mode its
-        weights reverted to the checkpoint."""
+        weights reverted to the checkpoint. ``None``: a restart was seen (its counters went
+        back) but the engine gives no start time; it is a new process all the same.
+
+        ``restarted``: the watchdog saw the restart itself. Then a shard whose process was
+        never identified (an attached engine) has a new process too; without it, the first
+        incarnation seen only says who the process is."""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards have no process to observe")
-        if s.incarnation == incarnation:
+        if incarnation is not None and s.incarnation == incarnation:
             return _UNCHANGED
-        if s.incarnation is None:
+        if s.incarnation is None and incarnation is not None and not restarted:
             # The first incarnation seen of this shard: who its process is, not a restart.
             return self._apply(s, E.IDENTIFIED, f"engine identified as {incarnation}",
                                incarnation=incarnation)
         trainer = self.policy.weights == "trainer"
         event = E.NEW_INCARNATION_WEIGHTS_LOST if trainer else E.NEW_INCARNATION
-        cause = f"restarted on its own (incarnation {s.incarnation} -> {incarnation})"
+        cause = (f"restarted on its own (incarnation {s.incarnation} -> {incarnation})"
+                 if incarnation is not None else "restarted on its own (its counters went back)")
         return self._apply(
             s, event, cause + ("; weights reverted to the checkpoint" if trainer else ""),
             incarnation=incarnation,

@@ -35,6 +35,9 @@ class RefitError(Exception):
 class Participant:
     shard: int
     url: str
+    #: The process that takes part: a shard whose process changed during the sync (same URL,
+    #: new process) did not get the weights, whatever its URL says.
+    incarnation: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,8 +94,9 @@ class RefitCoordinator:
             raise RefitError(f"version {version} is older than the fleet's {self.current_version}")
         now = self.clock()
         participants = tuple(
-            Participant(i, self.ledger.shard(i).base_url)
+            Participant(i, rec.base_url, rec.incarnation)
             for i in self.ledger.refit_participants()
+            for rec in (self.ledger.shard(i),)
         )
         if not participants:
             raise RefitError("no shard can take weights: every shard is DEAD, RESTARTING or "
@@ -113,10 +117,14 @@ class RefitCoordinator:
         lease = self._close(version)
         done = []
         for p in lease.participants:
-            # A shard that died during the sync, or whose process was replaced, did not get
-            # these weights: it stays out (absent) or STALE (a new process) for the next refit.
+            # A shard that died during the sync, or whose process was replaced (a new URL, or
+            # a new process on the same URL), did not get these weights: it stays out (absent)
+            # or STALE (a new process) for the next refit.
             rec = self.ledger.shard(p.shard)
-            if rec.state in ABSENT or rec.base_url != p.url:
+            if rec.state in ABSENT:
+                continue
+            if not _same_process(p, rec.base_url, rec.incarnation):
+                self.ledger.missed_refit(p.shard, version)
                 continue
             if self.ledger.report_refit(p.shard, version):
                 done.append(p.shard)
@@ -129,7 +137,7 @@ class RefitCoordinator:
         touched = []
         for p in lease.participants:
             rec = self.ledger.shard(p.shard)
-            if rec.state in ABSENT or rec.base_url != p.url:
+            if rec.state in ABSENT or not _same_process(p, rec.base_url, rec.incarnation):
                 continue
             if self.ledger.mark_weights_partial(p.shard):
                 touched.append(p.shard)
@@ -165,3 +173,7 @@ class RefitCoordinator:
     def stalls_excused(self) -> frozenset[int]:
         """Shards whose stalls the watchdog must not judge right now."""
         return self.lease.shards if self.lease is not None else frozenset()
+
+
+def _same_process(p: Participant, url: str, incarnation: str | None) -> bool:
+    return p.url == url and p.incarnation == incarnation

@@ -69,6 +69,9 @@ class Snapshot:
     refit_version: int
     refit_history: tuple[RefitRecord, ...]
     router: RouterCounters
+    #: Why the journal stopped writing (``None`` while it writes), and what it lost since.
+    journal_failure: str | None = None
+    journal_dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)

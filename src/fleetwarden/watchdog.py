@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -81,6 +82,8 @@ __all__ = [
     "check",
     "exit_code",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Every canary carries ``x-request-id: fleetwarden-canary-…``, so an engine's logs (and the
 #: simulator's ``/sim/stats``) tell a health check from real traffic.
@@ -159,6 +162,11 @@ class _Memory:
     stall: Stall = NO_STALL
     canary_at: float | None = None
     model: str | None = None  # from /v1/models, for the canary; looked up again after a restart
+    #: The last process start times read here. A start time that comes back after another
+    #: one is no restart (a process never returns to an earlier start): it is a load
+    #: balancer answering from several engines, and the URL is judged as a proxy from then on.
+    incarnations: list[str] = field(default_factory=list)
+    proxy: bool = False
     #: The engine's profile: configured, or recognised at a read (then kept for this URL).
     profile: EngineProfile | None = None
 
@@ -221,9 +229,18 @@ class Watchdog:
     async def probe(self, target: Target) -> Report:
         """One visit: read, judge, and send a canary if (and only if) the judge allows it."""
         memory = self._remember(target)
-        reading = await self._read(target.url, target.proxy, memory)
+        proxy = target.proxy or memory.proxy
+        reading = await self._read(target.url, proxy, memory)
+        if not proxy and isinstance(reading, Sample) and _comes_back(memory, reading):
+            log.warning("%s: its process start time went back to an earlier one (%s): a load "
+                        "balancer in front of several engines, not one engine; judged as a "
+                        "proxy from now on (GET /v1/models only, never a canary)",
+                        target.url, reading.incarnation)
+            memory.proxy = proxy = True
+            memory.sample = None
+            reading = await self._read(target.url, True, memory)
         now = self._clock()
-        before = None if target.proxy else memory.sample
+        before = None if proxy else memory.sample
         since_canary = None if memory.canary_at is None else now - memory.canary_at
         judgement = judge(
             before, reading,
@@ -253,6 +270,11 @@ class Watchdog:
             incarnation=reading.incarnation if isinstance(reading, Sample) else None,
             engine=memory.profile,
         )
+
+    def is_proxy(self, url: str) -> bool:
+        """``url`` was found to be a load balancer (its start time came back)."""
+        memory = self._memory.get(url)
+        return memory is not None and memory.proxy
 
     def policy_for(self, engine: EngineProfile | None) -> WatchdogPolicy:
         """The policy an engine is judged by: no stall is concluded sooner than its profile's
@@ -486,3 +508,20 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
             if report.verdict is Verdict.STALLED:
                 stall_s = watchdog.policy_for(report.engine).stall_s
                 wait = max(interval_s, stall_s - report.evidence.stalled_for_s)
+
+
+#: Start times remembered per URL to tell a load balancer from a restarting engine.
+_INCARNATIONS_KEPT = 8
+
+
+def _comes_back(memory: _Memory, sample: Sample) -> bool:
+    """True when ``sample``'s start time is one seen before, but not the last one: only a
+    proxy answering from several processes does that (note 002)."""
+    now = sample.incarnation
+    if now is None:
+        return False
+    seen = memory.incarnations
+    back = bool(seen) and seen[-1] != now and now in seen
+    if not seen or seen[-1] != now:
+        memory.incarnations = [*seen[-(_INCARNATIONS_KEPT - 1):], now]
+    return back

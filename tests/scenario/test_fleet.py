@@ -420,3 +420,34 @@ async def test_the_controller_drives_a_router_in_another_process(tmp_path: Path)
                         timeout=60, what="the replacement pushed there too")
     finally:
         await other.stop()
+
+
+async def test_a_failing_journal_is_loud_and_never_stops_the_fleet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15, item 5: the disk under the journal fails. Condemnations still reach the
+    routers, the crashed engine is still replaced, and the status, the log and a metric say
+    that the history is not being kept."""
+    import sqlite3
+
+    def disk_full(*args: object) -> int:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    async with running_fleet(tmp_path) as fleet, aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {fleet.token}"}) as http:
+        monkeypatch.setattr(Journal, "_write", staticmethod(disk_full))
+        old = fleet.ledger.shard(0).base_url
+        await fleet.inject_fault(0, "crash", {})
+        await until(lambda: fleet.ledger.state(0) is H and fleet.ledger.shard(0).base_url != old,
+                    60, "crashed engine replaced while the journal fails")
+        async with http.get(fleet.admin_url + "/admin/status") as resp:
+            status = await resp.json()
+        assert status["status"] == "degraded" and "journal fails" in status["detail"]
+        assert "disk is full" in status["journal"]["failure"]
+        async with http.get(fleet.admin_url + "/metrics") as resp:
+            text = await resp.text()
+        dropped = [line for line in text.splitlines()
+                   if line.startswith("fleetwarden_journal_dropped_total ")]
+        assert dropped and float(dropped[0].split()[1]) > 0
+        async with Load(fleet.router_url, concurrency=2, total=6) as load:
+            await load.wait()
+        assert list(load.failures) == []

@@ -277,3 +277,21 @@ async def test_the_note_002_day_compressed_a_slow_batch_is_never_worse_than_busy
     assert any(r.evidence.deltas["generation_tokens"] == 0 and r.evidence.deltas["steps"] > 0
                for r in reports[1:])
     assert canaries(await stats(http, sim.url)) == []
+
+
+async def test_a_proxy_in_the_fleet_is_found_and_judged_as_a_proxy(spawn: Any) -> None:
+    """Issue 15, item 9: an attached URL that is a load balancer answers /metrics from one
+    engine, then another. The first change of start time may be a restart; a start time that
+    comes back is not (no process returns to an earlier start): it is a proxy, read through
+    GET /v1/models from then on, and never again RESTARTED (which in trainer mode would make it
+    STALE again and again)."""
+    a: SimProcess = spawn()
+    b: SimProcess = spawn()
+    async with LeastConnectionsProxy([a.url, b.url]) as proxy, Watchdog(POLICY) as watchdog:
+        reports = await rounds(watchdog, Target(proxy.url), 8, 0.05)
+        assert watchdog.is_proxy(proxy.url)
+    verdicts = [r.verdict for r in reports]
+    assert verdicts.count(Verdict.RESTARTED) <= 1, verdicts
+    first = verdicts.index(Verdict.REACHABLE)
+    assert verdicts[first:] == [Verdict.REACHABLE] * (8 - first)
+    assert all(r.health is Health.PROVEN for r in reports[first:])

@@ -67,3 +67,19 @@ def test_the_demo_refuses_a_fleet_too_small_to_rescue_anything() -> None:
     out = fleetwarden("demo", "--engines", "1", "--no-live")
     assert out.returncode == 2
     assert "--engines" in out.stderr and "greater than or equal to 2" in out.stderr
+
+
+def test_up_group_and_engine_are_checked_like_the_config() -> None:
+    out = fleetwarden("up", "--group", "llamacpp-two-engines")
+    assert out.returncode == 2 and "expected KIND:COUNT:COMMAND" in out.stderr
+    out = fleetwarden("up", "--group", "ollama:1:ollama serve --port {port}")
+    assert out.returncode == 2 and "fleet.groups.0.engine = 'ollama'" in out.stderr
+    out = fleetwarden("up", "--engine", "vlm")
+    assert out.returncode == 2 and "fleet.engine = 'vlm'" in out.stderr
+
+
+def test_check_and_sim_refuse_an_unknown_engine() -> None:
+    out = fleetwarden("check", "http://127.0.0.1:9", "--engine", "ollama")
+    assert out.returncode == 2 and "choose one of: auto, vllm, llamacpp" in out.stderr
+    out = fleetwarden("sim", "--engine", "tgi")
+    assert out.returncode == 2 and "choose one of: vllm, llamacpp, sglang" in out.stderr

@@ -44,7 +44,7 @@ def test_504_is_never_a_configured_status() -> None:
 
 
 def test_a_fleet_without_engines_or_backends_is_refused() -> None:
-    with pytest.raises(ConfigError, match="engines > 0 or at least one backends URL"):
+    with pytest.raises(ConfigError, match="engines > 0, a group, or at least one backends URL"):
         parse_config({"fleet": {"engines": 0}})
 
 
@@ -101,3 +101,38 @@ def test_backend_urls_are_normalised_once_at_the_config() -> None:
     assert fleet.backends == ["http://127.0.0.1:8000", "http://10.0.0.2:8000"]
     with pytest.raises(ValueError, match="same engine"):
         FleetConfig(engines=0, backends=["http://127.0.0.1:8000/", "http://127.0.0.1:8000"])
+
+
+def test_engine_kinds_are_the_profiles_names() -> None:
+    from typing import get_args
+
+    from fleetwarden.config import EngineName
+    from fleetwarden.engines import ENGINE_NAMES
+
+    assert get_args(EngineName) == ENGINE_NAMES
+
+
+def test_groups_number_their_shards_after_the_fleets_own() -> None:
+    cfg = parse_config({"fleet": {
+        "engines": 2, "engine": "vllm", "backends": ["http://10.0.0.9:8000"],
+        "groups": [{"engines": 2, "engine": "llamacpp", "engine_cmd": "llama-server --port {port}"},
+                   {"engine": "sglang", "engine_cmd": "sglang --port {port}"}]}})
+    f = cfg.fleet
+    assert f.launched == 5
+    assert [f.engine_of(i) for i in range(6)] == [
+        "vllm", "vllm", "llamacpp", "llamacpp", "sglang", "vllm"]
+    group = f.group_of(4)
+    assert group is not None and group.engine_cmd == "sglang --port {port}"
+    assert f.group_of(0) is None and f.group_of(5) is None
+
+
+def test_a_bad_engine_kind_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"fleet.groups.0.engine = 'ollama': must be one of"):
+        parse_config({"fleet": {"groups": [{"engine": "ollama", "engine_cmd": "x {port}"}]}})
+    with pytest.raises(ConfigError, match=r"fleet.engine = 'vlm'"):
+        parse_config({"fleet": {"engine": "vlm"}})
+
+
+def test_a_group_command_needs_its_port() -> None:
+    with pytest.raises(ConfigError, match=r"must contain \{port\}"):
+        parse_config({"fleet": {"groups": [{"engine": "llamacpp", "engine_cmd": "llama"}]}})

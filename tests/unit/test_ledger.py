@@ -11,6 +11,7 @@ from fleetwarden.ledger import (
     Ledger,
     LedgerError,
     Policy,
+    Reading,
     ShardRecord,
     ShardState,
     Transition,
@@ -172,15 +173,31 @@ def test_three_failed_probes_condemn_and_two_good_ones_lift_suspect() -> None:
     assert "refused" in ledger.shard(1).last_error
 
 
-def test_probes_never_change_a_shard_that_is_not_serving() -> None:
+def test_probes_never_change_a_shard_without_a_process() -> None:
     ledger, seen = make(1)
     kill(ledger, 0)
     before = ledger.shard(0)
     n = len(seen)
     out = ledger.record_probe(0, ok=False, error="x")
-    assert not out and "serving" in out.reason
+    assert not out and "process" in out.reason
     assert ledger.shard(0) == before
     assert len(seen) == n
+
+
+def test_failed_reads_condemn_a_stale_shard_and_good_ones_never_lift_it() -> None:
+    """A STALE engine that died must not wait for a refit that never comes (issue 15, item
+    10: the controller kept this streak itself, reset without a reason)."""
+    ledger, _ = make(1, weights="trainer")
+    ledger.mark_weights_partial(0)
+    ledger.record_probe(0, ok=True)
+    ledger.record_probe(0, ok=True)
+    assert ledger.state(0) is ST
+    for _ in range(2):
+        ledger.record_probe(0, ok=False, error="refused")
+        assert ledger.state(0) is ST
+    out = ledger.record_probe(0, ok=False, error="refused")
+    assert ledger.state(0) is D and out.transition is not None
+    assert out.transition.event is Event.FAILURES_AT_THRESHOLD
 
 
 def test_steady_good_probes_emit_nothing() -> None:
@@ -424,6 +441,33 @@ def test_every_subscriber_sees_a_transition_even_when_one_raises() -> None:
     assert ledger.state(0) is D and seen == [0]
 
 
+def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
+    """Issue 15, item 14: a shard made SUSPECT by /metrics reads that timed out under load
+    and whose requests then complete is HEALTHY again from that window, not after the next
+    canary (an hour away in the real-vLLM tier's config)."""
+    ledger, _ = make(2)
+    ledger.record_probe(1, False, "UNREACHABLE: /metrics timed out")
+    ledger.record_probe(1, False, "UNREACHABLE: /metrics timed out")
+    assert ledger.state(1) is S
+    out = ledger.report_outcomes(1, 3, 0, 0)
+    assert ledger.state(1) is H and out.transition is not None
+    assert out.transition.event is Event.SERVED and "3 requests completed" in out.transition.cause
+    r = ledger.shard(1)
+    assert r.consecutive_probe_failures == 0 and r.consecutive_reported_failures == 0
+
+
+def test_a_window_with_any_failure_lifts_no_suspicion() -> None:
+    """Note 000's engine fails some generations and answers every probe: a window that saw a
+    failure, even before its successes, is no proof that it serves."""
+    ledger, _ = make(2)
+    ledger.report_failure(0, "500")
+    assert ledger.state(0) is S
+    ledger.report_outcomes(0, 5, 1, 0)
+    assert ledger.state(0) is S
+    ledger.report_outcomes(0, 5, 0, 0)
+    assert ledger.state(0) is H
+
+
 # ---------------------------------------------------------------------- sleep mode
 
 def test_a_sleeping_shard_serves_nothing_is_judged_on_nothing_and_wakes_as_it_slept() -> None:
@@ -436,8 +480,9 @@ def test_a_sleeping_shard_serves_nothing_is_judged_on_nothing_and_wakes_as_it_sl
     assert [ledger.state(i) for i in (0, 1)] == [SL, SL]
     assert ledger.serving() == [2] and ledger.sleeping() == [0, 1]
     assert ledger.refit_participants() == [0, 1, 2]  # a sleeping engine can take weights
-    # nothing a probe, a canary or a request window says moves it
-    assert not ledger.record_probe(0, False, "canary timed out")
+    # nothing a canary, a read that says asleep or a request window says moves it
+    assert not ledger.record_reading(0, Reading("failing", "IDLE", canary_ok=False)).transition
+    assert not ledger.record_reading(0, Reading("unproven", "SLEEPING", sleep_level=1)).transition
     assert not ledger.report_failure(0, "held request")
     assert not ledger.report_outcomes(1, 0, 5, 5)
     assert ledger.shard(1).consecutive_reported_failures == 1  # kept through the sleep
@@ -511,3 +556,16 @@ def test_a_sleeping_shard_can_still_die_restart_or_be_retired() -> None:
     assert not ledger.report_asleep(0, "asleep")  # absent: no process to sleep
     round_trip = ShardRecord.from_dict(ledger.shard(1).to_dict())
     assert round_trip == ledger.shard(1)
+
+
+def test_a_sleeper_that_stops_answering_is_condemned_and_one_that_answers_is_not() -> None:
+    ledger, _ = make(1)
+    ledger.report_asleep(0, "put to sleep by the trainer", held=True)
+    unreachable = Reading("failing", "UNREACHABLE", "refused")
+    ledger.record_reading(0, unreachable)
+    ledger.record_reading(0, unreachable)
+    ledger.record_reading(0, Reading("unproven", "SLEEPING", sleep_level=1))  # it answers
+    assert ledger.shard(0).consecutive_probe_failures == 0
+    for _ in range(3):
+        ledger.record_reading(0, unreachable)
+    assert ledger.state(0) is D and ledger.shard(0).state_before_sleep is None

@@ -168,7 +168,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 if b.state in (H, S):
                     assert name in ("report_refit", "complete_refit")
                 if b.state is D:
-                    assert name in ("condemn", "condemn_silent_participant", "abort_refit")
+                    assert name in ("condemn", "condemn_silent_participant", "abort_refit",
+                                    "record_probe")
 
     @invariant()
     def a_sleeping_shard_wakes_to_what_it_slept_in_as_refits_made_it(self) -> None:
@@ -191,12 +192,16 @@ class LedgerMachine(RuleBasedStateMachine):
             assert not r.sleep_held or r.state is SL
 
     @invariant()
-    def probes_never_change_a_shard_that_is_not_serving(self) -> None:
+    def probes_never_change_a_shard_without_a_process_nor_lift_a_stale_one(self) -> None:
         name, i = self.last_op
         if name == "record_probe":
             a, b = self.before[i], self.ledger.shard(i)
-            if a.state not in ROUTABLE:
+            if a.state in ABSENT:
                 assert a == b
+            if a.state is ST:
+                assert b.state in (ST, D)  # failed reads may prove it dead; none lift it
+            if a.state is SL:
+                assert b.state in (SL, D)  # nor wake a sleeper
 
     @invariant()
     def retired_never_changes_and_attempts_never_decrease(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetwarden.ledger import Ledger, Policy, ShardState
+from fleetwarden.ledger import Ledger, Policy, Reading, ShardState
 from fleetwarden.refit import RefitCoordinator, RefitError
 
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
@@ -115,3 +115,32 @@ def test_refit_calls_out_of_order_are_errors() -> None:
         ledger.retire(i, "operator")
     with pytest.raises(RefitError, match="no shard can take weights"):
         refit.begin_refit(5)
+
+
+def test_an_engine_restarted_on_its_url_during_the_lease_is_not_credited() -> None:
+    """Issue 15, item 7: two attached engines in trainer mode; during the refit to v2 engine 1
+    is replaced by a new process on the same URL. It never got v2: it is not credited, and
+    waits in STALE for the next refit."""
+    ledger, refit, _ = make(2)
+    refit.begin_refit(1)
+    refit.complete_refit(1)
+    refit.begin_refit(2)
+    # the watchdog sees engine 1's start time change (an attached engine: never identified)
+    ledger.record_reading(1, Reading("proven", "RESTARTED", restarted=True, incarnation="7.0"))
+    record = refit.complete_refit(2)
+    assert record.participants == (0,)
+    assert (ledger.state(1), ledger.shard(1).weight_version) == (ST, 1)
+    assert (ledger.state(0), ledger.shard(0).weight_version) == (H, 2)
+
+
+def test_a_new_process_the_ledger_only_identified_during_the_lease_is_not_credited() -> None:
+    ledger, refit, _ = make(2)
+    lease = refit.begin_refit(1)
+    assert [p.incarnation for p in lease.participants] == [None, None]
+    ledger.observe_incarnation(1, "7.0")  # who it is now: not the process that took part
+    causes: list[str] = []
+    ledger.subscribe(lambda t: causes.append(t.cause))
+    record = refit.complete_refit(1)
+    assert record.participants == (0,)
+    assert ledger.state(1) is ST
+    assert any("did not get the weights" in c for c in causes)

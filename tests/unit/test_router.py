@@ -315,8 +315,8 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         assert r.router.rescue(wedged.url) == 0
 
 
-async def test_rescue_leaves_a_request_whose_answer_has_begun() -> None:
-    async with rig(1) as r:
+async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued() -> None:
+    async with rig(1, continue_streams=False) as r:
         (engine,) = r.engines
         engine.stall_streams()
         payload = {"model": "tiny", "messages": [], "stream": True}
@@ -329,8 +329,36 @@ async def test_rescue_leaves_a_request_whose_answer_has_begun() -> None:
         assert r.router.drain_outcomes() == {engine.url: (1, 0, 0)}
 
 
-async def test_an_engine_breaking_off_mid_answer_is_a_failure_the_client_sees() -> None:
-    async with rig(2) as r:
+def stream_error(body: bytes) -> dict[str, object]:
+    """The error event that ends a stream the router could not continue (then one [DONE])."""
+    events = body.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""], body[-200:]
+    error = json.loads(events[-3].removeprefix(b"data: "))["error"]
+    assert isinstance(error, dict) and error["type"] == "stream_interrupted"
+    return error
+
+
+async def test_rescue_reaches_a_begun_stream_which_ends_with_why_when_it_cannot_go_on() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.stall_streams()
+        payload = {"model": "tiny", "messages": [], "stream": True}
+        async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            assert r.router.rescue(engine.url) == 1  # a wedge must not hold it for 600 s
+            rest = await response.read()
+        assert first == CHAT_STREAM.events()[0]  # the role chunk, as the engine sent it
+        error = stream_error(rest)
+        assert error["cause"] == "rescued" and error["backend"] == engine.url
+        assert error["reason"] == "no other backend with the same weights"
+        assert r.router.stats.streams_ended == {"no other backend with the same weights": 1}
+        assert r.router.drain_outcomes() == {}  # a rescue is the controller's call, no failure
+        await until(lambda: r.router.in_flight() == {engine.url: 0})
+
+
+async def test_an_engine_breaking_off_mid_answer_is_cut_when_streams_are_not_continued(
+) -> None:
+    async with rig(2, continue_streams=False) as r:
         engine, _ = r.engines
         r.router.set_serving_backends([engine.url])
         engine.stall_streams()
@@ -341,6 +369,23 @@ async def test_an_engine_breaking_off_mid_answer_is_a_failure_the_client_sees() 
             await engine.crash()  # bytes already reached the client: no retry can hide this
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
+        assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
+        assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
+        await until(lambda: r.router.in_flight() == {engine.url: 0})
+
+
+async def test_an_engine_breaking_off_mid_answer_ends_the_stream_with_an_error_event() -> None:
+    async with rig(2) as r:
+        engine, _ = r.engines
+        r.router.set_serving_backends([engine.url])  # nowhere to continue it
+        engine.stall_streams()
+        payload = {"model": "tiny", "messages": [], "stream": True}
+        async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
+            assert response.status == 200
+            await response.content.readuntil(b"\n\n")
+            await engine.crash()
+            error = stream_error(await response.read())  # never a silent cut
+        assert error["cause"] == "reset" and error["backend"] == engine.url
         assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
         assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
         await until(lambda: r.router.in_flight() == {engine.url: 0})

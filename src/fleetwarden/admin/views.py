@@ -48,6 +48,7 @@ def describe(snap: Snapshot) -> dict[str, Any]:
                      "failed": snap.restarts_failed,
                      "in_progress": snap.restarts_in_progress},
         "refit": refits_view(snap)["lease"],
+        "journal": {"failure": snap.journal_failure, "dropped": snap.journal_dropped},
         "router": {"requests": snap.router.requests,
                    "rescues": snap.router.rescues,
                    "retries": dict(snap.router.retries)},
@@ -133,7 +134,12 @@ class FleetCollector:
                                      labels=["shard"])
         for rec in snap.shards:
             attempts.add_metric([str(rec.index)], rec.restart_attempts)
-        return [shards, restarts, verdicts, status, attempts]
+        dropped = CounterMetricFamily(
+            "fleetwarden_journal_dropped",
+            "Journal records (transitions, verdicts, restarts) lost because its writes fail; "
+            "above 0, restart budgets and history are not being kept.")
+        dropped.add_metric([], snap.journal_dropped)
+        return [shards, restarts, verdicts, status, attempts, dropped]
 
 
 # ---------------------------------------------------------------------- the router's traffic

@@ -59,7 +59,7 @@ class AttachLauncher:
 
     def __init__(self, fleet: FleetConfig, health: HealthConfig) -> None:
         self.command = fleet.restart_command
-        self.urls = {fleet.engines + k: url for k, url in enumerate(fleet.backends)}
+        self.urls = {fleet.launched + k: url for k, url in enumerate(fleet.backends)}
         self.read_timeout = aiohttp.ClientTimeout(total=health.probe_timeout_s)
         #: A restart command is part of the attempt, so it gets the attempt's time.
         self.command_timeout_s = fleet.startup_timeout_s

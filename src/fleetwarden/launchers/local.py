@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import shlex
@@ -61,6 +62,19 @@ def free_port(host: str) -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+#: prctl(2) option: the signal this process gets when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_when_parent_dies() -> None:
+    """In the child, before exec: SIGTERM when fleetwarden dies, however it dies (Linux).
+    An engine then stops its own children as on any SIGTERM (vLLM's API server ends its
+    EngineCore). The fork happens on the event loop's thread, which lives as long as
+    fleetwarden does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def launch_id_of(pid: int) -> str | None:
@@ -181,9 +195,12 @@ class LocalLauncher:
     async def launch(self, shard: int) -> EngineHandle:
         port = free_port(self.fleet.host)
         launch_id = f"s{shard}-{uuid.uuid4().hex[:12]}"
-        argv = shlex.split(self._fill(self.template, shard, port))
+        group = self.fleet.group_of(shard)  # a mixed fleet: the group's own command
+        template = group.engine_cmd if group is not None else self.template
+        extra = {**self.fleet.engine_env, **(group.engine_env if group is not None else {})}
+        argv = shlex.split(self._fill(template, shard, port))
         env = dict(os.environ)
-        env.update({k: self._fill(v, shard, port) for k, v in self.fleet.engine_env.items()})
+        env.update({k: self._fill(v, shard, port) for k, v in extra.items()})
         env.update(FLEETWARDEN_LAUNCH_ID=launch_id, FLEETWARDEN_SHARD=str(shard))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"shard-{shard}-{launch_id}.log"
@@ -194,6 +211,8 @@ class LocalLauncher:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                    preexec_fn=None if self.fleet.engines_outlive_fleetwarden
+                    else _term_when_parent_dies,
                 )
             except OSError as exc:
                 raise LaunchError(f"shard {shard}: cannot start {argv[0]!r}: {exc}") from exc

@@ -13,6 +13,11 @@ section 4):
   the request itself as the problem (poison): it is answered and counted no further.
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
+* A streamed completion or chat whose engine fails it after its first bytes reached the client
+  (a crash, a reset, a rescue from a wedge) is continued on another engine with the same
+  weights, from the tokens already produced, and spliced into the client's stream
+  (:mod:`fleetwarden.router.splice` decides and rewrites; this module does the I/O). One that
+  cannot be continued ends with an error event naming the cause, never with a silent cut.
 * When it cannot serve, the router answers deliberately: ``status_when_others_serve`` (500)
   while backends remain, ``status_when_none_left`` (409) when none does. Never 504: clients
   retry it without bound (aiohttp itself turns an escaped ``TimeoutError`` into 504, so none
@@ -50,6 +55,15 @@ from fleetwarden.router.settings import (
     WEIGHT_VERSION_HEADER,
     RouterSettings,
 )
+from fleetwarden.router.splice import (
+    DONE,
+    Continuation,
+    Outcome,
+    Splice,
+    SseSplitter,
+    error_event,
+    read_stream_request,
+)
 from fleetwarden.router.stats import RouterStats
 
 __all__ = ["Cause", "Forwarder", "error_response"]
@@ -83,6 +97,7 @@ class Cause(enum.Enum):
     TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
+    STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
 
     @property
     def never_reached_an_engine(self) -> bool:
@@ -96,6 +111,7 @@ _DESCRIPTIONS = {
     Cause.TIMEOUT: "did not answer within the backend timeout",
     Cause.SERVER_ERROR: "answered with a server error",
     Cause.RESCUED: "was condemned while the request waited on it",
+    Cause.STREAM_ERROR: "ended the stream with a server error",
 }
 
 
@@ -122,6 +138,24 @@ class _Failure:
     body: bytes = b""
     #: What the push said of the backend when the attempt left (it may have left the list since).
     facts: BackendFacts = UNKNOWN_FACTS
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A streamed completion or chat on its way to its client, across attempts."""
+
+    splice: Splice
+    #: The client's response, once its first byte went: from then on the stream is continued,
+    #: never restarted.
+    response: web.StreamResponse | None = None
+    #: How the current attempt continues the stream (``None``: it is the first).
+    continuation: Continuation | None = None
+    #: The first engine's weight version: a continuation must come from the same weights.
+    weight_version: int | None = None
+
+    @property
+    def began(self) -> bool:
+        return self.response is not None
 
 
 def error_response(status: int, message: str, error_type: str,
@@ -182,6 +216,9 @@ class Forwarder:
         #: Requests waiting on each backend with nothing sent to their client: what a rescue
         #: may cancel. Each is the timeout scope around its wait.
         self._waiting: dict[str, set[asyncio.Timeout]] = {}
+        #: Streams being relayed from each backend (their answer has begun): a rescue cuts
+        #: them too, and they go on elsewhere.
+        self._streaming: dict[str, set[asyncio.Timeout]] = {}
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, URL] = {}
         self._session_header = settings.session_header
@@ -211,21 +248,23 @@ class Forwarder:
     # ------------------------------------------------------------------ control
 
     def rescue(self, backend: str) -> int:
-        """Cancel the requests waiting on ``backend`` that have sent nothing to their client;
-        each is re-sent elsewhere at once. Returns how many were moved."""
-        waiting = self._waiting.pop(backend, None)
-        if not waiting:
+        """Cancel the requests on ``backend``: those waiting with nothing sent to their client
+        are re-sent elsewhere at once; streams whose answer has begun go on elsewhere from
+        where they are (or end with an error event where they cannot). Returns how many."""
+        scopes = self._waiting.pop(backend, set()) | self._streaming.pop(backend, set())
+        if not scopes:
             return 0
         now = asyncio.get_running_loop().time()
-        for scope in waiting:
+        for scope in scopes:
             scope.reschedule(now)  # expires at once: the request moves on from its wait
-        self.stats.rescues += len(waiting)
-        return len(waiting)
+        self.stats.rescues += len(scopes)
+        return len(scopes)
 
     def forget_idle(self, keep: set[str]) -> None:
         """Drop bookkeeping for backends that are neither kept nor have anything waiting."""
-        for url in [u for u, w in self._waiting.items() if not w and u not in keep]:
-            del self._waiting[url]
+        for table in (self._waiting, self._streaming):
+            for url in [u for u, w in table.items() if not w and u not in keep]:
+                del table[url]
 
     # ------------------------------------------------------------------ the request path
 
@@ -261,6 +300,11 @@ class Forwarder:
         if isinstance(min_version, web.Response):
             self.stats.responded(min_version.status)
             return min_version
+        stream = None
+        if self.settings.continue_streams:
+            read = read_stream_request(request.path, body, request.headers)
+            if read is not None:
+                stream = _Stream(Splice(read))
 
         pool = self.pool
         budget = pool.retry_budget
@@ -272,17 +316,32 @@ class Forwarder:
             last: _Failure | None = None
             resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
             while True:
-                backend = pool.pick(tried, session if not tried else None,
-                                    min_version=min_version)
-                if backend is None:
-                    if last is None and min_version is not None and pool.serving:
-                        return self._refuse_version(min_version)
-                    # nobody left to try: the router cannot serve
-                    return self._refuse(last, min_version)
+                if stream is not None and stream.began:
+                    # Bytes reached the client: the generation goes on elsewhere, from where
+                    # it is, on the same weights; where it cannot, the stream ends with why.
+                    backend = pool.pick_same_weights(stream.weight_version, tried)
+                    if backend is None:
+                        return await self._end_stream(
+                            stream, last, "no other backend with the same weights")
+                    plan = stream.splice.continuation()
+                    if isinstance(plan, str):
+                        return await self._end_stream(stream, last, plan)
+                    stream.continuation = plan
+                else:
+                    backend = pool.pick(tried, session if not tried else None,
+                                        min_version=min_version)
+                    if backend is None:
+                        if last is None and min_version is not None and pool.serving:
+                            return self._refuse_version(min_version)
+                        # nobody left to try: the router cannot serve
+                        return self._refuse(last, min_version)
+                    if stream is not None:
+                        stream.weight_version = pool.facts(backend).weight_version
+                        stream.splice = Splice(stream.splice.request)  # from the start
                 if resend:
                     stats.retries[resend] += 1
                 tried.append(backend)
-                answer = await self._attempt(request, backend, body, headers, started)
+                answer = await self._attempt(request, backend, body, headers, started, stream)
                 if not isinstance(answer, _Failure):
                     return answer
                 failure = answer
@@ -290,7 +349,8 @@ class Forwarder:
                     resend = ""  # the controller's call: re-sent at once, and no budget spent
                     last = failure
                     continue
-                if (failure.cause is Cause.SERVER_ERROR and last is not None
+                began = stream is not None and stream.began
+                if (not began and failure.cause is Cause.SERVER_ERROR and last is not None
                         and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
                     # The same 5xx on a second backend: the request is the problem, not them.
                     stats.poison_requests += 1
@@ -313,6 +373,8 @@ class Forwarder:
                     continue
                 # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's
                 # own 5xx goes back as it is; a transport failure gets the router's answer.
+                if stream is not None and stream.began:
+                    return await self._end_stream(stream, failure, "retries spent")
                 if failure.cause is Cause.SERVER_ERROR:
                     return self._pass_through(failure)
                 return self._refuse(failure, min_version)
@@ -322,12 +384,17 @@ class Forwarder:
                 budget.release()
 
     async def _attempt(self, request: web.Request, backend: str, body: bytes,
-                       headers: list[tuple[str, str]],
-                       started: float) -> web.StreamResponse | _Failure:
+                       headers: list[tuple[str, str]], started: float,
+                       stream: _Stream | None = None) -> web.StreamResponse | _Failure:
         """One try on one backend: its answer relayed, or why there is none."""
         assert self._session is not None, "Forwarder.open() was not awaited"
         pool = self.pool
         key = backend + request.raw_path  # the request target exactly as the client sent it
+        if stream is not None:
+            body = stream.splice.request.upstream_body
+            if stream.began and stream.continuation is not None:
+                key = backend + stream.continuation.path
+                body = stream.continuation.body
         target = self._targets.get(key)
         if target is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
@@ -353,6 +420,15 @@ class Forwarder:
                     finally:
                         waiting.discard(scope)
                 backend_time = time.perf_counter() - sent
+                if stream is not None:
+                    if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                        return await self._relay_stream(request, upstream, backend, started,
+                                                        backend_time, stream, facts)
+                    if stream.began:  # the continuation was refused: say so, and end
+                        answer = (await _read(upstream))[:300].decode(errors="replace")
+                        return await self._end_stream(
+                            stream, None, f"the next engine answered {upstream.status}: "
+                            f"{answer}")
                 length = upstream.content_length
                 if length is not None and length <= _WHOLE_ANSWER_BYTES:
                     # A small answer of known length: taken whole, then sent in one write.
@@ -433,6 +509,109 @@ class Forwarder:
         finally:
             if not complete:
                 upstream.close()  # the engine sees the disconnect and aborts the generation
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                            backend: str, started: float, backend_time: float,
+                            stream: _Stream, facts: BackendFacts) -> web.StreamResponse | _Failure:
+        """Relay a stream event by event through its splice. The client's response begins with
+        the first event it is given, so an attempt that fails before that is re-sent from the
+        start; one that fails after it is continued (by the caller)."""
+        splice = stream.splice
+        splice.begin_attempt(stream.continuation if stream.began else None)
+        if stream.began and stream.continuation is not None:
+            self.stats.continuations[stream.continuation.mode.value] += 1
+        streaming = self._streaming.get(backend)
+        if streaming is None:
+            streaming = self._streaming[backend] = set()
+        splitter = SseSplitter()
+        complete = False
+        scope = asyncio.timeout(None)
+        try:
+            async with scope:
+                streaming.add(scope)
+                content = upstream.content
+                while True:
+                    try:
+                        data = await content.readany()
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        return _Failure(backend, _classify(exc))
+                    if not data:
+                        return _Failure(backend, Cause.RESET)  # it ended without [DONE]
+                    for event in splitter.feed(data):
+                        outcome, out = splice.on_event(event)
+                        if outcome is Outcome.ENGINE_ERROR:
+                            return _Failure(backend, Cause.STREAM_ERROR)
+                        if outcome is Outcome.SKIP:
+                            continue
+                        response = await self._send(request, stream, out, upstream, started,
+                                                    backend_time, facts)
+                        if response is None:  # the client left: not the engine's doing
+                            assert stream.response is not None
+                            return stream.response
+                        if outcome is Outcome.DONE:
+                            complete = True
+                            self.pool.record_success(backend)
+                            with contextlib.suppress(ConnectionError):
+                                await response.write_eof()
+                            return response
+        except TimeoutError:
+            # Upstream timeouts are caught above: only a rescue's expiry lands here.
+            return _Failure(backend, Cause.RESCUED)
+        finally:
+            streaming.discard(scope)
+            if not complete:
+                upstream.close()  # the engine sees the disconnect and aborts the generation
+
+    async def _send(self, request: web.Request, stream: _Stream, data: bytes,
+                    upstream: aiohttp.ClientResponse, started: float,
+                    backend_time: float, facts: BackendFacts) -> web.StreamResponse | None:
+        """Write one event to the client, beginning its response with the first; ``None`` if
+        the client has left."""
+        response = stream.response
+        if response is None:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                          headers=_response_headers(upstream.headers,
+                                                                    _HOP_BY_HOP, facts))
+            stream.response = response
+            try:
+                await response.prepare(request)
+            except ConnectionError:
+                return None
+            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
+            self.stats.responded(upstream.status)
+        try:
+            await response.write(data)
+        except ConnectionError:
+            return None
+        stream.splice.events_sent += 1
+        return response
+
+    async def _end_stream(self, stream: _Stream, failure: _Failure | None,
+                          reason: str) -> web.StreamResponse:
+        """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
+        cause, then ``[DONE]``, as vLLM ends a stream that failed. A generation that was
+        already whole (its finish came, its end was lost) just ends."""
+        response = stream.response
+        assert response is not None
+        splice = stream.splice
+        if splice.finish_reason is not None:
+            data = splice.closing_usage() + DONE
+        else:
+            what = "The stream broke off"
+            if failure is not None:
+                what = f"Backend {failure.backend} {_DESCRIPTIONS[failure.cause]}"
+                if failure.cause is Cause.STREAM_ERROR and isinstance(splice.error, dict):
+                    what += f" ({splice.error.get('message')})"
+            self.stats.stream_ended(reason)
+            data = error_event(
+                f"{what} after {splice.produced} tokens, and the generation could not be "
+                f"continued: {reason}.", "stream_interrupted", 500,
+                cause=None if failure is None else failure.cause.value,
+                backend=None if failure is None else failure.backend, reason=reason) + DONE
+        with contextlib.suppress(ConnectionError):
+            await response.write(data)
+            await response.write_eof()
+        return response
 
     # ------------------------------------------------------------------ outcomes and answers
 

@@ -239,6 +239,18 @@ class Pool:
                 best, best_load = url, load
         return best
 
+    def pick_same_weights(self, weight_version: int | None,
+                          exclude: Collection[str] = ()) -> str | None:
+        """A serving backend holding ``weight_version``, for a generation continued elsewhere
+        (an RL rollout must come from one policy); least in flight among them.
+
+        ``None``: the first engine's version is unknown (the push does not say, as in a fleet
+        whose membership nobody manages, where every backend is taken to hold the same
+        weights): any serving backend. A backend whose version is unknown never continues a
+        generation from a known one.
+        """
+        return self.pick(exclude, version=weight_version)
+
     # ------------------------------------------------------------------ in flight
 
     def dispatched(self, url: str) -> None:

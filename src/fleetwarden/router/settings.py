@@ -72,6 +72,13 @@ class RouterSettings:
     affinity_load_factor: float = 1.25
     #: Points per backend on the hash ring. 64 spreads sessions within a few per cent.
     affinity_virtual_nodes: int = 64
+    #: Continue a streamed completion or chat on another engine when its engine fails it
+    #: after the first bytes reached the client (router/splice.py). On: a crash or a wedge
+    #: then costs a stream a pause, not the generation. The router asks engines for
+    #: ``return_token_ids`` (vLLM 0.32 knows it; other OpenAI servers ignore unknown fields)
+    #: and strips them from what the client did not ask for. Off: streams pass through
+    #: untouched, and one cut mid-answer is cut for its client too.
+    continue_streams: bool = True
     #: How long an idle pooled connection to a backend is kept. Below uvicorn's 5 s (vLLM's
     #: server): a connection is never reused at the moment the engine closes it, so a reset
     #: means the engine, not the pool.

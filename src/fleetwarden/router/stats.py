@@ -38,8 +38,8 @@ class RouterStats:
     """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
-                 "backend_failures", "poison_requests", "requests", "rescues", "responses",
-                 "retries")
+                 "backend_failures", "continuations", "poison_requests", "requests", "rescues",
+                 "responses", "retries", "streams_ended")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -53,6 +53,11 @@ class RouterStats:
         self.retries: dict[str, int] = {"free": 0, "paid": 0, "replaced": 0}
         self.rescues = 0
         self.poison_requests = 0
+        #: mode ("tokens": exact, from token ids; "text": from the text so far) -> streams
+        #: continued on another engine after theirs failed them mid-answer
+        self.continuations: dict[str, int] = {"tokens": 0, "text": 0}
+        #: cause -> streams that had begun and could not be continued: ended with an error event
+        self.streams_ended: dict[str, int] = {}
         self.added_latency_buckets = [0] * (len(ADDED_LATENCY_BUCKETS_S) + 1)
         self.added_latency_count = 0
         self.added_latency_sum = 0.0
@@ -64,6 +69,9 @@ class RouterStats:
     def backend_failed(self, backend: str, cause: str) -> None:
         key = (backend, cause)
         self.backend_failures[key] = self.backend_failures.get(key, 0) + 1
+
+    def stream_ended(self, cause: str) -> None:
+        self.streams_ended[cause] = self.streams_ended.get(cause, 0) + 1
 
     def observe_added_latency(self, seconds: float) -> None:
         self.added_latency_buckets[bisect.bisect_left(ADDED_LATENCY_BUCKETS_S, seconds)] += 1
@@ -119,6 +127,23 @@ class RouterCollector(Collector):
             "Requests answered after the same 5xx on two backends, counted against neither.")
         poison.add_metric([], s.poison_requests)
         yield poison
+
+        continuations = CounterMetricFamily(
+            "fleetwarden_router_continuations",
+            "Streams continued on another engine after theirs failed mid-answer, by mode: "
+            "tokens (exact, from token ids) or text (from the text produced so far).",
+            labels=["mode"])
+        for mode, n in sorted(s.continuations.items()):
+            continuations.add_metric([mode], n)
+        yield continuations
+
+        ended = CounterMetricFamily(
+            "fleetwarden_router_streams_ended_with_error",
+            "Streams that had begun, failed and could not be continued: ended with an error "
+            "event, by cause.", labels=["cause"])
+        for cause, n in sorted(s.streams_ended.items()):
+            ended.add_metric([cause], n)
+        yield ended
 
         in_flight = GaugeMetricFamily(
             "fleetwarden_router_in_flight",

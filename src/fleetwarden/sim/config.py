@@ -49,6 +49,10 @@ class SimConfig:
     #: After ``crash``: how long the dying process still answers (503 /health) before it goes.
     #: Real vLLM refused connections ~0.4 s after its EngineCore was killed.
     crash_exit_s: float = 0.4
+    #: Whether it honours vLLM's ``return_token_ids``. False: an engine that ignores it (an
+    #: OpenAI-compatible server that is not vLLM 0.32), whose streams a router can continue
+    #: only from text.
+    token_ids: bool = True
     #: Entries kept in the /sim/stats log (the counts by path are never trimmed).
     stats_log_size: int = 2000
     #: Whose wire to speak: ``vllm``, or ``llamacpp`` / ``sglang`` (their /metrics names,

@@ -526,7 +526,7 @@ class Sim:
             stream_options.get("include_usage"))
         # vLLM's return_token_ids: the output's ids, and the prompt's (for a chat, the rendered
         # template's), which is what a router needs to continue a generation elsewhere.
-        ids = prompt_ids if body.get("return_token_ids") else None
+        ids = prompt_ids if body.get("return_token_ids") and c.token_ids else None
         try:
             if body.get("stream"):
                 return await self._stream(request, pending, chat, include_usage, ids)

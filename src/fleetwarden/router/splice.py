@@ -1,0 +1,437 @@
+"""Continuing a streamed generation on another engine: the pure parts (no I/O, no clock).
+
+When an engine fails a stream whose first bytes already reached the client (a crash, a reset,
+a rescue from a wedge), the router does not cut it: it asks another engine to go on from the
+tokens already produced, and splices that engine's chunks into the client's stream, so the
+client sees one unbroken stream: every token once, in order, one ``[DONE]``, and a final
+``finish_reason`` and ``usage`` that cover the whole generation. The forwarding shell
+(:mod:`fleetwarden.router.forward`) does the I/O; this module decides and rewrites:
+
+* :func:`read_stream_request`: is a request a streamed completion or chat, may it be continued
+  (and if not, why), and the body to send upstream (``return_token_ids`` added, so that the
+  engine says which tokens it produced).
+* :class:`SseSplitter`: bytes from the engine into whole SSE events.
+* :class:`Splice`: one client stream across its attempts: what each upstream event becomes for
+  the client (fields the router added stripped, ids and ``created`` of the first attempt,
+  completion chunks turned back into chat chunks, ``usage`` summed), and the request that
+  continues it (:meth:`Splice.continuation`).
+
+Two ways to continue, and the metrics say which one happened:
+
+* ``tokens`` (exact): where the engine gave token ids (vLLM's ``return_token_ids``), the
+  continuation is a completion whose ``prompt`` is the prompt's ids plus the output's ids: a
+  chat continues from its rendered template, as a completion, and its chunks are turned back
+  into chat chunks.
+* ``text``: where it did not, a completion continues from its prompt plus the text produced so
+  far, a chat from the partial assistant message with ``continue_final_message``. The output
+  may differ from an uninterrupted run where the text does not re-tokenize to the same tokens.
+
+A request is not continuable where a continuation cannot be exact or is not allowed: several
+choices (``n`` > 1, ``best_of``, several prompts), ``echo``, prompt logprobs, structured output
+or tools (their grammar state would restart), or a client that opted out with
+:data:`OPT_OUT_HEADER`. Such a stream, cut after its first bytes, ends with an error event in
+the OpenAI shape naming the cause, never silently.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["OPT_OUT_HEADER", "Mode", "Splice", "SseSplitter", "StreamRequest", "error_event",
+           "read_stream_request"]
+
+#: A client that wants a cut stream to end rather than go on elsewhere sends this header with
+#: ``off`` (or ``0``, ``false``, ``no``).
+OPT_OUT_HEADER = "x-fleetwarden-continuation"
+_OFF = frozenset({"off", "0", "false", "no"})
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+DONE = b"data: [DONE]\n\n"
+
+#: What an engine's ``return_token_ids`` adds to a chunk, when the router asked for it and the
+#: client did not: set back to ``null``, as vLLM writes them when not asked (byte for byte).
+_ADDED_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\s*\[[0-9,\s]*\]')
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+#: Sampling and output fields a chat continued as a completion keeps (everything else in a chat
+#: request is about messages, templates or tools, which the rendered prompt already holds).
+_CHAT_TO_COMPLETION = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
+    "ignore_eos", "logit_bias", "bad_words", "allowed_token_ids", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "priority", "user", "stream_options", "cache_salt", "vllm_xargs", "kv_transfer_params",
+)
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs", "guided_decoding_backend")
+
+
+class Mode(enum.Enum):
+    """How a generation was continued. Values are metric labels."""
+
+    TOKENS = "tokens"  # exact: from the prompt's and the output's token ids
+    TEXT = "text"  # from the prompt and the text produced so far
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRequest:
+    """A client's streamed completion or chat request, as the router reads it."""
+
+    chat: bool
+    #: The client's body, parsed.
+    body: Mapping[str, Any]
+    #: Why it cannot be continued, or ``None`` if it can.
+    refusal: str | None
+    #: The client asked for ``return_token_ids`` itself: the ids stay in what it receives.
+    wants_ids: bool
+    #: What goes upstream on the first attempt.
+    upstream_body: bytes
+
+
+def read_stream_request(path: str, body: bytes,
+                        headers: Mapping[str, str]) -> StreamRequest | None:
+    """The streamed completion or chat in ``body``, or ``None`` for anything else (which the
+    router relays as it always has)."""
+    if path not in (COMPLETIONS, CHAT) or b'"stream"' not in body:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or parsed.get("stream") is not True:
+        return None
+    chat = path == CHAT
+    refusal = _refusal(parsed, chat, headers.get(OPT_OUT_HEADER, "").strip().lower() in _OFF)
+    wants_ids = parsed.get("return_token_ids") is True
+    upstream = body
+    if refusal is None and not wants_ids:
+        upstream = _dumps({**parsed, "return_token_ids": True})
+    return StreamRequest(chat, parsed, refusal, wants_ids, upstream)
+
+
+def _refusal(body: Mapping[str, Any], chat: bool, opted_out: bool) -> str | None:
+    if opted_out:
+        return f"the client opted out ({OPT_OUT_HEADER})"
+    if _number(body.get("n"), 1) > 1 or _number(body.get("best_of"), 1) > 1:
+        return "several choices (n > 1)"
+    if body.get("echo"):
+        return "echo"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt logprobs"
+    response_format = body.get("response_format")
+    if ((isinstance(response_format, dict) and response_format.get("type", "text") != "text")
+            or any(body.get(k) is not None for k in _STRUCTURED)):
+        return "structured output"
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (
+            None, "none", "auto"):
+        return "tools"
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(
+                isinstance(t, int) for t in prompt) and len(prompt) > 1:
+            return "several prompts"
+    return None
+
+
+def _number(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _dumps(obj: Any) -> bytes:
+    """JSON as vLLM writes it: compact, raw UTF-8."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def error_event(message: str, error_type: str, code: int, **extra: object) -> bytes:
+    """An error in the OpenAI shape as an SSE event (vLLM ends a failed stream this way too;
+    the ``openai`` client raises it as an ``APIError``)."""
+    error = {"message": message, "type": error_type, "param": None, "code": code, **extra}
+    return b"data: " + _dumps({"error": error}) + b"\n\n"
+
+
+class SseSplitter:
+    """Cuts the bytes of an SSE stream into whole events (without their blank line)."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer + data
+        events = []
+        start = 0
+        for match in _EVENT_END.finditer(buffer):
+            events.append(buffer[start:match.start()])
+            start = match.end()
+        self._buffer = buffer[start:]
+        return events
+
+
+def _data(event: bytes) -> bytes | None:
+    """The data of an event (its ``data:`` lines joined), or ``None`` if it has none."""
+    lines = [line[5:].removeprefix(b" ") for line in event.splitlines()
+             if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+class Outcome(enum.Enum):
+    SEND = "send"  # write the event's bytes to the client
+    SKIP = "skip"  # nothing for the client
+    DONE = "done"  # the engine's ``[DONE]``: the generation is complete
+    ENGINE_ERROR = "engine_error"  # the engine ended the stream with an error event
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """The request that continues a stream: where, what, and how."""
+
+    path: str
+    body: bytes
+    mode: Mode
+    #: The engine's chunks are completions, to be turned back into chat chunks.
+    as_completion: bool
+
+
+class Splice:
+    """One client stream, across the attempts that produce it."""
+
+    def __init__(self, request: StreamRequest) -> None:
+        self.request = request
+        self.attempts = 0  # attempts whose events reached this splice
+        self.events_sent = 0  # events written to the client
+        #: The first attempt's chunk id and creation time: every chunk the client sees has them.
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: list[int] = []
+        #: Every output chunk so far carried its token ids.
+        self.ids_complete = True
+        self.text: list[str] = []
+        #: Tokens produced (ids counted, or one per chunk where the engine gave none).
+        self.produced = 0
+        self.finish_reason: str | None = None
+        self.usage_sent = False
+        self.error: Any = None  # the engine's error event, if it ended with one
+        #: How the current attempt continues (``None``: the first attempt).
+        self.mode: Mode | None = None
+        self._as_completion = False
+        #: Tokens produced before the current attempt began: its prompt holds them.
+        self._before = 0
+
+    # ------------------------------------------------------------------ events
+
+    def begin_attempt(self, continuation: Continuation | None) -> None:
+        self.attempts += 1
+        self._before = self.produced
+        if continuation is not None:
+            self.mode = continuation.mode
+            self._as_completion = continuation.as_completion
+
+    def on_event(self, event: bytes) -> tuple[Outcome, bytes]:
+        """What one upstream event means, and the bytes (if any) the client gets for it."""
+        data = _data(event)
+        if data is None:
+            return (Outcome.SKIP, b"") if self.mode is not None else (Outcome.SEND,
+                                                                         event + b"\n\n")
+        if data.strip() == b"[DONE]":
+            return Outcome.DONE, DONE
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return Outcome.SEND, event + b"\n\n"  # not ours to judge: passed on as it came
+        if not isinstance(chunk, dict):
+            return Outcome.SEND, event + b"\n\n"
+        if "error" in chunk and "choices" not in chunk:
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            if isinstance(code, int) and code < 500:  # the request's fault: the client's to see
+                return Outcome.SEND, event + b"\n\n"
+            self.error = error
+            return Outcome.ENGINE_ERROR, b""
+        self._observe(chunk)
+        if self.mode is None:  # the first attempt: the engine's bytes, less what we added
+            if self.request.wants_ids or self.request.refusal is not None:
+                return Outcome.SEND, event + b"\n\n"
+            return Outcome.SEND, _ADDED_IDS.sub(rb'"\1":null', event) + b"\n\n"
+        out = self._rewrite(chunk)
+        if out is None:
+            return Outcome.SKIP, b""
+        return Outcome.SEND, b"data: " + _dumps(out) + b"\n\n"
+
+    def _observe(self, chunk: dict[str, Any]) -> None:
+        if self.id is None:
+            self.id = chunk.get("id")
+            self.created = chunk.get("created")
+            self.model = chunk.get("model")
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            self.usage_sent = True
+        if self.mode is None and self.request.chat and chunk.get("prompt_token_ids"):
+            self.prompt_ids = list(chunk["prompt_token_ids"])
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if self.mode is None and choice.get("prompt_token_ids"):
+                self.prompt_ids = list(choice["prompt_token_ids"])
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if "role" in delta and not delta.get("content"):
+                    continue  # the chat's role chunk: no token
+                text = delta.get("content")
+            else:
+                text = choice.get("text")
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.output_ids.extend(ids)
+                self.produced += len(ids)
+            else:
+                self.ids_complete = False
+                self.produced += 1
+            if isinstance(text, str):
+                self.text.append(text)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+
+    def _rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """A continuation's chunk as the client's stream goes on: its ids, its shape."""
+        chat = self.request.chat
+        wants_ids = self.request.wants_ids
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            usage = self._whole_usage(usage)
+        if self._as_completion:  # a completion chunk back into a chat chunk
+            out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
+                                   "created": self.created, "model": chunk.get("model")}
+            choices = []
+            for c in chunk.get("choices") or ():
+                choice: dict[str, Any] = {"index": c.get("index", 0),
+                                          "delta": {"content": c.get("text", "")},
+                                          "logprobs": None,
+                                          "finish_reason": c.get("finish_reason")}
+                if c.get("finish_reason") is not None:
+                    choice["stop_reason"] = c.get("stop_reason")
+                choice["token_ids"] = c.get("token_ids") if wants_ids else None
+                choices.append(choice)
+            out["choices"] = choices
+            if usage is not None:
+                out["usage"] = usage
+            for key in ("system_fingerprint",):
+                if key in chunk:
+                    out[key] = chunk[key]
+            return out
+        out = dict(chunk)
+        out["id"] = self.id
+        out["created"] = self.created
+        choices = []
+        for c in chunk.get("choices") or ():
+            c = dict(c)
+            delta = c.get("delta")
+            if chat and isinstance(delta, dict) and "role" in delta:
+                if not delta.get("content") and c.get("finish_reason") is None:
+                    continue  # the client had its role chunk from the first attempt
+                c["delta"] = {k: v for k, v in delta.items() if k != "role"}
+            if "prompt_token_ids" in c:
+                c["prompt_token_ids"] = None  # the client had them once, from the first attempt
+            if "token_ids" in c and not wants_ids:
+                c["token_ids"] = None
+            choices.append(c)
+        if chunk.get("choices") and not choices:
+            return None
+        out["choices"] = choices
+        if "prompt_token_ids" in out:
+            out["prompt_token_ids"] = None
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def _whole_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """An attempt's usage as the whole generation's: its prompt held what came before."""
+        before = self._before
+        out = dict(usage)
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            out["prompt_tokens"] = prompt - before
+            out["completion_tokens"] = completion + before
+            out["total_tokens"] = prompt + completion
+        return out
+
+    def closing_usage(self) -> bytes:
+        """The usage event a generation that was whole but lost its end still owes its client
+        (when it asked for usage and the prompt's length is known), else nothing."""
+        options = self.request.body.get("stream_options")
+        if (self.usage_sent or self.prompt_ids is None or not isinstance(options, dict)
+                or not options.get("include_usage")):
+            return b""
+        prompt = len(self.prompt_ids)
+        return b"data: " + _dumps({
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.request.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt + self.produced,
+                      "completion_tokens": self.produced},
+        }) + b"\n\n"
+
+    # ------------------------------------------------------------------ the next attempt
+
+    def continuation(self, chat_as_completion: bool = True) -> Continuation | str:
+        """The request that continues this stream, or why there can be none."""
+        request = self.request
+        if request.refusal is not None:
+            return request.refusal
+        body = dict(request.body)
+        exact = self.prompt_ids is not None and self.ids_complete
+        produced = self.produced
+        for key in ("max_tokens", "max_completion_tokens"):
+            limit = body.get(key)
+            if isinstance(limit, int) and not isinstance(limit, bool):
+                if limit - produced < 1:
+                    return "nothing left to generate"
+                body[key] = limit - produced
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
+            body["min_tokens"] = max(0, min_tokens - produced)
+        body["return_token_ids"] = True
+        if exact and request.chat and chat_as_completion and not body.get("logprobs"):
+            assert self.prompt_ids is not None
+            completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
+            limit = body.get("max_completion_tokens", body.get("max_tokens"))
+            if limit is not None:
+                completion["max_tokens"] = limit
+            completion.update(prompt=self.prompt_ids + self.output_ids, stream=True,
+                              return_token_ids=True)
+            return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True)
+        if exact and not request.chat:
+            assert self.prompt_ids is not None
+            body["prompt"] = self.prompt_ids + self.output_ids
+            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False)
+        text = "".join(self.text)
+        if not request.chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return "a prompt of token ids, and no token ids from the engine"
+            body["prompt"] = prompt + text
+            return Continuation(COMPLETIONS, _dumps(body), Mode.TEXT, False)
+        messages = list(body.get("messages") or [])
+        if body.get("continue_final_message") and messages:
+            last = dict(messages[-1])
+            content = last.get("content")
+            if isinstance(content, list):
+                last["content"] = [*content, {"type": "text", "text": text}]
+            else:
+                last["content"] = ("" if content is None else str(content)) + text
+            messages[-1] = last
+        else:
+            messages.append({"role": "assistant", "content": text})
+        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+        return Continuation(CHAT, _dumps(body), Mode.TEXT, False)

@@ -1,0 +1,363 @@
+"""Streams that survive their engine: a generation cut mid-answer goes on elsewhere.
+
+The real router on real sockets, in front of simulated engines (in-process, and one real
+process killed with SIGKILL). The simulated engine's output depends only on its context, so
+an uninterrupted run on a healthy engine is the reference: a client whose stream was cut by a
+crash, a reset or a wedge (rescued, as the controller does at condemnation) must receive
+exactly that generation: every token once, in order, one ``[DONE]``, a final ``finish_reason``
+and ``usage`` covering the whole, and none of the fields the router asked the engine for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.pool import BackendFacts
+from fleetwarden.sim import FaultMode, Sim, SimConfig
+
+from .support import SimProcess
+
+pytestmark = pytest.mark.scenario
+
+COMPLETION = {"model": "tiny", "prompt": "tell me about engines", "max_tokens": 30,
+              "stream": True}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "tell me about engines"}],
+        "max_tokens": 30, "stream": True}
+USAGE = {"stream_options": {"include_usage": True}}
+#: Events the client reads before the fault: the stream has well begun.
+CUT_AFTER = 8
+
+
+@contextlib.asynccontextmanager
+async def fleet(n: int = 3, **config: Any) -> AsyncIterator[tuple[Router, list[Sim]]]:
+    sims = [Sim(SimConfig(steps_per_s=40, **config)) for _ in range(n)]
+    router = Router([], RouterSettings(), health_managed=True)
+    try:
+        for sim in sims:
+            await sim.start()
+        router.set_serving_backends([s.url for s in sims])
+        await router.start()
+        yield router, sims
+    finally:
+        await router.stop()
+        for sim in sims:
+            await sim.stop()
+
+
+async def read_stream(http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                      cut: Callable[[], Awaitable[None]] | None = None,
+                      headers: dict[str, str] | None = None) -> list[bytes]:
+    """Every event the client receives (raw, without its blank line); ``cut`` runs once
+    :data:`CUT_AFTER` events have arrived."""
+    events: list[bytes] = []
+    async with http.post(url + path, json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        while True:
+            event = await r.content.readuntil(b"\n\n")  # at the end: what is left
+            if not event:
+                break
+            assert event.endswith(b"\n\n"), event  # a stream ends between events
+            events.append(event[:-2])
+            if len(events) == CUT_AFTER and cut is not None:
+                await cut()
+    return events
+
+
+def chunks(events: list[bytes]) -> list[dict[str, Any]]:
+    assert events[-1] == b"data: [DONE]"
+    assert events.count(b"data: [DONE]") == 1
+    return [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+
+
+def text(cs: list[dict[str, Any]]) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for chunk in cs for c in chunk["choices"])
+
+
+def ids(cs: list[dict[str, Any]]) -> list[int]:
+    return [t for chunk in cs for c in chunk["choices"] for t in c.get("token_ids") or []]
+
+
+def holder(router: Router) -> str:
+    """The one backend the stream is on."""
+    busy = [url for url, n in router.in_flight().items() if n]
+    assert len(busy) == 1, router.in_flight()
+    return busy[0]
+
+
+def sim_at(sims: list[Sim], url: str) -> Sim:
+    return next(s for s in sims if s.url == url)
+
+
+def router_metric(text_: str, name: str) -> dict[tuple[str, ...], float]:
+    out = {}
+    for family in text_string_to_metric_families(text_):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(s.labels.values())] = s.value
+    return out
+
+
+async def continuations(http: aiohttp.ClientSession, router: Router) -> dict[str, float]:
+    async with http.get(router.url + "/metrics") as r:
+        found = router_metric(await r.text(), "fleetwarden_router_continuations_total")
+    return {k[0]: v for k, v in found.items()}
+
+
+def assert_whole(got: list[bytes], reference: list[bytes], *, chat: bool,
+                 wants_ids: bool = False, exact_prompt_usage: bool = True) -> None:
+    """``got`` is the reference generation, as one unbroken stream."""
+    ours, ref = chunks(got), chunks(reference)
+    assert not any("error" in c for c in ours), ours
+    assert text(ours) == text(ref) and text(ours)
+    assert {c["id"] for c in ours} == {ours[0]["id"]}  # one stream, one id
+    assert {c["created"] for c in ours} == {ours[0]["created"]}
+    finishes = [c["choices"][0]["finish_reason"] for c in ours if c["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    usage = [c["usage"] for c in ours if c.get("usage")]
+    ref_usage = [c["usage"] for c in ref if c.get("usage")]
+    if exact_prompt_usage:
+        assert usage == ref_usage
+    else:  # from text, the prompt's tokens are the continuation's less an estimate
+        assert [u["completion_tokens"] for u in usage] == [
+            u["completion_tokens"] for u in ref_usage]
+    if chat:
+        roles = [c for c in ours if c["choices"] and "role" in c["choices"][0]["delta"]]
+        assert roles == [ours[0]]  # the role chunk once, first
+    for raw, chunk in zip(got, ours, strict=False):
+        if wants_ids:
+            continue
+        # added upstream, stripped before the client: null, as vLLM writes them unasked
+        assert b'"token_ids":[' not in raw and b'"prompt_token_ids":[' not in raw, raw
+        assert all(c.get("token_ids") is None for c in chunk["choices"])
+    if wants_ids:
+        assert ids(ours) == ids(ref)
+        prompts = [c for chunk in ours for c in [chunk, *chunk["choices"]]
+                   if c.get("prompt_token_ids")]
+        assert len(prompts) == 1  # the prompt's ids once, where vLLM puts them
+
+
+# ---------------------------------------------------------------------- faults mid-stream
+
+
+async def crash(sim: Sim) -> None:
+    await sim.set_fault(FaultMode.CRASH)  # in-flight streams get vLLM's error event
+
+
+async def reset(sim: Sim) -> None:
+    await sim.set_fault(FaultMode.RESTART)  # a new process: in-flight connections dropped
+
+
+@pytest.mark.parametrize("fault", [crash, reset])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_a_stream_cut_by_its_engine_goes_on_elsewhere_exactly(
+    http: aiohttp.ClientSession, fault: Callable[[Sim], Awaitable[None]], chat: bool
+) -> None:
+    path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", COMPLETION)
+    body = {**body, **USAGE}
+    async with fleet() as (router, sims):
+        reference = await read_stream(http, sims[0].url, path, body)
+
+        async def cut() -> None:
+            await fault(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, path, body, cut)
+        assert_whole(got, reference, chat=chat)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert router.stats.streams_ended == {}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_a_stream_on_a_wedged_engine_is_rescued_and_goes_on_elsewhere(
+    http: aiohttp.ClientSession, chat: bool
+) -> None:
+    path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", COMPLETION)
+    async with fleet() as (router, sims):
+        reference = await read_stream(http, sims[0].url, path, body)
+        rescued = []
+
+        async def wedge_then_condemn() -> None:
+            url = holder(router)
+            await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
+            await asyncio.sleep(0.3)  # the stream hangs, as it would for backend_timeout_s
+            rescued.append(router.rescue(url))  # the controller's call at condemnation
+
+        got = await read_stream(http, router.url, path, body, wedge_then_condemn)
+        assert rescued == [1]
+        assert_whole(got, reference, chat=chat)
+        assert router.stats.rescues == 1
+        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+
+
+async def test_a_stream_whose_engine_is_killed_goes_on_elsewhere(
+    http: aiohttp.ClientSession, spawn: Callable[..., SimProcess]
+) -> None:
+    engines = [spawn("--steps-per-s", "40") for _ in range(2)]
+    router = Router([e.url for e in engines], RouterSettings(), health_managed=True)
+    await router.start()
+    try:
+        body = {**COMPLETION, **USAGE}
+        reference = await read_stream(http, engines[0].url, "/v1/completions", body)
+
+        async def kill() -> None:
+            url = holder(router)
+            victim = next(e for e in engines if e.url == url)
+            os.killpg(victim.pid, signal.SIGKILL)  # no goodbye: the connection just breaks
+
+        got = await read_stream(http, router.url, "/v1/completions", body, kill)
+        assert_whole(got, reference, chat=False)
+        assert sum(n for (_, cause), n in router.stats.backend_failures.items()
+                   if cause == "reset") == 1
+    finally:
+        await router.stop()
+
+
+async def test_ids_the_client_asked_for_are_the_whole_generations_once(
+    http: aiohttp.ClientSession
+) -> None:
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        body = {**body, "return_token_ids": True}
+        async with fleet() as (router, sims):
+            reference = await read_stream(http, sims[0].url, path, body)
+
+            async def cut() -> None:
+                await crash(sim_at(sims, holder(router)))
+
+            got = await read_stream(http, router.url, path, body, cut)
+            assert_whole(got, reference, chat=path.endswith("chat/completions"),
+                         wants_ids=True)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_without_token_ids_a_stream_goes_on_from_its_text(
+    http: aiohttp.ClientSession, chat: bool
+) -> None:
+    path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", COMPLETION)
+    body = {**body, **USAGE}
+    async with fleet(token_ids=False) as (router, sims):  # engines that ignore the field
+        reference = await read_stream(http, sims[0].url, path, body)
+
+        async def cut() -> None:
+            await crash(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, path, body, cut)
+        # This engine's output depends on the text alone, so even the text path is exact
+        # here, but for the prompt's token count (its text re-reads as more tokens).
+        assert_whole(got, reference, chat=chat, exact_prompt_usage=False)
+        assert await continuations(http, router) == {"tokens": 0, "text": 1}
+
+
+async def test_the_openai_client_reads_one_unbroken_stream(http: aiohttp.ClientSession) -> None:
+    async with fleet() as (router, sims):
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused",
+                                    max_retries=0)
+        try:
+            whole = await client.chat.completions.create(
+                model="tiny", messages=CHAT["messages"], max_tokens=30, stream=True,
+                stream_options={"include_usage": True})
+            expected = [c async for c in whole]
+            stream = await client.chat.completions.create(
+                model="tiny", messages=CHAT["messages"], max_tokens=30, stream=True,
+                stream_options={"include_usage": True})
+            got = []
+            async for chunk in stream:
+                got.append(chunk)
+                if len(got) == CUT_AFTER:
+                    await crash(sim_at(sims, holder(router)))
+        finally:
+            await client.close()
+        assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "".join(
+            c.choices[0].delta.content or "" for c in expected if c.choices)
+        assert got[-1].usage == expected[-1].usage and got[-1].usage is not None
+        assert got[-1].usage.completion_tokens == 30
+        assert [c.choices[0].finish_reason for c in got if c.choices][-1] == "length"
+
+
+# ---------------------------------------------------------------------- not continued
+
+
+@pytest.mark.parametrize("extra,headers,reason", [
+    ({"n": 2}, None, "several choices (n > 1)"),
+    ({"echo": True}, None, "echo"),
+    ({"response_format": {"type": "json_object"}}, None, "structured output"),
+    ({}, {"x-fleetwarden-continuation": "off"},
+     "the client opted out (x-fleetwarden-continuation)"),
+])
+async def test_a_stream_that_may_not_go_on_ends_with_an_error_event_naming_why(
+    http: aiohttp.ClientSession, extra: dict[str, Any], headers: dict[str, str] | None,
+    reason: str
+) -> None:
+    async with fleet() as (router, sims):
+
+        async def cut() -> None:
+            await crash(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, "/v1/completions", {**COMPLETION, **extra},
+                                cut, headers)
+        assert got[-1] == b"data: [DONE]" and got.count(b"data: [DONE]") == 1
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert error["reason"] == reason and error["cause"] == "stream_error"
+        assert error["code"] == 500 and error["type"] == "stream_interrupted"
+        assert "EngineCore encountered an issue" in error["message"]
+        assert len(got) == CUT_AFTER + 2  # what came before the cut, then the end
+        assert router.stats.streams_ended == {reason: 1}
+        assert await continuations(http, router) == {"tokens": 0, "text": 0}
+        # the body went upstream as the client wrote it: nothing added
+        assert all(b"return_token_ids" not in e for e in got)
+
+
+async def test_the_openai_client_raises_the_error_event() -> None:
+    async with fleet(n=1) as (router, sims):
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused",
+                                    max_retries=0)
+        try:
+            stream = await client.completions.create(model="tiny", prompt="hello",
+                                                     max_tokens=30, stream=True)
+            seen = 0
+            with pytest.raises(openai.APIError, match="could not be continued"):
+                async for _ in stream:
+                    seen += 1
+                    if seen == CUT_AFTER:
+                        await crash(sims[0])
+        finally:
+            await client.close()
+        assert seen == CUT_AFTER
+
+
+@pytest.mark.parametrize("others", [{"b": 8, "c": 7}, {"b": 8}])
+async def test_a_stream_goes_on_only_on_the_same_weights(
+    http: aiohttp.ClientSession, others: dict[str, int]
+) -> None:
+    async with fleet() as (router, sims):
+        urls = {name: s.url for name, s in zip("abc", sims, strict=True)}
+        reference = await read_stream(http, urls["a"], "/v1/completions", COMPLETION)
+        router.set_serving_backends([urls["a"]], {urls["a"]: BackendFacts(0, 7)})
+
+        async def cut() -> None:
+            assert holder(router) == urls["a"]
+            # the next push: a on weights 7, and the others on theirs
+            facts = {urls["a"]: BackendFacts(0, 7)}
+            facts |= {urls[k]: BackendFacts(i + 1, v) for i, (k, v) in enumerate(others.items())}
+            router.set_serving_backends(list(facts), facts)
+            await crash(sims[0])
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert sims[1].stats()["by_path"].get("/v1/completions") is None  # weights 8: never
+        if "c" in others:
+            assert_whole(got, reference, chat=False)
+            assert sims[2].stats()["by_path"].get("/v1/completions") == 1
+        else:  # weights 7 have no other engine: the stream ends, saying why
+            error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+            assert error["reason"] == "no other backend with the same weights"

@@ -1,0 +1,203 @@
+"""The pure parts of continuing a stream (router/splice.py): reading requests, cutting SSE,
+rewriting chunks, and the request that continues a stream. Wire shapes from the real vLLM
+captures in tests/fixtures/vllm/continuation-and-sleep/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetwarden.router.splice import (
+    DONE,
+    Mode,
+    Outcome,
+    Splice,
+    SseSplitter,
+    read_stream_request,
+)
+
+CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm" / "continuation-and-sleep"
+
+
+def captured_events(name: str) -> list[bytes]:
+    body = (CAPTURES / name).read_bytes().split(b"\n\n", 2)[2]
+    return [e for e in body.split(b"\n\n") if e]
+
+
+def request(body: dict[str, Any], path: str = "/v1/completions",
+            headers: dict[str, str] | None = None) -> Any:
+    read = read_stream_request(path, json.dumps(body).encode(), headers or {})
+    assert read is not None
+    return read
+
+
+def test_only_streamed_completions_and_chats_are_read() -> None:
+    assert read_stream_request("/v1/completions", b'{"prompt": "x"}', {}) is None
+    assert read_stream_request("/v1/completions", b'{"stream": false}', {}) is None
+    assert read_stream_request("/v1/embeddings", b'{"stream": true}', {}) is None
+    assert read_stream_request("/v1/completions", b'{"stream": true', {}) is None  # not JSON
+    read = request({"prompt": "x", "stream": True})
+    assert read.refusal is None and not read.wants_ids
+    assert json.loads(read.upstream_body) == {"prompt": "x", "stream": True,
+                                              "return_token_ids": True}
+
+
+@pytest.mark.parametrize("extra,headers,why", [
+    ({"n": 2}, {}, "several choices (n > 1)"),
+    ({"best_of": 3}, {}, "several choices (n > 1)"),
+    ({"echo": True}, {}, "echo"),
+    ({"prompt_logprobs": 1}, {}, "prompt logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, {}, "structured output"),
+    ({"structured_outputs": {"regex": "a+"}}, {}, "structured output"),
+    ({"tools": [{"type": "function"}]}, {}, "tools"),
+    ({"prompt": ["a", "b"]}, {}, "several prompts"),
+    ({}, {"X-Fleetwarden-Continuation": "off"},
+     "the client opted out (x-fleetwarden-continuation)"),
+])
+def test_what_may_not_be_continued_says_why_and_goes_upstream_untouched(
+        extra: dict[str, Any], headers: dict[str, str], why: str) -> None:
+    from multidict import CIMultiDict
+
+    body = {"prompt": "x", "stream": True, **extra}
+    read = read_stream_request("/v1/completions", json.dumps(body).encode(),
+                               CIMultiDict(headers))
+    assert read is not None and read.refusal == why
+    assert read.upstream_body == json.dumps(body).encode()
+    assert Splice(read).continuation() == why
+
+
+def test_plain_choices_are_continuable() -> None:
+    for extra in ({"n": 1}, {"response_format": {"type": "text"}}, {"tool_choice": "none"},
+                  {"logprobs": 2}):
+        assert request({"prompt": "x", "stream": True, **extra}).refusal is None
+
+
+def test_the_splitter_makes_whole_events_whatever_the_reads() -> None:
+    events = captured_events("completions-stream-token-ids.http")
+    wire = b"".join(e + b"\n\n" for e in events)
+    for size in (1, 7, 64, len(wire)):
+        splitter = SseSplitter()
+        got = []
+        for i in range(0, len(wire), size):
+            got += splitter.feed(wire[i:i + size])
+        assert got == events
+    assert SseSplitter().feed(b"data: 1\r\n\r\ndata: 2\n\n") == [b"data: 1", b"data: 2"]
+
+
+def test_the_first_attempt_strips_only_what_the_router_added() -> None:
+    events = captured_events("completions-stream-token-ids.http")
+    splice = Splice(request({"prompt": "hello there", "max_tokens": 6, "stream": True}))
+    splice.begin_attempt(None)
+    out = [splice.on_event(e) for e in events]
+    assert out[-1] == (Outcome.DONE, DONE)
+    for (outcome, data), event in zip(out[:-1], events, strict=False):
+        assert outcome is Outcome.SEND
+        # byte for byte what vLLM sends unasked: the same keys, null
+        assert data == event.replace(b'"prompt_token_ids":[1,283,83,303,310,293]',
+                                     b'"prompt_token_ids":null').replace(
+            b'"token_ids":[267]', b'"token_ids":null').replace(
+            b'"token_ids":[120]', b'"token_ids":null').replace(
+            b'"token_ids":[91]', b'"token_ids":null') + b"\n\n"
+    assert splice.prompt_ids == [1, 283, 83, 303, 310, 293]
+    assert splice.output_ids == [267, 120, 91, 91, 91, 91] and splice.produced == 6
+    assert splice.finish_reason == "length"
+    # a client that asked for the ids gets the engine's bytes untouched
+    mine = Splice(request({"prompt": "hello there", "stream": True, "return_token_ids": True}))
+    mine.begin_attempt(None)
+    assert [mine.on_event(e)[1] for e in events[:-1]] == [e + b"\n\n" for e in events[:-1]]
+
+
+def test_a_completion_continues_from_its_ids_with_what_is_left() -> None:
+    events = captured_events("completions-stream-token-ids.http")
+    read = request({"model": "tiny", "prompt": "hello there", "max_tokens": 9, "min_tokens": 4,
+                    "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}})
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    for e in events[:3]:  # three tokens, then the engine is gone
+        splice.on_event(e)
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    assert (plan.path, plan.mode, plan.as_completion) == ("/v1/completions", Mode.TOKENS, False)
+    body = json.loads(plan.body)
+    assert body["prompt"] == [1, 283, 83, 303, 310, 293, 267, 120, 91]
+    assert (body["max_tokens"], body["min_tokens"], body["temperature"]) == (6, 1, 0)
+    # the continuation's chunks, as the client's stream goes on
+    splice.begin_attempt(plan)
+    cont = captured_events("completions-stream-token-prompt.http")
+    outcome, data = splice.on_event(cont[0])
+    chunk = json.loads(data.removeprefix(b"data: "))
+    assert outcome is Outcome.SEND
+    assert chunk["id"] == "cmpl-9ecf665361bdd0e3" and chunk["created"] == 1796051753
+    assert chunk["choices"][0]["prompt_token_ids"] is None  # once was enough
+    assert chunk["choices"][0]["token_ids"] is None  # the client did not ask
+    usage = {"id": "cmpl-b9", "object": "text_completion", "created": 1, "model": "tiny",
+             "choices": [], "usage": {"prompt_tokens": 9, "total_tokens": 15,
+                                      "completion_tokens": 6}}
+    _, data = splice.on_event(b"data: " + json.dumps(usage).encode())
+    assert json.loads(data.removeprefix(b"data: "))["usage"] == {
+        "prompt_tokens": 6, "total_tokens": 15, "completion_tokens": 9}
+
+
+def test_a_chat_continues_as_a_completion_and_its_chunks_become_chat_chunks_again() -> None:
+    events = captured_events("chat-stream-token-ids.http")
+    read = request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 6, "temperature": 0, "top_k": 3,
+                    "stream": True}, "/v1/chat/completions")
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    for e in events[:3]:  # the role chunk and two tokens
+        splice.on_event(e)
+    assert splice.produced == 2 and splice.prompt_ids == [4, 79, 80, 7, 5]
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.as_completion and plan.mode is Mode.TOKENS
+    assert json.loads(plan.body) == {
+        "model": "tiny", "temperature": 0, "top_k": 3, "max_tokens": 4,
+        "prompt": [4, 79, 80, 7, 5, 738, 26], "stream": True, "return_token_ids": True}
+    splice.begin_attempt(plan)
+    last = captured_events("completions-stream-token-prompt.http")[-2]
+    _, data = splice.on_event(last)
+    assert json.loads(data.removeprefix(b"data: ")) == {
+        "id": "chatcmpl-af9d6532e76be588", "object": "chat.completion.chunk",
+        "created": 1796051754, "model": "tiny",
+        "choices": [{"index": 0, "delta": {"content": "t"}, "logprobs": None,
+                     "finish_reason": "length", "stop_reason": None, "token_ids": None}],
+        "system_fingerprint": "vllm-0.32.0-bc0018f7"}
+
+
+def test_without_ids_a_chat_continues_its_final_message_and_its_role_chunk_is_not_repeated(
+) -> None:
+    events = captured_events("chat-stream-continue-final.http")  # no ids in these chunks
+    read = request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 10, "stream": True}, "/v1/chat/completions")
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    for e in events[:4]:
+        splice.on_event(e)
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.TEXT and not plan.as_completion
+    body = json.loads(plan.body)
+    assert body["messages"][-1] == {"role": "assistant", "content": "\ufffdate3"}
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    assert body["max_tokens"] == 7
+    splice.begin_attempt(plan)
+    assert splice.on_event(events[0]) == (Outcome.SKIP, b"")  # the role chunk, once was enough
+
+
+def test_a_server_error_event_is_a_failure_and_a_client_error_event_is_the_clients() -> None:
+    splice = Splice(request({"prompt": "x", "stream": True}))
+    splice.begin_attempt(None)
+    dead = b'data: {"error":{"message":"EngineCore encountered an issue.","code":500}}'
+    assert splice.on_event(dead) == (Outcome.ENGINE_ERROR, b"")
+    bad = b'data: {"error":{"message":"bad","code":400}}'
+    assert splice.on_event(bad) == (Outcome.SEND, bad + b"\n\n")
+
+
+def test_a_token_id_prompt_without_ids_back_cannot_go_on() -> None:
+    splice = Splice(request({"prompt": [1, 2, 3], "stream": True}))
+    splice.begin_attempt(None)
+    splice.on_event(b'data: {"id":"c","created":1,"choices":[{"index":0,"text":"a"}]}')
+    assert splice.continuation() == "a prompt of token ids, and no token ids from the engine"
