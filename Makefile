@@ -13,15 +13,17 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
-# The pure core: no I/O, checked with mypy --strict.
-CORE := src/fleetwarden/ledger.py src/fleetwarden/journal.py src/fleetwarden/story.py \
-        src/fleetwarden/config.py src/fleetwarden/refit.py src/fleetwarden/engine_metrics.py \
-        src/fleetwarden/engines.py \
-        src/fleetwarden/judge.py src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py
-# The shell modules that are kept --strict clean too (typed I/O around the core).
-STRICT := src/fleetwarden/testing/*.py \
+# The pure core: no I/O, no clock read, nothing imported that does either; checked with
+# mypy --strict, and by tests/unit/test_purity.py, which reads this list.
+CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit.py \
+        src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
+        src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
+        src/fleetwarden/router/settings.py
+# The shell modules that are kept --strict clean too (typed I/O around the core; journal.py
+# writes SQLite from a thread, config.py reads files).
+STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py src/fleetwarden/restore.py \
-          src/fleetwarden/snapshot.py \
+          src/fleetwarden/probe.py \
           src/fleetwarden/controller.py src/fleetwarden/supervisor.py src/fleetwarden/client.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \

@@ -20,6 +20,8 @@ the foreground). A router that cannot be installed or started here is reported a
     python bench/failover.py --routers fleetwarden,nginx --scenarios wedge,long
     python bench/failover.py --write              # also BENCHMARKS.md and docs/failover.png
     python bench/failover.py --engines real       # wedge and crash on two real vLLM engines
+    python bench/failover.py --scenarios stream-crash,stream-wedge --write
+                                                  # streams cut mid-answer: their own section
 
 The machine is small (2 cores hold the engines, the router and the clients): concurrency is
 kept modest and the engines slow, and the load average is recorded beside every row.
@@ -67,9 +69,11 @@ from fleetwarden.testing.load import Load, RequestResult
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 #: Where --write puts the chart, and the markers of its section in BENCHMARKS.md, by engines.
-CHARTS = {"sim": ROOT / "docs" / "failover.png", "real": ROOT / "docs" / "failover-real.png"}
+CHARTS = {"sim": ROOT / "docs" / "failover.png", "real": ROOT / "docs" / "failover-real.png",
+          "streams": ROOT / "docs" / "failover-streams.png"}
 SECTIONS = {"sim": "Failover against peer routers (issue 8)",
-            "real": "Failover against peer routers on real vLLM (issue 8)"}
+            "real": "Failover against peer routers on real vLLM (issue 8)",
+            "streams": "Streams cut mid-answer, against peer routers (issue 16)"}
 
 #: The engine that gets the fault (of engines 0, 1, 2).
 BAD = 1
@@ -105,6 +109,12 @@ class Scenario:
     client_timeout_s: float
     #: Idle wedge: the fault comes this long *before* the load starts, on idle engines.
     idle_before_s: float = 0.0
+    #: Whose wire each simulated engine speaks (``sim --engine``), engine i the i-th (cycled):
+    #: a mixed fleet. The faulted engine is engine BAD (the second).
+    sim_engines: tuple[str, ...] = ("vllm",)
+    #: Streamed completions: a request counts as answered only when its stream is whole
+    #: (every token once, a finish, usage for the whole; see testing.load.Load).
+    stream: bool = False
 
     def longest_generation_s(self) -> float:
         return self.max_tokens[1] / self.steps_per_s
@@ -119,11 +129,13 @@ class Scenario:
             client_timeout_s=30.0 if long else min(self.client_timeout_s, 20.0))
 
 
-def _short(name: str, title: str, fault: str | None, **timing: float) -> Scenario:
+def _short(name: str, title: str, fault: str | None, *, warm_s: float, observe_s: float,
+           idle_before_s: float = 0.0) -> Scenario:
     """Short generations (0.5-1.5 s) on engines with room for every client: 12 clients,
     4 slots on each of 3 engines."""
     return Scenario(name, title, fault, slots=4, steps_per_s=20.0, max_tokens=(10, 30),
-                    clients=12, client_timeout_s=30.0, **timing)
+                    clients=12, client_timeout_s=30.0, warm_s=warm_s, observe_s=observe_s,
+                    idle_before_s=idle_before_s)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
@@ -139,6 +151,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("long", "long generations (20-60 s) + a wedge", "wedge", slots=8,
              steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=30,
              client_timeout_s=90.0),
+    # Streams of 2-3 s, so that a fault finds every engine's slots mid-answer (issue 16).
+    Scenario("stream-crash", "crash mid-stream", "crash", slots=4, steps_per_s=20.0,
+             max_tokens=(40, 60), clients=12, warm_s=4, observe_s=10, client_timeout_s=60.0,
+             stream=True),
+    Scenario("stream-wedge", "wedge mid-stream", "wedge", slots=4, steps_per_s=20.0,
+             max_tokens=(40, 60), clients=12, warm_s=4, observe_s=30, client_timeout_s=60.0,
+             stream=True),
 ]}
 #: What --engines real runs (the tiny model answers in well under a second: no "long").
 REAL_SCENARIOS = ("wedge", "crash")
@@ -238,6 +257,7 @@ class Launcher:
             with (self.folder / f"sim{i}.log").open("w") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fleetwarden", "sim", "--port", "0",
+                     "--engine", scenario.sim_engines[i % len(scenario.sim_engines)],
                      "--slots", str(scenario.slots),
                      "--steps-per-s", f"{scenario.steps_per_s:g}"],
                     stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
@@ -510,7 +530,7 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
     await _wait_serving(router)
     # Closed loop, fixed seed: every router sees the same sequence of generation lengths.
     load = Load(router.url, concurrency=scenario.clients,
-                max_tokens_range=scenario.max_tokens, seed=8,
+                max_tokens_range=scenario.max_tokens, seed=8, stream=scenario.stream,
                 timeout_s=scenario.client_timeout_s, pause_after_failure_s=PAUSE_AFTER_FAILURE_S)
     polling = True
 
@@ -561,8 +581,9 @@ def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, b
     row.failed = row.sent - row.ok
     for r in results:
         if not r.ok:
-            key = str(r.status) if r.status else (
-                "timeout" if "Timeout" in r.error else "no answer")
+            key = "cut" if r.incomplete else str(r.status) if r.status else (
+                "timeout" if "Timeout" in r.error else "error event" if "APIError" in r.error
+                else "no answer")
             row.by_status[key] = row.by_status.get(key, 0) + 1
     row.slow = sum(1 for r in results
                    if r.latency_s > SLOW_S + r.max_tokens / scenario.steps_per_s)
@@ -729,7 +750,8 @@ def _load_cell(row: Row) -> str:
 
 
 def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
-    lines = ["| scenario | router | sent | client-visible failures | slow (>10 s extra) "
+    lines = ["| scenario | router | sent (whole streams) | client-visible failures "
+             "| slow (>10 s extra) "
              "| p50 / p99 s | new requests on the bad engine after the fault: last (count) "
              "| healthy engines ejected | load avg |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -739,8 +761,9 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
             lines.append(f"| {title} | {row.router} | not run: {row.not_run} "
                          "| | | | | | |")
             continue
+        sent = f"{row.sent} ({row.ok} whole)" if scenarios[row.scenario].stream else row.sent
         lines.append(
-            f"| {title} | {row.router} | {row.sent} | {_failed_cell(row)} | {row.slow} "
+            f"| {title} | {row.router} | {sent} | {_failed_cell(row)} | {row.slow} "
             f"| {_fmt_s(row.p50_s)} / {_fmt_s(row.p99_s)} | {_bad_cell(row)} "
             f"| {row.healthy_ejected} | {_load_cell(row)} |")
     return "\n".join(lines)
@@ -763,6 +786,14 @@ def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: li
                  f"{s.max_tokens[1]} tokens at {s.steps_per_s:g} steps/s)")
         lines.append(f"- **{s.name}** ({s.title}): {s.clients} clients, {shape}; {timing}; "
                      f"client timeout {s.client_timeout_s:g} s.")
+    if any(s.stream for s in scenarios.values()):
+        lines += ["", "Streamed scenarios: each client reads streamed completions with usage; "
+                  "a stream counts as answered only when it is **whole**: one chunk per token, "
+                  "a finish, and a usage whose completion tokens equal the chunks received and "
+                  "max_tokens. *cut*: a stream that ended without being whole (closed early, "
+                  "no finish, tokens missing); *error event*: one that ended with an error "
+                  "event (the `openai` client raises it); *timeout*: one still hanging at the "
+                  "client's timeout."]
     lines += ["", f"Every client waits {PAUSE_AFTER_FAILURE_S:g} s after a failed request before "
               "its next one (the failed one is not re-sent). *Slow*: answered or not, more than "
               f"{SLOW_S:g} s beyond the request's own generation time. p50/p99: answered "
@@ -884,6 +915,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", help="comma-separated: " + ",".join(SCENARIOS))
     parser.add_argument("--routers", help="comma-separated: " + ",".join(ROUTERS))
     parser.add_argument("--engines", choices=["sim", "real"], default="sim")
+    parser.add_argument("--sim-engines", default="vllm",
+                        help="comma-separated kinds the simulated engines speak, cycled "
+                             "(vllm, llamacpp, sglang), e.g. vllm,llamacpp,sglang: a mixed "
+                             "fleet; the second is the faulted one")
     parser.add_argument("--write", action="store_true",
                         help=f"write the table into {BENCHMARKS_MD.name} and the chart to "
                              f"{CHARTS['sim'].relative_to(ROOT)} (real engines: "
@@ -894,6 +929,14 @@ def main(argv: list[str] | None = None) -> int:
 
     real = args.engines == "real"
     names = _pick(args.scenarios, SCENARIOS, "scenario")
+    # Streamed scenarios have a section of their own, so a run of them alone never replaces
+    # the table of the others.
+    kind = args.engines
+    if not real and names and all(SCENARIOS[n].stream for n in names):
+        kind = "streams"
+    elif not real and any(SCENARIOS[n].stream for n in names) and args.write:
+        raise SystemExit("--write: run the streamed scenarios (stream-*) alone, into their "
+                         "own section")
     if real:
         names = [n for n in names if n in REAL_SCENARIOS]
     scenarios = {n: SCENARIOS[n].quick() if args.quick else SCENARIOS[n] for n in names}
@@ -901,6 +944,12 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = {n: dataclasses.replace(s, slots=0, steps_per_s=1000.0, max_tokens=(16, 64),
                                             clients=8) for n, s in scenarios.items()}
     routers = [ROUTERS[n] for n in _pick(args.routers, ROUTERS, "router")]
+    kinds = tuple(k for k in args.sim_engines.split(",") if k)
+    from fleetwarden.sim.config import SIM_ENGINES
+
+    if not kinds or set(kinds) - set(SIM_ENGINES):
+        parser.error(f"--sim-engines {args.sim_engines!r}: each of {', '.join(SIM_ENGINES)}")
+    scenarios = {n: dataclasses.replace(s, sim_engines=kinds) for n, s in scenarios.items()}
 
     engines_real: RealEngines | None = None
     if real:
@@ -947,10 +996,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "rows": [dataclasses.asdict(r) for r in rows]},
                                         indent=2))
     if args.write:
-        where = CHARTS[args.engines]
+        where = CHARTS[kind]
         chart(rows, list(scenarios), [r.name for r in routers], where, summary)
-        write_benchmarks(body + f"\n\n![failover chart]({where.relative_to(ROOT)})",
-                         args.engines)
+        write_benchmarks(body + f"\n\n![failover chart]({where.relative_to(ROOT)})", kind)
         print(f"\nwrote {BENCHMARKS_MD.name} and {where.relative_to(ROOT)}", file=sys.stderr)
     return 0
 

@@ -8,12 +8,16 @@ a closed-loop load of ``--concurrency`` clients (the official openai client, its
 and a fault every 6-14 s on a random serving shard: wedge, crash, slow, error5xx, restart,
 garbage_metrics (one at a time: the next waits until every shard serves again, or 60 s).
 Halfway through, fleetwarden gets SIGKILL and is started again with the same config; its
-engines live on and are adopted.
+engines and its router processes (``--router-workers``, default 1) live on, serve on, and are
+adopted. ``--router-workers 0`` puts the router back inside fleetwarden (as before issue 17):
+then every request in flight at the SIGKILL, and every one sent until the restart listens,
+fails; those are counted apart.
 
 What it prints: requests sent / answered 200 / deliberate 409 / failed while fleetwarden itself
 was down / other failures (lost); condemnations by cause; restarts; ledger invariant violations,
 checked on every transition in the journal; engine processes left after the final stop.
-Target: no request lost while any shard serves, zero violations, zero leftovers.
+Target: no request lost while any shard serves (with router processes: none failed while
+fleetwarden was down either), zero violations, zero leftovers (engines and routers).
 
 Timings are compressed to fit many faults in minutes (a 1 s tick, stall_s 4, a canary every
 5 s), and the restart budget is set high (1000): the soak measures recovery, and a budget of 5
@@ -52,7 +56,7 @@ def free_port() -> int:
         return port
 
 
-def config_toml(engines: int) -> str:
+def config_toml(engines: int, router_workers: int) -> str:
     return f"""
 [fleet]
 engines = {engines}
@@ -61,6 +65,7 @@ startup_timeout_s = 60
 
 [router]
 port = {free_port()}
+workers = {router_workers}
 
 [admin]
 port = {free_port()}
@@ -125,7 +130,7 @@ def cause_of(text: str) -> str:
 
 
 def leftovers(journal: Journal) -> set[str]:
-    return live_launch_ids(journal.launch_ids())
+    return live_launch_ids(journal.launch_ids() | journal.router_launch_ids())
 
 
 # ---------------------------------------------------------------------- the run
@@ -133,7 +138,7 @@ def leftovers(journal: Journal) -> set[str]:
 async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     config = work / "fleet.toml"
-    config.write_text(config_toml(args.engines))
+    config.write_text(config_toml(args.engines, args.router_workers))
     up = await asyncio.to_thread(UpProcess, work, "--config", str(config))
     router = up.router
     started = time.monotonic()
@@ -184,7 +189,8 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                          if e.to_state == "DEAD")
         restarts = Counter(r["outcome"] for r in journal.restarts())
         left = leftovers(journal)
-        kill_launched(journal.launch_ids())  # counted above; none may outlive the soak
+        # counted above; none may outlive the soak
+        kill_launched(journal.launch_ids() | journal.router_launch_ids())
 
     def during_down(r: Any) -> bool:
         return down_window is not None and down_window[0] - 1 <= r.started <= down_window[1]
@@ -195,7 +201,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     lost = [r for r in load.results if not r.ok and r.status != 409 and not during_down(r)]
     return {
         "minutes": args.minutes, "engines": args.engines, "concurrency": args.concurrency,
-        "seed": args.seed,
+        "seed": args.seed, "router_workers": args.router_workers,
         "requests": {"sent": len(load.results), "ok_200": ok, "deliberate_409": deliberate,
                      "failed_while_fleetwarden_down": len(down), "lost": len(lost)},
         "lost_examples": [f"{r.request_id}: {r.status} {r.error[:120]}" for r in lost[:5]],
@@ -219,10 +225,12 @@ def main() -> None:
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router processes ([router] workers); 0: inside fleetwarden")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
     print(f"soak: {args.minutes:g} min, {args.engines} engines, {args.concurrency} clients, "
-          f"seed {args.seed}", flush=True)
+          f"{args.router_workers} router worker(s), seed {args.seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fleetwarden-soak-") as tmp:
         result = asyncio.run(soak(args, Path(tmp)))
     r = result["requests"]
@@ -237,12 +245,13 @@ def main() -> None:
     print(f"ledger invariant violations: {result['invariant_violations']}")
     for example in result["violation_examples"]:
         print(f"  violation: {example}")
-    print(f"leftover engine processes: {result['leftover_processes']}")
+    print(f"leftover engine and router processes: {result['leftover_processes']}")
     print(f"final states: {result['final_states']}; latency {result['latency']}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     met = (r["lost"] == 0 and result["invariant_violations"] == 0
-           and result["leftover_processes"] == 0)
+           and result["leftover_processes"] == 0
+           and (args.router_workers == 0 or r["failed_while_fleetwarden_down"] == 0))
     print("target met" if met else "target NOT met")
     sys.exit(0 if met else 1)
 

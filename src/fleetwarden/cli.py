@@ -94,11 +94,14 @@ def demo(
 
 def _ledger_story() -> None:
     """Play the note-001 story through the real ledger and print every transition."""
+    from fleetwarden.ledger import Policy
     from fleetwarden.story import play_note_001
 
+    policy = Policy()  # the story plays on the default policy
     console = Console(highlight=False)
     console.print("[bold]Note 001: a restarted engine has no history[/bold]")
-    console.print("4 shards, default policy (3 failures condemn, 5 restarts); shard 1 fails.\n")
+    console.print(f"4 shards, default policy ({policy.unhealthy_threshold} failures condemn, "
+                  f"{policy.max_restart_attempts} restarts); shard 1 fails.\n")
     for n, s in enumerate(play_note_001(), 1):
         console.print(f"[bold]{n}. {s.title}[/bold]")
         for t in s.transitions:
@@ -108,7 +111,7 @@ def _ledger_story() -> None:
         console.print(
             f"   [dim]now {r.state}, reported streak {r.consecutive_reported_failures}, "
             f"state_before_partial {r.state_before_partial or 'none'}, "
-            f"restarts {r.restart_attempts}/5, {r.base_url}[/dim]"
+            f"restarts {r.restart_attempts}/{policy.max_restart_attempts}, {r.base_url}[/dim]"
         )
     console.print("\nThe replacement came back [green]HEALTHY with streak 0[/green]; "
                   "one failed request made it SUSPECT, not DEAD.")
@@ -326,12 +329,17 @@ def check(
 
 @app.command()
 def route(
-    backend: Annotated[list[str], typer.Option(
-        "--backend", "-b", help="An engine's base URL (http://host:port); repeat for each.")],
+    backend: Annotated[list[str] | None, typer.Option(
+        "--backend", "-b", help="An engine's base URL (http://host:port); repeat for each. "
+                                "May be left out with --control-port: a controller pushes "
+                                "them.")] = None,
     host: Annotated[str, typer.Option(
         help="Address to listen on (0.0.0.0: every one).")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(
         help="Port to listen on (0: any free port).")] = DEFAULT_PORT,
+    reuse_port: Annotated[bool, typer.Option(
+        "--reuse-port", help="Share the port with other router processes (SO_REUSEPORT).")
+    ] = False,
     backend_timeout: Annotated[float, typer.Option(
         "--backend-timeout",
         help="Seconds one attempt on a backend may take, headers to last byte.")
@@ -351,51 +359,84 @@ def route(
     ] = _ROUTER_DEFAULTS.session_header or "",
     control_port: Annotated[int | None, typer.Option(
         "--control-port",
-        help="Also serve the control API on 127.0.0.1 at this port (needs --token-file).")
+        help="Also serve the control API at this port (needs --token-file).")
     ] = None,
+    control_host: Annotated[str, typer.Option(
+        "--control-host", help="Address the control API listens on (still behind the "
+                               "token): 0.0.0.0 lets a controller on another host drive it.")
+    ] = DEFAULT_HOST,
     token_file: Annotated[Path | None, typer.Option(
         "--token-file",
         help="Bearer token of the control API; created (0600) with a new token if missing.")
     ] = None,
+    settings_json: Annotated[str | None, typer.Option(
+        "--settings-json", hidden=True,
+        help="Every RouterSettings field as JSON (what `fleetwarden up` gives its router "
+             "processes); overrides the options above.")] = None,
+    managed: Annotated[bool, typer.Option(
+        "--managed", hidden=True,
+        help="Started by a fleet's controller: the reflex drop is armed from the start.")
+    ] = False,
+    worker: Annotated[int | None, typer.Option(
+        "--worker", hidden=True, min=0,
+        help="Worker N of several router processes on one port: its metrics carry "
+             "worker=\"N\".")] = None,
     log_level: Annotated[str, typer.Option(
         "--log-level", help="debug, info, warning or error.")] = "warning",
 ) -> None:
     """Run the router alone in front of a static list of engines.
 
-    No health management: retries move failed requests to other engines; no engine is dropped.
+    No health management: retries move failed requests to other engines; no engine is dropped,
+    until a controller drives it over the control API (then a failing engine is dropped at
+    once, until the controller's next push).
 
-    Stops on Ctrl-C or SIGTERM.
+    Stops on Ctrl-C or SIGTERM: it stops accepting at once and lets the requests it holds
+    finish, up to the shutdown grace.
     """
+    import json
+
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     def refuse(message: str) -> NoReturn:
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(2)
 
-    for url in backend:
+    backends = backend or []
+    for url in backends:
         if not url.startswith(("http://", "https://")):
             refuse(f"--backend {url!r} is not an http:// or https:// URL")
     if control_port is not None and token_file is None:
         refuse("--control-port needs --token-file")
+    if not backends and control_port is None:
+        refuse("give at least one --backend, or a --control-port for a controller to push "
+               "them")
     try:
-        settings = RouterSettings(
-            backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
-            max_retries=max_retries, max_body_bytes=max_body_bytes,
-            session_header=session_header or None)
+        if settings_json is not None:
+            settings = RouterSettings(**json.loads(settings_json))
+        else:
+            settings = RouterSettings(
+                backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
+                max_retries=max_retries, max_body_bytes=max_body_bytes,
+                session_header=session_header or None)
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         refuse(str(exc))
-    _run(_serve_router(backend, settings, host, port, control_port, token))
+    _run(_serve_router(backends, settings, host, port, control_port, token,
+                       control_host=control_host, reuse_port=reuse_port, managed=managed,
+                       worker=worker))
 
 
 async def _serve_router(backends: list[str], settings: RouterSettings, host: str, port: int,
-                        control_port: int | None, token: str | None) -> None:
+                        control_port: int | None, token: str | None, *,
+                        control_host: str = DEFAULT_HOST, reuse_port: bool = False,
+                        managed: bool = False, worker: int | None = None) -> None:
     from fleetwarden.router import Router
 
-    router: Router = Router(backends, settings, health_managed=False)
-    await router.start(host, port, control_port=control_port, control_token=token)
+    router: Router = Router(backends, settings, health_managed=managed, worker=worker)
+    await router.start(host, port, control_port=control_port, control_token=token,
+                       control_host=control_host, reuse_port=reuse_port)
     try:
         typer.echo(f"fleetwarden route: listening on {router.url}, "
                    f"{len(backends)} backend(s)")
@@ -413,28 +454,10 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
 
 def _load_config(config_file: Path | None, overrides: dict[str, dict[str, Any]]) -> Any:
     """The config file (or the defaults) with command-line overrides, validated together."""
-    import tomllib
+    from fleetwarden.config import ConfigError, load_config
 
-    from fleetwarden.config import ConfigError, parse_config
-
-    data: dict[str, Any] = {}
-    source = "the command line"
-    if config_file is not None:
-        try:
-            data = tomllib.loads(config_file.read_text())
-        except OSError as exc:
-            typer.echo(f"error: cannot read {config_file}: {exc.strerror}", err=True)
-            raise typer.Exit(2) from None
-        except tomllib.TOMLDecodeError as exc:
-            typer.echo(f"error: {config_file} is not valid TOML: {exc}", err=True)
-            raise typer.Exit(2) from None
-        source = f"{config_file} and the command line"
-    for section, values in overrides.items():
-        for key, value in values.items():
-            if value is not None:
-                data.setdefault(section, {})[key] = value
     try:
-        return parse_config(data, source)
+        return load_config(config_file, overrides)
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
@@ -471,6 +494,9 @@ def up(
         "--ray-address", help="The Ray cluster for --launcher ray (default auto: the one this "
                               "machine is a node of).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Router port.")] = None,
+    router_workers: Annotated[int | None, typer.Option(
+        "--router-workers", help="Router processes sharing the router port (default 1); 0 "
+                                 "runs the router inside this process.")] = None,
     admin_port: Annotated[int | None, typer.Option("--admin-port", help="Admin port.")] = None,
     journal: Annotated[Path | None, typer.Option("--journal", help="Journal file.")] = None,
     quiet: Annotated[bool, typer.Option(
@@ -490,7 +516,7 @@ def up(
                   "engine": engine, "groups": [_group(g) for g in group] if group else None,
                   "restart_command": restart_command, "weights": weights,
                   "launcher": launcher, "ray_address": ray_address},
-        "router": {"port": port}, "admin": {"port": admin_port},
+        "router": {"port": port, "workers": router_workers}, "admin": {"port": admin_port},
         "journal": {"path": str(journal) if journal else None},
     })
     logging.basicConfig(level=log_level.upper(),
@@ -584,7 +610,8 @@ def _client(config_file: Path | None, admin: str | None, token_file: Path | None
 ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", help="The fleet's config file (for its admin address and token).")]
 AdminOpt = Annotated[str | None, typer.Option(
-    "--admin", help="Admin API URL (default: from the config, http://127.0.0.1:8081).")]
+    "--admin", help="Admin API URL (default: the config's [admin] host and port; "
+    "`fleetwarden config --example` shows their defaults).")]
 TokenOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Admin token file (default: from the config).")]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -24,7 +25,7 @@ from pydantic import (
 )
 
 from fleetwarden.judge import WatchdogPolicy
-from fleetwarden.ledger import Policy
+from fleetwarden.ledger import Policy, WeightsMode
 from fleetwarden.refit import DEFAULT_LEASE_S
 from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
 
@@ -85,6 +86,8 @@ class EngineGroup(_Section):
 class FleetConfig(_Section):
     """The engines: launched here (a command template) and/or attached (URLs run elsewhere)."""
 
+    _defaults_from: ClassVar[dict[str, type]] = {"weights": Policy}
+
     #: Engines to launch. Two is the smallest fleet where one can fail and the other serve.
     engines: Annotated[int, Field(ge=0)] = 2
     #: Command that starts one engine; `{host}`, `{port}`, `{shard}` and `{python}` are
@@ -107,9 +110,7 @@ class FleetConfig(_Section):
     #: Seconds an engine may take from launch to `/health` 200. vLLM loads a tiny model on a
     #: CPU in ~30 s; real models on GPUs take minutes. A restart attempt that runs past it fails.
     startup_timeout_s: PositiveFloat = 300.0
-    #: `static`: weights never change; a loaded engine serves after a good canary.
-    #: `trainer`: an RL trainer pushes weights; a restarted engine waits in STALE for its refit.
-    weights: Literal["static", "trainer"] = "static"
+    weights: WeightsMode = _LEDGER.weights
     #: Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
     backends: list[str] = Field(default_factory=list)
     #: Attach mode: how to restart a condemned attached engine, e.g. `kubectl delete pod
@@ -232,6 +233,17 @@ class RouterConfig(_Section):
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     continue_streams: bool = _ROUTER.continue_streams
+    #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
+    #: over the control API. They keep serving with the last serving set through
+    #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is
+    #: what `fleetwarden up` runs; more use more cores. 0 runs the router inside the fleet's
+    #: own process (an embedded `Fleet`, the demo, tests that read `fleet.router`): it then
+    #: dies with the fleet.
+    workers: Annotated[int, Field(ge=0, le=64)] = 1
+    #: Bearer token of the router processes' control API (bound to 127.0.0.1); created
+    #: (0600) with a new token if missing. It must outlive a run: the next one adopts the
+    #: routers with it.
+    control_token_file: Path = Path("fleetwarden-router.token")
     #: More routers for the same fleet, in other processes or on other hosts; none by default.
     remote: list[RemoteRouterConfig] = Field(default_factory=list)
 
@@ -278,8 +290,9 @@ class HealthConfig(_Section):
 class SupervisorConfig(_Section):
     """Restarts (SYSTEM.md section 7)."""
 
-    #: Restarts per shard over the fleet's lifetime (kept in the journal); the next retires it.
-    max_restart_attempts: Annotated[int, Field(ge=0)] = 5
+    _defaults_from: ClassVar[dict[str, type]] = {"max_restart_attempts": Policy}
+
+    max_restart_attempts: Annotated[int, Field(ge=0)] = _LEDGER.max_restart_attempts
     #: Seconds before retrying a failed restart, doubling up to `backoff_max_s`.
     backoff_initial_s: PositiveFloat = 2.0
     backoff_max_s: PositiveFloat = 60.0
@@ -367,18 +380,36 @@ def parse_config(data: dict[str, Any], source: str = "configuration") -> Config:
         raise _describe(exc, source) from None
 
 
-def load_config(path: str | Path | None) -> Config:
-    """Read and validate a TOML file; `None` gives the defaults."""
-    if path is None:
+def load_config(path: str | Path | None,
+                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """Read a TOML file (`None`: the defaults), lay ``overrides`` over it (a key whose value is
+    ``None`` is not overridden: the command line's unset options), and validate the two
+    together, so a bad value is named wherever it came from."""
+    data: dict[str, Any] = {}
+    source = "the defaults"
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {p} cannot be read: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+        source = str(p)
+    given = {section: {k: v for k, v in values.items() if v is not None}
+             for section, values in (overrides or {}).items()}
+    given = {section: values for section, values in given.items() if values}
+    if given:
+        source = "the command line" if path is None else f"{source} and the command line"
+    for section, values in given.items():
+        written = data.setdefault(section, {})
+        if isinstance(written, dict):  # else the validation names the section's bad value
+            written.update(values)
+    if path is None and not given:
         return Config()
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-    return parse_config(data, str(p))
+    return parse_config(data, source)
 
 
 def example_toml() -> str:

@@ -326,7 +326,8 @@ def demo_config(work: Path, engine_cmd: str | None, engines: int) -> Any:
                   # its journal is temporary: an engine it left could never be adopted, so
                   # every engine ends with the demo, however the demo ends (even kill -9)
                   "engines_outlive_fleetwarden": False},
-        "router": {"port": 0},
+        # The router in the demo's own process: the story reads its counters at each act.
+        "router": {"port": 0, "workers": 0},
         "health": {"probe_interval_s": 1.0, "stall_s": 4.0, "canary_interval_s": 5.0,
                    "canary_timeout_s": 2.0},
         "supervisor": {"backoff_initial_s": 1.0, "backoff_max_s": 5.0,

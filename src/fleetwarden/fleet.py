@@ -41,9 +41,10 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
+from fleetwarden.launchers.routers import RouterWorkers
 from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
-from fleetwarden.restore import adopt_or_stop, after_clean_stop, restore_onto
+from fleetwarden.restore import adopt_or_stop, begin_run
 from fleetwarden.router import Router
 from fleetwarden.router.app import listening_url
 from fleetwarden.router.control import RemoteRouter
@@ -114,6 +115,7 @@ class Fleet:
         self.traffic = Traffic(step_s=min(TRAFFIC_STEP_S, max(1.0, config.health.probe_interval_s)))
         self._journal: Journal | None = None
         self._router: Router | None = None
+        self._workers: RouterWorkers | None = None
         self._watchdog: Watchdog | None = None
         self._supervisor: Supervisor | None = None
         self._controller: Controller | None = None
@@ -144,9 +146,12 @@ class Fleet:
         return self._supervisor
 
     @property
-    def router(self) -> Router:
-        assert self._router is not None, "the fleet is not started"
-        return self._router
+    def router(self) -> Router | RouterWorkers:
+        """The router in this process (``[router] workers = 0``), or its processes (their
+        URL, counters and in-flight requests as last read)."""
+        router = self._router or self._workers
+        assert router is not None, "the fleet is not started"
+        return router
 
     @property
     def refit(self) -> RefitCoordinator:
@@ -223,8 +228,9 @@ class Fleet:
             adopted = await adopt_or_stop(self._journal, local, restored)
 
         # The first engines start before the ledger exists, so it is built with their URLs.
+        # A restored DEAD shard is not among them: the supervisor restarts it, within budget.
         to_launch = [i for i in launched if i not in adopted and (
-            restored is None or restored.state(i) is not ShardState.RETIRED)]
+            restored is None or restored.state(i) not in (ShardState.RETIRED, ShardState.DEAD))]
         first = await launch_first(launcher, to_launch, cfg.fleet.startup_timeout_s)
         urls = []
         for i in range(size):
@@ -235,16 +241,15 @@ class Fleet:
             else:
                 urls.append(f"http://{cfg.fleet.host}:0/shard-{i}-not-started")
 
-        if restored is not None and clean:
-            ledger = after_clean_stop(restored, first, self._policy(), cfg.fleet.weights)
-        elif restored is not None:
-            ledger = restored
-            restore_onto(ledger, first)
-        else:
-            ledger = Ledger(urls, self._policy(), clock=time.time)
+        ledger = restored if restored is not None else Ledger(urls, self._policy(),
+                                                              clock=time.time)
         self._ledger = ledger
         ledger.subscribe(self.events.transition)
         self._journal.attach(ledger)
+        if restored is not None:  # journaled, each change with its cause
+            log.info("restoring the fleet from %s (last run stopped %s)", cfg.journal.path,
+                     "cleanly" if clean else "without a clean stop")
+            begin_run(ledger, first, attached)
 
         self._supervisor = Supervisor(
             ledger, self._launchers, cfg.fleet, cfg.supervisor, journal=self._journal,
@@ -262,9 +267,19 @@ class Fleet:
                 ledger.condemn(i, f"first start failed: {result}")
 
         self._watchdog = Watchdog(cfg.health.watchdog_policy())
-        self._router = Router(ledger.serving_urls(), cfg.router.settings(), health_managed=True)
-        await self._router.start(cfg.router.host, cfg.router.port)
-        self.routers = [self._router.control()]
+        if cfg.router.workers:  # router processes of their own, adopted when they still run
+            self._workers = RouterWorkers(
+                cfg.router, load_or_create_token(cfg.router.control_token_file),
+                cfg.router.control_token_file, cfg.fleet.log_dir, self._journal,
+                outlive=cfg.fleet.engines_outlive_fleetwarden)
+            await self._workers.start(ledger.serving_urls())
+            self.registry.register(self._workers.collector())  # the router's, per worker
+            self.routers = list(self._workers.links)
+        else:
+            self._router = Router(ledger.serving_urls(), cfg.router.settings(),
+                                  health_managed=True)
+            await self._router.start(cfg.router.host, cfg.router.port)
+            self.routers = [self._router.control()]
         for remote in cfg.router.remote:
             link = RemoteRouter(remote.url, load_or_create_token(remote.token_file))
             self._remotes.append(link)
@@ -275,7 +290,10 @@ class Fleet:
             journal=self._journal, refit=self._refit, on_tick=self._after_tick,
         )
         # The first answers already name their weights: the push's facts, before any tick.
-        self._router.set_serving_backends(*self._controller.serving_push())
+        if self._router is not None:
+            self._router.set_serving_backends(*self._controller.serving_push())
+        else:
+            await self._controller.push_now()
         self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
         await self._admin.setup()
         await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
@@ -304,6 +322,11 @@ class Fleet:
             await self._controller.close()
         if self._router is not None:
             await self._router.stop()
+        if self._workers is not None:
+            try:
+                await self._workers.stop()
+            except Exception as exc:
+                log.error("%s", exc)
         for remote in self._remotes:
             await remote.close()
         stopped_all = False

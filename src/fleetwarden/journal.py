@@ -73,6 +73,13 @@ CREATE TABLE IF NOT EXISTS engines (
     launched_wall REAL NOT NULL,
     stopped_wall REAL
 );
+CREATE TABLE IF NOT EXISTS routers (
+    launch_id TEXT PRIMARY KEY,
+    worker INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    launched_wall REAL NOT NULL,
+    stopped_wall REAL
+);
 CREATE TABLE IF NOT EXISTS restarts (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     shard INTEGER NOT NULL,
@@ -241,6 +248,32 @@ class Journal:
             "SELECT shard, record FROM engines WHERE stopped_wall IS NULL ORDER BY launched_wall"
         ).fetchall()
         return [{"shard": shard, **json.loads(record)} for shard, record in rows]
+
+    # ------------------------------------------------------------------ router processes
+
+    def router_launched(self, launch_id: str, worker: int, record: dict[str, Any]) -> None:
+        """A router process started (``[router] workers``): written at once, as an engine's."""
+        with self._read:
+            self._read.execute(
+                "INSERT OR REPLACE INTO routers (launch_id, worker, record, launched_wall) "
+                "VALUES (?, ?, ?, ?)", (launch_id, worker, json.dumps(record), time.time()))
+
+    def router_stopped(self, launch_id: str) -> None:
+        with self._read:
+            self._read.execute("UPDATE routers SET stopped_wall = ? WHERE launch_id = ?",
+                               (time.time(), launch_id))
+
+    def router_launch_ids(self) -> set[str]:
+        """Every router process this journal ever recorded."""
+        return {r[0] for r in self._read.execute("SELECT launch_id FROM routers")}
+
+    def running_routers(self) -> list[dict[str, Any]]:
+        """Router processes launched and never seen stopped: what an earlier run may have
+        left serving."""
+        rows = self._read.execute(
+            "SELECT worker, record FROM routers WHERE stopped_wall IS NULL ORDER BY launched_wall"
+        ).fetchall()
+        return [{"worker": worker, **json.loads(record)} for worker, record in rows]
 
     # ------------------------------------------------------------------ restore
 

@@ -25,7 +25,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "ABSENT",
@@ -92,6 +92,8 @@ class Event(enum.Enum):
     IDENTIFIED = "identified"  # the first incarnation seen of a shard's process: no restart
     NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
     NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
+    NEW_RUN = "new run"  # fleetwarden started again; a new engine stands in, no failure of its
+    NEW_RUN_WEIGHTS_LOST = "new run, weights lost"  # the same, trainer mode: checkpoint weights
     RESTART_BEGUN = "restart begun"
     BUDGET_EXHAUSTED = "budget exhausted"
     RESTART_FAILED = "restart failed"
@@ -126,6 +128,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.IDENTIFIED: HEALTHY,
         E.NEW_INCARNATION: HEALTHY,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: HEALTHY,
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
     },
@@ -144,6 +148,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.IDENTIFIED: SUSPECT,
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: HEALTHY,  # the suspicion was about the last run's process
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
     },
@@ -163,6 +169,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.IDENTIFIED: STALE,
         E.NEW_INCARNATION: STALE,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: STALE,  # its weights are whatever the new engine loaded: a refit's to say
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
     },
@@ -205,6 +213,8 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         # good canary with static weights, by the next refit with a trainer's.
         E.NEW_INCARNATION: STALE,
         E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: STALE,
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
     },
 }
@@ -260,8 +270,9 @@ class Policy:
     max_restart_attempts: int = 5
     #: Below this many shards that could still serve, :meth:`Ledger.raise_if_exhausted` raises.
     min_serving_shards: int = 1
-    #: ``trainer``: a restarted engine holds the checkpoint's weights and waits in STALE for the
-    #: trainer's next refit. ``static``: weights never change, so a silent restart loses nothing.
+    #: ``static``: weights never change, so a silent restart loses nothing and a loaded engine
+    #: serves after a good canary. ``trainer``: an RL trainer pushes weights; a restarted
+    #: engine holds the checkpoint's weights and waits in STALE for the trainer's next refit.
     weights: WeightsMode = "static"
 
     def __post_init__(self) -> None:
@@ -272,7 +283,7 @@ class Policy:
             raise ValueError(
                 f"Policy.max_restart_attempts must be at least 0, got {self.max_restart_attempts}"
             )
-        if self.weights not in ("static", "trainer"):
+        if self.weights not in get_args(WeightsMode):
             raise ValueError(f"Policy.weights must be 'static' or 'trainer', got {self.weights!r}")
 
 
@@ -390,9 +401,15 @@ _UNCHANGED = Outcome(applied=True)
 Subscriber = Callable[[Transition], None]
 
 
+#: A record's fields, which :class:`_Shard` mirrors one for one (a unit test holds them equal).
+_RECORD_FIELDS = tuple(f.name for f in fields(ShardRecord))
+
+
 @dataclass(slots=True)
 class _Shard:
-    """The ledger's mutable copy of a record. Only :meth:`Ledger._apply` writes its fields."""
+    """The ledger's mutable copy of a record: :class:`ShardRecord`'s fields, same names, same
+    defaults. Only :meth:`Ledger._apply` writes its fields (and ``last_ok_at``, which is no
+    transition)."""
 
     index: int
     base_url: str
@@ -413,23 +430,7 @@ class _Shard:
 
     def record(self) -> ShardRecord:
         if self._record is None:
-            self._record = ShardRecord(
-                index=self.index,
-                base_url=self.base_url,
-                state=self.state,
-                incarnation=self.incarnation,
-                consecutive_probe_failures=self.consecutive_probe_failures,
-                consecutive_probe_successes=self.consecutive_probe_successes,
-                consecutive_reported_failures=self.consecutive_reported_failures,
-                restart_attempts=self.restart_attempts,
-                state_before_partial=self.state_before_partial,
-                weight_version=self.weight_version,
-                last_error=self.last_error,
-                state_before_sleep=self.state_before_sleep,
-                sleep_held=self.sleep_held,
-                last_ok_at=self.last_ok_at,
-                last_transition_at=self.last_transition_at,
-            )
+            self._record = ShardRecord(**{name: getattr(self, name) for name in _RECORD_FIELDS})
         return self._record
 
 
@@ -468,7 +469,7 @@ class Ledger:
                                  f"at position {expected}")
         ledger = cls([], policy, clock)
         ledger._shards = [
-            _Shard(**{f.name: getattr(rec, f.name) for f in fields(ShardRecord)})
+            _Shard(**{name: getattr(rec, name) for name in _RECORD_FIELDS})
             for rec in records
         ]
         ledger._by_url = {s.base_url: s.index for s in ledger._shards}
@@ -856,6 +857,33 @@ class Ledger:
 
     def sleeping(self) -> list[int]:
         return [s.index for s in self._shards if s.state is SLEEPING]
+
+    def new_run(self, i: int, base_url: str, incarnation: str | None) -> Outcome:
+        """fleetwarden started again (after a clean stop, or its own crash) and this shard, which
+        had a process, has a new one that no failure of its own made necessary: no restart is
+        spent (fleetwarden's death is not the engine's failure), and the new process starts
+        with no history. In trainer mode it holds the checkpoint's weights: STALE until the
+        next refit. A STALE shard stays STALE (its weights were not current before either)."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "a shard with no process is restarted, not run anew")
+        other = self._by_url.get(base_url)
+        if other is not None and other != i:
+            return self._ignored(s, f"{base_url} already belongs to shard {other}")
+        trainer = self.policy.weights == "trainer"
+        event = E.NEW_RUN_WEIGHTS_LOST if trainer else E.NEW_RUN
+        return self._apply(
+            s, event, f"fleetwarden started again: a new engine at {base_url}, no restart spent"
+            + ("; weights are the checkpoint's" if trainer else ""),
+            base_url=base_url,
+            incarnation=incarnation,
+            consecutive_probe_failures=0,  # the last run's process failed those probes
+            consecutive_probe_successes=0,  # the last run's process passed those probes
+            consecutive_reported_failures=0,  # the last run's process failed those requests
+            state_before_partial=None,  # a verdict on the last run's process
+            last_error="",
+            **_NOT_ASLEEP,  # a new process starts awake
+        )
 
     # ------------------------------------------------------------------ restarts
 

@@ -1,9 +1,8 @@
 """What a fleet does with the last run's journal when it starts again.
 
 Owns: the restore policy. Which engines of the earlier run are adopted and which are stopped
-(:func:`adopt_or_stop`); the ledger after a clean stop, where this run's engines are a start
-and not a restart (:func:`after_clean_stop`); and the ledger after an unclean stop, where the
-fresh engines go through the usual restart (:func:`restore_onto`).
+(:func:`adopt_or_stop`); and how the restored ledger meets this run's engines, clean stop or
+not (:func:`begin_run`): a start, never a restart spent on fleetwarden's own death.
 
 Must not: start engines (``fleet.py`` does, through the launchers), or decide health outside
 the ledger's operations.
@@ -12,28 +11,31 @@ the ledger's operations.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
 
 import aiohttp
 
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord
 from fleetwarden.launchers.local import LocalLauncher
-from fleetwarden.ledger import ABSENT, Ledger, Policy, ShardState, WeightsMode
+from fleetwarden.ledger import ABSENT, Ledger, ShardState
+from fleetwarden.probe import health_status
 
-__all__ = ["adopt_or_stop", "after_clean_stop", "restore_onto"]
+__all__ = ["adopt_or_stop", "begin_run"]
 
 log = logging.getLogger(__name__)
 
 
+#: Seconds an engine of the last run gets to answer ``/health`` before it is stopped instead of
+#: adopted. A live engine answers in milliseconds; one that cannot answer in 3 s is not worth
+#: keeping, and the start of the whole fleet waits on this once per leftover engine.
+ADOPT_HEALTH_TIMEOUT_S = 3.0
+
+
 async def _answers(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s, \
-                s.get(url + "/health") as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False
+    async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=ADOPT_HEALTH_TIMEOUT_S)) as s:
+        return await health_status(s, url + "/health") == 200
 
 
 async def adopt_or_stop(
@@ -58,48 +60,36 @@ async def adopt_or_stop(
     return adopted
 
 
-def after_clean_stop(
-    restored: Ledger, first: dict[int, EngineHandle | BaseException], policy: Policy,
-    weights: WeightsMode,
-) -> Ledger:
-    """The last run stopped its engines on purpose: this run's engines are a start, not a
-    restart. The fleet keeps what it learned (restart budgets spent, retirements, weight
-    versions); each engine is a new process, so streaks start at 0. In trainer mode a new
-    process holds the checkpoint's weights: STALE until the trainer's next refit."""
-    trainer = weights == "trainer"
-    records = []
-    for rec in restored.snapshot():
-        handle = first.get(rec.index)
-        if rec.state is ShardState.RETIRED:
-            records.append(rec)
-            continue
-        url = handle.url if isinstance(handle, EngineHandle) else rec.base_url
-        records.append(replace(
-            rec, base_url=url,
-            incarnation=handle.incarnation if isinstance(handle, EngineHandle) else None,
-            state=ShardState.STALE if trainer else ShardState.HEALTHY,
-            consecutive_probe_failures=0, consecutive_probe_successes=0,
-            consecutive_reported_failures=0,  # the last run's processes failed those
-            state_before_partial=None,  # a verdict on the last run's processes
-            last_error="", last_transition_at=time.time(),
-        ))
-    return Ledger.from_records(records, policy, clock=time.time)
+def begin_run(
+    ledger: Ledger, first: Mapping[int, EngineHandle | BaseException], attached: Iterable[int],
+) -> None:
+    """The restored ledger meets this run's engines, through the ledger's own operations (so
+    every change is journaled with its cause: call it after the journal is attached).
 
-
-def restore_onto(ledger: Ledger, first: dict[int, EngineHandle | BaseException]) -> None:
-    """A restored ledger: the engines of the last run are gone, fresh ones stand in.
-
-    A shard that was serving or STALE is condemned (its process is gone) and its fresh
-    engine is taken through the usual restart: RESTARTING -> STALE, budget spent, no
-    history carried over; then canary or refit. Adopting the last run's engines, where they
-    still run, comes with fleetwarden's own restart (resilience).
+    Whether the last run stopped cleanly or died, fleetwarden's restart is not an engine's
+    failure: a shard that had a process and is not adopted gets its new engine as a new run,
+    with no restart spent and no history (``Ledger.new_run``). Six crashes of fleetwarden must
+    not retire a fleet. An interrupted restart (RESTARTING, already paid for) completes with
+    the new engine. A DEAD shard is not launched here: the supervisor restarts it, within its
+    budget, as any other. A first launch that fails leaves no shard without a way out: a
+    serving or STALE shard is condemned, an interrupted restart fails back to DEAD; either way
+    the supervisor takes it from there. Attached engines kept running without us: their shard
+    is a new run on the same URL (in trainer mode STALE: nothing says which weights it holds).
     """
     for i, result in first.items():
         state = ledger.state(i)
-        if state not in ABSENT:
-            ledger.condemn(i, "fleetwarden restarted: the engine of its last run is gone")
-        if ledger.state(i) in (ShardState.DEAD, ShardState.RESTARTING):
-            if ledger.state(i) is ShardState.DEAD:
-                ledger.mark_restarting(i)
-            if isinstance(result, EngineHandle):
-                ledger.mark_loaded(i, result.url, result.incarnation)
+        if not isinstance(result, EngineHandle):
+            cause = f"first start failed: {result}"
+            if state is ShardState.RESTARTING:
+                ledger.mark_restart_failed(i, cause)
+            else:
+                ledger.condemn(i, cause)  # ignored for a shard that is DEAD already
+        elif state is ShardState.RESTARTING:
+            if not ledger.mark_loaded(i, result.url, result.incarnation):
+                ledger.mark_restart_failed(i, "its new engine's URL belongs to another shard")
+        elif state not in ABSENT and not ledger.new_run(i, result.url, result.incarnation):
+            ledger.condemn(i, "its new engine's URL belongs to another shard")
+    for i in attached:
+        rec = ledger.shard(i)
+        if rec.state not in ABSENT:
+            ledger.new_run(i, rec.base_url, None)

@@ -67,6 +67,8 @@ from fleetwarden.judge import (
     conclude,
     judge,
 )
+from fleetwarden.probe import describe as _describe
+from fleetwarden.probe import health_status
 
 __all__ = [
     "CANARY_ID_PREFIX",
@@ -354,12 +356,7 @@ class Watchdog:
         return (result.reason if isinstance(result, Unreadable) else result), engine
 
     async def _get_status(self, url: str) -> int | str:
-        try:
-            async with self._http().get(url, timeout=self._read_timeout()) as resp:
-                await resp.content.readany()  # /health is empty; never read a large body
-                return resp.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e)
+        return await health_status(self._http(), url, read_timeout=self._read_timeout())
 
     async def _models(self, url: str) -> tuple[str, ...] | str:
         """The served model names, or why they could not be had."""
@@ -433,14 +430,6 @@ async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | Non
             return None
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
-        return "timed out"
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return f"cannot connect: {e.os_error.strerror or e.os_error}"
-    return f"{type(e).__name__}: {e}".rstrip(": ")
 
 
 # ---------------------------------------------------------------------- one-shot check

@@ -26,7 +26,9 @@ def fleet_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     data: dict[str, Any] = {
         "fleet": {"engines": 2, "engine_cmd": SIM, "log_dir": str(tmp_path / "logs"),
                   "startup_timeout_s": 30},
-        "router": {"port": 0},
+        # The router in the test's own process (the tests read fleet.router's pool and
+        # counters); test_router_processes runs it as processes, as `fleetwarden up` does.
+        "router": {"port": 0, "workers": 0},
         "health": {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "stall_s": 2.0,
                    "canary_interval_s": 1.0, "canary_timeout_s": 1.5},
         "supervisor": {"backoff_initial_s": 0.5, "backoff_max_s": 2, "stop_grace_s": 3},

@@ -2,7 +2,8 @@
 
 One short scenario (``--quick``: a wedge under load, fleetwarden's timings compressed) run the
 way a user runs the benchmark, as a process; its JSON rows are checked for what actually
-happened on the engines and at the clients, not only that it ran.
+happened on the engines and at the clients, not only that it ran. The engines are a mixed
+fleet (``--sim-engines vllm,llamacpp,sglang``): the wedged one speaks llama.cpp's metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def test_the_failover_harness_measures_a_wedge_on_fleetwarden(tmp_path: Path) ->
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "failover.py"), "--quick",
-         "--routers", "fleetwarden", "--scenarios", "wedge", "--json", str(out)],
+         "--routers", "fleetwarden", "--scenarios", "wedge", "--json", str(out),
+         "--sim-engines", "vllm,llamacpp,sglang"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -40,3 +42,21 @@ def test_the_failover_harness_measures_a_wedge_on_fleetwarden(tmp_path: Path) ->
     assert row["healthy_ejected"] == 0, row
     # the table a reader sees says the same
     assert "| wedge | fleetwarden |" in done.stdout and " 0 |" in done.stdout
+
+
+def test_the_failover_harness_measures_streams_wedged_mid_answer(tmp_path: Path) -> None:
+    """Streams on the wedged engine hang until fleetwarden condemns it; the controller's rescue
+    then reaches them although their answers have begun, and they go on elsewhere: every
+    stream whole (issue 16), through `fleetwarden up` as a user runs it."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "failover.py"), "--quick",
+         "--routers", "fleetwarden", "--scenarios", "stream-wedge", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["not_run"] == "", row["not_run"]
+    assert row["sent"] >= 20 and row["failed"] == 0 and row["ok"] == row["sent"], row
+    # condemned as stuck with its streams running: each of them was cut there, mid-answer
+    assert any(n.startswith("engine 1 DEAD") and "STUCK" in n for n in row["notes"]), row
+    assert f"| stream-wedge | fleetwarden | {row['sent']} ({row['sent']} whole) |" in done.stdout

@@ -159,3 +159,22 @@ async def test_an_engine_with_the_same_launch_id_is_adopted_and_stopped_through_
     finally:
         if engine.poll() is None:
             engine.kill()
+
+
+async def test_fleetwardens_own_deaths_spend_no_restart_budget(tmp_path: Path) -> None:
+    """Issue 15, item 11: each unclean stop of fleetwarden spent a restart on every engine it
+    could not adopt; six of them retired a fleet. Its own death is not the engines' failure."""
+    from .fleet_support import running_fleet, until
+
+    for _ in range(3):
+        async with running_fleet(tmp_path) as fleet:
+            await until(lambda: [fleet.ledger.state(i).value for i in range(2)]
+                        == ["HEALTHY"] * 2, 60, "the fleet serving")
+            attempts = [r.restart_attempts for r in fleet.ledger.snapshot()]
+            assert attempts == [0, 0]
+            path = fleet.config.journal.path
+        with Journal(path) as journal:  # as if it had died: the next start is not a clean one
+            journal.set_meta("clean_shutdown", "0")
+    with Journal(path) as journal:
+        causes = [e.cause for e in journal.transitions(shard=0)]
+    assert any("no restart spent" in c for c in causes)  # journaled, with its cause

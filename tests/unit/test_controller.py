@@ -4,7 +4,7 @@ a tick that no failing step aborts. Built from its real parts; only the engines 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from fleetwarden.config import Config
@@ -48,7 +48,7 @@ class _Watchdog(Watchdog):
         super().__init__()
         self.next: dict[str, Report] = {}
 
-    async def round(self, targets: Sequence[Target]) -> dict[str, Report]:
+    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
         reports, self.next = self.next, {}
         return reports
 

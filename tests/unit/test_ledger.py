@@ -441,6 +441,26 @@ def test_every_subscriber_sees_a_transition_even_when_one_raises() -> None:
     assert ledger.state(0) is D and seen == [0]
 
 
+def test_the_ledgers_working_copy_has_exactly_a_records_fields() -> None:
+    """``_Shard`` mirrors ``ShardRecord`` one for one (names and defaults), so a field added to
+    the record is kept by the ledger, not silently dropped by a field-by-field copy."""
+    from dataclasses import MISSING, fields
+
+    from fleetwarden.ledger import ShardRecord, _Shard
+
+    def shape(cls: type) -> list[tuple[str, object]]:
+        return [(f.name, f.default if f.default is not MISSING else f.default_factory)
+                for f in fields(cls) if not f.name.startswith("_")]
+
+    assert shape(_Shard) == shape(ShardRecord)
+    rec = ShardRecord(index=3, base_url="http://x", state=S, incarnation="7",
+                      consecutive_probe_failures=1, consecutive_probe_successes=2,
+                      consecutive_reported_failures=3, restart_attempts=4,
+                      state_before_partial=D, weight_version=5, last_error="e", last_ok_at=6.0,
+                      last_transition_at=7.0)
+    assert _Shard(**{f.name: getattr(rec, f.name) for f in fields(rec)}).record() == rec
+
+
 def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
     """Issue 15, item 14: a shard made SUSPECT by /metrics reads that timed out under load
     and whose requests then complete is HEALTHY again from that window, not after the next

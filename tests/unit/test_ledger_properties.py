@@ -12,6 +12,7 @@ from fleetwarden.ledger import (
     TRANSITIONS,
     Ledger,
     Policy,
+    Reading,
     ShardRecord,
     ShardState,
     Transition,
@@ -130,6 +131,32 @@ class LedgerMachine(RuleBasedStateMachine):
         self.last_awake_by_trainer = by_trainer
         self.ledger.report_awake(i, "awake", by_trainer=by_trainer)
 
+    @rule(i=shard, inc=st.sampled_from([None, "a", "d"]))
+    def observe_restart(self, i: int, inc: str | None) -> None:
+        self._op("observe_incarnation", i)
+        self.ledger.observe_incarnation(i, inc, restarted=True)
+
+    @rule(i=shard)
+    def new_run(self, i: int) -> None:
+        self._op("new_run", i)
+        self.port += 1
+        self.ledger.new_run(i, f"http://10.0.1.{i}:{self.port}", f"run-{self.port}")
+
+    @rule(i=shard, version=st.integers(0, 5))
+    def missed_refit(self, i: int, version: int) -> None:
+        self._op("missed_refit", i)
+        self.ledger.missed_refit(i, version)
+
+    @rule(i=shard, health=st.sampled_from(["proven", "unproven", "failing", "condemned"]),
+          restarted=st.booleans(), canary=st.sampled_from([None, True, False]),
+          excused=st.booleans(), sleep=st.sampled_from([None, 0, 1, 2]))
+    def record_reading(self, i: int, health: str, restarted: bool, canary: bool | None,
+                       excused: bool, sleep: int | None) -> None:
+        self._op("record_reading", i)
+        self.ledger.record_reading(i, Reading(
+            health, "X", restarted=restarted, incarnation="r" if restarted else None,  # type: ignore[arg-type]
+            canary_ok=canary, excused=excused, sleep_level=sleep))
+
     @precondition(lambda self: self.t > 30)  # retirements late, so most runs see restarts first
     @rule(i=shard)
     def retire(self, i: int) -> None:
@@ -164,28 +191,35 @@ class LedgerMachine(RuleBasedStateMachine):
             if a.state is ST and b.state is not ST:
                 assert b.state in (H, S, D, X, SL)
                 if b.state is SL:
-                    assert name == "report_asleep" and b.state_before_sleep is ST
-                if b.state in (H, S):
-                    assert name in ("report_refit", "complete_refit")
+                    assert name in ("report_asleep", "record_reading")
+                    assert b.state_before_sleep is ST
+                if b.state in (H, S):  # a refit (static weights: a good canary is one)
+                    assert name in ("report_refit", "complete_refit", "record_reading")
                 if b.state is D:
                     assert name in ("condemn", "condemn_silent_participant", "abort_refit",
-                                    "record_probe")
+                                    "record_probe", "record_reading")
 
     @invariant()
     def a_sleeping_shard_wakes_to_what_it_slept_in_as_refits_made_it(self) -> None:
         name, _ = self.last_op
         for a, b in self._pairs():
             if a.state is SL and b.state is not SL:
-                if b.state in (H, S) or (b.state is ST and name == "report_awake"):
-                    assert name == "report_awake" and b.state is a.state_before_sleep
+                if name == "report_awake":
+                    assert b.state is a.state_before_sleep
                     assert not a.sleep_held or self.last_awake_by_trainer
+                elif b.state in (H, S):  # a read that says awake, then what else it says
+                    assert name == "record_reading" and not a.sleep_held
                 else:
-                    assert b.state in (ST, D, X)  # a new process, a death, a retirement
+                    assert b.state in (ST, D, X)  # woke STALE, a new process, death, retirement
             if a.state is SL and b.state is SL and a.state_before_sleep is not ST \
                     and b.state_before_sleep is ST:
-                assert name in ("mark_weights_partial", "abort_refit", "complete_refit")
+                assert name in ("mark_weights_partial", "abort_refit", "complete_refit",
+                                "missed_refit", "record_reading")  # or a restart, asleep
             if a.state is not SL and b.state is SL:
-                assert name == "report_asleep" and b.state_before_sleep is a.state
+                assert name in ("report_asleep", "record_reading")
+                # a reading may tell a restart first: the new process is STALE, then asleep
+                assert b.state_before_sleep is a.state or (
+                    name == "record_reading" and b.state_before_sleep is ST)
         for r in self.ledger.snapshot():
             assert (r.state_before_sleep is not None) == (r.state is SL)
             assert r.state_before_sleep in (None, H, S, ST)

@@ -26,6 +26,7 @@ import aiohttp
 from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.probe import health_status
 
 __all__ = ["AttachLauncher", "read_incarnation"]
 
@@ -39,11 +40,10 @@ async def read_incarnation(
     session: aiohttp.ClientSession, url: str
 ) -> tuple[bool, str | None]:
     """(answers /health 200, process start time from /metrics or None)."""
-    try:
-        async with session.get(url + "/health") as resp:
-            healthy = resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
+    status = await health_status(session, url + "/health")
+    if isinstance(status, str):  # no answer at all
         return False, None
+    healthy = status == 200
     try:
         async with session.get(url + "/metrics") as resp:
             if resp.status != 200:

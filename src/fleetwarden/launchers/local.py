@@ -40,6 +40,7 @@ from fleetwarden.launchers.procs import (
     signal_process,
     terminate_group,
 )
+from fleetwarden.probe import health_status
 
 __all__ = ["LocalLauncher", "default_engine_command", "free_port", "kill_launched",
            "launch_id_of", "live_launch_ids", "wait_healthy"]
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 _KILL_WAIT_S = 5.0
 #: Seconds between polls while waiting for an engine or a process group.
 _POLL_S = 0.1
+#: Seconds one ``/health`` read of a starting engine may take. A live engine answers in
+#: milliseconds; a read that hangs longer is abandoned and the next poll tries again, so a
+#: slow read never holds the wait past ``startup_timeout_s`` by more than this.
+HEALTH_READ_TIMEOUT_S = 2.0
 
 
 def default_engine_command() -> str:
@@ -149,19 +154,16 @@ async def wait_healthy(handle: EngineHandle, timeout_s: float, hint: str) -> Non
     """Return when ``handle.url`` answers ``/health`` with 200; :class:`LaunchError` (ending
     with ``hint``, e.g. where the log is) when the engine ends first or the time runs out."""
     deadline = time.monotonic() + timeout_s
-    timeout = aiohttp.ClientTimeout(total=2.0)
+    timeout = aiohttp.ClientTimeout(total=HEALTH_READ_TIMEOUT_S)
     last = "no answer yet"
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while time.monotonic() < deadline:
             if handle.exited:
                 raise LaunchError(f"{handle.exit_description} while starting; {hint}")
-            try:
-                async with session.get(handle.url + "/health") as resp:
-                    if resp.status == 200:
-                        return
-                    last = f"/health answered {resp.status}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
+            status = await health_status(session, handle.url + "/health")
+            if status == 200:
+                return
+            last = f"/health answered {status}" if isinstance(status, int) else status
             await asyncio.sleep(_POLL_S * 2)
     raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); {hint}")
 

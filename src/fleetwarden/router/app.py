@@ -53,6 +53,9 @@ class Router:
     ``health_managed``: a controller pushes the serving set from the fleet's health. Only then
     does a failure drop its backend from the local list at once (the reflex), since only then
     does a later push put it back.
+
+    ``worker``: this router is worker N of several processes sharing one port; its
+    ``/metrics`` series carry ``worker="N"``.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Router:
         settings: RouterSettings | None = None,
         *,
         health_managed: bool = False,
+        worker: int | None = None,
     ) -> None:
         self.settings = settings if settings is not None else RouterSettings()
         self.health_managed = health_managed
@@ -74,7 +78,8 @@ class Router:
             affinity_virtual_nodes=s.affinity_virtual_nodes,
         )
         self.stats = RouterStats()
-        self.registry = make_registry(self.stats, self.pool)
+        self.worker = worker
+        self.registry = make_registry(self.stats, self.pool, worker)
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
         self.app = self._make_app()
         self._runner: web.AppRunner | None = None
@@ -87,6 +92,15 @@ class Router:
     @property
     def reflex_armed(self) -> bool:
         return self.health_managed
+
+    def arm_reflex(self) -> None:
+        """A controller drives this router from the fleet's health (its first push over the
+        control API): a failure may now drop its backend at once, since the next push puts
+        it back."""
+        if not self.health_managed:
+            log.info("a controller drives this router: reflex drop armed")
+        self.health_managed = True
+        self._forwarder.health_managed = True
 
     def set_serving_backends(self, urls: Iterable[str],
                              facts: Mapping[str, BackendFacts] | None = None) -> None:
@@ -142,6 +156,13 @@ class Router:
             "reflex_armed": self.reflex_armed,
             "retry_after": self._forwarder.retry_after,
             "requests": self.stats.requests,
+            "worker": self.worker,
+            "stats": {"requests": self.stats.requests,
+                      "responses": {str(k): n for k, n in self.stats.responses.items()},
+                      "backend_failures": sum(self.stats.backend_failures.values()),
+                      "retries": dict(self.stats.retries),
+                      "rescues": self.stats.rescues,
+                      "poison_requests": self.stats.poison_requests},
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -154,9 +175,12 @@ class Router:
         control_port: int | None = None,
         control_token: str | None = None,
         control_host: str = "127.0.0.1",
+        reuse_port: bool = False,
     ) -> None:
         """Listen on ``host:port`` (0: any free port; read :attr:`url` or :attr:`port`). With a
-        ``control_port``, also serve the control API there, behind ``control_token``."""
+        ``control_port``, also serve the control API there, behind ``control_token``.
+        ``reuse_port``: ``SO_REUSEPORT``, so that several router processes share the port (the
+        kernel spreads connections over them)."""
         if self._runner is not None:
             raise RuntimeError("Router.start() was already called")
         if control_port is not None and not control_token:
@@ -168,7 +192,8 @@ class Router:
                                shutdown_timeout=self.settings.shutdown_grace_s)
         try:
             await runner.setup()
-            await web.TCPSite(runner, host, port, backlog=1024).start()
+            await web.TCPSite(runner, host, port, backlog=1024,
+                              reuse_port=reuse_port or None).start()
         except BaseException:
             await runner.cleanup()
             await self._forwarder.close()

@@ -14,6 +14,7 @@ POST     /outcomes/drain  -                                ``{"outcomes": {url: 
 POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
 PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x or null}``
+GET      /metrics         -                                the router's own ``/metrics``
 =======  ===============  ===============================  ==============================
 
 :class:`RemoteRouter` is the client of this API and :class:`InProcessRouter` wraps a
@@ -99,6 +100,7 @@ def make_control_app(router: Router, token: str) -> web.Application:
         if not isinstance(backends, list) or not all(isinstance(u, str) for u in backends):
             raise _bad_request("'backends' must be a list of URL strings")
         router.set_serving_backends(backends, _facts_of(body.get("facts")))
+        router.arm_reflex()  # pushed from the fleet's health: the next push undoes a drop
         return web.json_response({"serving": router.serving_backends(),
                                   "facts": _facts_json(router.backend_facts())})
 
@@ -125,6 +127,12 @@ def make_control_app(router: Router, token: str) -> web.Application:
         router.set_retry_after(seconds)
         return web.json_response({"retry_after": seconds})
 
+    async def metrics(request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return web.Response(body=generate_latest(router.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def not_found(request: web.Request) -> web.Response:
         return error_response(404, f"No control route for {request.method} {request.path}.",
                               "not_found")
@@ -136,6 +144,7 @@ def make_control_app(router: Router, token: str) -> web.Application:
     app.router.add_post("/rescue", rescue)
     app.router.add_get("/in-flight", in_flight)
     app.router.add_put("/retry-after", put_retry_after)
+    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 
@@ -237,6 +246,9 @@ class RemoteRouter:
             self._session = None
 
     async def _call(self, method: str, path: str, body: object = None) -> Any:
+        return json.loads(await self._text(method, path, body))
+
+    async def _text(self, method: str, path: str, body: object = None) -> str:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         kwargs: dict[str, Any] = {} if body is None else {"json": body}
@@ -248,7 +260,11 @@ class RemoteRouter:
                 except (ValueError, KeyError, TypeError):
                     message = text
                 raise ControlError(response.status, message)
-            return json.loads(text)
+            return text
+
+    async def metrics_text(self) -> str:
+        """The router's own ``/metrics``, in Prometheus' text format."""
+        return await self._text("GET", "/metrics")
 
     async def set_serving_backends(self, urls: Iterable[str],
                                    facts: Mapping[str, BackendFacts] | None = None) -> None:

@@ -171,8 +171,25 @@ class RouterCollector(Collector):
         yield added
 
 
-def make_registry(stats: RouterStats, pool: Pool) -> CollectorRegistry:
-    """A registry of its own, holding only this router's metrics."""
+class _WorkerLabelled(Collector):
+    """Every sample of ``inner`` with ``worker="N"`` added: one router of several processes
+    sharing a port (``[router] workers``), so that series of different workers never mix."""
+
+    def __init__(self, inner: Collector, worker: int) -> None:
+        self._inner = inner
+        self._worker = str(worker)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            family.samples = [s._replace(labels={**s.labels, "worker": self._worker})
+                              for s in family.samples]
+            yield family
+
+
+def make_registry(stats: RouterStats, pool: Pool, worker: int | None = None) -> CollectorRegistry:
+    """A registry of its own, holding only this router's metrics; with ``worker``, each series
+    labelled with it."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RouterCollector(stats, pool))
+    collector: Collector = RouterCollector(stats, pool)
+    registry.register(collector if worker is None else _WorkerLabelled(collector, worker))
     return registry

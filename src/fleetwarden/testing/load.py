@@ -34,10 +34,12 @@ class RequestResult:
     status: int  # 200, the HTTP status of a refusal, or 0 when no answer came
     error: str = ""
     max_tokens: int = 0  # what the request asked for (its generation's length)
+    #: A stream that began (200) but was not whole: why (cut, too few tokens, no finish).
+    incomplete: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.status == 200
+        return self.status == 200 and not self.incomplete
 
 
 @dataclass
@@ -51,6 +53,9 @@ class Load:
     seed: int = 0
     model: str = "tiny"
     prompt: str = "hello"
+    #: Streamed completions, with usage: a stream counts as answered only when it is whole
+    #: (one chunk per token, as vLLM and the simulator send them; a finish; the usage's count
+    #: of tokens equal to the chunks received, and to max_tokens when it finished on length).
     stream: bool = False
     #: Stop after this many requests in all (None: until stopped).
     total: int | None = None
@@ -108,15 +113,25 @@ class Load:
         max_tokens = (self._rng.randint(*self.max_tokens_range)
                       if self.max_tokens_range is not None else self.max_tokens)
         started = time.monotonic()
-        status, error = 200, ""
+        status, error, incomplete = 200, "", ""
         try:
             headers = {"x-request-id": request_id}
             if self.stream:
                 stream = await self._client.completions.create(
                     model=self.model, prompt=self.prompt, max_tokens=max_tokens,
-                    stream=True, extra_headers=headers)
-                async for _ in stream:
-                    pass
+                    stream=True, stream_options={"include_usage": True},
+                    extra_headers=headers)
+                chunks, finish, usage = 0, None, None
+                async for chunk in stream:
+                    if chunk.choices:
+                        chunks += 1
+                        finish = chunk.choices[0].finish_reason or finish
+                    if chunk.usage is not None:
+                        usage = chunk.usage.completion_tokens
+                if finish is None or usage != chunks or (finish == "length"
+                                                         and usage != max_tokens):
+                    incomplete = (f"{chunks} token chunks, finish {finish}, usage {usage}, "
+                                  f"max_tokens {max_tokens}")
             else:
                 await self._client.completions.create(
                     model=self.model, prompt=self.prompt, max_tokens=max_tokens,
@@ -126,7 +141,7 @@ class Load:
         except openai.APIError as exc:  # no answer: connection error or timeout
             status, error = 0, f"{type(exc).__name__}: {exc}"[:300]
         result = RequestResult(request_id, started, time.monotonic() - started, status, error,
-                               max_tokens)
+                               max_tokens, incomplete)
         self.results.append(result)
         return result
 
@@ -143,7 +158,8 @@ class Load:
         lat = sorted(r.latency_s for r in self.results if r.ok)
         by_status: dict[str, int] = {}
         for r in self.results:
-            by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
+            key = "incomplete" if r.incomplete else str(r.status)
+            by_status[key] = by_status.get(key, 0) + 1
         return {
             "sent": len(self.results), "ok": sum(r.ok for r in self.results),
             "failed": len(self.failures), "by_status": by_status,

@@ -1,0 +1,493 @@
+"""The router as processes of its own: ``[router] workers`` of ``fleetwarden route``, sharing one
+port (``SO_REUSEPORT``), each driven by the controller over its control API.
+
+Owns: starting, watching, adopting and stopping router processes, and one link per worker
+(:class:`WorkerLink`) that the controller drives like any other router. Must not touch the
+ledger or decide anything about health: the controller pushes, the workers obey.
+
+Why processes: a router inside fleetwarden dies with it, and every request in flight dies
+with it. A worker runs in a session of its own, so a SIGKILLed fleetwarden leaves it serving
+with the last serving set it was pushed. The next run adopts it exactly as it adopts engines:
+the journal records each worker at start and stop; a worker is adopted only when its PID is
+alive with the recorded start time, its environment carries the recorded launch id, and its
+control API answers our token. Anything else recorded as running is stopped (never a process
+without the launch id). A clean stop stops every worker: SIGTERM, on which a worker stops
+accepting at once and lets what it holds finish, up to ``shutdown_grace_s``.
+
+A worker that exits on its own is started again on the same port, with the last serving set,
+after :data:`RESTART_DELAY_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from fleetwarden.config import RouterConfig
+from fleetwarden.launchers import LaunchError
+from fleetwarden.launchers.local import (
+    _pid_exit,
+    _term_when_parent_dies,
+    free_port,
+    launch_id_of,
+)
+from fleetwarden.launchers.procs import (
+    group_members,
+    process_info,
+    process_start_ticks,
+    signal_process,
+    terminate_group,
+)
+from fleetwarden.router.control import RemoteRouter
+from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.stats import RouterStats
+
+if TYPE_CHECKING:
+    from fleetwarden.journal import Journal
+
+__all__ = ["RouterRecord", "RouterWorkers", "WorkerLink"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a router process may take from launch to its control API answering. A Python
+#: process that imports aiohttp starts in about a second; a loaded 2-core machine, several.
+START_TIMEOUT_S = 30.0
+#: Seconds before a worker that exited on its own is started again: no tight crash loop.
+RESTART_DELAY_S = 1.0
+#: Seconds between reads of each worker's status (its counters and in-flight requests, for the
+#: views and the dashboard's rates).
+STATUS_EVERY_S = 1.0
+#: Seconds after SIGTERM's grace (the router's own ``shutdown_grace_s``) before SIGKILL.
+_STOP_MARGIN_S = 5.0
+#: Seconds between polls while waiting for a worker to answer.
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    """What the journal keeps of a router process, to find it again after a restart."""
+
+    worker: int
+    launch_id: str
+    url: str
+    control_url: str
+    pid: int
+    pgid: int
+    proc_start_ticks: int | None
+    log_path: str
+    launched_at: float
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RouterRecord:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+class WorkerLink:
+    """One worker slot, as the controller drives it (:class:`~fleetwarden.controller.RouterLink`).
+
+    The slot outlives its processes: when a worker is replaced, the link talks to the new one.
+    It remembers the last push, so a replacement starts with the serving set at once.
+    """
+
+    def __init__(self, worker: int, token: str) -> None:
+        self.worker = worker
+        self._token = token
+        self._remote: RemoteRouter | None = None
+        self.last_push: list[str] = []
+        self.last_facts: Mapping[str, BackendFacts] | None = None
+
+    @property
+    def url(self) -> str:
+        """The control URL of the worker now in the slot (the controller's name for it)."""
+        return self._remote.url if self._remote is not None else f"router worker {self.worker}"
+
+    def _now(self) -> RemoteRouter:
+        if self._remote is None:
+            raise ConnectionError(f"router worker {self.worker} is not running")
+        return self._remote
+
+    async def connect(self, control_url: str) -> None:
+        await self.disconnect()
+        self._remote = RemoteRouter(control_url, self._token)
+
+    async def disconnect(self) -> None:
+        if self._remote is not None:
+            await self._remote.close()
+            self._remote = None
+
+    async def set_serving_backends(self, urls: Sequence[str],
+                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
+        self.last_push, self.last_facts = list(urls), facts
+        await self._now().set_serving_backends(urls, facts)
+
+    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
+        return await self._now().drain_outcomes()
+
+    async def rescue(self, url: str) -> int:
+        return await self._now().rescue(url)
+
+    async def in_flight(self) -> dict[str, int]:
+        return await self._now().in_flight()
+
+    async def set_retry_after(self, seconds: float | None) -> None:
+        await self._now().set_retry_after(seconds)
+
+    async def status(self) -> dict[str, Any]:
+        return await self._now().status()
+
+    async def metrics_text(self) -> str:
+        return await self._now().metrics_text()
+
+
+@dataclass(eq=False)
+class _Process:
+    record: RouterRecord
+    proc: asyncio.subprocess.Process | None  # None: adopted, not our child
+    watcher: asyncio.Task[None] | None = None
+    stopping: bool = False
+
+
+class RouterWorkers:
+    """``config.workers`` router processes on one port, adopted or started by :meth:`start`."""
+
+    def __init__(self, config: RouterConfig, token: str, token_file: Path, log_dir: Path,
+                 journal: Journal | None = None, *, outlive: bool = True) -> None:
+        if config.workers < 1:
+            raise ValueError("RouterWorkers needs [router] workers >= 1")
+        self.config = config
+        self.token = token
+        self.token_file = token_file
+        self.log_dir = log_dir
+        self.journal = journal
+        #: False: the workers get SIGTERM when this process dies (as engines do with
+        #: ``engines_outlive_fleetwarden = false``): nothing would adopt them.
+        self.outlive = outlive
+        self.links = [WorkerLink(i, token) for i in range(config.workers)]
+        self.port = config.port
+        self.adopted = 0
+        self.started = 0
+        self._procs: dict[int, _Process] = {}
+        self._statuses: dict[int, dict[str, Any]] = {}
+        self._metrics: dict[int, str] = {}
+        #: Counters of workers that are gone, so the fleet's totals never go backwards.
+        self._gone = RouterStats()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._status_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ what the views read
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` the workers share."""
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def stats(self) -> RouterStats:
+        """Every worker's counters added up, as of the last status read (at most
+        :data:`STATUS_EVERY_S` old), with those of workers that are gone."""
+        total = RouterStats()
+        _add(total, self._gone)
+        for status in self._statuses.values():
+            _add_status(total, status.get("stats", {}))
+        return total
+
+    def in_flight(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for status in self._statuses.values():
+            for url, n in status.get("in_flight", {}).items():
+                total[url] = total.get(url, 0) + int(n)
+        return total
+
+    def collector(self) -> Collector:
+        """Every worker's own metrics (each series labelled ``worker="N"``), as last read: for
+        the fleet's ``/metrics``, so that one scrape sees the whole router. (A scrape of the
+        router's port reaches one worker, whichever the kernel picks.)"""
+        return _WorkersCollector(self._metrics)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"worker": i, "pid": p.record.pid, "launch_id": p.record.launch_id,
+                 "control_url": p.record.control_url,
+                 "requests": self._statuses.get(i, {}).get("requests")}
+                for i, p in sorted(self._procs.items())]
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def start(self, backends: Sequence[str]) -> None:
+        """Adopt the workers an earlier run left serving, stop what is not adoptable, start
+        the rest with ``backends`` as their first serving set."""
+        await self._adopt_or_stop()
+        if self.port == 0:
+            self.port = free_port(self.config.host)
+        missing = [link.worker for link in self.links if link.worker not in self._procs]
+        for worker in missing:
+            self.links[worker].last_push = list(backends)
+        await asyncio.gather(*(self._launch(worker) for worker in missing))
+        self._status_task = asyncio.create_task(self._read_statuses(), name="router-status")
+
+    async def _adopt_or_stop(self) -> None:
+        if self.journal is None:
+            return
+        for d in self.journal.running_routers():
+            try:
+                saved = RouterRecord.from_dict(d)
+            except (KeyError, TypeError):
+                continue
+            port = int(saved.url.rsplit(":", 1)[1])
+            fits = (saved.worker < self.config.workers and saved.worker not in self._procs
+                    and saved.url.startswith(f"http://{self.config.host}:")
+                    and (self.config.port in (0, port))
+                    and (self.port in (0, port)))
+            if fits and self._alive(saved) and await self._answers(saved.control_url):
+                self.port = port
+                self._procs[saved.worker] = _Process(saved, None)
+                self._watch(saved.worker, _pid_exit(saved.pid))
+                await self.links[saved.worker].connect(saved.control_url)
+                self.adopted += 1
+                log.info("router worker %d: adopted pid %d on %s from an earlier run",
+                         saved.worker, saved.pid, saved.url)
+                continue
+            await self._stop_leftover(saved)
+            self.journal.router_stopped(saved.launch_id)
+
+    @staticmethod
+    def _alive(saved: RouterRecord) -> bool:
+        info = process_info(saved.pid)
+        return (info is not None and info.start_ticks == saved.proc_start_ticks
+                and info.state not in ("Z", "X") and launch_id_of(saved.pid) == saved.launch_id)
+
+    async def _answers(self, control_url: str) -> bool:
+        try:
+            async with RemoteRouter(control_url, self.token, timeout_s=3.0) as remote:
+                await remote.status()
+            return True
+        except Exception:
+            return False
+
+    async def _stop_leftover(self, saved: RouterRecord) -> None:
+        members = [p for p in await asyncio.to_thread(group_members, saved.pgid)
+                   if launch_id_of(p.pid) == saved.launch_id]
+        for p in members:
+            signal_process(p.pid, p.start_ticks, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_grace_s + _STOP_MARGIN_S
+        while time.monotonic() < deadline and any(  # noqa: ASYNC110 - /proc has no event
+                _same(p.pid, p.start_ticks) for p in members):
+            await asyncio.sleep(_POLL_S)
+        for p in members:
+            signal_process(p.pid, p.start_ticks, signal.SIGKILL)
+        if members:
+            log.warning("router worker %d: stopped %s of an earlier run (not adoptable)",
+                        saved.worker, saved.launch_id)
+
+    def _command(self, worker: int, control_port: int) -> list[str]:
+        settings = {k: getattr(self.config, k) for k in RouterSettings.__dataclass_fields__}
+        argv = [sys.executable, "-m", "fleetwarden", "route",
+                "--host", self.config.host, "--port", str(self.port), "--reuse-port",
+                "--control-port", str(control_port), "--token-file", str(self.token_file),
+                "--settings-json", json.dumps(settings), "--managed", "--worker", str(worker),
+                "--log-level", "info"]
+        for url in self.links[worker].last_push:
+            argv += ["--backend", url]
+        return argv
+
+    async def _launch(self, worker: int) -> None:
+        control_port = free_port("127.0.0.1")
+        launch_id = f"r{worker}-{uuid.uuid4().hex[:12]}"
+        argv = self._command(worker, control_port)
+        env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": launch_id}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"router-{worker}-{launch_id}.log"
+        with open(log_path, "ab") as out:  # noqa: ASYNC230 - a local create, microseconds
+            out.write(f"# fleetwarden: {shlex.join(argv)}\n".encode())
+            out.flush()
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=None if self.outlive else _term_when_parent_dies)
+        record = RouterRecord(
+            worker=worker, launch_id=launch_id, url=f"http://{self.config.host}:{self.port}",
+            control_url=f"http://127.0.0.1:{control_port}", pid=proc.pid, pgid=proc.pid,
+            proc_start_ticks=process_start_ticks(proc.pid), log_path=str(log_path),
+            launched_at=time.time())
+        self._procs[worker] = _Process(record, proc)
+        if self.journal is not None:
+            self.journal.router_launched(launch_id, worker, record.to_dict())
+        self._watch(worker, proc.wait())
+        await self._wait_answering(record, proc)
+        await self.links[worker].connect(record.control_url)
+        self.started += 1
+        log.info("router worker %d: pid %d on %s (control %s)", worker, proc.pid, record.url,
+                 record.control_url)
+
+    async def _wait_answering(self, record: RouterRecord,
+                              proc: asyncio.subprocess.Process) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise LaunchError(f"router worker {record.worker} exited with code "
+                                  f"{proc.returncode} while starting; see {record.log_path}")
+            if await self._answers(record.control_url):
+                return
+            await asyncio.sleep(_POLL_S)
+        raise LaunchError(f"router worker {record.worker}: no control API within "
+                          f"{START_TIMEOUT_S:g} s; see {record.log_path}")
+
+    def _watch(self, worker: int, exited: Awaitable[int]) -> None:
+        p = self._procs[worker]
+
+        async def watch() -> None:
+            code = await exited
+            if p.stopping or self._closing:
+                return
+            log.warning("router worker %d (pid %d) exited with code %s; starting another",
+                        worker, p.record.pid, code)
+            if self.journal is not None:
+                self.journal.router_stopped(p.record.launch_id)
+            self._retire_counters(worker)
+            await self.links[worker].disconnect()
+            await asyncio.sleep(RESTART_DELAY_S)
+            if self._closing or self._procs.get(worker) is not p:
+                return
+            try:
+                await self._launch(worker)
+            except Exception as exc:
+                log.error("router worker %d: could not start again: %s", worker, exc)
+
+        p.watcher = asyncio.create_task(watch(), name=f"router-watch:{worker}")
+
+    def _retire_counters(self, worker: int) -> None:
+        self._metrics.pop(worker, None)
+        status = self._statuses.pop(worker, None)
+        if status is not None:
+            _add_status(self._gone, status.get("stats", {}))
+
+    async def _read_statuses(self) -> None:
+        while not self._closing:
+            for link in self.links:
+                with contextlib.suppress(Exception):
+                    self._statuses[link.worker] = await link.status()
+                    self._metrics[link.worker] = await link.metrics_text()
+            await asyncio.sleep(STATUS_EVERY_S)
+
+    async def stop(self) -> None:
+        """Stop every worker (SIGTERM: they stop accepting and finish what they hold, up to
+        ``shutdown_grace_s``), verify, and record each stop in the journal."""
+        self._closing = True
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_task
+        for link in self.links:
+            await link.disconnect()
+        procs = list(self._procs.values())
+        for p in procs:
+            p.stopping = True
+        results = await asyncio.gather(*(self._stop_one(p) for p in procs),
+                                       return_exceptions=True)
+        self._procs.clear()
+        failed = [str(r) for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise LaunchError("; ".join(failed))
+
+    async def _stop_one(self, p: _Process) -> None:
+        rec = p.record
+        if _same(rec.pid, rec.proc_start_ticks) or p.proc is not None:
+            stopped = await asyncio.to_thread(
+                terminate_group, rec.pgid, self.config.shutdown_grace_s + _STOP_MARGIN_S, 5.0)
+            if stopped.left:
+                raise LaunchError(f"router worker {rec.worker}: processes "
+                                  f"{[x.pid for x in stopped.left]} survived SIGKILL")
+        if p.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.wait_for(p.proc.wait(), 5.0)
+        if p.watcher is not None:
+            p.watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await p.watcher
+        if self.journal is not None:
+            self.journal.router_stopped(rec.launch_id)
+        log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
+
+    async def abandon(self) -> None:
+        """Let go of the workers without stopping them (they keep serving; the next run adopts
+        them): what a fleet does when it cannot stop cleanly, and what tests use to play a
+        SIGKILL of fleetwarden inside one process."""
+        self._closing = True
+        if self._status_task is not None:
+            self._status_task.cancel()
+        for p in self._procs.values():
+            if p.watcher is not None:
+                p.watcher.cancel()
+        for link in self.links:
+            await link.disconnect()
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, texts: Mapping[int, str]) -> None:
+        self._texts = texts
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for _, text in sorted(self._texts.items()):
+            try:
+                parsed = list(text_string_to_metric_families(text))
+            except ValueError:
+                continue
+            for family in parsed:
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+
+def _same(pid: int, start_ticks: int | None) -> bool:
+    info = process_info(pid)
+    return info is not None and info.start_ticks == start_ticks and info.state not in ("Z", "X")
+
+
+def _add(total: RouterStats, more: RouterStats) -> None:
+    total.requests += more.requests
+    for status, n in more.responses.items():
+        total.responses[status] = total.responses.get(status, 0) + n
+    for key, n in more.backend_failures.items():
+        total.backend_failures[key] = total.backend_failures.get(key, 0) + n
+    for kind, n in more.retries.items():
+        total.retries[kind] = total.retries.get(kind, 0) + n
+    total.rescues += more.rescues
+    total.poison_requests += more.poison_requests
+
+
+def _add_status(total: RouterStats, stats: Mapping[str, Any]) -> None:
+    """Add a worker's ``status()["stats"]`` (JSON: statuses as strings, failures a sum)."""
+    total.requests += int(stats.get("requests", 0))
+    for status, n in stats.get("responses", {}).items():
+        total.responses[int(status)] = total.responses.get(int(status), 0) + int(n)
+    failures = int(stats.get("backend_failures", 0))
+    if failures:
+        key = ("(router workers)", "any")
+        total.backend_failures[key] = total.backend_failures.get(key, 0) + failures
+    for kind, n in stats.get("retries", {}).items():
+        total.retries[kind] = total.retries.get(kind, 0) + int(n)
+    total.rescues += int(stats.get("rescues", 0))
+    total.poison_requests += int(stats.get("poison_requests", 0))

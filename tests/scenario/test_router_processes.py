@@ -1,0 +1,172 @@
+"""The router in processes of its own (issue 17): `fleetwarden up` runs ``[router] workers`` of
+them on one port; they outlive a SIGKILLed fleetwarden, serving on with the last serving set,
+and its next run adopts them as it adopts engines. `fleetwarden up` runs as a real subprocess,
+the load is the `openai` client on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fleetwarden.auth import load_or_create_token
+from fleetwarden.config import RouterConfig
+from fleetwarden.journal import Journal
+from fleetwarden.launchers.local import kill_launched, live_launch_ids
+from fleetwarden.launchers.procs import process_start_ticks
+from fleetwarden.launchers.routers import RouterRecord, RouterWorkers
+from fleetwarden.testing.load import Load
+from fleetwarden.testing.up import UpProcess
+
+from .fleet_support import SIM
+
+pytestmark = pytest.mark.scenario
+
+
+def journal_of(work: Path) -> Journal:
+    return Journal(work / "fleetwarden.sqlite")
+
+
+def running_routers(work: Path) -> dict[int, tuple[str, int]]:
+    """worker -> (launch id, pid) of the router processes the journal says are running."""
+    with journal_of(work) as j:
+        return {d["worker"]: (d["launch_id"], d["pid"]) for d in j.running_routers()}
+
+
+def everything_live(work: Path) -> set[str]:
+    """Launch ids, engines and routers this journal ever recorded, a live process carries."""
+    with journal_of(work) as j:
+        return live_launch_ids(j.launch_ids() | j.router_launch_ids())
+
+
+def kill_everything(work: Path) -> None:
+    with journal_of(work) as j:
+        kill_launched(j.launch_ids() | j.router_launch_ids())
+
+
+def admin_metrics(up: UpProcess) -> str:
+    token = up.client_token_file.read_text().strip()
+    request = urllib.request.Request(up.admin + "/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return str(response.read().decode())
+
+
+async def until(cond: object, timeout: float = 60.0, what: str = "") -> None:
+    assert callable(cond)
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_sigkill_of_fleetwarden_under_load_loses_no_request(tmp_path: Path) -> None:
+    args = ("--engines", "2", "--engine-cmd", SIM, "--router-workers", "2")
+    up = UpProcess(tmp_path, *args)
+    again: UpProcess | None = None
+    try:
+        routers = running_routers(tmp_path)
+        assert sorted(routers) == [0, 1]
+        engines = {s["index"]: (s["pid"], s["base_url"]) for s in up.client.shards()}
+
+        async def scenario() -> tuple[Load, UpProcess, int, int]:
+            async with Load(up.router, concurrency=4, max_tokens=16) as load:
+                await until(lambda: len(load.results) >= 20, what="load running")
+                await asyncio.to_thread(up.kill9)  # requests are in flight at this moment
+                at_kill = len(load.results)
+                # No controller at all: the routers serve on with the last serving set.
+                await until(lambda: len(load.results) >= at_kill + 40,
+                            what="served while fleetwarden was down")
+                restarted = await asyncio.to_thread(UpProcess, tmp_path, *args)
+                at_restart = len(load.results)
+                await until(lambda: len(load.results) >= at_restart + 40,
+                            what="served after the restart")
+            return load, restarted, at_kill, at_restart
+
+        load, again, at_kill, at_restart = asyncio.run(scenario())
+        print(f"\n{load.summary()}; {at_kill} answered before the SIGKILL, "
+              f"{at_restart - at_kill} with no controller")
+        assert load.failures == []  # every request answered, across the kill and the restart
+        assert again.router == up.router  # the same port: the same processes
+        assert running_routers(tmp_path) == routers  # routers adopted, none started
+        shards = again.client.shards()
+        assert {s["index"]: (s["pid"], s["base_url"]) for s in shards} == engines  # adopted
+        assert [s["restart_attempts"] for s in shards] == [0, 0]  # no restart spent
+        assert again.client.status()["restarts"]["completed"] == 0
+        # The fleet's counters (the dashboard's rates) count both workers' requests, those
+        # served while the controller was away included.
+        with_canaries = len(load.results)
+        asyncio.run(until(lambda: again.client.status()["router"]["requests"]  # type: ignore[union-attr]
+                          >= with_canaries, 10, "every worker's requests counted"))
+        # One scrape of the fleet's /metrics sees every worker's own series, labelled.
+        scraped = admin_metrics(again)
+        for worker in ("0", "1"):
+            assert f'fleetwarden_router_requests_total{{worker="{worker}"}}' in scraped
+        assert "nothing left running" in again.stop()
+        assert running_routers(tmp_path) == {}
+    finally:
+        up.kill9()
+        if again is not None:
+            again.kill9()
+        left = everything_live(tmp_path)
+        kill_everything(tmp_path)  # whatever happened above, nothing this test started lives on
+    assert left == set()
+
+
+def test_a_router_worker_that_dies_is_replaced_on_the_same_port(tmp_path: Path) -> None:
+    up = UpProcess(tmp_path, "--engines", "1", "--engine-cmd", SIM, "--router-workers", "2")
+    try:
+        before = running_routers(tmp_path)
+        os.kill(before[0][1], signal.SIGKILL)
+
+        async def replaced() -> Load:
+            await until(lambda: set(running_routers(tmp_path)) == {0, 1}
+                        and running_routers(tmp_path)[0] != before[0], 30, "worker 0 again")
+            async with Load(up.router, concurrency=4, max_tokens=4, total=40) as load:
+                await load.wait()
+            return load
+
+        load = asyncio.run(replaced())
+        assert load.failures == []
+        assert running_routers(tmp_path)[1] == before[1]  # the other one untouched
+        assert "nothing left running" in up.stop()
+    finally:
+        up.kill9()
+        left = everything_live(tmp_path)
+        kill_everything(tmp_path)
+    assert left == set()
+
+
+async def test_a_recorded_router_that_is_not_ours_is_never_adopted_nor_signalled(
+        tmp_path: Path) -> None:
+    # A live process with the recorded PID, but another program: no launch id, another start.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                start_new_session=True)
+    journal = Journal(tmp_path / "j.sqlite")
+    token_file = tmp_path / "token"
+    workers = RouterWorkers(RouterConfig(port=0, workers=1), load_or_create_token(token_file),
+                            token_file, tmp_path / "logs", journal)
+    try:
+        ticks = process_start_ticks(stranger.pid)
+        record = RouterRecord(worker=0, launch_id="r0-gone", url="http://127.0.0.1:9",
+                              control_url="http://127.0.0.1:9", pid=stranger.pid,
+                              pgid=stranger.pid, proc_start_ticks=ticks, log_path="",
+                              launched_at=0.0)
+        journal.router_launched(record.launch_id, 0, record.to_dict())
+        await workers.start([])
+        assert workers.adopted == 0 and workers.started == 1
+        assert stranger.poll() is None  # never signalled
+        assert [d["launch_id"] for d in journal.running_routers()] != ["r0-gone"]
+    finally:
+        await workers.stop()
+        journal.close()
+        stranger.kill()
+        stranger.wait()

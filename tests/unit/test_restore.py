@@ -1,0 +1,76 @@
+"""How a restored ledger meets this run's engines (restore.begin_run): no shard left without a
+way out, no restart spent on fleetwarden's own death, every change a journaled transition."""
+
+from __future__ import annotations
+
+from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.ledger import Event, Ledger, Policy, ShardState, Transition
+from fleetwarden.restore import begin_run
+
+H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
+                     ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+
+
+def restored(n: int = 3, weights: str = "static") -> tuple[Ledger, list[Transition]]:
+    ledger = Ledger([f"http://127.0.0.1:{8000 + i}" for i in range(n)],
+                    Policy(weights=weights))  # type: ignore[arg-type]
+    seen: list[Transition] = []
+    ledger.subscribe(seen.append)
+    return ledger, seen
+
+
+def engine(i: int, port: int) -> EngineHandle:
+    return EngineHandle(i, f"http://127.0.0.1:{port}", f"launch-{port}")
+
+
+def test_a_first_launch_that_fails_leaves_no_shard_restarting() -> None:
+    """Item 1: a restore that marked a shard RESTARTING and then failed to launch its engine
+    left it there for good (the supervisor only acts on DEAD shards)."""
+    ledger, _ = restored()
+    ledger.condemn(0, "exited")
+    ledger.mark_restarting(0)  # the last run died in the middle of this restart
+    begin_run(ledger, {0: LaunchError("no /health"), 1: LaunchError("no /health"),
+                       2: engine(2, 9002)}, attached=[])
+    assert [ledger.state(0), ledger.state(1), ledger.state(2)] == [D, D, H]
+    assert "first start failed" in ledger.shard(1).last_error
+
+
+def test_fleetwardens_own_restarts_spend_no_budget() -> None:
+    """Item 11: each unclean restart of fleetwarden spent a restart on every engine it could
+    not adopt; six of them retired a fleet."""
+    ledger, seen = restored(2)
+    ledger.report_failure(1, "500")
+    for run in range(8):
+        begin_run(ledger, {i: engine(i, 9000 + 10 * run + i) for i in range(2)}, attached=[])
+    assert [r.restart_attempts for r in ledger.snapshot()] == [0, 0]
+    assert [ledger.state(0), ledger.state(1)] == [H, H]
+    assert ledger.shard(1).consecutive_reported_failures == 0  # the last run's process's
+    assert ledger.shard(0).base_url == "http://127.0.0.1:9070"
+    assert {t.event for t in seen if t.shard == 0} == {Event.NEW_RUN}  # each one journaled
+
+
+def test_an_interrupted_restart_completes_and_a_dead_shard_is_left_to_the_supervisor() -> None:
+    ledger, _ = restored()
+    ledger.condemn(0, "exited")
+    ledger.mark_restarting(0)
+    ledger.condemn(1, "exited")
+    begin_run(ledger, {0: engine(0, 9100), 2: engine(2, 9102)}, attached=[])
+    r0 = ledger.shard(0)
+    assert (r0.state, r0.restart_attempts, r0.base_url) == (ST, 1, "http://127.0.0.1:9100")
+    assert ledger.state(1) is D and ledger.shard(1).restart_attempts == 0
+
+
+def test_trainer_mode_new_engines_wait_for_a_refit_and_attached_ones_too() -> None:
+    ledger, _ = restored(3, weights="trainer")
+    ledger.record_probe(2, False, "refused")
+    begin_run(ledger, {0: engine(0, 9200), 1: engine(1, 9201)}, attached=[2])
+    assert [ledger.state(i) for i in range(3)] == [ST, ST, ST]
+    assert ledger.shard(2).base_url == "http://127.0.0.1:8002"  # attached: same URL
+    assert ledger.shard(2).consecutive_probe_failures == 0
+    assert [r.restart_attempts for r in ledger.snapshot()] == [0, 0, 0]
+
+
+def test_a_new_engine_on_a_url_another_shard_records_fails_cleanly() -> None:
+    ledger, _ = restored(2)
+    begin_run(ledger, {0: engine(0, 8001)}, attached=[])  # shard 1 records port 8001
+    assert ledger.state(0) is D and "belongs to another shard" in ledger.shard(0).last_error
