@@ -1,5 +1,8 @@
 """A small client for a fleet's admin API: what a trainer in another process, and the CLI, use.
 
+Owns: the admin API's Python client (what a trainer in another process, and the CLI, call).
+Must not: know a fleet's internals: it speaks only the admin API's JSON.
+
     from fleetwarden.client import FleetClient
 
     fleet = FleetClient("http://127.0.0.1:8081", token_file="fleetwarden-admin.token")

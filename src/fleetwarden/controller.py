@@ -1,5 +1,10 @@
 """The controller tick: the one loop that couples watchdog, ledger, supervisor and routers.
 
+Owns: the tick: gathering the watchdog's reports and the routers' outcomes, calling the ledger,
+pushing the serving set.
+Must not: decide health itself (the judge and the ledger's table do), or start and stop engines
+(the supervisor does).
+
 Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
 
 1. a watchdog round for every shard that has a process (serving and STALE), concurrently;

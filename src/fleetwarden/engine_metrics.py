@@ -1,5 +1,9 @@
 """An engine's ``/metrics`` text → a small :class:`Sample` of what the judge reads (pure).
 
+Owns: an engine's ``/metrics`` text turned into a :class:`Sample` (reduce, then parse, never
+raise).
+Must not: do I/O or read a clock (pure), or judge what a sample means (``judge.py``).
+
 Which families are read, and which :class:`Sample` field each fills, is the engine's profile
 (:mod:`fleetwarden.engines`): vLLM by default; llama.cpp, SGLang and TGI by name or by
 :func:`fleetwarden.engines.detect`.

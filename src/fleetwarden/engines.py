@@ -1,5 +1,8 @@
 """Engine profiles: what the judge needs from each kind of engine, as data (pure; issue 18).
 
+Owns: the engine profiles as data: each engine's metric names, health path and quirks.
+Must not: do I/O (pure), or parse a body (``engine_metrics.py``).
+
 The judge is profile-agnostic: it compares two :class:`~fleetwarden.metrics.Sample` values
 (running, waiting, a progress counter, the fingerprint counters, which process answered). A
 profile says, for one engine, where each of those comes from — and what the engine cannot prove.

@@ -20,7 +20,6 @@ are reachable for tests; callers outside tests use the surface.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -244,6 +243,8 @@ class Fleet:
         ledger = restored if restored is not None else Ledger(urls, self._policy(),
                                                               clock=time.time)
         self._ledger = ledger
+        if local is not None:
+            local.taken_urls = lambda: {r.base_url for r in ledger.snapshot()}
         ledger.subscribe(self.events.transition)
         self._journal.attach(ledger)
         if restored is not None:  # journaled, each change with its cause
@@ -333,8 +334,10 @@ class Fleet:
         if self._supervisor is not None:
             stopped_all = await self._supervisor.close()
         elif self._launchers is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self._launchers.close()
+            except Exception as exc:  # said, never swallowed: an engine may be left running
+                log.error("stopping the engines: %s", exc)
         if self._watchdog is not None:
             await self._watchdog.close()
         if self._journal is not None:

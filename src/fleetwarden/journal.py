@@ -1,5 +1,8 @@
 """The journal: a SQLite (WAL) record of every transition, verdict and restart.
 
+Owns: the SQLite journal: its schema, its writer thread, its reads and the restore of a ledger.
+Must not: decide what a restored fleet does with its engines (``restore.py``).
+
 It answers two questions. *What happened?* (``fleetwarden history``, the dashboard), and *where
 were we?* (:meth:`Journal.restore` rebuilds a :class:`~fleetwarden.ledger.Ledger` after a
 restart of fleetwarden, so restart budgets, retirements, weight versions and streaks survive).
@@ -31,7 +34,7 @@ from typing import Any
 
 from fleetwarden.ledger import Ledger, Policy, ShardRecord, Transition
 
-__all__ = ["SCHEMA_VERSION", "Journal", "JournalEntry", "JournalError"]
+__all__ = ["SCHEMA_VERSION", "VERDICTS_KEPT", "Journal", "JournalEntry", "JournalError"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,13 @@ CREATE TABLE IF NOT EXISTS restarts (
     wall REAL NOT NULL
 );
 """
+
+
+#: Verdict rows kept (the newest). Verdicts are evidence for ``fleetwarden history`` and the
+#: dashboard, not for a restore; a watchdog writing one non-steady verdict per shard per 5 s
+#: tick would otherwise grow the file without end. 100 000 rows is a few days of a troubled
+#: 8-engine fleet, tens of MB. Transitions (the fleet's history) are all kept.
+VERDICTS_KEPT = 100_000
 
 
 class JournalError(Exception):
@@ -154,9 +164,11 @@ def _connect(path: Path) -> sqlite3.Connection:
 class Journal:
     """A journal file. Open it, :meth:`restore` from it, then :meth:`attach` a ledger."""
 
-    def __init__(self, path: str | Path, *, snapshot_every: int = 1000, batch_max: int = 2000):
+    def __init__(self, path: str | Path, *, snapshot_every: int = 1000, batch_max: int = 2000,
+                 verdicts_kept: int = VERDICTS_KEPT):
         self.path = Path(path)
         self.snapshot_every = snapshot_every
+        self.verdicts_kept = verdicts_kept
         self.batch_max = batch_max
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -165,6 +177,8 @@ class Journal:
         self._writer_error: BaseException | None = None
         #: Items (transitions, verdicts, restarts) not written because the journal had failed.
         self.dropped = 0
+        self._engines_lock = threading.Lock()
+        self._engines_conn: sqlite3.Connection | None = None
         self._closed = False
         self._read = self._open_checked()
 
@@ -220,21 +234,25 @@ class Journal:
     def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
         """An engine process started (PID, process group, start time, URL): written at once,
         so a fleetwarden killed a moment later still knows what it left running."""
-        try:
-            with self._read:
-                self._read.execute(
-                    "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
-                    "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
-        except sqlite3.Error as exc:  # the engine runs all the same; the failure is reported
-            self.dropped += 1
-            self._failed(exc)
+        self._engine_write(
+            "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
+            "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
 
     def engine_stopped(self, launch_id: str) -> None:
+        self._engine_write("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
+                           (time.time(), launch_id))
+
+    def _engine_write(self, sql: str, args: tuple[Any, ...]) -> None:
+        """One engine row, committed before this returns. Callable from any thread (the
+        launcher calls it from a worker thread, so the commit's fsync never holds the event
+        loop): a connection of its own, one writer at a time."""
         try:
-            with self._read:
-                self._read.execute("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
-                                   (time.time(), launch_id))
-        except sqlite3.Error as exc:
+            with self._engines_lock:
+                if self._engines_conn is None:
+                    self._engines_conn = _connect(self.path)
+                with self._engines_conn:
+                    self._engines_conn.execute(sql, args)
+        except sqlite3.Error as exc:  # the engine runs all the same; the failure is reported
             self.dropped += 1
             self._failed(exc)
 
@@ -369,6 +387,10 @@ class Journal:
             self._thread.join()
             self._thread = None
         self._read.close()
+        with self._engines_lock:
+            if self._engines_conn is not None:
+                self._engines_conn.close()
+                self._engines_conn = None
         if self._writer_error is not None:
             raise JournalError(f"journal {self.path}: a write failed: {self._writer_error}")
 
@@ -396,6 +418,7 @@ class Journal:
         conn = _connect(self.path)
         mirror: dict[int, dict[str, Any]] = {}
         since_snapshot = 0
+        verdicts_since_prune = 0
         try:
             while True:
                 batch = [self._queue.get()]
@@ -418,6 +441,14 @@ class Journal:
                             if since_snapshot >= self.snapshot_every and mirror:
                                 self._write(conn, _Snapshot(list(mirror.values())), mirror)
                                 since_snapshot = 0
+                            if isinstance(item, _Verdict):
+                                verdicts_since_prune += 1
+                                if verdicts_since_prune >= max(1, self.verdicts_kept // 10):
+                                    conn.execute(
+                                        "DELETE FROM verdicts WHERE seq <= "
+                                        "(SELECT MAX(seq) FROM verdicts) - ?",
+                                        (self.verdicts_kept,))
+                                    verdicts_since_prune = 0
                 for f in flushes:
                     f.done.set()
                 if stop:

@@ -1,5 +1,8 @@
 """The health ledger: which shards serve, which join a weight sync, which are restarted.
 
+Owns: the shards' states, records and counters, the transition table and every operation on it.
+Must not: do I/O, read the clock (one is injected) or know asyncio, sockets or files.
+
 Two rules, as in h11's ``_state.py``:
 
 * Everything that decides a shard's state lives in this file. The router, the watchdog and the

@@ -1,5 +1,8 @@
 """Refit: what an RL trainer calls around a weight sync (SYSTEM.md section 8).
 
+Owns: a refit's lease, its participants and its outcome, through the ledger's operations.
+Must not: do I/O (pure, an injected clock), or push to routers (the controller does).
+
 ``begin_refit(version)`` names the participants (serving and STALE shards: everyone with a
 process that can take new weights) and opens a lease; while it is open the watchdog does not
 judge stalls on them (an engine may pause generation while it loads weights).
@@ -25,6 +28,9 @@ __all__ = ["Lease", "RefitCoordinator", "RefitError", "RefitRecord"]
 
 #: The default of ``[refit] lease_s`` (``config.py`` gives its reason).
 DEFAULT_LEASE_S = 600.0
+#: Refits remembered in memory (the admin API shows the last 100). An RL run refits every
+#: step, tens of thousands of times; the journal's transitions keep what each one did.
+HISTORY_KEPT = 1000
 
 
 class RefitError(Exception):
@@ -129,7 +135,7 @@ class RefitCoordinator:
             if self.ledger.report_refit(p.shard, version):
                 done.append(p.shard)
         record = RefitRecord(version, "completed", lease.started_at, self.clock(), tuple(done))
-        self.history.append(record)
+        self._remember(record)
         return record
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
@@ -151,7 +157,7 @@ class RefitCoordinator:
             condemned = (suspects[0],)
         record = RefitRecord(version, "aborted", lease.started_at, self.clock(), tuple(touched),
                              reason, condemned)
-        self.history.append(record)
+        self._remember(record)
         return record
 
     def check_lease(self) -> RefitRecord | None:
@@ -167,8 +173,13 @@ class RefitCoordinator:
                   and self.ledger.report_failure(p.shard, cause)]
         record = RefitRecord(lease.version, "overran", lease.started_at, self.clock(),
                              tuple(marked), cause)
-        self.history.append(record)
+        self._remember(record)
         return record
+
+    def _remember(self, record: RefitRecord) -> None:
+        self.history.append(record)
+        if len(self.history) > HISTORY_KEPT:
+            del self.history[: len(self.history) - HISTORY_KEPT]
 
     def stalls_excused(self) -> frozenset[int]:
         """Shards whose stalls the watchdog must not judge right now."""

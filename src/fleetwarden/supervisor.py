@@ -1,5 +1,9 @@
 """The supervisor: restarts condemned shards through a launcher, within budgets.
 
+Owns: restarts: budgets, backoff, the concurrency cap, and every task it starts.
+Must not: decide that a shard is condemned (the ledger does) or how an engine is launched (the
+launchers do).
+
 The ledger decides *that* a shard is restarted (it is DEAD and has budget left); the supervisor
 does it: ``mark_restarting`` (spends one restart), launch, wait until the engine answers within
 ``startup_timeout_s``, then ``mark_loaded`` with the new URL and incarnation. A failed attempt is
@@ -243,8 +247,9 @@ class Supervisor:
     async def _stop_logged(self, handle: EngineHandle) -> None:
         try:
             await self.launcher.stop(handle)
-        except LaunchError as exc:
-            log.error("%s", exc)
+        except Exception as exc:  # never swallowed: an engine may be left running
+            log.error("shard %d: stopping engine %s failed: %s", handle.shard, handle.launch_id,
+                      exc)
 
     async def restart_now(self, i: int, reason: str) -> bool:
         """An operator's restart: condemn the shard so the next tick replaces it."""

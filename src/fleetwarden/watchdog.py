@@ -1,5 +1,9 @@
 """The watchdog: the I/O around :mod:`fleetwarden.judge` (SYSTEM.md section 5, note 002).
 
+Owns: the reads of each engine (``/metrics``, ``/health`` via ``probe.py``, ``/v1/models``),
+canaries, and the previous sample per engine.
+Must not: decide what a read means (the judge does) or import the ledger.
+
 It reads each engine's ``/metrics`` (short timeout, bounded size), falls back to ``/health``
 when there are no metrics, keeps the previous sample per engine URL, asks the judge, and sends a
 canary — one completion of ``max_tokens`` 1 — only when the judge allows it and at most every
@@ -17,23 +21,10 @@ cuts the 52 KB body to the judged families first, so one body costs ~0.3 ms of C
 ~10 ms (``bench/metrics_parse.py``) — at 64 engines, ~20 ms per 5 s tick in 0.3 ms slices, none
 long enough to move the latency of a router on the same loop.
 
-What a later controller does with a :class:`Report` (this module does not import the ledger):
-
-| verdict | canary | ``Report.health`` | ledger operation |
-|---|---|---|---|
-| BUSY | never sent | PROVEN | ``record_probe(i, ok=True)`` |
-| IDLE, NO_METRICS | answered | PROVEN | ``record_probe(i, ok=True)`` |
-| IDLE, NO_METRICS | failed | FAILING | ``record_probe(i, ok=False, error=canary.error)`` |
-| IDLE, NO_METRICS | not due / not allowed | UNPROVEN | nothing |
-| STALLED, FIRST_READ | never sent | UNPROVEN | nothing: wait |
-| STUCK | never sent | CONDEMNED | ``condemn(i, evidence.summary)`` |
-| LOST_CORE | failed | CONDEMNED | ``condemn(i, ...)``: an idle wedge, proven |
-| LOST_CORE | answered | PROVEN | ``record_probe(i, ok=True)`` |
-| RESTARTED | if idle | as IDLE, by the canary | first ``observe_incarnation(i, incarnation)`` |
-| UNREACHABLE | never sent | FAILING | ``record_probe(i, ok=False, error=evidence.problem)`` |
-| REACHABLE | never sent | PROVEN | a proxy is no shard; its backends are probed directly |
-
-Keep in sync: this table, ``judge.conclude`` and SYSTEM.md section 5.
+What a :class:`Report` says, and what it amounts to (``Report.health``), is the judge's table,
+:data:`fleetwarden.judge.VERDICTS`; what the ledger does with it is
+:meth:`fleetwarden.ledger.Ledger.record_reading` (the controller only gathers and calls). This
+module does not import the ledger.
 """
 
 from __future__ import annotations
@@ -169,6 +160,8 @@ class _Memory:
     #: balancer answering from several engines, and the URL is judged as a proxy from then on.
     incarnations: list[str] = field(default_factory=list)
     proxy: bool = False
+    #: When this URL was last read: a URL no one reads any more is forgotten.
+    visited_at: float = 0.0
     #: The engine's profile: configured, or recognised at a read (then kept for this URL).
     profile: EngineProfile | None = None
 
@@ -224,6 +217,7 @@ class Watchdog:
         urls = [t.url for t in targets]
         if len(set(urls)) != len(urls):
             raise ValueError("each engine URL may appear once in a round")
+        self._forget_gone()
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self.probe(t)) for t in targets]
         return {t.url: task.result() for t, task in zip(targets, tasks, strict=True)}
@@ -273,6 +267,13 @@ class Watchdog:
             engine=memory.profile,
         )
 
+    def _forget_gone(self) -> None:
+        """Drop what is kept of URLs not read for :data:`FORGET_AFTER_S`: a restarted engine's
+        old port, a retired shard's URL. Memory that only grows is a leak (issue 15)."""
+        cutoff = self._clock() - FORGET_AFTER_S
+        for url in [u for u, m in self._memory.items() if m.visited_at < cutoff]:
+            del self._memory[url]
+
     def is_proxy(self, url: str) -> bool:
         """``url`` was found to be a load balancer (its start time came back)."""
         memory = self._memory.get(url)
@@ -288,6 +289,7 @@ class Watchdog:
 
     def _remember(self, target: Target) -> _Memory:
         memory = self._memory.setdefault(target.url, _Memory())
+        memory.visited_at = self._clock()
         if target.engine != AUTO and (memory.profile is None
                                       or memory.profile.name != target.engine):
             memory.profile = profile(target.engine)
@@ -380,7 +382,9 @@ class Watchdog:
 
     async def canary(self, url: str, memory: _Memory | None = None) -> CanaryResult:
         """One tiny completion (``max_tokens`` 1), with the canary timeout over everything."""
-        memory = memory if memory is not None else self._memory.setdefault(url, _Memory())
+        if memory is None:
+            memory = self._memory.setdefault(url, _Memory())
+            memory.visited_at = self._clock()
         started = self._clock()
         timeout = self.policy.canary_timeout_s
 
@@ -498,6 +502,10 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
                 stall_s = watchdog.policy_for(report.engine).stall_s
                 wait = max(interval_s, stall_s - report.evidence.stalled_for_s)
 
+
+#: Seconds after its last read that a URL's memory is dropped. An hour: far longer than any
+#: tick or canary interval of a URL still in the fleet, so only gone URLs are forgotten.
+FORGET_AFTER_S = 3600.0
 
 #: Start times remembered per URL to tell a load balancer from a restarting engine.
 _INCARNATIONS_KEPT = 8

@@ -17,7 +17,7 @@ import pytest
 from playwright.async_api import BrowserContext, Page, expect
 
 from fleetwarden.testing.load import Load
-from scenario.fleet_support import running_fleet, until
+from support.fleet import running_fleet, until
 
 pytestmark = pytest.mark.browser
 

@@ -26,7 +26,7 @@ from fleetwarden.launchers.procs import group_members, process_info
 from fleetwarden.launchers.ray import RayEngineHandle
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
-from scenario.fleet_support import (
+from support.fleet import (
     fleet_config,
     record_transitions,
     running_fleet,

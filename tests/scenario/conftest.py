@@ -1,5 +1,5 @@
-"""Fixtures for scenario tests: real processes and sockets on 127.0.0.1 (see support.py)."""
+"""Fixtures for scenario tests: real processes and sockets on 127.0.0.1 (tests/support/sim.py)."""
 
-from .support import http, spawn
+from support.sim import http, spawn
 
 __all__ = ["http", "spawn"]

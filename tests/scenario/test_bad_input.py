@@ -18,8 +18,7 @@ from aiohttp import web
 
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
-
-from .fleet_support import running_fleet, sim_stats, until
+from support.fleet import running_fleet, sim_stats, until
 
 pytestmark = pytest.mark.scenario
 

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .proxy import LeastConnectionsProxy
-from .support import Load, SimProcess, free_port, metrics, set_fault, stats, until
+from support.proxy import LeastConnectionsProxy
+from support.sim import Load, SimProcess, free_port, metrics, set_fault, stats, until
 
 pytestmark = pytest.mark.scenario
 

@@ -25,8 +25,7 @@ from aiohttp import web
 from fleetwarden.engines import AUTO
 from fleetwarden.judge import Verdict, WatchdogPolicy
 from fleetwarden.watchdog import Target, Watchdog
-
-from .support import Load, canaries, set_fault, stats, until
+from support.sim import Load, canaries, set_fault, stats, until
 
 pytestmark = pytest.mark.scenario
 

@@ -18,8 +18,7 @@ import pytest
 
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
-
-from .fleet_support import fleet_config, running_fleet, until
+from support.fleet import fleet_config, running_fleet, until
 
 pytestmark = pytest.mark.scenario
 

@@ -22,8 +22,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers.local import kill_launched, launch_id_of
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
-
-from .fleet_support import (
+from support.fleet import (
     SIM,
     record_transitions,
     running_fleet,
@@ -263,10 +262,10 @@ def _group_alive(pgid: int) -> bool:
 
 async def test_attach_mode_quarantines_an_engine_it_did_not_start_and_runs_the_restart_command(
         tmp_path: Path) -> None:
-    from .support import SimProcess
+    from support.sim import SimProcess
 
     marker = tmp_path / "restarted.txt"
-    script = Path(__file__).parents[1] / "engines" / "restart_sim.py"
+    script = Path(__file__).parents[1] / "support" / "engines" / "restart_sim.py"
     sims = [SimProcess("--steps-per-s", "40"), SimProcess("--steps-per-s", "40")]
     try:
         urls = [s.url for s in sims]

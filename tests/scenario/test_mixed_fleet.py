@@ -11,8 +11,7 @@ import pytest
 
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
-
-from .fleet_support import SIM, record_transitions, running_fleet, until
+from support.fleet import SIM, record_transitions, running_fleet, until
 
 pytestmark = pytest.mark.scenario
 

@@ -18,8 +18,7 @@ from fleetwarden.client import FleetClient
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
-
-from .fleet_support import record_transitions, running_fleet, served_ids, sim_stats, until
+from support.fleet import record_transitions, running_fleet, served_ids, sim_stats, until
 
 pytestmark = pytest.mark.scenario
 

@@ -18,8 +18,7 @@ from fleetwarden.launchers import EngineRecord
 from fleetwarden.launchers.local import LocalLauncher, kill_launched, live_launch_ids
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.testing.up import UpProcess
-
-from .fleet_support import SIM
+from support.fleet import SIM
 
 pytestmark = pytest.mark.scenario
 
@@ -164,7 +163,7 @@ async def test_an_engine_with_the_same_launch_id_is_adopted_and_stopped_through_
 async def test_fleetwardens_own_deaths_spend_no_restart_budget(tmp_path: Path) -> None:
     """Issue 15, item 11: each unclean stop of fleetwarden spent a restart on every engine it
     could not adopt; six of them retired a fleet. Its own death is not the engines' failure."""
-    from .fleet_support import running_fleet, until
+    from support.fleet import running_fleet, until
 
     for _ in range(3):
         async with running_fleet(tmp_path) as fleet:

@@ -24,8 +24,7 @@ from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.launchers.routers import RouterRecord, RouterWorkers
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
-
-from .fleet_support import SIM
+from support.fleet import SIM
 
 pytestmark = pytest.mark.scenario
 

@@ -20,8 +20,8 @@ import pytest
 
 from fleetwarden.ledger import Ledger, ShardState
 from fleetwarden.router import Router, RouterSettings
-from router_rig import until
-from scripted_engine import ENGINE_DEAD, ScriptedEngine
+from support.router_rig import until
+from support.scripted_engine import ENGINE_DEAD, ScriptedEngine
 
 REQUESTS = 20_000
 CONCURRENCY = 64

@@ -21,8 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.engine_metrics import JUDGED, Sample, parse
 from fleetwarden.sim import FaultMode, Sim, SimConfig
-
-from .support import SimProcess, metrics, set_fault, stats, until
+from support.sim import SimProcess, metrics, set_fault, stats, until
 
 pytestmark = pytest.mark.scenario
 

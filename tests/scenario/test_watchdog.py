@@ -16,9 +16,8 @@ import pytest
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.judge import Health, Verdict, WatchdogPolicy, judge
 from fleetwarden.watchdog import Report, Target, Watchdog
-
-from .proxy import LeastConnectionsProxy
-from .support import Load, SimProcess, canaries, free_port, metrics, set_fault, stats, until
+from support.proxy import LeastConnectionsProxy
+from support.sim import Load, SimProcess, canaries, free_port, metrics, set_fault, stats, until
 
 pytestmark = pytest.mark.scenario
 
@@ -219,8 +218,10 @@ async def test_an_idle_wedge_with_requests_in_flight_is_a_lost_core_and_its_cana
     async with Load(http, sim.url, n=1, max_tokens=8), Watchdog(POLICY) as watchdog:
         target = Target(sim.url, in_flight=1)
         first, second = await rounds(watchdog, target, 2, 0.2)
-    # The first round sees an idle engine; its due canary hangs: one failed probe.
-    assert (first.verdict, first.health) == (Verdict.IDLE, Health.FAILING)
+    # The first round sees idle gauges with a request in flight: nothing to compare with yet,
+    # and no canary to queue behind that request (issue 15: the first read's canary).
+    assert (first.verdict, first.health, first.canary) == (
+        Verdict.FIRST_READ, Health.UNPROVEN, None)
     # The second sees it idle and flat with a request in flight: a canary at once, whatever
     # the interval, and its failure is conclusive.
     assert second.verdict is Verdict.LOST_CORE

@@ -69,3 +69,13 @@ async def test_a_cancelled_restart_command_is_ended_with_its_group(tmp_path: Pat
             break
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+
+
+async def test_a_failed_restart_command_leaves_nothing_remembered(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    fleet = FleetConfig(engines=0, backends=[url], restart_command="false")
+    launcher = AttachLauncher(fleet, HealthConfig(probe_timeout_s=0.5))
+    for _ in range(3):
+        with pytest.raises(LaunchError, match="exited with code 1"):
+            await launcher.launch(0)
+    assert launcher._before == {}

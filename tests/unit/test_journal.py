@@ -263,3 +263,29 @@ def test_a_failing_journal_never_stops_the_ledger_nor_its_subscribers(
     assert journal.dropped >= 3
     with pytest.raises(JournalError, match="disk is full"):
         journal.close()
+
+
+def test_verdict_rows_are_kept_to_the_newest(tmp_path: Path) -> None:
+    """Memory (and disk) that only grows (issue 15, smaller): verdicts are pruned to the
+    newest ``verdicts_kept``; transitions are all kept."""
+    ledger = Ledger(["http://a:1"])
+    with Journal(tmp_path / "fleet.sqlite", verdicts_kept=50) as journal:
+        journal.attach(ledger)
+        for n in range(300):
+            journal.record_verdict(0, "http://a:1", "STALLED", {"n": n})
+        journal.flush()
+        kept = journal.verdicts(limit=1000)
+        assert 50 <= len(kept) <= 55 and kept[-1]["evidence"] == {"n": 299}
+
+
+def test_engine_rows_can_be_written_from_another_thread(tmp_path: Path) -> None:
+    """The launcher writes engine rows from a worker thread, so the commit's fsync never
+    holds the event loop."""
+    import threading
+
+    with Journal(tmp_path / "fleet.sqlite") as journal:
+        t = threading.Thread(target=journal.engine_launched, args=("l-1", 0, {"url": "u"}))
+        t.start()
+        t.join()
+        assert journal.launch_ids() == {"l-1"}
+        assert [e["shard"] for e in journal.running_engines()] == [0]

@@ -16,6 +16,7 @@ from fleetwarden.judge import (
     NO_STALL,
     CanaryRule,
     Down,
+    Evidence,
     Health,
     Judgement,
     NoMetrics,
@@ -282,6 +283,14 @@ def test_a_first_read_of_an_idle_engine_is_idle_and_of_a_busy_one_proves_nothing
     assert conclude(busy, None) is Health.UNPROVEN
 
 
+def test_a_first_read_sends_no_canary_while_the_router_has_requests_on_it() -> None:
+    """Issue 15 (smaller): idle gauges at the first read, but requests in flight that the
+    scrape did not see yet: a canary would queue behind them. The next read compares."""
+    j = judge(None, IDLE, elapsed_s=0, in_flight=2)
+    assert (j.verdict, j.send_canary) == (Verdict.FIRST_READ, False)
+    assert conclude(j, None) is Health.UNPROVEN
+
+
 def test_an_unreachable_engine_is_dead_and_that_is_one_failed_probe() -> None:
     j = judge(BUSY, Down("connection refused"), elapsed_s=5, stall=Stall(1, 10))
     assert (j.verdict, j.send_canary, j.stall) == (Verdict.UNREACHABLE, False, NO_STALL)
@@ -339,6 +348,25 @@ def test_an_enormous_metrics_body_is_no_metrics() -> None:
     result = parse(body)
     assert isinstance(result, Unreadable) and "limit" in result.reason
     assert judge(BUSY, NoMetrics(result.reason), elapsed_s=2.0).verdict is Verdict.NO_METRICS
+
+
+def test_the_verdict_table_has_a_row_for_every_verdict_and_lets_a_canary_decide() -> None:
+    """``judge.VERDICTS`` is the one home of the verdict table: every verdict has a row, and a
+    verdict that allows a canary proves nothing by itself (the canary's answer decides), while
+    one that proves by itself never sends one."""
+    from fleetwarden.judge import VERDICTS
+
+    assert set(VERDICTS) == set(Verdict)
+    for verdict, rule in VERDICTS.items():
+        if not rule.canary.startswith("never"):
+            assert rule.proves is None, verdict
+        for ok in (None, True, False):
+            j = Judgement(verdict, Evidence(""), CanaryRule.NEVER, False, NO_STALL)
+            expected = rule.proves if rule.proves is not None else (
+                Health.UNPROVEN if ok is None else Health.PROVEN if ok else rule.failed_canary)
+            assert conclude(j, ok) is expected
+    design = (Path(__file__).parents[2] / "docs" / "design.md").read_text()
+    assert "judge.VERDICTS" in design  # the docs say where the table is, not what it says
 
 
 # ------------------------------------------------------------------ sleep mode

@@ -13,7 +13,7 @@ from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.procs import group_members
 
-ENGINE = Path(__file__).parents[1] / "engines" / "tiny_engine.py"
+ENGINE = Path(__file__).parents[1] / "support" / "engines" / "tiny_engine.py"
 
 pytestmark = pytest.mark.scenario
 
@@ -105,3 +105,22 @@ async def _wait_for(cond: object, timeout: float = 20.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.05)
+
+
+async def test_a_port_that_a_shard_records_is_not_handed_out_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15, item 4: the kernel may hand back the port of a DEAD or RETIRED shard's
+    engine; the launcher asks again rather than collide with what the ledger records."""
+    from fleetwarden.launchers import local
+
+    real = local.free_port
+    first = real("127.0.0.1")
+    ports = iter([first, first])
+    monkeypatch.setattr(local, "free_port", lambda host: next(ports, None) or real(host))
+    lau = launcher(tmp_path)
+    lau.taken_urls = lambda: {f"http://127.0.0.1:{first}"}
+    h = await lau.launch(0)
+    try:
+        assert h.url != f"http://127.0.0.1:{first}"
+    finally:
+        await lau.stop(h)

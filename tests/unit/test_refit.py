@@ -144,3 +144,13 @@ def test_a_new_process_the_ledger_only_identified_during_the_lease_is_not_credit
     assert record.participants == (0,)
     assert ledger.state(1) is ST
     assert any("did not get the weights" in c for c in causes)
+
+
+def test_the_refit_history_in_memory_is_bounded() -> None:
+    from fleetwarden.refit import HISTORY_KEPT
+
+    _, refit, _ = make(1)
+    for v in range(HISTORY_KEPT + 20):
+        refit.begin_refit(v)
+        refit.complete_refit(v)
+    assert len(refit.history) == HISTORY_KEPT and refit.history[-1].version == HISTORY_KEPT + 19

@@ -1,7 +1,7 @@
 """The router, read as a specification (SYSTEM.md section 4, note 000).
 
 Every test runs the real router on a real socket on 127.0.0.1, in front of scripted engines
-that answer with real vLLM captures (``tests/scripted_engine.py``).
+that answer with real vLLM captures (``tests/support/scripted_engine.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.ledger import Ledger
 from fleetwarden.router import Router, RouterSettings
-from router_rig import rig, until
-from scripted_engine import (
+from support.router_rig import rig, until
+from support.scripted_engine import (
     CHAT,
     CHAT_STREAM,
     COMPLETION,

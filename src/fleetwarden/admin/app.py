@@ -1,5 +1,10 @@
 """The admin API: fleet state, history, operator actions, refits, and external routers.
 
+Owns: the admin API's routes, its token check and its cross-site refusal, and the shape of each
+answer.
+Must not: reach into a fleet's parts (only the operations of ``FleetSurface``), or build a view
+(``views.py``).
+
 On its own port, 127.0.0.1 by default, every route behind the bearer token (401 without it,
 and nothing changes); a browser presents it as the dashboard's cookie, and a state change
 signed in by the cookie must carry this page's ``Origin`` and a JSON body (403 otherwise: see

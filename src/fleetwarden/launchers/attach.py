@@ -1,5 +1,9 @@
 """Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
 
+Owns: attached engines: their restart command, its timeout, and telling a new process from the
+old one.
+Must not: start engines itself: something else runs them.
+
 fleetwarden routes to them, watches them and judges them as it does its own engines. When one
 is condemned, ``restart_command`` (a template such as ``kubectl delete pod {name}`` or
 ``systemctl restart vllm@{shard}``) asks the system that runs it for a new process, within the
@@ -76,7 +80,6 @@ class AttachLauncher:
             _, before = await read_incarnation(session, url)
         handle = EngineHandle(shard=shard, url=url, launch_id=f"attach-{uuid.uuid4().hex[:12]}",
                               launched_at=time.time())
-        self._before[handle.launch_id] = before
         if self.command is not None:
             name = urlsplit(url).hostname or url
             argv = shlex.split(self.command.format(shard=shard, url=url, name=name))
@@ -94,6 +97,9 @@ class AttachLauncher:
                 raise LaunchError(f"shard {shard}: restart command exited with code "
                                   f"{proc.returncode}: {tail}")
             log.info("shard %d: ran restart command for %s", shard, url)
+        # Kept only once the launch succeeded: a failed one has no handle to stop, and an
+        # entry for it would stay for good.
+        self._before[handle.launch_id] = before
         return handle
 
     async def _finish(self, proc: asyncio.subprocess.Process, shard: int) -> bytes:

@@ -1,5 +1,9 @@
 """Engines as local processes, one process group each.
 
+Owns: engines as local process groups: launch, readiness, exit, stop, adoption of an earlier
+run's engines.
+Must not: decide when: the supervisor does, and the restore policy is ``restore.py``'s.
+
 An engine is started with ``setsid`` (its own session and process group), on a free port, its
 output in a log file of its own per incarnation. Stop is SIGTERM to the whole group, SIGKILL
 after a grace period, then a check that nothing of the group is left: killing a vLLM API server
@@ -19,7 +23,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -51,6 +55,8 @@ log = logging.getLogger(__name__)
 _KILL_WAIT_S = 5.0
 #: Seconds between polls while waiting for an engine or a process group.
 _POLL_S = 0.1
+#: Free ports asked for before a launch gives up avoiding the URLs shards record.
+_PORT_TRIES = 20
 #: Seconds one ``/health`` read of a starting engine may take. A live engine answers in
 #: milliseconds; a read that hangs longer is abandoned and the next poll tries again, so a
 #: slow read never holds the wait past ``startup_timeout_s`` by more than this.
@@ -187,6 +193,8 @@ class LocalLauncher:
         #: Told of every engine started and stopped (the journal keeps them, so a restarted
         #: fleetwarden knows what an earlier run left running).
         self.events: LaunchEvents | None = None
+        #: The URLs the fleet's shards record (the fleet sets it once its ledger exists).
+        self.taken_urls: Callable[[], set[str]] | None = None
         self._handles: dict[str, EngineHandle] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
@@ -194,8 +202,18 @@ class LocalLauncher:
     def _fill(self, text: str, shard: int, port: int) -> str:
         return text.format(python=sys.executable, host=self.fleet.host, port=port, shard=shard)
 
+    def _port(self) -> int:
+        """A free port whose URL no shard records: the kernel may hand back the port of a DEAD
+        or RETIRED shard's engine, and two shards on one URL would share their evidence."""
+        taken = self.taken_urls() if self.taken_urls is not None else set()
+        for _ in range(_PORT_TRIES):
+            port = free_port(self.fleet.host)
+            if f"http://{self.fleet.host}:{port}" not in taken:
+                return port
+        return port  # the ledger refuses the load: one failed attempt, and the next tries again
+
     async def launch(self, shard: int) -> EngineHandle:
-        port = free_port(self.fleet.host)
+        port = self._port()
         launch_id = f"s{shard}-{uuid.uuid4().hex[:12]}"
         group = self.fleet.group_of(shard)  # a mixed fleet: the group's own command
         template = group.engine_cmd if group is not None else self.template
@@ -226,7 +244,8 @@ class LocalLauncher:
         self._handles[launch_id] = handle
         self._procs[launch_id] = proc
         if self.events is not None:
-            self.events.launched(handle)
+            # A synchronous SQLite commit (an fsync, seconds on a busy disk): off the loop.
+            await asyncio.to_thread(self.events.launched, handle)
         self._watchers[launch_id] = asyncio.create_task(
             self._watch(handle, proc.wait()), name=f"watch:{launch_id}"
         )
@@ -312,7 +331,7 @@ class LocalLauncher:
         self._handles.pop(handle.launch_id, None)
         self._procs.pop(handle.launch_id, None)
         if self.events is not None and not left:
-            self.events.stopped(handle)
+            await asyncio.to_thread(self.events.stopped, handle)
         if left:
             raise LaunchError(f"shard {handle.shard}: processes {[p.pid for p in left]} of "
                               f"group {handle.pgid} survived SIGKILL")

@@ -1,5 +1,8 @@
 """The router's own Prometheus metrics.
 
+Owns: the router's own counters and their Prometheus registry.
+Must not: forward an engine's metrics, or decide anything from the counters.
+
 The request path only bumps plain integers in :class:`RouterStats` (no locks, no label lookups);
 :class:`RouterCollector` turns them into metric families when ``/metrics`` is scraped. Each
 router has its own ``CollectorRegistry``, so several routers can live in one process.
@@ -124,7 +127,9 @@ class RouterCollector(Collector):
 
         poison = CounterMetricFamily(
             "fleetwarden_router_poison_requests",
-            "Requests answered after the same 5xx on two backends, counted against neither.")
+            "Requests that got the same 5xx from a second backend: that answer is passed to "
+            "the client and not counted against the second backend (the first backend's 5xx "
+            "was counted before the retry).")
         poison.add_metric([], s.poison_requests)
         yield poison
 

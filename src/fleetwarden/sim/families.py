@@ -1,5 +1,8 @@
 """vLLM 0.32's ``/metrics`` families, as prometheus-client objects in a registry of their own.
 
+Owns: vLLM's metric families as prometheus-client objects for the simulator.
+Must not: decide when they move (the engine core does).
+
 Names, types, label names, bucket bounds and help texts are those of the real capture
 (``tests/fixtures/vllm/metrics-*.txt``); ``tests/scenario/test_sim.py`` checks them family by
 family. Values are driven by the simulated engine core through the ``on_*`` methods, and only

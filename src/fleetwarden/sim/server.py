@@ -1,5 +1,8 @@
 """The simulated engine's shell: an aiohttp server around the engine core.
 
+Owns: the simulated engine's HTTP server, its loop, its faults and its control endpoints.
+Must not: hold the scheduler's rules (``engine.py``) or the wire format (``wire.py``).
+
 Like a real vLLM, the HTTP side (here: handlers) and the engine core (here: one loop task) meet
 only through a queue. Handlers put requests into an inbox; the engine loop takes them in,
 steps at ``steps_per_s``, and hands tokens back. That one seam is what makes the faults

