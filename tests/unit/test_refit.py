@@ -157,7 +157,7 @@ def test_the_refit_history_in_memory_is_bounded() -> None:
 
 
 def test_a_lease_keeps_each_participants_liveness_since_it_changed_and_names_culprits() -> None:
-    ledger, refit, clock = make(3)
+    _, refit, clock = make(3)
     lease = refit.begin_refit(1)
     for i in range(3):
         refit.observe_participant(i, process_alive=True, api_answers=True, evidence="IDLE")
