@@ -1,5 +1,10 @@
 """Configuration: one TOML file, validated with pydantic. Every default has one home.
 
+Owns: the TOML file, its validation and its messages; defaults that no component owns, each with
+its reason.
+Must not: repeat a default that a component owns (``ledger.Policy``, ``judge.WatchdogPolicy``,
+``router.settings``): it reads them.
+
 The sections follow the picture of SYSTEM.md section 1: `[fleet]` (the engines), `[router]`,
 `[health]` (watchdog and ledger thresholds), `[supervisor]` (restarts), `[journal]` and
 `[admin]`. Components take their section as it is; nothing else holds a default.
@@ -233,6 +238,7 @@ class RouterConfig(_Section):
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     continue_streams: bool = _ROUTER.continue_streams
+    continue_answers: bool = _ROUTER.continue_answers
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
     #: over the control API. They keep serving with the last serving set through
     #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is

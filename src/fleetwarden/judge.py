@@ -1,5 +1,10 @@
 """Verdicts on an engine from two reads of its metrics (pure; SYSTEM.md section 5, note 002).
 
+Owns: the verdicts, the stall memory, when a canary may be sent and what each outcome amounts to
+(``VERDICTS``).
+Must not: do I/O or read a clock (pure), or touch the ledger (it answers; the ledger decides the
+shard's state).
+
 Two rules, as in h11's ``_state.py``:
 
 * Everything that decides what a read of an engine means lives in this file: the verdicts, the
@@ -14,21 +19,15 @@ protects.** An engine's scarce resource is its request slots. A canary (one tiny
 allowed only where it takes no slot from real work: an idle engine, or one whose emptiness
 contradicts the router (lost core). A busy engine proves its health by progress alone.
 
-| verdict | when | canary |
-|---|---|---|
-| UNREACHABLE | ``/metrics`` and ``/health`` unreachable, or ``/health`` not 200 | never |
-| NO_METRICS | reachable; ``/metrics`` missing, unparseable or lacking | when due; none in flight |
-| FIRST_READ | busy at the first read, or routed requests it does not show yet | never |
-| RESTARTED | the process start time changed, or a counter went backwards | now if idle |
-| BUSY | work in it and something advanced; or empty, but it worked since the last read | never |
-| STALLED | work in the engine, nothing advanced since the last read | never |
-| STUCK | stalled on ``stall_waits`` reads in a row, for ``stall_s`` | never: conclusive |
-| IDLE | nothing running or waiting; nothing done since the last read but our canary | when due |
-| LOST_CORE | idle and flat, but the router has requests in flight there | now; conclusive |
-| REACHABLE | a proxy answered ``GET /v1/models`` (its backends are judged directly) | never |
+The verdicts, when each is given, when it allows a canary and what it amounts to are one table,
+:data:`VERDICTS` (data, as the ledger's ``TRANSITIONS`` is); :func:`judge` gives the verdicts
+and :func:`conclude` reads the table. The watchdog's module doc and ``docs/design.md``
+section 5 point here instead of repeating it.
 
-Keep in sync: this table, :func:`judge`, :func:`conclude`, the mapping table in
-``watchdog.py``, and SYSTEM.md section 5.
+A sleeping engine (vLLM's sleep mode, while a trainer uses the GPU) answers ``/health`` 200,
+shows 0 running and 0 waiting, and holds what is sent to it: exactly a lost core, or an idle
+engine whose canary fails. Its own word decides first (SLEEPING), so it is never canaried, never
+STUCK and never LOST_CORE; it proves nothing either way and its stall memory is cleared.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from fleetwarden.engine_metrics import MAX_BODY_BYTES, Sample
 __all__ = [
     "DEFAULT_POLICY",
     "NO_STALL",
+    "VERDICTS",
     "CanaryRule",
     "Down",
     "Evidence",
@@ -53,6 +53,7 @@ __all__ = [
     "Reading",
     "Stall",
     "Verdict",
+    "VerdictRule",
     "WatchdogPolicy",
     "conclude",
     "judge",
@@ -119,6 +120,7 @@ class Verdict(enum.Enum):
     UNREACHABLE = "unreachable"
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
+    SLEEPING = "sleeping"
 
     def __str__(self) -> str:
         return self.value
@@ -145,6 +147,56 @@ class Health(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRule:
+    """One row of :data:`VERDICTS`."""
+
+    #: When the judge gives the verdict.
+    when: str
+    #: When it allows a canary (the :class:`CanaryRule` it comes with, in words).
+    canary: str
+    #: What the verdict proves by itself; ``None``: the canary decides (nothing proved when
+    #: none was sent, PROVEN when it answered).
+    proves: Health | None
+    #: What a failed canary amounts to: one failed probe, or conclusive.
+    failed_canary: Health = Health.FAILING
+
+
+#: The verdict table: every verdict, when it is given, its canary, what it amounts to.
+VERDICTS: Mapping[Verdict, VerdictRule] = {
+    Verdict.UNREACHABLE: VerdictRule(
+        "``/metrics`` and ``/health`` unreachable, or ``/health`` not 200", "never",
+        Health.FAILING),
+    Verdict.NO_METRICS: VerdictRule(
+        "reachable; ``/metrics`` missing, unparseable or lacking", "when due; none in flight",
+        None),
+    Verdict.FIRST_READ: VerdictRule(
+        "busy at the first read, or routed requests it does not show yet", "never", None),
+    Verdict.RESTARTED: VerdictRule(
+        "the process start time changed, or a counter went backwards", "now if idle", None),
+    Verdict.BUSY: VerdictRule(
+        "work in it and something advanced; or empty, but it worked since the last read",
+        "never", Health.PROVEN),
+    Verdict.STALLED: VerdictRule(
+        "work in the engine, nothing advanced since the last read", "never", None),
+    Verdict.STUCK: VerdictRule(
+        "stalled on ``stall_waits`` reads in a row, for ``stall_s``", "never: conclusive",
+        Health.CONDEMNED),
+    Verdict.IDLE: VerdictRule(
+        "nothing running or waiting; nothing done since the last read but our canary",
+        "when due", None),
+    Verdict.LOST_CORE: VerdictRule(
+        "idle and flat, but the router has requests in flight there", "now; conclusive", None,
+        failed_canary=Health.CONDEMNED),
+    Verdict.REACHABLE: VerdictRule(
+        "a proxy answered ``GET /v1/models`` (its backends are judged directly)", "never",
+        Health.PROVEN),
+    Verdict.SLEEPING: VerdictRule(
+        "``vllm:engine_sleep_state`` says asleep: it holds generations until woken (judged "
+        "before all but a restart, which it reports)", "never", None),
+}
 
 
 # ---------------------------------------------------------------------- readings
@@ -247,7 +299,7 @@ class Judgement:
     @property
     def canary_is_conclusive(self) -> bool:
         """A failed canary condemns (a lost core); elsewhere it is one failed probe."""
-        return self.verdict is Verdict.LOST_CORE
+        return VERDICTS[self.verdict].failed_canary is Health.CONDEMNED
 
 
 # ---------------------------------------------------------------------- the judge
@@ -313,6 +365,18 @@ def judge(
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
     base = Evidence(gauges, running=after.running, waiting=after.waiting, in_flight=in_flight,
                     incarnation=after.incarnation)
+
+    if after.sleeping:
+        held = f"; the {in_flight} requests in flight wait for its wake-up" if in_flight else ""
+        restarted = ""
+        if before is not None and before.start_time != after.start_time:
+            # Asleep already in a new process: the restart is told (previous_incarnation), so
+            # that the ledger does not wake it to the weights the old process had.
+            base = replace(base, previous_incarnation=before.incarnation)
+            restarted = f"; a new process ({before.incarnation} -> {after.incarnation})"
+        return verdict(Verdict.SLEEPING, CanaryRule.NEVER,
+                       replace(base, summary=f"asleep (sleep level {after.sleep_level}); "
+                               f"{gauges}{held}{restarted}"))
 
     if before is None:
         if has_work:
@@ -397,18 +461,12 @@ def judge(
 
 def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
     """What a verdict amounts to, given the canary's outcome (``None``: none was sent)."""
-    v = judgement.verdict
-    if v in (Verdict.BUSY, Verdict.REACHABLE):
-        return Health.PROVEN
-    if v is Verdict.STUCK:
-        return Health.CONDEMNED
-    if v is Verdict.UNREACHABLE:
-        return Health.FAILING
+    rule = VERDICTS[judgement.verdict]
+    if rule.proves is not None:
+        return rule.proves
     if canary_ok is None:  # STALLED, FIRST_READ, or a canary not due or not allowed
         return Health.UNPROVEN
-    if canary_ok:
-        return Health.PROVEN
-    return Health.CONDEMNED if judgement.canary_is_conclusive else Health.FAILING
+    return Health.PROVEN if canary_ok else rule.failed_canary
 
 
 def _n(x: float) -> str:

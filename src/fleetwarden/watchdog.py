@@ -1,5 +1,9 @@
 """The watchdog: the I/O around :mod:`fleetwarden.judge` (SYSTEM.md section 5, note 002).
 
+Owns: the reads of each engine (``/metrics``, ``/health`` via ``probe.py``, ``/v1/models``),
+canaries, and the previous sample per engine.
+Must not: decide what a read means (the judge does) or import the ledger.
+
 It reads each engine's ``/metrics`` (short timeout, bounded size), falls back to ``/health``
 when there are no metrics, keeps the previous sample per engine URL, asks the judge, and sends a
 canary — one completion of ``max_tokens`` 1 — only when the judge allows it and at most every
@@ -17,23 +21,10 @@ cuts the 52 KB body to the judged families first, so one body costs ~0.3 ms of C
 ~10 ms (``bench/metrics_parse.py``) — at 64 engines, ~20 ms per 5 s tick in 0.3 ms slices, none
 long enough to move the latency of a router on the same loop.
 
-What a later controller does with a :class:`Report` (this module does not import the ledger):
-
-| verdict | canary | ``Report.health`` | ledger operation |
-|---|---|---|---|
-| BUSY | never sent | PROVEN | ``record_probe(i, ok=True)`` |
-| IDLE, NO_METRICS | answered | PROVEN | ``record_probe(i, ok=True)`` |
-| IDLE, NO_METRICS | failed | FAILING | ``record_probe(i, ok=False, error=canary.error)`` |
-| IDLE, NO_METRICS | not due / not allowed | UNPROVEN | nothing |
-| STALLED, FIRST_READ | never sent | UNPROVEN | nothing: wait |
-| STUCK | never sent | CONDEMNED | ``condemn(i, evidence.summary)`` |
-| LOST_CORE | failed | CONDEMNED | ``condemn(i, ...)``: an idle wedge, proven |
-| LOST_CORE | answered | PROVEN | ``record_probe(i, ok=True)`` |
-| RESTARTED | if idle | as IDLE, by the canary | first ``observe_incarnation(i, incarnation)`` |
-| UNREACHABLE | never sent | FAILING | ``record_probe(i, ok=False, error=evidence.problem)`` |
-| REACHABLE | never sent | PROVEN | a proxy is no shard; its backends are probed directly |
-
-Keep in sync: this table, ``judge.conclude`` and SYSTEM.md section 5.
+What a :class:`Report` says, and what it amounts to (``Report.health``), is the judge's table,
+:data:`fleetwarden.judge.VERDICTS`; what the ledger does with it is
+:meth:`fleetwarden.ledger.Ledger.record_reading` (the controller only gathers and calls). This
+module does not import the ledger.
 """
 
 from __future__ import annotations

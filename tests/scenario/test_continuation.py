@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import FaultMode, Sim, SimConfig
-from support.sim import SimProcess
+from support.sim import SimProcess, until
 
 pytestmark = pytest.mark.scenario
 
@@ -40,9 +40,10 @@ CUT_AFTER = 8
 
 
 @contextlib.asynccontextmanager
-async def fleet(n: int = 3, **config: Any) -> AsyncIterator[tuple[Router, list[Sim]]]:
+async def fleet(n: int = 3, settings: RouterSettings | None = None,
+                **config: Any) -> AsyncIterator[tuple[Router, list[Sim]]]:
     sims = [Sim(SimConfig(steps_per_s=40, **config)) for _ in range(n)]
-    router = Router([], RouterSettings(), health_managed=True)
+    router = Router([], settings or RouterSettings(), health_managed=True)
     try:
         for sim in sims:
             await sim.start()
@@ -360,3 +361,67 @@ async def test_a_stream_goes_on_only_on_the_same_weights(
         else:  # weights 7 have no other engine: the stream ends, saying why
             error = json.loads(got[-2].removeprefix(b"data: "))["error"]
             assert error["reason"] == "no other backend with the same weights"
+
+
+# ---------------------------------------------------------------------- non-streamed answers
+
+
+def shape(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return [(k, shape(v)) for k, v in obj.items()]
+    if isinstance(obj, list):
+        return [shape(v) for v in obj[:1]]
+    return None
+
+
+async def generated(http: aiohttp.ClientSession, url: str) -> float:
+    async with http.get(url + "/metrics") as r:
+        text_ = await r.text()
+    return sum(s.value for f in text_string_to_metric_families(text_) for s in f.samples
+               if s.name == "vllm:generation_tokens_total")
+
+
+@pytest.mark.parametrize("fault", ["crash", "wedge", None])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_a_non_streamed_answer_goes_on_elsewhere_and_keeps_vllms_shape(
+    http: aiohttp.ClientSession, fault: str | None, chat: bool
+) -> None:
+    path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", COMPLETION)
+    body = {k: v for k, v in body.items() if k != "stream"}
+    async with fleet(settings=RouterSettings(continue_answers=True)) as (router, sims):
+        async with http.post(sims[0].url + path, json=body) as r:
+            reference = await r.json()
+
+        async def cut() -> None:
+            async def dispatched() -> bool:
+                return any(router.in_flight().values())
+
+            await until(dispatched, every_s=0.01)
+            sim = sim_at(sims, holder(router))
+            before = await generated(http, sim.url)
+
+            async def well_into_its_answer() -> bool:
+                return await generated(http, sim.url) >= before + 8
+
+            await until(well_into_its_answer, every_s=0.01)
+            if fault == "crash":
+                await crash(sim)
+            else:
+                await sim.set_fault(FaultMode.WEDGE)
+                assert router.rescue(sim.url) == 1  # the controller's call at condemnation
+
+        task = asyncio.create_task(cut()) if fault else None
+        async with http.post(router.url + path, json=body) as r:
+            assert r.status == 200 and r.content_type == "application/json"
+            raw = await r.read()
+        if task is not None:
+            await task
+        answer = json.loads(raw)
+        assert shape(answer) == shape(reference)  # vLLM's non-streamed shape, key by key
+        assert b", " not in raw[:40]  # compact, as vLLM writes it
+        for key in ("id", "created"):
+            answer.pop(key), reference.pop(key)
+        assert answer == reference  # the same generation, the same usage
+        assert await continuations(http, router) == (
+            {"tokens": 1, "text": 0} if fault else {"tokens": 0, "text": 0})
+

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from fleetwarden.router import BackendFacts, ControlError, RemoteRouter, Router, RouterControl
+from fleetwarden.router.control import merge_outcomes
 from support.router_rig import rig, until
 from support.scripted_engine import ScriptedEngine
 
@@ -203,3 +205,80 @@ def test_fleetwarden_route_refuses_bad_arguments_by_name(tmp_path: Path) -> None
     assert out.returncode == 2 and "--token-file" in out.stderr
     out = route("--backend", "http://127.0.0.1:9", "--max-retries", "-1", "--port", "0")
     assert out.returncode == 2 and "max_retries" in out.stderr
+
+
+async def test_a_lost_drain_answer_loses_no_outcome() -> None:
+    async with rig(1, control_token=TOKEN) as r:
+        (engine,) = r.engines
+        control = r.router.control_url
+        assert control is not None
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+
+        async def drain(body: dict[str, object] | None) -> dict[str, Any]:
+            async with r.http.post(control + "/outcomes/drain", headers=auth,
+                                   **({} if body is None else {"json": body})) as response:
+                assert response.status == 200
+                answer: dict[str, Any] = await response.json()
+                return answer
+
+        assert [(await r.post())[0] for _ in range(2)] == [200, 200]
+        first = await drain({"ack": None})
+        assert first["outcomes"] == {engine.url: [2, 0, 0]}
+        # That answer never reached the controller: its next drain acknowledges nothing new,
+        # and gets the lost batch again, merged with what happened since.
+        assert (await r.post())[0] == 200
+        second = await drain({"ack": None})
+        assert second["outcomes"] == {engine.url: [3, 0, 0]}
+        assert second["batch"] != first["batch"]
+        # Acknowledged: handed over, never again.
+        assert (await drain({"ack": second["batch"]}))["outcomes"] == {}
+        # The client does the acknowledging itself.
+        async with RemoteRouter(control, TOKEN) as remote:
+            assert (await r.post())[0] == 200
+            assert await remote.drain_outcomes() == {engine.url: (1, 0, 0)}
+            assert await remote.drain_outcomes() == {}
+        # An older controller (no "ack"): each window once, as before.
+        assert (await r.post())[0] == 200
+        assert (await drain(None))["outcomes"] == {engine.url: [1, 0, 0]}
+        assert (await drain(None))["outcomes"] == {}
+        async with r.http.post(control + "/outcomes/drain", headers=auth,
+                               json={"ack": 7}) as response:
+            assert response.status == 400 and "ack" in await response.text()
+
+
+def test_two_windows_merge_as_one() -> None:
+    older = {"a": (2, 1, 1), "b": (0, 2, 2)}
+    newer = {"a": (0, 1, 1), "b": (1, 0, 0), "c": (0, 1, 1)}
+    # a: the older trailing failure goes on (no success since); b: a success ended its run
+    assert merge_outcomes(older, newer) == {"a": (2, 2, 2), "b": (1, 2, 0), "c": (0, 1, 1)}
+
+
+async def test_a_router_driven_over_its_control_api_gets_the_reflex_drop() -> None:
+    async with rig(2, health_managed=False, control_token=TOKEN) as r:  # as `route` starts
+        good, bad = r.engines
+        assert not r.router.reflex_armed
+        assert r.router.control_url is not None
+        async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            await remote.set_serving_backends([good.url, bad.url])
+            assert (await remote.status())["reflex_armed"]
+            await bad.crash()
+            assert [(await r.post())[0] for _ in range(4)] == [200] * 4  # retried elsewhere
+            assert r.router.serving_backends() == [good.url]  # dropped until the next push
+            await remote.set_serving_backends([good.url, bad.url])
+            assert r.router.serving_backends() == [good.url, bad.url]
+
+
+async def test_the_control_api_binds_the_configured_host() -> None:
+    router = Router([])
+    # Another loopback address stands for "where a remote controller reaches it".
+    await router.start(control_port=0, control_token=TOKEN, control_host="127.0.0.2")
+    try:
+        control = router.control_url
+        assert control is not None and control.startswith("http://127.0.0.2:")
+        async with RemoteRouter(control, "wrong") as remote:
+            with pytest.raises(ControlError):
+                await remote.status()  # still behind the token
+        async with RemoteRouter(control, TOKEN) as remote:
+            assert (await remote.status())["serving"] == []
+    finally:
+        await router.stop()

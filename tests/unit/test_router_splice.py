@@ -201,3 +201,32 @@ def test_a_token_id_prompt_without_ids_back_cannot_go_on() -> None:
     splice.begin_attempt(None)
     splice.on_event(b'data: {"id":"c","created":1,"choices":[{"index":0,"text":"a"}]}')
     assert splice.continuation() == "a prompt of token ids, and no token ids from the engine"
+
+
+def test_an_answer_assembled_from_vllms_stream_is_vllms_own_answer_byte_for_byte() -> None:
+    # the same request, captured streamed and not: the stream assembled is the answer
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 6, "return_token_ids": True,
+            "temperature": 0}
+    read = read_stream_request("/v1/completions", json.dumps(body).encode(), {},
+                               assemble_answers=True)
+    assert read is not None and read.assemble
+    assert json.loads(read.upstream_body) == {**body, "stream": True,
+                                              "stream_options": {"include_usage": True}}
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    for event in captured_events("completions-stream-token-ids.http"):
+        splice.on_event(event)
+    # that capture did not ask for usage; this is the chunk vLLM sends when asked
+    splice.on_event(b'data: {"id":"cmpl-9ecf665361bdd0e3","object":"text_completion",'
+                    b'"created":1796051753,"model":"tiny","choices":[],"usage":{'
+                    b'"prompt_tokens":6,"total_tokens":12,"completion_tokens":6}}')
+    whole = (CAPTURES / "completions-token-ids.http").read_bytes().split(b"\n\n", 2)[2]
+    ours = splice.answer()
+    real = json.loads(whole)
+    assert json.loads(ours)["id"] == "cmpl-9ecf665361bdd0e3"
+    assert ours.replace(b"cmpl-9ecf665361bdd0e3", real["id"].encode()).replace(
+        b"1796051753", str(real["created"]).encode()) == whole
+    # without the assemble setting, or with logprobs, a non-streamed request is not read
+    assert read_stream_request("/v1/completions", json.dumps(body).encode(), {}) is None
+    assert read_stream_request("/v1/completions", json.dumps({**body, "logprobs": 1}).encode(),
+                               {}, assemble_answers=True) is None

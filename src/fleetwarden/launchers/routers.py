@@ -158,6 +158,17 @@ class WorkerLink:
     async def metrics_text(self) -> str:
         return await self._now().metrics_text()
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other control call a :class:`RemoteRouter` offers (the controller asks with
+        ``getattr`` for the optional ones), sent to the worker now in the slot."""
+        if name.startswith("_") or not callable(getattr(RemoteRouter, name, None)):
+            raise AttributeError(name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await getattr(self._now(), name)(*args, **kwargs)
+
+        return call
+
 
 @dataclass(eq=False)
 class _Process:

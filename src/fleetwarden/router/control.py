@@ -1,5 +1,8 @@
 """The router's control API, so that one controller can drive several router processes.
 
+Owns: the router's control API and the clients that drive a router, in this process or another.
+Must not: decide anything: it carries the controller's pushes and drains.
+
 Served on its own port, on 127.0.0.1 by default, and only to callers holding the bearer token
 (401 otherwise). The controller's tick (SYSTEM.md section 6) uses it to push the serving set,
 drain outcomes and rescue requests off condemned backends.
@@ -10,7 +13,8 @@ method   path             body                             answer
 GET      /status          -                                :meth:`Router.status`
 PUT      /serving         ``{"backends": [url, ...],       ``{"serving": [url, ...],
                           "facts": {url: facts}}``         "facts": {url: facts}}``
-POST     /outcomes/drain  -                                ``{"outcomes": {url: [s, f, t]}}``
+POST     /outcomes/drain  ``{"ack": batch or null}``       ``{"outcomes": {url: [s, f, t]},
+                          (optional)                       "batch": id}``
 POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
 PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x or null}``
@@ -21,6 +25,14 @@ GET      /metrics         -                                the router's own ``/m
 :class:`~fleetwarden.router.app.Router` in the same async methods, so a controller treats a
 router in its own process and one across a socket alike (:class:`RouterControl`).
 
+Drains are acknowledged, so that a lost answer loses no outcome: each drain's answer carries a
+``batch`` id, and the router keeps that batch until a later drain names it in ``ack``. A drain
+whose ``ack`` is not the batch the router holds (the answer was lost, or a new controller
+starts with ``null``) gets the held batch again, merged with what happened since; a drain
+without ``ack`` (an older controller) gets only what happened since, as before. At least once:
+a controller that applied a batch and died before acknowledging it has that window counted
+twice by the next one, where losing it would hide failures.
+
 ``facts`` of a backend are ``{"shard": i, "weight_version": v}`` (:class:`BackendFacts`). They
 are optional both ways: a push without them (an older controller) is served, with every
 backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
@@ -29,8 +41,10 @@ backend's facts unknown, and an older router reads ``backends`` alone and ignore
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import math
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -45,7 +59,7 @@ if TYPE_CHECKING:
     from fleetwarden.router.app import Router
 
 __all__ = ["ControlError", "InProcessRouter", "RemoteRouter", "RouterControl",
-           "make_control_app"]
+           "make_control_app", "merge_outcomes"]
 
 #: How long a control call may take. The calls are in-memory operations on the router, so
 #: seconds without an answer mean the router process is gone or stuck; the tick moves on.
@@ -104,8 +118,24 @@ def make_control_app(router: Router, token: str) -> web.Application:
         return web.json_response({"serving": router.serving_backends(),
                                   "facts": _facts_json(router.backend_facts())})
 
+    held: dict[str, tuple[int, int, int]] = {}
+    batches = itertools.count(1)
+    held_batch = f"{secrets.token_hex(4)}-0"  # unique to this router process
+
     async def drain(request: web.Request) -> web.Response:
-        return web.json_response({"outcomes": router.drain_outcomes()})
+        nonlocal held, held_batch
+        body = await _json_object(request) if request.can_read_body else {}
+        fresh = router.drain_outcomes()
+        if "ack" not in body:  # an older controller: each window handed over once
+            held = {}
+            return web.json_response({"outcomes": fresh})
+        ack = body["ack"]
+        if ack is not None and not isinstance(ack, str):
+            raise _bad_request("'ack' must be a batch id or null")
+        if ack != held_batch:
+            fresh = merge_outcomes(held, fresh)  # that batch's answer was lost: send it again
+        held, held_batch = fresh, f"{held_batch.split('-')[0]}-{next(batches)}"
+        return web.json_response({"outcomes": fresh, "batch": held_batch})
 
     async def rescue(request: web.Request) -> web.Response:
         body = await _json_object(request)
@@ -147,6 +177,21 @@ def make_control_app(router: Router, token: str) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
+
+
+def merge_outcomes(
+    older: Mapping[str, tuple[int, int, int]], newer: Mapping[str, tuple[int, int, int]],
+) -> dict[str, tuple[int, int, int]]:
+    """Two consecutive windows as one: counts add up; the trailing failures are the newer
+    window's when it had a success, else the older's trailing run continued by the newer's."""
+    merged = dict(older)
+    for url, (s, f, t) in newer.items():
+        if url not in merged:
+            merged[url] = (s, f, t)
+            continue
+        s0, f0, t0 = merged[url]
+        merged[url] = (s0 + s, f0 + f, t if s > 0 else t0 + t)
+    return merged
 
 
 def _bad_request(message: str) -> web.HTTPBadRequest:
@@ -232,6 +277,8 @@ class RemoteRouter:
         self._headers = {"Authorization": f"Bearer {token}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        #: The batch of the last drain answered: acknowledged by the next drain.
+        self._last_batch: str | None = None
 
     async def __aenter__(self) -> RemoteRouter:
         return self
@@ -274,7 +321,8 @@ class RemoteRouter:
         await self._call("PUT", "/serving", body)
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        answer = await self._call("POST", "/outcomes/drain")
+        answer = await self._call("POST", "/outcomes/drain", {"ack": self._last_batch})
+        self._last_batch = answer.get("batch")
         return {url: (int(s), int(f), int(t)) for url, (s, f, t) in answer["outcomes"].items()}
 
     async def rescue(self, url: str) -> int:

@@ -1,5 +1,9 @@
 """Forwarding one request: pick a backend, send, stream the answer back, count what happened.
 
+Owns: one request's way through the backends: send, retry, rescue, stream back, count.
+Must not: decide health or change the serving set: it reports outcomes, the controller and the
+ledger judge.
+
 The imperative shell around :class:`~fleetwarden.router.pool.Pool`. Its rules (SYSTEM.md
 section 4):
 
@@ -155,7 +159,10 @@ class _Stream:
 
     @property
     def began(self) -> bool:
-        return self.response is not None
+        """From here on it is continued, never restarted: its first bytes reached the client,
+        or (an answer the router assembles) the engine produced tokens."""
+        return self.response is not None or (self.splice.request.assemble
+                                             and self.splice.produced > 0)
 
 
 def error_response(status: int, message: str, error_type: str,
@@ -302,7 +309,8 @@ class Forwarder:
             return min_version
         stream = None
         if self.settings.continue_streams:
-            read = read_stream_request(request.path, body, request.headers)
+            read = read_stream_request(request.path, body, request.headers,
+                                       assemble_answers=self.settings.continue_answers)
             if read is not None:
                 stream = _Stream(Splice(read))
 
@@ -543,6 +551,13 @@ class Forwarder:
                             return _Failure(backend, Cause.STREAM_ERROR)
                         if outcome is Outcome.SKIP:
                             continue
+                        if splice.request.assemble:
+                            if outcome is Outcome.DONE:
+                                complete = True
+                                self.pool.record_success(backend)
+                                return await self._answer_assembled(
+                                    request, stream, upstream, started, backend_time, facts)
+                            continue
                         response = await self._send(request, stream, out, upstream, started,
                                                     backend_time, facts)
                         if response is None:  # the client left: not the engine's doing
@@ -586,14 +601,34 @@ class Forwarder:
         stream.splice.events_sent += 1
         return response
 
+    async def _answer_assembled(self, request: web.Request, stream: _Stream,
+                                upstream: aiohttp.ClientResponse, started: float,
+                                backend_time: float, facts: BackendFacts) -> web.StreamResponse:
+        """The whole answer to a non-streamed request, assembled from the stream(s)."""
+        headers = _response_headers(upstream.headers, _NOT_RELAYED_WHOLE | {"content-type"},
+                                    facts)
+        response = web.Response(status=200, body=stream.splice.answer(), headers=headers,
+                                content_type="application/json")
+        stream.response = response
+        try:
+            await response.prepare(request)
+            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
+            self.stats.responded(200)
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client left: its loss, not the engine's
+        return response
+
     async def _end_stream(self, stream: _Stream, failure: _Failure | None,
                           reason: str) -> web.StreamResponse:
         """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
         cause, then ``[DONE]``, as vLLM ends a stream that failed. A generation that was
         already whole (its finish came, its end was lost) just ends."""
         response = stream.response
-        assert response is not None
         splice = stream.splice
+        if response is None:  # an answer being assembled: nothing reached the client yet
+            self.stats.stream_ended(reason)
+            return self._refuse(failure)
         if splice.finish_reason is not None:
             data = splice.closing_usage() + DONE
         else:

@@ -1,5 +1,8 @@
 """The router's settings: every default in one place, each with its reason (SYSTEM.md section 4).
 
+Owns: every router default with its reason, and the checks on them.
+Must not: do I/O (pure).
+
 Pure: no I/O. A setting that is out of range is an error naming the field and what it allows.
 """
 
@@ -79,6 +82,12 @@ class RouterSettings:
     #: and strips them from what the client did not ask for. Off: streams pass through
     #: untouched, and one cut mid-answer is cut for its client too.
     continue_streams: bool = True
+    #: Also continue non-streamed completions and chats: the router asks the engine for a
+    #: stream and assembles the answer in vLLM's shape, so a long generation rescued from a
+    #: wedge or cut by a crash goes on elsewhere instead of starting over. Off by default: it
+    #: costs the router the parsing of every token's chunk (BENCHMARKS.md), and requests with
+    #: logprobs are not assembled.
+    continue_answers: bool = False
     #: How long an idle pooled connection to a backend is kept. Below uvicorn's 5 s (vLLM's
     #: server): a connection is never reused at the moment the engine closes it, so a reset
     #: means the engine, not the pool.

@@ -1,5 +1,8 @@
 """Continuing a streamed generation on another engine: the pure parts (no I/O, no clock).
 
+Owns: how a broken stream continues on another engine: the prompt, the chunks, the seam.
+Must not: do I/O or read a clock (pure).
+
 When an engine fails a stream whose first bytes already reached the client (a crash, a reset,
 a rescue from a wedge), the router does not cut it: it asks another engine to go on from the
 tokens already produced, and splices that engine's chunks into the client's stream, so the
@@ -93,23 +96,35 @@ class StreamRequest:
     wants_ids: bool
     #: What goes upstream on the first attempt.
     upstream_body: bytes
+    #: A non-streamed request whose answer the router assembles from a stream it asked the
+    #: engine for (``continue_answers``), so that it too can go on elsewhere.
+    assemble: bool = False
 
 
-def read_stream_request(path: str, body: bytes,
-                        headers: Mapping[str, str]) -> StreamRequest | None:
+def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
+                        assemble_answers: bool = False) -> StreamRequest | None:
     """The streamed completion or chat in ``body``, or ``None`` for anything else (which the
-    router relays as it always has)."""
-    if path not in (COMPLETIONS, CHAT) or b'"stream"' not in body:
+    router relays as it always has). With ``assemble_answers``, a non-streamed completion or
+    chat that could be continued is read too: it goes upstream streamed, and the router
+    assembles its answer (one with logprobs is not: their merge is not done here)."""
+    if path not in (COMPLETIONS, CHAT) or (not assemble_answers and b'"stream"' not in body):
         return None
     try:
         parsed = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(parsed, dict) or parsed.get("stream") is not True:
+    if not isinstance(parsed, dict):
         return None
     chat = path == CHAT
     refusal = _refusal(parsed, chat, headers.get(OPT_OUT_HEADER, "").strip().lower() in _OFF)
     wants_ids = parsed.get("return_token_ids") is True
+    if parsed.get("stream") is not True:
+        if (not assemble_answers or refusal is not None or parsed.get("logprobs")
+                or parsed.get("top_logprobs") or parsed.get("stream") not in (None, False)):
+            return None
+        upstream = _dumps({**parsed, "stream": True, "return_token_ids": True,
+                           "stream_options": {"include_usage": True}})
+        return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True)
     upstream = body
     if refusal is None and not wants_ids:
         upstream = _dumps({**parsed, "return_token_ids": True})
@@ -165,18 +180,23 @@ class SseSplitter:
         self._buffer = b""
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._buffer + data
-        events = []
-        start = 0
-        for match in _EVENT_END.finditer(buffer):
-            events.append(buffer[start:match.start()])
-            start = match.end()
-        self._buffer = buffer[start:]
+        buffer = self._buffer + data if self._buffer else data
+        if b"\r" in buffer:  # not vLLM's LF-only framing: the general (slower) way
+            events = []
+            start = 0
+            for match in _EVENT_END.finditer(buffer):
+                events.append(buffer[start:match.start()])
+                start = match.end()
+            self._buffer = buffer[start:]
+            return events
+        *events, self._buffer = buffer.split(b"\n\n")
         return events
 
 
 def _data(event: bytes) -> bytes | None:
     """The data of an event (its ``data:`` lines joined), or ``None`` if it has none."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # vLLM's: one data line
     lines = [line[5:].removeprefix(b" ") for line in event.splitlines()
              if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
@@ -211,6 +231,9 @@ class Splice:
         self.id: str | None = None
         self.created: int | None = None
         self.model: str | None = None
+        self.usage: dict[str, Any] | None = None  # the whole generation's, once it came
+        self.stop_reason: Any = None
+        self.fingerprint: str | None = None
         self.prompt_ids: list[int] | None = None
         self.output_ids: list[int] = []
         #: Every output chunk so far carried its token ids.
@@ -274,6 +297,10 @@ class Splice:
             self.model = chunk.get("model")
         if chunk.get("usage") is not None and not chunk.get("choices"):
             self.usage_sent = True
+        if self.mode is None and isinstance(chunk.get("usage"), dict):
+            self.usage = dict(chunk["usage"])
+        if chunk.get("system_fingerprint") is not None:
+            self.fingerprint = chunk["system_fingerprint"]
         if self.mode is None and self.request.chat and chunk.get("prompt_token_ids"):
             self.prompt_ids = list(chunk["prompt_token_ids"])
         for choice in chunk.get("choices") or ():
@@ -299,6 +326,7 @@ class Splice:
                 self.text.append(text)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
 
     def _rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """A continuation's chunk as the client's stream goes on: its ids, its shape."""
@@ -306,7 +334,7 @@ class Splice:
         wants_ids = self.request.wants_ids
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            usage = self._whole_usage(usage)
+            usage = self.usage = self._whole_usage(usage)
         if self._as_completion:  # a completion chunk back into a chat chunk
             out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
                                    "created": self.created, "model": chunk.get("model")}
@@ -380,6 +408,41 @@ class Splice:
                       "completion_tokens": self.produced},
         }) + b"\n\n"
 
+    def answer(self) -> bytes:
+        """The non-streamed answer, assembled from the stream(s), in vLLM 0.32's shape
+        (``completions.http``, ``chat.http``, ``completions-token-ids.http``)."""
+        text = "".join(self.text)
+        ids = self.output_ids if self.request.wants_ids else None
+        prompt_ids = self.prompt_ids if self.request.wants_ids else None
+        usage = self.usage or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens", self.produced)
+        whole_usage = {"prompt_tokens": prompt,
+                       "total_tokens": None if prompt is None else prompt + completion,
+                       "completion_tokens": completion, "prompt_tokens_details": None,
+                       "completion_tokens_details": None}
+        head = {"id": self.id,
+                "object": "chat.completion" if self.request.chat else "text_completion",
+                "created": self.created, "model": self.model}
+        if self.request.chat:
+            message = {"role": "assistant", "content": text, "refusal": None,
+                       "annotations": None, "audio": None, "function_call": None,
+                       "reasoning": None}
+            return _dumps({**head, "choices": [{
+                "index": 0, "message": message, "logprobs": None,
+                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
+                "token_ids": ids, "routed_experts": None}],
+                "service_tier": None, "system_fingerprint": self.fingerprint,
+                "usage": whole_usage, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+                "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None})
+        return _dumps({**head, "choices": [{
+            "index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason, "token_ids": ids, "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids, "routed_experts": None}],
+            "service_tier": None, "system_fingerprint": self.fingerprint, "usage": whole_usage,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+
     # ------------------------------------------------------------------ the next attempt
 
     def continuation(self, chat_as_completion: bool = True) -> Continuation | str:
@@ -400,6 +463,8 @@ class Splice:
         if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
             body["min_tokens"] = max(0, min_tokens - produced)
         body["return_token_ids"] = True
+        if request.assemble:  # the client's request was not streamed; its continuation is
+            body.update(stream=True, stream_options={"include_usage": True})
         if exact and request.chat and chat_as_completion and not body.get("logprobs"):
             assert self.prompt_ids is not None
             completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
