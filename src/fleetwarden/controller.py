@@ -225,6 +225,10 @@ class Controller:
                 continue
             self.apply_outcomes(outcomes)
 
+        # Every router's window of this tick has been read: a restart seen before it no longer
+        # needs its failures set aside.
+        self._renewed.clear()
+
         # 4. push, every tick, unconditionally
         urls, facts = self.serving_push()
         retry_after = self._retry_after_estimate()
@@ -300,12 +304,11 @@ class Controller:
                 evidence=f"{r.verdict.name}: {r.evidence.summary}")
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
-        renewed, self._renewed = self._renewed, set()
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
             if i is None:
                 continue
-            if url in renewed:
+            if url in self._renewed:
                 # The engine restarted on its own during this window: its failures are the old
                 # process's (they are why it restarted), and a new process has no history.
                 failures = trailing = 0
