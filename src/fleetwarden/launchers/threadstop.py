@@ -1,5 +1,8 @@
 """Stop one thread of a process, leaving the others running: the compute-only wedge.
 
+Owns: stopping and releasing one thread of a local process (ptrace), and the threads held so.
+Must not: decide which engine to wedge or when (``chaos.py``), or signal whole processes.
+
 On a one-process engine (llama.cpp's ``llama-server``), ``SIGSTOP`` stops every thread, so its
 ``/health`` and ``/metrics`` stop answering too: a wedge that any probe sees. The wedge that
 probes cannot see is a compute thread that stops while the HTTP threads go on answering
