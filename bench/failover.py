@@ -187,6 +187,9 @@ NGINX_FAIL_TIMEOUT_S = 15
 ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
     RouterSpec("fleetwarden", "fleetwarden",
                flags="defaults (tick 5 s, stall_s 15 s, canary every 30 s, 3 failed windows)"),
+    # Not in the default set: non-streamed answers continued too (issue 16, off by default).
+    RouterSpec("fleetwarden-answers", "fleetwarden", True,
+               "defaults, and [router] continue_answers = true"),
     RouterSpec("sglang-router", "sglang", flags=f"defaults, {RUST_POLICY}"),
     RouterSpec("sglang-router-tuned", "sglang", True, f"{' '.join(TUNED_RUST)}, {RUST_POLICY}"),
     RouterSpec("vllm-router", "vllm", flags=f"defaults, {RUST_POLICY}"),
@@ -196,6 +199,10 @@ ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
                f"proxy_read_timeout={TUNED_TIMEOUT_S}s, proxy_next_upstream error timeout "
                "http_500 http_502 http_503 non_idempotent (3 tries)"),
 ]}
+
+
+#: Run only when named in --routers.
+OPTIONAL_ROUTERS = ("fleetwarden-answers",)
 
 
 @dataclass
@@ -279,7 +286,7 @@ class Launcher:
         url = f"http://127.0.0.1:{port}"
         log = self.folder / f"{spec.name}.log"
         if spec.kind == "fleetwarden":
-            return self._fleetwarden(port, engines, log)
+            return self._fleetwarden(port, engines, log, answers=spec.tuned)
         if spec.kind in ("sglang", "vllm"):
             requirement = SGLANG_ROUTER if spec.kind == "sglang" else VLLM_ROUTER
             module = "sglang_router" if spec.kind == "sglang" else "vllm_router"
@@ -305,11 +312,14 @@ class Launcher:
                                  lambda _: _nginx_verdicts(folder / "error.log", engines))
         raise ValueError(spec.kind)
 
-    def _fleetwarden(self, port: int, engines: list[str], log: Path) -> RunningRouter:
+    def _fleetwarden(self, port: int, engines: list[str], log: Path,
+                     answers: bool = False) -> RunningRouter:
         config: dict[str, dict[str, Any]] = {
             "fleet": {"log_dir": str(self.folder / "fw-logs")},
             "admin": {"token_file": str(self.folder / "fw-admin.token")},
         }
+        if answers:
+            config["router"] = {"continue_answers": True}
         if self.quick:
             config["health"] = dict(QUICK_HEALTH)
         conf = self.folder / "fleetwarden.toml"
@@ -433,6 +443,7 @@ class Row:
     slow: int = 0
     p50_s: float | None = None
     p99_s: float | None = None
+    max_s: float | None = None  # the slowest answer
     #: New requests that reached the bad engine after the fault, and when the last one came
     #: (seconds after the fault); None when there is no bad engine or it exited.
     bad_after: int | None = None
@@ -591,6 +602,7 @@ def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, b
     if lat:
         row.p50_s = lat[len(lat) // 2]
         row.p99_s = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        row.max_s = lat[-1]
     if fault_at is None:
         return
     row.bad_exited = scenario.fault == "crash"
@@ -752,7 +764,8 @@ def _load_cell(row: Row) -> str:
 def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
     lines = ["| scenario | router | sent (whole streams) | client-visible failures "
              "| slow (>10 s extra) "
-             "| p50 / p99 s | new requests on the bad engine after the fault: last (count) "
+             "| p50 / p99 / slowest s "
+             "| new requests on the bad engine after the fault: last (count) "
              "| healthy engines ejected | load avg |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -764,7 +777,8 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
         sent = f"{row.sent} ({row.ok} whole)" if scenarios[row.scenario].stream else row.sent
         lines.append(
             f"| {title} | {row.router} | {sent} | {_failed_cell(row)} | {row.slow} "
-            f"| {_fmt_s(row.p50_s)} / {_fmt_s(row.p99_s)} | {_bad_cell(row)} "
+            f"| {_fmt_s(row.p50_s)} / {_fmt_s(row.p99_s)} / {_fmt_s(row.max_s)} "
+            f"| {_bad_cell(row)} "
             f"| {row.healthy_ejected} | {_load_cell(row)} |")
     return "\n".join(lines)
 
@@ -943,7 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     if real:
         scenarios = {n: dataclasses.replace(s, slots=0, steps_per_s=1000.0, max_tokens=(16, 64),
                                             clients=8) for n, s in scenarios.items()}
-    routers = [ROUTERS[n] for n in _pick(args.routers, ROUTERS, "router")]
+    routers = [ROUTERS[n] for n in _pick(args.routers, ROUTERS, "router")
+               if args.routers or n not in OPTIONAL_ROUTERS]
     kinds = tuple(k for k in args.sim_engines.split(",") if k)
     from fleetwarden.sim.config import SIM_ENGINES
 

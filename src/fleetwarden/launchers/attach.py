@@ -1,5 +1,9 @@
 """Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
 
+Owns: attached engines: their restart command, its timeout, and telling a new process from the
+old one.
+Must not: start engines itself: something else runs them.
+
 fleetwarden routes to them, watches them and judges them as it does its own engines. When one
 is condemned, ``restart_command`` (a template such as ``kubectl delete pod {name}`` or
 ``systemctl restart vllm@{shard}``) asks the system that runs it for a new process, within the
@@ -12,11 +16,8 @@ no metrics), and it serves again after the canary (static weights) or the next r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import shlex
-import signal
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -25,7 +26,9 @@ import aiohttp
 
 from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.engine_metrics import Sample, parse
+from fleetwarden.engines import VLLM, detect
 from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.launchers.procs import kill_and_reap, spawn_group
 from fleetwarden.probe import health_status
 
 __all__ = ["AttachLauncher", "read_incarnation"]
@@ -39,7 +42,8 @@ _POLL_S = 0.5
 async def read_incarnation(
     session: aiohttp.ClientSession, url: str
 ) -> tuple[bool, str | None]:
-    """(answers /health 200, process start time from /metrics or None)."""
+    """(answers /health 200, which process answers — its start time from /metrics, or its
+    start header where the engine has one, llama.cpp's — or None)."""
     status = await health_status(session, url + "/health")
     if isinstance(status, str):  # no answer at all
         return False, None
@@ -48,7 +52,10 @@ async def read_incarnation(
         async with session.get(url + "/metrics") as resp:
             if resp.status != 200:
                 return healthy, None
-            sample = parse(await resp.read())
+            body = await resp.read()
+            engine = detect(body.decode("utf-8", errors="replace")) or VLLM
+            start = resp.headers.get(engine.start_header) if engine.start_header else None
+            sample = parse(body, profile=engine, start_header=start)
     except (aiohttp.ClientError, TimeoutError):
         return healthy, None
     return healthy, sample.incarnation if isinstance(sample, Sample) else None
@@ -80,9 +87,9 @@ class AttachLauncher:
             name = urlsplit(url).hostname or url
             argv = shlex.split(self.command.format(shard=shard, url=url, name=name))
             try:
-                proc = await asyncio.create_subprocess_exec(
+                proc = await spawn_group(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    stderr=asyncio.subprocess.STDOUT,
                 )
             except OSError as exc:
                 raise LaunchError(f"shard {shard}: cannot run restart command {argv[0]!r}: "
@@ -105,12 +112,12 @@ class AttachLauncher:
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.command_timeout_s)
         except TimeoutError:
-            await _end_group(proc)
+            await kill_and_reap(proc)
             raise LaunchError(f"shard {shard}: restart command still running after "
                               f"{self.command_timeout_s:g} s (startup_timeout_s); "
                               "ended it") from None
         except BaseException:
-            await _end_group(proc)
+            await kill_and_reap(proc)
             raise
         return out
 
@@ -139,11 +146,3 @@ class AttachLauncher:
     async def close(self) -> None:
         self._before.clear()
 
-
-async def _end_group(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the command's process group (it was started in a session of its own) and reap
-    it. A restart command holds no state worth a grace period."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        await asyncio.shield(proc.wait())

@@ -1,5 +1,9 @@
 """Engines as local processes, one process group each.
 
+Owns: engines as local process groups: launch, readiness, exit, stop, adoption of an earlier
+run's engines.
+Must not: decide when: the supervisor does, and the restore policy is ``restore.py``'s.
+
 An engine is started with ``setsid`` (its own session and process group), on a free port, its
 output in a log file of its own per incarnation. Stop is SIGTERM to the whole group, SIGKILL
 after a grace period, then a check that nothing of the group is left: killing a vLLM API server
@@ -38,6 +42,7 @@ from fleetwarden.launchers.procs import (
     process_info,
     process_start_ticks,
     signal_process,
+    spawn_group,
     terminate_group,
 )
 from fleetwarden.probe import health_status
@@ -224,9 +229,9 @@ class LocalLauncher:
             out.write(f"# fleetwarden: {shlex.join(argv)}\n".encode())
             out.flush()
             try:
-                proc = await asyncio.create_subprocess_exec(
+                proc = await spawn_group(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                    stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                    stderr=asyncio.subprocess.STDOUT, env=env,
                     preexec_fn=None if self.fleet.engines_outlive_fleetwarden
                     else _term_when_parent_dies,
                 )
