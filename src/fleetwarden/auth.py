@@ -1,5 +1,10 @@
 """Bearer tokens in 0600 files, created with a random token when missing.
 
+Owns: bearer token files: creating them 0600, refusing ones others can read, comparing in
+constant time.
+Must not: log a token, or decide who may do what (the admin API and the router's control API
+do).
+
 The admin API and a router's control API both take one. A token file others can read is
 refused: the token lets its holder retire engines, drain outcomes and empty the serving list.
 Tokens are compared in constant time and never written to a log (the servers run without an

@@ -1,5 +1,10 @@
 """Fault injection into one shard's engine: what `fleetwarden chaos` and the dashboard do.
 
+Owns: how each fault is injected: a simulated engine's fault endpoint, or signals to a real
+engine's core.
+Must not: decide anything about health: what a fault does to a shard is for the watchdog and the
+ledger to find.
+
 On a simulated engine (``fleetwarden sim``) through its fault endpoint, with every mode it has.
 On a real local vLLM engine by signals to its ``VLLM::EngineCore`` process, which is what the
 real faults look like (REAL-ENGINES.md): ``wedge`` = SIGSTOP (``/health`` stays 200, every

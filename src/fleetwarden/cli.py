@@ -1,4 +1,8 @@
-"""The ``fleetwarden`` command."""
+"""The ``fleetwarden`` command.
+
+Owns: the ``fleetwarden`` command: its options, its output and its exit codes.
+Must not: hold any rule of its own: it parses, calls the module that owns the work, and prints.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
 """A small client for a fleet's admin API: what a trainer in another process, and the CLI, use.
 
+Owns: the admin API's Python client (what a trainer in another process, and the CLI, call).
+Must not: know a fleet's internals: it speaks only the admin API's JSON.
+
     from fleetwarden.client import FleetClient
 
     fleet = FleetClient("http://127.0.0.1:8081", token_file="fleetwarden-admin.token")
     lease = fleet.begin_refit(7)            # {"version": 7, "participants": [...], ...}
     ...                                     # push weights to lease["participants"]
     fleet.complete_refit(7)                 # or fleet.abort_refit(7, "NCCL timeout")
+    fleet.sleep(level=1); train(); fleet.wake()   # colocated RL: the GPU to the trainer
 
 Synchronous and dependency-free (the standard library's HTTP client), so it drops into any
 training loop. Every refused call raises :class:`FleetClientError` with the fleet's message.
@@ -106,6 +110,25 @@ class FleetClient:
 
     def refits(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", "/admin/refits")
+        return result
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int = 1, shards: list[int] | None = None) -> dict[str, Any]:
+        """Put the engines to sleep for a training step (every awake shard by default): out
+        of routing first, then vLLM's ``/sleep?level=N``. ``["shards"]`` says per shard how it
+        went (``error`` empty when it sleeps)."""
+        body: dict[str, Any] = {"level": level}
+        if shards is not None:
+            body["shards"] = shards
+        result: dict[str, Any] = self._call("POST", "/admin/sleep", body)
+        return result
+
+    def wake(self, shards: list[int] | None = None) -> dict[str, Any]:
+        """Wake the sleeping engines (all by default); each serves again, as it was before it
+        slept, once it says it is awake. Routers know before this returns."""
+        body: dict[str, Any] = {} if shards is None else {"shards": shards}
+        result: dict[str, Any] = self._call("POST", "/admin/wake", body)
         return result
 
     # ------------------------------------------------------------------ operator actions

@@ -1,5 +1,10 @@
 """Configuration: one TOML file, validated with pydantic. Every default has one home.
 
+Owns: the TOML file, its validation and its messages; defaults that no component owns, each with
+its reason.
+Must not: repeat a default that a component owns (``ledger.Policy``, ``judge.WatchdogPolicy``,
+``router.settings``): it reads them.
+
 The sections follow the picture of SYSTEM.md section 1: `[fleet]` (the engines), `[router]`,
 `[health]` (watchdog and ledger thresholds), `[supervisor]` (restarts), `[journal]` and
 `[admin]`. Components take their section as it is; nothing else holds a default.

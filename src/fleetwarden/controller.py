@@ -1,5 +1,10 @@
 """The controller tick: the one loop that couples watchdog, ledger, supervisor and routers.
 
+Owns: the tick: gathering the watchdog's reports and the routers' outcomes, calling the ledger,
+pushing the serving set.
+Must not: decide health itself (the judge and the ledger's table do), or start and stop engines
+(the supervisor does).
+
 Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
 
 1. a watchdog round for every shard that has a process (serving and STALE), concurrently;
@@ -34,6 +39,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.judge import Verdict
 from fleetwarden.ledger import (
     ABSENT,
+    ROUTABLE,
     Event,
     FleetExhausted,
     Ledger,
@@ -90,7 +96,7 @@ class TickReport:
 class FleetStatus:
     """The fleet-level answer to "can this fleet serve?" — never an exception to the caller."""
 
-    state: str  # "serving", "degraded", "down", "exhausted"
+    state: str  # "serving", "degraded", "asleep", "down", "exhausted"
     detail: str
     counts: dict[str, int]
 
@@ -128,6 +134,8 @@ class Controller:
         #: that window's failures are the old process's (issue 15, item 8).
         self._renewed: set[str] = set()
         self._condemned: dict[int, str] = {}
+        #: Shards that fell asleep since the last tick: their waiting requests move elsewhere.
+        self._fell_asleep: dict[int, str] = {}
         self._urgent: set[asyncio.Task[None]] = set()
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._wake = asyncio.Event()
@@ -141,6 +149,10 @@ class Controller:
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
+        elif t.to_state is ShardState.SLEEPING and t.from_state in ROUTABLE:
+            # A sleeping engine holds what it has not begun to answer until it wakes: those
+            # requests are rescued, as off a condemned one (it is not condemned).
+            self._fell_asleep[t.shard] = t.record.base_url
 
     def shard_condemned_now(self, shard: int, url: str) -> None:
         """Called outside the tick (a process exit): push and rescue without waiting."""
@@ -176,6 +188,9 @@ class Controller:
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        excused = excused | frozenset(self.ledger.sleeping())
 
         # 1. the watchdog round, for every shard with a process
         in_flight = await self._in_flight(report)
@@ -221,7 +236,8 @@ class Controller:
         # 5. rescue what waits on shards condemned this tick
         condemned, self._condemned = self._condemned, {}
         report.condemned = sorted(condemned)
-        for url in condemned.values():
+        asleep, self._fell_asleep = self._fell_asleep, {}
+        for url in [*condemned.values(), *asleep.values()]:
             for link in self.routers:
                 try:
                     report.rescued += await link.rescue(url)
@@ -299,6 +315,9 @@ class Controller:
             self.ledger.raise_if_exhausted()
         except FleetExhausted as exc:
             return FleetStatus("exhausted", str(exc), counts)
+        if serving == 0 and self.ledger.sleeping():
+            return FleetStatus("asleep", f"{len(self.ledger.sleeping())} shards asleep; none "
+                               "serves until one wakes", counts)
         if serving == 0:
             return FleetStatus("down", "no shard serves; restarts in progress", counts)
         journal = self._journal_problem()
@@ -349,6 +368,21 @@ class Controller:
             except Exception as exc:
                 log.warning("router %s: push failed: %s", _name(link), exc)
 
+    async def push_and_rescue_now(self) -> int:
+        """Push now, and move the requests waiting on shards that fell asleep since the last
+        push elsewhere (the trainer's sleep bracket, before its engines sleep). Returns how
+        many were moved."""
+        await self.push_now()
+        asleep, self._fell_asleep = self._fell_asleep, {}
+        moved = 0
+        for url in asleep.values():
+            for link in self.routers:
+                try:
+                    moved += await link.rescue(url)
+                except Exception as exc:
+                    log.warning("router %s: rescue failed: %s", _name(link), exc)
+        return moved
+
     def wake(self) -> None:
         """Run the next tick now (an admin action changed the fleet)."""
         self._wake.set()
@@ -369,8 +403,12 @@ def reading_of(r: Report, *, excused: bool = False) -> Reading:
     return Reading(
         health=r.health.value,  # the same four words
         verdict=r.verdict.name, summary=r.evidence.summary,
-        restarted=r.verdict is Verdict.RESTARTED, incarnation=r.incarnation,
+        # A restart is also told by a SLEEPING verdict: a new process already asleep
+        restarted=r.verdict is Verdict.RESTARTED or (
+            r.verdict is Verdict.SLEEPING and r.evidence.previous_incarnation is not None),
+        incarnation=r.incarnation,
         canary_ok=None if r.canary is None else r.canary.ok,
         canary_error=r.canary.error if r.canary is not None else "",
         excused=excused,
+        sleep_level=r.sample.sleep_level if r.sample is not None else None,
     )

@@ -1,5 +1,9 @@
 """`fleetwarden demo`: the whole story on three engines, live, in about two minutes.
 
+Owns: the demo's acts on a real fleet, what it measures and how it tells the story.
+Must not: reach into the fleet's parts: it acts and reads through the fleet's surface and
+``snapshot()``.
+
 A fleet of three simulated vLLM engines (or two real ones, with ``--engine-cmd``) under steady
 load from the official ``openai`` client, and a script of faults: a wedge under load, a
 crash, a trickle of failed generations, an idle wedge, and a saturated-but-healthy stretch.

@@ -1,5 +1,8 @@
 """The journal: a SQLite (WAL) record of every transition, verdict and restart.
 
+Owns: the SQLite journal: its schema, its writer thread, its reads and the restore of a ledger.
+Must not: decide what a restored fleet does with its engines (``restore.py``).
+
 It answers two questions. *What happened?* (``fleetwarden history``, the dashboard), and *where
 were we?* (:meth:`Journal.restore` rebuilds a :class:`~fleetwarden.ledger.Ledger` after a
 restart of fleetwarden, so restart budgets, retirements, weight versions and streaks survive).

@@ -1,5 +1,10 @@
 """Verdicts on an engine from two reads of its metrics (pure; SYSTEM.md section 5, note 002).
 
+Owns: the verdicts, the stall memory, when a canary may be sent and what each outcome amounts to
+(``VERDICTS``).
+Must not: do I/O or read a clock (pure), or touch the ledger (it answers; the ledger decides the
+shard's state).
+
 Two rules, as in h11's ``_state.py``:
 
 * Everything that decides what a read of an engine means lives in this file: the verdicts, the
@@ -18,6 +23,11 @@ The verdicts, when each is given, when it allows a canary and what it amounts to
 :data:`VERDICTS` (data, as the ledger's ``TRANSITIONS`` is); :func:`judge` gives the verdicts
 and :func:`conclude` reads the table. The watchdog's module doc and ``docs/design.md``
 section 5 point here instead of repeating it.
+
+A sleeping engine (vLLM's sleep mode, while a trainer uses the GPU) answers ``/health`` 200,
+shows 0 running and 0 waiting, and holds what is sent to it: exactly a lost core, or an idle
+engine whose canary fails. Its own word decides first (SLEEPING), so it is never canaried, never
+STUCK and never LOST_CORE; it proves nothing either way and its stall memory is cleared.
 """
 
 from __future__ import annotations
@@ -110,6 +120,7 @@ class Verdict(enum.Enum):
     UNREACHABLE = "unreachable"
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
+    SLEEPING = "sleeping"
 
     def __str__(self) -> str:
         return self.value
@@ -182,6 +193,9 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
     Verdict.REACHABLE: VerdictRule(
         "a proxy answered ``GET /v1/models`` (its backends are judged directly)", "never",
         Health.PROVEN),
+    Verdict.SLEEPING: VerdictRule(
+        "``vllm:engine_sleep_state`` says asleep: it holds generations until woken (judged "
+        "before all but a restart, which it reports)", "never", None),
 }
 
 
@@ -351,6 +365,18 @@ def judge(
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
     base = Evidence(gauges, running=after.running, waiting=after.waiting, in_flight=in_flight,
                     incarnation=after.incarnation)
+
+    if after.sleeping:
+        held = f"; the {in_flight} requests in flight wait for its wake-up" if in_flight else ""
+        restarted = ""
+        if before is not None and before.start_time != after.start_time:
+            # Asleep already in a new process: the restart is told (previous_incarnation), so
+            # that the ledger does not wake it to the weights the old process had.
+            base = replace(base, previous_incarnation=before.incarnation)
+            restarted = f"; a new process ({before.incarnation} -> {after.incarnation})"
+        return verdict(Verdict.SLEEPING, CanaryRule.NEVER,
+                       replace(base, summary=f"asleep (sleep level {after.sleep_level}); "
+                               f"{gauges}{held}{restarted}"))
 
     if before is None:
         if has_work:

@@ -1,5 +1,8 @@
 """Refit: what an RL trainer calls around a weight sync (SYSTEM.md section 8).
 
+Owns: a refit's lease, its participants and its outcome, through the ledger's operations.
+Must not: do I/O (pure, an injected clock), or push to routers (the controller does).
+
 ``begin_refit(version)`` names the participants (serving and STALE shards: everyone with a
 process that can take new weights) and opens a lease; while it is open the watchdog does not
 judge stalls on them (an engine may pause generation while it loads weights).

@@ -1,5 +1,8 @@
 """The note-001 story, played through the real ledger.
 
+Owns: note 001's story as a sequence of ledger operations.
+Must not: do I/O or read a clock (pure).
+
 Note 001 (``shared/seeds/001_*``): a shard fails two requests, a refit aborts, it is condemned
 as the silent participant, the supervisor restarts it, the next refit lands. Before the fix the
 new engine came back SUSPECT holding the dead engine's failure streak, one request from being

@@ -1,12 +1,18 @@
 """The supervisor: restarts condemned shards through a launcher, within budgets.
 
+Owns: restarts: budgets, backoff, the concurrency cap, and every task it starts.
+Must not: decide that a shard is condemned (the ledger does) or how an engine is launched (the
+launchers do).
+
 The ledger decides *that* a shard is restarted (it is DEAD and has budget left); the supervisor
 does it: ``mark_restarting`` (spends one restart), launch, wait until the engine answers within
 ``startup_timeout_s``, then ``mark_loaded`` with the new URL and incarnation. A failed attempt is
 ``mark_restart_failed`` and an exponential backoff (2 s doubling to 60 s). At most
 ``max_concurrent_restarts`` run at once, fleet-wide.
 
-Restarts run in the background, owned by the supervisor's task group; the ledger is only
+Restarts run in the background, each a task owned by the supervisor (:class:`TaskOwner`: none
+is started bare, none outlives :meth:`Supervisor.close`, which cancels the attempts and awaits
+every task, background stops included); the ledger is only
 touched from :meth:`Supervisor.tick` and the exit callback, both on the controller's event loop.
 A process exit is conclusive: the shard is condemned the moment the launcher sees it.
 """
@@ -14,19 +20,20 @@ A process exit is conclusive: the shard is condemned the moment the launcher see
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, Launcher, LaunchError
 from fleetwarden.ledger import ABSENT, Ledger, ShardState
 
-__all__ = ["RestartAttempt", "Supervisor", "launch_first"]
+__all__ = ["RestartAttempt", "Supervisor", "TaskOwner", "launch_first"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +83,8 @@ class Supervisor:
         #: Earliest time of the next attempt per shard, after a failed one.
         self._not_before: dict[int, float] = {}
         self._failures_in_a_row: dict[int, int] = {}
-        self._stops: set[asyncio.Task[Any]] = set()
+        #: Every task this supervisor starts: restart attempts and background stops.
+        self.tasks = TaskOwner()
         self.cap = config.concurrency_cap(len(ledger))
         #: Restarts completed since start, for the fleet's own metrics.
         self.restarts_completed = 0
@@ -111,7 +119,7 @@ class Supervisor:
             if state is not ShardState.DEAD or i in self.attempts:
                 continue
             if self.passive(i):
-                task = asyncio.create_task(self._restart(i), name=f"await-return:{i}")
+                task = self.tasks.start(self._restart(i), f"await-return:{i}")
                 self.attempts[i] = RestartAttempt(i, 0, now, task, passive=True)
                 continue
             if self.restarts_in_progress() >= self.cap or now < self._not_before.get(i, 0.0):
@@ -130,7 +138,7 @@ class Supervisor:
             if not outcome:
                 continue
             attempt = record.restart_attempts
-            task = asyncio.create_task(self._restart(i), name=f"restart:{i}:{attempt}")
+            task = self.tasks.start(self._restart(i), f"restart:{i}:{attempt}")
             self.attempts[i] = RestartAttempt(i, attempt, now, task)
             if self.journal is not None:
                 self.journal.record_restart(i, attempt, "started")
@@ -144,9 +152,8 @@ class Supervisor:
         return sum(1 for a in self.attempts.values() if not a.passive)
 
     def _cancel(self, attempt: RestartAttempt) -> None:
-        attempt.task.cancel()  # the attempt stops what it launched on its way out
-        self._stops.add(attempt.task)  # awaited by close()
-        attempt.task.add_done_callback(self._stops.discard)
+        attempt.task.cancel()  # the attempt stops what it launched on its way out (its task
+        # stays owned by self.tasks, so close() awaits that stop)
 
     def _collect(self) -> None:
         for i, attempt in list(self.attempts.items()):
@@ -236,9 +243,7 @@ class Supervisor:
             self.on_condemned(i, url)
 
     def _stop_in_background(self, handle: EngineHandle) -> None:
-        task = asyncio.create_task(self._stop_logged(handle), name=f"stop:{handle.launch_id}")
-        self._stops.add(task)
-        task.add_done_callback(self._stops.discard)
+        self.tasks.start(self._stop_logged(handle), f"stop:{handle.launch_id}")
 
     async def _stop_logged(self, handle: EngineHandle) -> None:
         try:
@@ -261,12 +266,8 @@ class Supervisor:
         nothing of any group is left). True when every engine was stopped and verified gone."""
         for attempt in self.attempts.values():
             attempt.task.cancel()
-        for attempt in list(self.attempts.values()):
-            with contextlib.suppress(BaseException):
-                await attempt.task
         self.attempts.clear()
-        if self._stops:
-            await asyncio.gather(*self._stops, return_exceptions=True)
+        await self.tasks.wait_all()  # the cancelled attempts, and every stop to its end
         self.engines.clear()
         try:
             await self.launcher.close()
@@ -274,6 +275,31 @@ class Supervisor:
             log.error("stopping the engines: %s", exc)
             return False
         return True
+
+
+class TaskOwner:
+    """The owner of every background task a supervisor starts: each is kept until it ends, and
+    :meth:`wait_all` awaits them all, so none is dropped unawaited or outlives its owner.
+    (The supervisor lives from a fleet's start to its stop, not within one ``async with``, so
+    this is its task group.)"""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait_all(self) -> None:
+        """Await every task still running (a task started meanwhile is awaited too); their
+        errors and cancellations are theirs: the caller collected what it needed."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def launch_first(

@@ -1,5 +1,9 @@
 """The watchdog: the I/O around :mod:`fleetwarden.judge` (SYSTEM.md section 5, note 002).
 
+Owns: the reads of each engine (``/metrics``, ``/health`` via ``probe.py``, ``/v1/models``),
+canaries, and the previous sample per engine.
+Must not: decide what a read means (the judge does) or import the ledger.
+
 It reads each engine's ``/metrics`` (short timeout, bounded size), falls back to ``/health``
 when there are no metrics, keeps the previous sample per engine URL, asks the judge, and sends a
 canary — one completion of ``max_tokens`` 1 — only when the judge allows it and at most every

@@ -302,3 +302,17 @@ async def test_the_simulated_llamacpp_header_changes_on_a_restart(spawn: Any, ht
         assert r.headers["Process-Start-Time-Unix"] != first
     async with http.get(sim.url + "/slots") as r:
         assert [s["is_processing"] for s in await r.json()] == [False] * 8
+
+
+async def test_an_attached_llamacpp_engines_incarnation_is_its_start_header(
+        spawn: Any, http: Any) -> None:
+    """Attach mode waits for a restarted engine to answer as a new process: for llama.cpp that
+    is told by its start header (it has no start-time family)."""
+    from fleetwarden.launchers.attach import read_incarnation
+
+    sim = spawn("--engine", "llamacpp")
+    healthy, before = await read_incarnation(http, sim.url)
+    assert healthy and before is not None
+    await set_fault(http, sim.url, "restart")
+    healthy, after = await read_incarnation(http, sim.url)
+    assert healthy and after is not None and after != before

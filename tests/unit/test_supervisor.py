@@ -176,6 +176,24 @@ async def test_close_cancels_restarts_in_progress() -> None:
     assert sup.attempts == {}
 
 
+async def test_no_task_of_the_supervisor_outlives_its_close() -> None:
+    """Every task it starts is owned (issue 19, item 8): a restart in progress, a cancelled
+    one still stopping what it launched, a background stop. Close ends or awaits them all."""
+    ledger, launcher, sup, _, _ = fleet(3)
+    sup.adopt(2, EngineHandle(2, "http://127.0.0.1:8002", "first-2"))
+    ledger.condemn(0, "x")
+    ledger.condemn(1, "y")
+    sup.tick()  # two attempts (the cap at 3 shards is 1: one waits)
+    await settle()
+    ledger.retire(2, "operator")
+    sup.tick()  # shard 2's engine is stopped in the background
+    started = [t for t in asyncio.all_tasks() if t.get_name().startswith(("restart:", "stop:"))]
+    assert started and len(sup.tasks) == len(started)
+    await sup.close()
+    assert len(sup.tasks) == 0 and all(t.done() for t in started)
+    assert any(h.launch_id == "first-2" for h in launcher.stopped)
+
+
 async def _launch_all(sup: Supervisor, launcher: FakeLauncher, shards: list[int]) -> dict[int, str]:
     task = asyncio.create_task(launch_first(launcher, shards, 30))
     await settle()

@@ -1,5 +1,10 @@
 """The live dashboard on the admin port: one page, its sign-in, and its event stream.
 
+Owns: the page, its sign-in and cookie, its static files, and the event stream the page listens
+to.
+Must not: act on the fleet, or read its parts: it renders ``fleet.snapshot()`` through
+``views.py`` and hears ``events.py``.
+
     GET  /               the page, with a valid token (cookie or bearer); else the sign-in form
     GET  /?token=T       the link ``fleetwarden up`` prints: sets the cookie and redirects to /,
                          so the token leaves the address bar (and the browser's history entry)

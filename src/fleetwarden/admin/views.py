@@ -127,7 +127,7 @@ class FleetCollector:
             verdicts.add_metric([verdict], n)
         status = GaugeMetricFamily("fleetwarden_fleet_status",
                                    "1 for the fleet's current status.", labels=["status"])
-        for name in ("serving", "degraded", "down", "exhausted"):
+        for name in ("serving", "degraded", "asleep", "down", "exhausted"):
             status.add_metric([name], 1.0 if snap.status.state == name else 0.0)
         attempts = GaugeMetricFamily("fleetwarden_restart_attempts",
                                      "Restarts spent per shard (of the budget).",

@@ -1,5 +1,9 @@
 """Launchers start and stop engine processes; the supervisor decides when.
 
+Owns: what every launcher offers (:class:`Launcher`) and what it hands back
+(:class:`EngineHandle`).
+Must not: decide when an engine is started or stopped: the supervisor does.
+
 A launcher knows *how* an engine runs (a local process group, a Ray actor, something another
 system runs that a command restarts). It never touches the ledger: it reports an engine's exit
 through the callback it was given, and the supervisor turns that into ``condemn``.

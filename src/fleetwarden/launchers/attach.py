@@ -1,5 +1,9 @@
 """Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
 
+Owns: attached engines: their restart command, its timeout, and telling a new process from the
+old one.
+Must not: start engines itself: something else runs them.
+
 fleetwarden routes to them, watches them and judges them as it does its own engines. When one
 is condemned, ``restart_command`` (a template such as ``kubectl delete pod {name}`` or
 ``systemctl restart vllm@{shard}``) asks the system that runs it for a new process, within the
@@ -25,6 +29,7 @@ import aiohttp
 
 from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.engine_metrics import Sample, parse
+from fleetwarden.engines import VLLM, detect
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.probe import health_status
 
@@ -39,7 +44,8 @@ _POLL_S = 0.5
 async def read_incarnation(
     session: aiohttp.ClientSession, url: str
 ) -> tuple[bool, str | None]:
-    """(answers /health 200, process start time from /metrics or None)."""
+    """(answers /health 200, which process answers — its start time from /metrics, or its
+    start header where the engine has one, llama.cpp's — or None)."""
     status = await health_status(session, url + "/health")
     if isinstance(status, str):  # no answer at all
         return False, None
@@ -48,7 +54,10 @@ async def read_incarnation(
         async with session.get(url + "/metrics") as resp:
             if resp.status != 200:
                 return healthy, None
-            sample = parse(await resp.read())
+            body = await resp.read()
+            engine = detect(body.decode("utf-8", errors="replace")) or VLLM
+            start = resp.headers.get(engine.start_header) if engine.start_header else None
+            sample = parse(body, profile=engine, start_header=start)
     except (aiohttp.ClientError, TimeoutError):
         return healthy, None
     return healthy, sample.incarnation if isinstance(sample, Sample) else None

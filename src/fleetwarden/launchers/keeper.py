@@ -1,5 +1,8 @@
 """The keeper: one small process per Ray engine that owns the engine's process group.
 
+Owns: one Ray engine's process group, from inside its actor: start, watch, stop.
+Must not: talk to the fleet: it answers the Ray launcher only.
+
 A Ray actor cannot promise to stop its engine by itself: ``ray.kill`` and a lost raylet end the
 actor's worker process at once, no Python cleanup runs in it, and Ray then SIGKILLs the
 worker's direct children. An engine started by the actor directly would be killed alone — and

@@ -1,5 +1,9 @@
 """Engines as local processes, one process group each.
 
+Owns: engines as local process groups: launch, readiness, exit, stop, adoption of an earlier
+run's engines.
+Must not: decide when: the supervisor does, and the restore policy is ``restore.py``'s.
+
 An engine is started with ``setsid`` (its own session and process group), on a free port, its
 output in a log file of its own per incarnation. Stop is SIGTERM to the whole group, SIGKILL
 after a grace period, then a check that nothing of the group is left: killing a vLLM API server

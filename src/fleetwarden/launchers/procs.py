@@ -1,5 +1,8 @@
 """Process groups as ``/proc`` shows them: the engine processes a launcher and ``chaos`` act on.
 
+Owns: process groups as ``/proc`` shows them, and signals to them.
+Must not: know shards or health: it speaks of processes only.
+
 A local engine runs in a process group of its own (``setsid``); for vLLM that group holds the
 API server, ``VLLM::EngineCore``, ``VLLM::Worker`` and helpers such as a resource tracker.
 Killing only the API server orphans the engine core and its worker, which hold gigabytes for

@@ -1,5 +1,8 @@
 """Engines as Ray actors, placed anywhere in a Ray cluster: how a fleet grows past one machine.
 
+Owns: engines as Ray actors: placement, launch through the keeper, exit, stop.
+Must not: decide when: the supervisor does.
+
 Each engine incarnation is one Ray actor, placed by Ray on a node with ``fleet.ray_resources``
 free (``{"GPU": 1}``, or a custom resource). On that node the actor starts the engine from the
 same command template as the local launcher — ``{host}`` is the node's IP, ``{port}`` a free

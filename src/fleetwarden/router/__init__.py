@@ -1,5 +1,8 @@
 """The router: the fleet's data path (SYSTEM.md section 4).
 
+Owns: the router package's lazy names.
+Must not: import aiohttp for a reader of ``settings`` alone.
+
 ``pool`` (pure) holds the serving backends, their in-flight counts, picking and the outcome
 tallies; ``forward`` sends one request through them, with retries, rescue and deliberate
 statuses; ``app`` is the :class:`Router` itself; ``control`` its control API and clients;

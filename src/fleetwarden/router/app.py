@@ -1,5 +1,8 @@
 """The router: the OpenAI API on one URL, in front of the backends it is told may serve.
 
+Owns: the router's routes, its start and stop, and the serving set it is told.
+Must not: decide health: a controller pushes the serving set; the router counts and obeys.
+
 It counts and obeys; it never decides health. A controller pushes the serving set
 (:meth:`Router.set_serving_backends`, the whole list every tick), drains what happened to the
 requests (:meth:`Router.drain_outcomes`), and moves requests off a backend it condemned

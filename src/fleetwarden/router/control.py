@@ -1,5 +1,8 @@
 """The router's control API, so that one controller can drive several router processes.
 
+Owns: the router's control API and the clients that drive a router, in this process or another.
+Must not: decide anything: it carries the controller's pushes and drains.
+
 Served on its own port, on 127.0.0.1 by default, and only to callers holding the bearer token
 (401 otherwise). The controller's tick (SYSTEM.md section 6) uses it to push the serving set,
 drain outcomes and rescue requests off condemned backends.

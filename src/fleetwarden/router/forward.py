@@ -1,5 +1,9 @@
 """Forwarding one request: pick a backend, send, stream the answer back, count what happened.
 
+Owns: one request's way through the backends: send, retry, rescue, stream back, count.
+Must not: decide health or change the serving set: it reports outcomes, the controller and the
+ledger judge.
+
 The imperative shell around :class:`~fleetwarden.router.pool.Pool`. Its rules (SYSTEM.md
 section 4):
 

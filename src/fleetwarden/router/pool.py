@@ -1,5 +1,8 @@
 """The backends a router may use, what is in flight on each, and what happened to its requests.
 
+Owns: the backends, their in-flight counts, picking one, and the outcome tallies.
+Must not: do I/O, await or read a clock (pure).
+
 The functional core of the router: no I/O, no asyncio, no clock. The forwarding shell
 (:mod:`fleetwarden.router.forward`) asks this module where to send a request and tells it how
 each attempt ended; the controller reads the tallies out with :meth:`Pool.drain_outcomes`.

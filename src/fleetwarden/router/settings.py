@@ -1,5 +1,8 @@
 """The router's settings: every default in one place, each with its reason (SYSTEM.md section 4).
 
+Owns: every router default with its reason, and the checks on them.
+Must not: do I/O (pure).
+
 Pure: no I/O. A setting that is out of range is an error naming the field and what it allows.
 """
 

@@ -1,5 +1,8 @@
 """Continuing a streamed generation on another engine: the pure parts (no I/O, no clock).
 
+Owns: how a broken stream continues on another engine: the prompt, the chunks, the seam.
+Must not: do I/O or read a clock (pure).
+
 When an engine fails a stream whose first bytes already reached the client (a crash, a reset,
 a rescue from a wedge), the router does not cut it: it asks another engine to go on from the
 tokens already produced, and splices that engine's chunks into the client's stream, so the

@@ -1,5 +1,8 @@
 """The router's own Prometheus metrics.
 
+Owns: the router's own counters and their Prometheus registry.
+Must not: forward an engine's metrics, or decide anything from the counters.
+
 The request path only bumps plain integers in :class:`RouterStats` (no locks, no label lookups);
 :class:`RouterCollector` turns them into metric families when ``/metrics`` is scraped. Each
 router has its own ``CollectorRegistry``, so several routers can live in one process.

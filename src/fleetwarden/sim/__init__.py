@@ -1,5 +1,8 @@
 """A simulated vLLM engine: a test double for the engine, never for the system under test.
 
+Owns: the simulated engine package (a test double for engines).
+Must not: stand in for fleetwarden itself: only for the engines it manages.
+
 It speaks vLLM 0.32's OpenAI API and ``/metrics`` as the captures in ``tests/fixtures/vllm/``
 show them, runs an engine loop with a slot limit and a step rate, and takes the faults real
 vLLM shows (SYSTEM.md section 10, REAL-ENGINES.md):

@@ -1,5 +1,9 @@
 """What a simulated engine is told at start: its size, its speed, and its fault (no imports
-of the server, so the command line can show these defaults cheaply)."""
+of the server, so the command line can show these defaults cheaply).
+
+Owns: what a simulated engine is told at start, and its fault modes.
+Must not: do I/O.
+"""
 
 from __future__ import annotations
 

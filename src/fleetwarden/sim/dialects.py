@@ -1,5 +1,8 @@
 """Other engines' ``/metrics`` for the simulator: ``fleetwarden sim --engine llamacpp|sglang``.
 
+Owns: other engines' ``/metrics`` names and quirks for the simulator.
+Must not: decide the engine's behaviour (``engine.py`` does).
+
 The simulated engine core (:mod:`fleetwarden.sim.engine`) drives these exactly as it drives
 :class:`~fleetwarden.sim.families.VllmFamilies` (the ``on_*`` methods); only the wire differs,
 so a fleet test can mix engines and the watchdog reads each in its own dialect

@@ -1,5 +1,8 @@
 """The simulated engine core: a scheduler with a slot limit that takes steps.
 
+Owns: the simulated scheduler: waiting, running, steps.
+Must not: do I/O or read a clock (the server steps it).
+
 No I/O and no clock: the server's loop calls :meth:`EngineCore.step` at the configured rate and
 passes the time in. What a step does follows vLLM's V1 scheduler closely enough for a watchdog
 to be fooled the same ways:
@@ -141,6 +144,10 @@ class EngineCore:
                           prefill_s=first - scheduled_at, decode_s=now - first)
         self._publish()
         return StepResult(produced, finished, scheduled)
+
+    def publish(self) -> None:
+        """Write the queues into the gauges again (after a sleep showed them empty)."""
+        self._publish()
 
     def _publish(self) -> None:
         kv = sum(r.computed + len(r.output) for r in self.running)

@@ -1,5 +1,8 @@
 """What vLLM 0.32's OpenAI server sends: bodies, SSE chunks and error shapes (no I/O).
 
+Owns: the bytes vLLM's OpenAI server sends: bodies, SSE chunks, errors.
+Must not: do I/O.
+
 Every shape here was copied from the real captures in ``tests/fixtures/vllm/`` (key order,
 ``null`` fields, compact separators, raw UTF-8 in JSON), so a client that parses vLLM parses
 the simulator the same way. ``tests/scenario/test_sim.py`` compares them key by key.

@@ -1,5 +1,8 @@
 """Helpers that benchmarks, examples and the CLI use, and tests with them.
 
+Owns: helpers that benchmarks, examples and the CLI share with tests.
+Must not: hold helpers for tests alone (``tests/support/``).
+
 Only what something outside ``tests/`` needs lives here; helpers for tests alone are in
 ``tests/support/``.
 

@@ -1,5 +1,8 @@
 """A bounded, closed-loop load of OpenAI completions: what tests, the demo and benchmarks drive.
 
+Owns: a closed-loop load of OpenAI clients and each request's result.
+Must not: judge the fleet: it measures, the caller asserts or prints.
+
 Each of ``concurrency`` workers sends one request, waits for its answer, and sends the next,
 until the load is stopped or ``total`` requests were sent. The client is the official
 ``openai`` package with its own retries **off**: a failure the router lets through must be seen,

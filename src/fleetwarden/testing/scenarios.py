@@ -1,6 +1,9 @@
 """Fault scenarios on a running fleet, with the figures each one prints: what the real-vLLM
 tier asserts on and `bench/engine_scenarios.py` records, on real and simulated engines alike.
 
+Owns: fault scenarios on a running fleet and the figures each prints.
+Must not: assert timings: figures are printed, not asserted.
+
 Each scenario drives load through the fleet's router with the official ``openai`` client,
 injects one fault with ``fleetwarden chaos`` (the CLI, as an operator would: on a real local
 engine a signal to its ``VLLM::EngineCore``, on a simulated one its fault endpoint), and waits

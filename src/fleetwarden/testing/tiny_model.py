@@ -1,5 +1,8 @@
 """A deterministic tiny random-weight Llama, with a tokenizer trained here, for real vLLM to serve.
 
+Owns: a deterministic tiny model and its cache.
+Must not: download anything.
+
 Nothing is downloaded: the weights are drawn from a seeded generator and the byte-level BPE
 tokenizer is trained on text generated from a seeded word sampler. The same spec gives the same
 files, byte for byte (the manifest lists their SHA-256), in another process or on another day,

@@ -1,6 +1,9 @@
 """`fleetwarden up` as a subprocess in a work folder: what examples, benchmarks and tests that
 must kill fleetwarden itself (not just its engines) use.
 
+Owns: ``fleetwarden up`` as a subprocess in a work folder.
+Must not: leave a process behind: it stops what it started.
+
     up = UpProcess(workdir, "--engines", "2")      # waits until the router and admin listen
     up.client.shards(); up.router; up.admin
     up.kill9()                                    # SIGKILL to fleetwarden alone

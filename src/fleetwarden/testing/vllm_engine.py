@@ -1,5 +1,8 @@
 """One real vLLM engine for tests and benchmarks, launched the way fleetwarden's launcher does.
 
+Owns: one real vLLM engine, launched as the launcher does.
+Must not: leave a process behind.
+
 The command and environment come from :mod:`fleetwarden.testing.vllm_env` with their
 placeholders filled in; the engine runs in a new session (its own process group), and
 :meth:`VllmEngine.stop` stops the whole group and reaps the API server. Only stdlib and

