@@ -319,7 +319,10 @@ class RefitConfig(_Section):
     """The weight-sync API for RL trainers (SYSTEM.md section 8)."""
 
     #: Seconds a weight sync may take before its lease overruns and its participants are
-    #: marked SUSPECT. Loading weights takes seconds to a few minutes; ten minutes means stuck.
+    #: marked SUSPECT. Loading weights takes seconds to a few minutes. NeMo-RL gives up on a
+    #: refit after its ``refit_timeout_s`` of 300 s: a lease longer than the trainer's own
+    #: timeout would excuse stalls after the trainer has stopped waiting, so 300 s. A trainer
+    #: need not wait for it: the lease names a silent participant within a tick.
     lease_s: PositiveFloat = DEFAULT_LEASE_S
 
 

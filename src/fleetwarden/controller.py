@@ -210,6 +210,8 @@ class Controller:
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
             self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+        if self.refit is not None and self.refit.lease is not None:
+            self._guarded(report, "refit participants", self.observe_participants, reports)
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
         self._guarded(report, "supervisor", self.supervisor.tick)
@@ -222,6 +224,10 @@ class Controller:
                 report.router_errors.append(f"{_name(link)}: drain: {exc}")
                 continue
             self.apply_outcomes(outcomes)
+
+        # Every router's window of this tick has been read: a restart seen before it no longer
+        # needs its failures set aside.
+        self._renewed.clear()
 
         # 4. push, every tick, unconditionally
         urls, facts = self.serving_push()
@@ -277,13 +283,32 @@ class Controller:
                 report.router_errors.append(f"{_name(link)}: in-flight: {exc}")
         return total
 
+    def observe_participants(self, reports: Mapping[str, Report]) -> None:
+        """During a lease: whether each participant's process lives and its API answered this
+        tick's read, onto the lease (what a trainer whose broadcast hangs reads)."""
+        assert self.refit is not None and self.refit.lease is not None
+        for p in self.refit.lease.participants:
+            rec = self.ledger.shard(p.shard)
+            if rec.state in ABSENT or rec.base_url != p.url:
+                self.refit.observe_participant(
+                    p.shard, process_alive=False, api_answers=None,
+                    evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
+                    else f"its process was replaced ({rec.state})")
+                continue
+            r = reports.get(p.url)
+            if r is None:
+                continue  # not read this tick
+            answers = r.verdict is not Verdict.UNREACHABLE
+            self.refit.observe_participant(
+                p.shard, process_alive=True, api_answers=answers,
+                evidence=f"{r.verdict.name}: {r.evidence.summary}")
+
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
-        renewed, self._renewed = self._renewed, set()
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
             if i is None:
                 continue
-            if url in renewed:
+            if url in self._renewed:
                 # The engine restarted on its own during this window: its failures are the old
                 # process's (they are why it restarted), and a new process has no history.
                 failures = trailing = 0

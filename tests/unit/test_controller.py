@@ -226,15 +226,18 @@ def test_a_restart_seen_without_a_start_time_is_still_a_new_process() -> None:
     assert r.incarnation is None  # unknown now; the next start time read identifies it
 
 
-def test_the_old_process_failures_never_count_against_the_new_one() -> None:
-    """Spec section 5: the window in which a restart is seen holds the old process's failures
-    (they are why it restarted); the new process starts with no streak."""
+async def test_the_old_process_failures_never_count_against_the_new_one() -> None:
+    """Spec section 5: the windows drained in the tick in which a restart is seen hold the
+    old process's failures (they are why it restarted), from every router; the new process
+    starts with no streak."""
     c, ledger, _ = controller("static")
     ledger.observe_incarnation(0, "1.0")
     c.apply_report(0, report(Verdict.RESTARTED, Health.PROVEN, incarnation="2.0"))
-    c.apply_outcomes({"http://a": (0, 4, 4)})
+    c.apply_outcomes({"http://a": (0, 4, 4)})  # one router's window
+    c.apply_outcomes({"http://a": (0, 2, 2), "http://b": (3, 0, 0)})  # another router's
     assert ledger.shard(0).consecutive_reported_failures == 0 and ledger.state(0) is H
-    c.apply_outcomes({"http://a": (0, 1, 1)})  # the next window is the new process's own
+    await c.tick()
+    c.apply_outcomes({"http://a": (0, 1, 1)})  # the next tick's window is the new process's
     assert ledger.shard(0).consecutive_reported_failures == 1
 
 
