@@ -403,7 +403,8 @@ def route(
     once, until the controller's next push).
 
     Stops on Ctrl-C or SIGTERM: it stops accepting at once and lets the requests it holds
-    finish, up to the shutdown grace.
+    finish, up to the shutdown grace. SIGUSR1 is the same for a replacement (another router
+    on the same port with --reuse-port): it lets them finish up to the drain bound.
     """
     import json
 
@@ -457,10 +458,22 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
             typer.echo(f"fleetwarden route: control API on {router.control_url}")
         sys.stdout.flush()
         stop = asyncio.Event()
+        drain = False
+
+        def handover() -> None:
+            nonlocal drain
+            drain = True
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, handover)
         await stop.wait()
+        # SIGTERM: stop accepting, let what is in flight finish within shutdown_grace_s.
+        # SIGUSR1 (a reload: another router took the port): the same, up to drain_s, and
+        # without racing a keep-alive client's next request.
+        await router.drain(settings.drain_s if drain else settings.shutdown_grace_s)
     finally:
         await router.stop()
 
@@ -566,9 +579,24 @@ async def _up(cfg: Any, quiet: bool) -> None:
         signal.alarm(0)
         fleet.request_stop()
 
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload() -> None:
+        try:
+            await fleet.reload_routers()
+        except Exception as exc:
+            logging.getLogger("fleetwarden").error("router reload failed: %s", exc)
+
+    def reload_on_signal() -> None:
+        task = asyncio.create_task(reload(), name="router-reload")
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_on_signal)
+    # SIGHUP: new router processes on the same port, the old ones drain and exit.
+    loop.add_signal_handler(signal.SIGHUP, reload_on_signal)
     console = Console(highlight=False)
     console.print(f"fleetwarden {__version__}: starting {cfg.fleet.launched} engine(s)"
                   + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))

@@ -237,6 +237,7 @@ class RouterConfig(_Section):
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
+    drain_s: PositiveFloat = _ROUTER.drain_s
     continue_streams: bool = _ROUTER.continue_streams
     continue_answers: bool = _ROUTER.continue_answers
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
