@@ -489,19 +489,6 @@ class RouterWorkers:
             self.journal.router_stopped(rec.launch_id)
         log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
 
-    async def abandon(self) -> None:
-        """Let go of the workers without stopping them (they keep serving; the next run adopts
-        them): what a fleet does when it cannot stop cleanly, and what tests use to play a
-        SIGKILL of fleetwarden inside one process."""
-        self._closing = True
-        if self._status_task is not None:
-            self._status_task.cancel()
-        for p in self._procs.values():
-            if p.watcher is not None:
-                p.watcher.cancel()
-        for link in self.links:
-            await link.disconnect()
-
 
 class _WorkersCollector(Collector):
     def __init__(self, texts: Mapping[int, str]) -> None:
