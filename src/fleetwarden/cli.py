@@ -361,6 +361,14 @@ def route(
     session_header: Annotated[str, typer.Option(
         "--session-header", help="Header naming a session for affinity ('' turns it off).")
     ] = _ROUTER_DEFAULTS.session_header or "",
+    continue_streams: Annotated[bool, typer.Option(
+        "--continue-streams/--no-continue-streams",
+        help="Continue a stream its engine cut mid-answer on another engine.")
+    ] = _ROUTER_DEFAULTS.continue_streams,
+    continue_answers: Annotated[bool, typer.Option(
+        "--continue-answers/--no-continue-answers",
+        help="Continue non-streamed answers too (streamed from the engine, assembled here).")
+    ] = _ROUTER_DEFAULTS.continue_answers,
     control_port: Annotated[int | None, typer.Option(
         "--control-port",
         help="Also serve the control API at this port (needs --token-file).")
@@ -422,7 +430,8 @@ def route(
             settings = RouterSettings(
                 backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
                 max_retries=max_retries, max_body_bytes=max_body_bytes,
-                session_header=session_header or None)
+                session_header=session_header or None, continue_streams=continue_streams,
+                continue_answers=continue_answers)
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None
@@ -683,7 +692,8 @@ def chaos(
     config_file: ConfigOpt = None, admin: AdminOpt = None, token_file: TokenOpt = None,
 ) -> None:
     """Inject a fault into one shard's engine (simulated: its fault endpoint; real local vLLM:
-    SIGSTOP / SIGCONT / SIGKILL of its EngineCore)."""
+    SIGSTOP / SIGCONT / SIGKILL of its EngineCore; local llama-server: wedge ptrace-stops its
+    busiest compute thread, /health and /metrics still answering, as root)."""
     from fleetwarden.client import FleetClientError
 
     client = _client(config_file, admin, token_file)
