@@ -108,6 +108,14 @@ class FleetClient:
                                             {"version": version, "reason": reason})
         return result
 
+    def refit_status(self) -> dict[str, Any] | None:
+        """The open lease as fleetwarden sees it (``None`` without one): per participant
+        whether its process lives and its API answers, since when, with the evidence, and
+        ``culprits``: the shards a hung broadcast waits on. Abort naming them; the abort
+        condemns a single suspect."""
+        lease: dict[str, Any] | None = self.refits()["lease"]
+        return lease
+
     def refits(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", "/admin/refits")
         return result

@@ -210,6 +210,8 @@ class Controller:
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
             self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+        if self.refit is not None and self.refit.lease is not None:
+            self._guarded(report, "refit participants", self.observe_participants, reports)
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
         self._guarded(report, "supervisor", self.supervisor.tick)
@@ -280,6 +282,26 @@ class Controller:
             except Exception as exc:
                 report.router_errors.append(f"{_name(link)}: in-flight: {exc}")
         return total
+
+    def observe_participants(self, reports: Mapping[str, Report]) -> None:
+        """During a lease: whether each participant's process lives and its API answered this
+        tick's read, onto the lease (what a trainer whose broadcast hangs reads)."""
+        assert self.refit is not None and self.refit.lease is not None
+        for p in self.refit.lease.participants:
+            rec = self.ledger.shard(p.shard)
+            if rec.state in ABSENT or rec.base_url != p.url:
+                self.refit.observe_participant(
+                    p.shard, process_alive=False, api_answers=None,
+                    evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
+                    else f"its process was replaced ({rec.state})")
+                continue
+            r = reports.get(p.url)
+            if r is None:
+                continue  # not read this tick
+            answers = r.verdict is not Verdict.UNREACHABLE
+            self.refit.observe_participant(
+                p.shard, process_alive=True, api_answers=answers,
+                evidence=f"{r.verdict.name}: {r.evidence.summary}")
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
         for url, (successes, failures, trailing) in outcomes.items():

@@ -3,7 +3,7 @@
 Owns: the engine profiles as data: each engine's metric names, health path and quirks.
 Must not: do I/O (pure), or parse a body (``engine_metrics.py``).
 
-The judge is profile-agnostic: it compares two :class:`~fleetwarden.metrics.Sample` values
+The judge is profile-agnostic: it compares two :class:`~fleetwarden.engine_metrics.Sample` values
 (running, waiting, a progress counter, the fingerprint counters, which process answered). A
 profile says, for one engine, where each of those comes from — and what the engine cannot prove.
 One table, :data:`PROFILES`; no subclass per engine. To add an engine, add one entry (see

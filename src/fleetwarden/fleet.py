@@ -304,6 +304,12 @@ class Fleet:
         """Run the controller loop until :meth:`request_stop`."""
         await self.controller.run(self._stop)
 
+    async def reload_routers(self) -> None:
+        """Replace the router processes with new ones on the same port, no request failed
+        (:meth:`RouterWorkers.reload`); nothing to do for a router in this process."""
+        if self._workers is not None:
+            await self._workers.reload()
+
     def request_stop(self) -> None:
         self._stop.set()
 
