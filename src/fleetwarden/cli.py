@@ -692,7 +692,8 @@ def chaos(
     config_file: ConfigOpt = None, admin: AdminOpt = None, token_file: TokenOpt = None,
 ) -> None:
     """Inject a fault into one shard's engine (simulated: its fault endpoint; real local vLLM:
-    SIGSTOP / SIGCONT / SIGKILL of its EngineCore)."""
+    SIGSTOP / SIGCONT / SIGKILL of its EngineCore; local llama-server: wedge ptrace-stops its
+    busiest compute thread, /health and /metrics still answering, as root)."""
     from fleetwarden.client import FleetClientError
 
     client = _client(config_file, admin, token_file)

@@ -238,12 +238,6 @@ class RouterWorkers:
         router's port reaches one worker, whichever the kernel picks.)"""
         return _WorkersCollector(self._metrics)
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"worker": i, "pid": p.record.pid, "launch_id": p.record.launch_id,
-                 "control_url": p.record.control_url,
-                 "requests": self._statuses.get(i, {}).get("requests")}
-                for i, p in sorted(self._procs.items())]
-
     # ------------------------------------------------------------------ start / stop
 
     async def start(self, backends: Sequence[str]) -> None:
@@ -275,7 +269,10 @@ class RouterWorkers:
                 self.port = port
                 self._procs[saved.worker] = _Process(saved, None)
                 self._watch(saved.worker, _pid_exit(saved.pid))
-                await self.links[saved.worker].connect(saved.control_url)
+                link = self.links[saved.worker]
+                await link.connect(saved.control_url)
+                with contextlib.suppress(Exception):  # what it serves: a replacement's start
+                    link.last_push = list((await link.status())["serving"])
                 self.adopted += 1
                 log.info("router worker %d: adopted pid %d on %s from an earlier run",
                          saved.worker, saved.pid, saved.url)
@@ -491,19 +488,6 @@ class RouterWorkers:
         if self.journal is not None:
             self.journal.router_stopped(rec.launch_id)
         log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
-
-    async def abandon(self) -> None:
-        """Let go of the workers without stopping them (they keep serving; the next run adopts
-        them): what a fleet does when it cannot stop cleanly, and what tests use to play a
-        SIGKILL of fleetwarden inside one process."""
-        self._closing = True
-        if self._status_task is not None:
-            self._status_task.cancel()
-        for p in self._procs.values():
-            if p.watcher is not None:
-                p.watcher.cancel()
-        for link in self.links:
-            await link.disconnect()
 
 
 class _WorkersCollector(Collector):
