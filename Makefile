@@ -25,7 +25,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py src/fleetwarden/restore.py \
           src/fleetwarden/probe.py \
           src/fleetwarden/controller.py src/fleetwarden/supervisor.py src/fleetwarden/client.py \
-          src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/auth.py \
+          src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py, \
                        $(wildcard src/fleetwarden/router/*.py))

@@ -1,19 +1,30 @@
-"""A toy RL training loop on a fleetwarden fleet: rollouts through the router, then a refit.
+"""A toy RL training loop on a fleetwarden fleet: rollouts, sleep, train, wake, refit.
 
 Each step generates ``--rollouts`` chat completions through the router with the official
 ``openai`` client (retrying a 500 at most 3 times, as NeMo-Gym does; a 409 fails the row),
-then pushes "new weights" with a refit to version + 1 through ``FleetClient``: begin (the
-participants to push to), the push (a pause here: the engines are simulated), complete.
+each demanding the current weights (``x-fleetwarden-min-weight-version``) and checked against
+the version its answer names (``x-fleetwarden-weight-version``). Then, as colocated RL does,
+the engines are put to sleep for the training step (``FleetClient.sleep()``: out of routing,
+then vLLM's ``/sleep``) and woken after it (``wake()``); then "new weights" are pushed with a
+refit to version + 1: begin (the participants to push to), the push (a pause here: the engines
+are simulated), complete.
+
+With ``--hang-refit-at-step K`` one participant wedges during step K's weight push (its API
+stops answering, as an engine stuck in a broadcast). The trainer polls
+``FleetClient.refit_status()``, sees the culprit named within seconds, aborts the refit naming
+it (the abort condemns it: the single suspect), and pushes again to the others; the replacement
+waits in STALE for the next refit.
 
 With ``--kill-at-step K`` it crashes one engine in the middle of step K's rollouts. The loop
 must finish every step: the router re-sends what the dead engine held, the supervisor starts
 a replacement, which waits in STALE (its weights are the checkpoint's) until the next refit.
 
     python examples/rl_loop.py --steps 6 --kill-at-step 2          # starts its own fleet
+    python examples/rl_loop.py --steps 6 --hang-refit-at-step 3
     python examples/rl_loop.py --admin http://127.0.0.1:8081 --token-file fleetwarden-admin.token \\
                                --router http://127.0.0.1:8080     # or uses a running one
 
-Exit status 0 when every rollout of every step succeeded.
+Exit status 0 when every rollout of every step succeeded on the weights it demanded.
 """
 
 from __future__ import annotations
@@ -21,8 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -33,23 +46,53 @@ from fleetwarden.testing.up import UpProcess
 CLIENT_RETRIES_ON_500 = 3
 
 
-async def rollout(client: openai.AsyncOpenAI, step: int, n: int) -> tuple[bool, int]:
-    """One rollout; returns (succeeded, client re-sends)."""
+#: How long the trainer waits for fleetwarden to name a participant of a hung refit.
+NAME_WITHIN_S = 15.0
+
+
+async def rollout(client: openai.AsyncOpenAI, step: int, n: int,
+                  version: int) -> tuple[bool, int, int | None]:
+    """One rollout on weights of at least ``version``; returns (succeeded, client re-sends,
+    the version its answer names)."""
     resent = 0
     while True:
         try:
-            await client.chat.completions.create(
+            raw = await client.chat.completions.with_raw_response.create(
                 model="tiny", max_tokens=16,
                 messages=[{"role": "user", "content": f"step {step} rollout {n}"}],
-                extra_headers={"x-request-id": f"rollout-{step}-{n}"})
-            return True, resent
+                extra_headers={"x-request-id": f"rollout-{step}-{n}",
+                               "x-fleetwarden-min-weight-version": str(version)})
+            named = raw.headers.get("x-fleetwarden-weight-version")
+            return True, resent, None if named is None else int(named)
         except openai.APIStatusError as exc:
             if exc.status_code == 500 and resent < CLIENT_RETRIES_ON_500:
                 resent += 1
                 continue
-            return False, resent
+            return False, resent, None
         except openai.APIError:
-            return False, resent
+            return False, resent, None
+
+
+async def hang_and_abort(fleet: FleetClient, version: int, lease: dict[str, Any]) -> None:
+    """One participant wedges in the weight push; fleetwarden names it; the trainer aborts."""
+    victim = lease["participants"][-1]["shard"]
+    hung_at = time.monotonic()
+    await asyncio.to_thread(fleet.chaos, victim, "refuse")  # its API stops answering
+    print(f"      -- shard {victim} wedged in the refit to v{version} --")
+    while True:
+        status = await asyncio.to_thread(fleet.refit_status)
+        if status and status["culprits"]:
+            break
+        if time.monotonic() - hung_at > NAME_WITHIN_S:
+            raise SystemExit(f"no culprit named within {NAME_WITHIN_S:g} s")
+        await asyncio.sleep(0.2)
+    row = next(p for p in status["status"] if p["culprit"])
+    print(f"      -- fleetwarden named shard {row['shard']} after "
+          f"{time.monotonic() - hung_at:.1f} s: process alive {row['process_alive']}, "
+          f"API answers {row['api_answers']} ({row['evidence'][:60]}) --")
+    aborted = await asyncio.to_thread(fleet.abort_refit, version,
+                                      f"weight broadcast hung on shard {row['shard']}")
+    print(f"      -- aborted; condemned {aborted['condemned']}; pushing again --")
 
 
 async def run(args: argparse.Namespace, router: str, fleet: FleetClient) -> bool:
@@ -57,28 +100,44 @@ async def run(args: argparse.Namespace, router: str, fleet: FleetClient) -> bool
                                 timeout=120)
     version = fleet.refits()["current_version"]
     all_ok = True
-    print(f"{'step':>4}  {'rollouts ok':>11}  {'re-sent':>7}  {'refit':>10}  shards")
+    print(f"{'step':>4}  {'rollouts ok':>11}  {'re-sent':>7}  {'versions':>8}  "
+          f"{'slept':>5}  {'refit':>10}  shards")
     try:
         for step in range(1, args.steps + 1):
-            tasks = [asyncio.create_task(rollout(client, step, n)) for n in range(args.rollouts)]
+            tasks = [asyncio.create_task(rollout(client, step, n, version))
+                     for n in range(args.rollouts)]
             if step == args.kill_at_step:
                 await asyncio.sleep(0.2)  # let the rollouts spread over the engines first
                 victim = next(s["index"] for s in fleet.shards() if s["state"] == "HEALTHY")
                 await asyncio.to_thread(fleet.chaos, victim, "crash")
                 print(f"      -- crashed shard {victim}'s engine mid-step --")
             results = await asyncio.gather(*tasks)
-            ok = sum(1 for good, _ in results if good)
-            resent = sum(r for _, r in results)
-            all_ok &= ok == args.rollouts
+            ok = sum(1 for good, _, _ in results if good)
+            resent = sum(r for _, r, _ in results)
+            # Every answer names the weights that produced it: all must be this step's
+            wrong = sum(1 for good, _, named in results if good and named != version)
+            all_ok &= ok == args.rollouts and wrong == 0
+
+            slept = 0
+            if not args.no_sleep:  # the GPU to the trainer for the training step
+                asleep = await asyncio.to_thread(fleet.sleep, 1)
+                slept = sum(1 for s in asleep["shards"] if s["state"] == "SLEEPING")
+                await asyncio.sleep(args.train_s)  # a real trainer trains here
+                await asyncio.to_thread(fleet.wake)
 
             version += 1
             lease = await asyncio.to_thread(fleet.begin_refit, version)
             await asyncio.sleep(args.push_s)  # a real trainer broadcasts weights here
+            if step == args.hang_refit_at_step:
+                await hang_and_abort(fleet, version, lease)
+                lease = await asyncio.to_thread(fleet.begin_refit, version)
+                await asyncio.sleep(args.push_s)
             done = await asyncio.to_thread(fleet.complete_refit, version)
             states = Counter(done["states"].values())
             per_shard = " ".join(f"{i}:{s[:4]}" for i, s in sorted(done["states"].items()))
             print(f"{step:>4}  {ok:>5}/{args.rollouts:<5}  {resent:>7}  "
-                  f"v{version} ({len(lease['participants'])})  "
+                  f"{'v' + str(version - 1) if not wrong else str(wrong) + ' off':>8}  "
+                  f"{slept:>5}  v{version} ({len(lease['participants'])})  "
                   f"{dict(sorted(states.items()))}  [{per_shard}]", flush=True)
     finally:
         await client.close()
@@ -90,6 +149,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rollouts", type=int, default=16, help="rollouts per step")
     p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--hang-refit-at-step", type=int, default=None,
+                   help="a participant wedges in this step's refit: named, aborted, replaced")
+    p.add_argument("--no-sleep", action="store_true",
+                   help="no sleep/wake bracket around the training step")
+    p.add_argument("--train-s", type=float, default=0.3, help="the toy training step's pause")
     p.add_argument("--engines", type=int, default=3, help="engines of the fleet it starts")
     p.add_argument("--push-s", type=float, default=0.3, help="the toy weight push's pause")
     p.add_argument("--admin", help="a running fleet's admin URL (else one is started)")

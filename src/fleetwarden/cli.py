@@ -361,6 +361,14 @@ def route(
     session_header: Annotated[str, typer.Option(
         "--session-header", help="Header naming a session for affinity ('' turns it off).")
     ] = _ROUTER_DEFAULTS.session_header or "",
+    continue_streams: Annotated[bool, typer.Option(
+        "--continue-streams/--no-continue-streams",
+        help="Continue a stream its engine cut mid-answer on another engine.")
+    ] = _ROUTER_DEFAULTS.continue_streams,
+    continue_answers: Annotated[bool, typer.Option(
+        "--continue-answers/--no-continue-answers",
+        help="Continue non-streamed answers too (streamed from the engine, assembled here).")
+    ] = _ROUTER_DEFAULTS.continue_answers,
     control_port: Annotated[int | None, typer.Option(
         "--control-port",
         help="Also serve the control API at this port (needs --token-file).")
@@ -395,7 +403,8 @@ def route(
     once, until the controller's next push).
 
     Stops on Ctrl-C or SIGTERM: it stops accepting at once and lets the requests it holds
-    finish, up to the shutdown grace.
+    finish, up to the shutdown grace. SIGUSR1 is the same for a replacement (another router
+    on the same port with --reuse-port): it lets them finish up to the drain bound.
     """
     import json
 
@@ -421,7 +430,8 @@ def route(
             settings = RouterSettings(
                 backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
                 max_retries=max_retries, max_body_bytes=max_body_bytes,
-                session_header=session_header or None)
+                session_header=session_header or None, continue_streams=continue_streams,
+                continue_answers=continue_answers)
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None
@@ -448,10 +458,22 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
             typer.echo(f"fleetwarden route: control API on {router.control_url}")
         sys.stdout.flush()
         stop = asyncio.Event()
+        drain = False
+
+        def handover() -> None:
+            nonlocal drain
+            drain = True
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, handover)
         await stop.wait()
+        # SIGTERM: stop accepting, let what is in flight finish within shutdown_grace_s.
+        # SIGUSR1 (a reload: another router took the port): the same, up to drain_s, and
+        # without racing a keep-alive client's next request.
+        await router.drain(settings.drain_s if drain else settings.shutdown_grace_s)
     finally:
         await router.stop()
 
@@ -557,9 +579,24 @@ async def _up(cfg: Any, quiet: bool) -> None:
         signal.alarm(0)
         fleet.request_stop()
 
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload() -> None:
+        try:
+            await fleet.reload_routers()
+        except Exception as exc:
+            logging.getLogger("fleetwarden").error("router reload failed: %s", exc)
+
+    def reload_on_signal() -> None:
+        task = asyncio.create_task(reload(), name="router-reload")
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_on_signal)
+    # SIGHUP: new router processes on the same port, the old ones drain and exit.
+    loop.add_signal_handler(signal.SIGHUP, reload_on_signal)
     console = Console(highlight=False)
     console.print(f"fleetwarden {__version__}: starting {cfg.fleet.launched} engine(s)"
                   + (f" and attaching {len(cfg.fleet.backends)}" if cfg.fleet.backends else ""))
@@ -655,7 +692,8 @@ def chaos(
     config_file: ConfigOpt = None, admin: AdminOpt = None, token_file: TokenOpt = None,
 ) -> None:
     """Inject a fault into one shard's engine (simulated: its fault endpoint; real local vLLM:
-    SIGSTOP / SIGCONT / SIGKILL of its EngineCore)."""
+    SIGSTOP / SIGCONT / SIGKILL of its EngineCore; local llama-server: wedge ptrace-stops its
+    busiest compute thread, /health and /metrics still answering, as root)."""
     from fleetwarden.client import FleetClientError
 
     client = _client(config_file, admin, token_file)

@@ -9,6 +9,7 @@ Must not: know a fleet's internals: it speaks only the admin API's JSON.
     lease = fleet.begin_refit(7)            # {"version": 7, "participants": [...], ...}
     ...                                     # push weights to lease["participants"]
     fleet.complete_refit(7)                 # or fleet.abort_refit(7, "NCCL timeout")
+    fleet.sleep(level=1); train(); fleet.wake()   # colocated RL: the GPU to the trainer
 
 Synchronous and dependency-free (the standard library's HTTP client), so it drops into any
 training loop. Every refused call raises :class:`FleetClientError` with the fleet's message.
@@ -107,8 +108,35 @@ class FleetClient:
                                             {"version": version, "reason": reason})
         return result
 
+    def refit_status(self) -> dict[str, Any] | None:
+        """The open lease as fleetwarden sees it (``None`` without one): per participant
+        whether its process lives and its API answers, since when, with the evidence, and
+        ``culprits``: the shards a hung broadcast waits on. Abort naming them; the abort
+        condemns a single suspect."""
+        lease: dict[str, Any] | None = self.refits()["lease"]
+        return lease
+
     def refits(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", "/admin/refits")
+        return result
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int = 1, shards: list[int] | None = None) -> dict[str, Any]:
+        """Put the engines to sleep for a training step (every awake shard by default): out
+        of routing first, then vLLM's ``/sleep?level=N``. ``["shards"]`` says per shard how it
+        went (``error`` empty when it sleeps)."""
+        body: dict[str, Any] = {"level": level}
+        if shards is not None:
+            body["shards"] = shards
+        result: dict[str, Any] = self._call("POST", "/admin/sleep", body)
+        return result
+
+    def wake(self, shards: list[int] | None = None) -> dict[str, Any]:
+        """Wake the sleeping engines (all by default); each serves again, as it was before it
+        slept, once it says it is awake. Routers know before this returns."""
+        body: dict[str, Any] = {} if shards is None else {"shards": shards}
+        result: dict[str, Any] = self._call("POST", "/admin/wake", body)
         return result
 
     # ------------------------------------------------------------------ operator actions

@@ -237,6 +237,7 @@ class RouterConfig(_Section):
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
+    drain_s: PositiveFloat = _ROUTER.drain_s
     continue_streams: bool = _ROUTER.continue_streams
     continue_answers: bool = _ROUTER.continue_answers
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
@@ -340,7 +341,10 @@ class RefitConfig(_Section):
     """The weight-sync API for RL trainers (SYSTEM.md section 8)."""
 
     #: Seconds a weight sync may take before its lease overruns and its participants are
-    #: marked SUSPECT. Loading weights takes seconds to a few minutes; ten minutes means stuck.
+    #: marked SUSPECT. Loading weights takes seconds to a few minutes. NeMo-RL gives up on a
+    #: refit after its ``refit_timeout_s`` of 300 s: a lease longer than the trainer's own
+    #: timeout would excuse stalls after the trainer has stopped waiting, so 300 s. A trainer
+    #: need not wait for it: the lease names a silent participant within a tick.
     lease_s: PositiveFloat = DEFAULT_LEASE_S
 
 

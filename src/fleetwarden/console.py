@@ -21,7 +21,7 @@ __all__ = ["ALWAYS", "COLUMNS", "STATE_STYLE", "ShardTable", "fleet_view"]
 
 STATE_STYLE = {
     "HEALTHY": "bold green", "SUSPECT": "bold yellow", "STALE": "bold cyan",
-    "DEAD": "bold red", "RESTARTING": "bold magenta", "RETIRED": "dim",
+    "SLEEPING": "bold blue", "DEAD": "bold red", "RESTARTING": "bold magenta", "RETIRED": "dim",
 }
 
 
@@ -131,7 +131,7 @@ def fleet_view(status: dict[str, Any], shards: list[dict[str, Any]],
                transitions: list[dict[str, Any]] | None = None) -> Group:
     """A status line, a table with one row per shard, and the last transitions."""
     state = status.get("status", "?")
-    colour = {"serving": "green", "degraded": "yellow", "down": "red",
+    colour = {"serving": "green", "degraded": "yellow", "asleep": "blue", "down": "red",
               "exhausted": "red"}.get(state, "white")
     head = Text.assemble(("fleet ", "bold"), (state, f"bold {colour}"),
                          f"  {status.get('detail', '')}  ·  router {status.get('router_url', '')}"

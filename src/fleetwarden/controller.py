@@ -51,6 +51,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.judge import Verdict
 from fleetwarden.ledger import (
     ABSENT,
+    ROUTABLE,
     Event,
     FleetExhausted,
     Ledger,
@@ -107,7 +108,7 @@ class TickReport:
 class FleetStatus:
     """The fleet-level answer to "can this fleet serve?" — never an exception to the caller."""
 
-    state: str  # "serving", "degraded", "down", "exhausted"
+    state: str  # "serving", "degraded", "asleep", "down", "exhausted"
     detail: str
     counts: dict[str, int]
 
@@ -145,6 +146,8 @@ class Controller:
         #: that window's failures are the old process's (issue 15, item 8).
         self._renewed: set[str] = set()
         self._condemned: dict[int, str] = {}
+        #: Shards that fell asleep since the last tick: their waiting requests move elsewhere.
+        self._fell_asleep: dict[int, str] = {}
         self._urgent: set[asyncio.Task[None]] = set()
         #: The serving and trial sets last pushed: a transition that changes them pushes now.
         self._pushed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -173,6 +176,11 @@ class Controller:
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
+            self._push_soon()
+        elif t.to_state is ShardState.SLEEPING and t.from_state in ROUTABLE:
+            # A sleeping engine holds what it has not begun to answer until it wakes: those
+            # requests are rescued, as off a condemned one (it is not condemned).
+            self._fell_asleep[t.shard] = t.record.base_url
             self._push_soon()
         elif self._sets() != self._pushed:
             self._push_soon()
@@ -227,9 +235,10 @@ class Controller:
 
     async def _rescue(self, report: TickReport | None) -> None:
         condemned, self._condemned = self._condemned, {}
+        asleep, self._fell_asleep = self._fell_asleep, {}
         if report is not None:
             report.condemned = sorted(condemned)
-        for url in condemned.values():
+        for url in [*condemned.values(), *asleep.values()]:
             for link in self.routers:
                 try:
                     rescued = await link.rescue(url)
@@ -357,6 +366,9 @@ class Controller:
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        excused = excused | frozenset(self.ledger.sleeping())
 
         # 1. the watchdog round, for every shard with a process (those under focused reads
         # are being read already)
@@ -380,6 +392,8 @@ class Controller:
             if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
                     and self.ledger.state(i) not in ABSENT):
                 self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
+        if self.refit is not None and self.refit.lease is not None:
+            self._guarded(report, "refit participants", self.observe_participants, reports)
 
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
         self._guarded(report, "supervisor", self.supervisor.tick)
@@ -396,6 +410,10 @@ class Controller:
         if remote:
             await self._accuse_silent(remote)
 
+        # Every router's window of this tick has been read: a restart seen before it no longer
+        # needs its failures set aside.
+        self._renewed.clear()
+
         # 4. push, every tick, unconditionally (the heartbeat: a restarted router converges)
         await self._push(report)
         retry_after = self._retry_after_estimate()
@@ -405,7 +423,8 @@ class Controller:
             except Exception as exc:
                 report.router_errors.append(f"{_name(link)}: retry-after: {exc}")
 
-        # 5. rescue what waits on shards condemned since (if no transition did it already)
+        # 5. rescue what waits on shards condemned or fallen asleep since (if no transition
+        # did it already)
         await self._rescue(report)
 
         for err in report.router_errors:
@@ -441,13 +460,32 @@ class Controller:
                 self._router_error(report, f"{_name(link)}: in-flight: {exc}")
         return total
 
+    def observe_participants(self, reports: Mapping[str, Report]) -> None:
+        """During a lease: whether each participant's process lives and its API answered this
+        tick's read, onto the lease (what a trainer whose broadcast hangs reads)."""
+        assert self.refit is not None and self.refit.lease is not None
+        for p in self.refit.lease.participants:
+            rec = self.ledger.shard(p.shard)
+            if rec.state in ABSENT or rec.base_url != p.url:
+                self.refit.observe_participant(
+                    p.shard, process_alive=False, api_answers=None,
+                    evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
+                    else f"its process was replaced ({rec.state})")
+                continue
+            r = reports.get(p.url)
+            if r is None:
+                continue  # not read this tick
+            answers = r.verdict is not Verdict.UNREACHABLE
+            self.refit.observe_participant(
+                p.shard, process_alive=True, api_answers=answers,
+                evidence=f"{r.verdict.name}: {r.evidence.summary}")
+
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
-        renewed, self._renewed = self._renewed, set()
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
             if i is None:
                 continue
-            if url in renewed:
+            if url in self._renewed:
                 # The engine restarted on its own during this window: its failures are the old
                 # process's (they are why it restarted), and a new process has no history.
                 failures = trailing = 0
@@ -483,6 +521,9 @@ class Controller:
             self.ledger.raise_if_exhausted()
         except FleetExhausted as exc:
             return FleetStatus("exhausted", str(exc), counts)
+        if serving == 0 and self.ledger.sleeping():
+            return FleetStatus("asleep", f"{len(self.ledger.sleeping())} shards asleep; none "
+                               "serves until one wakes", counts)
         if serving == 0:
             return FleetStatus("down", "no shard serves; restarts in progress", counts)
         journal = self._journal_problem()
@@ -534,6 +575,21 @@ class Controller:
         """Push the serving set to every router now (start-up, admin actions)."""
         await self._push(None)
 
+    async def push_and_rescue_now(self) -> int:
+        """Push now, and move the requests waiting on shards that fell asleep since the last
+        push elsewhere (the trainer's sleep bracket, before its engines sleep). Returns how
+        many were moved."""
+        await self.push_now()
+        asleep, self._fell_asleep = self._fell_asleep, {}
+        moved = 0
+        for url in asleep.values():
+            for link in self.routers:
+                try:
+                    moved += await link.rescue(url)
+                except Exception as exc:
+                    log.warning("router %s: rescue failed: %s", _name(link), exc)
+        return moved
+
     def wake(self) -> None:
         """Run the next tick now (an admin action changed the fleet)."""
         self._wake.set()
@@ -556,8 +612,12 @@ def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True
     return Reading(
         health=r.health.value,  # the same four words
         verdict=r.verdict.name, summary=r.evidence.summary,
-        restarted=r.verdict is Verdict.RESTARTED, incarnation=r.incarnation,
+        # A restart is also told by a SLEEPING verdict: a new process already asleep
+        restarted=r.verdict is Verdict.RESTARTED or (
+            r.verdict is Verdict.SLEEPING and r.evidence.previous_incarnation is not None),
+        incarnation=r.incarnation,
         canary_ok=None if r.canary is None else r.canary.ok,
         canary_error=r.canary.error if r.canary is not None else "",
         excused=excused, progress_proves=progress_proves,
+        sleep_level=r.sample.sleep_level if r.sample is not None else None,
     )

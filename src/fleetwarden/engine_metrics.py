@@ -11,8 +11,8 @@ Which families are read, and which :class:`Sample` field each fills, is the engi
 Two rules:
 
 * **Reduce, then parse.** A real vLLM 0.32 body is ~52 KB, ~630 lines, 92 families; the judge
-  reads 8 of them. prometheus-client's text parser takes ~10 ms for the whole body and well under
-  1 ms for the lines of those 8 families (``bench/metrics_parse.py``). So :func:`reduce` first
+  reads 9 of them. prometheus-client's text parser takes ~10 ms for the whole body and well under
+  1 ms for the lines of those 9 families (``bench/metrics_parse.py``). So :func:`reduce` first
   cuts the text down to the ``# TYPE`` line and the exactly-named sample lines of each judged
   family, with plain string searches, and only that is parsed.
 * **Never raise.** Whatever arrives — garbage, a truncated read, a body of any size — the answer
@@ -77,6 +77,9 @@ class Sample:
     #: Which process answered, compared between reads only: vLLM's
     #: ``process_start_time_seconds``; llama.cpp's ``Process-Start-Time-Unix`` header (no time).
     start_time: float | None = None
+    #: ``vllm:engine_sleep_state``: 0 awake, 1 weights offloaded, 2 everything discarded;
+    #: ``None`` when the engine does not export it.
+    sleep_level: int | None = None
 
     #: The counters that only grow within one process: the work fingerprint, and steps.
     COUNTERS: ClassVar[tuple[str, ...]] = (
@@ -86,6 +89,11 @@ class Sample:
     def idle(self) -> bool:
         """Nothing running and nothing waiting in the engine."""
         return self.running == 0 and self.waiting == 0
+
+    @property
+    def sleeping(self) -> bool:
+        """The engine says it is asleep (vLLM's sleep mode): it generates nothing until woken."""
+        return self.sleep_level is not None and self.sleep_level > 0
 
     @property
     def incarnation(self) -> str | None:
@@ -101,6 +109,7 @@ class Sample:
             "waiting": self.waiting,
             **self.counters(),
             "start_time": self.start_time,
+            "sleep_level": self.sleep_level,
         }
 
 
@@ -159,6 +168,7 @@ def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES,
     parsed_family = {f.sample: name.removesuffix("_total") if f.type == "counter" else name
                      for name, f in profile.families.items()}
     totals: dict[str, float] = {}
+    sleep_states: dict[str, list[float]] = {}
     try:
         # The parser raises while iterating, and not only ValueError (IndexError, KeyError and
         # TypeError come out of malformed lines too); any of them means "not a metrics body".
@@ -172,7 +182,9 @@ def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES,
                 value = float(s.value)
                 if not math.isfinite(value) or value < 0:
                     return Unreadable(f"{s.name} has the value {s.value!r}")
-                if judged.field == "start_time":  # one process answers; take its start
+                if judged.field == "sleep_level":
+                    sleep_states.setdefault(s.labels.get("sleep_state", ""), []).append(value)
+                elif judged.field == "start_time":  # one process answers; take its start
                     totals[s.name] = max(totals.get(s.name, 0.0), value)
                 else:
                     totals[s.name] = totals.get(s.name, 0.0) + value
@@ -194,7 +206,20 @@ def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES,
         preemptions=values.get("preemptions", 0.0),
         finished_requests=values.get("finished_requests", 0.0),
         start_time=start_time,
+        sleep_level=_sleep_level(sleep_states),
     )
+
+
+def _sleep_level(states: Mapping[str, list[float]]) -> int | None:
+    """The sleep level from ``vllm:engine_sleep_state``'s series, by ``sleep_state`` label:
+    asleep when any engine's ``awake`` is 0 (data-parallel engines sleep together), level 2
+    when one says ``discard_all``, else 1. ``None`` without an ``awake`` series."""
+    awake = states.get("awake")
+    if not awake:
+        return None
+    if min(awake) > 0:
+        return 0
+    return 2 if max(states.get("discard_all", [0.0])) > 0 else 1
 
 
 def _header_number(value: str) -> float | None:

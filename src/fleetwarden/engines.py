@@ -3,7 +3,7 @@
 Owns: the engine profiles as data: each engine's metric names, health path and quirks.
 Must not: do I/O (pure), or parse a body (``engine_metrics.py``).
 
-The judge is profile-agnostic: it compares two :class:`~fleetwarden.metrics.Sample` values
+The judge is profile-agnostic: it compares two :class:`~fleetwarden.engine_metrics.Sample` values
 (running, waiting, a progress counter, the fingerprint counters, which process answered). A
 profile says, for one engine, where each of those comes from — and what the engine cannot prove.
 One table, :data:`PROFILES`; no subclass per engine. To add an engine, add one entry (see
@@ -28,8 +28,9 @@ What each field means:
   to it), so two reads that are to prove a stall are always further apart than it.
 * ``health_path`` — the liveness read used when ``/metrics`` gives no sample: it must never
   start a generation (SGLang's ``/health_generate`` does; its ``/health`` does not).
-* ``sleep`` — how the engine says it is asleep or paused, where it has such a state (not read
-  by the judge yet: said here so that a sleeping engine is not mistaken for a wedged one).
+* ``sleep`` — how the engine says it is asleep or paused, where it has such a state (vLLM's
+  ``vllm:engine_sleep_state`` is read: the judge's SLEEPING verdict; the others are said here
+  so that a sleeping engine is not mistaken for a wedged one).
 * ``limits`` — what this profile cannot prove, printed by ``fleetwarden check``.
 
 Sources: vLLM and llama.cpp from captures on this project's machines
@@ -136,10 +137,16 @@ VLLM = EngineProfile(
                                               "finished_requests", False),
         "process_start_time_seconds":  Family("gauge", "process_start_time_seconds",
                                               "start_time", False),
+        # Sleep mode, one series per ``sleep_state`` label: ``awake`` 0 while asleep,
+        # ``weights_offloaded`` 1 at level 1, ``discard_all`` 1 at level 2 (read per label,
+        # never summed). Engines before sleep mode lack it: the level is then unknown.
+        "vllm:engine_sleep_state":     Family("gauge", "vllm:engine_sleep_state",
+                                              "sleep_level", False),
     },
     detect="vllm:",
     progress="vllm:iteration_tokens_total_count: +1 per engine step",
-    sleep="sleep mode: GET /is_sleeping (vLLM with --enable-sleep-mode)",
+    sleep="vllm:engine_sleep_state (read: the SLEEPING verdict); /sleep, /wake_up and "
+          "/is_sleeping with VLLM_SERVER_DEV_MODE=1",
     limits=("a wedged EngineCore leaves the API server answering /metrics and /health: the "
             "frozen step counter is the proof, after stall_s",),
 )

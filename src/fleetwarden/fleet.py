@@ -48,6 +48,8 @@ from fleetwarden.router import Router
 from fleetwarden.router.app import listening_url
 from fleetwarden.router.control import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
+from fleetwarden.sleep import SleepResult, put_to_sleep
+from fleetwarden.sleep import wake as wake_shards
 from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import Watchdog
@@ -303,6 +305,12 @@ class Fleet:
         """Run the controller loop until :meth:`request_stop`."""
         await self.controller.run(self._stop)
 
+    async def reload_routers(self) -> None:
+        """Replace the router processes with new ones on the same port, no request failed
+        (:meth:`RouterWorkers.reload`); nothing to do for a router in this process."""
+        if self._workers is not None:
+            await self._workers.reload()
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -388,6 +396,18 @@ class Fleet:
 
     async def push(self) -> None:
         await self.controller.push_now()
+
+    async def sleep(self, level: int, shards: list[int] | None) -> list[SleepResult]:
+        results = await put_to_sleep(self.ledger, self.controller, level=level, shards=shards)
+        self.controller.wake()
+        self.events.publish({"type": "sleep", "data": {"phase": "sleep", "level": level}})
+        return results
+
+    async def wake(self, shards: list[int] | None) -> list[SleepResult]:
+        results = await wake_shards(self.ledger, self.controller, shards=shards)
+        self.controller.wake()
+        self.events.publish({"type": "sleep", "data": {"phase": "wake"}})
+        return results
 
     def begin_refit(self, version: int) -> Lease:
         lease = self.refit.begin_refit(version)

@@ -24,6 +24,11 @@ The verdicts, when each is given, when it allows a canary and what it amounts to
 and :func:`conclude` reads the table. The watchdog's module doc and ``docs/design.md``
 section 5 point here instead of repeating it.
 
+A sleeping engine (vLLM's sleep mode, while a trainer uses the GPU) answers ``/health`` 200,
+shows 0 running and 0 waiting, and holds what is sent to it: exactly a lost core, or an idle
+engine whose canary fails. Its own word decides first (SLEEPING), so it is never canaried, never
+STUCK and never LOST_CORE; it proves nothing either way and its stall memory is cleared.
+
 The stall limit is the engine's own: ``stall_factor`` times the longest flat stretch that this
 engine was seen to end with progress at the same load or less (:class:`Cadence`), and never less
 than ``stall_s``, the floor that covers the longest single step an engine configuration allows.
@@ -132,6 +137,7 @@ class Verdict(enum.Enum):
     UNREACHABLE = "unreachable"
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
+    SLEEPING = "sleeping"
 
     def __str__(self) -> str:
         return self.value
@@ -206,6 +212,9 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
     Verdict.REACHABLE: VerdictRule(
         "a proxy answered ``GET /v1/models`` (its backends are judged directly)", "never",
         Health.PROVEN),
+    Verdict.SLEEPING: VerdictRule(
+        "``vllm:engine_sleep_state`` says asleep: it holds generations until woken (judged "
+        "before all but a restart, which it reports)", "never", None),
 }
 
 
@@ -416,6 +425,18 @@ def judge(
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
     base = Evidence(gauges, running=after.running, waiting=after.waiting, in_flight=in_flight,
                     incarnation=after.incarnation)
+
+    if after.sleeping:
+        held = f"; the {in_flight} requests in flight wait for its wake-up" if in_flight else ""
+        restarted = ""
+        if before is not None and before.start_time != after.start_time:
+            # Asleep already in a new process: the restart is told (previous_incarnation), so
+            # that the ledger does not wake it to the weights the old process had.
+            base = replace(base, previous_incarnation=before.incarnation)
+            restarted = f"; a new process ({before.incarnation} -> {after.incarnation})"
+        return verdict(Verdict.SLEEPING, CanaryRule.NEVER,
+                       replace(base, summary=f"asleep (sleep level {after.sleep_level}); "
+                               f"{gauges}{held}{restarted}"))
 
     if before is None:
         if has_work:

@@ -55,6 +55,9 @@ class ShardState(enum.Enum):
     DEAD = "DEAD"  # condemned; replacement not started
     RESTARTING = "RESTARTING"  # replacement coming up
     RETIRED = "RETIRED"  # budget exhausted or removed by an operator; terminal
+    #: vLLM's sleep mode (a trainer has the GPU): process up, serves nothing, never judged
+    #: stuck; it goes back to what it was (``state_before_sleep``) when it reports awake.
+    SLEEPING = "SLEEPING"
 
     def __str__(self) -> str:
         return self.value
@@ -66,6 +69,7 @@ STALE = ShardState.STALE
 DEAD = ShardState.DEAD
 RESTARTING = ShardState.RESTARTING
 RETIRED = ShardState.RETIRED
+SLEEPING = ShardState.SLEEPING
 
 #: States whose shards receive traffic.
 ROUTABLE: frozenset[ShardState] = frozenset({HEALTHY, SUSPECT})
@@ -101,6 +105,10 @@ class Event(enum.Enum):
     RESTART_FAILED = "restart failed"
     LOADED = "loaded"  # the replacement process answers
     RETIRED_BY_OPERATOR = "retired"
+    ASLEEP = "asleep"  # it reports asleep, or the trainer put it to sleep
+    WOKE = "woke"  # it reports awake again: back to HEALTHY, as it was before the sleep
+    WOKE_SUSPECT = "woke, still suspect"  # ... back to SUSPECT: a sleep proves nothing
+    WOKE_STALE = "woke, still stale"  # ... back to STALE: its weights are still not current
 
     def __str__(self) -> str:
         return self.value
@@ -130,6 +138,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN: HEALTHY,
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        E.ASLEEP: SLEEPING,
     },
     SUSPECT: {
         E.PROBE_OK: SUSPECT,
@@ -152,6 +161,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN: HEALTHY,  # the suspicion was about the last run's process
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        E.ASLEEP: SLEEPING,
     },
     STALE: {  # left only by a completed refit, a death (conclusive, or proven by failed reads)
         # or retirement. Its process is judged like any other: reads that keep failing
@@ -172,6 +182,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN: STALE,  # its weights are whatever the new engine loaded: a refit's to say
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        E.ASLEEP: SLEEPING,
     },
     DEAD: {  # re-entry is always DEAD -> RESTARTING -> STALE -> (refit) -> HEALTHY
         E.REQUEST_OK: DEAD,
@@ -186,6 +197,36 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.RETIRED_BY_OPERATOR: RETIRED,
     },
     RETIRED: {},  # terminal: nothing ever changes a retired shard again
+    # Asleep: serves nothing and is judged on nothing (probes, failures and outcomes only count
+    # for serving shards). It wakes to the state it slept in; it takes part in a refit (a
+    # trainer loads weights into a sleeping engine, and vLLM's level-2 sleep needs it), which
+    # changes what it wakes to. Its process can still die, restart, or be retired.
+    SLEEPING: {
+        E.ASLEEP: SLEEPING,  # the trainer now holds it asleep
+        E.WOKE: HEALTHY,
+        E.WOKE_SUSPECT: SUSPECT,
+        E.WOKE_STALE: STALE,
+        # Reads of its process: one that answers ends a failed run; reads that keep failing
+        # (unreachable, never a canary: none is sent to a sleeper) prove it died
+        E.PROBE_OK: SLEEPING,
+        E.FAILURE: SLEEPING,
+        E.FAILURES_AT_THRESHOLD: DEAD,
+        E.REQUEST_OK: SLEEPING,
+        E.CONDEMNED: DEAD,
+        E.SILENT_PARTICIPANT: DEAD,
+        E.MISSED_REFIT: SLEEPING,  # wakes STALE
+        E.WEIGHTS_PARTIAL: SLEEPING,  # wakes STALE
+        E.REFIT: SLEEPING,  # wakes HEALTHY
+        E.REFIT_STILL_SUSPECT: SLEEPING,  # wakes SUSPECT
+        E.IDENTIFIED: SLEEPING,
+        # A new process starts awake, with nothing proved of its weights: STALE, promoted by a
+        # good canary with static weights, by the next refit with a trainer's.
+        E.NEW_INCARNATION: STALE,
+        E.NEW_INCARNATION_WEIGHTS_LOST: STALE,
+        E.NEW_RUN: STALE,
+        E.NEW_RUN_WEIGHTS_LOST: STALE,
+        E.RETIRED_BY_OPERATOR: RETIRED,
+    },
 }
 # fmt: on
 
@@ -215,6 +256,9 @@ class Reading:
     #: False: the read compared with a sample older than the accusation it answers (the first
     #: focused read of an accused engine), so progress it shows proves nothing; a canary does.
     progress_proves: bool = True
+    #: ``vllm:engine_sleep_state`` at this read: 0 awake, 1 or 2 asleep, ``None`` unknown (no
+    #: sample, or an engine that does not export it).
+    sleep_level: int | None = None
 
 
 class LedgerError(Exception):
@@ -289,6 +333,11 @@ class ShardRecord:
     state_before_partial: ShardState | None = None
     weight_version: int = 0
     last_error: str = ""
+    #: While SLEEPING: the state it wakes to (what it slept in, as refits since changed it).
+    state_before_sleep: ShardState | None = None
+    #: While SLEEPING: the trainer put it to sleep, so only the trainer's wake puts it back
+    #: (an engine read awake between the bracket's mark and its ``/sleep`` proves nothing).
+    sleep_held: bool = False
     #: Informational: when a probe or request last succeeded. Changes on every good probe, so it
     #: is not a transition of its own; the journal keeps it with the next change or snapshot.
     last_ok_at: float | None = None
@@ -311,6 +360,8 @@ class ShardRecord:
         d["state"] = self.state.value
         sbp = self.state_before_partial
         d["state_before_partial"] = sbp.value if sbp is not None else None
+        sbs = self.state_before_sleep
+        d["state_before_sleep"] = sbs.value if sbs is not None else None
         return d
 
     @classmethod
@@ -323,6 +374,8 @@ class ShardRecord:
         values["state"] = ShardState(values["state"])
         sbp = values.get("state_before_partial")
         values["state_before_partial"] = ShardState(sbp) if sbp is not None else None
+        sbs = values.get("state_before_sleep")
+        values["state_before_sleep"] = ShardState(sbs) if sbs is not None else None
         return cls(**values)
 
 
@@ -336,6 +389,8 @@ _COUNTER_FIELDS = (
     "weight_version",
     "ejections",
     "on_trial",
+    "state_before_sleep",
+    "sleep_held",
 )
 
 
@@ -408,6 +463,8 @@ class _Shard:
     state_before_partial: ShardState | None = None
     weight_version: int = 0
     last_error: str = ""
+    state_before_sleep: ShardState | None = None
+    sleep_held: bool = False
     last_ok_at: float | None = None
     last_transition_at: float = 0.0
     ejections: int = 0
@@ -534,9 +591,10 @@ class Ledger:
     # ------------------------------------------------------------------ probes and requests
 
     def record_probe(self, i: int, ok: bool, error: str = "") -> Outcome:
-        """A watchdog probe of a shard that has a process (serving or STALE): good, or failed
-        with ``error``. A STALE shard's failed probes count as any other's, so a STALE engine
-        that died is condemned; its good probes lift nothing (only a refit does)."""
+        """A watchdog probe of a shard that has a process (serving, STALE or asleep): good, or
+        failed with ``error``. A STALE or sleeping shard's failed probes count as any other's,
+        so an engine that died is condemned; its good probes lift nothing (only a refit, or a
+        wake-up, does)."""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "probes only judge shards that have a process")
@@ -597,6 +655,7 @@ class Ledger:
             return self._apply(
                 s, E.FAILURES_AT_THRESHOLD,
                 f"{failures} failed probes in a row: {error or 'probe failed'}", **fields_,
+                **_NOT_ASLEEP,
             )
         return self._apply(s, E.FAILURE, f"probe failed: {error or 'probe failed'}", **fields_)
 
@@ -722,6 +781,22 @@ class Ledger:
         outcome = _UNCHANGED
         if r.restarted:
             outcome = self.observe_incarnation(i, r.incarnation, restarted=True)
+        if r.sleep_level is not None and r.sleep_level > 0:
+            # Asleep by its own word (the SLEEPING verdict): out of routing, judged on nothing
+            outcome = self.report_asleep(i, f"{r.verdict}: {r.summary}")
+            if s.consecutive_probe_failures:
+                self.record_probe(i, True)  # it answered: a failed-read run is over
+            return outcome
+        if s.state is SLEEPING and r.sleep_level == 0:
+            outcome = self.report_awake(i, f"reports awake: {r.summary}")  # unless held
+        if s.state is SLEEPING:
+            # Still asleep (the trainer holds it, or it exports no sleep state): only a read
+            # that failed to reach it counts; a sleeper's silence to a canary proves nothing.
+            if r.health == "failing" and r.canary_ok is None:
+                return self.record_probe(i, False, f"{r.verdict}: {r.summary}")
+            if r.health != "failing" and s.consecutive_probe_failures:
+                return self.record_probe(i, True)
+            return outcome
         if r.canary_ok is False and r.excused:
             return outcome
         why = f"{r.verdict}: {r.canary_error or r.summary}"
@@ -747,7 +822,7 @@ class Ledger:
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "already out of the fleet")
-        return self._apply(s, E.CONDEMNED, cause, last_error=cause)
+        return self._apply(s, E.CONDEMNED, cause, last_error=cause, **_NOT_ASLEEP)
 
     # ------------------------------------------------------------------ refits
 
@@ -756,18 +831,22 @@ class Ledger:
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards take no part in a refit")
-        before = s.state_before_partial if s.state is STALE else s.state  # STALE itself would
+        awake = _awake_state(s)
+        before = s.state_before_partial if awake is STALE else awake  # STALE itself would
         # say nothing to the refit that reads it, so an already-STALE shard keeps its value
+        asleep: dict[str, Any] = {"state_before_sleep": STALE} if s.state is SLEEPING else {}
         return self._apply(
             s, E.WEIGHTS_PARTIAL, "a refit aborted while its weights were loading",
-            state_before_partial=before,
+            state_before_partial=before, **asleep,  # a sleeping shard wakes STALE
         )
 
     def suspected_shards(self) -> list[int]:
-        """SUSPECT shards, and STALE shards that were SUSPECT before an aborted refit."""
+        """SUSPECT shards, and STALE shards that were SUSPECT before an aborted refit (asleep
+        or not: a sleeping shard is judged as what it wakes to)."""
         return [
             s.index for s in self._shards
-            if s.state is SUSPECT or (s.state is STALE and s.state_before_partial is SUSPECT)
+            if (awake := _awake_state(s)) is SUSPECT
+            or (awake is STALE and s.state_before_partial is SUSPECT)
         ]
 
     def condemn_silent_participant(self, i: int, reason: str) -> Outcome:
@@ -776,7 +855,7 @@ class Ledger:
         if s.state in ABSENT:
             return self._ignored(s, "already out of the fleet")
         cause = f"silent participant of an aborted refit: {reason}"
-        return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause)
+        return self._apply(s, E.SILENT_PARTICIPANT, cause, last_error=cause, **_NOT_ASLEEP)
 
     def missed_refit(self, i: int, version: int) -> Outcome:
         """A refit to ``version`` completed, but this shard's process is not the one that took
@@ -784,10 +863,12 @@ class Ledger:
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards take no part in a refit")
+        asleep: dict[str, Any] = {"state_before_sleep": STALE} if s.state is SLEEPING else {}
         return self._apply(
             s, E.MISSED_REFIT,
             f"a new process during the refit to version {version}: it did not get the weights",
             state_before_partial=None,  # a verdict on the process that took part, not this one
+            **asleep,  # a sleeping shard wakes STALE
         )
 
     def report_refit(self, i: int, version: int) -> Outcome:
@@ -795,13 +876,15 @@ class Ledger:
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards take no part in a refit")
-        was_suspect = s.state is SUSPECT or s.state_before_partial is SUSPECT
-        common = dict(
+        was_suspect = _awake_state(s) is SUSPECT or s.state_before_partial is SUSPECT
+        common: dict[str, Any] = dict(
             state_before_partial=None,  # read here, once: the refit it waited for has landed
             weight_version=version,
             consecutive_probe_failures=0,  # probes judged the old weights
             consecutive_probe_successes=0,  # probes judged the old weights
         )
+        if s.state is SLEEPING:  # loaded while asleep: it wakes to what the refit made it
+            common["state_before_sleep"] = SUSPECT if was_suspect else HEALTHY
         if was_suspect:
             # The suspicion survives: the refit has nothing to do with why requests failed,
             # and that streak is the only thing that catches an engine which fails every
@@ -852,7 +935,38 @@ class Ledger:
             ejections=0,  # the old process was ejected, not this one
             ejected_until=None,  # the old process was ejected, not this one
             on_trial=False,  # the old process was on trial, not this one
+            **_NOT_ASLEEP,  # a new process starts awake
         )
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def report_asleep(self, i: int, cause: str, *, held: bool = False) -> Outcome:
+        """The engine is asleep (it says so, or the trainer put it to sleep: ``held``). It
+        serves nothing until it wakes; it wakes to the state it slept in."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards have no process to sleep")
+        if s.state is SLEEPING:
+            if held and not s.sleep_held:
+                return self._apply(s, E.ASLEEP, cause, sleep_held=True)
+            return _UNCHANGED
+        return self._apply(s, E.ASLEEP, cause, state_before_sleep=s.state, sleep_held=held)
+
+    def report_awake(self, i: int, cause: str, *, by_trainer: bool = False) -> Outcome:
+        """The engine is awake again: back to the state it slept in (a refit while asleep
+        changed that). No counter moves: a sleep proves nothing either way. A shard the
+        trainer put to sleep wakes only by the trainer's word (``by_trainer``)."""
+        s = self._shard(i)
+        if s.state is not SLEEPING:
+            return self._ignored(s, "only a sleeping shard wakes")
+        if s.sleep_held and not by_trainer:
+            return self._ignored(s, "the trainer holds it asleep until its wake")
+        to = s.state_before_sleep
+        event = E.WOKE_SUSPECT if to is SUSPECT else E.WOKE_STALE if to is STALE else E.WOKE
+        return self._apply(s, event, cause, **_NOT_ASLEEP)
+
+    def sleeping(self) -> list[int]:
+        return [s.index for s in self._shards if s.state is SLEEPING]
 
     def new_run(self, i: int, base_url: str, incarnation: str | None) -> Outcome:
         """fleetwarden started again (after a clean stop, or its own crash) and this shard, which
@@ -878,6 +992,7 @@ class Ledger:
             consecutive_reported_failures=0,  # the last run's process failed those requests
             state_before_partial=None,  # a verdict on the last run's process
             last_error="",
+            **_NOT_ASLEEP,  # a new process starts awake
         )
 
     # ------------------------------------------------------------------ restarts
@@ -935,7 +1050,7 @@ class Ledger:
         s = self._shard(i)
         if s.state is RETIRED:
             return self._ignored(s, "already retired")
-        return self._apply(s, E.RETIRED_BY_OPERATOR, reason, last_error=reason)
+        return self._apply(s, E.RETIRED_BY_OPERATOR, reason, last_error=reason, **_NOT_ASLEEP)
 
     # ------------------------------------------------------------------ queries
 
@@ -995,6 +1110,17 @@ class Ledger:
                 f"{remaining} of {len(self._shards)} shards can still serve; "
                 f"min_serving_shards is {self.policy.min_serving_shards}"
             )
+
+
+#: The fields of a shard that is not asleep (every move out of SLEEPING writes them).
+_NOT_ASLEEP: Mapping[str, Any] = {"state_before_sleep": None, "sleep_held": False}
+
+
+def _awake_state(s: _Shard) -> ShardState:
+    """What the shard is, or wakes to when asleep: what refits and their aborts read."""
+    if s.state is SLEEPING and s.state_before_sleep is not None:
+        return s.state_before_sleep
+    return s.state
 
 
 def same_counters(a: ShardRecord, b: ShardRecord) -> bool:

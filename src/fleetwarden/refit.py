@@ -13,6 +13,12 @@ suspected it is the one that stalled the sync: ``condemn_silent_participant``.
 
 A lease that overruns marks its participants SUSPECT with the cause, once, and is closed.
 
+While a lease is open, each participant's liveness is kept on it as the controller sees it
+every tick (:meth:`RefitCoordinator.observe_participant`): whether its process lives and its API
+answers, since when, and the evidence. A trainer whose broadcast hangs reads that (``GET
+/admin/refits``, ``FleetClient.refit_status()``) and aborts with the culprit named; a silent
+participant is SUSPECT after one failed read, so the abort condemns it (the single suspect).
+
 Pure: no I/O, an injected clock. The admin API and the in-process Python API both call this.
 """
 
@@ -24,10 +30,10 @@ from dataclasses import dataclass, field
 
 from fleetwarden.ledger import ABSENT, Ledger
 
-__all__ = ["Lease", "RefitCoordinator", "RefitError", "RefitRecord"]
+__all__ = ["Lease", "ParticipantStatus", "RefitCoordinator", "RefitError", "RefitRecord"]
 
 #: The default of ``[refit] lease_s`` (``config.py`` gives its reason).
-DEFAULT_LEASE_S = 600.0
+DEFAULT_LEASE_S = 300.0
 #: Refits remembered in memory (the admin API shows the last 100). An RL run refits every
 #: step, tens of thousands of times; the journal's transitions keep what each one did.
 HISTORY_KEPT = 1000
@@ -46,12 +52,43 @@ class Participant:
     incarnation: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ParticipantStatus:
+    """One participant of an open lease, as the controller last saw it."""
+
+    shard: int
+    url: str
+    #: Its process lives: the shard still has it (not condemned, not replaced).
+    process_alive: bool
+    #: Its API answered the last read (``/metrics`` or ``/health``); ``None``: not read yet.
+    api_answers: bool | None
+    #: When this (process_alive, api_answers) began: the first read that saw it.
+    since: float
+    #: What the last read found (the watchdog's summary, or why the process is gone).
+    evidence: str
+
+    @property
+    def culprit(self) -> bool:
+        """What a hung broadcast waits on: a participant gone, or one that does not answer."""
+        return not self.process_alive or self.api_answers is False
+
+    def to_dict(self) -> dict[str, object]:
+        return {"shard": self.shard, "url": self.url, "process_alive": self.process_alive,
+                "api_answers": self.api_answers, "since": self.since,
+                "evidence": self.evidence, "culprit": self.culprit}
+
+
 @dataclass(slots=True)
 class Lease:
     version: int
     participants: tuple[Participant, ...]
     started_at: float
     deadline: float
+    #: Each participant's liveness, as the controller last saw it (by shard).
+    status: dict[int, ParticipantStatus] = field(default_factory=dict)
+
+    def culprits(self) -> list[ParticipantStatus]:
+        return [s for _, s in sorted(self.status.items()) if s.culprit]
 
     @property
     def shards(self) -> frozenset[int]:
@@ -180,6 +217,23 @@ class RefitCoordinator:
         self.history.append(record)
         if len(self.history) > HISTORY_KEPT:
             del self.history[: len(self.history) - HISTORY_KEPT]
+
+    def observe_participant(self, shard: int, *, process_alive: bool,
+                            api_answers: bool | None, evidence: str) -> ParticipantStatus | None:
+        """What the controller saw of a participant this tick; ``since`` moves only when
+        ``process_alive`` or ``api_answers`` changes. ``None`` when no lease has the shard."""
+        lease = self.lease
+        p = next((p for p in lease.participants if p.shard == shard), None) if lease else None
+        if lease is None or p is None:
+            return None
+        old = lease.status.get(shard)
+        since = self.clock()
+        if old is not None and (old.process_alive, old.api_answers) == (process_alive,
+                                                                        api_answers):
+            since = old.since
+        status = ParticipantStatus(shard, p.url, process_alive, api_answers, since, evidence)
+        lease.status[shard] = status
+        return status
 
     def stalls_excused(self) -> frozenset[int]:
         """Shards whose stalls the watchdog must not judge right now."""

@@ -252,3 +252,43 @@ async def test_every_rollout_names_its_weights_and_a_minimum_version_is_kept(
             assert error["serving_versions"] == [1]
         finally:
             await client.close()
+
+
+async def test_a_participant_that_goes_silent_in_a_refit_is_named_and_the_abort_condemns_it(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        t = trainer(f)
+        await call(t.begin_refit, 1)
+        await until(lambda: len(f.refit.lease.status) == 3 if f.refit.lease else False,
+                    what="every participant seen under the lease")
+        status = await asyncio.to_thread(t.refit_status)
+        assert status is not None and status["culprits"] == []
+        assert all(p["process_alive"] and p["api_answers"] for p in status["status"])
+
+        # Participant 1 wedges in the broadcast so that its API no longer answers
+        hung_at = time.monotonic()
+        await f.inject_fault(1, "refuse", {})
+        named: dict[str, object] = {}
+
+        def culprit_named() -> bool:
+            lease = t.refit_status()
+            if lease and lease["culprits"]:
+                named.update(lease)
+                return True
+            return False
+
+        while not await asyncio.to_thread(culprit_named):
+            assert time.monotonic() - hung_at < 10, "not named within seconds"
+            await asyncio.sleep(0.1)
+        assert named["culprits"] == [1]
+        row = next(p for p in named["status"] if p["shard"] == 1)  # type: ignore[attr-defined]
+        assert row["process_alive"] and row["api_answers"] is False
+        assert "UNREACHABLE" in row["evidence"] and row["since"] >= f.refit.lease.started_at  # type: ignore[union-attr]
+
+        aborted = await call(t.abort_refit, 1, "weight broadcast hung on shard 1")
+        assert aborted["condemned"] == [1]  # the single suspect: the silent participant
+        await until(lambda: f.ledger.state(1) is ST and f.ledger.shard(1).restart_attempts == 1,
+                    timeout=60, what="replaced, waiting for the next refit")
+        await call(t.begin_refit, 2)
+        done = await call(t.complete_refit, 2)
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}

@@ -45,9 +45,16 @@ def everything_live(work: Path) -> set[str]:
         return live_launch_ids(j.launch_ids() | j.router_launch_ids())
 
 
-def kill_everything(work: Path) -> None:
+def end_everything(work: Path, *ups: UpProcess | None) -> set[str]:
+    """SIGKILL to each fleetwarden, then to whatever engine or router of this journal is left
+    (nothing this test started lives on); returns the launch ids that were still live."""
+    for up in ups:
+        if up is not None:
+            up.kill9()
+    left = everything_live(work)
     with journal_of(work) as j:
         kill_launched(j.launch_ids() | j.router_launch_ids())
+    return left
 
 
 def admin_metrics(up: UpProcess) -> str:
@@ -112,11 +119,7 @@ def test_sigkill_of_fleetwarden_under_load_loses_no_request(tmp_path: Path) -> N
         assert "nothing left running" in again.stop()
         assert running_routers(tmp_path) == {}
     finally:
-        up.kill9()
-        if again is not None:
-            again.kill9()
-        left = everything_live(tmp_path)
-        kill_everything(tmp_path)  # whatever happened above, nothing this test started lives on
+        left = end_everything(tmp_path, up, again)
     assert left == set()
 
 
@@ -138,9 +141,7 @@ def test_a_router_worker_that_dies_is_replaced_on_the_same_port(tmp_path: Path) 
         assert running_routers(tmp_path)[1] == before[1]  # the other one untouched
         assert "nothing left running" in up.stop()
     finally:
-        up.kill9()
-        left = everything_live(tmp_path)
-        kill_everything(tmp_path)
+        left = end_everything(tmp_path, up)
     assert left == set()
 
 
@@ -169,3 +170,35 @@ async def test_a_recorded_router_that_is_not_ours_is_never_adopted_nor_signalled
         journal.close()
         stranger.kill()
         stranger.wait()
+
+
+def test_a_reload_replaces_the_routers_under_load_with_no_request_failed(tmp_path: Path) -> None:
+    up = UpProcess(tmp_path, "--engines", "2", "--engine-cmd", SIM, "--router-workers", "2")
+    try:
+        before = running_routers(tmp_path)
+
+        async def scenario() -> tuple[Load, Load, int]:
+            # Short requests back to back, and streams of ~3 s that the reload must not cut.
+            async with Load(up.router, concurrency=4, max_tokens=8) as short, \
+                    Load(up.router, concurrency=2, max_tokens=120, stream=True) as streams:
+                await until(lambda: len(short.results) >= 20 and len(streams.results) >= 2,
+                            what="load running")
+                at_reload = len(short.results) + len(streams.results)
+                os.kill(up.proc.pid, signal.SIGHUP)
+                await until(lambda: not set(running_routers(tmp_path).values())
+                            & set(before.values()), 120, "every router replaced")
+                replaced = {launch for launch, _ in running_routers(tmp_path).values()}
+                assert len(replaced) == 2
+                n = len(streams.results)
+                await until(lambda: len(streams.results) >= n + 4, what="streams after")
+            return short, streams, at_reload
+
+        short, streams, at_reload = asyncio.run(scenario())
+        print(f"\nshort {short.summary()}\nstreams {streams.summary()}\n"
+              f"{at_reload} answered before the reload")
+        assert short.failures == [] and streams.failures == []
+        assert live_launch_ids({launch for launch, _ in before.values()}) == set()  # gone
+        assert "nothing left running" in up.stop()
+    finally:
+        left = end_everything(tmp_path, up)
+    assert left == set()

@@ -341,7 +341,7 @@ async def test_restart_is_a_new_process_with_counters_from_zero(
     assert old.start_time is not None and new.start_time is not None
     assert new.start_time > old.start_time
     assert new == Sample(running=0, waiting=0, steps=0, generation_tokens=0,
-                         start_time=new.start_time)
+                         start_time=new.start_time, sleep_level=0)
     assert sim.fault.mode is None  # a restart is an event, not a state
 
 
@@ -435,3 +435,60 @@ async def test_the_sim_command_can_start_with_a_fault(spawn: Any,
         assert r.status == 404
     async with http.get(proc.url + "/sim/fault") as r:
         assert (await r.json())["fault"]["mode"] == "no_metrics"
+
+
+# ------------------------------------------------------------------ sleep mode
+
+
+def sleep_family(text: str) -> list[str]:
+    """The ``vllm:engine_sleep_state`` lines, HELP and TYPE included."""
+    return [line for line in text.splitlines() if "vllm:engine_sleep_state" in line]
+
+
+async def test_sleep_mode_is_vllms_endpoints_and_metric_and_holds_generations_until_woken(
+    sim: Sim, http: aiohttp.ClientSession
+) -> None:
+    capture = (FIXTURES / "continuation-and-sleep" / "metrics-sleeping.txt").read_text()
+    async with http.get(sim.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": False}
+    long = asyncio.create_task(post(http, sim.url, "/v1/completions",
+                                    {"prompt": "x", "max_tokens": 40}))
+
+    async def running() -> bool:
+        return (await metrics(http, sim.url)).running == 1
+
+    await until(running)
+    async with http.post(sim.url + "/sleep?level=1") as r:
+        assert r.status == 200 and await r.json() == {"status": "sleeping", "level": 1}
+    async with http.get(sim.url + "/metrics") as r:
+        text = await r.text()
+    assert sleep_family(text) == sleep_family(capture)  # byte for byte, as vLLM 0.32 writes it
+    asleep = await metrics(http, sim.url)
+    assert asleep.sleep_level == 1 and asleep.idle  # 0 running, 0 waiting: it shows nothing
+    held = asyncio.create_task(post(http, sim.url, "/v1/completions",
+                                    {"prompt": "x", "max_tokens": 2}))
+    await asyncio.sleep(0.5)  # 25 steps' worth of time: nothing moves, nothing is answered
+    assert await metrics(http, sim.url) == asleep
+    assert not long.done() and not held.done()
+    async with http.get(sim.url + "/health") as r:
+        assert r.status == 200
+    async with http.get(sim.url + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": True}
+    async with http.post(sim.url + "/sleep?level=3") as r:
+        assert r.status == 400
+    async with http.post(sim.url + "/sleep?level=2") as r:
+        assert await r.json() == {"status": "sleeping", "level": 2}
+    assert (await metrics(http, sim.url)).sleep_level == 2
+
+    async with http.post(sim.url + "/wake_up") as r:
+        assert r.status == 200
+    results = await asyncio.wait_for(asyncio.gather(long, held), 20)
+    assert [status for status, _, _ in results] == [200, 200]
+    woke = await metrics(http, sim.url)
+    assert woke.sleep_level == 0 and woke.steps > asleep.steps
+    async with http.get(sim.url + "/metrics") as r:
+        assert sleep_family(await r.text())[2:] == [
+            'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="awake"} 1.0',
+            'vllm:engine_sleep_state{engine="0",model_name="tiny",'
+            'sleep_state="weights_offloaded"} 0.0',
+            'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="discard_all"} 0.0']

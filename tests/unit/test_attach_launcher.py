@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +82,56 @@ async def test_a_failed_restart_command_leaves_nothing_remembered(tmp_path: Path
         with pytest.raises(LaunchError, match="exited with code 1"):
             await launcher.launch(0)
     assert launcher._before == {}
+
+
+async def test_a_restart_command_cancelled_while_it_is_set_up_leaves_nothing_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled while its process is being set up (asyncio connects its pipes after the
+    fork), the command already runs: it is ended too, with its group. Seen once under load:
+    a cancel inside process creation left a restart command's child running for good. The
+    set-up is made slow here so that the cancel lands inside it every time."""
+    mark = f"FLEETWARDEN_TEST_MARK={uuid.uuid4().hex}"
+    monkeypatch.setenv(*mark.split("=", 1))
+    real = asyncio.create_subprocess_exec
+
+    async def slow_setup(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        proc = await real(*args, **kwargs)
+        await asyncio.sleep(0.5)
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", slow_setup)
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    fleet = FleetConfig(engines=0, backends=[url],
+                        restart_command="sh -c 'sleep 1000 & wait'")
+    launcher = AttachLauncher(fleet, HealthConfig(probe_timeout_s=0.5))
+    task = asyncio.create_task(launcher.launch(0))
+    try:
+        for _ in range(100):
+            if len(_marked(mark)) == 2:  # sh and its sleep: running, the set-up not done
+                break
+            await asyncio.sleep(0.02)
+        assert len(_marked(mark)) == 2 and not task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(50):
+            if not _marked(mark):
+                break
+            await asyncio.sleep(0.1)
+        assert _marked(mark) == []
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, 9)
+
+
+def _marked(mark: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                env = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if mark.encode() in env and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found

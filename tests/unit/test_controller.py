@@ -229,16 +229,56 @@ def test_a_restart_seen_without_a_start_time_is_still_a_new_process() -> None:
     assert r.incarnation is None  # unknown now; the next start time read identifies it
 
 
-def test_the_old_process_failures_never_count_against_the_new_one() -> None:
-    """Spec section 5: the window in which a restart is seen holds the old process's failures
-    (they are why it restarted); the new process starts with no streak."""
+async def test_the_old_process_failures_never_count_against_the_new_one() -> None:
+    """Spec section 5: the windows drained in the tick in which a restart is seen hold the
+    old process's failures (they are why it restarted), from every router; the new process
+    starts with no streak."""
     c, ledger, _ = controller("static")
     ledger.observe_incarnation(0, "1.0")
     c.apply_report(0, report(Verdict.RESTARTED, Health.PROVEN, incarnation="2.0"))
-    c.apply_outcomes({"http://a": (0, 4, 4)})
+    c.apply_outcomes({"http://a": (0, 4, 4)})  # one router's window
+    c.apply_outcomes({"http://a": (0, 2, 2), "http://b": (3, 0, 0)})  # another router's
     assert ledger.shard(0).consecutive_reported_failures == 0 and ledger.state(0) is H
-    c.apply_outcomes({"http://a": (0, 1, 1)})  # the next window is the new process's own
+    await c.tick()
+    c.apply_outcomes({"http://a": (0, 1, 1)})  # the next tick's window is the new process's
     assert ledger.shard(0).consecutive_reported_failures == 1
+
+
+def test_a_sleeping_engine_leaves_the_serving_set_and_comes_back_when_it_reports_awake() -> None:
+    from dataclasses import replace
+
+    from fleetwarden.engine_metrics import Sample
+
+    c, ledger, _ = controller()
+    ledger.report_failure(1, "timeout")  # SUSPECT
+    awake = Sample(running=0, waiting=0, steps=1, generation_tokens=1, start_time=1.0,
+                   sleep_level=0)
+    asleep = replace(awake, sleep_level=1)
+
+    def read(sample: Sample, verdict: Verdict, health: Health) -> Report:
+        return replace(report(verdict, health), sample=sample)
+
+    for i in (0, 1):
+        c.apply_report(i, read(asleep, Verdict.SLEEPING, Health.UNPROVEN))
+    assert ledger.sleeping() == [0, 1] and ledger.serving_urls() == []
+    assert c.serving_push() == ([], {})
+    assert sorted(c._fell_asleep) == [0, 1]  # their waiting requests are rescued at the push
+    assert c._status().state == "asleep"
+    for _ in range(5):  # unreachable twice: proves nothing yet; a failed canary proves nothing
+        c.apply_report(0, read(asleep, Verdict.SLEEPING, Health.UNPROVEN))
+    c.apply_report(1, report(Verdict.IDLE, Health.FAILING, canary=False))  # no sample: no word
+    assert ledger.sleeping() == [0, 1]
+    c.apply_report(0, read(awake, Verdict.IDLE, Health.UNPROVEN))
+    c.apply_report(1, read(awake, Verdict.IDLE, Health.UNPROVEN))
+    assert [ledger.state(0), ledger.state(1)] == [H, S]  # as they slept
+    # Held asleep by the trainer: a read that says awake does not wake it
+    ledger.report_asleep(0, "put to sleep by the trainer", held=True)
+    c.apply_report(0, read(awake, Verdict.IDLE, Health.PROVEN))
+    assert ledger.state(0) is ShardState.SLEEPING
+    # A sleeping engine that stops answering is condemned after the threshold, as a STALE one
+    for _ in range(3):
+        c.apply_report(0, report(Verdict.UNREACHABLE, Health.FAILING))
+    assert ledger.state(0) is D and ledger.shard(0).last_error.startswith("UNREACHABLE")
 
 
 # ---------------------------------------------------------------------- evidence (issue 14)

@@ -375,6 +375,50 @@ def test_the_verdict_table_has_a_row_for_every_verdict_and_lets_a_canary_decide(
     assert "judge.VERDICTS" in design  # the docs say where the table is, not what it says
 
 
+# ------------------------------------------------------------------ sleep mode
+
+def test_the_real_sleeping_capture_reads_asleep_at_level_1_and_the_idle_one_awake() -> None:
+    asleep = capture("continuation-and-sleep/metrics-sleeping.txt")
+    assert asleep.sleep_level == 1 and asleep.sleeping and asleep.idle
+    awake = capture("metrics-idle.txt")
+    assert awake.sleep_level == 0 and not awake.sleeping
+    level2 = (FIXTURES / "continuation-and-sleep/metrics-sleeping.txt").read_text().replace(
+        'sleep_state="weights_offloaded"} 1.0', 'sleep_state="weights_offloaded"} 0.0').replace(
+        'sleep_state="discard_all"} 0.0', 'sleep_state="discard_all"} 1.0')
+    assert parse(level2) == replace(asleep, sleep_level=2)
+    older = "\n".join(line for line in (FIXTURES / "metrics-idle.txt").read_text().splitlines()
+                      if "engine_sleep_state" not in line)
+    assert parse(older) == replace(awake, sleep_level=None)  # an engine without sleep mode
+
+
+def test_a_sleeping_engine_is_never_canaried_stuck_or_a_lost_core() -> None:
+    asleep = replace(IDLE, sleep_level=1)
+    reads: list[tuple[float, Reading]] = [(5.0, IDLE)] + [(5.0, asleep)] * 40  # 200 s asleep
+    for in_flight in (0, 3):
+        judgements = run(reads, in_flight=in_flight)[1:]
+        assert {j.verdict for j in judgements} == {Verdict.SLEEPING}
+        assert not any(j.send_canary for j in judgements)
+        assert all(j.canary is CanaryRule.NEVER and j.stall == NO_STALL for j in judgements)
+        assert {conclude(j, None) for j in judgements} == {Health.UNPROVEN}
+    # Asleep with requests frozen in its batch (the gauges of an engine put to sleep
+    # mid-work), and at the first read: still only asleep
+    frozen = replace(BUSY, sleep_level=2)
+    assert {j.verdict for j in run([(5.0, frozen)] * 10, in_flight=4)} == {Verdict.SLEEPING}
+    j = run([(5.0, frozen)], in_flight=4)[0]
+    assert "sleep level 2" in j.evidence.summary and "4 requests in flight" in j.evidence.summary
+    # Woken: judged from the sample it slept with, as any idle engine
+    woke = run([(5.0, asleep), (5.0, IDLE)])[1]
+    assert woke.verdict is Verdict.IDLE and woke.send_canary
+
+
+def test_a_process_that_restarted_asleep_is_told_as_a_restart() -> None:
+    asleep = replace(IDLE, sleep_level=1)
+    j = run([(5.0, asleep), (5.0, replace(asleep, start_time=2.0e9, steps=0))])[1]
+    assert j.verdict is Verdict.SLEEPING and j.evidence.previous_incarnation == repr(1.7e9)
+    assert "a new process" in j.evidence.summary
+    assert run([(5.0, asleep), (5.0, asleep)])[1].evidence.previous_incarnation is None
+
+
 # ------------------------------------------------------------------ the engine's own cadence
 
 

@@ -11,6 +11,7 @@ from fleetwarden.ledger import (
     Ledger,
     LedgerError,
     Policy,
+    Reading,
     ShardRecord,
     ShardState,
     Transition,
@@ -363,8 +364,8 @@ def test_the_table_has_no_forbidden_move() -> None:
         for dst in moves.values():
             assert (src, dst) != (D, H)
             assert src not in (D, R) or dst is not S
-            if src is ST:
-                assert dst in (ST, H, S, D, X)
+            if src is ST:  # a STALE shard may sleep; it wakes STALE (the property test)
+                assert dst in (ST, H, S, D, X, ShardState.SLEEPING)
     assert TRANSITIONS[X] == {}
 
 
@@ -488,6 +489,109 @@ def test_a_window_with_any_failure_lifts_no_suspicion() -> None:
     assert ledger.state(0) is S
     ledger.report_outcomes(0, 5, 0, 0)
     assert ledger.state(0) is H
+
+
+# ---------------------------------------------------------------------- sleep mode
+
+def test_a_sleeping_shard_serves_nothing_is_judged_on_nothing_and_wakes_as_it_slept() -> None:
+    SL = ShardState.SLEEPING
+    ledger, seen = make(3)
+    ledger.report_failure(1, "timeout")
+    assert ledger.state(1) is S
+    for i in (0, 1):
+        assert ledger.report_asleep(i, "vllm:engine_sleep_state awake 0")
+    assert [ledger.state(i) for i in (0, 1)] == [SL, SL]
+    assert ledger.serving() == [2] and ledger.sleeping() == [0, 1]
+    assert ledger.refit_participants() == [0, 1, 2]  # a sleeping engine can take weights
+    # nothing a canary, a read that says asleep or a request window says moves it
+    assert not ledger.record_reading(0, Reading("failing", "IDLE", canary_ok=False)).transition
+    assert not ledger.record_reading(0, Reading("unproven", "SLEEPING", sleep_level=1)).transition
+    assert not ledger.report_failure(0, "held request")
+    assert not ledger.report_outcomes(1, 0, 5, 5)
+    assert ledger.shard(1).consecutive_reported_failures == 1  # kept through the sleep
+    assert ledger.report_awake(0, "awake 1").transition.event is Event.WOKE  # type: ignore[union-attr]
+    woke = ledger.report_awake(1, "awake 1").transition
+    assert woke is not None and woke.event is Event.WOKE_SUSPECT and woke.to_state is S
+    assert ledger.shard(1).consecutive_reported_failures == 1  # a sleep proves nothing
+    assert ledger.shard(1).state_before_sleep is None
+    assert [t.event for t in seen[-4:]] == [Event.ASLEEP, Event.ASLEEP, Event.WOKE,
+                                            Event.WOKE_SUSPECT]
+
+
+def test_a_refit_while_asleep_changes_what_it_wakes_to() -> None:
+    SL = ShardState.SLEEPING
+    ledger, _ = make(3, weights="trainer")
+    ledger.observe_incarnation(0, "a")
+    ledger.observe_incarnation(0, "b")  # restarted on its own: STALE in trainer mode
+    ledger.report_failure(1, "timeout")  # SUSPECT
+    for i in range(3):
+        ledger.report_asleep(i, "asleep")
+    assert ledger.suspected_shards() == [1]  # judged as what it wakes to
+    for i in ledger.refit_participants():
+        ledger.report_refit(i, 4)
+    assert [ledger.state(i) for i in range(3)] == [SL, SL, SL]  # still asleep
+    assert [ledger.shard(i).state_before_sleep for i in range(3)] == [H, S, H]
+    for i in range(3):
+        ledger.report_awake(i, "awake")
+    assert [ledger.state(i) for i in range(3)] == [H, S, H]
+    assert [ledger.shard(i).weight_version for i in range(3)] == [4, 4, 4]
+
+
+def test_a_stale_shard_wakes_stale_and_an_aborted_refit_while_asleep_leaves_it_stale() -> None:
+    ledger, _ = make(2, weights="trainer")
+    ledger.observe_incarnation(0, "a")
+    ledger.observe_incarnation(0, "b")
+    assert ledger.state(0) is ST
+    ledger.report_asleep(0, "asleep")
+    ledger.report_awake(0, "awake")
+    assert ledger.state(0) is ST  # its weights are still not current
+    ledger.report_failure(1, "timeout")
+    ledger.report_asleep(1, "asleep")
+    ledger.mark_weights_partial(1)  # an aborted refit
+    assert ledger.shard(1).state_before_sleep is ST
+    assert ledger.suspected_shards() == [1]  # SUSPECT before the abort: the single suspect
+    ledger.report_awake(1, "awake")
+    assert ledger.state(1) is ST and ledger.shard(1).state_before_partial is S
+
+
+def test_the_trainer_holds_its_sleepers_until_its_own_wake() -> None:
+    ledger, _ = make(1)
+    ledger.report_asleep(0, "put to sleep by the trainer", held=True)
+    out = ledger.report_awake(0, "read awake")
+    assert not out and "trainer" in out.reason
+    assert ledger.report_awake(0, "woken by the trainer", by_trainer=True)
+    assert ledger.state(0) is H and not ledger.shard(0).sleep_held
+    ledger.report_asleep(0, "seen asleep")
+    assert ledger.report_asleep(0, "the trainer too", held=True)  # now held
+    assert not ledger.report_awake(0, "read awake")
+
+
+def test_a_sleeping_shard_can_still_die_restart_or_be_retired() -> None:
+    ledger, _ = make(3)
+    for i in range(3):
+        ledger.observe_incarnation(i, "a")
+        ledger.report_asleep(i, "asleep")
+    ledger.condemn(0, "process exited")
+    ledger.observe_incarnation(1, "b")  # a new process starts awake, nothing proved
+    ledger.retire(2, "operator")
+    assert [ledger.state(i) for i in range(3)] == [D, ST, X]
+    assert all(ledger.shard(i).state_before_sleep is None for i in range(3))
+    assert not ledger.report_asleep(0, "asleep")  # absent: no process to sleep
+    round_trip = ShardRecord.from_dict(ledger.shard(1).to_dict())
+    assert round_trip == ledger.shard(1)
+
+
+def test_a_sleeper_that_stops_answering_is_condemned_and_one_that_answers_is_not() -> None:
+    ledger, _ = make(1)
+    ledger.report_asleep(0, "put to sleep by the trainer", held=True)
+    unreachable = Reading("failing", "UNREACHABLE", "refused")
+    ledger.record_reading(0, unreachable)
+    ledger.record_reading(0, unreachable)
+    ledger.record_reading(0, Reading("unproven", "SLEEPING", sleep_level=1))  # it answers
+    assert ledger.shard(0).consecutive_probe_failures == 0
+    for _ in range(3):
+        ledger.record_reading(0, unreachable)
+    assert ledger.state(0) is D and ledger.shard(0).state_before_sleep is None
 
 
 # ------------------------------------------------------------------ out stays out (issue 14)

@@ -21,6 +21,7 @@ from fleetwarden.ledger import (
 N = 4
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
                      ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+SL = ShardState.SLEEPING
 shard = st.integers(0, N - 1)
 
 
@@ -119,6 +120,17 @@ class LedgerMachine(RuleBasedStateMachine):
         self._op("observe_incarnation", i)
         self.ledger.observe_incarnation(i, inc)
 
+    @rule(i=shard, held=st.booleans())
+    def report_asleep(self, i: int, held: bool) -> None:
+        self._op("report_asleep", i)
+        self.ledger.report_asleep(i, "asleep", held=held)
+
+    @rule(i=shard, by_trainer=st.booleans())
+    def report_awake(self, i: int, by_trainer: bool) -> None:
+        self._op("report_awake", i)
+        self.last_awake_by_trainer = by_trainer
+        self.ledger.report_awake(i, "awake", by_trainer=by_trainer)
+
     @rule(i=shard, inc=st.sampled_from([None, "a", "d"]))
     def observe_restart(self, i: int, inc: str | None) -> None:
         self._op("observe_incarnation", i)
@@ -137,13 +149,13 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(i=shard, health=st.sampled_from(["proven", "unproven", "failing", "condemned"]),
           restarted=st.booleans(), canary=st.sampled_from([None, True, False]),
-          excused=st.booleans())
+          excused=st.booleans(), sleep=st.sampled_from([None, 0, 1, 2]))
     def record_reading(self, i: int, health: str, restarted: bool, canary: bool | None,
-                       excused: bool) -> None:
+                       excused: bool, sleep: int | None) -> None:
         self._op("record_reading", i)
         self.ledger.record_reading(i, Reading(
             health, "X", restarted=restarted, incarnation="r" if restarted else None,  # type: ignore[arg-type]
-            canary_ok=canary, excused=excused))
+            canary_ok=canary, excused=excused, sleep_level=sleep))
 
     @precondition(lambda self: self.t > 30)  # retirements late, so most runs see restarts first
     @rule(i=shard)
@@ -177,12 +189,41 @@ class LedgerMachine(RuleBasedStateMachine):
         name, _ = self.last_op
         for a, b in self._pairs():
             if a.state is ST and b.state is not ST:
-                assert b.state in (H, S, D, X)
+                assert b.state in (H, S, D, X, SL)
+                if b.state is SL:
+                    assert name in ("report_asleep", "record_reading")
+                    assert b.state_before_sleep is ST
                 if b.state in (H, S):  # a refit (static weights: a good canary is one)
                     assert name in ("report_refit", "complete_refit", "record_reading")
                 if b.state is D:
                     assert name in ("condemn", "condemn_silent_participant", "abort_refit",
                                     "record_probe", "record_reading")
+
+    @invariant()
+    def a_sleeping_shard_wakes_to_what_it_slept_in_as_refits_made_it(self) -> None:
+        name, _ = self.last_op
+        for a, b in self._pairs():
+            if a.state is SL and b.state is not SL:
+                if name == "report_awake":
+                    assert b.state is a.state_before_sleep
+                    assert not a.sleep_held or self.last_awake_by_trainer
+                elif b.state in (H, S):  # a read that says awake, then what else it says
+                    assert name == "record_reading" and not a.sleep_held
+                else:
+                    assert b.state in (ST, D, X)  # woke STALE, a new process, death, retirement
+            if a.state is SL and b.state is SL and a.state_before_sleep is not ST \
+                    and b.state_before_sleep is ST:
+                assert name in ("mark_weights_partial", "abort_refit", "complete_refit",
+                                "missed_refit", "record_reading")  # or a restart, asleep
+            if a.state is not SL and b.state is SL:
+                assert name in ("report_asleep", "record_reading")
+                # a reading may tell a restart first: the new process is STALE, then asleep
+                assert b.state_before_sleep is a.state or (
+                    name == "record_reading" and b.state_before_sleep is ST)
+        for r in self.ledger.snapshot():
+            assert (r.state_before_sleep is not None) == (r.state is SL)
+            assert r.state_before_sleep in (None, H, S, ST)
+            assert not r.sleep_held or r.state is SL
 
     @invariant()
     def probes_never_change_a_shard_without_a_process_nor_lift_a_stale_one(self) -> None:
@@ -193,6 +234,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert a == b
             if a.state is ST:
                 assert b.state in (ST, D)  # failed reads may prove it dead; none lift it
+            if a.state is SL:
+                assert b.state in (SL, D)  # nor wake a sleeper
 
     @invariant()
     def retired_never_changes_and_attempts_never_decrease(self) -> None:
@@ -223,7 +266,8 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.shard_for_url(r.base_url) == r.index
             assert r.state_before_partial is not ST
             if r.state_before_partial is not None:
-                assert r.state is ST or r.state in ABSENT
+                assert r.state is ST or r.state in ABSENT or (
+                    r.state is SL and r.state_before_sleep is ST)
 
     @invariant()
     def every_change_was_emitted(self) -> None:

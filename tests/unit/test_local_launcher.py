@@ -61,10 +61,27 @@ async def test_an_exit_is_reported_at_once_with_its_code(tmp_path: Path) -> None
 async def test_an_engine_that_never_answers_fails_its_start(tmp_path: Path) -> None:
     lau = launcher(tmp_path, "--never-ready")
     h = await lau.launch(0)
-    with pytest.raises(LaunchError, match="/health answered 503"):
-        await lau.wait_ready(h, 1.5)
-    await lau.close()
+    try:
+        # Its process listens first (a loaded machine may take seconds to start Python): what
+        # is tested is an engine that answers, but never 200, within the startup timeout.
+        await _wait_for_status(h.url + "/health")
+        with pytest.raises(LaunchError, match="/health answered 503"):
+            await lau.wait_ready(h, 1.5)
+    finally:
+        await lau.close()
     assert group_members(h.pgid or 0) == []
+
+
+async def _wait_for_status(url: str, timeout_s: float = 30.0) -> None:
+    import aiohttp
+
+    from fleetwarden.probe import health_status
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while not isinstance(await health_status(session, url), int):
+            assert asyncio.get_running_loop().time() < deadline, f"{url} never answered"
+            await asyncio.sleep(0.1)
 
 
 async def test_an_engine_that_dies_while_starting_fails_fast(tmp_path: Path) -> None:

@@ -154,3 +154,31 @@ def test_the_refit_history_in_memory_is_bounded() -> None:
         refit.begin_refit(v)
         refit.complete_refit(v)
     assert len(refit.history) == HISTORY_KEPT and refit.history[-1].version == HISTORY_KEPT + 19
+
+
+def test_a_lease_keeps_each_participants_liveness_since_it_changed_and_names_culprits() -> None:
+    _, refit, clock = make(3)
+    lease = refit.begin_refit(1)
+    for i in range(3):
+        refit.observe_participant(i, process_alive=True, api_answers=True, evidence="IDLE")
+    clock.now += 4
+    refit.observe_participant(0, process_alive=True, api_answers=True, evidence="BUSY")
+    silent = refit.observe_participant(1, process_alive=True, api_answers=False,
+                                       evidence="UNREACHABLE: refused")
+    gone = refit.observe_participant(2, process_alive=False, api_answers=None,
+                                     evidence="DEAD: process exited")
+    assert silent is not None and gone is not None and silent.since == gone.since == clock.now
+    assert lease.status[0].since == clock.now - 4  # unchanged since the first read
+    assert lease.status[0].evidence == "BUSY"
+    assert [s.shard for s in lease.culprits()] == [1, 2]
+    assert silent.to_dict()["culprit"] is True
+    assert refit.observe_participant(3, process_alive=True, api_answers=True, evidence="") is None
+    refit.abort_refit(1, "broadcast hung")
+    assert refit.observe_participant(0, process_alive=True, api_answers=True,
+                                     evidence="") is None  # no lease any more
+
+
+def test_the_default_lease_is_nemo_rls_refit_timeout() -> None:
+    from fleetwarden.config import Config
+
+    assert Config().refit.lease_s == 300.0

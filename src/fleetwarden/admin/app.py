@@ -21,6 +21,9 @@ line that would carry the sign-in link's ``?token=`` query.
     POST /admin/outcomes                    {"outcomes": {url: [ok, failed, trailing]}}
     POST /admin/refit/begin|complete|abort  {"version": N, "reason": "..."}
     GET  /admin/refits                      the refit history and the open lease
+    POST /admin/sleep                       {"level": 1|2, "shards": [i, ...]}: the trainer's
+                                            sleep bracket (default: every awake shard)
+    POST /admin/wake                        {"shards": [i, ...]} (default: every sleeper)
     GET  /metrics                           Prometheus: shards by state, restarts, verdicts
     GET  /admin/events                      server-sent events for the dashboard
     GET  /                                  the dashboard (``dashboard.py``), or its sign-in
@@ -269,6 +272,42 @@ async def refit_abort(request: web.Request) -> web.Response:
                               "states": views.states_view(fleet.snapshot())})
 
 
+def _shards_of(body: dict[str, Any]) -> list[int] | None:
+    shards = body.get("shards")
+    if shards is None:
+        return None
+    if not isinstance(shards, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in shards):
+        raise _http_error(400, "shards must be a list of shard indices")
+    return shards
+
+
+async def sleep(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    level = body.get("level", 1)
+    if level not in (1, 2) or isinstance(level, bool):
+        raise _http_error(400, f"level must be 1 (weights offloaded) or 2 (discarded), "
+                          f"got {level!r}")
+    try:
+        results = await fleet.sleep(level, _shards_of(body))
+    except ValueError as exc:
+        raise _http_error(400, str(exc)) from None
+    return web.json_response({"level": level, "shards": [r.to_dict() for r in results],
+                              "states": views.states_view(fleet.snapshot())})
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    try:
+        results = await fleet.wake(_shards_of(body))
+    except ValueError as exc:
+        raise _http_error(400, str(exc)) from None
+    return web.json_response({"shards": [r.to_dict() for r in results],
+                              "states": views.states_view(fleet.snapshot())})
+
+
 async def metrics(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     body, content_type = fleet.metrics_text()
@@ -293,6 +332,8 @@ def make_admin_app(fleet: FleetSurface, token: str) -> web.Application:
     r.add_post("/admin/refit/begin", refit_begin)
     r.add_post("/admin/refit/complete", refit_complete)
     r.add_post("/admin/refit/abort", refit_abort)
+    r.add_post("/admin/sleep", sleep)
+    r.add_post("/admin/wake", wake_up)
     r.add_get("/metrics", metrics)
     dashboard.add_routes(app)
     return app

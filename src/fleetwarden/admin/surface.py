@@ -19,6 +19,7 @@ from fleetwarden.admin.events import EventBus
 from fleetwarden.admin.views import Traffic
 from fleetwarden.refit import Lease, RefitRecord
 from fleetwarden.router.pool import BackendFacts
+from fleetwarden.sleep import SleepResult
 from fleetwarden.snapshot import Acted, Snapshot
 
 __all__ = ["FleetSurface"]
@@ -63,6 +64,14 @@ class FleetSurface(Protocol):
     def complete_refit(self, version: int) -> RefitRecord: ...
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord: ...
+
+    async def sleep(self, level: int, shards: list[int] | None) -> list[SleepResult]:
+        """The trainer's sleep bracket: out of routing, then each engine's ``/sleep``."""
+        ...
+
+    async def wake(self, shards: list[int] | None) -> list[SleepResult]:
+        """Each sleeping engine's ``/wake_up``; back in routing once it says it is awake."""
+        ...
 
     async def push(self) -> None:
         """Push the serving set to every router now (after a refit, before the next tick)."""

@@ -85,7 +85,10 @@ def refits_view(snap: Snapshot) -> dict[str, Any]:
     return {
         "lease": None if lease is None else {
             "version": lease.version, "participants": sorted(lease.shards),
-            "started_at": lease.started_at, "deadline": lease.deadline},
+            "started_at": lease.started_at, "deadline": lease.deadline,
+            # per participant: process alive, API answers, since when, the evidence
+            "status": [s.to_dict() for _, s in sorted(lease.status.items())],
+            "culprits": [s.shard for s in lease.culprits()]},
         "current_version": snap.refit_version,
         "history": [
             {"version": r.version, "outcome": r.outcome, "started_at": r.started_at,
@@ -127,7 +130,7 @@ class FleetCollector:
             verdicts.add_metric([verdict], n)
         status = GaugeMetricFamily("fleetwarden_fleet_status",
                                    "1 for the fleet's current status.", labels=["status"])
-        for name in ("serving", "degraded", "down", "exhausted"):
+        for name in ("serving", "degraded", "asleep", "down", "exhausted"):
             status.add_metric([name], 1.0 if snap.status.state == name else 0.0)
         attempts = GaugeMetricFamily("fleetwarden_restart_attempts",
                                      "Restarts spent per shard (of the budget).",

@@ -16,11 +16,8 @@ no metrics), and it serves again after the canary (static weights) or the next r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import shlex
-import signal
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -31,6 +28,7 @@ from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.engines import VLLM, detect
 from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.launchers.procs import kill_and_reap, spawn_group
 from fleetwarden.probe import health_status
 
 __all__ = ["AttachLauncher", "read_incarnation"]
@@ -89,9 +87,9 @@ class AttachLauncher:
             name = urlsplit(url).hostname or url
             argv = shlex.split(self.command.format(shard=shard, url=url, name=name))
             try:
-                proc = await asyncio.create_subprocess_exec(
+                proc = await spawn_group(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    stderr=asyncio.subprocess.STDOUT,
                 )
             except OSError as exc:
                 raise LaunchError(f"shard {shard}: cannot run restart command {argv[0]!r}: "
@@ -114,12 +112,12 @@ class AttachLauncher:
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.command_timeout_s)
         except TimeoutError:
-            await _end_group(proc)
+            await kill_and_reap(proc)
             raise LaunchError(f"shard {shard}: restart command still running after "
                               f"{self.command_timeout_s:g} s (startup_timeout_s); "
                               "ended it") from None
         except BaseException:
-            await _end_group(proc)
+            await kill_and_reap(proc)
             raise
         return out
 
@@ -148,11 +146,3 @@ class AttachLauncher:
     async def close(self) -> None:
         self._before.clear()
 
-
-async def _end_group(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the command's process group (it was started in a session of its own) and reap
-    it. A restart command holds no state worth a grace period."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        await asyncio.shield(proc.wait())

@@ -42,6 +42,7 @@ from fleetwarden.launchers.procs import (
     process_info,
     process_start_ticks,
     signal_process,
+    spawn_group,
     terminate_group,
 )
 from fleetwarden.probe import health_status
@@ -228,9 +229,9 @@ class LocalLauncher:
             out.write(f"# fleetwarden: {shlex.join(argv)}\n".encode())
             out.flush()
             try:
-                proc = await asyncio.create_subprocess_exec(
+                proc = await spawn_group(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                    stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                    stderr=asyncio.subprocess.STDOUT, env=env,
                     preexec_fn=None if self.fleet.engines_outlive_fleetwarden
                     else _term_when_parent_dies,
                 )

@@ -19,12 +19,14 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "GroupStop",
@@ -32,11 +34,13 @@ __all__ = [
     "boot_time",
     "find_group_member",
     "group_members",
+    "kill_and_reap",
     "process_info",
     "process_start_ticks",
     "process_start_time",
     "signal_group_member",
     "signal_process",
+    "spawn_group",
     "terminate_group",
     "wait_group_empty",
 ]
@@ -224,3 +228,27 @@ def _parse(pid: int, stat: bytes, raw_cmd: bytes) -> ProcessInfo | None:
     return ProcessInfo(pid=pid, ppid=int(rest[1]), pgid=int(rest[2]), sid=int(rest[3]),
                        state=rest[0], comm=text[open_ + 1:close], start_ticks=int(rest[19]),
                        cmdline=cmdline)
+
+
+async def spawn_group(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
+    """``asyncio.create_subprocess_exec`` in a session (and process group) of its own, that
+    never loses a process: cancelled while the process is being set up (a retire, a stop, an
+    attempt's timeout), the process may already run; it is then killed with its group and
+    reaped before the cancellation goes on. Without this, a cancel at the wrong moment leaves
+    a restart command or an engine that nothing will ever stop."""
+    creating = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(*argv, start_new_session=True, **kwargs))
+    try:
+        return await asyncio.shield(creating)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await kill_and_reap(await creating)
+        raise
+
+
+async def kill_and_reap(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL ``proc``'s process group (it leads one: :func:`spawn_group`) and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        await asyncio.shield(proc.wait())

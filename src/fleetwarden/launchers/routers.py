@@ -203,6 +203,8 @@ class RouterWorkers:
         #: Counters of workers that are gone, so the fleet's totals never go backwards.
         self._gone = RouterStats()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Replaced workers still draining (a reload).
+        self._replaced: list[_Process] = []
         self._status_task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -236,12 +238,6 @@ class RouterWorkers:
         router's port reaches one worker, whichever the kernel picks.)"""
         return _WorkersCollector(self._metrics)
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"worker": i, "pid": p.record.pid, "launch_id": p.record.launch_id,
-                 "control_url": p.record.control_url,
-                 "requests": self._statuses.get(i, {}).get("requests")}
-                for i, p in sorted(self._procs.items())]
-
     # ------------------------------------------------------------------ start / stop
 
     async def start(self, backends: Sequence[str]) -> None:
@@ -273,7 +269,10 @@ class RouterWorkers:
                 self.port = port
                 self._procs[saved.worker] = _Process(saved, None)
                 self._watch(saved.worker, _pid_exit(saved.pid))
-                await self.links[saved.worker].connect(saved.control_url)
+                link = self.links[saved.worker]
+                await link.connect(saved.control_url)
+                with contextlib.suppress(Exception):  # what it serves: a replacement's start
+                    link.last_push = list((await link.status())["serving"])
                 self.adopted += 1
                 log.info("router worker %d: adopted pid %d on %s from an earlier run",
                          saved.worker, saved.pid, saved.url)
@@ -400,6 +399,55 @@ class RouterWorkers:
                     self._metrics[link.worker] = await link.metrics_text()
             await asyncio.sleep(STATUS_EVERY_S)
 
+    async def reload(self) -> None:
+        """Replace every worker with no request failed: new processes (the code installed
+        now) join the port, get the serving set and take the slots; then each old one gets
+        SIGUSR1: it stops accepting and finishes what it holds, up to ``drain_s``
+        (:meth:`Router.drain`), then exits. One still there past that bound (and a margin)
+        is killed."""
+        olds = {w: p for w, p in self._procs.items()}
+        for old in olds.values():
+            old.stopping = True  # its exit is not a failure: nothing is started for it
+        # Every new worker first, then every old one told at once: a client that an old one
+        # tells to reconnect finds only new listeners.
+        await asyncio.gather(*(self._launch(link.worker) for link in self.links))
+        for link in self.links:
+            with contextlib.suppress(Exception):
+                await link.set_serving_backends(link.last_push, link.last_facts)
+        for worker, old in olds.items():
+            self._retire_counters(worker)
+            self._replaced.append(old)
+            signal_process(old.record.pid, old.record.proc_start_ticks or 0, signal.SIGUSR1)
+            task = asyncio.create_task(self._reap(old), name=f"router-drain:{worker}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
+
+    async def _reap(self, old: _Process) -> None:
+        """Wait for a replaced worker to finish its drain; kill it past the bound."""
+        try:
+            await self._reap_now(old)
+        finally:
+            with contextlib.suppress(ValueError):
+                self._replaced.remove(old)
+
+    async def _reap_now(self, old: _Process) -> None:
+        rec = old.record
+        deadline = time.monotonic() + self.config.drain_s + _STOP_MARGIN_S
+        while _same(rec.pid, rec.proc_start_ticks) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_POLL_S)
+        if _same(rec.pid, rec.proc_start_ticks):
+            log.warning("router worker %d: %s still draining after %g s: killed", rec.worker,
+                        rec.launch_id, self.config.drain_s)
+            await asyncio.to_thread(terminate_group, rec.pgid, 0.0, 5.0)
+        if old.proc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.proc.wait(), 5.0)
+        if old.watcher is not None:
+            old.watcher.cancel()
+        if self.journal is not None:
+            self.journal.router_stopped(rec.launch_id)
+
     async def stop(self) -> None:
         """Stop every worker (SIGTERM: they stop accepting and finish what they hold, up to
         ``shutdown_grace_s``), verify, and record each stop in the journal."""
@@ -410,7 +458,9 @@ class RouterWorkers:
                 await self._status_task
         for link in self.links:
             await link.disconnect()
-        procs = list(self._procs.values())
+        for task in list(self._tasks):  # replaced workers still draining: stopped with the rest
+            task.cancel()
+        procs = list(self._procs.values()) + list(self._replaced)
         for p in procs:
             p.stopping = True
         results = await asyncio.gather(*(self._stop_one(p) for p in procs),
@@ -438,19 +488,6 @@ class RouterWorkers:
         if self.journal is not None:
             self.journal.router_stopped(rec.launch_id)
         log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
-
-    async def abandon(self) -> None:
-        """Let go of the workers without stopping them (they keep serving; the next run adopts
-        them): what a fleet does when it cannot stop cleanly, and what tests use to play a
-        SIGKILL of fleetwarden inside one process."""
-        self._closing = True
-        if self._status_task is not None:
-            self._status_task.cancel()
-        for p in self._procs.values():
-            if p.watcher is not None:
-                p.watcher.cancel()
-        for link in self.links:
-            await link.disconnect()
 
 
 class _WorkersCollector(Collector):

@@ -15,6 +15,7 @@ Prometheus registry.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -42,6 +43,16 @@ FORWARDED_POST: tuple[str, ...] = (
     "/tokenize", "/detokenize",
 )
 FORWARDED_GET: tuple[str, ...] = ("/v1/models",)
+
+#: While a router drains (:meth:`Router.drain`), a keep-alive connection idle this long is
+#: closed. Clients reuse an idle connection at once or not for a while (httpx, and with it the
+#: ``openai`` client, keeps one 5 s); a close that raced a request sent at this very moment is
+#: the one way a drain could fail one, so it waits well past the back-to-back case.
+IDLE_CLOSE_S = 2.0
+_DRAIN_POLL_S = 0.05
+#: Between a drain's listener close and its first ``Connection: close``: the time the other
+#: routers replaced at the same moment take to close theirs (microseconds; a loaded machine).
+HANDOVER_SETTLE_S = 0.5
 
 DISARMED_WARNING = (
     "reflex drop disarmed: fleet health does not drive this router's membership, so a "
@@ -89,6 +100,7 @@ class Router:
         self.app = self._make_app()
         self._runner: web.AppRunner | None = None
         self._control_runner: web.AppRunner | None = None
+        self._draining = False
         self._url: str | None = None
         self._control_url: str | None = None
 
@@ -250,6 +262,35 @@ class Router:
             self._control_runner = control
             self._control_url = listening_url(control)
 
+    async def drain(self, bound_s: float) -> None:
+        """Hand over to another router on the same port without failing a request: stop
+        accepting at once (the port's other listeners take new connections), answer every
+        request that still comes on an open connection with ``Connection: close``, close a
+        connection once it has been idle for :data:`IDLE_CLOSE_S`, and return when no
+        connection is left or ``bound_s`` has passed (then :meth:`stop` cuts what is left).
+        The control API keeps answering meanwhile."""
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        # Only now, and after the other replaced routers closed theirs (they got the same
+        # signal at the same moment): a client told to reconnect must find only new listeners.
+        # A connection waiting in a listener's queue when it closes is reset by the kernel.
+        await asyncio.sleep(HANDOVER_SETTLE_S)
+        self._draining = True
+        server = self._runner.server
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound_s
+        idle_since: dict[int, float] = {}
+        while server is not None and server.connections and loop.time() < deadline:
+            now = loop.time()
+            for conn in list(server.connections):
+                if getattr(conn, "_request_in_progress", True):
+                    idle_since.pop(id(conn), None)
+                elif now - idle_since.setdefault(id(conn), now) >= IDLE_CLOSE_S:
+                    conn.close()  # idle that long: no request of a keep-alive client races it
+            await asyncio.sleep(_DRAIN_POLL_S)  # aiohttp has no event for "connection closed"
+
     async def stop(self) -> None:
         """Stop listening, end the requests in flight, close the client session."""
         if self._control_runner is not None:
@@ -289,6 +330,7 @@ class Router:
 
     def _make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_body_bytes)
+        app.on_response_prepare.append(self._close_when_draining)
         forward = self._forwarder.forward
         for path in FORWARDED_POST:
             app.router.add_post(path, forward)
@@ -297,6 +339,11 @@ class Router:
         app.router.add_get("/metrics", self._metrics, allow_head=False)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         return app
+
+    async def _close_when_draining(self, request: web.Request,
+                                   response: web.StreamResponse) -> None:
+        if self._draining:
+            response.force_close()  # "Connection: close": the client's next request goes anew
 
     async def _metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.registry))

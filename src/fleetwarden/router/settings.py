@@ -96,11 +96,16 @@ class RouterSettings:
     #: requests complete; a long generation would not finish within any reasonable grace, and
     #: a stop must never hang on a wedged engine.
     shutdown_grace_s: float = 5.0
+    #: How long a router being replaced (``fleetwarden reload``, SIGUSR1) lets what it holds
+    #: finish after it stopped accepting: long generations and streams included, up to this
+    #: bound; then it stops as on SIGTERM. Ten minutes: ``backend_timeout_s``, the longest
+    #: one attempt may take anyway.
+    drain_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("backend_timeout_s", "connect_timeout_s", "keepalive_timeout_s",
                      "client_body_timeout_s",
-                     "affinity_load_factor", "shutdown_grace_s"):
+                     "affinity_load_factor", "shutdown_grace_s", "drain_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterSettings.{name} must be > 0, got {getattr(self, name)}")
         if self.affinity_load_factor < 1:

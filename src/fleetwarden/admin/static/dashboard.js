@@ -7,10 +7,10 @@
 // ever set as textContent (an engine's error message is data, never markup).
 "use strict";
 
-const STATES = ["HEALTHY", "SUSPECT", "STALE", "DEAD", "RESTARTING", "RETIRED"];
+const STATES = ["HEALTHY", "SUSPECT", "STALE", "SLEEPING", "DEAD", "RESTARTING", "RETIRED"];
 // Keep in sync with the --healthy ... --retired colours in dashboard.css.
 const STATE_COLOURS = {
-  HEALTHY: "#2e9e44", SUSPECT: "#d4a000", STALE: "#7c5cd6",
+  HEALTHY: "#2e9e44", SUSPECT: "#d4a000", STALE: "#7c5cd6", SLEEPING: "#3b82c4",
   DEAD: "#d93025", RESTARTING: "#ef7d00", RETIRED: "#6b7280",
 };
 const ABSENT = new Set(["DEAD", "RESTARTING", "RETIRED"]);

@@ -1,0 +1,127 @@
+"""Sleep mode end to end (issue 20): a sleeping engine is neither routed to, canaried, judged
+stuck nor restarted, however long it sleeps, and serves again when it wakes.
+
+Real `fleetwarden sim` engine processes with vLLM's sleep endpoints and metric. The watchdog runs
+at a 0.05 s tick (about 0.1 s a round under load on 2 cores) with a 0.5 s stall and a 0.2 s
+canary interval, so the ~10 s a sleep lasts here is some 100 rounds, 20 stall windows and 50
+canary intervals: minutes of a fleet at its defaults (a 5 s tick), in the judge's terms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fleetwarden.client import FleetClient
+from fleetwarden.fleet import Fleet
+from fleetwarden.ledger import ShardState
+from fleetwarden.testing.load import Load
+from fleetwarden.watchdog import CANARY_ID_PREFIX
+from support.fleet import record_transitions, running_fleet, sim_stats, until
+
+pytestmark = pytest.mark.scenario
+
+H, SL = ShardState.HEALTHY, ShardState.SLEEPING
+FAST = {"probe_interval_s": 0.05, "stall_s": 0.5, "canary_interval_s": 0.2}
+#: How long each test keeps an engine asleep under the watchdog and load.
+ASLEEP_S = 10.0
+
+
+async def engine_post(url: str, path: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as http, http.post(url + path) as r:
+        return r.status, await r.json(content_type=None) if await r.read() else None
+
+
+def generations_and_canaries(stats: dict[str, Any], since: float) -> tuple[int, int]:
+    log = [e for e in stats["log"] if e["at"] >= since and e["path"] == "/v1/completions"]
+    canaries = [e for e in log if (e["request_id"] or "").startswith(CANARY_ID_PREFIX)]
+    return len(log) - len(canaries), len(canaries)
+
+
+async def asleep_under_load(fleet: Fleet, shard: int) -> tuple[Load, float]:
+    """Load through the router for ASLEEP_S while ``shard`` sleeps; the load and when it began."""
+    began = time.time()
+    async with Load(fleet.router_url, concurrency=4, max_tokens=4, think_s=0.02) as load:
+        await asyncio.sleep(ASLEEP_S)
+    return load, began
+
+
+async def test_an_engine_put_to_sleep_by_someone_else_is_left_alone_then_serves_on_wake(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, health=FAST) as fleet:
+        seen = record_transitions(fleet)
+        url = fleet.ledger.shard(1).base_url
+        incarnation = fleet.ledger.shard(1).incarnation
+        ticks = fleet.controller.tick_number
+        assert await engine_post(url, "/sleep?level=1") == (200, {"status": "sleeping",
+                                                                   "level": 1})
+        await until(lambda: fleet.ledger.state(1) is SL, what="the watchdog sees it asleep")
+        assert fleet.ledger.serving_urls() == [fleet.ledger.shard(0).base_url]
+
+        load, began = await asleep_under_load(fleet, 1)
+        # Watchdog rounds kept judging it: 10 s is 20 stall windows and 50 canary intervals
+        assert fleet.controller.tick_number - ticks >= 40
+        assert load.failures == [] and len(load.results) > 50
+        generations, canaries = generations_and_canaries(await sim_stats(url), began)
+        assert (generations, canaries) == (0, 0)  # never routed to, never canaried
+        rec = fleet.ledger.shard(1)
+        assert rec.state is SL and rec.restart_attempts == 0 and rec.incarnation == incarnation
+        assert fleet.controller.reports[1].verdict.name == "SLEEPING"
+        assert [t.to_state for t in seen if t.shard == 1] == [SL]  # nothing else happened
+
+        assert (await engine_post(url, "/wake_up"))[0] == 200
+        await until(lambda: fleet.ledger.state(1) is H, what="it serves again on wake")
+        async with Load(fleet.router_url, concurrency=4, max_tokens=4, total=40) as load:
+            await load.wait()
+        assert load.failures == []
+        assert generations_and_canaries(await sim_stats(url), time.time() - 30)[0] > 0
+        assert fleet.ledger.shard(1).restart_attempts == 0
+
+
+async def test_the_trainers_bracket_sleeps_engines_under_load_and_wakes_them(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, health=FAST) as fleet:
+        client = FleetClient(fleet.admin_url, token=fleet.token)
+        url = fleet.ledger.shard(1).base_url
+        async with Load(fleet.router_url, concurrency=4, max_tokens=8, think_s=0.02,
+                        stream=True) as load:
+            await until(lambda: len(load.results) >= 10, what="load flows to both engines")
+            slept = await asyncio.to_thread(client.sleep, 1, [1])
+            assert slept["shards"] == [{"shard": 1, "url": url, "state": "SLEEPING",
+                                        "error": ""}]
+            put_to_sleep_at = time.time()
+            await asyncio.sleep(ASLEEP_S)
+        assert load.failures == []  # nothing failed, nothing was left waiting on it
+        generations, canaries = generations_and_canaries(await sim_stats(url),
+                                                         put_to_sleep_at)
+        assert (generations, canaries) == (0, 0)
+        assert (await sim_stats(url))["engine"]["sleep_level"] == 1
+        assert fleet.ledger.state(1) is SL and fleet.ledger.shard(1).sleep_held
+
+        # Asleep is reported as such; the whole fleet asleep is answered deliberately
+        await asyncio.to_thread(client.sleep)
+        assert fleet.ledger.sleeping() == [0, 1]
+        status, body = await post_through(fleet)
+        assert status == 409 and body["error"]["type"] == "no_backend_left"
+        await until(lambda: fleet.controller.status.state == "asleep", what="status asleep")
+
+        woke = await asyncio.to_thread(client.wake)
+        assert [s["state"] for s in woke["shards"]] == ["HEALTHY", "HEALTHY"]
+        assert fleet.ledger.serving() == [0, 1]  # the routers know before wake() returns
+        async with Load(fleet.router_url, concurrency=4, max_tokens=4, total=40) as load:
+            await load.wait()
+        assert load.failures == []
+        assert generations_and_canaries(await sim_stats(url), put_to_sleep_at)[0] > 0
+        assert [fleet.ledger.shard(i).restart_attempts for i in (0, 1)] == [0, 0]
+
+
+async def post_through(fleet: Fleet) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as http, http.post(
+            fleet.router_url + "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2}) as r:
+        return r.status, await r.json()
