@@ -45,9 +45,16 @@ def everything_live(work: Path) -> set[str]:
         return live_launch_ids(j.launch_ids() | j.router_launch_ids())
 
 
-def kill_everything(work: Path) -> None:
+def end_everything(work: Path, *ups: UpProcess | None) -> set[str]:
+    """SIGKILL to each fleetwarden, then to whatever engine or router of this journal is left
+    (nothing this test started lives on); returns the launch ids that were still live."""
+    for up in ups:
+        if up is not None:
+            up.kill9()
+    left = everything_live(work)
     with journal_of(work) as j:
         kill_launched(j.launch_ids() | j.router_launch_ids())
+    return left
 
 
 def admin_metrics(up: UpProcess) -> str:
@@ -112,11 +119,7 @@ def test_sigkill_of_fleetwarden_under_load_loses_no_request(tmp_path: Path) -> N
         assert "nothing left running" in again.stop()
         assert running_routers(tmp_path) == {}
     finally:
-        up.kill9()
-        if again is not None:
-            again.kill9()
-        left = everything_live(tmp_path)
-        kill_everything(tmp_path)  # whatever happened above, nothing this test started lives on
+        left = end_everything(tmp_path, up, again)
     assert left == set()
 
 
@@ -138,9 +141,7 @@ def test_a_router_worker_that_dies_is_replaced_on_the_same_port(tmp_path: Path) 
         assert running_routers(tmp_path)[1] == before[1]  # the other one untouched
         assert "nothing left running" in up.stop()
     finally:
-        up.kill9()
-        left = everything_live(tmp_path)
-        kill_everything(tmp_path)
+        left = end_everything(tmp_path, up)
     assert left == set()
 
 
@@ -199,7 +200,5 @@ def test_a_reload_replaces_the_routers_under_load_with_no_request_failed(tmp_pat
         assert live_launch_ids({launch for launch, _ in before.values()}) == set()  # gone
         assert "nothing left running" in up.stop()
     finally:
-        up.kill9()
-        left = everything_live(tmp_path)
-        kill_everything(tmp_path)
+        left = end_everything(tmp_path, up)
     assert left == set()
