@@ -150,7 +150,7 @@ def test_each_shard_is_pinned_to_its_own_cpu() -> None:
     assert fill_engine_env(env, shard=1)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert {k: v for k, v in env.items() if k != "VLLM_CPU_OMP_THREADS_BIND"} == {
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def test_the_testing_helpers_import_without_torch_or_vllm() -> None:

