@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from fleetwarden.journal import Journal
-from fleetwarden.launchers.local import kill_launched, launch_id_of
+from fleetwarden.launchers.local import kill_launched, launch_id_of, live_launch_ids
 from fleetwarden.ledger import Event, ShardState
 from fleetwarden.testing.load import Load
 from support.fleet import (
@@ -232,9 +232,12 @@ def test_stopping_fleetwarden_leaves_no_engine_process(tmp_path: Path) -> None:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 with Journal(work / "fleetwarden.sqlite") as journal:
-                    kill_launched(journal.launch_ids())  # nothing this test started lives on
+                    # nothing this test started lives on: engines, router processes
+                    kill_launched(journal.launch_ids() | journal.router_launch_ids())
         assert proc.returncode == 0, out
         assert "nothing left running" in out
+        with Journal(work / "fleetwarden.sqlite") as journal:  # the router's processes too
+            assert live_launch_ids(journal.router_launch_ids()) == set()
         assert not any(_alive(p) for p in engine_pids)
         assert not any(_group_alive(p) for p in engine_pids)
 

