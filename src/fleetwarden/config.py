@@ -269,7 +269,7 @@ class HealthConfig(_Section):
 
     _defaults_from: ClassVar[dict[str, type]] = {
         "probe_timeout_s": WatchdogPolicy, "stall_s": WatchdogPolicy,
-        "stall_factor": WatchdogPolicy,
+        "stall_factor": WatchdogPolicy, "stall_max_s": WatchdogPolicy,
         "stall_waits": WatchdogPolicy, "canary_interval_s": WatchdogPolicy,
         "canary_timeout_s": WatchdogPolicy, "unhealthy_threshold": Policy,
         "healthy_threshold": Policy, "min_serving_shards": Policy,
@@ -284,6 +284,7 @@ class HealthConfig(_Section):
     healthy_threshold: PositiveInt = _LEDGER.healthy_threshold
     stall_s: PositiveFloat = _WATCHDOG.stall_s
     stall_factor: Annotated[float, Field(ge=1)] = _WATCHDOG.stall_factor
+    stall_max_s: PositiveFloat = _WATCHDOG.stall_max_s
     stall_waits: PositiveInt = _WATCHDOG.stall_waits
     canary_interval_s: PositiveFloat = _WATCHDOG.canary_interval_s
     canary_timeout_s: PositiveFloat = _WATCHDOG.canary_timeout_s
@@ -309,7 +310,8 @@ class HealthConfig(_Section):
 
     def watchdog_policy(self) -> WatchdogPolicy:
         return WatchdogPolicy(
-            stall_s=self.stall_s, stall_factor=self.stall_factor, stall_waits=self.stall_waits,
+            stall_s=self.stall_s, stall_factor=self.stall_factor, stall_max_s=self.stall_max_s,
+            stall_waits=self.stall_waits,
             canary_interval_s=self.canary_interval_s, read_timeout_s=self.probe_timeout_s,
             canary_timeout_s=self.canary_timeout_s,
         )

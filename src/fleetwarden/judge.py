@@ -82,6 +82,13 @@ class WatchdogPolicy:
     #: with progress at the same load or less (its own cadence). Three: a batch a little
     #: larger than any seen so far takes longer, but not three times longer.
     stall_factor: float = 3.0
+    #: ...but never above this (unless ``stall_s`` itself is larger). The cadence only grows:
+    #: a pause that ends just under the limit (a wedge released by hand, a starved host)
+    #: would raise it threefold each time. Measured on the real-vLLM tier: after the `check`
+    #: test stopped and released an engine core, the learned limit reached 17 s and the next
+    #: wedge took 35 s to condemn. 15 s is the first round's fixed limit, which never ejected
+    #: a busy engine in any tier or benchmark.
+    stall_max_s: float = 15.0
     #: ...and be seen on this many reads in a row: note 002's "two waits", so that one late read
     #: (a slow scrape, a GC pause) is never a stall by itself.
     stall_waits: int = 2
@@ -107,8 +114,8 @@ class WatchdogPolicy:
     check_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("stall_s", "canary_interval_s", "read_timeout_s", "canary_timeout_s",
-                     "check_interval_s"):
+        for name in ("stall_s", "stall_max_s", "canary_interval_s", "read_timeout_s",
+                     "canary_timeout_s", "check_interval_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"WatchdogPolicy.{name} must be >= 0, got {value!r}")
@@ -284,7 +291,8 @@ class Cadence:
 
     def limit(self, load: float, policy: WatchdogPolicy) -> float:
         """Seconds of flat counters that make a stall conclusive at this load."""
-        return max(policy.stall_s, policy.stall_factor * self.gap_at(load))
+        learned = min(policy.stall_factor * self.gap_at(load), policy.stall_max_s)
+        return max(policy.stall_s, learned)
 
 
 NO_CADENCE = Cadence()
@@ -541,9 +549,12 @@ def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
 
 def _limit_reason(cadence: Cadence, load: float, policy: WatchdogPolicy) -> str:
     gap = cadence.gap_at(load)
-    if policy.stall_factor * gap > policy.stall_s:
-        return f"{policy.stall_factor:g} x its longest pause seen at this load, {gap:.1f} s"
-    return f"the floor, stall_s {policy.stall_s:g}"
+    if policy.stall_factor * gap <= policy.stall_s:
+        return f"the floor, stall_s {policy.stall_s:g}"
+    if policy.stall_factor * gap > policy.stall_max_s >= policy.stall_s:
+        return (f"the ceiling, stall_max_s {policy.stall_max_s:g} (its longest pause seen at "
+                f"this load, {gap:.1f} s, x {policy.stall_factor:g} is more)")
+    return f"{policy.stall_factor:g} x its longest pause seen at this load, {gap:.1f} s"
 
 
 def _n(x: float) -> str:

@@ -466,6 +466,38 @@ def test_an_engine_seen_pausing_gets_its_own_longer_limit_at_that_load() -> None
     assert cadence.limit(0, DEFAULT_POLICY) == DEFAULT_POLICY.stall_s
 
 
+def test_pauses_that_end_just_under_the_limit_never_raise_it_past_the_ceiling() -> None:
+    # Each pause ends just before the limit it met, and each raises the next limit threefold:
+    # 4.75 s -> 14.25 s -> 42.75 s ... unless the learned limit has a ceiling (seen on the
+    # real-vLLM tier: a core stopped by hand and released taught the fleet a 17 s limit).
+    moving = advanced(BUSY, steps=1)
+    cadence = NO_CADENCE
+    before = BUSY
+    for _ in range(3):
+        limit = cadence.limit(BUSY.running, DEFAULT_POLICY)
+        js = [judge(before, before, elapsed_s=0.0, cadence=cadence)]
+        stall = NO_STALL
+        for _ in range(round((limit - 0.25) / 0.25)):
+            j = judge(before, before, elapsed_s=0.25, stall=stall, cadence=cadence)
+            assert j.verdict is Verdict.STALLED
+            stall = j.stall
+            js.append(j)
+        after = replace(moving, steps=before.steps + 1)
+        j = judge(before, after, elapsed_s=0.25, stall=stall, cadence=cadence)
+        assert j.verdict is Verdict.BUSY
+        cadence, before = j.cadence, after
+    assert cadence.gap_at(BUSY.running) > DEFAULT_POLICY.stall_max_s / DEFAULT_POLICY.stall_factor
+    assert cadence.limit(BUSY.running, DEFAULT_POLICY) == DEFAULT_POLICY.stall_max_s
+    stall = NO_STALL
+    for _ in range(round(DEFAULT_POLICY.stall_max_s / 0.25)):
+        j = judge(before, before, elapsed_s=0.25, stall=stall, cadence=cadence)
+        stall = j.stall
+    assert j.verdict is Verdict.STUCK and "the ceiling" in j.evidence.summary
+    # A floor set above the ceiling (an engine whose gauges lag) still wins.
+    lagging = replace(DEFAULT_POLICY, stall_s=45.0)
+    assert cadence.limit(BUSY.running, lagging) == 45.0
+
+
 def test_a_restarted_engine_starts_with_no_cadence() -> None:
     paused = run([(0, BUSY), *focused(2.0), (0.25, advanced(BUSY, steps=1))])
     assert paused[-1].cadence != NO_CADENCE
