@@ -8,7 +8,6 @@ canary failed), 2 unreachable, 3 cannot judge.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from typing import Any
 
@@ -16,23 +15,19 @@ import aiohttp
 import pytest
 
 from support.proxy import LeastConnectionsProxy
-from support.sim import Load, SimProcess, free_port, metrics, set_fault, stats, until
+from support.sim import (
+    CHECK_FAST,
+    Load,
+    SimProcess,
+    free_port,
+    metrics,
+    run_check,
+    set_fault,
+    stats,
+    until,
+)
 
 pytestmark = pytest.mark.scenario
-
-#: Shrunk times: reads 0.3 s apart, a stall is conclusive after 0.8 s, a canary gets 1 s.
-FAST = ("--interval", "0.3", "--stall-s", "0.8", "--canary-timeout", "1")
-
-
-async def check(url: str, *args: str) -> tuple[int, dict[str, Any]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fleetwarden", "check", url, *FAST, *args, "--json",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    report: dict[str, Any] = json.loads(out) if out else {"stderr": err.decode()}
-    assert report.get("exit_code") == proc.returncode, report
-    return proc.returncode, report
 
 
 async def fill(http: aiohttp.ClientSession, url: str, n: int) -> None:
@@ -44,7 +39,7 @@ async def fill(http: aiohttp.ClientSession, url: str, n: int) -> None:
 
 async def test_an_idle_engine_is_healthy(spawn: Any, http: aiohttp.ClientSession) -> None:
     sim: SimProcess = spawn()
-    code, report = await check(sim.url)
+    code, report = await run_check(sim.url)
     assert (code, report["verdict"], report["reads"]) == (0, "idle", 2)
     assert report["canary"]["ok"] is True
 
@@ -55,7 +50,7 @@ async def test_a_busy_engine_is_healthy_and_gets_no_canary(
     sim: SimProcess = spawn("--slots", "2")
     async with Load(http, sim.url, n=2, max_tokens=4000):
         await fill(http, sim.url, 2)
-        code, report = await check(sim.url)
+        code, report = await run_check(sim.url)
     assert (code, report["verdict"], report["canary"]) == (0, "busy", None)
     assert (await stats(http, sim.url))["by_path"]["/v1/completions"] == 2
 
@@ -64,7 +59,7 @@ async def test_a_slow_busy_engine_is_healthy(spawn: Any, http: aiohttp.ClientSes
     sim: SimProcess = spawn("--slots", "1", "--fault", "slow", "--factor", "4")  # 5 steps/s
     async with Load(http, sim.url, n=1, max_tokens=4000):
         await fill(http, sim.url, 1)
-        code, report = await check(sim.url, "--interval", "0.6")
+        code, report = await run_check(sim.url, "--interval", "0.6")
     assert (code, report["verdict"]) == (0, "busy")
 
 
@@ -75,7 +70,7 @@ async def test_a_wedged_busy_engine_is_stuck_after_a_third_read(
     async with Load(http, sim.url, n=2, max_tokens=4000):
         await fill(http, sim.url, 2)
         await set_fault(http, sim.url, "wedge")
-        code, report = await check(sim.url)
+        code, report = await run_check(sim.url)
     assert (code, report["verdict"], report["reads"]) == (1, "stuck", 3)
     assert report["evidence"]["stalled_for_s"] >= 0.8
     assert report["canary"] is None
@@ -84,7 +79,7 @@ async def test_a_wedged_busy_engine_is_stuck_after_a_third_read(
 async def test_a_wedged_idle_engine_fails_its_canary(spawn: Any,
                                                     http: aiohttp.ClientSession) -> None:
     sim: SimProcess = spawn("--fault", "wedge")
-    code, report = await check(sim.url)
+    code, report = await run_check(sim.url)
     assert (code, report["verdict"], report["health"]) == (1, "idle", "failing")
     assert report["canary"]["ok"] is False
 
@@ -93,7 +88,7 @@ async def test_a_wedged_idle_engine_with_requests_in_flight_is_a_lost_core(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:
     sim: SimProcess = spawn("--fault", "wedge")
-    code, report = await check(sim.url, "--in-flight", "1")
+    code, report = await run_check(sim.url, "--in-flight", "1")
     assert (code, report["verdict"], report["health"]) == (1, "lost-core", "condemned")
 
 
@@ -104,13 +99,14 @@ async def test_an_engine_that_is_gone_is_unreachable(spawn: Any, http: aiohttp.C
     await set_fault(http, sim.url, mode)
     if mode == "crash":
         await asyncio.to_thread(sim.wait, 20)
-    code, report = await check(sim.url)
+    code, report = await run_check(sim.url)
     assert (code, report["verdict"]) == (2, "unreachable")
 
 
 async def test_a_closed_port_is_unreachable_and_says_so_in_words(spawn: Any) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fleetwarden", "check", f"http://127.0.0.1:{free_port()}", *FAST,
+        sys.executable, "-m", "fleetwarden", "check", f"http://127.0.0.1:{free_port()}",
+        *CHECK_FAST,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
@@ -121,7 +117,7 @@ async def test_an_engine_whose_generations_fail_fails_its_canary(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:
     sim: SimProcess = spawn("--fault", "error5xx")
-    code, report = await check(sim.url)
+    code, report = await run_check(sim.url)
     assert (code, report["verdict"], report["canary"]["status"]) == (1, "idle", 500)
 
 
@@ -130,7 +126,7 @@ async def test_an_engine_without_metrics_is_judged_by_its_canary(
     spawn: Any, http: aiohttp.ClientSession, mode: str
 ) -> None:
     sim: SimProcess = spawn("--fault", mode)
-    code, report = await check(sim.url)
+    code, report = await run_check(sim.url)
     assert (code, report["verdict"], report["canary"]["ok"]) == (0, "no-metrics", True)
 
 
@@ -138,7 +134,7 @@ async def test_no_metrics_and_requests_in_flight_cannot_be_judged(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:
     sim: SimProcess = spawn("--fault", "no_metrics")
-    code, report = await check(sim.url, "--in-flight", "2")
+    code, report = await run_check(sim.url, "--in-flight", "2")
     assert (code, report["verdict"], report["canary"]) == (3, "no-metrics", None)
 
 
@@ -146,7 +142,7 @@ async def test_a_restart_between_the_reads_is_seen_and_gets_a_canary(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:
     sim: SimProcess = spawn()
-    running = asyncio.create_task(check(sim.url, "--interval", "2"))
+    running = asyncio.create_task(run_check(sim.url, "--interval", "2"))
 
     async def first_read() -> bool:
         return (await stats(http, sim.url))["by_path"].get("/metrics", 0) >= 1
@@ -162,8 +158,8 @@ async def test_a_proxy_is_checked_by_its_model_list(spawn: Any,
     a: SimProcess = spawn()
     b: SimProcess = spawn()
     async with LeastConnectionsProxy([a.url, b.url]) as proxy:
-        code, report = await check(proxy.url, "--proxy")
+        code, report = await run_check(proxy.url, "--proxy")
     assert (code, report["verdict"], report["reads"]) == (0, "reachable", 1)
     assert proxy.forwarded and {p for _, p, _ in proxy.forwarded} == {"/v1/models"}
-    code, report = await check(f"http://127.0.0.1:{free_port()}", "--proxy")
+    code, report = await run_check(f"http://127.0.0.1:{free_port()}", "--proxy")
     assert (code, report["verdict"]) == (2, "unreachable")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +25,11 @@ from fleetwarden.engines import AUTO
 from fleetwarden.judge import Verdict, WatchdogPolicy
 from fleetwarden.watchdog import Target, Watchdog
 from support.sim import Load, canaries, set_fault, stats, until
+from support.sim import run_check as check_url
 
 pytestmark = pytest.mark.scenario
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
-#: Shrunk times: reads 0.3 s apart, a stall is conclusive after 0.8 s, a canary gets 1 s.
-FAST = ("--interval", "0.3", "--stall-s", "0.8", "--canary-timeout", "1")
 
 
 @dataclass(frozen=True)
@@ -96,9 +94,8 @@ class Replay:
 async def serve(replay: Replay) -> AsyncIterator[Replay]:
     runner = web.AppRunner(replay.app())
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     replay.url = f"http://127.0.0.1:{port}"
     try:
         yield replay
@@ -106,21 +103,10 @@ async def serve(replay: Replay) -> AsyncIterator[Replay]:
         await runner.cleanup()
 
 
-async def check(url: str, *args: str) -> tuple[int, dict[str, Any]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fleetwarden", "check", url, *FAST, *args, "--json",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    report: dict[str, Any] = json.loads(out) if out else {"stderr": err.decode()}
-    assert report.get("exit_code") == proc.returncode, report
-    return proc.returncode, report
-
-
 async def run_check(bodies: Sequence[Body], *args: str, metrics_status: int = 200
                     ) -> tuple[int, dict[str, Any], Replay]:
     async for replay in serve(Replay(bodies, metrics_status)):
-        code, report = await check(replay.url, *args)
+        code, report = await check_url(replay.url, *args)
         return code, report, replay
     raise AssertionError("unreachable")
 
@@ -264,7 +250,7 @@ async def busy(http: Any, url: str, n: int) -> None:
 async def test_a_simulated_engine_speaks_its_dialect_idle(spawn: Any, http: Any,
                                                           engine: str) -> None:
     sim = spawn("--engine", engine)
-    code, report = await check(sim.url)
+    code, report = await check_url(sim.url)
     assert (code, report["verdict"], report["engine"]) == (0, "idle", engine)
     assert len(canaries(await stats(http, sim.url))) == 1
 
@@ -276,7 +262,7 @@ async def test_a_simulated_engine_busy_in_its_dialect_gets_no_canary(spawn: Any,
     async with Load(http, sim.url, n=2, max_tokens=4000):
         await busy(http, sim.url, 2)
         await asyncio.sleep(0.5)  # SGLang's gauges are written at the prefill: let it happen
-        code, report = await check(sim.url)
+        code, report = await check_url(sim.url)
     assert (code, report["verdict"], report["engine"], report["canary"]) == (
         0, "busy", engine, None)
     assert canaries(await stats(http, sim.url)) == []
@@ -287,7 +273,7 @@ async def test_a_simulated_llamacpp_wedge_under_load_is_stuck(spawn: Any, http: 
     async with Load(http, sim.url, n=2, max_tokens=4000):
         await busy(http, sim.url, 2)
         await set_fault(http, sim.url, "wedge")
-        code, report = await check(sim.url)
+        code, report = await check_url(sim.url)
     assert (code, report["verdict"], report["engine"]) == (1, "stuck", "llamacpp")
     assert canaries(await stats(http, sim.url)) == []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import selectors
@@ -178,3 +179,21 @@ class Load:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+#: ``fleetwarden check`` with shrunk times: reads 0.3 s apart, a stall is conclusive after
+#: 0.8 s, a canary gets 1 s.
+CHECK_FAST = ("--interval", "0.3", "--stall-s", "0.8", "--canary-timeout", "1")
+
+
+async def run_check(url: str, *args: str) -> tuple[int, dict[str, Any]]:
+    """``fleetwarden check URL --json`` as a real process: its exit status and its report
+    (whose ``exit_code`` must agree with the status)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fleetwarden", "check", url, *CHECK_FAST, *args, "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    report: dict[str, Any] = json.loads(out) if out else {"stderr": err.decode()}
+    assert report.get("exit_code") == proc.returncode, report
+    return proc.returncode, report
