@@ -60,6 +60,7 @@ from fleetwarden.ledger import (
     Transition,
 )
 from fleetwarden.refit import RefitCoordinator
+from fleetwarden.router.control import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, ControlError
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
@@ -67,6 +68,12 @@ from fleetwarden.watchdog import Report, Target, Watchdog
 __all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
 
 log = logging.getLogger(__name__)
+
+#: The longest the supervisor waits for the routers to be told of a condemnation before it stops
+#: the old process: a push and a rescue, each a control call bounded by CONTROL_TIMEOUT_S. In
+#: the fleet's own process both are immediate; only a router that does not answer makes it
+#: wait this long, and its requests are then moved by the stop itself (refused, re-sent).
+RELEASE_WAIT_S = 2 * CONTROL_TIMEOUT_S
 
 
 class RouterLink(Protocol):
@@ -152,10 +159,15 @@ class Controller:
         #: The serving and trial sets last pushed: a transition that changes them pushes now.
         self._pushed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._push_pending = False
+        #: Condemned URLs whose requests the routers have not yet been told to move: set once
+        #: they were (what the supervisor waits for before it stops the old process).
+        self._released: dict[str, asyncio.Event] = {}
+        supervisor.before_stop = self.released
         #: Shards under focused reads, by index: the task doing them.
         self._focus: dict[int, asyncio.Task[None]] = {}
         #: Links whose outcomes are drained now (an evidence event came), not at the tick.
         self._drain_pending: set[int] = set()
+        self._drain_locks = [asyncio.Lock() for _ in self.routers]
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.focus_started: dict[str, int] = {}
         self._unsubscribe = ledger.subscribe(self._on_transition)
@@ -176,6 +188,7 @@ class Controller:
         if t.to_state is ShardState.DEAD and t.from_state not in ABSENT:
             # The URL the shard had when it was condemned: the routers' requests wait there.
             self._condemned[t.shard] = t.record.base_url
+            self._released.setdefault(t.record.base_url, asyncio.Event())
             self._push_soon()
         elif t.to_state is ShardState.SLEEPING and t.from_state in ROUTABLE:
             # A sleeping engine holds what it has not begun to answer until it wakes: those
@@ -247,6 +260,21 @@ class Controller:
                     continue
                 if report is not None:
                     report.rescued += rescued
+            released = self._released.pop(url, None)
+            if released is not None:
+                released.set()
+
+    async def released(self, url: str) -> None:
+        """Until the routers were told to move the requests off ``url`` (condemned), at most
+        :data:`RELEASE_WAIT_S`: the supervisor stops the old process only then."""
+        released = self._released.get(url)
+        if released is None:
+            return  # not condemned, or its requests were moved already
+        try:
+            await asyncio.wait_for(released.wait(), RELEASE_WAIT_S)
+        except TimeoutError:
+            log.warning("the routers were not told to move the requests off %s within %g s; "
+                        "stopping it all the same", url, RELEASE_WAIT_S)
 
     @staticmethod
     def _router_error(report: TickReport | None, message: str) -> None:
@@ -268,13 +296,18 @@ class Controller:
 
     async def _drain_now(self, k: int) -> None:
         self._drain_pending.discard(k)
-        link = self.routers[k]
         try:
-            outcomes = await link.drain_outcomes()
+            outcomes = await self._drain(k)
         except Exception as exc:
-            log.warning("router %s: drain: %s", _name(link), exc)
+            log.warning("router %s: drain: %s", _name(self.routers[k]), exc)
             return
         self.apply_outcomes(outcomes)
+
+    async def _drain(self, k: int) -> dict[str, tuple[int, int, int]]:
+        """One window of router ``k``'s outcomes. One drain per router at a time: two in
+        flight would both acknowledge the same batch, and the router would count it twice."""
+        async with self._drain_locks[k]:
+            return await self.routers[k].drain_outcomes()
 
     def confirm(self, shard: int, why: str) -> None:
         """Accuse ``shard``: focused reads of its engine, now and every ``confirm_interval_s``,
@@ -327,9 +360,45 @@ class Controller:
             first = False
             await asyncio.sleep(h.confirm_interval_s)
 
+    async def _watch_remote(self, k: int, stop: asyncio.Event) -> None:
+        """Router ``k`` runs in another process: one long poll of its evidence open at a time
+        (``GET /evidence``). A failed attempt drains its outcomes at once (the ledger ejects
+        within a round trip, as for a router in this process); engines holding requests
+        silent are accused. A router that does not answer is retried at the tick's pace; an
+        older one without the call is judged at the tick, as before."""
+        link = self.routers[k]
+        evidence = getattr(link, "evidence", None)
+        if evidence is None:
+            return
+        h = self.config.health
+        while not stop.is_set():
+            try:
+                failed, silent = await evidence(EVIDENCE_WAIT_S, h.silent_after_s)
+            except ControlError as exc:
+                if exc.status == 404:
+                    log.info("router %s has no evidence call: judged at the tick", _name(link))
+                    return
+                log.warning("router %s: evidence: %s", _name(link), exc)
+                failed, silent = 0, {}
+                await _sleep_unless(stop, h.probe_interval_s)
+            except Exception as exc:  # down, or restarting: the tick reports it
+                log.debug("router %s: evidence: %s", _name(link), exc)
+                await _sleep_unless(stop, h.probe_interval_s)
+                continue
+            if failed:
+                await self._drain_now(k)
+            for url in silent:
+                i = self.ledger.shard_for_url(url)
+                if i is not None:
+                    self.confirm(i, "silent requests")
+            if silent and not failed:
+                # still silent at the next poll, which would answer at once: the in-process
+                # routers are asked at this pace too
+                await _sleep_unless(stop, h.evidence_poll_s)
+
     async def _watch_silence(self, stop: asyncio.Event) -> None:
         """Every ``evidence_poll_s``: engines holding requests silent for ``silent_after_s``
-        are accused (in-process routers; remote ones are asked at the tick)."""
+        are accused (in-process routers; those in other processes: :meth:`_watch_remote`)."""
         h = self.config.health
         local = [link for link in self.routers if getattr(link, "listen", None) is not None]
         if not local:
@@ -377,8 +446,14 @@ class Controller:
         for i in range(len(self.ledger)):
             if self.ledger.state(i) not in ABSENT and i not in self._focus:
                 shards[self.ledger.shard(i).base_url] = i
+        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
+        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
+        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
+        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
+        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
         targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
-                          engine=self.config.fleet.engine_of(i))
+                          engine=self.config.fleet.engine_of(i),
+                          confirm=self.ledger.state(i) is ShardState.SUSPECT)
                    for url, i in shards.items()]
         reports = await self.watchdog.round(targets)
         for url, i in shards.items():
@@ -399,9 +474,9 @@ class Controller:
         self._guarded(report, "supervisor", self.supervisor.tick)
 
         # 3. outcomes from every router, one window each
-        for link in self.routers:
+        for k, link in enumerate(self.routers):
             try:
-                outcomes = await link.drain_outcomes()
+                outcomes = await self._drain(k)
             except Exception as exc:
                 report.router_errors.append(f"{_name(link)}: drain: {exc}")
                 continue
@@ -546,7 +621,10 @@ class Controller:
         """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
         the loop goes on."""
         interval = self.config.health.probe_interval_s
-        watcher = asyncio.create_task(self._watch_silence(stop), name="watch-silence")
+        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence")]
+        watchers += [asyncio.create_task(self._watch_remote(k, stop), name=f"evidence:{k}")
+                     for k, link in enumerate(self.routers)
+                     if getattr(link, "listen", None) is None]
         try:
             while not stop.is_set():
                 try:
@@ -557,9 +635,9 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_either(stop), interval)
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
 
     async def _wait_either(self, stop: asyncio.Event) -> None:
         waiter = asyncio.create_task(self._wake.wait())
@@ -621,3 +699,9 @@ def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True
         excused=excused, progress_proves=progress_proves,
         sleep_level=r.sample.sleep_level if r.sample is not None else None,
     )
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less if ``stop`` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -80,6 +80,12 @@ class Supervisor:
         #: Earliest time of the next attempt per shard, after a failed one.
         self._not_before: dict[int, float] = {}
         self._failures_in_a_row: dict[int, int] = {}
+        #: Awaited before a condemned engine's process is stopped, with its URL: the routers
+        #: must have moved its requests first (the controller's :meth:`Controller.released`).
+        #: Stopped first, a wedged vLLM is let go (SIGCONT) into its shutdown, which aborts
+        #: what it held and answers each one 200 with ``finish_reason`` "abort": a truncated
+        #: answer the router would pass on as a success (seen in CI's real-vLLM tier).
+        self.before_stop: Callable[[str], Awaitable[None]] | None = None
         #: Every task this supervisor starts: restart attempts and background stops.
         self.tasks = TaskOwner()
         self.cap = config.concurrency_cap(len(ledger))
@@ -234,6 +240,8 @@ class Supervisor:
     async def _restart(self, i: int) -> EngineHandle:
         old = self.engines.pop(i, None)
         if old is not None:
+            if self.before_stop is not None:
+                await self.before_stop(old.url)
             await self.launcher.stop(old)  # the whole group, verified gone
         if self.passive(i):  # waits for as long as the system that runs it takes
             return await _launch_ready(self.launcher, i, float("inf"))

@@ -120,6 +120,27 @@ async def test_an_idle_wedge_is_caught_by_the_first_routed_request(tmp_path: Pat
         assert load.failures == [] and len(load.results) == 6  # the held request was rescued
 
 
+async def test_an_idle_suspect_shard_is_canaried_back_without_waiting_for_the_interval(
+        tmp_path: Path) -> None:
+    # The real-vLLM tier's case: a read timed out under load (SUSPECT), then the shard got no
+    # traffic. With canaries an hour apart, nothing but a canary can prove it: it is due at
+    # every tick while the shard is SUSPECT and idle, and two good ones lift it. The shard
+    # nobody doubts gets none.
+    async with running_fleet(tmp_path, health={"canary_interval_s": 3600}) as fleet:
+        await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
+        urls = fleet.ledger.serving_urls()
+        before = [served_ids(await sim_stats(u), "fleetwarden-canary") for u in urls]
+        seen = record_transitions(fleet)
+        fleet.ledger.record_probe(0, False, "UNREACHABLE: /metrics: timed out")
+        assert fleet.ledger.state(0) is S
+        await until(lambda: fleet.ledger.state(0) is H, timeout=20, what="shard 0 lifted")
+        after = [served_ids(await sim_stats(u), "fleetwarden-canary") for u in urls]
+        lifted = next(t for t in seen if t.shard == 0 and t.to_state is H)
+        assert lifted.event is Event.RECOVERED, lifted
+        assert len(after[0]) - len(before[0]) >= 2  # proved by canaries, nothing else
+        assert after[1] == before[1]  # the healthy idle shard: its interval is an hour
+
+
 async def test_trickle_failures_are_condemned_by_their_confirmation(tmp_path: Path) -> None:
     # No canary when due (a far interval): every tick's probe is a metrics read, and they all
     # pass. Every generation fails: the first failed request ejects the engine, and the

@@ -13,8 +13,9 @@ from fleetwarden.config import Config
 from fleetwarden.controller import Controller
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
-from fleetwarden.ledger import Ledger, Policy, ShardState
+from fleetwarden.ledger import Event, Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
+from fleetwarden.router import RemoteRouter
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
 from support.router_rig import rig, until
@@ -399,3 +400,103 @@ async def test_a_condemnation_reaches_the_routers_through_the_ledger_alone() -> 
         assert r.router.serving_backends() == [good.url]
         assert r.router.stats.rescues == parked and c.tick_number == 0
         await c.close()
+
+
+class _SlowLink:
+    """A router link whose rescue takes a while, as a call to a router process does."""
+
+    def __init__(self, link: Any, delay_s: float) -> None:
+        self.link, self.delay_s = link, delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.link, name)
+
+    async def rescue(self, url: str) -> int:
+        await asyncio.sleep(self.delay_s)
+        rescued: int = await self.link.rescue(url)
+        return rescued
+
+
+class _RecordingLauncher(_NoLauncher):
+    """Records, as each engine is stopped, how many requests the router had rescued."""
+
+    def __init__(self, rescues: Any) -> None:
+        self.rescues = rescues
+        self.stopped: list[tuple[str, int]] = []
+
+    async def stop(self, handle: EngineHandle) -> None:
+        self.stopped.append((handle.url, self.rescues()))
+
+
+async def test_a_condemned_engine_is_stopped_only_after_its_requests_were_moved() -> None:
+    # Stopped first, a wedged vLLM is let go into its shutdown and answers what it held 200
+    # with finish_reason "abort": truncated answers, passed on as successes (CI's real tier).
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()
+        config = Config.model_validate({})
+        ledger = Ledger([e.url for e in r.engines])
+        launcher = _RecordingLauncher(lambda: r.router.stats.rescues)
+        supervisor = Supervisor(ledger, launcher, config.fleet, config.supervisor)
+        supervisor.adopt(1, EngineHandle(1, bad.url, "launch-1"))
+        link = _SlowLink(r.router.control(), 0.3)
+        c = Controller(ledger, ScriptedReads(BUSY_REPORT), supervisor, [link], config)  # type: ignore[list-item]
+        tasks = [asyncio.create_task(r.post()) for _ in range(4)]
+        await until(lambda: good.answered + bad.held == 4, what="all 4 placed")
+        parked = bad.held
+        ledger.condemn(1, "LOST_CORE: idle and flat, with requests in flight")
+        await until(lambda: launcher.stopped != [], what="the old engine stopped")
+        assert launcher.stopped == [(bad.url, parked)]  # moved before the stop, not by it
+        assert [(await t)[0] for t in tasks] == [200] * 4
+        await supervisor.close()
+        await c.close()
+
+
+@contextlib.asynccontextmanager
+async def across_processes(r: Any) -> Any:
+    """A controller driving the rig's router over its control API, as `fleetwarden up` drives
+    its router processes, running its loop with a tick a minute apart."""
+    assert r.router.control_url is not None
+    config = Config.model_validate({"health": {"probe_interval_s": 60, "silent_after_s": 0.3,
+                                               "confirm_interval_s": 0.01}})
+    ledger = Ledger([e.url for e in r.engines])
+    async with RemoteRouter(r.router.control_url, "t0ken") as remote:
+        c = Controller(ledger, ScriptedReads(BUSY_REPORT), IdleSupervisor(), [remote],  # type: ignore[arg-type]
+                       config)
+        stop = asyncio.Event()
+        loop = asyncio.create_task(c.run(stop))
+        try:
+            await until(lambda: c.tick_number == 1, what="the first tick")
+            await asyncio.sleep(0.2)  # the long poll is open
+            yield c, ledger
+        finally:
+            stop.set()
+            await loop
+            await c.close()
+
+
+async def test_a_router_in_another_process_reports_a_failure_before_the_next_tick() -> None:
+    async with rig(2, health_managed=True, control_token="t0ken") as r, \
+            across_processes(r) as (c, ledger):
+        _good, bad = r.engines
+        ejected: list[int] = []  # the tick number at each ejection
+        ledger.subscribe(lambda t: ejected.append(c.tick_number)
+                         if t.event is Event.EJECTED else None)
+        bad.answer_status(503)
+        await failing_request(r, bad)
+        await until(lambda: ejected == [1], what="ejected by the evidence, before tick 2")
+        assert c.focus_started.get("ejected") == 1
+
+
+async def test_a_router_in_another_process_reports_a_silent_request_before_the_next_tick(
+) -> None:
+    async with rig(2, health_managed=True, control_token="t0ken") as r, \
+            across_processes(r) as (c, _):
+        _good, bad = r.engines
+        bad.wedge()
+        held = [asyncio.create_task(r.post()) for _ in range(2)]  # one lands on each
+        await until(lambda: c.focus_started.get("silent requests", 0) >= 1,
+                    what="accused for a request silent 0.3 s")
+        assert c.tick_number == 1
+        bad.unwedge()
+        assert [(await t)[0] for t in held] == [200, 200]

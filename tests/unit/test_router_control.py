@@ -282,3 +282,64 @@ async def test_the_control_api_binds_the_configured_host() -> None:
             assert (await remote.status())["serving"] == []
     finally:
         await router.stop()
+
+
+async def test_evidence_is_answered_at_the_first_failure_and_none_falls_between_two_polls(
+) -> None:
+    async with rig(2, health_managed=True, control_token=TOKEN) as r:
+        _good, bad = r.engines
+        assert r.router.control_url is not None
+        async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            assert await remote.evidence(0.2, 1.0) == (0, {})  # nothing: empty at wait_s
+            bad.answer_status(503)
+            poll = asyncio.create_task(remote.evidence(30, 1.0))
+            await asyncio.sleep(0.2)
+            assert not poll.done()  # held open while nothing happens
+            while not poll.done():  # requests until one lands on bad and fails there
+                assert (await r.post())[0] == 200
+            failed, silent = await poll
+            assert failed >= 1 and silent == {}
+            # a failure between two polls: the next one is answered at once
+            r.router.set_serving_backends([bad.url, _good.url])
+            while r.router.stats.backend_failures.get((bad.url, "server_error"), 0) < failed + 1:
+                assert (await r.post())[0] == 200
+            assert (await asyncio.wait_for(remote.evidence(30, 1.0), 5))[0] >= 1
+
+
+async def test_evidence_names_a_backend_holding_a_request_silent() -> None:
+    async with rig(2, health_managed=True, control_token=TOKEN) as r:
+        _good, wedged = r.engines
+        r.router.set_serving_backends([wedged.url])
+        wedged.wedge()
+        assert r.router.control_url is not None
+        async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            poll = asyncio.create_task(remote.evidence(30, 0.3))
+            held = asyncio.create_task(r.post())
+            failed, silent = await asyncio.wait_for(poll, 5)
+            assert failed == 0 and list(silent) == [wedged.url] and silent[wedged.url] >= 0.3
+            wedged.unwedge()
+            assert (await held)[0] == 200
+
+
+async def test_malformed_evidence_calls_are_400() -> None:
+    async with rig(1, control_token=TOKEN) as r:
+        assert r.router.control_url is not None
+        async with aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            for query in ("wait_s=x", "wait_s=-1", "wait_s=61", "silent_after_s=nan",
+                          "after=two"):
+                async with http.get(f"{r.router.control_url}/evidence?{query}") as response:
+                    assert response.status == 400, query
+                    assert (await response.json())["error"]["type"] == "invalid_request"
+
+
+async def test_a_router_stopping_answers_a_held_evidence_poll_instead_of_waiting_for_it() -> None:
+    router = Router([])
+    await router.start(control_port=0, control_token=TOKEN)
+    assert router.control_url is not None
+    async with RemoteRouter(router.control_url, TOKEN) as remote:
+        poll = asyncio.create_task(remote.evidence(60, 1.0))
+        await asyncio.sleep(0.3)
+        assert not poll.done()
+        await asyncio.wait_for(router.stop(), 30)  # not held for its 5 s grace, nor cut
+        assert poll.done() and await poll == (0, {})

@@ -19,6 +19,9 @@ POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
 PUT      /trial           ``{"backends": [url, ...]}``     ``{"trial": [url, ...]}``
 GET      /silent?after_s  -                                ``{"silent": {url: seconds}}``
+GET      /evidence?...    ``wait_s``, ``silent_after_s``,  ``{"failed": n, "failures": c,
+                          ``after``                        "silent": {url: seconds}}``, as
+                                                           soon as there is any (long poll)
 PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x or null}``
 GET      /metrics         -                                the router's own ``/metrics``
 =======  ===============  ===============================  ==============================
@@ -40,13 +43,19 @@ are optional both ways: a push without them (an older controller) is served, wit
 backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
 
 Evidence (each failed attempt, as it happens) reaches a controller in the same process through
-:meth:`InProcessRouter.listen`. A remote router has no such stream: the controller reads its
-failures at the tick's drain and its silent backends with ``GET /silent`` (polling, one call a
-tick), so a remote router is judged at the tick's pace, as before.
+:meth:`InProcessRouter.listen`. A router in another process (``fleetwarden up``'s worker
+processes, a remote router) holds one ``GET /evidence`` of the controller's open at a time: it
+is answered the moment an attempt fails (``failed``: how many since the count ``after`` the
+caller last saw, so none falls between two polls; ``failures`` is the new count), or a backend
+holds a request silent for ``silent_after_s``, else empty after ``wait_s``. The controller then
+drains that router's outcomes, or accuses the silent engines, at once: the same pace as in its
+own process, give or take a loopback round trip.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -67,6 +76,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ControlError", "InProcessRouter", "RemoteRouter", "RouterControl",
            "make_control_app", "merge_outcomes"]
+
+#: How long ``GET /evidence`` waits for evidence by default, and at most: a long poll held
+#: open, answered at once when there is any; the bound keeps a connection from outliving a
+#: controller that went away unseen.
+EVIDENCE_WAIT_S = 20.0
+EVIDENCE_WAIT_MAX_S = 60.0
+#: How often a held ``GET /evidence`` looks for requests that turned silent (failures wake it
+#: at once): the in-process controller's own evidence_poll_s is 0.5 s.
+EVIDENCE_SCAN_S = 0.25
 
 #: How long a control call may take. The calls are in-memory operations on the router, so
 #: seconds without an answer mean the router process is gone or stuck; the tick moves on.
@@ -183,6 +201,43 @@ def make_control_app(router: Router, token: str) -> web.Application:
             raise _bad_request("'after_s' must be a number >= 0")
         return web.json_response({"silent": router.silent_backends(after_s)})
 
+    failures = 0  # failed attempts since this router started: what ``after`` counts against
+    came = asyncio.Event()  # set at each failure, cleared as a poll takes it
+
+    def on_failure(backend: str, cause: str) -> None:
+        nonlocal failures
+        failures += 1
+        came.set()
+
+    router.listen(on_failure)
+    closing = False  # the router is stopping: held polls are answered now, not at wait_s
+
+    async def on_shutdown(app: web.Application) -> None:
+        nonlocal closing
+        closing = True
+        came.set()
+
+    async def evidence(request: web.Request) -> web.Response:
+        wait_s = _seconds(request, "wait_s", EVIDENCE_WAIT_S, EVIDENCE_WAIT_MAX_S)
+        silent_after_s = _seconds(request, "silent_after_s", 1.0, math.inf)
+        try:
+            after = int(request.query.get("after", failures))
+        except ValueError:
+            raise _bad_request("'after' must be a count of failed attempts") from None
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            # ``after`` above the count: the caller counted in an earlier router process
+            new = failures - after if failures >= after else failures
+            silent = router.silent_backends(silent_after_s)
+            left = deadline - asyncio.get_running_loop().time()
+            if new or silent or left <= 0 or closing:
+                return web.json_response({"failed": new, "failures": failures,
+                                          "silent": silent})
+            came.clear()
+            # a request turns silent without an event: looked for again every EVIDENCE_SCAN_S
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(came.wait(), min(left, EVIDENCE_SCAN_S))
+
     async def metrics(request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -194,6 +249,7 @@ def make_control_app(router: Router, token: str) -> web.Application:
                               "not_found")
 
     app = web.Application(middlewares=[require_token], client_max_size=1024 * 1024)
+    app.on_shutdown.append(on_shutdown)
     app.router.add_get("/status", status)
     app.router.add_put("/serving", put_serving)
     app.router.add_post("/outcomes/drain", drain)
@@ -202,10 +258,21 @@ def make_control_app(router: Router, token: str) -> web.Application:
     app.router.add_put("/retry-after", put_retry_after)
     app.router.add_put("/trial", put_trial)
     app.router.add_get("/silent", silent, allow_head=False)
+    app.router.add_get("/evidence", evidence, allow_head=False)
 
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app
+
+
+def _seconds(request: web.Request, name: str, default: float, most: float) -> float:
+    try:
+        value = float(request.query.get(name, default))
+    except ValueError:
+        raise _bad_request(f"'{name}' must be a number of seconds") from None
+    if not math.isfinite(value) or value < 0 or value > most:
+        raise _bad_request(f"'{name}' must be a number of seconds from 0 to {most:g}")
+    return value
 
 
 def merge_outcomes(
@@ -318,6 +385,8 @@ class RemoteRouter:
         self._session: aiohttp.ClientSession | None = None
         #: The batch of the last drain answered: acknowledged by the next drain.
         self._last_batch: str | None = None
+        #: The router's count of failed attempts at the last evidence answer.
+        self._failures: int | None = None
 
     async def __aenter__(self) -> RemoteRouter:
         return self
@@ -331,13 +400,17 @@ class RemoteRouter:
             await self._session.close()
             self._session = None
 
-    async def _call(self, method: str, path: str, body: object = None) -> Any:
-        return json.loads(await self._text(method, path, body))
+    async def _call(self, method: str, path: str, body: object = None, *,
+                    timeout_s: float | None = None) -> Any:
+        return json.loads(await self._text(method, path, body, timeout_s=timeout_s))
 
-    async def _text(self, method: str, path: str, body: object = None) -> str:
+    async def _text(self, method: str, path: str, body: object = None, *,
+                    timeout_s: float | None = None) -> str:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         kwargs: dict[str, Any] = {} if body is None else {"json": body}
+        if timeout_s is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s)
         async with self._session.request(method, self.url + path, **kwargs) as response:
             text = await response.text()
             if response.status != 200:
@@ -380,6 +453,17 @@ class RemoteRouter:
     async def silent_backends(self, after_s: float) -> dict[str, float]:
         answer = await self._call("GET", f"/silent?after_s={after_s:g}")
         return {url: float(x) for url, x in answer["silent"].items()}
+
+    async def evidence(self, wait_s: float, silent_after_s: float) -> tuple[int, dict[str, float]]:
+        """Wait up to ``wait_s`` for evidence: (failed attempts since the last call's answer,
+        silent backends). Answered at once when there is any."""
+        query = f"wait_s={wait_s:g}&silent_after_s={silent_after_s:g}"
+        if self._failures is not None:
+            query += f"&after={self._failures}"
+        answer = await self._call("GET", "/evidence?" + query,
+                                  timeout_s=wait_s + (self._timeout.total or CONTROL_TIMEOUT_S))
+        self._failures = int(answer["failures"])
+        return int(answer["failed"]), {url: float(x) for url, x in answer["silent"].items()}
 
     async def status(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self._call("GET", "/status")

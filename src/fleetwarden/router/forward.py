@@ -8,7 +8,9 @@ The imperative shell around :class:`~fleetwarden.router.pool.Pool`. Its rules (S
 section 4):
 
 * Upstream statuses pass through untouched. A transport error (refused, reset, timeout), or a
-  5xx before any byte reached the client, is a backend failure; a completed 2xx/3xx response
+  5xx before any byte reached the client, is a backend failure, and so is a whole 200 whose
+  generation the engine aborted (vLLM's ``finish_reason`` "abort": what a vLLM shut down with
+  SIGTERM answers for what it held, truncated); a completed 2xx/3xx response
   is a success; a 4xx (429 included) is neither: the client's request was at fault, and an
   engine whose core is wedged still answers validation errors from its API process.
 * A request that has sent nothing to its client can be re-sent elsewhere: freely if it never
@@ -43,6 +45,7 @@ import enum
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,6 +106,10 @@ class Cause(enum.Enum):
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
     STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
+    #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
+    #: what a vLLM that is shut down (SIGTERM) answers for what it held, cut short. The client
+    #: asked for a completion, not for the engine's shutdown: re-sent like a 5xx.
+    ABORTED = "aborted"
 
     @property
     def never_reached_an_engine(self) -> bool:
@@ -117,7 +124,11 @@ _DESCRIPTIONS = {
     Cause.SERVER_ERROR: "answered with a server error",
     Cause.RESCUED: "was condemned while the request waited on it",
     Cause.STREAM_ERROR: "ended the stream with a server error",
+    Cause.ABORTED: "aborted the generation",
 }
+
+#: A choice the engine aborted, in a whole answer (compact JSON, as vLLM writes it, or spaced).
+_ABORTED = re.compile(rb'"finish_reason":\s*"abort"')
 
 
 def _classify(exc: BaseException) -> Cause:
@@ -137,7 +148,8 @@ class _Failure:
 
     backend: str
     cause: Cause
-    #: For SERVER_ERROR: the engine's answer, kept so that it can be passed through.
+    #: For SERVER_ERROR and ABORTED: the engine's answer, kept so that it can be passed
+    #: through when it cannot be re-sent.
     status: int = 0
     headers: CIMultiDictProxy[str] | None = None
     body: bytes = b""
@@ -400,8 +412,8 @@ class Forwarder:
                 # own 5xx goes back as it is; a transport failure gets the router's answer.
                 if stream is not None and stream.began:
                     return await self._end_stream(stream, failure, "retries spent")
-                if failure.cause is Cause.SERVER_ERROR:
-                    return self._pass_through(failure)
+                if failure.cause in (Cause.SERVER_ERROR, Cause.ABORTED):
+                    return self._pass_through(failure)  # the engine's answer, as it stands
                 return self._refuse(failure, min_version)
         finally:
             budget.requests_in_flight -= 1
@@ -457,8 +469,13 @@ class Forwarder:
                 length = upstream.content_length
                 if length is not None and length <= _WHOLE_ANSWER_BYTES:
                     # A small answer of known length: taken whole, then sent in one write.
-                    # Nothing has reached the client yet, so a break here can still be retried.
-                    return await self._answer_whole(request, upstream, await _read(upstream),
+                    # Nothing has reached the client yet, so a break here can still be retried,
+                    # and so can a generation the engine aborted (a search of a few KB).
+                    whole = await _read(upstream)
+                    if upstream.status == 200 and _ABORTED.search(whole) is not None:
+                        return _Failure(backend, Cause.ABORTED, upstream.status,
+                                        upstream.headers, whole, facts)
+                    return await self._answer_whole(request, upstream, whole,
                                                     backend, started, backend_time, facts)
             except TimeoutError as exc:
                 if scope.expired():
@@ -601,9 +618,11 @@ class Forwarder:
         the client has left."""
         response = stream.response
         if response is None:
+            # The events are the router's to frame: rewritten, continued from another engine or
+            # ended with an error event, so an engine's Content-Length would cut them short.
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                           headers=_response_headers(upstream.headers,
-                                                                    _HOP_BY_HOP, facts))
+                                                                    _NOT_RELAYED_WHOLE, facts))
             stream.response = response
             try:
                 await response.prepare(request)
@@ -677,7 +696,8 @@ class Forwarder:
                      _DESCRIPTIONS[failure.cause])
 
     def _pass_through(self, failure: _Failure) -> web.Response:
-        """The engine's own 5xx, untouched, unless it is the one status never to send."""
+        """The engine's own 5xx (or aborted 200), untouched, unless it is the one status never
+        to send."""
         if failure.status == FORBIDDEN_STATUS:
             return self._refuse(failure)
         self.stats.responded(failure.status)

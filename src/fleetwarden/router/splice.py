@@ -206,7 +206,7 @@ class Outcome(enum.Enum):
     SEND = "send"  # write the event's bytes to the client
     SKIP = "skip"  # nothing for the client
     DONE = "done"  # the engine's ``[DONE]``: the generation is complete
-    ENGINE_ERROR = "engine_error"  # the engine ended the stream with an error event
+    ENGINE_ERROR = "engine_error"  # the engine ended the stream with an error event, or aborted
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +279,13 @@ class Splice:
             if isinstance(code, int) and code < 500:  # the request's fault: the client's to see
                 return Outcome.SEND, event + b"\n\n"
             self.error = error
+            return Outcome.ENGINE_ERROR, b""
+        if any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+               for c in chunk.get("choices") or ()):
+            # The engine aborted the generation (vLLM shut down with SIGTERM ends what it holds
+            # so): a failure of the engine, not an end the client asked for. Its last tokens
+            # are not taken; the next engine goes on from what the client has.
+            self.error = {"message": "the engine aborted the generation", "code": 500}
             return Outcome.ENGINE_ERROR, b""
         self._observe(chunk)
         if self.mode is None:  # the first attempt: the engine's bytes, less what we added

@@ -42,6 +42,7 @@ class Families(Protocol):
     def on_prefilled(self, prompt_tokens: int, ttft_s: float) -> None: ...
     def on_finished(self, *, reason: str, prompt_tokens: int, generated: int, max_tokens: int,
                     e2e_s: float, queued_s: float, prefill_s: float, decode_s: float) -> None: ...
+    def on_sleep(self, level: int) -> None: ...
     def exposition(self) -> bytes: ...
     def headers(self) -> dict[str, str]: ...
 
@@ -64,6 +65,9 @@ class _Dialect:
 
     def on_scheduled(self, queued_s: float) -> None:
         pass
+
+    def on_sleep(self, level: int) -> None:
+        pass  # llama.cpp and SGLang export no sleep state (vLLM's vllm:engine_sleep_state)
 
     def headers(self) -> dict[str, str]:
         return {"Content-Type": self.content_type}
