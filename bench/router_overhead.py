@@ -7,9 +7,12 @@ connections, closed loop). The same backend is measured directly and through eac
 one run, and the figures are printed side by side.
 
     python bench/router_overhead.py [--requests 4000] [--seconds 6] [--peer sglang-router]
+                                    [--workers 1 --workers 2]
 
 ``--peer sglang-router`` also measures sglang-router 0.3.2, installed on first use into its own
-virtual environment under ``~/.cache/fleetwarden/bench-venvs/``.
+virtual environment under ``~/.cache/fleetwarden/bench-venvs/``. ``--workers N`` also measures
+the router as ``fleetwarden up`` runs it: ``--backend`` (attach mode, the controller watching
+the backend) with ``--router-workers N``, N router processes sharing the port.
 
 Targets (issue 4): added p50 <= 0.5 ms; >= 3,000 req/s through one router process. The machine
 is shared and small (2 cores hold all three processes): compare figures within one run.
@@ -26,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -188,6 +192,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0,
                         help="seconds measured at concurrency 64")
     parser.add_argument("--peer", choices=["sglang-router"], action="append", default=[])
+    parser.add_argument("--workers", type=int, action="append", default=[],
+                        help="also measure `fleetwarden up --router-workers N` (repeatable)")
     args = parser.parse_args()
     _loop_policy()
     if args.role == "backend":
@@ -209,6 +215,17 @@ def main() -> None:
             assert router.stdout is not None
             line = router.stdout.readline()
             targets["fleetwarden route"] = line.split(" on ", 1)[1].split(",")[0]
+            for workers in args.workers:
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                port = free_port()
+                stack.enter_context(process(
+                    [sys.executable, "-m", "fleetwarden", "up", "--backend", backend_url,
+                     "--router-workers", str(workers), "--port", str(port),
+                     "--admin-port", str(free_port()), "--journal", str(folder / "j.sqlite"),
+                     "--quiet", "--log-level", "error"],
+                    cwd=folder, stdout=subprocess.DEVNULL))
+                targets[f"fleetwarden up, {workers} router worker(s)"] = (
+                    f"http://127.0.0.1:{port}")
             if "sglang-router" in args.peer:
                 python = peer_python(SGLANG_ROUTER)
                 port = free_port()
