@@ -302,7 +302,8 @@ class HealthConfig(_Section):
     #: a longer wait costs a few reads of an engine that is simply busy, never more.
     silent_after_s: PositiveFloat = 1.0
     #: How often the controller asks its in-process routers which engines hold silent
-    #: requests (remote routers: once a tick). An in-memory scan of the waiting requests.
+    #: requests (a router in another process is asked by a long poll of its control API,
+    #: which looks every 0.25 s). An in-memory scan of the waiting requests.
     evidence_poll_s: PositiveFloat = 0.5
     #: The longest a run of focused reads goes on without a conclusion, before the tick takes
     #: over again: twice the longest stall floor anyone sets here, and a bound on the reads.

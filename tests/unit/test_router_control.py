@@ -343,3 +343,17 @@ async def test_a_router_stopping_answers_a_held_evidence_poll_instead_of_waiting
         assert not poll.done()
         await asyncio.wait_for(router.stop(), 30)  # not held for its 5 s grace, nor cut
         assert poll.done() and await poll == (0, {})
+
+
+async def test_stop_accepting_closes_the_listener_and_keeps_open_connections_serving() -> None:
+    # A reload's first step, for every old router before any of them drains.
+    async with rig(1, control_token=TOKEN) as r:
+        assert r.router.control_url is not None
+        assert (await r.post())[0] == 200  # the rig's session now holds a keep-alive connection
+        async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            await remote.stop_accepting()
+            await remote.stop_accepting()  # again: nothing left to close, still answered
+        assert (await r.post())[0] == 200  # on the connection it already had
+        async with aiohttp.ClientSession() as fresh:
+            with pytest.raises(aiohttp.ClientConnectorError):
+                await fresh.get(r.router.url + "/v1/models")

@@ -78,6 +78,9 @@ STATUS_EVERY_S = 1.0
 _STOP_MARGIN_S = 5.0
 #: Seconds between polls while waiting for a worker to answer.
 _POLL_S = 0.1
+#: The longest a reload waits for an old worker to close its listeners (an in-memory close:
+#: milliseconds; one that takes longer falls back to closing its own on SIGUSR1).
+_STOP_ACCEPTING_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -414,6 +417,11 @@ class RouterWorkers:
         for link in self.links:
             with contextlib.suppress(Exception):
                 await link.set_serving_backends(link.last_push, link.last_facts)
+        # Every old listener closed, and each has said so, before any old router answers a
+        # request with "Connection: close": a client reconnecting finds only new listeners (a
+        # connection queued at a listener as it closes is reset by the kernel). One that does
+        # not answer closes its own on SIGUSR1 and waits HANDOVER_SETTLE_S for the others.
+        await asyncio.gather(*(self._stop_accepting(old) for old in olds.values()))
         for worker, old in olds.items():
             self._retire_counters(worker)
             self._replaced.append(old)
@@ -422,6 +430,15 @@ class RouterWorkers:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
+
+    async def _stop_accepting(self, old: _Process) -> None:
+        try:
+            async with RemoteRouter(old.record.control_url, self.token,
+                                    timeout_s=_STOP_ACCEPTING_S) as remote:
+                await remote.stop_accepting()
+        except Exception as exc:
+            log.warning("router worker %d: its listeners could not be closed ahead of the "
+                        "handover (%s); it closes them itself", old.record.worker, exc)
 
     async def _reap(self, old: _Process) -> None:
         """Wait for a replaced worker to finish its drain; kill it past the bound."""

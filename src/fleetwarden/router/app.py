@@ -271,12 +271,13 @@ class Router:
         The control API keeps answering meanwhile."""
         if self._runner is None:
             return
-        for site in list(self._runner.sites):
-            await site.stop()
-        # Only now, and after the other replaced routers closed theirs (they got the same
-        # signal at the same moment): a client told to reconnect must find only new listeners.
-        # A connection waiting in a listener's queue when it closes is reset by the kernel.
-        await asyncio.sleep(HANDOVER_SETTLE_S)
+        if await self.stop_accepting():
+            # Only now, and after the other replaced routers closed theirs (they got the same
+            # signal at the same moment): a client told to reconnect must find only new
+            # listeners. A connection waiting in a listener's queue when it closes is reset by
+            # the kernel. A reload closes every old router's listeners first and waits for each
+            # to say so (:meth:`stop_accepting` over the control API): then nothing is guessed.
+            await asyncio.sleep(HANDOVER_SETTLE_S)
         self._draining = True
         server = self._runner.server
         loop = asyncio.get_running_loop()
@@ -290,6 +291,15 @@ class Router:
                 elif now - idle_since.setdefault(id(conn), now) >= IDLE_CLOSE_S:
                     conn.close()  # idle that long: no request of a keep-alive client races it
             await asyncio.sleep(_DRAIN_POLL_S)  # aiohttp has no event for "connection closed"
+
+    async def stop_accepting(self) -> bool:
+        """Close the listeners (the port's other routers take every new connection); the
+        connections open here go on. Returns whether any was open until now."""
+        if self._runner is None or not self._runner.sites:
+            return False
+        for site in list(self._runner.sites):
+            await site.stop()
+        return True
 
     async def stop(self) -> None:
         """Stop listening, end the requests in flight, close the client session."""

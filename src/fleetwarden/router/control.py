@@ -23,6 +23,8 @@ GET      /evidence?...    ``wait_s``, ``silent_after_s``,  ``{"failed": n, "fail
                           ``after``                        "silent": {url: seconds}}``, as
                                                            soon as there is any (long poll)
 PUT      /retry-after     ``{"seconds": x or null}``       ``{"retry_after": x or null}``
+POST     /stop-accepting  -                                ``{"accepting": false}`` once
+                                                           its listeners are closed
 GET      /metrics         -                                the router's own ``/metrics``
 =======  ===============  ===============================  ==============================
 
@@ -238,6 +240,10 @@ def make_control_app(router: Router, token: str) -> web.Application:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(came.wait(), min(left, EVIDENCE_SCAN_S))
 
+    async def stop_accepting(request: web.Request) -> web.Response:
+        await router.stop_accepting()
+        return web.json_response({"accepting": False})
+
     async def metrics(request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -259,6 +265,7 @@ def make_control_app(router: Router, token: str) -> web.Application:
     app.router.add_put("/trial", put_trial)
     app.router.add_get("/silent", silent, allow_head=False)
     app.router.add_get("/evidence", evidence, allow_head=False)
+    app.router.add_post("/stop-accepting", stop_accepting)
 
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", not_found)
@@ -468,3 +475,8 @@ class RemoteRouter:
     async def status(self) -> dict[str, Any]:
         answer: dict[str, Any] = await self._call("GET", "/status")
         return answer
+
+    async def stop_accepting(self) -> None:
+        """Close the router's listeners; returns once they are closed (a reload's first
+        step: no client told to reconnect may find an old listener)."""
+        await self._call("POST", "/stop-accepting")
