@@ -338,8 +338,12 @@ class Controller:
             ask = first or (due and canaried_for != rec.ejected_until)
             if due and ask:
                 canaried_for = rec.ejected_until
+            # Out of routing for failed requests: its health path too, where that proves a
+            # dead core (vLLM's API server outlives its killed core for seconds, /metrics
+            # frozen, /health 503).
             r = await self.watchdog.probe(Target(url=url, in_flight=in_flight,
-                                                 stalls_excused=excused, confirm=ask))
+                                                 stalls_excused=excused, confirm=ask,
+                                                 check_health=rec.ejected_until is not None))
             rec = self.ledger.shard(i)
             if rec.base_url != url:
                 return

@@ -28,6 +28,11 @@ What each field means:
   to it), so two reads that are to prove a stall are always further apart than it.
 * ``health_path`` — the liveness read used when ``/metrics`` gives no sample: it must never
   start a generation (SGLang's ``/health_generate`` does; its ``/health`` does not).
+* ``health_proves_core`` — a failure of the health path means the engine's core is dead even
+  while ``/metrics`` answers: vLLM answers ``/health`` 503 once its engine core died, and its
+  API server, with frozen gauges, can outlive the core for seconds (measured on the real-vLLM
+  tier: 9-13 s under load). An engine its failed requests put out of routing is then read
+  there too, and condemned on it.
 * ``sleep`` — how the engine says it is asleep or paused, where it has such a state (vLLM's
   ``vllm:engine_sleep_state`` is read: the judge's SLEEPING verdict; the others are said here
   so that a sleeping engine is not mistaken for a wedged one).
@@ -94,6 +99,7 @@ class EngineProfile:
     detect: str  # a ``# TYPE`` prefix only this engine writes; "" for none
     progress: str  # what proves progress, in words
     health_path: str = "/health"
+    health_proves_core: bool = False
     start_header: str | None = None
     min_stall_s: float = 0.0
     sleep: str = "none known"
@@ -143,7 +149,7 @@ VLLM = EngineProfile(
         "vllm:engine_sleep_state":     Family("gauge", "vllm:engine_sleep_state",
                                               "sleep_level", False),
     },
-    detect="vllm:",
+    detect="vllm:", health_proves_core=True,
     progress="vllm:iteration_tokens_total_count: +1 per engine step",
     sleep="vllm:engine_sleep_state (read: the SLEEPING verdict); /sleep, /wake_up and "
           "/is_sleeping with VLLM_SERVER_DEV_MODE=1",

@@ -99,6 +99,9 @@ class Target:
     #: The engine is accused (failed requests, silent requests): if it is idle, a canary now
     #: rather than when due. Never a canary to an engine with work in it.
     confirm: bool = False
+    #: The engine failed real requests (it is out of routing): read its health path as well,
+    #: where its profile says a failure there means a dead core (``health_proves_core``).
+    check_health: bool = False
     #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
     #: ``/metrics`` at the first read.
     engine: str = AUTO
@@ -232,7 +235,7 @@ class Watchdog:
         """One visit: read, judge, and send a canary if (and only if) the judge allows it."""
         memory = self._remember(target)
         proxy = target.proxy or memory.proxy
-        reading = await self._read(target.url, proxy, memory)
+        reading = await self._read(target.url, proxy, memory, check_health=target.check_health)
         if not proxy and isinstance(reading, Sample) and _comes_back(memory, reading):
             log.warning("%s: its process start time went back to an earlier one (%s): a load "
                         "balancer in front of several engines, not one engine; judged as a "
@@ -317,7 +320,8 @@ class Watchdog:
         """One look at an engine: its metrics, else its liveness. Never raises for I/O."""
         return await self._read(url, proxy, self._remember(Target(url, engine=engine)))
 
-    async def _read(self, url: str, proxy: bool, memory: _Memory) -> Reading:
+    async def _read(self, url: str, proxy: bool, memory: _Memory, *,
+                    check_health: bool = False) -> Reading:
         if proxy:
             models = await self._models(url)
             if isinstance(models, str):
@@ -332,6 +336,13 @@ class Watchdog:
             if found is not None:
                 memory.profile = found
             if isinstance(result, Sample):
+                engine = memory.profile
+                if check_health and engine is not None and engine.health_proves_core:
+                    health = await self._get_status(url + engine.health_path)
+                    if health != 200:
+                        why = health if isinstance(health, str) else f"answered {health}"
+                        return Down(f"{engine.health_path}: {why}, while /metrics answers "
+                                    "(its engine core is dead)")
                 return result
             problem = result
         path = memory.profile.health_path if memory.profile is not None else "/health"

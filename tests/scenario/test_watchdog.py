@@ -15,6 +15,7 @@ import pytest
 
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.judge import Health, Verdict, WatchdogPolicy, judge
+from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.watchdog import Report, Target, Watchdog
 from support.proxy import LeastConnectionsProxy
 from support.sim import Load, SimProcess, canaries, free_port, metrics, set_fault, stats, until
@@ -206,6 +207,33 @@ async def test_a_crashed_engine_is_dead(spawn: Any, http: aiohttp.ClientSession)
         assert await asyncio.to_thread(sim.wait, 20) != 0
         report = await watchdog.probe(Target(sim.url))
     assert (report.verdict, report.health) == (Verdict.UNREACHABLE, Health.FAILING)
+
+
+async def test_an_engine_out_for_failed_requests_is_read_at_its_health_path_too(
+        http: aiohttp.ClientSession) -> None:
+    # vLLM's API server outlives a killed engine core for seconds (9-13 s under load on the
+    # real tier), its /metrics frozen and answered, its /health 503. The simulated crash does
+    # the same while its process lives (here 30 s).
+    async with Sim(SimConfig(crash_exit_s=30)) as sim, Watchdog(POLICY) as watchdog:
+        assert (await watchdog.probe(Target(sim.url))).verdict is Verdict.IDLE
+        await set_fault(http, sim.url, "crash")
+        plain = await watchdog.probe(Target(sim.url))
+        accused = await watchdog.probe(Target(sim.url, check_health=True))
+        assert not sim.exited.is_set()
+    assert plain.verdict is not Verdict.UNREACHABLE  # /metrics alone cannot tell
+    assert (accused.verdict, accused.health) == (Verdict.UNREACHABLE, Health.FAILING)
+    assert accused.evidence.problem == ("/health: answered 503, while /metrics answers "
+                                        "(its engine core is dead)")
+
+
+async def test_only_an_engine_whose_health_proves_its_core_is_read_there(
+        http: aiohttp.ClientSession) -> None:
+    # llama.cpp's /health says nothing of the kind: its profile leaves it unread.
+    async with Sim(SimConfig(engine="llamacpp", crash_exit_s=30)) as sim, \
+            Watchdog(POLICY) as watchdog:
+        await set_fault(http, sim.url, "crash")
+        report = await watchdog.probe(Target(sim.url, engine="llamacpp", check_health=True))
+    assert report.verdict is not Verdict.UNREACHABLE
 
 
 async def test_an_idle_wedge_with_requests_in_flight_is_a_lost_core_and_its_canary_condemns(

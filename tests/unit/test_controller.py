@@ -345,6 +345,8 @@ async def test_a_failed_request_ejects_its_engine_before_any_tick() -> None:
         assert c.tick_number == 0
         assert c.focus_started == {"ejected": 1}
         await until(lambda: any(t.url == bad.url for t in reads.probed), what="a focused read")
+        # out of routing for failed requests: read at its health path too (a dead core)
+        assert all(t.check_health for t in reads.probed if t.url == bad.url)
         await c.close()
 
 
