@@ -383,8 +383,8 @@ class Controller:
                     log.info("router %s has no evidence call: judged at the tick", _name(link))
                     return
                 log.warning("router %s: evidence: %s", _name(link), exc)
-                failed, silent = 0, {}
                 await _sleep_unless(stop, h.probe_interval_s)
+                continue
             except Exception as exc:  # down, or restarting: the tick reports it
                 log.debug("router %s: evidence: %s", _name(link), exc)
                 await _sleep_unless(stop, h.probe_interval_s)
@@ -409,8 +409,7 @@ class Controller:
             return
         while not stop.is_set():
             await self._accuse_silent(local)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), h.evidence_poll_s)
+            await _sleep_unless(stop, h.evidence_poll_s)
 
     async def _accuse_silent(self, links: Sequence[RouterLink]) -> None:
         after = self.config.health.silent_after_s

@@ -287,7 +287,7 @@ async def test_the_control_api_binds_the_configured_host() -> None:
 async def test_evidence_is_answered_at_the_first_failure_and_none_falls_between_two_polls(
 ) -> None:
     async with rig(2, health_managed=True, control_token=TOKEN) as r:
-        _good, bad = r.engines
+        good, bad = r.engines
         assert r.router.control_url is not None
         async with RemoteRouter(r.router.control_url, TOKEN) as remote:
             assert await remote.evidence(0.2, 1.0) == (0, {})  # nothing: empty at wait_s
@@ -295,14 +295,19 @@ async def test_evidence_is_answered_at_the_first_failure_and_none_falls_between_
             poll = asyncio.create_task(remote.evidence(30, 1.0))
             await asyncio.sleep(0.2)
             assert not poll.done()  # held open while nothing happens
-            while not poll.done():  # requests until one lands on bad and fails there
+            for _ in range(20):  # requests until one lands on bad and fails there
                 assert (await r.post())[0] == 200
-            failed, silent = await poll
+                if poll.done():
+                    break
+            failed, silent = await asyncio.wait_for(poll, 5)
             assert failed >= 1 and silent == {}
             # a failure between two polls: the next one is answered at once
-            r.router.set_serving_backends([bad.url, _good.url])
-            while r.router.stats.backend_failures.get((bad.url, "server_error"), 0) < failed + 1:
+            r.router.set_serving_backends([bad.url, good.url])
+            for _ in range(20):
+                if r.router.stats.backend_failures[(bad.url, "server_error")] > failed:
+                    break
                 assert (await r.post())[0] == 200
+            assert r.router.stats.backend_failures[(bad.url, "server_error")] > failed
             assert (await asyncio.wait_for(remote.evidence(30, 1.0), 5))[0] >= 1
 
 

@@ -472,7 +472,8 @@ class Forwarder:
                     # Nothing has reached the client yet, so a break here can still be retried,
                     # and so can a generation the engine aborted (a search of a few KB).
                     whole = await _read(upstream)
-                    if upstream.status == 200 and _ABORTED.search(whole) is not None:
+                    if (upstream.status == 200 and b'"abort"' in whole
+                            and _ABORTED.search(whole) is not None):
                         return _Failure(backend, Cause.ABORTED, upstream.status,
                                         upstream.headers, whole, facts)
                     return await self._answer_whole(request, upstream, whole,
