@@ -426,8 +426,14 @@ def judge(
         else:
             summary = f"no metrics ({after.reason}); /health 200; nothing in flight"
             canary = CanaryRule.WHEN_DUE
+        # A read that gave no sample proves nothing either way: a stall counted so far stands
+        # (the next sample is compared with the last one, over the whole time). Measured on
+        # the real-vLLM tier under load: /metrics reads timing out now and then reset a wedged
+        # engine's count, and it took 34 s to condemn against a 15 s limit.
         return verdict(Verdict.NO_METRICS, canary,
-                       Evidence(summary, in_flight=in_flight, problem=after.reason))
+                       Evidence(summary, in_flight=in_flight, problem=after.reason,
+                                stalled_waits=stall.waits, stalled_for_s=stall.seconds),
+                       stall)
 
     has_work = not after.idle
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"

@@ -259,6 +259,20 @@ def test_no_metrics_allows_a_canary_only_with_nothing_in_flight() -> None:
     assert "404" in loaded.evidence.problem
 
 
+def test_a_read_without_a_sample_in_a_stall_keeps_the_stall_counted_so_far() -> None:
+    # Under load a /metrics read can time out; it proves nothing, and the wedge's count stands:
+    # the next sample is compared with the last one, over all the time since.
+    one, two = capture("metrics-wedged-busy-1.txt"), capture("metrics-wedged-busy-2.txt")
+    first = judge(one, two, elapsed_s=6.0, policy=FLOOR_15)
+    assert first.stall == Stall(waits=1, seconds=6.0)
+    lost = judge(two, NoMetrics("timed out"), elapsed_s=2.0, stall=first.stall,
+                 in_flight=3, policy=FLOOR_15)
+    assert lost.verdict is Verdict.NO_METRICS and lost.stall == first.stall
+    assert not lost.send_canary  # requests in flight: never a canary
+    third = judge(two, two, elapsed_s=9.0, stall=lost.stall, policy=FLOOR_15)
+    assert third.verdict is Verdict.STUCK  # 6 s + 9 s since the last sample: 15 s
+
+
 def test_a_restarted_engine_with_work_in_it_gets_no_canary() -> None:
     restarted_busy = replace(BUSY, start_time=1.8e9, steps=3, generation_tokens=3)
     j = judge(BUSY, restarted_busy, elapsed_s=5)
