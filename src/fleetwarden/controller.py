@@ -333,17 +333,18 @@ class Controller:
             excused = self.refit is not None and i in self.refit.stalls_excused()
             in_flight = (await self._in_flight(None)).get(url, 0)
             # A canary, if the engine is idle: on the first read (the accusation itself), and
-            # once per ejection when its time is up (the proof that may put it on trial).
+            # once per ejection when its time is up (the only proof that puts it on trial; a
+            # busy engine gets none, and is asked again at the next read).
             due = rec.ejected_until is not None and self.clock() >= rec.ejected_until
             ask = first or (due and canaried_for != rec.ejected_until)
-            if due and ask:
-                canaried_for = rec.ejected_until
             # Out of routing for failed requests: its health path too, where that proves a
             # dead core (vLLM's API server outlives its killed core for seconds, /metrics
             # frozen, /health 503).
             r = await self.watchdog.probe(Target(url=url, in_flight=in_flight,
                                                  stalls_excused=excused, confirm=ask,
                                                  check_health=rec.ejected_until is not None))
+            if due and ask and r.canary is not None:
+                canaried_for = rec.ejected_until
             rec = self.ledger.shard(i)
             if rec.base_url != url:
                 return

@@ -287,11 +287,12 @@ class Policy:
     #: serves after a good canary. ``trainer``: an RL trainer pushes weights; a restarted
     #: engine holds the checkpoint's weights and waits in STALE for the trainer's next refit.
     weights: WeightsMode = "static"
-    #: A shard ejected for failed requests stays out of routing at least this long before a
-    #: good probe may put it on trial; each ejection since it was last HEALTHY doubles it (1, 2,
-    #: 4 ... s), as in Envoy's outlier ejection. What brings it back is proof, not the time, so
-    #: the first wait is short: a busy engine that answered one blip is back after a read
-    #: that shows its progress, and one that keeps failing is paced by the doubling.
+    #: A shard ejected for failed requests stays out of routing at least this long before an
+    #: answered canary may put it on trial; each ejection since it was last HEALTHY doubles it
+    #: (1, 2, 4 ... s), as in Envoy's outlier ejection. What brings it back is proof, not the
+    #: time, so the first wait is short: a busy engine that answered one blip is back when one
+    #: of the requests it holds completes (at any time), an idle one after its canary, and one
+    #: that keeps failing is paced by the doubling.
     ejection_base_s: float = 1.0
     #: ... up to this. A minute: an engine that failed its trial six times in a row is
     #: condemned by its reported streak long before (unhealthy_threshold windows).
@@ -590,11 +591,13 @@ class Ledger:
 
     # ------------------------------------------------------------------ probes and requests
 
-    def record_probe(self, i: int, ok: bool, error: str = "") -> Outcome:
+    def record_probe(self, i: int, ok: bool, error: str = "", *, generated: bool = False
+                     ) -> Outcome:
         """A watchdog probe of a shard that has a process (serving, STALE or asleep): good, or
         failed with ``error``. A STALE or sleeping shard's failed probes count as any other's,
         so an engine that died is condemned; its good probes lift nothing (only a refit, or a
-        wake-up, does)."""
+        wake-up, does). ``generated``: the good probe was a generation (a canary answered),
+        the only probe that ends an ejection for failed requests."""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "probes only judge shards that have a process")
@@ -604,9 +607,17 @@ class Ledger:
             successes = min(s.consecutive_probe_successes + 1, p.healthy_threshold)  # past the
             # threshold the count decides nothing, so it saturates and steady ticks emit nothing
             if s.state is SUSPECT and s.ejected_until is not None:
-                if now < s.ejected_until:
+                if now < s.ejected_until or not generated:
+                    # Progress proves that its core steps, not that its generations complete:
+                    # an engine whose every generation ends in a 500 (note 000's trickle) shows
+                    # progress too. Only an answered canary (or a completed request, in
+                    # report_outcomes) brings it back (issue 14: measured, progress put the
+                    # trickle's engine on trial 3 times, its last new request 6.1 s after the
+                    # fault).
+                    why = ("still ejected" if now < s.ejected_until
+                           else "still ejected until a canary answers")
                     return self._apply(
-                        s, E.PROBE_OK, "probe ok; still ejected",
+                        s, E.PROBE_OK, f"probe ok; {why}",
                         consecutive_probe_failures=0,  # a good probe ends the failed-probe run
                         consecutive_probe_successes=successes,
                     )
@@ -810,7 +821,7 @@ class Ledger:
                 return self.report_refit(i, version)
             return self.record_probe(i, True)
         if r.health == "proven":
-            return self.record_probe(i, True)
+            return self.record_probe(i, True, generated=bool(r.canary_ok))
         if r.health == "failing":
             return self.record_probe(i, False, why)
         return outcome

@@ -326,12 +326,16 @@ BUSY_REPORT = report(Verdict.BUSY, Health.PROVEN)
 STALLED_REPORT = report(Verdict.STALLED, Health.UNPROVEN)
 
 
-async def failing_request(r: Any, bad: Any) -> None:
-    """Requests through the router until one fails on ``bad`` (and is re-sent elsewhere)."""
+async def failing_request(r: Any, bad: Any, attempts: int = 200) -> None:
+    """Requests through the router until one fails on ``bad`` (and is re-sent elsewhere); at
+    most ``attempts``."""
     before = r.router.stats.retries["paid"] + r.router.stats.retries["replaced"]
-    while r.router.stats.retries["paid"] + r.router.stats.retries["replaced"] == before:
+    for _ in range(attempts):
         status, _, _ = await r.post()
         assert status == 200
+        if r.router.stats.retries["paid"] + r.router.stats.retries["replaced"] != before:
+            return
+    raise AssertionError(f"no request failed on {bad.url} in {attempts}")
 
 
 async def test_a_failed_request_ejects_its_engine_before_any_tick() -> None:
@@ -366,7 +370,7 @@ async def test_an_ejected_engine_stays_out_of_every_push_while_its_evidence_stan
         await c.close()
 
 
-async def test_proof_puts_an_ejected_engine_on_trial_and_a_completed_request_ends_it() -> None:
+async def test_an_answered_canary_puts_an_ejected_engine_on_trial_and_a_request_ends_it() -> None:
     async with rig(2, health_managed=True) as r:
         good, bad = r.engines
         reads = ScriptedReads(BUSY_REPORT)
@@ -374,11 +378,18 @@ async def test_proof_puts_an_ejected_engine_on_trial_and_a_completed_request_end
         bad.answer_status(503)
         await failing_request(r, bad)
         await until(lambda: ledger.ejected() == [1], what="ejected")
-        # Its focused reads show progress: after the ejection's 0.3 s, that is proof.
+        # Its focused reads show progress, well past the ejection's 0.3 s: no proof that its
+        # generations complete (the trickle's engine steps too), so it stays out.
+        await asyncio.sleep(0.8)
+        busy_reads, seen = sum(t.url == bad.url for t in reads.probed), len(reads.probed)
+        assert busy_reads > 10 and ledger.ejected() == [1] and not ledger.shard(1).on_trial
+        assert r.router.serving_backends() == [good.url]
+        # It goes idle: the next focused read asks for a canary, which answers: on trial.
+        reads.by_url[bad.url] = report(Verdict.IDLE, Health.PROVEN, canary=True)
         await until(lambda: r.router.pool.trial == {bad.url}, what="on trial")
         assert set(r.router.serving_backends()) == {good.url, bad.url}
-        first = next(i for i, t in enumerate(reads.probed) if t.url == bad.url)
-        assert ledger.shard(1).on_trial and len(reads.probed) > first + 1  # not the first read
+        assert any(t.url == bad.url and t.confirm for t in reads.probed[seen:])
+        assert ledger.shard(1).on_trial
         bad.answer(None)  # it serves again
         answered = bad.answered
         while bad.answered == answered:  # its one trial request, among the others

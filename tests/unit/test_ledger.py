@@ -101,8 +101,8 @@ def test_a_shard_that_passes_every_probe_but_fails_every_generation_still_dies()
     clock = Clock()
     ledger = Ledger(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], clock=clock)
     for window in range(3):
-        clock.now += 120  # past any ejection: each good probe puts it on trial
-        assert ledger.record_probe(0, ok=True)
+        clock.now += 120  # past any ejection: each answered canary puts it on trial
+        assert ledger.record_probe(0, ok=True, generated=True)
         ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)  # the trial's
         if window < 2:
             assert ledger.state(0) in (H, S)
@@ -631,7 +631,7 @@ def test_a_good_probe_before_the_ejection_ends_brings_nothing_back() -> None:
 def test_proof_puts_it_on_trial_and_a_completed_trial_request_returns_it_to_traffic() -> None:
     ledger, clock = ejected_ledger()
     clock.now += 1.0
-    out = ledger.record_probe(0, ok=True)
+    out = ledger.record_probe(0, ok=True, generated=True)  # a canary answered
     assert out.transition is not None and out.transition.event is Event.ON_TRIAL
     assert ledger.serving_urls() == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
     assert ledger.trial_urls() == ["http://127.0.0.1:9000"]
@@ -645,6 +645,27 @@ def test_proof_puts_it_on_trial_and_a_completed_trial_request_returns_it_to_traf
     assert ledger.state(0) is H and ledger.shard(0).ejections == 0
 
 
+def test_progress_after_the_ejection_is_no_proof_that_its_generations_complete() -> None:
+    # Note 000's trickle: every generation ends in a 500 while the core steps on. Its focused
+    # reads show progress; that proves the core, not the generations, so it stays out.
+    ledger, clock = ejected_ledger()
+    clock.now += 5.0  # well past the ejection's 1 s
+    for _ in range(3):
+        ledger.record_reading(0, Reading(health="proven", verdict="BUSY"))
+    assert ledger.ejected() == [0] and not ledger.shard(0).on_trial
+    assert ledger.serving_urls() == ["http://127.0.0.1:9001"]
+    ledger.record_reading(0, Reading(health="proven", verdict="IDLE", canary_ok=True))
+    assert ledger.trial_urls() == ["http://127.0.0.1:9000"]  # an answered canary is proof
+
+
+def test_a_completed_request_ends_an_ejection_whatever_the_time() -> None:
+    # A blip on a busy engine: the requests it still holds complete, and it is back.
+    ledger, _ = ejected_ledger()
+    ledger.report_outcomes(0, successes=2, failures=0, trailing_failures=0)
+    assert ledger.ejected() == [] and not ledger.shard(0).on_trial
+    assert ledger.serving_urls() == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+
+
 def test_an_engine_that_keeps_failing_its_trial_is_kept_out_longer_each_time() -> None:
     ledger, clock = ejected_ledger(unhealthy_threshold=10)
     outs = []
@@ -653,7 +674,7 @@ def test_an_engine_that_keeps_failing_its_trial_is_kept_out_longer_each_time() -
         assert rec.ejected_until is not None
         outs.append(rec.ejected_until - clock.now)
         clock.now = rec.ejected_until
-        ledger.record_probe(0, ok=True)  # proof: on trial
+        ledger.record_probe(0, ok=True, generated=True)  # proof: on trial
         ledger.report_outcomes(0, successes=0, failures=1, trailing_failures=1)  # trial fails
     assert outs == [1.0, 2.0, 4.0, 8.0]
     assert ledger.shard(0).ejections == 5 and ledger.state(0) is S
