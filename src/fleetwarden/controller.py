@@ -335,7 +335,7 @@ class Controller:
             # A canary, if the engine is idle: on the first read (the accusation itself), and
             # once per ejection when its time is up (the only proof that puts it on trial; a
             # busy engine gets none, and is asked again at the next read).
-            due = rec.ejected_until is not None and self.clock() >= rec.ejected_until
+            due = self.ledger.ejection_due(i)  # on the ledger's clock, as ejected_until is
             ask = first or (due and canaried_for != rec.ejected_until)
             # Out of routing for failed requests: its health path too, where that proves a
             # dead core (vLLM's API server outlives its killed core for seconds, /metrics

@@ -748,6 +748,21 @@ class Ledger:
                 s, s.consecutive_reported_failures + 1,
                 f"{failures} failed requests in the last window", window=True,
             )
+        if successes > 0 and failures == 0 and s.state is SUSPECT and s.ejected_until is not None:
+            # Ejected: nothing new was routed to it, so these are requests it held from before
+            # its ejection, and perhaps from before the fault. Note 000's trickle completes
+            # what it admitted before the fault and fails everything after: measured (issue
+            # 14), such completions returned its engine to full traffic, and the next request
+            # failed. They put it on trial once its ejection time is up, as a canary does; a
+            # completed trial request is then the proof.
+            if self._clock() < s.ejected_until:
+                return _UNCHANGED
+            return self._apply(
+                s, E.ON_TRIAL, f"{successes} requests it held completed after its ejection: on "
+                "trial, one request at a time",
+                ejected_until=None,
+                on_trial=True,
+            )
         if successes > 0 and failures == 0 and s.state is SUSPECT:
             # Successful work is evidence (issue 15, item 14): an engine that completes every
             # generation routed to it in a window serves, whatever made it suspect (a /metrics
@@ -755,7 +770,7 @@ class Ledger:
             # suspect waits a canary interval (an hour in some configs) for the only other
             # evidence that lifts it. A window with any failure lifts nothing. Completed
             # generations are proof of the kind a trial request gives (issue 14), so they end
-            # an ejection and a trial too.
+            # a trial too (an ejection: above).
             return self._apply(
                 s, E.SERVED, f"{successes} requests completed and none failed",
                 consecutive_reported_failures=0,  # completed generations prove the engine serves
@@ -1099,6 +1114,13 @@ class Ledger:
         """Serving shards kept out of routing for failed requests, until proof."""
         return [s.index for s in self._shards
                 if s.state in ROUTABLE and s.ejected_until is not None]
+
+    def ejection_due(self, i: int) -> bool:
+        """Shard ``i`` is ejected and its time out is up: proof may now put it on trial. Read
+        on the ledger's own clock (``ejected_until`` is a time of that clock: the journal's
+        wall clock in a fleet, not the controller's monotonic one)."""
+        until = self._shard(i).ejected_until
+        return until is not None and self._clock() >= until
 
     def shard_for_url(self, url: str) -> int | None:
         return self._by_url.get(url)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fleetwarden.config import Config
@@ -312,12 +313,15 @@ class IdleSupervisor:
         pass
 
 
-def evidence_controller(r: Any, reads: ScriptedReads) -> tuple[Controller, Ledger]:
+def evidence_controller(r: Any, reads: ScriptedReads,
+                        ledger_clock: Callable[[], float] = time.monotonic,
+                        ) -> tuple[Controller, Ledger]:
     config = Config.model_validate({"health": {"confirm_interval_s": 0.01,
                                                "ejection_base_s": 0.3}})
     h = config.health
     ledger = Ledger([e.url for e in r.engines],
-                    Policy(ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s))
+                    Policy(ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s),
+                    clock=ledger_clock)
     c = Controller(ledger, reads, IdleSupervisor(), [r.router.control()], config)  # type: ignore[arg-type]
     return c, ledger
 
@@ -374,7 +378,9 @@ async def test_an_answered_canary_puts_an_ejected_engine_on_trial_and_a_request_
     async with rig(2, health_managed=True) as r:
         good, bad = r.engines
         reads = ScriptedReads(BUSY_REPORT)
-        c, ledger = evidence_controller(r, reads)
+        # The ledger on the wall clock, as a fleet's is (its journal's), the controller on
+        # the monotonic one: an ejection's time is read on the ledger's.
+        c, ledger = evidence_controller(r, reads, ledger_clock=time.time)
         bad.answer_status(503)
         await failing_request(r, bad)
         await until(lambda: ledger.ejected() == [1], what="ejected")

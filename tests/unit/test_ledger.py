@@ -482,11 +482,14 @@ def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
 def test_a_window_with_any_failure_lifts_no_suspicion() -> None:
     """Note 000's engine fails some generations and answers every probe: a window that saw a
     failure, even before its successes, is no proof that it serves."""
-    ledger, _ = make(2)
+    clock = Clock()
+    ledger = Ledger(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], clock=clock)
     ledger.report_failure(0, "500")
     assert ledger.state(0) is S
+    clock.now += 1.0  # its ejection's time is up
     ledger.report_outcomes(0, 5, 1, 0)
-    assert ledger.state(0) is S
+    assert ledger.state(0) is S and ledger.ejected() == [0]
+    ledger.report_outcomes(0, 5, 0, 0)  # on trial: what it held completed, nothing failed
     ledger.report_outcomes(0, 5, 0, 0)
     assert ledger.state(0) is H
 
@@ -658,12 +661,20 @@ def test_progress_after_the_ejection_is_no_proof_that_its_generations_complete()
     assert ledger.trial_urls() == ["http://127.0.0.1:9000"]  # an answered canary is proof
 
 
-def test_a_completed_request_ends_an_ejection_whatever_the_time() -> None:
-    # A blip on a busy engine: the requests it still holds complete, and it is back.
-    ledger, _ = ejected_ledger()
+def test_requests_it_held_that_complete_put_an_ejected_engine_on_trial_once_its_time_is_up(
+) -> None:
+    # They were sent before the ejection, perhaps before the fault: the trickle's engine
+    # completes what it admitted before the fault and fails everything after.
+    ledger, clock = ejected_ledger()
+    clock.now += 0.5
     ledger.report_outcomes(0, successes=2, failures=0, trailing_failures=0)
-    assert ledger.ejected() == [] and not ledger.shard(0).on_trial
-    assert ledger.serving_urls() == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    assert ledger.ejected() == [0] and not ledger.shard(0).on_trial  # within its time
+    assert ledger.shard(0).consecutive_reported_failures == 1  # the burst still stands
+    clock.now += 0.5
+    ledger.report_outcomes(0, successes=1, failures=0, trailing_failures=0)
+    assert ledger.trial_urls() == ["http://127.0.0.1:9000"] and ledger.state(0) is S
+    ledger.report_outcomes(0, successes=1, failures=0, trailing_failures=0)  # its trial
+    assert ledger.trial_urls() == [] and ledger.state(0) is H
 
 
 def test_an_engine_that_keeps_failing_its_trial_is_kept_out_longer_each_time() -> None:

@@ -153,10 +153,12 @@ async def test_drain_counts_once_and_resets() -> None:
 async def test_successes_are_counted_for_the_ledger() -> None:
     async with rig(1) as r:
         (engine,) = r.engines
-        ledger = Ledger([engine.url])
+        now = [0.0]
+        ledger = Ledger([engine.url], clock=lambda: now[0])
         ledger.report_failure(0, "timeout")
         ledger.report_failure(0, "timeout")
         assert ledger.shard(0).consecutive_reported_failures == 2
+        now[0] += 60  # past its ejection: what completes puts it on trial, then clears it
         await r.post("/v1/completions")
         await r.post("/v1/chat/completions", {"model": "tiny", "messages": [], "stream": True})
         assert (await r.get("/v1/models"))[0] == 200
@@ -165,6 +167,8 @@ async def test_successes_are_counted_for_the_ledger() -> None:
         for url, (successes, failures, trailing) in outcomes.items():
             i = ledger.shard_for_url(url)
             assert i is not None
+            ledger.report_outcomes(i, successes, failures, trailing)
+            assert ledger.shard(0).on_trial
             ledger.report_outcomes(i, successes, failures, trailing)
         assert ledger.shard(0).consecutive_reported_failures == 0
 
