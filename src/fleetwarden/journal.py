@@ -367,10 +367,16 @@ class Journal:
         """Wait until everything queued so far is committed."""
         if self._thread is None:
             return
+        self._check_writer()
         marker = _Flush()
         self._queue.put(marker)
-        if not marker.done.wait(timeout):
-            raise JournalError(f"journal {self.path}: writes did not finish within {timeout} s")
+        deadline = time.monotonic() + timeout
+        # In slices: a writer that fails after this marker was queued no longer reads it.
+        while not marker.done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            self._check_writer()
+            if time.monotonic() >= deadline:
+                raise JournalError(
+                    f"journal {self.path}: writes did not finish within {timeout} s")
         self._check_writer()
 
     def close(self) -> None:
@@ -456,6 +462,9 @@ class Journal:
         except BaseException as exc:  # reported (status, log, metric); never silently lost
             self.dropped += sum(1 for item in batch if isinstance(item, _Item))
             self._failed(exc)
+            for item in batch:  # a flush in the failed batch too (it waited its whole timeout)
+                if isinstance(item, _Flush):
+                    item.done.set()
             while True:  # release anyone waiting on a flush
                 try:
                     item = self._queue.get_nowait()
