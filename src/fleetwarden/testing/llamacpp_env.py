@@ -10,7 +10,8 @@ prebuilt (the source packages take 13-20 min to compile here, README "Engines") 
 GPU it runs on ggml's CPU backend: ``--version`` says ``0.1.0-dev (build 1, commit 7e4c0a9)``.
 
 Rules:
-- One folder per version under :func:`~fleetwarden.testing.vllm_env.cache_root`, filled by
+- One folder per version (and Python version, for numpy's sake) under
+  :func:`~fleetwarden.testing.vllm_env.cache_root`, filled by
   ``pip install --target`` in a temporary folder beside it and renamed into place when the
   binary answered ``--version``: a killed install leaves a temporary folder (removed by the
   next one), never a half-filled folder that looks ready.
@@ -69,7 +70,10 @@ class LlamacppEnvError(RuntimeError):
 
 def llamacpp_dir(cache: Path | None = None) -> Path:
     """The folder of the cached packages (it may not exist yet)."""
-    return (cache or cache_root()) / f"{LLAMACPP_DISTRIBUTION}-{LLAMACPP_VERSION}-r{RECIPE}"
+    # numpy's wheel is built for one Python: an interpreter of another version gets its own.
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    name = f"{LLAMACPP_DISTRIBUTION}-{LLAMACPP_VERSION}-r{RECIPE}-{python}"
+    return (cache or cache_root()) / name
 
 
 def _binary(folder: Path) -> Path:
