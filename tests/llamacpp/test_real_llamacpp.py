@@ -2,7 +2,7 @@
 install, the model, and ``fleetwarden check`` on a live ``llama-server``.
 
 One engine serves the module (``engine``: started in about 20 ms); each test leaves it running
-and idle. Figures are printed, not asserted.
+and idle (the restart test starts and restarts its own). Figures are printed, not asserted.
 """
 
 from __future__ import annotations
@@ -21,17 +21,19 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetwarden.judge import Verdict
 from fleetwarden.testing import tiny_gguf as writer
 from fleetwarden.testing.llamacpp_env import (
     LLAMACPP_BUILD,
     ensure_llamacpp_server,
     ensure_tiny_gguf,
     llamacpp_dir,
+    start_llamacpp_engine,
 )
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import engine_metric
 from fleetwarden.testing.vllm_engine import LocalEngine
-from fleetwarden.watchdog import CANARY_PROMPT
+from fleetwarden.watchdog import CANARY_PROMPT, Target, Watchdog
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(120)]
 
@@ -185,3 +187,33 @@ def test_check_on_live_llamacpp_idle_busy_and_stopped(engine: LocalEngine) -> No
     print(f"SIGSTOP: UNREACHABLE, exit 2 after {stopped_s:.1f} s "
           f"({report['evidence']['problem'] or report['evidence']['summary']})")
     assert engine.get("/health")[0] == 200  # and serving again after SIGCONT
+
+
+def test_a_restart_on_the_same_port_is_seen_in_the_start_header(
+        llama_server: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    """llama.cpp has no start-time family: the ``Process-Start-Time-Unix`` header is compared."""
+    first = start_llamacpp_engine(llama_server, tiny_gguf, tmp_path)
+    engines = [first]
+    try:
+        first.wait_ready(timeout_s=30)
+
+        async def reads() -> list[tuple[Verdict, str]]:
+            async with Watchdog() as watchdog:
+                seen = []
+                for restart in (False, False, True):
+                    if restart:
+                        assert engines[0].stop().clean
+                        engines.append(start_llamacpp_engine(llama_server, tiny_gguf, tmp_path,
+                                                             port=first.port))
+                        engines[-1].wait_ready(timeout_s=30)
+                    report = (await watchdog.round([Target(first.base_url)]))[first.base_url]
+                    seen.append((report.verdict, report.incarnation))
+                return seen
+
+        seen = asyncio.run(reads())
+    finally:
+        for eng in engines:
+            assert eng.stop().clean, f"engine group {eng.pgid} left running"
+    assert [v for v, _ in seen] == [Verdict.IDLE, Verdict.IDLE, Verdict.RESTARTED], seen
+    assert seen[0][1] == seen[1][1] != seen[2][1]
+    print(f"\nProcess-Start-Time-Unix {seen[1][1]} -> {seen[2][1]}: RESTARTED")
