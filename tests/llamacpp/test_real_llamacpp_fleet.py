@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -32,7 +33,6 @@ from fleetwarden.testing.scenarios import (
     write_config,
 )
 from fleetwarden.testing.up import UpProcess
-from fleetwarden.testing.vllm_engine import free_port
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(180)]
 
@@ -45,7 +45,7 @@ def fleet(llama_server: Path, tiny_gguf: Path,
     work = tmp_path_factory.mktemp("llama-fleet")
     config = write_config(work, fleet_toml(
         llamacpp_engine_command(llama_server, tiny_gguf), llamacpp_engine_env(),
-        free_port(), free_port(), stall_s=5.0, startup_timeout_s=30.0, stop_grace_s=2.0))
+        0, 0, stall_s=5.0, startup_timeout_s=30.0, stop_grace_s=2.0))  # 0: free ports, no race
     up = UpProcess(work, "--config", str(config), start_timeout_s=60)
     try:
         whole(up, 60)
@@ -62,9 +62,12 @@ def report(fig: Figures) -> None:
 
 
 def test_both_engines_are_recognised_as_llamacpp(fleet: UpProcess) -> None:
-    status = fleet.client.status()
-    engines = [(s["watchdog"] or {}).get("engine") for s in fleet.client.shards()]
-    assert engines == ["llamacpp", "llamacpp"], (engines, status)
+    """From /metrics at the first read (the config names no engine kind)."""
+    deadline = time.monotonic() + 30
+    while (engines := [(s["watchdog"] or {}).get("engine")
+                       for s in fleet.client.shards()]) != ["llamacpp", "llamacpp"]:
+        assert time.monotonic() < deadline, engines  # a shard's first report is a tick away
+        time.sleep(0.2)
 
 
 def test_streams_and_answers_through_the_router_all_succeed(fleet: UpProcess) -> None:
