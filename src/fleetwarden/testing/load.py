@@ -57,8 +57,9 @@ class Load:
     model: str = "tiny"
     prompt: str = "hello"
     #: Streamed completions, with usage: a stream counts as answered only when it is whole
-    #: (one chunk per token, as vLLM and the simulator send them; a finish; the usage's count
-    #: of tokens equal to the chunks received, and to max_tokens when it finished on length).
+    #: (one chunk per token, as vLLM and the simulator send them, plus llama.cpp's closing
+    #: chunk without text; a finish; the usage's count of tokens equal to the chunks of tokens
+    #: received, and to max_tokens when it finished on length).
     stream: bool = False
     #: Stop after this many requests in all (None: until stopped).
     total: int | None = None
@@ -124,13 +125,18 @@ class Load:
                     model=self.model, prompt=self.prompt, max_tokens=max_tokens,
                     stream=True, stream_options={"include_usage": True},
                     extra_headers=headers)
-                chunks, finish, usage = 0, None, None
+                chunks, finish, usage, closing = 0, None, None, False
                 async for chunk in stream:
                     if chunk.choices:
                         chunks += 1
                         finish = chunk.choices[0].finish_reason or finish
+                        # llama.cpp ends with a chunk of its own: the finish, no text, no token
+                        closing = bool(chunk.choices[0].finish_reason) and not (
+                            getattr(chunk.choices[0], "text", None) or "")
                     if chunk.usage is not None:
                         usage = chunk.usage.completion_tokens
+                if closing and usage == chunks - 1:
+                    chunks -= 1
                 if finish is None or usage != chunks or (finish == "length"
                                                          and usage != max_tokens):
                     incomplete = (f"{chunks} token chunks, finish {finish}, usage {usage}, "

@@ -13,6 +13,8 @@ until the shard is quarantined and serving again.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 
 __all__ = ["Figures", "crash_under_load", "engine_metric", "fleet_toml", "idle_wedge",
-           "wedge_under_load", "wedge_while_running"]
+           "sigstop_under_load", "wedge_under_load", "wedge_while_running", "whole"]
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Figures:
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, stall_s: float = 15.0,
-               startup_timeout_s: float = 180.0) -> str:
+               startup_timeout_s: float = 180.0, stop_grace_s: float = 10.0) -> str:
     """A fleet at the default judgement (stall_s 15 s) with a 1 s tick, so figures are those
     of the defaults but for the tick; canaries far apart, so a check sees no fleet canary."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
@@ -92,6 +94,7 @@ canary_interval_s = 3600
 max_restart_attempts = 50
 backoff_initial_s = 2.0
 backoff_max_s = 10.0
+stop_grace_s = {stop_grace_s}
 """
 
 
@@ -130,6 +133,8 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     """Inject ``fault`` into ``shard`` while ``load`` runs (started by the caller, or by this
     function ``then_route``: an idle wedge found by the first routed requests); detect; let
     the load run on a few seconds on the engines left; stop it; wait for the replacement.
+    ``fault`` is a ``fleetwarden chaos`` fault, or ``sigstop``: SIGSTOP to the engine's whole
+    process group, sent from here (what stops a one-process engine, llama.cpp's, whole).
 
     The load stops before the replacement starts on purpose: on a 2-core machine a loaded
     surviving engine starves the new one's start-up, and the figure would be the machine's.
@@ -139,7 +144,10 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     fig.old_url, fig.old_pid = before["base_url"], before["pid"]
     router0 = await _router(up)
     struck, struck_wall = time.monotonic(), time.time()
-    await asyncio.to_thread(chaos, up, fault, shard)
+    if fault == "sigstop":
+        os.killpg(before["pid"], signal.SIGSTOP)
+    else:
+        await asyncio.to_thread(chaos, up, fault, shard)
     if then_route:
         await asyncio.sleep(1.0)
         load.start()
@@ -177,8 +185,10 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
 _AFTER_DETECTION_S = 5.0
 
 
-async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figures:
-    """SIGSTOP of the engine core (or a simulated wedge) while it runs requests.
+async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0,
+                           running: str = "vllm:num_requests_running") -> Figures:
+    """SIGSTOP of the engine core (or a simulated wedge; on llama.cpp the compute-only wedge)
+    while it runs requests: struck once the engine's ``running`` gauge says so.
 
     Struck once the engine itself reports requests running, with generations of mixed
     lengths. Its gauges freeze with the core: stopped at a step that left them at 0 (real
@@ -191,10 +201,19 @@ async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figur
     await _in_flight(up, shard)
     url = (await _state(up, shard))["base_url"]
     for _ in range(600):  # 30 s at most
-        if await engine_metric(url, "vllm:num_requests_running") > 0:
+        if await engine_metric(url, running) > 0:
             break
         await asyncio.sleep(0.05)
     return await _fault_under(up, "wedge under load", engines, shard, "wedge", load)
+
+
+async def sigstop_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figures:
+    """SIGSTOP of the engine's whole process group while it runs the router's requests: on a
+    one-process engine (llama.cpp) its ``/health`` and ``/metrics`` stop answering too."""
+    load = Load(up.router, concurrency=6, max_tokens_range=(120, 280), timeout_s=300)
+    load.start()
+    await _in_flight(up, shard)
+    return await _fault_under(up, "SIGSTOP under load", engines, shard, "sigstop", load)
 
 
 async def crash_under_load(up: UpProcess, engines: str, shard: int = 1) -> Figures:
@@ -252,6 +271,15 @@ async def wedge_while_running(up: UpProcess, shard: int,
         if time.monotonic() > deadline:
             raise AssertionError(f"shard {shard} never caught running within {limit_s} s")
         await asyncio.sleep(0.05)
+
+
+def whole(up: UpProcess, limit_s: float = 300.0) -> None:
+    """Until every shard of the fleet is HEALTHY (its admin API polled, with a deadline)."""
+    deadline = time.monotonic() + limit_s
+    while any(s["state"] != "HEALTHY" for s in up.client.shards()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not whole within {limit_s} s: {up.client.shards()}")
+        time.sleep(0.2)
 
 
 def write_config(work: Path, text: str) -> Path:

