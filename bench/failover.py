@@ -148,6 +148,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              client_timeout_s=30.0),
     _short("idle-wedge", "wedge while idle, then load", "wedge", warm_s=0, observe_s=15,
            idle_before_s=3.0),
+    # No request at all for 45 s after the fault: only canaries can find it (issue 14's
+    # "with no traffic, within one canary interval plus the canary timeout": 35 s).
+    _short("quiet-wedge", "wedge with no traffic for 45 s, then load", "wedge", warm_s=0,
+           observe_s=10, idle_before_s=45.0),
     Scenario("long", "long generations (20-60 s) + a wedge", "wedge", slots=8,
              steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=30,
              client_timeout_s=90.0),
