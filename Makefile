@@ -60,7 +60,7 @@ typecheck: $(STAMP)
 # are ~30 MB each and start in ~20 ms), then the real-vLLM tier (a separate run, so its two
 # 3 GB engines never share the machine with the rest). The first run uses a worker per core
 # (pytest-xdist), each taking whole test files: on the 2-core machine 574 s against 904 s in
-# one process, measured side by side while other work loaded it.
+# one process (README, Development).
 test: lint typecheck chromium
 	$(BIN)/pytest -n auto --dist loadfile --durations=15
 	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm
