@@ -14,6 +14,12 @@ virtual environment under ``~/.cache/fleetwarden/bench-venvs/``. ``--workers N``
 the router as ``fleetwarden up`` runs it: ``--backend`` (attach mode, the controller watching
 the backend) with ``--router-workers N``, N router processes sharing the port.
 
+Beside latency and throughput, each path's CPU per request at concurrency 64: the CPU time
+(user + system, all threads, read from /proc) of the router's processes, the process and every
+descendant (for ``up``: the controller too), over the whole load run, warm-up included, divided
+by the requests of that run. On a shared machine, where other processes take the cores and move
+the req/s of every path, this is the figure that says what a router costs.
+
 Targets (issue 4): added p50 <= 0.5 ms; >= 3,000 req/s through one router process. The machine
 is shared and small (2 cores hold all three processes): compare figures within one run.
 """
@@ -113,10 +119,11 @@ async def _load(url: str, concurrency: int, requests: int, seconds: float) -> di
     statuses: dict[int, int] = {}
     counting = False
     done = 0
+    warm = 0  # requests of the warm-up (they count in the CPU per request)
     stop_at = float("inf")
 
     async def worker() -> None:
-        nonlocal done
+        nonlocal done, warm
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
             while time.perf_counter() < stop_at and (requests == 0 or done < requests):
@@ -127,6 +134,8 @@ async def _load(url: str, concurrency: int, requests: int, seconds: float) -> di
                     latencies.append(time.perf_counter() - start)
                     statuses[status] = statuses.get(status, 0) + 1
                     done += 1
+                else:
+                    warm += 1
         finally:
             writer.close()
 
@@ -148,18 +157,55 @@ async def _load(url: str, concurrency: int, requests: int, seconds: float) -> di
         "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)],
         "mean_ms": 1000 * statistics.fmean(latencies),
         "statuses": statuses,
+        "warm_requests": warm,
     }
 
 
 # ---------------------------------------------------------------------- the orchestrator
 
-def _run_load(url: str, concurrency: int, requests: int, seconds: float) -> dict[str, object]:
+def _tree_cpu_s(root: int) -> float | None:
+    """CPU seconds (user + system, all threads) of ``root`` and its living descendants; None
+    where /proc cannot be read."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except (OSError, ValueError, AttributeError):
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # after the command name, which may hold spaces: state ppid ... utime stime
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # it ended meanwhile
+        children.setdefault(int(fields[1]), []).append(pid)
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+    if root not in cpu:
+        return None
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+def _run_load(url: str, concurrency: int, requests: int, seconds: float,
+              router: int | None = None) -> dict[str, object]:
+    """The load process's figures; with a ``router`` pid, its processes' CPU per request."""
+    before = _tree_cpu_s(router) if router is not None else None
     out = subprocess.run(
         [sys.executable, __file__, "--role", "load", "--url", url,
          "--concurrency", str(concurrency), "--requests", str(requests),
          "--seconds", str(seconds)],
         capture_output=True, text=True, timeout=600, check=True)
     result: dict[str, object] = json.loads(out.stdout)
+    after = _tree_cpu_s(router) if router is not None else None
+    if before is not None and after is not None:
+        served = int(result["requests"]) + int(result["warm_requests"])  # type: ignore[call-overload]
+        result["cpu_us"] = 1e6 * (after - before) / max(1, served)
     return result
 
 
@@ -208,6 +254,7 @@ def main() -> None:
         assert backend.stdout is not None
         backend_url = f"http://127.0.0.1:{backend.stdout.readline().strip()}"
         targets: dict[str, str] = {"direct": backend_url}
+        pids: dict[str, int] = {}  # the router processes' root, per path
         with contextlib.ExitStack() as stack:
             router = stack.enter_context(process(
                 [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
@@ -215,21 +262,23 @@ def main() -> None:
             assert router.stdout is not None
             line = router.stdout.readline()
             targets["fleetwarden route"] = line.split(" on ", 1)[1].split(",")[0]
+            pids["fleetwarden route"] = router.pid
             for workers in args.workers:
                 folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
                 port = free_port()
-                stack.enter_context(process(
+                up = stack.enter_context(process(
                     [sys.executable, "-m", "fleetwarden", "up", "--backend", backend_url,
                      "--router-workers", str(workers), "--port", str(port),
                      "--admin-port", str(free_port()), "--journal", str(folder / "j.sqlite"),
                      "--quiet", "--log-level", "error"],
                     cwd=folder, stdout=subprocess.DEVNULL))
-                targets[f"fleetwarden up, {workers} router worker(s)"] = (
-                    f"http://127.0.0.1:{port}")
+                name = f"fleetwarden up, {workers} router worker(s)"
+                targets[name] = f"http://127.0.0.1:{port}"
+                pids[name] = up.pid
             if "sglang-router" in args.peer:
                 python = peer_python(SGLANG_ROUTER)
                 port = free_port()
-                stack.enter_context(process(
+                peer = stack.enter_context(process(
                     [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                      "--port", str(port), "--worker-urls", backend_url,
                      "--policy", "round_robin", "--log-level", "warn",
@@ -237,12 +286,13 @@ def main() -> None:
                      "--prometheus-port", str(free_port())],
                     stderr=subprocess.DEVNULL))
                 targets["sglang-router 0.3.2"] = f"http://127.0.0.1:{port}"
+                pids["sglang-router 0.3.2"] = peer.pid
             for url in targets.values():
                 _wait_until_serving(url)
             results = {}
             for name, url in targets.items():
                 single = _run_load(url, 1, args.requests, 0)
-                many = _run_load(url, 64, 0, args.seconds)
+                many = _run_load(url, 64, 0, args.seconds, pids.get(name))
                 results[name] = (single, many)
                 print(f"{name}: {single['statuses']} {many['statuses']}", file=sys.stderr)
     _report(results)
@@ -253,8 +303,8 @@ def _report(results: dict[str, tuple[dict[str, object], dict[str, object]]]) -> 
     cpu = os.cpu_count()
     print(f"\n{cpu} CPUs; same backend measured directly and through each router\n")
     print("| path | p50 ms (c=1) | p99 ms (c=1) | added p50 ms | added p99 ms "
-          "| req/s (c=64) | throughput vs direct |")
-    print("|---|---|---|---|---|---|---|")
+          "| req/s (c=64) | throughput vs direct | router CPU µs/request (c=64) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (single, many) in results.items():
         p50, p99 = float(single["p50_ms"]), float(single["p99_ms"])  # type: ignore[arg-type]
         rps = float(many["rps"])  # type: ignore[arg-type]
@@ -263,8 +313,9 @@ def _report(results: dict[str, tuple[dict[str, object], dict[str, object]]]) -> 
         ratio = rps / float(direct_many["rps"])  # type: ignore[arg-type]
         added = "—" if name == "direct" else f"{added50:.3f}"
         added_tail = "—" if name == "direct" else f"{added99:.3f}"
+        cost = "—" if "cpu_us" not in many else f"{float(many['cpu_us']):.0f}"  # type: ignore[arg-type]
         print(f"| {name} | {p50:.3f} | {p99:.3f} | {added} | {added_tail} | {rps:,.0f} "
-              f"| {ratio:.2f}× |")
+              f"| {ratio:.2f}× | {cost} |")
 
 
 if __name__ == "__main__":

@@ -331,8 +331,13 @@ class Forwarder:
         if length is not None and length > limit:
             return self._too_large()
         try:
-            async with asyncio.timeout(self.settings.client_body_timeout_s):
+            if request.content.is_eof():
+                # The whole body has arrived (a small one comes with its headers): reading it
+                # cannot stall, so no timer is set and cancelled for it.
                 body = await request.read()
+            else:
+                async with asyncio.timeout(self.settings.client_body_timeout_s):
+                    body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         except TimeoutError:
