@@ -62,6 +62,7 @@ __all__ = [
     "VerdictRule",
     "WatchdogPolicy",
     "conclude",
+    "held_its_canary",
     "judge",
 ]
 
@@ -212,7 +213,8 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
         Health.CONDEMNED),
     Verdict.IDLE: VerdictRule(
         "nothing running or waiting; nothing done since the last read but our canary",
-        "when due", None),
+        "when due; a failed one is conclusive only if it got no answer for the stall floor "
+        "and nothing advanced meanwhile (held_its_canary)", None),
     Verdict.LOST_CORE: VerdictRule(
         "idle and flat, but the router has requests in flight there", "now; conclusive", None,
         failed_canary=Health.CONDEMNED),
@@ -551,6 +553,31 @@ def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
     if canary_ok is None:  # STALLED, FIRST_READ, or a canary not due or not allowed
         return Health.UNPROVEN
     return Health.PROVEN if canary_ok else rule.failed_canary
+
+
+def held_its_canary(before: Sample, after: Sample, canary_latency_s: float,
+                    policy: WatchdogPolicy = DEFAULT_POLICY) -> str | None:
+    """Why a canary that got no answer condemns an idle engine, or ``None`` when it does not.
+
+    ``before`` is the read that found the engine idle and sent the canary; ``after`` a read
+    taken once the canary had waited ``canary_latency_s`` for nothing. If the same process
+    advanced no counter in between, it held one request, with nothing else to do, for at least
+    the stall floor and took not one step for it: the stall rule's own evidence (work, and
+    nothing advanced for the floor), whether its gauges show the canary (a wedged core) or
+    not (a lost core). Without it a failed idle canary is one failed probe, three condemn,
+    and an idle wedge with no traffic waited three canaries (issue 14: not condemned within
+    45 s). A canary that waited less than the floor proves nothing more: the floor covers the
+    longest single step the engine's configuration allows, and that step could be another
+    client's."""
+    if canary_latency_s < policy.stall_s:
+        return None
+    if before.start_time != after.start_time:
+        return None  # another process: counters are never compared across processes
+    deltas = {name: value - getattr(before, name) for name, value in after.counters().items()}
+    if any(d != 0 for d in deltas.values()):
+        return None  # it did something: a slow engine, not a wedged one
+    return (f"it held its canary {canary_latency_s:.1f} s with nothing else to do and "
+            f"advanced nothing (stall floor {policy.stall_s:g} s): conclusive")
 
 
 def _limit_reason(cadence: Cadence, load: float, policy: WatchdogPolicy) -> str:

@@ -58,6 +58,7 @@ from fleetwarden.judge import (
     Verdict,
     WatchdogPolicy,
     conclude,
+    held_its_canary,
     judge,
 )
 from fleetwarden.probe import describe as _describe
@@ -255,11 +256,25 @@ class Watchdog:
             confirm=target.confirm, policy=self.policy_for(memory.profile),
         )
         canary = None
+        health: Health | None = None
+        evidence = judgement.evidence
         if judgement.send_canary:
             if judgement.verdict is Verdict.RESTARTED:
                 memory.model = None  # a new process may serve another model
             memory.canary_at = now
             canary = await self.canary(target.url, memory)
+            if (not canary.ok and canary.status is None and judgement.verdict is Verdict.IDLE
+                    and isinstance(reading, Sample)):
+                # An idle engine that answered nothing: a second read tells a wedge (nothing
+                # advanced for the canary) from a slow engine (judge.held_its_canary).
+                after = await self._read(target.url, False, memory)
+                if isinstance(after, Sample):
+                    held = held_its_canary(reading, after, canary.latency_s,
+                                           self.policy_for(memory.profile))
+                    reading, now = after, self._clock()
+                    if held is not None:
+                        health = Health.CONDEMNED
+                        evidence = replace(evidence, summary=f"{evidence.summary}; {held}")
         tokens_per_s = None
         elapsed = judgement.evidence.elapsed_s
         if elapsed and judgement.evidence.deltas:
@@ -269,8 +284,8 @@ class Watchdog:
         memory.stall = judgement.stall
         memory.cadence = judgement.cadence
         return Report(
-            url=target.url, verdict=judgement.verdict, evidence=judgement.evidence,
-            health=conclude(judgement, None if canary is None else canary.ok),
+            url=target.url, verdict=judgement.verdict, evidence=evidence,
+            health=health or conclude(judgement, None if canary is None else canary.ok),
             canary_rule=judgement.canary,
             sample=reading if isinstance(reading, Sample) else None,
             tokens_per_s=tokens_per_s, canary=canary,

@@ -80,8 +80,11 @@ async def test_a_wedged_idle_engine_fails_its_canary(spawn: Any,
                                                     http: aiohttp.ClientSession) -> None:
     sim: SimProcess = spawn("--fault", "wedge")
     code, report = await run_check(sim.url)
-    assert (code, report["verdict"], report["health"]) == (1, "idle", "failing")
+    # Idle, and it held the canary for the (fast) stall floor with nothing advancing: a wedge,
+    # not a slow engine (judge.held_its_canary).
+    assert (code, report["verdict"], report["health"]) == (1, "idle", "condemned")
     assert report["canary"]["ok"] is False
+    assert "held its canary" in report["evidence"]["summary"]
 
 
 async def test_a_wedged_idle_engine_with_requests_in_flight_is_a_lost_core(

@@ -258,6 +258,24 @@ async def test_an_idle_wedge_with_requests_in_flight_is_a_lost_core_and_its_cana
     assert second.health is Health.CONDEMNED
 
 
+async def test_an_idle_wedge_with_no_traffic_is_condemned_by_the_canary_it_held(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """No request at all: the canary is the only one, and the engine holds it for the floor
+    with nothing advancing (issue 14's idle wedge with no traffic)."""
+    sim: SimProcess = spawn()
+    async with Watchdog(POLICY) as watchdog:
+        (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
+        assert healthy.canary is not None and healthy.canary.ok  # the first read's canary
+        await set_fault(http, sim.url, "wedge")
+        target = Target(sim.url, confirm=True)  # accused: its canary is due now
+        (wedged,) = await rounds(watchdog, target, 1, 0.0)
+    assert wedged.verdict is Verdict.IDLE
+    assert wedged.canary is not None and "no answer within 1 s" in wedged.canary.error
+    assert wedged.health is Health.CONDEMNED
+    assert "held its canary" in wedged.evidence.summary
+
+
 # ------------------------------------------------------------------ note 002
 
 

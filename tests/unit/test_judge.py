@@ -27,6 +27,7 @@ from fleetwarden.judge import (
     Verdict,
     WatchdogPolicy,
     conclude,
+    held_its_canary,
     judge,
 )
 
@@ -538,3 +539,28 @@ def test_a_confirmation_makes_a_canary_due_on_an_idle_engine_only() -> None:
     assert busy.verdict is Verdict.BUSY and not busy.send_canary
     stalled = judge(BUSY, BUSY, elapsed_s=1.0, confirm=True)
     assert stalled.verdict is Verdict.STALLED and not stalled.send_canary
+
+
+# ------------------------------------------------------------ a canary held (issue 14)
+
+
+def test_an_idle_engine_that_held_its_canary_the_floor_and_advanced_nothing_is_condemned(
+) -> None:
+    why = held_its_canary(IDLE, replace(IDLE, waiting=1), 5.0)  # the canary shows, or
+    assert why is not None and "held its canary 5.0 s" in why
+    assert held_its_canary(IDLE, IDLE, 5.2) is not None  # ... it does not (a lost core)
+
+
+def test_a_canary_that_waited_less_than_the_floor_proves_nothing_more() -> None:
+    # The floor covers the longest single step the engine may take: it could be another's.
+    assert held_its_canary(IDLE, IDLE, 4.9) is None
+    assert held_its_canary(IDLE, IDLE, 1.0, WatchdogPolicy(stall_s=0.8)) is not None
+
+
+def test_an_engine_that_advanced_anything_for_its_canary_is_slow_not_wedged() -> None:
+    for moved in ({"prompt_tokens": 41}, {"steps": 1001}, {"generation_tokens": 4001}):
+        assert held_its_canary(IDLE, replace(IDLE, **moved), 5.0) is None  # type: ignore[arg-type]
+
+
+def test_a_new_process_behind_the_same_url_is_never_compared() -> None:
+    assert held_its_canary(IDLE, replace(IDLE, start_time=1.8e9), 5.0) is None
