@@ -15,8 +15,8 @@ import pytest
 pytestmark = pytest.mark.scenario
 
 
-#: The kind each act falls on: a different kind per act where the act allows (the idle wedge
-#: cannot fall on SGLang, whose gauges lag by up to 30 s when idle).
+#: The kind each act falls on: a different kind per act where the act allows (not the idle
+#: wedge on SGLang, whose gauges lag by up to 30 s when idle: a 30 s wait for the lost core).
 KINDS = {"wedge under load": "llamacpp", "crash": "sglang", "trickle": "vllm",
          "idle wedge": "vllm"}
 
