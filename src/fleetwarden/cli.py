@@ -60,6 +60,9 @@ def demo(
     ] = None,
     engines: Annotated[int | None, typer.Option(
         "--engines", min=2, help="How many engines (default: 3 simulated, 2 real).")] = None,
+    mixed: Annotated[bool, typer.Option(
+        "--mixed", help="A mixed fleet: three simulated engines that speak vLLM's, llama.cpp's "
+                        "and SGLang's wire, each judged by its own profile.")] = False,
     report: Annotated[Path, typer.Option(
         "--report", help="Where summary.json and timeline.png go.")] = Path("demo-report"),
     no_live: Annotated[bool, typer.Option("--no-live", help="No live view (logs only).")] = False,
@@ -72,6 +75,10 @@ def demo(
     if ledger_story:
         _ledger_story()
         return
+    if mixed and (engine_cmd is not None or engines is not None):
+        typer.echo("demo --mixed: three simulated engines, one of each kind; it takes no "
+                   "--engine-cmd and no --engines", err=True)
+        raise typer.Exit(2)
     from fleetwarden.demo import run_demo
 
     logging.basicConfig(level=logging.ERROR)
@@ -88,7 +95,7 @@ def demo(
             loop.add_signal_handler(signum, task.cancel)
         try:
             code = await run_demo(quick=quick, engine_cmd=engine_cmd, engines=engines,
-                                  report_dir=report, live=not no_live)
+                                  mixed=mixed, report_dir=report, live=not no_live)
         except asyncio.CancelledError:
             typer.echo("demo: stopped by a signal; every engine it started is stopped", err=True)
             code = 1

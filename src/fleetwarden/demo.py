@@ -4,7 +4,8 @@ Owns: the demo's acts on a real fleet, what it measures and how it tells the sto
 Must not: reach into the fleet's parts: it acts and reads through the fleet's surface and
 ``snapshot()``.
 
-A fleet of three simulated vLLM engines (or two real ones, with ``--engine-cmd``) under steady
+A fleet of three simulated vLLM engines (or two real ones, with ``--engine-cmd``; or, with
+``--mixed``, three simulated engines that speak vLLM's, llama.cpp's and SGLang's wire) under steady
 load from the official ``openai`` client, and a script of faults: a wedge under load, a
 crash, a trickle of failed generations, an idle wedge, and a saturated-but-healthy stretch.
 A live view shows shards, states, in-flight requests, requests answered and failed, and the
@@ -12,6 +13,10 @@ transitions as they happen. At the end: a summary per fault (time to quarantine,
 rescued, client errors, restarts), ``summary.json`` and ``timeline.png`` in the report folder.
 Exit status 1 if any request was lost, or if an act could not be played (an engine that did
 not come back in time, a fault it could not take).
+
+A mixed fleet (``--mixed``) is the fleet's own engine and two ``[[fleet.groups]]``, each judged
+by its own profile; the acts fall on engines of different kinds (:data:`MIXED_ACTS`), and the
+live view and the summary name each shard's kind and the kind each act hit.
 
 On real engines the trickle needs a simulator and is skipped; each act waits for the whole
 fleet to be serving first (a real engine takes tens of seconds to come back); the load pauses
@@ -21,7 +26,7 @@ the engines' own slot limit is below the 36 clients (vLLM's ``--max-num-seqs``).
 
 Timings are compressed so the story fits in minutes (a 1 s tick instead of 5 s, ``stall_s``
 4 s instead of 15 s, a canary every 5 s instead of 30 s): the logic is the one that runs at the
-defaults, only faster. `make demo` runs it.
+defaults, only faster. `make demo` runs it; `make demo-mixed` the mixed fleet.
 """
 
 from __future__ import annotations
@@ -46,11 +51,21 @@ from fleetwarden.config import parse_config
 from fleetwarden.console import fleet_view
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
+from fleetwarden.snapshot import Snapshot
 from fleetwarden.testing.load import Load
 
 __all__ = ["FaultResult", "run_demo"]
 
 SIM = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 40 --slots 8"
+#: The mixed fleet's groups after its own (vLLM) engine: shards 1 and 2.
+MIXED_GROUPS = ("llamacpp", "sglang")
+#: The kind of engine each act falls on in a mixed fleet: a different kind per act where the
+#: act allows. Not the idle wedge on SGLang: its gauges are written only every 30 s when idle,
+#: so a wedged one still reads "running" after the load stops, and the lost core shows only
+#: once they are rewritten (measured with ``--quick``: quarantined after 30.1 s, against 2.9 s
+#: on vLLM); the story would wait half a minute for it.
+MIXED_ACTS = {"wedge under load": "llamacpp", "crash": "sglang", "trickle": "vllm",
+              "idle wedge": "vllm"}
 #: The faults a real engine can show (signals to its engine core); the others need a sim.
 REAL_ENGINE_PHASES = ("wedge under load", "crash", "idle wedge", "saturated but healthy")
 
@@ -62,6 +77,8 @@ class FaultResult:
     name: str
     shard: int | None
     injected_at: float  # seconds since the demo started
+    #: The profile the faulted engine was judged by (``fleetwarden.engines``), when known.
+    engine: str | None = None
     what_happened: str = ""
     quarantined_after_s: float | None = None
     back_after_s: float | None = None
@@ -84,6 +101,8 @@ class Story:
     real: bool
     #: Seconds to wait for a shard to serve again: the startup timeout and then some.
     back_limit_s: float = 120.0
+    #: The shard each act falls on, where it is not the default (see :meth:`target`).
+    targets: dict[str, int] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
     load: Load | None = None
     results: list[FaultResult] = field(default_factory=list)
@@ -111,6 +130,16 @@ class Story:
     @property
     def engines(self) -> int:
         return self.fleet.size
+
+    def target(self, act: str, default: int) -> int:
+        return self.targets.get(act, default % self.engines)
+
+    def kind(self, i: int, snap: Snapshot | None = None) -> str:
+        """The profile shard ``i`` is judged by; its configured kind until it is judged."""
+        report = (snap or self.fleet.snapshot()).reports.get(i)
+        if report is not None and report.engine is not None:
+            return report.engine.name
+        return self.fleet.config.fleet.engine_of(i)
 
     async def whole(self, name: str) -> bool:
         """Wait until every shard serves, so an act starts on a whole fleet (a real engine
@@ -154,14 +183,15 @@ class Story:
         snap = fleet.snapshot()
         rescues, retries = snap.router.rescues, sum(snap.router.retries.values())
         restarts = snap.restarts_completed
-        self.phase = f"{name}: {fault} on shard {shard}"
-        result = FaultResult(name, shard, round(self.now(), 1))
+        kind = self.kind(shard)
+        self.phase = f"{name}: {fault} on shard {shard} ({kind})"
+        result = FaultResult(name, shard, round(self.now(), 1), engine=kind)
         if not await self.whole(name):
             result.failed = f"the fleet was not whole within {self.back_limit_s:g} s"
             self.results.append(result)
             return result
         result.injected_at = round(self.now(), 1)
-        self.marks.append((self.now(), f"{name} (shard {shard})"))
+        self.marks.append((self.now(), f"{name} (shard {shard}, {kind})"))
         try:
             await fleet.inject_fault(shard, fault, {})
         except (LookupError, ValueError, aiohttp.ClientError) as exc:
@@ -215,14 +245,13 @@ class Story:
         self.start_load()
         await asyncio.sleep(3 if q else 6)
 
-        n = self.engines
-        await self.fault("wedge under load", 0, "wedge")
-        await self.fault("crash", 1 % n, "crash")
+        await self.fault("wedge under load", self.target("wedge under load", 0), "wedge")
+        await self.fault("crash", self.target("crash", 1), "crash")
         if self.real:
             self.skip("trickle", "a real engine cannot be made to fail every generation "
                                  "while answering every probe")
         else:
-            await self.fault("trickle", 2 % n, "error5xx")
+            await self.fault("trickle", self.target("trickle", 2), "error5xx")
 
         # idle wedge: nothing runs anywhere; the wedged engine's metrics say nothing at all
         self.phase = "idle: load stopped"
@@ -233,7 +262,8 @@ class Story:
             self.phase = "idle wedge: the first routed requests find it (lost core)"
             self.start_load(concurrency=3, max_tokens=8)
 
-        await self.fault("idle wedge", 0, "wedge", before=then_route_requests)
+        await self.fault("idle wedge", self.target("idle wedge", 0), "wedge",
+                         before=then_route_requests)
         await self.stop_load()
 
         # saturated but healthy: more clients than slots, long generations, for many ticks
@@ -296,8 +326,12 @@ class Story:
                              (f"{len(results) - ok} failed",
                               "red" if len(results) > ok else "dim"))
         snap = fleet.snapshot()
-        return Group(head, fleet_view(views.describe(snap), views.shards_view(snap),
-                                      fleet.events.recent))
+        # each shard's kind on a line of its own: the table's kind column is among the first
+        # to give way in a narrow terminal
+        kinds = Text.assemble("engines: ", "  ".join(
+            f"{i} {self.kind(i, snap)}" for i in range(len(snap.shards))), style="dim")
+        return Group(head, kinds, fleet_view(views.describe(snap), views.shards_view(snap),
+                                             fleet.events.recent))
 
     def sample(self) -> None:
         self.states.append((self.now(), [r.state.value for r in self.fleet.snapshot().shards]))
@@ -322,9 +356,13 @@ async def _canaries(urls: list[str]) -> int:
     return total
 
 
-def demo_config(work: Path, engine_cmd: str | None, engines: int) -> Any:
+def demo_config(work: Path, engine_cmd: str | None, engines: int, mixed: bool = False) -> Any:
+    # mixed: the fleet's own engine speaks vLLM's wire, each group another engine's
+    kinds: dict[str, Any] = {"engines": 1, "engine": "vllm", "groups": [
+        {"engines": 1, "engine": kind, "engine_cmd": f"{SIM} --engine {kind}"}
+        for kind in MIXED_GROUPS]} if mixed else {"engines": engines}
     return parse_config({
-        "fleet": {"engines": engines, "engine_cmd": engine_cmd or SIM,
+        "fleet": {**kinds, "engine_cmd": engine_cmd or SIM,
                   "log_dir": str(work / "logs"),
                   "startup_timeout_s": 120 if engine_cmd is None else 300,
                   # its journal is temporary: an engine it left could never be adopted, so
@@ -342,29 +380,38 @@ def demo_config(work: Path, engine_cmd: str | None, engines: int) -> Any:
 
 
 async def run_demo(*, quick: bool = False, engine_cmd: str | None = None,
-                   engines: int | None = None, report_dir: Path = Path("demo-report"),
+                   engines: int | None = None, mixed: bool = False,
+                   report_dir: Path = Path("demo-report"),
                    console: Console | None = None, live: bool = True) -> int:
     """Play the story; 0 if every act was played and no request was lost, else 1.
-    ``engines``: 3 simulated, or 2 real ones (what a 2-core machine holds), unless given."""
+    ``engines``: 3 simulated, or 2 real ones (what a 2-core machine holds), unless given.
+    ``mixed``: three simulated engines of three kinds (vLLM, llama.cpp, SGLang)."""
     console = console or Console(highlight=False)
+    if mixed and (engine_cmd is not None or engines is not None):
+        raise ValueError("a mixed demo is three simulated engines, one of each kind: "
+                         "it takes no engine command and no engine count")
     if engines is None:
-        engines = 3 if engine_cmd is None else 2
+        engines = 1 + len(MIXED_GROUPS) if mixed else 3 if engine_cmd is None else 2
     if engines < 2:
         raise ValueError(f"the demo needs at least 2 engines (got {engines}): a fault's "
                          "requests are rescued on another one")
     report_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
     with tempfile.TemporaryDirectory(prefix="fleetwarden-demo-") as tmp:
-        config = demo_config(Path(tmp), engine_cmd, engines)
+        config = demo_config(Path(tmp), engine_cmd, engines, mixed)
         fleet = Fleet(config)
-        console.print(f"[bold]fleetwarden demo[/bold]: {engines} engines"
-                      f"{' (real)' if engine_cmd else ' (simulated vLLM)'}, the router, the "
+        what = (" (real)" if engine_cmd else
+                f" (simulated: vLLM, {', '.join(MIXED_GROUPS)})" if mixed else " (simulated vLLM)")
+        console.print(f"[bold]fleetwarden demo[/bold]: {engines} engines{what}, the router, the "
                       "watchdog, the ledger; a wedge under load, a crash, a trickle of failures, "
                       "an idle wedge, and a saturated-but-healthy stretch.")
         console.print("[dim]timings compressed: tick 1 s, stall_s 4 s, canary every 5 s "
                       "(defaults 5 s, 15 s, 30 s)[/dim]")
         async with fleet:
+            targets = {act: next(i for i in range(engines)
+                                 if config.fleet.engine_of(i) == kind)
+                       for act, kind in MIXED_ACTS.items()} if mixed else {}
             story = Story(fleet, console, quick, real=engine_cmd is not None,
-                          back_limit_s=config.fleet.startup_timeout_s + 30)
+                          back_limit_s=config.fleet.startup_timeout_s + 30, targets=targets)
             controller = asyncio.create_task(fleet.run(), name="controller")
             play = asyncio.create_task(story.play(), name="story")
             try:
@@ -407,6 +454,10 @@ def _summary(story: Story) -> dict[str, Any]:
     snap = story.fleet.snapshot()
     lat = sorted(r.latency_s for r in results if r.ok)
     return {
+        # what the fleet's shard view says each engine is judged by, at the end
+        "engines": [{"shard": s["index"], "engine": (s["watchdog"] or {}).get("engine"),
+                     "configured": story.fleet.config.fleet.engine_of(s["index"])}
+                    for s in views.shards_view(snap)],
         "faults": [asdict(r) for r in story.results],
         "totals": {
             "requests": len(results), "ok": sum(1 for r in results if r.ok),
@@ -425,8 +476,11 @@ def _summary(story: Story) -> dict[str, Any]:
 
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     console.print("\n[bold]what happened[/bold]")
+    console.print("engines: " + ", ".join(f"shard {e['shard']} {e['engine'] or e['configured']}"
+                                          for e in summary["engines"]))
     for f in summary["faults"]:
-        where = "" if f["shard"] is None else f" (shard {f['shard']})"
+        where = ("" if f["shard"] is None else f" (shard {f['shard']}, {f['engine']})"
+                 if f["engine"] else f" (shard {f['shard']})")
         if f["skipped"]:
             console.print(f"[bold]{f['name']}[/bold]: skipped: {f['skipped']}")
             continue

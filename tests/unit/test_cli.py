@@ -69,6 +69,12 @@ def test_the_demo_refuses_a_fleet_too_small_to_rescue_anything() -> None:
     assert "--engines" in out.stderr and "greater than or equal to 2" in out.stderr
 
 
+def test_the_mixed_demo_is_simulated_engines_of_three_kinds_and_takes_no_others() -> None:
+    for extra in (("--engines", "4"), ("--engine-cmd", "vllm serve --port {port}")):
+        out = fleetwarden("demo", "--mixed", "--no-live", *extra)
+        assert out.returncode == 2 and "no --engine-cmd and no --engines" in out.stderr
+
+
 def test_up_group_and_engine_are_checked_like_the_config() -> None:
     out = fleetwarden("up", "--group", "llamacpp-two-engines")
     assert out.returncode == 2 and "expected KIND:COUNT:COMMAND" in out.stderr
