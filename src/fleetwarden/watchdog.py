@@ -264,9 +264,11 @@ class Watchdog:
             memory.canary_at = now
             canary = await self.canary(target.url, memory)
             if (not canary.ok and canary.status is None and judgement.verdict is Verdict.IDLE
-                    and isinstance(reading, Sample)):
+                    and before is not None and isinstance(reading, Sample)):
                 # An idle engine that answered nothing: a second read tells a wedge (nothing
-                # advanced for the canary) from a slow engine (judge.held_its_canary).
+                # advanced for the canary) from a slow engine (judge.held_its_canary). Never at
+                # the first read of an engine: a new process's first generation may be slow
+                # (compilation, cold caches) and that is no wedge; a failed probe, as before.
                 after = await self._read(target.url, False, memory)
                 if isinstance(after, Sample):
                     held = held_its_canary(reading, after, canary.latency_s,

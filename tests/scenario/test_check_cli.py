@@ -81,7 +81,7 @@ async def test_a_wedged_idle_engine_fails_its_canary(spawn: Any,
     sim: SimProcess = spawn("--fault", "wedge")
     code, report = await run_check(sim.url)
     # Idle, and it held the canary for the (fast) stall floor with nothing advancing: a wedge,
-    # not a slow engine (judge.held_its_canary).
+    # not a slow engine (judge.held_its_canary; check reads before it sends the canary).
     assert (code, report["verdict"], report["health"]) == (1, "idle", "condemned")
     assert report["canary"]["ok"] is False
     assert "held its canary" in report["evidence"]["summary"]

@@ -276,6 +276,18 @@ async def test_an_idle_wedge_with_no_traffic_is_condemned_by_the_canary_it_held(
     assert "held its canary" in wedged.evidence.summary
 
 
+async def test_a_new_engine_that_holds_its_first_canary_is_one_failed_probe(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """The first read of an engine: its first generation may be slow (compilation, cold
+    caches), so holding it proves nothing conclusive yet."""
+    sim: SimProcess = spawn("--fault", "wedge")
+    async with Watchdog(POLICY) as watchdog:
+        (first,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
+    assert first.verdict is Verdict.IDLE and first.canary is not None
+    assert not first.canary.ok and first.health is Health.FAILING
+
+
 # ------------------------------------------------------------------ note 002
 
 
