@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import socket
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -294,11 +296,33 @@ class Router:
 
     async def stop_accepting(self) -> bool:
         """Close the listeners (the port's other routers take every new connection); the
-        connections open here go on. Returns whether any was open until now."""
+        connections open here go on. Returns whether any was open until now.
+
+        A connection the kernel has completed but this process not yet accepted sits in the
+        listener's queue, and closing a ``SO_REUSEPORT`` listener resets every one of them
+        (unless ``net.ipv4.tcp_migrate_req`` is 1; it is 0 by default). Under load the event
+        loop accepts late, so the queue is rarely empty: a reload under ``make test``'s load
+        reset 2 of ~100 short requests that way. So the queue is emptied first, then the
+        listener closed with no await between (a handshake completing in those microseconds
+        is the one still reset), and what was taken is served here like any open
+        connection."""
         if self._runner is None or not self._runner.sites:
             return False
+        queued: list[socket.socket] = []
         for site in list(self._runner.sites):
-            await site.stop()
+            queued += _accept_queued(site)
+            await site.stop()  # closes the listener at once (aiohttp: no await before it)
+        loop = asyncio.get_running_loop()
+        handler = self._runner.server  # the protocol factory every site serves with
+        for conn in queued:
+            if handler is None:
+                conn.close()
+                continue
+            try:
+                await loop.connect_accepted_socket(handler, conn)
+            except OSError as exc:  # the client gave up meanwhile
+                log.debug("a queued connection closed before it was served: %s", exc)
+                conn.close()
         return True
 
     async def stop(self) -> None:
@@ -374,3 +398,25 @@ def listening_url(runner: web.AppRunner) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def _accept_queued(site: web.BaseSite) -> list[socket.socket]:
+    """Every connection waiting in ``site``'s listening sockets' queues, accepted now, without
+    waiting (see :meth:`Router.stop_accepting`). Reads aiohttp's ``_server`` (the
+    ``asyncio.Server`` a site starts); a site without one has nothing queued."""
+    server = getattr(site, "_server", None)
+    taken: list[socket.socket] = []
+    for listening in getattr(server, "sockets", None) or ():
+        dup = socket.socket(fileno=os.dup(listening.fileno()))  # the same queue
+        try:
+            dup.setblocking(False)
+            while True:
+                try:
+                    conn, _ = dup.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                conn.setblocking(False)
+                taken.append(conn)
+        finally:
+            dup.close()  # the listener itself stays open until the site closes it
+    return taken
