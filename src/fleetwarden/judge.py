@@ -469,7 +469,7 @@ def judge(
         return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
                        replace(base, summary=f"idle at the first read; {in_flight} in flight"))
 
-    deltas = {name: value - getattr(before, name) for name, value in after.counters().items()}
+    deltas = _deltas(before, after)
     base = replace(base, elapsed_s=elapsed, deltas=deltas,
                    previous_incarnation=before.incarnation)
 
@@ -573,11 +573,15 @@ def held_its_canary(before: Sample, after: Sample, canary_latency_s: float,
         return None
     if before.start_time != after.start_time:
         return None  # another process: counters are never compared across processes
-    deltas = {name: value - getattr(before, name) for name, value in after.counters().items()}
-    if any(d != 0 for d in deltas.values()):
+    if any(d != 0 for d in _deltas(before, after).values()):
         return None  # it did something: a slow engine, not a wedged one
     return (f"it held its canary {canary_latency_s:.1f} s with nothing else to do and "
             f"advanced nothing (stall floor {policy.stall_s:g} s): conclusive")
+
+
+def _deltas(before: Sample, after: Sample) -> dict[str, float]:
+    """How far each progress counter moved from ``before`` to ``after``."""
+    return {name: value - getattr(before, name) for name, value in after.counters().items()}
 
 
 def _limit_reason(cadence: Cadence, load: float, policy: WatchdogPolicy) -> str:

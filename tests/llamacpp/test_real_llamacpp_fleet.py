@@ -13,7 +13,6 @@ not asserted on wall-clock.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -28,9 +27,9 @@ from fleetwarden.testing.scenarios import (
     crash_under_load,
     fleet_toml,
     sigstop_under_load,
+    up_fleet,
     wedge_under_load,
     whole,
-    write_config,
 )
 from fleetwarden.testing.up import UpProcess
 
@@ -42,23 +41,16 @@ ENGINES = "llama.cpp"
 @pytest.fixture(scope="module")
 def fleet(llama_server: Path, tiny_gguf: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    work = tmp_path_factory.mktemp("llama-fleet")
-    config = write_config(work, fleet_toml(
-        llamacpp_engine_command(llama_server, tiny_gguf), llamacpp_engine_env(),
-        0, 0, stall_s=5.0, startup_timeout_s=30.0, stop_grace_s=2.0))  # 0: free ports, no race
-    up = UpProcess(work, "--config", str(config), start_timeout_s=60)
-    try:
+    toml = fleet_toml(llamacpp_engine_command(llama_server, tiny_gguf), llamacpp_engine_env(),
+                      0, 0, stall_s=5.0, startup_timeout_s=30.0, stop_grace_s=2.0)
+    with up_fleet(tmp_path_factory.mktemp("llama-fleet"), toml, start_timeout_s=60,
+                  stop_timeout_s=60) as up:
         whole(up, 60)
         yield up
-    finally:
-        out = up.stop(timeout_s=60)
-        assert "nothing left running" in out, out[-3000:]
 
 
 def report(fig: Figures) -> None:
-    print(f"\n{fig.line()}")
-    with (Path(__file__).parent / ".figures.jsonl").open("a") as f:
-        f.write(json.dumps(fig.to_dict()) + "\n")
+    fig.report(Path(__file__).parent)
 
 
 def test_both_engines_are_recognised_as_llamacpp(fleet: UpProcess) -> None:

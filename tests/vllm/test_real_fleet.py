@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -29,9 +28,10 @@ from fleetwarden.testing.scenarios import (
     engine_metric,
     fleet_toml,
     idle_wedge,
+    up_fleet,
     wedge_under_load,
     wedge_while_running,
-    write_config,
+    whole,
 )
 from fleetwarden.testing.up import UpProcess
 from fleetwarden.testing.vllm_env import vllm_engine_command, vllm_engine_env
@@ -39,40 +39,18 @@ from fleetwarden.testing.vllm_env import vllm_engine_command, vllm_engine_env
 pytestmark = pytest.mark.vllm
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def fleet(vllm_python: Path, tiny_model_dir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    work = tmp_path_factory.mktemp("real-fleet")
-    config = write_config(work, fleet_toml(
-        vllm_engine_command(tiny_model_dir, vllm_python), vllm_engine_env(),
-        free_port(), free_port()))
-    up = UpProcess(work, "--config", str(config), start_timeout_s=300)
-    try:
+    toml = fleet_toml(vllm_engine_command(tiny_model_dir, vllm_python), vllm_engine_env(),
+                      0, 0)  # 0: up picks free ports itself
+    with up_fleet(tmp_path_factory.mktemp("real-fleet"), toml, start_timeout_s=300,
+                  stop_timeout_s=180) as up:
         yield up
-    finally:
-        out = up.stop(timeout_s=180)
-        assert "nothing left running" in out, out[-3000:]
-
-
-def whole(up: UpProcess) -> None:
-    deadline = time.monotonic() + 300
-    while [s["state"] for s in up.client.shards()] != ["HEALTHY", "HEALTHY"]:
-        assert time.monotonic() < deadline, up.client.shards()
-        time.sleep(0.5)  # polling the fleet's admin API, with the deadline above
 
 
 def report(fig: Figures) -> None:
-    print(f"\n{fig.line()}")
-    results = Path(__file__).parent / ".figures.jsonl"
-    with results.open("a") as f:
-        f.write(json.dumps(fig.to_dict()) + "\n")
+    fig.report(Path(__file__).parent)
 
 
 def test_real_vllm_metrics_match_the_simulator(fleet: UpProcess) -> None:

@@ -13,11 +13,14 @@ until the shard is quarantined and serving again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,13 @@ class Figures:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def report(self, folder: Path) -> None:
+        """Print the figures' line, and keep them in ``folder/.figures.jsonl`` (a tier's
+        passes, for BENCHMARKS.md)."""
+        print(f"\n{self.line()}")
+        with (folder / ".figures.jsonl").open("a") as f:
+            f.write(json.dumps(self.to_dict()) + "\n")
 
     def line(self) -> str:
         def s(x: float | None) -> str:
@@ -280,6 +290,21 @@ def whole(up: UpProcess, limit_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not whole within {limit_s} s: {up.client.shards()}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def up_fleet(work: Path, toml: str, *, start_timeout_s: float,
+             stop_timeout_s: float) -> Iterator[UpProcess]:
+    """``fleetwarden up`` on the config ``toml`` (written into ``work``), stopped however the
+    caller ends, and checked to leave nothing running. Give the config ports 0: ``up`` picks
+    free ones itself, so none probed free beforehand can be taken meanwhile."""
+    up = UpProcess(work, "--config", str(write_config(work, toml)),
+                   start_timeout_s=start_timeout_s)
+    try:
+        yield up
+    finally:
+        out = up.stop(timeout_s=stop_timeout_s)
+        assert "nothing left running" in out, out[-3000:]
 
 
 def write_config(work: Path, text: str) -> Path:
