@@ -54,7 +54,10 @@ def start_group() -> Iterator[GroupStarter]:
 def test_a_new_session_is_one_group_and_its_members_are_listed(
         start_group: GroupStarter) -> None:
     leader = start_group("sleep 60 & sleep 61 & wait")
-    until(member_count(leader.pid, 3))
+    # three members, and both children past their exec (a forked child is "bash" until then:
+    # under make test's load a count of three came before the second exec)
+    until(lambda: sorted(m.comm for m in procs.group_members(leader.pid))
+          == ["bash", "sleep", "sleep"])
     members = procs.group_members(leader.pid)
     assert members[0].pid == leader.pid
     assert {m.comm for m in members} == {"bash", "sleep"}
