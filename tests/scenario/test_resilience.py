@@ -103,7 +103,11 @@ def test_kill_9_of_fleetwarden_orphans_nothing(tmp_path: Path) -> None:
     up = Up(tmp_path, *slow)
     try:
         up.client.chaos(0, "crash")
-        wait_for(lambda: up.client.shards()[0]["state"] == "RESTARTING", what="restarting")
+        # RESTARTING comes a moment before the replacement is launched (the routers are
+        # told to move the old engine's requests first): wait for the replacement's process,
+        # shard 1's engine and the one starting, then kill fleetwarden mid-start.
+        wait_for(lambda: up.client.shards()[0]["state"] == "RESTARTING"
+                 and len(live_engines(tmp_path)) == 2, what="restarting, replacement launched")
         up.kill9()
         assert len(live_engines(tmp_path)) == 2  # shard 1's engine, and the one starting
 
