@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import socket
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -401,6 +403,11 @@ def route(
         "--worker", hidden=True, min=0,
         help="Worker N of several router processes on one port: its metrics carry "
              "worker=\"N\".")] = None,
+    take_listeners: Annotated[list[str] | None, typer.Option(
+        "--take-listeners", hidden=True,
+        help="Launch id of a router this one replaces (a reload): listen on that router's "
+             "own listening sockets, taken from it, instead of binding one; repeat for "
+             "each.")] = None,
     log_level: Annotated[str, typer.Option(
         "--log-level", help="debug, info, warning or error.")] = "warning",
 ) -> None:
@@ -445,9 +452,11 @@ def route(
         token = load_or_create_token(token_file) if token_file is not None else None
     except (ValueError, TypeError, OSError) as exc:
         refuse(str(exc))
+    if take_listeners and token is None:
+        refuse("--take-listeners needs --token-file (the old router's control token)")
     _run(_serve_router(backends, settings, host, port, control_port, token,
                        control_host=control_host, reuse_port=reuse_port, managed=managed,
-                       worker=worker))
+                       worker=worker, take_from=take_listeners or []))
 
 
 #: A router process's youngest-generation threshold for Python's cycle collector (default 700).
@@ -462,12 +471,22 @@ ROUTER_GC_THRESHOLD = 20_000
 async def _serve_router(backends: list[str], settings: RouterSettings, host: str, port: int,
                         control_port: int | None, token: str | None, *,
                         control_host: str = DEFAULT_HOST, reuse_port: bool = False,
-                        managed: bool = False, worker: int | None = None) -> None:
+                        managed: bool = False, worker: int | None = None,
+                        take_from: Sequence[str] = ()) -> None:
     from fleetwarden.router import Router
+    from fleetwarden.router.handover import ListenerHandover
 
+    sockets = await _take_listeners(take_from, token) if take_from else []
     router: Router = Router(backends, settings, health_managed=managed, worker=worker)
     await router.start(host, port, control_port=control_port, control_token=token,
-                       control_host=control_host, reuse_port=reuse_port)
+                       control_host=control_host, reuse_port=reuse_port, sockets=sockets)
+    # A managed router hands its listening sockets to the one that replaces it (a reload):
+    # see fleetwarden.router.handover.
+    launch_id = os.environ.get("FLEETWARDEN_LAUNCH_ID")
+    giver = (ListenerHandover(launch_id, token, router.listening_sockets)
+             if managed and token is not None and launch_id else None)
+    if giver is not None:
+        await giver.start()
     gc.freeze()
     gc.set_threshold(ROUTER_GC_THRESHOLD, *gc.get_threshold()[1:])
     try:
@@ -494,7 +513,27 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
         # without racing a keep-alive client's next request.
         await router.drain(settings.drain_s if drain else settings.shutdown_grace_s)
     finally:
+        if giver is not None:
+            await giver.close()
         await router.stop()
+
+
+async def _take_listeners(launch_ids: Sequence[str], token: str | None) -> list[socket.socket]:
+    """The listening sockets of the routers this one replaces. One that cannot be had is
+    replaced by a socket of our own (``--reuse-port``): the port is served either way, with the
+    old listener's queue at risk as before the handover existed."""
+    from fleetwarden.router.handover import HandoverError, take_listeners
+
+    assert token is not None
+    taken: list[socket.socket] = []
+    for launch_id in launch_ids:
+        try:
+            taken += await asyncio.to_thread(take_listeners, launch_id, token)
+        except HandoverError as exc:
+            logging.getLogger("fleetwarden.router").warning(
+                "could not take the listeners of router %s (%s): binding a socket of our own",
+                launch_id, exc)
+    return taken
 
 
 def _load_config(config_file: Path | None, overrides: dict[str, dict[str, Any]]) -> Any:

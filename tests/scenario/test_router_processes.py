@@ -198,6 +198,12 @@ def test_a_reload_replaces_the_routers_under_load_with_no_request_failed(tmp_pat
               f"{at_reload} answered before the reload")
         assert short.failures == [] and streams.failures == []
         assert live_launch_ids({launch for launch, _ in before.values()}) == set()  # gone
+        # Each new router listened on its predecessor's own socket (router/handover.py).
+        for worker, (old_launch, _) in before.items():
+            [old_log] = tmp_path.rglob(f"router-{worker}-{old_launch}.log")
+            assert "handed to a replacement" in old_log.read_text()
+        for path in tmp_path.rglob("router-*.log"):
+            assert "could not take the listeners" not in path.read_text()
         assert "nothing left running" in up.stop()
     finally:
         left = end_everything(tmp_path, up)

@@ -312,7 +312,8 @@ class RouterWorkers:
             log.warning("router worker %d: stopped %s of an earlier run (not adoptable)",
                         saved.worker, saved.launch_id)
 
-    def _command(self, worker: int, control_port: int) -> list[str]:
+    def _command(self, worker: int, control_port: int,
+                 take_from: Sequence[str] = ()) -> list[str]:
         settings = {k: getattr(self.config, k) for k in RouterSettings.__dataclass_fields__}
         argv = [sys.executable, "-m", "fleetwarden", "route",
                 "--host", self.config.host, "--port", str(self.port), "--reuse-port",
@@ -321,12 +322,16 @@ class RouterWorkers:
                 "--log-level", "info"]
         for url in self.links[worker].last_push:
             argv += ["--backend", url]
+        for launch_id in take_from:
+            argv += ["--take-listeners", launch_id]
         return argv
 
-    async def _launch(self, worker: int) -> None:
+    async def _launch(self, worker: int, take_from: Sequence[str] = ()) -> None:
+        """Start worker ``worker``. ``take_from``: launch ids of the workers it replaces (a
+        reload); it listens on their listening sockets instead of binding its own."""
         control_port = free_port("127.0.0.1")
         launch_id = f"r{worker}-{uuid.uuid4().hex[:12]}"
-        argv = self._command(worker, control_port)
+        argv = self._command(worker, control_port, take_from)
         env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": launch_id}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"router-{worker}-{launch_id}.log"
@@ -404,16 +409,22 @@ class RouterWorkers:
 
     async def reload(self) -> None:
         """Replace every worker with no request failed: new processes (the code installed
-        now) join the port, get the serving set and take the slots; then each old one gets
-        SIGUSR1: it stops accepting and finishes what it holds, up to ``drain_s``
-        (:meth:`Router.drain`), then exits. One still there past that bound (and a margin)
-        is killed."""
+        now) take the old ones' listening sockets (:mod:`fleetwarden.router.handover`), get
+        the serving set and take the slots; then each old one gets SIGUSR1: it stops
+        accepting and finishes what it holds, up to ``drain_s`` (:meth:`Router.drain`), then
+        exits. One still there past that bound (and a margin) is killed."""
         olds = {w: p for w, p in self._procs.items()}
         for old in olds.values():
             old.stopping = True  # its exit is not a failure: nothing is started for it
+        # Old worker i's sockets go to new worker i mod N (the count may change with the
+        # config): every old socket lives on, so nothing queued on one is ever reset.
+        n = len(self.links)
+        take_from = {link.worker: [old.record.launch_id for w, old in sorted(olds.items())
+                                   if w % n == link.worker] for link in self.links}
         # Every new worker first, then every old one told at once: a client that an old one
         # tells to reconnect finds only new listeners.
-        await asyncio.gather(*(self._launch(link.worker) for link in self.links))
+        await asyncio.gather(*(self._launch(link.worker, take_from[link.worker])
+                               for link in self.links))
         for link in self.links:
             with contextlib.suppress(Exception):
                 await link.set_serving_backends(link.last_push, link.last_facts)

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -224,11 +224,14 @@ class Router:
         control_token: str | None = None,
         control_host: str = "127.0.0.1",
         reuse_port: bool = False,
+        sockets: Sequence[socket.socket] = (),
     ) -> None:
         """Listen on ``host:port`` (0: any free port; read :attr:`url` or :attr:`port`). With a
         ``control_port``, also serve the control API there, behind ``control_token``.
         ``reuse_port``: ``SO_REUSEPORT``, so that several router processes share the port (the
-        kernel spreads connections over them)."""
+        kernel spreads connections over them). ``sockets``: listen on these listening sockets
+        instead (taken from the router this one replaces: :mod:`fleetwarden.router.handover`);
+        ``host``, ``port`` and ``reuse_port`` are then not used."""
         if self._runner is not None:
             raise RuntimeError("Router.start() was already called")
         if control_port is not None and not control_token:
@@ -240,8 +243,12 @@ class Router:
                                shutdown_timeout=self.settings.shutdown_grace_s)
         try:
             await runner.setup()
-            await web.TCPSite(runner, host, port, backlog=1024,
-                              reuse_port=reuse_port or None).start()
+            if sockets:
+                for sock in sockets:
+                    await web.SockSite(runner, sock, backlog=1024).start()
+            else:
+                await web.TCPSite(runner, host, port, backlog=1024,
+                                  reuse_port=reuse_port or None).start()
         except BaseException:
             await runner.cleanup()
             await self._forwarder.close()
@@ -294,17 +301,26 @@ class Router:
                     conn.close()  # idle that long: no request of a keep-alive client races it
             await asyncio.sleep(_DRAIN_POLL_S)  # aiohttp has no event for "connection closed"
 
+    def listening_sockets(self) -> list[socket.socket]:
+        """The sockets the router listens on now (none once it stopped accepting): what a
+        replacement takes over (:class:`~fleetwarden.router.handover.ListenerHandover`)."""
+        if self._runner is None:
+            return []
+        return [s for site in self._runner.sites
+                for s in getattr(getattr(site, "_server", None), "sockets", None) or ()]
+
     async def stop_accepting(self) -> bool:
         """Close the listeners (the port's other routers take every new connection); the
         connections open here go on. Returns whether any was open until now.
 
-        A connection the kernel has completed but this process not yet accepted sits in the
-        listener's queue, and closing a ``SO_REUSEPORT`` listener resets every one of them
-        (unless ``net.ipv4.tcp_migrate_req`` is 1; it is 0 by default). Under load the event
-        loop accepts late, so the queue is rarely empty: a reload under ``make test``'s load
-        reset 2 of ~100 short requests that way. So the queue is emptied first, then the
-        listener closed with no await between (a handshake completing in those microseconds
-        is the one still reset), and what was taken is served here like any open
+        In a reload the replacement listens on these very sockets (it took them:
+        :mod:`fleetwarden.router.handover`), so the close only drops this process's reference
+        and nothing queued is lost. A replacement that could not take them bound its own, and
+        then closing a ``SO_REUSEPORT`` listener resets every connection the kernel completed
+        in its queue that this process had not accepted yet (unless
+        ``net.ipv4.tcp_migrate_req`` is 1; it is 0 by default): so the queue is emptied first,
+        then the listener closed with no await between (only a handshake completing in those
+        microseconds is then reset), and what was taken is served here like any open
         connection."""
         if self._runner is None or not self._runner.sites:
             return False

@@ -1,0 +1,150 @@
+"""Listening sockets handed from a router process to its replacement (a reload).
+
+Owns: serving a router's listening sockets to the process that replaces it, and taking them.
+Must not: decide when a reload happens (``launchers/routers.py`` does) or serve requests.
+
+Why: routers that share a port with ``SO_REUSEPORT`` each have a listening socket of their own,
+and closing one resets every connection that the kernel completed in its queue but the process
+had not accepted yet (unless ``net.ipv4.tcp_migrate_req`` is 1; it is 0 by default). A reload
+that closes the old routers' sockets after the new ones bound theirs therefore loses a
+handshake that lands in the last moment; under ``make test``'s load one in ~240 short requests
+did. So a replacement does not bind a socket of its own: it takes the old router's (the same
+socket, passed with ``SCM_RIGHTS``, as HAProxy's ``expose-fd listeners`` and Envoy's hot restart
+do). Both processes accept from one queue while the old one hands over; when the old one
+closes its copy the socket lives on in the new one, and nothing queued is lost.
+
+The old router serves its sockets on an abstract Unix socket named after its launch id (no
+file, nothing to clean up after a SIGKILL). A taker must run as the same user (checked with
+``SO_PEERCRED``) and send the router's control token: whoever may drive the router may take its
+port, no one else.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable, Sequence
+
+__all__ = ["HandoverError", "ListenerHandover", "handover_address", "take_listeners"]
+
+log = logging.getLogger(__name__)
+
+#: The most listening sockets one router hands over (it has one per site; a replacement that
+#: took the sockets of several old routers has several).
+MAX_SOCKETS = 16
+#: Seconds a taker may take to send its token.
+_READ_TOKEN_S = 5.0
+
+
+class HandoverError(RuntimeError):
+    """The listening sockets could not be taken (the old router is gone, or refused)."""
+
+
+def handover_address(launch_id: str) -> str:
+    """The abstract Unix socket on which the router launched as ``launch_id`` hands over."""
+    return f"\0fleetwarden-router-listeners-{launch_id}"
+
+
+class ListenerHandover:
+    """Hands ``sockets()`` (read at each request: the router's listening sockets then) to a
+    process that connects with ``token`` from the same user."""
+
+    def __init__(self, launch_id: str, token: str,
+                 sockets: Callable[[], Sequence[socket.socket]]) -> None:
+        self.address = handover_address(launch_id)
+        self._token = token.encode()
+        self._sockets = sockets
+        self._server: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: Takers served (each got every socket).
+        self.handed = 0
+
+    async def start(self) -> None:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.bind(self.address)
+            server.listen(8)
+            server.setblocking(False)
+        except BaseException:
+            server.close()
+            raise
+        self._server = server
+        self._task = asyncio.create_task(self._serve(server), name="listener-handover")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _serve(self, server: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(server)
+            try:
+                await self._hand(loop, conn)
+            except Exception as exc:  # one bad taker never stops the next
+                log.warning("listener handover refused: %s", exc)
+            finally:
+                conn.close()
+
+    async def _hand(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            await loop.sock_sendall(conn, b"refused: another user\n")
+            raise HandoverError(f"a process of uid {uid} asked for the listeners")
+        line = await asyncio.wait_for(_read_line(loop, conn), _READ_TOKEN_S)
+        if not hmac.compare_digest(line, self._token):
+            await loop.sock_sendall(conn, b"refused: wrong token\n")
+            raise HandoverError("a taker sent the wrong token")
+        fds = [s.fileno() for s in self._sockets()][:MAX_SOCKETS]
+        if not fds:
+            await loop.sock_sendall(conn, b"refused: not listening\n")
+            raise HandoverError("asked for the listeners after they were closed")
+        # One small message on an empty socket buffer: sendmsg does not block.
+        conn.sendmsg([b"ok\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        self.handed += 1
+        log.info("listener handover: %d listening socket(s) handed to a replacement", len(fds))
+
+
+async def _read_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await loop.sock_recv(conn, 4096)
+        if not chunk or len(data) > 4096:
+            break
+        data += chunk
+    return data.rstrip(b"\n")
+
+
+def take_listeners(launch_id: str, token: str, timeout_s: float = 5.0) -> list[socket.socket]:
+    """The listening sockets of the router launched as ``launch_id`` (blocking: a process
+    starting up calls it before it serves). Raises :class:`HandoverError` when that router
+    is not there or refuses."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout_s)
+        try:
+            conn.connect(handover_address(launch_id))
+            conn.sendall(token.encode() + b"\n")
+            msg, fds, _flags, _addr = socket.recv_fds(conn, 1024, MAX_SOCKETS)
+        except OSError as exc:
+            raise HandoverError(f"router {launch_id}: {exc}") from exc
+    if not fds:
+        raise HandoverError(f"router {launch_id}: {msg.decode(errors='replace').strip()}")
+    taken = []
+    for fd in fds:
+        s = socket.socket(fileno=fd)
+        s.setblocking(False)
+        taken.append(s)
+    return taken

@@ -1,0 +1,105 @@
+"""A reload hands the old router's listening sockets to its replacement (router/handover.py):
+one socket, one queue, so a connection queued when the old router lets go is never reset."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+import aiohttp
+import pytest
+
+from fleetwarden.router import Router
+from fleetwarden.router.handover import HandoverError, ListenerHandover, take_listeners
+from support.scripted_engine import ScriptedEngine
+
+TOKEN = "s3cret-token"
+
+
+def _listener() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    s.setblocking(False)
+    return s
+
+
+async def test_a_connection_queued_when_the_old_copy_closes_is_accepted_by_the_taker() -> None:
+    old = _listener()
+    port = old.getsockname()[1]
+    handover = ListenerHandover(f"t-{uuid.uuid4().hex}", TOKEN, lambda: [old])
+    await handover.start()
+    try:
+        launch_id = handover.address.split("listeners-", 1)[1]
+        taken = await asyncio.to_thread(take_listeners, launch_id, TOKEN)
+        assert [s.getsockname()[1] for s in taken] == [port] and handover.handed == 1
+        # The kernel completes these handshakes; no process has accepted them.
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        old.close()  # the old router lets go: its SO_REUSEPORT socket alone would reset them
+        accepted = []
+        for _ in range(4):
+            conn, _ = taken[0].accept()
+            accepted.append(conn)
+        for i, (c, a) in enumerate(zip(clients, accepted, strict=True)):
+            c.sendall(b"ping %d" % i)
+            a.settimeout(5)
+            assert a.recv(16) == b"ping %d" % i
+            c.close()
+            a.close()
+        for s in taken:
+            s.close()
+    finally:
+        await handover.close()
+        old.close()
+
+
+async def test_the_wrong_token_or_no_router_there_gets_nothing() -> None:
+    old = _listener()
+    handover = ListenerHandover(f"t-{uuid.uuid4().hex}", TOKEN, lambda: [old])
+    await handover.start()
+    try:
+        launch_id = handover.address.split("listeners-", 1)[1]
+        with pytest.raises(HandoverError, match="wrong token"):
+            await asyncio.to_thread(take_listeners, launch_id, "not-the-token")
+        assert handover.handed == 0
+        with pytest.raises(HandoverError):
+            await asyncio.to_thread(take_listeners, f"nobody-{uuid.uuid4().hex}", TOKEN)
+        # the handover goes on serving after a refusal
+        taken = await asyncio.to_thread(take_listeners, launch_id, TOKEN)
+        assert len(taken) == 1 and handover.handed == 1
+        taken[0].close()
+    finally:
+        await handover.close()
+        old.close()
+
+
+async def test_a_replacement_router_serves_on_the_old_routers_socket() -> None:
+    engine = await ScriptedEngine().start()
+    old = Router([engine.url])
+    new = Router([engine.url])
+    await old.start(reuse_port=True)
+    handover = ListenerHandover(f"t-{uuid.uuid4().hex}", TOKEN, old.listening_sockets)
+    await handover.start()
+    try:
+        launch_id = handover.address.split("listeners-", 1)[1]
+        taken = await asyncio.to_thread(take_listeners, launch_id, TOKEN)
+        await new.start(sockets=taken)
+        assert new.url == old.url
+        assert await old.stop_accepting() and old.listening_sockets() == []
+        # Once the old one let go, the port is the new one's: every request answered there.
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                async with http.post(old.url + "/v1/completions",
+                                     json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                     headers={"Connection": "close"}) as response:
+                    assert response.status == 200
+        assert new.stats.requests == 5 and old.stats.requests == 0
+        with pytest.raises(HandoverError, match="not listening"):  # nothing left to hand
+            await asyncio.to_thread(take_listeners, launch_id, TOKEN)
+    finally:
+        await handover.close()
+        await new.stop()
+        await old.stop()
+        await engine.stop()
