@@ -332,6 +332,7 @@ class Controller:
                 return  # condemned, or a new process: nothing left to confirm about this one
             excused = self.refit is not None and i in self.refit.stalls_excused()
             in_flight = (await self._in_flight(None)).get(url, 0)
+            held = (await self._held(None)).get(url, 0.0)
             # A canary, if the engine is idle: on the first read (the accusation itself), and
             # once per ejection when its time is up (the only proof that puts it on trial; a
             # busy engine gets none, and is asked again at the next read).
@@ -340,7 +341,7 @@ class Controller:
             # Out of routing for failed requests: its health path too, where that proves a
             # dead core (vLLM's API server outlives its killed core for seconds, /metrics
             # frozen, /health 503).
-            r = await self.watchdog.probe(Target(url=url, in_flight=in_flight,
+            r = await self.watchdog.probe(Target(url=url, in_flight=in_flight, held_s=held,
                                                  stalls_excused=excused, confirm=ask,
                                                  check_health=rec.ejected_until is not None))
             if due and ask and r.canary is not None:
@@ -446,6 +447,7 @@ class Controller:
         # 1. the watchdog round, for every shard with a process (those under focused reads
         # are being read already)
         in_flight = await self._in_flight(report)
+        held = await self._held(report)
         shards = {}
         for i in range(len(self.ledger)):
             if self.ledger.state(i) not in ABSENT and i not in self._focus:
@@ -456,7 +458,7 @@ class Controller:
         # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
         # under load, then got no traffic, stayed SUSPECT for the rest of the run.
         targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
-                          engine=self.config.fleet.engine_of(i),
+                          held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
                           confirm=self.ledger.state(i) is ShardState.SUSPECT)
                    for url, i in shards.items()]
         reports = await self.watchdog.round(targets)
@@ -538,6 +540,21 @@ class Controller:
             except Exception as exc:
                 self._router_error(report, f"{_name(link)}: in-flight: {exc}")
         return total
+
+    async def _held(self, report: TickReport | None) -> dict[str, float]:
+        """Per engine, how long the oldest request any router holds there has received
+        nothing (engines holding none are left out). A router without the call adds nothing."""
+        oldest: dict[str, float] = {}
+        for link in self.routers:
+            silent_backends = getattr(link, "silent_backends", None)
+            if silent_backends is None:
+                continue
+            try:
+                for url, age in (await silent_backends(0.0)).items():
+                    oldest[url] = max(oldest.get(url, 0.0), age)
+            except Exception as exc:
+                self._router_error(report, f"{_name(link)}: held requests: {exc}")
+        return oldest
 
     def observe_participants(self, reports: Mapping[str, Report]) -> None:
         """During a lease: whether each participant's process lives and its API answered this

@@ -62,7 +62,9 @@ __all__ = [
     "VerdictRule",
     "WatchdogPolicy",
     "conclude",
+    "flat",
     "held_its_canary",
+    "held_its_requests",
     "judge",
 ]
 
@@ -571,12 +573,40 @@ def held_its_canary(before: Sample, after: Sample, canary_latency_s: float,
     client's."""
     if canary_latency_s < policy.stall_s:
         return None
-    if before.start_time != after.start_time:
-        return None  # another process: counters are never compared across processes
-    if any(d != 0 for d in _deltas(before, after).values()):
-        return None  # it did something: a slow engine, not a wedged one
+    if not flat(before, after):
+        return None  # it did something (a slow engine, not a wedged one), or another process
     return (f"it held its canary {canary_latency_s:.1f} s with nothing else to do and "
             f"advanced nothing (stall floor {policy.stall_s:g} s): conclusive")
+
+
+def held_its_requests(flat_for_s: float, held_s: float, limit_s: float,
+                      worked: bool) -> str | None:
+    """Why the requests the router holds on an engine condemn it, or ``None``.
+
+    ``held_s`` is how long the oldest request the router holds there has received nothing;
+    ``flat_for_s`` how long every progress counter of the same process has read the same (from
+    the first read of that flat stretch to this one); ``limit_s`` the stall limit at its load
+    (the floor, or its own cadence: :meth:`Cadence.limit`); ``worked``: this process has
+    advanced a counter at all. When both reach the limit, the engine held a request through
+    the last ``limit_s`` seconds and took not one step in them: the stall rule's own evidence
+    (work, nothing advanced for the limit, which covers the longest single step) and
+    :func:`held_its_canary`'s, with a client's request in the canary's place, whatever its
+    gauges say. Without it an engine that wedged while idle was accused after the first routed
+    request's second of silence, then condemned by a canary that waited 5 s more: +6.1 to
+    +6.5 s after the first routed request (issue 14's goal: 5 s). A process that never
+    advanced a counter may be in its first generation, which can be slow (compilation, cold
+    caches): that is no wedge."""
+    if not worked or min(flat_for_s, held_s) < limit_s:
+        return None
+    return (f"it held a request {held_s:.1f} s and advanced nothing for the last "
+            f"{flat_for_s:.1f} s (stall limit {limit_s:g} s): conclusive")
+
+
+def flat(before: Sample, after: Sample) -> bool:
+    """The same process, and not one progress counter moved from ``before`` to ``after``."""
+    if before.start_time != after.start_time:
+        return False  # another process: counters are never compared across processes
+    return all(d == 0 for d in _deltas(before, after).values())
 
 
 def _deltas(before: Sample, after: Sample) -> dict[str, float]:

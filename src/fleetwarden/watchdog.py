@@ -51,6 +51,7 @@ from fleetwarden.judge import (
     Down,
     Evidence,
     Health,
+    Judgement,
     NoMetrics,
     ProxyAnswered,
     Reading,
@@ -58,7 +59,9 @@ from fleetwarden.judge import (
     Verdict,
     WatchdogPolicy,
     conclude,
+    flat,
     held_its_canary,
+    held_its_requests,
     judge,
 )
 from fleetwarden.probe import describe as _describe
@@ -103,6 +106,10 @@ class Target:
     #: The engine failed real requests (it is out of routing): read its health path as well,
     #: where its profile says a failure there means a dead core (``health_proves_core``).
     check_health: bool = False
+    #: Seconds the oldest request the router holds there has received nothing (0: none held):
+    #: held that long while the engine advanced nothing, it is conclusive
+    #: (:func:`~fleetwarden.judge.held_its_requests`).
+    held_s: float = 0.0
     #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
     #: ``/metrics`` at the first read.
     engine: str = AUTO
@@ -161,6 +168,9 @@ class _Memory:
 
     sample: Sample | None = None
     sample_at: float = 0.0
+    #: When the read was taken that began the stretch over which every counter of this process
+    #: has read the same (``sample_at`` of the first read of it).
+    flat_since: float = 0.0
     stall: Stall = NO_STALL
     cadence: Cadence = NO_CADENCE
     canary_at: float | None = None
@@ -258,7 +268,16 @@ class Watchdog:
         canary = None
         health: Health | None = None
         evidence = judgement.evidence
-        if judgement.send_canary:
+        held, wait_s = self._held(target, memory, before, reading, judgement, now)
+        if held is not None:  # conclusive without a canary
+            health = Health.CONDEMNED
+            evidence = replace(evidence, summary=f"{evidence.summary}; {held}")
+        elif wait_s is not None:
+            # The request it holds is a canary already sent: it concludes sooner than a new
+            # one could time out, and a canary would hold this read for its whole timeout.
+            evidence = replace(evidence, summary=f"{evidence.summary}; no canary: its held "
+                               f"request concludes in {wait_s:.1f} s if nothing advances")
+        elif judgement.send_canary:
             if judgement.verdict is Verdict.RESTARTED:
                 memory.model = None  # a new process may serve another model
             memory.canary_at = now
@@ -277,11 +296,23 @@ class Watchdog:
                     if held is not None:
                         health = Health.CONDEMNED
                         evidence = replace(evidence, summary=f"{evidence.summary}; {held}")
+            elif canary.ok and isinstance(reading, Sample) and not proxy:
+                # The sample kept is read after the canary, with the canary's own work in it.
+                # Otherwise the next read finds progress only our canary explains (IDLE, never
+                # a lost core, and never flat): an engine that wedged idle after an answered
+                # canary and then got a request was sent a second canary that waited its 5 s
+                # timeout (bench/failover.py idle-wedge: condemned +6.2 s where a request held
+                # for the 5 s floor condemns). One more read of /metrics per canary.
+                after = await self._read(target.url, False, memory)
+                if isinstance(after, Sample) and after.start_time == reading.start_time:
+                    reading, now = after, self._clock()
         tokens_per_s = None
         elapsed = judgement.evidence.elapsed_s
         if elapsed and judgement.evidence.deltas:
             tokens_per_s = judgement.evidence.deltas.get("generation_tokens", 0.0) / elapsed
         if isinstance(reading, Sample):
+            if memory.sample is None or not flat(memory.sample, reading):
+                memory.flat_since = now
             memory.sample, memory.sample_at = reading, now
         memory.stall = judgement.stall
         memory.cadence = judgement.cadence
@@ -294,6 +325,27 @@ class Watchdog:
             incarnation=reading.incarnation if isinstance(reading, Sample) else None,
             engine=memory.profile,
         )
+
+    def _held(self, target: Target, memory: _Memory, before: Sample | None,
+              reading: Reading, judgement: Judgement,
+              now: float) -> tuple[str | None, float | None]:
+        """What the requests the router holds there say: why they condemn the engine
+        (:func:`~fleetwarden.judge.held_its_requests`); else, for a lost core whose held
+        request will conclude before a canary sent now could time out, the seconds left (no
+        canary then); else ``(None, None)``."""
+        if (target.held_s <= 0 or target.stalls_excused or before is None
+                or not isinstance(reading, Sample)
+                or judgement.verdict not in (Verdict.STALLED, Verdict.LOST_CORE)):
+            return None, None
+        flat_for = now - memory.flat_since if flat(before, reading) else 0.0
+        policy = self.policy_for(memory.profile)
+        limit = judgement.cadence.limit(reading.running + reading.waiting, policy)
+        worked = any(v > 0 for v in reading.counters().values())
+        why = held_its_requests(flat_for, target.held_s, limit, worked)
+        if why is not None or not worked or judgement.verdict is not Verdict.LOST_CORE:
+            return why, None
+        left = limit - min(flat_for, target.held_s)
+        return None, (left if left < policy.canary_timeout_s else None)
 
     def _forget_gone(self) -> None:
         """Drop what is kept of URLs not read for :data:`FORGET_AFTER_S`: a restarted engine's

@@ -51,8 +51,9 @@ def test_the_mixed_demo_detects_every_fault_on_each_kind_and_loses_no_request(
     assert "exited" in crash or "confirmed by a failed probe" in crash, crash
     # failed requests, then their confirmation (or a streak of failed windows on trial)
     assert "failed request window" in faults["trickle"]["what_happened"], faults["trickle"]
-    # the first routed requests' lost core, or a canary the engine held with nothing
-    # advancing, whichever came first (the demo canaries every 5 s)
+    # the first routed requests' lost core (a request held through the stall limit, or a
+    # canary failed), or a canary the engine held with nothing advancing, whichever came
+    # first (the demo canaries every 5 s)
     idle = faults["idle wedge"]["what_happened"]
     assert "LOST_CORE" in idle or "held its canary" in idle, idle
     saturated = faults["saturated but healthy"]

@@ -55,7 +55,8 @@ async def test_an_idle_engine_is_idle_and_gets_one_canary_per_interval(
     assert (second.verdict, second.canary, second.health) == (
         Verdict.IDLE, None, Health.UNPROVEN)  # the next canary is not due for 30 s
     seen = await stats(http, sim.url)
-    assert len(canaries(seen)) == 1 and seen["by_path"]["/metrics"] == 2
+    # two rounds' reads, and one after the answered canary: the next round's baseline
+    assert len(canaries(seen)) == 1 and seen["by_path"]["/metrics"] == 3
     assert first.incarnation == second.incarnation is not None
 
 
@@ -274,6 +275,58 @@ async def test_an_idle_wedge_with_no_traffic_is_condemned_by_the_canary_it_held(
     assert wedged.canary is not None and "no answer within 1 s" in wedged.canary.error
     assert wedged.health is Health.CONDEMNED
     assert "held its canary" in wedged.evidence.summary
+
+
+async def test_an_idle_wedge_is_condemned_by_the_request_it_holds_without_a_canary(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """The router's first request to an engine that wedged while idle is the canary: held
+    through the stall limit with nothing advancing, it condemns, and no canary of ours waits
+    its timeout on top (issue 14: the idle wedge with traffic)."""
+    sim: SimProcess = spawn()
+    async with Watchdog(POLICY) as watchdog:
+        (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
+        assert healthy.canary is not None and healthy.canary.ok  # it has worked, and the
+        # sample kept was read after that canary: the next read does not see its work
+        await set_fault(http, sim.url, "wedge")
+        async with Load(http, sim.url, n=1, max_tokens=8):
+            sent = asyncio.get_running_loop().time()
+
+            def held() -> Target:
+                age = asyncio.get_running_loop().time() - sent
+                return Target(sim.url, in_flight=1, held_s=age, confirm=True)
+
+            await asyncio.sleep(0.2)
+            (early,) = await rounds(watchdog, held(), 1, 0.0)
+            # A lost core, but the held request concludes within the canary's timeout.
+            assert early.verdict is Verdict.LOST_CORE and early.canary is None
+            assert early.health is Health.UNPROVEN and "no canary" in early.evidence.summary
+            await asyncio.sleep(POLICY.stall_s)
+            (late,) = await rounds(watchdog, held(), 1, 0.0)
+    assert late.health is Health.CONDEMNED and late.canary is None
+    assert "held a request" in late.evidence.summary
+    assert len(canaries(await stats(http, sim.url))) == 1  # the healthy one only
+
+
+async def test_a_request_held_through_slow_steps_is_never_condemned(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """Steps 0.7 s apart (a long prefill each time), under a 1 s floor: the engine holds the
+    request for seconds, but something advances within every floor."""
+    sim: SimProcess = spawn("--steps-per-s", "1.4")
+    async with Watchdog(POLICY) as watchdog:
+        (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
+        assert healthy.canary is not None and healthy.canary.ok
+        async with Load(http, sim.url, n=1, max_tokens=40):  # ~29 s at 1.4 steps/s
+            sent = asyncio.get_running_loop().time()
+            reports = []
+            for _ in range(12):  # ~3.6 s of reads, the request held all along
+                await asyncio.sleep(0.3)
+                age = asyncio.get_running_loop().time() - sent
+                reports += [await watchdog.probe(Target(sim.url, in_flight=1, held_s=age))]
+    assert all(r.health is not Health.CONDEMNED for r in reports), [
+        (r.verdict, r.evidence.summary) for r in reports]
+    assert Verdict.BUSY in {r.verdict for r in reports}
 
 
 async def test_a_new_engine_that_holds_its_first_canary_is_one_failed_probe(

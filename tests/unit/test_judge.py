@@ -27,7 +27,9 @@ from fleetwarden.judge import (
     Verdict,
     WatchdogPolicy,
     conclude,
+    flat,
     held_its_canary,
+    held_its_requests,
     judge,
 )
 
@@ -564,3 +566,34 @@ def test_an_engine_that_advanced_anything_for_its_canary_is_slow_not_wedged() ->
 
 def test_a_new_process_behind_the_same_url_is_never_compared() -> None:
     assert held_its_canary(IDLE, replace(IDLE, start_time=1.8e9), 5.0) is None
+
+
+# ------------------------------------------------------------ requests held (issue 14)
+
+
+def test_a_request_held_through_the_limit_with_nothing_advanced_is_conclusive() -> None:
+    why = held_its_requests(flat_for_s=7.0, held_s=5.1, limit_s=5.0, worked=True)
+    assert why is not None and "held a request 5.1 s" in why and "stall limit 5 s" in why
+    # flat since long before the request, or only since after it was sent: the same evidence
+    # once the last limit_s seconds had both (a request held, and not one step)
+    assert held_its_requests(5.0, 9.0, 5.0, True) is not None
+
+
+def test_less_than_the_limit_of_either_proves_nothing() -> None:
+    # The limit covers the longest single step (a long prefill: llama.cpp's 4 s), and a
+    # request sent 4.9 s ago may be queued behind exactly that.
+    assert held_its_requests(flat_for_s=30.0, held_s=4.9, limit_s=5.0, worked=True) is None
+    # A counter moved 4.9 s ago: the engine stepped while it held the request.
+    assert held_its_requests(flat_for_s=4.9, held_s=30.0, limit_s=5.0, worked=True) is None
+    # The engine's own cadence raised the limit: 9 s of flat counters is its normal pause.
+    assert held_its_requests(flat_for_s=9.0, held_s=9.0, limit_s=12.0, worked=True) is None
+
+
+def test_a_process_that_never_advanced_a_counter_may_be_in_its_slow_first_generation() -> None:
+    assert held_its_requests(flat_for_s=60.0, held_s=60.0, limit_s=5.0, worked=False) is None
+
+
+def test_flat_means_the_same_process_and_no_counter_moved() -> None:
+    assert flat(IDLE, replace(IDLE, running=1, waiting=2))  # gauges are no progress
+    assert not flat(IDLE, replace(IDLE, steps=IDLE.steps + 1))
+    assert not flat(IDLE, replace(IDLE, start_time=1.8e9))
