@@ -310,12 +310,16 @@ class Watchdog:
         elapsed = judgement.evidence.elapsed_s
         if elapsed and judgement.evidence.deltas:
             tokens_per_s = judgement.evidence.deltas.get("generation_tokens", 0.0) / elapsed
-        if isinstance(reading, Sample):
-            if memory.sample is None or not flat(memory.sample, reading):
-                memory.flat_since = now
-            memory.sample, memory.sample_at = reading, now
-        memory.stall = judgement.stall
-        memory.cadence = judgement.cadence
+        # Unless another visit kept a newer sample while this one waited (a tick's canary, 5 s,
+        # beside a controller's focused reads of the same engine): this one's older sample,
+        # stall and cadence kept over it would turn the engine's history back.
+        if now >= memory.sample_at:
+            if isinstance(reading, Sample):
+                if memory.sample is None or not flat(memory.sample, reading):
+                    memory.flat_since = now
+                memory.sample, memory.sample_at = reading, now
+            memory.stall = judgement.stall
+            memory.cadence = judgement.cadence
         return Report(
             url=target.url, verdict=judgement.verdict, evidence=evidence,
             health=health or conclude(judgement, None if canary is None else canary.ok),

@@ -329,6 +329,26 @@ async def test_a_request_held_through_slow_steps_is_never_condemned(
     assert Verdict.BUSY in {r.verdict for r in reports}
 
 
+async def test_a_visit_that_waited_on_its_canary_never_keeps_an_older_sample_over_a_newer(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """A tick's canary waits up to its timeout while the controller's focused reads of the
+    same engine go on: the sample kept is the newest, not the one read before the canary."""
+    sim: SimProcess = spawn("--fault", "wedge")
+    loop = asyncio.get_running_loop()
+    async with Watchdog(POLICY, clock=loop.time) as watchdog:
+        slow = asyncio.create_task(watchdog.probe(Target(sim.url)))  # idle: a canary, held 1 s
+        await asyncio.sleep(0.3)
+        focused_at = loop.time()
+        quick = await watchdog.probe(Target(sim.url))  # the canary is not due again: a read
+        assert quick.canary is None
+        kept = watchdog._memory[sim.url].sample_at
+        assert kept >= focused_at
+        first = await slow
+    assert first.canary is not None and not first.canary.ok
+    assert watchdog._memory[sim.url].sample_at == kept  # the older read was not kept over it
+
+
 async def test_a_new_engine_that_holds_its_first_canary_is_one_failed_probe(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:
