@@ -519,3 +519,42 @@ async def test_a_router_in_another_process_reports_a_silent_request_before_the_n
         assert c.tick_number == 1
         bad.unwedge()
         assert [(await t)[0] for t in held] == [200, 200]
+
+
+class _HoldingRouter(_Router):
+    """A router holding requests that got nothing: ``silent_backends`` gives their ages."""
+
+    def __init__(self, held: dict[str, float]) -> None:
+        super().__init__()
+        self.held = held
+
+    async def silent_backends(self, after_s: float) -> dict[str, float]:
+        return {url: age for url, age in self.held.items() if age >= after_s}
+
+
+class _TargetsWatchdog(_Watchdog):
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: list[Target] = []
+
+    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
+        self.targets += list(targets)
+        return await super().round(targets)
+
+
+async def test_every_read_is_told_how_long_the_routers_have_held_a_request_there() -> None:
+    # The oldest request any router holds on an engine, silent: what judge.held_its_requests
+    # weighs against the engine's flat counters.
+    config = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b"], Policy())
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    watchdog = _TargetsWatchdog()
+    routers = [_HoldingRouter({"http://a": 2.5}), _HoldingRouter({"http://a": 4.0}), _Router()]
+    c = Controller(ledger, watchdog, supervisor, routers, config)
+    try:
+        await c.tick()
+    finally:
+        await c.close()
+        await supervisor.close()
+    held = {t.url: t.held_s for t in watchdog.targets}
+    assert held == {"http://a": 4.0, "http://b": 0.0}
