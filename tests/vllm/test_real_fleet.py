@@ -221,9 +221,14 @@ def test_real_vllm_stream_cut_by_a_killed_core_goes_on_on_the_other_engine(
 
     reference = asyncio.run(read(None))
     before = continued()
-    got = asyncio.run(read(20))
+    # Cut at the second event: the first tokens have reached the client, and the rest is far
+    # off. Cut at the 20th, one run (make test, 2026-12-01) saw the stream end whole with no
+    # continuation: on the loaded 2 cores the engine had generated all 400 tokens before the
+    # client had read 20 events (vLLM's API server puts several tokens in a chunk when it
+    # falls behind), so the kill cut nothing.
+    got = asyncio.run(read(2))
     after = continued()
-    print(f"\ncontinuations before {before}, after {after}")
+    print(f"\ncontinuations before {before}, after {after}; {len(got)} events read")
     assert after["tokens"] == before["tokens"] + 1 and after["text"] == before["text"]
 
     def chunks(events: list[bytes]) -> list[dict[str, Any]]:
