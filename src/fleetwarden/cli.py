@@ -485,11 +485,11 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
     launch_id = os.environ.get("FLEETWARDEN_LAUNCH_ID")
     giver = (ListenerHandover(launch_id, token, router.listening_sockets)
              if managed and token is not None and launch_id else None)
-    if giver is not None:
-        await giver.start()
     gc.freeze()
     gc.set_threshold(ROUTER_GC_THRESHOLD, *gc.get_threshold()[1:])
     try:
+        if giver is not None:
+            await giver.start()
         typer.echo(f"fleetwarden route: listening on {router.url}, "
                    f"{len(backends)} backend(s)")
         if router.control_url is not None:

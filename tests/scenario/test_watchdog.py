@@ -8,6 +8,7 @@ seconds; every wait polls for a condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -336,9 +337,14 @@ async def test_a_visit_that_waited_on_its_canary_never_keeps_an_older_sample_ove
     same engine go on: the sample kept is the newest, not the one read before the canary."""
     sim: SimProcess = spawn("--fault", "wedge")
     loop = asyncio.get_running_loop()
-    async with Watchdog(POLICY, clock=loop.time) as watchdog:
-        slow = asyncio.create_task(watchdog.probe(Target(sim.url)))  # idle: a canary, held 1 s
-        await asyncio.sleep(0.3)
+    policy = replace(POLICY, canary_timeout_s=3.0)  # the quick visit's room, on a loaded machine
+    async with Watchdog(policy, clock=loop.time) as watchdog:
+        slow = asyncio.create_task(watchdog.probe(Target(sim.url)))  # idle: a canary, held 3 s
+
+        async def canary_sent() -> bool:  # so the slow visit has read, and now waits
+            return len(canaries(await stats(http, sim.url))) == 1
+
+        await until(canary_sent)
         focused_at = loop.time()
         quick = await watchdog.probe(Target(sim.url))  # the canary is not due again: a read
         assert quick.canary is None

@@ -29,10 +29,10 @@ def _listener() -> socket.socket:
 async def test_a_connection_queued_when_the_old_copy_closes_is_accepted_by_the_taker() -> None:
     old = _listener()
     port = old.getsockname()[1]
-    handover = ListenerHandover(f"t-{uuid.uuid4().hex}", TOKEN, lambda: [old])
+    launch_id = f"t-{uuid.uuid4().hex}"
+    handover = ListenerHandover(launch_id, TOKEN, lambda: [old])
     await handover.start()
     try:
-        launch_id = handover.address.split("listeners-", 1)[1]
         taken = await asyncio.to_thread(take_listeners, launch_id, TOKEN)
         assert [s.getsockname()[1] for s in taken] == [port] and handover.handed == 1
         # The kernel completes these handshakes; no process has accepted them.
@@ -57,10 +57,10 @@ async def test_a_connection_queued_when_the_old_copy_closes_is_accepted_by_the_t
 
 async def test_the_wrong_token_or_no_router_there_gets_nothing() -> None:
     old = _listener()
-    handover = ListenerHandover(f"t-{uuid.uuid4().hex}", TOKEN, lambda: [old])
+    launch_id = f"t-{uuid.uuid4().hex}"
+    handover = ListenerHandover(launch_id, TOKEN, lambda: [old])
     await handover.start()
     try:
-        launch_id = handover.address.split("listeners-", 1)[1]
         with pytest.raises(HandoverError, match="wrong token"):
             await asyncio.to_thread(take_listeners, launch_id, "not-the-token")
         assert handover.handed == 0
@@ -80,10 +80,10 @@ async def test_a_replacement_router_serves_on_the_old_routers_socket() -> None:
     old = Router([engine.url])
     new = Router([engine.url])
     await old.start(reuse_port=True)
-    handover = ListenerHandover(f"t-{uuid.uuid4().hex}", TOKEN, old.listening_sockets)
+    launch_id = f"t-{uuid.uuid4().hex}"
+    handover = ListenerHandover(launch_id, TOKEN, old.listening_sockets)
     await handover.start()
     try:
-        launch_id = handover.address.split("listeners-", 1)[1]
         taken = await asyncio.to_thread(take_listeners, launch_id, TOKEN)
         await new.start(sockets=taken)
         assert new.url == old.url
