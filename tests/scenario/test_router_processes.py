@@ -196,6 +196,12 @@ def test_a_reload_replaces_the_routers_under_load_with_no_request_failed(tmp_pat
         short, streams, at_reload = asyncio.run(scenario())
         print(f"\nshort {short.summary()}\nstreams {streams.summary()}\n"
               f"{at_reload} answered before the reload")
+        wall = time.time() - time.monotonic()
+        for failed in short.failures + streams.failures:  # beside the routers' logs below
+            print(time.strftime("%H:%M:%S", time.localtime(wall + failed.started)),
+                  f"{(wall + failed.started) % 1:.3f}", failed)
+        for path in sorted(tmp_path.rglob("router-*.log")):
+            print(f"--- {path.name}\n{path.read_text()[-3000:]}")
         assert short.failures == [] and streams.failures == []
         assert live_launch_ids({launch for launch, _ in before.values()}) == set()  # gone
         # Each new router listened on its predecessor's own socket (router/handover.py).

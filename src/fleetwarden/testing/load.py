@@ -148,7 +148,7 @@ class Load:
         except openai.APIStatusError as exc:
             status, error = exc.status_code, str(exc)[:300]
         except openai.APIError as exc:  # no answer: connection error or timeout
-            status, error = 0, f"{type(exc).__name__}: {exc}"[:300]
+            status, error = 0, f"{type(exc).__name__}: {exc}{_causes(exc)}"[:600]
         result = RequestResult(request_id, started, time.monotonic() - started, status, error,
                                max_tokens, incomplete)
         self.results.append(result)
@@ -177,3 +177,16 @@ class Load:
             "max_s": lat[-1] if lat else None,
             "slower_than_10s": sum(1 for x in lat if x > 10),
         }
+
+
+def _causes(exc: BaseException) -> str:
+    """What lay under a connection error (the openai client says only "Connection error."):
+    ``" <- httpx.ReadError: ... <- ConnectionResetError: ..."``, which tells a refused
+    connection from one the server closed or reset."""
+    out, seen = "", {id(exc)}
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        out += f" <- {type(cause).__module__}.{type(cause).__name__}: {cause}"
+        cause = cause.__cause__ or cause.__context__
+    return out
