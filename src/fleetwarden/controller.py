@@ -88,6 +88,9 @@ class RouterLink(Protocol):
 
     async def in_flight(self) -> dict[str, int]: ...
 
+    # Optional, asked with getattr: ``silent_backends(after_s)``, ``hedge(url, held_s)``,
+    # ``set_trial_backends(urls)``, ``listen(callback)``.
+
     async def set_retry_after(self, seconds: float | None) -> None: ...
 
 
@@ -170,6 +173,8 @@ class Controller:
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.focus_started: dict[str, int] = {}
+        #: Requests the routers hedged on the controller's word, since start.
+        self.hedged = 0
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._unlisten = [
             listen(self._evidence_from(k))
@@ -357,6 +362,15 @@ class Controller:
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
+            # Work it shows, and not one step for hedge_after_s with a request held: its
+            # requests go to another engine as well. Not a lost core (its gauges show no
+            # work): there the request it holds is what condemns it (held_its_requests), and
+            # hedged away it never would (measured: an idle wedge's requests hedged one by
+            # one kept it in routing for the whole 24 s bench window).
+            hedge_after = h.hedge_after_s
+            if (hedge_after is not None and r.verdict is Verdict.STALLED
+                    and r.held_flat_s >= hedge_after):
+                await self._hedge(i, url, hedge_after)
             unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
                                       Verdict.LOST_CORE, Verdict.NO_METRICS)
             if not first and not unsettled and rec.ejected_until is None:
@@ -365,6 +379,25 @@ class Controller:
                 return
             first = False
             await asyncio.sleep(h.confirm_interval_s)
+
+    async def _hedge(self, i: int, url: str, held_s: float) -> None:
+        """Shard ``i``'s engine held a request ``held_s`` and took no step: every router sends
+        what it holds there that long to another engine as well (the first answer is the
+        client's). Asked again at each focused read while it lasts: requests that reach
+        ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again."""
+        for link in self.routers:
+            hedge = getattr(link, "hedge", None)
+            if hedge is None:
+                continue
+            try:
+                n = await hedge(url, held_s)
+            except Exception as exc:
+                log.warning("router %s: hedge: %s", _name(link), exc)
+                continue
+            if n:
+                self.hedged += n
+                log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
+                         held_s, _name(link))
 
     async def _watch_remote(self, k: int, stop: asyncio.Event) -> None:
         """Router ``k`` runs in another process: one long poll of its evidence open at a time

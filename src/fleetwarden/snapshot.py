@@ -33,13 +33,15 @@ class RouterCounters:
 
     requests: int = 0
     rescues: int = 0
+    hedges: int = 0
     retries: Mapping[str, int] = field(default_factory=dict)
     responses: Mapping[int, int] = field(default_factory=dict)
     backend_failures: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, stats: RouterStats) -> RouterCounters:
-        return cls(requests=stats.requests, rescues=stats.rescues, retries=dict(stats.retries),
+        return cls(requests=stats.requests, rescues=stats.rescues, hedges=stats.hedges,
+                   retries=dict(stats.retries),
                    responses=dict(stats.responses),
                    backend_failures=dict(stats.backend_failures))
 

@@ -145,6 +145,11 @@ class Report:
     incarnation: str | None
     #: The engine profile it was judged by; None while it is not recognised (``auto``).
     engine: EngineProfile | None = None
+    #: Seconds the router's oldest request there has been held while the engine took not one
+    #: step (every progress counter of the same process flat): the shorter of the two. 0 when
+    #: it holds none, or the engine moved. What a hedge is decided on (the controller's
+    #: ``hedge_after_s``); the stall limit of it condemns (:func:`held_its_requests`).
+    held_flat_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -268,7 +273,7 @@ class Watchdog:
         canary = None
         health: Health | None = None
         evidence = judgement.evidence
-        held, wait_s = self._held(target, memory, before, reading, judgement, now)
+        held, wait_s, held_flat_s = self._held(target, memory, before, reading, judgement, now)
         if held is not None:  # conclusive without a canary
             health = Health.CONDEMNED
             evidence = replace(evidence, summary=f"{evidence.summary}; {held}")
@@ -327,29 +332,31 @@ class Watchdog:
             sample=reading if isinstance(reading, Sample) else None,
             tokens_per_s=tokens_per_s, canary=canary,
             incarnation=reading.incarnation if isinstance(reading, Sample) else None,
-            engine=memory.profile,
+            engine=memory.profile, held_flat_s=held_flat_s,
         )
 
     def _held(self, target: Target, memory: _Memory, before: Sample | None,
               reading: Reading, judgement: Judgement,
-              now: float) -> tuple[str | None, float | None]:
+              now: float) -> tuple[str | None, float | None, float]:
         """What the requests the router holds there say: why they condemn the engine
         (:func:`~fleetwarden.judge.held_its_requests`); else, for a lost core whose held
         request will conclude before a canary sent now could time out, the seconds left (no
-        canary then); else ``(None, None)``."""
+        canary then); and how long a held request has gone with no step
+        (:attr:`Report.held_flat_s`). ``(None, None, 0.0)`` when it holds none."""
         if (target.held_s <= 0 or target.stalls_excused or before is None
                 or not isinstance(reading, Sample)
                 or judgement.verdict not in (Verdict.STALLED, Verdict.LOST_CORE)):
-            return None, None
+            return None, None, 0.0
         flat_for = now - memory.flat_since if flat(before, reading) else 0.0
+        held_flat = min(flat_for, target.held_s)
         policy = self.policy_for(memory.profile)
         limit = judgement.cadence.limit(reading.running + reading.waiting, policy)
         worked = any(v > 0 for v in reading.counters().values())
         why = held_its_requests(flat_for, target.held_s, limit, worked)
         if why is not None or not worked or judgement.verdict is not Verdict.LOST_CORE:
-            return why, None
-        left = limit - min(flat_for, target.held_s)
-        return None, (left if left < policy.canary_timeout_s else None)
+            return why, None, held_flat
+        left = limit - held_flat
+        return None, (left if left < policy.canary_timeout_s else None), held_flat
 
     def _forget_gone(self) -> None:
         """Drop what is kept of URLs not read for :data:`FORGET_AFTER_S`: a restarted engine's

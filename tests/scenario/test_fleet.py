@@ -82,15 +82,52 @@ async def test_a_wedged_engine_is_quarantined_and_its_requests_rescued(tmp_path:
         death = next(t for t in seen if t.shard == 1 and t.to_state is D)
         assert "STUCK" in death.cause or "stuck" in death.cause.lower()
         assert load.failures == [], load.failures[:3]
+        # Held there, each was hedged (sent to another engine as well) or rescued at the
+        # condemnation, or both: a hedge that had not answered yet by then goes on.
         rescued = fleet.router.stats.rescues
-        assert rescued >= 2
+        hedged = fleet.router.stats.hedges_won
+        assert rescued + hedged >= 2
         # the requests that were waiting on the wedge were answered elsewhere
         on_wedge = served_ids(held)
         answered = {r.request_id for r in load.results if r.ok}
         assert on_wedge and on_wedge <= answered | {r.request_id for r in load.results
                                                    if r.started > wedged_at}
         print(f"\nwedge: condemned after {detected_s:.1f} s (stall_s 2, tick 0.5), "
-              f"{rescued} rescued, {load.summary()}")
+              f"{rescued} rescued, {hedged} answered by hedges, {load.summary()}")
+
+
+async def test_requests_parked_on_a_wedge_are_answered_by_hedges_before_any_condemnation(
+    tmp_path: Path
+) -> None:
+    # A stall limit of 30 s: within this test only hedges can answer what the wedge holds.
+    async with running_fleet(tmp_path, fleet={"engines": 3}, health={"stall_s": 30.0}) as fleet:
+        wedged = fleet.ledger.shard(1).base_url
+        seen = record_transitions(fleet)
+        async with Load(fleet.router_url, concurrency=9, max_tokens=40) as load:
+            await until(lambda: fleet.router.in_flight().get(wedged, 0) >= 2,
+                        what="requests in flight on shard 1")
+            await fleet.inject_fault(1, "wedge", {})
+            wedged_at = time.monotonic()
+            parked = served_ids(await sim_stats(wedged)) - {
+                r.request_id for r in load.results}  # received there, not answered yet
+            assert parked
+
+            def answered() -> set[str]:
+                return {r.request_id for r in load.results if r.ok}
+
+            await until(lambda: parked <= answered(), timeout=20,
+                        what="every request parked on the wedge answered")
+            answered_s = time.monotonic() - wedged_at
+        assert load.failures == [], load.failures[:3]
+        assert fleet.router.stats.hedges_won >= len(parked)
+        assert fleet.router.stats.rescues == 0
+        # Out of routing for its lost races (SUSPECT), never condemned: the stall limit has
+        # not passed.
+        assert {t.to_state for t in seen if t.shard == 1} == {S}
+        assert fleet.ledger.state(1) is S
+        print(f"\nhedged: {len(parked)} parked answered {answered_s:.1f} s after the wedge "
+              f"(hedge_after_s 1), {fleet.router.stats.hedges} hedges, "
+              f"{fleet.router.stats.hedges_won} won, {load.summary()}")
 
 
 async def test_an_idle_wedge_is_caught(tmp_path: Path) -> None:

@@ -306,6 +306,8 @@ async def test_an_idle_wedge_is_condemned_by_the_request_it_holds_without_a_cana
             (late,) = await rounds(watchdog, held(), 1, 0.0)
     assert late.health is Health.CONDEMNED and late.canary is None
     assert "held a request" in late.evidence.summary
+    # How long it held the request with no step: what a hedge is decided on.
+    assert early.held_flat_s < 1.0 <= POLICY.stall_s <= late.held_flat_s
     assert len(canaries(await stats(http, sim.url))) == 1  # the healthy one only
 
 
@@ -328,6 +330,8 @@ async def test_a_request_held_through_slow_steps_is_never_condemned(
     assert all(r.health is not Health.CONDEMNED for r in reports), [
         (r.verdict, r.evidence.summary) for r in reports]
     assert Verdict.BUSY in {r.verdict for r in reports}
+    # Never held a second without a step: the default hedge_after_s (1 s) sends no hedge.
+    assert max(r.held_flat_s for r in reports) < 1.0, [r.held_flat_s for r in reports]
 
 
 async def test_a_visit_that_waited_on_its_canary_never_keeps_an_older_sample_over_a_newer(

@@ -315,9 +315,9 @@ class IdleSupervisor:
 
 def evidence_controller(r: Any, reads: ScriptedReads,
                         ledger_clock: Callable[[], float] = time.monotonic,
-                        ) -> tuple[Controller, Ledger]:
+                        **health: Any) -> tuple[Controller, Ledger]:
     config = Config.model_validate({"health": {"confirm_interval_s": 0.01,
-                                               "ejection_base_s": 0.3}})
+                                               "ejection_base_s": 0.3, **health}})
     h = config.health
     ledger = Ledger([e.url for e in r.engines],
                     Policy(ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s),
@@ -402,6 +402,40 @@ async def test_an_answered_canary_puts_an_ejected_engine_on_trial_and_a_request_
             assert (await r.post())[0] == 200
         await c.tick()  # the window with its completed trial request
         assert not ledger.shard(1).on_trial and r.router.pool.trial == frozenset()
+        await c.close()
+
+
+async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_stays_in(
+) -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()
+        reads = ScriptedReads(BUSY_REPORT)
+        # Its reads: a request held 0.1 s while it took no step, under hedge_after_s.
+        reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.1)
+        c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
+        r.router.set_serving_backends([bad.url])
+        tasks = [asyncio.create_task(r.post()) for _ in range(3)]
+        await until(lambda: bad.held == 3, what="3 held on the engine")
+        r.router.set_serving_backends([good.url, bad.url])
+        c.confirm(1, "silent requests")
+        await until(lambda: sum(t.url == bad.url for t in reads.probed) >= 3, what="reads")
+        # A lost core (no work in its gauges) is not hedged, however long: the request it
+        # holds is what condemns it.
+        reads.by_url[bad.url] = dataclasses.replace(
+            report(Verdict.LOST_CORE, Health.UNPROVEN), held_flat_s=0.5)
+        seen = len(reads.probed)
+        await until(lambda: len(reads.probed) >= seen + 3, what="more reads")
+        assert r.router.stats.hedges == 0 and c.hedged == 0
+        reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5)
+        assert [(await t)[0] for t in tasks] == [200] * 3  # the other engine's answers
+        assert good.answered == 3 and c.hedged == 3 and r.router.stats.hedges_won == 3
+        await until(lambda: bad.cancelled == 3, what="the held ones cancelled")
+        # Each lost the race: failed attempts, so the engine is out of routing until it proves
+        # itself (no new request waits there meanwhile). Only the stall limit condemns.
+        await until(lambda: ledger.ejected() == [1], what="ejected")
+        assert ledger.state(1) is S
+        assert r.router.serving_backends() == [good.url]
         await c.close()
 
 

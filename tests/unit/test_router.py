@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.ledger import Ledger
 from fleetwarden.router import Router, RouterSettings
-from support.router_rig import rig, until
+from fleetwarden.router.control import ControlError, RemoteRouter
+from support.router_rig import Rig, rig, until
 from support.scripted_engine import (
     CHAT,
     CHAT_STREAM,
@@ -373,6 +374,148 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         assert r.router.stats.rescues == parked
         assert r.router.drain_outcomes() == {good.url: (6, 0, 0)}  # a rescue is no failure
         assert r.router.rescue(wedged.url) == 0
+
+
+async def _held_on(r: Rig, engine: ScriptedEngine, n: int = 1, payload: object = None
+                   ) -> list[asyncio.Task[tuple[int, object, bytes]]]:
+    """``n`` requests sent while ``engine`` alone serves, held there; then every engine of
+    the rig serves again."""
+    r.router.set_serving_backends([engine.url])
+    held = engine.held + n
+    tasks = [asyncio.create_task(r.post(payload=payload)) for _ in range(n)]
+    await until(lambda: engine.held == held, what=f"{n} more held on {engine.url}")
+    r.router.set_serving_backends([e.url for e in r.engines])
+    return tasks
+
+
+async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step() -> None:
+    async with rig(2, health_managed=True) as r:
+        wedged, good = r.engines
+        wedged.wedge()
+        [task] = await _held_on(r, wedged)
+        assert r.router.hedge(wedged.url, 0.0) == 1
+        status, _, body = await task
+        assert (status, body) == (200, COMPLETION.body)  # the second engine's answer
+        assert good.answered == 1
+        await until(lambda: wedged.cancelled == 1, what="the held one cancelled")
+        assert (r.router.stats.hedges, r.router.stats.hedges_won) == (1, 1)
+        assert r.router.pool.retry_budget.retries_in_flight == 0  # its token is back
+        assert r.router.in_flight() == {good.url: 0}  # the held one, dropped, is forgotten
+        # The held engine lost the race: a failed attempt (out of routing until the next
+        # push; the ledger keeps it out until it proves itself), never a condemnation.
+        assert r.router.drain_outcomes() == {wedged.url: (0, 1, 1), good.url: (1, 0, 0)}
+        assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
+        assert r.router.serving_backends() == [good.url]
+        assert r.router.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
+
+
+async def test_the_first_answer_wins_and_the_other_attempt_is_cancelled() -> None:
+    async with rig(2, health_managed=True) as r:
+        slow, other = r.engines
+        slow.wedge()
+        other.wedge()
+        [task] = await _held_on(r, slow)
+        assert r.router.hedge(slow.url, 0.0) == 1
+        await until(lambda: other.held == 1, what="the hedge reached the other engine")
+        assert r.router.hedge(slow.url, 0.0) == 0  # hedged once, never twice
+        slow.unwedge()  # a long step ends: the original answers first
+        assert (await task)[0] == 200
+        await until(lambda: other.cancelled == 1, what="the hedge cancelled")
+        assert (r.router.stats.hedges, r.router.stats.hedges_won) == (1, 0)
+        assert r.router.pool.retry_budget.retries_in_flight == 0
+        await until(lambda: r.router.in_flight() == {slow.url: 0, other.url: 0})
+        assert r.router.drain_outcomes() == {slow.url: (1, 0, 0)}
+
+
+async def test_a_rescue_of_the_hedged_engine_leaves_the_answer_to_its_hedge() -> None:
+    async with rig(3, health_managed=True) as r:
+        wedged, hedge, spare = r.engines
+        wedged.wedge()
+        hedge.wedge()
+        spare.wedge()
+        [task] = await _held_on(r, wedged)
+        r.router.set_serving_backends([wedged.url, hedge.url])
+        assert r.router.hedge(wedged.url, 0.0) == 1
+        await until(lambda: hedge.held == 1, what="the hedge in flight")
+        r.router.set_serving_backends([hedge.url, spare.url])  # the wedge condemned...
+        assert r.router.rescue(wedged.url) == 1  # ... its request moves on: to its hedge
+        await until(lambda: wedged.cancelled == 1, what="the original cancelled")
+        hedge.unwedge()
+        assert (await task)[0] == 200
+        assert spare.received == 0  # not sent a third time
+        assert (r.router.stats.rescues, r.router.stats.hedges_won) == (1, 1)
+        assert r.router.drain_outcomes() == {hedge.url: (1, 0, 0)}  # a rescue is no failure
+
+
+async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
+    async with rig(2, health_managed=True) as r:
+        slow, failing = r.engines
+        slow.wedge()
+        failing.answer_status(503)
+        [task] = await _held_on(r, slow)
+        assert r.router.hedge(slow.url, 0.0) == 1
+        await until(lambda: failing.answered == 1, what="the hedge failed")
+        assert r.router.pool.retry_budget.retries_in_flight == 0
+        assert not task.done()
+        slow.unwedge()
+        assert (await task)[0] == 200
+        assert r.router.stats.hedges_won == 0
+        # The hedge's 5xx counts against its engine (and the reflex dropped it).
+        assert r.router.drain_outcomes() == {slow.url: (1, 0, 0), failing.url: (0, 1, 1)}
+        assert r.router.serving_backends() == [slow.url]
+
+
+async def test_a_client_that_leaves_cancels_both_attempts() -> None:
+    async with rig(2, health_managed=True) as r:
+        a, b = r.engines
+        a.wedge()
+        b.wedge()
+        [task] = await _held_on(r, a)
+        assert r.router.hedge(a.url, 0.0) == 1
+        await until(lambda: b.held == 1, what="the hedge in flight")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await until(lambda: a.cancelled == 1 and b.cancelled == 1, what="both cancelled")
+        await until(lambda: r.router.in_flight() == {a.url: 0, b.url: 0})
+        assert r.router.pool.retry_budget.retries_in_flight == 0
+        assert r.router.drain_outcomes() == {}
+
+
+async def test_what_is_never_hedged() -> None:
+    async with rig(2, health_managed=True, retry_budget_min=0, retry_budget_ratio=0.0) as r:
+        wedged, good = r.engines
+        wedged.wedge()
+        [task] = await _held_on(r, wedged)
+        stream = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+        [streamed] = await _held_on(r, wedged, payload=stream)
+        assert wedged.held == 2
+        assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        # The fleet's retry budget is spent (0 here) while the engine still serves: a hedge
+        # would add load. Out of the serving set, a hedge only moves its load: it is sent.
+        assert r.router.hedge(wedged.url, 0.0) == 0
+        r.router.set_serving_backends([good.url])
+        assert r.router.hedge(wedged.url, 0.0) == 1  # the stream is not hedged (a rescue
+        assert (await task)[0] == 200  # continues it)
+        await until(lambda: wedged.held == 1, what="only the stream left held")
+        wedged.unwedge()
+        assert (await streamed)[0] == 200
+
+
+async def test_the_control_api_hedges_and_refuses_bad_input() -> None:
+    async with rig(2, health_managed=True, control_token="t") as r:
+        wedged, _good = r.engines
+        wedged.wedge()
+        [task] = await _held_on(r, wedged)
+        async with RemoteRouter(r.router.control_url, "t") as remote:
+            for bad in ({"backend": wedged.url}, {"backend": 3, "held_s": 0},
+                        {"backend": wedged.url, "held_s": -1},
+                        {"backend": wedged.url, "held_s": True}):
+                with pytest.raises(ControlError) as err:
+                    await remote._call("POST", "/hedge", bad)
+                assert err.value.status == 400
+            assert await remote.hedge(wedged.url, 0.0) == 1
+        assert (await task)[0] == 200
 
 
 async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued() -> None:

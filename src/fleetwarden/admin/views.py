@@ -51,6 +51,7 @@ def describe(snap: Snapshot) -> dict[str, Any]:
         "journal": {"failure": snap.journal_failure, "dropped": snap.journal_dropped},
         "router": {"requests": snap.router.requests,
                    "rescues": snap.router.rescues,
+                   "hedges": snap.router.hedges,
                    "retries": dict(snap.router.retries)},
     }
 
@@ -159,6 +160,8 @@ class TrafficPoint:
     backend_failures: int
     retries: int
     rescues: int
+    #: Requests sent to a second engine while the first held them taking no step.
+    hedges: int = 0
 
 
 def traffic_point(stats: RouterStats | RouterCounters, at: float,
@@ -167,7 +170,8 @@ def traffic_point(stats: RouterStats | RouterCounters, at: float,
                  if status >= 500 or status in failure_statuses)
     return TrafficPoint(at=at, requests=stats.requests, errors=errors,
                         backend_failures=sum(stats.backend_failures.values()),
-                        retries=sum(stats.retries.values()), rescues=stats.rescues)
+                        retries=sum(stats.retries.values()), rescues=stats.rescues,
+                        hedges=stats.hedges)
 
 
 class Traffic:

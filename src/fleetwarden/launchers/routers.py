@@ -551,6 +551,8 @@ def _add(total: RouterStats, more: RouterStats) -> None:
     for kind, n in more.retries.items():
         total.retries[kind] = total.retries.get(kind, 0) + n
     total.rescues += more.rescues
+    total.hedges += more.hedges
+    total.hedges_won += more.hedges_won
     total.poison_requests += more.poison_requests
 
 
@@ -566,4 +568,6 @@ def _add_status(total: RouterStats, stats: Mapping[str, Any]) -> None:
     for kind, n in stats.get("retries", {}).items():
         total.retries[kind] = total.retries.get(kind, 0) + int(n)
     total.rescues += int(stats.get("rescues", 0))
+    total.hedges += int(stats.get("hedges", 0))
+    total.hedges_won += int(stats.get("hedges_won", 0))
     total.poison_requests += int(stats.get("poison_requests", 0))

@@ -175,6 +175,15 @@ class Router:
         backends, at once. Returns how many were moved."""
         return self._forwarder.rescue(url)
 
+    def hedge(self, url: str, held_s: float) -> int:
+        """Send each request held on ``url`` for ``held_s`` with nothing sent to its client to
+        another backend as well; the first answer is the client's
+        (:meth:`Forwarder.hedge <fleetwarden.router.forward.Forwarder.hedge>`). Returns how
+        many were sent."""
+        if not math.isfinite(held_s) or held_s < 0:
+            raise ValueError(f"held_s must be a finite number >= 0, got {held_s}")
+        return self._forwarder.hedge(url, held_s)
+
     def in_flight(self) -> dict[str, int]:
         """Requests in flight per backend, counted from dispatch to the last byte."""
         return self.pool.in_flight()
@@ -210,6 +219,8 @@ class Router:
                       "backend_failures": sum(self.stats.backend_failures.values()),
                       "retries": dict(self.stats.retries),
                       "rescues": self.stats.rescues,
+                      "hedges": self.stats.hedges,
+                      "hedges_won": self.stats.hedges_won,
                       "poison_requests": self.stats.poison_requests},
         }
 
@@ -292,6 +303,9 @@ class Router:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound_s
         idle_since: dict[int, float] = {}
+        log.info("draining: %d connection(s) open, up to %g s",
+                 len(server.connections) if server is not None else 0, bound_s)
+        idle_closed = 0
         while server is not None and server.connections and loop.time() < deadline:
             now = loop.time()
             for conn in list(server.connections):
@@ -299,7 +313,11 @@ class Router:
                     idle_since.pop(id(conn), None)
                 elif now - idle_since.setdefault(id(conn), now) >= IDLE_CLOSE_S:
                     conn.close()  # idle that long: no request of a keep-alive client races it
+                    idle_closed += 1
             await asyncio.sleep(_DRAIN_POLL_S)  # aiohttp has no event for "connection closed"
+        left = len(server.connections) if server is not None else 0
+        log.info("drained: %d idle connection(s) closed by the router, %d left at the bound",
+                 idle_closed, left)
 
     def listening_sockets(self) -> list[socket.socket]:
         """The sockets the router listens on now (none once it stopped accepting): what a
@@ -330,15 +348,20 @@ class Router:
             await site.stop()  # closes the listener at once (aiohttp: no await before it)
         loop = asyncio.get_running_loop()
         handler = self._runner.server  # the protocol factory every site serves with
+        served = 0
         for conn in queued:
             if handler is None:
                 conn.close()
                 continue
             try:
                 await loop.connect_accepted_socket(handler, conn)
+                served += 1
             except OSError as exc:  # the client gave up meanwhile
-                log.debug("a queued connection closed before it was served: %s", exc)
+                log.info("a queued connection closed before it was served: %s", exc)
                 conn.close()
+        open_now = len(handler.connections) if handler is not None else 0
+        log.info("stopped accepting: %d queued connection(s) taken and served here, %d open",
+                 served, open_now)
         return True
 
     async def stop(self) -> None:

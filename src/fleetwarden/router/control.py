@@ -16,6 +16,8 @@ PUT      /serving         ``{"backends": [url, ...],       ``{"serving": [url, .
 POST     /outcomes/drain  ``{"ack": batch or null}``       ``{"outcomes": {url: [s, f, t]},
                           (optional)                       "batch": id}``
 POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
+POST     /hedge           ``{"backend": url,               ``{"hedged": n}``
+                          "held_s": x}``
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
 PUT      /trial           ``{"backends": [url, ...]}``     ``{"trial": [url, ...]}``
 GET      /silent?after_s  -                                ``{"silent": {url: seconds}}``
@@ -102,6 +104,7 @@ class RouterControl(Protocol):
                                    facts: Mapping[str, BackendFacts] | None = None) -> None: ...
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
     async def rescue(self, url: str) -> int: ...
+    async def hedge(self, url: str, held_s: float) -> int: ...
     async def in_flight(self) -> dict[str, int]: ...
     async def set_retry_after(self, seconds: float | None) -> None: ...
     async def set_trial_backends(self, urls: Iterable[str]) -> None: ...
@@ -172,6 +175,16 @@ def make_control_app(router: Router, token: str) -> web.Application:
         if not isinstance(backend, str):
             raise _bad_request("'backend' must be a URL string")
         return web.json_response({"rescued": router.rescue(backend)})
+
+    async def hedge(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        backend, held_s = body.get("backend"), body.get("held_s")
+        if not isinstance(backend, str):
+            raise _bad_request("'backend' must be a URL string")
+        if (isinstance(held_s, bool) or not isinstance(held_s, int | float)
+                or not math.isfinite(held_s) or held_s < 0):
+            raise _bad_request("'held_s' must be a number of seconds >= 0")
+        return web.json_response({"hedged": router.hedge(backend, float(held_s))})
 
     async def in_flight(request: web.Request) -> web.Response:
         return web.json_response({"in_flight": router.in_flight()})
@@ -260,6 +273,7 @@ def make_control_app(router: Router, token: str) -> web.Application:
     app.router.add_put("/serving", put_serving)
     app.router.add_post("/outcomes/drain", drain)
     app.router.add_post("/rescue", rescue)
+    app.router.add_post("/hedge", hedge)
     app.router.add_get("/in-flight", in_flight)
     app.router.add_put("/retry-after", put_retry_after)
     app.router.add_put("/trial", put_trial)
@@ -358,6 +372,9 @@ class InProcessRouter:
     async def rescue(self, url: str) -> int:
         return self.router.rescue(url)
 
+    async def hedge(self, url: str, held_s: float) -> int:
+        return self.router.hedge(url, held_s)
+
     async def in_flight(self) -> dict[str, int]:
         return self.router.in_flight()
 
@@ -446,6 +463,10 @@ class RemoteRouter:
 
     async def rescue(self, url: str) -> int:
         return int((await self._call("POST", "/rescue", {"backend": url}))["rescued"])
+
+    async def hedge(self, url: str, held_s: float) -> int:
+        answer = await self._call("POST", "/hedge", {"backend": url, "held_s": held_s})
+        return int(answer["hedged"])
 
     async def in_flight(self) -> dict[str, int]:
         return {url: int(n) for url, n in (await self._call("GET", "/in-flight"))["in_flight"]

@@ -19,6 +19,15 @@ section 4):
   the request itself as the problem (poison): it is answered and counted no further.
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
+* The controller may also :meth:`Forwarder.hedge` a backend that holds requests while it takes
+  no step: each request waiting there long enough with nothing sent to its client is sent to
+  another backend as well, and the first answer is the client's; the other attempt is
+  cancelled (its engine sees the disconnect and aborts). The engine keeps its chance: a long
+  step that ends answers as before; when the hedge answers first, the held attempt is a
+  failure of its engine (``hedged``), reported like any other. A hedge takes a token of the
+  retry budget while it is in flight, unless its backend is already out of the serving set
+  (then, as for a reflex drop, it moves load rather than adding to it). Streams the router
+  continues are never hedged: a rescue continues them.
 * A streamed completion or chat whose engine fails it after its first bytes reached the client
   (a crash, a reset, a rescue from a wedge) is continued on another engine with the same
   weights, from the tokens already produced, and spliced into the client's stream
@@ -105,6 +114,9 @@ class Cause(enum.Enum):
     TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
+    #: It held the request, taking no step, while another engine answered it (a hedge):
+    #: counted like a timeout, so the engine leaves routing until it proves itself again.
+    HEDGED = "hedged"
     STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
     #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
     #: what a vLLM that is shut down (SIGTERM) answers for what it held, cut short. The client
@@ -123,6 +135,7 @@ _DESCRIPTIONS = {
     Cause.TIMEOUT: "did not answer within the backend timeout",
     Cause.SERVER_ERROR: "answered with a server error",
     Cause.RESCUED: "was condemned while the request waited on it",
+    Cause.HEDGED: "held the request without a step while another engine answered it",
     Cause.STREAM_ERROR: "ended the stream with a server error",
     Cause.ABORTED: "aborted the generation",
 }
@@ -155,6 +168,24 @@ class _Failure:
     body: bytes = b""
     #: What the push said of the backend when the attempt left (it may have left the list since).
     facts: BackendFacts = UNKNOWN_FACTS
+    #: Already counted against its backend (where a hedge was awaited after it).
+    counted: bool = False
+
+
+@dataclass(slots=True)
+class _Won:
+    """A hedge's answer that arrived first: its headers are in, nothing reached the client."""
+
+    backend: str
+    upstream: aiohttp.ClientResponse
+    backend_time: float
+    facts: BackendFacts
+
+
+#: What a waiting request needs for a hedge to be sent (:meth:`Forwarder.hedge`): the client's
+#: request, its body and headers, the backends it was tried on (the hedge adds its own) and
+#: its minimum weight version. ``None`` for a request that cannot be hedged (a stream).
+_HedgeContext = tuple[web.Request, bytes, list[tuple[str, str]], list[str], int | None]
 
 
 @dataclass(slots=True)
@@ -252,8 +283,10 @@ class Forwarder:
         self._session: aiohttp.ClientSession | None = None
         #: Requests waiting on each backend with nothing sent to their client: what a rescue
         #: may cancel. Each is the timeout scope around its wait, with the loop time it began
-        #: (what :meth:`silent` reports).
-        self._waiting: dict[str, dict[asyncio.Timeout, float]] = {}
+        #: (what :meth:`silent` reports) and what a hedge of it needs (None: not hedgeable).
+        self._waiting: dict[str, dict[asyncio.Timeout, tuple[float, _HedgeContext | None]]] = {}
+        #: Hedges in flight, by the scope of the wait they hedge (:meth:`hedge`).
+        self._hedging: dict[asyncio.Timeout, asyncio.Task[_Won | _Failure]] = {}
         #: Streams being relayed from each backend (their answer has begun): a rescue cuts
         #: them too, and they go on elsewhere.
         self._streaming: dict[str, set[asyncio.Timeout]] = {}
@@ -301,6 +334,40 @@ class Forwarder:
         self.stats.rescues += len(scopes)
         return len(scopes)
 
+    def hedge(self, backend: str, held_s: float) -> int:
+        """Send each request that has waited on ``backend`` for at least ``held_s`` with nothing
+        sent to its client (and is not a stream, nor hedged already) to another backend as
+        well; the first answer is the client's. Each hedge takes a retry-budget token while in
+        flight unless ``backend`` is out of the serving set; a hedge for which no token or no
+        other backend is left is not sent (a later call may). Returns how many were sent."""
+        waiting = self._waiting.get(backend)
+        if not waiting:
+            return 0
+        pool = self.pool
+        budget = pool.retry_budget
+        free = backend not in pool.serving
+        now = asyncio.get_running_loop().time()
+        sent = 0
+        for scope, (since, context) in list(waiting.items()):
+            if context is None or now - since < held_s or scope in self._hedging:
+                continue
+            request, body, headers, tried, min_version = context
+            other = pool.pick([*tried, backend], None, min_version=min_version)
+            if other is None:
+                continue  # no other backend for this one (its weight version, say)
+            if not free and not budget.try_acquire():
+                break  # the fleet's retry budget is spent: the next call may find a token
+            tried.append(other)
+            task = asyncio.create_task(
+                self._hedge(scope, backend, request, body, headers, other, not free),
+                name=f"hedge:{other}")
+            self._hedging[scope] = task
+            sent += 1
+        self.stats.hedges += sent
+        if sent:
+            log.info("hedged %d request(s) held on %s", sent, backend)
+        return sent
+
     def silent(self, after_s: float) -> dict[str, float]:
         """Backends holding a request that has received nothing for at least ``after_s``:
         ``{backend: seconds the oldest has waited}``."""
@@ -308,7 +375,7 @@ class Forwarder:
         out: dict[str, float] = {}
         for backend, waiting in self._waiting.items():
             if waiting:
-                oldest = now - min(waiting.values())
+                oldest = now - min(since for since, _ in waiting.values())
                 if oldest >= after_s:
                     out[backend] = oldest
         return out
@@ -401,7 +468,9 @@ class Forwarder:
                 if resend:
                     stats.retries[resend] += 1
                 tried.append(backend)
-                answer = await self._attempt(request, backend, body, headers, started, stream)
+                answer = await self._attempt(
+                    request, backend, body, headers, started, stream,
+                    None if stream is not None else (request, body, headers, tried, min_version))
                 if not isinstance(answer, _Failure):
                     return answer
                 failure = answer
@@ -415,7 +484,8 @@ class Forwarder:
                     # The same 5xx on a second backend: the request is the problem, not them.
                     stats.poison_requests += 1
                     return self._pass_through(failure)
-                self._count_failure(failure)
+                if not failure.counted:
+                    self._count_failure(failure)
                 last = failure
                 if failure.cause.never_reached_an_engine:
                     resend = "free"  # it cost no engine any work
@@ -445,9 +515,10 @@ class Forwarder:
 
     async def _attempt(self, request: web.Request, backend: str, body: bytes,
                        headers: list[tuple[str, str]], started: float,
-                       stream: _Stream | None = None) -> web.StreamResponse | _Failure:
-        """One try on one backend: its answer relayed, or why there is none."""
-        assert self._session is not None, "Forwarder.open() was not awaited"
+                       stream: _Stream | None = None,
+                       context: _HedgeContext | None = None) -> web.StreamResponse | _Failure:
+        """One try on one backend: its answer relayed, or why there is none. ``context``: what
+        a hedge of it needs (None: it is never hedged)."""
         pool = self.pool
         key = backend + request.raw_path  # the request target exactly as the client sent it
         if stream is not None:
@@ -455,63 +526,179 @@ class Forwarder:
             if stream.began and stream.continuation is not None:
                 key = backend + stream.continuation.path
                 body = stream.continuation.body
+        target = self._target(key)
+        facts = pool.facts(backend)  # what the push said of it as the attempt leaves
+        pool.dispatched(backend)
+        try:
+            sent = time.perf_counter()
+            answer, hedge = await self._wait_head(backend, request.method, target, body,
+                                                  headers, facts, context)
+            if hedge is not None:
+                if not isinstance(answer, _Failure):
+                    self._drop_hedge(hedge)  # this answer came first
+                else:
+                    return await self._after_hedge(request, hedge, answer, started)
+            if isinstance(answer, _Failure):
+                return answer
+            return await self._deliver(request, answer, backend, started,
+                                       time.perf_counter() - sent, stream, facts)
+        finally:
+            pool.finished(backend)
+
+    async def _wait_head(self, backend: str, method: str, target: URL, body: bytes,
+                         headers: list[tuple[str, str]], facts: BackendFacts,
+                         context: _HedgeContext | None,
+                         ) -> tuple[aiohttp.ClientResponse | _Failure,
+                                    asyncio.Task[_Won | _Failure] | None]:
+        """Send the request to ``backend`` and wait for the head of its answer, in
+        ``backend``'s waiting list (a rescue, or the answer of its hedge, ends the wait at
+        once). Returns the answer (a 5xx as a failure) and the hedge that was in flight for
+        it when the wait ended, if any."""
+        assert self._session is not None, "Forwarder.open() was not awaited"
+        waiting = self._waiting.get(backend)
+        if waiting is None:
+            waiting = self._waiting[backend] = {}
+        hedge: asyncio.Task[_Won | _Failure] | None = None
+        answer: aiohttp.ClientResponse | _Failure
+        try:
+            async with asyncio.timeout(None) as scope:
+                waiting[scope] = (asyncio.get_running_loop().time(), context)
+                try:
+                    upstream = await self._session.request(method, target, data=body,
+                                                           headers=headers,
+                                                           allow_redirects=False)
+                    if upstream.status >= 500:
+                        answer = _Failure(backend, Cause.SERVER_ERROR, upstream.status,
+                                          upstream.headers, await _read(upstream), facts)
+                    else:
+                        answer = upstream
+                        if upstream.content_type == "text/event-stream":
+                            _never_pooled(upstream)
+                finally:
+                    waiting.pop(scope, None)
+                    if self._hedging:
+                        hedge = self._hedging.pop(scope, None)
+        except TimeoutError as exc:
+            # Our own scope expired: the hedge's answer came first, or a rescue.
+            if not scope.expired():
+                cause = _classify(exc)
+            elif (hedge is not None and hedge.done() and not hedge.cancelled()
+                  and isinstance(hedge.result(), _Won)):
+                cause = Cause.HEDGED
+            else:
+                cause = Cause.RESCUED
+            answer = _Failure(backend, cause)
+        except aiohttp.ClientError as exc:
+            answer = _Failure(backend, _classify(exc))
+        except BaseException:  # the client left while both waited
+            if hedge is not None:
+                self._drop_hedge(hedge)
+            raise
+        return answer, hedge
+
+    async def _deliver(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                       backend: str, started: float, backend_time: float,
+                       stream: _Stream | None,
+                       facts: BackendFacts) -> web.StreamResponse | _Failure:
+        """Relay an answer whose headers have come (nothing of it reached the client yet)."""
+        try:
+            if stream is not None:
+                if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                    return await self._relay_stream(request, upstream, backend, started,
+                                                    backend_time, stream, facts)
+                if stream.began:  # the continuation was refused: say so, and end
+                    answer = (await _read(upstream))[:300].decode(errors="replace")
+                    return await self._end_stream(
+                        stream, None, f"the next engine answered {upstream.status}: {answer}")
+            length = upstream.content_length
+            if length is not None and length <= _WHOLE_ANSWER_BYTES:
+                # A small answer of known length: taken whole, then sent in one write. Nothing
+                # has reached the client yet, so a break here can still be retried, and so can
+                # a generation the engine aborted (a search of a few KB).
+                whole = await _read(upstream)
+                if (upstream.status == 200 and b'"abort"' in whole
+                        and _ABORTED.search(whole) is not None):
+                    return _Failure(backend, Cause.ABORTED, upstream.status, upstream.headers,
+                                    whole, facts)
+                return await self._answer_whole(request, upstream, whole, backend, started,
+                                                backend_time, facts)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return _Failure(backend, _classify(exc))
+        return await self._relay(request, upstream, backend, started, backend_time, facts)
+
+    # ------------------------------------------------------------------ hedges
+
+    async def _hedge(self, scope: asyncio.Timeout, backend: str, request: web.Request,
+                     body: bytes, headers: list[tuple[str, str]], other: str,
+                     token: bool) -> _Won | _Failure:
+        """The hedge of the request waiting in ``scope`` on ``backend``: the same request on
+        ``other``, up to its headers. The first of the two to answer wakes or drops the other
+        (:meth:`_attempt`); a failure here is counted against ``other`` and leaves the original
+        waiting."""
+        pool = self.pool
+        facts = pool.facts(other)
+        pool.dispatched(other)
+        won = False
+        try:
+            sent = time.perf_counter()
+            # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is
+            # never hedged itself: the original is its hedge).
+            answer, _ = await self._wait_head(other, request.method,
+                                              self._target(other + request.raw_path), body,
+                                              headers, facts, None)
+            if isinstance(answer, _Failure):
+                if answer.cause is not Cause.RESCUED:
+                    self._count_failure(answer)
+                return answer
+            won = True
+            if self._hedging.get(scope) is asyncio.current_task():
+                # the original still waits: wake it, this is the client's answer
+                scope.reschedule(asyncio.get_running_loop().time())
+            return _Won(other, answer, time.perf_counter() - sent, facts)
+        finally:
+            if not won:
+                pool.finished(other)
+            if token:
+                pool.retry_budget.release()
+
+    async def _after_hedge(self, request: web.Request, hedge: asyncio.Task[_Won | _Failure],
+                           failure: _Failure, started: float) -> web.StreamResponse | _Failure:
+        """The original attempt ended without an answer while its hedge was in flight (or
+        because the hedge's answer came): the hedge's answer is the client's, if it has one."""
+        if failure.cause is not Cause.RESCUED:
+            self._count_failure(failure)  # the original's own failure is evidence all the same
+            failure.counted = True
+        won = await hedge  # cancelled with this handler, if the client leaves
+        if isinstance(won, _Failure):
+            return failure
+        self.stats.hedges_won += 1
+        try:
+            return await self._deliver(request, won.upstream, won.backend, started,
+                                       won.backend_time, None, won.facts)
+        finally:
+            self.pool.finished(won.backend)
+
+    def _drop_hedge(self, hedge: asyncio.Task[_Won | _Failure]) -> None:
+        """The original answered first (or its client left): cancel the hedge, or close the
+        answer it already has (its engine sees the disconnect and aborts)."""
+        if not hedge.done():
+            hedge.cancel()
+            return
+        if hedge.cancelled():
+            return
+        won = hedge.result()
+        if isinstance(won, _Won):
+            won.upstream.close()
+            self.pool.finished(won.backend)
+
+    def _target(self, key: str) -> URL:
+        """The parsed URL of ``key`` (backend + path), cached."""
         target = self._targets.get(key)
         if target is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()  # query strings or many restarts: start afresh
             target = self._targets[key] = URL(key, encoded=True)
-        waiting = self._waiting.get(backend)
-        if waiting is None:
-            waiting = self._waiting[backend] = {}
-        facts = pool.facts(backend)  # what the push said of it as the attempt leaves
-        pool.dispatched(backend)
-        try:
-            sent = time.perf_counter()
-            try:
-                async with asyncio.timeout(None) as scope:
-                    waiting[scope] = asyncio.get_running_loop().time()
-                    try:
-                        upstream = await self._session.request(
-                            request.method, target, data=body, headers=headers,
-                            allow_redirects=False)
-                        if upstream.status >= 500:
-                            return _Failure(backend, Cause.SERVER_ERROR, upstream.status,
-                                            upstream.headers, await _read(upstream), facts)
-                        if upstream.content_type == "text/event-stream":
-                            _never_pooled(upstream)
-                    finally:
-                        waiting.pop(scope, None)
-                backend_time = time.perf_counter() - sent
-                if stream is not None:
-                    if upstream.status == 200 and upstream.content_type == "text/event-stream":
-                        return await self._relay_stream(request, upstream, backend, started,
-                                                        backend_time, stream, facts)
-                    if stream.began:  # the continuation was refused: say so, and end
-                        answer = (await _read(upstream))[:300].decode(errors="replace")
-                        return await self._end_stream(
-                            stream, None, f"the next engine answered {upstream.status}: "
-                            f"{answer}")
-                length = upstream.content_length
-                if length is not None and length <= _WHOLE_ANSWER_BYTES:
-                    # A small answer of known length: taken whole, then sent in one write.
-                    # Nothing has reached the client yet, so a break here can still be retried,
-                    # and so can a generation the engine aborted (a search of a few KB).
-                    whole = await _read(upstream)
-                    if (upstream.status == 200 and b'"abort"' in whole
-                            and _ABORTED.search(whole) is not None):
-                        return _Failure(backend, Cause.ABORTED, upstream.status,
-                                        upstream.headers, whole, facts)
-                    return await self._answer_whole(request, upstream, whole,
-                                                    backend, started, backend_time, facts)
-            except TimeoutError as exc:
-                if scope.expired():
-                    return _Failure(backend, Cause.RESCUED)
-                return _Failure(backend, _classify(exc))
-            except aiohttp.ClientError as exc:
-                return _Failure(backend, _classify(exc))
-            return await self._relay(request, upstream, backend, started, backend_time, facts)
-        finally:
-            pool.finished(backend)
+        return target
 
     async def _answer_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
                             body: bytes, backend: str, started: float,

@@ -41,8 +41,9 @@ class RouterStats:
     """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
-                 "backend_failures", "continuations", "poison_requests", "requests", "rescues",
-                 "responses", "retries", "streams_ended")
+                 "backend_failures", "continuations", "hedges", "hedges_won",
+                 "poison_requests", "requests", "rescues", "responses", "retries",
+                 "streams_ended")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -55,6 +56,10 @@ class RouterStats:
         #: load rather than adding it; paid: within max_retries and the fleet's retry budget.
         self.retries: dict[str, int] = {"free": 0, "paid": 0, "replaced": 0}
         self.rescues = 0
+        #: Requests sent to a second backend while the first held them taking no step
+        #: (:meth:`Forwarder.hedge`), and of those, the ones whose second answer came first.
+        self.hedges = 0
+        self.hedges_won = 0
         self.poison_requests = 0
         #: mode ("tokens": exact, from token ids; "text": from the text so far) -> streams
         #: continued on another engine after theirs failed them mid-answer
@@ -124,6 +129,18 @@ class RouterCollector(Collector):
             "Requests taken off a condemned backend before it sent anything, to be re-sent.")
         rescues.add_metric([], s.rescues)
         yield rescues
+
+        hedges = CounterMetricFamily(
+            "fleetwarden_router_hedges",
+            "Requests sent to a second backend as well while the first held them taking no "
+            "step (the first answer is the client's).")
+        hedges.add_metric([], s.hedges)
+        yield hedges
+        hedges_won = CounterMetricFamily(
+            "fleetwarden_router_hedges_won",
+            "Hedged requests answered by the second backend (the first was cancelled).")
+        hedges_won.add_metric([], s.hedges_won)
+        yield hedges_won
 
         poison = CounterMetricFamily(
             "fleetwarden_router_poison_requests",

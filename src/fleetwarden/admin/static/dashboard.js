@@ -407,7 +407,7 @@ function renderTraffic() {
     `requests ${last ? num(last.requests, 1) : "—"}/s`,
     `errors ${last ? num(last.errors, 2) : "—"}/s`,
     p ? `${p.requests} requests, ${p.errors} errors, ${p.backend_failures} backend failures, ` +
-        `${p.retries} retries, ${p.rescues} rescued` : "",
+        `${p.retries} retries, ${p.rescues} rescued, ${p.hedges} hedged` : "",
   ].filter(Boolean).join(" · ");
 }
 
