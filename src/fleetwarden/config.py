@@ -301,16 +301,16 @@ class HealthConfig(_Section):
     #: that shows progress is never sent a canary). Short generations here take 0.5-1.5 s;
     #: a longer wait costs a few reads of an engine that is simply busy, never more.
     silent_after_s: PositiveFloat = 1.0
-    #: A request the router holds while its engine shows work and takes not one step for this
-    #: long (every progress counter flat, on the focused reads) is sent to another engine as
-    #: well (a lost core, whose gauges show no work, is not hedged: see controller): the
-    #: first answer is the client's, the other is cancelled; a held request that lost counts
-    #: as a failed attempt (the engine leaves routing until it proves itself; only the stall
-    #: limit condemns). vLLM steps every 10-125 ms (the captures), so a
-    #: second without a step is 8 times its slowest one seen; a healthy engine that does pause
-    #: that long (one long prefill step) costs the duplicate work of what it held, within the
-    #: router's retry budget. ``null``: never hedge.
-    hedge_after_s: PositiveFloat | None = 1.0
+    #: A request the router holds while its engine shows work and takes not one step for
+    #: this long (every progress counter flat, on the focused reads) is sent to another
+    #: engine as well: the first answer is the client's, the other is cancelled. A held
+    #: request that lost counts as a failed attempt, so the engine leaves routing until it
+    #: proves itself; only the stall limit condemns. Not for a lost core (its gauges show no
+    #: work): the request it holds is what condemns it. vLLM steps every 10-125 ms (the
+    #: captures), so a second without a step is 8 times its slowest one seen; a healthy
+    #: engine that does pause that long (one long prefill step) costs the duplicate work of
+    #: what it held, within the router's retry budget, and its time out of routing. 0: never.
+    hedge_after_s: Annotated[float, Field(ge=0)] = 1.0
     #: How often the controller asks its in-process routers which engines hold silent
     #: requests (a router in another process is asked by a long poll of its control API,
     #: which looks every 0.25 s). An in-memory scan of the waiting requests.

@@ -368,7 +368,7 @@ class Controller:
             # hedged away it never would (measured: an idle wedge's requests hedged one by
             # one kept it in routing for the whole 24 s bench window).
             hedge_after = h.hedge_after_s
-            if (hedge_after is not None and r.verdict is Verdict.STALLED
+            if (hedge_after > 0 and r.verdict is Verdict.STALLED
                     and r.held_flat_s >= hedge_after):
                 await self._hedge(i, url, hedge_after)
             unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,

@@ -136,3 +136,11 @@ def test_a_bad_engine_kind_names_the_choices() -> None:
 def test_a_group_command_needs_its_port() -> None:
     with pytest.raises(ConfigError, match=r"must contain \{port\}"):
         parse_config({"fleet": {"groups": [{"engine": "llamacpp", "engine_cmd": "llama"}]}})
+
+
+def test_hedges_are_on_by_default_and_0_turns_them_off() -> None:
+    assert Config().health.hedge_after_s == 1.0
+    assert parse_config({"health": {"hedge_after_s": 0}}).health.hedge_after_s == 0
+    with pytest.raises(ConfigError) as err:
+        parse_config({"health": {"hedge_after_s": -1}})
+    assert "health.hedge_after_s = -1" in str(err.value)
