@@ -83,6 +83,8 @@ class FaultResult:
     quarantined_after_s: float | None = None
     back_after_s: float | None = None
     rescued: int = 0
+    #: Requests answered by a hedge: sent to another engine while the faulted one held them.
+    hedged: int = 0
     retried: int = 0
     client_errors: int = 0
     restarts: int = 0
@@ -182,6 +184,7 @@ class Story:
         fleet = self.fleet
         snap = fleet.snapshot()
         rescues, retries = snap.router.rescues, sum(snap.router.retries.values())
+        hedged = snap.router.hedges_won
         restarts = snap.restarts_completed
         kind = self.kind(shard)
         self.phase = f"{name}: {fault} on shard {shard} ({kind})"
@@ -227,6 +230,7 @@ class Story:
         await asyncio.sleep(1.0)  # the requests of the act finish before it is counted
         snap = fleet.snapshot()
         result.rescued = snap.router.rescues - rescues
+        result.hedged = snap.router.hedges_won - hedged
         result.retried = sum(snap.router.retries.values()) - retries
         result.restarts = snap.restarts_completed - restarts
         result.client_errors = self.errors_between(result.injected_at - 0.5, self.now())
@@ -463,6 +467,7 @@ def _summary(story: Story) -> dict[str, Any]:
             "requests": len(results), "ok": sum(1 for r in results if r.ok),
             "client_errors": sum(1 for r in results if not r.ok),
             "rescued": snap.router.rescues,
+            "hedged": snap.router.hedges_won,
             "retried": dict(snap.router.retries),
             "restarts": snap.restarts_completed,
             "p50_s": lat[len(lat) // 2] if lat else None,
@@ -493,7 +498,8 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
             line.append(f"serving again after {f['back_after_s']:.1f} s, ")
         if f["canaries"] is not None:
             line.append(f"{f['canaries']} canaries sent, ")
-        line.append(f"{f['rescued']} rescued, {f['retried']} retried, {f['restarts']} restarts, ")
+        line.append(f"{f['rescued']} rescued, {f['hedged']} answered by hedges, "
+                    f"{f['retried']} retried, {f['restarts']} restarts, ")
         line.append(f"{f['client_errors']} client errors",
                     style="red" if f["client_errors"] else "green")
         line.append(f" of {f['requests']} requests")
@@ -502,7 +508,8 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
             console.print(f"    [dim]{f['what_happened']}[/dim]")
     t = summary["totals"]
     console.print(f"totals: {t['requests']} requests, {t['ok']} ok, {t['client_errors']} "
-                  f"client errors; {t['rescued']} rescued, retries {t['retried']}, "
+                  f"client errors; {t['rescued']} rescued, {t['hedged']} answered by hedges, "
+                  f"retries {t['retried']}, "
                   f"{t['restarts']} restarts; latency p50 {t['p50_s'] or 0:.2f} s, "
                   f"p99 {t['p99_s'] or 0:.2f} s; {t['duration_s']:.0f} s in all")
 

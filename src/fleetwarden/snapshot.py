@@ -34,6 +34,7 @@ class RouterCounters:
     requests: int = 0
     rescues: int = 0
     hedges: int = 0
+    hedges_won: int = 0
     retries: Mapping[str, int] = field(default_factory=dict)
     responses: Mapping[int, int] = field(default_factory=dict)
     backend_failures: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -41,7 +42,7 @@ class RouterCounters:
     @classmethod
     def of(cls, stats: RouterStats) -> RouterCounters:
         return cls(requests=stats.requests, rescues=stats.rescues, hedges=stats.hedges,
-                   retries=dict(stats.retries),
+                   hedges_won=stats.hedges_won, retries=dict(stats.retries),
                    responses=dict(stats.responses),
                    backend_failures=dict(stats.backend_failures))
 

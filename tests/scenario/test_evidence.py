@@ -61,7 +61,8 @@ async def test_a_wedge_under_load_is_condemned_by_focused_reads_not_the_tick(
         assert "STUCK" in death.cause, death.cause
         assert fleet.controller.focus_started.get("silent requests", 0) >= 1
         assert fleet.controller.tick_number == 1
-        assert fleet.router.stats.rescues >= 2
+        # what it held: answered by hedges, or rescued at its condemnation
+        assert fleet.router.stats.rescues + fleet.router.stats.hedges_won >= 2
         assert load.failures == [], load.failures[:3]
 
 

@@ -52,6 +52,7 @@ def describe(snap: Snapshot) -> dict[str, Any]:
         "router": {"requests": snap.router.requests,
                    "rescues": snap.router.rescues,
                    "hedges": snap.router.hedges,
+                   "hedges_won": snap.router.hedges_won,
                    "retries": dict(snap.router.retries)},
     }
 

@@ -78,6 +78,9 @@ _UNAVAILABLE_RETRY_S = 0.5
 _GCS_CONNECT_TIMEOUT_S = 5.0
 #: Calls an actor serves at once: wait_exit blocks for the engine's lifetime beside stop.
 _ACTOR_CONCURRENCY = 4
+#: At close, the longest wait for actor creations still running in their threads (one takes
+#: well under a second on a live cluster; Ray's own RPC timeouts bound a dead one).
+CREATE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,9 @@ class RayLauncher:
         self.log_dir = (log_dir or fleet.log_dir).absolute()
         self._on_exit = on_exit
         self._handles: dict[str, RayEngineHandle] = {}
+        #: Actor creations still running in their threads (a launch cancelled meanwhile
+        #: leaves its thread running): ``close`` waits for them before it disconnects.
+        self._creating: set[threading.Event] = set()
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._connect_lock = asyncio.Lock()
         self._connected = False
@@ -288,10 +294,19 @@ class RayLauncher:
         await self.connect()
         launch_id = f"s{shard}-{uuid.uuid4().hex[:12]}"
         options = self._actor_options()
+        created = threading.Event()
+        self._creating.add(created)
+
+        def create() -> Any:
+            try:
+                return self._actor_class.options(name=f"fleetwarden-{launch_id}",
+                                                 **options).remote()
+            finally:
+                created.set()
+
         try:
-            actor = await asyncio.to_thread(
-                lambda: self._actor_class.options(name=f"fleetwarden-{launch_id}",
-                                                  **options).remote())
+            actor = await asyncio.to_thread(create)
+            self._creating.discard(created)
         except Exception as exc:  # invalid options, lost connection: Ray's own errors vary
             raise LaunchError(f"shard {shard}: cannot create a Ray actor: {exc}") from exc
         handle = RayEngineHandle(shard=shard, url="", launch_id=launch_id,
@@ -422,6 +437,15 @@ class RayLauncher:
         results = await asyncio.gather(*(self.stop(h) for h in handles), return_exceptions=True)
         failed = [f"shard {h.shard}: {r}" for h, r in zip(handles, results, strict=True)
                   if isinstance(r, BaseException)]
+        # An actor creation that ray.shutdown cuts never returns (Ray's get_actor waits on a
+        # closed connection), and its thread then holds this process's exit forever (seen in
+        # the Ray tier: a fleet stopped while the supervisor retried a failed launch).
+        creating = [e for e in self._creating if not e.is_set()]
+        self._creating.clear()
+        if creating:
+            deadline = time.monotonic() + CREATE_WAIT_S
+            await asyncio.to_thread(
+                lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in creating))
         if self._owns_connection:
             await asyncio.to_thread(ray.shutdown)
             self._owns_connection = self._connected = False

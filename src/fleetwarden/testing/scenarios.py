@@ -43,6 +43,8 @@ class Figures:
     cause: str = ""
     back_after_s: float | None = None
     rescued: int = 0
+    #: Requests answered by a hedge (sent to another engine while the faulted one held them).
+    hedged: int = 0
     retried: int = 0
     restarts: int = 0
     requests: int = 0
@@ -69,7 +71,8 @@ class Figures:
 
         return (f"{self.scenario} ({self.engines}): detected after {s(self.detected_after_s)} "
                 f"[{self.cause[:70]}], serving again after {s(self.back_after_s)}; "
-                f"{self.rescued} rescued, {self.retried} retried, {self.restarts} restarts, "
+                f"{self.rescued} rescued, {self.hedged} answered by hedges, "
+                f"{self.retried} retried, {self.restarts} restarts, "
                 f"{self.client_errors} client errors of {self.requests} requests, "
                 f"extra latency {s(self.extra_latency_s)}")
 
@@ -177,6 +180,7 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     fig.new_url = after["base_url"]
     router1 = await _router(up)
     fig.rescued = router1["rescues"] - router0["rescues"]
+    fig.hedged = router1.get("hedges_won", 0) - router0.get("hedges_won", 0)
     fig.retried = sum(router1["retries"].values()) - sum(router0["retries"].values())
     fig.restarts = after["restart_attempts"] - before["restart_attempts"]
     results = load.results
