@@ -309,7 +309,8 @@ class HealthConfig(_Section):
     #: work): the request it holds is what condemns it. vLLM steps every 10-125 ms (the
     #: captures), so a second without a step is 8 times its slowest one seen; a healthy
     #: engine that does pause that long (one long prefill step) costs the duplicate work of
-    #: what it held, within the router's retry budget, and its time out of routing. 0: never.
+    #: what it held, within the router's retry budget, and its time out of routing; a pause
+    #: it came back from is learned (its cadence), and a hedge then waits past it. 0: never.
     hedge_after_s: Annotated[float, Field(ge=0)] = 1.0
     #: How often the controller asks its in-process routers which engines hold silent
     #: requests (a router in another process is asked by a long poll of its control API,

@@ -367,8 +367,10 @@ class Controller:
             # work): there the request it holds is what condemns it (held_its_requests), and
             # hedged away it never would (measured: an idle wedge's requests hedged one by
             # one kept it in routing for the whole 24 s bench window).
-            hedge_after = h.hedge_after_s
-            if (hedge_after > 0 and r.verdict is Verdict.STALLED
+            # And never within a pause this engine was seen to come back from (a long prefill
+            # step seen before): past its own longest, or hedge_after_s, whichever is longer.
+            hedge_after = max(h.hedge_after_s, r.longest_pause_s)
+            if (h.hedge_after_s > 0 and r.verdict is Verdict.STALLED
                     and r.held_flat_s >= hedge_after):
                 await self._hedge(i, url, hedge_after)
             unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,

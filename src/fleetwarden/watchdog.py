@@ -150,6 +150,10 @@ class Report:
     #: it holds none, or the engine moved. What a hedge is decided on (the controller's
     #: ``hedge_after_s``); the stall limit of it condemns (:func:`held_its_requests`).
     held_flat_s: float = 0.0
+    #: The longest flat stretch this engine was seen to end with progress, at this load or
+    #: less (its cadence, ``judge.Cadence``): a pause it has come back from before. A hedge
+    #: waits past it.
+    longest_pause_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -333,6 +337,8 @@ class Watchdog:
             tokens_per_s=tokens_per_s, canary=canary,
             incarnation=reading.incarnation if isinstance(reading, Sample) else None,
             engine=memory.profile, held_flat_s=held_flat_s,
+            longest_pause_s=(judgement.cadence.gap_at(reading.running + reading.waiting)
+                             if isinstance(reading, Sample) else 0.0),
         )
 
     def _held(self, target: Target, memory: _Memory, before: Sample | None,

@@ -332,6 +332,10 @@ async def test_a_request_held_through_slow_steps_is_never_condemned(
     assert Verdict.BUSY in {r.verdict for r in reports}
     # Never held a second without a step: the default hedge_after_s (1 s) sends no hedge.
     assert max(r.held_flat_s for r in reports) < 1.0, [r.held_flat_s for r in reports]
+    print("\nheld with no step:", [round(r.held_flat_s, 2) for r in reports],
+          "\nlongest pause seen:", [round(r.longest_pause_s, 2) for r in reports])
+    # ...and the pauses it came back from are learned: a hedge would wait past them too.
+    assert reports[-1].longest_pause_s > 0
 
 
 async def test_a_visit_that_waited_on_its_canary_never_keeps_an_older_sample_over_a_newer(

@@ -426,6 +426,12 @@ async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_s
             report(Verdict.LOST_CORE, Health.UNPROVEN), held_flat_s=0.5)
         seen = len(reads.probed)
         await until(lambda: len(reads.probed) >= seen + 3, what="more reads")
+        # Nor within a pause it was seen to come back from (its cadence): 0.5 s held with no
+        # step, but it once paused 0.8 s and went on.
+        reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5,
+                                                    longest_pause_s=0.8)
+        seen = len(reads.probed)
+        await until(lambda: len(reads.probed) >= seen + 3, what="more reads")
         assert r.router.stats.hedges == 0 and c.hedged == 0
         reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5)
         assert [(await t)[0] for t in tasks] == [200] * 3  # the other engine's answers
