@@ -358,11 +358,15 @@ class Watchdog:
         policy = self.policy_for(memory.profile)
         limit = judgement.cadence.limit(reading.running + reading.waiting, policy)
         worked = any(v > 0 for v in reading.counters().values())
+        # A process that never advanced a counter may be in its first generation, which can be
+        # slow (compilation, cold caches): its held requests prove nothing, so none is hedged
+        # either (a lost race counts against the engine).
+        shown = held_flat if worked else 0.0
         why = held_its_requests(flat_for, target.held_s, limit, worked)
         if why is not None or not worked or judgement.verdict is not Verdict.LOST_CORE:
-            return why, None, held_flat
+            return why, None, shown
         left = limit - held_flat
-        return None, (left if left < policy.canary_timeout_s else None), held_flat
+        return None, (left if left < policy.canary_timeout_s else None), shown
 
     def _forget_gone(self) -> None:
         """Drop what is kept of URLs not read for :data:`FORGET_AFTER_S`: a restarted engine's

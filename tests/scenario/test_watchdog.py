@@ -441,3 +441,23 @@ async def test_a_proxy_in_the_fleet_is_found_and_judged_as_a_proxy(spawn: Any) -
     first = verdicts.index(Verdict.REACHABLE)
     assert verdicts[first:] == [Verdict.REACHABLE] * (8 - first)
     assert all(r.health is Health.PROVEN for r in reports[first:])
+
+
+async def test_a_request_held_by_a_process_that_never_worked_is_no_ground_for_a_hedge(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """Its first generation may be slow (compilation, cold caches): the time a request is held
+    there with no step is not reported, so the controller sends no hedge (whose lost race
+    would count against the engine)."""
+    sim: SimProcess = spawn("--fault", "wedge")  # wedged before it ever generated
+    loop = asyncio.get_running_loop()
+    async with Watchdog(POLICY) as watchdog, Load(http, sim.url, n=1, max_tokens=8):
+        sent = loop.time()
+        reports = []
+        for _ in range(5):
+            await asyncio.sleep(0.3)
+            reports += [await watchdog.probe(
+                Target(sim.url, in_flight=1, held_s=loop.time() - sent))]
+    assert {r.verdict for r in reports[1:]} <= {Verdict.STALLED, Verdict.LOST_CORE}, [
+        r.verdict for r in reports]
+    assert [r.held_flat_s for r in reports] == [0.0] * 5
