@@ -454,9 +454,9 @@ async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
         failing.answer_status(503)
         [task] = await _held_on(r, slow)
         assert r.router.hedge(slow.url, 0.0) == 1
-        await until(lambda: failing.answered == 1, what="the hedge failed")
-        assert r.router.pool.retry_budget.retries_in_flight == 0
-        assert not task.done()
+        await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
+                    what="the failed hedge gave its token back")
+        assert failing.answered == 1 and not task.done()
         slow.unwedge()
         assert (await task)[0] == 200
         assert r.router.stats.hedges_won == 0
@@ -480,6 +480,23 @@ async def test_a_client_that_leaves_cancels_both_attempts() -> None:
         await until(lambda: r.router.in_flight() == {a.url: 0, b.url: 0})
         assert r.router.pool.retry_budget.retries_in_flight == 0
         assert r.router.drain_outcomes() == {}
+
+
+async def test_a_hedge_cancelled_before_its_first_step_gives_its_budget_token_back() -> None:
+    # As when the original answers in the same turn of the loop as the hedge is sent: a task
+    # cancelled before it starts runs none of its own code.
+    async with rig(2, health_managed=True) as r:
+        wedged, _good = r.engines
+        wedged.wedge()
+        [task] = await _held_on(r, wedged)
+        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert r.router.pool.retry_budget.retries_in_flight == 1
+        [hedge] = r.router._forwarder._hedging.values()
+        hedge.cancel()
+        await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
+                    what="the token given back")
+        wedged.unwedge()
+        assert (await task)[0] == 200
 
 
 async def test_what_is_never_hedged() -> None:

@@ -359,8 +359,12 @@ class Forwarder:
                 break  # the fleet's retry budget is spent: the next call may find a token
             tried.append(other)
             task = asyncio.create_task(
-                self._hedge(scope, backend, request, body, headers, other, not free),
+                self._hedge(scope, backend, request, body, headers, other),
                 name=f"hedge:{other}")
+            if not free:
+                # Given back when the hedge ends, however: a task cancelled before its first
+                # step (its original answered in the same turn of the loop) runs no finally.
+                task.add_done_callback(lambda _: budget.release())
             self._hedging[scope] = task
             sent += 1
         self.stats.hedges += sent
@@ -630,7 +634,7 @@ class Forwarder:
 
     async def _hedge(self, scope: asyncio.Timeout, backend: str, request: web.Request,
                      body: bytes, headers: list[tuple[str, str]], other: str,
-                     token: bool) -> _Won | _Failure:
+                     ) -> _Won | _Failure:
         """The hedge of the request waiting in ``scope`` on ``backend``: the same request on
         ``other``, up to its headers. The first of the two to answer wakes or drops the other
         (:meth:`_attempt`); a failure here is counted against ``other`` and leaves the original
@@ -658,8 +662,6 @@ class Forwarder:
         finally:
             if not won:
                 pool.finished(other)
-            if token:
-                pool.retry_budget.release()
 
     async def _after_hedge(self, request: web.Request, hedge: asyncio.Task[_Won | _Failure],
                            failure: _Failure, started: float) -> web.StreamResponse | _Failure:
