@@ -88,10 +88,10 @@ class RouterLink(Protocol):
 
     async def in_flight(self) -> dict[str, int]: ...
 
+    async def set_retry_after(self, seconds: float | None) -> None: ...
+
     # Optional, asked with getattr: ``silent_backends(after_s)``, ``hedge(url, held_s)``,
     # ``set_trial_backends(urls)``, ``listen(callback)``.
-
-    async def set_retry_after(self, seconds: float | None) -> None: ...
 
 
 def _name(link: RouterLink) -> str:
@@ -173,8 +173,6 @@ class Controller:
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.focus_started: dict[str, int] = {}
-        #: Requests the routers hedged on the controller's word, since start.
-        self.hedged = 0
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._unlisten = [
             listen(self._evidence_from(k))
@@ -397,7 +395,6 @@ class Controller:
                 log.warning("router %s: hedge: %s", _name(link), exc)
                 continue
             if n:
-                self.hedged += n
                 log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
                          held_s, _name(link))
 

@@ -20,6 +20,7 @@ from support.fleet import (
     served_ids,
     sim_stats,
     until,
+    wedge_when_busy,
 )
 
 pytestmark = pytest.mark.scenario
@@ -49,12 +50,9 @@ async def test_a_refusing_engine_is_condemned_by_a_focused_read_at_once(tmp_path
 async def test_a_wedge_under_load_is_condemned_by_focused_reads_not_the_tick(
         tmp_path: Path) -> None:
     async with running_fleet(tmp_path, fleet={"engines": 3}, health=SLOW_TICK) as fleet:
-        wedged = fleet.ledger.shard(1).base_url
         seen = record_transitions(fleet)
         async with Load(fleet.router_url, concurrency=9, max_tokens=40) as load:
-            await until(lambda: fleet.router.in_flight().get(wedged, 0) >= 2,
-                        what="requests in flight on shard 1")
-            await fleet.inject_fault(1, "wedge", {})
+            await wedge_when_busy(fleet, 1)
             await until(lambda: any(t.shard == 1 and t.to_state is D for t in seen),
                         what="shard 1 condemned")
         death = next(t for t in seen if t.shard == 1 and t.to_state is D)

@@ -30,6 +30,7 @@ from support.fleet import (
     sim_stats,
     states,
     until,
+    wedge_when_busy,
 )
 
 pytestmark = pytest.mark.scenario
@@ -70,10 +71,7 @@ async def test_a_wedged_engine_is_quarantined_and_its_requests_rescued(tmp_path:
         wedged = fleet.ledger.shard(1).base_url
         seen = record_transitions(fleet)
         async with Load(fleet.router_url, concurrency=9, max_tokens=40) as load:
-            await until(lambda: fleet.router.in_flight().get(wedged, 0) >= 2,
-                        what="requests in flight on shard 1")
-            await fleet.inject_fault(1, "wedge", {})
-            wedged_at = time.monotonic()
+            wedged_at = await wedge_when_busy(fleet, 1)
             held = await sim_stats(wedged)
             await until(lambda: fleet.ledger.state(1) is not H and fleet.ledger.state(1)
                         is not S, timeout=30, what="shard 1 condemned")
@@ -104,10 +102,7 @@ async def test_requests_parked_on_a_wedge_are_answered_by_hedges_before_any_cond
         wedged = fleet.ledger.shard(1).base_url
         seen = record_transitions(fleet)
         async with Load(fleet.router_url, concurrency=9, max_tokens=40) as load:
-            await until(lambda: fleet.router.in_flight().get(wedged, 0) >= 2,
-                        what="requests in flight on shard 1")
-            await fleet.inject_fault(1, "wedge", {})
-            wedged_at = time.monotonic()
+            wedged_at = await wedge_when_busy(fleet, 1)
             parked = served_ids(await sim_stats(wedged)) - {
                 r.request_id for r in load.results}  # received there, not answered yet
             assert parked

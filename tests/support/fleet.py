@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,16 @@ async def until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "")
             raise AssertionError(f"not within {timeout} s: {what or cond}")
         await asyncio.sleep(0.05)
     return loop.time() - start
+
+
+async def wedge_when_busy(fleet: Fleet, shard: int) -> float:
+    """Wedge ``shard`` once it holds at least two of the router's requests (a wedge under
+    load); returns when, on ``time.monotonic()``."""
+    url = fleet.ledger.shard(shard).base_url
+    await until(lambda: fleet.router.in_flight().get(url, 0) >= 2,
+                what=f"requests in flight on shard {shard}")
+    await fleet.inject_fault(shard, "wedge", {})
+    return time.monotonic()
 
 
 def states(fleet: Fleet) -> list[ShardState]:

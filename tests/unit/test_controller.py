@@ -432,10 +432,10 @@ async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_s
                                                     longest_pause_s=0.8)
         seen = len(reads.probed)
         await until(lambda: len(reads.probed) >= seen + 3, what="more reads")
-        assert r.router.stats.hedges == 0 and c.hedged == 0
+        assert r.router.stats.hedges == 0
         reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5)
         assert [(await t)[0] for t in tasks] == [200] * 3  # the other engine's answers
-        assert good.answered == 3 and c.hedged == 3 and r.router.stats.hedges_won == 3
+        assert good.answered == 3 and r.router.stats.hedges_won == 3
         await until(lambda: bad.cancelled == 3, what="the held ones cancelled")
         # Each lost the race: failed attempts, so the engine is out of routing until it proves
         # itself (no new request waits there meanwhile). Only the stall limit condemns.

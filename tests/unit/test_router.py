@@ -409,14 +409,21 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step() 
         assert r.router.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
 
 
+async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, bytes]],
+                                             ScriptedEngine, ScriptedEngine]:
+    """Both engines of the rig wedged: a request held on the first, its hedge on the second."""
+    first, second = r.engines
+    first.wedge()
+    second.wedge()
+    [task] = await _held_on(r, first)
+    assert r.router.hedge(first.url, 0.0) == 1
+    await until(lambda: second.held == 1, what="the hedge in flight on the other engine")
+    return task, first, second
+
+
 async def test_the_first_answer_wins_and_the_other_attempt_is_cancelled() -> None:
     async with rig(2, health_managed=True) as r:
-        slow, other = r.engines
-        slow.wedge()
-        other.wedge()
-        [task] = await _held_on(r, slow)
-        assert r.router.hedge(slow.url, 0.0) == 1
-        await until(lambda: other.held == 1, what="the hedge reached the other engine")
+        task, slow, other = await _hedge_in_flight(r)
         assert r.router.hedge(slow.url, 0.0) == 0  # hedged once, never twice
         slow.unwedge()  # a long step ends: the original answers first
         assert (await task)[0] == 200
@@ -467,12 +474,7 @@ async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
 
 async def test_a_client_that_leaves_cancels_both_attempts() -> None:
     async with rig(2, health_managed=True) as r:
-        a, b = r.engines
-        a.wedge()
-        b.wedge()
-        [task] = await _held_on(r, a)
-        assert r.router.hedge(a.url, 0.0) == 1
-        await until(lambda: b.held == 1, what="the hedge in flight")
+        task, a, b = await _hedge_in_flight(r)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -80,7 +80,7 @@ _GCS_CONNECT_TIMEOUT_S = 5.0
 _ACTOR_CONCURRENCY = 4
 #: At close, the longest wait for actor creations still running in their threads (one takes
 #: well under a second on a live cluster; Ray's own RPC timeouts bound a dead one).
-CREATE_WAIT_S = 30.0
+_CREATE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -443,7 +443,7 @@ class RayLauncher:
         creating = [e for e in self._creating if not e.is_set()]
         self._creating.clear()
         if creating:
-            deadline = time.monotonic() + CREATE_WAIT_S
+            deadline = time.monotonic() + _CREATE_WAIT_S
             await asyncio.to_thread(
                 lambda: all(e.wait(max(0.0, deadline - time.monotonic())) for e in creating))
         if self._owns_connection:
