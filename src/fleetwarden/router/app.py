@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router.forward import Forwarder, error_response
@@ -416,7 +416,12 @@ class Router:
     async def _close_when_draining(self, request: web.Request,
                                    response: web.StreamResponse) -> None:
         if self._draining:
-            response.force_close()  # "Connection: close": the client's next request goes anew
+            # The close after this answer, and the header that tells the client (its next
+            # request goes anew). aiohttp wrote the Connection header from keep_alive before
+            # this hook runs, so force_close alone would close a connection the client was told
+            # to keep: a keep-alive client reusing it at once met the close.
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
 
     async def _metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.registry))
