@@ -501,6 +501,23 @@ async def test_a_hedge_cancelled_before_its_first_step_gives_its_budget_token_ba
         assert (await task)[0] == 200
 
 
+async def test_the_hedges_of_one_call_spread_over_the_other_engines() -> None:
+    async with rig(3, health_managed=True, retry_budget_min=4) as r:
+        wedged, a, b = r.engines
+        for engine in r.engines:
+            engine.wedge()
+        tasks = await _held_on(r, wedged, 4)
+        assert r.router.hedge(wedged.url, 0.0) == 4
+        # Each hedge counts on its engine as it is sent: the next pick sees it.
+        await until(lambda: (a.held, b.held) == (2, 2), what="two hedges on each")
+        assert r.router.in_flight() == {wedged.url: 4, a.url: 2, b.url: 2}
+        a.unwedge()
+        b.unwedge()
+        assert [(await t)[0] for t in tasks] == [200] * 4
+        await until(lambda: r.router.in_flight() == {a.url: 0, b.url: 0},
+                    what="nothing left in flight")
+
+
 async def test_what_is_never_hedged() -> None:
     async with rig(2, health_managed=True, retry_budget_min=0, retry_budget_ratio=0.0) as r:
         wedged, good = r.engines

@@ -58,6 +58,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -358,12 +359,16 @@ class Forwarder:
             if not free and not budget.try_acquire():
                 break  # the fleet's retry budget is spent: the next call may find a token
             tried.append(other)
+            # In flight on ``other`` from now, so the next pick of this call sees it (several
+            # held requests' hedges spread as requests do).
+            pool.dispatched(other)
             task = asyncio.create_task(
                 self._hedge(scope, backend, request, body, headers, other),
                 name=f"hedge:{other}")
+            # Whatever ends it: a task cancelled before its first step (its original answered
+            # in the same turn of the loop) runs none of its own code.
+            task.add_done_callback(partial(_hedge_ended, pool, other))
             if not free:
-                # Given back when the hedge ends, however: a task cancelled before its first
-                # step (its original answered in the same turn of the loop) runs no finally.
                 task.add_done_callback(lambda _: budget.release())
             self._hedging[scope] = task
             sent += 1
@@ -639,29 +644,21 @@ class Forwarder:
         ``other``, up to its headers. The first of the two to answer wakes or drops the other
         (:meth:`_attempt`); a failure here is counted against ``other`` and leaves the original
         waiting."""
-        pool = self.pool
-        facts = pool.facts(other)
-        pool.dispatched(other)
-        won = False
-        try:
-            sent = time.perf_counter()
-            # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is
-            # never hedged itself: the original is its hedge).
-            answer, _ = await self._wait_head(other, request.method,
-                                              self._target(other + request.raw_path), body,
-                                              headers, facts, None)
-            if isinstance(answer, _Failure):
-                if answer.cause is not Cause.RESCUED:
-                    self._count_failure(answer)
-                return answer
-            won = True
-            if self._hedging.get(scope) is asyncio.current_task():
-                # the original still waits: wake it, this is the client's answer
-                scope.reschedule(asyncio.get_running_loop().time())
-            return _Won(other, answer, time.perf_counter() - sent, facts)
-        finally:
-            if not won:
-                pool.finished(other)
+        facts = self.pool.facts(other)
+        sent = time.perf_counter()
+        # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is never
+        # hedged itself: the original is its hedge).
+        answer, _ = await self._wait_head(other, request.method,
+                                          self._target(other + request.raw_path), body,
+                                          headers, facts, None)
+        if isinstance(answer, _Failure):
+            if answer.cause is not Cause.RESCUED:
+                self._count_failure(answer)
+            return answer
+        if self._hedging.get(scope) is asyncio.current_task():
+            # the original still waits: wake it, this is the client's answer
+            scope.reschedule(asyncio.get_running_loop().time())
+        return _Won(other, answer, time.perf_counter() - sent, facts)
 
     async def _after_hedge(self, request: web.Request, hedge: asyncio.Task[_Won | _Failure],
                            failure: _Failure, started: float) -> web.StreamResponse | _Failure:
@@ -963,3 +960,11 @@ class Forwarder:
         return error_response(
             413, f"Request body larger than {self.settings.max_body_bytes} bytes.",
             "request_too_large")
+
+
+def _hedge_ended(pool: Pool, backend: str, task: asyncio.Task[_Won | _Failure]) -> None:
+    """A hedge's attempt on ``backend`` is no longer in flight, unless it won: then its
+    answer is, until the client has it or it is dropped (:meth:`Forwarder._after_hedge`,
+    :meth:`Forwarder._drop_hedge`)."""
+    if task.cancelled() or task.exception() is not None or not isinstance(task.result(), _Won):
+        pool.finished(backend)
