@@ -517,6 +517,21 @@ async def _wait_serving(router: RunningRouter, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not serve /v1/models within {timeout_s:.0f} s")
 
 
+async def _serve_once(urls: list[str]) -> None:
+    """One short generation on each engine, sent to it directly before any router starts: an
+    engine that wedges while idle in service has served before, and a watchdog may rightly
+    treat a process that never generated anything otherwise (its first generation may be slow).
+    Without it the idle wedge could land while a router's first probe was in flight, and that
+    run then measured a cold start instead. Before the router, so that its first read already
+    sees the counters where they stay: idle means idle for every read it takes."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        for url in urls:
+            async with http.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": "warm", "max_tokens": 1}) as resp:
+                resp.raise_for_status()
+                await resp.read()
+
+
 async def _inject(url: str, mode: str) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         try:
@@ -645,6 +660,8 @@ def run_one(spec: RouterSpec, scenario: Scenario, quick: bool, keep: bool,
         else:
             urls = launcher.sims(scenario)
             engines = Engines(urls, _inject, StatsLog(urls))
+            if scenario.idle_before_s:
+                asyncio.run(_serve_once(urls))  # before any router: see _serve_once
         try:
             router = launcher.router(spec, engines.urls)
         except PeerUnavailable as exc:
