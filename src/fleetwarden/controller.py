@@ -43,12 +43,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fleetwarden.config import Config
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Verdict
+from fleetwarden.judge import Health, Verdict
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -168,6 +168,8 @@ class Controller:
         supervisor.before_stop = self.released
         #: Shards under focused reads, by index: the task doing them.
         self._focus: dict[int, asyncio.Task[None]] = {}
+        #: A hedged lost core's watching canary, by shard (:meth:`_hedge_lost_core`).
+        self._watching: dict[int, asyncio.Task[None]] = {}
         #: Links whose outcomes are drained now (an evidence event came), not at the tick.
         self._drain_pending: set[int] = set()
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
@@ -360,17 +362,19 @@ class Controller:
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
-            # Work it shows, and not one step for hedge_after_s with a request held: its
-            # requests go to another engine as well. Not a lost core (its gauges show no
-            # work): there the request it holds is what condemns it (held_its_requests), and
-            # hedged away it never would (measured: an idle wedge's requests hedged one by
-            # one kept it in routing for the whole 24 s bench window).
-            # And never within a pause this engine was seen to come back from (a long prefill
-            # step seen before): past its own longest, or hedge_after_s, whichever is longer.
+            # Not one step for hedge_after_s with a request held: its requests go to another
+            # engine as well. Never within a pause this engine was seen to come back from (a
+            # long prefill step seen before): past its own longest, or hedge_after_s, whichever
+            # is longer. On a lost core (its gauges show no work) the request it holds was
+            # what would condemn it (held_its_requests), and hedged away it never would
+            # (measured: an idle wedge's requests hedged one by one kept it in routing for the
+            # whole 24 s bench window): a canary sent with the hedges takes over their watch.
             hedge_after = max(h.hedge_after_s, r.longest_pause_s)
-            if (h.hedge_after_s > 0 and r.verdict is Verdict.STALLED
-                    and r.held_flat_s >= hedge_after):
-                await self._hedge(i, url, hedge_after)
+            if h.hedge_after_s > 0 and r.held_flat_s >= hedge_after:
+                if r.verdict is Verdict.STALLED:
+                    await self._hedge(i, url, hedge_after)
+                elif r.verdict is Verdict.LOST_CORE:
+                    await self._hedge_lost_core(i, url, r, hedge_after)
             unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
                                       Verdict.LOST_CORE, Verdict.NO_METRICS)
             if not first and not unsettled and rec.ejected_until is None:
@@ -379,6 +383,34 @@ class Controller:
                 return
             first = False
             await asyncio.sleep(h.confirm_interval_s)
+
+    async def _hedge_lost_core(self, i: int, url: str, r: Report, held_s: float) -> None:
+        """Hedge a lost core's held requests, with a canary sent as they are, unless one sent
+        with earlier hedges still waits: it takes over their watch (:meth:`_watch_hedged`).
+        Sent first, so that the engine holds work throughout (the hedges' answers cancel the
+        requests it held). In a task of its own: the focused reads go on meanwhile, and
+        requests that reach ``held_s`` there later are hedged then."""
+        if i not in self._watching:
+            task = self._spawn(self._watch_hedged(i, url, r), f"watch-hedged:{i}")
+            if task is not None:
+                self._watching[i] = task
+                task.add_done_callback(lambda _: self._watching.pop(i, None))
+                await asyncio.sleep(0)  # its canary leaves before the hedges are asked for
+        await self._hedge(i, url, held_s)
+
+    async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
+        """The canary that watches a hedged lost core: no answer for what its held requests
+        had left of the stall limit, and nothing advanced, condemn it
+        (:meth:`Watchdog.watch_hedged`)."""
+        assert self.watchdog is not None
+        canary, why = await self.watchdog.watch_hedged(url, r.held_flat_s)
+        rec = self.ledger.shard(i)
+        if why is None or rec.base_url != url or rec.state in ABSENT:
+            return
+        self.reports[i] = condemned = replace(
+            r, health=Health.CONDEMNED, canary=canary,
+            evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
+        self.apply_report(i, condemned, progress_proves=False)
 
     async def _hedge(self, i: int, url: str, held_s: float) -> None:
         """Shard ``i``'s engine held a request ``held_s`` and took no step: every router sends

@@ -62,6 +62,7 @@ from fleetwarden.judge import (
     flat,
     held_its_canary,
     held_its_requests,
+    held_then_canary,
     judge,
 )
 from fleetwarden.probe import describe as _describe
@@ -341,6 +342,35 @@ class Watchdog:
                              if isinstance(reading, Sample) else 0.0),
         )
 
+    async def watch_hedged(self, url: str, held_flat_s: float,
+                           ) -> tuple[CanaryResult | None, str | None]:
+        """A canary for a lost core whose held requests are being hedged away (the caller
+        hedges them as this is sent): those requests, cancelled when their hedges answer, will
+        not reach the stall limit there, so the canary takes over their watch. It waits what
+        they had left of the limit; no answer and no counter advanced condemn
+        (:func:`~fleetwarden.judge.held_then_canary`). Returns the canary (``None`` when the
+        last read of the engine is not a sample to compare with) and why it condemns, if it
+        does."""
+        memory = self._memory.get(url)
+        if memory is None or memory.sample is None:
+            return None, None
+        before, policy = memory.sample, self.policy_for(memory.profile)
+        limit = memory.cadence.limit(before.running + before.waiting, policy)
+        memory.canary_at = self._clock()
+        canary = await self.canary(url, memory, timeout_s=max(limit - held_flat_s, 0.1))
+        if canary.ok or canary.status is not None:
+            return canary, None  # it answered: whatever it is, it is not a wedge
+        after = await self._read(url, False, memory)
+        if not isinstance(after, Sample):
+            return canary, None
+        why = held_then_canary(before, after, held_flat_s, canary.latency_s, limit)
+        now = self._clock()
+        if now >= memory.sample_at:  # as probe keeps it, unless a newer one was kept meanwhile
+            if not flat(memory.sample, after):
+                memory.flat_since = now
+            memory.sample, memory.sample_at = after, now
+        return canary, why
+
     def _held(self, target: Target, memory: _Memory, before: Sample | None,
               reading: Reading, judgement: Judgement,
               now: float) -> tuple[str | None, float | None, float]:
@@ -489,13 +519,15 @@ class Watchdog:
 
     # ------------------------------------------------------------------ the canary
 
-    async def canary(self, url: str, memory: _Memory | None = None) -> CanaryResult:
-        """One tiny completion (``max_tokens`` 1), with the canary timeout over everything."""
+    async def canary(self, url: str, memory: _Memory | None = None,
+                     timeout_s: float | None = None) -> CanaryResult:
+        """One tiny completion (``max_tokens`` 1), with the canary timeout (or ``timeout_s``)
+        over everything."""
         if memory is None:
             memory = self._memory.setdefault(url, _Memory())
             memory.visited_at = self._clock()
         started = self._clock()
-        timeout = self.policy.canary_timeout_s
+        timeout = self.policy.canary_timeout_s if timeout_s is None else timeout_s
 
         def result(ok: bool, status: int | None = None, error: str = "") -> CanaryResult:
             return CanaryResult(ok, self._clock() - started, status, error)

@@ -311,6 +311,38 @@ async def test_an_idle_wedge_is_condemned_by_the_request_it_holds_without_a_cana
     assert len(canaries(await stats(http, sim.url))) == 1  # the healthy one only
 
 
+async def test_a_hedged_lost_cores_canary_condemns_it_when_the_limit_is_reached_together(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """The requests a lost core holds are hedged away (cancelled when their hedges answer),
+    so they will not reach the stall limit: the canary sent with the hedges waits what they had
+    left of it, and with no answer and nothing advanced, condemns. On an engine that works,
+    the same canary answers and condemns nothing."""
+    wedged: SimProcess = spawn()
+    fine: SimProcess = spawn()
+    async with Watchdog(POLICY) as watchdog:
+        for sim in (wedged, fine):
+            (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
+            assert healthy.canary is not None and healthy.canary.ok  # it has worked
+        await set_fault(http, wedged.url, "wedge")
+        async with Load(http, wedged.url, n=1, max_tokens=8):
+            sent = asyncio.get_running_loop().time()
+            await asyncio.sleep(0.5)
+            age = asyncio.get_running_loop().time() - sent
+            (read,) = await rounds(watchdog, Target(wedged.url, in_flight=1, held_s=age,
+                                                    confirm=True), 1, 0.0)
+            assert read.verdict is Verdict.LOST_CORE and read.canary is None
+            assert 0 < read.held_flat_s < POLICY.stall_s
+            canary, why = await watchdog.watch_hedged(wedged.url, read.held_flat_s)
+        canary_fine, why_fine = await watchdog.watch_hedged(fine.url, 0.5)
+    assert canary is not None and not canary.ok and why is not None
+    assert "held a request" in why and "stall limit 1 s" in why
+    # It waited what the held request had left of the limit, not a whole canary timeout.
+    timeout = float(canary.error.removeprefix("no answer within ").removesuffix(" s"))
+    assert timeout == pytest.approx(POLICY.stall_s - read.held_flat_s, abs=1e-3)
+    assert canary_fine is not None and canary_fine.ok and why_fine is None
+
+
 async def test_a_request_held_through_slow_steps_is_never_condemned(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:

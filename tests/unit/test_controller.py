@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import pytest
+
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
@@ -295,6 +297,11 @@ class ScriptedReads:
         self.default = default
         self.by_url: dict[str, Report] = {}
         self.probed: list[Target] = []
+        #: (url, held_flat_s) of each hedged lost core's watching canary; each returns
+        #: ``watch_result`` once ``watch_released`` is set.
+        self.watches: list[tuple[str, float]] = []
+        self.watch_result: tuple[CanaryResult | None, str | None] = (None, None)
+        self.watch_released = asyncio.Event()
 
     async def probe(self, target: Target) -> Report:
         self.probed.append(target)
@@ -303,6 +310,12 @@ class ScriptedReads:
 
     async def round(self, targets: list[Target]) -> dict[str, Report]:
         return {t.url: await self.probe(t) for t in targets}
+
+    async def watch_hedged(self, url: str, held_flat_s: float,
+                           ) -> tuple[CanaryResult | None, str | None]:
+        self.watches.append((url, held_flat_s))
+        await self.watch_released.wait()
+        return self.watch_result
 
 
 class IdleSupervisor:
@@ -420,12 +433,6 @@ async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_s
         r.router.set_serving_backends([good.url, bad.url])
         c.confirm(1, "silent requests")
         await until(lambda: sum(t.url == bad.url for t in reads.probed) >= 3, what="reads")
-        # A lost core (no work in its gauges) is not hedged, however long: the request it
-        # holds is what condemns it.
-        reads.by_url[bad.url] = dataclasses.replace(
-            report(Verdict.LOST_CORE, Health.UNPROVEN), held_flat_s=0.5)
-        seen = len(reads.probed)
-        await until(lambda: len(reads.probed) >= seen + 3, what="more reads")
         # Nor within a pause it was seen to come back from (its cadence): 0.5 s held with no
         # step, but it once paused 0.8 s and went on.
         reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5,
@@ -442,6 +449,51 @@ async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_s
         await until(lambda: ledger.ejected() == [1], what="ejected")
         assert ledger.state(1) is S
         assert r.router.serving_backends() == [good.url]
+        await c.close()
+
+
+@pytest.mark.parametrize("canary_answers", [False, True])
+async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them_keeps_watch(
+        canary_answers: bool) -> None:
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()
+        reads = ScriptedReads(BUSY_REPORT)
+        # No work in its gauges, a request held 0.5 s with no step: a lost core.
+        reads.by_url[bad.url] = dataclasses.replace(
+            report(Verdict.LOST_CORE, Health.UNPROVEN), held_flat_s=0.5)
+        c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
+        seen_transitions: list[Any] = []
+        ledger.subscribe(seen_transitions.append)
+        r.router.set_serving_backends([bad.url])
+        tasks = [asyncio.create_task(r.post()) for _ in range(3)]
+        await until(lambda: bad.held == 3, what="3 held on the engine")
+        r.router.set_serving_backends([good.url, bad.url])
+        c.confirm(1, "silent requests")
+        # Its requests are answered by the other engine (hedged away, they will never reach
+        # the stall limit there); one canary, sent with the first hedges, keeps the watch.
+        assert [(await t)[0] for t in tasks] == [200] * 3
+        assert good.answered == 3 and r.router.stats.hedges_won == 3
+        await until(lambda: bad.cancelled == 3, what="the held ones cancelled")
+        await until(lambda: ledger.ejected() == [1], what="ejected: each lost the race")
+        assert reads.watches == [(bad.url, 0.5)]
+        # The focused reads go on while the canary waits, and send no second one.
+        seen = len(reads.probed)
+        await until(lambda: len(reads.probed) >= seen + 3, what="reads while it waits")
+        assert len(reads.watches) == 1
+        if canary_answers:
+            reads.watch_result = (CanaryResult(True, 0.2, 200), None)
+        else:
+            reads.watch_result = (CanaryResult(False, 4.5, None, "no answer"),
+                                  "the canary sent with the hedges got no answer")
+        reads.watch_released.set()
+        if canary_answers:  # not a wedge: out of routing until it proves itself, as before
+            seen = len(reads.probed)
+            await until(lambda: len(reads.probed) >= seen + 3, what="reads after it")
+            assert ledger.state(1) is S
+        else:
+            await until(lambda: ledger.state(1) is D, what="condemned by the canary")
+            assert "got no answer" in seen_transitions[-1].cause
         await c.close()
 
 

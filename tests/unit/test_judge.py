@@ -30,6 +30,7 @@ from fleetwarden.judge import (
     flat,
     held_its_canary,
     held_its_requests,
+    held_then_canary,
     judge,
 )
 
@@ -591,6 +592,21 @@ def test_less_than_the_limit_of_either_proves_nothing() -> None:
 
 def test_a_process_that_never_advanced_a_counter_may_be_in_its_slow_first_generation() -> None:
     assert held_its_requests(flat_for_s=60.0, held_s=60.0, limit_s=5.0, worked=False) is None
+
+
+def test_a_hedged_lost_cores_canary_concludes_when_the_two_spans_reach_the_limit() -> None:
+    # A request held 1.1 s with nothing advancing, then hedged away; the canary sent with the
+    # hedges got no answer for the 3.9 s they had left, and nothing advanced: the limit's span.
+    why = held_then_canary(IDLE, IDLE, held_flat_s=1.1, canary_latency_s=3.9, limit_s=5.0)
+    assert why is not None and "held a request 1.1 s" in why and "canary 3.9 s" in why
+    assert held_then_canary(IDLE, IDLE, 1.1, 3.8, 5.0) is None  # short of the limit together
+    assert held_then_canary(IDLE, IDLE, 1.1, 9.0, 12.0) is None  # its own cadence's limit
+
+
+def test_a_hedged_lost_core_that_advanced_anything_for_the_canary_is_not_wedged() -> None:
+    for moved in ({"prompt_tokens": 41}, {"steps": 1001}, {"generation_tokens": 4001}):
+        assert held_then_canary(IDLE, replace(IDLE, **moved), 1.1, 3.9, 5.0) is None  # type: ignore[arg-type]
+    assert held_then_canary(IDLE, replace(IDLE, start_time=1.8e9), 1.1, 3.9, 5.0) is None
 
 
 def test_flat_means_the_same_process_and_no_counter_moved() -> None:
