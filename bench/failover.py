@@ -498,6 +498,10 @@ class StatsLog:
                       if path in GENERATION_PATHS and rid.startswith("load-"))
 
 
+#: Before an idle wedge, after the router serves: see _drive.
+IDLE_SETTLE_S = 2.0
+
+
 async def _wait_serving(router: RunningRouter, timeout_s: float = 60.0) -> None:
     url = router.url
     deadline = time.monotonic() + timeout_s
@@ -589,6 +593,11 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
     try:
         fault_at = None
         if scenario.fault and scenario.idle_before_s:
+            # A fleet that has run a moment: its first reads and probes are done, as they
+            # are long done when a serving fleet's idle engine wedges. A fault that met a
+            # router's first probe in flight left that router no reading of the engine
+            # from before it (a cold start, which this scenario is not about).
+            await asyncio.sleep(IDLE_SETTLE_S)
             await engines.inject(bad, scenario.fault)
             await asyncio.sleep(scenario.idle_before_s)
         load.start()
