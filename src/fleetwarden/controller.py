@@ -526,6 +526,7 @@ class Controller:
                           confirm=self.ledger.state(i) is ShardState.SUSPECT)
                    for url, i in shards.items()]
         reports = await self.watchdog.round(targets)
+        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
         for url, i in shards.items():
             r = reports.get(url)
             if r is None or self.ledger.shard(i).base_url != url:
@@ -550,7 +551,7 @@ class Controller:
             except Exception as exc:
                 report.router_errors.append(f"{_name(link)}: drain: {exc}")
                 continue
-            self.apply_outcomes(outcomes)
+            self.apply_outcomes(outcomes, failed_probe)
         remote = [link for link in self.routers if getattr(link, "listen", None) is None]
         if remote:
             await self._accuse_silent(remote)
@@ -640,7 +641,11 @@ class Controller:
                 p.shard, process_alive=True, api_answers=answers,
                 evidence=f"{r.verdict.name}: {r.evidence.summary}")
 
-    def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]]) -> None:
+    def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]],
+                       failed_probe: frozenset[str] = frozenset()) -> None:
+        """Router windows into the ledger. ``failed_probe``: engines whose probe failed in
+        this tick's round: their windows began before it and may have ended before it too,
+        so their completions lift no suspicion (:meth:`Ledger.report_outcomes`)."""
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
             if i is None:
@@ -649,7 +654,8 @@ class Controller:
                 # The engine restarted on its own during this window: its failures are the old
                 # process's (they are why it restarted), and a new process has no history.
                 failures = trailing = 0
-            self.ledger.report_outcomes(i, successes, failures, trailing)
+            self.ledger.report_outcomes(i, successes, failures, trailing,
+                                        may_predate_suspicion=url in failed_probe)
 
     def apply_report(self, i: int, r: Report, *, progress_proves: bool = True) -> None:
         """One watchdog verdict into the ledger: the mapping is the ledger's

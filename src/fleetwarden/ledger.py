@@ -718,13 +718,20 @@ class Ledger:
         )
 
     def report_outcomes(
-        self, i: int, successes: int, failures: int, trailing_failures: int
+        self, i: int, successes: int, failures: int, trailing_failures: int, *,
+        may_predate_suspicion: bool = False,
     ) -> Outcome:
         """One router window for a serving shard (SYSTEM.md section 6.2).
 
         If any request succeeded the streak is first cleared; then, if the window ended in
         failure (``trailing_failures > 0``, or failures with no success), it counts as *one*
         failure: a burst of concurrent failures is one observation, not three.
+
+        ``may_predate_suspicion``: the window may have ended before what made the shard
+        SUSPECT (a probe that failed in the same tick, after the window began): its completed
+        requests clear the reported streak but lift nothing. Measured (bench/failover.py, an
+        idle wedge whose fault met the first canary): the request that proved the router
+        serving, completed before the fault, lifted the failed canary's SUSPECT 2 ms later.
         """
         if min(successes, failures, trailing_failures) < 0:
             raise ValueError(
@@ -748,7 +755,8 @@ class Ledger:
                 s, s.consecutive_reported_failures + 1,
                 f"{failures} failed requests in the last window", window=True,
             )
-        if successes > 0 and failures == 0 and s.state is SUSPECT and s.ejected_until is not None:
+        if (successes > 0 and failures == 0 and s.state is SUSPECT and s.ejected_until is not None
+                and not may_predate_suspicion):
             # Ejected: nothing new was routed to it, so these are requests it held from before
             # its ejection, and perhaps from before the fault. Note 000's trickle completes
             # what it admitted before the fault and fails everything after: measured (issue
@@ -763,7 +771,7 @@ class Ledger:
                 ejected_until=None,
                 on_trial=True,
             )
-        if successes > 0 and failures == 0 and s.state is SUSPECT:
+        if successes > 0 and failures == 0 and s.state is SUSPECT and not may_predate_suspicion:
             # Successful work is evidence (issue 15, item 14): an engine that completes every
             # generation routed to it in a window serves, whatever made it suspect (a /metrics
             # read that timed out under load, a failed window before). Without this an idle

@@ -418,6 +418,26 @@ async def test_an_answered_canary_puts_an_ejected_engine_on_trial_and_a_request_
         await c.close()
 
 
+async def test_a_window_drained_after_a_failed_probe_lifts_no_suspicion_it_may_predate(
+) -> None:
+    async with rig(2, health_managed=True) as r:
+        _good, bad = r.engines
+        reads = ScriptedReads(BUSY_REPORT)
+        c, ledger = evidence_controller(r, reads)
+        r.router.set_serving_backends([bad.url])
+        assert (await r.post())[0] == 200  # completed there before its probe fails
+        reads.by_url[bad.url] = report(Verdict.IDLE, Health.FAILING, canary=False)
+        await c.tick()  # the round's failed canary, then the window with that completion
+        assert ledger.state(1) is S
+        # A completion in a window of its own, after the failure: that one lifts it.
+        reads.by_url[bad.url] = STALLED_REPORT  # its reads prove nothing either way
+        r.router.set_serving_backends([bad.url])
+        assert (await r.post())[0] == 200
+        await c.tick()
+        assert ledger.state(1) is H
+        await c.close()
+
+
 async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_stays_in(
 ) -> None:
     async with rig(2, health_managed=True) as r:
