@@ -214,3 +214,25 @@ def test_a_reload_replaces_the_routers_under_load_with_no_request_failed(tmp_pat
     finally:
         left = end_everything(tmp_path, up)
     assert left == set()
+
+
+def test_reloads_overlapping_each_other_and_the_stop_leave_nothing_running(
+        tmp_path: Path) -> None:
+    """Two SIGHUPs back to back, then SIGTERM while the reloads are under way: the reloads
+    run one after the other, the stop waits for the one in progress, and every router process
+    any of them started is stopped (measured before: 4 router processes outlived the stop of
+    a fleet reloaded every half second)."""
+    up = UpProcess(tmp_path, "--engines", "1", "--engine-cmd", SIM, "--router-workers", "2")
+    try:
+        os.kill(up.proc.pid, signal.SIGHUP)
+        os.kill(up.proc.pid, signal.SIGHUP)  # before the first has started its new routers
+        time.sleep(0.3)  # the first reload's new routers are starting
+        out = up.stop()
+        assert "nothing left running" in out
+        with journal_of(tmp_path) as j:
+            launched = j.router_launch_ids()
+        assert len(launched) >= 2  # the fleet's own routers, and a reload's at least
+        assert everything_live(tmp_path) == set()
+    finally:
+        left = end_everything(tmp_path, up)
+    assert left == set()

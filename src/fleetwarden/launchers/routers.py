@@ -210,6 +210,11 @@ class RouterWorkers:
         self._replaced: list[_Process] = []
         self._status_task: asyncio.Task[None] | None = None
         self._closing = False
+        #: One reload at a time, and a stop waits for the one under way: a reload swaps
+        #: ``_procs`` entries for processes it is still starting, and one stopped halfway left
+        #: both generations running (measured: 4 router processes outlived the stop of a
+        #: fleet reloaded every half second).
+        self._reloading = asyncio.Lock()
 
     # ------------------------------------------------------------------ what the views read
 
@@ -412,7 +417,13 @@ class RouterWorkers:
         now) take the old ones' listening sockets (:mod:`fleetwarden.router.handover`), get
         the serving set and take the slots; then each old one gets SIGUSR1: it stops
         accepting and finishes what it holds, up to ``drain_s`` (:meth:`Router.drain`), then
-        exits. One still there past that bound (and a margin) is killed."""
+        exits. One still there past that bound (and a margin) is killed. Reloads asked for
+        while one is under way run after it; none once the workers are stopping."""
+        async with self._reloading:
+            if not self._closing:
+                await self._reload()
+
+    async def _reload(self) -> None:
         olds = {w: p for w, p in self._procs.items()}
         for old in olds.values():
             old.stopping = True  # its exit is not a failure: nothing is started for it
@@ -480,6 +491,8 @@ class RouterWorkers:
         """Stop every worker (SIGTERM: they stop accepting and finish what they hold, up to
         ``shutdown_grace_s``), verify, and record each stop in the journal."""
         self._closing = True
+        async with self._reloading:  # the reload under way, if any, ends first
+            pass
         if self._status_task is not None:
             self._status_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
