@@ -388,15 +388,17 @@ class Controller:
     async def _hedge_lost_core(self, i: int, url: str, r: Report, held_s: float) -> None:
         """Hedge a lost core's held requests, with a canary sent as they are, unless one sent
         with earlier hedges still waits: it takes over their watch (:meth:`_watch_hedged`).
-        Sent first, so that the engine holds work throughout (the hedges' answers cancel the
-        requests it held). In a task of its own: the focused reads go on meanwhile, and
-        requests that reach ``held_s`` there later are hedged then."""
+        Started first, so that the engine holds work throughout (the hedges' answers cancel the
+        requests it held, a generation later). In a task of its own: the focused reads go on
+        meanwhile, and requests that reach ``held_s`` there later are hedged then."""
         if i not in self._watching:
             task = self._spawn(self._watch_hedged(i, url, r), f"watch-hedged:{i}")
             if task is not None:
                 self._watching[i] = task
                 task.add_done_callback(lambda _: self._watching.pop(i, None))
-                await asyncio.sleep(0)  # its canary leaves before the hedges are asked for
+                # Its task starts before the hedges are asked for; a hedge answers (and cancels
+                # a held request) only after a generation elsewhere, so the canary is there.
+                await asyncio.sleep(0)
         await self._hedge(i, url, held_s)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:

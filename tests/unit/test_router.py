@@ -484,19 +484,21 @@ async def test_a_client_that_leaves_cancels_both_attempts() -> None:
         assert r.router.drain_outcomes() == {}
 
 
-async def test_a_hedge_cancelled_before_its_first_step_gives_its_budget_token_back() -> None:
+async def test_a_hedge_cancelled_before_its_first_step_gives_its_token_and_slot_back() -> None:
     # As when the original answers in the same turn of the loop as the hedge is sent: a task
     # cancelled before it starts runs none of its own code.
     async with rig(2, health_managed=True) as r:
-        wedged, _good = r.engines
+        wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
         assert r.router.hedge(wedged.url, 0.0) == 1
         assert r.router.pool.retry_budget.retries_in_flight == 1
+        assert r.router.in_flight()[good.url] == 1  # counted on its engine as it is sent
         [hedge] = r.router._forwarder._hedging.values()
         hedge.cancel()
         await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
                     what="the token given back")
+        await until(lambda: r.router.in_flight()[good.url] == 0, what="the slot given back")
         wedged.unwedge()
         assert (await task)[0] == 200
 
