@@ -348,8 +348,7 @@ class Controller:
             # frozen, /health 503).
             r = await self.watchdog.probe(Target(url=url, in_flight=in_flight, held_s=held,
                                                  stalls_excused=excused, confirm=ask,
-                                                 check_health=rec.ejected_until is not None,
-                                                 hedges_lost_core=h.hedge_after_s > 0))
+                                                 check_health=rec.ejected_until is not None))
             if due and ask and r.canary is not None:
                 canaried_for = rec.ejected_until
             rec = self.ledger.shard(i)

@@ -604,7 +604,7 @@ def held_its_requests(flat_for_s: float, held_s: float, limit_s: float,
 
 
 def held_then_canary(before: Sample, after: Sample, held_flat_s: float, canary_latency_s: float,
-                     limit_s: float, canary_timeout_s: float) -> str | None:
+                     limit_s: float) -> str | None:
     """Why a lost core whose held requests were hedged away is condemned by the canary that
     took over their watch, or ``None``.
 
@@ -612,31 +612,19 @@ def held_then_canary(before: Sample, after: Sample, held_flat_s: float, canary_l
     flat (and hedged it: its requests go to another engine, and the one that loses the race is
     cancelled, so none of them will reach the stall limit there); the canary was sent then,
     while they were still held, and got no answer for ``canary_latency_s``; ``after`` was read
-    once it had waited. If the same process advanced no counter in between, either suffices:
-
-    * the two spans reach the limit together: it held work through the whole limit and took
-      not one step, :func:`held_its_requests`' evidence with our canary holding the watch for
-      its last part;
-    * the canary waited its whole timeout: a lost core's failed canary, conclusive as
-      :data:`VERDICTS` says (where the limit is far off, as with a raised ``stall_s``).
-
-    Without it, a lost core was never hedged (its held request, or the canary sent in its
-    stead, was what condemned it), and an idle wedge's parked requests were answered after its
-    condemnation: +6.6 to +6.9 s."""
-    if canary_latency_s <= 0:
+    once it had waited. If the same process advanced no counter in between and the two spans
+    reach the limit together, it held work through the whole limit and took not one step:
+    :func:`held_its_requests`' evidence, with our canary holding the watch for its last part.
+    Without it, a lost core was never hedged (its held request was what condemned it), and an
+    idle wedge's parked requests were answered after its condemnation: +6.6 to +6.9 s."""
+    if canary_latency_s <= 0 or held_flat_s + canary_latency_s < limit_s:
         return None
-    spans = held_flat_s + canary_latency_s >= limit_s
-    timed_out = canary_latency_s >= canary_timeout_s
-    if not (spans or timed_out) or not flat(before, after):
-        return None  # short of both; or it did something (a slow engine, or another process)
-    if spans:
-        return (f"then its requests were hedged, and our canary sent with them kept the watch: "
-                f"it held a request {held_flat_s:.1f} s with nothing advancing, then the canary "
-                f"{canary_latency_s:.1f} s with no answer and nothing advanced (stall limit "
-                f"{limit_s:g} s): conclusive")
-    return (f"then its requests were hedged, and our canary sent with them got no answer in "
-            f"its {canary_timeout_s:g} s with nothing advanced: a lost core's failed canary, "
-            "conclusive")
+    if not flat(before, after):
+        return None  # it did something: a slow engine, not a wedged one (or another process)
+    return (f"then its requests were hedged, and our canary sent with them kept the watch: it "
+            f"held a request {held_flat_s:.1f} s with nothing advancing, then the canary "
+            f"{canary_latency_s:.1f} s with no answer and nothing advanced (stall limit "
+            f"{limit_s:g} s): conclusive")
 
 
 def flat(before: Sample, after: Sample) -> bool:

@@ -111,11 +111,6 @@ class Target:
     #: held that long while the engine advanced nothing, it is conclusive
     #: (:func:`~fleetwarden.judge.held_its_requests`).
     held_s: float = 0.0
-    #: The caller hedges a lost core's held requests once they have gone its ``hedge_after_s``
-    #: with no step, and sends a canary with them (:meth:`Watchdog.watch_hedged`): no canary
-    #: here for a lost core that holds a request (it would hold this read for its timeout,
-    #: and the hedges after it).
-    hedges_lost_core: bool = False
     #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
     #: ``/metrics`` at the first read.
     engine: str = AUTO
@@ -352,25 +347,23 @@ class Watchdog:
         """A canary for a lost core whose held requests are being hedged away (the caller
         hedges them as this is sent): those requests, cancelled when their hedges answer, will
         not reach the stall limit there, so the canary takes over their watch. It waits what
-        they had left of the limit, or the canary timeout if that is shorter; no answer and no
-        counter advanced condemn (:func:`~fleetwarden.judge.held_then_canary`). Returns the
-        canary (``None`` when the last read of the engine is not a sample to compare with) and
-        why it condemns, if it does."""
+        they had left of the limit; no answer and no counter advanced condemn
+        (:func:`~fleetwarden.judge.held_then_canary`). Returns the canary (``None`` when the
+        last read of the engine is not a sample to compare with) and why it condemns, if it
+        does."""
         memory = self._memory.get(url)
         if memory is None or memory.sample is None:
             return None, None
         before, policy = memory.sample, self.policy_for(memory.profile)
         limit = memory.cadence.limit(before.running + before.waiting, policy)
         memory.canary_at = self._clock()
-        timeout = min(policy.canary_timeout_s, max(limit - held_flat_s, 0.1))
-        canary = await self.canary(url, memory, timeout_s=timeout)
+        canary = await self.canary(url, memory, timeout_s=max(limit - held_flat_s, 0.1))
         if canary.ok or canary.status is not None:
             return canary, None  # it answered: whatever it is, it is not a wedge
         after = await self._read(url, False, memory)
         if not isinstance(after, Sample):
             return canary, None
-        why = held_then_canary(before, after, held_flat_s, canary.latency_s, limit,
-                               policy.canary_timeout_s)
+        why = held_then_canary(before, after, held_flat_s, canary.latency_s, limit)
         now = self._clock()
         if now >= memory.sample_at:  # as probe keeps it, unless a newer one was kept meanwhile
             if not flat(memory.sample, after):
@@ -403,8 +396,6 @@ class Watchdog:
         if why is not None or not worked or judgement.verdict is not Verdict.LOST_CORE:
             return why, None, shown
         left = limit - held_flat
-        if target.hedges_lost_core:
-            return None, left, shown
         return None, (left if left < policy.canary_timeout_s else None), shown
 
     def _forget_gone(self) -> None:
