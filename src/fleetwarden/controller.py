@@ -373,7 +373,9 @@ class Controller:
             if h.hedge_after_s > 0 and r.held_flat_s >= hedge_after:
                 if r.verdict is Verdict.STALLED:
                     await self._hedge(i, url, hedge_after)
-                elif r.verdict is Verdict.LOST_CORE:
+                elif r.verdict is Verdict.LOST_CORE and r.canary is None:
+                    # A read that sent its own canary has decided (held_flat_s predates it):
+                    # one that answered proved the engine, and its requests are left to it.
                     await self._hedge_lost_core(i, url, r, hedge_after)
             unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
                                       Verdict.LOST_CORE, Verdict.NO_METRICS)
