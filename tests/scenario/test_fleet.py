@@ -149,9 +149,13 @@ async def test_an_idle_wedge_is_caught_by_the_first_routed_request(tmp_path: Pat
             await load.wait()
         death = next(t for t in seen if t.shard == 0 and t.to_state is D)
         # the request it held through the stall limit with nothing advancing, or (when that
-        # was still further off than a canary's timeout) a failed canary: a lost core either way
-        assert "LOST_CORE" in death.cause, death.cause
-        assert load.failures == [] and len(load.results) == 6  # the held request was rescued
+        # was still further off than a canary's timeout) a failed canary: a lost core either
+        # way; or, where its hedges won and took what it held, the window its lost race
+        # failed, confirmed by a canary it never answered (design.md section 12)
+        assert ("LOST_CORE" in death.cause
+                or (death.event is Event.CONFIRMED and "no answer" in death.cause)), death.cause
+        # the held request was rescued, or answered by its hedge
+        assert load.failures == [] and len(load.results) == 6
 
 
 async def test_an_idle_suspect_shard_is_canaried_back_without_waiting_for_the_interval(
