@@ -765,7 +765,10 @@ def chaos(
     except FleetClientError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"shard {shard}: {result['how']}")
+    import datetime as dt
+
+    landed = dt.datetime.fromtimestamp(result["at"], dt.UTC)
+    typer.echo(f"shard {shard}: {result['how']}, at {landed.isoformat(timespec='milliseconds')}")
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:

@@ -43,7 +43,12 @@ def test_the_mixed_demo_detects_every_fault_on_each_kind_and_loses_no_request(
         f = faults[name]
         assert f["quarantined_after_s"] is not None, name  # detected
         assert f["back_after_s"] is not None and f["restarts"] >= 1, name  # and repaired
-    assert "STUCK" in faults["wedge under load"]["what_happened"]
+    # stopped under the requests it held: STUCK, or LOST_CORE where the wedge froze its gauges
+    # at 0 running, or that lost core's hedges winning and its unanswered canary confirming
+    # the failed window (as the mixed fleet's test says)
+    wedged = faults["wedge under load"]["what_happened"]
+    assert ("STUCK" in wedged or "LOST_CORE" in wedged
+            or ("confirmed by a failed probe" in wedged and "no answer" in wedged)), wedged
     # what the wedge held: answered by hedges, or rescued at its condemnation
     assert faults["wedge under load"]["rescued"] + faults["wedge under load"]["hedged"] >= 1
     # The exit, or its failed requests and the refused read that confirmed them at once,

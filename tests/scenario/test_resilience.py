@@ -63,7 +63,9 @@ def live_engines(work: Path) -> set[str]:
 def test_fleetwarden_restart_keeps_budgets_and_adopts_engines(tmp_path: Path) -> None:
     up = Up(tmp_path, *FAST)
     try:
-        up.client.chaos(0, "crash")
+        asked = time.time()
+        landed = up.client.chaos(0, "crash")["at"]  # when it landed: figures count from there
+        assert asked <= landed <= time.time()
         wait_for(lambda: up.client.shards()[0]["restart_attempts"] == 1
                  and up.client.shards()[0]["state"] == "HEALTHY", what="shard 0 restarted")
         before = {s["index"]: (s["pid"], s["base_url"]) for s in up.client.shards()}

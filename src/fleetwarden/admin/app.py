@@ -16,7 +16,8 @@ line that would carry the sign-in link's ``?token=`` query.
     GET  /admin/transitions?since=SEQ       transitions after a sequence number (journal)
     POST /admin/shards/{i}/retire           {"reason": "..."}
     POST /admin/shards/{i}/restart          {"reason": "..."}
-    POST /admin/shards/{i}/chaos            {"fault": "wedge|unwedge|crash|slow|error5xx|..."}
+    POST /admin/shards/{i}/chaos            {"fault": "wedge|unwedge|crash|slow|error5xx|..."}:
+                                            {"how": ..., "at": when it landed (epoch s)}
     GET  /admin/serving                     the serving set, for routers that poll
     POST /admin/outcomes                    {"outcomes": {url: [ok, failed, trailing]}}
     POST /admin/refit/begin|complete|abort  {"version": N, "reason": "..."}
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -212,7 +214,10 @@ async def chaos(request: web.Request) -> web.Response:
         raise _http_error(400, str(exc)) from None
     except LookupError as exc:
         raise _http_error(409, str(exc)) from None
-    return web.json_response({"shard": i, "fault": fault, "how": how})
+    # When it landed (wall clock, as the journal's transitions): a caller that times the
+    # fleet's answer counts from here, not from when it asked (a CLI starting on a starved
+    # machine took 19 s to get its fault in).
+    return web.json_response({"shard": i, "fault": fault, "how": how, "at": time.time()})
 
 
 async def outcomes(request: web.Request) -> web.Response:

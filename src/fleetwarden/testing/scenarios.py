@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +112,20 @@ stop_grace_s = {stop_grace_s}
 """
 
 
-def chaos(up: UpProcess, fault: str, shard: int) -> str:
+def chaos(up: UpProcess, fault: str, shard: int) -> float:
+    """``fleetwarden chaos FAULT SHARD``; returns when the fault landed (wall clock, as the
+    CLI says it). Not when it was asked for: on a starved machine the CLI's own start took
+    19 s once, and a figure counted from the asking was that machine's, not the fleet's."""
     out = subprocess.run(
         [sys.executable, "-m", "fleetwarden", "chaos", fault, str(shard), "--admin", up.admin,
          "--token-file", str(up.client_token_file)],
         capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise RuntimeError(f"chaos {fault} {shard}: {out.stderr.strip()}")
-    return out.stdout.strip()
+    _, sep, landed = out.stdout.strip().rpartition(", at ")
+    if not sep:
+        raise RuntimeError(f"chaos {fault} {shard}: no landing time in {out.stdout!r}")
+    return datetime.fromisoformat(landed).timestamp()
 
 
 async def _state(up: UpProcess, shard: int) -> dict[str, Any]:
@@ -160,7 +167,8 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     if fault == "sigstop":
         os.killpg(before["pid"], signal.SIGSTOP)
     else:
-        await asyncio.to_thread(chaos, up, fault, shard)
+        landed = await asyncio.to_thread(chaos, up, fault, shard)
+        struck, struck_wall = struck + (landed - struck_wall), landed  # from the landing
     if then_route:
         await asyncio.sleep(1.0)
         load.start()
@@ -277,10 +285,10 @@ async def wedge_while_running(up: UpProcess, shard: int,
     url = (await _state(up, shard))["base_url"]
     deadline = time.monotonic() + limit_s
     while True:
-        struck, struck_wall = time.monotonic(), time.time()
-        await asyncio.to_thread(chaos, up, "wedge", shard)
+        asked, asked_wall = time.monotonic(), time.time()
+        landed = await asyncio.to_thread(chaos, up, "wedge", shard)
         if await engine_metric(url, "vllm:num_requests_running") > 0:
-            return struck, struck_wall
+            return asked + (landed - asked_wall), landed
         await asyncio.to_thread(chaos, up, "unwedge", shard)
         if time.monotonic() > deadline:
             raise AssertionError(f"shard {shard} never caught running within {limit_s} s")
