@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fleetwarden.testing.scenarios import condemned_as_a_stopped_core
+
 pytestmark = pytest.mark.scenario
 
 
@@ -43,12 +45,8 @@ def test_the_mixed_demo_detects_every_fault_on_each_kind_and_loses_no_request(
         f = faults[name]
         assert f["quarantined_after_s"] is not None, name  # detected
         assert f["back_after_s"] is not None and f["restarts"] >= 1, name  # and repaired
-    # stopped under the requests it held: STUCK, or LOST_CORE where the wedge froze its gauges
-    # at 0 running, or that lost core's hedges winning and its unanswered canary confirming
-    # the failed window (as the mixed fleet's test says)
     wedged = faults["wedge under load"]["what_happened"]
-    assert ("STUCK" in wedged or "LOST_CORE" in wedged
-            or ("confirmed by a failed probe" in wedged and "no answer" in wedged)), wedged
+    assert condemned_as_a_stopped_core(wedged), wedged
     # what the wedge held: answered by hedges, or rescued at its condemnation
     assert faults["wedge under load"]["rescued"] + faults["wedge under load"]["hedged"] >= 1
     # The exit, or its failed requests and the refused read that confirmed them at once,
@@ -57,13 +55,11 @@ def test_the_mixed_demo_detects_every_fault_on_each_kind_and_loses_no_request(
     assert "exited" in crash or "confirmed by a failed probe" in crash, crash
     # failed requests, then their confirmation (or a streak of failed windows on trial)
     assert "failed request window" in faults["trickle"]["what_happened"], faults["trickle"]
-    # the first routed requests' lost core (a request held through the stall limit, or a
-    # canary failed), or a canary the engine held with nothing advancing, or, where the lost
-    # core's hedges won and took what it held, the windows its lost races failed, confirmed by
-    # a canary it never answered: whichever came first (the demo canaries every 5 s)
+    # the first routed requests' lost core (or its lost races confirmed by a canary it never
+    # answered), or a canary the engine held with nothing advancing, whichever came first
+    # (the demo canaries every 5 s)
     idle = faults["idle wedge"]["what_happened"]
-    assert ("LOST_CORE" in idle or "held its canary" in idle
-            or ("confirmed by a failed probe" in idle and "no answer" in idle)), idle
+    assert condemned_as_a_stopped_core(idle) or "held its canary" in idle, idle
     saturated = faults["saturated but healthy"]
     assert saturated["canaries"] == 0 and saturated["restarts"] == 0
     assert "0 state changes" in saturated["what_happened"]

@@ -11,6 +11,7 @@ import pytest
 
 from fleetwarden.ledger import Event, ShardState
 from fleetwarden.testing.load import Load
+from fleetwarden.testing.scenarios import condemned_as_a_stopped_core
 from support.fleet import SIM, record_transitions, running_fleet, until
 
 pytestmark = pytest.mark.scenario
@@ -59,12 +60,7 @@ async def test_a_mixed_fleet_survives_a_wedge_and_a_crash_under_load(tmp_path: P
             back = time.monotonic()
             await until(lambda: len(load.since(back)) >= 20, what="load after the restarts")
         wedge = next(t for t in seen if t.shard == 1 and t.to_state is D)
-        # Seen stopped: its counters flat under the requests it held (STUCK; LOST_CORE where the
-        # wedge froze its gauges at 0 running), or, where its hedges won and took every request
-        # it held, the windows its lost races failed, confirmed by a canary it never answered
-        # (issue 14). Never a streak of probes.
-        assert ("STUCK" in wedge.cause or "LOST_CORE" in wedge.cause
-                or (wedge.event is Event.CONFIRMED and "no answer" in wedge.cause)), wedge.cause
+        assert condemned_as_a_stopped_core(wedge.cause), wedge.cause
         crash = next(t for t in seen if t.shard == 2 and t.to_state is D)
         # Seen as a process exit, or (when its refusals win the race) as failed requests confirmed
         # by one focused read at once: never after a streak of probes.

@@ -32,8 +32,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 
-__all__ = ["Figures", "crash_under_load", "engine_metric", "fleet_toml", "idle_wedge",
-           "sigstop_under_load", "wedge_under_load", "wedge_while_running", "whole"]
+__all__ = ["Figures", "condemned_as_a_stopped_core", "crash_under_load", "engine_metric",
+           "fleet_toml", "idle_wedge", "sigstop_under_load", "wedge_under_load",
+           "wedge_while_running", "whole"]
+
+
+def condemned_as_a_stopped_core(cause: str) -> bool:
+    """A condemnation's cause is the evidence of a core that stopped under the requests it
+    held: STUCK (its gauges show work, every counter flat); LOST_CORE (a wedge that froze its
+    gauges at 0 running while the router held requests there); or, where its hedges won and
+    took every request it held, the windows its lost races failed, confirmed by a canary it
+    never answered (docs/design.md section 12). Not a streak of failed probes, not an exit."""
+    return ("STUCK" in cause or "LOST_CORE" in cause
+            or ("confirmed by a failed probe" in cause and "no answer" in cause))
 
 
 @dataclass
