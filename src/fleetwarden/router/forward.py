@@ -60,10 +60,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
 from fleetwarden.router.settings import (
@@ -83,6 +81,14 @@ from fleetwarden.router.splice import (
     read_stream_request,
 )
 from fleetwarden.router.stats import RouterStats
+from fleetwarden.router.upstream import (
+    Answer,
+    ConnectFailed,
+    ConnectTimeout,
+    Target,
+    UpstreamClient,
+    UpstreamError,
+)
 
 __all__ = ["Cause", "Forwarder", "error_response"]
 
@@ -147,9 +153,9 @@ _ABORTED = re.compile(rb'"finish_reason":\s*"abort"')
 
 def _classify(exc: BaseException) -> Cause:
     # Order matters: the connect errors are subclasses of the generic ones below them.
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, ConnectTimeout):
         return Cause.CONNECT_TIMEOUT
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, ConnectFailed):
         return Cause.REFUSED
     if isinstance(exc, TimeoutError):  # the total timeout, or a socket read timeout
         return Cause.TIMEOUT
@@ -178,7 +184,7 @@ class _Won:
     """A hedge's answer that arrived first: its headers are in, nothing reached the client."""
 
     backend: str
-    upstream: aiohttp.ClientResponse
+    upstream: Answer
     backend_time: float
     facts: BackendFacts
 
@@ -244,24 +250,7 @@ def _min_version(request: web.Request) -> int | web.Response | None:
     return int(digits)
 
 
-def _never_pooled(upstream: aiohttp.ClientResponse) -> None:
-    """Close this response's connection when it ends, instead of pooling it.
-
-    A stream's connection is never reused. llama.cpp's llama-server closes it after the last
-    event while its headers say Keep-Alive (measured: tests/llamacpp), so a pooled one is
-    reused in the moment before the close arrives, and the next request on it fails as a
-    reset counted against a healthy engine (it put real llama.cpp engines out of routing under
-    streamed load). A stream the router reads (``continue_streams``) is sent with
-    ``Connection: close``, which the engine echoes, so aiohttp never pools it; any other
-    event stream is marked here, as its headers arrive. That comes too late only for an answer
-    whose end arrived with its headers (aiohttp pools the connection as it reads the end).
-    A new connection per stream costs one handshake."""
-    connection = upstream.connection
-    if connection is not None and connection.protocol is not None:
-        connection.protocol.force_close()
-
-
-async def _read(upstream: aiohttp.ClientResponse) -> bytes:
+async def _read(upstream: Answer) -> bytes:
     """The whole body; on any interruption the connection is closed, never pooled half-read."""
     try:
         return await upstream.read()
@@ -271,7 +260,8 @@ async def _read(upstream: aiohttp.ClientResponse) -> bytes:
 
 
 class Forwarder:
-    """Sends requests to the pool's backends through one shared client session."""
+    """Sends requests to the pool's backends over keep-alive connections
+    (:mod:`fleetwarden.router.upstream`)."""
 
     def __init__(self, pool: Pool, settings: RouterSettings, stats: RouterStats, *,
                  health_managed: bool) -> None:
@@ -281,7 +271,7 @@ class Forwarder:
         self.health_managed = health_managed
         #: Seconds a client should wait before retrying, when the caller expects a backend back.
         self.retry_after: float | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._client: UpstreamClient | None = None
         #: Requests waiting on each backend with nothing sent to their client: what a rescue
         #: may cancel. Each is the timeout scope around its wait, with the loop time it began
         #: (what :meth:`silent` reports) and what a hedge of it needs (None: not hedgeable).
@@ -295,30 +285,22 @@ class Forwarder:
         #: stream; whoever listens must not raise.
         self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
-        self._targets: dict[str, URL] = {}
+        self._targets: dict[str, Target] = {}
         self._session_header = settings.session_header
 
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
         s = self.settings
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0,  # unlimited: the engines queue; the router never should
-            keepalive_timeout=s.keepalive_timeout_s,
-            enable_cleanup_closed=False,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=s.backend_timeout_s, connect=s.connect_timeout_s),
-            auto_decompress=False,  # bytes pass through as the engine encoded them
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
+        # No limit on connections: the engines queue; the router never should.
+        self._client = UpstreamClient(connect_timeout_s=s.connect_timeout_s,
+                                      total_timeout_s=s.backend_timeout_s,
+                                      keepalive_timeout_s=s.keepalive_timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     # ------------------------------------------------------------------ control
 
@@ -440,7 +422,7 @@ class Forwarder:
                                        assemble_answers=self.settings.continue_answers)
             if read is not None:
                 stream = _Stream(Splice(read))
-                headers.append(("Connection", "close"))  # see _never_pooled
+                headers.append(("Connection", "close"))  # never pooled (router/upstream.py)
 
         pool = self.pool
         budget = pool.retry_budget
@@ -554,35 +536,31 @@ class Forwarder:
         finally:
             pool.finished(backend)
 
-    async def _wait_head(self, backend: str, method: str, target: URL, body: bytes,
+    async def _wait_head(self, backend: str, method: str, target: Target, body: bytes,
                          headers: list[tuple[str, str]], facts: BackendFacts,
                          context: _HedgeContext | None,
-                         ) -> tuple[aiohttp.ClientResponse | _Failure,
+                         ) -> tuple[Answer | _Failure,
                                     asyncio.Task[_Won | _Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
         ``backend``'s waiting list (a rescue, or the answer of its hedge, ends the wait at
         once). Returns the answer (a 5xx as a failure) and the hedge that was in flight for
         it when the wait ended, if any."""
-        assert self._session is not None, "Forwarder.open() was not awaited"
+        assert self._client is not None, "Forwarder.open() was not awaited"
         waiting = self._waiting.get(backend)
         if waiting is None:
             waiting = self._waiting[backend] = {}
         hedge: asyncio.Task[_Won | _Failure] | None = None
-        answer: aiohttp.ClientResponse | _Failure
+        answer: Answer | _Failure
         try:
             async with asyncio.timeout(None) as scope:
                 waiting[scope] = (asyncio.get_running_loop().time(), context)
                 try:
-                    upstream = await self._session.request(method, target, data=body,
-                                                           headers=headers,
-                                                           allow_redirects=False)
+                    upstream = await self._client.request(target, method, headers, body)
                     if upstream.status >= 500:
                         answer = _Failure(backend, Cause.SERVER_ERROR, upstream.status,
                                           upstream.headers, await _read(upstream), facts)
                     else:
-                        answer = upstream
-                        if upstream.content_type == "text/event-stream":
-                            _never_pooled(upstream)
+                        answer = upstream  # an event stream's connection is never pooled
                 finally:
                     waiting.pop(scope, None)
                     if self._hedging:
@@ -597,7 +575,7 @@ class Forwarder:
             else:
                 cause = Cause.RESCUED
             answer = _Failure(backend, cause)
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             answer = _Failure(backend, _classify(exc))
         except BaseException:  # the client left while both waited
             if hedge is not None:
@@ -605,7 +583,7 @@ class Forwarder:
             raise
         return answer, hedge
 
-    async def _deliver(self, request: web.Request, upstream: aiohttp.ClientResponse,
+    async def _deliver(self, request: web.Request, upstream: Answer,
                        backend: str, started: float, backend_time: float,
                        stream: _Stream | None,
                        facts: BackendFacts) -> web.StreamResponse | _Failure:
@@ -631,7 +609,7 @@ class Forwarder:
                                     whole, facts)
                 return await self._answer_whole(request, upstream, whole, backend, started,
                                                 backend_time, facts)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, UpstreamError) as exc:
             return _Failure(backend, _classify(exc))
         return await self._relay(request, upstream, backend, started, backend_time, facts)
 
@@ -690,16 +668,16 @@ class Forwarder:
             won.upstream.close()
             self.pool.finished(won.backend)
 
-    def _target(self, key: str) -> URL:
-        """The parsed URL of ``key`` (backend + path), cached."""
+    def _target(self, key: str) -> Target:
+        """Where ``key`` (backend + path) goes, parsed once and cached."""
         target = self._targets.get(key)
         if target is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()  # query strings or many restarts: start afresh
-            target = self._targets[key] = URL(key, encoded=True)
+            target = self._targets[key] = Target.parse(key)
         return target
 
-    async def _answer_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
+    async def _answer_whole(self, request: web.Request, upstream: Answer,
                             body: bytes, backend: str, started: float,
                             backend_time: float, facts: BackendFacts) -> web.StreamResponse:
         """Send a complete answer: headers and body in one write."""
@@ -718,7 +696,7 @@ class Forwarder:
             pass  # the client left: its loss, not the engine's
         return response
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
+    async def _relay(self, request: web.Request, upstream: Answer,
                      backend: str, started: float, backend_time: float,
                      facts: BackendFacts) -> web.StreamResponse:
         """Stream the engine's answer to the client chunk by chunk; count it when complete."""
@@ -736,11 +714,10 @@ class Forwarder:
             # engine's own time to headers (failed attempts and retries count as added).
             self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
             self.stats.responded(status)
-            content = upstream.content
             while True:
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                    chunk = await upstream.readany()
+                except (UpstreamError, TimeoutError) as exc:
                     # The engine broke off mid-answer. Its status is already sent, so all that
                     # is left is to make the client see an incomplete response: close.
                     failure = _Failure(backend, _classify(exc))
@@ -764,7 +741,7 @@ class Forwarder:
             if not complete:
                 upstream.close()  # the engine sees the disconnect and aborts the generation
 
-    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
+    async def _relay_stream(self, request: web.Request, upstream: Answer,
                             backend: str, started: float, backend_time: float,
                             stream: _Stream, facts: BackendFacts) -> web.StreamResponse | _Failure:
         """Relay a stream event by event through its splice. The client's response begins with
@@ -783,11 +760,10 @@ class Forwarder:
         try:
             async with scope:
                 streaming.add(scope)
-                content = upstream.content
                 while True:
                     try:
-                        data = await content.readany()
-                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        data = await upstream.readany()
+                    except (UpstreamError, TimeoutError) as exc:
                         return _Failure(backend, _classify(exc))
                     if not data:
                         return _Failure(backend, Cause.RESET)  # it ended without [DONE]
@@ -824,7 +800,7 @@ class Forwarder:
                 upstream.close()  # the engine sees the disconnect and aborts the generation
 
     async def _send(self, request: web.Request, stream: _Stream, data: bytes,
-                    upstream: aiohttp.ClientResponse, started: float,
+                    upstream: Answer, started: float,
                     backend_time: float, facts: BackendFacts) -> web.StreamResponse | None:
         """Write one event to the client, beginning its response with the first; ``None`` if
         the client has left."""
@@ -850,7 +826,7 @@ class Forwarder:
         return response
 
     async def _answer_assembled(self, request: web.Request, stream: _Stream,
-                                upstream: aiohttp.ClientResponse, started: float,
+                                upstream: Answer, started: float,
                                 backend_time: float, facts: BackendFacts) -> web.StreamResponse:
         """The whole answer to a non-streamed request, assembled from the stream(s)."""
         headers = _response_headers(upstream.headers, _NOT_RELAYED_WHOLE | {"content-type"},

@@ -1,0 +1,504 @@
+"""The router's HTTP/1.1 client to its engines: pooled connections on the event loop's own
+protocols, answers parsed by httptools (llhttp, the parser uvicorn and Node use).
+
+Owns: connections to the backends, sending one request, reading its answer's head and body.
+Must not: decide anything about a request's fate: it says what happened (an answer, or which
+of the errors below), and :mod:`fleetwarden.router.forward` decides.
+
+Why not aiohttp's client: it was ~33 % of a router process's CPU per request (BENCHMARKS.md,
+issue 17): a request object, a response object, a task for the body write, a connector and a
+timer context per request. A router needs a small part of it: one pool of keep-alive
+connections per backend, one write per request (head and body together), one timer per request
+for the total timeout, and an answer whose body is read whole or chunk by chunk. The parsing is
+llhttp's (httptools), never hand-written.
+
+The errors, as the router reads them:
+
+* :class:`ConnectFailed`: no connection could be made (refused, unreachable): the request never
+  reached an engine. :class:`ConnectTimeout` (a subclass): none within ``connect_timeout_s``.
+* :class:`Disconnected`: the connection broke, or the engine's answer could not be parsed, after
+  the request may have reached it.
+* :class:`TimeoutError`: ``total_timeout_s`` passed since the request began, before its answer
+  was whole.
+
+An event stream's connection is never pooled (see :meth:`_Connection.on_headers_complete`).
+Cancelling a wait (a rescue, a client that left) aborts the connection: the engine sees the
+disconnect and aborts the generation. So does :meth:`Answer.close` on an answer not yet whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from dataclasses import dataclass
+from typing import cast
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+__all__ = [
+    "Answer",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "Disconnected",
+    "Target",
+    "UpstreamClient",
+    "UpstreamError",
+]
+
+#: A body that waits this many bytes unread pauses the engine's connection (its sends then
+#: block in the engine, as they would on a slow client); reading below the low mark resumes it.
+_HIGH_WATER = 256 * 1024
+_LOW_WATER = 64 * 1024
+#: Methods sent without a Content-Length when they carry no body.
+_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
+class UpstreamError(Exception):
+    """An attempt on a backend ended without a whole answer (timeouts excepted: TimeoutError)."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection to the backend: the request never left the router."""
+
+
+class ConnectTimeout(ConnectFailed):
+    """No connection to the backend within the connect timeout."""
+
+
+class Disconnected(UpstreamError):
+    """The connection broke (or the answer was malformed) after the request was sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one request goes: the backend's address and the request target, pre-encoded."""
+
+    host: str
+    port: int
+    tls: bool
+    #: The request line's target and the Host header, as bytes ready to send.
+    path: bytes
+    host_header: bytes
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        """``url``: a backend's base URL joined with a path, as the client sent it (encoded)."""
+        parsed = URL(url, encoded=True)
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        tls = parsed.scheme == "https"
+        port = parsed.port or (443 if tls else 80)
+        host = parsed.raw_host or parsed.host
+        bracketed = f"[{host}]" if ":" in host else host
+        return cls(host=host, port=port, tls=tls,
+                   path=(parsed.raw_path_qs or "/").encode("ascii"),
+                   host_header=(bracketed if parsed.is_default_port()
+                                else f"{bracketed}:{port}").encode("ascii"))
+
+
+class Answer:
+    """One answer from a backend, from its head on. Its body is read whole (:meth:`read`) or
+    as it arrives (:meth:`readany`); an answer abandoned before it is whole must be closed."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_connection",
+        "_content_type",
+        "_error",
+        "_head",
+        "_paused",
+        "_raw_headers",
+        "_reuse",
+        "_timer",
+        "_waiter",
+        "_whole",
+        "headers",
+        "reason",
+        "status",
+    )
+
+    def __init__(self, connection: _Connection, head: asyncio.Future[None],
+                 timer: asyncio.TimerHandle | None) -> None:
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._connection: _Connection | None = connection
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._whole = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._head = head
+        self._timer = timer
+        self._paused = False
+        self._reuse = True
+        self._content_type: str | None = None
+
+    # ------------------------------------------------------------------ what the router reads
+
+    @property
+    def content_type(self) -> str:
+        """The media type, lower case, without parameters (aiohttp's default if absent)."""
+        if self._content_type is None:
+            raw = self.headers.get("Content-Type")
+            self._content_type = ("application/octet-stream" if raw is None
+                                  else raw.partition(";")[0].strip().lower())
+        return self._content_type
+
+    @property
+    def content_length(self) -> int | None:
+        raw = self.headers.get("Content-Length")
+        if raw is None or not raw.isdigit():
+            return None
+        return int(raw)
+
+    async def read(self) -> bytes:
+        """The whole body (what was already taken by :meth:`readany` excepted)."""
+        while not self._whole:
+            await self._wait()
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        return data
+
+    async def readany(self) -> bytes:
+        """What has arrived of the body, waiting for some if nothing has; ``b""`` at its end."""
+        while not self._chunks:
+            if self._whole:
+                return b""
+            await self._wait()
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            connection = self._connection
+            if connection is not None and connection.transport is not None:
+                connection.transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        """Done with this answer: a connection not yet whole is aborted (the engine sees the
+        disconnect); a whole one was already pooled or closed."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._head.done():
+            self._head.cancel()  # nobody waits for it any more
+        connection = self._connection
+        if connection is not None and not self._whole:
+            self._connection = None
+            connection.abort()
+        self._chunks.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        except BaseException:
+            self.close()  # cancelled (a rescue, a client that left): the engine is told
+            raise
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        """The connection broke or timed out before the answer was whole."""
+        if self._whole or self._error is not None:
+            return
+        self._error = error
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._head.done():
+            self._head.set_exception(error)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        connection = self._connection
+        self._connection = None
+        if connection is not None:
+            connection.abort()
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._fail(TimeoutError("the backend timeout passed"))
+
+
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to one backend, carrying one answer at a time."""
+
+    def __init__(self, client: UpstreamClient, key: tuple[str, int, bool]) -> None:
+        self.client = client
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.answer: Answer | None = None
+        self.idle_since = 0.0
+        self.lost = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer is None:  # nothing was asked: an idle connection has no business talking
+            self.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self.answer is not None:
+                self.answer._fail(Disconnected(f"malformed answer from the backend: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.client._forget(self)
+        answer = self.answer
+        if answer is None:
+            return
+        self.answer = None
+        if (answer._head.done() and not answer._whole and answer.content_length is None
+                and "chunked" not in answer.headers.get("Transfer-Encoding", "").lower()):
+            answer._connection = None  # an answer delimited by the close: this is its end
+            self.on_message_complete_for(answer)
+            return
+        answer._fail(Disconnected("the backend closed the connection"
+                                  + (f": {exc}" if exc is not None else "")))
+
+    def pause_writing(self) -> None:  # a large request body: the transport buffers it
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks
+    def on_status(self, status: bytes) -> None:
+        assert self.answer is not None
+        self.answer.reason += status.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.answer is not None
+        self.answer._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        answer = self.answer
+        assert answer is not None
+        answer.status = self.parser.get_status_code()
+        answer.headers = CIMultiDictProxy(CIMultiDict(
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in answer._raw_headers))
+        answer._raw_headers = []
+        if not self.parser.should_keep_alive() or answer.content_type == "text/event-stream":
+            # An event stream's connection is never reused: llama.cpp's llama-server closes
+            # it after the last event while its headers say Keep-Alive (measured:
+            # tests/llamacpp), so a pooled one would be reused in the moment before the close
+            # arrives, and the next request on it would fail as a reset counted against a
+            # healthy engine. Decided here, as the head arrives, before the end can (an answer
+            # may come whole with its head). A new connection per stream costs one handshake.
+            answer._reuse = False
+        if not answer._head.done():
+            answer._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        answer = self.answer
+        assert answer is not None
+        answer._chunks.append(body)
+        answer._buffered += len(body)
+        if answer._buffered > _HIGH_WATER and not answer._paused and self.transport is not None:
+            answer._paused = True
+            self.transport.pause_reading()
+        answer._wake()
+
+    def on_message_complete(self) -> None:
+        answer = self.answer
+        assert answer is not None
+        self.answer = None
+        self.on_message_complete_for(answer)
+        answer._connection = None
+        if answer._paused:  # the answer is whole: nothing more to hold back
+            answer._paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+        if answer._reuse:
+            self.client._release(self)
+        else:
+            self.shut()
+
+    def on_message_complete_for(self, answer: Answer) -> None:
+        answer._whole = True
+        if answer._timer is not None:
+            answer._timer.cancel()
+            answer._timer = None
+        if not answer._head.done():  # a body-less answer ends with its head
+            answer._head.set_result(None)
+        answer._wake()
+
+    # -- ours
+    def abort(self) -> None:
+        """Reset the connection; an answer still on it fails as disconnected."""
+        answer, self.answer = self.answer, None
+        self.client._forget(self)
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+        self.lost = True
+        if answer is not None:
+            answer._fail(Disconnected("the router closed the connection"))
+
+    def shut(self) -> None:
+        """Close the connection after a whole answer (not to be reused)."""
+        self.client._forget(self)
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+        self.lost = True
+
+
+class UpstreamClient:
+    """Keep-alive connections to the backends, and one request at a time on each."""
+
+    def __init__(self, *, connect_timeout_s: float, total_timeout_s: float,
+                 keepalive_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.total_timeout_s = total_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    async def request(self, target: Target, method: str, headers: list[tuple[str, str]],
+                      body: bytes) -> Answer:
+        """Send one request; returns its answer once its head has come (its body may follow).
+        Raises :class:`ConnectFailed`, :class:`Disconnected` or :class:`TimeoutError`."""
+        if self._closed:
+            raise ConnectFailed("the router's client is closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_timeout_s
+        connection = self._pooled((target.host, target.port, target.tls), loop.time())
+        if connection is None:
+            connection = await self._connect(target, deadline)
+        head: asyncio.Future[None] = loop.create_future()
+        answer = Answer(connection, head, None)
+        answer._timer = loop.call_at(deadline, answer._expire)
+        if method == "HEAD":
+            answer._reuse = False
+        connection.answer = answer
+        parts = [method.encode("ascii"), b" ", target.path, b" HTTP/1.1\r\nHost: ",
+                 target.host_header, b"\r\n"]
+        for name, value in headers:
+            lowered = name.lower()
+            if lowered == "connection" and value.strip().lower() == "close":
+                answer._reuse = False
+            parts += (name.encode("latin-1"), b": ",
+                      value.encode("utf-8", "surrogateescape"), b"\r\n")
+        if body or method not in _BODYLESS:
+            parts += (b"Content-Length: ", str(len(body)).encode("ascii"), b"\r\n")
+        parts += (b"\r\n", body)
+        assert connection.transport is not None
+        try:
+            connection.transport.write(b"".join(parts))
+            await head
+        except BaseException:
+            answer.close()  # cancelled, or failed: never pooled half-used
+            raise
+        return answer
+
+    async def close(self) -> None:
+        """Close every connection (answers in progress fail as disconnected)."""
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for connection in list(self._open):
+            connection.abort()
+        self._idle.clear()
+
+    # ------------------------------------------------------------------ the pool
+
+    def _pooled(self, key: tuple[str, int, bool], now: float) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            connection = idle.pop()  # the most recently used: the least likely to be closing
+            transport = connection.transport
+            if (connection.lost or transport is None or transport.is_closing()
+                    or now - connection.idle_since >= self.keepalive_timeout_s):
+                connection.abort()
+                continue
+            return connection
+        return None
+
+    async def _connect(self, target: Target, deadline: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        key = (target.host, target.port, target.tls)
+        context: ssl.SSLContext | None = None
+        if target.tls:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            context = self._ssl
+        timeout = min(self.connect_timeout_s, max(0.0, deadline - loop.time()))
+        try:
+            async with asyncio.timeout(timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: _Connection(self, key), target.host, target.port, ssl=context,
+                    server_hostname=target.host if context is not None else None)
+        except TimeoutError:
+            if timeout < self.connect_timeout_s:
+                raise TimeoutError("the backend timeout passed while connecting") from None
+            raise ConnectTimeout(
+                f"no connection to {target.host}:{target.port} within {timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {target.host}:{target.port}: {exc}") from exc
+        self._open.add(protocol)
+        if self._closed:
+            protocol.abort()
+            raise ConnectFailed("the router's client is closed")
+        return protocol
+
+    def _release(self, connection: _Connection) -> None:
+        if self._closed or connection.lost:
+            connection.abort()
+            return
+        loop = asyncio.get_running_loop()
+        connection.idle_since = loop.time()
+        self._idle.setdefault(connection.key, []).append(connection)
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.keepalive_timeout_s, self._sweep_idle)
+
+    def _forget(self, connection: _Connection) -> None:
+        self._open.discard(connection)
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    def _sweep_idle(self) -> None:
+        """Close connections idle for the keep-alive timeout (before the engine does, so that
+        none is reused in the moment its close is on the way)."""
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        left = False
+        for idle in list(self._idle.values()):
+            for connection in list(idle):
+                if now - connection.idle_since >= self.keepalive_timeout_s:
+                    connection.abort()
+                else:
+                    left = True
+        if left and not self._closed:
+            self._sweep = asyncio.get_running_loop().call_later(
+                self.keepalive_timeout_s, self._sweep_idle)
