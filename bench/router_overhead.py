@@ -58,10 +58,26 @@ def _loop_policy() -> None:
 
 # ---------------------------------------------------------------------- the backend process
 
+def _answer(body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type + b"\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+#: What the backend answers besides completions, so that a controller (``fleetwarden up``)
+#: judges it as the idle vLLM it imitates: vLLM's real /metrics of an idle engine and its model
+#: list. (Without them ``up`` found no metrics, condemned the backend after three probes and
+#: answered 409 from then on.)
+_OTHER_ANSWERS = {
+    b"GET /metrics ": _answer((ROOT / "tests/fixtures/vllm/metrics-idle.txt").read_bytes(),
+                              b"text/plain; version=0.0.4"),
+    b"GET /v1/models ": _answer(
+        (ROOT / "tests/fixtures/vllm/models.http").read_bytes().partition(b"\r\n\r\n")[2]),
+    b"GET /health ": _answer(b"", b"text/plain"),
+}
+
+
 async def _serve_backend(port: int) -> None:
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(BODY)).encode() + b"\r\n\r\n")
-    answer = head + BODY
+    answer = _answer(BODY)
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -73,7 +89,10 @@ async def _serve_backend(port: int) -> None:
                         length = int(line[15:])
                 if length:
                     await reader.readexactly(length)
-                writer.write(answer)
+                other = None
+                if headers.startswith(b"GET "):
+                    other = _OTHER_ANSWERS.get(headers[:headers.index(b"HTTP/")])
+                writer.write(other or answer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -296,6 +315,11 @@ def main() -> None:
                 results[name] = (single, many)
                 print(f"{name}: {single['statuses']} {many['statuses']}", file=sys.stderr)
     _report(results)
+    # Figures of errors are not a router's figures: say so, and fail.
+    wrong = {name: (s["statuses"], m["statuses"]) for name, (s, m) in results.items()
+             if set(s["statuses"]) | set(m["statuses"]) != {"200"}}  # type: ignore[call-overload]
+    if wrong:
+        sys.exit(f"not every answer was 200, so these rows measure errors: {wrong}")
 
 
 def _report(results: dict[str, tuple[dict[str, object], dict[str, object]]]) -> None:

@@ -9,8 +9,9 @@ requests (:meth:`Router.drain_outcomes`), and moves requests off a backend it co
 (:meth:`Router.rescue`). The same calls are served on an optional control port
 (:mod:`fleetwarden.router.control`), so one controller can drive several router processes.
 
-Several routers can run in one event loop: each has its own application, client session and
-Prometheus registry.
+Several routers can run in one event loop: each has its own server, client and Prometheus
+registry. The data port is served by :mod:`fleetwarden.router.serve` (the event loop's
+protocols and httptools), the control API by aiohttp.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import hdrs, web
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from fleetwarden.router import serve
 from fleetwarden.router.forward import Forwarder, error_response
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
@@ -45,6 +47,8 @@ FORWARDED_POST: tuple[str, ...] = (
     "/tokenize", "/detokenize",
 )
 FORWARDED_GET: tuple[str, ...] = ("/v1/models",)
+_POST = frozenset(FORWARDED_POST)
+_GET = frozenset(FORWARDED_GET)
 
 #: While a router drains (:meth:`Router.drain`), a keep-alive connection idle this long is
 #: closed. Clients reuse an idle connection at once or not for a while (httpx, and with it the
@@ -99,8 +103,10 @@ class Router:
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
         self._forwarder.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
-        self.app = self._make_app()
-        self._runner: web.AppRunner | None = None
+        self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes)
+        #: The data port's listeners (several: the sockets a replaced router handed over).
+        self._listeners: list[asyncio.Server] = []
+        self._started = False
         self._control_runner: web.AppRunner | None = None
         self._draining = False
         self._url: str | None = None
@@ -243,29 +249,28 @@ class Router:
         kernel spreads connections over them). ``sockets``: listen on these listening sockets
         instead (taken from the router this one replaces: :mod:`fleetwarden.router.handover`);
         ``host``, ``port`` and ``reuse_port`` are then not used."""
-        if self._runner is not None:
+        if self._started:
             raise RuntimeError("Router.start() was already called")
         if control_port is not None and not control_token:
             raise ValueError("a control port needs a control token")
         await self._forwarder.open()
-        # handler_cancellation: a client that disconnects cancels its handler, and with it the
-        # upstream request (the engine then aborts it: no orphaned decoding).
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=self.settings.shutdown_grace_s)
+        loop = asyncio.get_running_loop()
         try:
-            await runner.setup()
             if sockets:
                 for sock in sockets:
-                    await web.SockSite(runner, sock, backlog=1024).start()
+                    self._listeners.append(
+                        await loop.create_server(self._server, sock=sock, backlog=1024))
             else:
-                await web.TCPSite(runner, host, port, backlog=1024,
-                                  reuse_port=reuse_port or None).start()
+                self._listeners.append(await loop.create_server(
+                    self._server, host, port, backlog=1024, reuse_port=reuse_port or None))
         except BaseException:
-            await runner.cleanup()
+            for listener in self._listeners:
+                listener.close()
+            self._listeners = []
             await self._forwarder.close()
             raise
-        self._runner = runner
-        self._url = listening_url(runner)
+        self._started = True
+        self._url = serve.listening_url(self._listeners)
         if control_port is not None:
             from fleetwarden.router.control import make_control_app
 
@@ -289,7 +294,7 @@ class Router:
         connection once it has been idle for :data:`IDLE_CLOSE_S`, and return when no
         connection is left or ``bound_s`` has passed (then :meth:`stop` cuts what is left).
         The control API keeps answering meanwhile."""
-        if self._runner is None:
+        if not self._started:
             return
         if await self.stop_accepting():
             # Only now, and after the other replaced routers closed theirs (they got the same
@@ -298,34 +303,32 @@ class Router:
             # the kernel. A reload closes every old router's listeners first and waits for each
             # to say so (:meth:`stop_accepting` over the control API): then nothing is guessed.
             await asyncio.sleep(HANDOVER_SETTLE_S)
-        self._draining = True
-        server = self._runner.server
+        self._draining = self._server.draining = True
+        server = self._server
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound_s
         idle_since: dict[int, float] = {}
         log.info("draining: %d connection(s) open, up to %g s",
-                 len(server.connections) if server is not None else 0, bound_s)
+                 len(server.connections), bound_s)
         idle_closed = 0
-        while server is not None and server.connections and loop.time() < deadline:
+        while server.connections and loop.time() < deadline:
             now = loop.time()
             for conn in list(server.connections):
-                if getattr(conn, "_request_in_progress", True):
+                if conn.busy:
                     idle_since.pop(id(conn), None)
                 elif now - idle_since.setdefault(id(conn), now) >= IDLE_CLOSE_S:
-                    conn.close()  # idle that long: no request of a keep-alive client races it
+                    conn.close_idle()  # idle that long: no keep-alive client's request races it
                     idle_closed += 1
-            await asyncio.sleep(_DRAIN_POLL_S)  # aiohttp has no event for "connection closed"
-        left = len(server.connections) if server is not None else 0
+            await asyncio.sleep(_DRAIN_POLL_S)
+        left = len(server.connections)
         log.info("drained: %d idle connection(s) closed by the router, %d left at the bound",
                  idle_closed, left)
 
     def listening_sockets(self) -> list[socket.socket]:
         """The sockets the router listens on now (none once it stopped accepting): what a
         replacement takes over (:class:`~fleetwarden.router.handover.ListenerHandover`)."""
-        if self._runner is None:
-            return []
-        return [s for site in self._runner.sites
-                for s in getattr(getattr(site, "_server", None), "sockets", None) or ()]
+        return [s for listener in self._listeners
+                for s in listener.sockets]
 
     async def stop_accepting(self) -> bool:
         """Close the listeners (the port's other routers take every new connection); the
@@ -340,26 +343,24 @@ class Router:
         then the listener closed with no await between (only a handshake completing in those
         microseconds is then reset), and what was taken is served here like any open
         connection."""
-        if self._runner is None or not self._runner.sites:
+        if not self._listeners:
             return False
         queued: list[socket.socket] = []
-        for site in list(self._runner.sites):
-            queued += _accept_queued(site)
-            await site.stop()  # closes the listener at once (aiohttp: no await before it)
+        for listener in self._listeners:
+            queued += _accept_queued(listener)
+            listener.close()  # closes the listening sockets at once, no await before it
+        self._listeners = []
         loop = asyncio.get_running_loop()
-        handler = self._runner.server  # the protocol factory every site serves with
+        handler = self._server  # the protocol factory every listener serves with
         served = 0
         for conn in queued:
-            if handler is None:
-                conn.close()
-                continue
             try:
                 await loop.connect_accepted_socket(handler, conn)
                 served += 1
             except OSError as exc:  # the client gave up meanwhile
                 log.info("a queued connection closed before it was served: %s", exc)
                 conn.close()
-        open_now = len(handler.connections) if handler is not None else 0
+        open_now = len(handler.connections)
         log.info("stopped accepting: %d queued connection(s) taken and served here, %d open",
                  served, open_now)
         return True
@@ -369,13 +370,16 @@ class Router:
         if self._control_runner is not None:
             await self._control_runner.cleanup()
             self._control_runner = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._started:
+            for listener in self._listeners:
+                listener.close()
+            self._listeners = []
+            await self._server.shutdown(self.settings.shutdown_grace_s)
+            self._started = False
         await self._forwarder.close()
 
     async def __aenter__(self) -> Router:
-        if self._runner is None:
+        if not self._started:
             await self.start()
         return self
 
@@ -401,37 +405,18 @@ class Router:
 
     # ------------------------------------------------------------------ the application
 
-    def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes)
-        app.on_response_prepare.append(self._close_when_draining)
-        forward = self._forwarder.forward
-        for path in FORWARDED_POST:
-            app.router.add_post(path, forward)
-        for path in FORWARDED_GET:
-            app.router.add_get(path, forward, allow_head=False)
-        app.router.add_get("/metrics", self._metrics, allow_head=False)
-        app.router.add_route("*", "/{tail:.*}", self._not_found)
-        return app
-
-    async def _close_when_draining(self, request: web.Request,
-                                   response: web.StreamResponse) -> None:
-        if self._draining:
-            # The close after this answer, and the header that tells the client (its next
-            # request goes anew). aiohttp wrote the Connection header from keep_alive before
-            # this hook runs, so force_close alone would close a connection the client was told
-            # to keep: a keep-alive client reusing it at once met the close.
-            response.force_close()
-            response.headers[hdrs.CONNECTION] = "close"
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
-
-    async def _not_found(self, request: web.Request) -> web.Response:
+    async def _dispatch(self, request: serve.Request) -> serve.StreamResponse:
+        """The data port's routes: the OpenAI API forwarded, the router's own /metrics, and a
+        404 for anything else (a known path asked with another method included)."""
+        method, path = request.method, request.path
+        if ((method == "POST" and path in _POST) or (method == "GET" and path in _GET)):
+            return await self._forwarder.forward(request)
+        if method == "GET" and path == "/metrics":
+            return serve.Response(body=generate_latest(self.registry),
+                                  headers={"Content-Type": CONTENT_TYPE_LATEST})
         self.stats.responded(404)
         return error_response(
-            404, f"No route for {request.method} {request.path}: the router serves "
+            404, f"No route for {method} {path}: the router serves "
             "POST " + ", ".join(FORWARDED_POST) + "; GET " + ", ".join(FORWARDED_GET)
             + " and its own /metrics.", "not_found")
 
@@ -444,13 +429,11 @@ def listening_url(runner: web.AppRunner) -> str:
     return f"http://{host}:{port}"
 
 
-def _accept_queued(site: web.BaseSite) -> list[socket.socket]:
-    """Every connection waiting in ``site``'s listening sockets' queues, accepted now, without
-    waiting (see :meth:`Router.stop_accepting`). Reads aiohttp's ``_server`` (the
-    ``asyncio.Server`` a site starts); a site without one has nothing queued."""
-    server = getattr(site, "_server", None)
+def _accept_queued(listener: asyncio.Server) -> list[socket.socket]:
+    """Every connection waiting in ``listener``'s sockets' queues, accepted now, without
+    waiting (see :meth:`Router.stop_accepting`)."""
     taken: list[socket.socket] = []
-    for listening in getattr(server, "sockets", None) or ():
+    for listening in listener.sockets:
         dup = socket.socket(fileno=os.dup(listening.fileno()))  # the same queue
         try:
             dup.setblocking(False)
@@ -462,5 +445,5 @@ def _accept_queued(site: web.BaseSite) -> list[socket.socket]:
                 conn.setblocking(False)
                 taken.append(conn)
         finally:
-            dup.close()  # the listener itself stays open until the site closes it
+            dup.close()  # the listener itself stays open until it is closed
     return taken

@@ -72,8 +72,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from fleetwarden.router.forward import error_response
 from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.serve import error_body
 
 if TYPE_CHECKING:
     from fleetwarden.router.app import Router
@@ -121,6 +121,12 @@ class ControlError(Exception):
 
 
 # ---------------------------------------------------------------------- the server side
+
+
+def error_response(status: int, message: str, error_type: str) -> web.Response:
+    """A JSON error in the OpenAI shape, as the data port answers them."""
+    return web.Response(status=status, body=error_body(status, message, error_type),
+                        content_type="application/json")
 
 def make_control_app(router: Router, token: str) -> web.Application:
     """The control API of ``router``, for callers presenting ``Bearer <token>``."""

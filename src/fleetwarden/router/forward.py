@@ -35,8 +35,8 @@ section 4):
   cannot be continued ends with an error event naming the cause, never with a silent cut.
 * When it cannot serve, the router answers deliberately: ``status_when_others_serve`` (500)
   while backends remain, ``status_when_none_left`` (409) when none does. Never 504: clients
-  retry it without bound (aiohttp itself turns an escaped ``TimeoutError`` into 504, so none
-  may escape a handler).
+  retry it without bound. (An exception that escapes a handler is answered 500 by the
+  server, :mod:`fleetwarden.router.serve`; none is meant to.)
 * Every answer an engine produced carries the weight version and shard index the controller's
   push gave that engine (``x-fleetwarden-weight-version``, ``x-fleetwarden-shard``). A request
   with ``x-fleetwarden-min-weight-version: N`` is sent only to engines at version N or later;
@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 import math
 import re
@@ -60,10 +59,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
+from fleetwarden.router.serve import BodyTooLarge, Request, Response, StreamResponse, error_body
 from fleetwarden.router.settings import (
     FORBIDDEN_STATUS,
     MIN_VERSION_HEADER,
@@ -192,7 +191,7 @@ class _Won:
 #: What a waiting request needs for a hedge to be sent (:meth:`Forwarder.hedge`): the client's
 #: request, its body and headers, the backends it was tried on (the hedge adds its own) and
 #: its minimum weight version. ``None`` for a request that cannot be hedged (a stream).
-_HedgeContext = tuple[web.Request, bytes, list[tuple[str, str]], list[str], int | None]
+_HedgeContext = tuple[Request, bytes, list[tuple[str, str]], list[str], int | None]
 
 
 @dataclass(slots=True)
@@ -202,7 +201,7 @@ class _Stream:
     splice: Splice
     #: The client's response, once its first byte went: from then on the stream is continued,
     #: never restarted.
-    response: web.StreamResponse | None = None
+    response: StreamResponse | None = None
     #: How the current attempt continues the stream (``None``: it is the first).
     continuation: Continuation | None = None
     #: The first engine's weight version: a continuation must come from the same weights.
@@ -217,11 +216,10 @@ class _Stream:
 
 
 def error_response(status: int, message: str, error_type: str,
-                   headers: dict[str, str] | None = None, **extra: object) -> web.Response:
+                   headers: dict[str, str] | None = None, **extra: object) -> Response:
     """A JSON error in the OpenAI shape (``{"error": {...}}``), with extra fields if given."""
-    error = {"message": message, "type": error_type, "param": None, "code": status, **extra}
-    return web.Response(status=status, body=json.dumps({"error": error}).encode(),
-                        content_type="application/json", headers=headers)
+    return Response(status=status, body=error_body(status, message, error_type, **extra),
+                    content_type="application/json", headers=headers)
 
 
 def _response_headers(upstream: CIMultiDictProxy[str],
@@ -238,7 +236,7 @@ def _response_headers(upstream: CIMultiDictProxy[str],
     return headers
 
 
-def _min_version(request: web.Request) -> int | web.Response | None:
+def _min_version(request: Request) -> int | Response | None:
     """The request's minimum weight version, ``None`` without one, or the 400 for a bad one."""
     raw = request.headers.get(MIN_VERSION_HEADER)
     if raw is None:
@@ -379,7 +377,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ the request path
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
+    async def forward(self, request: Request) -> StreamResponse:
         """Answer one allowlisted request through the fleet."""
         started = time.perf_counter()
         stats = self.stats
@@ -389,14 +387,14 @@ class Forwarder:
         if length is not None and length > limit:
             return self._too_large()
         try:
-            if request.content.is_eof():
+            if request.body_arrived:
                 # The whole body has arrived (a small one comes with its headers): reading it
                 # cannot stall, so no timer is set and cancelled for it.
                 body = await request.read()
             else:
                 async with asyncio.timeout(self.settings.client_body_timeout_s):
                     body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        except BodyTooLarge:
             return self._too_large()
         except TimeoutError:
             # A client that sent its headers and stalled: no backend was picked yet, so it
@@ -413,7 +411,7 @@ class Forwarder:
         header = self._session_header
         session = request.headers.get(header) if header is not None else None
         min_version = _min_version(request)
-        if isinstance(min_version, web.Response):
+        if isinstance(min_version, Response):
             self.stats.responded(min_version.status)
             return min_version
         stream = None
@@ -504,10 +502,10 @@ class Forwarder:
             if holds_retry_token:
                 budget.release()
 
-    async def _attempt(self, request: web.Request, backend: str, body: bytes,
+    async def _attempt(self, request: Request, backend: str, body: bytes,
                        headers: list[tuple[str, str]], started: float,
                        stream: _Stream | None = None,
-                       context: _HedgeContext | None = None) -> web.StreamResponse | _Failure:
+                       context: _HedgeContext | None = None) -> StreamResponse | _Failure:
         """One try on one backend: its answer relayed, or why there is none. ``context``: what
         a hedge of it needs (None: it is never hedged)."""
         pool = self.pool
@@ -583,10 +581,10 @@ class Forwarder:
             raise
         return answer, hedge
 
-    async def _deliver(self, request: web.Request, upstream: Answer,
+    async def _deliver(self, request: Request, upstream: Answer,
                        backend: str, started: float, backend_time: float,
                        stream: _Stream | None,
-                       facts: BackendFacts) -> web.StreamResponse | _Failure:
+                       facts: BackendFacts) -> StreamResponse | _Failure:
         """Relay an answer whose headers have come (nothing of it reached the client yet)."""
         try:
             if stream is not None:
@@ -615,7 +613,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ hedges
 
-    async def _hedge(self, scope: asyncio.Timeout, backend: str, request: web.Request,
+    async def _hedge(self, scope: asyncio.Timeout, backend: str, request: Request,
                      body: bytes, headers: list[tuple[str, str]], other: str,
                      ) -> _Won | _Failure:
         """The hedge of the request waiting in ``scope`` on ``backend``: the same request on
@@ -638,8 +636,8 @@ class Forwarder:
             scope.reschedule(asyncio.get_running_loop().time())
         return _Won(other, answer, time.perf_counter() - sent, facts)
 
-    async def _after_hedge(self, request: web.Request, hedge: asyncio.Task[_Won | _Failure],
-                           failure: _Failure, started: float) -> web.StreamResponse | _Failure:
+    async def _after_hedge(self, request: Request, hedge: asyncio.Task[_Won | _Failure],
+                           failure: _Failure, started: float) -> StreamResponse | _Failure:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
         if failure.cause is not Cause.RESCUED:
@@ -677,12 +675,12 @@ class Forwarder:
             target = self._targets[key] = Target.parse(key)
         return target
 
-    async def _answer_whole(self, request: web.Request, upstream: Answer,
+    async def _answer_whole(self, request: Request, upstream: Answer,
                             body: bytes, backend: str, started: float,
-                            backend_time: float, facts: BackendFacts) -> web.StreamResponse:
+                            backend_time: float, facts: BackendFacts) -> StreamResponse:
         """Send a complete answer: headers and body in one write."""
         status = upstream.status
-        response = web.Response(status=status, reason=upstream.reason, body=body,
+        response = Response(status=status, reason=upstream.reason, body=body,
                                 headers=_response_headers(upstream.headers, _NOT_RELAYED_WHOLE,
                                                           facts))
         if status < 400:
@@ -696,12 +694,12 @@ class Forwarder:
             pass  # the client left: its loss, not the engine's
         return response
 
-    async def _relay(self, request: web.Request, upstream: Answer,
+    async def _relay(self, request: Request, upstream: Answer,
                      backend: str, started: float, backend_time: float,
-                     facts: BackendFacts) -> web.StreamResponse:
+                     facts: BackendFacts) -> StreamResponse:
         """Stream the engine's answer to the client chunk by chunk; count it when complete."""
         status = upstream.status
-        response = web.StreamResponse(status=status, reason=upstream.reason,
+        response = StreamResponse(status=status, reason=upstream.reason,
                                       headers=_response_headers(upstream.headers, _HOP_BY_HOP,
                                                                 facts))
         complete = False
@@ -741,9 +739,9 @@ class Forwarder:
             if not complete:
                 upstream.close()  # the engine sees the disconnect and aborts the generation
 
-    async def _relay_stream(self, request: web.Request, upstream: Answer,
+    async def _relay_stream(self, request: Request, upstream: Answer,
                             backend: str, started: float, backend_time: float,
-                            stream: _Stream, facts: BackendFacts) -> web.StreamResponse | _Failure:
+                            stream: _Stream, facts: BackendFacts) -> StreamResponse | _Failure:
         """Relay a stream event by event through its splice. The client's response begins with
         the first event it is given, so an attempt that fails before that is re-sent from the
         start; one that fails after it is continued (by the caller)."""
@@ -799,16 +797,16 @@ class Forwarder:
             if not complete:
                 upstream.close()  # the engine sees the disconnect and aborts the generation
 
-    async def _send(self, request: web.Request, stream: _Stream, data: bytes,
+    async def _send(self, request: Request, stream: _Stream, data: bytes,
                     upstream: Answer, started: float,
-                    backend_time: float, facts: BackendFacts) -> web.StreamResponse | None:
+                    backend_time: float, facts: BackendFacts) -> StreamResponse | None:
         """Write one event to the client, beginning its response with the first; ``None`` if
         the client has left."""
         response = stream.response
         if response is None:
             # The events are the router's to frame: rewritten, continued from another engine or
             # ended with an error event, so an engine's Content-Length would cut them short.
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+            response = StreamResponse(status=upstream.status, reason=upstream.reason,
                                           headers=_response_headers(upstream.headers,
                                                                     _NOT_RELAYED_WHOLE, facts))
             stream.response = response
@@ -825,13 +823,13 @@ class Forwarder:
         stream.splice.events_sent += 1
         return response
 
-    async def _answer_assembled(self, request: web.Request, stream: _Stream,
+    async def _answer_assembled(self, request: Request, stream: _Stream,
                                 upstream: Answer, started: float,
-                                backend_time: float, facts: BackendFacts) -> web.StreamResponse:
+                                backend_time: float, facts: BackendFacts) -> StreamResponse:
         """The whole answer to a non-streamed request, assembled from the stream(s)."""
         headers = _response_headers(upstream.headers, _NOT_RELAYED_WHOLE | {"content-type"},
                                     facts)
-        response = web.Response(status=200, body=stream.splice.answer(), headers=headers,
+        response = Response(status=200, body=stream.splice.answer(), headers=headers,
                                 content_type="application/json")
         stream.response = response
         try:
@@ -844,7 +842,7 @@ class Forwarder:
         return response
 
     async def _end_stream(self, stream: _Stream, failure: _Failure | None,
-                          reason: str) -> web.StreamResponse:
+                          reason: str) -> StreamResponse:
         """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
         cause, then ``[DONE]``, as vLLM ends a stream that failed. A generation that was
         already whole (its finish came, its end was lost) just ends."""
@@ -883,18 +881,18 @@ class Forwarder:
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
                      _DESCRIPTIONS[failure.cause])
 
-    def _pass_through(self, failure: _Failure) -> web.Response:
+    def _pass_through(self, failure: _Failure) -> Response:
         """The engine's own 5xx (or aborted 200), untouched, unless it is the one status never
         to send."""
         if failure.status == FORBIDDEN_STATUS:
             return self._refuse(failure)
         self.stats.responded(failure.status)
         assert failure.headers is not None
-        return web.Response(status=failure.status, body=failure.body,
+        return Response(status=failure.status, body=failure.body,
                             headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE,
                                                       failure.facts))
 
-    def _refuse(self, failure: _Failure | None, min_version: int | None = None) -> web.Response:
+    def _refuse(self, failure: _Failure | None, min_version: int | None = None) -> Response:
         """The deliberate answer when the router cannot serve this request (one demanding
         ``min_version``: no backend is left when none holding such weights serves)."""
         pool = self.pool
@@ -918,7 +916,7 @@ class Forwarder:
                               "no_backend_left" if none_left else "backend_failed",
                               headers, cause=cause, backend=backend)
 
-    def _refuse_version(self, min_version: int) -> web.Response:
+    def _refuse_version(self, min_version: int) -> Response:
         """No serving backend holds weights at ``min_version`` or later: for this request, no
         backend is left (``status_when_none_left``; never a 504 a client would retry blindly)."""
         held = sorted({v for u in self.pool.serving
@@ -931,7 +929,7 @@ class Forwarder:
             f"(serving versions: {said}).", "weight_version_unavailable",
             None, min_weight_version=min_version, serving_versions=held)
 
-    def _too_large(self) -> web.Response:
+    def _too_large(self) -> Response:
         self.stats.responded(413)
         return error_response(
             413, f"Request body larger than {self.settings.max_body_bytes} bytes.",
