@@ -26,7 +26,7 @@ from support.fleet import record_transitions, running_fleet, sim_stats, until
 
 pytestmark = pytest.mark.scenario
 
-H, SL = ShardState.HEALTHY, ShardState.SLEEPING
+H, SL, SUSPECT = ShardState.HEALTHY, ShardState.SLEEPING, ShardState.SUSPECT
 FAST = {"probe_interval_s": 0.05, "stall_s": 0.5, "canary_interval_s": 0.2}
 #: How long each test keeps an engine asleep under the watchdog and load.
 ASLEEP_S = 10.0
@@ -72,7 +72,12 @@ async def test_an_engine_put_to_sleep_by_someone_else_is_left_alone_then_serves_
         rec = fleet.ledger.shard(1)
         assert rec.state is SL and rec.restart_attempts == 0 and rec.incarnation == incarnation
         assert fleet.controller.reports[1].verdict.name == "SLEEPING"
-        assert [t.to_state for t in seen if t.shard == 1] == [SL]  # nothing else happened
+        # Nothing else happened: at most a canary that was in flight when the sleep landed
+        # failed first (the sim's loop stops at once, as vLLM's does), making it SUSPECT on
+        # the way (make test's load met that once); never a restart or a condemnation.
+        went = [(t.to_state, t.cause) for t in seen if t.shard == 1]
+        assert [state for state, _ in went] in ([SL], [SUSPECT, SL]), went
+        assert all("probe failed" in cause for state, cause in went if state is SUSPECT), went
 
         assert (await engine_post(url, "/wake_up"))[0] == 200
         await until(lambda: fleet.ledger.state(1) is H, what="it serves again on wake")

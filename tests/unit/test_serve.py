@@ -15,6 +15,7 @@ import uvloop
 from fleetwarden.router.serve import (
     MAX_HEAD_BYTES,
     BodyTooLarge,
+    Headers,
     Request,
     Response,
     Server,
@@ -80,6 +81,14 @@ async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], byt
     else:
         body = await reader.read()
     return status, headers, body
+
+
+def test_request_headers_read_case_insensitively_first_of_a_repeated_name() -> None:
+    headers = Headers([(b"X-Session-Id", b"a"), (b"content-type", b"json"),
+                       (b"x-session-id", b"b"), (b"X-Note", "é".encode())])
+    assert headers["x-session-id"] == "a" and headers.get("CONTENT-TYPE") == "json"
+    assert headers.get("x-note") == "é" and headers.get("missing") is None
+    assert list(headers) == ["X-Session-Id", "content-type", "X-Note"] and len(headers) == 3
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -102,7 +102,7 @@ def test_keep_alive_connections_are_reused_and_the_request_goes_out_as_given(loo
             http = client()
             for _ in range(3):
                 answer = await http.request(engine.target(), "POST",
-                                            [("Content-Type", "application/json")], b'{"a":1}')
+                                            [(b"Content-Type", b"application/json")], b'{"a":1}')
                 assert (answer.status, answer.reason, answer.content_type,
                         answer.content_length) == (200, "OK", "application/json", 2)
                 assert await answer.read() == b"{}"
@@ -134,7 +134,8 @@ def test_what_is_never_pooled(loop: str) -> None:
     async def test() -> None:
         async with Script(handle) as engine:
             http = client()
-            answer = await http.request(engine.target(), "POST", [("Connection", "close")], b"")
+            answer = await http.request(engine.target(), "POST", [(b"Connection", b"close")],
+                                        b"", keep_alive=False)
             assert await answer.read() == b"{}"
             answer = await http.request(engine.target(), "POST", [], b"")
             assert await answer.read() == b"{}"

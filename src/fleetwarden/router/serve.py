@@ -35,17 +35,19 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import cast
 from urllib.parse import unquote
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["MAX_HEAD_BYTES", "BodyTooLarge", "Request", "Response", "Server",
-           "StreamResponse", "error_body"]
+__all__ = ["MAX_HEAD_BYTES", "BodyTooLarge", "Headers", "RawHeaders", "Request", "Response",
+           "Server", "StreamResponse", "error_body"]
+
+#: Headers as they go on the wire: (name, value) bytes, in order, names as sent.
+RawHeaders = list[tuple[bytes, bytes]]
 
 log = logging.getLogger("fleetwarden.router")
 
@@ -82,31 +84,71 @@ def _reason(status: int) -> str:
         return ""
 
 
+class Headers(Mapping[str, str]):
+    """A request's headers as a case-insensitive mapping over the raw pairs, decoded as read
+    (the first of a repeated name, as ``CIMultiDict.get`` gives). A request carries a handful:
+    a lookup scans them, which costs less than building a dictionary every request."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: RawHeaders) -> None:
+        self._raw = raw
+
+    def __getitem__(self, name: str) -> str:
+        wanted = name.lower().encode("latin-1")
+        for key, value in self._raw:
+            if key.lower() == wanted:
+                return value.decode("utf-8", "surrogateescape")
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        seen: set[bytes] = set()
+        for key, _ in self._raw:
+            lowered = key.lower()
+            if lowered not in seen:
+                seen.add(lowered)
+                yield key.decode("latin-1")
+
+    def __len__(self) -> int:
+        return len({key.lower() for key, _ in self._raw})
+
+
 class Request:
     """One request as it came: its line and headers, and its body as it arrives."""
 
-    __slots__ = ("_body", "_complete", "_connection", "_size", "_waiter", "content_length",
-                 "headers", "keep_alive", "method", "path", "raw_path", "too_large", "version")
+    __slots__ = ("_body", "_complete", "_connection", "_headers", "_size", "_waiter",
+                 "content_length", "keep_alive", "method", "path", "raw_headers", "raw_path",
+                 "too_large", "version")
 
     def __init__(self, connection: _Connection, method: str, raw_path: str,
-                 headers: CIMultiDictProxy[str], keep_alive: bool, version: str,
-                 limit: int) -> None:
+                 raw_headers: RawHeaders, content_length: int | None, keep_alive: bool,
+                 version: str, limit: int) -> None:
         self._connection = connection
         self.method = method
         #: The request target exactly as the client sent it (path and query, encoded).
         self.raw_path = raw_path
         #: The path, percent-decoded, without the query: what routes match.
-        self.path = unquote(raw_path.partition("?")[0])
-        self.headers = headers
+        self.path = unquote(raw_path.partition("?")[0]) if "%" in raw_path or "?" in raw_path \
+            else raw_path
+        #: The headers as they came (names as sent).
+        self.raw_headers = raw_headers
+        self._headers: Headers | None = None
         self.keep_alive = keep_alive
         self.version = version
-        length = headers.get("Content-Length")
-        self.content_length = int(length) if length is not None and length.isdigit() else None
-        self.too_large = self.content_length is not None and self.content_length > limit
+        self.content_length = content_length
+        self.too_large = content_length is not None and content_length > limit
         self._body: list[bytes] = []
         self._size = 0
         self._complete = False
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def headers(self) -> Headers:
+        """The headers, read case-insensitively (a view of :attr:`raw_headers`: nothing is
+        decoded until it is read)."""
+        if self._headers is None:
+            self._headers = Headers(self.raw_headers)
+        return self._headers
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -150,14 +192,25 @@ class Request:
             self._waiter.set_result(None)
 
 
+def _raw(headers: Mapping[str, str] | RawHeaders | None) -> RawHeaders:
+    if headers is None:
+        return []
+    if isinstance(headers, list):
+        return headers
+    return [(k.encode("latin-1"), v.encode("utf-8", "surrogateescape"))
+            for k, v in headers.items()]
+
+
 class StreamResponse:
-    """An answer written as it comes: its head at :meth:`prepare`, then each :meth:`write`."""
+    """An answer written as it comes: its head at :meth:`prepare`, then each :meth:`write`.
+    ``headers``: names and values, or raw (bytes) pairs as they go on the wire; the framing
+    ones (Content-Length aside, Transfer-Encoding, Connection, Keep-Alive) are the server's."""
 
     def __init__(self, status: int = 200, reason: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | RawHeaders | None = None) -> None:
         self.status = status
         self.reason = reason
-        self.headers: CIMultiDict[str] = CIMultiDict(headers or ())
+        self.raw_headers = _raw(headers)
         self.prepared = False
         self.finished = False
         self._request: Request | None = None
@@ -170,15 +223,14 @@ class StreamResponse:
         connection = request._connection
         self._request = request
         self.prepared = True
-        length = self.headers.get("Content-Length")
-        self.headers.popall("Transfer-Encoding", None)
-        if length is None:
+        framing = b""
+        if not any(k.lower() == b"content-length" for k, _ in self.raw_headers):
             if request.version == "1.1" and request.method != "HEAD":
                 self._chunked = True
-                self.headers["Transfer-Encoding"] = "chunked"
+                framing = b"Transfer-Encoding: chunked\r\n"
             else:
                 connection.close_after = True  # delimited by the close (an HTTP/1.0 client)
-        connection.send(_head(self, connection.closing(request)))
+        connection.send(_head(self, framing, connection.closing(request)))
 
     async def write(self, data: bytes) -> None:
         """Send ``data``; waits while the client is slow. Raises ConnectionResetError if it has
@@ -204,46 +256,54 @@ class StreamResponse:
 
 
 class Response(StreamResponse):
-    """A whole answer: head and body go out in one write at :meth:`prepare`."""
+    """A whole answer: head and body go out in one write at :meth:`prepare` (its
+    Content-Length is the server's)."""
 
     def __init__(self, status: int = 200, reason: str | None = None, body: bytes = b"",
-                 headers: Mapping[str, str] | None = None,
+                 headers: Mapping[str, str] | RawHeaders | None = None,
                  content_type: str | None = None) -> None:
         super().__init__(status, reason, headers)
         self.body = body
         if content_type is not None:
-            self.headers["Content-Type"] = content_type
+            self.raw_headers = [*self.raw_headers,
+                                (b"Content-Type", content_type.encode("latin-1"))]
 
     async def prepare(self, request: Request) -> None:
         if self.prepared:
             return
         self.prepared = self.finished = True
         self._request = request
-        self.headers.popall("Transfer-Encoding", None)
-        self.headers["Content-Length"] = str(len(self.body))
         connection = request._connection
-        head = _head(self, connection.closing(request))
+        head = _head(self, b"Content-Length: %d\r\n" % len(self.body),
+                     connection.closing(request), _FRAMING_WHOLE)
         connection.send(head if request.method == "HEAD" else head + self.body)
 
     async def write_eof(self) -> None:
         pass
 
 
-def _head(response: StreamResponse, close: bool) -> bytes:
+#: Headers the server writes itself, never as a handler gave them.
+_FRAMING = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
+_FRAMING_WHOLE = _FRAMING | {b"content-length"}
+
+
+def _head(response: StreamResponse, framing: bytes, close: bool,
+          dropped: frozenset[bytes] = _FRAMING) -> bytes:
     status = response.status
     reason = response.reason if response.reason is not None else _reason(status)
-    headers = response.headers
     lines = [b"HTTP/1.1 %d %b\r\n" % (status, reason.encode("latin-1", "replace"))]
-    headers.popall("Connection", None)
-    headers.popall("Keep-Alive", None)
-    if "Date" not in headers:
-        lines.append(b"Date: " + _http_date() + b"\r\n")
-    for name, value in headers.items():
-        lines.append(b"%b: %b\r\n" % (name.encode("latin-1"),
-                                       value.encode("utf-8", "surrogateescape")))
-    if close:
-        lines.append(b"Connection: close\r\n")
-    lines.append(b"\r\n")
+    dated = False
+    for name, value in response.raw_headers:
+        lowered = name.lower()
+        if lowered in dropped:
+            continue
+        if lowered == b"date":
+            dated = True
+        lines += (name, b": ", value, b"\r\n")
+    if not dated:
+        lines += (b"Date: ", _http_date(), b"\r\n")
+    lines.append(framing)
+    lines.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
     return b"".join(lines)
 
 
@@ -373,16 +433,21 @@ class _Connection(asyncio.Protocol):
         if self._broken:
             return
         parser = self.parser
-        headers = CIMultiDictProxy(CIMultiDict(
-            (k.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
-            for k, v in self._raw_headers))
+        raw = self._raw_headers
+        length: int | None = None
+        expect = False
+        for name, value in raw:
+            lowered = name.lower()
+            if lowered == b"content-length":
+                length = int(value) if value.isdigit() else None
+            elif lowered == b"expect":
+                expect = value.lower() == b"100-continue"
         request = Request(self, parser.get_method().decode("ascii"),
-                          b"".join(self._url).decode("ascii", "surrogateescape"), headers,
+                          b"".join(self._url).decode("ascii", "surrogateescape"), raw, length,
                           parser.should_keep_alive(), parser.get_http_version(),
                           self.server.max_body_bytes)
         self.parsing = request
-        if (not request.too_large and request.version == "1.1"
-                and headers.get("Expect", "").lower() == "100-continue"):
+        if expect and not request.too_large and request.version == "1.1":
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.queue.append(request)
         if self.task is None:
@@ -462,8 +527,7 @@ class _Connection(asyncio.Protocol):
             return
         body = error_body(status, message, error_type)
         response = Response(status, body=body, content_type="application/json")
-        response.headers["Content-Length"] = str(len(body))
-        transport.write(_head(response, True) + body)
+        transport.write(_head(response, b"Content-Length: %d\r\n" % len(body), True) + body)
         transport.close()
 
 
