@@ -270,3 +270,33 @@ def test_a_draining_server_says_close_and_closes(loop: str) -> None:
             writer.close()
 
     run(loop, test)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_shutdown_lets_answers_finish_within_its_grace_and_closes_the_rest(loop: str) -> None:
+    async def handler(request: Request) -> StreamResponse:
+        await asyncio.sleep(float(request.path.strip("/")))
+        return Response(body=b"done")
+
+    async def test() -> None:
+        serving = Serving(handler)
+        await serving.__aenter__()
+        assert serving.listener is not None
+        idle_reader, idle_writer = await serving.connect()
+        idle_writer.write(b"GET /0 HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert (await answer(idle_reader))[2] == b"done"  # then idle, kept alive
+        short_reader, short_writer = await serving.connect()
+        short_writer.write(b"GET /0.3 HTTP/1.1\r\nHost: r\r\n\r\n")
+        long_reader, long_writer = await serving.connect()
+        long_writer.write(b"GET /30 HTTP/1.1\r\nHost: r\r\n\r\n")
+        await asyncio.sleep(0.1)
+        serving.listener.close()
+        await serving.server.shutdown(1.0)
+        assert await idle_reader.read() == b""  # closed at once
+        code, headers, body = await answer(short_reader)  # finished within the grace
+        assert (code, body, headers["connection"]) == (200, b"done", "close")
+        assert await long_reader.read() == b""  # cut at the grace
+        for writer in (idle_writer, short_writer, long_writer):
+            writer.close()
+
+    run(loop, test)

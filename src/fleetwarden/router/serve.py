@@ -328,6 +328,9 @@ class Server:
     async def shutdown(self, grace_s: float) -> None:
         """Let the requests being served finish for up to ``grace_s``, then cancel what is
         left and close every connection."""
+        self.draining = True  # what is still answered says close; idle connections go now
+        for connection in list(self.connections):
+            connection.close_idle()
         deadline = asyncio.get_running_loop().time() + grace_s
         while any(c.task is not None for c in self.connections):
             if asyncio.get_running_loop().time() >= deadline:
