@@ -229,6 +229,7 @@ def test_a_handler_that_fails_is_answered_500_and_one_whose_client_left_is_cance
 def test_a_stream_to_a_client_that_does_not_read_waits_instead_of_buffering(
         loop: str) -> None:
     written: list[int] = []
+    ended = asyncio.Event()
 
     async def handler(request: Request) -> StreamResponse:
         response = StreamResponse()
@@ -238,18 +239,26 @@ def test_a_stream_to_a_client_that_does_not_read_waits_instead_of_buffering(
             for _ in range(1000):  # 64 MiB, if nothing waited
                 await response.write(chunk)
                 written.append(len(chunk))
-        except ConnectionError:
-            pass
+        finally:
+            ended.set()  # ended by the client leaving while the write waited for it
         return response
 
     async def test() -> None:
         async with Serving(handler) as serving:
             _reader, writer = await serving.connect()
             writer.write(b"GET /s HTTP/1.1\r\nHost: r\r\n\r\n")
-            await asyncio.sleep(1.0)
-            assert sum(written) < 16 * 1024 * 1024  # the socket buffers, then it waits
+            # Until the socket's buffers are full and the server told its writer to wait.
+            for _ in range(200):
+                if written and all(c._paused for c in serving.server.connections):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"the server never paused ({len(written)} chunks sent)")
+            sent = sum(written)
+            await asyncio.sleep(0.3)  # a writer that did not wait would go on meanwhile
+            assert sum(written) == sent < 16 * 1024 * 1024 and len(written) < 1000
             writer.transport.abort()
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(ended.wait(), 5)
 
     run(loop, test)
 

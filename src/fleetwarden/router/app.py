@@ -108,7 +108,6 @@ class Router:
         self._listeners: list[asyncio.Server] = []
         self._started = False
         self._control_runner: web.AppRunner | None = None
-        self._draining = False
         self._url: str | None = None
         self._control_url: str | None = None
 
@@ -303,7 +302,7 @@ class Router:
             # the kernel. A reload closes every old router's listeners first and waits for each
             # to say so (:meth:`stop_accepting` over the control API): then nothing is guessed.
             await asyncio.sleep(HANDOVER_SETTLE_S)
-        self._draining = self._server.draining = True
+        self._server.draining = True
         server = self._server
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound_s
@@ -430,9 +429,7 @@ class Router:
 def listening_url(runner: web.AppRunner) -> str:
     """The URL a started runner listens on (aiohttp's public ``addresses``)."""
     host, port = runner.addresses[0][:2]
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return serve.http_url(host, port)
 
 
 def _accept_queued(listener: asyncio.Server) -> list[socket.socket]:

@@ -290,9 +290,6 @@ class _Hold:
             self._interrupted = True
             self._task.cancel()
 
-    def interrupted(self) -> bool:
-        return self._interrupted
-
     def caught(self) -> bool:
         """In ``except CancelledError``: whether this hold's interrupt was the cancel (it is
         then spent: the task goes on)."""

@@ -44,7 +44,7 @@ from urllib.parse import unquote
 import httptools
 
 __all__ = ["MAX_HEAD_BYTES", "BodyTooLarge", "Headers", "RawHeaders", "Request", "Response",
-           "Server", "StreamResponse", "error_body"]
+           "Server", "StreamResponse", "error_body", "http_url", "listening_url"]
 
 #: Headers as they go on the wire: (name, value) bytes, in order, names as sent.
 RawHeaders = list[tuple[bytes, bytes]]
@@ -116,7 +116,7 @@ class Headers(Mapping[str, str]):
 class Request:
     """One request as it came: its line and headers, and its body as it arrives."""
 
-    __slots__ = ("_body", "_complete", "_connection", "_headers", "_size", "_waiter",
+    __slots__ = ("_body", "_complete", "_connection", "_headers", "_limit", "_size", "_waiter",
                  "content_length", "keep_alive", "method", "path", "raw_headers", "raw_path",
                  "too_large", "version")
 
@@ -136,6 +136,7 @@ class Request:
         self.keep_alive = keep_alive
         self.version = version
         self.content_length = content_length
+        self._limit = limit
         self.too_large = content_length is not None and content_length > limit
         self._body: list[bytes] = []
         self._size = 0
@@ -172,11 +173,11 @@ class Request:
             raise BodyTooLarge()
         return self._body[0] if len(self._body) == 1 else b"".join(self._body)
 
-    def _feed(self, data: bytes, limit: int) -> None:
+    def _feed(self, data: bytes) -> None:
         if self.too_large:
             return  # not kept: the answer is a 413 and the connection closes after it
         self._size += len(data)
-        if self._size > limit:
+        if self._size > self._limit:
             self.too_large = True
             self._body.clear()
             self._wake()
@@ -458,7 +459,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self.parsing is not None:
-            self.parsing._feed(body, self.server.max_body_bytes)
+            self.parsing._feed(body)
 
     def on_message_complete(self) -> None:
         request = self.parsing
@@ -507,7 +508,7 @@ class _Connection(asyncio.Protocol):
                     await response.write_eof()
                 except ConnectionError:
                     return
-                if not request._complete or response.status == 413:
+                if not request._complete:
                     self.close_after = True  # the rest of its body was never read
                 if self.close_after:
                     if self.transport is not None:
@@ -534,12 +535,15 @@ class _Connection(asyncio.Protocol):
         transport.close()
 
 
-def listening_url(servers: Iterable[asyncio.AbstractServer]) -> str:
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def listening_url(servers: Iterable[asyncio.Server]) -> str:
     """The URL the first listener of ``servers`` listens on."""
     for server in servers:
-        for sock in cast(asyncio.Server, server).sockets:
+        for sock in server.sockets:
             host, port = sock.getsockname()[:2]
-            if ":" in host:
-                host = f"[{host}]"
-            return f"http://{host}:{port}"
+            return http_url(host, port)
     raise RuntimeError("not listening")

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 #: Headers as they go on the wire: (name, value) bytes, in order, names as sent.
@@ -54,11 +53,11 @@ __all__ = [
 ]
 
 #: A body that waits this many bytes unread pauses the engine's connection (its sends then
-#: block in the engine, as they would on a slow client); reading below the low mark resumes it.
+#: block in the engine, as they would on a slow client); reading what is buffered resumes it.
 _HIGH_WATER = 256 * 1024
-_LOW_WATER = 64 * 1024
-#: Methods sent without a Content-Length when they carry no body.
-_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+#: Methods sent without a Content-Length when they carry no body. (The router sends GET and
+#: POST; a HEAD's answer has no body to read, which this client does not expect.)
+_BODYLESS = frozenset({"GET", "DELETE", "OPTIONS"})
 
 
 class UpstreamError(Exception):
@@ -119,7 +118,6 @@ class Answer:
         "_deadlines",
         "_error",
         "_head",
-        "_headers",
         "_paused",
         "_reuse",
         "_waiter",
@@ -135,7 +133,6 @@ class Answer:
         self.reason = ""
         #: The answer's headers as they came.
         self.raw_headers: RawHeaders = []
-        self._headers: CIMultiDictProxy[str] | None = None
         self._content_length: int | None = None
         self._chunked = False
         self._connection: _Connection | None = connection
@@ -155,15 +152,6 @@ class Answer:
         self._content_type = "application/octet-stream"  # aiohttp's default, if none came
 
     # ------------------------------------------------------------------ what the router reads
-
-    @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        """The answer's headers, decoded (made on first use: the request path uses
-        :attr:`raw_headers`)."""
-        if self._headers is None:
-            self._headers = CIMultiDictProxy(CIMultiDict(
-                (k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers))
-        return self._headers
 
     @property
     def content_type(self) -> str:
@@ -288,16 +276,10 @@ class _Connection(asyncio.Protocol):
         if (answer._head.done() and not answer._whole and answer._content_length is None
                 and not answer._chunked):
             answer._connection = None  # an answer delimited by the close: this is its end
-            self.on_message_complete_for(answer)
+            self._finish(answer)
             return
         answer._fail(Disconnected("the backend closed the connection"
                                   + (f": {exc}" if exc is not None else "")))
-
-    def pause_writing(self) -> None:  # a large request body: the transport buffers it
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # -- httptools callbacks
     def on_status(self, status: bytes) -> None:
@@ -346,7 +328,7 @@ class _Connection(asyncio.Protocol):
         answer = self.answer
         assert answer is not None
         self.answer = None
-        self.on_message_complete_for(answer)
+        self._finish(answer)
         answer._connection = None
         if answer._paused:  # the answer is whole: nothing more to hold back
             answer._paused = False
@@ -357,7 +339,7 @@ class _Connection(asyncio.Protocol):
         else:
             self.shut()
 
-    def on_message_complete_for(self, answer: Answer) -> None:
+    def _finish(self, answer: Answer) -> None:
         answer._whole = True
         answer._deadlines.discard(answer)
         if not answer._head.done():  # a body-less answer ends with its head
@@ -420,7 +402,7 @@ class UpstreamClient:
         answer = Answer(connection, head, self._deadlines, deadline)
         if self._deadline_sweep is None:
             self._deadline_sweep = loop.call_later(self._sweep_every_s, self._sweep_deadlines)
-        if not keep_alive or method == "HEAD":
+        if not keep_alive:
             answer._reuse = False
         connection.answer = answer
         parts = [method.encode("ascii"), b" ", target.path, b" HTTP/1.1\r\nHost: ",

