@@ -17,10 +17,10 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
+from _peers import free_port
 from fleetwarden.testing.scenarios import (
     Figures,
     crash_under_load,
@@ -32,13 +32,6 @@ from fleetwarden.testing.scenarios import (
 from fleetwarden.testing.up import UpProcess
 
 SIM = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 100"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def engine_command(kind: str) -> tuple[str, dict[str, str], str]:

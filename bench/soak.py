@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from _peers import free_port
 from fleetwarden.journal import Journal
 from fleetwarden.launchers.local import kill_launched, live_launch_ids
 from fleetwarden.ledger import TRANSITIONS, Event, ShardState
@@ -47,13 +47,6 @@ from fleetwarden.testing.up import UpProcess
 FAULTS = ("wedge", "crash", "slow", "error5xx", "restart", "garbage_metrics")
 #: How long a fault that clears itself lasts (wedge and crash last until the engine is replaced).
 DURATION_S = {"slow": 10.0, "error5xx": 6.0, "garbage_metrics": 10.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def config_toml(engines: int, router_workers: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from playwright.async_api import BrowserContext, Page, expect
 
 from fleetwarden.testing.load import Load
 from support.fleet import running_fleet, until
+from support.wait import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -175,9 +175,7 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
 
 async def test_the_page_reconnects_by_itself_and_asks_to_sign_in_when_its_token_changed(
         tmp_path: Path, browser: BrowserContext) -> None:
-    with socket.socket() as s:  # one admin port for both runs: the page's address stays
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # one admin port for both runs: the page's address stays
     page = await browser.new_page()
     async with running_fleet(tmp_path, fleet={"engines": 1}, admin={"port": port}) as fleet:
         await page.goto(f"{fleet.admin_url}/?token={fleet.token}")

@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fleetwarden import demo
+from support.wait import wait_until
 
 pytestmark = pytest.mark.scenario
 
@@ -38,15 +37,6 @@ def marked(mark: str, but: int | None = None) -> list[int]:
         if needle in env.split(b"\0") and state not in ("Z", "X"):
             found.append(int(entry.name))
     return found
-
-
-def wait_until(cond: Callable[[], bool], limit_s: float, what: str) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {limit_s} s: {what}")
 
 
 def kill_all(pids: list[int]) -> None:

@@ -4,6 +4,7 @@ with SIGKILL, as an OOM killer or an operator would."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -19,28 +20,19 @@ from fleetwarden.launchers.local import LocalLauncher, kill_launched, live_launc
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.testing.up import UpProcess
 from support.fleet import SIM
+from support.wait import wait_until
 
 pytestmark = pytest.mark.scenario
 
 FAST = ["--engine-cmd", SIM]
 
+#: Polls the admin API of a fleetwarden process: a read may fail while it starts, or race a
+#: restart, and counts as "not yet".
+wait_for = functools.partial(wait_until, timeout=60.0, every_s=0.2, ignoring=(Exception,))
+
 
 def Up(work: Path, *args: str) -> UpProcess:
     return UpProcess(work, "--engines", "2", *args)
-
-
-def wait_for(cond: object, timeout: float = 60.0, what: str = "") -> None:
-    assert callable(cond)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if cond():
-                return
-        except Exception:  # the admin API is not up yet, or a read raced a restart
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.2)  # polling a subprocess's state, with the deadline above
 
 
 def kill_leftovers(work: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import aiohttp
 from fleetwarden.config import Config, parse_config
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState, Transition
+from support.wait import until
 
 #: A simulated engine with a few slots, fast enough that a 16-token request takes 0.4 s.
 SIM = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 40"
@@ -57,18 +58,6 @@ async def running_fleet(tmp_path: Path, **sections: dict[str, Any]) -> AsyncIter
         with contextlib.suppress(Exception):
             await asyncio.wait_for(loop, 30)
         await fleet.stop()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") -> float:
-    """Poll ``cond`` until it holds; return the seconds it took. Fails the test after
-    ``timeout`` (a liveness bound, not a timing claim)."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not cond():
-        if loop.time() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what or cond}")
-        await asyncio.sleep(0.05)
-    return loop.time() - start
 
 
 async def wedge_when_busy(fleet: Fleet, shard: int) -> float:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import aiohttp
 from yarl import URL
 
 from fleetwarden.router import Router, RouterSettings
+from support import wait
 from support.scripted_engine import ScriptedEngine
 
 
@@ -60,11 +61,5 @@ async def rig(engines: int = 1, *, health_managed: bool = False, control_token: 
             await e.stop()
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout_s`` (a bound, not a wait)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not condition():  # noqa: ASYNC110 (conditions on counters: no event to await)
-                await asyncio.sleep(0.002)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout_s} s: {what or condition}") from None
+#: The router's counters change within milliseconds: poll them often.
+until = functools.partial(wait.until, every_s=0.002)

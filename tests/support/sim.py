@@ -14,17 +14,17 @@ import os
 import re
 import selectors
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from fleetwarden.engine_metrics import Sample, parse
+from support.wait import free_port as free_port  # re-exported: the scenario tests' one import
+from support.wait import until as until
 
 #: Generous: a loaded 2-core machine may take seconds to start a Python process.
 START_TIMEOUT_S = 30.0
@@ -108,13 +108,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def free_port() -> int:
-    """A port nothing listens on (bound, then closed at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---------------------------------------------------------------------- talking to a sim
 
 
@@ -135,17 +128,6 @@ async def set_fault(http: aiohttp.ClientSession, url: str, mode: str | None,
                     **extra: float) -> None:
     async with http.post(url + "/sim/fault", json={"mode": mode, **extra}) as r:
         assert r.status == 200, await r.text()
-
-
-async def until(condition: Callable[[], Awaitable[bool]], within_s: float = 20.0,
-                every_s: float = 0.05) -> None:
-    """Poll ``condition`` until it holds; fail after ``within_s`` seconds (generous: a loaded
-    2-core machine is slow, and a condition that holds returns at once anyway)."""
-    deadline = time.monotonic() + within_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {within_s} s")
-        await asyncio.sleep(every_s)
 
 
 def canaries(sim_stats: dict[str, Any]) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from fleetwarden.launchers.procs import group_members, process_info
+from support.wait import wait_until
 
 #: A loaded 2-core machine may take seconds to start a Python process.
 _WAIT_S = 30.0
@@ -62,13 +62,6 @@ def live(pid: int) -> bool:
     return info is not None and info.state not in "ZX"
 
 
-def until(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + _WAIT_S
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {_WAIT_S} s: {what}"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def keepers(tmp_path: Path) -> Iterator[Callable[..., Keeper]]:
     started: list[Keeper] = []
@@ -102,24 +95,24 @@ def test_the_keeper_detaches_and_runs_the_engine_in_a_group_of_its_own(
     assert keeper.sid == keeper.pid  # a session of its own: no signal to ours reaches it
     assert engine.pgid == engine.pid != keeper.pgid  # the engine leads its own group
     assert engine.start_ticks == k.started["start_ticks"]
-    until(lambda: len(group_members(k.pgid)) == 2, "the engine's child started")
+    wait_until(lambda: len(group_members(k.pgid)) == 2, _WAIT_S, "the engine's child started")
 
 
 def test_the_keeper_stops_the_whole_group_when_its_owner_is_gone(
         keepers: Callable[..., Keeper]) -> None:
     k = keepers(TWO)
-    until(lambda: len(group_members(k.pgid)) == 2, "the engine's child started")
+    wait_until(lambda: len(group_members(k.pgid)) == 2, _WAIT_S, "the engine's child started")
     k.close_stdin()  # what a killed Ray actor's pipe does
     end = k.read()
     assert end["event"] == "ended" and end["why"] == "owner gone", end
     assert end["left"] == [] and group_members(k.pgid) == []
     assert end["code"] == -signal.SIGTERM
-    until(lambda: not live(k.started["keeper_pid"]), "the keeper exited")
+    wait_until(lambda: not live(k.started["keeper_pid"]), _WAIT_S, "the keeper exited")
 
 
 def test_a_stop_kills_a_group_that_ignores_sigterm(keepers: Callable[..., Keeper]) -> None:
     k = keepers(["sh", "-c", "trap '' TERM; sleep 300 & wait"], grace=0.5)
-    until(lambda: len(group_members(k.pgid)) == 2, "the engine's child started")
+    wait_until(lambda: len(group_members(k.pgid)) == 2, _WAIT_S, "the engine's child started")
     k.stop()
     end = k.read()
     assert end["why"] == "stop" and end["killed"] is True and end["left"] == [], end

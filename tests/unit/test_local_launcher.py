@@ -12,6 +12,7 @@ from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.procs import group_members
+from support.wait import until
 
 ENGINE = Path(__file__).parents[1] / "support" / "engines" / "tiny_engine.py"
 
@@ -33,7 +34,7 @@ async def test_an_engine_runs_in_its_own_group_and_stop_leaves_nothing(tmp_path:
     try:
         await lau.wait_ready(h, 30)
         assert h.pgid == h.pid and os.getpgid(h.pid) == h.pid != os.getpgid(0)
-        await _wait_for(lambda: len(group_members(h.pgid or 0)) == 2)  # leader + "EngineCore"
+        await until(lambda: len(group_members(h.pgid or 0)) == 2)  # leader + "EngineCore"
     finally:
         await lau.stop(h)
     assert group_members(h.pgid or 0) == []
@@ -44,7 +45,7 @@ async def test_an_engine_that_ignores_sigterm_is_killed_after_the_grace(tmp_path
     lau = launcher(tmp_path, "--spawn-child --ignore-term", grace_s=0.5)
     h = await lau.launch(0)
     await lau.wait_ready(h, 30)
-    await _wait_for(lambda: len(group_members(h.pgid or 0)) == 2)
+    await until(lambda: len(group_members(h.pgid or 0)) == 2)
     await lau.stop(h)
     assert group_members(h.pgid or 0) == []
 
@@ -53,7 +54,7 @@ async def test_an_exit_is_reported_at_once_with_its_code(tmp_path: Path) -> None
     exits: list[EngineHandle] = []
     lau = launcher(tmp_path, "--exit-after 0.5 --exit-code 7", exits=exits)
     h = await lau.launch(0)
-    await _wait_for(lambda: bool(exits))
+    await until(lambda: bool(exits))
     assert exits == [h] and h.returncode == 7
     await lau.close()
 
@@ -112,16 +113,6 @@ async def test_a_missing_program_is_a_launch_error(tmp_path: Path) -> None:
     lau = LocalLauncher(fleet, SupervisorConfig(), lambda h: None)
     with pytest.raises(LaunchError, match="cannot start"):
         await lau.launch(0)
-
-
-async def _wait_for(cond: object, timeout: float = 20.0) -> None:
-    assert callable(cond)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 async def test_a_port_that_a_shard_records_is_not_handed_out_again(

@@ -18,15 +18,9 @@ from pathlib import Path
 import pytest
 
 from fleetwarden.launchers import procs
+from support.wait import wait_until
 
 GroupStarter = Callable[[str], subprocess.Popen[bytes]]
-
-
-def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def member_count(pgid: int, n: int) -> Callable[[], bool]:
@@ -56,7 +50,7 @@ def test_a_new_session_is_one_group_and_its_members_are_listed(
     leader = start_group("sleep 60 & sleep 61 & wait")
     # three members, and both children past their exec (a forked child is "bash" until then:
     # under make test's load a count of three came before the second exec)
-    until(lambda: sorted(m.comm for m in procs.group_members(leader.pid))
+    wait_until(lambda: sorted(m.comm for m in procs.group_members(leader.pid))
           == ["bash", "sleep", "sleep"])
     members = procs.group_members(leader.pid)
     assert members[0].pid == leader.pid
@@ -74,8 +68,8 @@ def test_a_member_is_found_by_its_title_or_by_its_kernel_name(
     renamed = start_group(
         f"exec {sys.executable} -c \"open('/proc/self/comm', 'w').write('VLLM::EngineCor'); "
         "import time; time.sleep(60)\"")
-    until(lambda: procs.find_group_member(titled.pid, "VLLM::EngineCore") is not None)
-    until(lambda: procs.find_group_member(renamed.pid, "VLLM::EngineCore") is not None)
+    wait_until(lambda: procs.find_group_member(titled.pid, "VLLM::EngineCore") is not None)
+    wait_until(lambda: procs.find_group_member(renamed.pid, "VLLM::EngineCore") is not None)
 
     by_title = procs.find_group_member(titled.pid, "VLLM::EngineCore")
     assert by_title is not None
@@ -113,25 +107,25 @@ def test_a_zombie_is_not_a_member(start_group: GroupStarter) -> None:
                          "sleep 0.01; done' & exec sleep 60")
     # The zombie is the shell, the leader's child (not one of the shell's own short-lived
     # children, which it reaps itself).
-    until(lambda: any(p.state == "Z" and p.ppid == leader.pid
+    wait_until(lambda: any(p.state == "Z" and p.ppid == leader.pid
                       for p in _all_in_group(leader.pid)))
     assert [m.comm for m in procs.group_members(leader.pid)] == ["sleep"]
 
 
 def test_stop_continue_and_kill_reach_only_the_named_member(start_group: GroupStarter) -> None:
     leader = start_group("(exec -a VLLM::EngineCore sleep 60) & sleep 61 & wait")
-    until(lambda: procs.find_group_member(leader.pid, "VLLM::EngineCore") is not None)
+    wait_until(lambda: procs.find_group_member(leader.pid, "VLLM::EngineCore") is not None)
 
     core = procs.signal_group_member(leader.pid, "VLLM::EngineCore", signal.SIGSTOP)
-    until(lambda: _state(core.pid) == "T")
+    wait_until(lambda: _state(core.pid) == "T")
     others = [m for m in procs.group_members(leader.pid) if m.pid != core.pid]
     assert others and not any(m.stopped for m in others)
 
     procs.signal_group_member(leader.pid, "VLLM::EngineCore", signal.SIGCONT)
-    until(lambda: _state(core.pid) not in ("T", "t"))
+    wait_until(lambda: _state(core.pid) not in ("T", "t"))
 
     procs.signal_group_member(leader.pid, "VLLM::EngineCore", signal.SIGKILL)
-    until(lambda: procs.find_group_member(leader.pid, "VLLM::EngineCore") is None)
+    wait_until(lambda: procs.find_group_member(leader.pid, "VLLM::EngineCore") is None)
     assert len(procs.group_members(leader.pid)) == 2  # the shell and the other sleep live on
     with pytest.raises(ProcessLookupError, match="VLLM::EngineCore"):
         procs.signal_group_member(leader.pid, "VLLM::EngineCore", signal.SIGKILL)
@@ -154,10 +148,10 @@ def test_killing_the_leader_alone_orphans_the_rest_and_the_group_stop_ends_them(
         start_group: GroupStarter) -> None:
     # The vLLM pitfall in miniature: SIGKILL of the API server leaves its engine processes.
     leader = start_group("sleep 60 & sleep 61 & wait")
-    until(member_count(leader.pid, 3))
+    wait_until(member_count(leader.pid, 3))
     os.kill(leader.pid, signal.SIGKILL)
     leader.wait(timeout=5)
-    until(member_count(leader.pid, 2))
+    wait_until(member_count(leader.pid, 2))
     assert {m.ppid for m in procs.group_members(leader.pid)} != {leader.pid}
 
     stop = procs.terminate_group(leader.pid, grace_s=5.0)
@@ -168,7 +162,7 @@ def test_killing_the_leader_alone_orphans_the_rest_and_the_group_stop_ends_them(
 def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(
         start_group: GroupStarter) -> None:
     leader = start_group("trap '' TERM; sleep 60 & sleep 61 & wait")
-    until(member_count(leader.pid, 3))
+    wait_until(member_count(leader.pid, 3))
     stop = procs.terminate_group(leader.pid, grace_s=0.3)
     assert stop.killed and stop.clean and stop.seconds >= 0.3
     assert procs.group_members(leader.pid) == []
@@ -177,7 +171,7 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(
 def test_a_stopped_group_still_ends_on_sigterm(start_group: GroupStarter) -> None:
     leader = start_group("exec sleep 60")
     os.killpg(leader.pid, signal.SIGSTOP)
-    until(lambda: _state(leader.pid) == "T")
+    wait_until(lambda: _state(leader.pid) == "T")
     stop = procs.terminate_group(leader.pid, grace_s=5.0)
     assert stop.clean and not stop.killed
 

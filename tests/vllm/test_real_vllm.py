@@ -11,7 +11,6 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from fleetwarden.testing.vllm_env import (
     ensure_vllm_env,
     vllm_env_dir,
 )
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -52,13 +52,6 @@ def metric(body: str, name: str) -> float:
             found = True
     assert found, f"/metrics has no {name}"
     return total
-
-
-def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 def is_stopped(pid: int) -> bool:
@@ -137,7 +130,7 @@ def test_engine_core_is_found_and_can_be_stopped_and_continued(engine: VllmEngin
     assert core.cmdline == (ENGINE_CORE_PROCESS_NAME,) and core.comm == "VLLM::EngineCor"
 
     procs.signal_group_member(engine.pgid, ENGINE_CORE_PROCESS_NAME, signal.SIGSTOP)
-    until(lambda: is_stopped(core.pid), 5, "EngineCore stopped")
+    wait_until(lambda: is_stopped(core.pid), 5, "EngineCore stopped")
     try:
         assert engine.get("/health")[0] == 200, "a wedged engine still answers /health"
         before = engine.get("/metrics")[1]
@@ -206,7 +199,7 @@ def test_a_killed_engine_core_fails_in_flight_requests_and_the_server_exits(
 
     engine.process.wait(timeout=30)  # the API server exits by itself
     exited_s = time.monotonic() - killed_at
-    until(lambda: not procs.group_members(engine.pgid), 30, "the whole group gone")
+    wait_until(lambda: not procs.group_members(engine.pgid), 30, "the whole group gone")
     gone_s = time.monotonic() - killed_at
     print(f"\nSIGKILL EngineCore: {outcomes.count(500)} × 500, {outcomes.count(0)} dropped "
           f"within {answered_s:.2f} s, API server exited after "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetwarden.launchers import procs
+from fleetwarden.launchers import local, procs
 from fleetwarden.testing.vllm_env import fill_engine_env, vllm_engine_command, vllm_engine_env
 
 __all__ = ["STARTUP_TIMEOUT_S", "LocalEngine", "VllmEngine", "free_port", "launch",
@@ -106,10 +105,7 @@ class LocalEngine:
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (another process may take it before it is used)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return local.free_port("127.0.0.1")  # the launcher's: one copy
 
 
 def start_vllm_engine(python: str | os.PathLike[str], model_dir: str | os.PathLike[str],
