@@ -7,7 +7,7 @@ ledger to find.
 
 On a simulated engine (``fleetwarden sim``) through its fault endpoint, with every mode it has.
 On a real local vLLM engine by signals to its ``VLLM::EngineCore`` process, which is what the
-real faults look like (REAL-ENGINES.md): ``wedge`` = SIGSTOP (``/health`` stays 200, every
+real faults look like (docs/real-vllm.md): ``wedge`` = SIGSTOP (``/health`` stays 200, every
 generation hangs, ``/metrics`` freezes), ``unwedge`` = SIGCONT, ``crash`` = SIGKILL (in-flight
 requests get vLLM's 500, the API server exits by itself). On a local llama.cpp
 ``llama-server`` (one process: ``SIGSTOP`` would freeze its ``/metrics`` and ``/health`` too),

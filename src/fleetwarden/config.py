@@ -5,7 +5,7 @@ its reason.
 Must not: repeat a default that a component owns (``ledger.Policy``, ``judge.WatchdogPolicy``,
 ``router.settings``): it reads them.
 
-The sections follow the picture of SYSTEM.md section 1: `[fleet]` (the engines), `[router]`,
+The sections follow the picture of docs/design.md section 1: `[fleet]` (the engines), `[router]`,
 `[health]` (watchdog and ledger thresholds), `[supervisor]` (restarts), `[journal]` and
 `[admin]`. Components take their section as it is; nothing else holds a default.
 
@@ -159,7 +159,7 @@ class FleetConfig(_Section):
     def _one_spelling(cls, urls: list[str]) -> list[str]:
         """Each URL in the one spelling the router, ledger and watchdog all use (no trailing
         slash): a URL written `http://host:8000/` would otherwise be two shards' worth of
-        names for one engine, and its outcomes would match no shard (issue 15, item 6)."""
+        names for one engine, and its outcomes would match no shard."""
         normal = [url.strip().rstrip("/") for url in urls]
         seen: dict[str, str] = {}
         for raw, url in zip(urls, normal, strict=True):
@@ -212,7 +212,7 @@ class RemoteRouterConfig(_Section):
 
 
 class RouterConfig(_Section):
-    """The data path (SYSTEM.md section 4)."""
+    """The data path (docs/design.md section 4)."""
 
     _defaults_from: ClassVar[dict[str, type]] = {
         name: RouterSettings for name in RouterSettings.__dataclass_fields__
@@ -265,7 +265,7 @@ class RouterConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """Watchdog and ledger thresholds (SYSTEM.md sections 3.2, 5 and 6)."""
+    """Watchdog and ledger thresholds (docs/design.md sections 3.2, 5 and 6)."""
 
     _defaults_from: ClassVar[dict[str, type]] = {
         "probe_timeout_s": WatchdogPolicy, "stall_s": WatchdogPolicy,
@@ -330,7 +330,7 @@ class HealthConfig(_Section):
 
 
 class SupervisorConfig(_Section):
-    """Restarts (SYSTEM.md section 7)."""
+    """Restarts (docs/design.md section 7)."""
 
     _defaults_from: ClassVar[dict[str, type]] = {"max_restart_attempts": Policy}
 
@@ -352,7 +352,7 @@ class SupervisorConfig(_Section):
 
 
 class RefitConfig(_Section):
-    """The weight-sync API for RL trainers (SYSTEM.md section 8)."""
+    """The weight-sync API for RL trainers (docs/design.md section 8)."""
 
     #: Seconds a weight sync may take before its lease overruns and its participants are
     #: marked SUSPECT. Loading weights takes seconds to a few minutes. NeMo-RL gives up on a

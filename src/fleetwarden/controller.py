@@ -5,7 +5,7 @@ pushing the serving set.
 Must not: decide health itself (the judge and the ledger's table do), or start and stop engines
 (the supervisor does).
 
-Every ``probe_interval_s`` (SYSTEM.md section 6), in this order:
+Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 
 1. a watchdog round for every shard that has a process (serving and STALE), concurrently;
    verdicts go into the ledger;
@@ -153,7 +153,7 @@ class Controller:
         #: Verdicts seen since start, by name (the fleet's Prometheus counter).
         self.verdict_counts: dict[str, int] = {}
         #: URLs whose engine was seen restarted on its own since their last drained window:
-        #: that window's failures are the old process's (issue 15, item 8).
+        #: that window's failures are the old process's, never the new one's.
         self._renewed: set[str] = set()
         self._condemned: dict[int, str] = {}
         #: Shards that fell asleep since the last tick: their waiting requests move elsewhere.
@@ -366,9 +366,8 @@ class Controller:
             # engine as well. Never within a pause this engine was seen to come back from (a
             # long prefill step seen before): past its own longest, or hedge_after_s, whichever
             # is longer. On a lost core (its gauges show no work) the request it holds was
-            # what would condemn it (held_its_requests), and hedged away it never would
-            # (measured: an idle wedge's requests hedged one by one kept it in routing for the
-            # whole 24 s bench window): a canary sent with the hedges takes over their watch.
+            # what would condemn it (held_its_requests), and hedged away it never would: a
+            # canary sent with the hedges takes over their watch (docs/design.md section 12).
             hedge_after = max(h.hedge_after_s, r.longest_pause_s)
             if h.hedge_after_s > 0 and r.held_flat_s >= hedge_after:
                 if r.verdict is Verdict.STALLED:

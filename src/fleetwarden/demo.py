@@ -62,8 +62,7 @@ MIXED_GROUPS = ("llamacpp", "sglang")
 #: The kind of engine each act falls on in a mixed fleet: a different kind per act where the
 #: act allows. Not the idle wedge on SGLang: its gauges are written only every 30 s when idle,
 #: so a wedged one still reads "running" after the load stops, and the lost core shows only
-#: once they are rewritten (measured with ``--quick``: quarantined after 30.1 s, against 2.9 s
-#: on vLLM); the story would wait half a minute for it.
+#: once they are rewritten: the story would wait half a minute for it (docs/engines.md).
 MIXED_ACTS = {"wedge under load": "llamacpp", "crash": "sglang", "trickle": "vllm",
               "idle wedge": "vllm"}
 #: The faults a real engine can show (signals to its engine core); the others need a sim.
@@ -212,10 +211,9 @@ class Story:
             result.what_happened = deaths[-1]["cause"][:160] if deaths else ""
         paused = self.real and self.load is not None
         if paused:
-            # A real engine starting beside loaded ones on a small machine is starved of CPU
-            # (measured on 2 cores: no /health within 300 s while 9 clients kept the other
-            # engine busy; 40-50 s with the load paused). The rescued and retried requests
-            # finish first, then the load waits for the replacement.
+            # A real engine starting beside loaded ones on a small machine is starved of CPU,
+            # so the load pauses while it starts (docs/design.md section 13): the rescued and
+            # retried requests finish first, then the load waits for the replacement.
             await asyncio.sleep(_RESCUES_FINISH_S)
             self.phase = f"{name}: load paused while shard {shard}'s replacement starts"
             await self.stop_load()

@@ -19,7 +19,7 @@ Two rules:
   is a :class:`Sample` or an :class:`Unreadable` naming why. The watchdog turns the latter into
   a ``NO_METRICS`` verdict; nothing here can take a watchdog round down.
 
-Parser pitfalls this module is written around (SYSTEM.md section 5): counter families lose
+Parser pitfalls this module is written around (docs/design.md section 5): counter families lose
 ``_total`` in their family name, so samples are matched by their exact *sample* name, never by a
 family name or a prefix; ``_created`` samples come as families of their own; parse errors
 surface while iterating, not at the call; and the OpenMetrics parser rejects vLLM's output even
@@ -28,8 +28,8 @@ though its content type says ``version=1.0.0`` — the plain text parser is the 
 Every family is summed over its labels (``engine`` for data-parallel engines,
 ``finished_reason`` for finished requests).
 
-Keep in sync: :data:`fleetwarden.engines.PROFILES`, the fields of :class:`Sample`, and SYSTEM.md
-section 5.
+Keep in sync: :data:`fleetwarden.engines.PROFILES`, the fields of :class:`Sample`, and
+docs/design.md section 5.
 """
 
 from __future__ import annotations

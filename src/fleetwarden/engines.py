@@ -1,4 +1,4 @@
-"""Engine profiles: what the judge needs from each kind of engine, as data (pure; issue 18).
+"""Engine profiles: what the judge needs from each kind of engine, as data (pure).
 
 Owns: the engine profiles as data: each engine's metric names, health path and quirks.
 Must not: do I/O (pure), or parse a body (``engine_metrics.py``).
@@ -30,9 +30,9 @@ What each field means:
   start a generation (SGLang's ``/health_generate`` does; its ``/health`` does not).
 * ``health_proves_core`` — a failure of the health path means the engine's core is dead even
   while ``/metrics`` answers: vLLM answers ``/health`` 503 once its engine core died, and its
-  API server, with frozen gauges, can outlive the core for seconds (measured on the real-vLLM
-  tier: 9-13 s under load). An engine its failed requests put out of routing is then read
-  there too, and condemned on it.
+  API server, with frozen gauges, can outlive the core for seconds (docs/design.md section
+  12). An engine its failed requests put out of routing is then read there too, and
+  condemned on it.
 * ``sleep`` — how the engine says it is asleep or paused, where it has such a state (vLLM's
   ``vllm:engine_sleep_state`` is read: the judge's SLEEPING verdict; the others are said here
   so that a sleeping engine is not mistaken for a wedged one).

@@ -1,6 +1,6 @@
 """A whole fleet in one process: what ``fleetwarden up`` runs, and what tests embed.
 
-Owns: starting, stopping and wiring. It builds the picture of SYSTEM.md section 1 from a
+Owns: starting, stopping and wiring. It builds the picture of docs/design.md section 1 from a
 :class:`~fleetwarden.config.Config`: the journal (restored when it exists, by ``restore.py``),
 the ledger, the launchers and the supervisor, the watchdog, the router, the refit coordinator,
 the controller that ticks them, and the admin API with its event bus and views; and it offers

@@ -350,7 +350,7 @@ class Journal:
     def _put(self, item: _Item) -> None:
         """Queue ``item``; once the writer has failed, count it as dropped instead. Never
         raises: the journal's callers are the ledger's subscribers and the controller's tick,
-        and a disk that fails must not stop them (issue 15, item 5)."""
+        and a disk that fails must not stop them."""
         if self._closed or self._writer_error is not None:
             self.dropped += 1
             return

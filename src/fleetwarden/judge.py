@@ -1,4 +1,4 @@
-"""Verdicts on an engine from two reads of its metrics (pure; SYSTEM.md section 5, note 002).
+"""Verdicts on an engine from two reads of its metrics (pure; docs/design.md section 5, note 002).
 
 Owns: the verdicts, the stall memory, when a canary may be sent and what each outcome amounts to
 (``VERDICTS``).
@@ -88,10 +88,9 @@ class WatchdogPolicy:
     stall_factor: float = 3.0
     #: ...but never above this (unless ``stall_s`` itself is larger). The cadence only grows:
     #: a pause that ends just under the limit (a wedge released by hand, a starved host)
-    #: would raise it threefold each time. Measured on the real-vLLM tier: after the `check`
-    #: test stopped and released an engine core, the learned limit reached 17 s and the next
-    #: wedge took 35 s to condemn. 15 s is the first round's fixed limit, which never ejected
-    #: a busy engine in any tier or benchmark.
+    #: would raise it threefold each time, and a wedge would wait that long to be condemned.
+    #: 15 s is the first round's fixed limit, which never ejected a busy engine in any tier or
+    #: benchmark (history: docs/design.md section 13).
     stall_max_s: float = 15.0
     #: ...and be seen on this many reads in a row: note 002's "two waits", so that one late read
     #: (a slow scrape, a GC pause) is never a stall by itself.
@@ -432,9 +431,8 @@ def judge(
             summary = f"no metrics ({after.reason}); /health 200; nothing in flight"
             canary = CanaryRule.WHEN_DUE
         # A read that gave no sample proves nothing either way: a stall counted so far stands
-        # (the next sample is compared with the last one, over the whole time). Measured on
-        # the real-vLLM tier under load: /metrics reads timing out now and then reset a wedged
-        # engine's count, and it took 34 s to condemn against a 15 s limit.
+        # (the next sample is compared with the last one, over the whole time), so reads that
+        # time out under load never reset a wedge's count (docs/design.md section 13).
         return verdict(Verdict.NO_METRICS, canary,
                        Evidence(summary, in_flight=in_flight, problem=after.reason,
                                 stalled_waits=stall.waits, stalled_for_s=stall.seconds),
@@ -567,11 +565,10 @@ def held_its_canary(before: Sample, after: Sample, canary_latency_s: float,
     advanced no counter in between, it held one request, with nothing else to do, for at least
     the stall floor and took not one step for it: the stall rule's own evidence (work, and
     nothing advanced for the floor), whether its gauges show the canary (a wedged core) or
-    not (a lost core). Without it a failed idle canary is one failed probe, three condemn,
-    and an idle wedge with no traffic waited three canaries (issue 14: not condemned within
-    45 s). A canary that waited less than the floor proves nothing more: the floor covers the
-    longest single step the engine's configuration allows, and that step could be another
-    client's."""
+    not (a lost core): one such canary condemns, never a streak of them. A canary that waited
+    less than the floor proves nothing more: the floor covers the longest single step the
+    engine's configuration allows, and that step could be another client's (history:
+    docs/design.md section 13)."""
     if canary_latency_s < policy.stall_s:
         return None
     if not flat(before, after):
@@ -592,11 +589,9 @@ def held_its_requests(flat_for_s: float, held_s: float, limit_s: float,
     the last ``limit_s`` seconds and took not one step in them: the stall rule's own evidence
     (work, nothing advanced for the limit, which covers the longest single step) and
     :func:`held_its_canary`'s, with a client's request in the canary's place, whatever its
-    gauges say. Without it an engine that wedged while idle was accused after the first routed
-    request's second of silence, then condemned by a canary that waited 5 s more: +6.1 to
-    +6.5 s after the first routed request (issue 14's goal: 5 s). A process that never
-    advanced a counter may be in its first generation, which can be slow (compilation, cold
-    caches): that is no wedge."""
+    gauges say: the held request condemns at the limit, with no canary to wait for. A process
+    that never advanced a counter may be in its first generation, which can be slow
+    (compilation, cold caches): that is no wedge (history: docs/design.md section 13)."""
     if not worked or min(flat_for_s, held_s) < limit_s:
         return None
     return (f"it held a request {held_s:.1f} s and advanced nothing for the last "
@@ -615,8 +610,8 @@ def held_then_canary(before: Sample, after: Sample, held_flat_s: float, canary_l
     once it had waited. If the same process advanced no counter in between and the two spans
     reach the limit together, it held work through the whole limit and took not one step:
     :func:`held_its_requests`' evidence, with our canary holding the watch for its last part.
-    Without it, a lost core was never hedged (its held request was what condemned it), and an
-    idle wedge's parked requests were answered after its condemnation: +6.6 to +6.9 s."""
+    So a lost core's requests may be hedged (answered elsewhere at once) without losing the
+    evidence that condemns it (history: docs/design.md section 13)."""
     if canary_latency_s <= 0 or held_flat_s + canary_latency_s < limit_s:
         return None
     if not flat(before, after):

@@ -18,7 +18,7 @@ Every change of a shard's record goes through :meth:`Ledger._apply`, which looks
 Every counter reset says why, on its own line. Note 001 (``shared/seeds/001_*``) is what happens
 when one does not: a restarted engine inherited the dead one's failure streak.
 
-Keep in sync: :data:`TRANSITIONS`, the invariants in SYSTEM.md section 2, and the property test
+Keep in sync: :data:`TRANSITIONS`, the invariants in docs/design.md section 2, and the property test
 ``tests/unit/test_ledger_properties.py`` that checks them.
 """
 
@@ -271,7 +271,7 @@ class FleetExhausted(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The ledger's thresholds. Defaults and their reasons are those of SYSTEM.md section 3.2."""
+    """The ledger's thresholds, each default's reason on its field (docs/design.md 3.2)."""
 
     #: Failed probes in a row, and failed request windows in a row, that condemn a shard.
     #: Three: one blip is noise, two can be a restart of a neighbour, three is a pattern.
@@ -317,7 +317,7 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class ShardRecord:
-    """What the ledger knows of one shard (SYSTEM.md section 3.1). Immutable: a copy."""
+    """What the ledger knows of one shard (docs/design.md section 3.1). Immutable: a copy."""
 
     index: int
     base_url: str
@@ -611,9 +611,8 @@ class Ledger:
                     # Progress proves that its core steps, not that its generations complete:
                     # an engine whose every generation ends in a 500 (note 000's trickle) shows
                     # progress too. Only an answered canary (or a completed request, in
-                    # report_outcomes) brings it back (issue 14: measured, progress put the
-                    # trickle's engine on trial 3 times, its last new request 6.1 s after the
-                    # fault).
+                    # report_outcomes) brings it back (the history is in docs/design.md
+                    # section 12, "Out stays out").
                     why = ("still ejected" if now < s.ejected_until
                            else "still ejected until a canary answers")
                     return self._apply(
@@ -681,8 +680,8 @@ class Ledger:
                        ) -> Outcome:
         if window and s.ejected_until is not None:
             # Out of routing since the first of these failures: what still fails in a router
-            # window are requests that were already on it, the same burst. One observation,
-            # as SYSTEM.md 6.2 says.
+            # window are requests that were already on it, the same burst: one observation
+            # (docs/design.md section 3.3, report_outcomes).
             streak = min(streak, max(s.consecutive_reported_failures, 1))
         fields_: dict[str, Any] = dict(
             consecutive_reported_failures=streak,
@@ -721,7 +720,7 @@ class Ledger:
         self, i: int, successes: int, failures: int, trailing_failures: int, *,
         may_predate_suspicion: bool = False,
     ) -> Outcome:
-        """One router window for a serving shard (SYSTEM.md section 6.2).
+        """One router window for a serving shard (docs/design.md section 3.3).
 
         If any request succeeded the streak is first cleared; then, if the window ended in
         failure (``trailing_failures > 0``, or failures with no success), it counts as *one*
@@ -729,9 +728,8 @@ class Ledger:
 
         ``may_predate_suspicion``: the window may have ended before what made the shard
         SUSPECT (a probe that failed in the same tick, after the window began): its completed
-        requests clear the reported streak but lift nothing. Measured (bench/failover.py, an
-        idle wedge whose fault met the first canary): the request that proved the router
-        serving, completed before the fault, lifted the failed canary's SUSPECT 2 ms later.
+        requests clear the reported streak but lift nothing: work done before a suspicion is
+        no proof against it (history: docs/design.md section 13).
         """
         if min(successes, failures, trailing_failures) < 0:
             raise ValueError(
@@ -758,11 +756,10 @@ class Ledger:
         if (successes > 0 and failures == 0 and s.state is SUSPECT and s.ejected_until is not None
                 and not may_predate_suspicion):
             # Ejected: nothing new was routed to it, so these are requests it held from before
-            # its ejection, and perhaps from before the fault. Note 000's trickle completes
-            # what it admitted before the fault and fails everything after: measured (issue
-            # 14), such completions returned its engine to full traffic, and the next request
-            # failed. They put it on trial once its ejection time is up, as a canary does; a
-            # completed trial request is then the proof.
+            # its ejection, and perhaps from before the fault (note 000's trickle completes
+            # what it admitted before the fault and fails everything after). They put it on
+            # trial once its ejection time is up, as a canary does, never straight back to full
+            # traffic; a completed trial request is then the proof (docs/design.md section 12).
             if self._clock() < s.ejected_until:
                 return _UNCHANGED
             return self._apply(
@@ -772,12 +769,12 @@ class Ledger:
                 on_trial=True,
             )
         if successes > 0 and failures == 0 and s.state is SUSPECT and not may_predate_suspicion:
-            # Successful work is evidence (issue 15, item 14): an engine that completes every
+            # Successful work is evidence: an engine that completes every
             # generation routed to it in a window serves, whatever made it suspect (a /metrics
             # read that timed out under load, a failed window before). Without this an idle
             # suspect waits a canary interval (an hour in some configs) for the only other
             # evidence that lifts it. A window with any failure lifts nothing. Completed
-            # generations are proof of the kind a trial request gives (issue 14), so they end
+            # generations are proof of the kind a trial request gives, so they end
             # a trial too (an ejection: above).
             return self._apply(
                 s, E.SERVED, f"{successes} requests completed and none failed",

@@ -1,4 +1,4 @@
-"""Refit: what an RL trainer calls around a weight sync (SYSTEM.md section 8).
+"""Refit: what an RL trainer calls around a weight sync (docs/design.md section 8).
 
 Owns: a refit's lease, its participants and its outcome, through the ledger's operations.
 Must not: do I/O (pure, an injected clock), or push to routers (the controller does).

@@ -1,4 +1,4 @@
-"""The watchdog: the I/O around :mod:`fleetwarden.judge` (SYSTEM.md section 5, note 002).
+"""The watchdog: the I/O around :mod:`fleetwarden.judge` (docs/design.md section 5, note 002).
 
 Owns: the reads of each engine (``/metrics``, ``/health`` via ``probe.py``, ``/v1/models``),
 canaries, and the previous sample per engine.
@@ -307,12 +307,10 @@ class Watchdog:
                         health = Health.CONDEMNED
                         evidence = replace(evidence, summary=f"{evidence.summary}; {held}")
             elif canary.ok and isinstance(reading, Sample) and not proxy:
-                # The sample kept is read after the canary, with the canary's own work in it.
-                # Otherwise the next read finds progress only our canary explains (IDLE, never
-                # a lost core, and never flat): an engine that wedged idle after an answered
-                # canary and then got a request was sent a second canary that waited its 5 s
-                # timeout (bench/failover.py idle-wedge: condemned +6.2 s where a request held
-                # for the 5 s floor condemns). One more read of /metrics per canary.
+                # The sample kept is read after the canary, with the canary's own work in it:
+                # the next read must judge the engine, not our canary (progress only the canary
+                # explains reads IDLE, never a lost core, and never flat). One more read of
+                # /metrics per canary (history: docs/design.md section 13).
                 after = await self._read(target.url, False, memory)
                 if isinstance(after, Sample) and after.start_time == reading.start_time:
                     reading, now = after, self._clock()
@@ -400,7 +398,7 @@ class Watchdog:
 
     def _forget_gone(self) -> None:
         """Drop what is kept of URLs not read for :data:`FORGET_AFTER_S`: a restarted engine's
-        old port, a retired shard's URL. Memory that only grows is a leak (issue 15)."""
+        old port, a retired shard's URL. Memory that only grows is a leak."""
         cutoff = self._clock() - FORGET_AFTER_S
         for url in [u for u, m in self._memory.items() if m.visited_at < cutoff]:
             del self._memory[url]

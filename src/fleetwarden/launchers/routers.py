@@ -211,9 +211,8 @@ class RouterWorkers:
         self._status_task: asyncio.Task[None] | None = None
         self._closing = False
         #: One reload at a time, and a stop waits for the one under way: a reload swaps
-        #: ``_procs`` entries for processes it is still starting, and one stopped halfway left
-        #: both generations running (measured: 4 router processes outlived the stop of a
-        #: fleet reloaded every half second).
+        #: ``_procs`` entries for processes it is still starting, so a stop in the middle of
+        #: one would miss the generation not yet recorded (docs/design.md section 13).
         self._reloading = asyncio.Lock()
 
     # ------------------------------------------------------------------ what the views read

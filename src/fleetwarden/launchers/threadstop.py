@@ -9,8 +9,8 @@ probes cannot see is a compute thread that stops while the HTTP threads go on an
 (``requests_processing`` 4, ``n_decode_total`` flat: ``tests/fixtures/llamacpp/README.md``).
 A signal cannot stop one thread (a stop signal stops the whole process), so this uses
 ``ptrace``: ``PTRACE_SEIZE`` then ``PTRACE_INTERRUPT`` of the thread that used the most CPU over
-a short window (threads share one name; the main thread is never chosen: stopping it hung
-``/metrics`` in 3 of 5 runs). :func:`release` detaches it and it runs on.
+a short window (threads share one name; the main thread is never chosen: it serves
+``/metrics``, which must go on answering). :func:`release` detaches it and it runs on.
 
 Limits, from ptrace itself: it needs root (or ``CAP_SYS_PTRACE``, or a permissive
 ``kernel.yama.ptrace_scope``); the tracer is *this thread* of *this process* — release from the

@@ -1,4 +1,4 @@
-"""The router: the fleet's data path (SYSTEM.md section 4).
+"""The router: the fleet's data path (docs/design.md section 4).
 
 Owns: the router package's lazy names.
 Must not: import aiohttp for a reader of ``settings`` alone.

@@ -41,7 +41,7 @@ __all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "listening_url"]
 
 log = logging.getLogger("fleetwarden.router")
 
-#: The OpenAI API the router forwards (SYSTEM.md section 4). Anything else is answered 404 here.
+#: The OpenAI API the router forwards (docs/design.md section 4). Anything else is a 404 here.
 FORWARDED_POST: tuple[str, ...] = (
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
     "/tokenize", "/detokenize",

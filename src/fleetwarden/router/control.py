@@ -4,7 +4,7 @@ Owns: the router's control API and the clients that drive a router, in this proc
 Must not: decide anything: it carries the controller's pushes and drains.
 
 Served on its own port, on 127.0.0.1 by default, and only to callers holding the bearer token
-(401 otherwise). The controller's tick (SYSTEM.md section 6) uses it to push the serving set,
+(401 otherwise). The controller's tick (docs/design.md section 6) uses it to push the serving set,
 drain outcomes and rescue requests off condemned backends.
 
 =======  ===============  ===============================  ==============================

@@ -4,7 +4,7 @@ Owns: one request's way through the backends: send, retry, rescue, stream back, 
 Must not: decide health or change the serving set: it reports outcomes, the controller and the
 ledger judge.
 
-The imperative shell around :class:`~fleetwarden.router.pool.Pool`. Its rules (SYSTEM.md
+The imperative shell around :class:`~fleetwarden.router.pool.Pool`. Its rules (docs/design.md
 section 4):
 
 * Upstream statuses pass through untouched. A transport error (refused, reset, timeout), or a

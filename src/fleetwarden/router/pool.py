@@ -48,7 +48,7 @@ UNKNOWN_FACTS = BackendFacts()
 
 @dataclass(slots=True)
 class OutcomeTally:
-    """One backend's requests since the last drain (SYSTEM.md section 6.2's router window)."""
+    """One backend's requests since the last drain: a router window (docs/design.md 3.3)."""
 
     successes: int = 0
     failures: int = 0

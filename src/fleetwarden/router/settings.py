@@ -1,4 +1,4 @@
-"""The router's settings: every default in one place, each with its reason (SYSTEM.md section 4).
+"""The router's settings: every default in one place, each with its reason (docs/design.md 4).
 
 Owns: every router default with its reason, and the checks on them.
 Must not: do I/O (pure).

@@ -6,7 +6,8 @@ Must not: decide anything about a request's fate: it says what happened (an answ
 of the errors below), and :mod:`fleetwarden.router.forward` decides.
 
 Why not aiohttp's client: it was ~33 % of a router process's CPU per request (BENCHMARKS.md,
-issue 17): a request object, a response object, a task for the body write, a connector and a
+"The router's own data path"): a request object, a response object, a task for the body
+write, a connector and a
 timer context per request. A router needs a small part of it: one pool of keep-alive
 connections per backend, one write per request (head and body together), one deadline per
 request (kept in a set that one timer sweeps: a timer per request cost 4 µs under uvloop)
@@ -305,8 +306,8 @@ class _Connection(asyncio.Protocol):
                 answer._chunked = b"chunked" in value.lower()
         if not self.parser.should_keep_alive() or answer.content_type == "text/event-stream":
             # An event stream's connection is never reused: llama.cpp's llama-server closes
-            # it after the last event while its headers say Keep-Alive (measured:
-            # tests/llamacpp), so a pooled one would be reused in the moment before the close
+            # it after the last event while its headers say Keep-Alive (docs/engines.md), so
+            # a pooled one would be reused in the moment before the close
             # arrives, and the next request on it would fail as a reset counted against a
             # healthy engine. Decided here, as the head arrives, before the end can (an answer
             # may come whole with its head). A new connection per stream costs one handshake.

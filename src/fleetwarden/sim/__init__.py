@@ -5,7 +5,7 @@ Must not: stand in for fleetwarden itself: only for the engines it manages.
 
 It speaks vLLM 0.32's OpenAI API and ``/metrics`` as the captures in ``tests/fixtures/vllm/``
 show them, runs an engine loop with a slot limit and a step rate, and takes the faults real
-vLLM shows (SYSTEM.md section 10, REAL-ENGINES.md):
+vLLM shows (docs/design.md section 10, docs/real-vllm.md):
 
 * :mod:`fleetwarden.sim.config` — what it is told at start, and the fault modes;
 * :mod:`fleetwarden.sim.engine` — the engine core: waiting, running, steps (no I/O);

@@ -125,8 +125,8 @@ stop_grace_s = {stop_grace_s}
 
 def chaos(up: UpProcess, fault: str, shard: int) -> float:
     """``fleetwarden chaos FAULT SHARD``; returns when the fault landed (wall clock, as the
-    CLI says it). Not when it was asked for: on a starved machine the CLI's own start took
-    19 s once, and a figure counted from the asking was that machine's, not the fleet's."""
+    CLI says it). Not when it was asked for: a figure counts the fleet's time from the fault,
+    never the CLI's own start on a loaded machine."""
     out = subprocess.run(
         [sys.executable, "-m", "fleetwarden", "chaos", fault, str(shard), "--admin", up.admin,
          "--token-file", str(up.client_token_file)],

@@ -13,8 +13,8 @@ Rules:
 - Two pytest processes may ask at once: a file lock makes the second wait, then find the
   marker and return at once.
 
-The recipe and every fix in it come from ``shared/spec/REAL-ENGINES.md`` (measured on this
-project's machine kind); each step below says which pitfall it avoids.
+The recipe was measured on this project's machine kind (docs/real-vllm.md); each step below
+says which pitfall it avoids.
 """
 
 from __future__ import annotations
