@@ -104,7 +104,7 @@ class FleetConfig(_Section):
     #: What kind of engine `engine_cmd` starts (and `backends` are): `vllm`, `llamacpp`,
     #: `sglang`, `tgi`, or `openai` (no /metrics: canaries and the router's evidence only).
     #: `auto` recognises each engine from its /metrics at the first read; an engine with no
-    #: known /metrics is judged by canaries until it has. See README, "Engines".
+    #: known /metrics is judged by canaries until it has. See docs/engines.md.
     engine: EngineName = "auto"
     #: More launched engines with a command and kind of their own (a mixed fleet), e.g.
     #: `[[fleet.groups]]` with `engines = 2`, `engine = "llamacpp"`, `engine_cmd = "..."`.

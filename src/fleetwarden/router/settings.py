@@ -96,10 +96,10 @@ class RouterSettings:
     #: requests complete; a long generation would not finish within any reasonable grace, and
     #: a stop must never hang on a wedged engine.
     shutdown_grace_s: float = 5.0
-    #: How long a router being replaced (``fleetwarden reload``, SIGUSR1) lets what it holds
-    #: finish after it stopped accepting: long generations and streams included, up to this
-    #: bound; then it stops as on SIGTERM. Ten minutes: ``backend_timeout_s``, the longest
-    #: one attempt may take anyway.
+    #: How long a router being replaced (a reload, ``kill -HUP`` of ``fleetwarden up``: the
+    #: old router gets SIGUSR1) lets what it holds finish after it stopped accepting: long
+    #: generations and streams included, up to this bound; then it stops as on SIGTERM. Ten
+    #: minutes: ``backend_timeout_s``, the longest one attempt may take anyway.
     drain_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -92,8 +92,10 @@ class Figures:
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, stall_s: float = 15.0,
                startup_timeout_s: float = 180.0, stop_grace_s: float = 10.0) -> str:
-    """A fleet at the default judgement (stall_s 15 s) with a 1 s tick, so figures are those
-    of the defaults but for the tick; canaries far apart, so a check sees no fleet canary."""
+    """A fleet judged as the real-engine tiers run it: a stall floor of 15 s (the default
+    ``stall_s`` is 5 s; 15 s is the default ``stall_max_s``, the most a learned limit may
+    reach), a 1 s tick, and canaries far apart, so a check sees no fleet canary; every other
+    setting at its default."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
     return f"""
 [fleet]
