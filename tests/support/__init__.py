@@ -1,5 +1,6 @@
 """Every helper and test double the tests share, in one place (on the path: ``pythonpath``).
 
+- :mod:`support.wait` — ``until``, ``wait_until`` and ``free_port``: the one copy of each.
 - :mod:`support.sim` — real ``fleetwarden sim`` processes on 127.0.0.1, their fixtures
   (``spawn``, ``http``), faults, stats and polling waits.
 - :mod:`support.fleet` — a whole :class:`~fleetwarden.fleet.Fleet` in the test's loop on
