@@ -71,9 +71,9 @@ BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 #: Where --write puts the chart, and the markers of its section in BENCHMARKS.md, by engines.
 CHARTS = {"sim": ROOT / "docs" / "failover.png", "real": ROOT / "docs" / "failover-real.png",
           "streams": ROOT / "docs" / "failover-streams.png"}
-SECTIONS = {"sim": "Failover against peer routers (issue 8)",
-            "real": "Failover against peer routers on real vLLM (issue 8)",
-            "streams": "Streams cut mid-answer, against peer routers (issue 16)"}
+SECTIONS = {"sim": "Failover against peer routers",
+            "real": "Failover against peer routers on real vLLM",
+            "streams": "Streams cut mid-answer, against peer routers"}
 
 #: The engine that gets the fault (of engines 0, 1, 2).
 BAD = 1
@@ -148,14 +148,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              client_timeout_s=30.0),
     _short("idle-wedge", "wedge while idle, then load", "wedge", warm_s=0, observe_s=15,
            idle_before_s=3.0),
-    # No request at all for 45 s after the fault: only canaries can find it (issue 14's
+    # No request at all for 45 s after the fault: only canaries can find it (the goal:
     # "with no traffic, within one canary interval plus the canary timeout": 35 s).
     _short("quiet-wedge", "wedge with no traffic for 45 s, then load", "wedge", warm_s=0,
            observe_s=10, idle_before_s=45.0),
     Scenario("long", "long generations (20-60 s) + a wedge", "wedge", slots=8,
              steps_per_s=20.0, max_tokens=(400, 1200), clients=12, warm_s=6, observe_s=30,
              client_timeout_s=90.0),
-    # Streams of 2-3 s, so that a fault finds every engine's slots mid-answer (issue 16).
+    # Streams of 2-3 s, so that a fault finds every engine's slots mid-answer.
     Scenario("stream-crash", "crash mid-stream", "crash", slots=4, steps_per_s=20.0,
              max_tokens=(40, 60), clients=12, warm_s=4, observe_s=10, client_timeout_s=60.0,
              stream=True),
@@ -192,7 +192,7 @@ ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
     RouterSpec("fleetwarden", "fleetwarden",
                flags="defaults (tick 5 s; a failed request ejects at once, a request silent "
                "1 s accuses; focused reads every 0.25 s; stall floor 5 s)"),
-    # Not in the default set: non-streamed answers continued too (issue 16, off by default).
+    # Not in the default set: non-streamed answers continued too (off by default).
     RouterSpec("fleetwarden-answers", "fleetwarden", True,
                "defaults, and [router] continue_answers = true"),
     RouterSpec("sglang-router", "sglang", flags=f"defaults, {RUST_POLICY}"),

@@ -6,7 +6,7 @@ each tick and condemned shards are restarted, so the journal has real transition
 
     python bench/ledger_tick.py [--shards 1000] [--ticks 400] [--fail-rate 0.01]
 
-Target (issue 2): under 5 ms median per tick without the journal, on a 2-core machine.
+Target: under 5 ms median per tick without the journal, on a 2-core machine.
 """
 
 from __future__ import annotations

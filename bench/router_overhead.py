@@ -20,7 +20,7 @@ descendant (for ``up``: the controller too), over the whole load run, warm-up in
 by the requests of that run. On a shared machine, where other processes take the cores and move
 the req/s of every path, this is the figure that says what a router costs.
 
-Targets (issue 4): added p50 <= 0.5 ms; >= 3,000 req/s through one router process. The machine
+Targets: added p50 <= 0.5 ms; >= 3,000 req/s through one router process. The machine
 is shared and small (2 cores hold all three processes): compare figures within one run.
 """
 

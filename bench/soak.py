@@ -9,7 +9,8 @@ and a fault every 6-14 s on a random serving shard: wedge, crash, slow, error5xx
 garbage_metrics (one at a time: the next waits until every shard serves again, or 60 s).
 Halfway through, fleetwarden gets SIGKILL and is started again with the same config; its
 engines and its router processes (``--router-workers``, default 1) live on, serve on, and are
-adopted. ``--router-workers 0`` puts the router back inside fleetwarden (as before issue 17):
+adopted. ``--router-workers 0`` puts the router back inside fleetwarden (as it ran before
+routers had processes of their own):
 then every request in flight at the SIGKILL, and every one sent until the restart listens,
 fails; those are counted apart.
 
@@ -79,7 +80,7 @@ backoff_max_s = 5.0
 # ---------------------------------------------------------------------- the books
 
 def check_invariants(journal: Journal) -> list[str]:
-    """Every transition the journal holds, against SYSTEM.md section 2. Returns violations."""
+    """Every transition the journal holds, against docs/design.md section 2. Returns violations."""
     violations = []
     last: dict[int, dict[str, Any]] = {}
     for e in journal.transitions():

@@ -502,7 +502,8 @@ def judge(
                                    summary=f"{gauges}; nothing advanced in {elapsed:.1f} s; "
                                    "excused (refit lease)"))
         # Waiting alone counts as work: vLLM's gauges can read 0 running while requests wait on
-        # a wedged core (vLLM issues #39863, #46811), and nothing advances for them either.
+        # a wedged core (https://github.com/vllm-project/vllm/issues/39863 and .../46811), and
+        # nothing advances for them either.
         now_stalled = Stall(stall.waits + 1, stall.seconds + elapsed)
         stalled = replace(base, stalled_waits=now_stalled.waits,
                           stalled_for_s=now_stalled.seconds)

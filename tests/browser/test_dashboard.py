@@ -1,4 +1,4 @@
-"""The dashboard in a real browser (issue 9): sign in, one card per shard, and a shard wedged
+"""The dashboard in a real browser: sign in, one card per shard, and a shard wedged
 under load by `fleetwarden chaos` that the page shows turning DEAD, RESTARTING, then HEALTHY,
 with the timeline to match. Every wait is on the page's DOM state (Playwright's waiting), never
 a sleep. The screenshot goes to tmp_path, or to $FLEETWARDEN_DASHBOARD_SCREENSHOT

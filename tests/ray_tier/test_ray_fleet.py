@@ -1,4 +1,4 @@
-"""The Ray launcher on a real two-node Ray cluster (issue 10): engines are `fleetwarden sim`
+"""The Ray launcher on a real two-node Ray cluster: engines are `fleetwarden sim`
 processes inside Ray actors, placed on both nodes; the fleet's controller, ledger and router run
 in this test's process, as they would on a head node.
 

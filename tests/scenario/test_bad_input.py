@@ -1,4 +1,4 @@
-"""Bad input, end to end (issue 11): each gets a clear answer, and nothing is lost or crashes.
+"""Bad input, end to end: each gets a clear answer, and nothing is lost or crashes.
 
 A whole fleet of simulated engines runs in the test's loop; where a test needs an engine that
 misbehaves in a way the simulator does not, a small server of the test's own is attached.

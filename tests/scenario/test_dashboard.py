@@ -85,7 +85,7 @@ def set_cookie(resp: aiohttp.ClientResponse) -> SimpleCookie:
 
 
 async def test_a_cookie_signed_state_change_needs_our_origin_and_json(tmp_path: Path) -> None:
-    """Cross-site requests (issue 15, item 12): a page on another port of 127.0.0.1 is the
+    """Cross-site requests: a page on another port of 127.0.0.1 is the
     same site for SameSite, so the browser sends it our cookie. It can post a form; it cannot
     set our Origin nor a JSON content type without a preflight that is never answered."""
     async with running_fleet(tmp_path) as fleet, \

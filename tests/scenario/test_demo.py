@@ -50,7 +50,7 @@ def test_the_mixed_demo_detects_every_fault_on_each_kind_and_loses_no_request(
     # what the wedge held: answered by hedges, or rescued at its condemnation
     assert faults["wedge under load"]["rescued"] + faults["wedge under load"]["hedged"] >= 1
     # The exit, or its failed requests and the refused read that confirmed them at once,
-    # whichever the fleet saw first (issue 14): never a streak of probes.
+    # whichever the fleet saw first: never a streak of probes.
     crash = faults["crash"]["what_happened"]
     assert "exited" in crash or "confirmed by a failed probe" in crash, crash
     # failed requests, then their confirmation (or a streak of failed windows on trial)

@@ -1,4 +1,4 @@
-"""Nothing left behind (issue 15, item 13): every engine `fleetwarden demo` started is stopped,
+"""Nothing left behind: every engine `fleetwarden demo` started is stopped,
 whatever way the demo ends: an exception in the story, SIGTERM (a test's timeout, a cancelled
 CI job), even SIGKILL. On simulated engines; the real-engine demo uses the same path."""
 

@@ -1,4 +1,4 @@
-"""Judgement at the speed of evidence (issue 14, docs/design.md), on real simulated engines.
+"""Judgement at the speed of evidence (docs/design.md section 12), on real simulated engines.
 
 The tick is set to a minute here, so that whatever happens within a test happened on
 evidence: a failed request, a request gone silent, a focused read. Each test names its

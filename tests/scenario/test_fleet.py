@@ -1,4 +1,4 @@
-"""The fleet end to end (issue 5): real engine processes, the router, the controller's tick,
+"""The fleet end to end: real engine processes, the router, the controller's tick,
 the supervisor's restarts, and load from a bounded client (the official `openai` package).
 
 Each scenario prints what it measured (detection time, rescued requests, restarts); the
@@ -182,7 +182,7 @@ async def test_trickle_failures_are_condemned_by_their_confirmation(tmp_path: Pa
     # No canary when due (a far interval): every tick's probe is a metrics read, and they all
     # pass. Every generation fails: the first failed request ejects the engine, and the
     # confirmation canary sent to the accused (idle, now that it gets no traffic) engine fails
-    # as the requests did. A burst plus a failed confirmation condemns (issue 14); the streak
+    # as the requests did. A burst plus a failed confirmation condemns; the streak
     # that no probe can reset is the ledger's test of a trial that keeps failing.
     async with running_fleet(tmp_path, health={"canary_interval_s": 3600,
                                                "probe_interval_s": 60}) as fleet:
@@ -494,7 +494,7 @@ async def test_the_controller_drives_a_router_in_another_process(tmp_path: Path)
 
 async def test_a_failing_journal_is_loud_and_never_stops_the_fleet(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 15, item 5: the disk under the journal fails. Condemnations still reach the
+    """The disk under the journal fails. Condemnations still reach the
     routers, the crashed engine is still replaced, and the status, the log and a metric say
     that the history is not being kept."""
     import sqlite3

@@ -1,4 +1,4 @@
-"""A mixed fleet (issue 18): simulated vLLM, llama.cpp and SGLang engines behind one router,
+"""A mixed fleet: simulated vLLM, llama.cpp and SGLang engines behind one router,
 each judged in its own dialect, surviving a wedge and a crash under load with no client error.
 """
 

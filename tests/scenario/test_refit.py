@@ -1,4 +1,4 @@
-"""Refit end to end (issue 6): a trainer's weight syncs through the admin API, on real
+"""Refit end to end: a trainer's weight syncs through the admin API, on real
 engine processes, with leases, the single-suspect rule and restarted engines held in STALE.
 
 The trainer is `FleetClient` (the synchronous client a training loop uses), run in a thread.
@@ -41,7 +41,7 @@ async def call(fn: object, *args: object) -> dict[str, object]:
 async def fail_requests(fleet: Fleet, shards: list[int]) -> None:
     """A router window of failed requests for each of ``shards``, as a router reports it: the
     shard is ejected, SUSPECT with a reported streak of 1. (Failing engines themselves would
-    be condemned by the confirmation canary at once, issue 14; these tests are about a
+    be condemned by the confirmation canary at once; these tests are about a
     suspicion, so the engines stay healthy and the suspicion stands on the reported window.)"""
     fleet.controller.apply_outcomes({fleet.ledger.shard(i).base_url: (0, 2, 2) for i in shards})
     assert all(fleet.ledger.shard(i).consecutive_reported_failures >= 1 for i in shards)

@@ -1,4 +1,4 @@
-"""fleetwarden survives its own restart (issue 11): budgets kept, engines adopted, nothing
+"""fleetwarden survives its own restart: budgets kept, engines adopted, nothing
 orphaned, a reused PID never adopted. `fleetwarden up` runs as a real subprocess and is killed
 with SIGKILL, as an OOM killer or an operator would."""
 
@@ -41,7 +41,7 @@ def kill_leftovers(work: Path) -> None:
 
 
 def live_routers(work: Path) -> set[str]:
-    """The router processes (issue 17) this journal recorded that still run."""
+    """The router processes this journal recorded that still run."""
     with Journal(work / "fleetwarden.sqlite") as journal:
         return live_launch_ids(journal.router_launch_ids())
 
@@ -165,7 +165,7 @@ async def test_an_engine_with_the_same_launch_id_is_adopted_and_stopped_through_
 
 
 async def test_fleetwardens_own_deaths_spend_no_restart_budget(tmp_path: Path) -> None:
-    """Issue 15, item 11: each unclean stop of fleetwarden spent a restart on every engine it
+    """Each unclean stop of fleetwarden spent a restart on every engine it
     could not adopt; six of them retired a fleet. Its own death is not the engines' failure."""
     from support.fleet import running_fleet, until
 

@@ -1,4 +1,4 @@
-"""The router in processes of its own (issue 17): `fleetwarden up` runs ``[router] workers`` of
+"""The router in processes of its own: `fleetwarden up` runs ``[router] workers`` of
 them on one port; they outlive a SIGKILLed fleetwarden, serving on with the last serving set,
 and its next run adopts them as it adopts engines. `fleetwarden up` runs as a real subprocess,
 the load is the `openai` client on 127.0.0.1."""

@@ -1,7 +1,7 @@
 """The router under load while one of three engines fails, is replaced, wedges and is replaced.
 
 20,000 requests at concurrency 64 through one router in front of three scripted engines. A
-small controller plays the part the real one will (SYSTEM.md section 6) with the real ledger:
+small controller plays the part the real one will (docs/design.md section 6) with the real ledger:
 every tick it drains the router's outcomes into the ledger, restarts DEAD shards (a new engine
 on a new port), pushes ``serving_urls()`` and rescues requests off condemned engines. The
 watchdog's one verdict is scripted: the wedged engine is condemned as stuck.

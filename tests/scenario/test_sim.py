@@ -1,4 +1,4 @@
-"""The simulated engine is faithful to real vLLM where a watchdog looks (SYSTEM.md section 10).
+"""The simulated engine is faithful to real vLLM where a watchdog looks (docs/design.md section 10).
 
 Shapes are compared with the real captures in tests/fixtures/vllm/; faults with what
 REAL-ENGINES.md reports real vLLM doing. Most tests run the simulator in-process (the same class

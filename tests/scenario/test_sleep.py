@@ -1,4 +1,4 @@
-"""Sleep mode end to end (issue 20): a sleeping engine is neither routed to, canaried, judged
+"""Sleep mode end to end: a sleeping engine is neither routed to, canaried, judged
 stuck nor restarted, however long it sleeps, and serves again when it wakes.
 
 Real `fleetwarden sim` engine processes with vLLM's sleep endpoints and metric. The watchdog runs

@@ -24,7 +24,7 @@ def test_a_one_minute_soak_loses_nothing_breaks_no_invariant_and_leaves_nothing(
     print(out.stdout)
     result = json.loads(out_file.read_text())
     assert result["requests"]["lost"] == 0, result["lost_examples"]
-    # the router runs in processes of its own (issue 17): fleetwarden's SIGKILL fails nothing
+    # the router runs in processes of its own: fleetwarden's SIGKILL fails nothing
     assert result["requests"]["failed_while_fleetwarden_down"] == 0
     assert result["invariant_violations"] == 0, result["violation_examples"]
     assert result["leftover_processes"] == 0

@@ -249,7 +249,7 @@ async def test_an_idle_wedge_with_requests_in_flight_is_a_lost_core_and_its_cana
         target = Target(sim.url, in_flight=1)
         first, second = await rounds(watchdog, target, 2, 0.2)
     # The first round sees idle gauges with a request in flight: nothing to compare with yet,
-    # and no canary to queue behind that request (issue 15: the first read's canary).
+    # and no canary to queue behind that request (the first read sends no canary).
     assert (first.verdict, first.health, first.canary) == (
         Verdict.FIRST_READ, Health.UNPROVEN, None)
     # The second sees it idle and flat with a request in flight: a canary at once, whatever
@@ -264,7 +264,7 @@ async def test_an_idle_wedge_with_no_traffic_is_condemned_by_the_canary_it_held(
     spawn: Any, http: aiohttp.ClientSession
 ) -> None:
     """No request at all: the canary is the only one, and the engine holds it for the floor
-    with nothing advancing (issue 14's idle wedge with no traffic)."""
+    with nothing advancing (the idle wedge with no traffic)."""
     sim: SimProcess = spawn()
     async with Watchdog(POLICY) as watchdog:
         (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
@@ -283,7 +283,7 @@ async def test_an_idle_wedge_is_condemned_by_the_request_it_holds_without_a_cana
 ) -> None:
     """The router's first request to an engine that wedged while idle is the canary: held
     through the stall limit with nothing advancing, it condemns, and no canary of ours waits
-    its timeout on top (issue 14: the idle wedge with traffic)."""
+    its timeout on top (the idle wedge with traffic)."""
     sim: SimProcess = spawn()
     async with Watchdog(POLICY) as watchdog:
         (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
@@ -458,7 +458,7 @@ async def test_the_note_002_day_compressed_a_slow_batch_is_never_worse_than_busy
 
 
 async def test_a_proxy_in_the_fleet_is_found_and_judged_as_a_proxy(spawn: Any) -> None:
-    """Issue 15, item 9: an attached URL that is a load balancer answers /metrics from one
+    """An attached URL that is a load balancer answers /metrics from one
     engine, then another. The first change of start time may be a restart; a start time that
     comes back is not (no process returns to an earlier start): it is a proxy, read through
     GET /v1/models from then on, and never again RESTARTED (which in trainer mode would make it

@@ -96,7 +96,7 @@ def test_bad_ray_settings_name_the_key() -> None:
 
 def test_backend_urls_are_normalised_once_at_the_config() -> None:
     """A URL written with a trailing slash is the same engine: the router, the ledger and the
-    watchdog must all use one spelling, or outcomes match no shard (issue 15, item 6)."""
+    watchdog must all use one spelling, or outcomes match no shard."""
     fleet = FleetConfig(engines=0, backends=["http://127.0.0.1:8000/", " http://10.0.0.2:8000//"])
     assert fleet.backends == ["http://127.0.0.1:8000", "http://10.0.0.2:8000"]
     with pytest.raises(ValueError, match="same engine"):

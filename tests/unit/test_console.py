@@ -1,5 +1,5 @@
 """``fleetwarden status`` in a terminal: state, engine URL, in-flight and verdict always read
-whole; the other columns give way, by priority, when the terminal is narrow (issue 19, item 7)."""
+whole; the other columns give way, by priority, when the terminal is narrow."""
 
 from __future__ import annotations
 

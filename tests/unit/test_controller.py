@@ -189,7 +189,7 @@ async def test_a_failing_journal_is_in_the_fleet_status(tmp_path: Any) -> None:
         journal.close()
 
 
-# ---------------------------------------------------------------- issue 15, items 8 and 10
+# ------------------------------------- a restart seen on its own; a STALE engine's streak
 
 
 def test_a_static_stale_shard_whose_canaries_keep_failing_is_condemned() -> None:
@@ -285,7 +285,7 @@ def test_a_sleeping_engine_leaves_the_serving_set_and_comes_back_when_it_reports
     assert ledger.state(0) is D and ledger.shard(0).last_error.startswith("UNREACHABLE")
 
 
-# ---------------------------------------------------------------------- evidence (issue 14)
+# ---------------------------------------------------------------------- evidence
 # A real router on real sockets in front of scripted engines; the controller's reads of the
 # engines are scripted (what each read concludes), so that each test shows one mechanism.
 

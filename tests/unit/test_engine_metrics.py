@@ -1,4 +1,4 @@
-"""Reading vLLM's /metrics, read as a specification (SYSTEM.md section 5)."""
+"""Reading vLLM's /metrics, read as a specification (docs/design.md section 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine profile table (issue 18): every profile is well-formed, and each engine's body is
+"""The engine profile table: every profile is well-formed, and each engine's body is
 recognised as its own."""
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ def test_a_failing_journal_never_stops_the_ledger_nor_its_subscribers(
 
 
 def test_verdict_rows_are_kept_to_the_newest(tmp_path: Path) -> None:
-    """Memory (and disk) that only grows (issue 15, smaller): verdicts are pruned to the
+    """Memory (and disk) that only grows: verdicts are pruned to the
     newest ``verdicts_kept``; transitions are all kept."""
     ledger = Ledger(["http://a:1"])
     with Journal(tmp_path / "fleet.sqlite", verdicts_kept=50) as journal:

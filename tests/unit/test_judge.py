@@ -1,4 +1,4 @@
-"""The judge, read as a specification (SYSTEM.md section 5, note 002). Pure: no sockets, no
+"""The judge, read as a specification (docs/design.md section 5, note 002). Pure: no sockets, no
 sleeps; time is whatever the test says passed between two reads."""
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def test_a_first_read_of_an_idle_engine_is_idle_and_of_a_busy_one_proves_nothing
 
 
 def test_a_first_read_sends_no_canary_while_the_router_has_requests_on_it() -> None:
-    """Issue 15 (smaller): idle gauges at the first read, but requests in flight that the
+    """Idle gauges at the first read, but requests in flight that the
     scrape did not see yet: a canary would queue behind them. The next read compares."""
     j = judge(None, IDLE, elapsed_s=0, in_flight=2)
     assert (j.verdict, j.send_canary) == (Verdict.FIRST_READ, False)
@@ -525,7 +525,8 @@ def test_a_restarted_engine_starts_with_no_cadence() -> None:
 
 
 def test_waiting_requests_with_nothing_running_and_every_counter_flat_are_a_stall() -> None:
-    # vLLM issues #39863 and #46811: 0 running, 3 waiting, on a wedged core.
+    # 0 running, 3 waiting, on a wedged core: github.com/vllm-project/vllm/issues/39863
+    # and .../46811.
     waiting_only = replace(BUSY, running=0, waiting=3)
     js = run([(0, waiting_only)] + [(1.0, waiting_only)] * 6, in_flight=3)
     assert [j.verdict for j in js[1:5]] == [Verdict.STALLED] * 4
@@ -544,7 +545,7 @@ def test_a_confirmation_makes_a_canary_due_on_an_idle_engine_only() -> None:
     assert stalled.verdict is Verdict.STALLED and not stalled.send_canary
 
 
-# ------------------------------------------------------------ a canary held (issue 14)
+# ------------------------------------------------------------ a canary held
 
 
 def test_an_idle_engine_that_held_its_canary_the_floor_and_advanced_nothing_is_condemned(
@@ -569,7 +570,7 @@ def test_a_new_process_behind_the_same_url_is_never_compared() -> None:
     assert held_its_canary(IDLE, replace(IDLE, start_time=1.8e9), 5.0) is None
 
 
-# ------------------------------------------------------------ requests held (issue 14)
+# ------------------------------------------------------------ requests held
 
 
 def test_a_request_held_through_the_limit_with_nothing_advanced_is_conclusive() -> None:

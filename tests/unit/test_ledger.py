@@ -1,4 +1,4 @@
-"""The ledger, read as a specification (SYSTEM.md sections 2-3, notes 000 and 001)."""
+"""The ledger, read as a specification (docs/design.md sections 2-3, notes 000 and 001)."""
 
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ def test_probes_never_change_a_shard_without_a_process() -> None:
 
 
 def test_failed_reads_condemn_a_stale_shard_and_good_ones_never_lift_it() -> None:
-    """A STALE engine that died must not wait for a refit that never comes (issue 15, item
-    10: the controller kept this streak itself, reset without a reason)."""
+    """A STALE engine that died must not wait for a refit that never comes (the
+    controller once kept this streak itself, and reset it without a reason)."""
     ledger, _ = make(1, weights="trainer")
     ledger.mark_weights_partial(0)
     ledger.record_probe(0, ok=True)
@@ -430,7 +430,7 @@ def test_the_ledger_does_no_io() -> None:
 
 def test_every_subscriber_sees_a_transition_even_when_one_raises() -> None:
     """The change is made and every subscriber told before any subscriber's error surfaces:
-    the ledger is never left half-applied (issue 15, item 5)."""
+    the ledger is never left half-applied."""
     ledger, _ = make(2)
     seen: list[int] = []
 
@@ -465,7 +465,7 @@ def test_the_ledgers_working_copy_has_exactly_a_records_fields() -> None:
 
 
 def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
-    """Issue 15, item 14: a shard made SUSPECT by /metrics reads that timed out under load
+    """A shard made SUSPECT by /metrics reads that timed out under load
     and whose requests then complete is HEALTHY again from that window, not after the next
     canary (an hour away in the real-vLLM tier's config)."""
     ledger, _ = make(2)
@@ -597,7 +597,7 @@ def test_a_sleeper_that_stops_answering_is_condemned_and_one_that_answers_is_not
     assert ledger.state(0) is D and ledger.shard(0).state_before_sleep is None
 
 
-# ------------------------------------------------------------------ out stays out (issue 14)
+# ------------------------------------------------------------------ out stays out
 
 
 def ejected_ledger(**policy: object) -> tuple[Ledger, Clock]:

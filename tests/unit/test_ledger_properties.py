@@ -1,4 +1,4 @@
-"""Every invariant of SYSTEM.md section 2, checked after each step of random operation runs."""
+"""Every invariant of docs/design.md section 2, checked after each step of random operation runs."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ async def test_a_missing_program_is_a_launch_error(tmp_path: Path) -> None:
 
 async def test_a_port_that_a_shard_records_is_not_handed_out_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 15, item 4: the kernel may hand back the port of a DEAD or RETIRED shard's
+    """The kernel may hand back the port of a DEAD or RETIRED shard's
     engine; the launcher asks again rather than collide with what the ledger records."""
     from fleetwarden.launchers import local
 

@@ -1,4 +1,4 @@
-"""Every module says, in its first lines, what it owns and what it must not touch (issue 19):
+"""Every module says, in its first lines, what it owns and what it must not touch:
 the room for a change is found by reading the first lines of the modules, not the code."""
 
 from __future__ import annotations

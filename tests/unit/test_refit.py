@@ -1,4 +1,4 @@
-"""The refit coordinator: leases, the single-suspect rule, overruns (SYSTEM.md section 8)."""
+"""The refit coordinator: leases, the single-suspect rule, overruns (docs/design.md section 8)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_refit_calls_out_of_order_are_errors() -> None:
 
 
 def test_an_engine_restarted_on_its_url_during_the_lease_is_not_credited() -> None:
-    """Issue 15, item 7: two attached engines in trainer mode; during the refit to v2 engine 1
+    """Two attached engines in trainer mode; during the refit to v2 engine 1
     is replaced by a new process on the same URL. It never got v2: it is not credited, and
     waits in STALE for the next refit."""
     ledger, refit, _ = make(2)

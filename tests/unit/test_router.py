@@ -1,4 +1,4 @@
-"""The router, read as a specification (SYSTEM.md section 4, note 000).
+"""The router, read as a specification (docs/design.md section 4, note 000).
 
 Every test runs the real router on a real socket on 127.0.0.1, in front of scripted engines
 that answer with real vLLM captures (``tests/support/scripted_engine.py``).
@@ -893,7 +893,7 @@ async def test_a_minimum_weight_version_is_never_served_by_an_engine_behind_it()
             assert error_of(body)["param"] == "x-fleetwarden-min-weight-version"
 
 
-# ---------------------------------------------------------------------- evidence (issue 14)
+# ---------------------------------------------------------------------- evidence
 
 async def test_every_failed_attempt_is_reported_as_it_happens() -> None:
     async with rig(2, health_managed=True) as r:

@@ -1,5 +1,5 @@
 """The router's control API and its clients: one controller drives routers in or out of its
-process alike (SYSTEM.md section 4, last bullet)."""
+process alike (docs/design.md section 4, last bullet)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulator's other engines' dialects (issue 18): each takes every call the engine core
+"""The simulator's other engines' dialects: each takes every call the engine core
 and the server make, the sleep included, which llama.cpp and SGLang export nothing for."""
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ async def test_close_cancels_restarts_in_progress() -> None:
 
 
 async def test_no_task_of_the_supervisor_outlives_its_close() -> None:
-    """Every task it starts is owned (issue 19, item 8): a restart in progress, a cancelled
+    """Every task it starts is owned: a restart in progress, a cancelled
     one still stopping what it launched, a background stop. Close ends or awaits them all."""
     ledger, launcher, sup, _, _ = fleet(3)
     sup.adopt(2, EngineHandle(2, "http://127.0.0.1:8002", "first-2"))
@@ -240,7 +240,7 @@ async def test_a_passive_shard_spends_no_budget_until_its_engine_returns() -> No
 
 
 # ---------------------------------------------------------------- no state without a way out
-# (issue 15: each of these left a shard where nothing would ever move it again)
+# (each of these once left a shard where nothing would ever move it again)
 
 
 async def test_a_passive_wait_never_holds_a_restart_slot() -> None:

@@ -1,5 +1,5 @@
-"""What the watchdog keeps per URL is dropped once the URL is gone (issue 15, smaller: memory
-that only grows). No engine needed: a round of no targets still forgets."""
+"""What the watchdog keeps per URL is dropped once the URL is gone (memory that
+only grows is a leak). No engine needed: a round of no targets still forgets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""No state without a way out (issue 15, "done when"): the shell driven through random faults.
+"""No state without a way out: the shell driven through random faults.
 
 A seeded random loop drives the real controller, supervisor, ledger, journal and restore code
 for many steps. Only what touches the outside is fake: a launcher whose launches fail, hang,

