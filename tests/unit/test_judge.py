@@ -447,7 +447,7 @@ def focused(flat_s: float, every_s: float = 0.25) -> list[tuple[float, Reading]]
 
 def test_a_long_prefill_step_is_not_a_stall_at_the_default_floor() -> None:
     # llama.cpp reading a 14,802-token prompt in one batch kept every counter flat for 4 s
-    # (shared/fixtures/llamacpp/README.md). Read four times a second through it: never STUCK.
+    # (tests/fixtures/llamacpp/README.md). Read four times a second through it: never STUCK.
     done = advanced(BUSY, steps=1, prompt_tokens=14802)
     js = run([(0, BUSY), *focused(4.0), (0.25, done)])
     assert Verdict.STUCK not in {j.verdict for j in js}

