@@ -6,13 +6,13 @@ the load is the `openai` client on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -30,8 +30,11 @@ from support.fleet import SIM
 
 pytestmark = pytest.mark.scenario
 
-#: Router processes of their own start slowly on a loaded 2-core machine: a longer bound.
-until = functools.partial(wait.until, timeout=60.0)
+
+def until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "") -> Awaitable[float]:
+    """:func:`support.wait.until` with a longer default bound: router processes of their own
+    start slowly on a loaded 2-core machine."""
+    return wait.until(cond, timeout, what)
 
 
 def journal_of(work: Path) -> Journal:
