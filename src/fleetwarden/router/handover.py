@@ -7,11 +7,11 @@ Why: routers that share a port with ``SO_REUSEPORT`` each have a listening socke
 and closing one resets every connection that the kernel completed in its queue but the process
 had not accepted yet (unless ``net.ipv4.tcp_migrate_req`` is 1; it is 0 by default). A reload
 that closes the old routers' sockets after the new ones bound theirs therefore loses a
-handshake that lands in the last moment (docs/design.md section 13). So a replacement does
-not bind a socket of its own: it takes the old router's (the same
-socket, passed with ``SCM_RIGHTS``, as HAProxy's ``expose-fd listeners`` and Envoy's hot restart
-do). Both processes accept from one queue while the old one hands over; when the old one
-closes its copy the socket lives on in the new one, and nothing queued is lost.
+handshake that lands in the last moment (docs/design.md section 13). So a replacement does not
+bind a socket of its own: it takes the old router's (the same socket, passed with
+``SCM_RIGHTS``, as HAProxy's ``expose-fd listeners`` and Envoy's hot restart do). Both
+processes accept from one queue while the old one hands over; when the old one closes its copy
+the socket lives on in the new one, and nothing queued is lost.
 
 The old router serves its sockets on an abstract Unix socket named after its launch id (no
 file, nothing to clean up after a SIGKILL). A taker must run as the same user (checked with

@@ -8,12 +8,11 @@ Must not: route or decide anything about a request: :mod:`fleetwarden.router.app
 and :mod:`fleetwarden.router.forward` forwards.
 
 Why not aiohttp's server: it was ~40 % of a router process's CPU per request once the client
-was the router's own (BENCHMARKS.md, "The router's own data path"): a request object with
-lazy properties, a
-payload writer, a response with its signals and a task loop per connection. The data port
-needs a small part of it: the OpenAI API's few routes, bodies buffered whole (so they can be
-re-sent), answers written whole or as a stream. The control API and the admin API stay on
-aiohttp (they are not on the request path). The parsing is llhttp's, never hand-written.
+was the router's own (BENCHMARKS.md, "The router's own data path"): a request object with lazy
+properties, a payload writer, a response with its signals and a task loop per connection. The
+data port needs a small part of it: the OpenAI API's few routes, bodies buffered whole (so they
+can be re-sent), answers written whole or as a stream. The control API and the admin API stay
+on aiohttp (they are not on the request path). The parsing is llhttp's, never hand-written.
 
 The rules it keeps, as aiohttp did for the router:
 

@@ -6,13 +6,12 @@ Must not: decide anything about a request's fate: it says what happened (an answ
 of the errors below), and :mod:`fleetwarden.router.forward` decides.
 
 Why not aiohttp's client: it was ~33 % of a router process's CPU per request (BENCHMARKS.md,
-"The router's own data path"): a request object, a response object, a task for the body
-write, a connector and a
-timer context per request. A router needs a small part of it: one pool of keep-alive
-connections per backend, one write per request (head and body together), one deadline per
-request (kept in a set that one timer sweeps: a timer per request cost 4 µs under uvloop)
-for the total timeout, and an answer whose body is read whole or chunk by chunk. The parsing is
-llhttp's (httptools), never hand-written.
+"The router's own data path"): a request object, a response object, a task for the body write,
+a connector and a timer context per request. A router needs a small part of it: one pool of
+keep-alive connections per backend, one write per request (head and body together), one
+deadline per request (kept in a set that one timer sweeps: a timer per request cost 4 µs under
+uvloop) for the total timeout, and an answer whose body is read whole or chunk by chunk. The
+parsing is llhttp's (httptools), never hand-written.
 
 The errors, as the router reads them:
 
