@@ -230,7 +230,9 @@ def test_a_restart_seen_without_a_start_time_is_still_a_new_process() -> None:
     c.apply_report(0, report(Verdict.RESTARTED, Health.UNPROVEN, incarnation=None))
     r = ledger.shard(0)
     assert r.consecutive_reported_failures == 0 and r.state is H
-    assert r.incarnation is None  # unknown now; the next start time read identifies it
+    # no start time to name the new process: the ledger names the restart it saw, so nothing
+    # credited to the old process (a refit's version) is credited to this one
+    assert r.incarnation == "restart-seen-1"
 
 
 async def test_the_old_process_failures_never_count_against_the_new_one() -> None:
