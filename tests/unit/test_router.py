@@ -295,8 +295,30 @@ async def test_a_poison_request_is_not_retried_across_the_fleet() -> None:
         assert (status, body) == (500, ENGINE_DEAD.body)  # answered with the engine's own error
         assert sum(e.received for e in r.engines) == 2  # two backends, not the whole fleet
         outcomes = r.router.drain_outcomes()
-        assert sum(f for _, f, _ in outcomes.values()) == 1  # only the first counts
+        assert sum(f for _, f, _ in outcomes.values()) == 0  # the request failed, not them
         assert r.router.stats.poison_requests == 1
+
+
+async def test_a_poison_request_ejects_no_engine_it_touched() -> None:
+    """The same 5xx on two engines: the request is the problem. The first engine's failure
+    was held until that was known; no failure reaches the controller's evidence stream, and
+    the reflex drop of the first engine is undone."""
+    async with rig(3, health_managed=True, max_retries=2) as r:
+        failed: list[tuple[str, str]] = []
+        r.router.listen(lambda url, cause: failed.append((url, cause)))
+        for e in r.engines:
+            e.answer(ENGINE_DEAD)
+        status, _, body = await r.post()
+        assert (status, body) == (500, ENGINE_DEAD.body)
+        assert failed == [] and r.router.drain_outcomes() == {}
+        assert sorted(r.router.serving_backends()) == sorted(e.url for e in r.engines)
+        assert r.router.stats.backend_failures == {}
+        # a 5xx that the next engine does not repeat is its engine's: reported then
+        bad, good, _ = r.engines
+        r.router.set_serving_backends([bad.url, good.url])
+        good.answer(None)  # its normal answers again
+        statuses = [(await r.post())[0] for _ in range(2)]
+        assert statuses == [200, 200] and failed == [(bad.url, "server_error")]
 
 
 # A real vLLM shut down (SIGTERM) with requests in it may answer each 200 with what it had,

@@ -16,7 +16,8 @@ section 4):
 * A request that has sent nothing to its client can be re-sent elsewhere: freely if it never
   reached an engine (refused, connect timeout), at most ``max_retries`` times and within the
   fleet's retry budget if an engine may have worked on it. The same 5xx on two backends marks
-  the request itself as the problem (poison): it is answered and counted no further.
+  the request itself as the problem (poison): it is answered, and counted against neither
+  (a 5xx is reported only once the next attempt has shown it is not poison).
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
 * The controller may also :meth:`Forwarder.hedge` a backend that holds requests while it takes
@@ -478,6 +479,11 @@ class Forwarder:
         budget = pool.retry_budget
         budget.requests_in_flight += 1
         holds_retry_token = False
+        #: A 5xx not yet reported against its backend: whether the request is poison (the same
+        #: 5xx on the next backend) is known only at the next attempt, and a request that
+        #: fails everywhere must eject no engine it touched. Reported once it is known not to
+        #: be (another answer, another failure), or when the request ends any other way.
+        held: _Failure | None = None
         try:
             tried: list[str] = []
             paid_retries = 0
@@ -523,10 +529,24 @@ class Forwarder:
                 if (not began and failure.cause is Cause.SERVER_ERROR and last is not None
                         and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
                     # The same 5xx on a second backend: the request is the problem, not them.
+                    # Neither is counted, and the first one's reflex drop is undone.
                     stats.poison_requests += 1
+                    if held is not None:
+                        if self.health_managed:
+                            pool.undrop(held.backend)
+                        held = None
                     return self._pass_through(failure)
+                if held is not None:
+                    self._report_failure(held)  # not poison: the first 5xx was its engine's
+                    held = None
                 if not failure.counted:
-                    self._count_failure(failure)
+                    if failure.cause is Cause.SERVER_ERROR and not began:
+                        # Out of this router's list at once (the reflex), reported once the
+                        # next attempt tells whether the request itself is the problem.
+                        self._reflex(failure)
+                        held = failure
+                    else:
+                        self._count_failure(failure)
                 last = failure
                 if failure.cause.never_reached_an_engine:
                     resend = "free"  # it cost no engine any work
@@ -550,6 +570,8 @@ class Forwarder:
                     return self._pass_through(failure)  # the engine's answer, as it stands
                 return self._refuse(failure, min_version)
         finally:
+            if held is not None:
+                self._report_failure(held)  # answered, refused or left: never known as poison
             budget.requests_in_flight -= 1
             if holds_retry_token:
                 budget.release()
@@ -929,10 +951,17 @@ class Forwarder:
     # ------------------------------------------------------------------ outcomes and answers
 
     def _count_failure(self, failure: _Failure) -> None:
+        self._report_failure(failure)
+        self._reflex(failure)
+
+    def _report_failure(self, failure: _Failure) -> None:
+        """The failure into the tallies the controller drains, and its evidence stream."""
         self.pool.record_failure(failure.backend)
         self.stats.backend_failed(failure.backend, failure.cause.value)
         if self.on_failure is not None:
             self.on_failure(failure.backend, failure.cause.value)
+
+    def _reflex(self, failure: _Failure) -> None:
         if self.health_managed and self.pool.drop(failure.backend):
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
                      _DESCRIPTIONS[failure.cause])
