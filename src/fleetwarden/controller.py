@@ -359,6 +359,9 @@ class Controller:
             # The first read compares with the tick's sample, taken before the accusation:
             # progress it shows may predate the fault, so it proves nothing (a canary does).
             self.apply_report(i, r, progress_proves=not first)
+            # The tick does not read a shard under focused reads: a lease's status of it is
+            # kept from these reads, or it would show the last tick's (stale) liveness.
+            self._observe_participant(i, url, r)
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
@@ -630,20 +633,28 @@ class Controller:
         tick's read, onto the lease (what a trainer whose broadcast hangs reads)."""
         assert self.refit is not None and self.refit.lease is not None
         for p in self.refit.lease.participants:
-            rec = self.ledger.shard(p.shard)
-            if rec.state in ABSENT or rec.base_url != p.url:
-                self.refit.observe_participant(
-                    p.shard, process_alive=False, api_answers=None,
-                    evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
-                    else f"its process was replaced ({rec.state})")
-                continue
-            r = reports.get(p.url)
-            if r is None:
-                continue  # not read this tick
-            answers = r.verdict is not Verdict.UNREACHABLE
+            self._observe_participant(p.shard, p.url, reports.get(p.url))
+
+    def _observe_participant(self, i: int, url: str, r: Report | None) -> None:
+        """One read of shard ``i`` (at ``url`` when read) onto the open lease, if it takes
+        part; ``None``: not read, only whether its process still lives is known."""
+        lease = self.refit.lease if self.refit is not None else None
+        p = next((p for p in lease.participants if p.shard == i), None) if lease else None
+        if self.refit is None or p is None:
+            return
+        rec = self.ledger.shard(i)
+        if rec.state in ABSENT or rec.base_url != p.url:
             self.refit.observe_participant(
-                p.shard, process_alive=True, api_answers=answers,
-                evidence=f"{r.verdict.name}: {r.evidence.summary}")
+                i, process_alive=False, api_answers=None,
+                evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
+                else f"its process was replaced ({rec.state})")
+            return
+        if r is None or url != p.url:
+            return  # not read (this tick, or at its URL)
+        answers = r.verdict is not Verdict.UNREACHABLE
+        self.refit.observe_participant(
+            i, process_alive=True, api_answers=answers,
+            evidence=f"{r.verdict.name}: {r.evidence.summary}")
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]],
                        failed_probe: frozenset[str] = frozenset()) -> None:

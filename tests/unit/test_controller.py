@@ -672,3 +672,25 @@ async def test_every_read_is_told_how_long_the_routers_have_held_a_request_there
         await supervisor.close()
     held = {t.url: t.held_s for t in watchdog.targets}
     assert held == {"http://a": 4.0, "http://b": 0.0}
+
+
+async def test_a_lease_keeps_a_participants_status_while_it_is_under_focused_reads() -> None:
+    """The tick leaves a shard under focused reads to them: the lease's status of that
+    participant must come from those reads, not stay at the last tick's."""
+    config = Config.model_validate({"fleet": {"weights": "trainer"},
+                                    "health": {"confirm_interval_s": 0.01}})
+    ledger = Ledger(["http://a", "http://b"], Policy(weights="trainer"))
+    refit = RefitCoordinator(ledger)
+    reads = ScriptedReads(BUSY_REPORT)
+    c = Controller(ledger, reads, IdleSupervisor(), [], config,  # type: ignore[arg-type]
+                   refit=refit)
+    lease = refit.begin_refit(1)
+    await c.tick()
+    assert lease.status[1].api_answers is True
+    reads.by_url["http://b"] = report(Verdict.UNREACHABLE, Health.FAILING)
+    c.confirm(1, "silent requests")
+    await until(lambda: lease.status[1].culprit, what="the focused reads on the lease")
+    assert lease.status[1].api_answers is False or not lease.status[1].process_alive
+    assert "UNREACHABLE" in lease.status[1].evidence or ledger.state(1) is D
+    assert [s.shard for s in lease.culprits()] == [1]
+    await c.close()
