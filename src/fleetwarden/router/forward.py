@@ -24,8 +24,10 @@ section 4):
   no step: each request waiting there long enough with nothing sent to its client is sent to
   another backend as well, and the first answer is the client's; the other attempt is
   cancelled (its engine sees the disconnect and aborts). The engine keeps its chance: a long
-  step that ends answers as before; when the hedge answers first, the held attempt is a
-  failure of its engine (``hedged``), reported like any other. A hedge takes a token of the
+  step that ends answers as before; when the hedge answers first, the held attempt lost a
+  race (``hedged``): its engine leaves this router's list until the next push, and nothing
+  is reported against it (a long step looks the same as a wedge until it ends; only the
+  stall limit condemns). A hedge takes a token of the
   retry budget while it is in flight, unless its backend is already out of the serving set
   (then, as for a reflex drop, it moves load rather than adding to it). Streams the router
   continues are never hedged: a rescue continues them.
@@ -133,8 +135,8 @@ class Cause(enum.Enum):
     TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
-    #: It held the request, taking no step, while another engine answered it (a hedge):
-    #: counted like a timeout, so the engine leaves routing until it proves itself again.
+    #: It held the request, taking no step, while another engine answered it (a hedge): a lost
+    #: race, not a failure of its engine (out of this router's list until the next push).
     HEDGED = "hedged"
     STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
     #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
@@ -718,7 +720,10 @@ class Forwarder:
                            failure: _Failure, started: float) -> StreamResponse | _Failure:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
-        if failure.cause is not Cause.RESCUED:
+        if failure.cause is Cause.HEDGED:
+            self._lost_race(failure)
+            failure.counted = True
+        elif failure.cause is not Cause.RESCUED:
             self._count_failure(failure)  # the original's own failure is evidence all the same
             failure.counted = True
         won = await hedge  # cancelled with this handler, if the client leaves
@@ -960,6 +965,16 @@ class Forwarder:
         self.stats.backend_failed(failure.backend, failure.cause.value)
         if self.on_failure is not None:
             self.on_failure(failure.backend, failure.cause.value)
+
+    def _lost_race(self, failure: _Failure) -> None:
+        """The held attempt lost the race to its hedge: out of this router's list until the next
+        push (no new request waits there meanwhile), but no failure of its engine. A hedge is
+        sent on a second without a step; a healthy engine in one long step (a long prefill
+        before its cadence learned one) looks the same until the step ends, and counted, its
+        lost races ejected it from the fleet, to come back only on proof. A wedge is condemned
+        by the stall limit, or by the canary that watches a hedged lost core."""
+        self.stats.backend_failed(failure.backend, failure.cause.value)
+        self._reflex(failure)
 
     def _reflex(self, failure: _Failure) -> None:
         if self.health_managed and self.pool.drop(failure.backend):
