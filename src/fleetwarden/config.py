@@ -327,6 +327,10 @@ class HealthConfig(_Section):
     min_serving_shards: PositiveInt = _LEDGER.min_serving_shards
     ejection_base_s: Annotated[float, Field(ge=0)] = _LEDGER.ejection_base_s
     ejection_max_s: Annotated[float, Field(ge=0)] = _LEDGER.ejection_max_s
+    #: Envoy's panic threshold, in percent of the fleet's shards (all but RETIRED ones): below
+    #: it, ejected engines that are not condemned are routed again, rather than a 409 for
+    #: every client (or a few survivors taking everything). 50, Envoy's default; 0: never.
+    #: See docs/design.md section 3.5.
     panic_threshold_percent: Annotated[float, Field(ge=0, le=100)] = (
         _LEDGER.panic_threshold_percent)
     #: Seconds between the focused reads of an accused engine (a failed request, a request
