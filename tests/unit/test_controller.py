@@ -723,3 +723,34 @@ async def test_a_lease_keeps_a_participants_status_while_it_is_under_focused_rea
     assert "UNREACHABLE" in lease.status[1].evidence or ledger.state(1) is D
     assert [s.shard for s in lease.culprits()] == [1]
     await c.close()
+
+
+@pytest.mark.parametrize("panic_threshold_percent", [50.0, 0.0])
+async def test_with_every_engine_ejected_the_router_serves_through_the_panic_threshold(
+        panic_threshold_percent: float) -> None:
+    """Both engines ejected for one failed request each (two different 5xx: no poison), and
+    both answer again. Below the panic threshold the ledger pushes them both back (Envoy's
+    rule), so clients are answered; with panic off they get 409s until proof comes."""
+    async with rig(2, health_managed=True, max_retries=1) as r:
+        a, b = r.engines
+        reads = ScriptedReads(STALLED_REPORT)  # nothing proves them either way
+        config = Config.model_validate({"health": {
+            "confirm_interval_s": 0.01, "panic_threshold_percent": panic_threshold_percent}})
+        ledger = Ledger([e.url for e in r.engines],
+                        Policy(panic_threshold_percent=panic_threshold_percent))
+        c = Controller(ledger, reads, IdleSupervisor(), [r.router.control()],  # type: ignore[arg-type]
+                       config)
+        a.answer_status(503)
+        b.answer_status(502)
+        assert (await r.post())[0] in (502, 503)
+        await until(lambda: ledger.ejected() == [0, 1], what="both ejected")
+        a.answer(None)
+        b.answer(None)
+        await c.tick()
+        statuses = [(await r.post())[0] for _ in range(4)]
+        if panic_threshold_percent:
+            assert ledger.panicking() and set(r.router.serving_backends()) == {a.url, b.url}
+            assert statuses == [200] * 4
+        else:
+            assert r.router.serving_backends() == [] and statuses == [409] * 4
+        await c.close()
