@@ -474,6 +474,19 @@ async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_s
         await c.close()
 
 
+async def held_and_accused(r: Any, c: Controller, shard: int, n: int
+                           ) -> list[asyncio.Task[tuple[int, object, bytes]]]:
+    """``n`` requests sent while engine ``shard`` alone serves, held there (it is wedged);
+    then every engine serves again, and the controller accuses it of silent requests."""
+    engine = r.engines[shard]
+    r.router.set_serving_backends([engine.url])
+    tasks = [asyncio.create_task(r.post()) for _ in range(n)]
+    await until(lambda: engine.held == n, what=f"{n} held on the engine")
+    r.router.set_serving_backends([e.url for e in r.engines])
+    c.confirm(shard, "silent requests")
+    return tasks
+
+
 async def test_a_long_step_that_outlasts_hedge_after_s_costs_its_engine_nothing() -> None:
     """A healthy engine's first long prefill step (no pause learned yet, so hedged at
     hedge_after_s): its held requests are answered by their hedges, and when the step ends
@@ -486,11 +499,7 @@ async def test_a_long_step_that_outlasts_hedge_after_s_costs_its_engine_nothing(
         c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
         moves: list[Any] = []
         ledger.subscribe(moves.append)
-        r.router.set_serving_backends([slow.url])
-        tasks = [asyncio.create_task(r.post()) for _ in range(2)]
-        await until(lambda: slow.held == 2, what="2 held in the long step")
-        r.router.set_serving_backends([good.url, slow.url])
-        c.confirm(1, "silent requests")
+        tasks = await held_and_accused(r, c, 1, 2)
         assert [(await t)[0] for t in tasks] == [200] * 2
         assert r.router.stats.hedges_won == 2
         slow.unwedge()  # the step ends
@@ -516,11 +525,7 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
         seen_transitions: list[Any] = []
         ledger.subscribe(seen_transitions.append)
-        r.router.set_serving_backends([bad.url])
-        tasks = [asyncio.create_task(r.post()) for _ in range(3)]
-        await until(lambda: bad.held == 3, what="3 held on the engine")
-        r.router.set_serving_backends([good.url, bad.url])
-        c.confirm(1, "silent requests")
+        tasks = await held_and_accused(r, c, 1, 3)
         # Its requests are answered by the other engine (hedged away, they will never reach
         # the stall limit there); one canary, sent with the first hedges, keeps the watch.
         assert [(await t)[0] for t in tasks] == [200] * 3
