@@ -346,13 +346,15 @@ class HealthConfig(_Section):
     #: A request the router holds while its engine shows work and takes not one step for
     #: this long (every progress counter flat, on the focused reads) is sent to another
     #: engine as well: the first answer is the client's, the other is cancelled. A held
-    #: request that lost counts as a failed attempt, so the engine leaves routing until it
-    #: proves itself; only the stall limit condemns. Not for a lost core (its gauges show no
-    #: work): the request it holds is what condemns it. vLLM steps every 10-125 ms (the
+    #: request that lost takes its engine out of that router's list until the next push, and
+    #: is no failure of the engine (a long step looks the same until it ends; only the stall
+    #: limit condemns), except on a lost core (its gauges show no work: no step in progress),
+    #: where it is a failed attempt. vLLM steps every 10-125 ms (the
     #: captures), so a second without a step is 8 times its slowest one seen; a healthy
     #: engine that does pause that long (one long prefill step) costs the duplicate work of
-    #: what it held, within the router's retry budget, and its time out of routing; a pause
-    #: it came back from is learned (its cadence), and a hedge then waits past it. 0: never.
+    #: what it held, within the router's retry budget, and a tick out of one router's list; a
+    #: pause it came back from is learned (its cadence), and a hedge then waits past it.
+    #: 0: never.
     hedge_after_s: Annotated[float, Field(ge=0)] = 1.0
     #: How often the controller asks its in-process routers which engines hold silent
     #: requests (a router in another process is asked by a long poll of its control API,

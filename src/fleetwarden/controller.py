@@ -403,7 +403,10 @@ class Controller:
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
                 await asyncio.sleep(0)
-        await self._hedge(i, url, held_s)
+        # No work in its gauges: no step is in progress, long or not, so a held request that
+        # loses its race is a failed attempt of its engine (out of routing until it proves
+        # itself; the lost races can confirm it before the canary does).
+        await self._hedge(i, url, held_s, lost_race_fails=True)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core: no answer for what its held requests
@@ -419,17 +422,21 @@ class Controller:
             evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
         self.apply_report(i, condemned, progress_proves=False)
 
-    async def _hedge(self, i: int, url: str, held_s: float) -> None:
+    async def _hedge(self, i: int, url: str, held_s: float, *,
+                     lost_race_fails: bool = False) -> None:
         """Shard ``i``'s engine held a request ``held_s`` and took no step: every router sends
         what it holds there that long to another engine as well (the first answer is the
         client's). Asked again at each focused read while it lasts: requests that reach
-        ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again."""
+        ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again.
+        ``lost_race_fails``: a lost race is a failed attempt of the engine (a lost core);
+        otherwise (work in its gauges: perhaps one long step) it costs the engine nothing in
+        the ledger."""
         for link in self.routers:
             hedge = getattr(link, "hedge", None)
             if hedge is None:
                 continue
             try:
-                n = await hedge(url, held_s)
+                n = await hedge(url, held_s, lost_race_fails=lost_race_fails)
             except Exception as exc:
                 log.warning("router %s: hedge: %s", _name(link), exc)
                 continue

@@ -410,12 +410,14 @@ async def _held_on(r: Rig, engine: ScriptedEngine, n: int = 1, payload: object =
     return tasks
 
 
-async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step() -> None:
+@pytest.mark.parametrize("lost_race_fails", [False, True])
+async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step(
+        lost_race_fails: bool) -> None:
     async with rig(2, health_managed=True) as r:
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert r.router.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
         status, _, body = await task
         assert (status, body) == (200, COMPLETION.body)  # the second engine's answer
         assert good.answered == 1
@@ -423,9 +425,11 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step() 
         assert (r.router.stats.hedges, r.router.stats.hedges_won) == (1, 1)
         assert r.router.pool.retry_budget.retries_in_flight == 0  # its token is back
         assert r.router.in_flight() == {good.url: 0}  # the held one, dropped, is forgotten
-        # The held engine lost the race: out of this router's list until the next push, and
-        # no failure reported (a long step looks like this until it ends).
-        assert r.router.drain_outcomes() == {good.url: (1, 0, 0)}
+        # The held engine lost the race: out of this router's list until the next push; a
+        # failed attempt only where the caller said so (a lost core: no step in progress),
+        # never otherwise (a long step looks like this until it ends).
+        lost = {wedged.url: (0, 1, 1)} if lost_race_fails else {}
+        assert r.router.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
         assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
         assert r.router.serving_backends() == [good.url]
         assert r.router.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
@@ -570,12 +574,15 @@ async def test_the_control_api_hedges_and_refuses_bad_input() -> None:
         async with RemoteRouter(r.router.control_url, "t") as remote:
             for bad in ({"backend": wedged.url}, {"backend": 3, "held_s": 0},
                         {"backend": wedged.url, "held_s": -1},
-                        {"backend": wedged.url, "held_s": True}):
+                        {"backend": wedged.url, "held_s": True},
+                        {"backend": wedged.url, "held_s": 0, "lost_race_fails": "yes"}):
                 with pytest.raises(ControlError) as err:
                     await remote._call("POST", "/hedge", bad)
                 assert err.value.status == 400
-            assert await remote.hedge(wedged.url, 0.0) == 1
+            assert await remote.hedge(wedged.url, 0.0, lost_race_fails=True) == 1
         assert (await task)[0] == 200
+        await until(lambda: wedged.cancelled == 1, what="the held one cancelled")
+        assert r.router.drain_outcomes()[wedged.url] == (0, 1, 1)  # its lost race failed it
 
 
 async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued() -> None:

@@ -191,6 +191,9 @@ class _Failure:
     facts: BackendFacts = UNKNOWN_FACTS
     #: Already counted against its backend (where a hedge was awaited after it).
     counted: bool = False
+    #: HEDGED only: the controller said a lost race of this request fails its engine (one
+    #: whose gauges show no work: no step is in progress there, so no long one either).
+    race_fails: bool = False
 
 
 @dataclass(slots=True)
@@ -318,6 +321,8 @@ class Forwarder:
         self._waiting: dict[str, dict[_Hold, tuple[float, _HedgeContext | None]]] = {}
         #: Hedges in flight, by the hold of the wait they hedge (:meth:`hedge`).
         self._hedging: dict[_Hold, asyncio.Task[_Won | _Failure]] = {}
+        #: The holds whose hedges were sent with ``lost_race_fails`` (:meth:`hedge`).
+        self._races_fail: set[_Hold] = set()
         #: Streams being relayed from each backend (their answer has begun): a rescue cuts
         #: them too, and they go on elsewhere.
         self._streaming: dict[str, set[_Hold]] = {}
@@ -357,12 +362,17 @@ class Forwarder:
         self.stats.rescues += len(holds)
         return len(holds)
 
-    def hedge(self, backend: str, held_s: float) -> int:
+    def hedge(self, backend: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request that has waited on ``backend`` for at least ``held_s`` with nothing
         sent to its client (and is not a stream, nor hedged already) to another backend as
         well; the first answer is the client's. Each hedge takes a retry-budget token while in
         flight unless ``backend`` is out of the serving set; a hedge for which no token or no
-        other backend is left is not sent (a later call may). Returns how many were sent."""
+        other backend is left is not sent (a later call may). Returns how many were sent.
+
+        ``lost_race_fails``: a held request that loses its race is a failed attempt of
+        ``backend`` (the caller knows no step is in progress there: a lost core); otherwise it
+        only leaves this router's list until the next push (a long step looks the same as a
+        wedge until it ends)."""
         waiting = self._waiting.get(backend)
         if not waiting:
             return 0
@@ -393,6 +403,8 @@ class Forwarder:
             if not free:
                 task.add_done_callback(lambda _: budget.release())
             self._hedging[scope] = task
+            if lost_race_fails:
+                self._races_fail.add(scope)
             sent += 1
         self.stats.hedges += sent
         if sent:
@@ -624,6 +636,7 @@ class Forwarder:
         if waiting is None:
             waiting = self._waiting[backend] = {}
         hedge: asyncio.Task[_Won | _Failure] | None = None
+        race_fails = False
         answer: Answer | _Failure
         hold = _Hold()
         waiting[hold] = (asyncio.get_running_loop().time(), context)
@@ -640,6 +653,8 @@ class Forwarder:
                 waiting.pop(hold, None)
                 if self._hedging:
                     hedge = self._hedging.pop(hold, None)
+                    race_fails = hold in self._races_fail
+                    self._races_fail.discard(hold)
         except asyncio.CancelledError:
             if not hold.caught():  # the client left while both waited
                 if hedge is not None:
@@ -648,7 +663,7 @@ class Forwarder:
             # Interrupted: the hedge's answer came first, or a rescue.
             if (hedge is not None and hedge.done() and not hedge.cancelled()
                     and isinstance(hedge.result(), _Won)):
-                answer = _Failure(backend, Cause.HEDGED)
+                answer = _Failure(backend, Cause.HEDGED, race_fails=race_fails)
             else:
                 answer = _Failure(backend, Cause.RESCUED)
         except TimeoutError as exc:  # the backend timeout
@@ -720,7 +735,7 @@ class Forwarder:
                            failure: _Failure, started: float) -> StreamResponse | _Failure:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
-        if failure.cause is Cause.HEDGED:
+        if failure.cause is Cause.HEDGED and not failure.race_fails:
             self._lost_race(failure)
             failure.counted = True
         elif failure.cause is not Cause.RESCUED:
