@@ -15,6 +15,7 @@ Invalid input is a :class:`ConfigError` whose lines name the key, the value and 
 from __future__ import annotations
 
 import json
+import string
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +68,31 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+#: What an engine command (and its environment's values) may name: the local and Ray
+#: launchers fill in these, and only these (``str.format``).
+ENGINE_PLACEHOLDERS = frozenset({"host", "port", "shard", "python"})
+#: What an attached engine's restart command may name (the attach launcher fills them in).
+RESTART_PLACEHOLDERS = frozenset({"shard", "url", "name"})
+
+
+def _check_template(field: str, text: str, known: frozenset[str]) -> None:
+    """A command template is filled in with ``str.format`` when an engine starts: a brace that
+    is no known placeholder (``{model}``, ``{0}``, a lone ``{`` of a JSON argument) would fail
+    there, at the first launch or restart, not when the file was checked. Literal braces are
+    written doubled (``{{`` and ``}}``), as ``str.format`` wants them."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc} in {text!r} (write a literal brace as {{{{ or }}}})"
+                         ) from None
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"{field}: {{{name}}} is not a placeholder; known ones: "
+                f"{', '.join('{' + k + '}' for k in sorted(known))} (write a literal brace "
+                "as {{ or }})")
+
+
 class EngineGroup(_Section):
     """More launched engines, of another command and kind: a mixed fleet. A group's shards are
     numbered after the fleet's own `engines`, in the order the groups are listed (attached
@@ -83,6 +109,9 @@ class EngineGroup(_Section):
 
     @model_validator(mode="after")
     def _has_port(self) -> EngineGroup:
+        _check_template("engine_cmd", self.engine_cmd, ENGINE_PLACEHOLDERS)
+        for key, value in self.engine_env.items():
+            _check_template(f"engine_env.{key}", value, ENGINE_PLACEHOLDERS)
         if "{port}" not in self.engine_cmd:
             raise ValueError("engine_cmd must contain {port}: each engine gets a free port")
         return self
@@ -177,6 +206,12 @@ class FleetConfig(_Section):
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backends: {url!r} is not an http(s) URL")
+        if self.engine_cmd is not None:
+            _check_template("engine_cmd", self.engine_cmd, ENGINE_PLACEHOLDERS)
+        for key, value in self.engine_env.items():
+            _check_template(f"engine_env.{key}", value, ENGINE_PLACEHOLDERS)
+        if self.restart_command is not None:
+            _check_template("restart_command", self.restart_command, RESTART_PLACEHOLDERS)
         if self.engine_cmd is not None and "{port}" not in self.engine_cmd:
             raise ValueError("engine_cmd must contain {port}: each engine gets a free port")
         return self
@@ -274,6 +309,7 @@ class HealthConfig(_Section):
         "canary_timeout_s": WatchdogPolicy, "unhealthy_threshold": Policy,
         "healthy_threshold": Policy, "min_serving_shards": Policy,
         "ejection_base_s": Policy, "ejection_max_s": Policy,
+        "panic_threshold_percent": Policy,
     }
 
     #: Seconds between controller ticks. A crash is seen at once (process exit); this paces
@@ -291,6 +327,12 @@ class HealthConfig(_Section):
     min_serving_shards: PositiveInt = _LEDGER.min_serving_shards
     ejection_base_s: Annotated[float, Field(ge=0)] = _LEDGER.ejection_base_s
     ejection_max_s: Annotated[float, Field(ge=0)] = _LEDGER.ejection_max_s
+    #: Envoy's panic threshold, in percent of the fleet's shards (all but RETIRED ones): below
+    #: it, ejected engines that are not condemned are routed again, rather than a 409 for
+    #: every client (or a few survivors taking everything). 50, Envoy's default; 0: never.
+    #: See docs/design.md section 3.5.
+    panic_threshold_percent: Annotated[float, Field(ge=0, le=100)] = (
+        _LEDGER.panic_threshold_percent)
     #: Seconds between the focused reads of an accused engine (a failed request, a request
     #: silent for ``silent_after_s``, a stall or an unreachable read at the tick). A reduced
     #: ``/metrics`` read costs ~0.3 ms of CPU (``bench/metrics_parse.py``), so four a second
@@ -304,13 +346,15 @@ class HealthConfig(_Section):
     #: A request the router holds while its engine shows work and takes not one step for
     #: this long (every progress counter flat, on the focused reads) is sent to another
     #: engine as well: the first answer is the client's, the other is cancelled. A held
-    #: request that lost counts as a failed attempt, so the engine leaves routing until it
-    #: proves itself; only the stall limit condemns. Not for a lost core (its gauges show no
-    #: work): the request it holds is what condemns it. vLLM steps every 10-125 ms (the
+    #: request that lost takes its engine out of that router's list until the next push, and
+    #: is no failure of the engine (a long step looks the same until it ends; only the stall
+    #: limit condemns), except on a lost core (its gauges show no work: no step in progress),
+    #: where it is a failed attempt. vLLM steps every 10-125 ms (the
     #: captures), so a second without a step is 8 times its slowest one seen; a healthy
     #: engine that does pause that long (one long prefill step) costs the duplicate work of
-    #: what it held, within the router's retry budget, and its time out of routing; a pause
-    #: it came back from is learned (its cadence), and a hedge then waits past it. 0: never.
+    #: what it held, within the router's retry budget, and a tick out of one router's list; a
+    #: pause it came back from is learned (its cadence), and a hedge then waits past it.
+    #: 0: never.
     hedge_after_s: Annotated[float, Field(ge=0)] = 1.0
     #: How often the controller asks its in-process routers which engines hold silent
     #: requests (a router in another process is asked by a long poll of its control API,
@@ -319,6 +363,16 @@ class HealthConfig(_Section):
     #: The longest a run of focused reads goes on without a conclusion, before the tick takes
     #: over again: twice the longest stall floor anyone sets here, and a bound on the reads.
     confirm_max_s: PositiveFloat = 60.0
+
+    @model_validator(mode="after")
+    def _ejection_backoff_grows(self) -> HealthConfig:
+        # The ledger's Policy refuses it too, but only when the fleet starts: `config --check`
+        # must say so first, naming both fields.
+        if self.ejection_base_s > self.ejection_max_s:
+            raise ValueError(
+                f"ejection_base_s ({self.ejection_base_s:g}) must not exceed ejection_max_s "
+                f"({self.ejection_max_s:g}): the backoff doubles from the first up to the second")
+        return self
 
     def watchdog_policy(self) -> WatchdogPolicy:
         return WatchdogPolicy(

@@ -359,6 +359,9 @@ class Controller:
             # The first read compares with the tick's sample, taken before the accusation:
             # progress it shows may predate the fault, so it proves nothing (a canary does).
             self.apply_report(i, r, progress_proves=not first)
+            # The tick does not read a shard under focused reads: a lease's status of it is
+            # kept from these reads, or it would show the last tick's (stale) liveness.
+            self._observe_participant(i, url, r)
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
@@ -399,7 +402,10 @@ class Controller:
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
                 await asyncio.sleep(0)
-        await self._hedge(i, url, held_s)
+        # No work in its gauges: no step is in progress, long or not, so a held request that
+        # loses its race is a failed attempt of its engine (out of routing until it proves
+        # itself; the lost races can confirm it before the canary does).
+        await self._hedge(i, url, held_s, lost_race_fails=True)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core: no answer for what its held requests
@@ -415,17 +421,21 @@ class Controller:
             evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
         self.apply_report(i, condemned, progress_proves=False)
 
-    async def _hedge(self, i: int, url: str, held_s: float) -> None:
+    async def _hedge(self, i: int, url: str, held_s: float, *,
+                     lost_race_fails: bool = False) -> None:
         """Shard ``i``'s engine held a request ``held_s`` and took no step: every router sends
         what it holds there that long to another engine as well (the first answer is the
         client's). Asked again at each focused read while it lasts: requests that reach
-        ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again."""
+        ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again.
+        ``lost_race_fails``: a lost race is a failed attempt of the engine (a lost core);
+        otherwise (work in its gauges: perhaps one long step) it costs the engine nothing in
+        the ledger."""
         for link in self.routers:
             hedge = getattr(link, "hedge", None)
             if hedge is None:
                 continue
             try:
-                n = await hedge(url, held_s)
+                n = await hedge(url, held_s, lost_race_fails=lost_race_fails)
             except Exception as exc:
                 log.warning("router %s: hedge: %s", _name(link), exc)
                 continue
@@ -629,20 +639,28 @@ class Controller:
         tick's read, onto the lease (what a trainer whose broadcast hangs reads)."""
         assert self.refit is not None and self.refit.lease is not None
         for p in self.refit.lease.participants:
-            rec = self.ledger.shard(p.shard)
-            if rec.state in ABSENT or rec.base_url != p.url:
-                self.refit.observe_participant(
-                    p.shard, process_alive=False, api_answers=None,
-                    evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
-                    else f"its process was replaced ({rec.state})")
-                continue
-            r = reports.get(p.url)
-            if r is None:
-                continue  # not read this tick
-            answers = r.verdict is not Verdict.UNREACHABLE
+            self._observe_participant(p.shard, p.url, reports.get(p.url))
+
+    def _observe_participant(self, i: int, url: str, r: Report | None) -> None:
+        """One read of shard ``i`` (at ``url`` when read) onto the open lease, if it takes
+        part; ``None``: not read, only whether its process still lives is known."""
+        lease = self.refit.lease if self.refit is not None else None
+        p = next((p for p in lease.participants if p.shard == i), None) if lease else None
+        if self.refit is None or p is None:
+            return
+        rec = self.ledger.shard(i)
+        if rec.state in ABSENT or rec.base_url != p.url:
             self.refit.observe_participant(
-                p.shard, process_alive=True, api_answers=answers,
-                evidence=f"{r.verdict.name}: {r.evidence.summary}")
+                i, process_alive=False, api_answers=None,
+                evidence=f"{rec.state}: {rec.last_error}" if rec.last_error
+                else f"its process was replaced ({rec.state})")
+            return
+        if r is None or url != p.url:
+            return  # not read (this tick, or at its URL)
+        answers = r.verdict is not Verdict.UNREACHABLE
+        self.refit.observe_participant(
+            i, process_alive=True, api_answers=answers,
+            evidence=f"{r.verdict.name}: {r.evidence.summary}")
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]],
                        failed_probe: frozenset[str] = frozenset()) -> None:

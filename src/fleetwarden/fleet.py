@@ -184,7 +184,8 @@ class Fleet:
                       healthy_threshold=h.healthy_threshold,
                       max_restart_attempts=s.max_restart_attempts,
                       min_serving_shards=h.min_serving_shards, weights=f.weights,
-                      ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s)
+                      ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s,
+                      panic_threshold_percent=h.panic_threshold_percent)
 
     async def start(self) -> None:
         cfg = self.config

@@ -34,6 +34,7 @@ __all__ = [
     "ABSENT",
     "ROUTABLE",
     "TRANSITIONS",
+    "UNNAMED_PREFIX",
     "Event",
     "FleetExhausted",
     "Ledger",
@@ -45,6 +46,7 @@ __all__ = [
     "ShardState",
     "Transition",
     "WeightsMode",
+    "unnamed_incarnation",
 ]
 
 
@@ -297,6 +299,13 @@ class Policy:
     #: ... up to this. A minute: an engine that failed its trial six times in a row is
     #: condemned by its reported streak long before (unhealthy_threshold windows).
     ejection_max_s: float = 60.0
+    #: Envoy's panic threshold, in percent: when fewer than this share of the fleet's shards
+    #: (all but RETIRED ones) are routable, the serving set is every shard that is not
+    #: condemned (HEALTHY or SUSPECT, ejected ones too). An ejection says "prefer the others";
+    #: with too few others left, an engine that failed a request beats a 409 for every
+    #: client, and one that keeps failing is still condemned by its reads. 50, Envoy's
+    #: default; 0 turns it off (ejected engines never serve, whatever is left).
+    panic_threshold_percent: float = 50.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.ejection_base_s <= self.ejection_max_s:
@@ -304,6 +313,9 @@ class Policy:
                 f"Policy.ejection_base_s must be >= 0 and <= ejection_max_s, got "
                 f"{self.ejection_base_s} and {self.ejection_max_s}"
             )
+        if not 0 <= self.panic_threshold_percent <= 100:
+            raise ValueError(f"Policy.panic_threshold_percent must be within 0..100, got "
+                             f"{self.panic_threshold_percent}")
         for name in ("unhealthy_threshold", "healthy_threshold", "min_serving_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Policy.{name} must be at least 1, got {getattr(self, name)}")
@@ -350,6 +362,10 @@ class ShardRecord:
     ejected_until: float | None = None
     #: Back in routing on probation: one request at a time until one completes.
     on_trial: bool = False
+    #: Its process holds no weights (a level-2 sleep discarded them): STALE when awake, and
+    #: only a refit (or a new process) gives it weights to serve; a canary it answers proves
+    #: nothing of weights it does not have.
+    weights_discarded: bool = False
 
     @property
     def routable(self) -> bool:
@@ -392,6 +408,7 @@ _COUNTER_FIELDS = (
     "on_trial",
     "state_before_sleep",
     "sleep_held",
+    "weights_discarded",
 )
 
 
@@ -471,6 +488,7 @@ class _Shard:
     ejections: int = 0
     ejected_until: float | None = None
     on_trial: bool = False
+    weights_discarded: bool = False
     _record: ShardRecord | None = field(default=None, repr=False)
 
     def record(self) -> ShardRecord:
@@ -669,6 +687,18 @@ class Ledger:
             )
         return self._apply(s, E.FAILURE, f"probe failed: {error or 'probe failed'}", **fields_)
 
+    def mark_suspect(self, i: int, cause: str) -> Outcome:
+        """Evidence against the shard that accuses no request of its own (a refit lease that
+        overran): SUSPECT, still routed, lifted as any suspicion is (good probes in a row, or
+        a window of completed requests). A STALE or sleeping shard stays as it is."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "suspicion only falls on shards that have a process")
+        return self._apply(
+            s, E.FAILURE, cause, last_error=cause,
+            consecutive_probe_successes=0,  # the run of good probes that lifts SUSPECT starts now
+        )
+
     def report_failure(self, i: int, cause: str) -> Outcome:
         """One failed real request (or one failed router window) on a serving shard."""
         s = self._shard(i)
@@ -814,7 +844,8 @@ class Ledger:
             outcome = self.observe_incarnation(i, r.incarnation, restarted=True)
         if r.sleep_level is not None and r.sleep_level > 0:
             # Asleep by its own word (the SLEEPING verdict): out of routing, judged on nothing
-            outcome = self.report_asleep(i, f"{r.verdict}: {r.summary}")
+            outcome = self.report_asleep(i, f"{r.verdict}: {r.summary}",
+                                         weights_discarded=r.sleep_level >= 2)
             if s.consecutive_probe_failures:
                 self.record_probe(i, True)  # it answered: a failed-read run is over
             return outcome
@@ -836,7 +867,7 @@ class Ledger:
         if r.health == "condemned":
             return self.condemn(i, f"{r.verdict}: {r.summary}")
         if s.state is STALE and r.health == "proven":
-            if self.policy.weights == "static" and r.canary_ok:
+            if self.policy.weights == "static" and r.canary_ok and not s.weights_discarded:
                 version = max((x.weight_version for x in self._shards), default=0)
                 return self.report_refit(i, version)
             return self.record_probe(i, True)
@@ -910,6 +941,7 @@ class Ledger:
         was_suspect = _awake_state(s) is SUSPECT or s.state_before_partial is SUSPECT
         common: dict[str, Any] = dict(
             state_before_partial=None,  # read here, once: the refit it waited for has landed
+            weights_discarded=False,  # the refit loaded weights into it
             weight_version=version,
             consecutive_probe_failures=0,  # probes judged the old weights
             consecutive_probe_successes=0,  # probes judged the old weights
@@ -948,6 +980,8 @@ class Ledger:
             return self._ignored(s, "absent shards have no process to observe")
         if incarnation is not None and s.incarnation == incarnation:
             return _UNCHANGED
+        if incarnation is None and not restarted:
+            return _UNCHANGED  # no name and no restart seen: nothing was observed
         if s.incarnation is None and incarnation is not None and not restarted:
             # The first incarnation seen of this shard: who its process is, not a restart.
             return self._apply(s, E.IDENTIFIED, f"engine identified as {incarnation}",
@@ -956,9 +990,15 @@ class Ledger:
         event = E.NEW_INCARNATION_WEIGHTS_LOST if trainer else E.NEW_INCARNATION
         cause = (f"restarted on its own (incarnation {s.incarnation} -> {incarnation})"
                  if incarnation is not None else "restarted on its own (its counters went back)")
+        if incarnation is None:
+            # An engine that gives no start time (SGLang, TGI, an `openai` profile) still has
+            # a new process: it gets a name of the ledger's own, so that whatever was credited
+            # to the old one (a refit's participant, above all) is not credited to this one.
+            incarnation = unnamed_incarnation(s.incarnation)
         return self._apply(
             s, event, cause + ("; weights reverted to the checkpoint" if trainer else ""),
             incarnation=incarnation,
+            weights_discarded=False,  # a new process loaded the weights it starts with
             consecutive_probe_failures=0,  # the old process failed those probes, not this one
             consecutive_probe_successes=0,  # the old process passed those probes, not this one
             consecutive_reported_failures=0,  # the old process failed those requests
@@ -971,17 +1011,34 @@ class Ledger:
 
     # ------------------------------------------------------------------ sleep mode
 
-    def report_asleep(self, i: int, cause: str, *, held: bool = False) -> Outcome:
+    def report_asleep(self, i: int, cause: str, *, held: bool = False,
+                      weights_discarded: bool = False) -> Outcome:
         """The engine is asleep (it says so, or the trainer put it to sleep: ``held``). It
-        serves nothing until it wakes; it wakes to the state it slept in."""
+        serves nothing until it wakes; it wakes to the state it slept in.
+
+        ``weights_discarded``: a level-2 sleep (vLLM frees the weights, not only offloads
+        them). Awake again it holds no weights at all, so it wakes STALE whatever it slept
+        in, and stays out of routing (and of every version label) until a refit loads some;
+        what it was before is kept for that refit, as an aborted refit's is."""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards have no process to sleep")
+        lost: dict[str, Any] = {}
+        if weights_discarded:
+            awake = _awake_state(s)
+            lost = dict(
+                weights_discarded=True,
+                state_before_sleep=STALE,  # no weights: it wakes STALE, for a refit
+                # what the refit that gives it weights reads (STALE says nothing, so an
+                # already-STALE shard keeps its value)
+                state_before_partial=s.state_before_partial if awake is STALE else awake,
+            )
         if s.state is SLEEPING:
-            if held and not s.sleep_held:
-                return self._apply(s, E.ASLEEP, cause, sleep_held=True)
+            if (held and not s.sleep_held) or (lost and not s.weights_discarded):
+                return self._apply(s, E.ASLEEP, cause, sleep_held=s.sleep_held or held, **lost)
             return _UNCHANGED
-        return self._apply(s, E.ASLEEP, cause, state_before_sleep=s.state, sleep_held=held)
+        return self._apply(s, E.ASLEEP, cause, **{"state_before_sleep": s.state,
+                                                  "sleep_held": held, **lost})
 
     def report_awake(self, i: int, cause: str, *, by_trainer: bool = False) -> Outcome:
         """The engine is awake again: back to the state it slept in (a refit while asleep
@@ -1022,6 +1079,7 @@ class Ledger:
             consecutive_probe_successes=0,  # the last run's process passed those probes
             consecutive_reported_failures=0,  # the last run's process failed those requests
             state_before_partial=None,  # a verdict on the last run's process
+            weights_discarded=False,  # the new engine loaded the weights it starts with
             last_error="",
             **_NOT_ASLEEP,  # a new process starts awake
         )
@@ -1073,6 +1131,7 @@ class Ledger:
             ejections=0,  # the dead engine was ejected, not this one
             ejected_until=None,  # the dead engine was ejected, not this one
             on_trial=False,  # the dead engine was on trial, not this one
+            weights_discarded=False,  # the replacement loaded the weights it starts with
             last_error="",
         )
 
@@ -1106,9 +1165,23 @@ class Ledger:
 
     def serving_urls(self) -> list[str]:
         """What the routers may use: serving shards, less those ejected for failed requests
-        (a shard on trial is in, and :meth:`trial_urls` says which)."""
+        (a shard on trial is in, and :meth:`trial_urls` says which); below the panic
+        threshold, every serving shard, ejected or not (:meth:`panicking`)."""
+        if self.panicking():
+            return [s.base_url for s in self._shards if s.state in ROUTABLE]
         return [s.base_url for s in self._shards
                 if s.state in ROUTABLE and s.ejected_until is None]
+
+    def panicking(self) -> bool:
+        """Envoy's panic rule: fewer than ``panic_threshold_percent`` of the fleet's shards
+        (RETIRED ones are no longer part of it) are routable, and some that are ejected could
+        serve. Ejection then yields: a failed request was evidence against an engine, not a
+        condemnation, and the others that would take its load are too few (or none: a 409
+        for every client while engines that answer stand by)."""
+        members = [s for s in self._shards if s.state is not RETIRED]
+        routable = sum(1 for s in members if s.state in ROUTABLE and s.ejected_until is None)
+        ejected = any(s.state in ROUTABLE and s.ejected_until is not None for s in members)
+        return ejected and 100 * routable < self.policy.panic_threshold_percent * len(members)
 
     def trial_urls(self) -> list[str]:
         """Routable shards on probation: a router sends each one request at a time."""
@@ -1148,6 +1221,20 @@ class Ledger:
                 f"{remaining} of {len(self._shards)} shards can still serve; "
                 f"min_serving_shards is {self.policy.min_serving_shards}"
             )
+
+
+#: The prefix of the incarnations the ledger names itself (:func:`unnamed_incarnation`).
+UNNAMED_PREFIX = "restart-seen-"
+
+
+def unnamed_incarnation(previous: str | None) -> str:
+    """A name for a new process of an engine that gives no start time: the restart the ledger
+    saw, counted (``restart-seen-1``, ``-2`` ...), never equal to the name it replaces."""
+    n = 0
+    if previous is not None and previous.startswith(UNNAMED_PREFIX):
+        tail = previous[len(UNNAMED_PREFIX):]
+        n = int(tail) if tail.isdigit() else 0
+    return f"{UNNAMED_PREFIX}{n + 1}"
 
 
 #: The fields of a shard that is not asleep (every move out of SLEEPING writes them).

@@ -11,7 +11,9 @@ HEALTHY, or back to SUSPECT when it was suspected before an abort. ``abort_refit
 reason)`` is ``mark_weights_partial`` for the participants, and when exactly one shard is
 suspected it is the one that stalled the sync: ``condemn_silent_participant``.
 
-A lease that overruns marks its participants SUSPECT with the cause, once, and is closed.
+A lease that overruns marks its participants SUSPECT with the cause, once, and is closed; only
+those the lease names as culprits (gone, or not answering) are also ejected, so the old
+weights go on serving.
 
 While a lease is open, each participant's liveness is kept on it as the controller sees it
 every tick (:meth:`RefitCoordinator.observe_participant`): whether its process lives and its API
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleetwarden.ledger import ABSENT, Ledger
+from fleetwarden.ledger import ABSENT, UNNAMED_PREFIX, Ledger
 
 __all__ = ["Lease", "ParticipantStatus", "RefitCoordinator", "RefitError", "RefitRecord"]
 
@@ -86,6 +88,9 @@ class Lease:
     deadline: float
     #: Each participant's liveness, as the controller last saw it (by shard).
     status: dict[int, ParticipantStatus] = field(default_factory=dict)
+    #: Participants seen gone or not answering at some read of the lease: for an engine that
+    #: gives no start time, the only sign of a restart that its counters did not betray.
+    interrupted: set[int] = field(default_factory=set)
 
     def culprits(self) -> list[ParticipantStatus]:
         return [s for _, s in sorted(self.status.items()) if s.culprit]
@@ -166,7 +171,11 @@ class RefitCoordinator:
             rec = self.ledger.shard(p.shard)
             if rec.state in ABSENT:
                 continue
-            if not _same_process(p, rec.base_url, rec.incarnation):
+            if not _same_process(p, rec.base_url, rec.incarnation) or (
+                    p.shard in lease.interrupted and not _named_by_itself(p.incarnation)):
+                # A version is credited only to a process alive through the whole lease. One
+                # that gives no start time and stopped answering during it may have been
+                # restarted (refused, then back): nothing proves it is the one that received.
                 self.ledger.missed_refit(p.shard, version)
                 continue
             if self.ledger.report_refit(p.shard, version):
@@ -178,17 +187,23 @@ class RefitCoordinator:
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         lease = self._close(version)
         touched = []
+        gone = set()
         for p in lease.participants:
             rec = self.ledger.shard(p.shard)
             if rec.state in ABSENT or not _same_process(p, rec.base_url, rec.incarnation):
+                gone.add(p.shard)
                 continue
             if self.ledger.mark_weights_partial(p.shard):
                 touched.append(p.shard)
         condemned: tuple[int, ...] = ()
-        suspects = [i for i in self.ledger.suspected_shards() if i in lease.shards]
-        if len(suspects) == 1:
+        suspects = [i for i in self.ledger.suspected_shards() if i in lease.shards - gone]
+        culprits = {c.shard for c in lease.culprits()}
+        if len(suspects) == 1 and not gone and culprits <= set(suspects):
             # Exactly one participant was already failing: it is the one that went silent.
-            # With several, or none, nobody can be singled out, and nobody is.
+            # With several, or none, nobody can be singled out, and nobody is. Nor when a
+            # participant died or was replaced during the sync, or the lease names another
+            # culprit: that one explains the hung broadcast, and a suspicion of another
+            # engine (one failed request, a slow read) is no proof that it stalled it.
             self.ledger.condemn_silent_participant(suspects[0], f"refit to version {version} "
                                                    f"aborted: {reason}")
             condemned = (suspects[0],)
@@ -198,16 +213,24 @@ class RefitCoordinator:
         return record
 
     def check_lease(self) -> RefitRecord | None:
-        """Called every tick: a lease past its deadline marks its participants SUSPECT."""
+        """Called every tick: a lease past its deadline marks its participants SUSPECT.
+
+        Only a participant the lease names as a culprit (gone, or not answering) is also
+        ejected from routing. The others are suspected and go on serving the weights they
+        held: an overrun is evidence against the sync, not against any one engine, and
+        ejecting every participant at once left the fleet with nothing to route (409s for
+        every client) while the old weights could serve."""
         lease = self.lease
         if lease is None or self.clock() < lease.deadline:
             return None
         self.lease = None
         cause = (f"refit to version {lease.version} overran its lease of "
                  f"{lease.deadline - lease.started_at:.0f} s")
+        culprits = {c.shard for c in lease.culprits()}
         marked = [p.shard for p in lease.participants
                   if self.ledger.shard(p.shard).base_url == p.url
-                  and self.ledger.report_failure(p.shard, cause)]
+                  and (self.ledger.report_failure(p.shard, cause) if p.shard in culprits
+                       else self.ledger.mark_suspect(p.shard, cause))]
         record = RefitRecord(lease.version, "overran", lease.started_at, self.clock(),
                              tuple(marked), cause)
         self._remember(record)
@@ -233,6 +256,8 @@ class RefitCoordinator:
             since = old.since
         status = ParticipantStatus(shard, p.url, process_alive, api_answers, since, evidence)
         lease.status[shard] = status
+        if status.culprit:
+            lease.interrupted.add(shard)
         return status
 
     def stalls_excused(self) -> frozenset[int]:
@@ -242,3 +267,10 @@ class RefitCoordinator:
 
 def _same_process(p: Participant, url: str, incarnation: str | None) -> bool:
     return p.url == url and p.incarnation == incarnation
+
+
+def _named_by_itself(incarnation: str | None) -> bool:
+    """The incarnation is the engine's own start time, or a launch id (a launched process,
+    whose exit the supervisor sees): a restart would have changed it. ``None``, or a name
+    the ledger gave a restart it saw, proves nothing about a restart it did not see."""
+    return incarnation is not None and not incarnation.startswith(UNNAMED_PREFIX)

@@ -146,6 +146,11 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
             error = f"POST /sleep answered {answer[0]}: {answer[1]}"
         if error and ledger.shard(i).base_url == url:
             ledger.report_awake(i, f"the engine did not sleep: {error}", by_trainer=True)
+        elif level == 2 and ledger.shard(i).base_url == url:
+            # It freed its weights (only now, once the engine said so): it wakes STALE, and
+            # serves again only once a refit gave it weights (Ledger.report_asleep).
+            ledger.report_asleep(i, "level-2 sleep: its weights are discarded", held=True,
+                                 weights_discarded=True)
         results[i] = SleepResult(i, url, ledger.state(i).value, error)
     if any(r.error for r in results.values()):
         await controller.push_now()

@@ -117,10 +117,11 @@ async def test_requests_parked_on_a_wedge_are_answered_by_hedges_before_any_cond
         assert load.failures == [], load.failures[:3]
         assert fleet.router.stats.hedges_won >= len(parked)
         assert fleet.router.stats.rescues == 0
-        # Out of routing for its lost races (SUSPECT), never condemned: the stall limit has
-        # not passed.
-        assert {t.to_state for t in seen if t.shard == 1} == {S}
-        assert fleet.ledger.state(1) is S
+        # Never condemned: the stall limit has not passed. Its gauges show work, so its lost
+        # races are no failures (a long step looks the same until it ends): each took it out
+        # of the router's list until the next push, and the ledger keeps it serving.
+        assert D not in {t.to_state for t in seen if t.shard == 1}
+        assert fleet.ledger.state(1) in (H, S)
         print(f"\nhedged: {len(parked)} parked answered {answered_s:.1f} s after the wedge "
               f"(hedge_after_s 1), {fleet.router.stats.hedges} hedges, "
               f"{fleet.router.stats.hedges_won} won, {load.summary()}")

@@ -130,3 +130,31 @@ async def post_through(fleet: Fleet) -> tuple[int, Any]:
             fleet.router_url + "/v1/completions",
             json={"model": "tiny", "prompt": "hi", "max_tokens": 2}) as r:
         return r.status, await r.json()
+
+
+async def test_a_level_2_sleeper_wakes_stale_and_serves_only_after_a_refit(
+        tmp_path: Path) -> None:
+    """A level-2 sleep frees the weights: woken, the engine holds none, so it must not serve
+    under the version it had (nor unversioned) until a refit gives it weights again."""
+    async with running_fleet(tmp_path, health=FAST) as fleet:
+        client = FleetClient(fleet.admin_url, token=fleet.token)
+        await asyncio.to_thread(client.begin_refit, 3)
+        await asyncio.to_thread(client.complete_refit, 3)
+        url = fleet.ledger.shard(1).base_url
+        slept = await asyncio.to_thread(client.sleep, 2, [1])
+        assert slept["shards"][0]["error"] == ""
+        assert (await sim_stats(url))["engine"]["sleep_level"] == 2
+        assert fleet.ledger.shard(1).weights_discarded
+        woke = await asyncio.to_thread(client.wake, [1])
+        assert [s["state"] for s in woke["shards"]] == ["STALE"]
+        assert fleet.ledger.serving_urls() == [fleet.ledger.shard(0).base_url]
+        assert url not in fleet.router.serving_backends()
+        # it answers canaries (an engine with no weights still generates): no promotion
+        woke_at = time.time()
+        await until(lambda: fleet.controller.tick_number >= 20, what="ticks go by")
+        assert fleet.ledger.state(1) is ShardState.STALE
+        assert generations_and_canaries(await sim_stats(url), woke_at)[0] == 0
+        await asyncio.to_thread(client.begin_refit, 4)
+        await asyncio.to_thread(client.complete_refit, 4)
+        assert fleet.ledger.state(1) is H and fleet.ledger.shard(1).weight_version == 4
+        await until(lambda: url in fleet.router.serving_backends(), what="routed again")

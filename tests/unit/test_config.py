@@ -144,3 +144,44 @@ def test_hedges_are_on_by_default_and_0_turns_them_off() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"health": {"hedge_after_s": -1}})
     assert "health.hedge_after_s = -1" in str(err.value)
+
+
+def _check(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """``fleetwarden config --check`` on a file holding ``text``."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "fleetwarden", "config", "--check", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_config_check_refuses_an_ejection_base_above_its_max(tmp_path: Path) -> None:
+    done = _check(tmp_path, "[health]\nejection_base_s = 90\nejection_max_s = 60\n")
+    assert done.returncode != 0
+    assert "health" in done.stderr and "ejection_base_s (90)" in done.stderr
+    assert "ejection_max_s (60)" in done.stderr
+    assert _check(tmp_path, "[health]\nejection_base_s = 60\nejection_max_s = 60\n"
+                  ).returncode == 0
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ('[fleet]\nengine_cmd = "vllm serve {model} --port {port}"\n', "engine_cmd: {model}"),
+    ('[fleet]\nengine_cmd = "run --port {port} --json {\\"a\\": 1}"\n', "engine_cmd: "),
+    ('[fleet]\nengine_cmd = "run --port {port}"\nengine_env = { TAG = "s{shards}" }\n',
+     "engine_env.TAG: {shards}"),
+    ('[fleet]\nengines = 0\nbackends = ["http://a:8000"]\n'
+     'restart_command = "kubectl delete pod {pod}"\n', "restart_command: {pod}"),
+    ('[[fleet.groups]]\nengine_cmd = "llama-server --port {port} -m {0}"\n',
+     "engine_cmd: {0}"),
+])
+def test_config_check_refuses_a_brace_that_is_no_placeholder(tmp_path: Path, text: str,
+                                                              named: str) -> None:
+    done = _check(tmp_path, text)
+    assert done.returncode != 0, done.stdout
+    assert named in done.stderr
+
+
+def test_doubled_braces_and_known_placeholders_pass_the_check(tmp_path: Path) -> None:
+    done = _check(tmp_path, '[fleet]\nengine_cmd = "run --host {host} --port {port} '
+                  '--json {{\\"shard\\": {shard}}} --py {python}"\n'
+                  'restart_command = "systemctl restart vllm@{shard} # {url} {name}"\n')
+    assert done.returncode == 0, done.stderr

@@ -230,7 +230,9 @@ def test_a_restart_seen_without_a_start_time_is_still_a_new_process() -> None:
     c.apply_report(0, report(Verdict.RESTARTED, Health.UNPROVEN, incarnation=None))
     r = ledger.shard(0)
     assert r.consecutive_reported_failures == 0 and r.state is H
-    assert r.incarnation is None  # unknown now; the next start time read identifies it
+    # no start time to name the new process: the ledger names the restart it saw, so nothing
+    # credited to the old process (a refit's version) is credited to this one
+    assert r.incarnation == "restart-seen-1"
 
 
 async def test_the_old_process_failures_never_count_against_the_new_one() -> None:
@@ -464,11 +466,49 @@ async def test_requests_held_on_an_engine_that_takes_no_step_are_hedged_and_it_s
         assert [(await t)[0] for t in tasks] == [200] * 3  # the other engine's answers
         assert good.answered == 3 and r.router.stats.hedges_won == 3
         await until(lambda: bad.cancelled == 3, what="the held ones cancelled")
-        # Each lost the race: failed attempts, so the engine is out of routing until it proves
-        # itself (no new request waits there meanwhile). Only the stall limit condemns.
-        await until(lambda: ledger.ejected() == [1], what="ejected")
-        assert ledger.state(1) is S
+        # Each lost the race: out of the router's list until the next push (no new request
+        # waits there meanwhile), but not ejected: a long step looks the same until it ends,
+        # and only the stall limit condemns.
         assert r.router.serving_backends() == [good.url]
+        assert ledger.ejected() == [] and ledger.state(1) is H
+        await c.close()
+
+
+async def held_and_accused(r: Any, c: Controller, shard: int, n: int
+                           ) -> list[asyncio.Task[tuple[int, object, bytes]]]:
+    """``n`` requests sent while engine ``shard`` alone serves, held there (it is wedged);
+    then every engine serves again, and the controller accuses it of silent requests."""
+    engine = r.engines[shard]
+    r.router.set_serving_backends([engine.url])
+    tasks = [asyncio.create_task(r.post()) for _ in range(n)]
+    await until(lambda: engine.held == n, what=f"{n} held on the engine")
+    r.router.set_serving_backends([e.url for e in r.engines])
+    c.confirm(shard, "silent requests")
+    return tasks
+
+
+async def test_a_long_step_that_outlasts_hedge_after_s_costs_its_engine_nothing() -> None:
+    """A healthy engine's first long prefill step (no pause learned yet, so hedged at
+    hedge_after_s): its held requests are answered by their hedges, and when the step ends
+    it is routed again at the next push, never ejected, never suspected."""
+    async with rig(2, health_managed=True) as r:
+        good, slow = r.engines
+        slow.wedge()  # the long step: nothing advances
+        reads = ScriptedReads(BUSY_REPORT)
+        reads.by_url[slow.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5)
+        c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
+        moves: list[Any] = []
+        ledger.subscribe(moves.append)
+        tasks = await held_and_accused(r, c, 1, 2)
+        assert [(await t)[0] for t in tasks] == [200] * 2
+        assert r.router.stats.hedges_won == 2
+        slow.unwedge()  # the step ends
+        reads.by_url[slow.url] = BUSY_REPORT
+        await c.tick()
+        assert set(r.router.serving_backends()) == {good.url, slow.url}
+        assert ledger.state(1) is H and ledger.ejected() == []
+        assert not [t for t in moves if t.shard == 1 and t.event in (Event.EJECTED,
+                                                                     Event.FAILURE)]
         await c.close()
 
 
@@ -485,16 +525,13 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
         seen_transitions: list[Any] = []
         ledger.subscribe(seen_transitions.append)
-        r.router.set_serving_backends([bad.url])
-        tasks = [asyncio.create_task(r.post()) for _ in range(3)]
-        await until(lambda: bad.held == 3, what="3 held on the engine")
-        r.router.set_serving_backends([good.url, bad.url])
-        c.confirm(1, "silent requests")
+        tasks = await held_and_accused(r, c, 1, 3)
         # Its requests are answered by the other engine (hedged away, they will never reach
         # the stall limit there); one canary, sent with the first hedges, keeps the watch.
         assert [(await t)[0] for t in tasks] == [200] * 3
         assert good.answered == 3 and r.router.stats.hedges_won == 3
         await until(lambda: bad.cancelled == 3, what="the held ones cancelled")
+        # no work in its gauges, so no step in progress: each lost race is a failed attempt
         await until(lambda: ledger.ejected() == [1], what="ejected: each lost the race")
         assert reads.watches == [(bad.url, 0.5)]
         # The focused reads go on while the canary waits, and send no second one.
@@ -670,3 +707,56 @@ async def test_every_read_is_told_how_long_the_routers_have_held_a_request_there
         await supervisor.close()
     held = {t.url: t.held_s for t in watchdog.targets}
     assert held == {"http://a": 4.0, "http://b": 0.0}
+
+
+async def test_a_lease_keeps_a_participants_status_while_it_is_under_focused_reads() -> None:
+    """The tick leaves a shard under focused reads to them: the lease's status of that
+    participant must come from those reads, not stay at the last tick's."""
+    config = Config.model_validate({"fleet": {"weights": "trainer"},
+                                    "health": {"confirm_interval_s": 0.01}})
+    ledger = Ledger(["http://a", "http://b"], Policy(weights="trainer"))
+    refit = RefitCoordinator(ledger)
+    reads = ScriptedReads(BUSY_REPORT)
+    c = Controller(ledger, reads, IdleSupervisor(), [], config,  # type: ignore[arg-type]
+                   refit=refit)
+    lease = refit.begin_refit(1)
+    await c.tick()
+    assert lease.status[1].api_answers is True
+    reads.by_url["http://b"] = report(Verdict.UNREACHABLE, Health.FAILING)
+    c.confirm(1, "silent requests")
+    await until(lambda: lease.status[1].culprit, what="the focused reads on the lease")
+    assert lease.status[1].api_answers is False or not lease.status[1].process_alive
+    assert "UNREACHABLE" in lease.status[1].evidence or ledger.state(1) is D
+    assert [s.shard for s in lease.culprits()] == [1]
+    await c.close()
+
+
+@pytest.mark.parametrize("panic_threshold_percent", [50.0, 0.0])
+async def test_with_every_engine_ejected_the_router_serves_through_the_panic_threshold(
+        panic_threshold_percent: float) -> None:
+    """Both engines ejected for one failed request each (two different 5xx: no poison), and
+    both answer again. Below the panic threshold the ledger pushes them both back (Envoy's
+    rule), so clients are answered; with panic off they get 409s until proof comes."""
+    async with rig(2, health_managed=True, max_retries=1) as r:
+        a, b = r.engines
+        reads = ScriptedReads(STALLED_REPORT)  # nothing proves them either way
+        config = Config.model_validate({"health": {
+            "confirm_interval_s": 0.01, "panic_threshold_percent": panic_threshold_percent}})
+        ledger = Ledger([e.url for e in r.engines],
+                        Policy(panic_threshold_percent=panic_threshold_percent))
+        c = Controller(ledger, reads, IdleSupervisor(), [r.router.control()],  # type: ignore[arg-type]
+                       config)
+        a.answer_status(503)
+        b.answer_status(502)
+        assert (await r.post())[0] in (502, 503)
+        await until(lambda: ledger.ejected() == [0, 1], what="both ejected")
+        a.answer(None)
+        b.answer(None)
+        await c.tick()
+        statuses = [(await r.post())[0] for _ in range(4)]
+        if panic_threshold_percent:
+            assert ledger.panicking() and set(r.router.serving_backends()) == {a.url, b.url}
+            assert statuses == [200] * 4
+        else:
+            assert r.router.serving_backends() == [] and statuses == [409] * 4
+        await c.close()

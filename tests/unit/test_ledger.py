@@ -716,3 +716,69 @@ def test_a_new_process_is_neither_ejected_nor_on_trial() -> None:
     assert (rec.ejected_until, rec.on_trial, rec.ejections) == (None, False, 0)
     assert rec.consecutive_reported_failures == 0
     assert "http://127.0.0.1:9000" in ledger.serving_urls()
+
+
+# ---------------------------------------------------------------- level-2 sleep
+
+
+@pytest.mark.parametrize("weights", ["static", "trainer"])
+def test_a_level_2_sleeper_wakes_stale_and_serves_again_only_after_a_refit(weights: str) -> None:
+    """vLLM's level-2 sleep frees the weights. Awake again it has none: it must never serve
+    under the version label it had, in either weights mode; not even an answered canary (an
+    engine with no weights still generates) brings it back, only a refit."""
+    ledger, _ = make(2, weights=weights)
+    ledger.report_failure(1, "timeout")  # SUSPECT before its sleep: kept for the refit
+    for i in (0, 1):
+        ledger.report_asleep(i, "put to sleep by the trainer (level 2)", held=True)
+        ledger.report_asleep(i, "level-2 sleep", held=True, weights_discarded=True)
+        ledger.report_awake(i, "woken by the trainer", by_trainer=True)
+    assert [ledger.state(i) for i in (0, 1)] == [ST, ST]
+    assert ledger.serving_urls() == [] and ledger.serving() == []
+    ledger.record_reading(0, Reading("proven", "IDLE", canary_ok=True))
+    assert ledger.state(0) is ST  # a canary proves nothing of weights it does not have
+    for i in (0, 1):
+        ledger.report_refit(i, 3)
+    assert [ledger.state(i) for i in (0, 1)] == [H, S]
+    assert not ledger.shard(0).weights_discarded
+
+
+def test_an_engine_that_reports_a_level_2_sleep_wakes_stale() -> None:
+    ledger, _ = make(2)
+    ledger.record_reading(0, Reading("unproven", "SLEEPING", sleep_level=2))
+    assert ledger.shard(0).weights_discarded
+    ledger.record_reading(0, Reading("proven", "IDLE", sleep_level=0))
+    assert ledger.state(0) is ST
+    # a level-1 sleeper keeps its weights and wakes as it slept
+    ledger.record_reading(1, Reading("unproven", "SLEEPING", sleep_level=1))
+    ledger.record_reading(1, Reading("proven", "IDLE", sleep_level=0))
+    assert ledger.state(1) is H
+
+
+# ---------------------------------------------------------------- the panic threshold
+
+
+def test_below_the_panic_threshold_ejected_engines_serve_again() -> None:
+    """Envoy's rule: fewer than half of the fleet routable, and the ejected (not condemned)
+    ones are routed too, rather than a 409 for every client."""
+    ledger, _ = make(4)
+    ledger.condemn(3, "exited")  # condemned: never routed, counted in the fleet
+    ledger.report_failure(0, "500")
+    assert not ledger.panicking()  # 2 of 4 routable: at the threshold, not below
+    assert ledger.serving_urls() == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    ledger.report_failure(1, "500")
+    ledger.report_failure(2, "500")
+    assert ledger.ejected() == [0, 1, 2] and ledger.panicking()
+    assert ledger.serving_urls() == [f"http://127.0.0.1:{9000 + i}" for i in range(3)]
+
+
+def test_retired_shards_are_not_part_of_the_fleet_and_0_turns_panic_off() -> None:
+    ledger, _ = make(3)
+    ledger.retire(2, "operator")
+    ledger.report_failure(0, "500")
+    assert ledger.serving_urls() == ["http://127.0.0.1:9001"]  # 1 of 2: at the threshold
+    off, _ = make(2, panic_threshold_percent=0)
+    off.report_failure(0, "500")
+    off.report_failure(1, "500")
+    assert off.serving_urls() == [] and not off.panicking()
+    with pytest.raises(ValueError, match="panic_threshold_percent"):
+        Policy(panic_threshold_percent=101)

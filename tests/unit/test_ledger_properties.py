@@ -120,10 +120,15 @@ class LedgerMachine(RuleBasedStateMachine):
         self._op("observe_incarnation", i)
         self.ledger.observe_incarnation(i, inc)
 
-    @rule(i=shard, held=st.booleans())
-    def report_asleep(self, i: int, held: bool) -> None:
+    @rule(i=shard, held=st.booleans(), discarded=st.booleans())
+    def report_asleep(self, i: int, held: bool, discarded: bool) -> None:
         self._op("report_asleep", i)
-        self.ledger.report_asleep(i, "asleep", held=held)
+        self.ledger.report_asleep(i, "asleep", held=held, weights_discarded=discarded)
+
+    @rule(i=shard)
+    def mark_suspect(self, i: int) -> None:
+        self._op("mark_suspect", i)
+        self.ledger.mark_suspect(i, "refit lease overran")
 
     @rule(i=shard, by_trainer=st.booleans())
     def report_awake(self, i: int, by_trainer: bool) -> None:
@@ -214,12 +219,14 @@ class LedgerMachine(RuleBasedStateMachine):
             if a.state is SL and b.state is SL and a.state_before_sleep is not ST \
                     and b.state_before_sleep is ST:
                 assert name in ("mark_weights_partial", "abort_refit", "complete_refit",
-                                "missed_refit", "record_reading")  # or a restart, asleep
+                                "missed_refit", "record_reading") or (  # or a restart, asleep
+                    name == "report_asleep" and b.weights_discarded)  # a level-2 sleep
             if a.state is not SL and b.state is SL:
                 assert name in ("report_asleep", "record_reading")
                 # a reading may tell a restart first: the new process is STALE, then asleep
                 assert b.state_before_sleep is a.state or (
-                    name == "record_reading" and b.state_before_sleep is ST)
+                    name == "record_reading" and b.state_before_sleep is ST) or (
+                    b.weights_discarded and b.state_before_sleep is ST)  # a level-2 sleep
         for r in self.ledger.snapshot():
             assert (r.state_before_sleep is not None) == (r.state is SL)
             assert r.state_before_sleep in (None, H, S, ST)
@@ -268,6 +275,25 @@ class LedgerMachine(RuleBasedStateMachine):
             if r.state_before_partial is not None:
                 assert r.state is ST or r.state in ABSENT or (
                     r.state is SL and r.state_before_sleep is ST)
+
+    @invariant()
+    def an_engine_that_lost_its_weights_never_serves_under_a_version_label(self) -> None:
+        pushed = set(self.ledger.serving_urls())
+        for r in self.ledger.snapshot():
+            if r.weights_discarded:
+                assert r.state not in ROUTABLE and r.base_url not in pushed
+
+    @invariant()
+    def the_serving_set_is_never_empty_while_a_serving_shard_could_serve(self) -> None:
+        """Envoy's panic rule (50 %): ejected shards serve again rather than nobody; nothing
+        that is not HEALTHY or SUSPECT is ever pushed."""
+        snap = self.ledger.snapshot()
+        serving = {r.base_url for r in snap if r.state in ROUTABLE}
+        pushed = set(self.ledger.serving_urls())
+        assert pushed <= serving
+        assert bool(pushed) == bool(serving)
+        if not self.ledger.panicking():
+            assert pushed == {r.base_url for r in snap if r.routable}
 
     @invariant()
     def every_change_was_emitted(self) -> None:

@@ -182,3 +182,88 @@ def test_the_default_lease_is_nemo_rls_refit_timeout() -> None:
     from fleetwarden.config import Config
 
     assert Config().refit.lease_s == 300.0
+
+
+def test_an_abort_condemns_no_one_when_the_culprit_already_died() -> None:
+    """The participant that stalled the broadcast died during the sync; another one was
+    suspected for an unrelated failed request. The abort must not condemn that one."""
+    ledger, refit, _ = make(3)
+    refit.begin_refit(1)
+    ledger.condemn(2, "process exited")  # the culprit: already dead
+    ledger.report_failure(1, "one timed-out request")  # an innocent suspect
+    record = refit.abort_refit(1, "NCCL broadcast timed out")
+    assert record.condemned == ()
+    assert ledger.state(1) is ST and ledger.state(0) is ST
+    assert ledger.shard(1).state_before_partial is S  # its suspicion is kept for the next refit
+
+
+def test_an_abort_condemns_no_one_when_the_lease_names_another_culprit() -> None:
+    ledger, refit, _ = make(3)
+    refit.begin_refit(1)
+    ledger.report_failure(1, "one timed-out request")
+    refit.observe_participant(2, process_alive=True, api_answers=False,
+                              evidence="UNREACHABLE: refused")
+    record = refit.abort_refit(1, "broadcast hung")
+    assert record.condemned == ()
+    assert ledger.state(1) is ST
+
+
+def test_an_engine_without_a_start_time_restarted_during_the_lease_is_not_credited() -> None:
+    """SGLang, TGI, `openai` profiles give no start time: a restart is seen only as counters
+    that went back. The new process gets a name of the ledger's own, so the refit that the old
+    process took part in is not credited to it."""
+    ledger, refit, _ = make(2)
+    lease = refit.begin_refit(1)
+    assert [p.incarnation for p in lease.participants] == [None, None]
+    ledger.record_reading(1, Reading("proven", "RESTARTED", restarted=True, incarnation=None))
+    assert ledger.shard(1).incarnation == "restart-seen-1"
+    record = refit.complete_refit(1)
+    assert record.participants == (0,)
+    assert (ledger.state(1), ledger.shard(1).weight_version) == (ST, 0)
+    # and the next restart seen is another process again
+    ledger.record_reading(1, Reading("proven", "RESTARTED", restarted=True, incarnation=None))
+    assert ledger.shard(1).incarnation == "restart-seen-2"
+
+
+def test_an_engine_without_a_start_time_that_stopped_answering_is_not_credited() -> None:
+    """Refused, then back: with no start time nothing tells a restart from a blip, so a
+    version is credited only to a process seen alive through the whole lease."""
+    ledger, refit, _ = make(3)
+    ledger.observe_incarnation(2, "1700000000.0")  # this one gives a start time
+    refit.begin_refit(1)
+    for i in range(3):
+        refit.observe_participant(i, process_alive=True, api_answers=True, evidence="IDLE")
+    refit.observe_participant(1, process_alive=True, api_answers=False,
+                              evidence="UNREACHABLE: refused")
+    refit.observe_participant(2, process_alive=True, api_answers=False,
+                              evidence="UNREACHABLE: refused")
+    refit.observe_participant(1, process_alive=True, api_answers=True, evidence="IDLE")
+    refit.observe_participant(2, process_alive=True, api_answers=True, evidence="IDLE")
+    record = refit.complete_refit(1)
+    # shard 2's start time did not change: the same process, credited
+    assert record.participants == (0, 2)
+    assert [ledger.state(i) for i in range(3)] == [H, ST, H]
+
+
+def test_an_overrun_lease_leaves_the_old_weights_serving() -> None:
+    """Every participant is suspected, none is ejected but the one the lease names as the
+    culprit: the fleet keeps serving the weights it had (no empty serving set, no 409s)."""
+    ledger, refit, clock = make(3, lease_s=60)
+    refit.begin_refit(1)
+    refit.observe_participant(2, process_alive=True, api_answers=False,
+                              evidence="UNREACHABLE: refused")
+    clock.now = 61
+    record = refit.check_lease()
+    assert record is not None and record.participants == (0, 1, 2)
+    assert [ledger.state(i) for i in range(3)] == [S, S, S]
+    assert ledger.serving_urls() == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    assert ledger.ejected() == [2]
+
+
+def test_an_overrun_lease_with_no_culprit_ejects_no_one() -> None:
+    ledger, refit, clock = make(2, lease_s=10)
+    refit.begin_refit(1)
+    clock.now = 11
+    refit.check_lease()
+    assert ledger.ejected() == []
+    assert len(ledger.serving_urls()) == 2

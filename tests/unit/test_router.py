@@ -295,8 +295,30 @@ async def test_a_poison_request_is_not_retried_across_the_fleet() -> None:
         assert (status, body) == (500, ENGINE_DEAD.body)  # answered with the engine's own error
         assert sum(e.received for e in r.engines) == 2  # two backends, not the whole fleet
         outcomes = r.router.drain_outcomes()
-        assert sum(f for _, f, _ in outcomes.values()) == 1  # only the first counts
+        assert sum(f for _, f, _ in outcomes.values()) == 0  # the request failed, not them
         assert r.router.stats.poison_requests == 1
+
+
+async def test_a_poison_request_ejects_no_engine_it_touched() -> None:
+    """The same 5xx on two engines: the request is the problem. The first engine's failure
+    was held until that was known; no failure reaches the controller's evidence stream, and
+    the reflex drop of the first engine is undone."""
+    async with rig(3, health_managed=True, max_retries=2) as r:
+        failed: list[tuple[str, str]] = []
+        r.router.listen(lambda url, cause: failed.append((url, cause)))
+        for e in r.engines:
+            e.answer(ENGINE_DEAD)
+        status, _, body = await r.post()
+        assert (status, body) == (500, ENGINE_DEAD.body)
+        assert failed == [] and r.router.drain_outcomes() == {}
+        assert sorted(r.router.serving_backends()) == sorted(e.url for e in r.engines)
+        assert r.router.stats.backend_failures == {}
+        # a 5xx that the next engine does not repeat is its engine's: reported then
+        bad, good, _ = r.engines
+        r.router.set_serving_backends([bad.url, good.url])
+        good.answer(None)  # its normal answers again
+        statuses = [(await r.post())[0] for _ in range(2)]
+        assert statuses == [200, 200] and failed == [(bad.url, "server_error")]
 
 
 # A real vLLM shut down (SIGTERM) with requests in it may answer each 200 with what it had,
@@ -388,12 +410,14 @@ async def _held_on(r: Rig, engine: ScriptedEngine, n: int = 1, payload: object =
     return tasks
 
 
-async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step() -> None:
+@pytest.mark.parametrize("lost_race_fails", [False, True])
+async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step(
+        lost_race_fails: bool) -> None:
     async with rig(2, health_managed=True) as r:
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert r.router.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
         status, _, body = await task
         assert (status, body) == (200, COMPLETION.body)  # the second engine's answer
         assert good.answered == 1
@@ -401,9 +425,11 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step() 
         assert (r.router.stats.hedges, r.router.stats.hedges_won) == (1, 1)
         assert r.router.pool.retry_budget.retries_in_flight == 0  # its token is back
         assert r.router.in_flight() == {good.url: 0}  # the held one, dropped, is forgotten
-        # The held engine lost the race: a failed attempt (out of routing until the next
-        # push; the ledger keeps it out until it proves itself), never a condemnation.
-        assert r.router.drain_outcomes() == {wedged.url: (0, 1, 1), good.url: (1, 0, 0)}
+        # The held engine lost the race: out of this router's list until the next push; a
+        # failed attempt only where the caller said so (a lost core: no step in progress),
+        # never otherwise (a long step looks like this until it ends).
+        lost = {wedged.url: (0, 1, 1)} if lost_race_fails else {}
+        assert r.router.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
         assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
         assert r.router.serving_backends() == [good.url]
         assert r.router.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
@@ -548,12 +574,15 @@ async def test_the_control_api_hedges_and_refuses_bad_input() -> None:
         async with RemoteRouter(r.router.control_url, "t") as remote:
             for bad in ({"backend": wedged.url}, {"backend": 3, "held_s": 0},
                         {"backend": wedged.url, "held_s": -1},
-                        {"backend": wedged.url, "held_s": True}):
+                        {"backend": wedged.url, "held_s": True},
+                        {"backend": wedged.url, "held_s": 0, "lost_race_fails": "yes"}):
                 with pytest.raises(ControlError) as err:
                     await remote._call("POST", "/hedge", bad)
                 assert err.value.status == 400
-            assert await remote.hedge(wedged.url, 0.0) == 1
+            assert await remote.hedge(wedged.url, 0.0, lost_race_fails=True) == 1
         assert (await task)[0] == 200
+        await until(lambda: wedged.cancelled == 1, what="the held one cancelled")
+        assert r.router.drain_outcomes()[wedged.url] == (0, 1, 1)  # its lost race failed it
 
 
 async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued() -> None:

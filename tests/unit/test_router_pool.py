@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetwarden.router.pool import Pool, RetryBudget, SessionRing
+from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget, SessionRing
 from fleetwarden.router.settings import RouterSettings
 
 A, B, C, D = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
@@ -203,3 +203,15 @@ def test_a_backend_on_trial_takes_a_second_request_only_when_nothing_else_is_lef
     pool.finished(A)
     pool.finished(A)
     assert pool.pick() == A  # least loaded again, no longer limited
+
+
+def test_a_reflex_drop_is_undone_with_its_facts_until_the_next_push() -> None:
+    pool = Pool(["http://a", "http://b"])
+    pool.replace(["http://a", "http://b"], {"http://a": BackendFacts(0, 3)})
+    assert pool.drop("http://a") and pool.serving == ("http://b",)
+    assert pool.undrop("http://a") and set(pool.serving) == {"http://a", "http://b"}
+    assert pool.facts("http://a") == BackendFacts(0, 3)
+    assert not pool.undrop("http://a")  # back already
+    pool.drop("http://a")
+    pool.replace(["http://b"])  # a push since: it says what serves, the reflex stands
+    assert not pool.undrop("http://a") and pool.serving == ("http://b",)

@@ -180,14 +180,14 @@ class Router:
         backends, at once. Returns how many were moved."""
         return self._forwarder.rescue(url)
 
-    def hedge(self, url: str, held_s: float) -> int:
+    def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request held on ``url`` for ``held_s`` with nothing sent to its client to
         another backend as well; the first answer is the client's
-        (:meth:`Forwarder.hedge <fleetwarden.router.forward.Forwarder.hedge>`). Returns how
-        many were sent."""
+        (:meth:`Forwarder.hedge <fleetwarden.router.forward.Forwarder.hedge>`; there, what
+        ``lost_race_fails`` means). Returns how many were sent."""
         if not math.isfinite(held_s) or held_s < 0:
             raise ValueError(f"held_s must be a finite number >= 0, got {held_s}")
-        return self._forwarder.hedge(url, held_s)
+        return self._forwarder.hedge(url, held_s, lost_race_fails=lost_race_fails)
 
     def in_flight(self) -> dict[str, int]:
         """Requests in flight per backend, counted from dispatch to the last byte."""

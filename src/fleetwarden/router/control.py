@@ -17,7 +17,9 @@ POST     /outcomes/drain  ``{"ack": batch or null}``       ``{"outcomes": {url: 
                           (optional)                       "batch": id}``
 POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
 POST     /hedge           ``{"backend": url,               ``{"hedged": n}``
-                          "held_s": x}``
+                          "held_s": x,
+                          "lost_race_fails": b}``
+                          (the last optional, false)
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
 PUT      /trial           ``{"backends": [url, ...]}``     ``{"trial": [url, ...]}``
 GET      /silent?after_s  -                                ``{"silent": {url: seconds}}``
@@ -104,7 +106,8 @@ class RouterControl(Protocol):
                                    facts: Mapping[str, BackendFacts] | None = None) -> None: ...
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
     async def rescue(self, url: str) -> int: ...
-    async def hedge(self, url: str, held_s: float) -> int: ...
+    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False
+                    ) -> int: ...
     async def in_flight(self) -> dict[str, int]: ...
     async def set_retry_after(self, seconds: float | None) -> None: ...
     async def set_trial_backends(self, urls: Iterable[str]) -> None: ...
@@ -190,7 +193,11 @@ def make_control_app(router: Router, token: str) -> web.Application:
         if (isinstance(held_s, bool) or not isinstance(held_s, int | float)
                 or not math.isfinite(held_s) or held_s < 0):
             raise _bad_request("'held_s' must be a number of seconds >= 0")
-        return web.json_response({"hedged": router.hedge(backend, float(held_s))})
+        fails = body.get("lost_race_fails", False)
+        if not isinstance(fails, bool):
+            raise _bad_request("'lost_race_fails' must be true or false")
+        return web.json_response({"hedged": router.hedge(backend, float(held_s),
+                                                         lost_race_fails=fails)})
 
     async def in_flight(request: web.Request) -> web.Response:
         return web.json_response({"in_flight": router.in_flight()})
@@ -378,8 +385,8 @@ class InProcessRouter:
     async def rescue(self, url: str) -> int:
         return self.router.rescue(url)
 
-    async def hedge(self, url: str, held_s: float) -> int:
-        return self.router.hedge(url, held_s)
+    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
+        return self.router.hedge(url, held_s, lost_race_fails=lost_race_fails)
 
     async def in_flight(self) -> dict[str, int]:
         return self.router.in_flight()
@@ -470,8 +477,9 @@ class RemoteRouter:
     async def rescue(self, url: str) -> int:
         return int((await self._call("POST", "/rescue", {"backend": url}))["rescued"])
 
-    async def hedge(self, url: str, held_s: float) -> int:
-        answer = await self._call("POST", "/hedge", {"backend": url, "held_s": held_s})
+    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
+        answer = await self._call("POST", "/hedge", {"backend": url, "held_s": held_s,
+                                                     "lost_race_fails": lost_race_fails})
         return int(answer["hedged"])
 
     async def in_flight(self) -> dict[str, int]:

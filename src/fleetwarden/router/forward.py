@@ -16,15 +16,18 @@ section 4):
 * A request that has sent nothing to its client can be re-sent elsewhere: freely if it never
   reached an engine (refused, connect timeout), at most ``max_retries`` times and within the
   fleet's retry budget if an engine may have worked on it. The same 5xx on two backends marks
-  the request itself as the problem (poison): it is answered and counted no further.
+  the request itself as the problem (poison): it is answered, and counted against neither
+  (a 5xx is reported only once the next attempt has shown it is not poison).
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
 * The controller may also :meth:`Forwarder.hedge` a backend that holds requests while it takes
   no step: each request waiting there long enough with nothing sent to its client is sent to
   another backend as well, and the first answer is the client's; the other attempt is
   cancelled (its engine sees the disconnect and aborts). The engine keeps its chance: a long
-  step that ends answers as before; when the hedge answers first, the held attempt is a
-  failure of its engine (``hedged``), reported like any other. A hedge takes a token of the
+  step that ends answers as before; when the hedge answers first, the held attempt lost a
+  race (``hedged``): its engine leaves this router's list until the next push, and nothing
+  is reported against it (a long step looks the same as a wedge until it ends; only the
+  stall limit condemns). A hedge takes a token of the
   retry budget while it is in flight, unless its backend is already out of the serving set
   (then, as for a reflex drop, it moves load rather than adding to it). Streams the router
   continues are never hedged: a rescue continues them.
@@ -132,8 +135,8 @@ class Cause(enum.Enum):
     TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
-    #: It held the request, taking no step, while another engine answered it (a hedge):
-    #: counted like a timeout, so the engine leaves routing until it proves itself again.
+    #: It held the request, taking no step, while another engine answered it (a hedge): a lost
+    #: race, not a failure of its engine (out of this router's list until the next push).
     HEDGED = "hedged"
     STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
     #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
@@ -188,6 +191,9 @@ class _Failure:
     facts: BackendFacts = UNKNOWN_FACTS
     #: Already counted against its backend (where a hedge was awaited after it).
     counted: bool = False
+    #: HEDGED only: the controller said a lost race of this request fails its engine (one
+    #: whose gauges show no work: no step is in progress there, so no long one either).
+    race_fails: bool = False
 
 
 @dataclass(slots=True)
@@ -315,6 +321,8 @@ class Forwarder:
         self._waiting: dict[str, dict[_Hold, tuple[float, _HedgeContext | None]]] = {}
         #: Hedges in flight, by the hold of the wait they hedge (:meth:`hedge`).
         self._hedging: dict[_Hold, asyncio.Task[_Won | _Failure]] = {}
+        #: The holds whose hedges were sent with ``lost_race_fails`` (:meth:`hedge`).
+        self._races_fail: set[_Hold] = set()
         #: Streams being relayed from each backend (their answer has begun): a rescue cuts
         #: them too, and they go on elsewhere.
         self._streaming: dict[str, set[_Hold]] = {}
@@ -354,12 +362,17 @@ class Forwarder:
         self.stats.rescues += len(holds)
         return len(holds)
 
-    def hedge(self, backend: str, held_s: float) -> int:
+    def hedge(self, backend: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request that has waited on ``backend`` for at least ``held_s`` with nothing
         sent to its client (and is not a stream, nor hedged already) to another backend as
         well; the first answer is the client's. Each hedge takes a retry-budget token while in
         flight unless ``backend`` is out of the serving set; a hedge for which no token or no
-        other backend is left is not sent (a later call may). Returns how many were sent."""
+        other backend is left is not sent (a later call may). Returns how many were sent.
+
+        ``lost_race_fails``: a held request that loses its race is a failed attempt of
+        ``backend`` (the caller knows no step is in progress there: a lost core); otherwise it
+        only leaves this router's list until the next push (a long step looks the same as a
+        wedge until it ends)."""
         waiting = self._waiting.get(backend)
         if not waiting:
             return 0
@@ -390,6 +403,8 @@ class Forwarder:
             if not free:
                 task.add_done_callback(lambda _: budget.release())
             self._hedging[scope] = task
+            if lost_race_fails:
+                self._races_fail.add(scope)
             sent += 1
         self.stats.hedges += sent
         if sent:
@@ -478,6 +493,11 @@ class Forwarder:
         budget = pool.retry_budget
         budget.requests_in_flight += 1
         holds_retry_token = False
+        #: A 5xx not yet reported against its backend: whether the request is poison (the same
+        #: 5xx on the next backend) is known only at the next attempt, and a request that
+        #: fails everywhere must eject no engine it touched. Reported once it is known not to
+        #: be (another answer, another failure), or when the request ends any other way.
+        held: _Failure | None = None
         try:
             tried: list[str] = []
             paid_retries = 0
@@ -523,10 +543,24 @@ class Forwarder:
                 if (not began and failure.cause is Cause.SERVER_ERROR and last is not None
                         and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
                     # The same 5xx on a second backend: the request is the problem, not them.
+                    # Neither is counted, and the first one's reflex drop is undone.
                     stats.poison_requests += 1
+                    if held is not None:
+                        if self.health_managed:
+                            pool.undrop(held.backend)
+                        held = None
                     return self._pass_through(failure)
+                if held is not None:
+                    self._report_failure(held)  # not poison: the first 5xx was its engine's
+                    held = None
                 if not failure.counted:
-                    self._count_failure(failure)
+                    if failure.cause is Cause.SERVER_ERROR and not began:
+                        # Out of this router's list at once (the reflex), reported once the
+                        # next attempt tells whether the request itself is the problem.
+                        self._reflex(failure)
+                        held = failure
+                    else:
+                        self._count_failure(failure)
                 last = failure
                 if failure.cause.never_reached_an_engine:
                     resend = "free"  # it cost no engine any work
@@ -550,6 +584,8 @@ class Forwarder:
                     return self._pass_through(failure)  # the engine's answer, as it stands
                 return self._refuse(failure, min_version)
         finally:
+            if held is not None:
+                self._report_failure(held)  # answered, refused or left: never known as poison
             budget.requests_in_flight -= 1
             if holds_retry_token:
                 budget.release()
@@ -600,6 +636,7 @@ class Forwarder:
         if waiting is None:
             waiting = self._waiting[backend] = {}
         hedge: asyncio.Task[_Won | _Failure] | None = None
+        race_fails = False
         answer: Answer | _Failure
         hold = _Hold()
         waiting[hold] = (asyncio.get_running_loop().time(), context)
@@ -616,6 +653,8 @@ class Forwarder:
                 waiting.pop(hold, None)
                 if self._hedging:
                     hedge = self._hedging.pop(hold, None)
+                    race_fails = hold in self._races_fail
+                    self._races_fail.discard(hold)
         except asyncio.CancelledError:
             if not hold.caught():  # the client left while both waited
                 if hedge is not None:
@@ -624,7 +663,7 @@ class Forwarder:
             # Interrupted: the hedge's answer came first, or a rescue.
             if (hedge is not None and hedge.done() and not hedge.cancelled()
                     and isinstance(hedge.result(), _Won)):
-                answer = _Failure(backend, Cause.HEDGED)
+                answer = _Failure(backend, Cause.HEDGED, race_fails=race_fails)
             else:
                 answer = _Failure(backend, Cause.RESCUED)
         except TimeoutError as exc:  # the backend timeout
@@ -696,7 +735,10 @@ class Forwarder:
                            failure: _Failure, started: float) -> StreamResponse | _Failure:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
-        if failure.cause is not Cause.RESCUED:
+        if failure.cause is Cause.HEDGED and not failure.race_fails:
+            self._lost_race(failure)
+            failure.counted = True
+        elif failure.cause is not Cause.RESCUED:
             self._count_failure(failure)  # the original's own failure is evidence all the same
             failure.counted = True
         won = await hedge  # cancelled with this handler, if the client leaves
@@ -929,10 +971,27 @@ class Forwarder:
     # ------------------------------------------------------------------ outcomes and answers
 
     def _count_failure(self, failure: _Failure) -> None:
+        self._report_failure(failure)
+        self._reflex(failure)
+
+    def _report_failure(self, failure: _Failure) -> None:
+        """The failure into the tallies the controller drains, and its evidence stream."""
         self.pool.record_failure(failure.backend)
         self.stats.backend_failed(failure.backend, failure.cause.value)
         if self.on_failure is not None:
             self.on_failure(failure.backend, failure.cause.value)
+
+    def _lost_race(self, failure: _Failure) -> None:
+        """The held attempt lost the race to its hedge: out of this router's list until the next
+        push (no new request waits there meanwhile), but no failure of its engine. A hedge is
+        sent on a second without a step; a healthy engine in one long step (a long prefill
+        before its cadence learned one) looks the same until the step ends, and counted, its
+        lost races ejected it from the fleet, to come back only on proof. A wedge is condemned
+        by the stall limit, or by the canary that watches a hedged lost core."""
+        self.stats.backend_failed(failure.backend, failure.cause.value)
+        self._reflex(failure)
+
+    def _reflex(self, failure: _Failure) -> None:
         if self.health_managed and self.pool.drop(failure.backend):
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
                      _DESCRIPTIONS[failure.cause])

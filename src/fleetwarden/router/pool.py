@@ -144,6 +144,9 @@ class Pool:
         self._turn = 0
         #: Backends on probation: each takes one request at a time (the trial request).
         self._trial: frozenset[str] = frozenset()
+        #: Backends the reflex dropped since the last push, with the facts that push gave them
+        #: (:meth:`undrop` puts one back as it was).
+        self._dropped: dict[str, BackendFacts | None] = {}
         self.replace(urls)
 
     # ------------------------------------------------------------------ membership
@@ -162,6 +165,7 @@ class Pool:
         serving = tuple(dict.fromkeys(u.rstrip("/") for u in urls))
         given = {u.rstrip("/"): f for u, f in (facts or {}).items()}
         self._facts = {u: given[u] for u in serving if u in given}
+        self._dropped = {}  # a push says what serves: no reflex of before it is undone
         if serving == self._serving:
             return
         if set(serving) != set(self._serving):
@@ -184,7 +188,21 @@ class Pool:
         """The reflex: take ``url`` out of the local list until the next push. True if it was in."""
         if url not in self._serving:
             return False
+        dropped = {**self._dropped, url: self._facts.get(url)}
         self.replace((u for u in self._serving if u != url), self._facts)
+        self._dropped = dropped
+        return True
+
+    def undrop(self, url: str) -> bool:
+        """Undo the reflex drop of ``url`` since the last push (the failure that made it was
+        the request's, not the backend's: a poison request). True if it was put back."""
+        if url not in self._dropped or url in self._serving:
+            return False
+        dropped = dict(self._dropped)
+        facts = dropped.pop(url)
+        given = {**self._facts, url: facts} if facts is not None else self._facts
+        self.replace([*self._serving, url], given)
+        self._dropped = dropped
         return True
 
     def facts(self, url: str) -> BackendFacts:
