@@ -525,19 +525,90 @@ async def test_what_is_never_hedged() -> None:
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        stream = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
-        [streamed] = await _held_on(r, wedged, payload=stream)
-        assert wedged.held == 2
         assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
         # The fleet's retry budget is spent (0 here) while the engine still serves: a hedge
         # would add load. Out of the serving set, a hedge only moves its load: it is sent.
         assert r.router.hedge(wedged.url, 0.0) == 0
         r.router.set_serving_backends([good.url])
-        assert r.router.hedge(wedged.url, 0.0) == 1  # the stream is not hedged (a rescue
-        assert (await task)[0] == 200  # continues it)
-        await until(lambda: wedged.held == 1, what="only the stream left held")
-        wedged.unwedge()
-        assert (await streamed)[0] == 200
+        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert (await task)[0] == 200
+        assert r.router.stats.hedges == 1
+
+
+STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+
+
+async def test_a_stream_held_where_a_request_would_be_hedged_is_moved_not_hedged() -> None:
+    # Budget spent and the engine still serving: a request would not be hedged. A stream is
+    # not duplicated (two engines cannot write one client's stream): it moves, taking no token.
+    async with rig(2, health_managed=True, retry_budget_min=0, retry_budget_ratio=0.0) as r:
+        wedged, good = r.engines
+        wedged.wedge()
+        [streamed] = await _held_on(r, wedged, payload=STREAM)  # waiting for its head
+        assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        assert r.router.hedge(wedged.url, 0.0) == 1
+        status, _, body = await streamed
+        assert (status, body) == (200, COMPLETION_STREAM.body)  # from the start, elsewhere
+        await until(lambda: wedged.cancelled == 1, what="the engine saw it leave")
+        assert good.answered == 1
+        assert (r.router.stats.hedges, r.router.stats.rescues) == (0, 1)
+        assert r.router.pool.retry_budget.retries_in_flight == 0
+        # it held the stream without a step while the fleet moved it: a lost race
+        assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
+        assert r.router.drain_outcomes() == {wedged.url: (0, 1, 1), good.url: (1, 0, 0)}
+        assert r.router.serving_backends() == [good.url]  # the reflex, as for a lost race
+
+
+async def _stream_through(r: Rig, engine: ScriptedEngine
+                          ) -> asyncio.Task[tuple[int, object, bytes]]:
+    """A stream sent while ``engine`` alone serves, its head received there; then every
+    engine of the rig serves again."""
+    r.router.set_serving_backends([engine.url])
+    received = engine.received + 1
+    task = asyncio.create_task(r.post(payload=STREAM))
+    await until(lambda: engine.received == received, what=f"a stream on {engine.url}")
+    r.router.set_serving_backends([e.url for e in r.engines])
+    return task
+
+
+async def test_a_stream_whose_engine_stops_after_its_head_is_held_there_and_moved_on() -> None:
+    async with rig(2, health_managed=True) as r:
+        stopped, good = r.engines
+        stopped.stall_streams(after=0)  # the head, then nothing: a core wedged before a token
+        task = await _stream_through(r, stopped)
+        # Held and silent like a request waiting for its head: what accuses its engine
+        # (the controller's focused reads), gives the watchdog its held time, and is moved
+        # where a request would be hedged.
+        await until(lambda: stopped.url in r.router.silent_backends(0.2),
+                    what="the stream reported silent")
+        assert list(r.router.silent_backends(0.2)) == [stopped.url]
+        assert r.router.in_flight()[stopped.url] == 1
+        assert r.router.hedge(stopped.url, 0.2) == 1
+        status, _, body = await task
+        assert (status, body) == (200, COMPLETION_STREAM.body)  # whole, once
+        assert good.answered == 1
+        assert r.router.silent_backends(0.0) == {}
+        assert r.router.stats.backend_failures == {(stopped.url, "hedged"): 1}
+        assert r.router.stats.streams_ended == {}
+        assert r.router.in_flight() == {good.url: 0}  # the reflex took it out of routing
+
+
+async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.stall_streams(after=1)
+        async with r.http.post(r.router.url + "/v1/completions", json=STREAM) as response:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            await until(lambda: engine.url in r.router.silent_backends(0.2),
+                        what="the stream reported silent")
+            assert r.router.silent_backends(0.0)[engine.url] >= 0.2
+            # No other engine with the same weights: moved, it ends with why, never hangs.
+            assert r.router.hedge(engine.url, 0.2) == 1
+            rest = await response.read()
+        assert first == COMPLETION_STREAM.events()[0]
+        error = stream_error(rest)
+        assert error["cause"] == "hedged" and error["backend"] == engine.url
+        assert error["reason"] == "no other backend with the same weights"
 
 
 async def test_the_control_api_hedges_and_refuses_bad_input() -> None:

@@ -19,6 +19,10 @@ section 4):
   the request itself as the problem (poison): it is answered and counted no further.
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
+* A request held on a backend is one that has received nothing from it: waiting for its head,
+  or a stream with its head and no event since its send or its last event (a stream's head
+  comes at once; its tokens are the evidence). :meth:`Forwarder.silent` reports both alike, so
+  a stream parked on a wedge accuses its engine as fast as a request waiting there does.
 * The controller may also :meth:`Forwarder.hedge` a backend that holds requests while it takes
   no step: each request waiting there long enough with nothing sent to its client is sent to
   another backend as well, and the first answer is the client's; the other attempt is
@@ -27,7 +31,9 @@ section 4):
   failure of its engine (``hedged``), reported like any other. A hedge takes a token of the
   retry budget while it is in flight, unless its backend is already out of the serving set
   (then, as for a reflex drop, it moves load rather than adding to it). Streams the router
-  continues are never hedged: a rescue continues them.
+  continues are never hedged (two engines cannot write one client's stream): one held as long
+  is moved instead, continued elsewhere at once as a rescue does, and its engine has failed it
+  (``hedged``), as if it had lost the race.
 * A streamed completion or chat whose engine fails it after its first bytes reached the client
   (a crash, a reset, a rescue from a wedge) is continued on another engine with the same
   weights, from the tokens already produced, and spliced into the client's stream
@@ -132,8 +138,9 @@ class Cause(enum.Enum):
     TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
-    #: It held the request, taking no step, while another engine answered it (a hedge):
-    #: counted like a timeout, so the engine leaves routing until it proves itself again.
+    #: It held the request, taking no step, while another engine answered it (a hedge), or
+    #: a stream was moved off it for that (:meth:`Forwarder.hedge`): counted like a timeout,
+    #: so the engine leaves routing until it proves itself again.
     HEDGED = "hedged"
     STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
     #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
@@ -153,7 +160,7 @@ _DESCRIPTIONS = {
     Cause.TIMEOUT: "did not answer within the backend timeout",
     Cause.SERVER_ERROR: "answered with a server error",
     Cause.RESCUED: "was condemned while the request waited on it",
-    Cause.HEDGED: "held the request without a step while another engine answered it",
+    Cause.HEDGED: "held the request without a step while another engine took it over",
     Cause.STREAM_ERROR: "ended the stream with a server error",
     Cause.ABORTED: "aborted the generation",
 }
@@ -276,18 +283,26 @@ class _Hold:
     ``async with`` (5 µs a request, measured under uvloop); the same cancel-count rule, so a
     client that leaves at the same moment still ends its handler."""
 
-    __slots__ = ("_cancelling", "_interrupted", "_task")
+    __slots__ = ("_cancelling", "_interrupted", "_task", "since", "stream", "why")
 
-    def __init__(self) -> None:
+    def __init__(self, *, stream: bool = False, since: float = 0.0) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()
         self._interrupted = False
+        #: A stream the router continues: moved (a rescue), never hedged.
+        self.stream = stream
+        #: For a stream relayed (:attr:`Forwarder._streaming`): the loop time since which it has
+        #: waited on its engine with nothing received (what :meth:`Forwarder.silent` reports).
+        self.since = since
+        #: What the attempt ends as when this hold is interrupted.
+        self.why = Cause.RESCUED
 
-    def interrupt(self) -> None:
+    def interrupt(self, why: Cause = Cause.RESCUED) -> None:
         if not self._interrupted:
             self._interrupted = True
+            self.why = why
             self._task.cancel()
 
     def caught(self) -> bool:
@@ -316,7 +331,8 @@ class Forwarder:
         #: Hedges in flight, by the hold of the wait they hedge (:meth:`hedge`).
         self._hedging: dict[_Hold, asyncio.Task[_Won | _Failure]] = {}
         #: Streams being relayed from each backend (their answer has begun): a rescue cuts
-        #: them too, and they go on elsewhere.
+        #: them too, and they go on elsewhere. Each hold's ``since`` is when it last received
+        #: anything: a stream whose engine stopped after its head is held there all the same.
         self._streaming: dict[str, set[_Hold]] = {}
         #: Told of every failed attempt as it happens: (backend, cause). The router's evidence
         #: stream; whoever listens must not raise.
@@ -342,11 +358,15 @@ class Forwarder:
 
     # ------------------------------------------------------------------ control
 
-    def rescue(self, backend: str) -> int:
+    def rescue(self, backend: str, *, streams: bool = True) -> int:
         """Cancel the requests on ``backend``: those waiting with nothing sent to their client
         are re-sent elsewhere at once; streams whose answer has begun go on elsewhere from
-        where they are (or end with an error event where they cannot). Returns how many."""
-        holds = set(self._waiting.pop(backend, {})) | self._streaming.pop(backend, set())
+        where they are (or end with an error event where they cannot). ``streams`` False
+        leaves the streams whose answer has begun to finish there (the trainer's sleep
+        bracket: its engine still works until it is asked to sleep). Returns how many."""
+        holds = set(self._waiting.pop(backend, {}))
+        if streams:
+            holds |= self._streaming.pop(backend, set())
         if not holds:
             return 0
         for hold in holds:
@@ -359,10 +379,14 @@ class Forwarder:
         sent to its client (and is not a stream, nor hedged already) to another backend as
         well; the first answer is the client's. Each hedge takes a retry-budget token while in
         flight unless ``backend`` is out of the serving set; a hedge for which no token or no
-        other backend is left is not sent (a later call may). Returns how many were sent."""
+        other backend is left is not sent (a later call may). A stream the router continues,
+        held there as long (waiting for its head, or with no event since), cannot have two
+        engines write to its client: it is moved instead (:meth:`_move_streams`). Returns how
+        many were sent or moved."""
+        moved = self._move_streams(backend, held_s)
         waiting = self._waiting.get(backend)
         if not waiting:
-            return 0
+            return moved
         pool = self.pool
         budget = pool.retry_budget
         free = backend not in pool.serving
@@ -370,7 +394,7 @@ class Forwarder:
         sent = 0
         for scope, (since, context) in list(waiting.items()):
             if context is None or now - since < held_s or scope in self._hedging:
-                continue
+                continue  # a stream (moved above), a hedge's own wait, or not held that long
             request, body, headers, tried, min_version = context
             other = pool.pick([*tried, backend], None, min_version=min_version)
             if other is None:
@@ -394,16 +418,46 @@ class Forwarder:
         self.stats.hedges += sent
         if sent:
             log.info("hedged %d request(s) held on %s", sent, backend)
-        return sent
+        return moved + sent
+
+    def _move_streams(self, backend: str, held_s: float) -> int:
+        """Move the streams the router continues that ``backend`` has held for ``held_s`` with
+        nothing received: each goes on elsewhere at once, from where it is (from the start if
+        its client has nothing yet), as a rescue moves it. Where a waiting request's hedge
+        would have won the race, the engine held the stream without a step while the fleet
+        moved it: the attempt ends ``hedged``, a failure of that engine like a lost race
+        (:meth:`forward`); it moves the load rather than adding to it, so it takes no token
+        of the retry budget."""
+        now = asyncio.get_running_loop().time()
+        waiting = self._waiting.get(backend, {})
+        held = [hold for hold, (since, _) in waiting.items()
+                if hold.stream and now - since >= held_s]
+        for hold in held:
+            del waiting[hold]
+        streaming = self._streaming.get(backend, set())
+        relayed = [hold for hold in streaming if now - hold.since >= held_s]
+        streaming.difference_update(relayed)
+        held += relayed
+        for hold in held:
+            hold.interrupt(Cause.HEDGED)
+        if held:
+            self.stats.rescues += len(held)
+            log.info("moved %d stream(s) held on %s with nothing received for %g s", len(held),
+                     backend, held_s)
+        return len(held)
 
     def silent(self, after_s: float) -> dict[str, float]:
         """Backends holding a request that has received nothing for at least ``after_s``:
-        ``{backend: seconds the oldest has waited}``."""
+        ``{backend: seconds the oldest has waited}``. A stream counts from its send as a
+        waiting request does, and from each event it receives: one whose engine stops after
+        its head (or mid-answer) is held there, silent, like a request waiting for its head."""
         now = asyncio.get_running_loop().time()
         out: dict[str, float] = {}
-        for backend, waiting in self._waiting.items():
-            if waiting:
-                oldest = now - min(since for since, _ in waiting.values())
+        for backend in self._waiting.keys() | self._streaming.keys():
+            sinces = [since for since, _ in self._waiting.get(backend, {}).values()]
+            sinces += [hold.since for hold in self._streaming.get(backend, ())]
+            if sinces:
+                oldest = now - min(sinces)
                 if oldest >= after_s:
                     out[backend] = oldest
         return out
@@ -519,6 +573,14 @@ class Forwarder:
                     resend = ""  # the controller's call: re-sent at once, and no budget spent
                     last = failure
                     continue
+                if failure.cause is Cause.HEDGED and stream is not None:
+                    # A stream moved off an engine that held it without a step
+                    # (:meth:`_move_streams`): that engine's failure, like a lost race; the
+                    # stream goes on at once, as a rescued one does.
+                    self._count_failure(failure)
+                    resend = ""
+                    last = failure
+                    continue
                 began = stream is not None and stream.began
                 if (not began and failure.cause is Cause.SERVER_ERROR and last is not None
                         and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
@@ -573,7 +635,8 @@ class Forwarder:
         try:
             sent = time.perf_counter()
             answer, hedge = await self._wait_head(backend, request.method, target, body,
-                                                  headers, facts, context)
+                                                  headers, facts, context,
+                                                  stream=stream is not None)
             if hedge is not None:
                 if not isinstance(answer, _Failure):
                     self._drop_hedge(hedge)  # this answer came first
@@ -588,20 +651,21 @@ class Forwarder:
 
     async def _wait_head(self, backend: str, method: str, target: Target, body: bytes,
                          headers: RawHeaders, facts: BackendFacts,
-                         context: _HedgeContext | None,
+                         context: _HedgeContext | None, *, stream: bool = False,
                          ) -> tuple[Answer | _Failure,
                                     asyncio.Task[_Won | _Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
         ``backend``'s waiting list (a rescue, or the answer of its hedge, ends the wait at
         once). Returns the answer (a 5xx as a failure) and the hedge that was in flight for
-        it when the wait ended, if any."""
+        it when the wait ended, if any. ``stream``: the wait of a stream the router continues
+        (moved, never hedged)."""
         assert self._client is not None, "Forwarder.open() was not awaited"
         waiting = self._waiting.get(backend)
         if waiting is None:
             waiting = self._waiting[backend] = {}
         hedge: asyncio.Task[_Won | _Failure] | None = None
         answer: Answer | _Failure
-        hold = _Hold()
+        hold = _Hold(stream=stream)
         waiting[hold] = (asyncio.get_running_loop().time(), context)
         try:
             try:
@@ -621,12 +685,12 @@ class Forwarder:
                 if hedge is not None:
                     self._drop_hedge(hedge)
                 raise
-            # Interrupted: the hedge's answer came first, or a rescue.
+            # Interrupted: the hedge's answer came first, a rescue, or a stream moved.
             if (hedge is not None and hedge.done() and not hedge.cancelled()
                     and isinstance(hedge.result(), _Won)):
                 answer = _Failure(backend, Cause.HEDGED)
             else:
-                answer = _Failure(backend, Cause.RESCUED)
+                answer = _Failure(backend, hold.why)
         except TimeoutError as exc:  # the backend timeout
             answer = _Failure(backend, _classify(exc))
         except UpstreamError as exc:
@@ -810,7 +874,10 @@ class Forwarder:
             streaming = self._streaming[backend] = set()
         splitter = SseSplitter()
         complete = False
-        hold = _Hold()
+        loop = asyncio.get_running_loop()
+        # Its head is no token: the attempt has waited on the engine since it was sent, as a
+        # request waiting for its head has (:meth:`silent`).
+        hold = _Hold(stream=True, since=loop.time() - backend_time)
         streaming.add(hold)
         try:
             while True:
@@ -844,10 +911,13 @@ class Forwarder:
                         with contextlib.suppress(ConnectionError):
                             await response.write_eof()
                         return response
+                # Waiting on the engine again from here: the time its events took to reach
+                # the client (a slow reader) is not the engine's silence.
+                hold.since = loop.time()
         except asyncio.CancelledError:
             if not hold.caught():
                 raise  # the client left
-            return _Failure(backend, Cause.RESCUED)  # a rescue: it goes on elsewhere
+            return _Failure(backend, hold.why)  # rescued or moved: it goes on elsewhere
         finally:
             streaming.discard(hold)
             if not complete:
