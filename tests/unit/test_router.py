@@ -376,6 +376,29 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         assert r.router.rescue(wedged.url) == 0
 
 
+async def test_a_rescue_that_spares_streams_moves_only_what_has_not_begun() -> None:
+    # The trainer's sleep bracket: its engine still works until it is asked to sleep, so the
+    # streams begun there finish there; what waits for its head moves at once.
+    async with rig(2, health_managed=True, control_token="t") as r:
+        busy, good = r.engines
+        busy.stall_streams()
+        r.router.set_serving_backends([busy.url])
+        async with r.http.post(r.router.url + "/v1/completions", json=STREAM) as response, \
+                RemoteRouter(r.router.control_url, "t") as remote:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            busy.wedge()
+            waiting = asyncio.create_task(r.post())
+            await until(lambda: busy.held == 1, what="a request waiting on it")
+            r.router.set_serving_backends([good.url])
+            assert await remote.rescue(busy.url, streams=False) == 1
+            assert (await waiting)[0] == 200 and good.answered == 1
+            busy.unwedge()
+            rest = await response.read()
+        assert first + rest == COMPLETION_STREAM.body  # whole, from the engine it began on
+        assert r.router.stats.continuations == {"tokens": 0, "text": 0}
+        assert r.router.stats.rescues == 1
+
+
 async def _held_on(r: Rig, engine: ScriptedEngine, n: int = 1, payload: object = None
                    ) -> list[asyncio.Task[tuple[int, object, bytes]]]:
     """``n`` requests sent while ``engine`` alone serves, held there; then every engine of
