@@ -404,9 +404,10 @@ async def _held_on(r: Rig, engine: ScriptedEngine, n: int = 1, payload: object =
     """``n`` requests sent while ``engine`` alone serves, held there; then every engine of
     the rig serves again."""
     r.router.set_serving_backends([engine.url])
-    held = engine.held + n
+    # arrived: held there from then on, whether wedged (before its head) or stalling streams
+    received = engine.received + n
     tasks = [asyncio.create_task(r.post(payload=payload)) for _ in range(n)]
-    await until(lambda: engine.held == held, what=f"{n} more held on {engine.url}")
+    await until(lambda: engine.received == received, what=f"{n} more held on {engine.url}")
     r.router.set_serving_backends([e.url for e in r.engines])
     return tasks
 
@@ -582,23 +583,11 @@ async def test_a_stream_held_where_a_request_would_be_hedged_is_moved_not_hedged
         assert r.router.serving_backends() == [good.url]  # the reflex, as for a lost race
 
 
-async def _stream_through(r: Rig, engine: ScriptedEngine
-                          ) -> asyncio.Task[tuple[int, object, bytes]]:
-    """A stream sent while ``engine`` alone serves, its head received there; then every
-    engine of the rig serves again."""
-    r.router.set_serving_backends([engine.url])
-    received = engine.received + 1
-    task = asyncio.create_task(r.post(payload=STREAM))
-    await until(lambda: engine.received == received, what=f"a stream on {engine.url}")
-    r.router.set_serving_backends([e.url for e in r.engines])
-    return task
-
-
 async def test_a_stream_whose_engine_stops_after_its_head_is_held_there_and_moved_on() -> None:
     async with rig(2, health_managed=True) as r:
         stopped, good = r.engines
         stopped.stall_streams(after=0)  # the head, then nothing: a core wedged before a token
-        task = await _stream_through(r, stopped)
+        [task] = await _held_on(r, stopped, payload=STREAM)
         # Held and silent like a request waiting for its head: what accuses its engine
         # (the controller's focused reads), gives the watchdog its held time, and is moved
         # where a request would be hedged.
