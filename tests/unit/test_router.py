@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -621,6 +622,39 @@ async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None
         error = stream_error(rest)
         assert error["cause"] == "hedged" and error["backend"] == engine.url
         assert error["reason"] == "no other backend with the same weights"
+
+
+async def test_a_stream_whose_client_does_not_read_is_not_held_on_its_engine() -> None:
+    # The engine is done, its answer in buffers; the router waits on a client that stopped
+    # reading. Held there, it would accuse a healthy engine (and, its gauges idle, read as a
+    # lost core whose held stream is moved away as a lost race).
+    events = COMPLETION_STREAM.events()
+    long = Capture(200, COMPLETION_STREAM.headers,
+                   b"".join([events[0], events[1] * 40_000, *events[2:]]))  # ~10 MB
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.answer(long)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        host, port = r.router.url.removeprefix("http://").rsplit(":", 1)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        _reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            body = json.dumps(STREAM).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            connections = r.router._server.connections
+            await until(lambda: bool(connections) and all(c._paused for c in connections),
+                        what="the router waiting for its client")
+            await asyncio.sleep(1.2)  # past the 1 s asked below: a stream held would show
+            assert all(c._paused for c in connections)  # it still waits for its client
+            assert r.router.in_flight() == {engine.url: 1}
+            assert r.router.silent_backends(1.0) == {}
+            assert r.router.hedge(engine.url, 1.0) == 0
+        finally:
+            writer.transport.abort()
 
 
 async def test_the_control_api_hedges_and_refuses_bad_input() -> None:

@@ -294,7 +294,8 @@ class _Hold:
         #: A stream the router continues: moved (a rescue), never hedged.
         self.stream = stream
         #: For a stream relayed (:attr:`Forwarder._streaming`): the loop time since which it has
-        #: waited on its engine with nothing received (what :meth:`Forwarder.silent` reports).
+        #: waited on its engine with nothing received (what :meth:`Forwarder.silent` reports;
+        #: infinity while it is written to its client: then it waits on nobody's engine).
         self.since = since
         #: What the attempt ends as when this hold is interrupted.
         self.why = Cause.RESCUED
@@ -887,6 +888,9 @@ class Forwarder:
                     return _Failure(backend, _classify(exc))
                 if not data:
                     return _Failure(backend, Cause.RESET)  # it ended without [DONE]
+                # Until its events are written, it waits on its client, not on its engine: a
+                # slow reader (the engine done, its answer in buffers) is never held there.
+                hold.since = math.inf
                 for event in splitter.feed(data):
                     outcome, out = splice.on_event(event)
                     if outcome is Outcome.ENGINE_ERROR:
@@ -911,9 +915,7 @@ class Forwarder:
                         with contextlib.suppress(ConnectionError):
                             await response.write_eof()
                         return response
-                # Waiting on the engine again from here: the time its events took to reach
-                # the client (a slow reader) is not the engine's silence.
-                hold.since = loop.time()
+                hold.since = loop.time()  # waiting on the engine again
         except asyncio.CancelledError:
             if not hold.caught():
                 raise  # the client left
