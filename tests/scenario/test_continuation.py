@@ -217,10 +217,7 @@ async def test_a_stream_on_a_wedge_is_held_there_and_continued_exactly(
         async def wedge_then_hedge() -> None:
             url = holder(router)
             await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
-            async def silent() -> bool:
-                return url in router.silent_backends(0.3)
-
-            await until(silent)
+            await until(lambda: url in router.silent_backends(0.3), what="the stream silent")
             held.append(router.silent_backends(0.3))
             assert router.hedge(url, 0.3) == 1
 

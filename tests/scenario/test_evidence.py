@@ -7,7 +7,6 @@ mechanism and asserts it, never how many seconds it took (that is ``bench/failov
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
@@ -126,13 +125,13 @@ async def test_a_stream_parked_on_a_wedge_goes_on_as_fast_as_a_waiting_request(
         waiting = Load(fleet.router_url, concurrency=4, max_tokens=40, id_prefix="load-")
         loads = [streams, waiting]
         async with streams, waiting:
-            for _ in range(400):  # both kinds held there (bounded: 20 s)
-                parked = await _parked(url, loads)
-                if all(parked.values()):
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError(f"never both kinds on {url}: {parked}")
+            parked: dict[str, set[str]] = {}
+
+            async def both_there() -> bool:
+                parked.update(await _parked(url, loads))
+                return all(parked.values())
+
+            await until(both_there, what=f"both kinds in flight on {url}")
             await fleet.inject_fault(1, "wedge", {})
             fault_at = time.time()
             parked = {k: v | (await _parked(url, loads))[k] for k, v in parked.items()}
