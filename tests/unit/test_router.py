@@ -615,13 +615,15 @@ async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None
             await until(lambda: engine.url in r.router.silent_backends(0.2),
                         what="the stream reported silent")
             assert r.router.silent_backends(0.0)[engine.url] >= 0.2
-            # No other engine with the same weights: moved, it ends with why, never hangs.
-            assert r.router.hedge(engine.url, 0.2) == 1
+            # No other engine to go on: moved, it could only end. It waits on, as a request
+            # is not hedged where no other backend is left (a rescue at the condemnation
+            # still ends it with why).
+            assert r.router.hedge(engine.url, 0.2) == 0
+            engine.unwedge()
             rest = await response.read()
-        assert first == COMPLETION_STREAM.events()[0]
-        error = stream_error(rest)
-        assert error["cause"] == "hedged" and error["backend"] == engine.url
-        assert error["reason"] == "no other backend with the same weights"
+        assert first + rest == COMPLETION_STREAM.body
+        assert r.router.stats.rescues == 0 and r.router.drain_outcomes() == {
+            engine.url: (1, 0, 0)}
 
 
 async def test_a_stream_whose_client_does_not_read_is_not_held_on_its_engine() -> None:

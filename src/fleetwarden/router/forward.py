@@ -62,7 +62,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
@@ -225,6 +225,10 @@ class _Stream:
     continuation: Continuation | None = None
     #: The first engine's weight version: a continuation must come from the same weights.
     weight_version: int | None = None
+    #: The backends its attempts went to, and the client's minimum weight version: where it
+    #: could go next (:meth:`Forwarder._elsewhere`).
+    tried: list[str] = field(default_factory=list)
+    min_version: int | None = None
 
     @property
     def began(self) -> bool:
@@ -285,13 +289,13 @@ class _Hold:
 
     __slots__ = ("_cancelling", "_interrupted", "_task", "since", "stream", "why")
 
-    def __init__(self, *, stream: bool = False, since: float = 0.0) -> None:
+    def __init__(self, *, stream: _Stream | None = None, since: float = 0.0) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()
         self._interrupted = False
-        #: A stream the router continues: moved (a rescue), never hedged.
+        #: The stream the router continues whose wait this is: moved, never hedged.
         self.stream = stream
         #: For a stream relayed (:attr:`Forwarder._streaming`): the loop time since which it has
         #: waited on its engine with nothing received (what :meth:`Forwarder.silent` reports;
@@ -423,8 +427,9 @@ class Forwarder:
 
     def _move_streams(self, backend: str, held_s: float) -> int:
         """Move the streams the router continues that ``backend`` has held for ``held_s`` with
-        nothing received: each goes on elsewhere at once, from where it is (from the start if
-        its client has nothing yet), as a rescue moves it. Where a waiting request's hedge
+        nothing received, where another backend could take them: each goes on elsewhere at
+        once, from where it is (from the start if its client has nothing yet), as a rescue
+        moves it. Where a waiting request's hedge
         would have won the race, the engine held the stream without a step while the fleet
         moved it: the attempt ends ``hedged``, a failure of that engine like a lost race
         (:meth:`forward`); it moves the load rather than adding to it, so it takes no token
@@ -432,11 +437,14 @@ class Forwarder:
         now = asyncio.get_running_loop().time()
         waiting = self._waiting.get(backend, {})
         held = [hold for hold, (since, _) in waiting.items()
-                if hold.stream and now - since >= held_s]
+                if hold.stream is not None and now - since >= held_s
+                and self._elsewhere(hold.stream, backend)]
         for hold in held:
             del waiting[hold]
         streaming = self._streaming.get(backend, set())
-        relayed = [hold for hold in streaming if now - hold.since >= held_s]
+        relayed = [hold for hold in streaming
+                   if now - hold.since >= held_s and hold.stream is not None
+                   and self._elsewhere(hold.stream, backend)]
         streaming.difference_update(relayed)
         held += relayed
         for hold in held:
@@ -446,6 +454,15 @@ class Forwarder:
             log.info("moved %d stream(s) held on %s with nothing received for %g s", len(held),
                      backend, held_s)
         return len(held)
+
+    def _elsewhere(self, stream: _Stream, backend: str) -> bool:
+        """Whether another backend could take ``stream`` off ``backend`` now: where none could,
+        moved it would end (with an error event, or refused), so it waits on, as a request is
+        not hedged where no other backend is left."""
+        exclude = [*stream.tried, backend]
+        if stream.began:
+            return self.pool.pick_same_weights(stream.weight_version, exclude) is not None
+        return self.pool.pick(exclude, min_version=stream.min_version) is not None
 
     def silent(self, after_s: float) -> dict[str, float]:
         """Backends holding a request that has received nothing for at least ``after_s``:
@@ -535,6 +552,8 @@ class Forwarder:
         holds_retry_token = False
         try:
             tried: list[str] = []
+            if stream is not None:
+                stream.tried, stream.min_version = tried, min_version
             paid_retries = 0
             last: _Failure | None = None
             resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
@@ -637,7 +656,7 @@ class Forwarder:
             sent = time.perf_counter()
             answer, hedge = await self._wait_head(backend, request.method, target, body,
                                                   headers, facts, context,
-                                                  stream=stream is not None)
+                                                  stream=stream)
             if hedge is not None:
                 if not isinstance(answer, _Failure):
                     self._drop_hedge(hedge)  # this answer came first
@@ -652,7 +671,7 @@ class Forwarder:
 
     async def _wait_head(self, backend: str, method: str, target: Target, body: bytes,
                          headers: RawHeaders, facts: BackendFacts,
-                         context: _HedgeContext | None, *, stream: bool = False,
+                         context: _HedgeContext | None, *, stream: _Stream | None = None,
                          ) -> tuple[Answer | _Failure,
                                     asyncio.Task[_Won | _Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
@@ -878,7 +897,7 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         # Its head is no token: the attempt has waited on the engine since it was sent, as a
         # request waiting for its head has (:meth:`silent`).
-        hold = _Hold(stream=True, since=loop.time() - backend_time)
+        hold = _Hold(stream=stream, since=loop.time() - backend_time)
         streaming.add(hold)
         try:
             while True:
