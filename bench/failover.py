@@ -22,6 +22,8 @@ the foreground). A router that cannot be installed or started here is reported a
     python bench/failover.py --engines real       # wedge and crash on two real vLLM engines
     python bench/failover.py --scenarios stream-crash,stream-wedge --write
                                                   # streams cut mid-answer: their own section
+    python bench/failover.py --scenarios wedge,stream-wedge-short
+                                                  # parked on a wedge: waiting vs streamed
 
 The machine is small (2 cores hold the engines, the router and the clients): concurrency is
 kept modest and the engines slow, and the load average is recorded beside every row.
@@ -162,6 +164,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("stream-wedge", "wedge mid-stream", "wedge", slots=4, steps_per_s=20.0,
              max_tokens=(40, 60), clients=12, warm_s=4, observe_s=30, client_timeout_s=60.0,
              stream=True),
+    # The wedge under load exactly, its requests streamed: a stream parked on the wedge beside
+    # the same scenario's waiting requests (same lengths, clients and window).
+    dataclasses.replace(_short("stream-wedge-short", "wedge under load, streamed", "wedge",
+                               warm_s=4, observe_s=20), stream=True),
 ]}
 #: What --engines real runs (the tiny model answers in well under a second: no "long").
 REAL_SCENARIOS = ("wedge", "crash")

@@ -124,8 +124,10 @@ class FleetClient:
 
     def sleep(self, level: int = 1, shards: list[int] | None = None) -> dict[str, Any]:
         """Put the engines to sleep for a training step (every awake shard by default): out
-        of routing first, then vLLM's ``/sleep?level=N``. ``["shards"]`` says per shard how it
-        went (``error`` empty when it sleeps)."""
+        of routing first (what has received nothing moves; streams under way finish, for
+        ``sleep.SLEEP_DRAIN_S`` at most, then go on elsewhere), then vLLM's
+        ``/sleep?level=N``. ``["shards"]`` says per shard how it went (``error`` empty when
+        it sleeps)."""
         body: dict[str, Any] = {"level": level}
         if shards is not None:
             body["shards"] = shards

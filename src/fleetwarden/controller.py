@@ -84,7 +84,7 @@ class RouterLink(Protocol):
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
 
-    async def rescue(self, url: str) -> int: ...
+    async def rescue(self, url: str, *, streams: bool = True) -> int: ...
 
     async def in_flight(self) -> dict[str, int]: ...
 
@@ -156,8 +156,10 @@ class Controller:
         #: that window's failures are the old process's, never the new one's.
         self._renewed: set[str] = set()
         self._condemned: dict[int, str] = {}
-        #: Shards that fell asleep since the last tick: their waiting requests move elsewhere.
-        self._fell_asleep: dict[int, str] = {}
+        #: Shards that fell asleep since the last tick: their waiting requests move elsewhere,
+        #: with their URL and whether the streams begun there move too (an engine seen asleep
+        #: holds them; one the trainer holds asleep is still awake: they finish first, sleep.py).
+        self._fell_asleep: dict[int, tuple[str, bool]] = {}
         self._urgent: set[asyncio.Task[None]] = set()
         #: The serving and trial sets last pushed: a transition that changes them pushes now.
         self._pushed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -197,8 +199,9 @@ class Controller:
             self._push_soon()
         elif t.to_state is ShardState.SLEEPING and t.from_state in ROUTABLE:
             # A sleeping engine holds what it has not begun to answer until it wakes: those
-            # requests are rescued, as off a condemned one (it is not condemned).
-            self._fell_asleep[t.shard] = t.record.base_url
+            # requests are rescued, as off a condemned one (it is not condemned). Streams under
+            # way go too, unless the trainer holds it: its engine sleeps only once they are done.
+            self._fell_asleep[t.shard] = (t.record.base_url, not t.record.sleep_held)
             self._push_soon()
         elif self._sets() != self._pushed:
             self._push_soon()
@@ -256,10 +259,13 @@ class Controller:
         asleep, self._fell_asleep = self._fell_asleep, {}
         if report is not None:
             report.condemned = sorted(condemned)
-        for url in [*condemned.values(), *asleep.values()]:
+        moves = [(url, True) for url in condemned.values()] + list(asleep.values())
+        for url, streams in moves:
             for link in self.routers:
                 try:
-                    rescued = await link.rescue(url)
+                    # the keyword only where it says something: older links take the URL alone
+                    rescued = await (link.rescue(url) if streams
+                                     else link.rescue(url, streams=False))
                 except Exception as exc:
                     self._router_error(report, f"{_name(link)}: rescue: {exc}")
                     continue
@@ -767,15 +773,25 @@ class Controller:
 
     async def push_and_rescue_now(self) -> int:
         """Push now, and move the requests waiting on shards that fell asleep since the last
-        push elsewhere (the trainer's sleep bracket, before its engines sleep). Returns how
-        many were moved."""
+        push elsewhere (the trainer's sleep bracket, before its engines sleep; the streams
+        begun on a shard the trainer holds asleep stay to finish). Returns how many were
+        moved."""
         await self.push_now()
         asleep, self._fell_asleep = self._fell_asleep, {}
         moved = 0
-        for url in asleep.values():
+        for url, streams in asleep.values():
+            moved += await self.rescue_now([url], streams=streams)
+        return moved
+
+    async def rescue_now(self, urls: Sequence[str], *, streams: bool = True) -> int:
+        """Every router moves the requests on ``urls`` elsewhere now (``streams``: the streams
+        begun there too, continued from where they are). Returns how many were moved."""
+        moved = 0
+        for url in urls:
             for link in self.routers:
                 try:
-                    moved += await link.rescue(url)
+                    moved += await (link.rescue(url) if streams
+                                    else link.rescue(url, streams=False))
                 except Exception as exc:
                     log.warning("router %s: rescue failed: %s", _name(link), exc)
         return moved

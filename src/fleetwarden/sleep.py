@@ -17,8 +17,9 @@ Two ways in, one ledger state (SLEEPING, which wakes to the state it slept in):
   ``vllm:engine_sleep_state`` (the SLEEPING verdict), the ledger takes it out of the serving
   set and the controller rescues what waits on it; when it reads awake again, it serves again.
 * **The bracket.** :func:`put_to_sleep` marks the shards asleep *held* by the trainer first
-  (out of routing, waiting requests rescued), and only then asks each engine to sleep; so no
-  request is sent to an engine about to sleep. :func:`wake` asks each engine to wake, checks
+  (out of routing, waiting requests rescued), lets the streams under way there finish, and
+  only then asks each engine to sleep; so no request is sent to an engine about to sleep, and
+  none it is answering is frozen by it. :func:`wake` asks each engine to wake, checks
   ``/is_sleeping``, and only then puts the shard back. A shard the trainer holds asleep wakes
   by the trainer's word alone: an engine read awake between the mark and its ``/sleep``
   proves nothing.
@@ -51,7 +52,9 @@ SLEEP_CALL_TIMEOUT_S = 120.0
 #: How long the bracket lets answers already begun on a shard finish before its engine sleeps
 #: (requests with nothing sent yet are moved elsewhere at once). A trainer sleeps its engines
 #: after the step's rollouts are in, so this is usually no wait at all; a stream still running
-#: would otherwise be frozen mid-answer until the wake-up. 30 s, then it sleeps regardless.
+#: would otherwise be frozen mid-answer until the wake-up. 30 s; the streams still under way
+#: then are continued on another engine from where they are (as off a condemned one), and the
+#: engine sleeps.
 SLEEP_DRAIN_S = 30.0
 #: How often the drain looks at the routers' in-flight counts.
 _DRAIN_POLL_S = 0.05
@@ -94,21 +97,29 @@ async def _call(http: aiohttp.ClientSession, method: str, url: str) -> tuple[int
         return f"{type(exc).__name__}: {exc}".rstrip(": ") if str(exc) else type(exc).__name__
 
 
-async def _drain(controller: Controller, urls: set[str], limit_s: float) -> None:
-    """Until no router has a request in flight on ``urls``, or ``limit_s`` has passed."""
+async def _busy(controller: Controller, urls: set[str]) -> set[str]:
+    """Those of ``urls`` on which some router has a request in flight."""
+    busy: set[str] = set()
+    for link in controller.routers:
+        try:
+            counts = await link.in_flight()
+        except Exception:
+            continue  # a router that does not answer holds nothing we can wait for
+        busy |= {url for url in urls if counts.get(url, 0) > 0}
+    return busy
+
+
+async def _drain(controller: Controller, urls: set[str], limit_s: float) -> set[str]:
+    """Until no router has a request in flight on ``urls``, or ``limit_s`` has passed; returns
+    the URLs still busy then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
-    while urls and loop.time() < deadline:
-        busy = False
-        for link in controller.routers:
-            try:
-                counts = await link.in_flight()
-            except Exception:
-                continue  # a router that does not answer holds nothing we can wait for
-            busy = busy or any(counts.get(url, 0) > 0 for url in urls)
-        if not busy:
-            return
+    while urls:
+        busy = await _busy(controller, urls)
+        if not busy or loop.time() >= deadline:
+            return busy
         await asyncio.sleep(_DRAIN_POLL_S)
+    return set()
 
 
 async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1,
@@ -117,8 +128,9 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
                        drain_s: float = SLEEP_DRAIN_S) -> list[SleepResult]:
     """Put ``shards`` (default: every shard with a process that is awake) to sleep at
     ``level``: out of routing first (what waits there moves elsewhere, answers begun finish,
-    for ``drain_s`` at most), then ``POST /sleep?level=N`` on each engine. A shard whose
-    engine refuses is put back at once, with the engine's answer as the error."""
+    for ``drain_s`` at most: those still under way then are continued on another engine), then
+    ``POST /sleep?level=N`` on each engine. A shard whose engine refuses is put back at once,
+    with the engine's answer as the error."""
     if level not in (1, 2):
         raise ValueError(f"level must be 1 (weights offloaded) or 2 (discarded), got {level}")
     targets = _targets(ledger, shards, {ShardState.HEALTHY, ShardState.SUSPECT,
@@ -134,7 +146,11 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
         ledger.report_asleep(i, f"put to sleep by the trainer (level {level})", held=True)
         marked.append((i, rec.base_url))
     await controller.push_and_rescue_now()  # nothing more is sent there; what waits moves
-    await _drain(controller, {url for _, url in marked}, drain_s)
+    late = await _drain(controller, {url for _, url in marked}, drain_s)
+    if late:
+        # Past the drain bound: a sleeping engine would freeze them until its wake-up, so they
+        # go on elsewhere from where they are (a stream that cannot ends with why it stopped).
+        await controller.rescue_now(sorted(late))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
         answers = await asyncio.gather(*(_call(http, "POST", f"{url}/sleep?level={level}")
                                          for _, url in marked))

@@ -42,7 +42,7 @@ CUT_AFTER = 8
 @contextlib.asynccontextmanager
 async def fleet(n: int = 3, settings: RouterSettings | None = None,
                 **config: Any) -> AsyncIterator[tuple[Router, list[Sim]]]:
-    sims = [Sim(SimConfig(steps_per_s=40, **config)) for _ in range(n)]
+    sims = [Sim(SimConfig(**{"steps_per_s": 40, **config})) for _ in range(n)]
     router = Router([], settings or RouterSettings(), health_managed=True)
     try:
         for sim in sims:
@@ -199,6 +199,65 @@ async def test_a_stream_on_a_wedged_engine_is_rescued_and_goes_on_elsewhere(
         assert_whole(got, reference, chat=chat)
         assert router.stats.rescues == 1
         assert await continuations(http, router) == {"tokens": 1, "text": 0}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+async def test_a_stream_on_a_wedge_is_held_there_and_continued_exactly(
+    http: aiohttp.ClientSession, chat: bool
+) -> None:
+    # No condemnation here: the stream alone says its engine holds it. Reported silent like a
+    # request waiting for its head, then moved (the controller's hedge of an engine that takes
+    # no step), it goes on elsewhere from its tokens.
+    path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", COMPLETION)
+    body = {**body, **USAGE}
+    async with fleet() as (router, sims):
+        reference = await read_stream(http, sims[0].url, path, body)
+        held: list[dict[str, float]] = []
+
+        async def wedge_then_hedge() -> None:
+            url = holder(router)
+            await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
+            await until(lambda: url in router.silent_backends(0.3), what="the stream silent")
+            held.append(router.silent_backends(0.3))
+            assert router.hedge(url, 0.3) == 1
+
+        got = await read_stream(http, router.url, path, body, wedge_then_hedge)
+        assert len(held) == 1 and len(held[0]) == 1
+        assert_whole(got, reference, chat=chat)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert (router.stats.hedges, router.stats.rescues) == (0, 1)
+        assert [cause for (_, cause) in router.stats.backend_failures] == ["hedged"]
+        assert router.silent_backends(0.0) == {}
+
+
+async def test_a_slow_stream_that_progresses_is_never_held(http: aiohttp.ClientSession) -> None:
+    # 10 tokens a second: an event every 0.1 s, for 3 s, three times silent_after_s' default.
+    async with fleet(n=2, steps_per_s=10) as (router, _sims):
+        ages: list[float] = []
+        silent: list[dict[str, float]] = []
+        hedged: list[int] = []
+        done = asyncio.Event()
+
+        async def watch() -> None:  # what the controller asks, every 0.05 s
+            while not done.is_set():
+                if any(router.in_flight().values()):
+                    ages.extend(router.silent_backends(0.0).values())
+                    silent.append(router.silent_backends(1.0))
+                    hedged.append(router.hedge(holder(router), 1.0))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async with http.post(router.url + "/v1/completions", json=COMPLETION) as r:
+                assert r.status == 200
+                events = (await r.read()).count(b"\n\n")
+        finally:
+            done.set()
+            await watcher
+        assert events == 31  # 30 tokens and [DONE]: it went through
+        assert len(ages) >= 20 and max(ages) < 1.0  # held each time, never for long
+        assert all(s == {} for s in silent) and set(hedged) == {0}
+        assert router.stats.rescues == 0 and router.stats.backend_failures == {}
 
 
 async def test_a_stream_whose_engine_is_killed_goes_on_elsewhere(

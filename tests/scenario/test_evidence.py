@@ -7,6 +7,7 @@ mechanism and asserts it, never how many seconds it took (that is ``bench/failov
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,69 @@ async def test_a_busy_engine_accused_of_silence_is_read_but_never_sent_a_canary(
         assert after == before  # not one canary to an engine with work in it
         assert seen == [] and fleet.ledger.ejected() == []
         assert load.failures == []
+
+
+# ---------------------------------------------------------------------- streams are evidence
+
+
+async def test_streams_parked_on_a_wedge_accuse_it_and_are_continued(tmp_path: Path) -> None:
+    # Only streams: each has its head at once, so nothing waits for one. Held on the wedge
+    # with no token, they are what accuses it (no tick runs within the test), and they go on
+    # elsewhere, whole.
+    async with running_fleet(tmp_path, fleet={"engines": 3}, health=SLOW_TICK) as fleet:
+        seen = record_transitions(fleet)
+        async with Load(fleet.router_url, concurrency=6, max_tokens=60, stream=True) as load:
+            await wedge_when_busy(fleet, 1)
+            await until(lambda: any(t.shard == 1 and t.to_state is D for t in seen),
+                        what="shard 1 condemned")
+        assert fleet.controller.focus_started.get("silent requests", 0) >= 1
+        assert fleet.controller.tick_number == 1
+        stats = fleet.router.stats
+        assert stats.rescues >= 2 and stats.streams_ended == {}
+        assert load.failures == [], load.failures[:3]
+
+
+async def _parked(url: str, loads: list[Load]) -> dict[str, set[str]]:
+    """By load (its id prefix): the requests in flight on the engine at ``url`` now (arrived
+    there, not answered)."""
+    stats = await sim_stats(url)
+    return {load.id_prefix: served_ids(stats, load.id_prefix)
+            - {r.request_id for r in load.results} for load in loads}
+
+
+async def test_a_stream_parked_on_a_wedge_goes_on_as_fast_as_a_waiting_request(
+        tmp_path: Path) -> None:
+    # Streams and waiting requests side by side, some of each on the engine that wedges: both
+    # kinds are moved on the same evidence (held, no step), and the figures are printed.
+    async with running_fleet(tmp_path, fleet={"engines": 3}, health=SLOW_TICK) as fleet:
+        url = fleet.ledger.shard(1).base_url
+        streams = Load(fleet.router_url, concurrency=4, max_tokens=40, stream=True,
+                       id_prefix="stream-")
+        waiting = Load(fleet.router_url, concurrency=4, max_tokens=40, id_prefix="load-")
+        loads = [streams, waiting]
+        async with streams, waiting:
+            parked: dict[str, set[str]] = {}
+
+            async def both_there() -> bool:
+                parked.update(await _parked(url, loads))
+                return all(parked.values())
+
+            await until(both_there, what=f"both kinds in flight on {url}")
+            await fleet.inject_fault(1, "wedge", {})
+            fault_at = time.time()
+            parked = {k: v | (await _parked(url, loads))[k] for k, v in parked.items()}
+            answered = {r.request_id for load in loads for r in load.results}
+            await until(lambda: all(ids <= {r.request_id for load in loads
+                                            for r in load.results} for ids in parked.values()),
+                        what="every request parked on the wedge answered")
+        to_wall = time.time() - time.monotonic()
+        after = {prefix: max(r.started + r.latency_s + to_wall - fault_at
+                             for load in loads for r in load.results
+                             if r.request_id in ids and r.request_id not in answered)
+                 for prefix, ids in parked.items()}
+        print(f"\nparked on the wedge, last answered after the fault: streams "
+              f"+{after['stream-']:.2f} s ({len(parked['stream-'])}), waiting requests "
+              f"+{after['load-']:.2f} s ({len(parked['load-'])})")
+        assert streams.failures == [] and waiting.failures == []
+        assert fleet.controller.tick_number == 1  # on evidence alone
+        assert fleet.router.stats.streams_ended == {}

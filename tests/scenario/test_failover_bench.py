@@ -45,9 +45,9 @@ def test_the_failover_harness_measures_a_wedge_on_fleetwarden(tmp_path: Path) ->
 
 
 def test_the_failover_harness_measures_streams_wedged_mid_answer(tmp_path: Path) -> None:
-    """Streams on the wedged engine hang until fleetwarden condemns it; the controller's rescue
-    then reaches them although their answers have begun, and they go on elsewhere: every
-    stream whole, through `fleetwarden up` as a user runs it."""
+    """Streams on the wedged engine are held there with no token: moved when the controller
+    hedges it (or rescued at its condemnation) although their answers have begun, they go on
+    elsewhere: every stream whole, through `fleetwarden up` as a user runs it."""
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "failover.py"), "--quick",

@@ -10,6 +10,7 @@ canary intervals: minutes of a fleet at its defaults (a 5 s tick), in the judge'
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ import pytest
 from fleetwarden.client import FleetClient
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
+from fleetwarden.sleep import put_to_sleep
 from fleetwarden.testing.load import Load
 from fleetwarden.watchdog import CANARY_ID_PREFIX
-from support.fleet import record_transitions, running_fleet, sim_stats, until
+from support.fleet import record_transitions, running_fleet, served_ids, sim_stats, until
 
 pytestmark = pytest.mark.scenario
 
@@ -158,3 +160,105 @@ async def test_a_level_2_sleeper_wakes_stale_and_serves_only_after_a_refit(
         await asyncio.to_thread(client.complete_refit, 4)
         assert fleet.ledger.state(1) is H and fleet.ledger.shard(1).weight_version == 4
         await until(lambda: url in fleet.router.serving_backends(), what="routed again")
+
+
+# ---------------------------------------------------------------------- answers under way
+
+
+#: Generations of 3 s (120 tokens at the sim's 40 steps a second): under way when the
+#: bracket is asked, and long past a short drain bound.
+LONG = 120
+
+
+async def send(fleet: Fleet, http: aiohttp.ClientSession, request_id: str, *, stream: bool,
+               began: asyncio.Event | None = None) -> tuple[str, int, list[dict[str, Any]]]:
+    """One completion through the router: (the shard that answered, status, its chunks; a
+    whole answer is one chunk). ``began`` is set once a stream's first event has come."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": LONG,
+                            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with http.post(fleet.router_url + "/v1/completions", json=body,
+                         headers={"x-request-id": request_id}) as r:
+        shard = r.headers.get("x-fleetwarden-shard", "")
+        if not stream:
+            return shard, r.status, [await r.json()]
+        events = []
+        while event := await r.content.readuntil(b"\n\n"):
+            events.append(event.strip())
+            if began is not None:
+                began.set()
+        assert events[-1] == b"data: [DONE]" and events.count(b"data: [DONE]") == 1, events[-3:]
+        return shard, r.status, [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+
+
+def whole(chunks: list[dict[str, Any]]) -> bool:
+    """Every token once, a finish on length, usage for the whole, no error."""
+    tokens = [c for c in chunks if c.get("choices")]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    return (not any("error" in c for c in chunks) and len(tokens) == LONG
+            and tokens[-1]["choices"][0]["finish_reason"] == "length"
+            and [u["completion_tokens"] for u in usage] == [LONG])
+
+
+async def test_the_bracket_lets_streams_under_way_finish_and_moves_what_has_not_started(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, health=FAST) as fleet, aiohttp.ClientSession() as http:
+        client = FleetClient(fleet.admin_url, token=fleet.token)
+        url = fleet.ledger.shard(1).base_url
+        began = [asyncio.Event() for _ in range(6)]
+        tasks = {}
+        for k in range(0, 6, 2):  # two of a kind at a time: each engine gets one of each
+            for j in (k, k + 1):
+                tasks[f"stream-{j}"] = asyncio.create_task(
+                    send(fleet, http, f"stream-{j}", stream=True, began=began[j]))
+                await asyncio.sleep(0.02)
+            for j in (k, k + 1):
+                tasks[f"whole-{j}"] = asyncio.create_task(send(fleet, http, f"whole-{j}",
+                                                               stream=False))
+                await asyncio.sleep(0.02)
+        for event in began:  # every stream under way: its first tokens reached its client
+            await asyncio.wait_for(event.wait(), 20)
+        stats = await sim_stats(url)
+        there = served_ids(stats, "stream-") | served_ids(stats, "whole-")
+        slept = await asyncio.to_thread(client.sleep, 1, [1])
+        assert [s["state"] for s in slept["shards"]] == ["SLEEPING"]
+        answers = {rid: await asyncio.wait_for(task, 30) for rid, task in tasks.items()}
+
+        streams_there = {rid for rid in there if rid.startswith("stream-")}
+        waiting_there = {rid for rid in there if rid.startswith("whole-")}
+        assert streams_there and waiting_there, there  # some of each were on shard 1
+        for rid, (shard, status, chunks) in answers.items():
+            assert status == 200, (rid, chunks)
+            if rid.startswith("stream-"):
+                assert whole(chunks), (rid, chunks[-2:])
+                # a stream under way finished on its engine, never moved
+                assert shard == ("1" if rid in streams_there else "0"), rid
+            else:
+                # one not yet answered was moved before the engine slept, and answered whole
+                assert shard == "0", rid
+                assert chunks[0]["usage"]["completion_tokens"] == LONG
+        router = fleet.router.stats
+        assert router.continuations == {"tokens": 0, "text": 0}
+        assert router.rescues == len(waiting_there) and router.backend_failures == {}
+        assert (await sim_stats(url))["engine"]["sleep_level"] == 1
+
+
+async def test_past_the_drain_bound_a_stream_under_way_goes_on_elsewhere(
+        tmp_path: Path) -> None:
+    async with running_fleet(tmp_path, health=FAST) as fleet, aiohttp.ClientSession() as http:
+        began = asyncio.Event()
+        task = asyncio.create_task(send(fleet, http, "stream-0", stream=True, began=began))
+        await asyncio.wait_for(began.wait(), 20)
+        [url] = [u for u, n in fleet.router.in_flight().items() if n]
+        i = fleet.ledger.shard_for_url(url)
+        assert i is not None
+        # The drain bound (SLEEP_DRAIN_S) at 0.5 s: the stream has 2.5 s left.
+        [result] = await put_to_sleep(fleet.ledger, fleet.controller, shards=[i], drain_s=0.5)
+        assert (result.state, result.error) == ("SLEEPING", "")
+        shard, status, chunks = await asyncio.wait_for(task, 30)  # never frozen asleep
+        assert status == 200 and shard == str(i)  # its answer began there...
+        assert whole(chunks), chunks[-2:]  # ... and went on elsewhere, whole
+        assert fleet.router.stats.continuations == {"tokens": 1, "text": 0}
+        assert fleet.router.stats.streams_ended == {}
+        assert (await sim_stats(url))["engine"]["sleep_level"] == 1

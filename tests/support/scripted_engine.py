@@ -78,6 +78,7 @@ class ScriptedEngine:
     _answer: Capture | None = None
     _reset: bool = False
     _stalled: asyncio.Event | None = None
+    _stall_after: int = 1
     _wedged: asyncio.Event | None = None
     _runner: web.AppRunner | None = None
     url: str = ""
@@ -123,8 +124,11 @@ class ScriptedEngine:
         if self._wedged is None:
             self._wedged = asyncio.Event()
 
-    def stall_streams(self) -> None:
-        """Send the first event of each stream, then hold the rest until :meth:`unwedge`."""
+    def stall_streams(self, after: int = 1) -> None:
+        """Send the head and the first ``after`` events of each stream (0: the head alone, as
+        vLLM does when its core wedges before the first token), then hold the rest until
+        :meth:`unwedge`."""
+        self._stall_after = after
         if self._stalled is None:
             self._stalled = asyncio.Event()
 
@@ -183,10 +187,10 @@ class ScriptedEngine:
             response = web.StreamResponse(status=200, headers=_headers(capture))
             await response.prepare(request)
             for n, event in enumerate(capture.events()):  # one write per event, like an engine
-                await response.write(event)
                 stalled = self._stalled
-                if n == 0 and stalled is not None:
+                if n == self._stall_after and stalled is not None:
                     await stalled.wait()
+                await response.write(event)
             await response.write_eof()
             return response
         return web.json_response({"path": path, "echo": len(body)})

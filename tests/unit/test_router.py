@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -398,14 +399,38 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         assert r.router.rescue(wedged.url) == 0
 
 
+async def test_a_rescue_that_spares_streams_moves_only_what_has_not_begun() -> None:
+    # The trainer's sleep bracket: its engine still works until it is asked to sleep, so the
+    # streams begun there finish there; what waits for its head moves at once.
+    async with rig(2, health_managed=True, control_token="t") as r:
+        busy, good = r.engines
+        busy.stall_streams()
+        r.router.set_serving_backends([busy.url])
+        async with r.http.post(r.router.url + "/v1/completions", json=STREAM) as response, \
+                RemoteRouter(r.router.control_url, "t") as remote:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            busy.wedge()
+            waiting = asyncio.create_task(r.post())
+            await until(lambda: busy.held == 1, what="a request waiting on it")
+            r.router.set_serving_backends([good.url])
+            assert await remote.rescue(busy.url, streams=False) == 1
+            assert (await waiting)[0] == 200 and good.answered == 1
+            busy.unwedge()
+            rest = await response.read()
+        assert first + rest == COMPLETION_STREAM.body  # whole, from the engine it began on
+        assert r.router.stats.continuations == {"tokens": 0, "text": 0}
+        assert r.router.stats.rescues == 1
+
+
 async def _held_on(r: Rig, engine: ScriptedEngine, n: int = 1, payload: object = None
                    ) -> list[asyncio.Task[tuple[int, object, bytes]]]:
     """``n`` requests sent while ``engine`` alone serves, held there; then every engine of
     the rig serves again."""
     r.router.set_serving_backends([engine.url])
-    held = engine.held + n
+    # arrived: held there from then on, whether wedged (before its head) or stalling streams
+    received = engine.received + n
     tasks = [asyncio.create_task(r.post(payload=payload)) for _ in range(n)]
-    await until(lambda: engine.held == held, what=f"{n} more held on {engine.url}")
+    await until(lambda: engine.received == received, what=f"{n} more held on {engine.url}")
     r.router.set_serving_backends([e.url for e in r.engines])
     return tasks
 
@@ -551,19 +576,117 @@ async def test_what_is_never_hedged() -> None:
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        stream = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
-        [streamed] = await _held_on(r, wedged, payload=stream)
-        assert wedged.held == 2
         assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
         # The fleet's retry budget is spent (0 here) while the engine still serves: a hedge
         # would add load. Out of the serving set, a hedge only moves its load: it is sent.
         assert r.router.hedge(wedged.url, 0.0) == 0
         r.router.set_serving_backends([good.url])
-        assert r.router.hedge(wedged.url, 0.0) == 1  # the stream is not hedged (a rescue
-        assert (await task)[0] == 200  # continues it)
-        await until(lambda: wedged.held == 1, what="only the stream left held")
-        wedged.unwedge()
-        assert (await streamed)[0] == 200
+        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert (await task)[0] == 200
+        assert r.router.stats.hedges == 1
+
+
+STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+
+
+@pytest.mark.parametrize("lost_race_fails", [False, True])
+async def test_a_stream_held_where_a_request_would_be_hedged_is_moved_not_hedged(
+        lost_race_fails: bool) -> None:
+    # Budget spent and the engine still serving: a request would not be hedged. A stream is
+    # not duplicated (two engines cannot write one client's stream): it moves, taking no token.
+    async with rig(2, health_managed=True, retry_budget_min=0, retry_budget_ratio=0.0) as r:
+        wedged, good = r.engines
+        wedged.wedge()
+        [streamed] = await _held_on(r, wedged, payload=STREAM)  # waiting for its head
+        assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        assert r.router.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
+        status, _, body = await streamed
+        assert (status, body) == (200, COMPLETION_STREAM.body)  # from the start, elsewhere
+        await until(lambda: wedged.cancelled == 1, what="the engine saw it leave")
+        assert good.answered == 1
+        assert (r.router.stats.hedges, r.router.stats.rescues) == (0, 1)
+        assert r.router.pool.retry_budget.retries_in_flight == 0
+        # it held the stream without a step while the fleet moved it: a lost race, a failed
+        # attempt only where the caller said no step is in progress there (a lost core)
+        assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
+        lost = {wedged.url: (0, 1, 1)} if lost_race_fails else {}
+        assert r.router.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
+        assert r.router.serving_backends() == [good.url]  # the reflex, as for a lost race
+
+
+async def test_a_stream_whose_engine_stops_after_its_head_is_held_there_and_moved_on() -> None:
+    async with rig(2, health_managed=True) as r:
+        stopped, good = r.engines
+        stopped.stall_streams(after=0)  # the head, then nothing: a core wedged before a token
+        [task] = await _held_on(r, stopped, payload=STREAM)
+        # Held and silent like a request waiting for its head: what accuses its engine
+        # (the controller's focused reads), gives the watchdog its held time, and is moved
+        # where a request would be hedged.
+        await until(lambda: stopped.url in r.router.silent_backends(0.2),
+                    what="the stream reported silent")
+        assert list(r.router.silent_backends(0.2)) == [stopped.url]
+        assert r.router.in_flight()[stopped.url] == 1
+        assert r.router.hedge(stopped.url, 0.2) == 1
+        status, _, body = await task
+        assert (status, body) == (200, COMPLETION_STREAM.body)  # whole, once
+        assert good.answered == 1
+        assert r.router.silent_backends(0.0) == {}
+        assert r.router.stats.backend_failures == {(stopped.url, "hedged"): 1}
+        assert r.router.stats.streams_ended == {}
+        assert r.router.in_flight() == {good.url: 0}  # the reflex took it out of routing
+
+
+async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None:
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.stall_streams(after=1)
+        async with r.http.post(r.router.url + "/v1/completions", json=STREAM) as response:
+            first = await response.content.readuntil(b"\n\n")  # the answer has begun
+            await until(lambda: engine.url in r.router.silent_backends(0.2),
+                        what="the stream reported silent")
+            assert r.router.silent_backends(0.0)[engine.url] >= 0.2
+            # No other engine to go on: moved, it could only end. It waits on, as a request
+            # is not hedged where no other backend is left (a rescue at the condemnation
+            # still ends it with why).
+            assert r.router.hedge(engine.url, 0.2) == 0
+            engine.unwedge()
+            rest = await response.read()
+        assert first + rest == COMPLETION_STREAM.body
+        assert r.router.stats.rescues == 0 and r.router.drain_outcomes() == {
+            engine.url: (1, 0, 0)}
+
+
+async def test_a_stream_whose_client_does_not_read_is_not_held_on_its_engine() -> None:
+    # The engine is done, its answer in buffers; the router waits on a client that stopped
+    # reading. Held there, it would accuse a healthy engine (and, its gauges idle, read as a
+    # lost core whose held stream is moved away as a lost race).
+    events = COMPLETION_STREAM.events()
+    long = Capture(200, COMPLETION_STREAM.headers,
+                   b"".join([events[0], events[1] * 40_000, *events[2:]]))  # ~10 MB
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.answer(long)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        host, port = r.router.url.removeprefix("http://").rsplit(":", 1)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        _reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            body = json.dumps(STREAM).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            connections = r.router._server.connections
+            await until(lambda: bool(connections) and all(c._paused for c in connections),
+                        what="the router waiting for its client")
+            await asyncio.sleep(1.2)  # past the 1 s asked below: a stream held would show
+            assert all(c._paused for c in connections)  # it still waits for its client
+            assert r.router.in_flight() == {engine.url: 1}
+            assert r.router.silent_backends(1.0) == {}
+            assert r.router.hedge(engine.url, 1.0) == 0
+        finally:
+            writer.transport.abort()
 
 
 async def test_the_control_api_hedges_and_refuses_bad_input() -> None:

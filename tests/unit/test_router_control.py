@@ -140,6 +140,8 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
                                        ("PUT", "/serving", {"backends": [], "facts": {
                                            "http://x:1": {"shard": True}}}),
                                        ("POST", "/rescue", {}),
+                                       ("POST", "/rescue", {"backend": "http://x:1",
+                                                            "streams": "no"}),
                                        ("PUT", "/retry-after", {"seconds": -1}),
                                        ("PUT", "/retry-after", {})]:
                 with pytest.raises(ControlError) as bad:

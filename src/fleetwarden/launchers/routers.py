@@ -146,8 +146,8 @@ class WorkerLink:
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return await self._now().drain_outcomes()
 
-    async def rescue(self, url: str) -> int:
-        return await self._now().rescue(url)
+    async def rescue(self, url: str, *, streams: bool = True) -> int:
+        return await self._now().rescue(url, streams=streams)
 
     async def in_flight(self) -> dict[str, int]:
         return await self._now().in_flight()

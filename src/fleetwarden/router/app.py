@@ -175,10 +175,11 @@ class Router:
         """``{url: (successes, failures, trailing_failures)}`` since the last drain, then zero."""
         return self.pool.drain_outcomes()
 
-    def rescue(self, url: str) -> int:
+    def rescue(self, url: str, *, streams: bool = True) -> int:
         """Move the requests waiting on ``url`` with nothing sent to their client to other
-        backends, at once. Returns how many were moved."""
-        return self._forwarder.rescue(url)
+        backends, at once, and (``streams``) the streams whose answer has begun there, which
+        go on elsewhere from where they are. Returns how many were moved."""
+        return self._forwarder.rescue(url, streams=streams)
 
     def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request held on ``url`` for ``held_s`` with nothing sent to its client to

@@ -15,7 +15,9 @@ PUT      /serving         ``{"backends": [url, ...],       ``{"serving": [url, .
                           "facts": {url: facts}}``         "facts": {url: facts}}``
 POST     /outcomes/drain  ``{"ack": batch or null}``       ``{"outcomes": {url: [s, f, t]},
                           (optional)                       "batch": id}``
-POST     /rescue          ``{"backend": url}``             ``{"rescued": n}``
+POST     /rescue          ``{"backend": url,               ``{"rescued": n}``
+                          "streams": bool}`` (default
+                          true: streams begun move too)
 POST     /hedge           ``{"backend": url,               ``{"hedged": n}``
                           "held_s": x,
                           "lost_race_fails": b}``
@@ -105,7 +107,7 @@ class RouterControl(Protocol):
     async def set_serving_backends(self, urls: Iterable[str],
                                    facts: Mapping[str, BackendFacts] | None = None) -> None: ...
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
-    async def rescue(self, url: str) -> int: ...
+    async def rescue(self, url: str, *, streams: bool = True) -> int: ...
     async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False
                     ) -> int: ...
     async def in_flight(self) -> dict[str, int]: ...
@@ -183,7 +185,10 @@ def make_control_app(router: Router, token: str) -> web.Application:
         backend = body.get("backend")
         if not isinstance(backend, str):
             raise _bad_request("'backend' must be a URL string")
-        return web.json_response({"rescued": router.rescue(backend)})
+        streams = body.get("streams", True)
+        if not isinstance(streams, bool):
+            raise _bad_request("'streams' must be true or false")
+        return web.json_response({"rescued": router.rescue(backend, streams=streams)})
 
     async def hedge(request: web.Request) -> web.Response:
         body = await _json_object(request)
@@ -382,8 +387,8 @@ class InProcessRouter:
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return self.router.drain_outcomes()
 
-    async def rescue(self, url: str) -> int:
-        return self.router.rescue(url)
+    async def rescue(self, url: str, *, streams: bool = True) -> int:
+        return self.router.rescue(url, streams=streams)
 
     async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         return self.router.hedge(url, held_s, lost_race_fails=lost_race_fails)
@@ -474,8 +479,9 @@ class RemoteRouter:
         self._last_batch = answer.get("batch")
         return {url: (int(s), int(f), int(t)) for url, (s, f, t) in answer["outcomes"].items()}
 
-    async def rescue(self, url: str) -> int:
-        return int((await self._call("POST", "/rescue", {"backend": url}))["rescued"])
+    async def rescue(self, url: str, *, streams: bool = True) -> int:
+        answer = await self._call("POST", "/rescue", {"backend": url, "streams": streams})
+        return int(answer["rescued"])
 
     async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         answer = await self._call("POST", "/hedge", {"backend": url, "held_s": held_s,

@@ -20,6 +20,10 @@ section 4):
   (a 5xx is reported only once the next attempt has shown it is not poison).
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
+* A request held on a backend is one that has received nothing from it: waiting for its head,
+  or a stream with its head and no event since its send or its last event (a stream's head
+  comes at once; its tokens are the evidence). :meth:`Forwarder.silent` reports both alike, so
+  a stream parked on a wedge accuses its engine as fast as a request waiting there does.
 * The controller may also :meth:`Forwarder.hedge` a backend that holds requests while it takes
   no step: each request waiting there long enough with nothing sent to its client is sent to
   another backend as well, and the first answer is the client's; the other attempt is
@@ -30,7 +34,9 @@ section 4):
   stall limit condemns). A hedge takes a token of the
   retry budget while it is in flight, unless its backend is already out of the serving set
   (then, as for a reflex drop, it moves load rather than adding to it). Streams the router
-  continues are never hedged: a rescue continues them.
+  continues are never hedged (two engines cannot write one client's stream): one held as long
+  is moved instead, continued elsewhere at once as a rescue does, and its engine has failed it
+  (``hedged``), as if it had lost the race.
 * A streamed completion or chat whose engine fails it after its first bytes reached the client
   (a crash, a reset, a rescue from a wedge) is continued on another engine with the same
   weights, from the tokens already produced, and spliced into the client's stream
@@ -59,7 +65,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
@@ -135,8 +141,10 @@ class Cause(enum.Enum):
     TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
-    #: It held the request, taking no step, while another engine answered it (a hedge): a lost
-    #: race, not a failure of its engine (out of this router's list until the next push).
+    #: It held the request, taking no step, while another engine answered it (a hedge), or a
+    #: stream was moved off it for that (:meth:`Forwarder.hedge`): a lost race, not a failure
+    #: of its engine (out of this router's list until the next push), unless the hedge said no
+    #: step is in progress there (``lost_race_fails``: a lost core).
     HEDGED = "hedged"
     STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
     #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
@@ -156,7 +164,7 @@ _DESCRIPTIONS = {
     Cause.TIMEOUT: "did not answer within the backend timeout",
     Cause.SERVER_ERROR: "answered with a server error",
     Cause.RESCUED: "was condemned while the request waited on it",
-    Cause.HEDGED: "held the request without a step while another engine answered it",
+    Cause.HEDGED: "held the request without a step while another engine took it over",
     Cause.STREAM_ERROR: "ended the stream with a server error",
     Cause.ABORTED: "aborted the generation",
 }
@@ -224,6 +232,10 @@ class _Stream:
     continuation: Continuation | None = None
     #: The first engine's weight version: a continuation must come from the same weights.
     weight_version: int | None = None
+    #: The backends its attempts went to, and the client's minimum weight version: where it
+    #: could go next (:meth:`Forwarder._elsewhere`).
+    tried: list[str] = field(default_factory=list)
+    min_version: int | None = None
 
     @property
     def began(self) -> bool:
@@ -282,18 +294,27 @@ class _Hold:
     ``async with`` (5 µs a request, measured under uvloop); the same cancel-count rule, so a
     client that leaves at the same moment still ends its handler."""
 
-    __slots__ = ("_cancelling", "_interrupted", "_task")
+    __slots__ = ("_cancelling", "_interrupted", "_task", "since", "stream", "why")
 
-    def __init__(self) -> None:
+    def __init__(self, *, stream: _Stream | None = None, since: float = 0.0) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()
         self._interrupted = False
+        #: The stream the router continues whose wait this is: moved, never hedged.
+        self.stream = stream
+        #: For a stream relayed (:attr:`Forwarder._streaming`): the loop time since which it has
+        #: waited on its engine with nothing received (what :meth:`Forwarder.silent` reports;
+        #: infinity while it is written to its client: then it waits on nobody's engine).
+        self.since = since
+        #: What the attempt ends as when this hold is interrupted.
+        self.why = Cause.RESCUED
 
-    def interrupt(self) -> None:
+    def interrupt(self, why: Cause = Cause.RESCUED) -> None:
         if not self._interrupted:
             self._interrupted = True
+            self.why = why
             self._task.cancel()
 
     def caught(self) -> bool:
@@ -324,7 +345,8 @@ class Forwarder:
         #: The holds whose hedges were sent with ``lost_race_fails`` (:meth:`hedge`).
         self._races_fail: set[_Hold] = set()
         #: Streams being relayed from each backend (their answer has begun): a rescue cuts
-        #: them too, and they go on elsewhere.
+        #: them too, and they go on elsewhere. Each hold's ``since`` is when it last received
+        #: anything: a stream whose engine stopped after its head is held there all the same.
         self._streaming: dict[str, set[_Hold]] = {}
         #: Told of every failed attempt as it happens: (backend, cause). The router's evidence
         #: stream; whoever listens must not raise.
@@ -350,11 +372,15 @@ class Forwarder:
 
     # ------------------------------------------------------------------ control
 
-    def rescue(self, backend: str) -> int:
+    def rescue(self, backend: str, *, streams: bool = True) -> int:
         """Cancel the requests on ``backend``: those waiting with nothing sent to their client
         are re-sent elsewhere at once; streams whose answer has begun go on elsewhere from
-        where they are (or end with an error event where they cannot). Returns how many."""
-        holds = set(self._waiting.pop(backend, {})) | self._streaming.pop(backend, set())
+        where they are (or end with an error event where they cannot). ``streams`` False
+        leaves the streams whose answer has begun to finish there (the trainer's sleep
+        bracket: its engine still works until it is asked to sleep). Returns how many."""
+        holds = set(self._waiting.pop(backend, {}))
+        if streams:
+            holds |= self._streaming.pop(backend, set())
         if not holds:
             return 0
         for hold in holds:
@@ -367,15 +393,19 @@ class Forwarder:
         sent to its client (and is not a stream, nor hedged already) to another backend as
         well; the first answer is the client's. Each hedge takes a retry-budget token while in
         flight unless ``backend`` is out of the serving set; a hedge for which no token or no
-        other backend is left is not sent (a later call may). Returns how many were sent.
+        other backend is left is not sent (a later call may). A stream the router continues,
+        held there as long (waiting for its head, or with no event since), cannot have two
+        engines write to its client: it is moved instead (:meth:`_move_streams`). Returns how
+        many were sent or moved.
 
-        ``lost_race_fails``: a held request that loses its race is a failed attempt of
-        ``backend`` (the caller knows no step is in progress there: a lost core); otherwise it
-        only leaves this router's list until the next push (a long step looks the same as a
-        wedge until it ends)."""
+        ``lost_race_fails``: a held request that loses its race, or a stream moved, is a failed
+        attempt of ``backend`` (the caller knows no step is in progress there: a lost core);
+        otherwise it only leaves this router's list until the next push (a long step looks the
+        same as a wedge until it ends)."""
+        moved = self._move_streams(backend, held_s, lost_race_fails)
         waiting = self._waiting.get(backend)
         if not waiting:
-            return 0
+            return moved
         pool = self.pool
         budget = pool.retry_budget
         free = backend not in pool.serving
@@ -383,7 +413,7 @@ class Forwarder:
         sent = 0
         for scope, (since, context) in list(waiting.items()):
             if context is None or now - since < held_s or scope in self._hedging:
-                continue
+                continue  # a stream (moved above), a hedge's own wait, or not held that long
             request, body, headers, tried, min_version = context
             other = pool.pick([*tried, backend], None, min_version=min_version)
             if other is None:
@@ -409,16 +439,61 @@ class Forwarder:
         self.stats.hedges += sent
         if sent:
             log.info("hedged %d request(s) held on %s", sent, backend)
-        return sent
+        return moved + sent
+
+    def _move_streams(self, backend: str, held_s: float, lost_race_fails: bool) -> int:
+        """Move the streams the router continues that ``backend`` has held for ``held_s`` with
+        nothing received, where another backend could take them: each goes on elsewhere at
+        once, from where it is (from the start if its client has nothing yet), as a rescue
+        moves it. Where a waiting request's hedge
+        would have won the race, the engine held the stream without a step while the fleet
+        moved it: the attempt ends ``hedged``, a lost race (:meth:`forward`), which fails the
+        engine only with ``lost_race_fails``; it moves the load rather than adding to it, so it
+        takes no token of the retry budget."""
+        now = asyncio.get_running_loop().time()
+        waiting = self._waiting.get(backend, {})
+        held = [hold for hold, (since, _) in waiting.items()
+                if hold.stream is not None and now - since >= held_s
+                and self._elsewhere(hold.stream, backend)]
+        for hold in held:
+            del waiting[hold]
+        streaming = self._streaming.get(backend, set())
+        relayed = [hold for hold in streaming
+                   if now - hold.since >= held_s and hold.stream is not None
+                   and self._elsewhere(hold.stream, backend)]
+        streaming.difference_update(relayed)
+        held += relayed
+        for hold in held:
+            hold.interrupt(Cause.HEDGED)
+            if lost_race_fails:
+                self._races_fail.add(hold)
+        if held:
+            self.stats.rescues += len(held)
+            log.info("moved %d stream(s) held on %s with nothing received for %g s", len(held),
+                     backend, held_s)
+        return len(held)
+
+    def _elsewhere(self, stream: _Stream, backend: str) -> bool:
+        """Whether another backend could take ``stream`` off ``backend`` now: where none could,
+        moved it would end (with an error event, or refused), so it waits on, as a request is
+        not hedged where no other backend is left."""
+        exclude = [*stream.tried, backend]
+        if stream.began:
+            return self.pool.pick_same_weights(stream.weight_version, exclude) is not None
+        return self.pool.pick(exclude, min_version=stream.min_version) is not None
 
     def silent(self, after_s: float) -> dict[str, float]:
         """Backends holding a request that has received nothing for at least ``after_s``:
-        ``{backend: seconds the oldest has waited}``."""
+        ``{backend: seconds the oldest has waited}``. A stream counts from its send as a
+        waiting request does, and from each event it receives: one whose engine stops after
+        its head (or mid-answer) is held there, silent, like a request waiting for its head."""
         now = asyncio.get_running_loop().time()
         out: dict[str, float] = {}
-        for backend, waiting in self._waiting.items():
-            if waiting:
-                oldest = now - min(since for since, _ in waiting.values())
+        for backend in self._waiting.keys() | self._streaming.keys():
+            sinces = [since for since, _ in self._waiting.get(backend, {}).values()]
+            sinces += [hold.since for hold in self._streaming.get(backend, ())]
+            if sinces:
+                oldest = now - min(sinces)
                 if oldest >= after_s:
                     out[backend] = oldest
         return out
@@ -500,6 +575,8 @@ class Forwarder:
         held: _Failure | None = None
         try:
             tried: list[str] = []
+            if stream is not None:
+                stream.tried, stream.min_version = tried, min_version
             paid_retries = 0
             last: _Failure | None = None
             resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
@@ -537,6 +614,17 @@ class Forwarder:
                 failure = answer
                 if failure.cause is Cause.RESCUED:
                     resend = ""  # the controller's call: re-sent at once, and no budget spent
+                    last = failure
+                    continue
+                if failure.cause is Cause.HEDGED and stream is not None:
+                    # A stream moved off an engine that held it without a step
+                    # (:meth:`_move_streams`): a lost race, that engine's failure only on a lost
+                    # core; the stream goes on at once, as a rescued one does.
+                    if failure.race_fails:
+                        self._count_failure(failure)
+                    else:
+                        self._lost_race(failure)
+                    resend = ""
                     last = failure
                     continue
                 began = stream is not None and stream.began
@@ -609,7 +697,8 @@ class Forwarder:
         try:
             sent = time.perf_counter()
             answer, hedge = await self._wait_head(backend, request.method, target, body,
-                                                  headers, facts, context)
+                                                  headers, facts, context,
+                                                  stream=stream)
             if hedge is not None:
                 if not isinstance(answer, _Failure):
                     self._drop_hedge(hedge)  # this answer came first
@@ -624,13 +713,14 @@ class Forwarder:
 
     async def _wait_head(self, backend: str, method: str, target: Target, body: bytes,
                          headers: RawHeaders, facts: BackendFacts,
-                         context: _HedgeContext | None,
+                         context: _HedgeContext | None, *, stream: _Stream | None = None,
                          ) -> tuple[Answer | _Failure,
                                     asyncio.Task[_Won | _Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
         ``backend``'s waiting list (a rescue, or the answer of its hedge, ends the wait at
         once). Returns the answer (a 5xx as a failure) and the hedge that was in flight for
-        it when the wait ended, if any."""
+        it when the wait ended, if any. ``stream``: the wait of a stream the router continues
+        (moved, never hedged)."""
         assert self._client is not None, "Forwarder.open() was not awaited"
         waiting = self._waiting.get(backend)
         if waiting is None:
@@ -638,7 +728,7 @@ class Forwarder:
         hedge: asyncio.Task[_Won | _Failure] | None = None
         race_fails = False
         answer: Answer | _Failure
-        hold = _Hold()
+        hold = _Hold(stream=stream)
         waiting[hold] = (asyncio.get_running_loop().time(), context)
         try:
             try:
@@ -660,12 +750,12 @@ class Forwarder:
                 if hedge is not None:
                     self._drop_hedge(hedge)
                 raise
-            # Interrupted: the hedge's answer came first, or a rescue.
+            # Interrupted: the hedge's answer came first, a rescue, or a stream moved.
             if (hedge is not None and hedge.done() and not hedge.cancelled()
                     and isinstance(hedge.result(), _Won)):
                 answer = _Failure(backend, Cause.HEDGED, race_fails=race_fails)
             else:
-                answer = _Failure(backend, Cause.RESCUED)
+                answer = _Failure(backend, hold.why, race_fails=self._race_fails(hold))
         except TimeoutError as exc:  # the backend timeout
             answer = _Failure(backend, _classify(exc))
         except UpstreamError as exc:
@@ -852,7 +942,10 @@ class Forwarder:
             streaming = self._streaming[backend] = set()
         splitter = SseSplitter()
         complete = False
-        hold = _Hold()
+        loop = asyncio.get_running_loop()
+        # Its head is no token: the attempt has waited on the engine since it was sent, as a
+        # request waiting for its head has (:meth:`silent`).
+        hold = _Hold(stream=stream, since=loop.time() - backend_time)
         streaming.add(hold)
         try:
             while True:
@@ -862,6 +955,9 @@ class Forwarder:
                     return _Failure(backend, _classify(exc))
                 if not data:
                     return _Failure(backend, Cause.RESET)  # it ended without [DONE]
+                # Until its events are written, it waits on its client, not on its engine: a
+                # slow reader (the engine done, its answer in buffers) is never held there.
+                hold.since = math.inf
                 for event in splitter.feed(data):
                     outcome, out = splice.on_event(event)
                     if outcome is Outcome.ENGINE_ERROR:
@@ -886,10 +982,12 @@ class Forwarder:
                         with contextlib.suppress(ConnectionError):
                             await response.write_eof()
                         return response
+                hold.since = loop.time()  # waiting on the engine again
         except asyncio.CancelledError:
             if not hold.caught():
                 raise  # the client left
-            return _Failure(backend, Cause.RESCUED)  # a rescue: it goes on elsewhere
+            # rescued or moved: it goes on elsewhere
+            return _Failure(backend, hold.why, race_fails=self._race_fails(hold))
         finally:
             streaming.discard(hold)
             if not complete:
@@ -980,6 +1078,13 @@ class Forwarder:
         self.stats.backend_failed(failure.backend, failure.cause.value)
         if self.on_failure is not None:
             self.on_failure(failure.backend, failure.cause.value)
+
+    def _race_fails(self, hold: _Hold) -> bool:
+        """Whether ``hold`` was moved by a hedge that said a lost race fails its engine (spent)."""
+        if hold in self._races_fail:
+            self._races_fail.discard(hold)
+            return True
+        return False
 
     def _lost_race(self, failure: _Failure) -> None:
         """The held attempt lost the race to its hedge: out of this router's list until the next

@@ -126,7 +126,8 @@ class RouterCollector(Collector):
 
         rescues = CounterMetricFamily(
             "fleetwarden_router_rescues",
-            "Requests taken off a condemned backend before it sent anything, to be re-sent.")
+            "Requests moved off a backend at the controller's word (condemned, asleep, or a "
+            "stream held where nothing steps): re-sent, or continued from their tokens.")
         rescues.add_metric([], s.rescues)
         yield rescues
 

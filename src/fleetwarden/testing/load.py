@@ -6,8 +6,9 @@ Must not: judge the fleet: it measures, the caller asserts or prints.
 Each of ``concurrency`` workers sends one request, waits for its answer, and sends the next,
 until the load is stopped or ``total`` requests were sent. The client is the official
 ``openai`` package with its own retries **off**: a failure the router lets through must be seen,
-never re-sent quietly by the client. Every request carries ``x-request-id: load-N``, so an
-engine's log (and the simulator's ``/sim/stats``) says which requests it served.
+never re-sent quietly by the client. Every request carries ``x-request-id: load-N`` (its
+``id_prefix`` and number), so an engine's log (and the simulator's ``/sim/stats``) says which
+requests it served.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Load:
     pause_after_failure_s: float = 0.0
     #: A request unanswered after this long is a failure (status 0).
     timeout_s: float = 120.0
+    #: Each request's ``x-request-id`` is this and its number: two loads side by side (streams
+    #: and waiting requests, say) are told apart in an engine's log.
+    id_prefix: str = "load-"
     results: list[RequestResult] = field(default_factory=list)
     _sent: int = 0
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -107,7 +111,7 @@ class Load:
             if self.total is not None and self._sent >= self.total:
                 return
             self._sent += 1
-            result = await self._one(f"load-{self._sent}")
+            result = await self._one(f"{self.id_prefix}{self._sent}")
             pause = self.think_s + (0.0 if result.ok else self.pause_after_failure_s)
             if pause:
                 with contextlib.suppress(TimeoutError):
