@@ -240,6 +240,13 @@ class RouterConfig(_Section):
     drain_s: PositiveFloat = _ROUTER.drain_s
     continue_streams: bool = _ROUTER.continue_streams
     continue_answers: bool = _ROUTER.continue_answers
+    max_head_bytes: PositiveInt = _ROUTER.max_head_bytes
+    max_headers: PositiveInt = _ROUTER.max_headers
+    client_head_timeout_s: PositiveFloat = _ROUTER.client_head_timeout_s
+    client_idle_timeout_s: PositiveFloat = _ROUTER.client_idle_timeout_s
+    client_write_timeout_s: PositiveFloat = _ROUTER.client_write_timeout_s
+    max_client_connections: Annotated[int, Field(ge=0)] = _ROUTER.max_client_connections
+    max_error_body_bytes: PositiveInt = _ROUTER.max_error_body_bytes
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
     #: over the control API. They keep serving with the last serving set through
     #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is

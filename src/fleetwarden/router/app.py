@@ -103,7 +103,8 @@ class Router:
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
         self._forwarder.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
-        self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes)
+        self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes,
+                                    settings=s)
         #: The data port's listeners (several: the sockets a replaced router handed over).
         self._listeners: list[asyncio.Server] = []
         self._started = False

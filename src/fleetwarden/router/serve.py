@@ -22,8 +22,19 @@ The rules it keeps, as aiohttp did for the router:
   :class:`BodyTooLarge` (the handler answers 413, and the connection closes after it);
   ``Expect: 100-continue`` is answered as the headers arrive, unless the length announced is
   over the limit.
-* A request that cannot be parsed is answered 400, headers over :data:`MAX_HEAD_BYTES` 431,
-  and the connection is closed.
+* A request that cannot be parsed is answered 400, a head over ``max_head_bytes`` or with more
+  than ``max_headers`` fields 431, and the connection is closed. So is one the router will not
+  read unambiguously (no ``Host`` or two, a target not in origin form, a second ``Connection``
+  header, an ``Upgrade``): 400, in its turn after the answers before it.
+* Trailers are read and dropped, never merged into the headers (the body was already taken).
+* Each connection has one deadline at a time (a sweep, not a timer per request, checks them):
+  its head within ``client_head_timeout_s`` (408), its next request on a kept-alive one within
+  ``client_idle_timeout_s`` (closed), and an answer's writes make progress within
+  ``client_write_timeout_s`` (dropped: its handler is cancelled, the engine aborts).
+* Pipelined requests: the next is read only when there is room (one waits while one is served;
+  reading pauses until it is taken), and ``100 Continue`` goes only to the request being served.
+* At most ``max_client_connections`` connections: past it the longest-idle one is closed to make
+  room, or, when none is idle, the new one is answered 503 and closed.
 * An answer the handler left unfinished is finished (a stream's last chunk), or the connection
   closed where it cannot be (the client then sees an incomplete answer, never a false end).
 """
@@ -33,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import resource
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -43,6 +56,8 @@ from urllib.parse import unquote
 
 import httptools
 
+from fleetwarden.router.settings import RouterSettings
+
 __all__ = ["MAX_HEAD_BYTES", "BodyTooLarge", "Headers", "RawHeaders", "Request", "Response",
            "Server", "StreamResponse", "error_body", "http_url", "listening_url"]
 
@@ -51,8 +66,21 @@ RawHeaders = list[tuple[bytes, bytes]]
 
 log = logging.getLogger("fleetwarden.router")
 
-#: The most bytes a request's line and headers may take (aiohttp's limit was 8190 a line).
-MAX_HEAD_BYTES = 64 * 1024
+_DEFAULTS = RouterSettings()
+#: The most bytes a request's line and headers may take, unless the server is told otherwise.
+MAX_HEAD_BYTES = _DEFAULTS.max_head_bytes
+#: Requests read ahead of the one being served on a pipelining connection. One, as h11's
+#: servers keep it: the next request is ready when its turn comes, and a client that pipelines
+#: without reading its answers holds at most one request's body more, never a queue.
+_READ_AHEAD = 1
+#: Seconds a refused connection is still read (and what comes discarded) after its answer,
+#: before it is closed: closing a socket with unread bytes in it resets the connection, and
+#: the reset can destroy the answer before the client reads it (nginx's ``lingering_close``,
+#: whose ``lingering_timeout`` is 5 s; a refusal is short, so less is enough).
+_LINGER_S = 2.0
+#: The sweep of the connections' deadlines runs this often at most (and at least four times
+#: within the shortest timeout): a deadline holds to within it.
+_SWEEP_EVERY_S = 0.5
 
 
 class BodyTooLarge(Exception):
@@ -117,8 +145,8 @@ class Request:
     """One request as it came: its line and headers, and its body as it arrives."""
 
     __slots__ = ("_body", "_complete", "_connection", "_headers", "_limit", "_size", "_waiter",
-                 "content_length", "keep_alive", "method", "path", "raw_headers", "raw_path",
-                 "too_large", "version")
+                 "content_length", "expects_continue", "keep_alive", "method", "path",
+                 "raw_headers", "raw_path", "too_large", "version")
 
     def __init__(self, connection: _Connection, method: str, raw_path: str,
                  raw_headers: RawHeaders, content_length: int | None, keep_alive: bool,
@@ -138,8 +166,10 @@ class Request:
         self.content_length = content_length
         self._limit = limit
         self.too_large = content_length is not None and content_length > limit
-        self._body: list[bytes] = []
+        self._body = bytearray()
         self._size = 0
+        #: ``Expect: 100-continue`` still to be answered when this request's turn comes.
+        self.expects_continue = False
         self._complete = False
         self._waiter: asyncio.Future[None] | None = None
 
@@ -171,7 +201,7 @@ class Request:
                 self._waiter = None
         if self.too_large:
             raise BodyTooLarge()
-        return self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        return bytes(self._body)
 
     def _feed(self, data: bytes) -> None:
         if self.too_large:
@@ -179,10 +209,12 @@ class Request:
         self._size += len(data)
         if self._size > self._limit:
             self.too_large = True
-            self._body.clear()
+            self._body = bytearray()
             self._wake()
             return
-        self._body.append(data)
+        # One growing buffer, not a list of pieces: a body sent as 2-byte chunks would cost a
+        # bytes object (~35 bytes) per 2 bytes kept.
+        self._body += data
 
     def _end(self) -> None:
         self._complete = True
@@ -312,16 +344,31 @@ Handler = Callable[[Request], Awaitable[StreamResponse]]
 
 
 class Server:
-    """The protocol factory for one router's listeners: every connection, and what it serves
-    with."""
+    """The protocol factory for one router's listeners: every connection, what it serves
+    with, and the limits each connection is held to (``settings``: the router's)."""
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int) -> None:
+    def __init__(self, handler: Handler, *, max_body_bytes: int,
+                 settings: RouterSettings = _DEFAULTS) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        self.max_head_bytes = settings.max_head_bytes
+        self.max_headers = settings.max_headers
+        self.head_timeout_s = settings.client_head_timeout_s
+        self.idle_timeout_s = settings.client_idle_timeout_s
+        self.write_timeout_s = settings.client_write_timeout_s
+        self.max_connections = settings.max_client_connections or _half_the_open_file_limit()
         self.connections: set[_Connection] = set()
         #: Every answer from now on says ``Connection: close``, and its connection closes after
         #: it (a drain: the client's next request goes to another router).
         self.draining = False
+        #: Connections the server ended itself, by reason (the limits at work: read by the
+        #: router's stats and by the tests).
+        self.closed_for: dict[str, int] = dict.fromkeys(
+            ("head_timeout", "idle_timeout", "write_timeout", "over_capacity", "evicted_idle",
+             "head_too_large", "refused"), 0)
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_every_s = min(_SWEEP_EVERY_S, self.head_timeout_s / 4,
+                                  self.idle_timeout_s / 4, self.write_timeout_s / 4)
 
     def __call__(self) -> _Connection:
         return _Connection(self)
@@ -344,6 +391,52 @@ class Server:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+
+    # -- the connections' deadlines
+    def _admit(self, connection: _Connection) -> bool:
+        """Whether ``connection`` may be served: under the cap, or once the longest-idle
+        connection made room (an idle one costs a descriptor and serves nobody)."""
+        if len(self.connections) >= self.max_connections:
+            idle = [c for c in self.connections if c.idle]
+            if not idle:
+                self.closed_for["over_capacity"] += 1
+                return False
+            oldest = min(idle, key=lambda c: c.idle_since)
+            self.closed_for["evicted_idle"] += 1
+            oldest.abort()
+            self.connections.discard(oldest)
+        self.connections.add(connection)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self._sweep_every_s,
+                                                                self._sweep_deadlines)
+        return True
+
+    def _sweep_deadlines(self) -> None:
+        """End what is past its deadline; again while any connection is open."""
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        for connection in [c for c in self.connections
+                           if c.deadline <= now or c.write_deadline <= now]:
+            connection.expire(now)
+        if self.connections:
+            self._sweep = asyncio.get_running_loop().call_later(self._sweep_every_s,
+                                                                self._sweep_deadlines)
+
+
+def _half_the_open_file_limit() -> int:
+    """Half the process's soft ``RLIMIT_NOFILE``: the other half is for its engine
+    connections (one per request in flight) and its own files."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, soft // 2)
+
+
+#: What a connection's single deadline is for (:attr:`_Connection.deadline`).
+_HEAD, _IDLE, _LINGER, _NONE = "head", "idle", "linger", "none"
 
 
 class _Connection(asyncio.Protocol):
@@ -353,22 +446,38 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self.queue: deque[Request] = deque()
+        #: Requests in their turn; a refusal (an answer that ends the connection) in its place.
+        self.queue: deque[Request | Response] = deque()
         self.task: asyncio.Task[None] | None = None
         self.parsing: Request | None = None
         self.close_after = False
         self._url: list[bytes] = []
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        #: Bytes fed while a head is being read (the parser buffers a partial line itself).
         self._head_bytes = 0
+        #: Between two requests' heads: the next bytes begin a head (trailers aside).
+        self._in_head = True
         self._writable: asyncio.Future[None] | None = None
         self._paused = False
+        self._reading_paused = False
         self._broken = False
+        #: The one deadline of the connection's read side and what it is for; ``write_deadline``
+        #: is the write side's while the client does not read (``inf``: none).
+        self.deadline = math.inf
+        self.deadline_for = _NONE
+        self.write_deadline = math.inf
+        self.idle_since = 0.0
 
-    # -- what the drain reads
+    # -- what the drain and the cap read
     @property
     def busy(self) -> bool:
         """A request is being served or waits its turn on this connection (or is arriving)."""
         return self.task is not None or bool(self.queue) or self.parsing is not None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing served, nothing of a request received: closing it loses nobody anything."""
+        return not self.busy and self._head_bytes == 0 and not self._broken
 
     def close_idle(self) -> None:
         if not self.busy and self.transport is not None:
@@ -378,14 +487,56 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def expire(self, now: float) -> None:
+        """A deadline passed (the server's sweep)."""
+        if self.write_deadline <= now:
+            # The client stopped reading: let it go. Its handler is cancelled as the connection
+            # is lost, and the engine's request with it; nothing is counted against the engine.
+            self.server.closed_for["write_timeout"] += 1
+            self.write_deadline = math.inf
+            self.abort()
+            return
+        what, self.deadline, self.deadline_for = self.deadline_for, math.inf, _NONE
+        if what == _IDLE:
+            self.server.closed_for["idle_timeout"] += 1
+            if self.transport is not None:
+                self.transport.close()
+        elif what == _LINGER:
+            self.abort()
+        elif what == _HEAD:
+            self.server.closed_for["head_timeout"] += 1
+            self._refuse(408, "The request's head did not arrive within "
+                         f"{self.server.head_timeout_s:g} s.", "request_timeout", "head_timeout")
+
+    def _wait_for(self, what: str, timeout_s: float) -> None:
+        now = asyncio.get_running_loop().time()
+        self.deadline, self.deadline_for = now + timeout_s, what
+        if what == _IDLE:
+            self.idle_since = now
+
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.server.connections.add(self)
+        if not self.server._admit(self):
+            body = error_body(503, "The router holds as many connections as it may; try again "
+                              "later.", "over_capacity")
+            response = Response(503, body=body, content_type="application/json")
+            self._broken = True
+            self._linger(_head(response, b"Content-Length: %d\r\n" % len(body), True) + body,
+                         timer=True)
+            return
+        # A new connection is idle until its first byte; its first head is due within the head
+        # timeout all the same (a connection that never sends is a slowloris too).
+        self._wait_for(_HEAD, self.server.head_timeout_s)
+        self.idle_since = self.deadline - self.server.head_timeout_s
 
     def data_received(self, data: bytes) -> None:
         if self._broken:
             return
+        if self._in_head:
+            if self.deadline_for == _IDLE:  # the first byte of the next request
+                self._wait_for(_HEAD, self.server.head_timeout_s)
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -393,6 +544,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if not self._broken:
                 self._refuse(400, f"Malformed HTTP request: {exc}.", "invalid_request_error")
+        else:
+            # llhttp keeps a line that has not ended itself, without bound: the bytes fed
+            # since the head began are what it holds.
+            if self._in_head and self._head_bytes > self.server.max_head_bytes:
+                self._too_large_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -407,9 +563,12 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._paused = True
+        self.write_deadline = (asyncio.get_running_loop().time()
+                               + self.server.write_timeout_s)
 
     def resume_writing(self) -> None:
         self._paused = False
+        self.write_deadline = math.inf  # the client read: progress
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
@@ -417,42 +576,60 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = []
         self._raw_headers = []
-        self._head_bytes = 0
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
-        self._head_bytes += len(url)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse(431, "The request line and headers are too large.",
-                         "request_header_fields_too_large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head or self._broken:
+            return  # a trailer (after a chunked body): read and dropped, never a header
         self._raw_headers.append((name, value))
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse(431, "The request line and headers are too large.",
-                         "request_header_fields_too_large")
+        if len(self._raw_headers) > self.server.max_headers:
+            self._refuse(431, f"More than {self.server.max_headers} header fields.",
+                         "request_header_fields_too_large", "head_too_large")
 
     def on_headers_complete(self) -> None:
         if self._broken:
             return
+        self._in_head = False
+        self.deadline, self.deadline_for = math.inf, _NONE  # the body's time is the handler's
         parser = self.parser
         raw = self._raw_headers
+        url = b"".join(self._url)
+        if len(url) + sum(len(k) + len(v) + 4 for k, v in raw) > self.server.max_head_bytes:
+            self._too_large_head()
+            return
         length: int | None = None
         expect = False
+        hosts = connections = 0
+        upgrade = False
         for name, value in raw:
             lowered = name.lower()
             if lowered == b"content-length":
                 length = int(value) if value.isdigit() else None
+            elif lowered == b"host":
+                hosts += 1
+            elif lowered == b"connection":
+                connections += 1
             elif lowered == b"expect":
                 expect = value.lower() == b"100-continue"
+            elif lowered == b"upgrade":
+                upgrade = True
+        version = parser.get_http_version()
+        problem = _ambiguity(url, version, hosts, connections, upgrade)
+        if problem is not None:
+            self._refuse(400, problem, "invalid_request_error")
+            return
         request = Request(self, parser.get_method().decode("ascii"),
-                          b"".join(self._url).decode("ascii", "surrogateescape"), raw, length,
-                          parser.should_keep_alive(), parser.get_http_version(),
-                          self.server.max_body_bytes)
+                          url.decode("ascii", "surrogateescape"), raw, length,
+                          parser.should_keep_alive(), version, self.server.max_body_bytes)
         self.parsing = request
-        if expect and not request.too_large and request.version == "1.1":
-            self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if expect and not request.too_large and version == "1.1":
+            if self.task is None and not self.queue:
+                self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:  # an answer is being written: a 100 now would land inside it
+                request.expects_continue = True
         self.queue.append(request)
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
@@ -464,8 +641,15 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self.parsing
         self.parsing = None
+        self._in_head = True
+        self._head_bytes = 0
         if request is not None:
             request._end()
+        if len(self.queue) > _READ_AHEAD and not self._reading_paused \
+                and self.transport is not None and not self.transport.is_closing():
+            # Enough is waiting its turn: the next request is read when there is room.
+            self._reading_paused = True
+            self.transport.pause_reading()
 
     # -- serving
     def closing(self, request: Request) -> bool:
@@ -487,10 +671,24 @@ class _Connection(asyncio.Protocol):
                 self._writable = asyncio.get_running_loop().create_future()
             await self._writable
 
+    def _take(self) -> Request | Response:
+        """The next in its turn; reading resumes once there is room again."""
+        item = self.queue.popleft()
+        if self._reading_paused and len(self.queue) < _READ_AHEAD and not self._broken \
+                and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return item
+
     async def _serve(self) -> None:
         try:
             while self.queue and self.transport is not None:
-                request = self.queue.popleft()
+                request = self._take()
+                if isinstance(request, Response):  # a refusal in its turn: said, then closed
+                    self._linger(request.body)
+                    return
+                if request.expects_continue and not request._complete:
+                    self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
                 try:
                     response = await self.server.handler(request)
                 except (asyncio.CancelledError, ConnectionError):
@@ -520,19 +718,81 @@ class _Connection(asyncio.Protocol):
             self.task = None
             if self.queue and self.transport is not None:  # came while this one ended
                 self.task = asyncio.get_running_loop().create_task(self._serve())
+            elif not self.busy and self._in_head and not self._broken:
+                # Answered: the next request is awaited for the idle timeout, or, when some of
+                # its head is here already, for the head timeout.
+                if self._head_bytes:
+                    self._wait_for(_HEAD, self.server.head_timeout_s)
+                else:
+                    self._wait_for(_IDLE, self.server.idle_timeout_s)
 
-    def _refuse(self, status: int, message: str, error_type: str) -> None:
-        """Answer a request that cannot be served at all, and close."""
-        self._broken = True
-        transport = self.transport
-        if transport is None or transport.is_closing() or self.task is not None:
-            if transport is not None:
-                transport.close()  # mid-answer: nothing more can be said on it
+    def _too_large_head(self) -> None:
+        self._refuse(431, f"The request line and headers are over {self.server.max_head_bytes} "
+                     "bytes.", "request_header_fields_too_large", "head_too_large")
+
+    def _refuse(self, status: int, message: str, error_type: str,
+                reason: str = "refused") -> None:
+        """Answer a request that cannot be served at all, in its turn (after the answers to
+        the requests before it), and close. Nothing more is read from the connection."""
+        if self._broken:
             return
+        self._broken = True
+        if reason != "head_timeout":
+            self.server.closed_for[reason] += 1
+        self.deadline, self.deadline_for = math.inf, _NONE
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not self._reading_paused:
+            self._reading_paused = True
+            transport.pause_reading()
         body = error_body(status, message, error_type)
         response = Response(status, body=body, content_type="application/json")
-        transport.write(_head(response, b"Content-Length: %d\r\n" % len(body), True) + body)
-        transport.close()
+        response.body = _head(response, b"Content-Length: %d\r\n" % len(body), True) + body
+        if self.task is None and not self.queue:
+            self._linger(response.body)
+        else:
+            self.queue.append(response)
+
+    def _linger(self, answer: bytes, *, timer: bool = False) -> None:
+        """Send the last ``answer``, end the writing side, and read (discarding) until the
+        client closes or :data:`_LINGER_S` passes: a close with unread bytes would reset the
+        connection, and the reset can destroy the answer before the client reads it.
+        ``timer``: the connection is not in the server's sweep (over the cap), so the close
+        has a timer of its own."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(answer)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if timer:
+            asyncio.get_running_loop().call_later(_LINGER_S, transport.abort)
+        else:
+            self._wait_for(_LINGER, _LINGER_S)
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+
+
+def _ambiguity(url: bytes, version: str, hosts: int, connections: int,
+               upgrade: bool) -> str | None:
+    """Why a parsed request is refused rather than read one way of two (RFC 9112 section 3.2:
+    a 1.1 request without exactly one Host is answered 400), or ``None``."""
+    if version == "1.1" and hosts != 1:
+        return ("An HTTP/1.1 request needs exactly one Host header, got "
+                f"{hosts}.")
+    if hosts > 1:
+        return f"A request may carry one Host header, got {hosts}."
+    if not url.startswith(b"/"):
+        return "The request target must be a path (origin form): the router is not a proxy."
+    if connections > 1:
+        return "A request may carry one Connection header: two can be read two ways."
+    if upgrade:
+        return "Protocol upgrades (h2c, WebSocket) are not served here: HTTP/1.1 only."
+    return None
 
 
 def http_url(host: str, port: int) -> str:

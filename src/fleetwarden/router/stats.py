@@ -42,8 +42,8 @@ class RouterStats:
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
                  "backend_failures", "continuations", "hedges", "hedges_won",
-                 "poison_requests", "requests", "rescues", "responses", "retries",
-                 "streams_ended")
+                 "local_exhaustion", "poison_requests", "requests", "rescues", "responses",
+                 "retries", "streams_ended")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -61,6 +61,9 @@ class RouterStats:
         self.hedges = 0
         self.hedges_won = 0
         self.poison_requests = 0
+        #: Requests answered 503 because the router itself was out of descriptors or buffers
+        #: (never counted against an engine).
+        self.local_exhaustion = 0
         #: mode ("tokens": exact, from token ids; "text": from the text so far) -> streams
         #: continued on another engine after theirs failed them mid-answer
         self.continuations: dict[str, int] = {"tokens": 0, "text": 0}
@@ -149,6 +152,13 @@ class RouterCollector(Collector):
             "was counted before the retry).")
         poison.add_metric([], s.poison_requests)
         yield poison
+
+        exhausted = CounterMetricFamily(
+            "fleetwarden_router_local_exhaustion",
+            "Requests answered 503 because the router was out of file descriptors or buffers "
+            "when connecting to an engine: the router's trouble, never counted against one.")
+        exhausted.add_metric([], s.local_exhaustion)
+        yield exhausted
 
         continuations = CounterMetricFamily(
             "fleetwarden_router_continuations",
