@@ -326,6 +326,11 @@ TABLE = {
                                    b"Connection: keep-alive\r\nConnection: close\r\n\r\n", 400),
     "a 4,300-digit version header": (
         post("x", extra=b"x-fleetwarden-min-weight-version: " + b"9" * 4300 + b"\r\n"), 400),
+    "Transfer-Encoding: gzip, chunked": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: gzip, chunked\r\n"
+        b"\r\n2\r\n{}\r\n0\r\n\r\n", 501),
+    "a bad chunk size": (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n2g\r\n{}\r\n0\r\n\r\n", 400),
     "deeply nested JSON": (
         b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 200011\r\n\r\n"
         b'{"stream": true, "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),

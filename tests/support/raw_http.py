@@ -91,6 +91,8 @@ class RawEngine:
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
+        except asyncio.CancelledError:
+            pass  # the engine stops (its server closes): this connection ends with it
         finally:
             self.disconnects += 1
             writer.close()

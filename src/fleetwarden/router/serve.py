@@ -58,8 +58,8 @@ import httptools
 
 from fleetwarden.router.settings import RouterSettings
 
-__all__ = ["MAX_HEAD_BYTES", "BodyTooLarge", "Headers", "RawHeaders", "Request", "Response",
-           "Server", "StreamResponse", "error_body", "http_url", "listening_url"]
+__all__ = ["MAX_HEAD_BYTES", "BodyTooLarge", "Headers", "MalformedBody", "RawHeaders", "Request",
+           "Response", "Server", "StreamResponse", "error_body", "http_url", "listening_url"]
 
 #: Headers as they go on the wire: (name, value) bytes, in order, names as sent.
 RawHeaders = list[tuple[bytes, bytes]]
@@ -85,6 +85,12 @@ _SWEEP_EVERY_S = 0.5
 
 class BodyTooLarge(Exception):
     """The request's body is larger than the router takes."""
+
+
+class MalformedBody(ConnectionError):
+    """The request's body cannot be parsed (a bad chunk): nothing more is read from its
+    connection, which ends with a 400 (a connection error, so a handler that reads the body
+    ends as if the client had gone, and the refusal is said in its place)."""
 
 
 def error_body(status: int, message: str, error_type: str, **extra: object) -> bytes:
@@ -144,7 +150,8 @@ class Headers(Mapping[str, str]):
 class Request:
     """One request as it came: its line and headers, and its body as it arrives."""
 
-    __slots__ = ("_body", "_complete", "_connection", "_headers", "_limit", "_size", "_waiter",
+    __slots__ = ("_body", "_complete", "_connection", "_headers", "_limit", "_malformed", "_size",
+                 "_waiter",
                  "content_length", "expects_continue", "keep_alive", "method", "path",
                  "raw_headers", "raw_path", "too_large", "version")
 
@@ -171,6 +178,7 @@ class Request:
         #: ``Expect: 100-continue`` still to be answered when this request's turn comes.
         self.expects_continue = False
         self._complete = False
+        self._malformed = False
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -194,6 +202,8 @@ class Request:
     async def read(self) -> bytes:
         """The whole body. Raises :class:`BodyTooLarge` past the router's limit."""
         while not self._complete and not self.too_large:
+            if self._malformed:
+                raise MalformedBody("the request's body cannot be parsed")
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -604,6 +614,7 @@ class _Connection(asyncio.Protocol):
         expect = False
         hosts = connections = 0
         upgrade = False
+        coding = None
         for name, value in raw:
             lowered = name.lower()
             if lowered == b"content-length":
@@ -616,6 +627,14 @@ class _Connection(asyncio.Protocol):
                 expect = value.lower() == b"100-continue"
             elif lowered == b"upgrade":
                 upgrade = True
+            elif lowered == b"transfer-encoding":
+                coding = value if coding is None else coding + b"," + value
+        if coding is not None and coding.strip().lower() != b"chunked":
+            # A coding the router would have to undo before it re-frames the body (RFC 9112
+            # section 6.1: 501); llhttp takes "gzip, chunked" as chunked and would pass gzip on.
+            self._refuse(501, "Transfer-Encoding other than chunked is not served here.",
+                         "not_implemented")
+            return
         version = parser.get_http_version()
         problem = _ambiguity(url, version, hosts, connections, upgrade)
         if problem is not None:
@@ -740,6 +759,9 @@ class _Connection(asyncio.Protocol):
         if reason != "head_timeout":
             self.server.closed_for[reason] += 1
         self.deadline, self.deadline_for = math.inf, _NONE
+        if self.parsing is not None:  # its handler may wait for the rest of its body
+            self.parsing._malformed = True
+            self.parsing._wake()
         transport = self.transport
         if transport is None or transport.is_closing():
             return
