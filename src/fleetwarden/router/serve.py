@@ -71,7 +71,9 @@ _DEFAULTS = RouterSettings()
 MAX_HEAD_BYTES = _DEFAULTS.max_head_bytes
 #: Requests read ahead of the one being served on a pipelining connection. One, as h11's
 #: servers keep it: the next request is ready when its turn comes, and a client that pipelines
-#: without reading its answers holds at most one request's body more, never a queue.
+#: without reading its answers holds at most one request's body more, never a queue. (What
+#: one read of the socket brought is parsed whole: llhttp cannot stop inside it. So the
+#: read-ahead is one request or one read, 256 KiB at most, whichever is more.)
 _READ_AHEAD = 1
 #: Seconds a refused connection is still read (and what comes discarded) after its answer,
 #: before it is closed: closing a socket with unread bytes in it resets the connection, and
