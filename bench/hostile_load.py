@@ -78,8 +78,8 @@ async def _attack(host: str, port: int, attackers: int, pipeliners: int) -> None
                         await writer.drain()
                 else:  # silent
                     await reader.read()
-            except (OSError, asyncio.IncompleteReadError):
-                pass
+            except (OSError, asyncio.IncompleteReadError, RuntimeError):
+                pass  # let go by the router (uvloop says so with a RuntimeError on write)
             finally:
                 writer.close()
 

@@ -309,7 +309,6 @@ class _Connection(asyncio.Protocol):
         #: itself) and its fields so far.
         self._in_head = True
         self._head_bytes = 0
-        self._headers = 0
         #: The head just parsed was an interim (1xx) one: its end is not the answer's.
         self._interim = False
 
@@ -330,8 +329,13 @@ class _Connection(asyncio.Protocol):
                 self.answer._fail(Disconnected(f"malformed answer from the backend: {exc}"))
             self.abort()
             return
-        if self._in_head and self._head_bytes > self.client.max_head_bytes:
-            self._broken(f"a head over {self.client.max_head_bytes} bytes")
+        if self._in_head and self.answer is not None:  # a head still arriving: within limits?
+            # Counted once a read, not once a header: a head that never ends has no end to be
+            # counted at, and a read holds at most 256 KiB of it.
+            if self._head_bytes > self.client.max_head_bytes:
+                self._broken(f"a head over {self.client.max_head_bytes} bytes")
+            elif len(self.answer.raw_headers) > self.client.max_headers:
+                self._broken(f"more than {self.client.max_headers} header fields")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -356,29 +360,23 @@ class _Connection(asyncio.Protocol):
         self.abort()
 
     # -- httptools callbacks
-    def on_message_begin(self) -> None:
-        self._in_head = True
-        self._headers = 0
-
     def on_status(self, status: bytes) -> None:
         if self.answer is not None:
             self.answer.reason += status.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         answer = self.answer
-        if answer is None or not self._in_head:
-            return  # a trailer: read and dropped, never merged into the headers
-        self._headers += 1
-        if self._headers > self.client.max_headers:
-            self._broken(f"more than {self.client.max_headers} header fields")
-            return
-        answer.raw_headers.append((name, value))
+        if answer is not None and self._in_head:  # else a trailer: dropped, never merged
+            answer.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         answer = self.answer
         if answer is None:
             return  # broken off inside this very feed
         self._in_head = False
+        if len(answer.raw_headers) > self.client.max_headers:
+            self._broken(f"more than {self.client.max_headers} header fields")
+            return
         status = self.parser.get_status_code()
         if 100 <= status < 200:
             if status == 101:  # nothing asked for an upgrade: what follows is not HTTP/1.1
