@@ -173,6 +173,28 @@ async def test_a_header_line_that_never_ends_is_answered_431_before_it_is_buffer
         assert router._server.closed_for["head_too_large"] == 1
 
 
+def _send_all_then_read(port: int, data: bytes) -> tuple[str, bytes]:
+    """As a blocking client library does: send the whole request, then read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            sock.sendall(data)
+        except OSError as exc:
+            return f"the send failed: {exc!r}", b""
+        return "sent", sock.recv(65536)
+
+
+async def test_a_refused_client_can_finish_sending_and_read_its_answer() -> None:
+    # A client library that sends its whole request before it reads (http.client does) never
+    # sees the 431 if the router closes on unread bytes: the close resets the connection and
+    # its send fails. The router reads (and drops) what comes after its answer for a while.
+    async with fleet(RawEngine()) as router:
+        for _ in range(3):
+            sent, answer = await asyncio.to_thread(
+                _send_all_then_read, router.port,
+                b"GET /v1/models HTTP/1.1\r\nHost: r\r\nX-Long: " + b"a" * (16 << 20))
+            assert sent == "sent" and answer.startswith(b"HTTP/1.1 431 ")
+
+
 async def test_a_body_of_2_byte_chunks_costs_its_size_not_20_times_it() -> None:
     class Quiet:
         transport = None

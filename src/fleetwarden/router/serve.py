@@ -76,9 +76,10 @@ MAX_HEAD_BYTES = _DEFAULTS.max_head_bytes
 #: read-ahead is one request or one read, 256 KiB at most, whichever is more.)
 _READ_AHEAD = 1
 #: Seconds a refused connection is still read (and what comes discarded) after its answer,
-#: before it is closed: closing a socket with unread bytes in it resets the connection, and
-#: the reset can destroy the answer before the client reads it (nginx's ``lingering_close``,
-#: whose ``lingering_timeout`` is 5 s; a refusal is short, so less is enough).
+#: before it is closed: closing a socket with unread bytes in it resets the connection, the
+#: client's send then fails, and a client that sends its whole request before it reads
+#: (http.client does) never sees the answer (nginx's ``lingering_close``, whose
+#: ``lingering_timeout`` is 5 s; a refusal is short, so less is enough).
 _LINGER_S = 2.0
 #: The sweep of the connections' deadlines runs this often at most (and at least four times
 #: within the shortest timeout): a deadline holds to within it.
@@ -804,7 +805,7 @@ class _Connection(asyncio.Protocol):
     def _linger(self, answer: bytes, *, timer: bool = False) -> None:
         """Send the last ``answer``, end the writing side, and read (discarding) until the
         client closes or :data:`_LINGER_S` passes: a close with unread bytes would reset the
-        connection, and the reset can destroy the answer before the client reads it.
+        connection, and a client still sending would fail before it reads the answer.
         ``timer``: the connection is not in the server's sweep (over the cap), so the close
         has a timer of its own."""
         transport = self.transport
