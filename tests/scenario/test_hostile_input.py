@@ -264,6 +264,10 @@ async def test_a_silent_connection_an_idle_one_and_a_slowloris_are_closed_in_tim
             c.close()
         assert router._server.closed_for["head_timeout"] == 2
         assert router._server.closed_for["idle_timeout"] == 1
+        metrics = await exchange(router, b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert metrics is not None
+        assert (b'fleetwarden_router_connections_closed_total{reason="head_timeout"} 2.0'
+                in metrics.body)
 
 
 async def test_a_client_that_stops_reading_is_dropped_and_its_engine_is_not_blamed() -> None:

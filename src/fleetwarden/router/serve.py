@@ -367,7 +367,8 @@ class Server:
     with, and the limits each connection is held to (``settings``: the router's)."""
 
     def __init__(self, handler: Handler, *, max_body_bytes: int,
-                 settings: RouterSettings = _DEFAULTS) -> None:
+                 settings: RouterSettings = _DEFAULTS,
+                 closed_for: dict[str, int] | None = None) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.max_head_bytes = settings.max_head_bytes
@@ -380,11 +381,12 @@ class Server:
         #: Every answer from now on says ``Connection: close``, and its connection closes after
         #: it (a drain: the client's next request goes to another router).
         self.draining = False
-        #: Connections the server ended itself, by reason (the limits at work: read by the
-        #: router's stats and by the tests).
-        self.closed_for: dict[str, int] = dict.fromkeys(
-            ("head_timeout", "idle_timeout", "write_timeout", "over_capacity", "evicted_idle",
-             "head_too_large", "refused"), 0)
+        #: Connections the server ended itself, by reason (the limits at work: the router's
+        #: stats pass theirs, which its /metrics shows).
+        self.closed_for: dict[str, int] = {} if closed_for is None else closed_for
+        for reason in ("head_timeout", "idle_timeout", "write_timeout", "over_capacity",
+                       "evicted_idle", "head_too_large", "refused"):
+            self.closed_for.setdefault(reason, 0)
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_every_s = min(_SWEEP_EVERY_S, self.head_timeout_s / 4,
                                   self.idle_timeout_s / 4, self.write_timeout_s / 4)
