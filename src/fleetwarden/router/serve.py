@@ -31,8 +31,9 @@ The rules it keeps, as aiohttp did for the router:
   its head within ``client_head_timeout_s`` (408), its next request on a kept-alive one within
   ``client_idle_timeout_s`` (closed), and an answer's writes make progress within
   ``client_write_timeout_s`` (dropped: its handler is cancelled, the engine aborts).
-* Pipelined requests: the next is read only when there is room (one waits while one is served;
-  reading pauses until it is taken), and ``100 Continue`` goes only to the request being served.
+* Pipelined requests: the next is read only when there is room (reading pauses once more than
+  one waits its turn, and resumes as they are taken), and ``100 Continue`` goes only to the
+  request being served.
 * At most ``max_client_connections`` connections: past it the longest-idle one is closed to make
   room, or, when none is idle, the new one is answered 503 and closed.
 * An answer the handler left unfinished is finished (a stream's last chunk), or the connection
@@ -69,11 +70,12 @@ log = logging.getLogger("fleetwarden.router")
 _DEFAULTS = RouterSettings()
 #: The most bytes a request's line and headers may take, unless the server is told otherwise.
 MAX_HEAD_BYTES = _DEFAULTS.max_head_bytes
-#: Requests read ahead of the one being served on a pipelining connection. One, as h11's
-#: servers keep it: the next request is ready when its turn comes, and a client that pipelines
-#: without reading its answers holds at most one request's body more, never a queue. (What
-#: one read of the socket brought is parsed whole: llhttp cannot stop inside it. So the
-#: read-ahead is one request or one read, 256 KiB at most, whichever is more.)
+#: Reading pauses once more than this many requests wait their turn on a connection (the one
+#: being served not counted once its handler has taken it). One: the next request is ready
+#: when its turn comes, and a client that pipelines without reading its answers holds a
+#: request or two more, never a queue (h11's servers read nothing past the request being
+#: served). What one read of the socket brought is parsed whole (llhttp cannot stop inside
+#: it), so a read of small requests, 256 KiB at most, may queue more before the pause.
 _READ_AHEAD = 1
 #: Seconds a refused connection is still read (and what comes discarded) after its answer,
 #: before it is closed: closing a socket with unread bytes in it resets the connection, the
