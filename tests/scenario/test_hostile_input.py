@@ -237,7 +237,7 @@ async def test_pipelined_requests_are_read_only_when_there_is_room() -> None:
 
 
 async def test_a_silent_connection_an_idle_one_and_a_slowloris_are_closed_in_time() -> None:
-    async with fleet(RawEngine(), client_head_timeout_s=0.5,
+    async with fleet(RawEngine(), client_head_timeout_s=1.0,
                      client_idle_timeout_s=0.5) as router:
         silent = await Client.connect(router)
         clear_error(await silent.answer(timeout_s=5), 408)
