@@ -7,12 +7,14 @@ connections, closed loop). The same backend is measured directly and through eac
 one run, and the figures are printed side by side.
 
     python bench/router_overhead.py [--requests 4000] [--seconds 6] [--peer sglang-router]
-                                    [--workers 1 --workers 2]
+                                    [--workers 1 --workers 2] [--baseline /path/to/src]
 
 ``--peer sglang-router`` also measures sglang-router 0.3.2, installed on first use into its own
 virtual environment under ``~/.cache/fleetwarden/bench-venvs/``. ``--workers N`` also measures
 the router as ``fleetwarden up`` runs it: ``--backend`` (attach mode, the controller watching
 the backend) with ``--router-workers N``, N router processes sharing the port.
+``--baseline SRC`` also measures ``fleetwarden route`` from another checkout's ``src`` (e.g. the
+main branch's, before a change), in the same run: a change's cost, side by side.
 
 Beside latency and throughput, each path's CPU per request at concurrency 64: the CPU time
 (user + system, all threads, read from /proc) of the router's processes, the process and every
@@ -259,6 +261,8 @@ def main() -> None:
     parser.add_argument("--peer", choices=["sglang-router"], action="append", default=[])
     parser.add_argument("--workers", type=int, action="append", default=[],
                         help="also measure `fleetwarden up --router-workers N` (repeatable)")
+    parser.add_argument("--baseline", type=Path, action="append", default=[],
+                        help="also measure `fleetwarden route` from this src folder")
     args = parser.parse_args()
     _loop_policy()
     if args.role == "backend":
@@ -282,6 +286,15 @@ def main() -> None:
             line = router.stdout.readline()
             targets["fleetwarden route"] = line.split(" on ", 1)[1].split(",")[0]
             pids["fleetwarden route"] = router.pid
+            for src in args.baseline:
+                env = {**os.environ, "PYTHONPATH": str(src.resolve())}
+                base = stack.enter_context(process(
+                    [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
+                     "--backend", backend_url, "--log-level", "error"], env=env))
+                assert base.stdout is not None
+                name = f"fleetwarden route (baseline {src})"
+                targets[name] = base.stdout.readline().split(" on ", 1)[1].split(",")[0]
+                pids[name] = base.pid
             for workers in args.workers:
                 folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
                 port = free_port()

@@ -275,6 +275,25 @@ class RouterConfig(_Section):
     drain_s: PositiveFloat = _ROUTER.drain_s
     continue_streams: bool = _ROUTER.continue_streams
     continue_answers: bool = _ROUTER.continue_answers
+    # The data port's limits (docs/design.md 4.2; each default's source in router/settings.py).
+    #: Request line + headers, and an engine's head (Envoy's 60 KiB): past it, 431.
+    max_head_bytes: PositiveInt = _ROUTER.max_head_bytes
+    #: Header fields in one head, both sides (Envoy's 100): past it, 431.
+    max_headers: PositiveInt = _ROUTER.max_headers
+    #: Connect (or a request's first byte) to the end of its head (HAProxy's timeout
+    #: http-request): past it, 408. Ends silent connections and slowloris heads.
+    client_head_timeout_s: PositiveFloat = _ROUTER.client_head_timeout_s
+    #: A kept-alive connection's wait for its next request (uvicorn's 5 s): then closed.
+    client_idle_timeout_s: PositiveFloat = _ROUTER.client_idle_timeout_s
+    #: An answer's writes without progress (nginx's send_timeout): then the client is dropped
+    #: and its engine attempt cancelled, never counted against the engine.
+    client_write_timeout_s: PositiveFloat = _ROUTER.client_write_timeout_s
+    #: Client connections one router process holds; 0: half its open-file limit, so that
+    #: clients alone cannot use up the descriptors its engine connections need.
+    max_client_connections: Annotated[int, Field(ge=0)] = _ROUTER.max_client_connections
+    #: Bytes of an engine's 5xx body kept: an error message is short; a longer body is not
+    #: waited on to its end.
+    max_error_body_bytes: PositiveInt = _ROUTER.max_error_body_bytes
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
     #: over the control API. They keep serving with the last serving set through
     #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is

@@ -4,6 +4,7 @@ one socket, one queue, so a connection queued when the old router lets go is nev
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import uuid
 
@@ -11,7 +12,12 @@ import aiohttp
 import pytest
 
 from fleetwarden.router import Router
-from fleetwarden.router.handover import HandoverError, ListenerHandover, take_listeners
+from fleetwarden.router.handover import (
+    HandoverError,
+    ListenerHandover,
+    handover_address,
+    take_listeners,
+)
 from support.scripted_engine import ScriptedEngine
 
 TOKEN = "s3cret-token"
@@ -103,3 +109,46 @@ async def test_a_replacement_router_serves_on_the_old_routers_socket() -> None:
         await new.stop()
         await old.stop()
         await engine.stop()
+
+
+class _Squatter:
+    """Whoever bound the abstract name first: it accepts one taker and keeps what it sent."""
+
+    def __init__(self, launch_id: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(handover_address(launch_id))
+        self.sock.listen(1)
+        self.sock.settimeout(5)
+        self.heard = b""
+
+    def listen_once(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(1)
+            try:
+                while chunk := conn.recv(4096):
+                    self.heard += chunk
+            except TimeoutError:
+                pass
+
+
+@pytest.mark.parametrize("who", ["another user", "another process"])
+async def test_the_token_is_never_sent_to_a_squatter_on_the_handover_socket(
+        who: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    launch_id = f"t-{uuid.uuid4().hex}"
+    squatter = _Squatter(launch_id)
+    listening = asyncio.create_task(asyncio.to_thread(squatter.listen_once))
+    try:
+        if who == "another user":
+            # The squatter runs as this test; the taker is made another user than it.
+            own = os.getuid()
+            monkeypatch.setattr("fleetwarden.router.handover.os.getuid", lambda: own + 1)
+            expected_pid = None
+        else:
+            expected_pid = os.getpid() + 1_000_000  # the router's pid: not the squatter's
+        with pytest.raises(HandoverError, match="the token is not sent"):
+            await asyncio.to_thread(take_listeners, launch_id, TOKEN, owner_pid=expected_pid)
+        await listening
+        assert TOKEN.encode() not in squatter.heard and squatter.heard == b""
+    finally:
+        squatter.sock.close()

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
+from fleetwarden.router import RouterSettings
 from fleetwarden.router.serve import (
     MAX_HEAD_BYTES,
     BodyTooLarge,
@@ -44,8 +45,9 @@ async def echo(request: Request) -> StreamResponse:
 
 class Serving:
     def __init__(self, handler: Callable[[Request], Awaitable[StreamResponse]],
-                 max_body_bytes: int = 1024) -> None:
-        self.server = Server(handler, max_body_bytes=max_body_bytes)
+                 max_body_bytes: int = 1024, **settings: float) -> None:
+        self.server = Server(handler, max_body_bytes=max_body_bytes,
+                             settings=RouterSettings(**settings))  # type: ignore[arg-type]
         self.listener: asyncio.Server | None = None
 
     async def __aenter__(self) -> Serving:
@@ -306,6 +308,42 @@ def test_a_shutdown_lets_answers_finish_within_its_grace_and_closes_the_rest(loo
         assert (code, body, headers["connection"]) == (200, b"done", "close")
         assert await long_reader.read() == b""  # cut at the grace
         for writer in (idle_writer, short_writer, long_writer):
+            writer.close()
+
+    run(loop, test)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_limits_hold_on_both_event_loops(loop: str) -> None:
+    """The head deadline, the head size counted on the bytes fed, the lingering close that
+    lets the client read its 431, and the read-ahead that pauses a pipelining client: the
+    transports' pause/resume and write_eof differ between asyncio and uvloop."""
+    async def slow(request: Request) -> StreamResponse:
+        await asyncio.sleep(0.3)
+        return await echo(request)
+
+    async def test() -> None:
+        async with Serving(slow, 8192, client_head_timeout_s=0.4) as serving:
+            reader, writer = await serving.connect()  # silent
+            assert (await answer(reader))[0] == 408
+            writer.close()
+
+            reader, writer = await serving.connect()
+            writer.write(b"GET / HTTP/1.1\r\nHost: r\r\nX-Long: " + b"a" * (1 << 20))
+            code, headers, _ = await answer(reader)
+            assert code == 431 and headers["connection"] == "close"
+            writer.close()
+
+            reader, writer = await serving.connect()
+            body = b"o" * 4000
+            request = b"POST /p HTTP/1.1\r\nHost: r\r\nContent-Length: 4000\r\n\r\n" + body
+            writer.write(request * 200)  # 800 KB: more than the reads before the pause
+            await asyncio.sleep(0.1)
+            (connection,) = [c for c in serving.server.connections if c.busy]
+            # What one read brought is parsed (llhttp cannot stop inside it), then no more.
+            assert len(connection.queue) < 100
+            for _ in range(3):
+                assert json.loads((await answer(reader))[2])["body"] == body.decode()
             writer.close()
 
     run(loop, test)

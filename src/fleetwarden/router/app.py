@@ -103,7 +103,8 @@ class Router:
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
         self._forwarder.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
-        self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes)
+        self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes,
+                                    settings=s, closed_for=self.stats.connections_closed)
         #: The data port's listeners (several: the sockets a replaced router handed over).
         self._listeners: list[asyncio.Server] = []
         self._started = False
@@ -227,7 +228,9 @@ class Router:
                       "rescues": self.stats.rescues,
                       "hedges": self.stats.hedges,
                       "hedges_won": self.stats.hedges_won,
-                      "poison_requests": self.stats.poison_requests},
+                      "poison_requests": self.stats.poison_requests,
+                      "local_exhaustion": self.stats.local_exhaustion,
+                      "connections_closed": dict(self.stats.connections_closed)},
         }
 
     # ------------------------------------------------------------------ lifecycle

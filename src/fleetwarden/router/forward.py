@@ -98,6 +98,7 @@ from fleetwarden.router.upstream import (
     Answer,
     ConnectFailed,
     ConnectTimeout,
+    LocalExhaustion,
     Target,
     UpstreamClient,
     UpstreamError,
@@ -124,6 +125,8 @@ _WEIGHT_VERSION = WEIGHT_VERSION_HEADER.encode()
 _SHARD = SHARD_HEADER.encode()
 _MIN_VERSION = MIN_VERSION_HEADER.encode()
 _CLOSE = (b"Connection", b"close")
+#: Digits of a minimum weight version read (a 64-bit counter has 20).
+_MAX_VERSION_DIGITS = 20
 #: Parsed target URLs kept (backends x allowlisted paths, plus any query strings).
 _MAX_CACHED_TARGETS = 4096
 #: Answers of known length up to this size are read whole and sent in one write: a
@@ -151,6 +154,10 @@ class Cause(enum.Enum):
     #: what a vLLM that is shut down (SIGTERM) answers for what it held, cut short. The client
     #: asked for a completion, not for the engine's shutdown: re-sent like a 5xx.
     ABORTED = "aborted"
+    #: The router itself ran out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS): never
+    #: evidence against an engine, and answered 503 at once (another engine would fare no
+    #: better from this process).
+    LOCAL_EXHAUSTION = "local_exhaustion"
 
     @property
     def never_reached_an_engine(self) -> bool:
@@ -167,6 +174,7 @@ _DESCRIPTIONS = {
     Cause.HEDGED: "held the request without a step while another engine took it over",
     Cause.STREAM_ERROR: "ended the stream with a server error",
     Cause.ABORTED: "aborted the generation",
+    Cause.LOCAL_EXHAUSTION: "could not be reached: the router is out of descriptors or buffers",
 }
 
 #: A choice the engine aborted, in a whole answer (compact JSON, as vLLM writes it, or spaced).
@@ -175,6 +183,8 @@ _ABORTED = re.compile(rb'"finish_reason":\s*"abort"')
 
 def _classify(exc: BaseException) -> Cause:
     # Order matters: the connect errors are subclasses of the generic ones below them.
+    if isinstance(exc, LocalExhaustion):
+        return Cause.LOCAL_EXHAUSTION
     if isinstance(exc, ConnectTimeout):
         return Cause.CONNECT_TIMEOUT
     if isinstance(exc, ConnectFailed):
@@ -271,7 +281,9 @@ def _min_version(value: bytes | None) -> int | Response | None:
         return None
     raw = value.decode("latin-1")
     digits = raw.strip()
-    if not (digits.isascii() and digits.isdigit()):
+    # Bounded: Python refuses to read an integer of over 4,300 digits (ValueError), and no
+    # weight version needs more than a 64-bit counter's 20.
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > _MAX_VERSION_DIGITS:
         return error_response(400, f"{MIN_VERSION_HEADER} must be an integer >= 0, got "
                               f"{raw!r}.", "invalid_request_error", param=MIN_VERSION_HEADER)
     return int(digits)
@@ -363,7 +375,9 @@ class Forwarder:
         # No limit on connections: the engines queue; the router never should.
         self._client = UpstreamClient(connect_timeout_s=s.connect_timeout_s,
                                       total_timeout_s=s.backend_timeout_s,
-                                      keepalive_timeout_s=s.keepalive_timeout_s)
+                                      keepalive_timeout_s=s.keepalive_timeout_s,
+                                      max_head_bytes=s.max_head_bytes,
+                                      max_headers=s.max_headers)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -558,8 +572,13 @@ class Forwarder:
             return min_version
         stream = None
         if self.settings.continue_streams:
-            read = read_stream_request(request.path, body, request.headers,
-                                       assemble_answers=self.settings.continue_answers)
+            try:
+                read = read_stream_request(request.path, body, request.headers,
+                                           assemble_answers=self.settings.continue_answers)
+            except RecursionError:  # JSON nested deeper than Python's parser goes
+                self.stats.responded(400)
+                return error_response(400, "The request body is JSON nested too deeply.",
+                                      "invalid_request_error")
             if read is not None:
                 stream = _Stream(Splice(read))
                 headers.append(_CLOSE)  # never pooled (router/upstream.py)
@@ -638,6 +657,11 @@ class Forwarder:
                             pool.undrop(held.backend)
                         held = None
                     return self._pass_through(failure)
+                if failure.cause is Cause.LOCAL_EXHAUSTION:
+                    # The router's own trouble: no engine is blamed, none is tried next.
+                    stats.local_exhaustion += 1
+                    log.warning("%s: %s", failure.backend, _DESCRIPTIONS[failure.cause])
+                    return self._exhausted()
                 if held is not None:
                     self._report_failure(held)  # not poison: the first 5xx was its engine's
                     held = None
@@ -735,8 +759,7 @@ class Forwarder:
                 upstream = await self._client.request(
                     target, method, headers, body, keep_alive=_CLOSE not in headers)
                 if upstream.status >= 500:
-                    answer = _Failure(backend, Cause.SERVER_ERROR, upstream.status,
-                                      upstream.raw_headers, await _read(upstream), facts)
+                    answer = await self._server_error(backend, upstream, facts)
                 else:
                     answer = upstream  # an event stream's connection is never pooled
             finally:
@@ -765,6 +788,28 @@ class Forwarder:
                 self._drop_hedge(hedge)
             raise
         return answer, hedge
+
+    async def _server_error(self, backend: str, upstream: Answer,
+                            facts: BackendFacts) -> _Failure:
+        """An engine's 5xx, its body read to ``max_error_body_bytes``: one over it is not waited
+        on to its end (its connection is dropped), and what the client may be given of it is
+        the router's word, naming the bound."""
+        limit = self.settings.max_error_body_bytes
+        try:
+            body, cut = await upstream.read_at_most(limit)
+        except BaseException:
+            upstream.close()
+            raise
+        if not cut:
+            return _Failure(backend, Cause.SERVER_ERROR, upstream.status, upstream.raw_headers,
+                            body, facts)
+        status = upstream.status
+        return _Failure(backend, Cause.SERVER_ERROR, status,
+                        [(b"Content-Type", b"application/json")],
+                        error_body(status, f"Backend {backend} answered {status} with a body "
+                                   f"over {limit} bytes (not relayed); it began: "
+                                   f"{body[:300].decode(errors='replace')}", "backend_error"),
+                        facts)
 
     async def _deliver(self, request: Request, upstream: Answer,
                        backend: str, started: float, backend_time: float,
@@ -1148,6 +1193,12 @@ class Forwarder:
             status, f"No serving backend holds weights of version {min_version} or later "
             f"(serving versions: {said}).", "weight_version_unavailable",
             None, min_weight_version=min_version, serving_versions=held)
+
+    def _exhausted(self) -> Response:
+        self.stats.responded(503)
+        return error_response(
+            503, "The router is out of file descriptors or buffers; try again shortly.",
+            "router_exhausted", {"Retry-After": "1"})
 
     def _too_large(self) -> Response:
         self.stats.responded(413)

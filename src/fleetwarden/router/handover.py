@@ -16,7 +16,10 @@ the socket lives on in the new one, and nothing queued is lost.
 The old router serves its sockets on an abstract Unix socket named after its launch id (no
 file, nothing to clean up after a SIGKILL). A taker must run as the same user (checked with
 ``SO_PEERCRED``) and send the router's control token: whoever may drive the router may take its
-port, no one else.
+port, no one else. The check goes both ways: an abstract name has no file permissions, so any
+local user may bind it first (before the router, or after it died); the taker checks who
+listens (``SO_PEERCRED`` again: the same user, and the expected process when it is known)
+before it sends the token, so a squatter never learns the secret.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 
-__all__ = ["HandoverError", "ListenerHandover", "handover_address", "take_listeners"]
+__all__ = ["HandoverError", "ListenerHandover", "handover_address", "peer_credentials",
+           "take_listeners"]
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +103,7 @@ class ListenerHandover:
                 conn.close()
 
     async def _hand(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
+        _pid, uid = peer_credentials(conn)
         if uid != os.getuid():
             await loop.sock_sendall(conn, b"refused: another user\n")
             raise HandoverError(f"a process of uid {uid} asked for the listeners")
@@ -128,14 +131,30 @@ async def _read_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> by
     return data.rstrip(b"\n")
 
 
-def take_listeners(launch_id: str, token: str, timeout_s: float = 5.0) -> list[socket.socket]:
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel says."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def take_listeners(launch_id: str, token: str, timeout_s: float = 5.0, *,
+                   owner_pid: int | None = None) -> list[socket.socket]:
     """The listening sockets of the router launched as ``launch_id`` (blocking: a process
-    starting up calls it before it serves). Raises :class:`HandoverError` when that router
-    is not there or refuses."""
+    starting up calls it before it serves). The token goes only to a process of this user
+    (and ``owner_pid``, when given). Raises :class:`HandoverError` when that router is not
+    there, is not who listens, or refuses."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
         try:
             conn.connect(handover_address(launch_id))
+            pid, uid = peer_credentials(conn)
+            if uid != os.getuid():
+                raise HandoverError(f"router {launch_id}: its socket is held by uid {uid}, not "
+                                    "this user: the token is not sent")
+            if owner_pid is not None and pid != owner_pid:
+                raise HandoverError(f"router {launch_id}: its socket is held by pid {pid}, not "
+                                    f"{owner_pid}: the token is not sent")
             conn.sendall(token.encode() + b"\n")
             msg, fds, _flags, _addr = socket.recv_fds(conn, 1024, MAX_SOCKETS)
         except OSError as exc:

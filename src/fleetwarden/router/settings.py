@@ -102,20 +102,58 @@ class RouterSettings:
     #: minutes: ``backend_timeout_s``, the longest one attempt may take anyway.
     drain_s: float = 600.0
 
+    # -- Limits on what one client (or one engine) may make the router hold. The defaults
+    # are the ones users know from the proxies and servers they run (docs/design.md,
+    # "Limits on the data port"): one client must never hurt the fleet.
+
+    #: Most bytes of a request's line and headers, and of an engine's status line and headers
+    #: (Envoy's ``max_request_headers_kb``: 60 KiB). A head past it is answered 431 and its
+    #: connection closed (an engine's is a broken answer); llhttp itself bounds nothing, so a
+    #: header line that never ends would otherwise be buffered whole.
+    max_head_bytes: int = 60 * 1024
+    #: Most header fields in one head, on both sides (Envoy's ``max_headers_count``: 100).
+    #: Past it: 431. Every header is scanned on the way through, so 2,000 of them cost work.
+    max_headers: int = 100
+    #: Seconds a client has, from its connection (or the first byte of its next request on a
+    #: kept-alive one) to the end of that request's head (HAProxy's ``timeout http-request``,
+    #: 10 s in its documented example). Past it: 408, and the connection closes. A connection
+    #: that sends nothing, or a head a byte at a time (a slowloris), holds nothing longer.
+    client_head_timeout_s: float = 10.0
+    #: Seconds a kept-alive client connection may wait for its next request (uvicorn's and
+    #: h11-based servers' ``timeout_keep_alive``: 5 s). Then it is closed without an answer.
+    client_idle_timeout_s: float = 5.0
+    #: Seconds an answer may wait on a client that does not read (nginx's ``send_timeout``:
+    #: 60 s between two writes that make progress). Then the client is dropped and its
+    #: engine attempt cancelled (the engine aborts the generation): never counted against the
+    #: engine. Well below ``backend_timeout_s``, so a client that stops reading is let go
+    #: before the backend timeout could blame a healthy engine for the wait.
+    client_write_timeout_s: float = 60.0
+    #: Most client connections one router process holds at once; 0: half the process's open
+    #: file limit (``RLIMIT_NOFILE``), the other half left for its engine connections, so
+    #: clients alone can never exhaust descriptors. At the cap an idle kept-alive connection
+    #: is closed to make room; when none is idle the new one is answered 503 and closed.
+    max_client_connections: int = 0
+    #: Most bytes of an engine's 5xx body that are kept (it is passed through, or shown in the
+    #: router's own answer). An error message is short; past the bound the engine's
+    #: connection is dropped and the client is told so, never left waiting for the rest.
+    max_error_body_bytes: int = 64 * 1024
+
     def __post_init__(self) -> None:
         for name in ("backend_timeout_s", "connect_timeout_s", "keepalive_timeout_s",
-                     "client_body_timeout_s",
+                     "client_body_timeout_s", "client_head_timeout_s", "client_idle_timeout_s",
+                     "client_write_timeout_s",
                      "affinity_load_factor", "shutdown_grace_s", "drain_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterSettings.{name} must be > 0, got {getattr(self, name)}")
         if self.affinity_load_factor < 1:
             raise ValueError("RouterSettings.affinity_load_factor must be at least 1 (1 = even "
                              f"load), got {self.affinity_load_factor}")
-        for name in ("max_body_bytes", "affinity_virtual_nodes"):
+        for name in ("max_body_bytes", "affinity_virtual_nodes", "max_head_bytes",
+                     "max_headers", "max_error_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RouterSettings.{name} must be at least 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("max_retries", "retry_budget_min"):
+        for name in ("max_retries", "retry_budget_min", "max_client_connections"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RouterSettings.{name} must be at least 0, "
                                  f"got {getattr(self, name)}")

@@ -41,9 +41,10 @@ class RouterStats:
     """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
-                 "backend_failures", "continuations", "hedges", "hedges_won",
-                 "poison_requests", "requests", "rescues", "responses", "retries",
-                 "streams_ended")
+                 "backend_failures", "connections_closed", "continuations", "hedges",
+                 "hedges_won",
+                 "local_exhaustion", "poison_requests", "requests", "rescues", "responses",
+                 "retries", "streams_ended")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -61,6 +62,12 @@ class RouterStats:
         self.hedges = 0
         self.hedges_won = 0
         self.poison_requests = 0
+        #: Requests answered 503 because the router itself was out of descriptors or buffers
+        #: (never counted against an engine).
+        self.local_exhaustion = 0
+        #: reason -> client connections the data port ended itself (its limits at work:
+        #: router/serve.py, ``Server.closed_for``)
+        self.connections_closed: dict[str, int] = {}
         #: mode ("tokens": exact, from token ids; "text": from the text so far) -> streams
         #: continued on another engine after theirs failed them mid-answer
         self.continuations: dict[str, int] = {"tokens": 0, "text": 0}
@@ -150,6 +157,23 @@ class RouterCollector(Collector):
             "was counted before the retry).")
         poison.add_metric([], s.poison_requests)
         yield poison
+
+        exhausted = CounterMetricFamily(
+            "fleetwarden_router_local_exhaustion",
+            "Requests answered 503 because the router was out of file descriptors or buffers "
+            "when connecting to an engine: the router's trouble, never counted against one.")
+        exhausted.add_metric([], s.local_exhaustion)
+        yield exhausted
+
+        closed = CounterMetricFamily(
+            "fleetwarden_router_connections_closed",
+            "Client connections the data port ended itself, by reason: head_timeout (408), "
+            "idle_timeout, write_timeout (a client that stopped reading), head_too_large (431), "
+            "refused (another 4xx/501), over_capacity (503), evicted_idle (to make room).",
+            labels=["reason"])
+        for reason, n in sorted(s.connections_closed.items()):
+            closed.add_metric([reason], n)
+        yield closed
 
         continuations = CounterMetricFamily(
             "fleetwarden_router_continuations",

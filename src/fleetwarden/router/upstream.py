@@ -22,6 +22,23 @@ The errors, as the router reads them:
 * :class:`TimeoutError`: ``total_timeout_s`` passed since the request began, before its answer
   was whole.
 
+What an engine (or a proxy in front of one) may send, and what the router makes of it:
+
+* An interim answer (1xx: ``100 Continue``, ``103 Early Hints``) is skipped: the answer is the
+  final one that follows, on the same connection, which is never handed to another request
+  before it. ``101 Switching Protocols`` is refused (the router asked for no upgrade): the
+  connection is dropped as a broken answer.
+* Trailers (after a chunked body) are read and dropped, never merged into the headers.
+* A head over ``max_head_bytes`` or with more than ``max_headers`` fields is a broken answer
+  (llhttp bounds nothing: a header line that never ends would be buffered whole).
+* An answer delimited by its connection's close ends only with a clean close: a reset is a
+  cut, never a whole answer. Its framing is llhttp's (RFC 9112 section 6.3): the parser has
+  refused every ambiguous one (two lengths, a length beside chunking) before the head arrives.
+* Its body is read whole, or, with a bound (:meth:`Answer.read_at_most`, for an engine's
+  5xx), to the bound and no further.
+* Running out of descriptors or buffers here (:class:`LocalExhaustion`) is the router's own
+  trouble, never evidence against an engine.
+
 An event stream's connection is never pooled (see :meth:`_Connection.on_headers_complete`).
 Cancelling a wait (a rescue, a client that left) aborts the connection: the engine sees the
 disconnect and aborts the generation. So does :meth:`Answer.close` on an answer not yet whole.
@@ -30,6 +47,7 @@ disconnect and aborts the generation. So does :meth:`Answer.close` on an answer 
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -46,6 +64,7 @@ __all__ = [
     "ConnectFailed",
     "ConnectTimeout",
     "Disconnected",
+    "LocalExhaustion",
     "RawHeaders",
     "Target",
     "UpstreamClient",
@@ -74,6 +93,21 @@ class ConnectTimeout(ConnectFailed):
 
 class Disconnected(UpstreamError):
     """The connection broke (or the answer was malformed) after the request was sent."""
+
+
+class LocalExhaustion(UpstreamError):
+    """The router itself is out of descriptors or buffers: no connection could be opened, and
+    the engine had nothing to do with it."""
+
+
+#: What ``connect`` fails with when the router's own process or host is exhausted, not the
+#: engine: too many open files (the process's, the system's), no buffer space, no memory, no
+#: local port left.
+_LOCAL_EXHAUSTION = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                               errno.EADDRNOTAVAIL})
+#: Defaults for the limits on an engine's head (the router passes its settings').
+_MAX_HEAD_BYTES = 60 * 1024
+_MAX_HEADERS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +150,7 @@ class Answer:
         "_content_type",
         "_deadline",
         "_deadlines",
+        "_delimited_by_close",
         "_error",
         "_head",
         "_paused",
@@ -135,6 +170,8 @@ class Answer:
         self.raw_headers: RawHeaders = []
         self._content_length: int | None = None
         self._chunked = False
+        #: The body ends at the connection's clean close (no length, not chunked).
+        self._delimited_by_close = False
         self._connection: _Connection | None = connection
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -165,11 +202,26 @@ class Answer:
     async def read(self) -> bytes:
         """The whole body (what was already taken by :meth:`readany` excepted)."""
         while not self._whole:
+            self._resume()  # a body over the high-water mark waits for this reader
             await self._wait()
         data = b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
         return data
+
+    async def read_at_most(self, limit: int) -> tuple[bytes, bool]:
+        """The body up to ``limit`` bytes, and whether it was cut there. A cut answer is
+        closed (its connection dropped, never pooled half-read), never waited on to its end."""
+        while not self._whole and self._buffered <= limit:
+            self._resume()
+            await self._wait()
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if len(data) <= limit and self._whole:
+            return data, False
+        self.close()
+        return data[:limit], True
 
     async def readany(self) -> bytes:
         """What has arrived of the body, waiting for some if nothing has; ``b""`` at its end."""
@@ -180,11 +232,7 @@ class Answer:
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
-        if self._paused:
-            self._paused = False
-            connection = self._connection
-            if connection is not None and connection.transport is not None:
-                connection.transport.resume_reading()
+        self._resume()
         return data
 
     def close(self) -> None:
@@ -200,6 +248,13 @@ class Answer:
         self._chunks.clear()
 
     # ------------------------------------------------------------------ internals
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            connection = self._connection
+            if connection is not None and connection.transport is not None:
+                connection.transport.resume_reading()
 
     async def _wait(self) -> None:
         if self._error is not None:
@@ -250,6 +305,12 @@ class _Connection(asyncio.Protocol):
         self.answer: Answer | None = None
         self.idle_since = 0.0
         self.lost = False
+        #: While a head is read: the bytes fed since it began (llhttp buffers a partial line
+        #: itself) and its fields so far.
+        self._in_head = True
+        self._head_bytes = 0
+        #: The head just parsed was an interim (1xx) one: its end is not the answer's.
+        self._interim = False
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -259,12 +320,22 @@ class _Connection(asyncio.Protocol):
         if self.answer is None:  # nothing was asked: an idle connection has no business talking
             self.abort()
             return
+        if self._in_head:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             if self.answer is not None:
                 self.answer._fail(Disconnected(f"malformed answer from the backend: {exc}"))
             self.abort()
+            return
+        if self._in_head and self.answer is not None:  # a head still arriving: within limits?
+            # Counted once a read, not once a header: a head that never ends has no end to be
+            # counted at, and a read holds at most 256 KiB of it.
+            if self._head_bytes > self.client.max_head_bytes:
+                self._broken(f"a head over {self.client.max_head_bytes} bytes")
+            elif len(self.answer.raw_headers) > self.client.max_headers:
+                self._broken(f"more than {self.client.max_headers} header fields")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -273,36 +344,66 @@ class _Connection(asyncio.Protocol):
         if answer is None:
             return
         self.answer = None
-        if (answer._head.done() and not answer._whole and answer._content_length is None
-                and not answer._chunked):
-            answer._connection = None  # an answer delimited by the close: this is its end
+        if (exc is None and answer._head.done() and not answer._whole
+                and answer._delimited_by_close):
+            # An answer delimited by the close: a clean close is its end. A reset is not: the
+            # rest of it was lost, and the client must see a cut, never a whole answer.
+            answer._connection = None
             self._finish(answer)
             return
         answer._fail(Disconnected("the backend closed the connection"
                                   + (f": {exc}" if exc is not None else "")))
 
+    def _broken(self, what: str) -> None:
+        if self.answer is not None:
+            self.answer._fail(Disconnected(f"malformed answer from the backend: {what}"))
+        self.abort()
+
     # -- httptools callbacks
     def on_status(self, status: bytes) -> None:
-        assert self.answer is not None
-        self.answer.reason += status.decode("latin-1")
+        if self.answer is not None:
+            self.answer.reason += status.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.answer is not None
-        self.answer.raw_headers.append((name, value))
+        answer = self.answer
+        if answer is not None and self._in_head:  # else a trailer: dropped, never merged
+            answer.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         answer = self.answer
-        assert answer is not None
-        answer.status = self.parser.get_status_code()
+        if answer is None:
+            return  # broken off inside this very feed
+        self._in_head = False
+        if len(answer.raw_headers) > self.client.max_headers:
+            self._broken(f"more than {self.client.max_headers} header fields")
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:  # nothing asked for an upgrade: what follows is not HTTP/1.1
+                self._broken("101 Switching Protocols where an answer was due")
+                return
+            # An interim answer (100, 103 Early Hints): skipped, and the connection stays this
+            # request's until its final answer has come (its end is not the answer's).
+            self._interim = True
+            answer.reason = ""
+            answer.raw_headers = []
+            return
+        answer.status = status
+        length = chunked = False
         for name, value in answer.raw_headers:
             lowered = name.lower()
             if lowered == b"content-type":
                 answer._content_type = (value.partition(b";")[0].strip().lower()
                                         .decode("latin-1"))
             elif lowered == b"content-length":
+                # The parser refused a second length, or a length beside chunking.
                 answer._content_length = int(value) if value.isdigit() else None
+                length = True
             elif lowered == b"transfer-encoding":
-                answer._chunked = b"chunked" in value.lower()
+                # Chunked when it is the last coding, as the parser reads it.
+                chunked = value.rpartition(b",")[2].strip().lower() == b"chunked"
+        answer._chunked = chunked
+        answer._delimited_by_close = (not length and not chunked and status not in (204, 304))
         if not self.parser.should_keep_alive() or answer.content_type == "text/event-stream":
             # An event stream's connection is never reused: llama.cpp's llama-server closes
             # it after the last event while its headers say Keep-Alive (docs/engines.md), so
@@ -316,7 +417,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         answer = self.answer
-        assert answer is not None
+        if answer is None:
+            return
         answer._chunks.append(body)
         answer._buffered += len(body)
         if answer._buffered > _HIGH_WATER and not answer._paused and self.transport is not None:
@@ -325,8 +427,14 @@ class _Connection(asyncio.Protocol):
         answer._wake()
 
     def on_message_complete(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        if self._interim:  # the end of an interim answer: the final one follows
+            self._interim = False
+            return
         answer = self.answer
-        assert answer is not None
+        if answer is None:
+            return
         self.answer = None
         self._finish(answer)
         answer._connection = None
@@ -365,12 +473,23 @@ class _Connection(asyncio.Protocol):
         self.lost = True
 
 
+def _exhausted_here(exc: OSError) -> bool:
+    """Whether ``connect`` failed for want of the router's own resources. (asyncio folds the
+    errors of several addresses into one OSError without an errno; its message keeps them.)"""
+    if exc.errno is not None:
+        return exc.errno in _LOCAL_EXHAUSTION
+    return any(f"[Errno {n}]" in str(exc) for n in _LOCAL_EXHAUSTION)
+
+
 class UpstreamClient:
     """Keep-alive connections to the backends, and one request at a time on each."""
 
     def __init__(self, *, connect_timeout_s: float, total_timeout_s: float,
-                 keepalive_timeout_s: float) -> None:
+                 keepalive_timeout_s: float, max_head_bytes: int = _MAX_HEAD_BYTES,
+                 max_headers: int = _MAX_HEADERS) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self.total_timeout_s = total_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
@@ -468,6 +587,9 @@ class UpstreamClient:
             raise ConnectTimeout(
                 f"no connection to {target.host}:{target.port} within {timeout:g} s") from None
         except OSError as exc:
+            if _exhausted_here(exc):
+                raise LocalExhaustion(f"the router cannot open a connection to {target.host}:"
+                                      f"{target.port}: {exc}") from exc
             raise ConnectFailed(f"cannot connect to {target.host}:{target.port}: {exc}") from exc
         self._open.add(protocol)
         if self._closed:
