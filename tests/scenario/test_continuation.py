@@ -175,7 +175,7 @@ async def test_a_stream_cut_by_its_engine_goes_on_elsewhere_exactly(
 
         got = await read_stream(http, router.url, path, body, cut)
         assert_whole(got, reference, chat=chat)
-        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
         assert router.stats.streams_ended == {}
 
 
@@ -198,7 +198,7 @@ async def test_a_stream_on_a_wedged_engine_is_rescued_and_goes_on_elsewhere(
         assert rescued == [1]
         assert_whole(got, reference, chat=chat)
         assert router.stats.rescues == 1
-        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
 
 
 async def test_a_stream_whose_engine_is_killed_goes_on_elsewhere(
@@ -313,7 +313,7 @@ async def test_a_stream_that_may_not_go_on_ends_with_an_error_event_naming_why(
         assert "EngineCore encountered an issue" in error["message"]
         assert len(got) == CUT_AFTER + 2  # what came before the cut, then the end
         assert router.stats.streams_ended == {reason: 1}
-        assert await continuations(http, router) == {"tokens": 0, "text": 0}
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
         # the body went upstream as the client wrote it: nothing added
         assert all(b"return_token_ids" not in e for e in got)
 
@@ -423,5 +423,5 @@ async def test_a_non_streamed_answer_goes_on_elsewhere_and_keeps_vllms_shape(
             answer.pop(key), reference.pop(key)
         assert answer == reference  # the same generation, the same usage
         assert await continuations(http, router) == (
-            {"tokens": 1, "text": 0} if fault else {"tokens": 0, "text": 0})
+            {"tokens": 1, "text": 0, "restart": 0} if fault else {"tokens": 0, "text": 0, "restart": 0})
 

@@ -649,9 +649,12 @@ class Sim:
                                                                "charset=utf-8"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        if chat:
-            await response.write(wire.sse(wire.chat_role_chunk(r.id, created, model,
-                                                               prompt_ids)))
+        if chat:  # one role chunk per choice, the prompt's ids in the first
+            for index in range(p.n):
+                role = wire.chat_role_chunk(r.id, created, model,
+                                            prompt_ids if index == 0 else None)
+                role["choices"][0]["index"] = index
+                await response.write(wire.sse(role))
         first = True
         written = 0  # token chunks written
         offset = 0  # characters of the output's tokens before this chunk (logprobs)
@@ -681,7 +684,8 @@ class Sim:
                     else:
                         chunk = wire.completion_chunk(r.id, created, model, step.text,
                                                       step.finish_reason, last, ids,
-                                                      prompt_ids if first else None)
+                                                      prompt_ids if first and index == 0
+                                                      else None)
                         choice = chunk["choices"][0]
                         if step.logprobs is not None:
                             choice["logprobs"] = completion_logprobs(step.logprobs, offset)
