@@ -256,7 +256,7 @@ async def test_without_token_ids_a_stream_goes_on_from_its_text(
         # This engine's output depends on the text alone, so even the text path is exact
         # here, but for the prompt's token count (its text re-reads as more tokens).
         assert_whole(got, reference, chat=chat, exact_prompt_usage=False)
-        assert await continuations(http, router) == {"tokens": 0, "text": 1}
+        assert await continuations(http, router) == {"tokens": 0, "text": 1, "restart": 0}
 
 
 async def test_the_openai_client_reads_one_unbroken_stream(http: aiohttp.ClientSession) -> None:
@@ -423,5 +423,36 @@ async def test_a_non_streamed_answer_goes_on_elsewhere_and_keeps_vllms_shape(
             answer.pop(key), reference.pop(key)
         assert answer == reference  # the same generation, the same usage
         assert await continuations(http, router) == (
-            {"tokens": 1, "text": 0, "restart": 0} if fault else {"tokens": 0, "text": 0, "restart": 0})
+            {"tokens": 1 if fault else 0, "text": 0, "restart": 0})
 
+
+
+# ---------------------------------------------------------------------- only what engines take
+
+
+async def test_an_engine_whose_profile_takes_no_vllm_fields_is_sent_none(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A strict OpenAI-compatible engine (the sim's SGLang dialect) answers 400 to
+    ``return_token_ids``; the router, told by the push that it takes none of vLLM's own fields,
+    sends the client's request as it came, continues a completion from its text, and ends a
+    chat it cannot continue with an error event naming why."""
+    async with fleet(engine="sglang") as (router, sims):
+        async with http.post(sims[0].url + "/v1/completions",
+                             json={**COMPLETION, "return_token_ids": True}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["message"] == (
+                "Unrecognized request argument supplied: return_token_ids")
+        router.set_serving_backends([s.url for s in sims], {
+            s.url: BackendFacts(upstream_fields=False) for s in sims})
+        reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
+
+        async def cut() -> None:
+            await reset(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert text(chunks(got)) == text(chunks(reference))
+        assert await continuations(http, router) == {"tokens": 0, "text": 1, "restart": 0}
+        got = await read_stream(http, router.url, "/v1/chat/completions", CHAT, cut)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert "continue_final_message" in error["reason"], error

@@ -496,7 +496,8 @@ class Forwarder:
                     context = None
                     if stream.splice.needs_context_length():
                         context = await self._context_length(backend)
-                    plan = stream.splice.continuation(max_model_len=context)
+                    plan = stream.splice.continuation(
+                        max_model_len=context, upstream_fields=self._takes_fields(backend))
                     if isinstance(plan, str):
                         if stream.response is not None:
                             return await self._end_stream(stream, last, plan)
@@ -579,7 +580,7 @@ class Forwarder:
         pool = self.pool
         key = backend + request.raw_path  # the request target exactly as the client sent it
         if stream is not None:
-            body = stream.splice.request.upstream_body
+            body = stream.splice.request.body_for(self._takes_fields(backend))
             if stream.began and stream.continuation is not None:
                 key = backend + stream.continuation.path
                 body = stream.continuation.body
@@ -912,6 +913,12 @@ class Forwarder:
         except ConnectionError:
             pass  # the client left: its loss, not the engine's
         return response
+
+    def _takes_fields(self, backend: str) -> bool:
+        """Whether ``backend``'s engine takes vLLM's own request fields: its profile's word in
+        the controller's push, else the router's ``upstream_fields`` setting."""
+        said = self.pool.facts(backend).upstream_fields
+        return self.settings.upstream_fields if said is None else said
 
     async def _context_length(self, backend: str) -> int | None:
         """``backend``'s context length (vLLM's ``max_model_len`` in ``/v1/models``), which a

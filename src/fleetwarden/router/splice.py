@@ -102,6 +102,14 @@ class StreamRequest:
     #: A non-streamed request whose answer the router assembles from a stream it asked the
     #: engine for (``continue_answers``), so that it too can go on elsewhere.
     assemble: bool = False
+    #: What goes upstream to an engine that does not take vLLM's own fields: the client's
+    #: request with nothing of the router's added but what any OpenAI server takes.
+    plain_body: bytes = b""
+
+    def body_for(self, upstream_fields: bool) -> bytes:
+        """The first attempt's body for an engine that does (or does not) take vLLM's own
+        request fields."""
+        return self.upstream_body if upstream_fields or not self.plain_body else self.plain_body
 
 
 def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
@@ -125,13 +133,14 @@ def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
         if (not assemble_answers or refusal is not None
                 or _asks_logprobs(parsed) or parsed.get("stream") not in (None, False)):
             return None
-        upstream = _dumps({**parsed, "stream": True, "return_token_ids": True,
-                           "stream_options": {"include_usage": True}})
-        return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True)
+        plain = {**parsed, "stream": True, "stream_options": {"include_usage": True}}
+        upstream = _dumps({**plain, "return_token_ids": True})
+        return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True,
+                             plain_body=_dumps(plain))
     upstream = body
     if refusal is None and not wants_ids:
         upstream = _dumps({**parsed, "return_token_ids": True})
-    return StreamRequest(chat, parsed, refusal, wants_ids, upstream)
+    return StreamRequest(chat, parsed, refusal, wants_ids, upstream, plain_body=body)
 
 
 def _refusal(body: Mapping[str, Any], chat: bool, opted_out: bool) -> str | None:
@@ -486,9 +495,12 @@ class Splice:
         return self.finish_reason is not None and _number(self.request.body.get("n"), 1) <= 1
 
     def continuation(self, chat_as_completion: bool = True, *,
-                     max_model_len: int | None = None) -> Continuation | str:
+                     max_model_len: int | None = None,
+                     upstream_fields: bool = True) -> Continuation | str:
         """The request that continues this stream, or why there can be none (the rules:
-        docs/design.md, "Continuing a generation"; where in doubt, refuse)."""
+        docs/design.md, "Continuing a generation"; where in doubt, refuse).
+        ``upstream_fields``: the next engine takes vLLM's own request fields (else nothing
+        but what any OpenAI server takes is sent, and only a completion of text can go on)."""
         request = self.request
         if request.refusal is not None:
             return request.refusal
@@ -496,7 +508,7 @@ class Splice:
             # Nothing of the generation reached the client (a chat's role chunk at most): the
             # request itself goes again, and its role chunk is not repeated.
             path = CHAT if request.chat else COMPLETIONS
-            return Continuation(path, request.upstream_body, Mode.RESTART, False)
+            return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
         refusal = self._inexact()
         if refusal is not None:
             return refusal
@@ -523,9 +535,17 @@ class Splice:
         min_tokens = body.get("min_tokens")
         if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
             body["min_tokens"] = max(0, min_tokens - produced)
-        body["return_token_ids"] = True
+        if upstream_fields:
+            body["return_token_ids"] = True
+        elif not request.wants_ids:
+            body.pop("return_token_ids", None)
+        else:
+            return "the client's return_token_ids, which the next engine does not take"
         if request.assemble:  # the client's request was not streamed; its continuation is
             body.update(stream=True, stream_options={"include_usage": True})
+        exact = exact and upstream_fields  # a prompt of ids is vLLM's to take
+        if not upstream_fields and request.chat:
+            return "a chat, on an engine that takes no continue_final_message"
         if exact and request.chat and chat_as_completion:
             assert self.prompt_ids is not None
             completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}

@@ -405,7 +405,7 @@ class Sim:
 
     def _deliver(self, result: StepResult) -> None:
         finished = set(result.finished)
-        for request, tokens in result.produced:
+        for request, _ in result.produced:
             pending = self._pending.get(request)
             if pending is not None:
                 assert request.generation is not None
@@ -505,6 +505,12 @@ class Sim:
         model = body.get("model", c.model)
         if model != c.model:
             return _json(wire.unknown_model(str(model), c.model), 404)
+        if c.engine != "vllm":
+            # Not vLLM: a strict OpenAI-compatible server, which refuses what it does not know
+            # (vLLM's own fields, a prompt of token ids) instead of ignoring it.
+            unknown = wire.unknown_field(body, chat)
+            if unknown is not None:
+                return _json(unknown, 400)
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):

@@ -252,6 +252,35 @@ BOTH_GENERATION_PROMPTS = invalid("Cannot set both `continue_final_message` and 
                                   "`add_generation_prompt` to True.", None)
 
 
+#: What OpenAI's API takes, and so what a strict OpenAI-compatible server takes (vLLM takes
+#: more: ``return_token_ids``, ``continue_final_message``, ``min_tokens``, ...).
+OPENAI_COMPLETION_FIELDS = frozenset((
+    "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
+    "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
+    "best_of", "logit_bias", "user", "seed"))
+OPENAI_CHAT_FIELDS = frozenset((
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+    "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+    "logprobs", "top_logprobs", "user", "seed", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "functions", "function_call", "service_tier", "store", "metadata",
+    "modalities", "audio", "reasoning_effort", "prediction"))
+
+
+def unknown_field(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
+    """A strict OpenAI-compatible server's 400 for a field it does not take (OpenAI's own
+    words), or for a prompt of token ids; ``None`` if there is none."""
+    known = OPENAI_CHAT_FIELDS if chat else OPENAI_COMPLETION_FIELDS
+    for key in body:
+        if key not in known:
+            return error(f"Unrecognized request argument supplied: {key}",
+                         "invalid_request_error", None, 400)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        return error("prompt must be a string or a list of strings", "invalid_request_error",
+                     "prompt", 400)
+    return None
+
+
 def unknown_model(model: str, served: str) -> dict[str, Any]:
     return error(f"The model `{model}` does not exist. Valid aliases: {served}.",
                  "NotFoundError", "model", 404)
