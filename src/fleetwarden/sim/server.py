@@ -80,6 +80,13 @@ FAULT_HEADER = "x-sim-fault"
 FAULT_ID_HEADER = "x-sim-fault-id"
 DIRECTIVES = ("crash", "reset", "wedge", "split", "after_final")
 _FIRED: set[str] = set()
+_LANDED: set[str] = set()
+
+
+def directive_fired(once: str) -> bool:
+    """Whether the directive with that ``x-sim-fault-id`` cut its request in this process (one
+    whose generation ended before its point never does)."""
+    return once in _LANDED
 
 
 class _EngineDied(Exception):
@@ -572,7 +579,7 @@ class Sim:
                 self._inbox.append(("abort", pending))
                 self._wake.set()
 
-    def _directive(self, request: web.Request) -> tuple[str, int] | None:
+    def _directive(self, request: web.Request) -> tuple[str, int, str] | None:
         """The request's own fault (``x-sim-fault: KIND@TOKENS``, once per
         ``x-sim-fault-id`` across the simulators of this process), or ``None``."""
         raw = request.headers.get(FAULT_HEADER)
@@ -585,12 +592,14 @@ class Sim:
         if kind not in DIRECTIVES:
             return None
         if once:
+            # Spent by this attempt, fired or not: its continuation carries the same headers.
             _FIRED.add(once)
-        return kind, int(at) if at.isdigit() else 0
+        return kind, int(at) if at.isdigit() else 0, once
 
-    async def _fire(self, request: web.Request, kind: str) -> None:
+    async def _fire(self, request: web.Request, kind: str, once: str) -> None:
         """Carry out a per-request fault: a reset closes the connection, a wedge never
         answers again (until the client leaves)."""
+        _LANDED.add(once)
         if self.on_directive is not None:
             self.on_directive(kind)
         if kind == "wedge":
@@ -612,7 +621,7 @@ class Sim:
 
     async def _answer(self, request: web.Request, pending: _Pending, chat: bool,
                       prompt_ids: list[int] | None,
-                      directive: tuple[str, int] | None) -> web.StreamResponse:
+                      directive: tuple[str, int, str] | None) -> web.StreamResponse:
         r = pending.request
         g = r.generation
         assert g is not None
@@ -623,8 +632,9 @@ class Sim:
                 steps += 1
                 if directive is not None and steps > directive[1]:
                     if directive[0] == "crash":
+                        _LANDED.add(directive[2])
                         return _json(wire.ENGINE_DEAD, 500)
-                    await self._fire(request, directive[0])
+                    await self._fire(request, directive[0], directive[2])
         except _EngineDied as e:
             return _json(e.body, 500)
         p = g.params
@@ -644,7 +654,7 @@ class Sim:
 
     async def _stream(self, request: web.Request, pending: _Pending, chat: bool,
                       include_usage: bool, prompt_ids: list[int] | None,
-                      directive: tuple[str, int] | None) -> web.StreamResponse:
+                      directive: tuple[str, int, str] | None) -> web.StreamResponse:
         r = pending.request
         g = r.generation
         assert g is not None
@@ -667,11 +677,13 @@ class Sim:
         try:
             async for step in self._steps(pending):
                 kind = None if directive is None or written < directive[1] else directive[0]
+                once = "" if directive is None else directive[2]
                 if kind in ("crash", "reset", "wedge"):
                     if kind == "crash":
+                        _LANDED.add(once)
                         await response.write(wire.sse(wire.ENGINE_DEAD))
                         break
-                    await self._fire(request, kind)
+                    await self._fire(request, kind, once)
                 last = step.finish_reason is not None and not include_usage
                 ids = None if prompt_ids is None else list(step.token_ids)
                 data = b""
@@ -703,7 +715,7 @@ class Sim:
                 first = False
                 if kind == "split":  # cut inside the chunk: half of its bytes, then nothing
                     await response.write(data[:len(data) // 2])
-                    await self._fire(request, kind)
+                    await self._fire(request, kind, once)
                 await response.write(data)
                 written += 1
                 if step.finish_reason is not None:
@@ -711,9 +723,8 @@ class Sim:
                         await response.write(wire.sse(wire.usage_chunk(
                             r.id, created, model, chat, r.prompt_tokens,
                             len(r.output) * p.n)))
-                    if kind == "after_final" or (
-                            directive is not None and directive[0] == "after_final"):
-                        await self._fire(request, "after_final")
+                    if directive is not None and directive[0] == "after_final":
+                        await self._fire(request, "after_final", directive[2])
         except _EngineDied as e:
             await response.write(wire.sse(e.body))
         await response.write(wire.SSE_DONE)

@@ -126,7 +126,10 @@ def draw(seed: int, index: int, model: str = "tiny") -> Case:
         body["return_token_ids"] = True
     body["temperature"] = 0
     cut = rng.choice(CUTS)
-    return Case(seed, index, CHAT if chat else COMPLETIONS, body, cut, rng.randint(0, 24))
+    # Mostly inside what the generation will produce (its limit, or vLLM's default of 16 for a
+    # completion), now and then past a short one's end: then it runs whole, and must be exact.
+    cut_after = rng.randint(0, max(0, min(limit or 16, 24) - 1))
+    return Case(seed, index, CHAT if chat else COMPLETIONS, body, cut, cut_after)
 
 
 # ---------------------------------------------------------------------- what the client got

@@ -25,7 +25,7 @@ import aiohttp
 
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.sim import Sim, SimConfig
-from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER
+from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
 from fleetwarden.testing.oracle import Case, Verdict, draw, normalize, verdict
 
 __all__ = ["Oracle", "Result", "oracle"]
@@ -34,7 +34,7 @@ __all__ = ["Oracle", "Result", "oracle"]
 #: context left) stays cheap, yet long enough for the longest prompt and 48 tokens.
 MAX_MODEL_LEN = 192
 #: About one token in this many may end the generation (vLLM's EOS).
-EOS_PERIOD = 24
+EOS_PERIOD = 40
 #: Fast engines: a case's tokens are what it costs.
 STEPS_PER_S = 2000.0
 #: Tokens per step on each engine: 1 as vLLM, and more, whose chunks carry several tokens (a
@@ -45,6 +45,11 @@ TOKENS_PER_STEP = (1, 1, 3, 1)
 @dataclass
 class Result:
     cases: int = 0
+    #: Cases whose cut landed (the others' generations ended before their cut point: they
+    #: went through whole, and must still be exact).
+    cut: int = 0
+    #: Exact answers of cases whose cut landed: continued (or sent again) exactly.
+    continued: int = 0
     verdicts: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     by_cut: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -54,7 +59,10 @@ class Result:
     def summary(self) -> str:
         lines = [f"cases run {self.cases} in {self.seconds:.1f} s: exact "
                  f"{self.verdicts['exact']}, refused {self.verdicts['refused']}, inexact "
-                 f"{self.verdicts['inexact']}"]
+                 f"{self.verdicts['inexact']}",
+                 f"  cut {self.cut}: continued exactly {self.continued}, refused "
+                 f"{self.verdicts['refused']}; not cut (ended before the cut point) "
+                 f"{self.cases - self.cut}"]
         lines += [f"  refused {n:5d}: {reason}" for reason, n in self.refused.most_common()]
         for case, v in self.inexact[:10]:
             lines.append(f"  INEXACT {case.describe()}\n    {v.detail}")
@@ -95,6 +103,9 @@ class Oracle:
             async with gate:
                 v = await self.run_case(case)
             result.cases += 1
+            if directive_fired(f"{case.seed}:{case.index}"):
+                result.cut += 1
+                result.continued += v.outcome == "exact"
             result.verdicts[v.outcome] += 1
             result.by_cut[(case.cut, v.outcome)] += 1
             if v.outcome == "refused":
@@ -110,10 +121,11 @@ class Oracle:
 
 
 @contextlib.asynccontextmanager
-async def oracle(settings: RouterSettings | None = None) -> AsyncIterator[Oracle]:
+async def oracle(settings: RouterSettings | None = None, *,
+                 eos_period: int = EOS_PERIOD) -> AsyncIterator[Oracle]:
     """Engines and a router, started; stopped at the end."""
     sims = [Sim(SimConfig(steps_per_s=STEPS_PER_S, tokens_per_step=n, slots=256,
-                          max_model_len=MAX_MODEL_LEN, eos_period=EOS_PERIOD,
+                          max_model_len=MAX_MODEL_LEN, eos_period=eos_period,
                           reasoning_parser=True)) for n in TOKENS_PER_STEP]
     # Every request here is cut: a retry budget sized for a fleet where few fail would refuse
     # most of them for the budget's sake, which says nothing of exactness.
