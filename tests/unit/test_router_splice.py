@@ -267,7 +267,6 @@ def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
     ({"stop": ["\n"]}, "stop strings"),
     ({"presence_penalty": 0.5}, "penalties"),
     ({"frequency_penalty": -1}, "penalties"),
-    ({"logprobs": 0}, "logprobs"),
 ])
 def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[str, Any],
                                                                    cause: str) -> None:
@@ -320,3 +319,27 @@ def test_a_generation_whose_final_chunk_came_is_whole() -> None:
     usage = json.loads(closing.removeprefix(b"data: "))["usage"]
     assert usage["completion_tokens"] == splice.produced == final + 1
     assert usage["prompt_tokens"] == len(splice.prompt_ids or [])
+
+
+def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_text() -> None:
+    splice = _cut_after({"model": "tiny", "prompt": "hello there", "max_tokens": 9,
+                         "logprobs": 1, "stream": True},
+                        "/v1/completions", "completions-stream-token-ids.http", 3)
+    had = len("".join(splice.text))
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
+    splice.begin_attempt(plan)
+    chunk = {"id": "cmpl-x", "object": "text_completion", "created": 2, "model": "tiny",
+             "choices": [{"index": 0, "text": "ab", "token_ids": [5, 6],
+                          "logprobs": {"text_offset": [0, 1], "token_logprobs": [-1.0, -2.0],
+                                       "tokens": ["a", "b"], "top_logprobs": [{"a": -1.0},
+                                                                              {"b": -2.0}]},
+                          "finish_reason": None}]}
+    _, data = splice.on_event(b"data: " + json.dumps(chunk).encode())
+    logprobs = json.loads(data.removeprefix(b"data: "))["choices"][0]["logprobs"]
+    assert had and logprobs["text_offset"] == [had, had + 1]
+    assert logprobs["tokens"] == ["a", "b"]
+    chat = _cut_after({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 9, "logprobs": True, "stream": True},
+                      "/v1/chat/completions", "chat-stream-token-ids.http", 3)
+    assert "logprobs" in str(chat.continuation())

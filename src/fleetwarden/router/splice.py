@@ -267,12 +267,15 @@ class Splice:
         self._as_completion = False
         #: Tokens produced before the current attempt began: its prompt holds them.
         self._before = 0
+        #: Characters of text the client had when the current attempt began.
+        self._chars_before = 0
 
     # ------------------------------------------------------------------ events
 
     def begin_attempt(self, continuation: Continuation | None) -> None:
         self.attempts += 1
         self._before = self.produced
+        self._chars_before = sum(map(len, self.text))
         if continuation is not None:
             self.mode = continuation.mode
             self._as_completion = continuation.as_completion
@@ -402,6 +405,14 @@ class Splice:
                 c["prompt_token_ids"] = None  # the client had them once, from the first attempt
             if "token_ids" in c and not wants_ids:
                 c["token_ids"] = None
+            logprobs = c.get("logprobs")
+            if (self._chars_before and isinstance(logprobs, dict)
+                    and isinstance(logprobs.get("text_offset"), list)):
+                # vLLM counts a completion's offsets from the start of its own output: the
+                # continuation's output begins where the client's text ends.
+                c["logprobs"] = {**logprobs, "text_offset": [
+                    o + self._chars_before if isinstance(o, int) else o
+                    for o in logprobs["text_offset"]]}
             choices.append(c)
         if chunk.get("choices") and not choices:
             return None
@@ -544,6 +555,11 @@ class Splice:
         if request.assemble:  # the client's request was not streamed; its continuation is
             body.update(stream=True, stream_options={"include_usage": True})
         exact = exact and upstream_fields  # a prompt of ids is vLLM's to take
+        if (self.saw_logprobs or _asks_logprobs(body)) and (request.chat or not exact):
+            # A completion's continue from its ids, their text offsets moved on by the text
+            # the client has; a chat's would come in a completion's shape, from which its own
+            # (token bytes, alternatives by rank) cannot be rebuilt without the tokenizer.
+            return "logprobs (a chat's, or without token ids)"
         if not upstream_fields and request.chat:
             return "a chat, on an engine that takes no continue_final_message"
         if exact and request.chat and chat_as_completion:
@@ -595,8 +611,6 @@ class Splice:
                 body.get("chat_template_kwargs"), dict)
                 and body["chat_template_kwargs"].get("enable_thinking")):
             return "reasoning output (its parser's state does not carry over)"
-        if self.saw_logprobs or _asks_logprobs(body):
-            return "logprobs"
         if self.request.chat and _multimodal(body.get("messages")):
             return "images or other non-text content (a prompt of ids does not carry them)"
         return None

@@ -368,12 +368,13 @@ def _check_stop_strings(text: str, new_chars: int, stop: tuple[str, ...],
 
 def completion_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]],
                         offset: int) -> dict[str, Any]:
-    """A completion's ``logprobs`` for some tokens, their text offsets counted from ``offset``
-    (the output's characters before them)."""
+    """A completion's ``logprobs`` for some tokens, as vLLM's ``_create_completion_logprobs``
+    writes them: the first offset is ``offset`` (the output text sent before them), each next
+    one the previous plus the length of its token's string."""
     offsets = []
     for token, _, _ in entries:
         offsets.append(offset)
-        offset += len(token_text(token))
+        offset += len(token_name(token))
     return {"text_offset": offsets,
             "token_logprobs": [lp for _, lp, _ in entries],
             "tokens": [token_name(t) for t, _, _ in entries],

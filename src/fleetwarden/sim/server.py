@@ -63,7 +63,6 @@ from fleetwarden.sim.sampling import (
     chat_logprobs,
     completion_logprobs,
     parse_params,
-    token_text,
 )
 
 __all__ = ["DIRECTIVES", "FAULT_HEADER", "FAULT_ID_HEADER", "FaultMode", "Sim", "SimConfig",
@@ -673,7 +672,7 @@ class Sim:
                 await response.write(wire.sse(role))
         first = True
         written = 0  # token chunks written
-        offset = 0  # characters of the output's tokens before this chunk (logprobs)
+        sent = 0  # characters of output text sent before this chunk (logprobs' offsets)
         try:
             async for step in self._steps(pending):
                 kind = None if directive is None or written < directive[1] else directive[0]
@@ -706,12 +705,12 @@ class Sim:
                                                       else None)
                         choice = chunk["choices"][0]
                         if step.logprobs is not None:
-                            choice["logprobs"] = completion_logprobs(step.logprobs, offset)
+                            choice["logprobs"] = completion_logprobs(step.logprobs, sent)
                     choice["index"] = index
                     if step.finish_reason is not None:
                         choice["stop_reason"] = step.stop_reason
                     data += wire.sse(chunk)
-                offset += sum(len(token_text(t)) for t in step.token_ids)
+                sent += len(step.text)
                 first = False
                 if kind == "split":  # cut inside the chunk: half of its bytes, then nothing
                     await response.write(data[:len(data) // 2])

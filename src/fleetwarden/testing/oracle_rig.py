@@ -85,11 +85,11 @@ class Oracle:
 
     async def run_case(self, case: Case) -> Verdict:
         reference = normalize(*await self._post(self.sims[0].url, case), chat=case.chat,
-                              stream=case.stream)
+                              stream=case.stream, held_back=case.held_back)
         headers = {FAULT_HEADER: f"{case.cut}@{case.cut_after}",
                    FAULT_ID_HEADER: f"{case.seed}:{case.index}"}
         got = normalize(*await self._post(self.router.url, case, headers), chat=case.chat,
-                        stream=case.stream)
+                        stream=case.stream, held_back=case.held_back)
         return verdict(reference, got)
 
     async def run(self, seed: int, cases: int, *, first: int = 0,
