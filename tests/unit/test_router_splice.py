@@ -343,3 +343,17 @@ def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_
                        "max_tokens": 9, "logprobs": True, "stream": True},
                       "/v1/chat/completions", "chat-stream-token-ids.http", 3)
     assert "logprobs" in str(chat.continuation())
+
+
+def test_several_choices_are_whole_only_once_each_has_finished() -> None:
+    splice = Splice(request({"model": "tiny", "prompt": "x", "n": 2, "stream": True}))
+    splice.begin_attempt(None)
+
+    def final(index: int) -> bytes:
+        return (b'data: {"id":"c","created":1,"choices":[{"index":%d,"text":"a",'
+                b'"finish_reason":"length"}]}' % index)
+
+    splice.on_event(final(0))
+    assert not splice.finished()  # choice 1 may still be going: cut there, it is refused
+    splice.on_event(final(1))
+    assert splice.finished()

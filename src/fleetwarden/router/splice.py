@@ -260,6 +260,8 @@ class Splice:
         #: Tokens produced (ids counted, or one per chunk where the engine gave none).
         self.produced = 0
         self.finish_reason: str | None = None
+        #: The choices whose final chunk came (``n`` of them: the generation is whole).
+        self.finished_choices: set[Any] = set()
         self.usage_sent = False
         self.error: Any = None  # the engine's error event, if it ended with one
         #: How the current attempt continues (``None``: the first attempt).
@@ -360,6 +362,7 @@ class Splice:
             if isinstance(text, str):
                 self.text.append(text)
             if choice.get("finish_reason") is not None:
+                self.finished_choices.add(choice.get("index", 0))
                 self.finish_reason = choice["finish_reason"]
                 self.stop_reason = choice.get("stop_reason")
 
@@ -503,7 +506,7 @@ class Splice:
     def finished(self) -> bool:
         """The generation is whole: its final chunk (``finish_reason`` set) was read, whatever
         became of ``[DONE]``. It is never continued past its end."""
-        return self.finish_reason is not None and _number(self.request.body.get("n"), 1) <= 1
+        return len(self.finished_choices) >= max(1, _number(self.request.body.get("n"), 1))
 
     def continuation(self, chat_as_completion: bool = True, *,
                      max_model_len: int | None = None,
