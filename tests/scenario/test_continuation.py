@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import FaultMode, Sim, SimConfig
+from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
 from support.sim import SimProcess, until
 
 pytestmark = pytest.mark.scenario
@@ -456,3 +457,23 @@ async def test_an_engine_whose_profile_takes_no_vllm_fields_is_sent_none(
         got = await read_stream(http, router.url, "/v1/chat/completions", CHAT, cut)
         error = json.loads(got[-2].removeprefix(b"data: "))["error"]
         assert "continue_final_message" in error["reason"], error
+
+
+async def test_a_stream_whose_final_chunk_came_is_whole_and_its_engine_not_blamed(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Cut after its final chunk and usage, before ``[DONE]``: the client gets the reference
+    and one ``[DONE]``, nothing more is generated, and the engine counts a success, no
+    failure, and stays in the serving set."""
+    body = {**COMPLETION, **USAGE, "max_tokens": 12}
+    async with fleet() as (router, sims):
+        reference = await read_stream(http, sims[0].url, "/v1/completions", body)
+        router.drain_outcomes()
+        headers = {FAULT_HEADER: "after_final", FAULT_ID_HEADER: "whole-1"}
+        got = await read_stream(http, router.url, "/v1/completions", body, headers=headers)
+        assert directive_fired("whole-1")
+        assert_whole(got, reference, chat=False)
+        outcomes = router.drain_outcomes()
+        assert [(s, f) for s, f, _ in outcomes.values()] == [(1, 0)], outcomes
+        assert sorted(router.pool.serving) == sorted(s.url for s in sims)
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
