@@ -20,6 +20,7 @@ import pytest
 
 from fleetwarden.sim import Sim, SimConfig, wire
 from fleetwarden.sim.sampling import EOS, Generation, Params
+from scenario.test_sim_continuation import keys
 
 pytestmark = pytest.mark.scenario
 
@@ -34,14 +35,6 @@ def captured(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     assert body.endswith("data: [DONE]\n\n")
     chunks = [json.loads(e[len("data: "):]) for e in body.split("\n\n")[:-2]]
     return json.loads(request.split("\n", 1)[1]), chunks
-
-
-def keys(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return [(k, keys(v)) for k, v in obj.items()]
-    if isinstance(obj, list):
-        return [keys(v) for v in obj[:1]]
-    return None
 
 
 def tokens(chunks: list[dict[str, Any]]) -> list[int]:
