@@ -22,7 +22,6 @@ to be fooled the same ways:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetwarden.sim.dialects import Families
@@ -37,11 +36,10 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     arrived_at: float
-    #: Picks this request's output tokens (deterministic, so tests can compare texts).
-    next_token: Callable[[int], int] = field(repr=False, default=lambda i: 0)
-    #: Where given, it picks the tokens instead, and may stop the request before
-    #: ``max_tokens`` (EOS, a stop token, a stop string: :mod:`fleetwarden.sim.sampling`).
-    generation: Generation | None = field(repr=False, default=None)
+    #: Picks this request's output tokens (deterministic, so tests can compare texts) and may
+    #: stop it before ``max_tokens`` (EOS, a stop token, a stop string:
+    #: :mod:`fleetwarden.sim.sampling`).
+    generation: Generation = field(repr=False)
     computed: int = 0  # prompt tokens prefilled so far
     output: list[int] = field(default_factory=list)
     scheduled_at: float | None = None
@@ -134,10 +132,8 @@ class EngineCore:
         for r, tokens in produced:
             r.output.extend(tokens)
             generated += len(tokens)
-            stopped = r.generation is not None and r.generation.finish_reason is not None
-            if r.remaining <= 0 or stopped:
-                r.finish_reason = (r.generation.finish_reason if r.generation is not None
-                                   and r.generation.finish_reason else "length")
+            if r.remaining <= 0 or r.generation.finish_reason is not None:
+                r.finish_reason = r.generation.finish_reason or "length"
                 finished.append(r)
         f.on_step(scheduled, generated, step_s)
         for r in finished:
@@ -162,8 +158,6 @@ class EngineCore:
 
 def _sample(r: SimRequest, n: int) -> list[int]:
     """Up to ``n`` next tokens of ``r``: fewer where its generation stops on one."""
-    if r.generation is None:
-        return [r.next_token(len(r.output) + k) for k in range(n)]
     tokens = []
     for _ in range(n):
         token = r.generation.sample()

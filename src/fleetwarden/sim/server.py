@@ -414,7 +414,6 @@ class Sim:
         for request, _ in result.produced:
             pending = self._pending.get(request)
             if pending is not None:
-                assert request.generation is not None
                 pending.events.put_nowait(("step", request.generation.take()))
                 if request in finished:
                     del self._pending[request]
@@ -623,7 +622,6 @@ class Sim:
                       directive: tuple[str, int, str] | None) -> web.StreamResponse:
         r = pending.request
         g = r.generation
-        assert g is not None
         created = int(time.time())
         steps = 0
         try:
@@ -656,7 +654,6 @@ class Sim:
                       directive: tuple[str, int, str] | None) -> web.StreamResponse:
         r = pending.request
         g = r.generation
-        assert g is not None
         p = g.params
         model = self.config.model
         created = int(time.time())

@@ -11,15 +11,15 @@ The tokenizer is byte-level — one token per UTF-8 byte of the prompt, after a 
 ``/tokenize`` and ``/detokenize`` round-trip and prompt lengths are easy to reason about in tests
 (a prompt of 3,000 ASCII characters is 3,001 tokens). Generated tokens are word pieces.
 
-The "model" is deterministic and has no memory but its context: each output token depends only
-on the bytes of everything before it (prompt and output so far). So a generation cut after k
-tokens and continued from ``prompt + those k tokens`` — as token ids, or as text — produces
-exactly the tokens the uninterrupted run would have: a continuation can be checked against it.
+The "model" (:mod:`fleetwarden.sim.sampling`) is deterministic and, but for penalties, has no
+memory but its context: each output token depends only on the bytes of everything before it
+(prompt and output so far). So a generation cut after k tokens and continued from
+``prompt + those k tokens`` — as token ids, or as text — produces exactly the tokens the
+uninterrupted run would have: a continuation can be checked against it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 from typing import Any
@@ -84,23 +84,6 @@ def _content(content: Any) -> str:
     if isinstance(content, list):  # OpenAI content parts
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
-
-
-class TokenPicker:
-    """A request's deterministic output: each token depends only on the bytes before it.
-
-    Called once per output token, in order (the engine core passes the token's index).
-    """
-
-    __slots__ = ("_context",)
-
-    def __init__(self, prompt_tokens: list[int]) -> None:
-        self._context = hashlib.blake2b(token_bytes(prompt_tokens), digest_size=8)
-
-    def __call__(self, i: int) -> int:
-        token = FIRST_PIECE + self._context.digest()[0] % len(_PIECES)
-        self._context.update(_PIECES[token - FIRST_PIECE].encode())
-        return token
 
 
 def completion_id(chat: bool) -> str:
