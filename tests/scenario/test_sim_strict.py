@@ -175,3 +175,24 @@ def test_include_stop_str_in_output_sends_the_match_and_holds_nothing_back() -> 
     assert g.hold_back == 0 and g.text.endswith(stop) and g.stop_reason == stop
     held = Generation(wire.encode("hello there"), Params(max_tokens=40, stop=(stop,)))
     assert held.hold_back == len(stop) - 1
+
+
+@pytest.mark.parametrize("engine", ["sglang", "llamacpp"])
+async def test_other_dialects_refuse_what_openais_api_does_not_take(
+        http: aiohttp.ClientSession, engine: str) -> None:
+    async with Sim(SimConfig(steps_per_s=1000, engine=engine)) as s:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3}
+        for path, body, field in [
+            ("/v1/completions", {"model": "tiny", "prompt": "x", "return_token_ids": True},
+             "return_token_ids"),
+            ("/v1/chat/completions", {**chat, "continue_final_message": True},
+             "continue_final_message"),
+            ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]}, "prompt"),
+        ]:
+            async with http.post(s.url + path, json=body) as r:
+                assert r.status == 400, field
+                error = (await r.json())["error"]
+                assert error["type"] == "invalid_request_error" and field in error["message"]
+        async with http.post(s.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 200  # what OpenAI's API takes, it takes

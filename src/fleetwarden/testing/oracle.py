@@ -66,8 +66,12 @@ class Case:
                 f"{self.cut_after} body={json.dumps(self.body, sort_keys=True)}")
 
 
-def draw(seed: int, index: int, model: str = "tiny") -> Case:
-    """Case ``index`` of the run seeded ``seed``: what clients really send, cut somewhere."""
+def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False) -> Case:
+    """Case ``index`` of the run seeded ``seed``: what clients really send, cut somewhere.
+    ``real``: for a real engine serving a text-only model with no reasoning parser nor tool
+    parser (no images, tools, structured output, thinking, or the simulator's stop strings
+    and token ids; a stop string is then ``"<from the reference>"``, for the caller to take
+    from the reference's text)."""
     rng = random.Random(f"{seed}:{index}")
     chance = rng.random
     chat = chance() < 0.5
@@ -77,7 +81,7 @@ def draw(seed: int, index: int, model: str = "tiny") -> Case:
         messages: list[dict[str, Any]] = []
         if chance() < 0.3:
             messages.append({"role": "system", "content": "be brief"})
-        if chance() < 0.05:  # multimodal: an image beside the text
+        if chance() < 0.05 and not real:  # multimodal: an image beside the text
             messages.append({"role": "user", "content": [
                 {"type": "text", "text": words},
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]})
@@ -99,11 +103,12 @@ def draw(seed: int, index: int, model: str = "tiny") -> Case:
     elif chat and roll < 0.65:
         limit = rng.randint(1, 48)
         body["max_completion_tokens"] = limit
-    if chance() < 0.25:
-        body["stop"] = rng.sample(_STOPS, rng.randint(1, 2))
+    if chance() < (0.5 if real else 0.25):
+        body["stop"] = ["<from the reference>"] if real else rng.sample(_STOPS,
+                                                                       rng.randint(1, 2))
         if chance() < 0.3:
             body["include_stop_str_in_output"] = True
-    if chance() < 0.15:
+    if chance() < 0.15 and not real:
         body["stop_token_ids"] = rng.sample(_PIECE_IDS, rng.randint(1, 2))
     if chance() < 0.15:
         body["min_tokens"] = rng.randint(1, min(8, limit or 8))
@@ -119,13 +124,13 @@ def draw(seed: int, index: int, model: str = "tiny") -> Case:
             body["logprobs"] = rng.randint(0, 3)
     if chance() < 0.05:
         body["n"] = 2
-    if chance() < 0.05:
+    if chance() < 0.05 and not real:
         if chat:
             body["tools"] = [{"type": "function", "function": {
                 "name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
         else:
             body["response_format"] = {"type": "json_object"}
-    if chat and chance() < 0.15:
+    if chat and chance() < 0.15 and not real:
         body["chat_template_kwargs"] = {"enable_thinking": True}
     if chance() < 0.2:
         body["return_token_ids"] = True
