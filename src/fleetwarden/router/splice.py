@@ -575,6 +575,11 @@ class Splice:
             assert self.prompt_ids is not None
             body["prompt"] = self.prompt_ids + self.output_ids
             return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False)
+        options = request.body.get("stream_options")
+        if request.assemble or (isinstance(options, dict) and options.get("include_usage")):
+            # From text, the continuation's prompt tokens are the text re-read, not the
+            # tokens produced: the whole generation's usage could only be estimated.
+            return "usage, which a continuation from text cannot count"
         text = "".join(self.text)
         if not request.chat:
             prompt = body.get("prompt")
