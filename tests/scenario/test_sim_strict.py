@@ -196,3 +196,14 @@ async def test_other_dialects_refuse_what_openais_api_does_not_take(
                 assert error["type"] == "invalid_request_error" and field in error["message"]
         async with http.post(s.url + "/v1/chat/completions", json=chat) as r:
             assert r.status == 200  # what OpenAI's API takes, it takes
+
+
+async def test_several_choices_of_a_greedy_sample_are_refused_as_vllm_refuses_them(
+        sim: Sim, http: aiohttp.ClientSession) -> None:
+    body = {"model": "tiny", "prompt": "x", "n": 2, "max_tokens": 3}
+    async with http.post(sim.url + "/v1/completions", json={**body, "temperature": 0}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["message"] == (
+            "n must be 1 when using greedy sampling, got 2.")  # real vLLM 0.32's words
+    async with http.post(sim.url + "/v1/completions", json={**body, "temperature": 0.5}) as r:
+        assert r.status == 200 and len((await r.json())["choices"]) == 2

@@ -129,6 +129,10 @@ def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
     n = 1 if n is None else n
     if not _int(n) or n < 1:
         return wire.invalid(f"n must be at least 1, got {n}.", "n")
+    temperature = body.get("temperature")
+    if n > 1 and temperature is not None and _number(temperature) and temperature == 0:
+        # vLLM 0.32 on the real-vLLM tier: several choices of one greedy sample are refused.
+        return wire.invalid(f"n must be 1 when using greedy sampling, got {n}.", None)
     logprobs, top = _logprobs(body, chat)
     if isinstance(top, dict):
         return top
