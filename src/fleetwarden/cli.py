@@ -379,6 +379,11 @@ def route(
         "--continue-answers/--no-continue-answers",
         help="Continue non-streamed answers too (streamed from the engine, assembled here).")
     ] = _ROUTER_DEFAULTS.continue_answers,
+    upstream_fields: Annotated[bool, typer.Option(
+        "--upstream-fields/--no-upstream-fields",
+        help="The backends take vLLM's own request fields (return_token_ids, token-id "
+             "prompts, continue_final_message); off for other OpenAI-compatible servers.")
+    ] = _ROUTER_DEFAULTS.upstream_fields,
     control_port: Annotated[int | None, typer.Option(
         "--control-port",
         help="Also serve the control API at this port (needs --token-file).")
@@ -446,7 +451,7 @@ def route(
                 backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
                 max_retries=max_retries, max_body_bytes=max_body_bytes,
                 session_header=session_header or None, continue_streams=continue_streams,
-                continue_answers=continue_answers)
+                continue_answers=continue_answers, upstream_fields=upstream_fields)
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None

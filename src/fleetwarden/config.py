@@ -294,6 +294,16 @@ class RouterConfig(_Section):
     #: Bytes of an engine's 5xx body kept: an error message is short; a longer body is not
     #: waited on to its end.
     max_error_body_bytes: PositiveInt = _ROUTER.max_error_body_bytes
+
+
+    #: Whether an engine whose kind the controller does not know (``engine = "auto"``, or a
+    #: router given its backends by hand) takes vLLM's own request fields
+    #: (``return_token_ids``, a prompt of token ids, ``continue_final_message``), which an
+    #: exact continuation needs. A known engine's profile decides for it: only vLLM's says yes.
+    #: Off: such engines get the client's request as it came (a strict OpenAI-compatible
+    #: server answers 400 to a field it does not know); their streams continue from text or
+    #: end with an error event naming the cause.
+    upstream_fields: bool = _ROUTER.upstream_fields
     #: Router processes of their own, sharing `port` (SO_REUSEPORT), driven by the controller
     #: over the control API. They keep serving with the last serving set through
     #: fleetwarden's own crash, and its next run adopts them (as it adopts engines). One is

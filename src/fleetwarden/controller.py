@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fleetwarden.config import Config
+from fleetwarden.engines import AUTO, profile
 from fleetwarden.journal import Journal
 from fleetwarden.judge import Health, Verdict
 from fleetwarden.ledger import (
@@ -226,9 +227,16 @@ class Controller:
         """What every push carries: the serving URLs, and each one's shard and weight version."""
         urls = self.ledger.serving_urls()
         wanted = set(urls)
-        facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version)
+        facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
+                                            self._upstream_fields(rec.index))
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
+
+    def _upstream_fields(self, shard: int) -> bool | None:
+        """Whether shard's engine takes vLLM's own request fields, as its profile says
+        (``None`` for ``engine = "auto"``: the router's setting decides)."""
+        name = self.config.fleet.engine_of(shard)
+        return None if name == AUTO else profile(name).upstream_fields
 
     def _push_soon(self) -> None:
         if not self._push_pending:

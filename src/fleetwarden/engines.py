@@ -36,6 +36,8 @@ What each field means:
 * ``sleep`` — how the engine says it is asleep or paused, where it has such a state (vLLM's
   ``vllm:engine_sleep_state`` is read: the judge's SLEEPING verdict; the others are said here
   so that a sleeping engine is not mistaken for a wedged one).
+* ``upstream_fields`` — the engine takes vLLM's own request fields (``return_token_ids``, a
+  prompt of token ids, ``continue_final_message``), which an exact continuation needs.
 * ``limits`` — what this profile cannot prove, printed by ``fleetwarden check``.
 
 Sources: vLLM and llama.cpp from captures on this project's machines
@@ -104,6 +106,11 @@ class EngineProfile:
     min_stall_s: float = 0.0
     sleep: str = "none known"
     limits: tuple[str, ...] = ()
+    #: It takes vLLM's own request fields that continuing a generation exactly needs:
+    #: ``return_token_ids``, a prompt of token ids, ``continue_final_message``. A router sends
+    #: them to no other engine (a strict OpenAI-compatible server answers 400 to a field it
+    #: does not know): a stream there continues from text, or is refused.
+    upstream_fields: bool = False
     #: The fields of :class:`Sample` this profile fills (the rest read 0 / unknown).
     fields: frozenset[str] = field(init=False)
 
@@ -149,7 +156,7 @@ VLLM = EngineProfile(
         "vllm:engine_sleep_state":     Family("gauge", "vllm:engine_sleep_state",
                                               "sleep_level", False),
     },
-    detect="vllm:", health_proves_core=True,
+    detect="vllm:", health_proves_core=True, upstream_fields=True,
     progress="vllm:iteration_tokens_total_count: +1 per engine step",
     sleep="vllm:engine_sleep_state (read: the SLEEPING verdict); /sleep, /wake_up and "
           "/is_sleeping with VLLM_SERVER_DEV_MODE=1",

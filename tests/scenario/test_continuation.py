@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import FaultMode, Sim, SimConfig
+from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
 from support.sim import SimProcess, until
 
 pytestmark = pytest.mark.scenario
@@ -117,7 +118,7 @@ async def continuations(http: aiohttp.ClientSession, router: Router) -> dict[str
 
 
 def assert_whole(got: list[bytes], reference: list[bytes], *, chat: bool,
-                 wants_ids: bool = False, exact_prompt_usage: bool = True) -> None:
+                 wants_ids: bool = False) -> None:
     """``got`` is the reference generation, as one unbroken stream."""
     ours, ref = chunks(got), chunks(reference)
     assert not any("error" in c for c in ours), ours
@@ -128,11 +129,7 @@ def assert_whole(got: list[bytes], reference: list[bytes], *, chat: bool,
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     usage = [c["usage"] for c in ours if c.get("usage")]
     ref_usage = [c["usage"] for c in ref if c.get("usage")]
-    if exact_prompt_usage:
-        assert usage == ref_usage
-    else:  # from text, the prompt's tokens are the continuation's less an estimate
-        assert [u["completion_tokens"] for u in usage] == [
-            u["completion_tokens"] for u in ref_usage]
+    assert usage == ref_usage
     if chat:
         roles = [c for c in ours if c["choices"] and "role" in c["choices"][0]["delta"]]
         assert roles == [ours[0]]  # the role chunk once, first
@@ -175,7 +172,7 @@ async def test_a_stream_cut_by_its_engine_goes_on_elsewhere_exactly(
 
         got = await read_stream(http, router.url, path, body, cut)
         assert_whole(got, reference, chat=chat)
-        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
         assert router.stats.streams_ended == {}
 
 
@@ -198,7 +195,7 @@ async def test_a_stream_on_a_wedged_engine_is_rescued_and_goes_on_elsewhere(
         assert rescued == [1]
         assert_whole(got, reference, chat=chat)
         assert router.stats.rescues == 1
-        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
@@ -224,7 +221,7 @@ async def test_a_stream_on_a_wedge_is_held_there_and_continued_exactly(
         got = await read_stream(http, router.url, path, body, wedge_then_hedge)
         assert len(held) == 1 and len(held[0]) == 1
         assert_whole(got, reference, chat=chat)
-        assert await continuations(http, router) == {"tokens": 1, "text": 0}
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
         assert (router.stats.hedges, router.stats.rescues) == (0, 1)
         assert [cause for (_, cause) in router.stats.backend_failures] == ["hedged"]
         assert router.silent_backends(0.0) == {}
@@ -304,7 +301,6 @@ async def test_without_token_ids_a_stream_goes_on_from_its_text(
     http: aiohttp.ClientSession, chat: bool
 ) -> None:
     path, body = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", COMPLETION)
-    body = {**body, **USAGE}
     async with fleet(token_ids=False) as (router, sims):  # engines that ignore the field
         reference = await read_stream(http, sims[0].url, path, body)
 
@@ -312,10 +308,14 @@ async def test_without_token_ids_a_stream_goes_on_from_its_text(
             await crash(sim_at(sims, holder(router)))
 
         got = await read_stream(http, router.url, path, body, cut)
-        # This engine's output depends on the text alone, so even the text path is exact
-        # here, but for the prompt's token count (its text re-reads as more tokens).
-        assert_whole(got, reference, chat=chat, exact_prompt_usage=False)
-        assert await continuations(http, router) == {"tokens": 0, "text": 1}
+        # This engine's output depends on the text alone, so the text path is exact here.
+        assert_whole(got, reference, chat=chat)
+        assert await continuations(http, router) == {"tokens": 0, "text": 1, "restart": 0}
+        # With usage asked for, it is refused: from text, the prompt's tokens (the text
+        # re-read) are not the tokens produced, and the usage could only be estimated.
+        got = await read_stream(http, router.url, path, {**body, **USAGE}, cut)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert "usage" in error["reason"], error
 
 
 async def test_the_openai_client_reads_one_unbroken_stream(http: aiohttp.ClientSession) -> None:
@@ -372,7 +372,7 @@ async def test_a_stream_that_may_not_go_on_ends_with_an_error_event_naming_why(
         assert "EngineCore encountered an issue" in error["message"]
         assert len(got) == CUT_AFTER + 2  # what came before the cut, then the end
         assert router.stats.streams_ended == {reason: 1}
-        assert await continuations(http, router) == {"tokens": 0, "text": 0}
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
         # the body went upstream as the client wrote it: nothing added
         assert all(b"return_token_ids" not in e for e in got)
 
@@ -482,5 +482,56 @@ async def test_a_non_streamed_answer_goes_on_elsewhere_and_keeps_vllms_shape(
             answer.pop(key), reference.pop(key)
         assert answer == reference  # the same generation, the same usage
         assert await continuations(http, router) == (
-            {"tokens": 1, "text": 0} if fault else {"tokens": 0, "text": 0})
+            {"tokens": 1 if fault else 0, "text": 0, "restart": 0})
 
+
+
+# ---------------------------------------------------------------------- only what engines take
+
+
+async def test_an_engine_whose_profile_takes_no_vllm_fields_is_sent_none(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A strict OpenAI-compatible engine (the sim's SGLang dialect) answers 400 to
+    ``return_token_ids``; the router, told by the push that it takes none of vLLM's own fields,
+    sends the client's request as it came, continues a completion from its text, and ends a
+    chat it cannot continue with an error event naming why."""
+    async with fleet(engine="sglang") as (router, sims):
+        async with http.post(sims[0].url + "/v1/completions",
+                             json={**COMPLETION, "return_token_ids": True}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["message"] == (
+                "Unrecognized request argument supplied: return_token_ids")
+        router.set_serving_backends([s.url for s in sims], {
+            s.url: BackendFacts(upstream_fields=False) for s in sims})
+        reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
+
+        async def cut() -> None:
+            await reset(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert text(chunks(got)) == text(chunks(reference))
+        assert await continuations(http, router) == {"tokens": 0, "text": 1, "restart": 0}
+        got = await read_stream(http, router.url, "/v1/chat/completions", CHAT, cut)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert "continue_final_message" in error["reason"], error
+
+
+async def test_a_stream_whose_final_chunk_came_is_whole_and_its_engine_not_blamed(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Cut after its final chunk and usage, before ``[DONE]``: the client gets the reference
+    and one ``[DONE]``, nothing more is generated, and the engine counts a success, no
+    failure, and stays in the serving set."""
+    body = {**COMPLETION, **USAGE, "max_tokens": 12}
+    async with fleet() as (router, sims):
+        reference = await read_stream(http, sims[0].url, "/v1/completions", body)
+        router.drain_outcomes()
+        headers = {FAULT_HEADER: "after_final", FAULT_ID_HEADER: "whole-1"}
+        got = await read_stream(http, router.url, "/v1/completions", body, headers=headers)
+        assert directive_fired("whole-1")
+        assert_whole(got, reference, chat=False)
+        outcomes = router.drain_outcomes()
+        assert [(s, f) for s, f, _ in outcomes.values()] == [(1, 0)], outcomes
+        assert sorted(router.pool.serving) == sorted(s.url for s in sims)
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}

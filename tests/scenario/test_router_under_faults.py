@@ -55,7 +55,8 @@ async def test_twenty_thousand_requests_through_a_failing_wedging_recovering_eng
             issued += 1
             stream = issued % 8 == 0
             path = "/v1/chat/completions" if stream else "/v1/completions"
-            payload = ({"model": "tiny", "messages": [], "stream": True} if stream
+            payload = ({"model": "tiny", "messages": [], "stream": True, "max_tokens": 16}
+                       if stream
                        else {"model": "tiny", "prompt": "hello", "max_tokens": 8})
             try:
                 async with http.post(router.url + path, json=payload) as response:

@@ -239,7 +239,7 @@ async def test_the_bracket_lets_streams_under_way_finish_and_moves_what_has_not_
                 assert shard == "0", rid
                 assert chunks[0]["usage"]["completion_tokens"] == LONG
         router = fleet.router.stats
-        assert router.continuations == {"tokens": 0, "text": 0}
+        assert router.continuations == {"tokens": 0, "text": 0, "restart": 0}
         assert router.rescues == len(waiting_there) and router.backend_failures == {}
         assert (await sim_stats(url))["engine"]["sleep_level"] == 1
 
@@ -259,6 +259,6 @@ async def test_past_the_drain_bound_a_stream_under_way_goes_on_elsewhere(
         shard, status, chunks = await asyncio.wait_for(task, 30)  # never frozen asleep
         assert status == 200 and shard == str(i)  # its answer began there...
         assert whole(chunks), chunks[-2:]  # ... and went on elsewhere, whole
-        assert fleet.router.stats.continuations == {"tokens": 1, "text": 0}
+        assert fleet.router.stats.continuations == {"tokens": 1, "text": 0, "restart": 0}
         assert fleet.router.stats.streams_ended == {}
         assert (await sim_stats(url))["engine"]["sleep_level"] == 1

@@ -418,7 +418,7 @@ async def test_a_rescue_that_spares_streams_moves_only_what_has_not_begun() -> N
             busy.unwedge()
             rest = await response.read()
         assert first + rest == COMPLETION_STREAM.body  # whole, from the engine it began on
-        assert r.router.stats.continuations == {"tokens": 0, "text": 0}
+        assert not any(r.router.stats.continuations.values())
         assert r.router.stats.rescues == 1
 
 

@@ -99,13 +99,15 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
         async with RemoteRouter(router.control_url, TOKEN) as remote:
             handles: list[RouterControl] = [remote, router.control()]
             for version, handle in enumerate(handles, start=3):
-                facts = {a: BackendFacts(0, version), b: BackendFacts(1, version + 1)}
+                facts = {a: BackendFacts(0, version, True),
+                         b: BackendFacts(1, version + 1, False)}
                 await handle.set_serving_backends([a, b], facts)
                 assert router.backend_facts() == facts
-                assert router.pool.facts(b) == BackendFacts(shard=1, weight_version=version + 1)
+                assert router.pool.facts(b) == BackendFacts(shard=1, weight_version=version + 1,
+                                                            upstream_fields=False)
                 assert (await handle.status())["facts"] == {
-                    a: {"shard": 0, "weight_version": version},
-                    b: {"shard": 1, "weight_version": version + 1}}
+                    a: {"shard": 0, "weight_version": version, "upstream_fields": True},
+                    b: {"shard": 1, "weight_version": version + 1, "upstream_fields": False}}
             # Facts for a URL not pushed are dropped; a push without facts (an older
             # controller) is served, and leaves every backend's facts unknown.
             await remote.set_serving_backends([a], {a: BackendFacts(0, 7),
@@ -118,8 +120,12 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             answer = await remote._call("PUT", "/serving", {
                 "backends": [a, b], "facts": {a: {"shard": 0}, b: {"weight_version": 2,
                                                                  "shard": None}}})
-            assert answer["facts"] == {a: {"shard": 0, "weight_version": None},
-                                       b: {"shard": None, "weight_version": 2}}
+            assert answer["facts"] == {
+                a: {"shard": 0, "weight_version": None, "upstream_fields": None},
+                b: {"shard": None, "weight_version": 2, "upstream_fields": None}}
+            bad = {"backends": [a], "facts": {a: {"upstream_fields": "yes"}}}
+            with pytest.raises(ControlError, match="upstream_fields"):
+                await remote._call("PUT", "/serving", bad)
     finally:
         await router.stop()
 

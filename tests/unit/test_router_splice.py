@@ -230,3 +230,130 @@ def test_an_answer_assembled_from_vllms_stream_is_vllms_own_answer_byte_for_byte
     assert read_stream_request("/v1/completions", json.dumps(body).encode(), {}) is None
     assert read_stream_request("/v1/completions", json.dumps({**body, "logprobs": 1}).encode(),
                                {}, assemble_answers=True) is None
+
+
+# ---------------------------------------------------------------------- exact, or refused
+
+
+def _cut_after(body: dict[str, Any], path: str, name: str, n: int) -> Splice:
+    splice = Splice(request(body, path))
+    splice.begin_attempt(None)
+    for e in captured_events(name)[:n]:
+        splice.on_event(e)
+    return splice
+
+
+def test_a_completion_without_max_tokens_keeps_vllms_default_of_16() -> None:
+    splice = _cut_after({"model": "tiny", "prompt": "hello there", "stream": True},
+                        "/v1/completions", "completions-stream-token-ids.http", 3)
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    assert json.loads(plan.body)["max_tokens"] == 16 - 3
+
+
+def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    splice = _cut_after(body, "/v1/chat/completions", "chat-stream-token-ids.http", 3)
+    assert splice.needs_context_length()
+    # vLLM's chat default: the context less the rendered prompt (5 ids), less what came (2)
+    plan = splice.continuation(max_model_len=256)
+    assert not isinstance(plan, str) and plan.as_completion
+    assert json.loads(plan.body)["max_tokens"] == 256 - 5 - 2
+    refusal = splice.continuation()
+    assert isinstance(refusal, str) and "context length" in refusal
+
+
+@pytest.mark.parametrize(("extra", "cause"), [
+    ({"stop": ["\n"]}, "stop strings"),
+    ({"presence_penalty": 0.5}, "penalties"),
+    ({"frequency_penalty": -1}, "penalties"),
+])
+def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[str, Any],
+                                                                   cause: str) -> None:
+    splice = _cut_after({"model": "tiny", "prompt": "hello there", "max_tokens": 9,
+                         "stream": True, **extra},
+                        "/v1/completions", "completions-stream-token-ids.http", 3)
+    plan = splice.continuation()
+    assert isinstance(plan, str) and cause in plan
+
+
+def test_reasoning_and_images_in_a_chat_are_refused() -> None:
+    image = {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "image_url", "image_url": {"url": "x"}}]}
+    splice = _cut_after({"model": "tiny", "messages": [image], "max_tokens": 9, "stream": True},
+                        "/v1/chat/completions", "chat-stream-token-ids.http", 3)
+    assert "non-text content" in str(splice.continuation())
+    splice = Splice(request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 9, "stream": True}, "/v1/chat/completions"))
+    splice.begin_attempt(None)
+    splice.on_event(captured_events("chat-stream-token-ids.http")[0])
+    splice.on_event(b'data: {"id":"c","created":1,"choices":[{"index":0,"delta":'
+                    b'{"reasoning_content":"hmm"},"token_ids":[7]}]}')
+    assert "reasoning" in str(splice.continuation())
+
+
+def test_a_chat_cut_after_its_role_chunk_alone_is_sent_again_as_it_was() -> None:
+    splice = _cut_after({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                         "stream": True, "stop": ["x"], "presence_penalty": 1},
+                        "/v1/chat/completions", "chat-stream-token-ids.http", 1)
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    assert (plan.mode, plan.path, plan.body) == (Mode.RESTART, "/v1/chat/completions",
+                                                 splice.request.upstream_body)
+    splice.begin_attempt(plan)
+    assert splice.on_event(captured_events("chat-stream-token-ids.http")[0]) == (
+        Outcome.SKIP, b"")  # the role chunk, once was enough
+
+
+def test_a_generation_whose_final_chunk_came_is_whole() -> None:
+    events = captured_events("completions-stream-token-ids.http")
+    final = next(i for i, e in enumerate(events) if b'"finish_reason":"length"' in e)
+    splice = _cut_after({"model": "tiny", "prompt": "hello there", "stream": True,
+                         "stream_options": {"include_usage": True}},
+                        "/v1/completions", "completions-stream-token-ids.http", final)
+    assert not splice.finished()
+    splice.on_event(events[final])
+    assert splice.finished()
+    closing = splice.closing_usage()
+    assert closing is not None and closing.startswith(b"data: ")
+    usage = json.loads(closing.removeprefix(b"data: "))["usage"]
+    assert usage["completion_tokens"] == splice.produced == final + 1
+    assert usage["prompt_tokens"] == len(splice.prompt_ids or [])
+
+
+def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_text() -> None:
+    splice = _cut_after({"model": "tiny", "prompt": "hello there", "max_tokens": 9,
+                         "logprobs": 1, "stream": True},
+                        "/v1/completions", "completions-stream-token-ids.http", 3)
+    had = len("".join(splice.text))
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
+    splice.begin_attempt(plan)
+    chunk = {"id": "cmpl-x", "object": "text_completion", "created": 2, "model": "tiny",
+             "choices": [{"index": 0, "text": "ab", "token_ids": [5, 6],
+                          "logprobs": {"text_offset": [0, 1], "token_logprobs": [-1.0, -2.0],
+                                       "tokens": ["a", "b"], "top_logprobs": [{"a": -1.0},
+                                                                              {"b": -2.0}]},
+                          "finish_reason": None}]}
+    _, data = splice.on_event(b"data: " + json.dumps(chunk).encode())
+    logprobs = json.loads(data.removeprefix(b"data: "))["choices"][0]["logprobs"]
+    assert had and logprobs["text_offset"] == [had, had + 1]
+    assert logprobs["tokens"] == ["a", "b"]
+    chat = _cut_after({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 9, "logprobs": True, "stream": True},
+                      "/v1/chat/completions", "chat-stream-token-ids.http", 3)
+    assert "logprobs" in str(chat.continuation())
+
+
+def test_several_choices_are_whole_only_once_each_has_finished() -> None:
+    splice = Splice(request({"model": "tiny", "prompt": "x", "n": 2, "stream": True}))
+    splice.begin_attempt(None)
+
+    def final(index: int) -> bytes:
+        return (b'data: {"id":"c","created":1,"choices":[{"index":%d,"text":"a",'
+                b'"finish_reason":"length"}]}' % index)
+
+    splice.on_event(final(0))
+    assert not splice.finished()  # choice 1 may still be going: cut there, it is refused
+    splice.on_event(final(1))
+    assert splice.finished()

@@ -354,11 +354,15 @@ def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
                                       or value < 0):
                 raise _bad_request(f"'facts.{url}.{name}' must be an integer >= 0 or null")
             values[name] = value
-        facts[url] = BackendFacts(values["shard"], values["weight_version"])
+        fields = fact.get("upstream_fields")
+        if fields is not None and not isinstance(fields, bool):
+            raise _bad_request(f"'facts.{url}.upstream_fields' must be true, false or null")
+        facts[url] = BackendFacts(values["shard"], values["weight_version"], fields)
     return facts
 
 
-def _facts_json(facts: Mapping[str, BackendFacts]) -> dict[str, dict[str, int | None]]:
+def _facts_json(facts: Mapping[str, BackendFacts]
+                ) -> dict[str, dict[str, int | bool | None]]:
     return {url: f.to_dict() for url, f in facts.items()}
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import math
 import re
@@ -365,6 +366,7 @@ class Forwarder:
         self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, Target] = {}
+        self._context_lengths: dict[str, int] = {}
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
 
@@ -607,10 +609,20 @@ class Forwarder:
                     if backend is None:
                         return await self._end_stream(
                             stream, last, "no other backend with the same weights")
-                    plan = stream.splice.continuation()
+                    context = None
+                    if stream.splice.needs_context_length():
+                        context = await self._context_length(backend)
+                    plan = stream.splice.continuation(
+                        max_model_len=context, upstream_fields=self._takes_fields(backend))
                     if isinstance(plan, str):
-                        return await self._end_stream(stream, last, plan)
-                    stream.continuation = plan
+                        if stream.response is not None:
+                            return await self._end_stream(stream, last, plan)
+                        # An answer being assembled that cannot go on exactly: nothing reached
+                        # its client, so it is sent again from the start instead.
+                        stream.splice = Splice(stream.splice.request)
+                        stream.continuation = None
+                    else:
+                        stream.continuation = plan
                 else:
                     backend = pool.pick(tried, session if not tried else None,
                                         min_version=min_version)
@@ -631,6 +643,11 @@ class Forwarder:
                 if not isinstance(answer, _Failure):
                     return answer
                 failure = answer
+                if stream is not None and stream.began and stream.splice.finished():
+                    # Its final chunk was read: the generation is whole whatever became of
+                    # [DONE], a success of the engine, never continued past its end.
+                    self.pool.record_success(failure.backend)
+                    return await self._end_whole(request, stream)
                 if failure.cause is Cause.RESCUED:
                     resend = ""  # the controller's call: re-sent at once, and no budget spent
                     last = failure
@@ -711,7 +728,7 @@ class Forwarder:
         pool = self.pool
         key = backend + request.raw_path  # the request target exactly as the client sent it
         if stream is not None:
-            body = stream.splice.request.upstream_body
+            body = stream.splice.request.body_for(self._takes_fields(backend))
             if stream.began and stream.continuation is not None:
                 key = backend + stream.continuation.path
                 body = stream.continuation.body
@@ -1082,6 +1099,52 @@ class Forwarder:
             pass  # the client left: its loss, not the engine's
         return response
 
+    def _takes_fields(self, backend: str) -> bool:
+        """Whether ``backend``'s engine takes vLLM's own request fields: its profile's word in
+        the controller's push, else the router's ``upstream_fields`` setting."""
+        said = self.pool.facts(backend).upstream_fields
+        return self.settings.upstream_fields if said is None else said
+
+    async def _context_length(self, backend: str) -> int | None:
+        """``backend``'s context length (vLLM's ``max_model_len`` in ``/v1/models``), which a
+        chat sent without ``max_tokens`` takes its default from; ``None`` if it does not say.
+        Asked once per backend."""
+        known = self._context_lengths.get(backend)
+        if known is not None or backend in self._context_lengths:
+            return known
+        assert self._client is not None, "Forwarder.open() was not awaited"
+        found = None
+        try:
+            answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
+                                                [], b"")
+            models = json.loads(await _read(answer))
+            value = models["data"][0]["max_model_len"]
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found = value
+        except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            found = None
+        if len(self._context_lengths) >= _MAX_CACHED_TARGETS:
+            self._context_lengths.clear()
+        if found is not None:
+            self._context_lengths[backend] = found  # unknown ones are asked again next time
+        return found
+
+    async def _end_whole(self, request: Request, stream: _Stream) -> StreamResponse:
+        """A generation whose final chunk came and whose connection went before ``[DONE]``:
+        its client gets its end (the usage it asked for, where the router can count it)."""
+        splice = stream.splice
+        if stream.response is None:  # an answer being assembled: it is whole
+            response = Response(status=200, body=splice.answer(),
+                                content_type="application/json")
+            stream.response = response
+            self.stats.responded(200)
+            with contextlib.suppress(ConnectionError):
+                await response.prepare(request)
+                await response.write_eof()
+            return response
+        return await self._end_stream(stream, None, "the usage the client asked for was lost "
+                                      "with the connection")
+
     async def _end_stream(self, stream: _Stream, failure: _Failure | None,
                           reason: str) -> StreamResponse:
         """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
@@ -1092,8 +1155,9 @@ class Forwarder:
         if response is None:  # an answer being assembled: nothing reached the client yet
             self.stats.stream_ended(reason)
             return self._refuse(failure)
-        if splice.finish_reason is not None:
-            data = splice.closing_usage() + DONE
+        closing = splice.closing_usage() if splice.finished() else None
+        if closing is not None:
+            data = closing + DONE
         else:
             what = "The stream broke off"
             if failure is not None:

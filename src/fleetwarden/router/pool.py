@@ -37,9 +37,14 @@ class BackendFacts:
 
     shard: int | None = None
     weight_version: int | None = None
+    #: Its engine takes vLLM's own request fields (``return_token_ids``, a prompt of token
+    #: ids, ``continue_final_message``): its profile's word. ``None``: the push did not say
+    #: (the router's ``upstream_fields`` setting decides).
+    upstream_fields: bool | None = None
 
-    def to_dict(self) -> dict[str, int | None]:
-        return {"shard": self.shard, "weight_version": self.weight_version}
+    def to_dict(self) -> dict[str, int | bool | None]:
+        return {"shard": self.shard, "weight_version": self.weight_version,
+                "upstream_fields": self.upstream_fields}
 
 
 #: The facts of a backend the push said nothing about.

@@ -88,6 +88,13 @@ class RouterSettings:
     #: costs the router the parsing of every token's chunk (BENCHMARKS.md), and requests with
     #: logprobs are not assembled.
     continue_answers: bool = False
+    #: Whether a backend the controller's push says nothing of (a router given its backends by
+    #: hand, or ``engine = "auto"``) takes vLLM's own request fields (``return_token_ids``, a
+    #: prompt of token ids, ``continue_final_message``), which an exact continuation needs.
+    #: On: the router is made for vLLM fleets, and vLLM takes them. Off: such a backend gets
+    #: the client's request as it came, and its streams continue from text or are refused. A
+    #: push's word (the engine's profile) always wins.
+    upstream_fields: bool = True
     #: How long an idle pooled connection to a backend is kept. Below uvicorn's 5 s (vLLM's
     #: server): a connection is never reused at the moment the engine closes it, so a reset
     #: means the engine, not the pool.

@@ -57,6 +57,8 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 DONE = b"data: [DONE]\n\n"
+#: vLLM's ``max_tokens`` for a completion that names none (a chat's is the context left).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 #: What an engine's ``return_token_ids`` adds to a chunk, when the router asked for it and the
 #: client did not: set back to ``null``, as vLLM writes them when not asked (byte for byte).
@@ -81,6 +83,7 @@ class Mode(enum.Enum):
 
     TOKENS = "tokens"  # exact: from the prompt's and the output's token ids
     TEXT = "text"  # from the prompt and the text produced so far
+    RESTART = "restart"  # nothing produced yet: the request itself, sent again
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,14 @@ class StreamRequest:
     #: A non-streamed request whose answer the router assembles from a stream it asked the
     #: engine for (``continue_answers``), so that it too can go on elsewhere.
     assemble: bool = False
+    #: What goes upstream to an engine that does not take vLLM's own fields: the client's
+    #: request with nothing of the router's added but what any OpenAI server takes.
+    plain_body: bytes = b""
+
+    def body_for(self, upstream_fields: bool) -> bytes:
+        """The first attempt's body for an engine that does (or does not) take vLLM's own
+        request fields."""
+        return self.upstream_body if upstream_fields or not self.plain_body else self.plain_body
 
 
 def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
@@ -119,16 +130,17 @@ def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
     refusal = _refusal(parsed, chat, headers.get(OPT_OUT_HEADER, "").strip().lower() in _OFF)
     wants_ids = parsed.get("return_token_ids") is True
     if parsed.get("stream") is not True:
-        if (not assemble_answers or refusal is not None or parsed.get("logprobs")
-                or parsed.get("top_logprobs") or parsed.get("stream") not in (None, False)):
+        if (not assemble_answers or refusal is not None
+                or _asks_logprobs(parsed) or parsed.get("stream") not in (None, False)):
             return None
-        upstream = _dumps({**parsed, "stream": True, "return_token_ids": True,
-                           "stream_options": {"include_usage": True}})
-        return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True)
+        plain = {**parsed, "stream": True, "stream_options": {"include_usage": True}}
+        upstream = _dumps({**plain, "return_token_ids": True})
+        return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True,
+                             plain_body=_dumps(plain))
     upstream = body
     if refusal is None and not wants_ids:
         upstream = _dumps({**parsed, "return_token_ids": True})
-    return StreamRequest(chat, parsed, refusal, wants_ids, upstream)
+    return StreamRequest(chat, parsed, refusal, wants_ids, upstream, plain_body=body)
 
 
 def _refusal(body: Mapping[str, Any], chat: bool, opted_out: bool) -> str | None:
@@ -239,9 +251,17 @@ class Splice:
         #: Every output chunk so far carried its token ids.
         self.ids_complete = True
         self.text: list[str] = []
+        self.reasoning: list[str] = []
+        #: A chat's reasoning (thinking) output came: a continuation as a completion would
+        #: turn it into content, so none is made.
+        self.saw_reasoning = False
+        #: Logprobs came with the output.
+        self.saw_logprobs = False
         #: Tokens produced (ids counted, or one per chunk where the engine gave none).
         self.produced = 0
         self.finish_reason: str | None = None
+        #: The choices whose final chunk came (``n`` of them: the generation is whole).
+        self.finished_choices: set[Any] = set()
         self.usage_sent = False
         self.error: Any = None  # the engine's error event, if it ended with one
         #: How the current attempt continues (``None``: the first attempt).
@@ -249,12 +269,15 @@ class Splice:
         self._as_completion = False
         #: Tokens produced before the current attempt began: its prompt holds them.
         self._before = 0
+        #: Characters of text the client had when the current attempt began.
+        self._chars_before = 0
 
     # ------------------------------------------------------------------ events
 
     def begin_attempt(self, continuation: Continuation | None) -> None:
         self.attempts += 1
         self._before = self.produced
+        self._chars_before = sum(map(len, self.text))
         if continuation is not None:
             self.mode = continuation.mode
             self._as_completion = continuation.as_completion
@@ -316,10 +339,17 @@ class Splice:
             if self.mode is None and choice.get("prompt_token_ids"):
                 self.prompt_ids = list(choice["prompt_token_ids"])
             delta = choice.get("delta")
+            if choice.get("logprobs"):
+                self.saw_logprobs = True
             if isinstance(delta, dict):
                 if "role" in delta and not delta.get("content"):
                     continue  # the chat's role chunk: no token
                 text = delta.get("content")
+                thought = delta.get("reasoning_content", delta.get("reasoning"))
+                if thought is not None:
+                    self.saw_reasoning = True
+                    if isinstance(thought, str):
+                        self.reasoning.append(thought)
             else:
                 text = choice.get("text")
             ids = choice.get("token_ids")
@@ -332,6 +362,7 @@ class Splice:
             if isinstance(text, str):
                 self.text.append(text)
             if choice.get("finish_reason") is not None:
+                self.finished_choices.add(choice.get("index", 0))
                 self.finish_reason = choice["finish_reason"]
                 self.stop_reason = choice.get("stop_reason")
 
@@ -377,6 +408,14 @@ class Splice:
                 c["prompt_token_ids"] = None  # the client had them once, from the first attempt
             if "token_ids" in c and not wants_ids:
                 c["token_ids"] = None
+            logprobs = c.get("logprobs")
+            if (self._chars_before and isinstance(logprobs, dict)
+                    and isinstance(logprobs.get("text_offset"), list)):
+                # vLLM counts a completion's offsets from the start of its own output: the
+                # continuation's output begins where the client's text ends.
+                c["logprobs"] = {**logprobs, "text_offset": [
+                    o + self._chars_before if isinstance(o, int) else o
+                    for o in logprobs["text_offset"]]}
             choices.append(c)
         if chunk.get("choices") and not choices:
             return None
@@ -399,13 +438,15 @@ class Splice:
             out["total_tokens"] = prompt + completion
         return out
 
-    def closing_usage(self) -> bytes:
-        """The usage event a generation that was whole but lost its end still owes its client
-        (when it asked for usage and the prompt's length is known), else nothing."""
+    def closing_usage(self) -> bytes | None:
+        """What a generation that was whole but lost its end still owes its client: the usage
+        event, where it asked for one and none came (``b""`` where it owes nothing; ``None``
+        where the router cannot count it: the prompt's length is unknown)."""
         options = self.request.body.get("stream_options")
-        if (self.usage_sent or self.prompt_ids is None or not isinstance(options, dict)
-                or not options.get("include_usage")):
+        if self.usage_sent or not isinstance(options, dict) or not options.get("include_usage"):
             return b""
+        if self.prompt_ids is None or not self.ids_complete:
+            return None
         prompt = len(self.prompt_ids)
         return b"data: " + _dumps({
             "id": self.id,
@@ -413,6 +454,7 @@ class Splice:
             "created": self.created, "model": self.model, "choices": [],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt + self.produced,
                       "completion_tokens": self.produced},
+            "system_fingerprint": self.fingerprint,
         }) + b"\n\n"
 
     def answer(self) -> bytes:
@@ -432,9 +474,11 @@ class Splice:
                 "object": "chat.completion" if self.request.chat else "text_completion",
                 "created": self.created, "model": self.model}
         if self.request.chat:
-            message = {"role": "assistant", "content": text, "refusal": None,
-                       "annotations": None, "audio": None, "function_call": None,
-                       "reasoning": None}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
+                                       "annotations": None, "audio": None,
+                                       "function_call": None, "reasoning": None}
+            if self.saw_reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
             return _dumps({**head, "choices": [{
                 "index": 0, "message": message, "logprobs": None,
                 "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
@@ -452,39 +496,90 @@ class Splice:
 
     # ------------------------------------------------------------------ the next attempt
 
-    def continuation(self, chat_as_completion: bool = True) -> Continuation | str:
-        """The request that continues this stream, or why there can be none."""
+    def needs_context_length(self) -> bool:
+        """Whether :meth:`continuation` needs the engine's context length: a chat sent without
+        a limit, whose default (vLLM's: the context left after the prompt) must be kept."""
+        body = self.request.body
+        return (self.request.chat and self.produced > 0 and body.get("max_tokens") is None
+                and body.get("max_completion_tokens") is None)
+
+    def finished(self) -> bool:
+        """The generation is whole: its final chunk (``finish_reason`` set) was read, whatever
+        became of ``[DONE]``. It is never continued past its end."""
+        return len(self.finished_choices) >= max(1, _number(self.request.body.get("n"), 1))
+
+    def continuation(self, chat_as_completion: bool = True, *,
+                     max_model_len: int | None = None,
+                     upstream_fields: bool = True) -> Continuation | str:
+        """The request that continues this stream, or why there can be none (the rules:
+        docs/design.md, "Continuing a generation"; where in doubt, refuse).
+        ``upstream_fields``: the next engine takes vLLM's own request fields (else nothing
+        but what any OpenAI server takes is sent, and only a completion of text can go on)."""
         request = self.request
         if request.refusal is not None:
             return request.refusal
+        if self.produced == 0:
+            # Nothing of the generation reached the client (a chat's role chunk at most): the
+            # request itself goes again, and its role chunk is not repeated.
+            path = CHAT if request.chat else COMPLETIONS
+            return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
+        refusal = self._inexact()
+        if refusal is not None:
+            return refusal
         body = dict(request.body)
         exact = self.prompt_ids is not None and self.ids_complete
         produced = self.produced
-        for key in ("max_tokens", "max_completion_tokens"):
-            limit = body.get(key)
-            if isinstance(limit, int) and not isinstance(limit, bool):
-                if limit - produced < 1:
-                    return "nothing left to generate"
-                body[key] = limit - produced
+        limit = body.get("max_completion_tokens") if request.chat else None
+        if limit is None:
+            limit = body.get("max_tokens")
+        if limit is None:
+            if not request.chat:
+                limit = COMPLETION_DEFAULT_MAX_TOKENS
+            elif max_model_len is None or self.prompt_ids is None:
+                return ("a chat sent without max_tokens, and the engine's context length (its "
+                        "default) is unknown")
+            else:
+                limit = max_model_len - len(self.prompt_ids)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return "max_tokens is not a number"
+        if limit - produced < 1:
+            return "nothing left to generate"
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = limit - produced
         min_tokens = body.get("min_tokens")
         if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
             body["min_tokens"] = max(0, min_tokens - produced)
-        body["return_token_ids"] = True
+        if upstream_fields:
+            body["return_token_ids"] = True
+        elif not request.wants_ids:
+            body.pop("return_token_ids", None)
+        else:
+            return "the client's return_token_ids, which the next engine does not take"
         if request.assemble:  # the client's request was not streamed; its continuation is
             body.update(stream=True, stream_options={"include_usage": True})
-        if exact and request.chat and chat_as_completion and not body.get("logprobs"):
+        exact = exact and upstream_fields  # a prompt of ids is vLLM's to take
+        if (self.saw_logprobs or _asks_logprobs(body)) and (request.chat or not exact):
+            # A completion's continue from its ids, their text offsets moved on by the text
+            # the client has; a chat's would come in a completion's shape, from which its own
+            # (token bytes, alternatives by rank) cannot be rebuilt without the tokenizer.
+            return "logprobs (a chat's, or without token ids)"
+        if not upstream_fields and request.chat:
+            return "a chat, on an engine that takes no continue_final_message"
+        if exact and request.chat and chat_as_completion:
             assert self.prompt_ids is not None
             completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
-            limit = body.get("max_completion_tokens", body.get("max_tokens"))
-            if limit is not None:
-                completion["max_tokens"] = limit
             completion.update(prompt=self.prompt_ids + self.output_ids, stream=True,
-                              return_token_ids=True)
+                              return_token_ids=True, max_tokens=body["max_tokens"])
             return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True)
         if exact and not request.chat:
             assert self.prompt_ids is not None
             body["prompt"] = self.prompt_ids + self.output_ids
             return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False)
+        options = request.body.get("stream_options")
+        if request.assemble or (isinstance(options, dict) and options.get("include_usage")):
+            # From text, the continuation's prompt tokens are the text re-read, not the
+            # tokens produced: the whole generation's usage could only be estimated.
+            return "usage, which a continuation from text cannot count"
         text = "".join(self.text)
         if not request.chat:
             prompt = body.get("prompt")
@@ -507,3 +602,38 @@ class Splice:
             messages.append({"role": "assistant", "content": text})
         body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
         return Continuation(CHAT, _dumps(body), Mode.TEXT, False)
+
+    def _inexact(self) -> str | None:
+        """Why a continuation from here could not be proven the same answer, if it could not.
+        Each is a state the engine kept that a new prompt does not carry."""
+        body = self.request.body
+        stop = body.get("stop")
+        if stop:
+            # vLLM holds back the text a stop string might begin with, and matches a stop only
+            # in its own output: the held text and a match across the cut would both be lost.
+            return "stop strings (the text held back at the cut, and a match across it)"
+        if any(isinstance(body.get(k), int | float) and body.get(k)
+               for k in ("presence_penalty", "frequency_penalty")):
+            return "presence or frequency penalties (they count the output before the cut)"
+        if self.saw_reasoning or (self.request.chat and isinstance(
+                body.get("chat_template_kwargs"), dict)
+                and body["chat_template_kwargs"].get("enable_thinking")):
+            return "reasoning output (its parser's state does not carry over)"
+        if self.request.chat and _multimodal(body.get("messages")):
+            return "images or other non-text content (a prompt of ids does not carry them)"
+        return None
+
+
+def _asks_logprobs(body: Mapping[str, Any]) -> bool:
+    """A completion's ``logprobs`` is a count (0 asks for the chosen token's alone), a chat's a
+    flag: either way, anything but absent or false asks."""
+    value = body.get("logprobs")
+    return (value is not None and value is not False) or bool(body.get("top_logprobs"))
+
+
+def _multimodal(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type", "text") != "text" for p in m["content"])
+        for m in messages)

@@ -70,7 +70,7 @@ class RouterStats:
         self.connections_closed: dict[str, int] = {}
         #: mode ("tokens": exact, from token ids; "text": from the text so far) -> streams
         #: continued on another engine after theirs failed them mid-answer
-        self.continuations: dict[str, int] = {"tokens": 0, "text": 0}
+        self.continuations: dict[str, int] = {"tokens": 0, "text": 0, "restart": 0}
         #: cause -> streams that had begun and could not be continued: ended with an error event
         self.streams_ended: dict[str, int] = {}
         self.added_latency_buckets = [0] * (len(ADDED_LATENCY_BUCKETS_S) + 1)

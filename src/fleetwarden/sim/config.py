@@ -57,6 +57,13 @@ class SimConfig:
     #: OpenAI-compatible server that is not vLLM 0.32), whose streams a router can continue
     #: only from text.
     token_ids: bool = True
+    #: The model ends on its own (vLLM's EOS) where its context's hash says so, about once in
+    #: this many tokens; 0: never (a model that always runs to ``max_tokens``, which the
+    #: older scenario tests count on). The exactness oracle runs with it on.
+    eos_period: int = 0
+    #: Started with a reasoning parser (vLLM's ``--reasoning-parser``): a chat sent with
+    #: ``chat_template_kwargs: {"enable_thinking": true}`` opens with ``reasoning_content``.
+    reasoning_parser: bool = False
     #: Entries kept in the /sim/stats log (the counts by path are never trimmed).
     stats_log_size: int = 2000
     #: Whose wire to speak: ``vllm``, or ``llamacpp`` / ``sglang`` (their /metrics names,
@@ -69,5 +76,7 @@ class SimConfig:
         if self.engine not in SIM_ENGINES:
             raise ValueError(f"engine {self.engine!r}: the simulator speaks "
                              f"{', '.join(SIM_ENGINES)}")
+        if self.eos_period < 0:
+            raise ValueError("eos_period must be >= 0")
         if not self.steps_per_s > 0 or not self.fault_factor > 0:
             raise ValueError("steps_per_s and fault_factor must be > 0")

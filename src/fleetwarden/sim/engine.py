@@ -22,10 +22,10 @@ to be fooled the same ways:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetwarden.sim.dialects import Families
+from fleetwarden.sim.sampling import Generation
 
 
 @dataclass(eq=False)
@@ -36,8 +36,10 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     arrived_at: float
-    #: Picks this request's output tokens (deterministic, so tests can compare texts).
-    next_token: Callable[[int], int] = field(repr=False, default=lambda i: 0)
+    #: Picks this request's output tokens (deterministic, so tests can compare texts) and may
+    #: stop it before ``max_tokens`` (EOS, a stop token, a stop string:
+    #: :mod:`fleetwarden.sim.sampling`).
+    generation: Generation = field(repr=False)
     computed: int = 0  # prompt tokens prefilled so far
     output: list[int] = field(default_factory=list)
     scheduled_at: float | None = None
@@ -110,7 +112,7 @@ class EngineCore:
             if r.prefilled and budget > 0:
                 n = min(self.tokens_per_step, r.remaining, budget)
                 budget -= n
-                produced.append((r, [r.next_token(len(r.output) + k) for k in range(n)]))
+                produced.append((r, _sample(r, n)))
         for r in self.running:  # then prefill, in chunks of what the budget has left
             if not r.prefilled and budget > 0:
                 chunk = min(budget, r.prompt_tokens - r.computed)
@@ -119,7 +121,7 @@ class EngineCore:
                 if r.prefilled:  # the step that completes the prompt samples its first token
                     r.first_token_at = now
                     f.on_prefilled(r.prompt_tokens, now - r.arrived_at)
-                    produced.append((r, [r.next_token(0)]))
+                    produced.append((r, _sample(r, 1)))
         scheduled = self.budget - budget
 
         step_s = 0.0 if self._last_step_at is None else now - self._last_step_at
@@ -130,15 +132,15 @@ class EngineCore:
         for r, tokens in produced:
             r.output.extend(tokens)
             generated += len(tokens)
-            if r.remaining <= 0:
-                r.finish_reason = "length"
+            if r.remaining <= 0 or r.generation.finish_reason is not None:
+                r.finish_reason = r.generation.finish_reason or "length"
                 finished.append(r)
         f.on_step(scheduled, generated, step_s)
         for r in finished:
             self.running.remove(r)
             first = r.first_token_at if r.first_token_at is not None else now
             scheduled_at = r.scheduled_at if r.scheduled_at is not None else r.arrived_at
-            f.on_finished(reason="length", prompt_tokens=r.prompt_tokens,
+            f.on_finished(reason=r.finish_reason or "length", prompt_tokens=r.prompt_tokens,
                           generated=len(r.output), max_tokens=r.max_tokens,
                           e2e_s=now - r.arrived_at, queued_s=scheduled_at - r.arrived_at,
                           prefill_s=first - scheduled_at, decode_s=now - first)
@@ -152,3 +154,16 @@ class EngineCore:
     def _publish(self) -> None:
         kv = sum(r.computed + len(r.output) for r in self.running)
         self.families.on_queues(len(self.running), len(self.waiting), kv)
+
+
+def _sample(r: SimRequest, n: int) -> list[int]:
+    """Up to ``n`` next tokens of ``r``: fewer where its generation stops on one."""
+    tokens = []
+    for _ in range(n):
+        token = r.generation.sample()
+        if token is None:
+            break
+        tokens.append(token)
+        if r.generation.finish_reason is not None:
+            break
+    return tokens

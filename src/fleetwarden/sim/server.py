@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -57,8 +57,41 @@ from fleetwarden.sim.config import FaultMode, SimConfig
 from fleetwarden.sim.dialects import DIALECTS, Families
 from fleetwarden.sim.engine import EngineCore, SimRequest, StepResult
 from fleetwarden.sim.families import VllmFamilies
+from fleetwarden.sim.sampling import (
+    Generation,
+    Step,
+    chat_logprobs,
+    completion_logprobs,
+    parse_params,
+)
 
-__all__ = ["FaultMode", "Sim", "SimConfig", "serve"]
+__all__ = ["DIRECTIVES", "FAULT_HEADER", "FAULT_ID_HEADER", "FaultMode", "Sim", "SimConfig",
+           "serve"]
+
+#: A request's own fault, for tests that cut many requests on a few long-lived engines:
+#: ``x-sim-fault: KIND@N`` fires once its stream has written N token chunks: ``crash`` (vLLM's
+#: engine-dead error event, then ``[DONE]``), ``reset`` (the connection closed), ``wedge``
+#: (nothing more, ever), ``split`` (half of the next chunk's bytes, then closed),
+#: ``after_final`` (the final chunk and usage, then closed before ``[DONE]``).
+FAULT_HEADER = "x-sim-fault"
+#: A directive fires once per id in this process: the attempt that continues the request
+#: (which carries the same headers) runs clean.
+FAULT_ID_HEADER = "x-sim-fault-id"
+DIRECTIVES = ("crash", "reset", "wedge", "split", "after_final")
+_FIRED: set[str] = set()
+_LANDED: set[str] = set()
+
+
+def directive_fired(once: str) -> bool:
+    """Whether the directive with that ``x-sim-fault-id`` cut its request in this process (one
+    whose generation ended before its point never does)."""
+    return once in _LANDED
+
+
+class _EngineDied(Exception):
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__("engine died")
+        self.body = body
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +148,9 @@ class Sim:
         self._tasks: set[asyncio.Task[None]] = set()
         self._engine_task: asyncio.Task[None] | None = None
         self._fault_timer: asyncio.TimerHandle | None = None
+        #: Called with a per-request fault's kind as it fires (in-process tests: a wedge's
+        #: rescue).
+        self.on_directive: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -375,12 +411,11 @@ class Sim:
 
     def _deliver(self, result: StepResult) -> None:
         finished = set(result.finished)
-        for request, tokens in result.produced:
+        for request, _ in result.produced:
             pending = self._pending.get(request)
             if pending is not None:
-                done = request in finished
-                pending.events.put_nowait(("tokens", (tokens, "length" if done else None)))
-                if done:
+                pending.events.put_nowait(("step", request.generation.take()))
+                if request in finished:
                     del self._pending[request]
 
     # ------------------------------------------------------------------ middleware
@@ -475,6 +510,12 @@ class Sim:
         model = body.get("model", c.model)
         if model != c.model:
             return _json(wire.unknown_model(str(model), c.model), 404)
+        if c.engine != "vllm":
+            # Not vLLM: a strict OpenAI-compatible server, which refuses what it does not know
+            # (vLLM's own fields, a prompt of token ids) instead of ignoring it.
+            unknown = wire.unknown_field(body, chat)
+            if unknown is not None:
+                return _json(unknown, 400)
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -487,7 +528,6 @@ class Sim:
             prompt_ids = wire.encode(wire.chat_prompt(
                 messages, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final))
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
             raw = body.get("prompt")
             if isinstance(raw, list) and raw and all(
@@ -500,26 +540,19 @@ class Sim:
             else:
                 return _json(wire.invalid("prompt must be a string or a list of tokens",
                                           "prompt"), 400)
-            max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = 16
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            return _json(wire.invalid(f"max_tokens must be at least 1, got {max_tokens!r}.",
-                                      "max_tokens"), 400)
-        prompt_tokens = len(prompt_ids)
-        if max_tokens > c.max_model_len:
-            return _json(wire.max_tokens_too_large(max_tokens, c.max_model_len), 400)
-        if prompt_tokens > c.max_model_len:
-            return _json(wire.prompt_too_long(c.max_model_len), 400)
-        if prompt_tokens + max_tokens > c.max_model_len:
-            return _json(wire.context_too_long(c.max_model_len, prompt_tokens, max_tokens), 400)
+        params = parse_params(body, chat=chat, prompt_tokens=len(prompt_ids),
+                              max_model_len=c.max_model_len,
+                              reasoning_parser=c.reasoning_parser)
+        if isinstance(params, dict):
+            return _json(params, 400)
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
             return _json(wire.ENGINE_DEAD, 500)
 
         loop = asyncio.get_running_loop()
-        sim_request = SimRequest(id=wire.completion_id(chat), prompt_tokens=prompt_tokens,
-                                 max_tokens=max_tokens, arrived_at=loop.time(),
-                                 next_token=wire.TokenPicker(prompt_ids))
+        generation = Generation(prompt_ids, params, c.eos_period)
+        sim_request = SimRequest(id=wire.completion_id(chat), prompt_tokens=len(prompt_ids),
+                                 max_tokens=params.max_tokens, arrived_at=loop.time(),
+                                 generation=generation)
         pending = _Pending(sim_request, self._core, request.transport)
         self._pending[sim_request] = pending
         self._inbox.append(("add", pending))
@@ -530,10 +563,12 @@ class Sim:
         # vLLM's return_token_ids: the output's ids, and the prompt's (for a chat, the rendered
         # template's), which is what a router needs to continue a generation elsewhere.
         ids = prompt_ids if body.get("return_token_ids") and c.token_ids else None
+        directive = self._directive(request)
         try:
             if body.get("stream"):
-                return await self._stream(request, pending, chat, include_usage, ids)
-            return await self._answer(pending, chat, ids)
+                return await self._stream(request, pending, chat, include_usage, ids,
+                                          directive)
+            return await self._answer(request, pending, chat, ids, directive)
         finally:
             # Still pending here: the client went away (cancelled, or a write failed) before
             # the engine finished it. Abort it, as vLLM does; the engine takes the abort at its
@@ -542,62 +577,152 @@ class Sim:
                 self._inbox.append(("abort", pending))
                 self._wake.set()
 
-    async def _answer(self, pending: _Pending, chat: bool,
-                      prompt_ids: list[int] | None) -> web.StreamResponse:
-        r = pending.request
-        created = int(time.time())
+    def _directive(self, request: web.Request) -> tuple[str, int, str] | None:
+        """The request's own fault (``x-sim-fault: KIND@TOKENS``, once per
+        ``x-sim-fault-id`` across the simulators of this process), or ``None``."""
+        raw = request.headers.get(FAULT_HEADER)
+        if raw is None:
+            return None
+        once = request.headers.get(FAULT_ID_HEADER, "")
+        if once in _FIRED:
+            return None  # fired on an earlier attempt: this one runs clean
+        kind, _, at = raw.partition("@")
+        if kind not in DIRECTIVES:
+            return None
+        if once:
+            # Spent by this attempt, fired or not: its continuation carries the same headers.
+            _FIRED.add(once)
+        return kind, int(at) if at.isdigit() else 0, once
+
+    async def _fire(self, request: web.Request, kind: str, once: str) -> None:
+        """Carry out a per-request fault: a reset closes the connection, a wedge never
+        answers again (until the client leaves)."""
+        _LANDED.add(once)
+        if self.on_directive is not None:
+            self.on_directive(kind)
+        if kind == "wedge":
+            await asyncio.Event().wait()  # held until the handler is cancelled
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError
+
+    async def _steps(self, pending: _Pending) -> AsyncIterator[Step]:
         while True:
             kind, value = await pending.events.get()
             if kind == "error":
-                return _json(value, 500)
+                raise _EngineDied(value)
             if kind == "dropped":
                 raise asyncio.CancelledError  # the connection is already gone
-            tokens, finish_reason = value
-            del tokens  # the text is decoded once, at the end
-            if finish_reason is not None:
-                text = wire.decode(r.output)
-                make = wire.chat_completion if chat else wire.completion
-                return _json(make(r.id, created, self.config.model, text, finish_reason,
-                                  r.prompt_tokens, len(r.output),
-                                  None if prompt_ids is None else list(r.output), prompt_ids))
+            yield value
+            if value.finish_reason is not None:
+                return
+
+    async def _answer(self, request: web.Request, pending: _Pending, chat: bool,
+                      prompt_ids: list[int] | None,
+                      directive: tuple[str, int, str] | None) -> web.StreamResponse:
+        r = pending.request
+        g = r.generation
+        created = int(time.time())
+        steps = 0
+        try:
+            async for _ in self._steps(pending):
+                steps += 1
+                if directive is not None and steps > directive[1]:
+                    if directive[0] == "crash":
+                        _LANDED.add(directive[2])
+                        return _json(wire.ENGINE_DEAD, 500)
+                    await self._fire(request, directive[0], directive[2])
+        except _EngineDied as e:
+            return _json(e.body, 500)
+        p = g.params
+        ids = None if prompt_ids is None else list(r.output)
+        make = wire.chat_completion if chat else wire.completion
+        answer = make(r.id, created, self.config.model, g.content, g.finish_reason or "length",
+                      r.prompt_tokens, len(r.output) * p.n, ids, prompt_ids)
+        choice = answer["choices"][0]
+        choice["stop_reason"] = g.stop_reason
+        if p.logprobs:
+            choice["logprobs"] = (chat_logprobs(g.all_logprobs) if chat
+                                  else completion_logprobs(g.all_logprobs, 0))
+        if chat and p.reasoning:
+            choice["message"]["reasoning_content"] = g.reasoning
+        answer["choices"] = [{**choice, "index": i} for i in range(p.n)]
+        return _json(answer)
 
     async def _stream(self, request: web.Request, pending: _Pending, chat: bool,
-                      include_usage: bool, prompt_ids: list[int] | None) -> web.StreamResponse:
+                      include_usage: bool, prompt_ids: list[int] | None,
+                      directive: tuple[str, int, str] | None) -> web.StreamResponse:
         r = pending.request
+        g = r.generation
+        p = g.params
         model = self.config.model
         created = int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
                                                                "charset=utf-8"})
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if chat:  # one role chunk per choice, the prompt's ids in the first
+            for index in range(p.n):
+                role = wire.chat_role_chunk(r.id, created, model,
+                                            prompt_ids if index == 0 else None)
+                role["choices"][0]["index"] = index
+                await response.write(wire.sse(role))
         first = True
-        while True:
-            kind, value = await pending.events.get()
-            if kind == "error":
-                await response.write(wire.sse(value))
-                break
-            if kind == "dropped":
-                raise asyncio.CancelledError
-            tokens, finish_reason = value
-            text = "".join(wire.piece(t) for t in tokens)
-            last = finish_reason is not None and not include_usage
-            token_ids = None if prompt_ids is None else list(tokens)
-            if chat:
-                if first:
-                    await response.write(wire.sse(wire.chat_role_chunk(
-                        r.id, created, model, prompt_ids)))
-                chunk = wire.chat_chunk(r.id, created, model, text, finish_reason, last,
-                                        token_ids)
-            else:
-                chunk = wire.completion_chunk(r.id, created, model, text, finish_reason, last,
-                                              token_ids, prompt_ids if first else None)
-            first = False
-            await response.write(wire.sse(chunk))
-            if finish_reason is not None:
-                if include_usage:
-                    await response.write(wire.sse(wire.usage_chunk(
-                        r.id, created, model, chat, r.prompt_tokens, len(r.output))))
-                break
+        written = 0  # token chunks written
+        sent = 0  # characters of output text sent before this chunk (logprobs' offsets)
+        try:
+            async for step in self._steps(pending):
+                kind = None if directive is None or written < directive[1] else directive[0]
+                once = "" if directive is None else directive[2]
+                if kind in ("crash", "reset", "wedge"):
+                    if kind == "crash":
+                        _LANDED.add(once)
+                        await response.write(wire.sse(wire.ENGINE_DEAD))
+                        break
+                    await self._fire(request, kind, once)
+                last = step.finish_reason is not None and not include_usage
+                ids = None if prompt_ids is None else list(step.token_ids)
+                data = b""
+                for index in range(p.n):
+                    if chat:
+                        chunk = wire.chat_chunk(r.id, created, model, step.text,
+                                                step.finish_reason, last, ids)
+                        choice = chunk["choices"][0]
+                        if step.reasoning or (p.reasoning and g.content == ""):
+                            delta: dict[str, Any] = {"reasoning_content": step.reasoning}
+                            if step.text:
+                                delta["content"] = step.text
+                            choice["delta"] = delta
+                        if step.logprobs is not None:
+                            choice["logprobs"] = chat_logprobs(step.logprobs)
+                    else:
+                        chunk = wire.completion_chunk(r.id, created, model, step.text,
+                                                      step.finish_reason, last, ids,
+                                                      prompt_ids if first and index == 0
+                                                      else None)
+                        choice = chunk["choices"][0]
+                        if step.logprobs is not None:
+                            choice["logprobs"] = completion_logprobs(step.logprobs, sent)
+                    choice["index"] = index
+                    if step.finish_reason is not None:
+                        choice["stop_reason"] = step.stop_reason
+                    data += wire.sse(chunk)
+                sent += len(step.text)
+                first = False
+                if kind == "split":  # cut inside the chunk: half of its bytes, then nothing
+                    await response.write(data[:len(data) // 2])
+                    await self._fire(request, kind, once)
+                await response.write(data)
+                written += 1
+                if step.finish_reason is not None:
+                    if include_usage:
+                        await response.write(wire.sse(wire.usage_chunk(
+                            r.id, created, model, chat, r.prompt_tokens,
+                            len(r.output) * p.n)))
+                    if directive is not None and directive[0] == "after_final":
+                        await self._fire(request, "after_final", directive[2])
+        except _EngineDied as e:
+            await response.write(wire.sse(e.body))
         await response.write(wire.SSE_DONE)
         await response.write_eof()
         return response

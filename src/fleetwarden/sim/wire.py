@@ -11,15 +11,15 @@ The tokenizer is byte-level — one token per UTF-8 byte of the prompt, after a 
 ``/tokenize`` and ``/detokenize`` round-trip and prompt lengths are easy to reason about in tests
 (a prompt of 3,000 ASCII characters is 3,001 tokens). Generated tokens are word pieces.
 
-The "model" is deterministic and has no memory but its context: each output token depends only
-on the bytes of everything before it (prompt and output so far). So a generation cut after k
-tokens and continued from ``prompt + those k tokens`` — as token ids, or as text — produces
-exactly the tokens the uninterrupted run would have: a continuation can be checked against it.
+The "model" (:mod:`fleetwarden.sim.sampling`) is deterministic and, but for penalties, has no
+memory but its context: each output token depends only on the bytes of everything before it
+(prompt and output so far). So a generation cut after k tokens and continued from
+``prompt + those k tokens`` — as token ids, or as text — produces exactly the tokens the
+uninterrupted run would have: a continuation can be checked against it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 from typing import Any
@@ -84,23 +84,6 @@ def _content(content: Any) -> str:
     if isinstance(content, list):  # OpenAI content parts
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
-
-
-class TokenPicker:
-    """A request's deterministic output: each token depends only on the bytes before it.
-
-    Called once per output token, in order (the engine core passes the token's index).
-    """
-
-    __slots__ = ("_context",)
-
-    def __init__(self, prompt_tokens: list[int]) -> None:
-        self._context = hashlib.blake2b(token_bytes(prompt_tokens), digest_size=8)
-
-    def __call__(self, i: int) -> int:
-        token = FIRST_PIECE + self._context.digest()[0] % len(_PIECES)
-        self._context.update(_PIECES[token - FIRST_PIECE].encode())
-        return token
 
 
 def completion_id(chat: bool) -> str:
@@ -250,6 +233,35 @@ def invalid(message: str, param: str | None) -> dict[str, Any]:
 #: vLLM's request validator refuses both at once (not captured: its text, from vLLM's source).
 BOTH_GENERATION_PROMPTS = invalid("Cannot set both `continue_final_message` and "
                                   "`add_generation_prompt` to True.", None)
+
+
+#: What OpenAI's API takes, and so what a strict OpenAI-compatible server takes (vLLM takes
+#: more: ``return_token_ids``, ``continue_final_message``, ``min_tokens``, ...).
+OPENAI_COMPLETION_FIELDS = frozenset((
+    "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
+    "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
+    "best_of", "logit_bias", "user", "seed"))
+OPENAI_CHAT_FIELDS = frozenset((
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+    "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+    "logprobs", "top_logprobs", "user", "seed", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "functions", "function_call", "service_tier", "store", "metadata",
+    "modalities", "audio", "reasoning_effort", "prediction"))
+
+
+def unknown_field(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
+    """A strict OpenAI-compatible server's 400 for a field it does not take (OpenAI's own
+    words), or for a prompt of token ids; ``None`` if there is none."""
+    known = OPENAI_CHAT_FIELDS if chat else OPENAI_COMPLETION_FIELDS
+    for key in body:
+        if key not in known:
+            return error(f"Unrecognized request argument supplied: {key}",
+                         "invalid_request_error", None, 400)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        return error("prompt must be a string or a list of strings", "invalid_request_error",
+                     "prompt", 400)
+    return None
 
 
 def unknown_model(model: str, served: str) -> dict[str, Any]:

@@ -1,0 +1,153 @@
+"""The exactness oracle's shell: a few long-lived simulated engines behind the real router.
+
+Owns: running oracle cases (:mod:`fleetwarden.testing.oracle`) over real sockets on 127.0.0.1:
+each case's reference straight from an engine, then the same request through the router with
+its engine cut by a per-request fault directive, many cases at once.
+Must not: judge (the pure module does).
+
+Cheap by design: one process, a handful of engines that stay up, and a cut that is a header
+(``x-sim-fault``), so thousands of cases cost what their tokens cost. A wedge is rescued as the
+controller would at condemnation (``Router.rescue`` on that engine), which rescues every stream
+held there at that moment: those are cut too, at whatever point they were, and must still come
+out exact or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from fleetwarden.router import Router, RouterSettings
+from fleetwarden.sim import Sim, SimConfig
+from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
+from fleetwarden.testing.oracle import Case, Verdict, draw, normalize, verdict
+
+__all__ = ["Oracle", "Result", "oracle"]
+
+#: The engines' context (vLLM's max_model_len): small, so a chat sent without max_tokens (the
+#: context left) stays cheap, yet long enough for the longest prompt and 48 tokens.
+MAX_MODEL_LEN = 192
+#: About one token in this many may end the generation (vLLM's EOS).
+EOS_PERIOD = 40
+#: Fast engines: a case's tokens are what it costs.
+STEPS_PER_S = 2000.0
+#: Tokens per step on each engine: 1 as vLLM, and more, whose chunks carry several tokens (a
+#: cut inside one of them is one of the cuts).
+TOKENS_PER_STEP = (1, 1, 3, 1)
+
+
+@dataclass
+class Result:
+    cases: int = 0
+    #: Cases whose cut landed (the others' generations ended before their cut point: they
+    #: went through whole, and must still be exact).
+    cut: int = 0
+    #: Exact answers of cases whose cut landed: continued (or sent again) exactly.
+    continued: int = 0
+    verdicts: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    by_cut: Counter[tuple[str, str]] = field(default_factory=Counter)
+    inexact: list[tuple[Case, Verdict]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        lines = [f"cases run {self.cases} in {self.seconds:.1f} s: exact "
+                 f"{self.verdicts['exact']}, refused {self.verdicts['refused']}, inexact "
+                 f"{self.verdicts['inexact']}",
+                 f"  cut {self.cut}: continued exactly {self.continued}, refused "
+                 f"{self.verdicts['refused']}; not cut (ended before the cut point) "
+                 f"{self.cases - self.cut}"]
+        lines += [f"  refused {n:5d}: {reason}" for reason, n in self.refused.most_common()]
+        for case, v in self.inexact[:10]:
+            lines.append(f"  INEXACT {case.describe()}\n    {v.detail}")
+        return "\n".join(lines)
+
+
+@dataclass
+class Oracle:
+    router: Router
+    sims: list[Sim]
+    http: aiohttp.ClientSession
+
+    async def _post(self, url: str, case: Case, headers: dict[str, str] | None = None
+                    ) -> tuple[int, bytes]:
+        async with self.http.post(url + case.path, json=case.body, headers=headers) as r:
+            try:
+                return r.status, await r.read()
+            except aiohttp.ClientPayloadError as e:
+                return -1, f"the client's read failed: {e}".encode()
+
+    async def run_case(self, case: Case) -> Verdict:
+        reference = normalize(*await self._post(self.sims[0].url, case), chat=case.chat,
+                              stream=case.stream, held_back=case.held_back)
+        headers = {FAULT_HEADER: f"{case.cut}@{case.cut_after}",
+                   FAULT_ID_HEADER: f"{case.seed}:{case.index}"}
+        got = normalize(*await self._post(self.router.url, case, headers), chat=case.chat,
+                        stream=case.stream, held_back=case.held_back)
+        return verdict(reference, got)
+
+    async def run(self, seed: int, cases: int, *, first: int = 0,
+                  concurrency: int = 48) -> Result:
+        result = Result()
+        gate = asyncio.Semaphore(concurrency)
+        started = time.perf_counter()
+
+        async def one(index: int) -> None:
+            case = draw(seed, index)
+            async with gate:
+                v = await self.run_case(case)
+            result.cases += 1
+            if directive_fired(f"{case.seed}:{case.index}"):
+                result.cut += 1
+                result.continued += v.outcome == "exact"
+            result.verdicts[v.outcome] += 1
+            result.by_cut[(case.cut, v.outcome)] += 1
+            if v.outcome == "refused":
+                result.refused[v.detail] += 1
+            elif v.outcome == "inexact":
+                result.inexact.append((case, v))
+
+        async with asyncio.TaskGroup() as group:
+            for index in range(first, first + cases):
+                group.create_task(one(index))
+        result.seconds = time.perf_counter() - started
+        return result
+
+
+@contextlib.asynccontextmanager
+async def oracle(settings: RouterSettings | None = None, *,
+                 eos_period: int = EOS_PERIOD) -> AsyncIterator[Oracle]:
+    """Engines and a router, started; stopped at the end."""
+    sims = [Sim(SimConfig(steps_per_s=STEPS_PER_S, tokens_per_step=n, slots=256,
+                          max_model_len=MAX_MODEL_LEN, eos_period=eos_period,
+                          reasoning_parser=True)) for n in TOKENS_PER_STEP]
+    # Every request here is cut: a retry budget sized for a fleet where few fail would refuse
+    # most of them for the budget's sake, which says nothing of exactness.
+    router = Router([], settings or RouterSettings(continue_answers=True, max_retries=4,
+                                                   retry_budget_ratio=1.0))
+    loop = asyncio.get_running_loop()
+    try:
+        for sim in sims:
+            await sim.start()
+
+            def rescue(kind: str, url: str = sim.url) -> None:
+                if kind == "wedge":  # the controller's call at condemnation, a moment later
+                    loop.call_later(0.01, router.rescue, url)
+
+            sim.on_directive = rescue
+        router.set_serving_backends([s.url for s in sims])
+        await router.start()
+        timeout = aiohttp.ClientTimeout(total=60)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+            yield Oracle(router, sims, http)
+    finally:
+        await router.stop()
+        for sim in sims:
+            await sim.stop()
