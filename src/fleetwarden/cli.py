@@ -243,9 +243,14 @@ def sim(
     engine: str = typer.Option(_SIM.engine, help="Whose wire to speak: "
                                + ", ".join(SIM_ENGINES) + " (their /metrics names and "
                                "endpoints)."),
+    engines: int = typer.Option(1, min=1, help="How many engines this one process serves, "
+                                "each on its own port with its own state and faults (--port P: "
+                                "P, P+1, ...; --port 0: a free port each). A crash ends that "
+                                "engine alone."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
-    or llama.cpp's or SGLang's metrics and endpoints with --engine.
+    or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
+    them on one event loop (one "ready URL ..." line each, then "all ready N").
 
     Prints "ready URL ..." once it listens. Change its fault at run time with
     POST /sim/fault {"mode": "wedge"}; {"mode": null} or DELETE /sim/fault clears it.
@@ -265,6 +270,10 @@ def sim(
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
                        engine=engine)
+    if engines > 1:
+        from fleetwarden.sim.many import serve_many
+
+        raise typer.Exit(serve_many(config, engines))
     raise typer.Exit(serve(config))
 
 
