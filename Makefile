@@ -24,7 +24,7 @@ STAMP  := $(VENV)/.installed-dev
 CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit.py \
         src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
-        src/fleetwarden/router/settings.py
+        src/fleetwarden/router/settings.py src/fleetwarden/workmeter.py
 # The shell modules that are kept --strict clean too (typed I/O around the core; journal.py
 # writes SQLite from a thread, config.py reads files).
 STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \

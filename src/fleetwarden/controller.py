@@ -64,6 +64,7 @@ from fleetwarden.router.control import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, Contr
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
+from fleetwarden.workmeter import WorkMeter
 
 __all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
 
@@ -175,6 +176,12 @@ class Controller:
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.focus_started: dict[str, int] = {}
+        #: What the controller measured of its own work (tick, reads, pushes, decisions), on
+        #: the fleet's /metrics, the dashboard and the journal's run summary. Measured on the
+        #: monotonic clock whatever ``clock`` is: it is the real time the work took.
+        self.meter = WorkMeter()
+        #: When each link's first reported failure of the burst not yet drained came.
+        self._evidence_at: dict[int, float] = {}
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._unlisten = [
             listen(self._evidence_from(k))
@@ -239,6 +246,7 @@ class Controller:
         await self._rescue(None)
 
     async def _push(self, report: TickReport | None) -> None:
+        started = time.monotonic()
         urls, facts = self.serving_push()
         trial = self.ledger.trial_urls()
         self._pushed = (tuple(urls), tuple(trial))
@@ -250,6 +258,7 @@ class Controller:
                     await set_trial(trial)
             except Exception as exc:
                 self._router_error(report, f"{_name(link)}: push: {exc}")
+        self.meter.pushed(time.monotonic() - started, len(urls))
 
     async def _rescue(self, report: TickReport | None) -> None:
         condemned, self._condemned = self._condemned, {}
@@ -296,6 +305,7 @@ class Controller:
             # that come in the same turn of the loop (a burst) are drained as one window.
             if k not in self._drain_pending:
                 self._drain_pending.add(k)
+                self._evidence_at.setdefault(k, time.monotonic())
                 self._spawn(self._drain_now(k), f"drain:{k}")
         return failed
 
@@ -307,6 +317,9 @@ class Controller:
             log.warning("router %s: drain: %s", _name(self.routers[k]), exc)
             return
         self.apply_outcomes(outcomes)
+        came = self._evidence_at.pop(k, None)
+        if came is not None:
+            self.meter.decided(time.monotonic() - came)
 
     async def _drain(self, k: int) -> dict[str, tuple[int, int, int]]:
         """One window of router ``k``'s outcomes. One drain per router at a time: two in
@@ -528,7 +541,12 @@ class Controller:
                           held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
                           confirm=self.ledger.state(i) is ShardState.SUSPECT)
                    for url, i in shards.items()]
+        round_started = time.monotonic()
         reports = await self.watchdog.round(targets)
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        # A read that finished early in the round waited for the round's end to be decided on.
+        finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
         failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
         for url, i in shards.items():
             r = reports.get(url)
@@ -538,6 +556,7 @@ class Controller:
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
             self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+            self.meter.decided(time.monotonic() - finished_at.get(url, round_ended))
             if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
                     and self.ledger.state(i) not in ABSENT):
                 self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
@@ -580,6 +599,7 @@ class Controller:
             log.warning("%s", err)
         self.status = self._status()
         report.duration_s = time.perf_counter() - started
+        self.meter.tick_done(report.duration_s)
         self.last_tick = report
         if self.on_tick is not None:
             try:

@@ -33,6 +33,7 @@ from fleetwarden.admin import dashboard
 from fleetwarden.admin.app import make_admin_app
 from fleetwarden.admin.events import EventBus
 from fleetwarden.admin.views import TRAFFIC_STEP_S, FleetCollector, Traffic, traffic_point
+from fleetwarden.admin.work import WorkCollector
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, RouterLink, TickReport
@@ -126,6 +127,8 @@ class Fleet:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(FleetCollector(
             lambda: self.snapshot() if self._controller is not None else None))
+        self.registry.register(WorkCollector(
+            lambda: self._controller.meter if self._controller is not None else None))
 
     # ------------------------------------------------------------------ parts (once started)
 
@@ -268,7 +271,8 @@ class Fleet:
                 log.error("shard %d: first engine did not start: %s", i, result)
                 ledger.condemn(i, f"first start failed: {result}")
 
-        self._watchdog = Watchdog(cfg.health.watchdog_policy())
+        self._watchdog = Watchdog(cfg.health.watchdog_policy(),
+                                  concurrency=cfg.health.max_concurrent_reads)
         if cfg.router.workers:  # router processes of their own, adopted when they still run
             self._workers = RouterWorkers(
                 cfg.router, load_or_create_token(cfg.router.control_token_file),

@@ -110,3 +110,20 @@ async def test_the_command_ends_with_1_once_every_engine_crashed(
     for url in proc.urls:
         await set_fault(http, url, "crash")
     assert await asyncio.to_thread(proc.wait, 20) == 1
+
+
+async def test_an_engines_metrics_body_is_kept_only_until_it_changes(
+    http: aiohttp.ClientSession
+) -> None:
+    async with SimGroup([SimConfig(slots=2, steps_per_s=50) for _ in range(2)]) as group:
+        url = group.urls[0]
+        async with http.get(url + "/metrics") as r:
+            first = await r.read()
+        async with http.get(url + "/metrics") as r:
+            assert await r.read() == first  # idle: the same bytes, rendered once
+        before = await metrics(http, url)
+        assert await complete(http, url, max_tokens=3) == 200
+        after = await metrics(http, url)
+        assert after.generation_tokens == before.generation_tokens + 3
+        other = await metrics(http, group.urls[1])
+        assert other.generation_tokens == 0  # the other engine's body is its own
