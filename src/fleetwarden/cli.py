@@ -178,6 +178,8 @@ def history(
     since: str = typer.Option(None, "--since", help="Only after this: 10m, 2h, 1d or ISO time."),
     all_changes: bool = typer.Option(False, "--all", help="Include counter-only updates."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    summary: bool = typer.Option(False, "--summary", help="The last run's own work instead "
+                                 "(tick, read rounds, evidence to decision, pushes), as JSON."),
 ) -> None:
     """What happened to the fleet: transitions from the journal, with their causes."""
     import datetime as dt
@@ -195,6 +197,18 @@ def history(
     if not path.exists():
         typer.echo(f"no journal at {path}", err=True)
         raise typer.Exit(2)
+    if summary:
+        try:
+            with Journal(path) as j:
+                found = j.run_summary()
+        except JournalError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+        if found is None:
+            typer.echo(f"no run summary in {path}: no run has stopped cleanly with it", err=True)
+            raise typer.Exit(1)
+        typer.echo(json.dumps(found, indent=2, sort_keys=True))
+        return
     try:
         with Journal(path) as j:
             entries = j.transitions(

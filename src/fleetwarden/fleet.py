@@ -352,6 +352,11 @@ class Fleet:
         if self._watchdog is not None:
             await self._watchdog.close()
         if self._journal is not None:
+            if self._controller is not None:
+                try:
+                    self._journal.record_run_summary(self.run_summary())
+                except Exception as exc:  # the stop goes on: the summary is a report, not state
+                    log.error("the run summary was not written: %s", exc)
             if stopped_all:
                 self._journal.set_meta("clean_shutdown", "1")  # every engine was stopped
             try:
@@ -365,6 +370,12 @@ class Fleet:
     def _engine_exited(self, handle: EngineHandle) -> None:
         if self._supervisor is not None:
             self._supervisor.engine_exited(handle)
+
+    def run_summary(self) -> dict[str, Any]:
+        """What this run measured of its own work (the journal keeps it at a clean stop)."""
+        c = self.controller
+        return {"started_at": self.started_at, "ended_at": time.time(),
+                "shards": len(self.ledger), "ticks": c.tick_number, "work": c.meter.summary()}
 
     def _after_tick(self, report: TickReport) -> None:
         self.traffic.record(traffic_point(self.router.stats, time.time(), self._failure_statuses))
