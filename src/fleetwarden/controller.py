@@ -541,25 +541,46 @@ class Controller:
                           held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
                           confirm=self.ledger.state(i) is ShardState.SUSPECT)
                    for url, i in shards.items()]
-        round_started = time.monotonic()
-        reports = await self.watchdog.round(targets)
-        round_ended = time.monotonic()
-        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
-        # A read that finished early in the round waited for the round's end to be decided on.
-        finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
-        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
-        for url, i in shards.items():
-            r = reports.get(url)
-            if r is None or self.ledger.shard(i).base_url != url:
-                continue  # the shard moved during the round (a restart finished)
+        decided: set[str] = set()
+
+        def decide(url: str, r: Report) -> None:
+            # Each read is decided on as it finishes (the watchdog calls back), not at the
+            # round's end: a round of a large fleet lasts seconds, and a condemning read would
+            # otherwise wait for the slowest of the others. What a watchdog does not call back
+            # for (a double's round), the loop below decides on at the end.
+            i = shards.get(url)
+            if i is None or url in decided:
+                return
+            decided.add(url)
+            if self.ledger.shard(i).base_url != url:
+                return  # the shard moved during the round (a restart finished)
             self.reports[i] = r
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
             self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
-            self.meter.decided(time.monotonic() - finished_at.get(url, round_ended))
+            finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
+            now = time.monotonic()
+            self.meter.decided(now - finished_at.get(url, now))
             if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
                     and self.ledger.state(i) not in ABSENT):
                 self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
+
+        round_started = time.monotonic()
+        hooked = hasattr(self.watchdog, "on_report")
+        if hooked:
+            self.watchdog.on_report = decide
+        try:
+            reports = await self.watchdog.round(targets)
+        finally:
+            if hooked:
+                self.watchdog.on_report = None
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
+        for url in shards:
+            r = reports.get(url)
+            if r is not None:
+                decide(url, r)
         if self.refit is not None and self.refit.lease is not None:
             self._guarded(report, "refit participants", self.observe_participants, reports)
 

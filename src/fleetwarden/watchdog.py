@@ -226,6 +226,9 @@ class Watchdog:
         #: When each read of the last round finished (monotonic seconds, by URL): how long its
         #: evidence then waited for the round's end (the controller's evidence-to-decision).
         self.finished_at: dict[str, float] = {}
+        #: Called with each read of a round as it finishes (the controller decides on it then,
+        #: not at the round's end); what it raises is logged, and the round goes on.
+        self.on_report: Callable[[str, Report], None] | None = None
 
     async def __aenter__(self) -> Watchdog:
         return self
@@ -270,8 +273,13 @@ class Watchdog:
             # Each reader takes the next engine when its last read is done: at most
             # ``concurrency`` reads at once, and as many tasks, whatever the fleet's size.
             for target in waiting:
-                reports[target.url] = await self.probe(target)
+                reports[target.url] = report = await self.probe(target)
                 self.finished_at[target.url] = time.monotonic()
+                if self.on_report is not None:
+                    try:
+                        self.on_report(target.url, report)
+                    except Exception:
+                        log.exception("%s: deciding on its read failed", target.url)
 
         async with asyncio.TaskGroup() as group:
             for _ in range(min(self.concurrency, len(targets))):

@@ -157,3 +157,40 @@ async def test_the_controller_measures_its_tick_round_decisions_and_push() -> No
     assert m.push.count >= 2 and m.push_size.largest == 3
     assert m.tick.largest >= m.read_round.largest
     await c.close()
+
+
+class _CondemnsFirst(Watchdog):
+    """One reader: engine a's read condemns it; engine b's read looks at the ledger first."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(concurrency=1)
+        self.ledger = ledger
+        self.a_dead_when_b_read: bool | None = None
+
+    async def probe(self, target: Target) -> Report:
+        await asyncio.sleep(0)
+        if target.url == "http://a":
+            return Report(target.url, Verdict.STUCK, Evidence("stuck"), Health.CONDEMNED,
+                          CanaryRule.NEVER, None, None, None, None)
+        self.a_dead_when_b_read = self.ledger.state(0).value in ("DEAD", "RESTARTING")
+        return _report(target.url)
+
+
+async def test_a_read_is_decided_on_as_it_finishes_not_at_the_rounds_end() -> None:
+    from fleetwarden.launchers.attach import AttachLauncher
+    from fleetwarden.supervisor import Supervisor
+
+    urls = ["http://a", "http://b"]
+    config = Config.model_validate({"fleet": {"engines": 0, "backends": urls}})
+    ledger = Ledger(urls)
+    watchdog = _CondemnsFirst(ledger)
+    supervisor = Supervisor(ledger, AttachLauncher(config.fleet, config.health), config.fleet,
+                            config.supervisor)
+    c = Controller(ledger, watchdog, supervisor, [_Router()], config)
+    report = await c.tick()
+    assert watchdog.a_dead_when_b_read is True  # condemned before the round went on to b
+    assert ledger.state(0).value in ("DEAD", "RESTARTING")
+    assert report.verdicts == {0: "STUCK", 1: "IDLE"}
+    assert c.meter.evidence_to_decision.count == 2
+    assert watchdog.on_report is None  # the hook lives for the round only
+    await c.close()
