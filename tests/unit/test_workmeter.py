@@ -5,16 +5,12 @@ hands the meter at each step."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fleetwarden.admin.work import WorkCollector
-from fleetwarden.config import Config
-from fleetwarden.controller import Controller
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
-from fleetwarden.ledger import Ledger
 from fleetwarden.watchdog import Report, Target, Watchdog
 from fleetwarden.workmeter import RECENT, Series, WorkMeter
 
@@ -109,88 +105,3 @@ async def test_a_round_reads_every_engine_never_more_than_its_readers_at_once() 
     assert small.most == 3  # a small fleet: all at once, as before
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         Watchdog(concurrency=0)
-
-
-class _Router:
-    def __init__(self) -> None:
-        self.pushed: list[list[str]] = []
-
-    async def set_serving_backends(self, urls: Iterable[str], facts: object = None) -> None:
-        self.pushed.append(list(urls))
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        return {}
-
-    async def rescue(self, url: str) -> int:
-        return 0
-
-    async def in_flight(self) -> dict[str, int]:
-        return {}
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        pass
-
-
-class _Reads(Watchdog):
-    async def probe(self, target: Target) -> Report:
-        await asyncio.sleep(0)
-        return _report(target.url)
-
-
-async def test_the_controller_measures_its_tick_round_decisions_and_push() -> None:
-    from fleetwarden.launchers.attach import AttachLauncher
-    from fleetwarden.supervisor import Supervisor
-
-    urls = ["http://a", "http://b", "http://c"]
-    config = Config.model_validate({"fleet": {"engines": 0, "backends": urls}})
-    ledger = Ledger(urls)
-    router = _Router()
-    # Nothing is condemned here: the supervisor never launches.
-    supervisor = Supervisor(ledger, AttachLauncher(config.fleet, config.health), config.fleet,
-                            config.supervisor)
-    c = Controller(ledger, _Reads(), supervisor, [router], config)
-    await c.tick()
-    await c.tick()
-    m = c.meter
-    assert m.tick.count == 2 and m.read_round.count == 2 and m.reads == 6
-    assert m.evidence_to_decision.count == 6  # one decision per read
-    assert m.push.count >= 2 and m.push_size.largest == 3
-    assert m.tick.largest >= m.read_round.largest
-    await c.close()
-
-
-class _CondemnsFirst(Watchdog):
-    """One reader: engine a's read condemns it; engine b's read looks at the ledger first."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        super().__init__(concurrency=1)
-        self.ledger = ledger
-        self.a_dead_when_b_read: bool | None = None
-
-    async def probe(self, target: Target) -> Report:
-        await asyncio.sleep(0)
-        if target.url == "http://a":
-            return Report(target.url, Verdict.STUCK, Evidence("stuck"), Health.CONDEMNED,
-                          CanaryRule.NEVER, None, None, None, None)
-        self.a_dead_when_b_read = self.ledger.state(0).value in ("DEAD", "RESTARTING")
-        return _report(target.url)
-
-
-async def test_a_read_is_decided_on_as_it_finishes_not_at_the_rounds_end() -> None:
-    from fleetwarden.launchers.attach import AttachLauncher
-    from fleetwarden.supervisor import Supervisor
-
-    urls = ["http://a", "http://b"]
-    config = Config.model_validate({"fleet": {"engines": 0, "backends": urls}})
-    ledger = Ledger(urls)
-    watchdog = _CondemnsFirst(ledger)
-    supervisor = Supervisor(ledger, AttachLauncher(config.fleet, config.health), config.fleet,
-                            config.supervisor)
-    c = Controller(ledger, watchdog, supervisor, [_Router()], config)
-    report = await c.tick()
-    assert watchdog.a_dead_when_b_read is True  # condemned before the round went on to b
-    assert ledger.state(0).value in ("DEAD", "RESTARTING")
-    assert report.verdicts == {0: "STUCK", 1: "IDLE"}
-    assert c.meter.evidence_to_decision.count == 2
-    assert watchdog.on_report is None  # the hook lives for the round only
-    await c.close()

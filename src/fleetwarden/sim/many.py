@@ -31,7 +31,7 @@ from typing import Any
 from fleetwarden.sim.config import SimConfig
 from fleetwarden.sim.dialects import Families
 from fleetwarden.sim.engine import EngineCore
-from fleetwarden.sim.server import Sim
+from fleetwarden.sim.server import Sim, loop_runner
 
 __all__ = ["SimGroup", "files_needed", "serve_many"]
 
@@ -204,13 +204,7 @@ def serve_many(base: SimConfig, engines: int) -> int:
         if i == engines - 1:
             print(f"all ready {engines}", flush=True)
 
-    try:
-        import uvloop
-
-        runner: Any = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover — uvloop is optional on some platforms
-        runner = asyncio.Runner()
-    with runner:
+    with loop_runner() as runner:
         code: int = runner.run(_serve(all_configs, ready))
     sys.stdout.flush()
     return code
