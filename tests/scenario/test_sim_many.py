@@ -117,13 +117,24 @@ async def test_an_engines_metrics_body_is_kept_only_until_it_changes(
 ) -> None:
     async with SimGroup([SimConfig(slots=2, steps_per_s=50) for _ in range(2)]) as group:
         url = group.urls[0]
+        families: Any = group.sims[0]._families
+        rendered: list[int] = []
+        render = families._inner.exposition
+
+        def counted() -> bytes:
+            rendered.append(1)
+            return bytes(render())
+
+        families._inner.exposition = counted
         async with http.get(url + "/metrics") as r:
             first = await r.read()
         async with http.get(url + "/metrics") as r:
-            assert await r.read() == first  # idle: the same bytes, rendered once
+            assert await r.read() == first
+        assert len(rendered) == 1  # idle: the same bytes, rendered once
         before = await metrics(http, url)
         assert await complete(http, url, max_tokens=3) == 200
         after = await metrics(http, url)
-        assert after.generation_tokens == before.generation_tokens + 3
+        assert after.generation_tokens == before.generation_tokens + 3  # a change shows
+        assert len(rendered) >= 2
         other = await metrics(http, group.urls[1])
         assert other.generation_tokens == 0  # the other engine's body is its own
