@@ -4,7 +4,8 @@ failover scenarios at 64 and 256 engines.
 The engines are one `fleetwarden sim --engines N` process (one event loop, each engine its
 own port, state and faults: ``fleetwarden.sim.many``); fleetwarden attaches to them with one
 ``--backend`` each, at its defaults (tick 5 s), its router in a process of its own as
-`fleetwarden up` runs it.
+`fleetwarden up` runs it. At 10 engines by default (``--launched``), fleetwarden also launches
+each engine as a process of its own: a thousand processes do not fit on 2 cores.
 
 Steady state, per size: time from `fleetwarden up` to every shard HEALTHY; then a window of
 load (closed loop, short generations): the tick's p50/p99, reads per round and per second,
@@ -18,7 +19,8 @@ figures; and the time from the fault to the bad engine's ejection and condemnati
 journal). The load is 48 clients (12 at 3 engines): enough that the bad engine holds work
 when the fault comes.
 
-    python bench/scale.py                         # 10, 100, 300, 1000; failover at 64, 256
+    python bench/scale.py                         # 10, 100, 300, 1000 attached, 10 launched;
+                                                  # failover at 64, 256
     python bench/scale.py --sizes 10,100 --failover 64 --scenarios crash
     python bench/scale.py --write                 # also append the tables to BENCHMARKS.md
 
@@ -63,6 +65,9 @@ SERVING_TIMEOUT_S = 180.0
 @dataclasses.dataclass
 class Steady:
     engines: int
+    #: "attach": one `fleetwarden sim --engines N` process, `--backend` each; "launched":
+    #: fleetwarden starts each engine as a process of its own (its default engine command).
+    mode: str = "attach"
     serving_s: float | None = None
     ticks: int = 0
     tick_p50_s: float | None = None
@@ -119,13 +124,22 @@ def _proc_figures(pid: int) -> tuple[float, float]:
     return rss_pages * os.sysconf("SC_PAGE_SIZE") / 1e6, (int(stat[11]) + int(stat[12])) / ticks
 
 
-def _children(pid: int) -> list[int]:
+def _routers(pid: int) -> list[int]:
+    """The router processes `fleetwarden up` (``pid``) started (not its engines)."""
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
                              timeout=5).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [int(x) for x in out.split()]
+    found = []
+    for child in (int(x) for x in out.split()):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"route" in argv:
+            found.append(child)
+    return found
 
 
 async def _admin(http: aiohttp.ClientSession, admin: str, path: str) -> Any:
@@ -150,15 +164,17 @@ def _wait_for_file(path: Path, proc: subprocess.Popen[str], log: Path) -> None:
         time.sleep(0.1)
 
 
-def steady(n: int, folder: Path) -> Steady:
-    """One size: its engines, `fleetwarden up` attached to them, the window, the figures."""
-    row = Steady(n)
-    sim, urls = start_sims(n, folder)
+def steady(n: int, folder: Path, launched: bool = False) -> Steady:
+    """One size: its engines, `fleetwarden up` attached to them (or launching them), the
+    window, the figures."""
+    row = Steady(n, "launched" if launched else "attach")
+    sim, urls = (None, []) if launched else start_sims(n, folder)
+    fleet: dict[str, Any] = ({"engines": n} if launched else {"engines": 0, "backends": urls})
     port, admin_port = free_port(), free_port()
     token_file = folder / "admin.token"
     conf = folder / "fleet.toml"
     conf.write_text(failover._toml({
-        "fleet": {"engines": 0, "backends": urls, "log_dir": str(folder / "logs")},
+        "fleet": {**fleet, "log_dir": str(folder / "logs")},
         "admin": {"token_file": str(token_file)},
     }))
     journal = folder / "fleet.sqlite"
@@ -173,18 +189,19 @@ def steady(n: int, folder: Path) -> Steady:
         _wait_for_file(token_file, up, folder / "up.log")
         asyncio.run(_measure(row, f"http://127.0.0.1:{admin_port}", port,
                              token_file.read_text().strip(),
-                             started, up.pid, sim.pid))
+                             started, up.pid, sim.pid if sim is not None else None))
     except Exception as exc:  # one broken size is a row that says so
         row.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         stop_group(up, grace_s=30.0)  # a clean stop writes the run summary
-        stop_group(sim, grace_s=5.0)
+        if sim is not None:
+            stop_group(sim, grace_s=5.0)
     _summary_into(row, journal)
     return row
 
 
 async def _measure(row: Steady, admin: str, port: int, token: str, started: float,
-                   up_pid: int, sim_pid: int) -> None:
+                   up_pid: int, sim_pid: int | None) -> None:
     n = row.engines
     headers = {"Authorization": f"Bearer {token}"}
     async with aiohttp.ClientSession(headers=headers,
@@ -200,7 +217,7 @@ async def _measure(row: Steady, admin: str, port: int, token: str, started: floa
             await asyncio.sleep(0.25)
         if row.serving_s is None:
             row.error = f"not all serving within {SERVING_TIMEOUT_S:.0f} s"
-        routers = _children(up_pid)
+        routers = _routers(up_pid)
         before = {p: _proc_figures(p) for p in [up_pid, *routers]}
         metrics_before = await _admin(http, admin, "/metrics")
         load_before = os.getloadavg()[0]
@@ -219,7 +236,7 @@ async def _measure(row: Steady, admin: str, port: int, token: str, started: floa
         row.router_rss_mb = sum(after[p][0] for p in routers)
         row.router_cpu_pct = sum(100 * (after[p][1] - before[p][1]) / window
                                  for p in routers)
-        row.sim_rss_mb = _proc_figures(sim_pid)[0]
+        row.sim_rss_mb = _proc_figures(sim_pid)[0] if sim_pid is not None else 0.0
         name = "fleetwarden_router_added_latency_seconds"
         count = (_metric_sum(metrics_after, name + "_count")
                  - _metric_sum(metrics_before, name + "_count"))
@@ -253,22 +270,22 @@ def _ms(x: float | None) -> str:
 
 
 def steady_table(rows: list[Steady]) -> str:
-    lines = ["| engines | all serving after | ticks | tick p50 / p99 ms | round p99 ms "
+    lines = ["| engines | mode | all serving after | ticks | tick p50 / p99 ms | round p99 ms "
              "| reads per round (p50) | reads/s | evidence→decision p99 ms | push p99 ms "
              "| fleetwarden RSS MB / CPU % | router RSS MB / CPU % | sim RSS MB "
              "| router added ms (mean) | req/s (failed) | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         serving = "—" if r.serving_s is None else f"{r.serving_s:.1f} s"
         note = f" ({r.error})" if r.error else ""
         lines.append(
-            f"| {r.engines}{note} | {serving} | {r.ticks} "
+            f"| {r.engines}{note} | {r.mode} | {serving} | {r.ticks} "
             f"| {_ms(r.tick_p50_s)} / {_ms(r.tick_p99_s)} | {_ms(r.round_p99_s)} "
             f"| {'—' if r.reads_per_round_min is None else f'{r.reads_per_round_min:.0f}'} "
             f"| {'—' if r.reads_per_s is None else f'{r.reads_per_s:.0f}'} "
             f"| {_ms(r.decision_p99_s)} | {_ms(r.push_p99_s)} "
             f"| {r.fw_rss_mb:.0f} / {r.fw_cpu_pct:.1f} | {r.router_rss_mb:.0f} / "
-            f"{r.router_cpu_pct:.1f} | {r.sim_rss_mb:.0f} "
+            f"{r.router_cpu_pct:.1f} | {f'{r.sim_rss_mb:.0f}' if r.sim_rss_mb else '—'} "
             f"| {'—' if r.added_ms is None else f'{r.added_ms:.2f}'} "
             f"| {r.req_per_s:.1f} ({r.failed}) | {r.load_avg[0]:.1f}–{r.load_avg[1]:.1f} |")
     return "\n".join(lines)
@@ -380,12 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="steady-state fleet sizes (empty: none)")
+    parser.add_argument("--launched", default="10",
+                        help="sizes also run with fleetwarden launching each engine as a "
+                        "process of its own (empty: none; each costs ~40 MB and a start)")
     parser.add_argument("--failover", default=",".join(map(str, FAILOVER_SIZES)),
                         help="fleet sizes of the failover scenarios (empty: none)")
     parser.add_argument("--scenarios", default=",".join(FAILOVER_SCENARIOS))
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in _list(args.sizes)]
+    launched = [int(s) for s in _list(args.launched)]
     fail_sizes = [int(s) for s in _list(args.failover)]
     names = _list(args.scenarios, FAILOVER_SCENARIOS)
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -395,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix=f"scale-{n}-") as folder:
             row = steady(n, Path(folder))
+        steadies.append(row)
+        print(steady_table([row]).splitlines()[-1], flush=True)
+    for n in launched:
+        with tempfile.TemporaryDirectory(prefix=f"scale-launched-{n}-") as folder:
+            row = steady(n, Path(folder), launched=True)
         steadies.append(row)
         print(steady_table([row]).splitlines()[-1], flush=True)
     runs: list[tuple[int, failover.Row, FaultTimes]] = []
