@@ -22,7 +22,7 @@ when the fault comes.
     python bench/scale.py                         # 10, 100, 300, 1000 attached, 10 launched;
                                                   # failover at 64, 256
     python bench/scale.py --sizes 10,100 --failover 64 --scenarios crash
-    python bench/scale.py --write                 # also append the tables to BENCHMARKS.md
+    python bench/scale.py --json scale.json       # also every figure as JSON
 
 Run it on a quiet machine: the load average is printed beside every row.
 """
