@@ -87,6 +87,12 @@ class Steady:
     failed: int = 0
     load_avg: tuple[float, float] = (0.0, 0.0)
     error: str = ""
+    #: Ticks inside the loaded window only (the journal's figures include the first round,
+    #: with its first canaries): how many, their mean, and the histogram bucket their p99
+    #: falls in (an upper bound).
+    window_ticks: int = 0
+    window_tick_mean_s: float | None = None
+    window_tick_p99_le_s: float | None = None
 
 
 def start_sims(n: int, folder: Path, slots: int = 4, steps_per_s: float = 20.0
@@ -146,6 +152,27 @@ async def _admin(http: aiohttp.ClientSession, admin: str, path: str) -> Any:
     async with http.get(admin + path) as resp:
         resp.raise_for_status()
         return await resp.json() if path != "/metrics" else await resp.text()
+
+
+def _buckets(text: str, name: str) -> dict[float, float]:
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
+    return out
+
+
+def _window_ticks(before: str, after: str) -> tuple[int, float | None, float | None]:
+    """The ticks between two scrapes of the fleet's /metrics: count, mean, p99 bucket."""
+    name = "fleetwarden_tick_seconds"
+    count = _metric_sum(after, name + "_count") - _metric_sum(before, name + "_count")
+    total = _metric_sum(after, name + "_sum") - _metric_sum(before, name + "_sum")
+    if count <= 0:
+        return 0, None, None
+    b0, b1 = _buckets(before, name), _buckets(after, name)
+    p99 = next((le for le in sorted(b1) if b1[le] - b0.get(le, 0.0) >= 0.99 * count), None)
+    return int(count), total / count, p99
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -209,7 +236,11 @@ async def _measure(row: Steady, admin: str, port: int, token: str, started: floa
         while time.monotonic() - started < SERVING_TIMEOUT_S:
             try:
                 status = await _admin(http, admin, "/admin/status")
-                if status["counts"].get("HEALTHY", 0) == n:
+                # Attached engines start HEALTHY on trust: serving means a whole read round
+                # (and its first canaries) has confirmed every one.
+                rounds = _metric_sum(await _admin(http, admin, "/metrics"),
+                                     "fleetwarden_read_round_seconds_count")
+                if status["counts"].get("HEALTHY", 0) == n and rounds >= 1:
                     row.serving_s = time.monotonic() - started
                     break
             except (aiohttp.ClientError, TimeoutError):
@@ -228,6 +259,8 @@ async def _measure(row: Steady, admin: str, port: int, token: str, started: floa
         window = time.monotonic() - window_start
         after = {p: _proc_figures(p) for p in [up_pid, *routers]}
         metrics_after = await _admin(http, admin, "/metrics")
+        row.window_ticks, row.window_tick_mean_s, row.window_tick_p99_le_s = _window_ticks(
+            metrics_before, metrics_after)
         row.load_avg = (load_before, os.getloadavg()[0])
         row.req_per_s = sum(r.ok for r in load.results) / window
         row.failed = sum(not r.ok for r in load.results)
@@ -272,9 +305,10 @@ def _ms(x: float | None) -> str:
 def steady_table(rows: list[Steady]) -> str:
     lines = ["| engines | mode | all serving after | ticks | tick p50 / p99 ms | round p99 ms "
              "| reads per round (p50) | reads/s | evidence→decision p99 ms | push p99 ms "
+             "| ticks in the window: n, mean / p99 ≤ ms "
              "| fleetwarden RSS MB / CPU % | router RSS MB / CPU % | sim RSS MB "
              "| router added ms (mean) | req/s (failed) | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         serving = "—" if r.serving_s is None else f"{r.serving_s:.1f} s"
         note = f" ({r.error})" if r.error else ""
@@ -284,6 +318,7 @@ def steady_table(rows: list[Steady]) -> str:
             f"| {'—' if r.reads_per_round_min is None else f'{r.reads_per_round_min:.0f}'} "
             f"| {'—' if r.reads_per_s is None else f'{r.reads_per_s:.0f}'} "
             f"| {_ms(r.decision_p99_s)} | {_ms(r.push_p99_s)} "
+            f"| {r.window_ticks}, {_ms(r.window_tick_mean_s)} / {_ms(r.window_tick_p99_le_s)} "
             f"| {r.fw_rss_mb:.0f} / {r.fw_cpu_pct:.1f} | {r.router_rss_mb:.0f} / "
             f"{r.router_cpu_pct:.1f} | {f'{r.sim_rss_mb:.0f}' if r.sim_rss_mb else '—'} "
             f"| {'—' if r.added_ms is None else f'{r.added_ms:.2f}'} "
@@ -332,8 +367,8 @@ def failover_run(n: int, name: str, folder: Path) -> tuple[failover.Row, FaultTi
         router = launcher.router(failover.ROUTERS["fleetwarden"], urls)
         row.version = router.version
         # failover.Launcher put the admin port on the command line: read it back from there
-        argv = Path(f"/proc/{router.proc.pid}/cmdline").read_bytes().split(b"\0")
-        admin = f"http://127.0.0.1:{argv[argv.index(b'--admin-port') + 1].decode()}"
+        argv = [str(a) for a in router.proc.args]  # type: ignore[union-attr]
+        admin = f"http://127.0.0.1:{argv[argv.index('--admin-port') + 1]}"
         token_file = folder / "fw-admin.token"
         _wait_for_file(token_file, router.proc, router.log)
         fault_at = asyncio.run(_all_serving_then(n, admin, token_file.read_text().strip(),
