@@ -16,8 +16,8 @@ requests per second the clients got.
 Failover, at 64 and 256 engines: bench/failover.py's wedge, crash and trickle, driven and
 scored by its own code (its Row, table and columns), so the rows compare with its 3-engine
 figures; and the time from the fault to the bad engine's ejection and condemnation (the
-journal). The load is 48 clients (12 at 3 engines): enough that the bad engine holds work
-when the fault comes.
+journal). The load is 48 clients (12 at 3 engines), and the fault waits (up to 60 s after
+the warm-up) until the bad engine runs a request, so that it comes under load.
 
     python bench/scale.py                         # 10, 100, 300, 1000 attached, 10 launched;
                                                   # failover at 64, 256
@@ -352,6 +352,24 @@ def _fault_times(journal: Path, fault_at: float | None) -> FaultTimes:
     return out
 
 
+#: The longest the fault waits for the bad engine to hold a request.
+BUSY_WAIT_S = 60.0
+
+
+async def _inject_when_busy(url: str, mode: str) -> None:
+    """The fault, once the bad engine runs a request: among 256 engines a closed loop of 48
+    clients reaches any one engine about once in 256 requests, and a fault on an idle engine
+    would measure nothing of a fault under load."""
+    deadline = time.monotonic() + BUSY_WAIT_S
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while time.monotonic() < deadline:
+            async with http.get(url + "/sim/stats") as resp:
+                if (await resp.json())["engine"]["running"] >= 1:
+                    break
+            await asyncio.sleep(0.05)
+    await failover._inject(url, mode)
+
+
 def failover_run(n: int, name: str, folder: Path) -> tuple[failover.Row, FaultTimes]:
     scenario = dataclasses.replace(failover.SCENARIOS[name], clients=FAILOVER_CLIENTS)
     row = failover.Row(f"fleetwarden at {n}", name)
@@ -363,7 +381,7 @@ def failover_run(n: int, name: str, folder: Path) -> tuple[failover.Row, FaultTi
         sim, urls = start_sims(n, folder, scenario.slots, scenario.steps_per_s)
         launcher.procs.append(sim)
         bad = urls[failover.BAD]
-        engines = failover.Engines(urls, failover._inject, failover.StatsLog([bad]))
+        engines = failover.Engines(urls, _inject_when_busy, failover.StatsLog([bad]))
         router = launcher.router(failover.ROUTERS["fleetwarden"], urls)
         row.version = router.version
         # failover.Launcher put the admin port on the command line: read it back from there
