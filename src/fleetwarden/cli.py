@@ -178,6 +178,8 @@ def history(
     since: str = typer.Option(None, "--since", help="Only after this: 10m, 2h, 1d or ISO time."),
     all_changes: bool = typer.Option(False, "--all", help="Include counter-only updates."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    summary: bool = typer.Option(False, "--summary", help="The last run's own work instead "
+                                 "(tick, read rounds, evidence to decision, pushes), as JSON."),
 ) -> None:
     """What happened to the fleet: transitions from the journal, with their causes."""
     import datetime as dt
@@ -195,6 +197,18 @@ def history(
     if not path.exists():
         typer.echo(f"no journal at {path}", err=True)
         raise typer.Exit(2)
+    if summary:
+        try:
+            with Journal(path) as j:
+                found = j.run_summary()
+        except JournalError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+        if found is None:
+            typer.echo(f"no run summary in {path}: no run has stopped cleanly with it", err=True)
+            raise typer.Exit(1)
+        typer.echo(json.dumps(found, indent=2, sort_keys=True))
+        return
     try:
         with Journal(path) as j:
             entries = j.transitions(
@@ -243,9 +257,14 @@ def sim(
     engine: str = typer.Option(_SIM.engine, help="Whose wire to speak: "
                                + ", ".join(SIM_ENGINES) + " (their /metrics names and "
                                "endpoints)."),
+    engines: int = typer.Option(1, min=1, help="How many engines this one process serves, "
+                                "each on its own port with its own state and faults (--port P: "
+                                "P, P+1, ...; --port 0: a free port each). A crash ends that "
+                                "engine alone."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
-    or llama.cpp's or SGLang's metrics and endpoints with --engine.
+    or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
+    them on one event loop (one "ready URL ..." line each, then "all ready N").
 
     Prints "ready URL ..." once it listens. Change its fault at run time with
     POST /sim/fault {"mode": "wedge"}; {"mode": null} or DELETE /sim/fault clears it.
@@ -265,6 +284,10 @@ def sim(
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
                        engine=engine)
+    if engines > 1:
+        from fleetwarden.sim.many import serve_many
+
+        raise typer.Exit(serve_many(config, engines))
     raise typer.Exit(serve(config))
 
 

@@ -65,6 +65,7 @@ from fleetwarden.router.control import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, Contr
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
+from fleetwarden.workmeter import WorkMeter
 
 __all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
 
@@ -178,6 +179,12 @@ class Controller:
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.focus_started: dict[str, int] = {}
+        #: What the controller measured of its own work (tick, reads, pushes, decisions), on
+        #: the fleet's /metrics, the dashboard and the journal's run summary. Measured on the
+        #: monotonic clock whatever ``clock`` is: it is the real time the work took.
+        self.meter = WorkMeter()
+        #: When each link's first reported failure of the burst not yet drained came.
+        self._evidence_at: dict[int, float] = {}
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._unlisten = [
             listen(self._evidence_from(k))
@@ -250,6 +257,7 @@ class Controller:
         await self._rescue(None)
 
     async def _push(self, report: TickReport | None) -> None:
+        started = time.monotonic()
         urls, facts = self.serving_push()
         trial = self.ledger.trial_urls()
         self._pushed = (tuple(urls), tuple(trial))
@@ -261,6 +269,7 @@ class Controller:
                     await set_trial(trial)
             except Exception as exc:
                 self._router_error(report, f"{_name(link)}: push: {exc}")
+        self.meter.pushed(time.monotonic() - started, len(urls))
 
     async def _rescue(self, report: TickReport | None) -> None:
         condemned, self._condemned = self._condemned, {}
@@ -310,6 +319,7 @@ class Controller:
             # that come in the same turn of the loop (a burst) are drained as one window.
             if k not in self._drain_pending:
                 self._drain_pending.add(k)
+                self._evidence_at.setdefault(k, time.monotonic())
                 self._spawn(self._drain_now(k), f"drain:{k}")
         return failed
 
@@ -321,6 +331,9 @@ class Controller:
             log.warning("router %s: drain: %s", _name(self.routers[k]), exc)
             return
         self.apply_outcomes(outcomes)
+        came = self._evidence_at.pop(k, None)
+        if came is not None:
+            self.meter.decided(time.monotonic() - came)
 
     async def _drain(self, k: int) -> dict[str, tuple[int, int, int]]:
         """One window of router ``k``'s outcomes. One drain per router at a time: two in
@@ -552,19 +565,46 @@ class Controller:
                           held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
                           confirm=self.ledger.state(i) is ShardState.SUSPECT)
                    for url, i in shards.items()]
-        reports = await self.watchdog.round(targets)
-        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
-        for url, i in shards.items():
-            r = reports.get(url)
-            if r is None or self.ledger.shard(i).base_url != url:
-                continue  # the shard moved during the round (a restart finished)
+        decided: set[str] = set()
+
+        def decide(url: str, r: Report) -> None:
+            # Each read is decided on as it finishes (the watchdog calls back), not at the
+            # round's end: a round of a large fleet lasts seconds, and a condemning read would
+            # otherwise wait for the slowest of the others. What a watchdog does not call back
+            # for (a double's round), the loop below decides on at the end.
+            i = shards.get(url)
+            if i is None or url in decided:
+                return
+            decided.add(url)
+            if self.ledger.shard(i).base_url != url:
+                return  # the shard moved during the round (a restart finished)
             self.reports[i] = r
             report.verdicts[i] = r.verdict.name
             self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
             self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+            finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
+            now = time.monotonic()
+            self.meter.decided(now - finished_at.get(url, now))
             if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
                     and self.ledger.state(i) not in ABSENT):
                 self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
+
+        round_started = time.monotonic()
+        hooked = hasattr(self.watchdog, "on_report")
+        if hooked:
+            self.watchdog.on_report = decide
+        try:
+            reports = await self.watchdog.round(targets)
+        finally:
+            if hooked:
+                self.watchdog.on_report = None
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
+        for url in shards:
+            r = reports.get(url)
+            if r is not None:
+                decide(url, r)
         if self.refit is not None and self.refit.lease is not None:
             self._guarded(report, "refit participants", self.observe_participants, reports)
 
@@ -604,6 +644,7 @@ class Controller:
             log.warning("%s", err)
         self.status = self._status()
         report.duration_s = time.perf_counter() - started
+        self.meter.tick_done(report.duration_s)
         self.last_tick = report
         if self.on_tick is not None:
             try:

@@ -33,6 +33,7 @@ from fleetwarden.admin import dashboard
 from fleetwarden.admin.app import make_admin_app
 from fleetwarden.admin.events import EventBus
 from fleetwarden.admin.views import TRAFFIC_STEP_S, FleetCollector, Traffic, traffic_point
+from fleetwarden.admin.work import WorkCollector
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, RouterLink, TickReport
@@ -126,6 +127,8 @@ class Fleet:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(FleetCollector(
             lambda: self.snapshot() if self._controller is not None else None))
+        self.registry.register(WorkCollector(
+            lambda: self._controller.meter if self._controller is not None else None))
 
     # ------------------------------------------------------------------ parts (once started)
 
@@ -269,7 +272,8 @@ class Fleet:
                 log.error("shard %d: first engine did not start: %s", i, result)
                 ledger.condemn(i, f"first start failed: {result}")
 
-        self._watchdog = Watchdog(cfg.health.watchdog_policy())
+        self._watchdog = Watchdog(cfg.health.watchdog_policy(),
+                                  concurrency=cfg.health.max_concurrent_reads)
         if cfg.router.workers:  # router processes of their own, adopted when they still run
             self._workers = RouterWorkers(
                 cfg.router, load_or_create_token(cfg.router.control_token_file),
@@ -349,6 +353,11 @@ class Fleet:
         if self._watchdog is not None:
             await self._watchdog.close()
         if self._journal is not None:
+            if self._controller is not None:
+                try:
+                    self._journal.record_run_summary(self.run_summary())
+                except Exception as exc:  # the stop goes on: the summary is a report, not state
+                    log.error("the run summary was not written: %s", exc)
             if stopped_all:
                 self._journal.set_meta("clean_shutdown", "1")  # every engine was stopped
             try:
@@ -362,6 +371,12 @@ class Fleet:
     def _engine_exited(self, handle: EngineHandle) -> None:
         if self._supervisor is not None:
             self._supervisor.engine_exited(handle)
+
+    def run_summary(self) -> dict[str, Any]:
+        """What this run measured of its own work (the journal keeps it at a clean stop)."""
+        c = self.controller
+        return {"started_at": self.started_at, "ended_at": time.time(),
+                "shards": len(self.ledger), "ticks": c.tick_number, "work": c.meter.summary()}
 
     def _after_tick(self, report: TickReport) -> None:
         self.traffic.record(traffic_point(self.router.stats, time.time(), self._failure_statuses))

@@ -34,7 +34,11 @@ from typing import Any
 
 from fleetwarden.ledger import Ledger, Policy, ShardRecord, Transition
 
-__all__ = ["SCHEMA_VERSION", "VERDICTS_KEPT", "Journal", "JournalEntry", "JournalError"]
+__all__ = ["RUN_SUMMARY_KEY", "SCHEMA_VERSION", "VERDICTS_KEPT", "Journal", "JournalEntry",
+           "JournalError"]
+
+#: The meta key of the last run's summary (:meth:`Journal.record_run_summary`).
+RUN_SUMMARY_KEY = "run_summary"
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +232,22 @@ class Journal:
             self._read.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
                                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                                (key, value))
+
+    def record_run_summary(self, summary: dict[str, Any]) -> None:
+        """Keep what a run measured of its own work (``Fleet.run_summary``), replacing the
+        previous run's: ``fleetwarden history --summary`` shows it after the fleet is gone."""
+        self.set_meta(RUN_SUMMARY_KEY, json.dumps(summary, sort_keys=True))
+
+    def run_summary(self) -> dict[str, Any] | None:
+        """The last run's summary, or None when no run has stopped with one."""
+        raw = self.get_meta(RUN_SUMMARY_KEY)
+        if raw is None:
+            return None
+        try:
+            found = json.loads(raw)
+        except ValueError:
+            return None  # a summary that cannot be read is no summary; the journal is intact
+        return found if isinstance(found, dict) else None
 
     # ------------------------------------------------------------------ engines
 

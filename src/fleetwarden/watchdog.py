@@ -15,11 +15,13 @@ The rule it exists for: **a health check must never consume the resource it prot
 engine is never sent a request; its progress counters are the proof of health.
 
 A controller calls :meth:`Watchdog.round` once per tick for the whole fleet; the engines are
-visited concurrently, so a round costs one engine's worst case (a read, the ``/health``
-fallback, a canary), not the sum. Parsing is done inline, between awaits: ``engine_metrics.parse``
-cuts the 52 KB body to the judged families first, so one body costs ~0.3 ms of CPU instead of
-~10 ms (``bench/metrics_parse.py``) — at 64 engines, ~20 ms per 5 s tick in 0.3 ms slices, none
-long enough to move the latency of a router on the same loop.
+visited ``concurrency`` at a time (64 by default), so a round of up to that many costs one
+engine's worst case (a read, the ``/health`` fallback, a canary), not the sum, and a larger
+fleet's round grows with the fleet instead of bursting with it. Parsing is done inline,
+between awaits: ``engine_metrics.parse`` cuts the 52 KB body to the judged families first,
+so one body costs ~0.3 ms of CPU instead of ~10 ms (``bench/metrics_parse.py``) — at 64
+engines, ~20 ms per 5 s tick in 0.3 ms slices, none long enough to move the latency of a
+router on the same loop.
 
 What a :class:`Report` says, and what it amounts to (``Report.health``), is the judge's table,
 :data:`fleetwarden.judge.VERDICTS`; what the ledger does with it is
@@ -196,6 +198,10 @@ class _Memory:
     profile: EngineProfile | None = None
 
 
+#: Engines one round reads at once by default (the fleet passes ``health.max_concurrent_reads``).
+DEFAULT_CONCURRENCY = 64
+
+
 class Watchdog:
     """Visits engines and judges them. Use as ``async with Watchdog() as watchdog:``.
 
@@ -205,13 +211,24 @@ class Watchdog:
 
     def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY, *, model: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None,
+                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.policy = policy
+        #: Engines a round reads at once (``health.max_concurrent_reads``).
+        self.concurrency = concurrency
         self.model = model
         self._clock = clock
         self._session = session
         self._own_session = session is None
         self._memory: dict[str, _Memory] = {}
+        #: When each read of the last round finished (monotonic seconds, by URL): how long its
+        #: evidence then waited for the round's end (the controller's evidence-to-decision).
+        self.finished_at: dict[str, float] = {}
+        #: Called with each read of a round as it finishes (the controller decides on it then,
+        #: not at the round's end); what it raises is logged, and the round goes on.
+        self.on_report: Callable[[str, Report], None] | None = None
 
     async def __aenter__(self) -> Watchdog:
         return self
@@ -242,15 +259,32 @@ class Watchdog:
     # ------------------------------------------------------------------ a round
 
     async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
-        """Visit every target concurrently; one :class:`Report` per URL."""
+        """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL."""
         targets = list(targets)
         urls = [t.url for t in targets]
         if len(set(urls)) != len(urls):
             raise ValueError("each engine URL may appear once in a round")
         self._forget_gone()
+        self.finished_at = {}
+        reports: dict[str, Report] = {}
+        waiting = iter(targets)
+
+        async def reader() -> None:
+            # Each reader takes the next engine when its last read is done: at most
+            # ``concurrency`` reads at once, and as many tasks, whatever the fleet's size.
+            for target in waiting:
+                reports[target.url] = report = await self.probe(target)
+                self.finished_at[target.url] = time.monotonic()
+                if self.on_report is not None:
+                    try:
+                        self.on_report(target.url, report)
+                    except Exception:
+                        log.exception("%s: deciding on its read failed", target.url)
+
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self.probe(t)) for t in targets]
-        return {t.url: task.result() for t, task in zip(targets, tasks, strict=True)}
+            for _ in range(min(self.concurrency, len(targets))):
+                group.create_task(reader())
+        return {t.url: reports[t.url] for t in targets}
 
     async def probe(self, target: Target) -> Report:
         """One visit: read, judge, and send a canary if (and only if) the judge allows it."""

@@ -46,6 +46,21 @@ class SimProcess:
             raise RuntimeError(f"sim did not start: {line!r} {self._stderr()}")
         self.url = match.group(1)
         assert int(match.group(2)) == self.proc.pid
+        #: Every engine's URL (``--engines N``: one ready line each, then ``all ready N``).
+        self.urls = [self.url]
+        engines = int(args[args.index("--engines") + 1]) if "--engines" in args else 1
+        assert self.proc.stdout is not None
+        # The rest come in the same write as the first (one flush after the last): read from
+        # the buffer, where a selector on the pipe would wait for bytes already read.
+        for _ in range(engines - 1):
+            more = re.match(r"ready (http://\S+) pid=(\d+)", self.proc.stdout.readline())
+            if more is None:
+                self.kill()
+                raise RuntimeError(f"sim did not start all {engines} engines")
+            self.urls.append(more.group(1))
+        if engines > 1 and self.proc.stdout.readline().strip() != f"all ready {engines}":
+            self.kill()
+            raise RuntimeError(f"sim did not say all {engines} engines were ready")
 
     def _ready_line(self) -> str:
         assert self.proc.stdout is not None

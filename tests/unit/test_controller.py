@@ -760,3 +760,65 @@ async def test_with_every_engine_ejected_the_router_serves_through_the_panic_thr
         else:
             assert r.router.serving_backends() == [] and statuses == [409] * 4
         await c.close()
+
+
+# ------------------------------------- the controller's measure of its own work (workmeter.py)
+
+
+def _idle(url: str) -> Report:
+    return Report(url, Verdict.IDLE, Evidence("idle"), Health.PROVEN, CanaryRule.NEVER,
+                  None, None, None, None)
+
+
+class _Reads(Watchdog):
+    async def probe(self, target: Target) -> Report:
+        await asyncio.sleep(0)
+        return _idle(target.url)
+
+
+async def test_the_controller_measures_its_tick_round_decisions_and_push() -> None:
+    config = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b", "http://c"])
+    router = _Router()
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, _Reads(), supervisor, [router], config)
+    await c.tick()
+    await c.tick()
+    m = c.meter
+    assert m.tick.count == 2 and m.read_round.count == 2 and m.reads == 6
+    assert m.evidence_to_decision.count == 6  # one decision per read
+    assert m.push.count >= 2 and m.push_size.largest == 3
+    assert m.tick.largest >= m.read_round.largest
+    await c.close()
+
+
+class _CondemnsFirst(Watchdog):
+    """One reader: engine a's read condemns it; engine b's read looks at the ledger first."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(concurrency=1)
+        self.ledger = ledger
+        self.a_out_when_b_read: bool | None = None
+
+    async def probe(self, target: Target) -> Report:
+        await asyncio.sleep(0)
+        if target.url == "http://a":
+            return Report(target.url, Verdict.STUCK, Evidence("stuck"), Health.CONDEMNED,
+                          CanaryRule.NEVER, None, None, None, None)
+        self.a_out_when_b_read = self.ledger.state(0) in (D, ShardState.RESTARTING)
+        return _idle(target.url)
+
+
+async def test_a_read_is_decided_on_as_it_finishes_not_at_the_rounds_end() -> None:
+    config = Config.model_validate({})
+    ledger = Ledger(["http://a", "http://b"])
+    watchdog = _CondemnsFirst(ledger)
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, watchdog, supervisor, [_Router()], config)
+    report = await c.tick()
+    assert watchdog.a_out_when_b_read is True  # condemned before the round went on to b
+    assert ledger.state(0) in (D, ShardState.RESTARTING)
+    assert report.verdicts == {0: "STUCK", 1: "IDLE"}
+    assert c.meter.evidence_to_decision.count == 2
+    assert watchdog.on_report is None  # the hook lives for the round only
+    await c.close()

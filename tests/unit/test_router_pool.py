@@ -215,3 +215,41 @@ def test_a_reflex_drop_is_undone_with_its_facts_until_the_next_push() -> None:
     pool.drop("http://a")
     pool.replace(["http://b"])  # a push since: it says what serves, the reflex stands
     assert not pool.undrop("http://a") and pool.serving == ("http://b",)
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+       excluded=st.sets(st.integers(0, 39), max_size=10), requests=st.integers(1, 5))
+def test_a_pick_that_stops_at_an_idle_backend_is_the_full_scans_answer(
+        loads: list[int], excluded: set[int], requests: int) -> None:
+    """The scan stops at the first idle backend in rotating order (none has fewer): on a big
+    fleet most picks end early, and every one is still the answer of the scan to the end."""
+    urls = [f"http://10.1.{i // 250}.{i % 250}:8000" for i in range(len(loads))]
+    pool = Pool(urls)
+    for url, load in zip(urls, loads, strict=True):
+        for _ in range(load):
+            pool.dispatched(url)
+    exclude = {urls[i] for i in excluded if i < len(urls)}
+    for _ in range(requests):
+        n = len(urls)
+        turn = (pool._turn + 1) % n if not exclude else pool._turn % n
+        order = [urls[(turn + k) % n] for k in range(n)]
+        allowed = [u for u in order if u not in exclude]
+        expected = min(allowed, key=lambda u: (pool.in_flight().get(u, 0), allowed.index(u)),
+                       default=None)
+        assert pool.pick(exclude) == expected
+
+
+def test_the_routers_pick_cost_is_on_its_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from fleetwarden.router.stats import RouterStats, make_registry
+
+    stats = RouterStats()
+    stats.picked(0.00002)
+    stats.picked(0.00004)
+    text = generate_latest(make_registry(stats, Pool([A]), worker=3)).decode()
+    assert 'fleetwarden_router_pick_seconds_count{worker="3"} 2.0' in text
+    total = [line for line in text.splitlines()
+             if line.startswith("fleetwarden_router_pick_seconds_sum")]
+    assert total and float(total[0].split()[1]) == pytest.approx(6e-05)

@@ -88,6 +88,8 @@ def snapshot(fleet: FleetSurface) -> dict[str, Any]:
         "max_restart_attempts": snap.max_restart_attempts,
         "refits": views.refits_view(snap),
         "traffic": None if latest is None else asdict(latest),
+        # the fleet's own work: what the header shows of the tick, the reads and the pushes
+        "work": fleet.run_summary()["work"],
         "seq": fleet.events.seq,
     }
 

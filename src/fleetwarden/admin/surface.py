@@ -49,6 +49,10 @@ class FleetSurface(Protocol):
 
     def snapshot(self) -> Snapshot: ...
 
+    def run_summary(self) -> dict[str, Any]:
+        """What the run measured of its own work so far (``workmeter.py``), under ``work``."""
+        ...
+
     def serving(self) -> tuple[list[str], dict[str, BackendFacts]]:
         """The serving set as the controller pushes it: URLs and each backend's facts."""
         ...

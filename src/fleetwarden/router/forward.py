@@ -624,8 +624,10 @@ class Forwarder:
                     else:
                         stream.continuation = plan
                 else:
+                    picking = time.perf_counter()
                     backend = pool.pick(tried, session if not tried else None,
                                         min_version=min_version)
+                    stats.picked(time.perf_counter() - picking)
                     if backend is None:
                         if last is None and min_version is not None and pool.serving:
                             return self._refuse_version(min_version)

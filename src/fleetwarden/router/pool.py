@@ -286,6 +286,8 @@ class Pool:
             load = in_flight[url]
             if (best is None or load < best_load) and url not in exclude:
                 best, best_load = url, load
+                if load == 0:
+                    break  # none has fewer: the scan's answer, without the rest of a big fleet
         return best
 
     def pick_same_weights(self, weight_version: int | None,

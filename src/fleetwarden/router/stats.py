@@ -22,6 +22,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
@@ -42,9 +43,8 @@ class RouterStats:
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
                  "backend_failures", "connections_closed", "continuations", "hedges",
-                 "hedges_won",
-                 "local_exhaustion", "poison_requests", "requests", "rescues", "responses",
-                 "retries", "streams_ended")
+                 "hedges_won", "local_exhaustion", "picks", "picks_s", "poison_requests",
+                 "requests", "rescues", "responses", "retries", "streams_ended")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -76,6 +76,10 @@ class RouterStats:
         self.added_latency_buckets = [0] * (len(ADDED_LATENCY_BUCKETS_S) + 1)
         self.added_latency_count = 0
         self.added_latency_sum = 0.0
+        #: Backends picked, and the CPU seconds the picks took (a scan of the serving set:
+        #: what grows with the fleet on every request).
+        self.picks = 0
+        self.picks_s = 0.0
 
     def responded(self, status: int) -> None:
         responses = self.responses
@@ -87,6 +91,10 @@ class RouterStats:
 
     def stream_ended(self, cause: str) -> None:
         self.streams_ended[cause] = self.streams_ended.get(cause, 0) + 1
+
+    def picked(self, seconds: float) -> None:
+        self.picks += 1
+        self.picks_s += seconds
 
     def observe_added_latency(self, seconds: float) -> None:
         self.added_latency_buckets[bisect.bisect_left(ADDED_LATENCY_BUCKETS_S, seconds)] += 1
@@ -198,6 +206,12 @@ class RouterCollector(Collector):
         for backend, n in sorted(pool.in_flight().items()):
             in_flight.add_metric([backend], n)
         yield in_flight
+
+        picks = SummaryMetricFamily(
+            "fleetwarden_router_pick_seconds",
+            "Time spent picking a backend for an attempt (count: picks; sum: seconds).")
+        picks.add_metric([], s.picks, s.picks_s)
+        yield picks
 
         serving = GaugeMetricFamily(
             "fleetwarden_router_serving_backends", "Backends the router may send requests to.")

@@ -839,13 +839,16 @@ def serve(config: SimConfig) -> int:
         print(f"ready {sim.url} pid={os.getpid()} model={c.model} slots={c.slots} "
               f"steps_per_s={c.steps_per_s:g} fault={c.fault or 'none'}", flush=True)
 
-    try:
-        import uvloop
-
-        runner: Any = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover — uvloop is optional on some platforms
-        runner = asyncio.Runner()
-    with runner:
+    with loop_runner() as runner:
         code: int = runner.run(_serve(config, ready))
     sys.stdout.flush()
     return code
+
+
+def loop_runner() -> asyncio.Runner:
+    """The event loop a simulator process runs on: uvloop's where it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover — uvloop is optional on some platforms
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)

@@ -16,6 +16,10 @@ const STATE_COLOURS = {
 const ABSENT = new Set(["DEAD", "RESTARTING", "RETIRED"]);
 const SVG = "http://www.w3.org/2000/svg";
 const RECOVER_MS = 3000;  // after a refused stream (e.g. a 401), look again this much later
+// Cards (and timeline rows) on one page: a fleet of hundreds of shards is shown a page at a
+// time, so the page stays as quick with a thousand shards as with a handful; the pager says
+// how many are in each state across every page.
+const PAGE_SIZE = 48;
 
 const model = {
   view: null,          // the last snapshot: fleet, shards, refits, traffic, at, seq
@@ -26,6 +30,7 @@ const model = {
   windowS: 3600,
   offset: 0,           // server clock minus this browser's clock, in seconds
   stopped: false,
+  page: 0,             // which PAGE_SIZE shards the cards and the timeline show
 };
 
 const $ = (id) => document.getElementById(id);
@@ -164,6 +169,56 @@ function renderHeader() {
     `router ${f.router_url}`,
   ].join(" · ");
   document.title = `fleetwarden · ${f.status}`;
+  renderWork(model.view.work);
+}
+
+function ms(s) {
+  return s === null || s === undefined ? "—" : `${num(s * 1000, s < 0.01 ? 2 : 0)} ms`;
+}
+
+function renderWork(w) {  // the fleet's own work (workmeter.py): what nears its limit
+  if (!w) return;
+  $("work").textContent = [
+    `tick p50 ${ms(w.tick_s.p50)} p99 ${ms(w.tick_s.p99)}`,
+    `read round p99 ${ms(w.read_round_s.p99)}`,
+    `reads/s ${w.reads_per_s === null ? "—" : num(w.reads_per_s, 0)}`,
+    `evidence→decision p99 ${ms(w.evidence_to_decision_s.p99)}`,
+    `push p99 ${ms(w.push_s.p99)} of ${w.push_size.max === null ? "—" : w.push_size.max}`,
+  ].join(" · ");
+}
+
+// ------------------------------------------------------------------ pages of shards
+
+function pages() {
+  return Math.max(1, Math.ceil(model.view.shards.length / PAGE_SIZE));
+}
+
+function pageShards() {
+  model.page = Math.min(model.page, pages() - 1);
+  const from = model.page * PAGE_SIZE;
+  return model.view.shards.slice(from, from + PAGE_SIZE);
+}
+
+function renderPager() {
+  const shards = model.view.shards;
+  const pager = $("pager");
+  pager.hidden = shards.length <= PAGE_SIZE;
+  if (pager.hidden) return;
+  const from = model.page * PAGE_SIZE;
+  $("page-of").textContent =
+    `shards ${from}–${Math.min(shards.length, from + PAGE_SIZE) - 1} of ${shards.length}`;
+  $("page-prev").disabled = model.page === 0;
+  $("page-next").disabled = model.page >= pages() - 1;
+  const counts = {};
+  for (const s of shards) counts[s.state] = (counts[s.state] || 0) + 1;
+  $("page-counts").textContent = STATES.filter((st) => counts[st])
+    .map((st) => `${counts[st]} ${st}`).join(" · ");
+}
+
+function turnPage(by) {
+  model.page = Math.max(0, Math.min(pages() - 1, model.page + by));
+  renderCards();
+  scheduleCharts();
 }
 
 // ------------------------------------------------------------------ cards
@@ -175,12 +230,15 @@ const FIELDS = [
 ];
 
 function renderCards() {
-  const shards = model.view.shards;
+  const shards = pageShards();
   const box = $("shards");
-  if (box.children.length !== shards.length) {
+  const key = shards.map((s) => s.index).join(",");
+  if (box.dataset.shown !== key) {
     box.replaceChildren(...shards.map(makeCard));
+    box.dataset.shown = key;
   }
   shards.forEach(renderCard);
+  renderPager();
 }
 
 function makeCard(s) {
@@ -315,7 +373,7 @@ function bandsFor(index, state, s) {
 
 function renderTimeline() {
   const box = $("timeline");
-  const shards = model.view.shards;
+  const shards = pageShards();
   const width = Math.max(600, box.clientWidth);
   const rowH = 20;
   const gap = 8;
@@ -563,6 +621,8 @@ document.addEventListener("click", (e) => {
   if (!button) return;
   ask(button.dataset.action, Number(button.closest(".card").dataset.shard));
 });
+$("page-prev").addEventListener("click", () => turnPage(-1));
+$("page-next").addEventListener("click", () => turnPage(1));
 window.addEventListener("resize", scheduleCharts);
 tooltips();
 setInterval(tick, 1000);
