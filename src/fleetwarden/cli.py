@@ -243,6 +243,9 @@ def sim(
     engine: str = typer.Option(_SIM.engine, help="Whose wire to speak: "
                                + ", ".join(SIM_ENGINES) + " (their /metrics names and "
                                "endpoints)."),
+    prefix_cache_blocks: int | None = typer.Option(
+        None, min=0, help="KV blocks (16 tokens) the prefix cache keeps; default: the whole "
+        "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine.
@@ -264,7 +267,7 @@ def sim(
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
-                       engine=engine)
+                       engine=engine, prefix_cache_blocks=prefix_cache_blocks)
     raise typer.Exit(serve(config))
 
 
