@@ -42,7 +42,8 @@ without ``ack`` (an older controller) gets only what happened since, as before. 
 a controller that applied a batch and died before acknowledging it has that window counted
 twice by the next one, where losing it would hide failures.
 
-``facts`` of a backend are ``{"shard": i, "weight_version": v}`` (:class:`BackendFacts`). They
+``facts`` of a backend are ``{"shard": i, "weight_version": v, "incarnation": s}``
+(:class:`BackendFacts`; the incarnation tells the cache-aware policy of a restart). They
 are optional both ways: a push without them (an older controller) is served, with every
 backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
 
@@ -342,11 +343,14 @@ def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
                                       or value < 0):
                 raise _bad_request(f"'facts.{url}.{name}' must be an integer >= 0 or null")
             values[name] = value
-        facts[url] = BackendFacts(values["shard"], values["weight_version"])
+        incarnation = fact.get("incarnation")
+        if incarnation is not None and not isinstance(incarnation, str):
+            raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
+        facts[url] = BackendFacts(values["shard"], values["weight_version"], incarnation)
     return facts
 
 
-def _facts_json(facts: Mapping[str, BackendFacts]) -> dict[str, dict[str, int | None]]:
+def _facts_json(facts: Mapping[str, BackendFacts]) -> dict[str, dict[str, int | str | None]]:
     return {url: f.to_dict() for url, f in facts.items()}
 
 

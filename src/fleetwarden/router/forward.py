@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import math
 import re
@@ -59,6 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
 from fleetwarden.router.serve import (
     BodyTooLarge,
@@ -325,6 +327,34 @@ class Forwarder:
         self._targets: dict[str, Target] = {}
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
+        #: The cache-aware policy's index (router/affinity.py); None: least in flight.
+        self.affinity: Affinity | None = None
+        if settings.routing == "cache_aware":
+            self.affinity = Affinity(AffinitySettings(
+                ttl_s=settings.cache_ttl_s, max_blocks=settings.cache_max_blocks,
+                threshold=settings.cache_threshold, balance_abs=settings.cache_balance_abs,
+                balance_rel=settings.cache_balance_rel,
+                group_window_s=settings.rl_group_window_s,
+                group_per_engine=settings.rl_group_per_engine))
+
+    def sync_affinity(self) -> None:
+        """A push arrived: the policy forgets backends that left, restarted or were refit."""
+        if self.affinity is not None:
+            pool = self.pool
+            facts = pool.all_facts()
+            self.affinity.sync(pool.serving, {
+                u: (f.incarnation, f.weight_version) for u, f in facts.items()})
+
+    def _query(self, body: bytes, session: str | None) -> Query | None:
+        """What the cache-aware policy reads of a request; None for a body it cannot read
+        (the engine answers that one with its own error)."""
+        assert self.affinity is not None
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None
+        return query_of(parsed, session, self.affinity.settings,
+                        self.settings.cache_user_is_session)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -475,6 +505,8 @@ class Forwarder:
                 headers.append(_CLOSE)  # never pooled (router/upstream.py)
 
         pool = self.pool
+        affinity = self.affinity
+        query = None if affinity is None else self._query(body, session)
         budget = pool.retry_budget
         budget.requests_in_flight += 1
         holds_retry_token = False
@@ -495,9 +527,14 @@ class Forwarder:
                     if isinstance(plan, str):
                         return await self._end_stream(stream, last, plan)
                     stream.continuation = plan
+                    if affinity is not None and query is not None:
+                        affinity.moved(query, backend, time.monotonic())
                 else:
+                    prefer = None
+                    if affinity is not None and query is not None and not tried:
+                        prefer = partial(affinity.choose, query, now=time.monotonic())
                     backend = pool.pick(tried, session if not tried else None,
-                                        min_version=min_version)
+                                        min_version=min_version, prefer=prefer)
                     if backend is None:
                         if last is None and min_version is not None and pool.serving:
                             return self._refuse_version(min_version)
@@ -506,6 +543,8 @@ class Forwarder:
                     if stream is not None:
                         stream.weight_version = pool.facts(backend).weight_version
                         stream.splice = Splice(stream.splice.request)  # from the start
+                    if affinity is not None and query is not None:
+                        affinity.placed(query, backend, time.monotonic())
                 if resend:
                     stats.retries[resend] += 1
                 tried.append(backend)
