@@ -22,7 +22,12 @@ from rich.console import Console
 
 from fleetwarden import __version__
 from fleetwarden.judge import DEFAULT_POLICY
-from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
+from fleetwarden.router.settings import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ROUTING_POLICIES,
+    RouterSettings,
+)
 from fleetwarden.sim.config import SIM_ENGINES, FaultMode, SimConfig
 
 if TYPE_CHECKING:
@@ -382,6 +387,10 @@ def route(
         "--continue-answers/--no-continue-answers",
         help="Continue non-streamed answers too (streamed from the engine, assembled here).")
     ] = _ROUTER_DEFAULTS.continue_answers,
+    routing: Annotated[str, typer.Option(
+        "--routing", help="How a request picks its engine: "
+        + " or ".join(ROUTING_POLICIES) + " (docs/design.md 4.2).")
+    ] = _ROUTER_DEFAULTS.routing,
     control_port: Annotated[int | None, typer.Option(
         "--control-port",
         help="Also serve the control API at this port (needs --token-file).")
@@ -449,7 +458,7 @@ def route(
                 backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
                 max_retries=max_retries, max_body_bytes=max_body_bytes,
                 session_header=session_header or None, continue_streams=continue_streams,
-                continue_answers=continue_answers)
+                continue_answers=continue_answers, routing=routing)
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None

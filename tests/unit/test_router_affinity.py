@@ -90,7 +90,8 @@ def test_a_conversation_returns_to_the_engine_holding_its_turns() -> None:
             sent.append(url)
         for url in sent:
             pool.finished(url)
-    assert len(set(homes.values())) == 4  # first turns spread over the fleet
+    # First turns spread: the shared system prompt took no engine beyond the guard's slack.
+    assert max(list(homes.values()).count(u) for u in FLEET) <= AffinitySettings().balance_abs
 
 
 def test_a_shared_system_prompt_never_piles_every_session_on_one_engine() -> None:

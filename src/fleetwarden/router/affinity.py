@@ -57,7 +57,7 @@ class AffinitySettings:
     ttl_s: float = 120.0
     max_blocks: int = 200_000
     threshold: float = 0.3
-    balance_abs: int = 2
+    balance_abs: int = 4
     balance_rel: float = 1.5
     group_window_s: float = 5.0
     group_per_engine: int = 8
