@@ -520,6 +520,8 @@ async def test_the_prefix_cache_counts_hits_as_vllm_and_empties_on_reset_sleep_a
         return await counters()
 
     assert await send_twice() == (200, 96)  # the second finds 6 blocks
+    # What a watchdog reads of them: the engine's actual hit rate.
+    assert (await metrics(http, sim.url)).prefix_cache_hit_rate == 96 / 200
     async with http.post(sim.url + "/reset_prefix_cache") as r:
         assert r.status == 200
     assert await send_twice() == (400, 192)  # the first after the reset found nothing
