@@ -184,3 +184,15 @@ def test_predicted_hits_are_tallied_per_engine() -> None:
     tally = affinity.predicted()[A]
     assert (tally.requests, tally.blocks, tally.hit_blocks) == (2, 2 * len(q.keys), len(q.keys))
     assert tally.hit_rate == pytest.approx(0.5)
+
+
+def test_a_continued_stream_makes_its_new_engine_the_holder() -> None:
+    affinity = Affinity()
+    q = Query(chat("a long generation").keys, "s1")
+    affinity.placed(q, A, 0.0)
+    affinity.forget(A)  # its engine died mid-stream
+    affinity.moved(q, B, 1.0)  # the router continued the stream on B, which prefilled it
+    assert affinity.matched(q, 1.0) == {B: len(q.keys)}
+    pool = Pool([A, B])
+    pool.dispatched(B)
+    assert place(affinity, pool, Query(chat("a long generation", "next").keys, "s1"), 2.0) == B
