@@ -44,23 +44,39 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetwarden.router.settings import RouterSettings
+
 __all__ = ["Affinity", "AffinitySettings", "Predicted", "Query", "query_of", "text_keys",
            "token_keys"]
 
 
+_DEFAULTS = RouterSettings()
+
+
 @dataclass(frozen=True, slots=True)
 class AffinitySettings:
-    """How the cache-aware policy weighs cache against load (defaults in router/settings.py)."""
+    """How the cache-aware policy weighs cache against load: the router's settings of that
+    name (router/settings.py holds every default with its reason)."""
 
+    #: Characters of a text block: ~16 tokens of English text, vLLM's block size.
     text_block: int = 64
+    #: Token ids of a token block: vLLM's block size.
     token_block: int = 16
-    ttl_s: float = 120.0
-    max_blocks: int = 200_000
-    threshold: float = 0.3
-    balance_abs: int = 4
-    balance_rel: float = 1.5
-    group_window_s: float = 5.0
-    group_per_engine: int = 8
+    ttl_s: float = _DEFAULTS.cache_ttl_s
+    max_blocks: int = _DEFAULTS.cache_max_blocks
+    threshold: float = _DEFAULTS.cache_threshold
+    balance_abs: int = _DEFAULTS.cache_balance_abs
+    balance_rel: float = _DEFAULTS.cache_balance_rel
+    group_window_s: float = _DEFAULTS.rl_group_window_s
+    group_per_engine: int = _DEFAULTS.rl_group_per_engine
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> AffinitySettings:
+        return cls(ttl_s=settings.cache_ttl_s, max_blocks=settings.cache_max_blocks,
+                   threshold=settings.cache_threshold, balance_abs=settings.cache_balance_abs,
+                   balance_rel=settings.cache_balance_rel,
+                   group_window_s=settings.rl_group_window_s,
+                   group_per_engine=settings.rl_group_per_engine)
 
 
 @dataclass(frozen=True, slots=True)

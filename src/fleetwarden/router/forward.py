@@ -330,12 +330,7 @@ class Forwarder:
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
         self.affinity: Affinity | None = None
         if settings.routing == "cache_aware":
-            self.affinity = Affinity(AffinitySettings(
-                ttl_s=settings.cache_ttl_s, max_blocks=settings.cache_max_blocks,
-                threshold=settings.cache_threshold, balance_abs=settings.cache_balance_abs,
-                balance_rel=settings.cache_balance_rel,
-                group_window_s=settings.rl_group_window_s,
-                group_per_engine=settings.rl_group_per_engine))
+            self.affinity = Affinity(AffinitySettings.of(settings))
 
     def sync_affinity(self) -> None:
         """A push arrived: the policy forgets backends that left, restarted or were refit."""
