@@ -107,9 +107,11 @@ class RouterSettings:
     #: ... growing with load to (this - 1) times the mean in flight, so a busy fleet keeps
     #: its affinity (sglang-router's balance_rel_threshold, 1.5).
     cache_balance_rel: float = 1.5
-    #: RL groups: requests with the same whole prompt within this many seconds are siblings
-    #: (a GRPO group's samples arrive together; 5 s covers a trainer's burst).
-    rl_group_window_s: float = 5.0
+    #: RL groups: requests with the same whole prompt within this many seconds of the first
+    #: are siblings. 1 s: a GRPO group's samples arrive within milliseconds of each other,
+    #: and the next epoch's same prompt must not count against this epoch's share (it goes
+    #: where its prefix is, as any request does).
+    rl_group_window_s: float = 1.0
     #: ... and stay on one engine up to this many (then the next engine takes the next
     #: share), past the load guard: a group of 8 is prefilled once, not on every engine.
     rl_group_per_engine: int = 8
