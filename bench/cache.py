@@ -172,13 +172,13 @@ async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
     return "".join(text)
 
 
-def grpo(prompts: int, siblings: int, epochs: int) -> Callable[..., Awaitable[None]]:
+def grpo(prompts: int, siblings: int, epochs: int, salt: str) -> Callable[..., Awaitable[None]]:
     async def run(http: aiohttp.ClientSession, router: str, result: Result,
                   between: Callable[[int], Awaitable[None]]) -> None:
         for epoch in range(epochs):
             await asyncio.gather(*(
                 send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
-                                    "prompt": f"{SYSTEM}\nProblem {p}: compute {p * 7919} "
+                                    "prompt": f"{salt}{SYSTEM}\nProblem {p}: compute {p * 7919} "
                                               f"modulo {p + 13}, showing the work."},
                      {}, result)
                 for p in range(prompts) for _ in range(siblings)))
@@ -186,17 +186,18 @@ def grpo(prompts: int, siblings: int, epochs: int) -> Callable[..., Awaitable[No
     return run
 
 
-def agents(sessions: int, turns: int, *, header: bool, system: bool
+def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str
            ) -> Callable[..., Awaitable[None]]:
     async def run(http: aiohttp.ClientSession, router: str, result: Result,
                   between: Callable[[int], Awaitable[None]]) -> None:
         histories: list[list[dict[str, str]]] = [
-            [{"role": "system", "content": SYSTEM}] if system else [] for _ in range(sessions)]
+            [{"role": "system", "content": salt + SYSTEM}] if system else []
+            for _ in range(sessions)]
 
         async def turn(k: int, t: int) -> None:
             history = histories[k]
             history.append({"role": "user", "content": (
-                f"Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
+                f"{salt}Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
             answer = await send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
                                                "messages": history},
                                 {"x-session-id": f"agent-{k}"} if header else {}, result)
@@ -319,15 +320,20 @@ async def measure(router: str, urls: list[str], workload: Callable[..., Awaitabl
 
 
 def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], int | None]]:
+    # Each workload's texts are its own (the salt), so no router's index of one workload
+    # helps it in the next: the engines' caches are reset between them.
     s, t = (8, 4) if quick else (24, 6)
+    g = 8 if quick else 32
     return {
-        "GRPO 32x8, shared system prompt, 3 epochs": (
-            grpo(8 if quick else 32, 8, 2 if quick else 3), None),
-        f"agents {s}x{t}, no header": (agents(s, t, header=False, system=False), None),
-        f"agents {s}x{t}, x-session-id": (agents(s, t, header=True, system=False), None),
-        f"agents {s}x{t}, shared system prompt": (agents(s, t, header=True, system=True), None),
+        f"GRPO {g}x8, shared system prompt, 3 epochs": (grpo(g, 8, 3, "[grpo] "), None),
+        f"agents {s}x{t}, no header": (
+            agents(s, t, header=False, system=False, salt="[plain] "), None),
+        f"agents {s}x{t}, x-session-id": (
+            agents(s, t, header=True, system=False, salt="[header] "), None),
+        f"agents {s}x{t}, shared system prompt": (
+            agents(s, t, header=True, system=True, salt="[system] "), None),
         f"agents {s}x{t}, engine 0 restarted after turn 3": (
-            agents(s, t, header=True, system=False), 2),
+            agents(s, t, header=True, system=False, salt="[restart] "), 2),
     }
 
 
