@@ -670,3 +670,14 @@ async def test_every_read_is_told_how_long_the_routers_have_held_a_request_there
         await supervisor.close()
     held = {t.url: t.held_s for t in watchdog.targets}
     assert held == {"http://a": 4.0, "http://b": 0.0}
+
+
+def test_the_push_carries_each_backends_incarnation_so_a_router_sees_a_restart() -> None:
+    from fleetwarden.router.pool import BackendFacts
+
+    c, ledger, _ = controller("static")
+    ledger.observe_incarnation(1, "1.5")
+    before = c.serving_push()[1]["http://b"]
+    assert before == BackendFacts(1, ledger.shard(1).weight_version, "1.5")
+    ledger.observe_incarnation(1, "2.5")  # a silent restart
+    assert c.serving_push()[1]["http://b"].incarnation == "2.5"

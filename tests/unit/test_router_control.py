@@ -120,6 +120,10 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
                                                                  "shard": None}}})
             assert answer["facts"] == {a: {"shard": 0, "weight_version": None},
                                        b: {"shard": None, "weight_version": 2}}
+            # The incarnation (the cache-aware policy's restart signal) goes both ways.
+            await remote.set_serving_backends([a], {a: BackendFacts(0, 7, "1795973023.5")})
+            assert router.pool.facts(a).incarnation == "1795973023.5"
+            assert (await remote.status())["facts"][a]["incarnation"] == "1795973023.5"
     finally:
         await router.stop()
 
@@ -139,6 +143,8 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
                                            "http://x:1": {"weight_version": -1}}}),
                                        ("PUT", "/serving", {"backends": [], "facts": {
                                            "http://x:1": {"shard": True}}}),
+                                       ("PUT", "/serving", {"backends": [], "facts": {
+                                           "http://x:1": {"incarnation": 3}}}),
                                        ("POST", "/rescue", {}),
                                        ("PUT", "/retry-after", {"seconds": -1}),
                                        ("PUT", "/retry-after", {})]:
