@@ -50,9 +50,10 @@ async def counters(http: aiohttp.ClientSession, sim: Sim) -> tuple[float, float]
 
 async def agents(http: aiohttp.ClientSession, router: Router, sessions: int, turns: int
                  ) -> None:
-    """``sessions`` conversations side by side, each re-sending its whole history per turn."""
+    """``sessions`` conversations side by side, each re-sending its whole history per turn
+    (no shared system prompt: every engine would hold that one)."""
     async def one(k: int) -> None:
-        messages = [{"role": "system", "content": SYSTEM}]
+        messages: list[dict[str, str]] = []
         for turn in range(turns):
             messages.append({"role": "user", "content": f"agent {k} step {turn}: " + "o" * 200})
             await chat(http, router, messages)

@@ -70,3 +70,21 @@ def test_a_hit_shortens_the_prefill_and_is_counted_as_vllm_counts_it() -> None:
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 992.0' in text
     assert ('vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",'
             'source="local_compute"} 1008.0') in text
+
+
+def test_a_finished_requests_output_is_cached_for_the_next_turn() -> None:
+    families = VllmFamilies("tiny", max_model_len=8192, kv_capacity_tokens=8192)
+    core = EngineCore(families, slots=2, tokens_per_step=1, max_num_batched_tokens=100,
+                      prefix_cache=PrefixCache(512))
+    prompt = list(range(40))
+    request = SimRequest("r", len(prompt), 24, 0.0, prompt_ids=prompt)
+    core.add(request)
+    for step in range(100):
+        if not core.has_work:
+            break
+        core.step(float(step))
+    next_turn = [*prompt, *request.output, 7, 7, 7]  # 67 tokens: 4 full blocks before the last
+    nxt = SimRequest("n", len(next_turn), 1, 200.0, prompt_ids=next_turn)
+    core.add(nxt)
+    core.step(200.0)
+    assert nxt.cached == 4 * BLOCK_SIZE  # the prompt's 2 blocks and the answer's 2 more

@@ -150,6 +150,10 @@ class EngineCore:
         f.on_step(scheduled, generated, step_s)
         for r in finished:
             self.running.remove(r)
+            if self.prefix_cache is not None and r.prompt_ids:
+                # vLLM caches every full block it computed, the output's too: a conversation's
+                # next turn, which re-sends this answer, finds it.
+                self.prefix_cache.insert([*r.prompt_ids, *r.output])
             first = r.first_token_at if r.first_token_at is not None else now
             scheduled_at = r.scheduled_at if r.scheduled_at is not None else r.arrived_at
             f.on_finished(reason="length", prompt_tokens=r.prompt_tokens,

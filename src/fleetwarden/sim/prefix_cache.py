@@ -12,7 +12,7 @@ measured against it:
   token is computed (vLLM's ``max_cache_hit_length = num_tokens - 1``: the last position's
   logits are needed to sample);
 * a scheduled prompt's blocks are cached at once (vLLM caches blocks as it allocates them), so a
-  sibling scheduled later finds them;
+  sibling scheduled later finds them; a finished request's output blocks are cached too;
 * the least recently used block goes first when ``capacity_blocks`` are held; a cache of zero
   blocks holds nothing (prefix caching off).
 
