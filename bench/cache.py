@@ -70,6 +70,8 @@ class Result:
     hits: float = 0.0
     per_engine: list[float] = field(default_factory=list)
     after_restart: tuple[float, float] | None = None  # (queries, hits) after it
+    #: fleetwarden's router: index entries it dropped in the pause after the restart.
+    forgotten_at_restart: float | None = None
     #: Per engine: (queries, hits) from its counters, and fleetwarden's router's (prompt
     #: blocks placed there, blocks predicted held) over the same workload.
     actual: list[tuple[float, float]] = field(default_factory=list)
@@ -91,6 +93,8 @@ class Result:
         if self.after_restart is not None:
             q, h = self.after_restart
             out["hit_rate_after_restart"] = h / q if q else 0.0
+        if self.forgotten_at_restart is not None:
+            out["index_blocks_forgotten_at_restart"] = int(self.forgotten_at_restart)
         if any(b for b, _ in self.predicted):
             out["per_engine_predicted_vs_actual"] = [
                 (round(ph / pb, 3) if pb else None, round(h / q, 3) if q else None)
@@ -260,6 +264,20 @@ async def wait_serving(http: aiohttp.ClientSession, router: str, timeout_s: floa
     raise RuntimeError(f"{router} did not serve within {timeout_s} s")
 
 
+FORGOTTEN = "fleetwarden_router_cache_forgotten_blocks_total"
+
+
+async def router_counter(http: aiohttp.ClientSession, router: str, name: str) -> float | None:
+    """One counter of the router's own /metrics, summed; None for a router without it."""
+    async with http.get(router + "/metrics") as r:
+        if r.status != 200:
+            return None
+        text = await r.text()
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == name]
+    return sum(values) if values else None
+
+
 async def predicted(http: aiohttp.ClientSession, router: str) -> dict[str, tuple[float, float]]:
     """fleetwarden's router: per backend, (prompt blocks placed, blocks predicted held);
     empty for a router without those series."""
@@ -295,10 +313,14 @@ async def measure(router: str, urls: list[str], workload: Callable[..., Awaitabl
 
         async def between(step: int) -> None:
             if restart_after is not None and step == restart_after:
+                forgotten = await router_counter(http, router, FORGOTTEN)
                 async with http.post(urls[0] + "/sim/fault", json={"mode": "restart"}) as r:
                     assert r.status == 200
                 await asyncio.sleep(3.0)  # the same pause for every router
                 marks["restart"] = await snapshot(http, urls)
+                if forgotten is not None:
+                    after = await router_counter(http, router, FORGOTTEN)
+                    result.forgotten_at_restart = None if after is None else after - forgotten
 
         started = time.perf_counter()
         await workload(http, router, result, between)
