@@ -81,7 +81,7 @@ class Result:
     def row(self) -> dict[str, Any]:
         ttft = sorted(self.ttft)
         mean = statistics.fmean(self.per_engine) if self.per_engine else 0.0
-        out = {
+        out: dict[str, Any] = {
             "hit_rate": self.hits / self.queries if self.queries else 0.0,
             "ttft_p50_ms": 1000 * ttft[len(ttft) // 2] if ttft else None,
             "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]
