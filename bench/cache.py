@@ -6,6 +6,8 @@ front of them in turn, one run:
 
 - fleetwarden ``cache_aware``, as ``fleetwarden up`` runs it (attach mode: its controller
   watches the engines and pushes each one's incarnation, so it sees the restart below);
+- fleetwarden ``cache_aware`` under ``fleetwarden route`` (no controller: the policy alone,
+  in the same process layout as the next; it is told of no restart);
 - fleetwarden ``least_in_flight`` (``fleetwarden route``: the default policy);
 - sglang-router 0.3.2 ``cache_aware`` and ``round_robin`` (installed on first use into its own
   virtual environment, bench/_peers.py).
@@ -232,9 +234,9 @@ def fleetwarden_up(urls: list[str], folder: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def fleetwarden_route(urls: list[str]) -> Iterator[str]:
+def fleetwarden_route(urls: list[str], routing: str) -> Iterator[str]:
     argv = [sys.executable, "-m", "fleetwarden", "route", "--port", "0", "--log-level", "error",
-            "--routing", "least_in_flight"]
+            "--routing", routing]
     for url in urls:
         argv += ["--backend", url]
     with process(argv) as proc:
@@ -385,7 +387,10 @@ def main() -> None:
     with engines(args.engines) as urls, tempfile.TemporaryDirectory() as tmp:
         routers: list[tuple[str, Callable[[], contextlib.AbstractContextManager[str]]]] = [
             ("fleetwarden cache_aware", lambda: fleetwarden_up(urls, Path(tmp))),
-            ("fleetwarden least_in_flight", lambda: fleetwarden_route(urls)),
+            # The same policy without a controller, as the least-in-flight router runs: the
+            # policy's figures apart from the fleet's processes (it misses the restart's push).
+            ("fleetwarden route cache_aware", lambda: fleetwarden_route(urls, "cache_aware")),
+            ("fleetwarden least_in_flight", lambda: fleetwarden_route(urls, "least_in_flight")),
         ]
         if not args.no_peer:
             routers += [
