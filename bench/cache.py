@@ -17,10 +17,10 @@ Workloads (every engine's prefix cache reset before each, so each starts cold):
 - GRPO: 32 prompts x 8 siblings sharing a system prompt, each epoch's 256 requests at once,
   3 epochs;
 - multi-turn agents: 24 sessions x 6 turns, every turn re-sending the conversation, the
-  sessions' turns side by side: without a session header, with ``x-session-id``, and with a
-  shared system prompt (and the header);
-- the agents with the header again, one engine restarted after the third turn (the turns
-  after it measured apart).
+  sessions running free (0-200 ms of seeded think time between turns): without a session
+  header, with ``x-session-id``, and with a shared system prompt (and the header);
+- the agents with the header again in lockstep (every session's turn, then the next), one
+  engine restarted after the third turn (the turns after it measured apart).
 
 Per router and workload: the token hit rate from the engines' own counters
 (``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50/p99 at the
@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -193,8 +194,8 @@ def grpo(prompts: int, siblings: int, epochs: int, salt: str) -> Callable[..., A
     return run
 
 
-def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str
-           ) -> Callable[..., Awaitable[None]]:
+def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str,
+           lockstep: bool = False) -> Callable[..., Awaitable[None]]:
     async def run(http: aiohttp.ClientSession, router: str, result: Result,
                   between: Callable[[int], Awaitable[None]]) -> None:
         histories: list[list[dict[str, str]]] = [
@@ -210,9 +211,22 @@ def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str
                                 {"x-session-id": f"agent-{k}"} if header else {}, result)
             history.append({"role": "assistant", "content": answer})
 
-        for t in range(turns):
-            await asyncio.gather(*(turn(k, t) for k in range(sessions)))
-            await between(t)
+        if lockstep:  # every session's turn t, then every turn t + 1 (the restart needs it)
+            for t in range(turns):
+                await asyncio.gather(*(turn(k, t) for k in range(sessions)))
+                await between(t)
+            return
+
+        async def session(k: int) -> None:
+            # Agents run free, each thinking 0-200 ms between turns (seeded: a run replays),
+            # so their turns interleave as real ones do: a router that only balances load
+            # sends a session's next turn wherever happens to be least busy then.
+            rng = random.Random(f"{salt}{k}")
+            for t in range(turns):
+                await asyncio.sleep(rng.uniform(0.0, 0.2))
+                await turn(k, t)
+
+        await asyncio.gather(*(session(k) for k in range(sessions)))
     return run
 
 
@@ -358,7 +372,7 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], in
         f"agents {s}x{t}, shared system prompt": (
             agents(s, t, header=True, system=True, salt="[system] "), None),
         f"agents {s}x{t}, engine 0 restarted after turn 3": (
-            agents(s, t, header=True, system=False, salt="[restart] "), 2),
+            agents(s, t, header=True, system=False, salt="[restart] ", lockstep=True), 2),
     }
 
 
