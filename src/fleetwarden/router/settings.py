@@ -97,13 +97,14 @@ class RouterSettings:
     #: session hint, else least in flight); sglang-router's cache_threshold, 0.3.
     cache_threshold: float = 0.3
     #: The load guard: an engine is used for its cache only while it holds fewer requests
-    #: than the least loaded engine plus a slack: this many in a quiet fleet ... 2: eight
-    #: agents sharing a system prompt spread 8/7/8/9 requests over four engines (4 gave
-    #: 0/16/16/0: the shared prefix stacked 4 deep on two engines while two idled), at the
-    #: same hit rate after a restart (bench/cache.py). sglang-router's 64 apart never fires
-    #: in a fleet with fewer requests in flight, so a shared system prompt put every request
-    #: on one engine. RL groups are bounded by their share instead.
-    cache_balance_abs: int = 2
+    #: than the least loaded engine plus a slack: this many in a quiet fleet ... 8: one RL
+    #: group's share; bench/cache.py's free-running agents keep all their hits with it
+    #: (0.708, as sglang-router), where 2 moved sessions off their engine on every burst
+    #: (0.626). sglang-router's 64 apart never fires in a fleet with fewer requests in
+    #: flight, so a shared system prompt put all 144 requests on one engine; here at most 8
+    #: more than the least loaded (48/48/48/0 of 144: the fourth engine idle, since no one
+    #: waited). RL groups are bounded by their share instead.
+    cache_balance_abs: int = 8
     #: ... growing with load to (this - 1) times the mean in flight, so a busy fleet keeps
     #: its affinity (sglang-router's balance_rel_threshold, 1.5).
     cache_balance_rel: float = 1.5
