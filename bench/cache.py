@@ -19,8 +19,9 @@ Workloads (every engine's prefix cache reset before each, so each starts cold):
 - multi-turn agents: 24 sessions x 6 turns, every turn re-sending the conversation, the
   sessions running free (0-200 ms of seeded think time between turns): without a session
   header, with ``x-session-id``, and with a shared system prompt (and the header);
-- the agents with the header again in lockstep (every session's turn, then the next), one
-  engine restarted after the third turn (the turns after it measured apart).
+- the agents with the header again in lockstep (every session's turn, then the next), the
+  engine that served the most restarted after the third turn (the turns after it measured
+  apart).
 
 Per router and workload: the token hit rate from the engines' own counters
 (``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50/p99 at the
@@ -74,6 +75,7 @@ class Result:
     hits: float = 0.0
     per_engine: list[float] = field(default_factory=list)
     after_restart: tuple[float, float] | None = None  # (queries, hits) after it
+    restarted: int | None = None  # which engine
     #: fleetwarden's router: index entries it dropped in the pause after the restart.
     forgotten_at_restart: float | None = None
     #: Per engine: (queries, hits) from its counters, and fleetwarden's router's (prompt
@@ -97,6 +99,8 @@ class Result:
         if self.after_restart is not None:
             q, h = self.after_restart
             out["hit_rate_after_restart"] = h / q if q else 0.0
+        if self.restarted is not None:
+            out["restarted_engine"] = self.restarted
         if self.forgotten_at_restart is not None:
             out["index_blocks_forgotten_at_restart"] = int(self.forgotten_at_restart)
         if any(b for b, _ in self.predicted):
@@ -331,7 +335,13 @@ async def measure(router: str, urls: list[str], workload: Callable[..., Awaitabl
         async def between(step: int) -> None:
             if restart_after is not None and step == restart_after:
                 forgotten = await router_counter(http, router, FORGOTTEN)
-                async with http.post(urls[0] + "/sim/fault", json={"mode": "restart"}) as r:
+                # The engine that served the most so far: the one whose cache matters most
+                # (a router that left one engine idle must not be spared the restart).
+                served = deltas(before, await snapshot(http, urls))
+                busiest = max(range(len(urls)), key=lambda i: served[i][2])
+                result.restarted = busiest
+                async with http.post(urls[busiest] + "/sim/fault",
+                                     json={"mode": "restart"}) as r:
                     assert r.status == 200
                 await asyncio.sleep(3.0)  # the same pause for every router
                 marks["restart"] = await snapshot(http, urls)
@@ -371,7 +381,7 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], in
             agents(s, t, header=True, system=False, salt="[header] "), None),
         f"agents {s}x{t}, shared system prompt": (
             agents(s, t, header=True, system=True, salt="[system] "), None),
-        f"agents {s}x{t}, engine 0 restarted after turn 3": (
+        f"agents {s}x{t}, busiest engine restarted after turn 3": (
             agents(s, t, header=True, system=False, salt="[restart] ", lockstep=True), 2),
     }
 
