@@ -8,6 +8,7 @@ one run, and the figures are printed side by side.
 
     python bench/router_overhead.py [--requests 4000] [--seconds 6] [--peer sglang-router]
                                     [--workers 1 --workers 2] [--baseline /path/to/src]
+                                    [--cache-aware]
 
 ``--peer sglang-router`` also measures sglang-router 0.3.2, installed on first use into its own
 virtual environment under ``~/.cache/fleetwarden/bench-venvs/``. ``--workers N`` also measures
@@ -259,6 +260,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0,
                         help="seconds measured at concurrency 64")
     parser.add_argument("--peer", choices=["sglang-router"], action="append", default=[])
+    parser.add_argument("--cache-aware", action="store_true",
+                        help="also measure `fleetwarden route --routing cache_aware`: the "
+                             "cache-aware policy's cost per request beside least in flight")
     parser.add_argument("--workers", type=int, action="append", default=[],
                         help="also measure `fleetwarden up --router-workers N` (repeatable)")
     parser.add_argument("--baseline", type=Path, action="append", default=[],
@@ -295,6 +299,15 @@ def main() -> None:
                 name = f"fleetwarden route (baseline {src})"
                 targets[name] = base.stdout.readline().split(" on ", 1)[1].split(",")[0]
                 pids[name] = base.pid
+            if args.cache_aware:
+                aware = stack.enter_context(process(
+                    [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
+                     "--backend", backend_url, "--log-level", "error",
+                     "--routing", "cache_aware"]))
+                assert aware.stdout is not None
+                name = "fleetwarden route --routing cache_aware"
+                targets[name] = aware.stdout.readline().split(" on ", 1)[1].split(",")[0]
+                pids[name] = aware.pid
             for workers in args.workers:
                 folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
                 port = free_port()

@@ -22,7 +22,12 @@ from rich.console import Console
 
 from fleetwarden import __version__
 from fleetwarden.judge import DEFAULT_POLICY
-from fleetwarden.router.settings import DEFAULT_HOST, DEFAULT_PORT, RouterSettings
+from fleetwarden.router.settings import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ROUTING_POLICIES,
+    RouterSettings,
+)
 from fleetwarden.sim.config import SIM_ENGINES, FaultMode, SimConfig
 
 if TYPE_CHECKING:
@@ -261,6 +266,9 @@ def sim(
                                 "each on its own port with its own state and faults (--port P: "
                                 "P, P+1, ...; --port 0: a free port each). A crash ends that "
                                 "engine alone."),
+    prefix_cache_blocks: int | None = typer.Option(
+        None, min=0, help="KV blocks (16 tokens) the prefix cache keeps; default: the whole "
+        "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -283,7 +291,7 @@ def sim(
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
-                       engine=engine)
+                       engine=engine, prefix_cache_blocks=prefix_cache_blocks)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 
@@ -407,6 +415,10 @@ def route(
         help="The backends take vLLM's own request fields (return_token_ids, token-id "
              "prompts, continue_final_message); off for other OpenAI-compatible servers.")
     ] = _ROUTER_DEFAULTS.upstream_fields,
+    routing: Annotated[str, typer.Option(
+        "--routing", help="How a request picks its engine: "
+        + " or ".join(ROUTING_POLICIES) + " (docs/design.md 4.3).")
+    ] = _ROUTER_DEFAULTS.routing,
     control_port: Annotated[int | None, typer.Option(
         "--control-port",
         help="Also serve the control API at this port (needs --token-file).")
@@ -474,7 +486,8 @@ def route(
                 backend_timeout_s=backend_timeout, connect_timeout_s=connect_timeout,
                 max_retries=max_retries, max_body_bytes=max_body_bytes,
                 session_header=session_header or None, continue_streams=continue_streams,
-                continue_answers=continue_answers, upstream_fields=upstream_fields)
+                continue_answers=continue_answers, upstream_fields=upstream_fields,
+                routing=routing)
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None

@@ -270,6 +270,15 @@ class RouterConfig(_Section):
     session_header: str | None = _ROUTER.session_header
     affinity_load_factor: Annotated[float, Field(ge=1)] = _ROUTER.affinity_load_factor
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
+    routing: Literal["cache_aware", "least_in_flight"] = "least_in_flight"
+    cache_ttl_s: PositiveFloat = _ROUTER.cache_ttl_s
+    cache_max_blocks: PositiveInt = _ROUTER.cache_max_blocks
+    cache_threshold: Annotated[float, Field(ge=0, lt=1)] = _ROUTER.cache_threshold
+    cache_balance_abs: PositiveInt = _ROUTER.cache_balance_abs
+    cache_balance_rel: Annotated[float, Field(ge=1)] = _ROUTER.cache_balance_rel
+    rl_group_window_s: PositiveFloat = _ROUTER.rl_group_window_s
+    rl_group_per_engine: PositiveInt = _ROUTER.rl_group_per_engine
+    cache_user_is_session: bool = _ROUTER.cache_user_is_session
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     drain_s: PositiveFloat = _ROUTER.drain_s

@@ -231,11 +231,13 @@ class Controller:
         return task
 
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
-        """What every push carries: the serving URLs, and each one's shard and weight version."""
+        """What every push carries: the serving URLs, and each one's shard, weight version and
+        incarnation (a router's cache-aware policy forgets a restarted engine's prefixes)."""
         urls = self.ledger.serving_urls()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
-                                            self._upstream_fields(rec.index))
+                                            upstream_fields=self._upstream_fields(rec.index),
+                                            incarnation=rec.incarnation)
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
 

@@ -11,8 +11,9 @@ Which families are read, and which :class:`Sample` field each fills, is the engi
 Two rules:
 
 * **Reduce, then parse.** A real vLLM 0.32 body is ~52 KB, ~630 lines, 92 families; the judge
-  reads 9 of them. prometheus-client's text parser takes ~10 ms for the whole body and well under
-  1 ms for the lines of those 9 families (``bench/metrics_parse.py``). So :func:`reduce` first
+  reads 9 of them, and 2 more give the prefix cache's hit rate. prometheus-client's text parser
+  takes ~10 ms for the whole body and well under 1 ms for the lines of those 9 families
+  (``bench/metrics_parse.py``). So :func:`reduce` first
   cuts the text down to the ``# TYPE`` line and the exactly-named sample lines of each judged
   family, with plain string searches, and only that is parsed.
 * **Never raise.** Whatever arrives — garbage, a truncated read, a body of any size — the answer
@@ -80,6 +81,11 @@ class Sample:
     #: ``vllm:engine_sleep_state``: 0 awake, 1 weights offloaded, 2 everything discarded;
     #: ``None`` when the engine does not export it.
     sleep_level: int | None = None
+    #: vLLM's prefix cache, in prompt tokens looked up and found (0 where not exported): the
+    #: engine's actual hit rate, beside the cache-aware router's predicted one. Not part of
+    #: the work fingerprint (:attr:`COUNTERS`): a lookup is not progress.
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
 
     #: The counters that only grow within one process: the work fingerprint, and steps.
     COUNTERS: ClassVar[tuple[str, ...]] = (
@@ -99,6 +105,14 @@ class Sample:
     def incarnation(self) -> str | None:
         """The process start time as a string: what the ledger stores as the incarnation."""
         return None if self.start_time is None else repr(self.start_time)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache over those looked up, since the process
+        started; ``None`` before any lookup or where the engine does not count them."""
+        if not self.prefix_cache_queries:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     def counters(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.COUNTERS}
@@ -207,6 +221,8 @@ def parse(body: str | bytes, *, max_bytes: int = MAX_BODY_BYTES,
         finished_requests=values.get("finished_requests", 0.0),
         start_time=start_time,
         sleep_level=_sleep_level(sleep_states),
+        prefix_cache_queries=values.get("prefix_cache_queries", 0.0),
+        prefix_cache_hits=values.get("prefix_cache_hits", 0.0),
     )
 
 

@@ -150,6 +150,12 @@ VLLM = EngineProfile(
                                               "finished_requests", False),
         "process_start_time_seconds":  Family("gauge", "process_start_time_seconds",
                                               "start_time", False),
+        # The prefix cache, in tokens, counted as a prompt is scheduled: read for the actual
+        # hit rate set beside the cache-aware router's prediction (never judged).
+        "vllm:prefix_cache_queries_total": Family("counter", "vllm:prefix_cache_queries_total",
+                                                  "prefix_cache_queries", False),
+        "vllm:prefix_cache_hits_total": Family("counter", "vllm:prefix_cache_hits_total",
+                                               "prefix_cache_hits", False),
         # Sleep mode, one series per ``sleep_state`` label: ``awake`` 0 while asleep,
         # ``weights_offloaded`` 1 at level 1, ``discard_all`` 1 at level 2 (read per label,
         # never summed). Engines before sleep mode lack it: the level is then unknown.

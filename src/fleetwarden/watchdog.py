@@ -167,6 +167,10 @@ class Report:
             "evidence": self.evidence.to_dict(),
             "sample": None if self.sample is None else self.sample.to_dict(),
             "tokens_per_s": self.tokens_per_s,
+            # The engine's own prefix-cache hit rate since it started (vLLM's counters), the
+            # actual beside the router's predicted one (``fleetwarden_router_cache_*``).
+            "prefix_cache_hit_rate": (None if self.sample is None
+                                      else self.sample.prefix_cache_hit_rate),
             "canary": None if self.canary is None else self.canary.to_dict(),
             "incarnation": self.incarnation,
             "engine": None if self.engine is None else self.engine.name,

@@ -492,3 +492,43 @@ async def test_sleep_mode_is_vllms_endpoints_and_metric_and_holds_generations_un
             'vllm:engine_sleep_state{engine="0",model_name="tiny",'
             'sleep_state="weights_offloaded"} 0.0',
             'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="discard_all"} 0.0']
+
+
+# ------------------------------------------------------------------ the prefix cache
+
+
+def prefix_counters(text: str) -> tuple[float, float]:
+    """(vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total) from a /metrics body."""
+    found = {s.name: s.value for f in text_string_to_metric_families(text)
+             for s in f.samples if s.name.startswith("vllm:prefix_cache_")}
+    return found["vllm:prefix_cache_queries_total"], found["vllm:prefix_cache_hits_total"]
+
+
+async def test_the_prefix_cache_counts_hits_as_vllm_and_empties_on_reset_sleep_and_restart(
+    sim: Sim, http: aiohttp.ClientSession
+) -> None:
+    prompt = {"prompt": "s" * 99, "max_tokens": 1}  # 100 tokens with the BOS: 6 full blocks
+
+    async def counters() -> tuple[float, float]:
+        async with http.get(sim.url + "/metrics") as r:
+            return prefix_counters(await r.text())
+
+    async def send_twice() -> tuple[float, float]:
+        for _ in range(2):
+            status, _, _ = await post(http, sim.url, "/v1/completions", prompt)
+            assert status == 200
+        return await counters()
+
+    assert await send_twice() == (200, 96)  # the second finds 6 blocks
+    # What a watchdog reads of them: the engine's actual hit rate.
+    assert (await metrics(http, sim.url)).prefix_cache_hit_rate == 96 / 200
+    async with http.post(sim.url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+    assert await send_twice() == (400, 192)  # the first after the reset found nothing
+    async with http.post(sim.url + "/sleep?level=1") as r:
+        assert r.status == 200
+    async with http.post(sim.url + "/wake_up") as r:
+        assert r.status == 200
+    assert await send_twice() == (600, 288)
+    await set_fault(http, sim.url, "restart")
+    assert await send_twice() == (200, 96)  # a new process: counters and cache from zero

@@ -822,3 +822,14 @@ async def test_a_read_is_decided_on_as_it_finishes_not_at_the_rounds_end() -> No
     assert c.meter.evidence_to_decision.count == 2
     assert watchdog.on_report is None  # the hook lives for the round only
     await c.close()
+
+
+def test_the_push_carries_each_backends_incarnation_so_a_router_sees_a_restart() -> None:
+    from fleetwarden.router.pool import BackendFacts
+
+    c, ledger, _ = controller("static")
+    ledger.observe_incarnation(1, "1.5")
+    before = c.serving_push()[1]["http://b"]
+    assert before == BackendFacts(1, ledger.shard(1).weight_version, incarnation="1.5")
+    ledger.observe_incarnation(1, "2.5")  # a silent restart
+    assert c.serving_push()[1]["http://b"].incarnation == "2.5"

@@ -34,7 +34,9 @@ def test_a_real_vllm_body_reads_as_a_sample() -> None:
     sample = parse(capture("metrics-busy-1.txt"))
     assert sample == Sample(running=4, waiting=0, steps=13722, generation_tokens=29718,
                             prompt_tokens=354, preemptions=0, finished_requests=82,
-                            start_time=1.7959730235e9, sleep_level=0)
+                            start_time=1.7959730235e9, sleep_level=0,
+                            prefix_cache_queries=354, prefix_cache_hits=0)
+    assert sample.prefix_cache_hit_rate == 0.0  # the capture's vLLM ran without reuse
     assert sample.incarnation == "1795973023.5"
     assert not sample.idle
 
@@ -56,8 +58,8 @@ def test_the_reduced_body_is_a_few_lines_of_the_judged_families() -> None:
     text = capture("metrics-busy-1.txt")
     reduced = reduce(text)
     assert len(text.splitlines()) > 600
-    # 9 TYPE lines, 15 samples (5 finished reasons, 3 sleep states)
-    assert len(reduced.splitlines()) == 24
+    # 11 TYPE lines, 17 samples (5 finished reasons, 3 sleep states)
+    assert len(reduced.splitlines()) == 28
     assert len(reduced) < len(text) // 30  # 1.5 KB of 52 KB
     assert "_bucket" not in reduced and "_created" not in reduced and "# HELP" not in reduced
 
@@ -102,7 +104,8 @@ def test_optional_families_default_to_zero_and_a_missing_start_time_is_none() ->
                      if "preemptions" not in line)
     assert parse(body) == Sample(running=0, waiting=0, steps=82, generation_tokens=82,
                                  prompt_tokens=42, preemptions=0, finished_requests=8,
-                                 start_time=1.7959730235e9, sleep_level=0)
+                                 start_time=1.7959730235e9, sleep_level=0,
+                                 prefix_cache_queries=42)
 
 
 def test_a_body_without_the_engine_families_is_unreadable_and_says_which() -> None:

@@ -94,3 +94,8 @@ def test_the_check_itself_catches_io_and_clocks() -> None:
                   "fleetwarden.controller"):
         assert problems(shell, set(CORE)), shell
     assert "fleetwarden.journal" not in CORE and "fleetwarden.config" not in CORE
+
+
+def test_the_routing_policies_are_in_the_core() -> None:
+    """The cache-aware policy is pure like the pool it advises (the shell passes the time in)."""
+    assert {"fleetwarden.router.pool", "fleetwarden.router.affinity"} <= set(CORE)

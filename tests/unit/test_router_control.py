@@ -99,8 +99,8 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
         async with RemoteRouter(router.control_url, TOKEN) as remote:
             handles: list[RouterControl] = [remote, router.control()]
             for version, handle in enumerate(handles, start=3):
-                facts = {a: BackendFacts(0, version, True),
-                         b: BackendFacts(1, version + 1, False)}
+                facts = {a: BackendFacts(0, version, upstream_fields=True),
+                         b: BackendFacts(1, version + 1, upstream_fields=False)}
                 await handle.set_serving_backends([a, b], facts)
                 assert router.backend_facts() == facts
                 assert router.pool.facts(b) == BackendFacts(shard=1, weight_version=version + 1,
@@ -126,6 +126,11 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             bad = {"backends": [a], "facts": {a: {"upstream_fields": "yes"}}}
             with pytest.raises(ControlError, match="upstream_fields"):
                 await remote._call("PUT", "/serving", bad)
+            # The incarnation (the cache-aware policy's restart signal) goes both ways.
+            await remote.set_serving_backends(
+                [a], {a: BackendFacts(0, 7, incarnation="1795973023.5")})
+            assert router.pool.facts(a).incarnation == "1795973023.5"
+            assert (await remote.status())["facts"][a]["incarnation"] == "1795973023.5"
     finally:
         await router.stop()
 
@@ -145,6 +150,8 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
                                            "http://x:1": {"weight_version": -1}}}),
                                        ("PUT", "/serving", {"backends": [], "facts": {
                                            "http://x:1": {"shard": True}}}),
+                                       ("PUT", "/serving", {"backends": [], "facts": {
+                                           "http://x:1": {"incarnation": 3}}}),
                                        ("POST", "/rescue", {}),
                                        ("POST", "/rescue", {"backend": "http://x:1",
                                                             "streams": "no"}),

@@ -29,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router import serve
+from fleetwarden.router.affinity import Affinity, Predicted
 from fleetwarden.router.forward import Forwarder, error_response
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
@@ -99,8 +100,8 @@ class Router:
         )
         self.stats = RouterStats()
         self.worker = worker
-        self.registry = make_registry(self.stats, self.pool, worker)
         self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
+        self.registry = make_registry(self.stats, self.pool, worker, self._forwarder.affinity)
         self._forwarder.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
         self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes,
@@ -136,6 +137,7 @@ class Router:
         push without them (an older controller) leaves them unknown."""
         self.pool.replace(urls, facts)
         self._forwarder.forget_idle(set(self.pool.serving))
+        self._forwarder.sync_affinity()
 
     def set_trial_backends(self, urls: Iterable[str]) -> None:
         """Backends on probation: each takes one request at a time (the ledger lifts it)."""
@@ -231,7 +233,23 @@ class Router:
                       "poison_requests": self.stats.poison_requests,
                       "local_exhaustion": self.stats.local_exhaustion,
                       "connections_closed": dict(self.stats.connections_closed)},
+            "routing": self.settings.routing,
+            # The cache-aware policy's predicted hits per backend (router/affinity.py).
+            "cache": {url: {"requests": t.requests, "blocks": t.blocks,
+                            "predicted_hit_blocks": t.hit_blocks}
+                      for url, t in sorted(self.cache_predictions().items())},
         }
+
+    def cache_predictions(self) -> dict[str, Predicted]:
+        """Per backend: requests the cache-aware policy placed, their prompt blocks, and the
+        blocks it predicted the backend held (empty under least in flight)."""
+        affinity = self._forwarder.affinity
+        return {} if affinity is None else affinity.predicted()
+
+    @property
+    def affinity(self) -> Affinity | None:
+        """The cache-aware policy's index, or ``None`` under least in flight."""
+        return self._forwarder.affinity
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -46,7 +46,8 @@ without ``ack`` (an older controller) gets only what happened since, as before. 
 a controller that applied a batch and died before acknowledging it has that window counted
 twice by the next one, where losing it would hide failures.
 
-``facts`` of a backend are ``{"shard": i, "weight_version": v}`` (:class:`BackendFacts`). They
+``facts`` of a backend are ``{"shard": i, "weight_version": v, "incarnation": s}``
+(:class:`BackendFacts`; the incarnation tells the cache-aware policy of a restart). They
 are optional both ways: a push without them (an older controller) is served, with every
 backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
 
@@ -357,12 +358,16 @@ def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
         fields = fact.get("upstream_fields")
         if fields is not None and not isinstance(fields, bool):
             raise _bad_request(f"'facts.{url}.upstream_fields' must be true, false or null")
-        facts[url] = BackendFacts(values["shard"], values["weight_version"], fields)
+        incarnation = fact.get("incarnation")
+        if incarnation is not None and not isinstance(incarnation, str):
+            raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
+        facts[url] = BackendFacts(values["shard"], values["weight_version"],
+                                  upstream_fields=fields, incarnation=incarnation)
     return facts
 
 
 def _facts_json(facts: Mapping[str, BackendFacts]
-                ) -> dict[str, dict[str, int | bool | None]]:
+                ) -> dict[str, dict[str, int | bool | str | None]]:
     return {url: f.to_dict() for url, f in facts.items()}
 
 

@@ -69,6 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
 from fleetwarden.router.serve import (
     BodyTooLarge,
@@ -369,6 +370,29 @@ class Forwarder:
         self._context_lengths: dict[str, int] = {}
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
+        #: The cache-aware policy's index (router/affinity.py); None: least in flight.
+        self.affinity: Affinity | None = None
+        if settings.routing == "cache_aware":
+            self.affinity = Affinity(AffinitySettings.of(settings))
+
+    def sync_affinity(self) -> None:
+        """A push arrived: the policy forgets backends that left, restarted or were refit."""
+        if self.affinity is not None:
+            pool = self.pool
+            facts = pool.all_facts()
+            self.affinity.sync(pool.serving, {
+                u: (f.incarnation, f.weight_version) for u, f in facts.items()})
+
+    def _query(self, body: bytes, session: str | None) -> Query | None:
+        """What the cache-aware policy reads of a request; None for a body it cannot read
+        (the engine answers that one with its own error)."""
+        assert self.affinity is not None
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None
+        return query_of(parsed, session, self.affinity.settings,
+                        self.settings.cache_user_is_session)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -586,6 +610,8 @@ class Forwarder:
                 headers.append(_CLOSE)  # never pooled (router/upstream.py)
 
         pool = self.pool
+        affinity = self.affinity
+        query = None if affinity is None else self._query(body, session)
         budget = pool.retry_budget
         budget.requests_in_flight += 1
         holds_retry_token = False
@@ -623,10 +649,15 @@ class Forwarder:
                         stream.continuation = None
                     else:
                         stream.continuation = plan
+                    if affinity is not None and query is not None:
+                        affinity.moved(query, backend, time.monotonic())
                 else:
+                    prefer = None
+                    if affinity is not None and query is not None and not tried:
+                        prefer = partial(affinity.choose, query, now=time.monotonic())
                     picking = time.perf_counter()
                     backend = pool.pick(tried, session if not tried else None,
-                                        min_version=min_version)
+                                        min_version=min_version, prefer=prefer)
                     stats.picked(time.perf_counter() - picking)
                     if backend is None:
                         if last is None and min_version is not None and pool.serving:
@@ -636,6 +667,8 @@ class Forwarder:
                     if stream is not None:
                         stream.weight_version = pool.facts(backend).weight_version
                         stream.splice = Splice(stream.splice.request)  # from the start
+                    if affinity is not None and query is not None:
+                        affinity.placed(query, backend, time.monotonic())
                 if resend:
                     stats.retries[resend] += 1
                 tried.append(backend)

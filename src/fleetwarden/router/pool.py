@@ -23,10 +23,16 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 
-__all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "RetryBudget", "SessionRing"]
+__all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "RetryBudget",
+           "SessionRing"]
+
+
+#: A placement policy's say in :meth:`Pool.pick`: given the backends left and the in-flight
+#: counts, the one it prefers, or ``None`` to leave the choice to the pool.
+Prefer = Callable[[Sequence[str], Mapping[str, int]], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +43,22 @@ class BackendFacts:
 
     shard: int | None = None
     weight_version: int | None = None
+    _: KW_ONLY  # the rest by name: two optional facts of different meaning must not be swapped
     #: Its engine takes vLLM's own request fields (``return_token_ids``, a prompt of token
     #: ids, ``continue_final_message``): its profile's word. ``None``: the push did not say
     #: (the router's ``upstream_fields`` setting decides).
     upstream_fields: bool | None = None
+    #: The engine process's identity as the ledger knows it: a new one means a restart, and
+    #: an empty KV cache (the cache-aware policy forgets what it placed there).
+    incarnation: str | None = None
 
-    def to_dict(self) -> dict[str, int | bool | None]:
-        return {"shard": self.shard, "weight_version": self.weight_version,
-                "upstream_fields": self.upstream_fields}
+    def to_dict(self) -> dict[str, int | bool | str | None]:
+        out: dict[str, int | bool | str | None] = {
+            "shard": self.shard, "weight_version": self.weight_version,
+            "upstream_fields": self.upstream_fields}
+        if self.incarnation is not None:  # an older router reads only the three above
+            out["incarnation"] = self.incarnation
+        return out
 
 
 #: The facts of a backend the push said nothing about.
@@ -241,7 +255,8 @@ class Pool:
                                                                  or held == version)
 
     def pick(self, exclude: Collection[str] = (), session: str | None = None, *,
-             min_version: int | None = None, version: int | None = None) -> str | None:
+             min_version: int | None = None, version: int | None = None,
+             prefer: Prefer | None = None) -> str | None:
         """The serving backend for the next attempt, or ``None`` if every one is excluded.
 
         With a ``session``: its home on the ring, unless excluded or loaded beyond
@@ -249,6 +264,8 @@ class Pool:
         backend with the fewest requests in flight, ties taken in rotating order (the order
         moves on per request, not per retry, so a failing backend is not first for everyone).
         ``min_version`` / ``version``: only backends that :meth:`qualifies` are picked.
+        ``prefer``: asked first, with the backends left and the in-flight counts (the
+        cache-aware policy, router/affinity.py); its answer, if one of those, is taken.
         """
         serving = self._serving
         n = len(serving)
@@ -269,6 +286,11 @@ class Pool:
                 limited = {*exclude, *busy_trials}
                 if not all(u in limited for u in serving):
                     exclude = limited
+        if prefer is not None:
+            left = [u for u in serving if u not in exclude]
+            chosen = prefer(left, in_flight)
+            if chosen is not None and chosen in left:
+                return chosen
         if session is not None:
             home = self._ring.home(session)
             if home is not None and home not in exclude:

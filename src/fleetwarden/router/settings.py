@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "MIN_VERSION_HEADER",
-           "SHARD_HEADER", "WEIGHT_VERSION_HEADER", "RouterSettings"]
+           "ROUTING_POLICIES", "SHARD_HEADER", "WEIGHT_VERSION_HEADER", "RouterSettings"]
 
 #: Where ``fleetwarden route`` listens unless told otherwise. Loopback: exposing a fleet is a
 #: decision (``--host 0.0.0.0``), never an accident.
@@ -31,6 +31,9 @@ SHARD_HEADER = "x-fleetwarden-shard"
 #: A request carrying it (an integer >= 0) is only ever sent to an engine whose weight version
 #: is at least that; when none is, the router answers ``status_when_none_left`` itself.
 MIN_VERSION_HEADER = "x-fleetwarden-min-weight-version"
+
+#: The routing policies a router knows (``RouterSettings.routing``).
+ROUTING_POLICIES = ("cache_aware", "least_in_flight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,47 @@ class RouterSettings:
     affinity_load_factor: float = 1.25
     #: Points per backend on the hash ring. 64 spreads sessions within a few per cent.
     affinity_virtual_nodes: int = 64
+    #: How a new request picks its engine: ``cache_aware`` (router/affinity.py: the engine
+    #: that likely holds the prompt's prefix in its KV cache, within a load guard; RL groups
+    #: kept together; sessions as hints) or ``least_in_flight`` (fewest requests in flight,
+    #: plus the session ring above). least_in_flight by default for now: cache_aware
+    #: deliberately stacks identical requests (an RL group's siblings) on one engine, which
+    #: changes what every existing deployment sees, and it has been measured on simulated
+    #: engines only (BENCHMARKS.md, "Cache-aware routing"), not yet on real vLLM.
+    routing: str = "least_in_flight"
+    #: How long the router takes an engine to keep a prefix it sent there, after its last
+    #: use. 120 s: an engine under steady load evicts within minutes (sglang-router evicts
+    #: its tree every 120 s); a prefix believed held too long costs only a miss.
+    cache_ttl_s: float = 120.0
+    #: Prompt blocks the index keeps (least recently used out first): bounds its memory to a
+    #: few tens of MB (one entry per block, a dict of holders each) whatever the traffic.
+    cache_max_blocks: int = 200_000
+    #: Share of a prompt's blocks an engine must hold to be chosen for its cache (else the
+    #: session hint, else least in flight); sglang-router's cache_threshold, 0.3.
+    cache_threshold: float = 0.3
+    #: The load guard: an engine is used for its cache only while it holds fewer requests
+    #: than the least loaded engine plus a slack: this many in a quiet fleet ... 8: one RL
+    #: group's share; bench/cache.py's free-running agents keep all their hits with it
+    #: (0.708, as sglang-router), where 2 moved sessions off their engine on every burst
+    #: (0.626). sglang-router's 64 apart never fires in a fleet with fewer requests in
+    #: flight, so a shared system prompt put all 144 requests on one engine; here at most 8
+    #: more than the least loaded (48/48/48/0 of 144: the fourth engine idle, since no one
+    #: waited). RL groups are bounded by their share instead.
+    cache_balance_abs: int = 8
+    #: ... growing with load to (this - 1) times the mean in flight, so a busy fleet keeps
+    #: its affinity (sglang-router's balance_rel_threshold, 1.5).
+    cache_balance_rel: float = 1.5
+    #: RL groups: requests with the same whole prompt within this many seconds of the first
+    #: are siblings. 1 s: a GRPO group's samples arrive within milliseconds of each other,
+    #: and the next epoch's same prompt must not count against this epoch's share (it goes
+    #: where its prefix is, as any request does).
+    rl_group_window_s: float = 1.0
+    #: ... and stay on one engine up to this many (then the next engine takes the next
+    #: share), past the load guard: a group of 8 is prefilled once, not on every engine.
+    rl_group_per_engine: int = 8
+    #: Take a request's OpenAI ``user`` field as its session (off: ``user`` often names an
+    #: account with many unrelated conversations). ``prompt_cache_key`` always is one.
+    cache_user_is_session: bool = False
     #: Continue a streamed completion or chat on another engine when its engine fails it
     #: after the first bytes reached the client (router/splice.py). On: a crash or a wedge
     #: then costs a stream a pause, not the generation. The router asks engines for
@@ -172,5 +216,21 @@ class RouterSettings:
             if not 400 <= status <= 599 or status == FORBIDDEN_STATUS:
                 raise ValueError(f"RouterSettings.{name} must be a 4xx or 5xx status other "
                                  f"than {FORBIDDEN_STATUS}, got {status}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"RouterSettings.routing must be one of "
+                             f"{', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        for name in ("cache_ttl_s", "rl_group_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RouterSettings.{name} must be > 0, got {getattr(self, name)}")
+        if not self.cache_balance_rel >= 1:
+            raise ValueError("RouterSettings.cache_balance_rel must be at least 1, "
+                             f"got {self.cache_balance_rel}")
+        for name in ("cache_max_blocks", "cache_balance_abs", "rl_group_per_engine"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterSettings.{name} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.cache_threshold < 1:
+            raise ValueError("RouterSettings.cache_threshold must be in [0, 1), "
+                             f"got {self.cache_threshold}")
         if self.session_header is not None and not self.session_header.strip():
             raise ValueError("RouterSettings.session_header must be a header name or None")

@@ -26,6 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from fleetwarden.router.affinity import Affinity
 from fleetwarden.router.pool import Pool
 
 __all__ = ["ADDED_LATENCY_BUCKETS_S", "RouterCollector", "RouterStats", "make_registry"]
@@ -105,9 +106,11 @@ class RouterStats:
 class RouterCollector(Collector):
     """Reads :class:`RouterStats` and the pool at scrape time."""
 
-    def __init__(self, stats: RouterStats, pool: Pool) -> None:
+    def __init__(self, stats: RouterStats, pool: Pool,
+                 affinity: Affinity | None = None) -> None:
         self._stats = stats
         self._pool = pool
+        self._affinity = affinity
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats
@@ -230,6 +233,40 @@ class RouterCollector(Collector):
         buckets.append(("+Inf", s.added_latency_count))
         added.add_metric([], buckets, s.added_latency_sum)
         yield added
+        if self._affinity is not None:
+            yield from _cache_families(self._affinity)
+
+
+def _cache_families(affinity: Affinity) -> Iterator[Metric]:
+    """The cache-aware policy's predictions per backend, to be set beside the engines' own
+    ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``: the rate of one is
+    what the other is predicted to be."""
+    predicted = sorted(affinity.predicted().items())
+    blocks = CounterMetricFamily(
+        "fleetwarden_router_cache_blocks",
+        "Prompt blocks of the requests placed on each backend by the cache-aware policy.",
+        labels=["backend"])
+    hits = CounterMetricFamily(
+        "fleetwarden_router_cache_predicted_hit_blocks",
+        "Of those, the blocks the router's index said the backend held (predicted hits).",
+        labels=["backend"])
+    for backend, tally in predicted:
+        blocks.add_metric([backend], tally.blocks)
+        hits.add_metric([backend], tally.hit_blocks)
+    yield blocks
+    yield hits
+    held = GaugeMetricFamily(
+        "fleetwarden_router_cache_index_blocks",
+        "Prompt blocks the router's index takes each backend to hold now.", labels=["backend"])
+    for backend, n in sorted(affinity.held_blocks().items()):
+        held.add_metric([backend], n)
+    yield held
+    forgotten = CounterMetricFamily(
+        "fleetwarden_router_cache_forgotten_blocks",
+        "Index entries dropped because their backend's cache went: it left the serving set, "
+        "restarted (a new incarnation) or was refit (a new weight version).")
+    forgotten.add_metric([], affinity.forgotten)
+    yield forgotten
 
 
 class _WorkerLabelled(Collector):
@@ -247,10 +284,11 @@ class _WorkerLabelled(Collector):
             yield family
 
 
-def make_registry(stats: RouterStats, pool: Pool, worker: int | None = None) -> CollectorRegistry:
+def make_registry(stats: RouterStats, pool: Pool, worker: int | None = None,
+                  affinity: Affinity | None = None) -> CollectorRegistry:
     """A registry of its own, holding only this router's metrics; with ``worker``, each series
-    labelled with it."""
+    labelled with it; with ``affinity``, the cache-aware policy's predictions too."""
     registry = CollectorRegistry(auto_describe=False)
-    collector: Collector = RouterCollector(stats, pool)
+    collector: Collector = RouterCollector(stats, pool, affinity)
     registry.register(collector if worker is None else _WorkerLabelled(collector, worker))
     return registry

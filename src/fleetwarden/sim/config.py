@@ -69,6 +69,10 @@ class SimConfig:
     #: Whose wire to speak: ``vllm``, or ``llamacpp`` / ``sglang`` (their /metrics names,
     #: llama.cpp's /health body, /slots and start header; ``fleetwarden.sim.dialects``).
     engine: str = "vllm"
+    #: KV blocks (16 tokens each) the prefix cache keeps; its hits shorten a prefill. None:
+    #: the whole KV capacity (``slots * max_model_len`` tokens), as vLLM caches in every free
+    #: block; 0: prefix caching off. A benchmark makes it small to show eviction.
+    prefix_cache_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:
@@ -78,5 +82,10 @@ class SimConfig:
                              f"{', '.join(SIM_ENGINES)}")
         if self.eos_period < 0:
             raise ValueError("eos_period must be >= 0")
+
+
+        if self.prefix_cache_blocks is not None and self.prefix_cache_blocks < 0:
+            raise ValueError(f"prefix_cache_blocks must be >= 0 or None, got "
+                             f"{self.prefix_cache_blocks}")
         if not self.steps_per_s > 0 or not self.fault_factor > 0:
             raise ValueError("steps_per_s and fault_factor must be > 0")

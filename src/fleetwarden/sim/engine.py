@@ -22,9 +22,11 @@ to be fooled the same ways:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fleetwarden.sim.dialects import Families
+from fleetwarden.sim.prefix_cache import PrefixCache
 from fleetwarden.sim.sampling import Generation
 
 
@@ -45,6 +47,10 @@ class SimRequest:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     finish_reason: str | None = None
+    #: The prompt's token ids, for the prefix cache (empty: the request finds nothing there).
+    prompt_ids: Sequence[int] = field(repr=False, default=())
+    #: Prompt tokens the prefix cache held when it was scheduled (vLLM's cached tokens).
+    cached: int = 0
 
     @property
     def prefilled(self) -> bool:
@@ -65,13 +71,15 @@ class StepResult:
 
 class EngineCore:
     def __init__(self, families: Families, *, slots: int, tokens_per_step: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None) -> None:
         if slots < 1 or tokens_per_step < 1 or max_num_batched_tokens < 1:
             raise ValueError("slots, tokens_per_step and max_num_batched_tokens must be >= 1")
         self.families = families
         self.slots = slots
         self.tokens_per_step = tokens_per_step
         self.budget = max_num_batched_tokens
+        #: KV blocks kept after their requests, whose hits shorten a prefill (None: no cache).
+        self.prefix_cache = prefix_cache
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.steps = 0
@@ -104,6 +112,13 @@ class EngineCore:
             r = self.waiting.popleft()
             r.scheduled_at = now
             f.on_scheduled(now - r.arrived_at)
+            cache = self.prefix_cache
+            if cache is not None and r.prompt_ids:
+                # As vLLM's scheduler: look the prompt up as it is scheduled, start its prefill
+                # after the hit, and cache its blocks at once (a later sibling finds them).
+                r.cached = r.computed = cache.lookup(r.prompt_ids)
+                cache.insert(r.prompt_ids)
+            f.on_prefix_cache(r.prompt_tokens, r.cached)
             self.running.append(r)
 
         budget = self.budget
@@ -138,6 +153,10 @@ class EngineCore:
         f.on_step(scheduled, generated, step_s)
         for r in finished:
             self.running.remove(r)
+            if self.prefix_cache is not None and r.prompt_ids:
+                # vLLM caches every full block it computed, the output's too: a conversation's
+                # next turn, which re-sends this answer, finds it.
+                self.prefix_cache.insert([*r.prompt_ids, *r.output])
             first = r.first_token_at if r.first_token_at is not None else now
             scheduled_at = r.scheduled_at if r.scheduled_at is not None else r.arrived_at
             f.on_finished(reason=r.finish_reason or "length", prompt_tokens=r.prompt_tokens,

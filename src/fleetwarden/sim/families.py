@@ -126,8 +126,9 @@ class VllmFamilies:
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.").labels(*values)
-        counter("vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.").labels(*values)
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.").labels(*values)
         counter("vllm:external_prefix_cache_queries",
                 "External prefix cache queries from KV connector cross-instance cache sharing, "
                 "in terms of number of queried tokens.").labels(*values)
@@ -146,17 +147,22 @@ class VllmFamilies:
         by_source = counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
                             ("source",))
         self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
-        by_source.labels(*values, "local_cache_hit")
+        self.prompt_tokens_hit = by_source.labels(*values, "local_cache_hit")
         by_source.labels(*values, "external_kv_transfer")
-        counter("vllm:prompt_tokens_cached",
-                "Number of cached prompt tokens (local + external).").labels(*values)
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).").labels(*values)
+        #: Hit tokens of prompts scheduled and not yet prefilled: their prefill counts only
+        #: what it computed as ``local_compute``.
+        self._hits_unsettled = 0
         cached_by_source = counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
             "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
             "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
             "vllm:external_prefix_cache_hits.", ("source",))
-        for source in ("device", "host", "p2p", "disk", "external_unspecified"):
+        self.cached_on_device = cached_by_source.labels(*values, "device")
+        for source in ("host", "p2p", "disk", "external_unspecified"):
             cached_by_source.labels(*values, source)
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.").labels(*values)
@@ -247,9 +253,20 @@ class VllmFamilies:
 
     def on_prefilled(self, prompt_tokens: int, ttft_s: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
-        self.prompt_tokens_computed.inc(prompt_tokens)
-        self.prefix_queries.inc(prompt_tokens)
+        settled = min(self._hits_unsettled, prompt_tokens)
+        self._hits_unsettled -= settled
+        self.prompt_tokens_computed.inc(prompt_tokens - settled)
         self.ttft.observe(ttft_s)
+
+    def on_prefix_cache(self, queried: int, hits: int) -> None:
+        """A prompt was looked up as it was scheduled (vLLM counts both then, in tokens)."""
+        self.prefix_queries.inc(queried)
+        if hits:
+            self.prefix_hits.inc(hits)
+            self.prompt_tokens_hit.inc(hits)
+            self.prompt_tokens_cached.inc(hits)
+            self.cached_on_device.inc(hits)
+            self._hits_unsettled += hits
 
     def on_finished(self, *, reason: str, prompt_tokens: int, generated: int, max_tokens: int,
                     e2e_s: float, queued_s: float, prefill_s: float, decode_s: float) -> None:

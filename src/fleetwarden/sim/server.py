@@ -26,7 +26,10 @@ faithful:
   ``{"is_sleeping": bool}``; ``vllm:engine_sleep_state`` flips (awake 0, weights_offloaded or
   discard_all 1). While asleep the loop stops like a wedge, ``/health`` answers 200, the
   gauges read 0 running and 0 waiting, and a generation sent is held, invisible to them,
-  until the wake-up.
+  until the wake-up. Sleep empties the prefix cache (level 1 discards the KV cache too).
+* a prefix cache (``fleetwarden.sim.prefix_cache``): an LRU of 16-token KV blocks whose hits
+  shorten a prefill, counted in ``vllm:prefix_cache_queries_total`` / ``_hits_total``; emptied
+  by a restart, a sleep and ``POST /reset_prefix_cache`` (200, as vLLM's dev-mode endpoint).
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
 
@@ -57,6 +60,7 @@ from fleetwarden.sim.config import FaultMode, SimConfig
 from fleetwarden.sim.dialects import DIALECTS, Families
 from fleetwarden.sim.engine import EngineCore, SimRequest, StepResult
 from fleetwarden.sim.families import VllmFamilies
+from fleetwarden.sim.prefix_cache import BLOCK_SIZE, PrefixCache
 from fleetwarden.sim.sampling import (
     Generation,
     Step,
@@ -173,6 +177,7 @@ class Sim:
             web.post("/sleep", self._sleep),
             web.post("/wake_up", self._wake_up),
             web.get("/is_sleeping", self._is_sleeping),
+            web.post("/reset_prefix_cache", self._reset_prefix_cache),
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
             web.post("/tokenize", self._tokenize),
@@ -251,8 +256,13 @@ class Sim:
         kind = DIALECTS.get(c.engine, VllmFamilies)
         families = kind(c.model, max_model_len=c.max_model_len,
                                 kv_capacity_tokens=c.slots * c.max_model_len, start_time=start)
+        blocks = c.prefix_cache_blocks
+        if blocks is None:
+            blocks = c.slots * c.max_model_len // BLOCK_SIZE
+        # A new process starts with an empty prefix cache: a restart flushes it.
         core = EngineCore(families, slots=c.slots, tokens_per_step=c.tokens_per_step,
-                          max_num_batched_tokens=c.max_num_batched_tokens)
+                          max_num_batched_tokens=c.max_num_batched_tokens,
+                          prefix_cache=PrefixCache(blocks))
         return families, core
 
     # ------------------------------------------------------------------ faults
@@ -340,6 +350,7 @@ class Sim:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._sleep_level = level
+        self.reset_prefix_cache()  # level 1 offloads the weights and discards the KV cache
         self._families.on_sleep(level)
         self._families.on_queues(0, 0, 0)
         self._wake.set()
@@ -350,6 +361,15 @@ class Sim:
             self._families.on_sleep(0)
             self._core.publish()
             self._wake.set()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, as vLLM's ``POST /reset_prefix_cache`` does."""
+        if self._core.prefix_cache is not None:
+            self._core.prefix_cache.reset()
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.reset_prefix_cache()
+        return web.Response(status=200)
 
     async def _sleep(self, request: web.Request) -> web.Response:
         raw = request.query.get("level", "1")
@@ -552,7 +572,7 @@ class Sim:
         generation = Generation(prompt_ids, params, c.eos_period)
         sim_request = SimRequest(id=wire.completion_id(chat), prompt_tokens=len(prompt_ids),
                                  max_tokens=params.max_tokens, arrived_at=loop.time(),
-                                 generation=generation)
+                                 generation=generation, prompt_ids=prompt_ids)
         pending = _Pending(sim_request, self._core, request.transport)
         self._pending[sim_request] = pending
         self._inbox.append(("add", pending))

@@ -225,7 +225,8 @@ function turnPage(by) {
 
 const FIELDS = [
   ["age", "incarnation"], ["in_flight", "in flight"], ["batch", "running / waiting"],
-  ["tokens", "tokens/s"], ["verdict", "watchdog"], ["streaks", "streaks"],
+  ["tokens", "tokens/s"], ["cache", "prefix-cache hits"], ["verdict", "watchdog"],
+  ["streaks", "streaks"],
   ["budget", "restarts left"], ["weights", "weight version"], ["error", "last error"],
 ];
 
@@ -283,6 +284,10 @@ function renderCard(s) {
   field(card, "in_flight", num(s.in_flight));
   field(card, "batch", w && w.sample ? `${num(w.sample.running)} / ${num(w.sample.waiting)}` : "—");
   field(card, "tokens", w ? num(w.tokens_per_s, 1) : "—");
+  // The engine's own prefix-cache hit rate since it started (vLLM's counters): the actual
+  // beside the cache-aware router's prediction (its /metrics, fleetwarden_router_cache_*).
+  const hits = w ? w.prefix_cache_hit_rate : null;
+  field(card, "cache", hits === null || hits === undefined ? "—" : `${(100 * hits).toFixed(1)} %`);
   field(card, "verdict", w ? String(w.verdict) : "—");
   field(card, "streaks",
         `probes ✗${s.consecutive_probe_failures} ✓${s.consecutive_probe_successes}` +

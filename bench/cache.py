@@ -1,0 +1,434 @@
+"""Cache-aware routing side by side: fleetwarden and sglang-router on the same simulated engines.
+
+Four simulated vLLM engines with prefix caches (``fleetwarden sim``: an LRU of 16-token KV
+blocks whose hits shorten the prefill, vLLM's ``prefix_cache_*`` counters), each router in
+front of them in turn, one run:
+
+- fleetwarden ``cache_aware``, as ``fleetwarden up`` runs it (attach mode: its controller
+  watches the engines and pushes each one's incarnation, so it sees the restart below);
+- fleetwarden ``cache_aware`` under ``fleetwarden route`` (no controller: the policy alone,
+  in the same process layout as the next; it is told of no restart);
+- fleetwarden ``least_in_flight`` (``fleetwarden route``: the default policy);
+- sglang-router 0.3.2 ``cache_aware`` and ``round_robin`` (installed on first use into its own
+  virtual environment, bench/_peers.py).
+
+Workloads (every engine's prefix cache reset before each, so each starts cold):
+
+- GRPO: 32 prompts x 8 siblings sharing a system prompt, each epoch's 256 requests at once,
+  3 epochs;
+- multi-turn agents: 24 sessions x 6 turns, every turn re-sending the conversation, the
+  sessions running free (0-200 ms of seeded think time between turns): without a session
+  header, with ``x-session-id``, and with a shared system prompt (and the header);
+- the agents with the header again in lockstep (every session's turn, then the next), the
+  engine that served the most restarted after the third turn (the turns after it measured
+  apart).
+
+Per router and workload: the token hit rate from the engines' own counters
+(``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50/p99 at the
+client (streamed; time to the first token's event), total time, and requests per engine
+(``vllm:request_success_total``). For fleetwarden's cache-aware run, also what its router
+predicted per engine beside what each engine reported.
+
+    python bench/cache.py [--quick] [--no-peer]
+
+``--quick``: smaller workloads (a smoke run). The machine is shared and small: compare figures
+within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from _peers import SGLANG_ROUTER, PeerUnavailable, free_port, peer_python, process
+
+#: The simulated engines: 8 slots, 50 steps/s, a 512-token step budget (a 1,400-token prompt
+#: takes 3 steps to prefill cold, 1 warm), 4,096 cached blocks each (their whole KV room).
+SIM_ARGS = ["--slots", "8", "--steps-per-s", "50", "--max-num-batched-tokens", "512"]
+SYSTEM = ("You are a careful assistant that solves problems step by step, checks each step, "
+          "and states the final answer on its own line. ") * 9  # ~1,100 characters
+MAX_TOKENS = 8
+SETTLE_S = 8.0
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+    wall_s: float = 0.0
+    queries: float = 0.0
+    hits: float = 0.0
+    per_engine: list[float] = field(default_factory=list)
+    after_restart: tuple[float, float] | None = None  # (queries, hits) after it
+    restarted: int | None = None  # which engine
+    #: fleetwarden's router: index entries it dropped in the pause after the restart.
+    forgotten_at_restart: float | None = None
+    #: Per engine: (queries, hits) from its counters, and fleetwarden's router's (prompt
+    #: blocks placed there, blocks predicted held) over the same workload.
+    actual: list[tuple[float, float]] = field(default_factory=list)
+    predicted: list[tuple[float, float]] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        ttft = sorted(self.ttft)
+        mean = statistics.fmean(self.per_engine) if self.per_engine else 0.0
+        out: dict[str, Any] = {
+            "hit_rate": self.hits / self.queries if self.queries else 0.0,
+            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2] if ttft else None,
+            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]
+            if ttft else None,
+            "wall_s": self.wall_s,
+            "requests_per_engine": [int(n) for n in self.per_engine],
+            "busiest_over_mean": max(self.per_engine) / mean if mean else None,
+            "errors": self.errors,
+        }
+        if self.after_restart is not None:
+            q, h = self.after_restart
+            out["hit_rate_after_restart"] = h / q if q else 0.0
+        if self.restarted is not None:
+            out["restarted_engine"] = self.restarted
+        if self.forgotten_at_restart is not None:
+            out["index_blocks_forgotten_at_restart"] = int(self.forgotten_at_restart)
+        if any(b for b, _ in self.predicted):
+            out["per_engine_predicted_vs_actual"] = [
+                (round(ph / pb, 3) if pb else None, round(h / q, 3) if q else None)
+                for (pb, ph), (q, h) in zip(self.predicted, self.actual, strict=True)]
+        return out
+
+
+# ---------------------------------------------------------------------- engines
+
+
+@contextlib.contextmanager
+def engines(n: int) -> Iterator[list[str]]:
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for _ in range(n):
+            proc = stack.enter_context(process(
+                [sys.executable, "-m", "fleetwarden", "sim", "--port", "0", *SIM_ARGS]))
+            assert proc.stdout is not None
+            urls.append(proc.stdout.readline().split()[1])
+        yield urls
+
+
+async def engine_counters(http: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
+    """(prefix-cache queries, hits, requests finished) of one engine, from its /metrics."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                          "vllm:request_success_total"):
+                found[s.name] = found.get(s.name, 0.0) + s.value
+    return (found["vllm:prefix_cache_queries_total"], found["vllm:prefix_cache_hits_total"],
+            found["vllm:request_success_total"])
+
+
+async def snapshot(http: aiohttp.ClientSession, urls: list[str]
+                   ) -> list[tuple[float, float, float]]:
+    return [await engine_counters(http, u) for u in urls]
+
+
+def deltas(before: list[tuple[float, float, float]], after: list[tuple[float, float, float]]
+           ) -> list[tuple[float, float, float]]:
+    """Per engine; an engine whose counters went back (a restart) counts from zero."""
+    out = []
+    for b, a in zip(before, after, strict=True):
+        out.append(a if a[0] < b[0] else (a[0] - b[0], a[1] - b[1], a[2] - b[2]))
+    return out
+
+
+# ---------------------------------------------------------------------- the client
+
+
+async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
+               headers: dict[str, str], result: Result) -> str:
+    """One streamed request; its TTFT into ``result``; the text it generated."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    started = time.perf_counter()
+    text = []
+    try:
+        async with http.post(router + path, json={**body, "stream": True},
+                             headers=headers) as r:
+            if r.status != 200:
+                result.errors += 1
+                return ""
+            first = True
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                if first:
+                    result.ttft.append(time.perf_counter() - started)
+                    first = False
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    part = choice[0].get("delta", {}).get("content") or choice[0].get("text")
+                    text.append(part or "")
+    except (TimeoutError, aiohttp.ClientError):
+        result.errors += 1
+    return "".join(text)
+
+
+def grpo(prompts: int, siblings: int, epochs: int, salt: str) -> Callable[..., Awaitable[None]]:
+    async def run(http: aiohttp.ClientSession, router: str, result: Result,
+                  between: Callable[[int], Awaitable[None]]) -> None:
+        for epoch in range(epochs):
+            await asyncio.gather(*(
+                send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
+                                    "prompt": f"{salt}{SYSTEM}\nProblem {p}: compute {p * 7919} "
+                                              f"modulo {p + 13}, showing the work."},
+                     {}, result)
+                for p in range(prompts) for _ in range(siblings)))
+            await between(epoch)
+    return run
+
+
+def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str,
+           lockstep: bool = False) -> Callable[..., Awaitable[None]]:
+    async def run(http: aiohttp.ClientSession, router: str, result: Result,
+                  between: Callable[[int], Awaitable[None]]) -> None:
+        histories: list[list[dict[str, str]]] = [
+            [{"role": "system", "content": salt + SYSTEM}] if system else []
+            for _ in range(sessions)]
+
+        async def turn(k: int, t: int) -> None:
+            history = histories[k]
+            history.append({"role": "user", "content": (
+                f"{salt}Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
+            answer = await send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
+                                               "messages": history},
+                                {"x-session-id": f"agent-{k}"} if header else {}, result)
+            history.append({"role": "assistant", "content": answer})
+
+        if lockstep:  # every session's turn t, then every turn t + 1 (the restart needs it)
+            for t in range(turns):
+                await asyncio.gather(*(turn(k, t) for k in range(sessions)))
+                await between(t)
+            return
+
+        async def session(k: int) -> None:
+            # Agents run free, each thinking 0-200 ms between turns (seeded: a run replays),
+            # so their turns interleave as real ones do: a router that only balances load
+            # sends a session's next turn wherever happens to be least busy then.
+            rng = random.Random(f"{salt}{k}")
+            for t in range(turns):
+                await asyncio.sleep(rng.uniform(0.0, 0.2))
+                await turn(k, t)
+
+        await asyncio.gather(*(session(k) for k in range(sessions)))
+    return run
+
+
+# ---------------------------------------------------------------------- routers
+
+
+@contextlib.contextmanager
+def fleetwarden_up(urls: list[str], folder: Path) -> Iterator[str]:
+    port = free_port()
+    config = folder / "fleetwarden.toml"
+    config.write_text('[router]\nrouting = "cache_aware"\n\n[health]\nprobe_interval_s = 1.0\n')
+    argv = [sys.executable, "-m", "fleetwarden", "up", "--config", str(config),
+            "--port", str(port), "--admin-port", str(free_port()),
+            "--journal", str(folder / "journal.sqlite"), "--quiet", "--log-level", "error"]
+    for url in urls:
+        argv += ["--backend", url]
+    with process(argv, cwd=folder, stdout=subprocess.DEVNULL):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def fleetwarden_route(urls: list[str], routing: str) -> Iterator[str]:
+    argv = [sys.executable, "-m", "fleetwarden", "route", "--port", "0", "--log-level", "error",
+            "--routing", routing]
+    for url in urls:
+        argv += ["--backend", url]
+    with process(argv) as proc:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().split(" on ", 1)[1].split(",")[0]
+
+
+@contextlib.contextmanager
+def sglang_router(urls: list[str], policy: str) -> Iterator[str]:
+    python = peer_python(SGLANG_ROUTER)
+    port = free_port()
+    with process([str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                  "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+                  "--log-level", "warn", "--prometheus-port", str(free_port())],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+        yield f"http://127.0.0.1:{port}"
+
+
+async def wait_serving(http: aiohttp.ClientSession, router: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with http.post(router + "/v1/completions",
+                                 json={"model": "tiny", "prompt": "warm", "max_tokens": 1}) as r:
+                if r.status == 200:
+                    return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{router} did not serve within {timeout_s} s")
+
+
+FORGOTTEN = "fleetwarden_router_cache_forgotten_blocks_total"
+
+
+async def router_counter(http: aiohttp.ClientSession, router: str, name: str) -> float | None:
+    """One counter of the router's own /metrics, summed; None for a router without it."""
+    async with http.get(router + "/metrics") as r:
+        if r.status != 200:
+            return None
+        text = await r.text()
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == name]
+    return sum(values) if values else None
+
+
+async def predicted(http: aiohttp.ClientSession, router: str) -> dict[str, tuple[float, float]]:
+    """fleetwarden's router: per backend, (prompt blocks placed, blocks predicted held);
+    empty for a router without those series."""
+    async with http.get(router + "/metrics") as r:
+        if r.status != 200:
+            return {}
+        text = await r.text()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("fleetwarden_router_cache_blocks_total",
+                          "fleetwarden_router_cache_predicted_hit_blocks_total"):
+                pair = out.setdefault(s.labels["backend"], [0.0, 0.0])
+                pair[s.name.endswith("hit_blocks_total")] += s.value
+    return {url: (b, h) for url, (b, h) in out.items()}
+
+
+# ---------------------------------------------------------------------- the run
+
+
+async def measure(router: str, urls: list[str], workload: Callable[..., Awaitable[None]],
+                  restart_after: int | None = None) -> Result:
+    result = Result()
+    connector = aiohttp.TCPConnector(limit=512)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=300)) as http:
+        for url in urls:  # every workload starts cold
+            async with http.post(url + "/reset_prefix_cache") as r:
+                assert r.status == 200
+        before = await snapshot(http, urls)
+        guessed = await predicted(http, router)
+        marks: dict[str, list[tuple[float, float, float]]] = {}
+
+        async def between(step: int) -> None:
+            if restart_after is not None and step == restart_after:
+                forgotten = await router_counter(http, router, FORGOTTEN)
+                # The engine that served the most so far: the one whose cache matters most
+                # (a router that left one engine idle must not be spared the restart).
+                served = deltas(before, await snapshot(http, urls))
+                busiest = max(range(len(urls)), key=lambda i: served[i][2])
+                result.restarted = busiest
+                async with http.post(urls[busiest] + "/sim/fault",
+                                     json={"mode": "restart"}) as r:
+                    assert r.status == 200
+                await asyncio.sleep(3.0)  # the same pause for every router
+                marks["restart"] = await snapshot(http, urls)
+                if forgotten is not None:
+                    after = await router_counter(http, router, FORGOTTEN)
+                    result.forgotten_at_restart = None if after is None else after - forgotten
+
+        started = time.perf_counter()
+        await workload(http, router, result, between)
+        result.wall_s = time.perf_counter() - started
+        after = await snapshot(http, urls)
+        moved = deltas(before, after)
+        result.queries = sum(q for q, _, _ in moved)
+        result.hits = sum(h for _, h, _ in moved)
+        result.per_engine = [n for _, _, n in moved]
+        result.actual = [(q, h) for q, h, _ in moved]
+        now_guessed = await predicted(http, router)
+        result.predicted = [
+            (now_guessed.get(u, (0.0, 0.0))[0] - guessed.get(u, (0.0, 0.0))[0],
+             now_guessed.get(u, (0.0, 0.0))[1] - guessed.get(u, (0.0, 0.0))[1]) for u in urls]
+        if "restart" in marks:
+            since = deltas(marks["restart"], after)
+            result.after_restart = (sum(q for q, _, _ in since), sum(h for _, h, _ in since))
+    return result
+
+
+def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], int | None]]:
+    # Each workload's texts are its own (the salt), so no router's index of one workload
+    # helps it in the next: the engines' caches are reset between them.
+    s, t = (8, 4) if quick else (24, 6)
+    g = 8 if quick else 32
+    return {
+        f"GRPO {g}x8, shared system prompt, 3 epochs": (grpo(g, 8, 3, "[grpo] "), None),
+        f"agents {s}x{t}, no header": (
+            agents(s, t, header=False, system=False, salt="[plain] "), None),
+        f"agents {s}x{t}, x-session-id": (
+            agents(s, t, header=True, system=False, salt="[header] "), None),
+        f"agents {s}x{t}, shared system prompt": (
+            agents(s, t, header=True, system=True, salt="[system] "), None),
+        f"agents {s}x{t}, busiest engine restarted after turn 3": (
+            agents(s, t, header=True, system=False, salt="[restart] ", lockstep=True), 2),
+    }
+
+
+async def run_router(name: str, router: str, urls: list[str], quick: bool
+                     ) -> dict[str, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        await wait_serving(http, router)
+    # A fleet's controller proves each attached engine before it serves at full share (a
+    # few probe intervals of 1 s): measure the fleet once it has, as it runs for hours.
+    await asyncio.sleep(SETTLE_S if name.startswith("fleetwarden cache_aware") else 0)
+    rows = {}
+    for label, (workload, restart_after) in workloads(quick).items():
+        result = await measure(router, urls, workload, restart_after)
+        rows[label] = result.row()
+        print(f"{name} | {label}: {json.dumps(rows[label])}", file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    parser.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
+    parser.add_argument("--engines", type=int, default=4)
+    args = parser.parse_args()
+    report: dict[str, Any] = {}
+    with engines(args.engines) as urls, tempfile.TemporaryDirectory() as tmp:
+        routers: list[tuple[str, Callable[[], contextlib.AbstractContextManager[str]]]] = [
+            ("fleetwarden cache_aware", lambda: fleetwarden_up(urls, Path(tmp))),
+            # The same policy without a controller, as the least-in-flight router runs: the
+            # policy's figures apart from the fleet's processes (it misses the restart's push).
+            ("fleetwarden route cache_aware", lambda: fleetwarden_route(urls, "cache_aware")),
+            ("fleetwarden least_in_flight", lambda: fleetwarden_route(urls, "least_in_flight")),
+        ]
+        if not args.no_peer:
+            routers += [
+                ("sglang-router 0.3.2 cache_aware", lambda: sglang_router(urls, "cache_aware")),
+                ("sglang-router 0.3.2 round_robin", lambda: sglang_router(urls, "round_robin")),
+            ]
+        for name, start in routers:
+            try:
+                with start() as router:
+                    report[name] = asyncio.run(run_router(name, router, urls, args.quick))
+            except PeerUnavailable as exc:
+                report[name] = f"not run: {exc}"
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Cache-aware placement: which engine likely holds a prompt's prefix, and whether to use it.
+
+Owns: the approximate prefix index per backend, RL-group placement, session hints, the load
+guard, and the predicted-hit tallies.
+Must not: do I/O, await or read a clock (pure: the shell passes the time in).
+
+The router cannot see the engines' KV caches, so it remembers where it sent each prompt
+(docs/design.md 4.3), as sglang-router's ``cache_aware`` policy does, with four differences:
+
+* **Blocks, not a radix tree of characters.** A prompt is cut into fixed-size blocks (token ids
+  where the request carries them, ``token_block`` ids each; text otherwise, ``text_block``
+  characters each) and each block is keyed by a hash chain over every block before it, as the
+  engines' own prefix caches key theirs: a block matches only under the same whole prefix, and
+  a lookup is one dictionary probe per block. An entry lives ``ttl_s`` after its last use (near
+  an engine's cache lifetime under load) and at most ``max_blocks`` are kept, least recently
+  used first out: memory is bounded whatever the traffic.
+* **A load guard that fires.** A backend is used for its cache only while it has fewer
+  requests than the least loaded one plus a slack: ``balance_abs`` in a quiet fleet, growing
+  to ``balance_rel - 1`` times the mean under load. sglang-router's 64 requests apart never
+  fires in a fleet whose concurrency is below that, so a shared system prompt above its match
+  threshold put every request on one engine; here the guard spills the excess to the best
+  match among the others, which then hold the shared prefix too, and ties go to the least
+  loaded.
+* **RL groups.** Siblings (the same whole prompt within ``group_window_s``: a GRPO group's n
+  samples) stay on one engine up to ``group_per_engine`` of them, past the load guard, so a
+  group is prefilled once per ``group_per_engine`` siblings rather than once per engine it was
+  scattered over. A request with ``n`` > 1 counts as ``n`` siblings.
+* **Health-coupled.** :meth:`Affinity.sync` is given every push of the serving set with each
+  backend's incarnation and weight version: a backend that left the set, restarted (a new
+  incarnation) or was refit (a new weight version) loses its entries at once, since its cache
+  went with them. Sleep, condemnation and retirement take a backend out of the set.
+
+Session keys (``x-session-id``, OpenAI's ``prompt_cache_key``, ``user`` where configured) are
+hints: a session goes back to its last backend when no backend matches its prompt better.
+
+The predicted hits (blocks the index said the chosen backend held, of the blocks looked up) are
+tallied per backend (:meth:`Affinity.predicted`), to be set beside the engines' own counters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetwarden.router.settings import RouterSettings
+
+__all__ = ["Affinity", "AffinitySettings", "Predicted", "Query", "query_of", "text_keys",
+           "token_keys"]
+
+
+_DEFAULTS = RouterSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class AffinitySettings:
+    """How the cache-aware policy weighs cache against load: the router's settings of that
+    name (router/settings.py holds every default with its reason)."""
+
+    #: Characters of a text block: ~16 tokens of English text, vLLM's block size.
+    text_block: int = 64
+    #: Token ids of a token block: vLLM's block size.
+    token_block: int = 16
+    ttl_s: float = _DEFAULTS.cache_ttl_s
+    max_blocks: int = _DEFAULTS.cache_max_blocks
+    threshold: float = _DEFAULTS.cache_threshold
+    balance_abs: int = _DEFAULTS.cache_balance_abs
+    balance_rel: float = _DEFAULTS.cache_balance_rel
+    group_window_s: float = _DEFAULTS.rl_group_window_s
+    group_per_engine: int = _DEFAULTS.rl_group_per_engine
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> AffinitySettings:
+        return cls(ttl_s=settings.cache_ttl_s, max_blocks=settings.cache_max_blocks,
+                   threshold=settings.cache_threshold, balance_abs=settings.cache_balance_abs,
+                   balance_rel=settings.cache_balance_rel,
+                   group_window_s=settings.rl_group_window_s,
+                   group_per_engine=settings.rl_group_per_engine)
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """What the policy reads of one request: its prompt's block keys, its session hint and how
+    many completions it asks for."""
+
+    keys: tuple[int, ...]
+    session: str | None = None
+    n: int = 1
+
+
+def _text_of_content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: the text ones carry the prefix
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def query_of(body: Any, session: str | None, settings: AffinitySettings,
+             user_is_session: bool = False) -> Query | None:
+    """The :class:`Query` of a parsed request body, or ``None`` if it names no prompt.
+
+    Chat messages are read as ``role`` and text in order (the engine's template adds the same
+    text around each, so equal message prefixes are equal token prefixes); a completion's
+    ``prompt`` as text, or as token ids when it is a list of integers. The session is the
+    header's value, else ``prompt_cache_key``, else ``user`` when ``user_is_session``."""
+    if not isinstance(body, dict):
+        return None
+    if session is None:
+        for name in ("prompt_cache_key", *(("user",) if user_is_session else ())):
+            value = body.get(name)
+            if isinstance(value, str) and value:
+                session = f"{name}:{value}"
+                break
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        # Blocks never span two messages: a conversation's next turn appends a message, so
+        # every block of the earlier ones, the last partial one included, keys alike again.
+        keys: list[int] = []
+        for m in messages:
+            if isinstance(m, dict):
+                text = f"{m.get('role', '')}\x1f{_text_of_content(m.get('content'))}"
+                keys.extend(text_keys(text, settings.text_block, keys[-1] if keys else 0))
+        return Query(tuple(keys), session, n)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return Query(token_keys(prompt, settings.token_block), session, n)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return Query(text_keys(prompt, settings.text_block), session, n)
+    return None
+
+
+def text_keys(text: str, block: int, parent: int = 0) -> tuple[int, ...]:
+    """The hash chain of ``text``'s blocks after ``parent``, the last partial one included
+    (a prompt's tail still tells two sibling groups apart)."""
+    keys = []
+    for start in range(0, len(text), block):
+        parent = hash((parent, text[start:start + block]))
+        keys.append(parent)
+    return tuple(keys)
+
+
+def token_keys(ids: Sequence[int], block: int) -> tuple[int, ...]:
+    """The hash chain of ``ids``' blocks of ``block`` token ids, the last partial one included."""
+    keys = []
+    parent = 0
+    for start in range(0, len(ids), block):
+        parent = hash((parent, *ids[start:start + block]))
+        keys.append(parent)
+    return tuple(keys)
+
+
+@dataclass(slots=True)
+class _Group:
+    first_seen: float
+    placed: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Predicted:
+    """One backend's tallies since it was first chosen: requests placed, prompt blocks looked
+    up, and the blocks of those the index said it held (a predicted hit)."""
+
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_blocks / self.blocks if self.blocks else None
+
+
+class Affinity:
+    """The approximate prefix index and the choice it drives."""
+
+    def __init__(self, settings: AffinitySettings | None = None) -> None:
+        self.settings = settings if settings is not None else AffinitySettings()
+        #: block key -> {backend: when it was last placed there}; least recently used first.
+        self._index: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
+        #: What the last push said of each backend: (incarnation, weight version).
+        self._epochs: dict[str, tuple[str | None, int | None]] = {}
+        self._predicted: dict[str, Predicted] = {}
+        #: Entries dropped because their backend's cache went (a restart, a refit, leaving).
+        self.forgotten = 0
+
+    # ------------------------------------------------------------------ health
+
+    def sync(self, serving: Iterable[str],
+             epochs: Mapping[str, tuple[str | None, int | None]]) -> list[str]:
+        """A push: forget every backend that left ``serving`` or whose (incarnation, weight
+        version) changed since the last push; returns those forgotten. A backend whose epoch
+        the push leaves unknown keeps its entries while it stays."""
+        kept = set(serving)
+        gone = [u for u in self._epochs if u not in kept]
+        for url in kept:
+            epoch = epochs.get(url, (None, None))
+            before = self._epochs.get(url)
+            if before is not None and before != epoch and epoch != (None, None):
+                gone.append(url)
+            self._epochs[url] = epoch
+        for url in gone:
+            if url not in kept:
+                del self._epochs[url]
+            self.forget(url)
+        return gone
+
+    def forget(self, backend: str) -> None:
+        """Drop every entry of ``backend``: its prefix cache is gone (or it is)."""
+        emptied = []
+        for key, holders in self._index.items():
+            if holders.pop(backend, None) is not None:
+                self.forgotten += 1
+                if not holders:
+                    emptied.append(key)
+        for key in emptied:
+            del self._index[key]
+        for session in [s for s, (u, _) in self._sessions.items() if u == backend]:
+            del self._sessions[session]
+        for group in self._groups.values():
+            group.placed.pop(backend, None)
+
+    # ------------------------------------------------------------------ the choice
+
+    def matched(self, query: Query, now: float) -> dict[str, int]:
+        """Leading blocks of ``query`` each backend holds (fresh entries only)."""
+        ttl = self.settings.ttl_s
+        index = self._index
+        alive: dict[str, int] | None = None
+        for depth, key in enumerate(query.keys):
+            holders = index.get(key)
+            if not holders:
+                break
+            fresh = {u for u, t in holders.items() if now - t <= ttl}
+            if alive is None:
+                alive = dict.fromkeys(fresh, 1)
+            else:
+                still = [u for u in alive if u in fresh and alive[u] == depth]
+                if not still:
+                    break
+                for u in still:
+                    alive[u] = depth + 1
+        return alive or {}
+
+    def choose(self, query: Query, candidates: Sequence[str], loads: Mapping[str, int],
+               now: float) -> str | None:
+        """The backend whose cache serves ``query`` best among ``candidates`` within the load
+        guard, or ``None``: no cache to speak of, let the pool balance load."""
+        if not candidates:
+            return None
+        s = self.settings
+        group = self._groups.get(query.keys[-1]) if query.keys else None
+        full: list[str] = []
+        if group is not None and now - group.first_seen <= s.group_window_s:
+            # An RL group: fill its engine up to the share, whatever the guard says; an engine
+            # whose share is taken takes no more of the group while others can.
+            for url, count in group.placed.items():
+                if url in candidates:
+                    if count + query.n <= s.group_per_engine:
+                        return url
+                    full.append(url)
+            if len(full) < len(candidates):
+                candidates = [u for u in candidates if u not in full]
+        counts = [loads.get(u, 0) for u in candidates]
+        least = min(counts)
+        # The guard's slack over the least loaded engine: balance_abs requests in a quiet
+        # fleet, growing with load to (balance_rel - 1) times the mean, so a busy fleet keeps
+        # its affinity and a quiet one never stacks a shared prefix's requests on one engine.
+        slack = max(s.balance_abs, (s.balance_rel - 1) * (sum(counts) + 1) / len(candidates))
+        allowed = [u for u in candidates if loads.get(u, 0) - least < slack]
+        matched = self.matched(query, now) if query.keys else {}
+        best = max((matched.get(u, 0) for u in allowed), default=0)
+        if query.keys and best / len(query.keys) > s.threshold:
+            tied = [u for u in allowed if matched.get(u, 0) == best]
+            home = self._session_home(query, now)
+            if home in tied:
+                return home
+            return min(tied, key=lambda u: loads.get(u, 0))
+        home = self._session_home(query, now)
+        if home is not None and home in allowed:
+            return home
+        if full:  # the rest of a group: the least loaded engine without its share
+            return min(allowed, key=lambda u: loads.get(u, 0))
+        return None
+
+    def _session_home(self, query: Query, now: float) -> str | None:
+        if query.session is None:
+            return None
+        found = self._sessions.get(query.session)
+        if found is None or now - found[1] > self.settings.ttl_s:
+            return None
+        return found[0]
+
+    def placed(self, query: Query, backend: str, now: float) -> None:
+        """``query`` was sent to ``backend``: it will hold the prompt's blocks, and a sibling
+        or the session's next turn should find them there."""
+        s = self.settings
+        tally = self._predicted.get(backend)
+        if tally is None:
+            tally = self._predicted[backend] = Predicted()
+        tally.requests += 1
+        if query.keys:
+            tally.blocks += len(query.keys)
+            tally.hit_blocks += self.matched(query, now).get(backend, 0)
+        index = self._index
+        for key in query.keys:
+            holders = index.get(key)
+            if holders is None:
+                holders = index[key] = {}
+            else:
+                index.move_to_end(key)
+            holders[backend] = now
+        while len(index) > s.max_blocks:
+            index.popitem(last=False)
+        if query.session is not None:
+            self._sessions[query.session] = (backend, now)
+            self._sessions.move_to_end(query.session)
+            while len(self._sessions) > s.max_blocks:
+                self._sessions.popitem(last=False)
+        if query.keys:
+            last = query.keys[-1]
+            group = self._groups.get(last)
+            if group is None or now - group.first_seen > s.group_window_s:
+                group = self._groups[last] = _Group(now)
+                self._groups.move_to_end(last)
+            group.placed[backend] = group.placed.get(backend, 0) + query.n
+            while self._groups:
+                oldest = next(iter(self._groups.values()))
+                if now - oldest.first_seen <= s.group_window_s and len(
+                        self._groups) <= s.max_blocks:
+                    break
+                self._groups.popitem(last=False)
+
+    def moved(self, query: Query, backend: str, now: float) -> None:
+        """A generation continued on ``backend`` (its engine died mid-stream): the new engine
+        prefills the same prompt, so it is the holder now."""
+        index = self._index
+        for key in query.keys:
+            holders = index.get(key)
+            if holders is None:
+                holders = index[key] = {}
+            holders[backend] = now
+        if query.session is not None:
+            self._sessions[query.session] = (backend, now)
+
+    # ------------------------------------------------------------------ reading
+
+    def predicted(self) -> dict[str, Predicted]:
+        """Per backend: requests placed, blocks looked up, blocks predicted held."""
+        return dict(self._predicted)
+
+    def held_blocks(self) -> dict[str, int]:
+        """Index entries per backend (fresh or not): what it is predicted to hold."""
+        out: dict[str, int] = {}
+        for holders in self._index.values():
+            for url in holders:
+                out[url] = out.get(url, 0) + 1
+        return out
+
+    @property
+    def size(self) -> int:
+        return len(self._index)
+
