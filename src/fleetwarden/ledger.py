@@ -1025,6 +1025,10 @@ class Ledger:
             consecutive_probe_successes=0,  # the last run's process passed those probes
             consecutive_reported_failures=0,  # the last run's process failed those requests
             state_before_partial=None,  # a verdict on the last run's process
+            ejected_until=None,  # the last run's process was ejected, not this one: a HEALTHY
+            # shard kept out of routing by a time that passed is never pushed again
+            on_trial=False,  # the last run's process was on trial, not this one
+            ejections=0,  # the backoff counted the last run's process's ejections
             last_error="",
             **_NOT_ASLEEP,  # a new process starts awake
         )
