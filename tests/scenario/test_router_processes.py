@@ -30,6 +30,7 @@ from fleetwarden.router.pool import BackendFacts
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 from support.fleet import SIM
+from support.sim import free_port
 
 pytestmark = pytest.mark.scenario
 
@@ -359,3 +360,29 @@ async def test_a_worker_dies_while_the_journal_cannot_be_written_and_is_started_
         journal._engines_conn.close()
         journal._read, journal._engines_conn = journal._open_checked(), None
         journal._writer_error = None
+
+
+def test_a_second_fleet_on_a_port_a_running_fleet_holds_refuses_to_start(tmp_path: Path) -> None:
+    """Before: the second fleet's router workers bound the port beside the first one's
+    (SO_REUSEPORT) and took about half of its requests for their own engines."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    port = str(free_port())
+    first = UpProcess(first_dir, "--engines", "1", "--engine-cmd", SIM, "--router-workers", "1",
+                      "--port", port)
+    second: UpProcess | None = None
+    try:
+        holder = running_routers(first_dir)[0][1]
+        with pytest.raises(RuntimeError) as refused:
+            second = UpProcess(second_dir, "--engines", "1", "--engine-cmd", SIM,
+                               "--router-workers", "1", "--port", port)
+        said = str(refused.value)
+        assert f"router port {port}" in said and f"pid {holder}:" in said, said
+        assert "fleetwarden route" in said  # the holder is named by its command line
+        with journal_of(second_dir) as j:  # the second fleet left nothing running
+            assert live_launch_ids(j.launch_ids() | j.router_launch_ids()) == set()
+        assert "nothing left running" in first.stop()
+    finally:
+        left = end_everything(first_dir, first, second) | end_everything(second_dir)
+    assert left == set()

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -49,6 +51,7 @@ from fleetwarden.launchers.local import (
 )
 from fleetwarden.launchers.procs import (
     group_members,
+    listening_processes,
     process_info,
     process_start_ticks,
     signal_process,
@@ -268,6 +271,11 @@ class RouterWorkers:
         await self._adopt_or_stop()
         if self.port == 0:
             self.port = free_port(self.config.host)
+        elif not self.adopted:
+            # SO_REUSEPORT lets any process of this user bind a port our workers would share:
+            # a second fleet on it would silently take half of the first one's requests.
+            # Adopted workers hold the port as ours; with none, whoever holds it is not.
+            refuse_if_taken(self.config.host, self.port)
         missing = [link.worker for link in self.links if link.worker not in self._procs]
         for worker in missing:
             self.links[worker].last_push = list(backends)
@@ -596,6 +604,30 @@ class RouterWorkers:
         if self.journal is not None:
             await self._journal_write(self.journal.router_stopped, rec.launch_id)
         log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
+
+
+def refuse_if_taken(host: str, port: int) -> None:
+    """Raise :class:`LaunchError`, naming the holder, when something listens on ``port``.
+
+    The probe binds without ``SO_REUSEPORT`` (which every router worker sets, so the kernel
+    refuses it while any listener holds the port) and with ``SO_REUSEADDR`` (so connections
+    of a stopped fleet still in TIME_WAIT do not count).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise LaunchError(f"router port {port} on {host}: {exc}") from exc
+    holders = listening_processes(port)
+    named = "; ".join(f"pid {p.pid}: {p.title[:200]}" for p in holders) or (
+        "a process this user cannot see")
+    raise LaunchError(
+        f"router port {port} on {host} is already served by {named}. Another fleet (or "
+        "another program) holds it; stop it first, or give this fleet another [router] port")
 
 
 class _WorkersCollector(Collector):
