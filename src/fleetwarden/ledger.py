@@ -1059,8 +1059,9 @@ class Ledger:
         cause = f"restart failed: {error}"
         return self._apply(s, E.RESTART_FAILED, cause, last_error=cause)
 
-    def mark_loaded(self, i: int, base_url: str, incarnation: str) -> Outcome:
-        """The replacement answers at ``base_url``. It is a new process with no history."""
+    def mark_loaded(self, i: int, base_url: str, incarnation: str | None) -> Outcome:
+        """The replacement answers at ``base_url``. It is a new process with no history
+        (``incarnation`` None: not known yet; the watchdog's first read identifies it)."""
         s = self._shard(i)
         if s.state is not RESTARTING:
             return self._ignored(s, "no restart is in progress")

@@ -95,6 +95,18 @@ def begin_run(
                 ledger.mark_restart_failed(i, "its new engine's URL belongs to another shard")
         elif state not in ABSENT and not ledger.new_run(i, result.url, result.incarnation):
             ledger.condemn(i, "its new engine's URL belongs to another shard")
+    for i, url in attached.items():
+        state = ledger.state(i)
+        if state in (ShardState.DEAD, ShardState.RESTARTING) and ledger.shard(i).base_url != url:
+            # The operator replaced a condemned backend: the configured engine is its
+            # replacement (a restart spent, as for any DEAD shard's), not a process to wait
+            # for at the old URL (a passive wait there never ends).
+            if state is ShardState.DEAD:
+                ledger.mark_restarting(i)
+            if (ledger.state(i) is ShardState.RESTARTING
+                    and not ledger.mark_loaded(i, url, None)):
+                ledger.mark_restart_failed(i, f"its configured URL {url} belongs to another "
+                                              "shard")
     waiting = [i for i in attached if ledger.state(i) not in ABSENT]
     while waiting:
         # A pass moves every shard whose configured URL is free; the next pass retries the

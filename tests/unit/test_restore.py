@@ -118,3 +118,18 @@ def test_two_backends_that_swapped_places_are_condemned_not_routed_to_the_wrong_
     begin_run(ledger, {}, attached={0: "http://127.0.0.1:8001", 1: "http://127.0.0.1:8000"})
     assert [ledger.state(i) for i in range(2)] == [D, D]
     assert "belongs to another shard" in ledger.shard(0).last_error
+
+
+def test_a_condemned_backend_replaced_in_the_config_is_loaded_on_its_new_url() -> None:
+    """A DEAD attached shard kept its journal URL: the passive wait for its engine to come
+    back watched the old URL (or the new engine, which never restarts), so the replacement
+    the operator configured was never routed."""
+    ledger, _ = restored(2)
+    ledger.condemn(1, "stuck")
+    begin_run(ledger, {}, attached={1: "http://127.0.0.1:9999"})
+    r = ledger.shard(1)
+    assert (r.state, r.base_url, r.restart_attempts) == (ST, "http://127.0.0.1:9999", 1)
+    # ... while one whose URL is unchanged is left to the supervisor, as before.
+    ledger.condemn(0, "stuck")
+    begin_run(ledger, {}, attached={0: "http://127.0.0.1:8000"})
+    assert ledger.state(0) is D
