@@ -29,6 +29,8 @@ faithful:
   until the wake-up.
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
+* A poison request: a completion whose prompt starts with :data:`POISON_PROMPT` is answered
+  with that 500 by every simulated engine, faulty or not (the request is the problem).
 
 Control: ``POST /sim/fault {"mode": "wedge", "factor": 4, "duration_s": 5}`` (``"mode": null``
 or ``DELETE /sim/fault`` clears), ``GET /sim/fault``, and ``GET /sim/stats``: every request
@@ -58,7 +60,11 @@ from fleetwarden.sim.dialects import DIALECTS, Families
 from fleetwarden.sim.engine import EngineCore, SimRequest, StepResult
 from fleetwarden.sim.families import VllmFamilies
 
-__all__ = ["FaultMode", "Sim", "SimConfig", "serve"]
+__all__ = ["POISON_PROMPT", "FaultMode", "Sim", "SimConfig", "serve"]
+
+#: A completion whose prompt starts with this is a poison request: every simulated engine
+#: answers it 500, as a real engine answers an input that trips one of its assertions.
+POISON_PROMPT = "sim:poison"
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,6 +520,11 @@ class Sim:
         if prompt_tokens + max_tokens > c.max_model_len:
             return _json(wire.context_too_long(c.max_model_len, prompt_tokens, max_tokens), 400)
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
+            return _json(wire.ENGINE_DEAD, 500)
+        if isinstance(raw_prompt := body.get("prompt"), str) and raw_prompt.startswith(
+                POISON_PROMPT):
+            # A request no engine can serve (a real engine's assertion on one input): the
+            # same 500 from every engine, while the engine itself serves on.
             return _json(wire.ENGINE_DEAD, 500)
 
         loop = asyncio.get_running_loop()
