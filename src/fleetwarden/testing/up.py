@@ -34,6 +34,7 @@ class UpProcess:
         """``drain``: read what it prints after the start too, in a thread (into
         ``output``), so a fleet that runs long and logs much never blocks on a full pipe."""
         self.workdir = workdir
+        self._drain: threading.Thread | None = None
         argv = [sys.executable, "-m", "fleetwarden", "up", "--quiet"]
         if "--config" not in args:  # a config file names its own ports
             if "--port" not in args:
@@ -61,7 +62,6 @@ class UpProcess:
             raise RuntimeError("fleetwarden up did not start:\n" + "".join(self.output))
         self.client_token_file = self._token_file()
         self.client = FleetClient(self.admin, token_file=self.client_token_file)
-        self._drain: threading.Thread | None = None
         if drain:
             self._drain = threading.Thread(target=self._read_rest, daemon=True)
             self._drain.start()
