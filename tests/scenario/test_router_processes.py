@@ -386,3 +386,47 @@ def test_a_second_fleet_on_a_port_a_running_fleet_holds_refuses_to_start(tmp_pat
     finally:
         left = end_everything(first_dir, first, second) | end_everything(second_dir)
     assert left == set()
+
+
+async def test_after_a_kill_in_the_middle_of_a_reload_the_newer_worker_is_adopted(
+        tmp_path: Path) -> None:
+    """Two workers recorded as running in one slot (fleetwarden killed between a reload's start
+    of the new worker and the old one's exit): the newer one, which holds the listeners, is
+    adopted and the older stopped. Before, the older was adopted (a draining worker, its
+    listeners already closed) and the newer stopped: connections were refused for 30 s."""
+    token_file = tmp_path / "token"
+    token = load_or_create_token(token_file)
+    older_j, newer_j = Journal(tmp_path / "older.sqlite"), Journal(tmp_path / "newer.sqlite")
+    older = RouterWorkers(RouterConfig(port=0, workers=1), token, token_file,
+                          tmp_path / "logs", older_j)
+    newer = RouterWorkers(RouterConfig(port=0, workers=1), token, token_file,
+                          tmp_path / "logs", newer_j)
+    restarted: RouterWorkers | None = None
+    try:
+        await older.start([BACKEND])
+        await newer.start([BACKEND])
+        [old_rec] = older_j.running_routers()
+        [new_rec] = newer_j.running_routers()
+        # The next run's journal records both in slot 0, the newer launched later.
+        record = {k: old_rec[k] for k in RouterRecord.__dataclass_fields__}
+        newer_j.router_launched(old_rec["launch_id"], 0, record)
+        with sqlite3.connect(newer_j.path) as conn:
+            conn.execute("UPDATE routers SET launched_wall = 0 WHERE launch_id = ?",
+                         (old_rec["launch_id"],))
+        restarted = RouterWorkers(RouterConfig(port=0, workers=1), token, token_file,
+                                  tmp_path / "logs", newer_j)
+        await restarted.start([BACKEND])
+        assert restarted.adopted == 1 and restarted.started == 0
+        assert restarted.url == new_rec["url"]  # the newer one's port
+        assert [d["launch_id"] for d in newer_j.running_routers()] == [new_rec["launch_id"]]
+        assert live_launch_ids({old_rec["launch_id"]}) == set()  # the older one stopped
+    finally:
+        older._closing = newer._closing = True  # their processes are the restarted run's now
+        for w in (restarted, older, newer):
+            if w is not None:
+                with contextlib.suppress(Exception):
+                    await w.stop()
+        launched = older_j.router_launch_ids() | newer_j.router_launch_ids()
+        kill_launched(launched)
+        older_j.close()
+        newer_j.close()

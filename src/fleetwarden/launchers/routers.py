@@ -285,7 +285,11 @@ class RouterWorkers:
     async def _adopt_or_stop(self) -> None:
         if self.journal is None:
             return
-        for d in self.journal.running_routers():
+        # Newest first: a fleetwarden killed in the middle of a reload leaves two generations
+        # recorded as running, and the newer one holds the listeners (the older may already
+        # have closed its own and be draining). Adopting the older and stopping the newer
+        # left no listener at all (the fleet model measured connections refused for 30 s).
+        for d in reversed(self.journal.running_routers()):
             try:
                 saved = RouterRecord.from_dict(d)
             except (KeyError, TypeError):

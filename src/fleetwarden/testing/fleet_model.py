@@ -530,14 +530,14 @@ path = "{self.journal_path}"
             self.router_token.chmod(0o600)
         return "SIGHUP with a new worker that cannot start"
 
-    async def participants(self) -> dict[int, tuple[int, Any]]:
+    async def participants(self) -> dict[int, tuple[int, int | None]]:
         """Shard -> the identity of its process now, as the model knows it (not as fleetwarden
         has seen it yet): its count of processes for an attached engine; for a launched one
         the PID fleetwarden started and the model's count of the restarts it made in place."""
-        out: dict[int, tuple[int, Any]] = {}
+        out: dict[int, tuple[int, int | None]] = {}
         for s in await self.shards():
             a = self.attached_of(s)
-            out[s["index"]] = ((a.generation, None) if a is not None
+            out[s["index"]] = ((a.generation, 0) if a is not None
                                else (self.restarts_by_model[s["index"]], s["pid"]))
         return out
 
@@ -573,8 +573,17 @@ path = "{self.journal_path}"
             i = s["index"]
             if s["weight_version"] != v or finish != "complete":
                 continue
-            if before.get(i) != after.get(i) or i in restarted:
-                gate = "restart-in-lease-credit" if i in restarted else None
+            now_proc = after.get(i)
+            gone = now_proc is not None and now_proc[1] is None  # a launched one, no PID
+            # A process gone by the time the model reads (no PID) may have died after the
+            # completion, credited while alive: only another live process is a violation.
+            if (before.get(i) != now_proc and not gone) or i in restarted:
+                # The model replaced its engine during the lease (the operation, or a
+                # repair): fleetwarden could not tell before the trainer completed.
+                by_model = i in restarted or (
+                    before.get(i, (0, 0))[1] == 0 and now_proc is not None
+                    and before.get(i, (0, 0))[0] != now_proc[0])
+                gate = "restart-in-lease-credit" if by_model else None
                 self.violation("a refit credits a version only to a process alive through "
                                "the whole lease", f"shard {i} holds v{v}; its process changed "
                                f"during the lease ({before.get(i)} -> {after.get(i)})", gate)
