@@ -41,7 +41,7 @@ from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
-from fleetwarden.launchers.routers import RouterWorkers
+from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
 from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run
@@ -283,6 +283,8 @@ class Fleet:
             self.registry.register(self._workers.collector())  # the router's, per worker
             self.routers = list(self._workers.links)
         else:
+            if cfg.router.port:  # the bind would fail too; this names who holds the port
+                refuse_if_taken(cfg.router.host, cfg.router.port)
             self._router = Router(ledger.serving_urls(), cfg.router.settings(),
                                   health_managed=True)
             await self._router.start(cfg.router.host, cfg.router.port)

@@ -254,18 +254,21 @@ class Journal:
     def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
         """An engine process started (PID, process group, start time, URL): written at once,
         so a fleetwarden killed a moment later still knows what it left running."""
-        self._engine_write(
+        self._process_write(
             "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
             "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
 
     def engine_stopped(self, launch_id: str) -> None:
-        self._engine_write("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
+        self._process_write("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
                            (time.time(), launch_id))
 
-    def _engine_write(self, sql: str, args: tuple[Any, ...]) -> None:
-        """One engine row, committed before this returns. Callable from any thread (the
-        launcher calls it from a worker thread, so the commit's fsync never holds the event
-        loop): a connection of its own, one writer at a time."""
+    def _process_write(self, sql: str, args: tuple[Any, ...]) -> None:
+        """One engine or router row, committed before this returns. Callable from any thread
+        (the launchers call it from a worker thread, so the commit's fsync never holds the
+        event loop): a connection of its own, one writer at a time. A failed write is counted
+        and reported, never raised: the process runs all the same, and a caller that raised
+        here would leave it unwatched (a router worker's watcher that died on a full disk
+        never started the worker again)."""
         try:
             with self._engines_lock:
                 if self._engines_conn is None:
@@ -291,15 +294,13 @@ class Journal:
 
     def router_launched(self, launch_id: str, worker: int, record: dict[str, Any]) -> None:
         """A router process started (``[router] workers``): written at once, as an engine's."""
-        with self._read:
-            self._read.execute(
-                "INSERT OR REPLACE INTO routers (launch_id, worker, record, launched_wall) "
-                "VALUES (?, ?, ?, ?)", (launch_id, worker, json.dumps(record), time.time()))
+        self._process_write(
+            "INSERT OR REPLACE INTO routers (launch_id, worker, record, launched_wall) "
+            "VALUES (?, ?, ?, ?)", (launch_id, worker, json.dumps(record), time.time()))
 
     def router_stopped(self, launch_id: str) -> None:
-        with self._read:
-            self._read.execute("UPDATE routers SET stopped_wall = ? WHERE launch_id = ?",
-                               (time.time(), launch_id))
+        self._process_write("UPDATE routers SET stopped_wall = ? WHERE launch_id = ?",
+                            (time.time(), launch_id))
 
     def router_launch_ids(self) -> set[str]:
         """Every router process this journal ever recorded."""

@@ -1080,6 +1080,10 @@ class Ledger:
             consecutive_reported_failures=0,  # the last run's process failed those requests
             state_before_partial=None,  # a verdict on the last run's process
             weights_discarded=False,  # the new engine loaded the weights it starts with
+            ejected_until=None,  # the last run's process was ejected, not this one: a HEALTHY
+            # shard kept out of routing by a time that passed is never pushed again
+            on_trial=False,  # the last run's process was on trial, not this one
+            ejections=0,  # the backoff counted the last run's process's ejections
             last_error="",
             **_NOT_ASLEEP,  # a new process starts awake
         )
@@ -1110,8 +1114,9 @@ class Ledger:
         cause = f"restart failed: {error}"
         return self._apply(s, E.RESTART_FAILED, cause, last_error=cause)
 
-    def mark_loaded(self, i: int, base_url: str, incarnation: str) -> Outcome:
-        """The replacement answers at ``base_url``. It is a new process with no history."""
+    def mark_loaded(self, i: int, base_url: str, incarnation: str | None) -> Outcome:
+        """The replacement answers at ``base_url``. It is a new process with no history
+        (``incarnation`` None: not known yet; the watchdog's first read identifies it)."""
         s = self._shard(i)
         if s.state is not RESTARTING:
             return self._ignored(s, "no restart is in progress")

@@ -11,7 +11,7 @@ the ledger's operations.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import aiohttp
 
@@ -61,7 +61,8 @@ async def adopt_or_stop(
 
 
 def begin_run(
-    ledger: Ledger, first: Mapping[int, EngineHandle | BaseException], attached: Iterable[int],
+    ledger: Ledger, first: Mapping[int, EngineHandle | BaseException],
+    attached: Mapping[int, str],
 ) -> None:
     """The restored ledger meets this run's engines, through the ledger's own operations (so
     every change is journaled with its cause: call it after the journal is attached).
@@ -74,7 +75,12 @@ def begin_run(
     budget, as any other. A first launch that fails leaves no shard without a way out: a
     serving or STALE shard is condemned, an interrupted restart fails back to DEAD; either way
     the supervisor takes it from there. Attached engines kept running without us: their shard
-    is a new run on the same URL (in trainer mode STALE: nothing says which weights it holds).
+    is a new run (in trainer mode STALE: nothing says which weights it holds) on the URL this
+    run's config names (``attached``: shard -> URL), never the journal's: an operator who
+    replaced a ``--backend`` means the new engine, and the old one may serve something else
+    now. A URL another shard still records is taken once that shard has moved to its own
+    (a backend moved down the list); one still taken after that condemns the shard, which
+    then comes back through the supervisor on its configured URL.
     """
     for i, result in first.items():
         state = ledger.state(i)
@@ -89,7 +95,25 @@ def begin_run(
                 ledger.mark_restart_failed(i, "its new engine's URL belongs to another shard")
         elif state not in ABSENT and not ledger.new_run(i, result.url, result.incarnation):
             ledger.condemn(i, "its new engine's URL belongs to another shard")
-    for i in attached:
-        rec = ledger.shard(i)
-        if rec.state not in ABSENT:
-            ledger.new_run(i, rec.base_url, None)
+    for i, url in attached.items():
+        state = ledger.state(i)
+        if state in (ShardState.DEAD, ShardState.RESTARTING) and ledger.shard(i).base_url != url:
+            # The operator replaced a condemned backend: the configured engine is its
+            # replacement (a restart spent, as for any DEAD shard's), not a process to wait
+            # for at the old URL (a passive wait there never ends).
+            if state is ShardState.DEAD:
+                ledger.mark_restarting(i)
+            if (ledger.state(i) is ShardState.RESTARTING
+                    and not ledger.mark_loaded(i, url, None)):
+                ledger.mark_restart_failed(i, f"its configured URL {url} belongs to another "
+                                              "shard")
+    waiting = [i for i in attached if ledger.state(i) not in ABSENT]
+    while waiting:
+        # A pass moves every shard whose configured URL is free; the next pass retries the
+        # rest, whose URL the pass may have freed. Bounded: a pass that moves none ends it.
+        left = [i for i in waiting if not ledger.new_run(i, attached[i], None)]
+        if len(left) == len(waiting):
+            for i in left:
+                ledger.condemn(i, f"its configured URL {attached[i]} belongs to another shard")
+            break
+        waiting = left

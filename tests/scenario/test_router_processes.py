@@ -6,13 +6,15 @@ the load is the `openai` client on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,16 @@ import pytest
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import RouterConfig
 from fleetwarden.journal import Journal
+from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.local import kill_launched, live_launch_ids
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.launchers.routers import RouterRecord, RouterWorkers
+from fleetwarden.router.pool import BackendFacts
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 from support import wait
 from support.fleet import SIM
+from support.sim import free_port
 
 pytestmark = pytest.mark.scenario
 
@@ -235,3 +240,191 @@ def test_reloads_overlapping_each_other_and_the_stop_leave_nothing_running(
     finally:
         left = end_everything(tmp_path, up)
     assert left == set()
+
+
+@contextlib.asynccontextmanager
+async def one_worker(tmp_path: Path) -> AsyncIterator[tuple[RouterWorkers, Journal, Path]]:
+    """One router process behind RouterWorkers, in the test's loop; stopped (and checked gone)
+    at the end, whatever the test did."""
+    journal = Journal(tmp_path / "j.sqlite")
+    token_file = tmp_path / "token"
+    workers = RouterWorkers(RouterConfig(port=0, workers=1), load_or_create_token(token_file),
+                            token_file, tmp_path / "logs", journal)
+    try:
+        await workers.start([BACKEND])
+        yield workers, journal, token_file
+    finally:
+        token_file.chmod(0o600)
+        try:
+            await workers.stop()
+        finally:
+            launched = journal.router_launch_ids()
+            left = live_launch_ids(launched)
+            kill_launched(launched)  # nothing this test started lives on, even when it fails
+            journal.close()
+    assert left == set(), f"router processes left running after the stop: {left}"
+
+
+#: A backend no request goes to: these tests read what the workers were told, not traffic.
+BACKEND = "http://127.0.0.1:9"
+
+
+async def test_a_reload_whose_new_worker_fails_to_start_is_rolled_back(tmp_path: Path) -> None:
+    """Before: the old worker was left serving with a frozen serving set (no slot drove it: a
+    shard retired after the reload still got its requests), and it outlived the stop."""
+    async with one_worker(tmp_path) as (workers, journal, token_file):
+        [old] = journal.running_routers()
+        token_file.chmod(0o644)  # the new worker refuses a token file others can read
+        with pytest.raises(LaunchError):  # said, to the SIGHUP handler that logs it
+            await workers.reload()
+        token_file.chmod(0o600)
+        assert [d["launch_id"] for d in journal.running_routers()] == [old["launch_id"]]
+        # Still driven: what the controller pushes next reaches the old worker.
+        other = "http://127.0.0.1:10"
+        await workers.links[0].set_serving_backends([other], {other: BackendFacts(0, 2)})
+        status = await workers.links[0].status()
+        assert status["serving"] == [other]
+        # ... and a later reload, with nothing broken, replaces it.
+        await workers.reload()
+        assert (await workers.links[0].status())["serving"] == [other]
+
+        async def old_gone() -> bool:
+            return old["launch_id"] not in {d["launch_id"] for d in journal.running_routers()}
+        await until_async(old_gone, 30, "the old worker drained and stopped")
+        assert len(journal.running_routers()) == 1
+
+
+async def until_async(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+async def replaced_with(workers: RouterWorkers, journal: Journal, old_launch: str,
+                        trial: list[str], version: int) -> None:
+    """Wait until a new process holds worker 0's slot and says it serves BACKEND with these
+    facts and this trial set."""
+    async def holds() -> bool:
+        running = journal.running_routers()
+        if [d["launch_id"] for d in running] == [old_launch] or not running:
+            return False
+        try:
+            status = await workers.links[0].status()
+        except Exception:
+            return False
+        return (status["serving"] == [BACKEND] and status["trial"] == trial
+                and status["facts"][BACKEND]["weight_version"] == version)
+    await until_async(holds, 30, "a replacement serving with the last push's facts")
+
+
+async def test_a_worker_started_again_gets_the_last_facts_and_trial_set(tmp_path: Path) -> None:
+    """Before: a replacement had the serving set on its command line and nothing else (no
+    weight versions, no shard on trial) until the controller's next change."""
+    async with one_worker(tmp_path) as (workers, journal, _):
+        link = workers.links[0]
+        await link.set_serving_backends([BACKEND], {BACKEND: BackendFacts(0, 7)})
+        await link.set_trial_backends([BACKEND])
+        [old] = journal.running_routers()
+        os.kill(old["pid"], signal.SIGKILL)
+        await replaced_with(workers, journal, old["launch_id"], [BACKEND], 7)
+
+
+async def test_a_worker_dies_while_the_journal_cannot_be_written_and_is_started_again(
+        tmp_path: Path) -> None:
+    """Before: the watcher wrote the worker's stop on the loop with no error handling; on a
+    failing disk it raised, and the worker was never started again."""
+    async with one_worker(tmp_path) as (workers, journal, _):
+        await workers.links[0].set_serving_backends([BACKEND], {BACKEND: BackendFacts(0, 1)})
+        [old] = journal.running_routers()
+        # Every connection that may write a router row now fails as a full disk would.
+        readonly = f"file:{journal.path}?mode=ro"
+        journal._read = sqlite3.connect(readonly, uri=True, check_same_thread=False)
+        journal._engines_conn = sqlite3.connect(readonly, uri=True, check_same_thread=False)
+        os.kill(old["pid"], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            try:
+                status = await workers.links[0].status()
+            except Exception:
+                return False
+            return status["facts"].get(BACKEND, {}).get("weight_version") == 1 and (
+                workers.started == 2)
+        await until_async(replaced, 30, "worker 0 started again")
+        assert journal.dropped >= 1 and journal.failure is not None  # said, not swallowed
+        # The disk is back: the stops get recorded, and the journal closes cleanly.
+        journal._read.close()
+        journal._engines_conn.close()
+        journal._read, journal._engines_conn = journal._open_checked(), None
+        journal._writer_error = None
+
+
+def test_a_second_fleet_on_a_port_a_running_fleet_holds_refuses_to_start(tmp_path: Path) -> None:
+    """Before: the second fleet's router workers bound the port beside the first one's
+    (SO_REUSEPORT) and took about half of its requests for their own engines."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    port = str(free_port())
+    first = UpProcess(first_dir, "--engines", "1", "--engine-cmd", SIM, "--router-workers", "1",
+                      "--port", port)
+    second: UpProcess | None = None
+    try:
+        holder = running_routers(first_dir)[0][1]
+        with pytest.raises(RuntimeError) as refused:
+            second = UpProcess(second_dir, "--engines", "1", "--engine-cmd", SIM,
+                               "--router-workers", "1", "--port", port)
+        said = str(refused.value)
+        assert f"router port {port}" in said and f"pid {holder}:" in said, said
+        assert "fleetwarden route" in said  # the holder is named by its command line
+        with journal_of(second_dir) as j:  # the second fleet left nothing running
+            assert live_launch_ids(j.launch_ids() | j.router_launch_ids()) == set()
+        assert "nothing left running" in first.stop()
+    finally:
+        left = end_everything(first_dir, first, second) | end_everything(second_dir)
+    assert left == set()
+
+
+async def test_after_a_kill_in_the_middle_of_a_reload_the_newer_worker_is_adopted(
+        tmp_path: Path) -> None:
+    """Two workers recorded as running in one slot (fleetwarden killed between a reload's start
+    of the new worker and the old one's exit): the newer one, which holds the listeners, is
+    adopted and the older stopped. Before, the older was adopted (a draining worker, its
+    listeners already closed) and the newer stopped: connections were refused for 30 s."""
+    token_file = tmp_path / "token"
+    token = load_or_create_token(token_file)
+    older_j, newer_j = Journal(tmp_path / "older.sqlite"), Journal(tmp_path / "newer.sqlite")
+    older = RouterWorkers(RouterConfig(port=0, workers=1), token, token_file,
+                          tmp_path / "logs", older_j)
+    newer = RouterWorkers(RouterConfig(port=0, workers=1), token, token_file,
+                          tmp_path / "logs", newer_j)
+    restarted: RouterWorkers | None = None
+    try:
+        await older.start([BACKEND])
+        await newer.start([BACKEND])
+        [old_rec] = older_j.running_routers()
+        [new_rec] = newer_j.running_routers()
+        # The next run's journal records both in slot 0, the newer launched later.
+        record = {k: old_rec[k] for k in RouterRecord.__dataclass_fields__}
+        newer_j.router_launched(old_rec["launch_id"], 0, record)
+        with sqlite3.connect(newer_j.path) as conn:
+            conn.execute("UPDATE routers SET launched_wall = 0 WHERE launch_id = ?",
+                         (old_rec["launch_id"],))
+        restarted = RouterWorkers(RouterConfig(port=0, workers=1), token, token_file,
+                                  tmp_path / "logs", newer_j)
+        await restarted.start([BACKEND])
+        assert restarted.adopted == 1 and restarted.started == 0
+        assert restarted.url == new_rec["url"]  # the newer one's port
+        assert [d["launch_id"] for d in newer_j.running_routers()] == [new_rec["launch_id"]]
+        assert live_launch_ids({old_rec["launch_id"]}) == set()  # the older one stopped
+    finally:
+        older._closing = newer._closing = True  # their processes are the restarted run's now
+        for w in (restarted, older, newer):
+            if w is not None:
+                with contextlib.suppress(Exception):
+                    await w.stop()
+        launched = older_j.router_launch_ids() | newer_j.router_launch_ids()
+        kill_launched(launched)
+        older_j.close()
+        newer_j.close()

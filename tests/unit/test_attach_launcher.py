@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.launchers import LaunchError
@@ -135,3 +136,54 @@ def _marked(mark: str) -> list[int]:
             if mark.encode() in env and _alive(int(entry.name)):
                 found.append(int(entry.name))
     return found
+
+
+class _NoStartTimeEngine:
+    """An engine that answers /health and has no start time to tell its processes apart (no
+    /metrics, as SGLang's or TGI's without one), on a port it can leave and come back to."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.runner: web.AppRunner | None = None
+
+    async def up(self) -> None:
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True).start()
+
+    async def down(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+@pytest.mark.parametrize("down_at_launch", [False, True])
+async def test_a_passive_wait_for_an_engine_with_no_start_time_ends_when_it_is_back(
+        down_at_launch: bool) -> None:
+    """With no restart command fleetwarden waits for the system that runs the engine to
+    replace it. Without a start time the wait only ended for a restart command: a passive one
+    never did, and the shard stayed DEAD while its new engine answered."""
+    port = free_port("127.0.0.1")
+    engine = _NoStartTimeEngine(port)
+    fleet = FleetConfig(engines=0, backends=[f"http://127.0.0.1:{port}"])
+    launcher = AttachLauncher(fleet, HealthConfig(probe_timeout_s=0.5))
+    try:
+        if not down_at_launch:
+            await engine.up()  # condemned (a stall, say) while it still answered
+        handle = await launcher.launch(0)
+        waiting = asyncio.create_task(launcher.wait_ready(handle, 20.0))
+        await asyncio.sleep(0.6)  # a poll or more: it still answers, or not yet
+        assert not waiting.done()  # nothing says a new process answers yet
+        if not down_at_launch:
+            await engine.down()  # the system that runs it replaces it
+            await asyncio.sleep(0.6)
+        await engine.up()
+        await asyncio.wait_for(waiting, 10)
+    finally:
+        await engine.down()
+        await launcher.close()

@@ -16,6 +16,7 @@ from fleetwarden.ledger import (
     ShardRecord,
     ShardState,
     Transition,
+    WeightsMode,
 )
 
 N = 4
@@ -26,11 +27,15 @@ shard = st.integers(0, N - 1)
 
 
 class LedgerMachine(RuleBasedStateMachine):
+    #: Trainer mode: a new run is STALE. :class:`StaticLedgerMachine` runs the same rules with
+    #: static weights, where a new run of a SUSPECT shard is HEALTHY at once.
+    weights: WeightsMode = "trainer"
+
     def __init__(self) -> None:
         super().__init__()
         self.t = 0.0
         self.ledger = Ledger([f"http://10.0.0.{i}:8000" for i in range(N)],
-                             Policy(weights="trainer"), clock=lambda: self.t)
+                             Policy(weights=self.weights), clock=lambda: self.t)
         self.seen: list[Transition] = []
         self.ledger.subscribe(self.seen.append)
         self.before = self.ledger.snapshot()
@@ -263,6 +268,18 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert b.weight_version == a.weight_version
 
     @invariant()
+    def a_healthy_shard_is_routed(self) -> None:
+        # HEALTHY is the ledger's promise that the shard serves: it is in every push. An
+        # ejection or a trial is about a SUSPECT shard only; one kept past the state that
+        # justified it would keep a HEALTHY shard out of routing for good.
+        snap = self.ledger.snapshot()
+        for r in snap:
+            if r.state is H:
+                assert r.routable and not r.on_trial, r
+        urls = set(self.ledger.serving_urls())
+        assert {r.base_url for r in snap if r.state is H} <= urls
+
+    @invariant()
     def queries_agree_with_states(self) -> None:
         snap = self.ledger.snapshot()
         assert self.ledger.serving() == [r.index for r in snap if r.state in ROUTABLE]
@@ -314,3 +331,13 @@ LedgerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=60, deadline=None
 )
 test_ledger_invariants_hold_for_any_sequence_of_operations = LedgerMachine.TestCase
+
+
+class StaticLedgerMachine(LedgerMachine):
+    weights: WeightsMode = "static"
+
+
+StaticLedgerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None
+)
+test_ledger_invariants_hold_with_static_weights = StaticLedgerMachine.TestCase

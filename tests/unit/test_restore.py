@@ -30,7 +30,7 @@ def test_a_first_launch_that_fails_leaves_no_shard_restarting() -> None:
     ledger.condemn(0, "exited")
     ledger.mark_restarting(0)  # the last run died in the middle of this restart
     begin_run(ledger, {0: LaunchError("no /health"), 1: LaunchError("no /health"),
-                       2: engine(2, 9002)}, attached=[])
+                       2: engine(2, 9002)}, attached={})
     assert [ledger.state(0), ledger.state(1), ledger.state(2)] == [D, D, H]
     assert "first start failed" in ledger.shard(1).last_error
 
@@ -41,7 +41,7 @@ def test_fleetwardens_own_restarts_spend_no_budget() -> None:
     ledger, seen = restored(2)
     ledger.report_failure(1, "500")
     for run in range(8):
-        begin_run(ledger, {i: engine(i, 9000 + 10 * run + i) for i in range(2)}, attached=[])
+        begin_run(ledger, {i: engine(i, 9000 + 10 * run + i) for i in range(2)}, attached={})
     assert [r.restart_attempts for r in ledger.snapshot()] == [0, 0]
     assert [ledger.state(0), ledger.state(1)] == [H, H]
     assert ledger.shard(1).consecutive_reported_failures == 0  # the last run's process's
@@ -54,7 +54,7 @@ def test_an_interrupted_restart_completes_and_a_dead_shard_is_left_to_the_superv
     ledger.condemn(0, "exited")
     ledger.mark_restarting(0)
     ledger.condemn(1, "exited")
-    begin_run(ledger, {0: engine(0, 9100), 2: engine(2, 9102)}, attached=[])
+    begin_run(ledger, {0: engine(0, 9100), 2: engine(2, 9102)}, attached={})
     r0 = ledger.shard(0)
     assert (r0.state, r0.restart_attempts, r0.base_url) == (ST, 1, "http://127.0.0.1:9100")
     assert ledger.state(1) is D and ledger.shard(1).restart_attempts == 0
@@ -63,7 +63,8 @@ def test_an_interrupted_restart_completes_and_a_dead_shard_is_left_to_the_superv
 def test_trainer_mode_new_engines_wait_for_a_refit_and_attached_ones_too() -> None:
     ledger, _ = restored(3, weights="trainer")
     ledger.record_probe(2, False, "refused")
-    begin_run(ledger, {0: engine(0, 9200), 1: engine(1, 9201)}, attached=[2])
+    begin_run(ledger, {0: engine(0, 9200), 1: engine(1, 9201)},
+              attached={2: "http://127.0.0.1:8002"})
     assert [ledger.state(i) for i in range(3)] == [ST, ST, ST]
     assert ledger.shard(2).base_url == "http://127.0.0.1:8002"  # attached: same URL
     assert ledger.shard(2).consecutive_probe_failures == 0
@@ -72,5 +73,63 @@ def test_trainer_mode_new_engines_wait_for_a_refit_and_attached_ones_too() -> No
 
 def test_a_new_engine_on_a_url_another_shard_records_fails_cleanly() -> None:
     ledger, _ = restored(2)
-    begin_run(ledger, {0: engine(0, 8001)}, attached=[])  # shard 1 records port 8001
+    begin_run(ledger, {0: engine(0, 8001)}, attached={})  # shard 1 records port 8001
     assert ledger.state(0) is D and "belongs to another shard" in ledger.shard(0).last_error
+
+
+def test_a_shard_ejected_in_the_last_run_is_routed_as_soon_as_it_is_healthy_again() -> None:
+    """An engine ejected for failed requests, then fleetwarden restarted (killed or stopped):
+    its shard came back HEALTHY with the last run's ejected_until, which no good probe clears
+    once HEALTHY, so no push ever named it again."""
+    for attached in (False, True):
+        ledger, _ = restored(2)
+        ledger.report_failure(1, "500")  # ejected: SUSPECT, out of routing
+        assert ledger.shard(1).ejected_until is not None
+        if attached:
+            begin_run(ledger, {}, attached={1: "http://127.0.0.1:8001"})
+        else:
+            begin_run(ledger, {1: engine(1, 9301)}, attached={})
+        r = ledger.shard(1)
+        assert r.state is H
+        assert (r.ejected_until, r.on_trial, r.ejections) == (None, False, 0)
+        assert r.base_url in ledger.serving_urls()
+
+
+def test_an_edited_backends_list_is_the_one_routed_after_a_restart() -> None:
+    """Restarted with one --backend replaced, the fleet kept the journal's URL and routed to the
+    old engine, never to the new one."""
+    ledger, _ = restored(3)
+    begin_run(ledger, {}, attached={1: "http://127.0.0.1:8001", 2: "http://127.0.0.1:9999"})
+    assert ledger.serving_urls() == ["http://127.0.0.1:8000", "http://127.0.0.1:8001",
+                                     "http://127.0.0.1:9999"]
+    assert ledger.shard_for_url("http://127.0.0.1:8002") is None
+
+
+def test_a_backend_moved_down_the_list_takes_the_url_its_neighbour_left() -> None:
+    ledger, _ = restored(3)  # 8000, 8001, 8002: 8001 removed, 8002 moved up, 8003 added
+    begin_run(ledger, {}, attached={1: "http://127.0.0.1:8002", 2: "http://127.0.0.1:8003"})
+    assert [r.base_url for r in ledger.snapshot()] == [
+        "http://127.0.0.1:8000", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
+    assert [ledger.state(i) for i in range(3)] == [H, H, H]
+
+
+def test_two_backends_that_swapped_places_are_condemned_not_routed_to_the_wrong_shard() -> None:
+    ledger, _ = restored(2)
+    begin_run(ledger, {}, attached={0: "http://127.0.0.1:8001", 1: "http://127.0.0.1:8000"})
+    assert [ledger.state(i) for i in range(2)] == [D, D]
+    assert "belongs to another shard" in ledger.shard(0).last_error
+
+
+def test_a_condemned_backend_replaced_in_the_config_is_loaded_on_its_new_url() -> None:
+    """A DEAD attached shard kept its journal URL: the passive wait for its engine to come
+    back watched the old URL (or the new engine, which never restarts), so the replacement
+    the operator configured was never routed."""
+    ledger, _ = restored(2)
+    ledger.condemn(1, "stuck")
+    begin_run(ledger, {}, attached={1: "http://127.0.0.1:9999"})
+    r = ledger.shard(1)
+    assert (r.state, r.base_url, r.restart_attempts) == (ST, "http://127.0.0.1:9999", 1)
+    # ... while one whose URL is unchanged is left to the supervisor, as before.
+    ledger.condemn(0, "stuck")
+    begin_run(ledger, {}, attached={0: "http://127.0.0.1:8000"})
+    assert ledger.state(0) is D

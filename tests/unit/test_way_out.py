@@ -229,7 +229,7 @@ async def drive(seed: int, tmp_path: Path) -> dict[str, int]:
                 shell = Shell(rng, ledger, journal, config, clock)
                 to_launch = [i for i in range(LAUNCHED) if ledger.state(i) not in (X, D)]
                 first = await launch_first(shell.launcher, to_launch, STARTUP_S)
-                begin_run(ledger, first, attached=[PASSIVE])
+                begin_run(ledger, first, attached={PASSIVE: ledger.shard(PASSIVE).base_url})
                 for i, result in first.items():
                     if isinstance(result, EngineHandle):
                         shell.supervisor.adopt(i, result)

@@ -72,6 +72,9 @@ class AttachLauncher:
         self.command_timeout_s = fleet.startup_timeout_s
         #: The incarnation each engine had before its restart began.
         self._before: dict[str, str | None] = {}
+        #: The engines seen not answering /health since their restart began (the launch read
+        #: included): without a start time, the only sign that a new process answers.
+        self._seen_down: set[str] = set()
 
     @property
     def can_restart(self) -> bool:
@@ -80,7 +83,7 @@ class AttachLauncher:
     async def launch(self, shard: int) -> EngineHandle:
         url = self.urls[shard]
         async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
-            _, before = await read_incarnation(session, url)
+            answered, before = await read_incarnation(session, url)
         handle = EngineHandle(shard=shard, url=url, launch_id=f"attach-{uuid.uuid4().hex[:12]}",
                               launched_at=time.time())
         if self.command is not None:
@@ -103,6 +106,8 @@ class AttachLauncher:
         # Kept only once the launch succeeded: a failed one has no handle to stop, and an
         # entry for it would stay for good.
         self._before[handle.launch_id] = before
+        if not answered:
+            self._seen_down.add(handle.launch_id)
         return handle
 
     async def _finish(self, proc: asyncio.subprocess.Process, shard: int) -> bytes:
@@ -124,17 +129,28 @@ class AttachLauncher:
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
         """Ready when the engine answers under a new incarnation (or, without metrics, when it
         answers /health again after the restart command)."""
-        before = self._before.get(handle.launch_id)
+        key = handle.launch_id
+        before = self._before.get(key)
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
             while time.monotonic() < deadline:
                 healthy, now = await read_incarnation(session, handle.url)
+                if not healthy:
+                    self._seen_down.add(key)
                 if healthy and now is not None and now != before:
+                    self._seen_down.discard(key)
                     handle.launch_id = now  # the incarnation the watchdog reports, same spelling
                     return
-                if healthy and now is None and before is None and self.command is not None:
-                    return  # no metrics to tell processes apart: /health after the command
+                if healthy and now is None and before is None and (
+                        self.command is not None or key in self._seen_down):
+                    # No start time to tell processes apart: /health after the command, or,
+                    # waiting passively, /health again after it was seen not answering (the
+                    # system that runs it replaced it). Without the second, a passive wait for
+                    # an engine with no start time (SGLang, TGI, many attached ones) never
+                    # ended, and its shard stayed DEAD with its engine serving again.
+                    self._seen_down.discard(key)
+                    return
                 last = ("answers under the same incarnation" if healthy and now == before
                         else "not answering /health" if not healthy else "no incarnation")
                 await asyncio.sleep(_POLL_S)
@@ -142,7 +158,9 @@ class AttachLauncher:
 
     async def stop(self, handle: EngineHandle) -> None:
         self._before.pop(handle.launch_id, None)  # someone else runs it: nothing to stop
+        self._seen_down.discard(handle.launch_id)
 
     async def close(self) -> None:
         self._before.clear()
+        self._seen_down.clear()
 

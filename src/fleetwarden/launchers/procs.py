@@ -35,6 +35,7 @@ __all__ = [
     "find_group_member",
     "group_members",
     "kill_and_reap",
+    "listening_processes",
     "process_info",
     "process_start_ticks",
     "process_start_time",
@@ -108,6 +109,38 @@ def process_info(pid: int) -> ProcessInfo | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     return _parse(pid, stat, raw_cmd)
+
+
+#: ``/proc/net/tcp``'s state of a listening socket (TCP_LISTEN).
+_TCP_LISTEN = "0A"
+
+
+def listening_processes(port: int) -> list[ProcessInfo]:
+    """The processes holding a TCP socket that listens on ``port`` (any address, IPv4 or 6):
+    the sockets' inodes from ``/proc/net/tcp*``, their holders from ``/proc/*/fd``. Empty when
+    none is found (or the holder's ``fd`` cannot be read: another user's process)."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in (_PROC / "net" / table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if (len(fields) > 9 and fields[3] == _TCP_LISTEN
+                        and int(fields[1].rsplit(":", 1)[1], 16) == port):
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return []
+    holders = []
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            held = any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir())
+        except OSError:  # it exited, or it is not ours to read
+            continue
+        info = process_info(int(entry.name)) if held else None
+        if info is not None:
+            holders.append(info)
+    return holders
 
 
 def process_start_ticks(pid: int) -> int | None:

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,7 @@ from fleetwarden.launchers.local import (
 )
 from fleetwarden.launchers.procs import (
     group_members,
+    listening_processes,
     process_info,
     process_start_ticks,
     signal_process,
@@ -118,6 +121,9 @@ class WorkerLink:
         self._remote: RemoteRouter | None = None
         self.last_push: list[str] = []
         self.last_facts: Mapping[str, BackendFacts] | None = None
+        #: The shards on trial and the Retry-After last pushed: a replacement gets them too.
+        self.last_trial: list[str] = []
+        self.last_retry_after: float | None = None
 
     @property
     def url(self) -> str:
@@ -153,7 +159,18 @@ class WorkerLink:
         return await self._now().in_flight()
 
     async def set_retry_after(self, seconds: float | None) -> None:
+        self.last_retry_after = seconds
         await self._now().set_retry_after(seconds)
+
+    async def set_trial_backends(self, urls: Sequence[str]) -> None:
+        self.last_trial = list(urls)
+        await self._now().set_trial_backends(urls)
+
+    async def push_last(self) -> None:
+        """Everything last pushed, again: for the process now in the slot (a replacement)."""
+        await self.set_serving_backends(self.last_push, self.last_facts)
+        await self.set_trial_backends(self.last_trial)
+        await self.set_retry_after(self.last_retry_after)
 
     async def status(self) -> dict[str, Any]:
         return await self._now().status()
@@ -253,6 +270,11 @@ class RouterWorkers:
         await self._adopt_or_stop()
         if self.port == 0:
             self.port = free_port(self.config.host)
+        elif not self.adopted:
+            # SO_REUSEPORT lets any process of this user bind a port our workers would share:
+            # a second fleet on it would silently take half of the first one's requests.
+            # Adopted workers hold the port as ours; with none, whoever holds it is not.
+            refuse_if_taken(self.config.host, self.port)
         missing = [link.worker for link in self.links if link.worker not in self._procs]
         for worker in missing:
             self.links[worker].last_push = list(backends)
@@ -262,7 +284,11 @@ class RouterWorkers:
     async def _adopt_or_stop(self) -> None:
         if self.journal is None:
             return
-        for d in self.journal.running_routers():
+        # Newest first: a fleetwarden killed in the middle of a reload leaves two generations
+        # recorded as running, and the newer one holds the listeners (the older may already
+        # have closed its own and be draining). Adopting the older and stopping the newer
+        # left no listener at all (the fleet model measured connections refused for 30 s).
+        for d in reversed(self.journal.running_routers()):
             try:
                 saved = RouterRecord.from_dict(d)
             except (KeyError, TypeError):
@@ -285,7 +311,18 @@ class RouterWorkers:
                          saved.worker, saved.pid, saved.url)
                 continue
             await self._stop_leftover(saved)
-            self.journal.router_stopped(saved.launch_id)
+            await self._journal_write(self.journal.router_stopped, saved.launch_id)
+
+    @staticmethod
+    async def _journal_write(write: Callable[..., None], *args: Any) -> None:
+        """A journal row, written off the loop (its commit's fsync never holds the workers'
+        control). The journal counts and reports a failed write itself; whatever else goes
+        wrong is logged here, never raised: a watcher that raised would never start its
+        worker again."""
+        try:
+            await asyncio.to_thread(write, *args)
+        except Exception as exc:
+            log.error("router workers: a journal write failed: %s", exc)
 
     @staticmethod
     def _alive(saved: RouterRecord) -> bool:
@@ -353,7 +390,8 @@ class RouterWorkers:
             launched_at=time.time())
         self._procs[worker] = _Process(record, proc)
         if self.journal is not None:
-            self.journal.router_launched(launch_id, worker, record.to_dict())
+            await self._journal_write(self.journal.router_launched, launch_id, worker,
+                                      record.to_dict())
         self._watch(worker, proc.wait())
         await self._wait_answering(record, proc)
         await self.links[worker].connect(record.control_url)
@@ -384,7 +422,7 @@ class RouterWorkers:
             log.warning("router worker %d (pid %d) exited with code %s; starting another",
                         worker, p.record.pid, code)
             if self.journal is not None:
-                self.journal.router_stopped(p.record.launch_id)
+                await self._journal_write(self.journal.router_stopped, p.record.launch_id)
             self._retire_counters(worker)
             await self.links[worker].disconnect()
             await asyncio.sleep(RESTART_DELAY_S)
@@ -392,8 +430,13 @@ class RouterWorkers:
                 return
             try:
                 await self._launch(worker)
-            except Exception as exc:
+            except Exception as exc:  # its own watcher starts another once it exits
                 log.error("router worker %d: could not start again: %s", worker, exc)
+                return
+            # Its command line names the last serving set, not the facts that go with it
+            # (weight versions, the shards on trial): without this push a replacement serves
+            # without them until the controller's next change, which may be an hour away.
+            await self._push_last(worker)
 
         p.watcher = asyncio.create_task(watch(), name=f"router-watch:{worker}")
 
@@ -433,11 +476,17 @@ class RouterWorkers:
                                    if w % n == link.worker] for link in self.links}
         # Every new worker first, then every old one told at once: a client that an old one
         # tells to reconnect finds only new listeners.
-        await asyncio.gather(*(self._launch(link.worker, take_from[link.worker])
-                               for link in self.links))
+        started = await asyncio.gather(*(self._launch(link.worker, take_from[link.worker])
+                                         for link in self.links), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            # All or nothing: an old worker that is neither replaced nor driven any more
+            # serves a frozen serving set, and one no slot holds outlives the stop.
+            await self._roll_back(olds)
+            raise LaunchError(f"router reload rolled back, the old workers serve on: "
+                              f"{'; '.join(str(e) for e in failed)}")
         for link in self.links:
-            with contextlib.suppress(Exception):
-                await link.set_serving_backends(link.last_push, link.last_facts)
+            await self._push_last(link.worker)
         # Every old listener closed, and each has said so, before any old router answers a
         # request with "Connection: close": a client reconnecting finds only new listeners (a
         # connection queued at a listener as it closes is reset by the kernel). One that does
@@ -451,6 +500,36 @@ class RouterWorkers:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
+
+    async def _roll_back(self, olds: Mapping[int, _Process]) -> None:
+        """A reload that could not start every new worker: stop the new ones it started
+        (they hold duplicates of the old listeners, which stay open in the old workers: no
+        queued connection is lost), put the old ones back in their slots and push them the
+        last serving set and its facts, so they are driven as before."""
+        news = [p for w, p in self._procs.items() if p is not olds.get(w)]
+        for p in news:
+            p.stopping = True
+        results = await asyncio.gather(*(self._stop_one(p) for p in news),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("router reload roll-back: %s", r)
+        for worker, old in olds.items():
+            old.stopping = False  # its exit is a failure again: another is started for it
+            self._procs[worker] = old
+            await self.links[worker].connect(old.record.control_url)
+            await self._push_last(worker)
+        log.error("router reload rolled back: the workers %s serve on",
+                  [p.record.pid for p in olds.values()])
+
+    async def _push_last(self, worker: int) -> None:
+        """Push the last serving set, its facts, the trial set and the Retry-After to the
+        worker now in slot ``worker``."""
+        try:
+            await self.links[worker].push_last()
+        except Exception as exc:  # the controller's next push tries again
+            log.warning("router worker %d: the last push could not be repeated: %s",
+                        worker, exc)
 
     async def _stop_accepting(self, old: _Process) -> None:
         try:
@@ -484,7 +563,7 @@ class RouterWorkers:
         if old.watcher is not None:
             old.watcher.cancel()
         if self.journal is not None:
-            self.journal.router_stopped(rec.launch_id)
+            await self._journal_write(self.journal.router_stopped, rec.launch_id)
 
     async def stop(self) -> None:
         """Stop every worker (SIGTERM: they stop accepting and finish what they hold, up to
@@ -526,8 +605,32 @@ class RouterWorkers:
             with contextlib.suppress(asyncio.CancelledError):
                 await p.watcher
         if self.journal is not None:
-            self.journal.router_stopped(rec.launch_id)
+            await self._journal_write(self.journal.router_stopped, rec.launch_id)
         log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
+
+
+def refuse_if_taken(host: str, port: int) -> None:
+    """Raise :class:`LaunchError`, naming the holder, when something listens on ``port``.
+
+    The probe binds without ``SO_REUSEPORT`` (which every router worker sets, so the kernel
+    refuses it while any listener holds the port) and with ``SO_REUSEADDR`` (so connections
+    of a stopped fleet still in TIME_WAIT do not count).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise LaunchError(f"router port {port} on {host}: {exc}") from exc
+    holders = listening_processes(port)
+    named = "; ".join(f"pid {p.pid}: {p.title[:200]}" for p in holders) or (
+        "a process this user cannot see")
+    raise LaunchError(
+        f"router port {port} on {host} is already served by {named}. Another fleet (or "
+        "another program) holds it; stop it first, or give this fleet another [router] port")
 
 
 class _WorkersCollector(Collector):

@@ -32,6 +32,8 @@ faithful:
   by a restart, a sleep and ``POST /reset_prefix_cache`` (200, as vLLM's dev-mode endpoint).
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
+* A poison request: a completion whose prompt starts with :data:`POISON_PROMPT` is answered
+  with that 500 by every simulated engine, faulty or not (the request is the problem).
 
 Control: ``POST /sim/fault {"mode": "wedge", "factor": 4, "duration_s": 5}`` (``"mode": null``
 or ``DELETE /sim/fault`` clears), ``GET /sim/fault``, and ``GET /sim/stats``: every request
@@ -69,8 +71,12 @@ from fleetwarden.sim.sampling import (
     parse_params,
 )
 
-__all__ = ["DIRECTIVES", "FAULT_HEADER", "FAULT_ID_HEADER", "FaultMode", "Sim", "SimConfig",
-           "serve"]
+__all__ = ["DIRECTIVES", "FAULT_HEADER", "FAULT_ID_HEADER", "POISON_PROMPT", "FaultMode", "Sim",
+           "SimConfig", "serve"]
+
+#: A completion whose prompt starts with this is a poison request: every simulated engine
+#: answers it 500, as a real engine answers an input that trips one of its assertions.
+POISON_PROMPT = "sim:poison"
 
 #: A request's own fault, for tests that cut many requests on a few long-lived engines:
 #: ``x-sim-fault: KIND@N`` fires once its stream has written N token chunks: ``crash`` (vLLM's
@@ -566,6 +572,11 @@ class Sim:
         if isinstance(params, dict):
             return _json(params, 400)
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
+            return _json(wire.ENGINE_DEAD, 500)
+        if isinstance(raw_prompt := body.get("prompt"), str) and raw_prompt.startswith(
+                POISON_PROMPT):
+            # A request no engine can serve (a real engine's assertion on one input): the
+            # same 500 from every engine, while the engine itself serves on.
             return _json(wire.ENGINE_DEAD, 500)
 
         loop = asyncio.get_running_loop()

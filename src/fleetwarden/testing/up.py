@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,8 +29,12 @@ __all__ = ["UpProcess"]
 class UpProcess:
     """`fleetwarden up --quiet`, on free ports unless ``args`` name ports or a config file."""
 
-    def __init__(self, workdir: Path, *args: str, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, workdir: Path, *args: str, start_timeout_s: float = 120.0,
+                 drain: bool = False) -> None:
+        """``drain``: read what it prints after the start too, in a thread (into
+        ``output``), so a fleet that runs long and logs much never blocks on a full pipe."""
         self.workdir = workdir
+        self._drain: threading.Thread | None = None
         argv = [sys.executable, "-m", "fleetwarden", "up", "--quiet"]
         if "--config" not in args:  # a config file names its own ports
             if "--port" not in args:
@@ -57,6 +62,14 @@ class UpProcess:
             raise RuntimeError("fleetwarden up did not start:\n" + "".join(self.output))
         self.client_token_file = self._token_file()
         self.client = FleetClient(self.admin, token_file=self.client_token_file)
+        if drain:
+            self._drain = threading.Thread(target=self._read_rest, daemon=True)
+            self._drain.start()
+
+    def _read_rest(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
 
     def _token_file(self) -> Path:
         args = self.proc.args
@@ -79,10 +92,16 @@ class UpProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
+        if self._drain is not None:
+            self._drain.join(timeout=10)
 
     def stop(self, timeout_s: float = 120.0) -> str:
         """SIGTERM (a clean stop: every engine stopped); everything it printed."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        if self._drain is not None:
+            self.proc.wait(timeout=timeout_s)
+            self._drain.join(timeout=10)
+            return "".join(self.output)
         out, _ = self.proc.communicate(timeout=timeout_s)
         return "".join(self.output) + (out or "")
