@@ -15,9 +15,9 @@ one that is condemned, as Kubernetes would) beside engines fleetwarden launches 
 
 Every draw comes from one ``random.Random(seed)``; the seed is printed first, and the same
 seed draws the same operations (the fleet's timing still varies: a failure replays its
-operations, not its every interleaving). Invariants whose fixes are not on this branch are
-*gated*: their checks still run and their violations are counted apart, named by the gate,
-never hidden (:data:`GATES`).
+operations, not its every interleaving). Invariants the fleet does not yet hold in every case
+are *gated*: their checks still run and their violations are counted apart, named by the gate
+and printed, never hidden (:data:`GATES`); every other violation fails.
 """
 
 from __future__ import annotations
@@ -50,19 +50,16 @@ from fleetwarden.testing.up import UpProcess
 
 __all__ = ["GATES", "Epoch", "ModelReport", "Violation", "run_model"]
 
-#: Invariants that need fixes made on another branch (issue 28's "Refit and sleep" and
-#: "Healthy engines punished" items). Their checks run; a violation under a gate is reported
-#: under its name, apart from the others.
+#: Known ways the fleet still breaks its contract (docs/design.md, "The fleet's contract"):
+#: their checks run; a violation under a gate is reported under its name, apart from the
+#: others, and does not fail the run. A gate comes off when its rule holds.
 GATES: dict[str, str] = {
-    "poison-ejects": "a poison request (the same 5xx everywhere) ejects the healthy engine it "
-                     "hit first",
-    "level2-wakes-healthy": "a level-2 sleep (weights discarded) wakes HEALTHY under the old "
-                            "version label",
+    "poison-ejects": "a poison request (the same 5xx everywhere) still ejects, now and then, "
+                     "a healthy engine it hit (the router's poison rule holds it back in the "
+                     "unit tests; the model's cases are not yet diagnosed)",
     "restart-in-lease-credit": "a participant restarted during a lease (an engine with no "
                                "start time, or one not read again before the trainer "
                                "completes) is credited with the version it never received",
-    "overrun-ejects-all": "an overrun lease ejects every participant at once (409s while "
-                          "healthy engines exist)",
     "poison-misread": "two engines failing with the same 5xx at once make the router read "
                       "the request as poison and pass that 5xx to the client while a third "
                       "engine is healthy",
@@ -782,8 +779,6 @@ path = "{self.journal_path}"
                            gate=self.failure_gate(r))
 
     def failure_gate(self, r: RequestResult) -> str | None:
-        if r.status == 409 and self.op == "refit_overrun":
-            return "overrun-ejects-all"
         if r.status == 409 and self.poison_at >= r.started - FAULT_MEMORY_S:
             return "poison-ejects"  # the healthy engines it ejected left none to serve
         broken = [i for i, t in self.faulted_at.items() if t >= r.started - FAULT_MEMORY_S]
@@ -819,8 +814,7 @@ path = "{self.journal_path}"
             s = shards[i]
             routed = any(s["base_url"] in st["serving"] for st in sets.values())
             if s["state"] == "HEALTHY" or (routed and s["state"] == "SUSPECT"):
-                gate = ("level2-wakes-healthy" if why == "level 2"
-                        else "restart-in-lease-credit" if why == "sglang" else None)
+                gate = "restart-in-lease-credit" if why == "sglang" else None
                 self.violation("an engine that lost its weights never serves under a version "
                                "label", f"shard {i} ({why}) is {s['state']} v"
                                f"{s['weight_version']}, routed {routed}", gate)
