@@ -341,6 +341,8 @@ class Story:
 
 #: Seconds the load runs on after a real engine's quarantine before it pauses (see fault()).
 _RESCUES_FINISH_S = 5.0
+#: Lost requests printed under the summary (all of them are in summary.json).
+_FAILURES_SHOWN = 10
 
 
 async def _canaries(urls: list[str]) -> int:
@@ -445,6 +447,9 @@ async def run_demo(*, quick: bool = False, engine_cmd: str | None = None,
     lost = summary["totals"]["client_errors"]
     console.print("[green]no request was lost[/green]" if lost == 0
                   else f"[red]{lost} requests were lost[/red]")
+    for failure in summary["failures"][:_FAILURES_SHOWN]:
+        console.print(f"  {failure['request_id']} at {failure['started_s']} s: "
+                      f"{failure['status']} {failure['error']}", markup=False)
     failed = [f["name"] for f in summary["faults"] if f["failed"]]
     if failed:
         console.print(f"[red]not played as written: {', '.join(failed)}[/red]")
@@ -472,6 +477,10 @@ def _summary(story: Story) -> dict[str, Any]:
             "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
             "duration_s": round(story.now(), 1),
         },
+        # what each lost request met, as its client saw it: the first place to look
+        "failures": [{"request_id": r.request_id, "started_s": round(r.started - story.t0, 2),
+                      "status": r.status, "error": r.error or r.incomplete}
+                     for r in results if not r.ok],
         "transitions": [{k: t[k] for k in ("wall", "shard", "from", "to", "cause")}
                         for t in story.fleet.events.recent],
     }
