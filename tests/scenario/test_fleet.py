@@ -429,7 +429,7 @@ async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
     class Broken:
         url = "http://broken-router"
 
-        async def set_serving_backends(self, urls: object) -> None:
+        async def set_serving_backends(self, urls: object, facts: object = None) -> None:
             raise ConnectionError("router unreachable")
 
         async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
@@ -451,9 +451,11 @@ async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
         last = fleet.controller.last_tick
         assert last is not None and any("broken-router" in e for e in last.router_errors)
         await fleet.inject_fault(0, "crash", {})
-        await until(lambda: fleet.ledger.state(0) is H and fleet.supervisor.restarts_completed,
+        # The push runs as its own task after the ledger's transition: wait for it, not the
+        # transition alone.
+        await until(lambda: fleet.ledger.state(0) is H and fleet.supervisor.restarts_completed
+                    and fleet.ledger.shard(0).base_url in fleet.router.serving_backends(),
                     timeout=60, what="the healthy router still gets the replacement")
-        assert fleet.ledger.shard(0).base_url in fleet.router.serving_backends()
 
 
 def test_invalid_config_names_the_key_at_the_command_line(tmp_path: Path) -> None:
