@@ -277,6 +277,31 @@ def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[st
     assert isinstance(plan, str) and cause in plan
 
 
+@pytest.mark.parametrize(("path", "name", "inside", "body"), [
+    # vLLM's own captures: a token that begins a character comes with empty text, and the
+    # next one writes the character ("\ufffd", the tiny model's bytes are not valid UTF-8).
+    ("/v1/completions", "completions-stream-token-ids.http", 2,
+     {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True}),
+    ("/v1/chat/completions", "chat-stream-token-ids.http", 4,
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+      "stream": True}),
+])
+def test_a_cut_inside_a_character_is_refused_and_one_after_it_continues_from_ids(
+        path: str, name: str, inside: int, body: dict[str, Any]) -> None:
+    # Continued from ids ending inside a character, vLLM's detokenizer starts with no prefix
+    # and its first chunk carries the whole decoded prompt: refused, naming the cause.
+    splice = _cut_after(body, path, name, inside)
+    assert splice.unwritten == 1
+    plan = splice.continuation()
+    assert isinstance(plan, str) and "inside a character" in plan
+    # One chunk later the character is written: the ids continue exactly.
+    splice = _cut_after(body, path, name, inside + 1)
+    assert splice.unwritten == 0
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
+    assert json.loads(plan.body)["prompt"] == (splice.prompt_ids or []) + splice.output_ids
+
+
 def test_reasoning_and_images_in_a_chat_are_refused() -> None:
     image = {"role": "user", "content": [{"type": "text", "text": "hi"},
                                          {"type": "image_url", "image_url": {"url": "x"}}]}

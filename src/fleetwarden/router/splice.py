@@ -250,6 +250,10 @@ class Splice:
         self.output_ids: list[int] = []
         #: Every output chunk so far carried its token ids.
         self.ids_complete = True
+        #: Output tokens since the last chunk that carried text: ids the engine's detokenizer
+        #: had not written yet (the start of a character whose bytes span tokens, or a
+        #: skipped special token).
+        self.unwritten = 0
         self.text: list[str] = []
         self.reasoning: list[str] = []
         #: A chat's reasoning (thinking) output came: a continuation as a completion would
@@ -361,6 +365,8 @@ class Splice:
                 self.produced += 1
             if isinstance(text, str):
                 self.text.append(text)
+            if text or isinstance(ids, list):
+                self.unwritten = 0 if text else self.unwritten + len(ids or ())
             if choice.get("finish_reason") is not None:
                 self.finished_choices.add(choice.get("index", 0))
                 self.finish_reason = choice["finish_reason"]
@@ -621,6 +627,15 @@ class Splice:
             return "reasoning output (its parser's state does not carry over)"
         if self.request.chat and _multimodal(body.get("messages")):
             return "images or other non-text content (a prompt of ids does not carry them)"
+        if self.unwritten:
+            # The last tokens came with no text: vLLM's detokenizer writes a character only
+            # once all its bytes came. A continuation whose prompt ends inside one starts its
+            # DecodeStream with no prefix (the prompt decodes to text ending in U+FFFD), so its
+            # first chunk would carry the whole decoded prompt; and a text continuation would
+            # lose the bytes. The router has no tokenizer to tell this from a skipped special
+            # token, so both are refused.
+            return ("a cut inside a character (the engine had not written the text of its "
+                    f"last {self.unwritten} token(s))")
         return None
 
 
