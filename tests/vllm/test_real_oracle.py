@@ -42,7 +42,7 @@ CASES = 24
 #: Seeds that found an inexact case, run again every time. 415644737: a completion of
 #: "serving model" cut just after a token that began a character came out with the decoded
 #: prompt in front of its text (vLLM's detokenizer on a prompt of ids ending inside a
-#: character; the router now refuses such a cut).
+#: character; the router now continues from before the token with no text).
 KEPT_SEEDS = (415644737,)
 #: Events a stream has had before the core is killed: under way.
 UNDER_WAY = 2
@@ -163,10 +163,9 @@ def _call(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def test_a_prompt_of_ids_ending_inside_a_character_comes_back_in_the_text(
         pair: tuple[LocalEngine, LocalEngine]) -> None:
-    """Why a cut inside a character is refused (router/splice.py): vLLM's detokenizer starts a
-    prompt of ids with no prefix where the prompt decodes to text ending in U+FFFD, and writes
-    the whole decoded prompt in front of the output. Were this to change, the refusal could be
-    lifted."""
+    """Why a cut inside a character continues from before it (router/splice.py): vLLM's
+    detokenizer starts a prompt of ids with no prefix where the prompt decodes to text ending in
+    U+FFFD, and writes the whole decoded prompt in front of the output."""
     b = pair[1].base_url
     ids = _call(b + "/tokenize", {"model": SERVED_MODEL_NAME, "prompt": "serving model \u20ac",
                                   "add_special_tokens": False})["tokens"]
