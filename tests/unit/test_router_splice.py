@@ -434,6 +434,34 @@ def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_
     assert "logprobs" in str(chat.continuation())
 
 
+def test_logprobs_offsets_go_on_from_the_token_strings_not_the_text() -> None:
+    # vLLM advances a completion's text_offset by each token's own string (decoded alone):
+    # two tokens of one character are "" and "\ufffd\ufffd" there, one character of text.
+    splice = Splice(request({"model": "tiny", "prompt": "hi", "max_tokens": 9, "logprobs": 0,
+                             "temperature": 0, "stream": True}))
+    splice.begin_attempt(None)
+
+    def chunk(text: str, ids: list[int], tokens: list[str], offsets: list[int]) -> bytes:
+        return b"data: " + json.dumps({
+            "id": "c", "object": "text_completion", "created": 1, "model": "tiny",
+            "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": None,
+                         "prompt_token_ids": [1, 2] if ids == [7] else None,
+                         "logprobs": {"text_offset": offsets, "tokens": tokens,
+                                      "token_logprobs": [-1.0] * len(ids),
+                                      "top_logprobs": [{t: -1.0} for t in tokens]}}]}).encode()
+
+    splice.on_event(chunk("a", [7], ["a"], [0]))
+    splice.on_event(chunk("", [8], [""], [1]))
+    splice.on_event(chunk("\u00e9", [9], ["\ufffd\ufffd"], [1]))
+    assert "".join(splice.text) == "a\u00e9"  # 2 characters; the tokens' strings count 3
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    splice.begin_attempt(plan)
+    _, data = splice.on_event(chunk("b", [10], ["b"], [0]))
+    assert json.loads(data.removeprefix(b"data: "))["choices"][0]["logprobs"][
+        "text_offset"] == [3]
+
+
 def test_several_choices_are_whole_only_once_each_has_finished() -> None:
     splice = Splice(request({"model": "tiny", "prompt": "x", "n": 2, "stream": True}))
     splice.begin_attempt(None)

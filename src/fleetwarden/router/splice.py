@@ -281,14 +281,20 @@ class Splice:
         self._as_completion = False
         #: Tokens produced before the current attempt began: its prompt holds them.
         self._before = 0
-        #: Characters of text the client had when the current attempt began.
+        #: Where the next logprobs' ``text_offset`` falls in the client's stream: vLLM counts
+        #: offsets by the tokens' own strings (each token decoded alone), not by the text
+        #: written, and the two differ where a character's bytes span tokens.
+        self._offset_end: int | None = None
+        #: ``_offset_end`` when the current attempt began (the client's text, where no offsets
+        #: came): its offsets count from there.
         self._chars_before = 0
 
     # ------------------------------------------------------------------ events
 
     def begin_attempt(self, continuation: Continuation | None) -> None:
         self.attempts += 1
-        self._chars_before = sum(map(len, self.text))
+        self._chars_before = (sum(map(len, self.text)) if self._offset_end is None
+                              else self._offset_end)
         if continuation is not None:
             self.mode = continuation.mode
             self._as_completion = continuation.as_completion
@@ -387,6 +393,8 @@ class Splice:
             delta = choice.get("delta")
             if choice.get("logprobs"):
                 self.saw_logprobs = True
+                if self.mode is None:
+                    self._offsets_seen(choice["logprobs"], 0)
             if isinstance(delta, dict):
                 if "role" in delta and not delta.get("content"):
                     continue  # the chat's role chunk: no token
@@ -476,6 +484,8 @@ class Splice:
                 c["logprobs"] = {**logprobs, "text_offset": [
                     o + self._chars_before if isinstance(o, int) else o
                     for o in logprobs["text_offset"]]}
+            if isinstance(logprobs, dict):
+                self._offsets_seen(logprobs, self._chars_before)
             choices.append(c)
         if chunk.get("choices") and not choices:
             return None
@@ -485,6 +495,15 @@ class Splice:
         if usage is not None:
             out["usage"] = usage
         return out
+
+    def _offsets_seen(self, logprobs: Any, moved: int) -> None:
+        """Where the offsets of a completion's logprobs go on after these (moved on by
+        ``moved``): the last token's offset plus the length of its string."""
+        offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
+        tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        if (isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens
+                and isinstance(offsets[-1], int) and isinstance(tokens[-1], str)):
+            self._offset_end = offsets[-1] + moved + len(tokens[-1])
 
     def _whole_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """An attempt's usage as the whole generation's: its prompt held what came before."""
