@@ -23,10 +23,10 @@ from fleetwarden.launchers.procs import group_members
 from fleetwarden.testing.llamacpp_env import llamacpp_engine_command, llamacpp_engine_env
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import (
-    Ejections,
     Figures,
     crash_under_load,
     fleet_toml,
+    no_false_ejections,
     sigstop_under_load,
     up_fleet,
     wedge_under_load,
@@ -56,9 +56,8 @@ def fleet(llama_server: Path, tiny_gguf: Path,
 def faulted(fleet: UpProcess) -> Iterator[set[int]]:
     """The shards a test faults on purpose. After the test, no other engine may have been
     ejected, condemned or retired: 0 false ejections, read from the fleet's own history."""
-    ejections = Ejections(fleet)
-    yield ejections.faulted
-    assert ejections.false() == []
+    with no_false_ejections(fleet) as shards:
+        yield shards
 
 
 def report(fig: Figures) -> None:

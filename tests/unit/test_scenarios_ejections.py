@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from fleetwarden.testing.scenarios import Ejections
+import pytest
+
+from fleetwarden.testing.scenarios import Ejections, no_false_ejections
 from fleetwarden.testing.up import UpProcess
 
 
@@ -46,3 +48,15 @@ def test_only_what_happens_after_it_starts_counts_across_pages() -> None:
                                  "shard 0: HEALTHY -> RETIRED (cause 7)"]
     ejections.faulted.add(1)  # faulted on purpose: its condemnation is the test's
     assert ejections.false() == ["shard 0: HEALTHY -> RETIRED (cause 7)"]
+
+
+def test_a_test_fails_on_an_engine_taken_out_that_it_did_not_fault() -> None:
+    client = _Client([])
+    up = cast(UpProcess, _Up(client))
+    with no_false_ejections(up) as faulted:
+        faulted.add(0)
+        client.history.append(_t(1, 0, "HEALTHY", "DEAD", "condemned"))
+    with pytest.raises(AssertionError, match=r"shard 1: HEALTHY -> DEAD \(cause 2\)"), \
+            no_false_ejections(up) as faulted:
+        faulted.add(0)
+        client.history.append(_t(2, 1, "HEALTHY", "DEAD", "condemned"))

@@ -24,13 +24,13 @@ from fleetwarden.engine_metrics import JUDGED, Sample, parse
 from fleetwarden.launchers.procs import group_members
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import (
-    Ejections,
     Figures,
     condemned_as_a_stopped_core,
     crash_under_load,
     engine_metric,
     fleet_toml,
     idle_wedge,
+    no_false_ejections,
     up_fleet,
     wedge_under_load,
     wedge_while_running,
@@ -56,9 +56,8 @@ def fleet(vllm_python: Path, tiny_model_dir: Path,
 def faulted(fleet: UpProcess) -> Iterator[set[int]]:
     """The shards a test faults on purpose. After the test, no other engine may have been
     ejected, condemned or retired: 0 false ejections, read from the fleet's own history."""
-    ejections = Ejections(fleet)
-    yield ejections.faulted
-    assert ejections.false() == []
+    with no_false_ejections(fleet) as shards:
+        yield shards
 
 
 def report(fig: Figures) -> None:
@@ -218,7 +217,10 @@ def test_real_vllm_wedge_under_load_is_quarantined_and_requests_rescued(
     # by a canary it never answered. The STUCK path on real vLLM is pinned down by
     # test_check_cli_on_real_vllm, which strikes at a chosen moment.
     assert condemned_as_a_stopped_core(fig.cause), fig.cause
-    assert fig.detected_after_s is not None and fig.detected_after_s < 15 + 2 * 1 + 10
+    # A bound, not the figure (printed, and in BENCHMARKS.md): the stall limit is at most
+    # stall_max_s (15 s), its evidence starts within a second (a request silent for 1 s),
+    # and a starved machine may add a few reads' worth.
+    assert fig.detected_after_s is not None and fig.detected_after_s < 15 + 1 + 10
     assert fig.client_errors == 0 and fig.rescued + fig.hedged >= 1 and fig.restarts == 1
     assert fig.new_url != fig.old_url
     assert fig.old_pid is not None and group_members(fig.old_pid) == []  # the whole group gone

@@ -33,7 +33,8 @@ from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 
 __all__ = ["Ejections", "Figures", "condemned_as_a_stopped_core", "crash_under_load",
-           "engine_metric", "fleet_toml", "idle_wedge", "sigstop_under_load", "wedge_under_load",
+           "engine_metric", "fleet_toml", "idle_wedge", "no_false_ejections",
+           "sigstop_under_load", "wedge_under_load",
            "wedge_while_running", "whole"]
 
 
@@ -346,6 +347,16 @@ class Ejections:
         """Each shard taken out that was not faulted, as ``shard N: FROM -> TO (cause)``."""
         return [f"shard {t['shard']}: {t['from']} -> {t['to']} ({t['cause']})"
                 for t in self.taken_out() if t["shard"] not in self.faulted]
+
+
+@contextlib.contextmanager
+def no_false_ejections(up: UpProcess) -> Iterator[set[int]]:
+    """Yields the set a test adds the shards it faults on purpose to; on the way out, fails
+    if the fleet took out (ejected, condemned, retired) any other."""
+    ejections = Ejections(up)
+    yield ejections.faulted
+    if false := ejections.false():
+        raise AssertionError(f"engines taken out that were not faulted: {false}")
 
 
 @contextlib.contextmanager
