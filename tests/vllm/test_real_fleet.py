@@ -105,6 +105,24 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
                              capture_output=True, text=True, timeout=120)
         return out.returncode, json.loads(out.stdout)
 
+    def check_started(*args: str, interval: str) -> subprocess.Popen[str]:
+        """``fleetwarden check``, its interpreter started and the CLI imported, waiting for a
+        line on its stdin before it runs: that start (2.5 s on the loaded 2-core machine)
+        is paid before the fault, not inside the fleet's own stall floor."""
+        ready = ("import sys; from fleetwarden.cli import main; print('ready', file=sys.stderr, "
+                 "flush=True); sys.stdin.readline(); main()")
+        proc = subprocess.Popen([sys.executable, "-c", ready, "check", url, "--json",
+                                 "--interval", interval, *args], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        assert proc.stderr is not None and proc.stderr.readline() == "ready\n"
+        return proc
+
+    def check_now(proc: subprocess.Popen[str]) -> tuple[int, dict[str, object]]:
+        out, err = proc.communicate("go\n", timeout=120)
+        assert out, err
+        return proc.returncode, json.loads(out)
+
     def finished() -> float:
         return asyncio.run(engine_metric(url, "vllm:request_success_total"))
 
@@ -149,13 +167,15 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
 
     # stuck: the engine core stopped with requests in flight. The fleet judges it too, at
     # its defaults: its ticks are 5 s apart and its stall floor is 5 s, so it condemns the
-    # engine 5 to 10 s after the stop. The check reads every 0.25 s with a 1 s limit and the
-    # core is let go through the admin API (no CLI to start): both well inside the fleet's 5 s.
+    # engine 5 to 10 s after the stop. The check, started beforehand, reads every 0.25 s
+    # with a 1 s limit, and the core is let go through the admin API (no CLI to start): both
+    # inside the fleet's 5 s. (Started after the stop, the check's own start made it 4.6 s.)
     async def stuck() -> tuple[int, dict[str, object]]:
         async with Load(url, concurrency=4, max_tokens_range=(240, 480),
                         timeout_s=300) as load:
+            ready = await asyncio.to_thread(check_started, "--stall-s", "1", interval="0.25")
             struck, _ = await wedge_while_running(fleet, 0)
-            got = await asyncio.to_thread(check, "--stall-s", "1", interval="0.25")
+            got = await asyncio.to_thread(check_now, ready)
             await asyncio.to_thread(fleet.client.chaos, 0, "unwedge")
             print(f"\nstuck: the check answered and the core was let go "
                   f"{time.monotonic() - struck:.1f} s after the stop")
