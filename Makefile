@@ -25,7 +25,7 @@ CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit
         src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
         src/fleetwarden/router/settings.py src/fleetwarden/workmeter.py \
-        src/fleetwarden/router/affinity.py
+        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py
 # The shell modules that are kept --strict clean too (typed I/O around the core; journal.py
 # writes SQLite from a thread, config.py reads files).
 STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \
@@ -35,7 +35,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py \
-                       src/fleetwarden/router/affinity.py, \
+                       src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
 # The browser tier drives this browser (Playwright with executable_path; nothing downloaded).
