@@ -220,6 +220,8 @@ class _Exchange:
     #: The last failed attempt, and the step it led to.
     last: _Failure | None = None
     resend: AfterFailure | None = None
+    #: Its paid retries, from its first failure that counts against an engine.
+    retries: Retries | None = None
     #: A 5xx not yet reported against its backend: whether the request is poison (the same
     #: 5xx on the next backend) is known only at the next attempt, and a request that fails
     #: everywhere must eject no engine it touched. Reported once it is known not to be
@@ -541,26 +543,44 @@ class Forwarder:
     # ------------------------------------------------------------------ the request path
 
     async def forward(self, request: Request) -> StreamResponse:
-        """Answer one allowlisted request through the fleet."""
+        """Answer one allowlisted request through the fleet: attempts until one answers or
+        the request gives up (:mod:`~fleetwarden.router.retry` says which after each failure;
+        this loop does what it says)."""
         started = time.perf_counter()
         self.stats.requests += 1
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body
-        exchange = self._exchange(request, body, started)
-        if isinstance(exchange, Response):
-            return exchange
+        ex = self._exchange(request, body, started)
+        if isinstance(ex, Response):
+            return ex
         budget = self.pool.retry_budget
         budget.requests_in_flight += 1
-        retries = Retries(budget, self.settings.max_retries)
         try:
-            return await self._attempts(exchange, retries)
+            while True:
+                stream = ex.stream
+                if stream is not None and stream.began:
+                    backend = await self._continue_on(ex, stream)
+                else:
+                    backend = self._pick(ex)
+                if not isinstance(backend, str):
+                    return backend
+                if ex.resend is not None and ex.resend is not AfterFailure.AT_ONCE:
+                    self.stats.retries[ex.resend.value] += 1
+                ex.tried.append(backend)
+                answer = await self._attempt(ex, backend)
+                if not isinstance(answer, _Failure):
+                    return answer
+                step = self._after_failure(ex, answer)
+                if not step.resends:
+                    return await self._give_up(ex, answer, step)
         finally:
-            if exchange.held is not None:
+            if ex.held is not None:
                 # answered, refused or left: never known as poison
-                self._report_failure(exchange.held)
+                self._report_failure(ex.held)
             budget.requests_in_flight -= 1
-            retries.release()
+            if ex.retries is not None:
+                ex.retries.release()
 
     async def _read_body(self, request: Request) -> bytes | Response:
         """The client's whole body, or the answer to a client that sent too much or stalled."""
@@ -630,46 +650,31 @@ class Forwarder:
             stream.tried = exchange.tried
         return exchange
 
-    async def _attempts(self, ex: _Exchange, retries: Retries) -> StreamResponse:
-        """Attempts until one answers or the request gives up (:mod:`~fleetwarden.router.retry`
-        says which, after each failure; this loop does what it says)."""
-        stats = self.stats
-        while True:
-            stream = ex.stream
-            if stream is not None and stream.began:
-                backend = await self._continue_on(ex, stream)
+    def _after_failure(self, ex: _Exchange, failure: _Failure) -> AfterFailure:
+        """What follows a failed attempt (:mod:`~fleetwarden.router.retry`), with the failure
+        counted where it counts."""
+        stream, last = ex.stream, ex.last
+        began = stream is not None and stream.began
+        step = settle(failure.cause, streamed=stream is not None, began=began,
+                      finished=began and stream is not None and stream.splice.finished(),
+                      same_5xx_again=last is not None and last.cause is Cause.SERVER_ERROR
+                      and last.status == failure.status)
+        if step is None:
+            self._count(ex, failure, began)
+            if ex.retries is None:  # the first failure that counts: most requests have none
+                ex.retries = Retries(self.pool.retry_budget, self.settings.max_retries)
+            step = ex.retries.resend(failure.cause, began=began, replaced=(
+                self.health_managed and failure.backend not in self.pool.serving))
+        elif step is AfterFailure.AT_ONCE and failure.cause is Cause.HEDGED:
+            # A stream moved off an engine that held it without a step (:meth:`_move_streams`):
+            # a lost race, that engine's failure only on a lost core; the stream goes on at
+            # once, as a rescued one does.
+            if failure.race_fails:
+                self._count_failure(failure)
             else:
-                backend = self._pick(ex)
-            if not isinstance(backend, str):
-                return backend
-            if ex.resend is not None and ex.resend is not AfterFailure.AT_ONCE:
-                stats.retries[ex.resend.value] += 1
-            ex.tried.append(backend)
-            answer = await self._attempt(ex, backend)
-            if not isinstance(answer, _Failure):
-                return answer
-            failure, last = answer, ex.last
-            began = stream is not None and stream.began
-            step = settle(failure.cause, streamed=stream is not None, began=began,
-                          finished=began and stream is not None and stream.splice.finished(),
-                          same_5xx_again=last is not None and last.cause is Cause.SERVER_ERROR
-                          and last.status == failure.status)
-            if step is None:
-                self._count(ex, failure, began)
-                step = retries.resend(failure.cause, began=began, replaced=(
-                    self.health_managed and failure.backend not in self.pool.serving))
-            ex.last, ex.resend = failure, step
-            if step.resends:
-                if step is AfterFailure.AT_ONCE and failure.cause is Cause.HEDGED:
-                    # A stream moved off an engine that held it without a step
-                    # (:meth:`_move_streams`): a lost race, that engine's failure only on a
-                    # lost core; the stream goes on at once, as a rescued one does.
-                    if failure.race_fails:
-                        self._count_failure(failure)
-                    else:
-                        self._lost_race(failure)
-                continue
-            return await self._give_up(ex, failure, step)
+                self._lost_race(failure)
+        ex.last, ex.resend = failure, step
+        return step
 
     def _count(self, ex: _Exchange, failure: _Failure, began: bool) -> None:
         """A failure that counts against its engine: the 5xx held back before it was not
