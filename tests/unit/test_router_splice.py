@@ -277,6 +277,95 @@ def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[st
     assert isinstance(plan, str) and cause in plan
 
 
+def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:
+    """The text and token ids a client reads from what the splice sent it."""
+    text, ids = [], []
+    for outcome, out in outs:
+        if outcome is not EventAction.SEND:
+            continue
+        for c in json.loads(out.removeprefix(b"data: "))["choices"]:
+            text.append((c["delta"].get("content") or "") if chat else c["text"])
+            ids.extend(c.get("token_ids") or [])
+    return "".join(text), ids
+
+
+def _as_completion(event: bytes) -> bytes:
+    """A chat chunk as vLLM writes the completion chunk of the same tokens."""
+    if event.endswith(b"[DONE]"):
+        return event
+    chunk = json.loads(event.removeprefix(b"data: "))
+    return b"data: " + json.dumps({
+        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": chunk["model"],
+        "choices": [{"index": c["index"], "text": c["delta"].get("content") or "",
+                     "logprobs": None, "finish_reason": c["finish_reason"],
+                     "stop_reason": c.get("stop_reason"), "token_ids": c.get("token_ids")}
+                    for c in chunk["choices"]]}).encode()
+
+
+@pytest.mark.parametrize("wants_ids", [False, True])
+@pytest.mark.parametrize(("path", "name", "inside", "body"), [
+    # vLLM's own captures: a token that begins a character comes with empty text, and the
+    # next one writes the character ("\ufffd": the tiny model's bytes are not valid UTF-8).
+    ("/v1/completions", "completions-stream-token-ids.http", 2,
+     {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True,
+      "temperature": 0}),
+    ("/v1/chat/completions", "chat-stream-token-ids.http", 4,
+     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+      "stream": True, "temperature": 0}),
+])
+def test_a_cut_inside_a_character_continues_before_it_and_sends_nothing_twice(
+        path: str, name: str, inside: int, body: dict[str, Any], wants_ids: bool) -> None:
+    # Continued from ids ending inside a character, vLLM's detokenizer would start with no
+    # prefix and write the whole decoded prompt in front of its first chunk: the prompt stops
+    # before the token with no text, which is generated again and not sent twice.
+    body = {**body, "return_token_ids": True} if wants_ids else body
+    events = captured_events(name)
+    chat = path.endswith("chat/completions")
+    reference = _client_sees([(EventAction.SEND, e + b"\n\n") for e in events
+                              if not e.endswith(b"[DONE]")], chat)
+    splice = Splice(request(body, path))
+    splice.begin_attempt(None)
+    first = [splice.on_event(e) for e in events[:inside]]
+    assert splice.unwritten == 1
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
+    sent = json.loads(plan.body)
+    assert sent["prompt"] == (splice.prompt_ids or []) + splice.output_ids[:-1]
+    assert plan.replay == (splice.output_ids[-1],)
+    assert sent["max_tokens"] == 9 - (splice.produced - 1)
+    splice.begin_attempt(plan)
+    # The next engine gives the uninterrupted run's tokens from the one with no text on (a
+    # chat's as a completion's chunks).
+    rest = [splice.on_event(_as_completion(e) if chat else e) for e in events[inside - 1:]]
+    assert rest[0] == (EventAction.SKIP, b"")  # the client had that token's chunk
+    text, ids = _client_sees(first + rest, chat)
+    assert text == reference[0] and "\ufffd" in text
+    assert ids == (reference[1] if wants_ids else [])
+    assert splice.output_ids == reference[1] and splice.produced == len(reference[1])
+
+
+def test_a_token_generated_again_otherwise_is_refused_where_the_client_had_its_id() -> None:
+    events = captured_events("completions-stream-token-ids.http")
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True,
+            "temperature": 0, "return_token_ids": True}
+    splice = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 2)
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    splice.begin_attempt(plan)
+    other = events[1].replace(b'"token_ids":[120]', b'"token_ids":[121]')
+    assert splice.on_event(other) == (EventAction.ENGINE_ERROR, b"")
+    refusal = splice.continuation()
+    assert isinstance(refusal, str) and "other tokens" in refusal
+    # Sampled, the token would not come again the same: refused before it is tried.
+    splice = _cut_after({**body, "temperature": 0.7}, "/v1/completions",
+                        "completions-stream-token-ids.http", 2)
+    assert "sampled" in str(splice.continuation())
+    # Logprobs' offsets for a token generated again are not rebuilt: refused.
+    splice = _cut_after({**body, "logprobs": 1}, "/v1/completions",
+                        "completions-stream-token-ids.http", 2)
+    assert "inside a character" in str(splice.continuation())
+
+
 def test_reasoning_and_images_in_a_chat_are_refused() -> None:
     image = {"role": "user", "content": [{"type": "text", "text": "hi"},
                                          {"type": "image_url", "image_url": {"url": "x"}}]}
@@ -343,6 +432,34 @@ def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_
                        "max_tokens": 9, "logprobs": True, "stream": True},
                       "/v1/chat/completions", "chat-stream-token-ids.http", 3)
     assert "logprobs" in str(chat.continuation())
+
+
+def test_logprobs_offsets_go_on_from_the_token_strings_not_the_text() -> None:
+    # vLLM advances a completion's text_offset by each token's own string (decoded alone):
+    # two tokens of one character are "" and "\ufffd\ufffd" there, one character of text.
+    splice = Splice(request({"model": "tiny", "prompt": "hi", "max_tokens": 9, "logprobs": 0,
+                             "temperature": 0, "stream": True}))
+    splice.begin_attempt(None)
+
+    def chunk(text: str, ids: list[int], tokens: list[str], offsets: list[int]) -> bytes:
+        return b"data: " + json.dumps({
+            "id": "c", "object": "text_completion", "created": 1, "model": "tiny",
+            "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": None,
+                         "prompt_token_ids": [1, 2] if ids == [7] else None,
+                         "logprobs": {"text_offset": offsets, "tokens": tokens,
+                                      "token_logprobs": [-1.0] * len(ids),
+                                      "top_logprobs": [{t: -1.0} for t in tokens]}}]}).encode()
+
+    splice.on_event(chunk("a", [7], ["a"], [0]))
+    splice.on_event(chunk("", [8], [""], [1]))
+    splice.on_event(chunk("\u00e9", [9], ["\ufffd\ufffd"], [1]))
+    assert "".join(splice.text) == "a\u00e9"  # 2 characters; the tokens' strings count 3
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    splice.begin_attempt(plan)
+    _, data = splice.on_event(chunk("b", [10], ["b"], [0]))
+    assert json.loads(data.removeprefix(b"data: "))["choices"][0]["logprobs"][
+        "text_offset"] == [3]
 
 
 def test_several_choices_are_whole_only_once_each_has_finished() -> None:

@@ -232,6 +232,9 @@ class Continuation:
     mode: Mode
     #: The engine's chunks are completions, to be turned back into chat chunks.
     as_completion: bool
+    #: The output's last token ids, whose text the engine had not written when it was cut:
+    #: left out of the prompt, generated again, and not sent twice (:meth:`Splice.continuation`).
+    replay: tuple[int, ...] = ()
 
 
 class Splice:
@@ -252,6 +255,15 @@ class Splice:
         self.output_ids: list[int] = []
         #: Every output chunk so far carried its token ids.
         self.ids_complete = True
+        #: Output tokens since the last chunk that carried text: ids the engine's detokenizer
+        #: had not written yet (the start of a character whose bytes span tokens, or a
+        #: skipped special token).
+        self.unwritten = 0
+        #: Token ids the current attempt generates again before its own (``Continuation.replay``):
+        #: the client had their chunks, with no text.
+        self._replay: list[int] = []
+        #: A replayed token came out otherwise than the first time, where the client had seen it.
+        self.diverged = False
         self.text: list[str] = []
         self.reasoning: list[str] = []
         #: A chat's reasoning (thinking) output came: a continuation as a completion would
@@ -271,18 +283,33 @@ class Splice:
         self._as_completion = False
         #: Tokens produced before the current attempt began: its prompt holds them.
         self._before = 0
-        #: Characters of text the client had when the current attempt began.
+        #: Where the next logprobs' ``text_offset`` falls in the client's stream: vLLM counts
+        #: offsets by the tokens' own strings (each token decoded alone), not by the text
+        #: written, and the two differ where a character's bytes span tokens.
+        self._offset_end: int | None = None
+        #: ``_offset_end`` when the current attempt began (the client's text, where no offsets
+        #: came): its offsets count from there.
         self._chars_before = 0
 
     # ------------------------------------------------------------------ events
 
     def begin_attempt(self, continuation: Continuation | None) -> None:
         self.attempts += 1
-        self._before = self.produced
-        self._chars_before = sum(map(len, self.text))
+        self._chars_before = (sum(map(len, self.text)) if self._offset_end is None
+                              else self._offset_end)
         if continuation is not None:
             self.mode = continuation.mode
             self._as_completion = continuation.as_completion
+            # The output stops where its text was last written; the tokens after it (those
+            # of the output, and any a cut replay had yet to give again) come again from this
+            # attempt, and are counted again as they come.
+            drop = len(continuation.replay) - len(self._replay)
+            if drop:
+                del self.output_ids[len(self.output_ids) - drop:]
+                self.produced -= drop
+                self.unwritten = 0
+            self._replay = list(continuation.replay)
+        self._before = self.produced
 
     def on_event(self, event: bytes) -> tuple[EventAction, bytes]:
         """What one upstream event means, and the bytes (if any) the client gets for it."""
@@ -312,15 +339,40 @@ class Splice:
             # are not taken; the next engine goes on from what the client has.
             self.error = {"message": "the engine aborted the generation", "code": 500}
             return EventAction.ENGINE_ERROR, b""
+        replayed = self._take_replay(chunk) if self._replay else 0
+        if replayed is None:
+            self.diverged = True
+            self.error = {"message": "the continuation generated other tokens than those the "
+                                     "client had", "code": 500}
+            return EventAction.ENGINE_ERROR, b""
         self._observe(chunk)
         if self.mode is None:  # the first attempt: the engine's bytes, less what we added
             if self.request.wants_ids or self.request.refusal is not None:
                 return EventAction.SEND, event + b"\n\n"
             return EventAction.SEND, _ADDED_IDS.sub(rb'"\1":null', event) + b"\n\n"
-        out = self._rewrite(chunk)
+        out = self._rewrite(chunk, replayed)
         if out is None:
             return EventAction.SKIP, b""
         return EventAction.SEND, b"data: " + _dumps(out) + b"\n\n"
+
+    def _take_replay(self, chunk: dict[str, Any]) -> int | None:
+        """How many of a chunk's first ids are tokens generated again, which the client had;
+        ``None`` where one came out otherwise and the client had its id. (A client that had
+        neither their ids nor their text had nothing of them: the new ones stand.)"""
+        replayed = 0
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") if isinstance(choice, dict) else None
+            if not isinstance(ids, list) or not self._replay:
+                continue
+            n = min(len(ids), len(self._replay))
+            if ids[:n] != self._replay[:n]:
+                if self.request.wants_ids:
+                    return None
+                self._replay = []
+                return 0
+            del self._replay[:n]
+            replayed = n
+        return replayed
 
     def _observe(self, chunk: dict[str, Any]) -> None:
         if self.id is None:
@@ -343,6 +395,8 @@ class Splice:
             delta = choice.get("delta")
             if choice.get("logprobs"):
                 self.saw_logprobs = True
+                if self.mode is None:
+                    self._offsets_seen(choice["logprobs"], 0)
             if isinstance(delta, dict):
                 if "role" in delta and not delta.get("content"):
                     continue  # the chat's role chunk: no token
@@ -363,18 +417,32 @@ class Splice:
                 self.produced += 1
             if isinstance(text, str):
                 self.text.append(text)
+            if text or isinstance(ids, list):
+                self.unwritten = 0 if text else self.unwritten + len(ids or ())
             if choice.get("finish_reason") is not None:
                 self.finished_choices.add(choice.get("index", 0))
                 self.finish_reason = choice["finish_reason"]
                 self.stop_reason = choice.get("stop_reason")
 
-    def _rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        """A continuation's chunk as the client's stream goes on: its ids, its shape."""
+    def _rewrite(self, chunk: dict[str, Any], replayed: int = 0) -> dict[str, Any] | None:
+        """A continuation's chunk as the client's stream goes on: its ids, its shape.
+        ``replayed``: its first ids were the client's already (their chunks came, with no text)."""
         chat = self.request.chat
         wants_ids = self.request.wants_ids
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             usage = self.usage = self._whole_usage(usage)
+        if replayed:
+            choices_ = []
+            for c in chunk.get("choices") or ():
+                ids = c.get("token_ids")
+                c = {**c, "token_ids": ids[replayed:]} if isinstance(ids, list) else c
+                text = c.get("text", (c.get("delta") or {}).get("content"))
+                if c.get("token_ids") or text or c.get("finish_reason") is not None:
+                    choices_.append(c)
+            if chunk.get("choices") and not choices_:
+                return None  # a token the client had: its chunk came, text and all
+            chunk = {**chunk, "choices": choices_}
         if self._as_completion:  # a completion chunk back into a chat chunk
             out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
                                    "created": self.created, "model": chunk.get("model")}
@@ -418,6 +486,8 @@ class Splice:
                 c["logprobs"] = {**logprobs, "text_offset": [
                     o + self._chars_before if isinstance(o, int) else o
                     for o in logprobs["text_offset"]]}
+            if isinstance(logprobs, dict):
+                self._offsets_seen(logprobs, self._chars_before)
             choices.append(c)
         if chunk.get("choices") and not choices:
             return None
@@ -427,6 +497,15 @@ class Splice:
         if usage is not None:
             out["usage"] = usage
         return out
+
+    def _offsets_seen(self, logprobs: Any, moved: int) -> None:
+        """Where the offsets of a completion's logprobs go on after these (moved on by
+        ``moved``): the last token's offset plus the length of its string."""
+        offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
+        tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        if (isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens
+                and isinstance(offsets[-1], int) and isinstance(tokens[-1], str)):
+            self._offset_end = offsets[-1] + moved + len(tokens[-1])
 
     def _whole_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """An attempt's usage as the whole generation's: its prompt held what came before."""
@@ -529,9 +608,18 @@ class Splice:
         if refusal is not None:
             return refusal
         body = dict(request.body)
-        exact = self.prompt_ids is not None and self.ids_complete
-        produced = self.produced
-        left = self._tokens_left(max_model_len)
+        # A prompt of ids is vLLM's to take.
+        exact = self.prompt_ids is not None and self.ids_complete and upstream_fields
+        # Where the last tokens came with no text (the start of a character whose bytes span
+        # tokens, or a skipped special token), the prompt of ids stops before them and they
+        # are generated again: vLLM's detokenizer starts a prompt of ids that decodes to text
+        # ending inside a character with no prefix, and would write the whole decoded prompt
+        # in front of its first chunk. At temperature 0 they come again the same; the client,
+        # who had their chunks with no text, is not sent them twice.
+        replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
+            exact and (self.unwritten or self._replay)) else ()
+        produced = self.produced - self.unwritten if replay else self.produced
+        left = self._tokens_left(max_model_len, produced)
         if isinstance(left, str):
             return left
         body.pop("max_completion_tokens", None)
@@ -547,7 +635,6 @@ class Splice:
             return "the client's return_token_ids, which the next engine does not take"
         if request.assemble:  # the client's request was not streamed; its continuation is
             body.update(stream=True, stream_options={"include_usage": True})
-        exact = exact and upstream_fields  # a prompt of ids is vLLM's to take
         if (self.saw_logprobs or _asks_logprobs(body)) and (request.chat or not exact):
             # A completion's continue from its ids, their text offsets moved on by the text
             # the client has; a chat's would come in a completion's shape, from which its own
@@ -555,21 +642,27 @@ class Splice:
             return "logprobs (a chat's, or without token ids)"
         if not upstream_fields and request.chat:
             return "a chat, on an engine that takes no continue_final_message"
+        if exact and replay and (self.saw_logprobs or _asks_logprobs(body)):
+            return ("logprobs, at a cut inside a character (the text offsets of the tokens "
+                    "generated again)")
+        if exact and replay and (request.wants_ids and not _greedy(body)):
+            return ("a cut inside a character of a sampled generation whose token ids the "
+                    "client had (they would not come again the same)")
+        ids = (self.prompt_ids or []) + self.output_ids[
+            :len(self.output_ids) - (self.unwritten if replay else 0)]
         if exact and request.chat and chat_as_completion:
-            assert self.prompt_ids is not None
             completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
-            completion.update(prompt=self.prompt_ids + self.output_ids, stream=True,
+            completion.update(prompt=ids, stream=True,
                               return_token_ids=True, max_tokens=body["max_tokens"])
-            return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True)
+            return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True, replay)
         if exact and not request.chat:
-            assert self.prompt_ids is not None
-            body["prompt"] = self.prompt_ids + self.output_ids
-            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False)
+            body["prompt"] = ids
+            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay)
         return self._from_text(body)
 
-    def _tokens_left(self, max_model_len: int | None) -> int | str:
+    def _tokens_left(self, max_model_len: int | None, produced: int) -> int | str:
         """How many tokens the continuation may generate (the client's limit, or the
-        engine's default, less what was produced), or why that is unknown."""
+        engine's default, less the ``produced`` its prompt holds), or why that is unknown."""
         request, body = self.request, self.request.body
         limit = body.get("max_completion_tokens") if request.chat else None
         if limit is None:
@@ -584,9 +677,9 @@ class Splice:
                 limit = max_model_len - len(self.prompt_ids)
         if not isinstance(limit, int) or isinstance(limit, bool):
             return "max_tokens is not a number"
-        if limit - self.produced < 1:
+        if limit - produced < 1:
             return "nothing left to generate"
-        return limit - self.produced
+        return limit - produced
 
     def _from_text(self, body: dict[str, Any]) -> Continuation | str:
         """The continuation from the text the client has (no token ids to go on from):
@@ -638,7 +731,15 @@ class Splice:
             return "reasoning output (its parser's state does not carry over)"
         if self.request.chat and _multimodal(body.get("messages")):
             return "images or other non-text content (a prompt of ids does not carry them)"
+        if self.diverged:
+            return "the continuation generated other tokens than those the client had"
         return None
+
+
+def _greedy(body: Mapping[str, Any]) -> bool:
+    """Temperature 0: the same prompt gives the same tokens (vLLM's default is 1)."""
+    temperature = body.get("temperature")
+    return isinstance(temperature, int | float) and temperature == 0
 
 
 def _asks_logprobs(body: Mapping[str, Any]) -> bool:
