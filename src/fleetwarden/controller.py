@@ -44,7 +44,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from fleetwarden.config import Config
 from fleetwarden.engines import AUTO, profile
@@ -61,13 +61,13 @@ from fleetwarden.ledger import (
     Transition,
 )
 from fleetwarden.refit import RefitCoordinator
-from fleetwarden.router.control import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, ControlError
+from fleetwarden.router.links import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, ControlError, RouterLink
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
 from fleetwarden.workmeter import WorkMeter
 
-__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
+__all__ = ["Controller", "FleetStatus", "TickReport", "reading_of"]
 
 log = logging.getLogger(__name__)
 
@@ -76,28 +76,6 @@ log = logging.getLogger(__name__)
 #: the fleet's own process both are immediate; only a router that does not answer makes it
 #: wait this long, and its requests are then moved by the stop itself (refused, re-sent).
 RELEASE_WAIT_S = 2 * CONTROL_TIMEOUT_S
-
-
-class RouterLink(Protocol):
-    """What the controller needs of a router, in-process or in another process."""
-
-    async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None: ...
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
-
-    async def rescue(self, url: str, *, streams: bool = True) -> int: ...
-
-    async def in_flight(self) -> dict[str, int]: ...
-
-    async def set_retry_after(self, seconds: float | None) -> None: ...
-
-    # Optional, asked with getattr: ``silent_backends(after_s)``, ``hedge(url, held_s)``,
-    # ``set_trial_backends(urls)``, ``listen(callback)``.
-
-
-def _name(link: RouterLink) -> str:
-    return str(getattr(link, "url", None) or type(link).__name__)
 
 
 @dataclass
@@ -186,11 +164,8 @@ class Controller:
         #: When each link's first reported failure of the burst not yet drained came.
         self._evidence_at: dict[int, float] = {}
         self._unsubscribe = ledger.subscribe(self._on_transition)
-        self._unlisten = [
-            listen(self._evidence_from(k))
-            for k, link in enumerate(self.routers)
-            if (listen := getattr(link, "listen", None)) is not None
-        ]
+        self._unlisten = [link.listen(self._evidence_from(k))
+                          for k, link in enumerate(self.routers) if link.in_process]
         self._wake = asyncio.Event()
         self.status = self._status()
 
@@ -266,11 +241,9 @@ class Controller:
         for link in self.routers:
             try:
                 await link.set_serving_backends(urls, facts)
-                set_trial = getattr(link, "set_trial_backends", None)
-                if set_trial is not None:
-                    await set_trial(trial)
+                await link.set_trial_backends(trial)
             except Exception as exc:
-                self._router_error(report, f"{_name(link)}: push: {exc}")
+                self._router_error(report, f"{link.name}: push: {exc}")
         self.meter.pushed(time.monotonic() - started, len(urls))
 
     async def _rescue(self, report: TickReport | None) -> None:
@@ -282,11 +255,9 @@ class Controller:
         for url, streams in moves:
             for link in self.routers:
                 try:
-                    # the keyword only where it says something: older links take the URL alone
-                    rescued = await (link.rescue(url) if streams
-                                     else link.rescue(url, streams=False))
+                    rescued = await link.rescue(url, streams=streams)
                 except Exception as exc:
-                    self._router_error(report, f"{_name(link)}: rescue: {exc}")
+                    self._router_error(report, f"{link.name}: rescue: {exc}")
                     continue
                 if report is not None:
                     report.rescued += rescued
@@ -330,7 +301,7 @@ class Controller:
         try:
             outcomes = await self._drain(k)
         except Exception as exc:
-            log.warning("router %s: drain: %s", _name(self.routers[k]), exc)
+            log.warning("router %s: drain: %s", self.routers[k].name, exc)
             return
         self.apply_outcomes(outcomes)
         came = self._evidence_at.pop(k, None)
@@ -460,17 +431,14 @@ class Controller:
         otherwise (work in its gauges: perhaps one long step) it costs the engine nothing in
         the ledger."""
         for link in self.routers:
-            hedge = getattr(link, "hedge", None)
-            if hedge is None:
-                continue
             try:
-                n = await hedge(url, held_s, lost_race_fails=lost_race_fails)
+                n = await link.hedge(url, held_s, lost_race_fails=lost_race_fails)
             except Exception as exc:
-                log.warning("router %s: hedge: %s", _name(link), exc)
+                log.warning("router %s: hedge: %s", link.name, exc)
                 continue
             if n:
                 log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
-                         held_s, _name(link))
+                         held_s, link.name)
 
     async def _watch_remote(self, k: int, stop: asyncio.Event) -> None:
         """Router ``k`` runs in another process: one long poll of its evidence open at a time
@@ -479,22 +447,19 @@ class Controller:
         silent are accused. A router that does not answer is retried at the tick's pace; an
         older one without the call is judged at the tick, as before."""
         link = self.routers[k]
-        evidence = getattr(link, "evidence", None)
-        if evidence is None:
-            return
         h = self.config.health
         while not stop.is_set():
             try:
-                failed, silent = await evidence(EVIDENCE_WAIT_S, h.silent_after_s)
+                failed, silent = await link.evidence(EVIDENCE_WAIT_S, h.silent_after_s)
             except ControlError as exc:
                 if exc.status == 404:
-                    log.info("router %s has no evidence call: judged at the tick", _name(link))
+                    log.info("router %s has no evidence call: judged at the tick", link.name)
                     return
-                log.warning("router %s: evidence: %s", _name(link), exc)
+                log.warning("router %s: evidence: %s", link.name, exc)
                 await _sleep_unless(stop, h.probe_interval_s)
                 continue
             except Exception as exc:  # down, or restarting: the tick reports it
-                log.debug("router %s: evidence: %s", _name(link), exc)
+                log.debug("router %s: evidence: %s", link.name, exc)
                 await _sleep_unless(stop, h.probe_interval_s)
                 continue
             if failed:
@@ -512,7 +477,7 @@ class Controller:
         """Every ``evidence_poll_s``: engines holding requests silent for ``silent_after_s``
         are accused (in-process routers; those in other processes: :meth:`_watch_remote`)."""
         h = self.config.health
-        local = [link for link in self.routers if getattr(link, "listen", None) is not None]
+        local = [link for link in self.routers if link.in_process]
         if not local:
             return
         while not stop.is_set():
@@ -522,13 +487,10 @@ class Controller:
     async def _accuse_silent(self, links: Sequence[RouterLink]) -> None:
         after = self.config.health.silent_after_s
         for link in links:
-            silent_backends = getattr(link, "silent_backends", None)
-            if silent_backends is None:
-                continue
             try:
-                silent = await silent_backends(after)
+                silent = await link.silent_backends(after)
             except Exception as exc:
-                log.warning("router %s: silent: %s", _name(link), exc)
+                log.warning("router %s: silent: %s", link.name, exc)
                 continue
             for url in silent:
                 i = self.ledger.shard_for_url(url)
@@ -618,10 +580,10 @@ class Controller:
             try:
                 outcomes = await self._drain(k)
             except Exception as exc:
-                report.router_errors.append(f"{_name(link)}: drain: {exc}")
+                report.router_errors.append(f"{link.name}: drain: {exc}")
                 continue
             self.apply_outcomes(outcomes, failed_probe)
-        remote = [link for link in self.routers if getattr(link, "listen", None) is None]
+        remote = [link for link in self.routers if not link.in_process]
         if remote:
             await self._accuse_silent(remote)
 
@@ -636,7 +598,7 @@ class Controller:
             try:
                 await link.set_retry_after(retry_after)
             except Exception as exc:
-                report.router_errors.append(f"{_name(link)}: retry-after: {exc}")
+                report.router_errors.append(f"{link.name}: retry-after: {exc}")
 
         # 5. rescue what waits on shards condemned or fallen asleep since (if no transition
         # did it already)
@@ -673,22 +635,19 @@ class Controller:
                 for url, n in (await link.in_flight()).items():
                     total[url] = total.get(url, 0) + n
             except Exception as exc:
-                self._router_error(report, f"{_name(link)}: in-flight: {exc}")
+                self._router_error(report, f"{link.name}: in-flight: {exc}")
         return total
 
     async def _held(self, report: TickReport | None) -> dict[str, float]:
         """Per engine, how long the oldest request any router holds there has received
-        nothing (engines holding none are left out). A router without the call adds nothing."""
+        nothing (engines holding none are left out)."""
         oldest: dict[str, float] = {}
         for link in self.routers:
-            silent_backends = getattr(link, "silent_backends", None)
-            if silent_backends is None:
-                continue
             try:
-                for url, age in (await silent_backends(0.0)).items():
+                for url, age in (await link.silent_backends(0.0)).items():
                     oldest[url] = max(oldest.get(url, 0.0), age)
             except Exception as exc:
-                self._router_error(report, f"{_name(link)}: held requests: {exc}")
+                self._router_error(report, f"{link.name}: held requests: {exc}")
         return oldest
 
     def observe_participants(self, reports: Mapping[str, Report]) -> None:
@@ -792,8 +751,7 @@ class Controller:
         interval = self.config.health.probe_interval_s
         watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence")]
         watchers += [asyncio.create_task(self._watch_remote(k, stop), name=f"evidence:{k}")
-                     for k, link in enumerate(self.routers)
-                     if getattr(link, "listen", None) is None]
+                     for k, link in enumerate(self.routers) if not link.in_process]
         try:
             while not stop.is_set():
                 try:
@@ -844,7 +802,7 @@ class Controller:
                     moved += await (link.rescue(url) if streams
                                     else link.rescue(url, streams=False))
                 except Exception as exc:
-                    log.warning("router %s: rescue failed: %s", _name(link), exc)
+                    log.warning("router %s: rescue failed: %s", link.name, exc)
         return moved
 
     def wake(self) -> None:

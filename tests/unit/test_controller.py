@@ -18,9 +18,10 @@ from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
-from fleetwarden.router import RemoteRouter
+from fleetwarden.router import InProcessRouter, RemoteRouter, Router
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
+from support.links import QuietLink
 from support.router_rig import rig, until
 
 H, S, ST, D = ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE, ShardState.DEAD
@@ -129,24 +130,12 @@ def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None
     assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})
 
 
-class _Router:
+class _Router(QuietLink):
     def __init__(self) -> None:
         self.pushed: list[list[str]] = []
 
     async def set_serving_backends(self, urls: Any, facts: Any = None) -> None:
         self.pushed.append(list(urls))
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        return {}
-
-    async def rescue(self, url: str) -> int:
-        return 0
-
-    async def in_flight(self) -> dict[str, int]:
-        return {}
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        pass
 
 
 class _BrokenSupervisor(Supervisor):
@@ -570,19 +559,16 @@ async def test_a_condemnation_reaches_the_routers_through_the_ledger_alone() -> 
         await c.close()
 
 
-class _SlowLink:
+class _SlowLink(InProcessRouter):
     """A router link whose rescue takes a while, as a call to a router process does."""
 
-    def __init__(self, link: Any, delay_s: float) -> None:
-        self.link, self.delay_s = link, delay_s
+    def __init__(self, router: Router, delay_s: float) -> None:
+        super().__init__(router)
+        self.delay_s = delay_s
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.link, name)
-
-    async def rescue(self, url: str) -> int:
+    async def rescue(self, url: str, *, streams: bool = True) -> int:
         await asyncio.sleep(self.delay_s)
-        rescued: int = await self.link.rescue(url)
-        return rescued
+        return await super().rescue(url, streams=streams)
 
 
 class _RecordingLauncher(_NoLauncher):
@@ -607,7 +593,7 @@ async def test_a_condemned_engine_is_stopped_only_after_its_requests_were_moved(
         launcher = _RecordingLauncher(lambda: r.router.stats.rescues)
         supervisor = Supervisor(ledger, launcher, config.fleet, config.supervisor)
         supervisor.adopt(1, EngineHandle(1, bad.url, "launch-1"))
-        link = _SlowLink(r.router.control(), 0.3)
+        link = _SlowLink(r.router, 0.3)
         c = Controller(ledger, ScriptedReads(BUSY_REPORT), supervisor, [link], config)  # type: ignore[list-item]
         tasks = [asyncio.create_task(r.post()) for _ in range(4)]
         await until(lambda: good.answered + bad.held == 4, what="all 4 placed")
