@@ -43,13 +43,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fleetwarden.config import Config
 from fleetwarden.engines import AUTO, profile
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Health, Verdict
+from fleetwarden.judge import Hedge
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -394,23 +394,12 @@ class Controller:
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
-            # Not one step for hedge_after_s with a request held: its requests go to another
-            # engine as well. Never within a pause this engine was seen to come back from (a
-            # long prefill step seen before): past its own longest, or hedge_after_s, whichever
-            # is longer. On a lost core (its gauges show no work) the request it holds was
-            # what would condemn it (held_its_requests), and hedged away it never would: a
-            # canary sent with the hedges takes over their watch (docs/design.md section 12).
-            hedge_after = max(h.hedge_after_s, r.longest_pause_s)
-            if h.hedge_after_s > 0 and r.held_flat_s >= hedge_after:
-                if r.verdict is Verdict.STALLED:
-                    await self._hedge(i, url, hedge_after)
-                elif r.verdict is Verdict.LOST_CORE and r.canary is None:
-                    # A read that sent its own canary has decided (held_flat_s predates it):
-                    # one that answered proved the engine, and its requests are left to it.
-                    await self._hedge_lost_core(i, url, r, hedge_after)
-            unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
-                                      Verdict.LOST_CORE, Verdict.NO_METRICS)
-            if not first and not unsettled and rec.ejected_until is None:
+            hedge = r.hedge(h.hedge_after_s)
+            if hedge is Hedge.STEP:
+                await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
+            elif hedge is Hedge.LOST_CORE:
+                await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
+            if not first and r.settled and rec.ejected_until is None:
                 return  # proven, or nothing to prove: the tick takes over again
             if self.clock() >= deadline:
                 return
@@ -437,17 +426,14 @@ class Controller:
         await self._hedge(i, url, held_s, lost_race_fails=True)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
-        """The canary that watches a hedged lost core: no answer for what its held requests
-        had left of the stall limit, and nothing advanced, condemn it
-        (:meth:`Watchdog.watch_hedged`)."""
+        """The canary that watches a hedged lost core; what it concludes (the watch's, in
+        :meth:`Watchdog.watch_hedged`) goes into the ledger as any read does."""
         assert self.watchdog is not None
-        canary, why = await self.watchdog.watch_hedged(url, r.held_flat_s)
+        condemned = await self.watchdog.watch_hedged(r)
         rec = self.ledger.shard(i)
-        if why is None or rec.base_url != url or rec.state in ABSENT:
+        if condemned is None or rec.base_url != url or rec.state in ABSENT:
             return
-        self.reports[i] = condemned = replace(
-            r, health=Health.CONDEMNED, canary=canary,
-            evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
+        self.reports[i] = condemned
         self.apply_report(i, condemned, progress_proves=False)
 
     async def _hedge(self, i: int, url: str, held_s: float, *,
@@ -545,68 +531,10 @@ class Controller:
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
-        excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
-        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
-        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
-        excused = excused | frozenset(self.ledger.sleeping())
 
-        # 1. the watchdog round, for every shard with a process (those under focused reads
-        # are being read already)
-        in_flight = await self._in_flight(report)
-        held = await self._held(report)
-        shards = {}
-        for i in range(len(self.ledger)):
-            if self.ledger.state(i) not in ABSENT and i not in self._focus:
-                shards[self.ledger.shard(i).base_url] = i
-        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
-        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
-        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
-        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
-        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
-        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
-                          held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
-                          confirm=self.ledger.state(i) is ShardState.SUSPECT)
-                   for url, i in shards.items()]
-        decided: set[str] = set()
-
-        def decide(url: str, r: Report) -> None:
-            # Each read is decided on as it finishes (the watchdog calls back), not at the
-            # round's end: a round of a large fleet lasts seconds, and a condemning read would
-            # otherwise wait for the slowest of the others. What a watchdog does not call back
-            # for (a double's round), the loop below decides on at the end.
-            i = shards.get(url)
-            if i is None or url in decided:
-                return
-            decided.add(url)
-            if self.ledger.shard(i).base_url != url:
-                return  # the shard moved during the round (a restart finished)
-            self.reports[i] = r
-            report.verdicts[i] = r.verdict.name
-            self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
-            self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
-            finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
-            now = time.monotonic()
-            self.meter.decided(now - finished_at.get(url, now))
-            if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
-                    and self.ledger.state(i) not in ABSENT):
-                self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
-
-        round_started = time.monotonic()
-        hooked = hasattr(self.watchdog, "on_report")
-        if hooked:
-            self.watchdog.on_report = decide
-        try:
-            reports = await self.watchdog.round(targets)
-        finally:
-            if hooked:
-                self.watchdog.on_report = None
-        round_ended = time.monotonic()
-        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
-        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
-        for url in shards:
-            r = reports.get(url)
-            if r is not None:
-                decide(url, r)
+        # 1. the watchdog round, each read decided on as it finishes
+        reports = await self._read_round(report)
+        failed_probe = frozenset(url for url, r in reports.items() if r.failed_probe)
         if self.refit is not None and self.refit.lease is not None:
             self._guarded(report, "refit participants", self.observe_participants, reports)
 
@@ -641,11 +569,14 @@ class Controller:
         # 5. rescue what waits on shards condemned or fallen asleep since (if no transition
         # did it already)
         await self._rescue(report)
+        self._tick_done(report, time.perf_counter() - started)
+        return report
 
+    def _tick_done(self, report: TickReport, duration_s: float) -> None:
         for err in report.router_errors:
             log.warning("%s", err)
         self.status = self._status()
-        report.duration_s = time.perf_counter() - started
+        report.duration_s = duration_s
         self.meter.tick_done(report.duration_s)
         self.last_tick = report
         if self.on_tick is not None:
@@ -654,7 +585,72 @@ class Controller:
             except Exception:
                 # An observer never stops the loop, and never makes a tick count as failed.
                 log.exception("tick %d: the on_tick observer failed", report.number)
-        return report
+
+    async def _read_round(self, report: TickReport) -> Mapping[str, Report]:
+        """The watchdog round, for every shard with a process (those under focused reads are
+        being read already); each read goes into the ledger as it finishes."""
+        excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        excused = excused | frozenset(self.ledger.sleeping())
+        in_flight = await self._in_flight(report)
+        held = await self._held(report)
+        shards = {}
+        for i in range(len(self.ledger)):
+            if self.ledger.state(i) not in ABSENT and i not in self._focus:
+                shards[self.ledger.shard(i).base_url] = i
+        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
+        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
+        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
+        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
+        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
+        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
+                          held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
+                          confirm=self.ledger.state(i) is ShardState.SUSPECT)
+                   for url, i in shards.items()]
+        decided: set[str] = set()
+
+        def decide(url: str, r: Report) -> None:
+            # Each read is decided on as it finishes (the watchdog calls back), not at the
+            # round's end: a round of a large fleet lasts seconds, and a condemning read would
+            # otherwise wait for the slowest of the others. What a watchdog does not call back
+            # for (a double's round), the loop below decides on at the end.
+            i = shards.get(url)
+            if i is None or url in decided:
+                return
+            decided.add(url)
+            self._decide(report, i, url, r)
+
+        round_started = time.monotonic()
+        hooked = hasattr(self.watchdog, "on_report")
+        if hooked:
+            self.watchdog.on_report = decide
+        try:
+            reports = await self.watchdog.round(targets)
+        finally:
+            if hooked:
+                self.watchdog.on_report = None
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        for url in shards:
+            r = reports.get(url)
+            if r is not None:
+                decide(url, r)
+        return reports
+
+    def _decide(self, report: TickReport, i: int, url: str, r: Report) -> None:
+        """One read of the round into the ledger; a stall or a refusal is confirmed at once."""
+        if self.ledger.shard(i).base_url != url:
+            return  # the shard moved during the round (a restart finished)
+        self.reports[i] = r
+        report.verdicts[i] = r.verdict.name
+        self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
+        self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+        finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
+        now = time.monotonic()
+        self.meter.decided(now - finished_at.get(url, now))
+        if r.accuses and self.ledger.state(i) not in ABSENT:
+            self.confirm(i, r.verdict.name.lower())
 
     @staticmethod
     def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
@@ -714,7 +710,7 @@ class Controller:
             return
         if r is None or url != p.url:
             return  # not read (this tick, or at its URL)
-        answers = r.verdict is not Verdict.UNREACHABLE
+        answers = r.answered
         self.refit.observe_participant(
             i, process_alive=True, api_answers=answers,
             evidence=f"{r.verdict.name}: {r.evidence.summary}")
@@ -741,8 +737,8 @@ class Controller:
 
         ``progress_proves`` False: progress without a canary counts for nothing (the first
         focused read of an accused engine compares with a sample older than the accusation)."""
-        if self.journal is not None and r.verdict not in (Verdict.BUSY, Verdict.IDLE):
-            # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
+        if self.journal is not None and not r.steady:
+            # The steady states of a fleet would flood the journal.
             self.journal.record_verdict(i, r.url, r.verdict.name, r.evidence.to_dict())
         excused = self.refit is not None and i in self.refit.stalls_excused()
         self.ledger.record_reading(i, reading_of(r, excused=excused,
@@ -869,9 +865,7 @@ def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True
     return Reading(
         health=r.health.value,  # the same four words
         verdict=r.verdict.name, summary=r.evidence.summary,
-        # A restart is also told by a SLEEPING verdict: a new process already asleep
-        restarted=r.verdict is Verdict.RESTARTED or (
-            r.verdict is Verdict.SLEEPING and r.evidence.previous_incarnation is not None),
+        restarted=r.restarted,
         incarnation=r.incarnation,
         canary_ok=None if r.canary is None else r.canary.ok,
         canary_error=r.canary.error if r.canary is not None else "",

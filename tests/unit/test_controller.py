@@ -302,7 +302,7 @@ class ScriptedReads:
         #: (url, held_flat_s) of each hedged lost core's watching canary; each returns
         #: ``watch_result`` once ``watch_released`` is set.
         self.watches: list[tuple[str, float]] = []
-        self.watch_result: tuple[CanaryResult | None, str | None] = (None, None)
+        self.watch_result: Report | None = None
         self.watch_released = asyncio.Event()
 
     async def probe(self, target: Target) -> Report:
@@ -313,9 +313,8 @@ class ScriptedReads:
     async def round(self, targets: list[Target]) -> dict[str, Report]:
         return {t.url: await self.probe(t) for t in targets}
 
-    async def watch_hedged(self, url: str, held_flat_s: float,
-                           ) -> tuple[CanaryResult | None, str | None]:
-        self.watches.append((url, held_flat_s))
+    async def watch_hedged(self, report: Report) -> Report | None:
+        self.watches.append((report.url, report.held_flat_s))
         await self.watch_released.wait()
         return self.watch_result
 
@@ -538,11 +537,13 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         seen = len(reads.probed)
         await until(lambda: len(reads.probed) >= seen + 3, what="reads while it waits")
         assert len(reads.watches) == 1
-        if canary_answers:
-            reads.watch_result = (CanaryResult(True, 0.2, 200), None)
-        else:
-            reads.watch_result = (CanaryResult(False, 4.5, None, "no answer"),
-                                  "the canary sent with the hedges got no answer")
+        if not canary_answers:  # the watch concludes (an answer concludes nothing)
+            lost = reads.by_url[bad.url]
+            reads.watch_result = dataclasses.replace(
+                lost, url=bad.url, health=Health.CONDEMNED,
+                canary=CanaryResult(False, 4.5, None, "no answer"),
+                evidence=dataclasses.replace(lost.evidence, summary="the canary sent with the "
+                                             "hedges got no answer"))
         reads.watch_released.set()
         if canary_answers:  # not a wedge: out of routing until it proves itself, as before
             seen = len(reads.probed)
