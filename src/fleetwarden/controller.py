@@ -192,6 +192,12 @@ class Controller:
             if (listen := getattr(link, "listen", None)) is not None
         ]
         self._wake = asyncio.Event()
+        #: While :meth:`run` reads each engine on its own schedule (:meth:`_read_loop`), the
+        #: tick reads nothing: what the reads decided since the last tick waits here, and the
+        #: tick takes it over as its own report (``False``: each :meth:`tick` reads the fleet).
+        self._read_apart = False
+        self._pending = TickReport(1, 0.0)
+        self._pending_reports: dict[str, Report] = {}
         self.status = self._status()
 
     # ------------------------------------------------------------------ events
@@ -525,15 +531,23 @@ class Controller:
 
     async def tick(self) -> TickReport:
         self.tick_number += 1
-        report = TickReport(self.tick_number, self.clock())
         started = time.perf_counter()
+        reports: Mapping[str, Report]
+        if self._read_apart:
+            # The reads since the last tick were decided as each finished: this tick's.
+            report, self._pending = self._pending, TickReport(self.tick_number + 1, 0.0)
+            report.number, report.started_at = self.tick_number, self.clock()
+            reports, self._pending_reports = self._pending_reports, {}
+        else:
+            report = TickReport(self.tick_number, self.clock())
 
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
 
-        # 1. the watchdog round, each read decided on as it finishes
-        reports = await self._read_round(report)
+        # 1. the watchdog round, each read decided on as it finishes (read apart: done)
+        if not self._read_apart:
+            reports = await self._read_round(report)
         failed_probe = frozenset(url for url, r in reports.items() if r.failed_probe)
         if self.refit is not None and self.refit.lease is not None:
             self._guarded(report, "refit participants", self.observe_participants, reports)
@@ -587,18 +601,56 @@ class Controller:
                 log.exception("tick %d: the on_tick observer failed", report.number)
 
     async def _read_round(self, report: TickReport) -> Mapping[str, Report]:
-        """The watchdog round, for every shard with a process (those under focused reads are
-        being read already); each read goes into the ledger as it finishes."""
+        """The watchdog round, for every shard with a process, within the tick."""
+        round_started = time.monotonic()
+        reports = await self._read(report, self._to_read(range(len(self.ledger))))
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        return reports
+
+    def _to_read(self, shards: Sequence[int]) -> dict[str, int]:
+        """Of ``shards``, those with a process, by URL (those under focused reads are being
+        read already)."""
+        return {self.ledger.shard(i).base_url: i for i in shards
+                if self.ledger.state(i) not in ABSENT and i not in self._focus}
+
+    async def _read_loop(self, stop: asyncio.Event) -> None:
+        """Every engine read once per ``probe_interval_s``, on its own schedule, beside the
+        tick: the engines in slices of ``max_concurrent_reads``, the slices spread evenly over
+        the interval, each read decided on as it finishes. The tick waits for none of them, so
+        at a thousand engines it stays the cheap ledger and push work (section 6.2). Up to
+        ``max_concurrent_reads`` engines, one slice at the interval's start: the round of old.
+        """
+        interval = self.config.health.probe_interval_s
+        per = max(1, int(getattr(self.watchdog, "concurrency", 0)) or len(self.ledger))
+        while not stop.is_set():
+            started = time.monotonic()
+            shards = list(range(len(self.ledger)))
+            slices = [shards[k:k + per] for k in range(0, len(shards), per)]
+            reads = 0
+            for n, part in enumerate(slices):
+                await _sleep_unless(stop, started + n * interval / len(slices)
+                                    - time.monotonic())
+                if stop.is_set():
+                    return
+                try:
+                    reads += len(await self._read(None, self._to_read(part)))
+                except Exception:
+                    log.exception("a slice of the read round failed; the next one runs")
+            ended = time.monotonic()
+            self.meter.round_done(ended, ended - started, reads)
+            await _sleep_unless(stop, started + interval - time.monotonic())
+
+    async def _read(self, report: TickReport | None,
+                    shards: Mapping[str, int]) -> Mapping[str, Report]:
+        """Read ``shards`` (by URL), each read into the ledger as it finishes (``report``
+        ``None``: into the next tick's report)."""
         excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
         # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
         # where it exports no sleep state (or has not yet slept: the trainer's bracket).
         excused = excused | frozenset(self.ledger.sleeping())
         in_flight = await self._in_flight(report)
         held = await self._held(report)
-        shards = {}
-        for i in range(len(self.ledger)):
-            if self.ledger.state(i) not in ABSENT and i not in self._focus:
-                shards[self.ledger.shard(i).base_url] = i
         # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
         # tick (never one with work in it), as the ledger needs healthy_threshold good probes
         # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
@@ -621,7 +673,6 @@ class Controller:
             decided.add(url)
             self._decide(report, i, url, r)
 
-        round_started = time.monotonic()
         hooked = hasattr(self.watchdog, "on_report")
         if hooked:
             self.watchdog.on_report = decide
@@ -630,18 +681,20 @@ class Controller:
         finally:
             if hooked:
                 self.watchdog.on_report = None
-        round_ended = time.monotonic()
-        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
         for url in shards:
             r = reports.get(url)
             if r is not None:
                 decide(url, r)
         return reports
 
-    def _decide(self, report: TickReport, i: int, url: str, r: Report) -> None:
-        """One read of the round into the ledger; a stall or a refusal is confirmed at once."""
+    def _decide(self, report: TickReport | None, i: int, url: str, r: Report) -> None:
+        """One read of the round into the ledger; a stall or a refusal is confirmed at once.
+        ``report`` ``None``: the read belongs to the next tick's report."""
         if self.ledger.shard(i).base_url != url:
             return  # the shard moved during the round (a restart finished)
+        if report is None:
+            report = self._pending
+            self._pending_reports[url] = r
         self.reports[i] = r
         report.verdicts[i] = r.verdict.name
         self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
@@ -786,7 +839,9 @@ class Controller:
         """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
         the loop goes on."""
         interval = self.config.health.probe_interval_s
-        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence")]
+        self._read_apart = True
+        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence"),
+                    asyncio.create_task(self._read_loop(stop), name="reads")]
         watchers += [asyncio.create_task(self._watch_remote(k, stop), name=f"evidence:{k}")
                      for k, link in enumerate(self.routers)
                      if getattr(link, "listen", None) is None]
@@ -800,6 +855,7 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_either(stop), interval)
         finally:
+            self._read_apart = False
             for watcher in watchers:
                 watcher.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)

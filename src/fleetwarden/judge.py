@@ -1,7 +1,8 @@
 """Verdicts on an engine from two reads of its metrics (pure; docs/design.md section 5, note 002).
 
 Owns: the verdicts, the stall memory, when a canary may be sent and what each outcome amounts to
-(``VERDICTS``).
+(``VERDICTS``); each engine's watch (:class:`EngineWatch`), whose one entry finishes every
+verdict: a report, or the next thing to fetch.
 Must not: do I/O or read a clock (pure), or touch the ledger (it answers; the ledger decides the
 shard's state).
 
@@ -10,9 +11,8 @@ Two rules, as in h11's ``_state.py``:
 * Everything that decides what a read of an engine means lives in this file: the verdicts, the
   stall memory, when a canary may be sent, and what each outcome amounts to. The watchdog only
   fetches; it never decides.
-* This file does no I/O and reads no clock. The caller passes the previous sample, the new
-  reading, the seconds between them and the router's in-flight count, and carries the returned
-  :class:`Stall` into the next call.
+* This file does no I/O and reads no clock. The caller tells an engine's watch what it
+  observed and when (:meth:`EngineWatch.next`), and fetches what the watch asks for next.
 
 The rule behind every line here: **a health check must never consume the resource it
 protects.** An engine's scarce resource is its request slots. A canary (one tiny generation) is

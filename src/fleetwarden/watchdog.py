@@ -1,15 +1,17 @@
 """The watchdog: the I/O around :mod:`fleetwarden.judge` (docs/design.md section 5, note 002).
 
 Owns: the reads of each engine (``/metrics``, ``/health`` via ``probe.py``, ``/v1/models``),
-canaries, and the previous sample per engine.
-Must not: decide what a read means (the judge does) or import the ledger.
+canaries, and each engine URL's :class:`~fleetwarden.judge.EngineWatch` (with the model a
+canary asks for and when the URL was last read).
+Must not: decide what a read means (the engine's watch does) or import the ledger.
 
-It reads each engine's ``/metrics`` (short timeout, bounded size), falls back to ``/health``
-when there are no metrics, keeps the previous sample per engine URL, asks the judge, and sends a
-canary — one completion of ``max_tokens`` 1 — only when the judge allows it and at most every
-``canary_interval_s``. A proxy target is only ever asked ``GET /v1/models``: behind a
-least-connections proxy every ``/metrics`` read may come from another backend, and two of them
-compared would look like a restart (``tests/scenario/test_watchdog.py`` shows it).
+Each visit is a loop that fetches what the engine's watch asks for, tells it what came, and
+stops when it answers a report (:meth:`Watchdog._fetch_for`): the watch says read
+``/metrics`` (falling back to ``/health`` when there are none), send a canary (one completion
+of ``max_tokens`` 1) with this timeout, read again after it, or read this URL as a proxy from
+now on (only ever ``GET /v1/models``: behind a least-connections proxy every ``/metrics``
+read may come from another backend, and two of them compared would look like a restart;
+``tests/scenario/test_watchdog.py`` shows it).
 
 The rule it exists for: **a health check must never consume the resource it protects.** A busy
 engine is never sent a request; its progress counters are the proof of health.

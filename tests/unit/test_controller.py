@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller
+from fleetwarden.controller import Controller, TickReport
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
@@ -640,6 +640,45 @@ async def across_processes(r: Any) -> Any:
             yield c, ledger
         finally:
             stop.set()
+            await loop
+            await c.close()
+
+
+class HangingReads(ScriptedReads):
+    """Reads that hang until ``release`` is set: an engine that takes its time to answer."""
+
+    def __init__(self, default: Report) -> None:
+        super().__init__(default)
+        self.release = asyncio.Event()
+        self.hanging = 0
+
+    async def round(self, targets: list[Target]) -> dict[str, Report]:
+        self.hanging += 1
+        await self.release.wait()
+        return await super().round(targets)
+
+
+async def test_the_running_tick_waits_for_no_engine_read() -> None:
+    """In the running fleet each engine is read on its own schedule beside the tick: reads
+    that hang hold no tick (its supervisor, drain and push go on), and what they decide when
+    they come goes into the next tick's report."""
+    async with rig(2, health_managed=True) as r:
+        reads = HangingReads(BUSY_REPORT)
+        c, _ledger = evidence_controller(r, reads, probe_interval_s=0.05)
+        ticks: list[TickReport] = []
+        c.on_tick = ticks.append
+        stop = asyncio.Event()
+        loop = asyncio.create_task(c.run(stop))
+        try:
+            await until(lambda: c.tick_number >= 3 and reads.hanging >= 1,
+                        what="ticks while the reads hang")
+            assert not any(t.verdicts for t in ticks)
+            reads.release.set()
+            await until(lambda: any(t.verdicts == {0: "BUSY", 1: "BUSY"} for t in ticks),
+                        what="the reads in a later tick's report")
+        finally:
+            stop.set()
+            reads.release.set()
             await loop
             await c.close()
 
