@@ -46,6 +46,10 @@ from fleetwarden.engines import AUTO, EngineProfile
 
 __all__ = [
     "DEFAULT_POLICY",
+    "EXIT_CANNOT_JUDGE",
+    "EXIT_HEALTHY",
+    "EXIT_NOT_SERVING",
+    "EXIT_UNREACHABLE",
     "NO_CADENCE",
     "NO_STALL",
     "VERDICTS",
@@ -76,6 +80,7 @@ __all__ = [
     "Visit",
     "WatchdogPolicy",
     "conclude",
+    "exit_code",
     "flat",
     "held_its_canary",
     "held_its_requests",
@@ -867,6 +872,13 @@ class Report:
         return self.verdict in (Verdict.STALLED, Verdict.FIRST_READ) or (
             self.verdict is Verdict.RESTARTED and self.canary is None)
 
+    def compare_in(self, interval_s: float) -> float:
+        """When a one-shot check reads again: ``interval_s``, or later for a stall, timed so
+        that the stall spans its limit."""
+        if self.verdict is Verdict.STALLED:
+            return max(interval_s, self.limit_s - self.evidence.stalled_for_s)
+        return interval_s
+
     def hedge(self, hedge_after_s: float) -> Hedge | None:
         """Whether the requests held there go to another engine as well, and how.
 
@@ -889,6 +901,24 @@ class Report:
     def hedge_after(self, hedge_after_s: float) -> float:
         """How long a request is held with no step before it is hedged, on this engine."""
         return max(hedge_after_s, self.longest_pause_s)
+
+
+#: ``fleetwarden check``'s exit statuses (:func:`exit_code`).
+EXIT_HEALTHY = 0  # busy, or idle (no metrics, lost core, restarted) with a good canary
+EXIT_NOT_SERVING = 1  # stuck, a lost core, or a canary that failed on an idle engine
+EXIT_UNREACHABLE = 2  # neither /metrics nor /health answered (or /health not 200)
+EXIT_CANNOT_JUDGE = 3  # nothing proved: no metrics and no canary allowed, or still stalled
+
+
+def exit_code(report: Report) -> int:
+    """``fleetwarden check``'s status for a report."""
+    if report.health is Health.PROVEN:
+        return EXIT_HEALTHY
+    if report.verdict is Verdict.UNREACHABLE:
+        return EXIT_UNREACHABLE
+    if report.not_serving:
+        return EXIT_NOT_SERVING
+    return EXIT_CANNOT_JUDGE
 
 
 class Hedge(enum.Enum):

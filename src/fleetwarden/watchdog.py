@@ -48,12 +48,15 @@ from fleetwarden.engine_metrics import Sample, Unreadable, parse
 from fleetwarden.engines import AUTO, EngineProfile, detect, profile
 from fleetwarden.judge import (
     DEFAULT_POLICY,
+    EXIT_CANNOT_JUDGE,
+    EXIT_HEALTHY,
+    EXIT_NOT_SERVING,
+    EXIT_UNREACHABLE,
     Canaried,
     CanaryResult,
     Down,
     EngineWatch,
     Fetch,
-    Health,
     Hedged,
     NoMetrics,
     ProxyAnswered,
@@ -63,9 +66,9 @@ from fleetwarden.judge import (
     Report,
     SendCanary,
     Target,
-    Verdict,
     Visit,
     WatchdogPolicy,
+    exit_code,
 )
 from fleetwarden.probe import describe as _describe
 from fleetwarden.probe import health_status
@@ -407,25 +410,9 @@ async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | Non
 
 # ---------------------------------------------------------------------- one-shot check
 
-EXIT_HEALTHY = 0  # busy, or idle (no metrics, lost core, restarted) with a good canary
-EXIT_NOT_SERVING = 1  # stuck, a lost core, or a canary that failed on an idle engine
-EXIT_UNREACHABLE = 2  # neither /metrics nor /health answered (or /health not 200)
-EXIT_CANNOT_JUDGE = 3  # nothing proved: no metrics and no canary allowed, or still stalled
-
 #: Reads a one-shot check may take: a baseline, a comparison, and more only while the verdict
 #: needs them (a stall to be told from a wedge, a restart to be compared within its process).
 MAX_CHECK_READS = 5
-
-
-def exit_code(report: Report) -> int:
-    """``fleetwarden check``'s status for a report."""
-    if report.health is Health.PROVEN:
-        return EXIT_HEALTHY
-    if report.verdict is Verdict.UNREACHABLE:
-        return EXIT_UNREACHABLE
-    if report.not_serving:
-        return EXIT_NOT_SERVING
-    return EXIT_CANNOT_JUDGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,9 +451,7 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
             reads += 1
             if not report.compare_again or reads >= MAX_CHECK_READS:
                 return Check(report, reads, exit_code(report))
-            wait = interval_s
-            if report.verdict is Verdict.STALLED:
-                wait = max(interval_s, report.limit_s - report.evidence.stalled_for_s)
+            wait = report.compare_in(interval_s)
 
 
 #: Seconds after its last read that a URL's memory is dropped. An hour: far longer than any
