@@ -616,50 +616,35 @@ class Controller:
 
     async def _read_loop(self, stop: asyncio.Event) -> None:
         """Every engine read once per ``probe_interval_s``, on its own schedule, beside the
-        tick: the engines in slices of ``max_concurrent_reads``, the slices spread evenly over
-        the interval, each read decided on as it finishes. The tick waits for none of them, so
-        at a thousand engines it stays the cheap ledger and push work (section 6.2). Up to
+        tick: in slices of ``max_concurrent_reads`` whose starts are spread evenly over the
+        interval, readers taking the next engine as soon as they are free and its slice has
+        begun, each read decided on as it finishes. The tick waits for none of them, so at a
+        thousand engines it stays the cheap ledger and push work (section 6.2). Up to
         ``max_concurrent_reads`` engines, one slice at the interval's start: the round of old.
         """
         interval = self.config.health.probe_interval_s
-        per = max(1, int(getattr(self.watchdog, "concurrency", 0)) or len(self.ledger))
         while not stop.is_set():
             started = time.monotonic()
-            shards = list(range(len(self.ledger)))
-            slices = [shards[k:k + per] for k in range(0, len(shards), per)]
-            reads = 0
-            for n, part in enumerate(slices):
-                await _sleep_unless(stop, started + n * interval / len(slices)
-                                    - time.monotonic())
-                if stop.is_set():
-                    return
-                try:
-                    reads += len(await self._read(None, self._to_read(part)))
-                except Exception:
-                    log.exception("a slice of the read round failed; the next one runs")
+            try:
+                reports = await self._read(None, self._to_read(range(len(self.ledger))),
+                                           spread_s=interval)
+            except Exception:
+                log.exception("a read round failed; the next one runs as usual")
+                reports = {}
             ended = time.monotonic()
-            self.meter.round_done(ended, ended - started, reads)
+            self.meter.round_done(ended, ended - started, len(reports))
             await _sleep_unless(stop, started + interval - time.monotonic())
 
-    async def _read(self, report: TickReport | None,
-                    shards: Mapping[str, int]) -> Mapping[str, Report]:
+    async def _read(self, report: TickReport | None, shards: Mapping[str, int], *,
+                    spread_s: float | None = None) -> Mapping[str, Report]:
         """Read ``shards`` (by URL), each read into the ledger as it finishes (``report``
-        ``None``: into the next tick's report)."""
-        excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
-        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
-        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
-        excused = excused | frozenset(self.ledger.sleeping())
-        in_flight = await self._in_flight(report)
-        held = await self._held(report)
-        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
-        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
-        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
-        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
-        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
-        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
-                          held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
-                          confirm=self.ledger.state(i) is ShardState.SUSPECT)
-                   for url, i in shards.items()]
+        ``None``: into the next tick's report). ``spread_s``: the reads spread over that many
+        seconds, each target made afresh just before its read (:meth:`_target`)."""
+        if spread_s is None:
+            counts, ages = await self._in_flight(report), await self._held(report)
+            targets = [self._target(url, i, counts, ages) for url, i in shards.items()]
+        else:
+            targets = [Target(url) for url in shards]
         decided: set[str] = set()
 
         def decide(url: str, r: Report) -> None:
@@ -673,11 +658,35 @@ class Controller:
             decided.add(url)
             self._decide(report, i, url, r)
 
+        per_slice = getattr(self.watchdog, "concurrency", len(shards)) or 1
+        # What the routers hold, asked again once per slice of the round: a figure seconds old
+        # would make a request that finished meanwhile look held on an engine gone quiet.
+        fresh_for = (spread_s or 0.0) / max(1, -(-len(shards) // per_slice))
+        asked_at = -float("inf")
+        in_flight: Mapping[str, int] = {}
+        held: Mapping[str, float] = {}
+        asking = asyncio.Lock()  # the readers of one slice share one question to the routers
+
+        async def fresh(t: Target) -> Target | None:
+            nonlocal asked_at, in_flight, held
+            i = shards.get(t.url)
+            if (i is None or i in self._focus or self.ledger.state(i) in ABSENT
+                    or self.ledger.shard(i).base_url != t.url):
+                return None  # condemned, moved or under focused reads since the round began
+            async with asking:
+                if time.monotonic() - asked_at >= fresh_for:
+                    asked_at = time.monotonic()
+                    in_flight, held = await self._in_flight(report), await self._held(report)
+            return self._target(t.url, i, in_flight, held)
+
         hooked = hasattr(self.watchdog, "on_report")
         if hooked:
             self.watchdog.on_report = decide
         try:
-            reports = await self.watchdog.round(targets)
+            if spread_s is None:
+                reports = await self.watchdog.round(targets)
+            else:
+                reports = await self.watchdog.round(targets, spread_s=spread_s, fresh=fresh)
         finally:
             if hooked:
                 self.watchdog.on_report = None
@@ -686,6 +695,24 @@ class Controller:
             if r is not None:
                 decide(url, r)
         return reports
+
+    def _target(self, url: str, i: int, in_flight: Mapping[str, int],
+                held: Mapping[str, float]) -> Target:
+        """Shard ``i``'s engine as a read sees it: what the routers hold there, and whether its
+        stalls are excused."""
+        excused = self.refit is not None and i in self.refit.stalls_excused()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        state = self.ledger.state(i)
+        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
+        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
+        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
+        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
+        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
+        return Target(url=url, in_flight=in_flight.get(url, 0),
+                      stalls_excused=excused or state is ShardState.SLEEPING,
+                      held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
+                      confirm=state is ShardState.SUSPECT)
 
     def _decide(self, report: TickReport | None, i: int, url: str, r: Report) -> None:
         """One read of the round into the ledger; a stall or a refusal is confirmed at once.

@@ -38,7 +38,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,8 +169,17 @@ class Watchdog:
 
     # ------------------------------------------------------------------ a round
 
-    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
-        """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL."""
+    async def round(self, targets: Iterable[Target], *, spread_s: float = 0.0,
+                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    ) -> dict[str, Report]:
+        """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL read.
+
+        ``spread_s``: the targets go in slices of ``concurrency``, the slices' starts spread
+        evenly over that many seconds (one slice: all at once); a reader free before its next
+        target's slice has begun waits for it, one that is late reads at once, so a round
+        takes ``spread_s`` or, when the reads are slower, what they take. ``fresh``: called
+        with each target just before its read, for what the routers know about it now
+        (``None``: no longer to be read, left out of the round)."""
         targets = list(targets)
         urls = [t.url for t in targets]
         if len(set(urls)) != len(urls):
@@ -178,24 +187,32 @@ class Watchdog:
         self._forget_gone()
         self.finished_at = {}
         reports: dict[str, Report] = {}
-        waiting = iter(targets)
+        waiting = enumerate(targets)
+        loop = asyncio.get_running_loop()
+        started, slices = loop.time(), -(-len(targets) // self.concurrency)
 
         async def reader() -> None:
             # Each reader takes the next engine when its last read is done: at most
             # ``concurrency`` reads at once, and as many tasks, whatever the fleet's size.
-            for target in waiting:
-                reports[target.url] = report = await self.probe(target)
-                self.finished_at[target.url] = time.monotonic()
+            for k, target in waiting:
+                due = started + (k // self.concurrency) * spread_s / slices
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
+                now = target if fresh is None else await fresh(target)
+                if now is None:
+                    continue
+                reports[now.url] = report = await self.probe(now)
+                self.finished_at[now.url] = time.monotonic()
                 if self.on_report is not None:
                     try:
-                        self.on_report(target.url, report)
+                        self.on_report(now.url, report)
                     except Exception:
-                        log.exception("%s: deciding on its read failed", target.url)
+                        log.exception("%s: deciding on its read failed", now.url)
 
         async with asyncio.TaskGroup() as group:
             for _ in range(min(self.concurrency, len(targets))):
                 group.create_task(reader())
-        return {t.url: reports[t.url] for t in targets}
+        return {t.url: reports[t.url] for t in targets if t.url in reports}
 
     async def probe(self, target: Target) -> Report:
         """One visit: the watch of the engine says what to fetch (a read, a canary, a read

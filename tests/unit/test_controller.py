@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import pytest
@@ -310,8 +310,15 @@ class ScriptedReads:
         r = self.by_url.get(target.url, self.default)
         return dataclasses.replace(r, url=target.url)
 
-    async def round(self, targets: list[Target]) -> dict[str, Report]:
-        return {t.url: await self.probe(t) for t in targets}
+    async def round(self, targets: list[Target], *, spread_s: float = 0.0,
+                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    ) -> dict[str, Report]:
+        out: dict[str, Report] = {}
+        for t in targets:  # one at a time, all at once: the spread is the watchdog's
+            now = t if fresh is None else await fresh(t)
+            if now is not None:
+                out[now.url] = await self.probe(now)
+        return out
 
     async def watch_hedged(self, report: Report) -> Report | None:
         self.watches.append((report.url, report.held_flat_s))
@@ -652,10 +659,12 @@ class HangingReads(ScriptedReads):
         self.release = asyncio.Event()
         self.hanging = 0
 
-    async def round(self, targets: list[Target]) -> dict[str, Report]:
+    async def round(self, targets: list[Target], *, spread_s: float = 0.0,
+                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    ) -> dict[str, Report]:
         self.hanging += 1
         await self.release.wait()
-        return await super().round(targets)
+        return await super().round(targets, spread_s=spread_s, fresh=fresh)
 
 
 async def test_the_running_tick_waits_for_no_engine_read() -> None:
