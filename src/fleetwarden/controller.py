@@ -673,10 +673,15 @@ class Controller:
             if (i is None or i in self._focus or self.ledger.state(i) in ABSENT
                     or self.ledger.shard(i).base_url != t.url):
                 return None  # condemned, moved or under focused reads since the round began
-            async with asking:
-                if time.monotonic() - asked_at >= fresh_for:
-                    asked_at = time.monotonic()
-                    in_flight, held = await self._in_flight(report), await self._held(report)
+            if asked_at == -float("inf") or (time.monotonic() - asked_at >= fresh_for
+                                              and not asking.locked()):
+                # One reader asks; the others read with the last answer meanwhile (at most
+                # a slice's time old) rather than all wait on the routers' round trip. Only
+                # the round's first reads wait for an answer: none is older than the round.
+                async with asking:
+                    if time.monotonic() - asked_at >= fresh_for:
+                        counts, ages = await self._in_flight(report), await self._held(report)
+                        asked_at, in_flight, held = time.monotonic(), counts, ages
             return self._target(t.url, i, in_flight, held)
 
         hooked = hasattr(self.watchdog, "on_report")
