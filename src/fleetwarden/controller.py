@@ -43,13 +43,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleetwarden.config import Config
 from fleetwarden.engines import AUTO, profile
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Health, Verdict
+from fleetwarden.judge import Hedge
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -167,6 +167,12 @@ class Controller:
         self._unlisten = [link.listen(self._evidence_from(k))
                           for k, link in enumerate(self.routers) if link.in_process]
         self._wake = asyncio.Event()
+        #: While :meth:`run` reads each engine on its own schedule (:meth:`_read_loop`), the
+        #: tick reads nothing: what the reads decided since the last tick waits here, and the
+        #: tick takes it over as its own report (``False``: each :meth:`tick` reads the fleet).
+        self._read_apart = False
+        self._pending = TickReport(1, 0.0)
+        self._pending_reports: dict[str, Report] = {}
         self.status = self._status()
 
     # ------------------------------------------------------------------ events
@@ -365,23 +371,12 @@ class Controller:
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
-            # Not one step for hedge_after_s with a request held: its requests go to another
-            # engine as well. Never within a pause this engine was seen to come back from (a
-            # long prefill step seen before): past its own longest, or hedge_after_s, whichever
-            # is longer. On a lost core (its gauges show no work) the request it holds was
-            # what would condemn it (held_its_requests), and hedged away it never would: a
-            # canary sent with the hedges takes over their watch (docs/design.md section 12).
-            hedge_after = max(h.hedge_after_s, r.longest_pause_s)
-            if h.hedge_after_s > 0 and r.held_flat_s >= hedge_after:
-                if r.verdict is Verdict.STALLED:
-                    await self._hedge(i, url, hedge_after)
-                elif r.verdict is Verdict.LOST_CORE and r.canary is None:
-                    # A read that sent its own canary has decided (held_flat_s predates it):
-                    # one that answered proved the engine, and its requests are left to it.
-                    await self._hedge_lost_core(i, url, r, hedge_after)
-            unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
-                                      Verdict.LOST_CORE, Verdict.NO_METRICS)
-            if not first and not unsettled and rec.ejected_until is None:
+            hedge = r.hedge(h.hedge_after_s)
+            if hedge is Hedge.STEP:
+                await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
+            elif hedge is Hedge.LOST_CORE:
+                await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
+            if not first and r.settled and rec.ejected_until is None:
                 return  # proven, or nothing to prove: the tick takes over again
             if self.clock() >= deadline:
                 return
@@ -408,17 +403,14 @@ class Controller:
         await self._hedge(i, url, held_s, lost_race_fails=True)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
-        """The canary that watches a hedged lost core: no answer for what its held requests
-        had left of the stall limit, and nothing advanced, condemn it
-        (:meth:`Watchdog.watch_hedged`)."""
+        """The canary that watches a hedged lost core; what it concludes (the watch's, in
+        :meth:`Watchdog.watch_hedged`) goes into the ledger as any read does."""
         assert self.watchdog is not None
-        canary, why = await self.watchdog.watch_hedged(url, r.held_flat_s)
+        condemned = await self.watchdog.watch_hedged(r)
         rec = self.ledger.shard(i)
-        if why is None or rec.base_url != url or rec.state in ABSENT:
+        if condemned is None or rec.base_url != url or rec.state in ABSENT:
             return
-        self.reports[i] = condemned = replace(
-            r, health=Health.CONDEMNED, canary=canary,
-            evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
+        self.reports[i] = condemned
         self.apply_report(i, condemned, progress_proves=False)
 
     async def _hedge(self, i: int, url: str, held_s: float, *,
@@ -501,74 +493,24 @@ class Controller:
 
     async def tick(self) -> TickReport:
         self.tick_number += 1
-        report = TickReport(self.tick_number, self.clock())
         started = time.perf_counter()
+        reports: Mapping[str, Report]
+        if self._read_apart:
+            # The reads since the last tick were decided as each finished: this tick's.
+            report, self._pending = self._pending, TickReport(self.tick_number + 1, 0.0)
+            report.number, report.started_at = self.tick_number, self.clock()
+            reports, self._pending_reports = self._pending_reports, {}
+        else:
+            report = TickReport(self.tick_number, self.clock())
 
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
-        excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
-        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
-        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
-        excused = excused | frozenset(self.ledger.sleeping())
 
-        # 1. the watchdog round, for every shard with a process (those under focused reads
-        # are being read already)
-        in_flight = await self._in_flight(report)
-        held = await self._held(report)
-        shards = {}
-        for i in range(len(self.ledger)):
-            if self.ledger.state(i) not in ABSENT and i not in self._focus:
-                shards[self.ledger.shard(i).base_url] = i
-        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
-        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
-        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
-        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
-        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
-        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
-                          held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
-                          confirm=self.ledger.state(i) is ShardState.SUSPECT)
-                   for url, i in shards.items()]
-        decided: set[str] = set()
-
-        def decide(url: str, r: Report) -> None:
-            # Each read is decided on as it finishes (the watchdog calls back), not at the
-            # round's end: a round of a large fleet lasts seconds, and a condemning read would
-            # otherwise wait for the slowest of the others. What a watchdog does not call back
-            # for (a double's round), the loop below decides on at the end.
-            i = shards.get(url)
-            if i is None or url in decided:
-                return
-            decided.add(url)
-            if self.ledger.shard(i).base_url != url:
-                return  # the shard moved during the round (a restart finished)
-            self.reports[i] = r
-            report.verdicts[i] = r.verdict.name
-            self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
-            self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
-            finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
-            now = time.monotonic()
-            self.meter.decided(now - finished_at.get(url, now))
-            if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
-                    and self.ledger.state(i) not in ABSENT):
-                self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
-
-        round_started = time.monotonic()
-        hooked = hasattr(self.watchdog, "on_report")
-        if hooked:
-            self.watchdog.on_report = decide
-        try:
-            reports = await self.watchdog.round(targets)
-        finally:
-            if hooked:
-                self.watchdog.on_report = None
-        round_ended = time.monotonic()
-        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
-        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
-        for url in shards:
-            r = reports.get(url)
-            if r is not None:
-                decide(url, r)
+        # 1. the watchdog round, each read decided on as it finishes (read apart: done)
+        if not self._read_apart:
+            reports = await self._read_round(report)
+        failed_probe = frozenset(url for url, r in reports.items() if r.failed_probe)
         if self.refit is not None and self.refit.lease is not None:
             self._guarded(report, "refit participants", self.observe_participants, reports)
 
@@ -603,11 +545,14 @@ class Controller:
         # 5. rescue what waits on shards condemned or fallen asleep since (if no transition
         # did it already)
         await self._rescue(report)
+        self._tick_done(report, time.perf_counter() - started)
+        return report
 
+    def _tick_done(self, report: TickReport, duration_s: float) -> None:
         for err in report.router_errors:
             log.warning("%s", err)
         self.status = self._status()
-        report.duration_s = time.perf_counter() - started
+        report.duration_s = duration_s
         self.meter.tick_done(report.duration_s)
         self.last_tick = report
         if self.on_tick is not None:
@@ -616,7 +561,143 @@ class Controller:
             except Exception:
                 # An observer never stops the loop, and never makes a tick count as failed.
                 log.exception("tick %d: the on_tick observer failed", report.number)
-        return report
+
+    async def _read_round(self, report: TickReport) -> Mapping[str, Report]:
+        """The watchdog round, for every shard with a process, within the tick."""
+        round_started = time.monotonic()
+        reports = await self._read(report, self._to_read(range(len(self.ledger))))
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        return reports
+
+    def _to_read(self, shards: Sequence[int]) -> dict[str, int]:
+        """Of ``shards``, those with a process, by URL (those under focused reads are being
+        read already)."""
+        return {self.ledger.shard(i).base_url: i for i in shards
+                if self.ledger.state(i) not in ABSENT and i not in self._focus}
+
+    async def _read_loop(self, stop: asyncio.Event) -> None:
+        """Every engine read once per ``probe_interval_s``, on its own schedule, beside the
+        tick: in slices of ``max_concurrent_reads`` whose starts are spread evenly over the
+        interval, readers taking the next engine as soon as they are free and its slice has
+        begun, each read decided on as it finishes. The tick waits for none of them, so at a
+        thousand engines it stays the cheap ledger and push work (section 6.2). Up to
+        ``max_concurrent_reads`` engines, one slice at the interval's start: the round of old.
+        """
+        interval = self.config.health.probe_interval_s
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                reports = await self._read(None, self._to_read(range(len(self.ledger))),
+                                           spread_s=interval)
+            except Exception:
+                log.exception("a read round failed; the next one runs as usual")
+                reports = {}
+            ended = time.monotonic()
+            self.meter.round_done(ended, ended - started, len(reports))
+            await _sleep_unless(stop, started + interval - time.monotonic())
+
+    async def _read(self, report: TickReport | None, shards: Mapping[str, int], *,
+                    spread_s: float | None = None) -> Mapping[str, Report]:
+        """Read ``shards`` (by URL), each read into the ledger as it finishes (``report``
+        ``None``: into the next tick's report). ``spread_s``: the reads spread over that many
+        seconds, each target made afresh just before its read (:meth:`_target`)."""
+        if spread_s is None:
+            counts, ages = await self._in_flight(report), await self._held(report)
+            targets = [self._target(url, i, counts, ages) for url, i in shards.items()]
+        else:
+            targets = [Target(url) for url in shards]
+        decided: set[str] = set()
+
+        def decide(url: str, r: Report) -> None:
+            # Each read is decided on as it finishes (the watchdog calls back), not at the
+            # round's end: a round of a large fleet lasts seconds, and a condemning read would
+            # otherwise wait for the slowest of the others. What a watchdog does not call back
+            # for (a double's round), the loop below decides on at the end.
+            i = shards.get(url)
+            if i is None or url in decided:
+                return
+            decided.add(url)
+            self._decide(report, i, url, r)
+
+        per_slice = getattr(self.watchdog, "concurrency", len(shards)) or 1
+        # What the routers hold, asked again once per slice of the round: a figure seconds old
+        # would make a request that finished meanwhile look held on an engine gone quiet.
+        fresh_for = (spread_s or 0.0) / max(1, -(-len(shards) // per_slice))
+        asked_at = -float("inf")
+        in_flight: Mapping[str, int] = {}
+        held: Mapping[str, float] = {}
+        asking = asyncio.Lock()  # the readers of one slice share one question to the routers
+
+        async def fresh(t: Target) -> Target | None:
+            nonlocal asked_at, in_flight, held
+            i = shards.get(t.url)
+            if (i is None or i in self._focus or self.ledger.state(i) in ABSENT
+                    or self.ledger.shard(i).base_url != t.url):
+                return None  # condemned, moved or under focused reads since the round began
+            if asked_at == -float("inf") or (time.monotonic() - asked_at >= fresh_for
+                                              and not asking.locked()):
+                # One reader asks; the others read with the last answer meanwhile (at most
+                # a slice's time old) rather than all wait on the routers' round trip. Only
+                # the round's first reads wait for an answer: none is older than the round.
+                async with asking:
+                    if time.monotonic() - asked_at >= fresh_for:
+                        counts, ages = await self._in_flight(report), await self._held(report)
+                        asked_at, in_flight, held = time.monotonic(), counts, ages
+            return self._target(t.url, i, in_flight, held)
+
+        hooked = hasattr(self.watchdog, "on_report")
+        if hooked:
+            self.watchdog.on_report = decide
+        try:
+            if spread_s is None:
+                reports = await self.watchdog.round(targets)
+            else:
+                reports = await self.watchdog.round(targets, spread_s=spread_s, fresh=fresh)
+        finally:
+            if hooked:
+                self.watchdog.on_report = None
+        for url in shards:
+            r = reports.get(url)
+            if r is not None:
+                decide(url, r)
+        return reports
+
+    def _target(self, url: str, i: int, in_flight: Mapping[str, int],
+                held: Mapping[str, float]) -> Target:
+        """Shard ``i``'s engine as a read sees it: what the routers hold there, and whether its
+        stalls are excused."""
+        excused = self.refit is not None and i in self.refit.stalls_excused()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        state = self.ledger.state(i)
+        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
+        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
+        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
+        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
+        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
+        return Target(url=url, in_flight=in_flight.get(url, 0),
+                      stalls_excused=excused or state is ShardState.SLEEPING,
+                      held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
+                      confirm=state is ShardState.SUSPECT)
+
+    def _decide(self, report: TickReport | None, i: int, url: str, r: Report) -> None:
+        """One read of the round into the ledger; a stall or a refusal is confirmed at once.
+        ``report`` ``None``: the read belongs to the next tick's report."""
+        if self.ledger.shard(i).base_url != url:
+            return  # the shard moved during the round (a restart finished)
+        if report is None:
+            report = self._pending
+            self._pending_reports[url] = r
+        self.reports[i] = r
+        report.verdicts[i] = r.verdict.name
+        self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
+        self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+        finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
+        now = time.monotonic()
+        self.meter.decided(now - finished_at.get(url, now))
+        if r.accuses and self.ledger.state(i) not in ABSENT:
+            self.confirm(i, r.verdict.name.lower())
 
     @staticmethod
     def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
@@ -673,7 +754,7 @@ class Controller:
             return
         if r is None or url != p.url:
             return  # not read (this tick, or at its URL)
-        answers = r.verdict is not Verdict.UNREACHABLE
+        answers = r.answered
         self.refit.observe_participant(
             i, process_alive=True, api_answers=answers,
             evidence=f"{r.verdict.name}: {r.evidence.summary}")
@@ -700,8 +781,8 @@ class Controller:
 
         ``progress_proves`` False: progress without a canary counts for nothing (the first
         focused read of an accused engine compares with a sample older than the accusation)."""
-        if self.journal is not None and r.verdict not in (Verdict.BUSY, Verdict.IDLE):
-            # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
+        if self.journal is not None and not r.steady:
+            # The steady states of a fleet would flood the journal.
             self.journal.record_verdict(i, r.url, r.verdict.name, r.evidence.to_dict())
         excused = self.refit is not None and i in self.refit.stalls_excused()
         self.ledger.record_reading(i, reading_of(r, excused=excused,
@@ -749,7 +830,9 @@ class Controller:
         """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
         the loop goes on."""
         interval = self.config.health.probe_interval_s
-        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence")]
+        self._read_apart = True
+        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence"),
+                    asyncio.create_task(self._read_loop(stop), name="reads")]
         watchers += [asyncio.create_task(self._watch_remote(k, stop), name=f"evidence:{k}")
                      for k, link in enumerate(self.routers) if not link.in_process]
         try:
@@ -762,6 +845,7 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_either(stop), interval)
         finally:
+            self._read_apart = False
             for watcher in watchers:
                 watcher.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
@@ -827,9 +911,7 @@ def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True
     return Reading(
         health=r.health.value,  # the same four words
         verdict=r.verdict.name, summary=r.evidence.summary,
-        # A restart is also told by a SLEEPING verdict: a new process already asleep
-        restarted=r.verdict is Verdict.RESTARTED or (
-            r.verdict is Verdict.SLEEPING and r.evidence.previous_incarnation is not None),
+        restarted=r.restarted,
         incarnation=r.incarnation,
         canary_ok=None if r.canary is None else r.canary.ok,
         canary_error=r.canary.error if r.canary is not None else "",
