@@ -455,7 +455,7 @@ def _judge_sample(ask: _Ask, before: Sample | None, after: Sample, base: Evidenc
                                    f"compared across processes; {gauges}", deltas={}),
                            new_cadence=NO_CADENCE)  # the old process's rhythm is not this one's
     if not after.idle:
-        return _judge_working(ask, after, base, gauges)
+        return _judge_working(ask, before, after, base, gauges)
     return _judge_empty(ask, base, gauges)
 
 
@@ -550,7 +550,8 @@ def _judge_first(ask: _Ask, after: Sample, base: Evidence, gauges: str) -> Judge
                        replace(base, summary=f"idle at the first read; {in_flight} in flight"))
 
 
-def _judge_working(ask: _Ask, after: Sample, base: Evidence, gauges: str) -> Judgement:
+def _judge_working(ask: _Ask, before: Sample, after: Sample, base: Evidence,
+                   gauges: str) -> Judgement:
     """Work in the engine (running, or only waiting), compared with a sample of its process."""
     deltas, elapsed, stall, policy = base.deltas, ask.elapsed, ask.stall, ask.policy
     load = after.running + after.waiting
@@ -570,7 +571,10 @@ def _judge_working(ask: _Ask, after: Sample, base: Evidence, gauges: str) -> Jud
     # Waiting alone counts as work: vLLM's gauges can read 0 running while requests wait on
     # a wedged core (https://github.com/vllm-project/vllm/issues/39863 and .../46811), and
     # nothing advances for them either.
-    now_stalled = Stall(stall.waits + 1, stall.seconds + elapsed)
+    # A stall is timed from a read that already found work: after an idle read the work came
+    # at some moment in between, perhaps an instant ago (a first step still running is no
+    # stall), so that stretch counts as a read, not as its seconds.
+    now_stalled = Stall(stall.waits + 1, stall.seconds + (0.0 if before.idle else elapsed))
     stalled = replace(base, stalled_waits=now_stalled.waits, stalled_for_s=now_stalled.seconds)
     if now_stalled.waits >= policy.stall_waits and now_stalled.seconds >= limit:
         why = _limit_reason(ask.cadence, load, policy)

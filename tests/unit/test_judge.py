@@ -105,6 +105,23 @@ def test_the_real_wedged_busy_pair_is_stalled_then_stuck_after_two_waits_and_sta
     assert conclude(third, None) is Health.CONDEMNED
 
 
+def test_a_stall_is_timed_from_a_read_that_found_work_not_from_an_idle_one() -> None:
+    """An engine idle at one read and given a request whose first step still runs at the next
+    read 5 s later has stalled for an unknown part of those 5 s, maybe none: a focused read
+    0.25 s on is no wedge. The stall's seconds start at the first read that found work."""
+    working = replace(IDLE, running=1)
+    first = judge(IDLE, working, elapsed_s=5.0, in_flight=1)
+    assert first.verdict is Verdict.STALLED
+    assert first.stall == Stall(waits=1, seconds=0.0)
+    focused = judge(working, working, elapsed_s=0.25, in_flight=1, stall=first.stall,
+                    confirm=True)
+    assert focused.verdict is Verdict.STALLED, focused.evidence.summary
+    # ...and a real wedge is still found once the stall limit has passed since that read
+    later = judge(working, working, elapsed_s=5.0, in_flight=1, stall=focused.stall,
+                  confirm=True)
+    assert later.verdict is Verdict.STUCK, later.evidence.summary
+
+
 def test_the_real_restart_is_restarted_and_asks_for_a_canary_now() -> None:
     j = judge(capture("metrics-idle.txt"), capture("metrics-restarted.txt"), elapsed_s=117.0,
               since_canary_s=1.0)
