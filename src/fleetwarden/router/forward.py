@@ -15,9 +15,11 @@ section 4):
   engine whose core is wedged still answers validation errors from its API process.
 * A request that has sent nothing to its client can be re-sent elsewhere: freely if it never
   reached an engine (refused, connect timeout), at most ``max_retries`` times and within the
-  fleet's retry budget if an engine may have worked on it. The same 5xx on two backends marks
-  the request itself as the problem (poison): it is answered, and counted against neither
-  (a 5xx is reported only once the next attempt has shown it is not poison).
+  fleet's retry budget if an engine may have worked on it. The same 5xx from every engine the
+  request may try (:func:`~fleetwarden.router.pool.poison_quorum`) marks the request itself as
+  the problem (poison): it is answered with that 5xx, and counted against none of them. A 5xx
+  is held until the request ends: counted once another engine has answered the request, or
+  when no other engine repeated it (:func:`~fleetwarden.router.pool.blamed_5xx`).
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
 * A request held on a backend is one that has received nothing from it: waiting for its head,
@@ -70,7 +72,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
-from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
+from fleetwarden.router.pool import (
+    UNKNOWN_FACTS,
+    BackendFacts,
+    Pool,
+    blamed_5xx,
+    poison_quorum,
+)
 from fleetwarden.router.serve import (
     BodyTooLarge,
     RawHeaders,
@@ -615,11 +623,13 @@ class Forwarder:
         budget = pool.retry_budget
         budget.requests_in_flight += 1
         holds_retry_token = False
-        #: A 5xx not yet reported against its backend: whether the request is poison (the same
-        #: 5xx on the next backend) is known only at the next attempt, and a request that
-        #: fails everywhere must eject no engine it touched. Reported once it is known not to
-        #: be (another answer, another failure), or when the request ends any other way.
-        held: _Failure | None = None
+        #: The 5xx not yet reported against their backends: whether the request is poison
+        #: (the same 5xx from every engine it may try) is known only when it ends, and a
+        #: request that fails everywhere must eject no engine it touched. Reported when it
+        #: ends, as :func:`blamed_5xx` says; the reflex drops of the others are undone.
+        held: list[_Failure] = []
+        #: An engine answered the request (a whole answer, or a stream's first bytes).
+        answered = False
         try:
             tried: list[str] = []
             if stream is not None:
@@ -662,6 +672,11 @@ class Forwarder:
                     if backend is None:
                         if last is None and min_version is not None and pool.serving:
                             return self._refuse_version(min_version)
+                        if held and self._poison(held, held[-1], tried, min_version):
+                            # Every engine left that could answer it gave the same 5xx
+                            # (the others refused it): poison, as below.
+                            stats.poison_requests += 1
+                            return self._pass_through(held[-1])
                         # nobody left to try: the router cannot serve
                         return self._refuse(last, min_version)
                     if stream is not None:
@@ -676,8 +691,10 @@ class Forwarder:
                     request, backend, body, headers, started, stream,
                     None if stream is not None else (request, body, headers, tried, min_version))
                 if not isinstance(answer, _Failure):
+                    answered = True
                     return answer
                 failure = answer
+                answered = answered or (stream is not None and stream.began)
                 if stream is not None and stream.began and stream.splice.finished():
                     # Its final chunk was read: the generation is whole whatever became of
                     # [DONE], a success of the engine, never continued past its end.
@@ -699,30 +716,24 @@ class Forwarder:
                     last = failure
                     continue
                 began = stream is not None and stream.began
-                if (not began and failure.cause is Cause.SERVER_ERROR and last is not None
-                        and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
-                    # The same 5xx on a second backend: the request is the problem, not them.
-                    # Neither is counted, and the first one's reflex drop is undone.
+                if (not began and failure.cause is Cause.SERVER_ERROR
+                        and self._poison(held, failure, tried, min_version)):
+                    # The same 5xx from every engine it may try: the request is the problem,
+                    # not them. None is counted, and their reflex drops are undone (finally).
                     stats.poison_requests += 1
-                    if held is not None:
-                        if self.health_managed:
-                            pool.undrop(held.backend)
-                        held = None
+                    held.append(failure)  # one of the same 5xx: the others are not alone
                     return self._pass_through(failure)
                 if failure.cause is Cause.LOCAL_EXHAUSTION:
                     # The router's own trouble: no engine is blamed, none is tried next.
                     stats.local_exhaustion += 1
                     log.warning("%s: %s", failure.backend, _DESCRIPTIONS[failure.cause])
                     return self._exhausted()
-                if held is not None:
-                    self._report_failure(held)  # not poison: the first 5xx was its engine's
-                    held = None
                 if not failure.counted:
                     if failure.cause is Cause.SERVER_ERROR and not began:
                         # Out of this router's list at once (the reflex), reported once the
-                        # next attempt tells whether the request itself is the problem.
+                        # request's end tells whether the request itself is the problem.
                         self._reflex(failure)
-                        held = failure
+                        held.append(failure)
                     else:
                         self._count_failure(failure)
                 last = failure
@@ -748,8 +759,9 @@ class Forwarder:
                     return self._pass_through(failure)  # the engine's answer, as it stands
                 return self._refuse(failure, min_version)
         finally:
-            if held is not None:
-                self._report_failure(held)  # answered, refused or left: never known as poison
+            if held:
+                self._settle_held(held, answered or bool(stream is not None and stream.began),
+                                  tried, min_version)
             budget.requests_in_flight -= 1
             if holds_retry_token:
                 budget.release()
@@ -1215,6 +1227,34 @@ class Forwarder:
     def _count_failure(self, failure: _Failure) -> None:
         self._report_failure(failure)
         self._reflex(failure)
+
+    def _poison(self, held: list[_Failure], failure: _Failure, tried: list[str],
+                min_version: int | None) -> bool:
+        """Whether ``failure`` (a 5xx) makes the request poison: the same status from every
+        engine it may try (:func:`poison_quorum`). Those are the engines that answered it 5xx
+        and those it has not tried yet; one that failed it otherwise (refused, reset) could
+        not answer it at all, and has no say."""
+        pool = self.pool
+        answered_5xx = {h.backend for h in held} | {failure.backend}
+        same = {h.backend for h in held if h.status == failure.status} | {failure.backend}
+        if len(same) < len(answered_5xx):
+            return False  # another 5xx among them: not the same answer everywhere
+        untried = {u for u in pool.serving if u not in tried and pool.qualifies(u, min_version)}
+        routable = answered_5xx | untried
+        return len(same) >= poison_quorum(len(routable), self.settings.max_retries)
+
+    def _settle_held(self, held: list[_Failure], answered: bool, tried: list[str],
+                     min_version: int | None) -> None:
+        """A request's held 5xx at its end: those :func:`blamed_5xx` names are reported; the
+        others were perhaps the request's own, and their reflex drops are undone."""
+        pool = self.pool
+        untried = sum(1 for u in pool.serving if u not in tried and pool.qualifies(u, min_version))
+        blamed = blamed_5xx([(h.backend, h.status) for h in held], answered, untried)
+        for h in held:
+            if h.backend in blamed:
+                self._report_failure(h)
+            elif self.health_managed:
+                self.pool.undrop(h.backend)
 
     def _report_failure(self, failure: _Failure) -> None:
         """The failure into the tallies the controller drains, and its evidence stream."""
