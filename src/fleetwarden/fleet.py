@@ -432,8 +432,11 @@ class Fleet:
         self.events.publish({"type": "refit", "data": {"phase": "begin", "version": version}})
         return lease
 
-    def complete_refit(self, version: int) -> RefitRecord:
-        record = self.refit.complete_refit(version)
+    async def complete_refit(self, version: int) -> RefitRecord:
+        # Every participant read once more first: a version is credited only to a process
+        # known alive through the whole lease (docs/design.md section 8).
+        read = await self.controller.read_participants()
+        record = self.refit.complete_refit(version, read_at_end=read)
         self.controller.wake()
         self.events.publish({"type": "refit", "data": {"phase": "complete", "version": version}})
         return record
