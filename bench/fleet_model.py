@@ -7,7 +7,7 @@ fleets behind ``fleetwarden up``, the contract checked after each one.
 What it runs: :func:`fleetwarden.testing.fleet_model.run_model` (the suite runs 300 operations
 of it in tests/scenario/test_fleet_model.py). What it prints: every operation, every violation
 as it is found, then operations by kind, requests and their failures by circumstance, and the
-violations, those under a gate (an invariant whose fix is on another branch) counted apart.
+violations (those under a gate, if one is open in ``fleet_model.GATES``, counted apart).
 """
 
 from __future__ import annotations

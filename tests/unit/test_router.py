@@ -328,19 +328,24 @@ async def test_a_poison_request_ejects_no_engine_it_touched() -> None:
         assert statuses == [200, 200] and failed == [(bad.url, "server_error")]
 
 
+def reported(r: Rig, *failing: ScriptedEngine) -> list[tuple[str, str]]:
+    """Each of ``failing`` answers vLLM's engine-dead 500; the failures ``r``'s router
+    reports to the controller's evidence stream are collected in the list returned."""
+    for e in failing:
+        e.answer(ENGINE_DEAD)
+    failed: list[tuple[str, str]] = []
+    r.router.listen(lambda url, cause: failed.append((url, cause)))
+    return failed
+
+
 async def test_two_engines_failing_at_once_do_not_make_a_request_poison() -> None:
     """The same 5xx from two engines while a third serves: two broken engines (a crash beside
     a trickle), not a poison request. The request goes on to the third and is answered; the
     two 5xx were their engines' and are counted (a poison request is read only when every
     engine it may try gave the same 5xx)."""
     async with rig(3, health_managed=True, max_retries=2) as r:
-        failed: list[tuple[str, str]] = []
-        r.router.listen(lambda url, cause: failed.append((url, cause)))
         bad1, bad2, good = r.engines
-        bad1.answer(ENGINE_DEAD)
-        bad2.answer(ENGINE_DEAD)
-        r.router.set_serving_backends([bad1.url, bad2.url])
-        r.router.set_serving_backends([bad1.url, bad2.url, good.url])
+        failed = reported(r, bad1, bad2)
         statuses = []
         for _ in range(3):  # least in flight with rotating ties: some start on a broken one
             statuses.append((await r.post())[0])
@@ -357,11 +362,8 @@ async def test_a_poison_request_meeting_a_dead_engine_ejects_no_healthy_one() ->
     in whichever order: the refusal says nothing about the request, so a 5xx is still held
     after it; the other live engine repeats it, and no engine that answered 5xx is reported."""
     async with rig(3, health_managed=True, max_retries=2) as r:
-        failed: list[tuple[str, str]] = []
-        r.router.listen(lambda url, cause: failed.append((url, cause)))
         first, dead, last = r.engines
-        first.answer(ENGINE_DEAD)
-        last.answer(ENGINE_DEAD)
+        failed = reported(r, first, last)
         await dead.crash()
         for _ in range(3):  # rotating ties: each engine is the first tried once
             r.router.set_serving_backends([first.url, dead.url, last.url])  # a push
