@@ -692,11 +692,12 @@ class Controller:
         return oldest
 
     async def read_participants(self) -> frozenset[int]:
-        """One read of every participant of the open lease, now (the trainer asked to complete
-        it): what the ledger knows of each process must reach to the lease's end, or a
-        process restarted since the last tick is credited with weights it never received.
-        Each read is applied as a tick's is (a restart it shows moves the shard) and noted on
-        the lease. Returns the participants whose API answered it."""
+        """One read of every participant of the open lease, now: at its start (the baseline)
+        and when the trainer asks to complete it. What the ledger knows of each process must
+        reach from the lease's start to its end, or a process restarted between two ticks'
+        reads, or before its first, is credited with weights it never received. Each read is
+        applied as a tick's is (a restart it shows moves the shard) and noted on the lease.
+        Returns the participants whose API answered it."""
         if self.refit is None or self.refit.lease is None or self.watchdog is None:
             return frozenset()
         watchdog = self.watchdog

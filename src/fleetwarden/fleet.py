@@ -427,8 +427,11 @@ class Fleet:
         self.events.publish({"type": "sleep", "data": {"phase": "wake"}})
         return results
 
-    def begin_refit(self, version: int) -> Lease:
+    async def begin_refit(self, version: int) -> Lease:
         lease = self.refit.begin_refit(version)
+        # Every participant read at the start: the baseline its read at the completion is
+        # compared with (docs/design.md section 8).
+        self.refit.read_at_start(await self.controller.read_participants())
         self.events.publish({"type": "refit", "data": {"phase": "begin", "version": version}})
         return lease
 

@@ -91,6 +91,9 @@ class Lease:
     #: Participants seen gone or not answering at some read of the lease: for an engine that
     #: gives no start time, the only sign of a restart that its counters did not betray.
     interrupted: set[int] = field(default_factory=set)
+    #: Participants whose read at the lease's start did not answer (:meth:`RefitCoordinator.
+    #: read_at_start`): no baseline, so no read at the end can tell whether they restarted.
+    unread_at_start: set[int] = field(default_factory=set)
 
     def culprits(self) -> list[ParticipantStatus]:
         return [s for _, s in sorted(self.status.items()) if s.culprit]
@@ -177,7 +180,8 @@ class RefitCoordinator:
             rec = self.ledger.shard(p.shard)
             if rec.state in ABSENT:
                 continue
-            unread = read_at_end is not None and p.shard not in read_at_end
+            unread = (p.shard in lease.unread_at_start
+                      or (read_at_end is not None and p.shard not in read_at_end))
             if unread or not _same_process(p, rec.base_url, rec.incarnation) or (
                     p.shard in lease.interrupted and not _named_by_itself(p.incarnation)):
                 # A version is credited only to a process known alive through the whole
@@ -192,6 +196,14 @@ class RefitCoordinator:
         record = RefitRecord(version, "completed", lease.started_at, self.clock(), tuple(done))
         self._remember(record)
         return record
+
+    def read_at_start(self, answered: Collection[int]) -> None:
+        """The participants read, their API answering, just after the lease began (the fleet
+        reads them all before it answers the trainer): the baseline that the read at the end
+        compares with (a new start time, counters gone back). A participant not among them
+        has none, and is not credited at the completion."""
+        if self.lease is not None:
+            self.lease.unread_at_start = set(self.lease.shards - frozenset(answered))
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         lease = self._close(version)

@@ -373,8 +373,10 @@ async def test_stop_accepting_closes_the_listener_and_keeps_open_connections_ser
         assert r.router.control_url is not None
         assert (await r.post())[0] == 200  # the rig's session now holds a keep-alive connection
         async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            assert (await remote.status())["accepting"]
             await remote.stop_accepting()
             await remote.stop_accepting()  # again: nothing left to close, still answered
+            assert not (await remote.status())["accepting"]  # what its status tells a reader
         assert (await r.post())[0] == 200  # on the connection it already had
         async with aiohttp.ClientSession() as fresh:
             with pytest.raises(aiohttp.ClientConnectorError):

@@ -342,7 +342,8 @@ path = "{self.journal_path}"
     async def router_sets(self, http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
         """The current worker of each slot that answers: launch id -> its /status (what it
         serves). A slot whose newest worker is still starting is left out (its predecessor,
-        draining, gets no pushes any more)."""
+        draining, gets no pushes any more), and so is one whose newest worker in the journal
+        has stopped accepting (a storm of reloads: its replacement is not journaled yet)."""
         current: dict[int, dict[str, Any]] = {}
         for r in self.routers():
             current[r["worker"]] = r  # the latest launched of each slot
@@ -353,8 +354,9 @@ path = "{self.journal_path}"
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with http.get(r["control_url"] + "/status",
                                     headers={"Authorization": f"Bearer {token}"}) as resp:
-                    if resp.status == 200:
-                        out[r["launch_id"]] = await resp.json()
+                    status = await resp.json() if resp.status == 200 else None
+                    if status is not None and status.get("accepting", True):
+                        out[r["launch_id"]] = status
         return out
 
     # ------------------------------------------------------------------ the operations
@@ -884,15 +886,16 @@ path = "{self.journal_path}"
 async def run_model(seed: int, operations: int, budget_s: float, workdir: Path,
                     log: Callable[[str], None] = print,
                     epochs: tuple[Epoch, ...] = EPOCHS, *,
-                    concurrent: bool = False) -> ModelReport:
+                    concurrent: bool = False, pooled: bool = False) -> ModelReport:
     """Draw ``operations`` operations (split evenly over the epochs) within ``budget_s``.
 
-    ``concurrent``: the epochs' fleets run side by side until together they have drawn
-    ``operations`` (each at its own pace: the static fleet's restarts take seconds, a refit
-    takes milliseconds), each from a generator of its own (seeded from ``seed`` and the
-    epoch's name: a replay draws the same sequence on each), for a long run on a machine
-    where one fleet leaves most of the time waiting. Otherwise one after the other, from one
-    generator (the suite's replayable seeds)."""
+    ``concurrent``: the epochs' fleets run side by side, each drawing from a generator of its
+    own (seeded from ``seed`` and the epoch's name: a replay draws the same sequence on
+    each); a fleet leaves most of a run waiting, and side by side the run takes as long as
+    its slowest epoch, not their sum. ``pooled`` (with ``concurrent``): not an even split,
+    but until together they have drawn ``operations``, each at its own pace (the static
+    fleet's restarts take seconds, a refit milliseconds). Otherwise one after the other,
+    from one generator."""
     report = ModelReport(seed)
     rng = random.Random(seed)
     started = time.monotonic()
@@ -904,7 +907,8 @@ async def run_model(seed: int, operations: int, budget_s: float, workdir: Path,
         if concurrent:
             model = FleetModel(epoch, random.Random(f"{seed}/{epoch.name}"),
                                workdir / epoch.name, report, log)
-            runs.append(model.run(operations, started + budget_s, shared=True))
+            runs.append(model.run(operations if pooled else share, started + budget_s,
+                                  shared=pooled))
             continue
         deadline = started + budget_s * (k + 1) / len(epochs)
         model = FleetModel(epoch, rng, workdir / epoch.name, report, log)
