@@ -30,11 +30,13 @@ def main() -> None:
                    help="stop drawing operations after this long (a bound, not a target)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--concurrent", action="store_true",
-                   help="run the epochs' fleets side by side (each its own generator)")
+                   help="run the epochs' fleets side by side (each its own generator) until "
+                        "together they have drawn the operations")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="fleetwarden-model-") as tmp:
         report = asyncio.run(run_model(args.seed, args.operations, args.budget_min * 60,
-                                       Path(tmp), concurrent=args.concurrent))
+                                       Path(tmp), concurrent=args.concurrent,
+                                       pooled=args.concurrent))
     print(f"\noperations: {report.steps} {dict(sorted(report.operations.items()))}")
     print(f"requests: {report.requests}, failed: {dict(report.failed) or 'none'}")
     print(f"violations: {len(report.ungated)}")
