@@ -32,6 +32,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -179,12 +180,19 @@ class AttachedEngine:
         self.proc: subprocess.Popen[str] | None = None
         #: Processes this engine has had (the identity a refit's credit is checked against).
         self.generation = 0
+        #: One start, stop or restart at a time: a repair (in a thread) and an operation may
+        #: replace the same engine at once, and two processes on one port do not start.
+        self._lock = threading.RLock()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetwarden", "sim", "--port", str(self.port),
              "--engine", self.engine, *SIM_ARGS],
@@ -201,6 +209,10 @@ class AttachedEngine:
             raise RuntimeError(f"sim {self.engine} on {self.port} did not start: {line!r}")
 
     def stop(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -215,8 +227,9 @@ class AttachedEngine:
             proc.stdout.close()
 
     def restart(self) -> None:
-        self.stop()
-        self.start()
+        with self._lock:
+            self._stop()
+            self._start()
 
 
 # ---------------------------------------------------------------------- one epoch
