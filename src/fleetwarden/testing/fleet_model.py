@@ -676,22 +676,30 @@ path = "{self.journal_path}"
         every router routes only the engines configured (attached: this run's --backend list;
         launched: the shards' current engines)."""
         started = time.monotonic()
+        #: When this check first saw each URL's shard HEALTHY (and every read since): the push
+        #: bound runs from then, not from the check's start (a shard that turns HEALTHY late
+        #: in a check has its own push to wait for).
+        since: dict[str, float] = {}
         while True:
             shards = await self.shards()
+            now = time.monotonic()
             healthy = {s["base_url"]: s["index"] for s in shards if s["state"] == "HEALTHY"}
-            self.healthy_seen.append((time.monotonic(), frozenset(healthy.values())))
+            since = {u: since.get(u, now) for u in healthy}
+            self.healthy_seen.append((now, frozenset(healthy.values())))
             sets = await self.router_sets(http)
             configured = ({a.url for a in self.attached}
                           | {s["base_url"] for s in shards if self.attached_of(s) is None})
             missing = sorted((healthy[u], launch) for launch, st in sets.items()
                              for u in healthy if u not in st["serving"])
+            young = any(now - since[u] <= PUSH_BOUND_S for st in sets.values()
+                        for u in healthy if u not in st["serving"])
             foreign = sorted({u for st in sets.values() for u in st["serving"]
                               if u not in configured})
             every = bool(sets) and len(sets) == self.slots
             if every and not missing and not foreign:
                 break
             waited = time.monotonic() - started
-            if (every and waited > PUSH_BOUND_S) or waited > ROUTER_START_BOUND_S:
+            if (every and waited > PUSH_BOUND_S and not young) or waited > ROUTER_START_BOUND_S:
                 if not every:
                     self.violation("every router answers its control API",
                                    f"{len(sets)} of {self.slots} router slot(s) answered "
