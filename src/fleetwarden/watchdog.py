@@ -337,7 +337,10 @@ class Watchdog:
                 # the first read of an engine: a new process's first generation may be slow
                 # (compilation, cold caches) and that is no wedge; a failed probe, as before.
                 after = await self._read(target.url, False, memory)
-                if isinstance(after, Sample):
+                # Only the same process: a new start time means it restarted during the canary
+                # (the canary dropped with the old process), and kept as the sample, the new
+                # process would hide its restart from every later read.
+                if isinstance(after, Sample) and after.start_time == reading.start_time:
                     held = held_its_canary(reading, after, canary.latency_s,
                                            self.policy_for(memory.profile))
                     reading, now = after, self._clock()
