@@ -731,6 +731,40 @@ class Controller:
                 self._router_error(report, f"{link.name}: held requests: {exc}")
         return oldest
 
+    async def read_participants(self) -> frozenset[int]:
+        """One read of every participant of the open lease, now: at its start (the baseline)
+        and when the trainer asks to complete it. What the ledger knows of each process must
+        reach from the lease's start to its end, or a process restarted between two ticks'
+        reads, or before its first, is credited with weights it never received. Each read is
+        applied as a tick's is (a restart it shows moves the shard) and noted on the lease.
+        Returns the participants whose API answered it."""
+        if self.refit is None or self.refit.lease is None or self.watchdog is None:
+            return frozenset()
+        watchdog = self.watchdog
+        in_flight = await self._in_flight(None)
+        held = await self._held(None)
+        excused = self.refit.stalls_excused()
+        parts = [(p.shard, p.url) for p in self.refit.lease.participants
+                 if self.ledger.shard(p.shard).base_url == p.url
+                 and self.ledger.state(p.shard) not in ABSENT]
+
+        async def read(i: int, url: str) -> Report:
+            return await watchdog.probe(Target(
+                url=url, in_flight=in_flight.get(url, 0), held_s=held.get(url, 0.0),
+                stalls_excused=i in excused, engine=self.config.fleet.engine_of(i)))
+
+        reports = await asyncio.gather(*(read(i, url) for i, url in parts))
+        answered = set()
+        for (i, url), r in zip(parts, reports, strict=True):
+            if self.ledger.shard(i).base_url != url:
+                continue  # the shard moved during the read (a restart finished)
+            self.reports[i] = r
+            self.apply_report(i, r)
+            self._observe_participant(i, url, r)
+            if r.answered:
+                answered.add(i)
+        return frozenset(answered)
+
     def observe_participants(self, reports: Mapping[str, Report]) -> None:
         """During a lease: whether each participant's process lives and its API answered this
         tick's read, onto the lease (what a trainer whose broadcast hangs reads)."""

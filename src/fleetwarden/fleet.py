@@ -459,13 +459,19 @@ class Fleet:
         self.events.publish({"type": "sleep", "data": {"phase": "wake"}})
         return results
 
-    def begin_refit(self, version: int) -> Lease:
+    async def begin_refit(self, version: int) -> Lease:
         lease = self.refit.begin_refit(version)
+        # Every participant read at the start: the baseline its read at the completion is
+        # compared with (docs/design.md section 8).
+        self.refit.read_at_start(await self.controller.read_participants())
         self.events.publish({"type": "refit", "data": {"phase": "begin", "version": version}})
         return lease
 
-    def complete_refit(self, version: int) -> RefitRecord:
-        record = self.refit.complete_refit(version)
+    async def complete_refit(self, version: int) -> RefitRecord:
+        # Every participant read once more first: a version is credited only to a process
+        # known alive through the whole lease (docs/design.md section 8).
+        read = await self.controller.read_participants()
+        record = self.refit.complete_refit(version, read_at_end=read)
         self.controller.wake()
         self.events.publish({"type": "refit", "data": {"phase": "complete", "version": version}})
         return record

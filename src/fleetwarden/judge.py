@@ -1113,7 +1113,11 @@ class EngineWatch:
                     "never a canary)"))
             return self._judge(n, v, reading)
         if v.stage == "held-canary":
-            if isinstance(reading, Sample) and isinstance(v.reading, Sample):
+            # Only the same process: a new start time means it restarted during the canary
+            # (the canary dropped with the old process), and kept as the sample, the new
+            # process would hide its restart from every later read.
+            if (isinstance(reading, Sample) and isinstance(v.reading, Sample)
+                    and reading.start_time == v.reading.start_time):
                 assert v.canary is not None
                 held = held_its_canary(v.reading, reading, v.canary.latency_s,
                                        self.judged_by())

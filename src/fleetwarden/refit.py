@@ -27,7 +27,7 @@ Pure: no I/O, an injected clock. The admin API and the in-process Python API bot
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from fleetwarden.ledger import ABSENT, UNNAMED_PREFIX, Ledger
@@ -91,6 +91,9 @@ class Lease:
     #: Participants seen gone or not answering at some read of the lease: for an engine that
     #: gives no start time, the only sign of a restart that its counters did not betray.
     interrupted: set[int] = field(default_factory=set)
+    #: Participants whose read at the lease's start did not answer (:meth:`RefitCoordinator.
+    #: read_at_start`): no baseline, so no read at the end can tell whether they restarted.
+    unread_at_start: set[int] = field(default_factory=set)
 
     def culprits(self) -> list[ParticipantStatus]:
         return [s for _, s in sorted(self.status.items()) if s.culprit]
@@ -161,7 +164,13 @@ class RefitCoordinator:
         self.lease = None
         return lease
 
-    def complete_refit(self, version: int) -> RefitRecord:
+    def complete_refit(self, version: int, *,
+                       read_at_end: Collection[int] | None = None) -> RefitRecord:
+        """Close the lease, crediting ``version`` to each participant whose process took part
+        from its start to its end. ``read_at_end``: the participants read, their API
+        answering, after the trainer asked to complete (the fleet reads them all first); one
+        not among them may have been restarted since the ledger last saw it, and is not
+        credited. ``None``: no such read (a caller without engines to read)."""
         lease = self._close(version)
         done = []
         for p in lease.participants:
@@ -171,11 +180,15 @@ class RefitCoordinator:
             rec = self.ledger.shard(p.shard)
             if rec.state in ABSENT:
                 continue
-            if not _same_process(p, rec.base_url, rec.incarnation) or (
+            unread = (p.shard in lease.unread_at_start
+                      or (read_at_end is not None and p.shard not in read_at_end))
+            if unread or not _same_process(p, rec.base_url, rec.incarnation) or (
                     p.shard in lease.interrupted and not _named_by_itself(p.incarnation)):
-                # A version is credited only to a process alive through the whole lease. One
-                # that gives no start time and stopped answering during it may have been
-                # restarted (refused, then back): nothing proves it is the one that received.
+                # A version is credited only to a process known alive through the whole
+                # lease. One that gives no start time and stopped answering during it may have
+                # been restarted (refused, then back), and one not read at its end may have
+                # been restarted since the last read: nothing proves it is the one that
+                # received. When the ledger cannot know, it does not credit: STALE.
                 self.ledger.missed_refit(p.shard, version)
                 continue
             if self.ledger.report_refit(p.shard, version):
@@ -183,6 +196,14 @@ class RefitCoordinator:
         record = RefitRecord(version, "completed", lease.started_at, self.clock(), tuple(done))
         self._remember(record)
         return record
+
+    def read_at_start(self, answered: Collection[int]) -> None:
+        """The participants read, their API answering, just after the lease began (the fleet
+        reads them all before it answers the trainer): the baseline that the read at the end
+        compares with (a new start time, counters gone back). A participant not among them
+        has none, and is not credited at the completion."""
+        if self.lease is not None:
+            self.lease.unread_at_start = set(self.lease.shards - frozenset(answered))
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         lease = self._close(version)

@@ -1,11 +1,11 @@
 """The whole fleet, driven by random operator sequences: the contract holds after every step.
 
 A seeded run of :mod:`fleetwarden.testing.fleet_model` (docs/design.md, "The fleet's
-contract"): two fleets in sequence behind ``fleetwarden up`` (static weights, then a trainer's),
+contract"): two fleets side by side behind ``fleetwarden up`` (static weights, a trainer's),
 engines of every simulated profile, at least 300 operations. The seed is printed; replay one
-with ``FLEETWARDEN_MODEL_SEED=N``. Invariants the fleet does not yet hold in every case are
-gated: their violations are printed by gate and not failed here (the gates, each a known open
-defect, are named in ``fleet_model.GATES``); every other violation fails the test.
+with ``FLEETWARDEN_MODEL_SEED=N``. No invariant is gated (``fleet_model.GATES`` is empty): every
+violation fails the test. A gate, if one is ever opened for a known defect, is printed with
+its count and still checked.
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ from fleetwarden.testing.fleet_model import GATES, run_model
 
 pytestmark = pytest.mark.scenario
 
-#: The suite's seed (FLEETWARDEN_MODEL_SEED replays another). A regression case: on the code
-#: before this branch's fixes it found a HEALTHY shard never routed after a restart, an edited
-#: backends list ignored, and client requests failing (409) while that shard was healthy.
+#: The suite's seed (FLEETWARDEN_MODEL_SEED replays another).
 SEED = 3
 OPERATIONS = 300
-#: A liveness bound, not a timing claim: ~3-4 minutes measured on the 2-core machine.
-BUDGET_S = 900.0
+#: A liveness bound, not a timing claim (the two fleets side by side: 150 operations each,
+#: the run as long as the static fleet's, whose restarts of fleetwarden cost seconds).
+BUDGET_S = 600.0
 
 
+@pytest.mark.timeout(BUDGET_S + 120)  # the run's own bound ends it first, with its report
 async def test_the_fleet_keeps_its_contract_through_random_operator_sequences(
         tmp_path: Path) -> None:
     seed = int(os.environ.get("FLEETWARDEN_MODEL_SEED", SEED))
     print(f"\nfleet model seed {seed} (replay: FLEETWARDEN_MODEL_SEED={seed})")
-    report = await run_model(seed, OPERATIONS, BUDGET_S, tmp_path)
+    report = await run_model(seed, OPERATIONS, BUDGET_S, tmp_path, concurrent=True)
     for gate, n in report.gated.items():
         print(f"gated ({GATES[gate]}): {n} violation(s)")
     assert report.steps >= OPERATIONS, report.summary()

@@ -292,3 +292,20 @@ async def test_a_participant_that_goes_silent_in_a_refit_is_named_and_the_abort_
         await call(t.begin_refit, 2)
         done = await call(t.complete_refit, 2)
         assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}
+
+
+async def test_an_engine_restarted_just_before_the_trainer_completes_is_not_credited(
+        tmp_path: Path) -> None:
+    """The engine restarts (a new process: a new start time, counters from zero) and the
+    trainer completes before any tick has read it: the fleet reads every participant when
+    the trainer completes, sees the new process, and credits the version to the others only.
+    Ticks are far apart here, so that no tick's read can tell it first."""
+    async with running_fleet(tmp_path, fleet=TRAINER, health={"probe_interval_s": 30}) as f:
+        t = trainer(f)
+        await call(t.begin_refit, 1)
+        await f.inject_fault(1, "restart", {})
+        done = await call(t.complete_refit, 1)
+        assert done["refitted"] == [0, 2], (done, [(r.state, r.last_error)
+                                                   for r in f.ledger.snapshot()])
+        assert f.ledger.state(1) is ST and f.ledger.shard(1).weight_version == 0
+        assert [f.ledger.shard(i).weight_version for i in (0, 2)] == [1, 1]

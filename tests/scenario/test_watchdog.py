@@ -498,3 +498,28 @@ async def test_a_request_held_by_a_process_that_never_worked_is_no_ground_for_a_
     assert {r.verdict for r in reports[1:]} <= {Verdict.STALLED, Verdict.LOST_CORE}, [
         r.verdict for r in reports]
     assert [r.held_flat_s for r in reports] == [0.0] * 5
+
+
+async def test_a_restart_while_a_visit_waits_on_its_canary_is_told_by_the_next_read(
+    spawn: Any, http: aiohttp.ClientSession
+) -> None:
+    """An idle engine holds a canary, and restarts meanwhile (the canary dropped with the old
+    process). The read after the failed canary shows the new process's start time: kept as the
+    engine's sample, it hid the restart from every later read (a refit credited the new process
+    with the weights the old one had received). It is not kept: the next read tells."""
+    sim: SimProcess = spawn()
+    async with Watchdog(POLICY) as watchdog:
+        (healthy,) = await rounds(watchdog, Target(sim.url), 1, 0.0)
+        assert healthy.canary is not None and healthy.canary.ok
+        await set_fault(http, sim.url, "wedge")
+        visit = asyncio.create_task(watchdog.probe(Target(sim.url, confirm=True)))
+
+        async def canary_held() -> bool:
+            return len(canaries(await stats(http, sim.url))) == 2
+
+        await until(canary_held)
+        await set_fault(http, sim.url, "restart")  # a new process; the held canary dropped
+        held = await visit
+        assert held.canary is not None and not held.canary.ok
+        after = await watchdog.probe(Target(sim.url))
+    assert after.verdict is Verdict.RESTARTED

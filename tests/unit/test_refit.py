@@ -245,6 +245,43 @@ def test_an_engine_without_a_start_time_that_stopped_answering_is_not_credited()
     assert [ledger.state(i) for i in range(3)] == [H, ST, H]
 
 
+def test_a_participant_not_read_alive_at_the_lease_end_is_not_credited() -> None:
+    """The trainer completes right after a participant restarted, before any read saw it:
+    the ledger still names the old process, with a start time or not. The fleet reads every
+    participant when the trainer completes; one whose read did not answer (still starting,
+    or gone) may be a new process, and is STALE rather than credited with what it never
+    received."""
+    ledger, refit, _ = make(3)
+    ledger.observe_incarnation(0, "1700000001.0")  # these give a start time
+    ledger.observe_incarnation(2, "1700000000.0")
+    refit.begin_refit(1)
+    record = refit.complete_refit(1, read_at_end={0})
+    assert record.participants == (0,)
+    assert [ledger.state(i) for i in range(3)] == [H, ST, ST]
+    assert [ledger.shard(i).weight_version for i in range(3)] == [1, 0, 0]
+    # read at the end, a restart shows (a new start time) and is not credited either
+    refit.begin_refit(2)
+    ledger.observe_incarnation(0, "1700000099.0")  # the end read saw a new process
+    record = refit.complete_refit(2, read_at_end={0, 1, 2})
+    assert record.participants == (1, 2)
+    assert ledger.state(0) is ST
+
+
+def test_a_participant_not_read_at_the_lease_start_is_not_credited() -> None:
+    """A participant with no read at the lease's start (just replaced, not read yet) has no
+    baseline: a restart during the lease (a new start time) is then its first read's start
+    time, and nothing tells it apart. Read at the start it is credited as usual."""
+    ledger, refit, _ = make(3)
+    refit.begin_refit(1)
+    refit.read_at_start({0, 2})
+    record = refit.complete_refit(1, read_at_end={0, 1, 2})
+    assert record.participants == (0, 2)
+    assert [ledger.state(i) for i in range(3)] == [H, ST, H]
+    refit.begin_refit(2)
+    refit.read_at_start({0, 1, 2})
+    assert refit.complete_refit(2, read_at_end={0, 1, 2}).participants == (0, 1, 2)
+
+
 def test_an_overrun_lease_leaves_the_old_weights_serving() -> None:
     """Every participant is suspected, none is ejected but the one the lease names as the
     culprit: the fleet keeps serving the weights it had (no empty serving set, no 409s)."""

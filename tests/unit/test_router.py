@@ -75,15 +75,19 @@ async def test_the_last_backend_failing_answers_409(fault: str) -> None:
         status, headers, body = await r.post()
         assert status == 409
         assert error_of(body)["cause"] == cause and error_of(body)["backend"] == last.url
-        assert r.router.serving_backends() == []
+        # A refusal is the engine's own failure: out until the next push. A 5xx from the only
+        # engine the request could reach proves nothing against it (a poison request's would
+        # look the same): its reflex drop is undone when the request ends.
+        assert r.router.serving_backends() == ([] if fault == "crash" else [last.url])
         assert r.router.stats.retries == {"free": 0, "paid": 0, "replaced": 0}  # nobody left
         assert "Retry-After" not in headers
         # with nothing left, every request is 409 at once, with the caller's estimate if any
+        # (the engine that answered 5xx is tried again: 409 again, its own 5xx named)
         r.router.set_retry_after(7.2)
         status, headers, body = await r.post()
-        assert status == 409 and error_of(body)["cause"] == "no_backend"
-        assert headers["Retry-After"] == "8"
-        assert error_of(body)["backend"] is None
+        assert status == 409 and headers["Retry-After"] == "8"
+        assert error_of(body)["cause"] == ("no_backend" if fault == "crash" else cause)
+        assert error_of(body)["backend"] == (None if fault == "crash" else last.url)
 
 
 @pytest.mark.parametrize("engines", [1, 2])
@@ -136,17 +140,19 @@ async def test_drain_counts_once_and_resets() -> None:
     async with rig(1, max_retries=0) as r:
         (engine,) = r.engines
         url = engine.url
-        engine.answer(ENGINE_DEAD)
+        # resets: a 5xx from the only engine would prove nothing against it (it may be the
+        # request's own: test_a_poison_request_meeting_a_dead_engine_ejects_no_healthy_one)
+        engine.reset()
         assert [(await r.post())[0] for _ in range(3)] == [500] * 3
         assert r.router.drain_outcomes() == {url: (0, 3, 3)}
         assert r.router.drain_outcomes() == {}  # handed over once
-        engine.answer(None)
+        engine.reset(False)
         await r.post()
-        engine.answer(ENGINE_DEAD)
+        engine.reset()
         await r.post()
-        engine.answer(None)
+        engine.reset(False)
         await r.post()
-        engine.answer(ENGINE_DEAD)
+        engine.reset()
         await r.post()
         await r.post()
         # 2 successes, 3 failures, and the window ended on 2 failures since the last success
@@ -289,12 +295,12 @@ async def test_every_request_of_a_crashed_backend_moves_whatever_the_budget() ->
 
 
 async def test_a_poison_request_is_not_retried_across_the_fleet() -> None:
-    async with rig(3, max_retries=2) as r:
+    async with rig(4, max_retries=2) as r:
         for e in r.engines:
             e.answer(ENGINE_DEAD)
         status, _, body = await r.post()
         assert (status, body) == (500, ENGINE_DEAD.body)  # answered with the engine's own error
-        assert sum(e.received for e in r.engines) == 2  # two backends, not the whole fleet
+        assert sum(e.received for e in r.engines) == 3  # its tries, not the whole fleet
         outcomes = r.router.drain_outcomes()
         assert sum(f for _, f, _ in outcomes.values()) == 0  # the request failed, not them
         assert r.router.stats.poison_requests == 1
@@ -320,6 +326,53 @@ async def test_a_poison_request_ejects_no_engine_it_touched() -> None:
         good.answer(None)  # its normal answers again
         statuses = [(await r.post())[0] for _ in range(2)]
         assert statuses == [200, 200] and failed == [(bad.url, "server_error")]
+
+
+def reported(r: Rig, *failing: ScriptedEngine) -> list[tuple[str, str]]:
+    """Each of ``failing`` answers vLLM's engine-dead 500; the failures ``r``'s router
+    reports to the controller's evidence stream are collected in the list returned."""
+    for e in failing:
+        e.answer(ENGINE_DEAD)
+    failed: list[tuple[str, str]] = []
+    r.router.listen(lambda url, cause: failed.append((url, cause)))
+    return failed
+
+
+async def test_two_engines_failing_at_once_do_not_make_a_request_poison() -> None:
+    """The same 5xx from two engines while a third serves: two broken engines (a crash beside
+    a trickle), not a poison request. The request goes on to the third and is answered; the
+    two 5xx were their engines' and are counted (a poison request is read only when every
+    engine it may try gave the same 5xx)."""
+    async with rig(3, health_managed=True, max_retries=2) as r:
+        bad1, bad2, good = r.engines
+        failed = reported(r, bad1, bad2)
+        statuses = []
+        for _ in range(3):  # least in flight with rotating ties: some start on a broken one
+            statuses.append((await r.post())[0])
+            r.router.set_serving_backends([bad1.url, bad2.url, good.url])  # a push
+        assert statuses == [200] * 3
+        assert bad1.received + bad2.received >= 2
+        assert r.router.stats.poison_requests == 0
+        assert sorted(url for url, _ in failed) == sorted(
+            [bad1.url] * bad1.received + [bad2.url] * bad2.received)
+
+
+async def test_a_poison_request_meeting_a_dead_engine_ejects_no_healthy_one() -> None:
+    """A poison request's 5xx on a healthy engine and a refused connection (a crashed engine),
+    in whichever order: the refusal says nothing about the request, so a 5xx is still held
+    after it; the other live engine repeats it, and no engine that answered 5xx is reported."""
+    async with rig(3, health_managed=True, max_retries=2) as r:
+        first, dead, last = r.engines
+        failed = reported(r, first, last)
+        await dead.crash()
+        for _ in range(3):  # rotating ties: each engine is the first tried once
+            r.router.set_serving_backends([first.url, dead.url, last.url])  # a push
+            status, _, body = await r.post()
+            assert (status, body) == (500, ENGINE_DEAD.body)
+            assert sorted(r.router.serving_backends()) == sorted([first.url, last.url])
+        assert first.received == 3 and last.received == 3
+        assert {url for url, _ in failed} == {dead.url}  # the crashed engine's own failures
+        assert r.router.stats.poison_requests == 3
 
 
 # A real vLLM shut down (SIGTERM) with requests in it may answer each 200 with what it had,

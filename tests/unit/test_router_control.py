@@ -384,8 +384,10 @@ async def test_stop_accepting_closes_the_listener_and_keeps_open_connections_ser
         assert r.router.control_url is not None
         assert (await r.post())[0] == 200  # the rig's session now holds a keep-alive connection
         async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            assert (await remote.status())["accepting"]
             await remote.stop_accepting()
             await remote.stop_accepting()  # again: nothing left to close, still answered
+            assert not (await remote.status())["accepting"]  # what its status tells a reader
         assert (await r.post())[0] == 200  # on the connection it already had
         async with aiohttp.ClientSession() as fresh:
             with pytest.raises(aiohttp.ClientConnectorError):
@@ -480,11 +482,14 @@ def test_no_router_module_imports_one_that_imports_it_back() -> None:
 
 
 async def test_an_in_process_link_answers_evidence_at_the_first_failure() -> None:
-    async with rig(1, health_managed=True) as r:
-        (bad,) = r.engines
+    # Two engines failing with different 5xx: each is its engine's (a lone engine's 5xx
+    # proves nothing against it, and the same 5xx from both would be a poison request).
+    async with rig(2, health_managed=True) as r:
+        bad, other = r.engines
         link = r.router.control()
         assert await link.evidence(0.1, 1.0) == (0, {})  # nothing: empty at wait_s
         bad.answer_status(503)
+        other.answer_status(500)
         poll = asyncio.create_task(link.evidence(30, 1.0))
         await asyncio.sleep(0.1)
         assert not poll.done()  # held open while nothing happens
@@ -495,9 +500,10 @@ async def test_an_in_process_link_answers_evidence_at_the_first_failure() -> Non
 
 async def test_a_remote_link_tells_its_listeners_of_the_failures_an_evidence_answer_counts(
 ) -> None:
-    async with rig(1, health_managed=True, control_token=TOKEN) as r:
-        (bad,) = r.engines
+    async with rig(2, health_managed=True, control_token=TOKEN) as r:  # as above
+        bad, other = r.engines
         bad.answer_status(503)
+        other.answer_status(500)
         assert r.router.control_url is not None
         async with RemoteRouter(r.router.control_url, TOKEN) as remote:
             heard: list[tuple[str, str]] = []
@@ -507,7 +513,7 @@ async def test_a_remote_link_tells_its_listeners_of_the_failures_an_evidence_ans
             failed, _ = await asyncio.wait_for(remote.evidence(30, 1.0), 5)
             assert failed >= 1 and heard == [("", "remote")] * failed
             unlisten()
-            r.router.set_serving_backends([bad.url])  # back after the reflex dropped it
+            r.router.set_serving_backends([bad.url, other.url])  # back after the reflex
             await r.post()
             assert (await asyncio.wait_for(remote.evidence(30, 1.0), 5))[0] >= 1
             assert len(heard) == failed

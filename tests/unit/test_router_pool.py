@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget, SessionRing
+from fleetwarden.router.pool import (
+    BackendFacts,
+    Pool,
+    RetryBudget,
+    SessionRing,
+    blamed_5xx,
+    poison_quorum,
+)
 from fleetwarden.router.settings import RouterSettings
 
 A, B, C, D = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
@@ -253,3 +260,30 @@ def test_the_routers_pick_cost_is_on_its_metrics() -> None:
     total = [line for line in text.splitlines()
              if line.startswith("fleetwarden_router_pick_seconds_sum")]
     assert total and float(total[0].split()[1]) == pytest.approx(6e-05)
+
+
+# ---------------------------------------------------------------------- poison
+
+
+@pytest.mark.parametrize(("routable", "max_retries", "quorum"), [
+    (4, 2, 3),  # every try it may have: a third engine may still answer
+    (2, 2, 2),  # every engine there is
+    (9, 0, 2),  # no retry: never read as poison on one engine's word
+    (1, 2, 2),  # one engine: never read as poison
+])
+def test_a_request_is_poison_only_on_the_same_5xx_from_every_engine_it_may_try(
+        routable: int, max_retries: int, quorum: int) -> None:
+    assert poison_quorum(routable, max_retries) == quorum
+
+
+def test_a_request_that_failed_everywhere_blames_no_engine_that_repeated_its_5xx() -> None:
+    held = [("a", 500), ("b", 503), ("c", 500)]
+    assert blamed_5xx(held, answered=True, untried=0) == ["a", "b", "c"]  # another answered
+    assert blamed_5xx(held, answered=False, untried=0) == ["b"]  # 500 twice: the request's?
+    assert blamed_5xx([("a", 500), ("c", 500)], answered=False, untried=1) == []
+    assert blamed_5xx([("a", 500), ("b", 503)], answered=False, untried=0) == ["a", "b"]
+    # one engine's 5xx: its own when its tries ran out with others left to ask, but never
+    # the only engine the request could reach (nothing proves it, and it is the last one)
+    assert blamed_5xx([("a", 500)], answered=False, untried=2) == ["a"]
+    assert blamed_5xx([("a", 500)], answered=False, untried=0) == []
+    assert blamed_5xx([], answered=False, untried=0) == []

@@ -240,7 +240,7 @@ async def refit_begin(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     body = await _json_body(request)
     try:
-        lease = fleet.begin_refit(_version(body))
+        lease = await fleet.begin_refit(_version(body))
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
     return web.json_response({
@@ -254,7 +254,7 @@ async def refit_complete(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     body = await _json_body(request)
     try:
-        record = fleet.complete_refit(_version(body))
+        record = await fleet.complete_refit(_version(body))
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
     # The routers learn the new weight versions before the trainer's next rollout is sent.

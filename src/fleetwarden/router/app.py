@@ -216,6 +216,9 @@ class Router:
         return {
             "url": self._url,
             "serving": self.serving_backends(),
+            # False once it stopped accepting (a reload's predecessor, draining what it holds:
+            # it gets no pushes any more, and its replacement serves the port).
+            "accepting": bool(self._listeners),
             "trial": sorted(self.pool.trial),
             "facts": {url: f.to_dict() for url, f in self.backend_facts().items()},
             "in_flight": self.in_flight(),

@@ -15,9 +15,11 @@ section 4):
   engine whose core is wedged still answers validation errors from its API process.
 * A request that has sent nothing to its client can be re-sent elsewhere: freely if it never
   reached an engine (refused, connect timeout), at most ``max_retries`` times and within the
-  fleet's retry budget if an engine may have worked on it. The same 5xx on two backends marks
-  the request itself as the problem (poison): it is answered, and counted against neither
-  (a 5xx is reported only once the next attempt has shown it is not poison).
+  fleet's retry budget if an engine may have worked on it. The same 5xx from every engine the
+  request may try (:func:`~fleetwarden.router.pool.poison_quorum`) marks the request itself as
+  the problem (poison): it is answered with that 5xx, and counted against none of them. A 5xx
+  is held until the request ends: counted once another engine has answered the request, or
+  when no other engine repeated it (:func:`~fleetwarden.router.pool.blamed_5xx`).
 * While a request waits on a backend with nothing sent to its client, the controller may
   :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
 * A request held on a backend is one that has received nothing from it: waiting for its head,
@@ -69,7 +71,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
-from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
+from fleetwarden.router.pool import (
+    UNKNOWN_FACTS,
+    BackendFacts,
+    Pool,
+    blamed_5xx,
+    poison_quorum,
+)
 from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
 from fleetwarden.router.serve import (
     BodyTooLarge,
@@ -222,11 +230,13 @@ class _Exchange:
     resend: AfterFailure | None = None
     #: Its paid retries, from its first failure that counts against an engine.
     retries: Retries | None = None
-    #: A 5xx not yet reported against its backend: whether the request is poison (the same
-    #: 5xx on the next backend) is known only at the next attempt, and a request that fails
-    #: everywhere must eject no engine it touched. Reported once it is known not to be
-    #: (another answer, another failure), or when the request ends any other way.
-    held: _Failure | None = None
+    #: The 5xx not yet reported against their backends: whether the request is poison (the
+    #: same 5xx from every engine it may try) is known only when it ends, and a request that
+    #: fails everywhere must eject no engine it touched. Reported when it ends, as
+    #: :func:`blamed_5xx` says; the reflex drops of the others are undone.
+    held: list[_Failure] = field(default_factory=list)
+    #: An engine answered the request (a whole answer, or a stream's first bytes).
+    answered: bool = False
 
 
 @dataclass(slots=True)
@@ -570,14 +580,15 @@ class Forwarder:
                 ex.tried.append(backend)
                 answer = await self._attempt(ex, backend)
                 if not isinstance(answer, _Failure):
+                    ex.answered = True
                     return answer
+                ex.answered = ex.answered or (stream is not None and stream.began)
                 step = self._after_failure(ex, answer)
                 if not step.resends:
                     return await self._give_up(ex, answer, step)
         finally:
-            if ex.held is not None:
-                # answered, refused or left: never known as poison
-                self._report_failure(ex.held)
+            if ex.held:
+                self._settle_held(ex)
             budget.requests_in_flight -= 1
             if ex.retries is not None:
                 ex.retries.release()
@@ -653,12 +664,12 @@ class Forwarder:
     def _after_failure(self, ex: _Exchange, failure: _Failure) -> AfterFailure:
         """What follows a failed attempt (:mod:`~fleetwarden.router.retry`), with the failure
         counted where it counts."""
-        stream, last = ex.stream, ex.last
+        stream = ex.stream
         began = stream is not None and stream.began
         step = settle(failure.cause, streamed=stream is not None, began=began,
                       finished=began and stream is not None and stream.splice.finished(),
-                      same_5xx_again=last is not None and last.cause is Cause.SERVER_ERROR
-                      and last.status == failure.status)
+                      same_5xx_again=failure.cause is Cause.SERVER_ERROR
+                      and self._poison(ex, failure))
         if step is None:
             self._count(ex, failure, began)
             if ex.retries is None:  # the first failure that counts: most requests have none
@@ -677,17 +688,14 @@ class Forwarder:
         return step
 
     def _count(self, ex: _Exchange, failure: _Failure, began: bool) -> None:
-        """A failure that counts against its engine: the 5xx held back before it was not
-        poison (it was its engine's), and this one is reported now or, a 5xx, held back."""
-        if ex.held is not None:
-            self._report_failure(ex.held)  # not poison: the first 5xx was its engine's
-            ex.held = None
+        """A failure that counts against its engine: reported now or, a 5xx, held back until
+        the request's end tells whether the request itself is the problem."""
         if not failure.counted:
             if failure.cause is Cause.SERVER_ERROR and not began:
-                # Out of this router's list at once (the reflex), reported once the next
-                # attempt tells whether the request itself is the problem.
+                # Out of this router's list at once (the reflex), reported when the request
+                # ends (:meth:`_settle_held`).
                 self._reflex(failure)
-                ex.held = failure
+                ex.held.append(failure)
             else:
                 self._count_failure(failure)
 
@@ -701,13 +709,10 @@ class Forwarder:
             self.pool.record_success(failure.backend)
             return await self._end_whole(ex.request, ex.stream)
         if step is AfterFailure.POISON:
-            # The same 5xx on a second backend: the request is the problem, not them. Neither
-            # is counted, and the first one's reflex drop is undone.
+            # The same 5xx from every engine it may try: the request is the problem, not
+            # them. None is counted, and their reflex drops are undone (at its end).
             self.stats.poison_requests += 1
-            if ex.held is not None:
-                if self.health_managed:
-                    self.pool.undrop(ex.held.backend)
-                ex.held = None
+            ex.held.append(failure)  # one of the same 5xx: the others are not alone
             return self._pass_through(failure)
         if step is AfterFailure.EXHAUSTED:
             # The router's own trouble: no engine is blamed, none is tried next.
@@ -762,6 +767,11 @@ class Forwarder:
         if backend is None:
             if ex.last is None and min_version is not None and self.pool.serving:
                 return self._refuse_version(min_version)
+            if ex.held and self._poison(ex, ex.held[-1]):
+                # Every engine left that could answer it gave the same 5xx (the others
+                # refused it): poison, as in :meth:`_give_up`.
+                self.stats.poison_requests += 1
+                return self._pass_through(ex.held[-1])
             # nobody left to try: the router cannot serve
             return self._refuse(ex.last, min_version)
         if ex.stream is not None:
@@ -1231,6 +1241,35 @@ class Forwarder:
     def _count_failure(self, failure: _Failure) -> None:
         self._report_failure(failure)
         self._reflex(failure)
+
+    def _poison(self, ex: _Exchange, failure: _Failure) -> bool:
+        """Whether ``failure`` (a 5xx) makes the request poison: the same status from every
+        engine it may try (:func:`poison_quorum`). Those are the engines that answered it 5xx
+        and those it has not tried yet; one that failed it otherwise (refused, reset) could
+        not answer it at all, and has no say."""
+        pool, held = self.pool, ex.held
+        answered_5xx = {h.backend for h in held} | {failure.backend}
+        same = {h.backend for h in held if h.status == failure.status} | {failure.backend}
+        if len(same) < len(answered_5xx):
+            return False  # another 5xx among them: not the same answer everywhere
+        untried = {u for u in pool.serving
+                   if u not in ex.tried and pool.qualifies(u, ex.min_version)}
+        routable = answered_5xx | untried
+        return len(same) >= poison_quorum(len(routable), self.settings.max_retries)
+
+    def _settle_held(self, ex: _Exchange) -> None:
+        """A request's held 5xx at its end: those :func:`blamed_5xx` names are reported; the
+        others were perhaps the request's own, and their reflex drops are undone."""
+        pool = self.pool
+        answered = ex.answered or (ex.stream is not None and ex.stream.began)
+        untried = sum(1 for u in pool.serving
+                      if u not in ex.tried and pool.qualifies(u, ex.min_version))
+        blamed = blamed_5xx([(h.backend, h.status) for h in ex.held], answered, untried)
+        for h in ex.held:
+            if h.backend in blamed:
+                self._report_failure(h)
+            elif self.health_managed:
+                pool.undrop(h.backend)
 
     def _report_failure(self, failure: _Failure) -> None:
         """The failure into the tallies the controller drains, and its evidence stream."""

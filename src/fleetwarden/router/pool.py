@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 
 __all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "RetryBudget",
-           "SessionRing"]
+           "SessionRing", "blamed_5xx", "poison_quorum"]
 
 
 #: A placement policy's say in :meth:`Pool.pick`: given the backends left and the in-flight
@@ -370,3 +370,45 @@ class Pool:
         """
         tallies, self._tallies = self._tallies, {}
         return {url: t.as_tuple() for url, t in tallies.items()}
+
+
+# ---------------------------------------------------------------------- poison
+
+
+def poison_quorum(routable: int, max_retries: int) -> int:
+    """How many distinct engines must answer one request with the same 5xx before the router
+    reads the request itself as the problem (poison) and passes that 5xx on: every engine the
+    request may try, that is the engines it could be sent to (``routable``, those it tried
+    included) up to its ``max_retries + 1`` tries, and never fewer than two (one engine's 5xx
+    alone says nothing about the request). Read any sooner, two engines that fail at once (a
+    crash beside a trickle) pass their 5xx to the client while a healthy one would have
+    answered (docs/design.md section 4, "Poison")."""
+    return max(2, min(routable, max_retries + 1))
+
+
+def blamed_5xx(held: Sequence[tuple[str, int]], answered: bool, untried: int) -> list[str]:
+    """Which of a request's held 5xx (``(backend, status)`` in the order they came) count
+    against their backends once the request has ended; ``untried``: the engines it could
+    still have been sent to (its tries ran out first).
+
+    ``answered``: another engine answered the request: each 5xx was its own engine's, since a
+    poison request fails everywhere. Not answered:
+
+    * a status that two engines gave may be the request's: it counts against neither;
+    * a 5xx that another engine contradicted with a different 5xx is its engine's (two
+      engines broken in two ways);
+    * one engine's 5xx and no other engine's answer: its own when other engines could have
+      been tried (the tries ran out: as for a request with one try, the usual evidence of a
+      trickle), never when it was the only engine the request could reach. That one is the
+      fleet's last, and ejected for a poison request's 5xx it left nothing to route.
+
+    A transport failure between them proves nothing either way: a crashed engine refuses a
+    poison request as it refuses any."""
+    if answered:
+        return [backend for backend, _ in held]
+    engines: dict[int, set[str]] = {}
+    for backend, status in held:
+        engines.setdefault(status, set()).add(backend)
+    if len(engines) == 1 and (len(held) > 1 or untried == 0):
+        return []
+    return [backend for backend, status in held if len(engines[status]) == 1]

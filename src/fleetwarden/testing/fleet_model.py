@@ -32,6 +32,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -53,17 +54,7 @@ __all__ = ["GATES", "Epoch", "ModelReport", "Violation", "run_model"]
 #: Known ways the fleet still breaks its contract (docs/design.md, "The fleet's contract"):
 #: their checks run; a violation under a gate is reported under its name, apart from the
 #: others, and does not fail the run. A gate comes off when its rule holds.
-GATES: dict[str, str] = {
-    "poison-ejects": "a poison request (the same 5xx everywhere) still ejects, now and then, "
-                     "a healthy engine it hit (the router's poison rule holds it back in the "
-                     "unit tests; the model's cases are not yet diagnosed)",
-    "restart-in-lease-credit": "a participant restarted during a lease (an engine with no "
-                               "start time, or one not read again before the trainer "
-                               "completes) is credited with the version it never received",
-    "poison-misread": "two engines failing with the same 5xx at once make the router read "
-                      "the request as poison and pass that 5xx to the client while a third "
-                      "engine is healthy",
-}
+GATES: dict[str, str] = {}
 
 #: Compressed timings (as tests/support/fleet.py's): a 0.5 s tick, a 2 s stall, a lease of 2 s.
 PROBE_INTERVAL_S = 0.5
@@ -189,12 +180,19 @@ class AttachedEngine:
         self.proc: subprocess.Popen[str] | None = None
         #: Processes this engine has had (the identity a refit's credit is checked against).
         self.generation = 0
+        #: One start, stop or restart at a time: a repair (in a thread) and an operation may
+        #: replace the same engine at once, and two processes on one port do not start.
+        self._lock = threading.RLock()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetwarden", "sim", "--port", str(self.port),
              "--engine", self.engine, *SIM_ARGS],
@@ -211,6 +209,10 @@ class AttachedEngine:
             raise RuntimeError(f"sim {self.engine} on {self.port} did not start: {line!r}")
 
     def stop(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -225,8 +227,9 @@ class AttachedEngine:
             proc.stdout.close()
 
     def restart(self) -> None:
-        self.stop()
-        self.start()
+        with self._lock:
+            self._stop()
+            self._start()
 
 
 # ---------------------------------------------------------------------- one epoch
@@ -352,7 +355,8 @@ path = "{self.journal_path}"
     async def router_sets(self, http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
         """The current worker of each slot that answers: launch id -> its /status (what it
         serves). A slot whose newest worker is still starting is left out (its predecessor,
-        draining, gets no pushes any more)."""
+        draining, gets no pushes any more), and so is one whose newest worker in the journal
+        has stopped accepting (a storm of reloads: its replacement is not journaled yet)."""
         current: dict[int, dict[str, Any]] = {}
         for r in self.routers():
             current[r["worker"]] = r  # the latest launched of each slot
@@ -363,8 +367,9 @@ path = "{self.journal_path}"
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with http.get(r["control_url"] + "/status",
                                     headers={"Authorization": f"Bearer {token}"}) as resp:
-                    if resp.status == 200:
-                        out[r["launch_id"]] = await resp.json()
+                    status = await resp.json() if resp.status == 200 else None
+                    if status is not None and status.get("accepting", True):
+                        out[r["launch_id"]] = status
         return out
 
     # ------------------------------------------------------------------ the operations
@@ -424,9 +429,12 @@ path = "{self.journal_path}"
         await asyncio.sleep(3 * PROBE_INTERVAL_S)  # the router's window reaches the ledger
         for shard, cause in self.journal_rows(
                 f"SELECT shard, cause FROM transitions WHERE seq > {seq} AND event = 'ejected'"):
-            if before.get(shard) == "HEALTHY":
+            # A shard the model broke lately is no healthy engine: its own requests fail (a
+            # trickle, a crash) and eject it, poison or not.
+            broken = self.faulted_at.get(shard, -1e9) >= self.poison_at - FAULT_MEMORY_S
+            if before.get(shard) == "HEALTHY" and not broken:
                 self.violation("no healthy engine is ejected by a request that failed "
-                               "everywhere", f"shard {shard}: {cause}", gate="poison-ejects")
+                               "everywhere", f"shard {shard}: {cause}")
         return f"answered {status}"
 
     async def last_seq(self) -> int:
@@ -558,6 +566,11 @@ path = "{self.journal_path}"
                 restarted.add(s["index"])
         if overrun:
             await asyncio.sleep(LEASE_S + 2 * PROBE_INTERVAL_S)
+        if finish != "complete":
+            # An abort leaves every participant's weights partial (STALE, by the trainer's
+            # word): no healthy engine from then on, whatever the last check saw.
+            for p in lease["participants"]:
+                self.faulted_at[p["shard"]] = time.monotonic()
         try:
             if finish == "complete":
                 await self.call(self.client.complete_refit, v)
@@ -576,14 +589,10 @@ path = "{self.journal_path}"
             # completion, credited while alive: only another live process is a violation.
             if (before.get(i) != now_proc and not gone) or i in restarted:
                 # The model replaced its engine during the lease (the operation, or a
-                # repair): fleetwarden could not tell before the trainer completed.
-                by_model = i in restarted or (
-                    before.get(i, (0, 0))[1] == 0 and now_proc is not None
-                    and before.get(i, (0, 0))[0] != now_proc[0])
-                gate = "restart-in-lease-credit" if by_model else None
+                # repair): the read at the completion must have told.
                 self.violation("a refit credits a version only to a process alive through "
                                "the whole lease", f"shard {i} holds v{v}; its process changed "
-                               f"during the lease ({before.get(i)} -> {after.get(i)})", gate)
+                               f"during the lease ({before.get(i)} -> {after.get(i)})")
             else:
                 self.lost_weights.pop(i, None)  # credited: its weights are current again
         return f"v{v} {finish} over {[p['shard'] for p in lease['participants']]}" + (
@@ -667,22 +676,30 @@ path = "{self.journal_path}"
         every router routes only the engines configured (attached: this run's --backend list;
         launched: the shards' current engines)."""
         started = time.monotonic()
+        #: When this check first saw each URL's shard HEALTHY (and every read since): the push
+        #: bound runs from then, not from the check's start (a shard that turns HEALTHY late
+        #: in a check has its own push to wait for).
+        since: dict[str, float] = {}
         while True:
             shards = await self.shards()
+            now = time.monotonic()
             healthy = {s["base_url"]: s["index"] for s in shards if s["state"] == "HEALTHY"}
-            self.healthy_seen.append((time.monotonic(), frozenset(healthy.values())))
+            since = {u: since.get(u, now) for u in healthy}
+            self.healthy_seen.append((now, frozenset(healthy.values())))
             sets = await self.router_sets(http)
             configured = ({a.url for a in self.attached}
                           | {s["base_url"] for s in shards if self.attached_of(s) is None})
             missing = sorted((healthy[u], launch) for launch, st in sets.items()
                              for u in healthy if u not in st["serving"])
+            young = any(now - since[u] <= PUSH_BOUND_S for st in sets.values()
+                        for u in healthy if u not in st["serving"])
             foreign = sorted({u for st in sets.values() for u in st["serving"]
                               if u not in configured})
             every = bool(sets) and len(sets) == self.slots
             if every and not missing and not foreign:
                 break
             waited = time.monotonic() - started
-            if (every and waited > PUSH_BOUND_S) or waited > ROUTER_START_BOUND_S:
+            if (every and waited > PUSH_BOUND_S and not young) or waited > ROUTER_START_BOUND_S:
                 if not every:
                     self.violation("every router answers its control API",
                                    f"{len(sets)} of {self.slots} router slot(s) answered "
@@ -775,16 +792,7 @@ path = "{self.journal_path}"
                 continue
             self.report.failed["a healthy engine existed"] += 1
             self.violation("no client request fails while a healthy engine exists",
-                           f"{r.request_id}: {r.status} {r.error[:160]}",
-                           gate=self.failure_gate(r))
-
-    def failure_gate(self, r: RequestResult) -> str | None:
-        if r.status == 409 and self.poison_at >= r.started - FAULT_MEMORY_S:
-            return "poison-ejects"  # the healthy engines it ejected left none to serve
-        broken = [i for i, t in self.faulted_at.items() if t >= r.started - FAULT_MEMORY_S]
-        if r.status >= 500 and len(broken) >= 2:
-            return "poison-misread"
-        return None
+                           f"{r.request_id}: {r.status} {r.error[:160]}")
 
     def in_down_window(self, r: RequestResult) -> bool:
         end = r.started + r.latency_s
@@ -814,10 +822,9 @@ path = "{self.journal_path}"
             s = shards[i]
             routed = any(s["base_url"] in st["serving"] for st in sets.values())
             if s["state"] == "HEALTHY" or (routed and s["state"] == "SUSPECT"):
-                gate = "restart-in-lease-credit" if why == "sglang" else None
                 self.violation("an engine that lost its weights never serves under a version "
                                "label", f"shard {i} ({why}) is {s['state']} v"
-                               f"{s['weight_version']}, routed {routed}", gate)
+                               f"{s['weight_version']}, routed {routed}")
                 self.lost_weights.pop(i)  # said once; a refit may credit it again
 
     def check_nothing_left(self, when: str) -> None:
@@ -830,7 +837,9 @@ path = "{self.journal_path}"
 
     # ------------------------------------------------------------------ the run
 
-    async def run(self, operations: int, deadline: float) -> None:
+    async def run(self, operations: int, deadline: float, *, shared: bool = False) -> None:
+        """Draw ``operations`` operations on this fleet before ``deadline``; ``shared``: until
+        the whole run (every epoch's fleet, side by side) has drawn that many."""
         names = sorted(self.epoch.ops)
         weights = [self.epoch.ops[n] for n in names]
         for a in self.attached:
@@ -847,7 +856,8 @@ path = "{self.journal_path}"
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 await self.check(http)
                 done = 0
-                while done < operations and time.monotonic() < deadline:
+                while ((self.report.steps if shared else done) < operations
+                       and time.monotonic() < deadline):
                     self.op = self.rng.choices(names, weights)[0]
                     self.step += 1
                     t0 = time.monotonic()
@@ -896,18 +906,36 @@ path = "{self.journal_path}"
 
 async def run_model(seed: int, operations: int, budget_s: float, workdir: Path,
                     log: Callable[[str], None] = print,
-                    epochs: tuple[Epoch, ...] = EPOCHS) -> ModelReport:
-    """Draw ``operations`` operations (split evenly over the epochs) within ``budget_s``."""
+                    epochs: tuple[Epoch, ...] = EPOCHS, *,
+                    concurrent: bool = False, pooled: bool = False) -> ModelReport:
+    """Draw ``operations`` operations (split evenly over the epochs) within ``budget_s``.
+
+    ``concurrent``: the epochs' fleets run side by side, each drawing from a generator of its
+    own (seeded from ``seed`` and the epoch's name: a replay draws the same sequence on
+    each); a fleet leaves most of a run waiting, and side by side the run takes as long as
+    its slowest epoch, not their sum. ``pooled`` (with ``concurrent``): not an even split,
+    but until together they have drawn ``operations``, each at its own pace (the static
+    fleet's restarts take seconds, a refit milliseconds). Otherwise one after the other,
+    from one generator."""
     report = ModelReport(seed)
     rng = random.Random(seed)
     started = time.monotonic()
-    log(f"fleet model: seed {seed}, {operations} operations, budget {budget_s:g} s "
-        f"(replay: the same seed)")
+    log(f"fleet model: seed {seed}, {operations} operations, budget {budget_s:g} s"
+        f"{', epochs side by side' if concurrent else ''} (replay: the same seed)")
+    runs = []
     for k, epoch in enumerate(epochs):
         share = operations // len(epochs) + (1 if k < operations % len(epochs) else 0)
+        if concurrent:
+            model = FleetModel(epoch, random.Random(f"{seed}/{epoch.name}"),
+                               workdir / epoch.name, report, log)
+            runs.append(model.run(operations if pooled else share, started + budget_s,
+                                  shared=pooled))
+            continue
         deadline = started + budget_s * (k + 1) / len(epochs)
         model = FleetModel(epoch, rng, workdir / epoch.name, report, log)
         await model.run(share, deadline)
+    if runs:
+        await asyncio.gather(*runs)
     report.seconds = time.monotonic() - started
     log(report.summary())
     return report
