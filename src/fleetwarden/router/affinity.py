@@ -36,8 +36,8 @@ that backend holds some of it.
 
 A prompt that matches nowhere above the threshold and has no session home goes to the least
 loaded backend, ties to the one the index takes to hold the fewest blocks (sglang-router's
-smallest tree): never by the pool's session hash, whose few sessions land unevenly (9, 9, 5
-and 1 of 24 on four engines), and an engine whose cache just went (a restart) is refilled
+smallest tree): never by the pool's session hash, whose few sessions land unevenly (as 3, 3, 7
+and 11 of 24 on four engines), and an engine whose cache just went (a restart) is refilled
 with the prompts nobody holds, while those another engine holds go there.
 
 The predicted hits (blocks the index said the chosen backend held, of the blocks looked up) are

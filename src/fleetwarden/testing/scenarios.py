@@ -33,8 +33,8 @@ from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 
 __all__ = ["Figures", "condemned_as_a_stopped_core", "crash_under_load", "engine_metric",
-           "fleet_toml", "idle_wedge", "sigstop_under_load", "wedge_under_load",
-           "wedge_while_running", "whole"]
+           "fleet_toml", "idle_wedge", "sigstop_under_load", "until_restarted",
+           "wedge_under_load", "wedge_while_running", "whole"]
 
 
 def condemned_as_a_stopped_core(cause: str) -> bool:
@@ -91,11 +91,12 @@ class Figures:
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, stall_s: float = 15.0,
-               startup_timeout_s: float = 180.0, stop_grace_s: float = 10.0) -> str:
+               startup_timeout_s: float = 180.0, stop_grace_s: float = 10.0,
+               routing: str = "least_in_flight") -> str:
     """A fleet judged as the real-engine tiers run it: a stall floor of 15 s (the default
     ``stall_s`` is 5 s; 15 s is the default ``stall_max_s``, the most a learned limit may
-    reach), a 1 s tick, and canaries far apart, so a check sees no fleet canary; every other
-    setting at its default."""
+    reach), a 1 s tick, and canaries far apart, so a check sees no fleet canary; ``routing``
+    as the router's policy; every other setting at its default."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
     return f"""
 [fleet]
@@ -108,6 +109,7 @@ startup_timeout_s = {startup_timeout_s}
 
 [router]
 port = {router_port}
+routing = "{routing}"
 
 [admin]
 port = {admin_port}
@@ -330,6 +332,20 @@ def up_fleet(work: Path, toml: str, *, start_timeout_s: float,
     finally:
         out = up.stop(timeout_s=stop_timeout_s)
         assert "nothing left running" in out, out[-3000:]
+
+
+def until_restarted(fleet: UpProcess, shard: dict[str, Any], limit_s: float = 300.0) -> None:
+    """Until ``shard`` (as the admin API gave it) runs as another process and the whole fleet
+    is HEALTHY: a kill the fleet has not seen yet leaves it looking whole for a moment."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        now = {s["index"]: s for s in fleet.client.shards()}
+        if (now[shard["index"]]["pid"] != shard["pid"]
+                and all(s["state"] == "HEALTHY" for s in now.values())):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"shard {shard['index']} not back within {limit_s} s: {now}")
+        time.sleep(0.2)
 
 
 def write_config(work: Path, text: str) -> Path:
