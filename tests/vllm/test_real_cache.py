@@ -32,7 +32,9 @@ from fleetwarden.testing.scenarios import (
 from fleetwarden.testing.up import UpProcess
 from fleetwarden.testing.vllm_env import SERVED_MODEL_NAME, vllm_engine_command, vllm_engine_env
 
-pytestmark = pytest.mark.vllm
+# The fleet's start (two engines, 25-60 s each on a loaded 2-core machine) counts against the
+# first test's timeout.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 #: Conversations at once, turns each: enough that least in flight spreads a conversation's
 #: turns over both engines, few enough that each run takes seconds on two CPU cores.
