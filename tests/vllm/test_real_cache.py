@@ -207,9 +207,11 @@ def test_cache_aware_beats_least_in_flight_and_forgets_a_restarted_engine(
     # and predicts nothing on the new one, which has served nothing yet.
     assert index.get(victim["base_url"], 0) == 0 and index.get(new_url, 0) == 0, index
     assert forgotten > forgotten_before
-    # The engine's own side: a new process, its counters (and its cache) from nothing.
+    # The engine's own side: a new process, its cache empty. (Its counters are not quite at 0:
+    # the fleet proves a new engine with a request of its own, 2 prompt tokens, before it
+    # serves; none of them can hit.)
     fresh = asyncio.run(counters([new_url]))[new_url]
-    assert fresh == (0.0, 0.0), fresh
+    assert fresh[1] == 0.0 and fresh[0] < 32, fresh
 
     # One more turn of every conversation: served, the new engine's entries rebuilt as it
     # serves, and what the router predicted there beside what the engine counted.
