@@ -386,8 +386,8 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], in
     }
 
 
-async def run_router(name: str, router: str, urls: list[str], quick: bool
-                     ) -> dict[str, dict[str, Any]]:
+async def run_router(name: str, router: str, urls: list[str], quick: bool,
+                     wanted: list[str]) -> dict[str, dict[str, Any]]:
     async with aiohttp.ClientSession() as http:
         await wait_serving(http, router)
     # A fleet's controller proves each attached engine before it serves at full share (a
@@ -395,6 +395,8 @@ async def run_router(name: str, router: str, urls: list[str], quick: bool
     await asyncio.sleep(SETTLE_S if name.startswith("fleetwarden cache_aware") else 0)
     rows = {}
     for label, (workload, restart_after) in workloads(quick).items():
+        if wanted and not any(w in label for w in wanted):
+            continue
         result = await measure(router, urls, workload, restart_after)
         rows[label] = result.row()
         print(f"{name} | {label}: {json.dumps(rows[label])}", file=sys.stderr, flush=True)
@@ -406,7 +408,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     parser.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
     parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--routers", default="",
+                        help="comma-separated names (or parts of names) of the routers to run; "
+                             "all by default")
+    parser.add_argument("--workloads", default="",
+                        help="comma-separated parts of the workloads' names to run (e.g. "
+                             "'system,restart'); all by default")
     args = parser.parse_args()
+    wanted = [w for w in args.workloads.split(",") if w]
     report: dict[str, Any] = {}
     with engines(args.engines) as urls, tempfile.TemporaryDirectory() as tmp:
         routers: list[tuple[str, Callable[[], contextlib.AbstractContextManager[str]]]] = [
@@ -421,10 +430,14 @@ def main() -> None:
                 ("sglang-router 0.3.2 cache_aware", lambda: sglang_router(urls, "cache_aware")),
                 ("sglang-router 0.3.2 round_robin", lambda: sglang_router(urls, "round_robin")),
             ]
+        picked = [r for r in args.routers.split(",") if r]
         for name, start in routers:
+            if picked and not any(p in name for p in picked):
+                continue
             try:
                 with start() as router:
-                    report[name] = asyncio.run(run_router(name, router, urls, args.quick))
+                    report[name] = asyncio.run(run_router(name, router, urls, args.quick,
+                                                                wanted))
             except PeerUnavailable as exc:
                 report[name] = f"not run: {exc}"
     print(json.dumps(report, indent=1))

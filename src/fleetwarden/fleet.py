@@ -508,6 +508,8 @@ class Fleet:
             refit_history=tuple(refit.history), router=RouterCounters.of(self.router.stats),
             journal_failure=self._journal.failure if self._journal is not None else None,
             journal_dropped=self._journal.dropped if self._journal is not None else 0,
+            cache_predicted={u: (t.blocks, t.hit_blocks)
+                             for u, t in self.router.cache_predictions().items()},
         )
 
     def metrics_text(self) -> tuple[bytes, str]:

@@ -75,6 +75,9 @@ class Snapshot:
     #: Why the journal stopped writing (``None`` while it writes), and what it lost since.
     journal_failure: str | None = None
     journal_dropped: int = 0
+    #: The cache-aware router's tallies per backend URL: (prompt blocks placed, blocks
+    #: predicted held); empty under least in flight.
+    cache_predicted: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

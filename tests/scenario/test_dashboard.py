@@ -243,3 +243,37 @@ async def test_stopping_the_fleet_ends_open_event_streams(tmp_path: Path) -> Non
     finally:
         fleet.request_stop()
         await fleet.stop()
+
+
+async def test_each_shard_shows_the_routers_predicted_cache_hit_rate(tmp_path: Path) -> None:
+    """Beside the engine's own prefix-cache hit rate (its watchdog report), the rate the
+    cache-aware router predicted for it: the same prompt twice is one predicted hit of two."""
+    from fleetwarden.admin.views import shards_view
+
+    async with running_fleet(tmp_path, router={"routing": "cache_aware"}) as fleet, \
+            aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "the same question " * 10}]}
+        for _ in range(2):
+            async with http.post(fleet.router.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+        shards = shards_view(fleet.snapshot())
+        rates = sorted((s["cache_predicted_hit_rate"] for s in shards),
+                       key=lambda x: -1.0 if x is None else x)
+        assert rates[0] is None and rates[1] == pytest.approx(0.5)  # one engine took both
+
+
+def test_the_workers_cache_tallies_are_added_up() -> None:
+    """Under several router workers each keeps its own index: the fleet adds their tallies."""
+    from fleetwarden.launchers.routers import RouterWorkers
+
+    workers = RouterWorkers.__new__(RouterWorkers)
+    workers._statuses = {  # what each worker's GET /status said last
+        0: {"cache": {"http://a": {"requests": 2, "blocks": 10, "predicted_hit_blocks": 4}}},
+        1: {"cache": {"http://a": {"requests": 1, "blocks": 6, "predicted_hit_blocks": 6},
+                      "http://b": {"requests": 1, "blocks": 3, "predicted_hit_blocks": 0}}},
+        2: {},  # a worker under least in flight, or one that has said nothing yet
+    }
+    got = {u: (t.requests, t.blocks, t.hit_blocks)
+           for u, t in workers.cache_predictions().items()}
+    assert got == {"http://a": (3, 16, 10), "http://b": (1, 3, 0)}

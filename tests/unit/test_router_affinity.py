@@ -24,6 +24,14 @@ def chat(*turns: str, system: str = SYSTEM) -> Query:
     return query
 
 
+def talk(*turns: str, session: str | None = None) -> Query:
+    """A conversation without a system prompt."""
+    query = query_of({"messages": [{"role": "user", "content": t} for t in turns]}, session,
+                     AffinitySettings())
+    assert query is not None
+    return query
+
+
 def place(affinity: Affinity, pool: Pool, query: Query, now: float) -> str:
     """As the forwarding shell does: the pool asks the policy, then the choice is recorded."""
     chosen = pool.pick(prefer=lambda left, loads: affinity.choose(query, left, loads, now))
@@ -196,3 +204,81 @@ def test_a_continued_stream_makes_its_new_engine_the_holder() -> None:
     pool = Pool([A, B])
     pool.dispatched(B)
     assert place(affinity, pool, Query(chat("a long generation", "next").keys, "s1"), 2.0) == B
+
+
+def test_new_sessions_spread_evenly_not_by_the_session_hash() -> None:
+    """Sessions with a header and a prompt nobody holds: placed by load (ties to the smallest
+    index), never by the pool's hash ring, whose 24 sessions on four engines land unevenly;
+    then each stays where its conversation is."""
+    affinity = Affinity()
+    pool = Pool(FLEET)
+    for turn in range(3):  # in lockstep: every session's turn in flight together
+        sent = []
+        for session in range(24):
+            turns = [f"agent {session} asks", *(f"turn {k}" for k in range(turn))]
+            q = talk(*turns, session=f"agent-{session}")
+            url = pool.pick(session=q.session,
+                            prefer=lambda left, loads, q=q: affinity.choose(q, left, loads, 0.0))
+            assert url is not None
+            affinity.placed(q, url, 0.0)
+            pool.dispatched(url)
+            sent.append(url)
+        assert sorted(sent.count(u) for u in FLEET) == [6, 6, 6, 6], (turn, sent)
+        for url in sent:
+            pool.finished(url)
+
+
+def test_a_session_hint_whose_home_holds_none_of_the_prompt_is_not_followed() -> None:
+    affinity = Affinity()
+    pool = Pool([A, B])
+    affinity.placed(Query(chat("an earlier conversation").keys, "s1"), A, 0.0)
+    pool.dispatched(A)
+    # The same session, a prompt A holds nothing of: the less loaded engine, not the home.
+    assert place(affinity, pool, Query(talk("something else").keys, "s1"), 1.0) == B
+    # A prompt its home holds part of (below the threshold): the hint still counts.
+    long_turn = "a new question " * 200
+    q = Query(chat("an earlier conversation", long_turn).keys, "s1")
+    assert max(affinity.matched(q, 1.0).values()) / len(q.keys) <= AffinitySettings().threshold
+    affinity.placed(Query(chat("an earlier conversation").keys, "s1"), A, 1.0)
+    assert place(affinity, pool, q, 1.0) == A
+
+
+def test_after_a_restart_prompts_nobody_holds_refill_the_restarted_engine() -> None:
+    affinity = Affinity()
+    pool = Pool([A, B])
+    held_by_b = talk("B's conversation")
+    affinity.placed(talk("A's conversation"), A, 0.0)
+    affinity.placed(held_by_b, B, 0.0)
+    affinity.sync([A, B], {A: ("p1", 1), B: ("p1", 1)})
+    affinity.sync([A, B], {A: ("p2", 1), B: ("p1", 1)})  # A restarted: its cache went
+    assert affinity.held_blocks() == {B: len(held_by_b.keys)}
+    # Equal loads: the prompt nobody holds goes to the engine with the emptier index ...
+    assert place(affinity, pool, talk("A's conversation", "next"), 1.0) == A
+    # ... and the one B holds, to B.
+    assert place(affinity, pool, talk("B's conversation", "next"), 1.0) == B
+
+
+def test_the_index_counts_per_backend_follow_every_change() -> None:
+    """held_blocks() is kept as entries come and go (placed, moved, forgotten, evicted past
+    max_blocks): after random changes it equals a recount of the index. Replay a failure with
+    FLEETWARDEN_AFFINITY_SEED."""
+    seed = int(os.environ.get("FLEETWARDEN_AFFINITY_SEED", random.randrange(2**32)))
+    print(f"seed {seed} (FLEETWARDEN_AFFINITY_SEED={seed} replays it)")
+    rng = random.Random(seed)
+    affinity = Affinity(AffinitySettings(max_blocks=40))
+    queries = [chat(*(f"turn {k}" for k in range(rng.randint(1, 4))), system=f"s{j % 3}")
+               for j in range(12)]
+    for step in range(600):
+        roll = rng.random()
+        url = rng.choice(FLEET)
+        if roll < 0.05:
+            affinity.forget(url)
+        elif roll < 0.15:
+            affinity.moved(rng.choice(queries), url, float(step))
+        else:
+            affinity.placed(rng.choice(queries), url, float(step))
+        recount: dict[str, int] = {}
+        for holders in affinity._index.values():
+            for u in holders:
+                recount[u] = recount.get(u, 0) + 1
+        assert affinity.held_blocks() == recount, (seed, step)

@@ -31,6 +31,7 @@ from fleetwarden.testing.scenarios import (
     fleet_toml,
     idle_wedge,
     no_false_ejections,
+    until_restarted,
     up_fleet,
     wedge_under_load,
     wedge_while_running,
@@ -267,20 +268,6 @@ def test_real_vllm_idle_wedge_is_caught(fleet: UpProcess, faulted: set[int]) -> 
     assert "LOST_CORE" in fig.cause or "canary" in fig.cause
     assert fig.client_errors == 0 and fig.restarts == 1
     whole(fleet)
-
-
-def until_restarted(fleet: UpProcess, shard: dict[str, Any], limit_s: float = 300.0) -> None:
-    """Until ``shard`` (as the admin API gave it) runs as another process and the whole fleet
-    is HEALTHY: a kill the fleet has not seen yet leaves it looking whole for a moment."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        now = {s["index"]: s for s in fleet.client.shards()}
-        if (now[shard["index"]]["pid"] != shard["pid"]
-                and all(s["state"] == "HEALTHY" for s in now.values())):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"shard {shard['index']} not back within {limit_s} s: {now}")
-        time.sleep(0.2)
 
 
 def test_real_vllm_stream_cut_by_a_killed_core_goes_on_on_the_other_engine(

@@ -65,8 +65,12 @@ def shards_view(snap: Snapshot) -> list[dict[str, Any]]:
         handle = snap.engines.get(rec.index)
         report = snap.reports.get(rec.index)
         d = rec.to_dict()
+        blocks, hit_blocks = snap.cache_predicted.get(rec.base_url, (0, 0))
         d.update(
             in_flight=snap.in_flight.get(rec.base_url, 0),
+            # The router's predicted prefix-cache hit rate here, beside the engine's own in
+            # the watchdog report (None: nothing placed by the cache-aware policy).
+            cache_predicted_hit_rate=hit_blocks / blocks if blocks else None,
             restart_budget_left=max(0, budget - rec.restart_attempts),
             incarnation_started_at=handle.launched_at if handle else None,
             pid=handle.pid if handle else None,

@@ -57,6 +57,7 @@ from fleetwarden.launchers.procs import (
     signal_process,
     terminate_group,
 )
+from fleetwarden.router.affinity import Predicted
 from fleetwarden.router.links import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.settings import RouterSettings
@@ -276,6 +277,18 @@ class RouterWorkers:
         for status in self._statuses.values():
             for url, n in status.get("in_flight", {}).items():
                 total[url] = total.get(url, 0) + int(n)
+        return total
+
+    def cache_predictions(self) -> dict[str, Predicted]:
+        """Every worker's cache-aware tallies per backend added up, as of the last status read
+        (each worker keeps its own index: a connection stays with one worker)."""
+        total: dict[str, Predicted] = {}
+        for status in self._statuses.values():
+            for url, t in status.get("cache", {}).items():
+                p = total.setdefault(url, Predicted())
+                p.requests += int(t.get("requests", 0))
+                p.blocks += int(t.get("blocks", 0))
+                p.hit_blocks += int(t.get("predicted_hit_blocks", 0))
         return total
 
     def collector(self) -> Collector:

