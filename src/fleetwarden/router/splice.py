@@ -614,8 +614,9 @@ class Splice:
         # ending inside a character with no prefix, and would write the whole decoded prompt
         # in front of its first chunk. At temperature 0 they come again the same; the client,
         # who had their chunks with no text, is not sent them twice.
+        from_ids = exact and (chat_as_completion or not request.chat)
         replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
-            exact and (self.unwritten or self._replay)) else ()
+            from_ids and (self.unwritten or self._replay)) else ()
         produced = self.produced - self.unwritten if replay else self.produced
         limit = body.get("max_completion_tokens") if request.chat else None
         if limit is None:
