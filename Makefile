@@ -25,7 +25,7 @@ CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit
         src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
         src/fleetwarden/router/settings.py src/fleetwarden/workmeter.py \
-        src/fleetwarden/router/affinity.py
+        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py
 # The shell modules that are kept --strict clean too (typed I/O around the core; journal.py
 # writes SQLite from a thread, config.py reads files).
 STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \
@@ -35,13 +35,13 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py \
-                       src/fleetwarden/router/affinity.py, \
+                       src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
 # The browser tier drives this browser (Playwright with executable_path; nothing downloaded).
 CHROMIUM ?= /usr/bin/chromium
 # The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
-BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py
+BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py bench/router_ab.py
 
 .PHONY: test test-browser test-ray test-vllm chromium llamacpp demo demo-mixed lint typecheck unit bench \
         bench-router bench-failover dashboard-screenshot clean

@@ -372,84 +372,108 @@ def check(
     raise typer.Exit(result.exit_code)
 
 
+#: The options of `fleetwarden route`, one each (the command takes them in this order).
+_RouteBackend = Annotated[list[str] | None, typer.Option(
+    "--backend", "-b", help="An engine's base URL (http://host:port); repeat for each. "
+                            "May be left out with --control-port: a controller pushes "
+                            "them.")]
+_RouteHost = Annotated[str, typer.Option(
+    help="Address to listen on (0.0.0.0: every one).")]
+_RoutePort = Annotated[int, typer.Option(
+    help="Port to listen on (0: any free port).")]
+_RouteReusePort = Annotated[bool, typer.Option(
+    "--reuse-port", help="Share the port with other router processes (SO_REUSEPORT).")
+]
+_RouteBackendTimeout = Annotated[float, typer.Option(
+    "--backend-timeout",
+    help="Seconds one attempt on a backend may take, headers to last byte.")
+]
+_RouteConnectTimeout = Annotated[float, typer.Option(
+    "--connect-timeout", help="Seconds to open a connection to a backend.")
+]
+_RouteMaxRetries = Annotated[int, typer.Option(
+    "--max-retries",
+    help="Re-sends of a request an engine may have worked on (0: none). Requests that "
+         "never reached an engine are always re-sent.")]
+_RouteMaxBodyBytes = Annotated[int, typer.Option(
+    "--max-body-bytes", help="Largest request body; larger ones are answered 413.")
+]
+_RouteSessionHeader = Annotated[str, typer.Option(
+    "--session-header", help="Header naming a session for affinity ('' turns it off).")
+]
+_RouteContinueStreams = Annotated[bool, typer.Option(
+    "--continue-streams/--no-continue-streams",
+    help="Continue a stream its engine cut mid-answer on another engine.")
+]
+_RouteContinueAnswers = Annotated[bool, typer.Option(
+    "--continue-answers/--no-continue-answers",
+    help="Continue non-streamed answers too (streamed from the engine, assembled here).")
+]
+_RouteUpstreamFields = Annotated[bool, typer.Option(
+    "--upstream-fields/--no-upstream-fields",
+    help="The backends take vLLM's own request fields (return_token_ids, token-id "
+         "prompts, continue_final_message); off for other OpenAI-compatible servers.")
+]
+_RouteRouting = Annotated[str, typer.Option(
+    "--routing", help="How a request picks its engine: "
+    + " or ".join(ROUTING_POLICIES) + " (docs/design.md 4.3).")
+]
+_RouteControlPort = Annotated[int | None, typer.Option(
+    "--control-port",
+    help="Also serve the control API at this port (needs --token-file).")
+]
+_RouteControlHost = Annotated[str, typer.Option(
+    "--control-host", help="Address the control API listens on (still behind the "
+                           "token): 0.0.0.0 lets a controller on another host drive it.")
+]
+_RouteTokenFile = Annotated[Path | None, typer.Option(
+    "--token-file",
+    help="Bearer token of the control API; created (0600) with a new token if missing.")
+]
+_RouteSettingsJson = Annotated[str | None, typer.Option(
+    "--settings-json", hidden=True,
+    help="Every RouterSettings field as JSON (what `fleetwarden up` gives its router "
+         "processes); overrides the options above.")]
+_RouteManaged = Annotated[bool, typer.Option(
+    "--managed", hidden=True,
+    help="Started by a fleet's controller: the reflex drop is armed from the start.")
+]
+_RouteWorker = Annotated[int | None, typer.Option(
+    "--worker", hidden=True, min=0,
+    help="Worker N of several router processes on one port: its metrics carry "
+         "worker=\"N\".")]
+_RouteTakeListeners = Annotated[list[str] | None, typer.Option(
+    "--take-listeners", hidden=True,
+    help="Launch id of a router this one replaces (a reload): listen on that router's "
+         "own listening sockets, taken from it, instead of binding one; repeat for "
+         "each.")]
+_RouteLogLevel = Annotated[str, typer.Option(
+    "--log-level", help="debug, info, warning or error.")]
+
+
 @app.command()
 def route(
-    backend: Annotated[list[str] | None, typer.Option(
-        "--backend", "-b", help="An engine's base URL (http://host:port); repeat for each. "
-                                "May be left out with --control-port: a controller pushes "
-                                "them.")] = None,
-    host: Annotated[str, typer.Option(
-        help="Address to listen on (0.0.0.0: every one).")] = DEFAULT_HOST,
-    port: Annotated[int, typer.Option(
-        help="Port to listen on (0: any free port).")] = DEFAULT_PORT,
-    reuse_port: Annotated[bool, typer.Option(
-        "--reuse-port", help="Share the port with other router processes (SO_REUSEPORT).")
-    ] = False,
-    backend_timeout: Annotated[float, typer.Option(
-        "--backend-timeout",
-        help="Seconds one attempt on a backend may take, headers to last byte.")
-    ] = _ROUTER_DEFAULTS.backend_timeout_s,
-    connect_timeout: Annotated[float, typer.Option(
-        "--connect-timeout", help="Seconds to open a connection to a backend.")
-    ] = _ROUTER_DEFAULTS.connect_timeout_s,
-    max_retries: Annotated[int, typer.Option(
-        "--max-retries",
-        help="Re-sends of a request an engine may have worked on (0: none). Requests that "
-             "never reached an engine are always re-sent.")] = _ROUTER_DEFAULTS.max_retries,
-    max_body_bytes: Annotated[int, typer.Option(
-        "--max-body-bytes", help="Largest request body; larger ones are answered 413.")
-    ] = _ROUTER_DEFAULTS.max_body_bytes,
-    session_header: Annotated[str, typer.Option(
-        "--session-header", help="Header naming a session for affinity ('' turns it off).")
-    ] = _ROUTER_DEFAULTS.session_header or "",
-    continue_streams: Annotated[bool, typer.Option(
-        "--continue-streams/--no-continue-streams",
-        help="Continue a stream its engine cut mid-answer on another engine.")
-    ] = _ROUTER_DEFAULTS.continue_streams,
-    continue_answers: Annotated[bool, typer.Option(
-        "--continue-answers/--no-continue-answers",
-        help="Continue non-streamed answers too (streamed from the engine, assembled here).")
-    ] = _ROUTER_DEFAULTS.continue_answers,
-    upstream_fields: Annotated[bool, typer.Option(
-        "--upstream-fields/--no-upstream-fields",
-        help="The backends take vLLM's own request fields (return_token_ids, token-id "
-             "prompts, continue_final_message); off for other OpenAI-compatible servers.")
-    ] = _ROUTER_DEFAULTS.upstream_fields,
-    routing: Annotated[str, typer.Option(
-        "--routing", help="How a request picks its engine: "
-        + " or ".join(ROUTING_POLICIES) + " (docs/design.md 4.3).")
-    ] = _ROUTER_DEFAULTS.routing,
-    control_port: Annotated[int | None, typer.Option(
-        "--control-port",
-        help="Also serve the control API at this port (needs --token-file).")
-    ] = None,
-    control_host: Annotated[str, typer.Option(
-        "--control-host", help="Address the control API listens on (still behind the "
-                               "token): 0.0.0.0 lets a controller on another host drive it.")
-    ] = DEFAULT_HOST,
-    token_file: Annotated[Path | None, typer.Option(
-        "--token-file",
-        help="Bearer token of the control API; created (0600) with a new token if missing.")
-    ] = None,
-    settings_json: Annotated[str | None, typer.Option(
-        "--settings-json", hidden=True,
-        help="Every RouterSettings field as JSON (what `fleetwarden up` gives its router "
-             "processes); overrides the options above.")] = None,
-    managed: Annotated[bool, typer.Option(
-        "--managed", hidden=True,
-        help="Started by a fleet's controller: the reflex drop is armed from the start.")
-    ] = False,
-    worker: Annotated[int | None, typer.Option(
-        "--worker", hidden=True, min=0,
-        help="Worker N of several router processes on one port: its metrics carry "
-             "worker=\"N\".")] = None,
-    take_listeners: Annotated[list[str] | None, typer.Option(
-        "--take-listeners", hidden=True,
-        help="Launch id of a router this one replaces (a reload): listen on that router's "
-             "own listening sockets, taken from it, instead of binding one; repeat for "
-             "each.")] = None,
-    log_level: Annotated[str, typer.Option(
-        "--log-level", help="debug, info, warning or error.")] = "warning",
+    backend: _RouteBackend = None,
+    host: _RouteHost = DEFAULT_HOST,
+    port: _RoutePort = DEFAULT_PORT,
+    reuse_port: _RouteReusePort = False,
+    backend_timeout: _RouteBackendTimeout = _ROUTER_DEFAULTS.backend_timeout_s,
+    connect_timeout: _RouteConnectTimeout = _ROUTER_DEFAULTS.connect_timeout_s,
+    max_retries: _RouteMaxRetries = _ROUTER_DEFAULTS.max_retries,
+    max_body_bytes: _RouteMaxBodyBytes = _ROUTER_DEFAULTS.max_body_bytes,
+    session_header: _RouteSessionHeader = _ROUTER_DEFAULTS.session_header or "",
+    continue_streams: _RouteContinueStreams = _ROUTER_DEFAULTS.continue_streams,
+    continue_answers: _RouteContinueAnswers = _ROUTER_DEFAULTS.continue_answers,
+    upstream_fields: _RouteUpstreamFields = _ROUTER_DEFAULTS.upstream_fields,
+    routing: _RouteRouting = _ROUTER_DEFAULTS.routing,
+    control_port: _RouteControlPort = None,
+    control_host: _RouteControlHost = DEFAULT_HOST,
+    token_file: _RouteTokenFile = None,
+    settings_json: _RouteSettingsJson = None,
+    managed: _RouteManaged = False,
+    worker: _RouteWorker = None,
+    take_listeners: _RouteTakeListeners = None,
+    log_level: _RouteLogLevel = "warning",
 ) -> None:
     """Run the router alone in front of a static list of engines.
 

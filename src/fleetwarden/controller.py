@@ -43,13 +43,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 from fleetwarden.config import Config
 from fleetwarden.engines import AUTO, profile
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Health, Verdict
+from fleetwarden.judge import Hedge
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -61,13 +61,13 @@ from fleetwarden.ledger import (
     Transition,
 )
 from fleetwarden.refit import RefitCoordinator
-from fleetwarden.router.control import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, ControlError
+from fleetwarden.router.links import CONTROL_TIMEOUT_S, EVIDENCE_WAIT_S, ControlError, RouterLink
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import Report, Target, Watchdog
 from fleetwarden.workmeter import WorkMeter
 
-__all__ = ["Controller", "FleetStatus", "RouterLink", "TickReport", "reading_of"]
+__all__ = ["Controller", "FleetStatus", "TickReport", "reading_of"]
 
 log = logging.getLogger(__name__)
 
@@ -76,28 +76,6 @@ log = logging.getLogger(__name__)
 #: the fleet's own process both are immediate; only a router that does not answer makes it
 #: wait this long, and its requests are then moved by the stop itself (refused, re-sent).
 RELEASE_WAIT_S = 2 * CONTROL_TIMEOUT_S
-
-
-class RouterLink(Protocol):
-    """What the controller needs of a router, in-process or in another process."""
-
-    async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None: ...
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]: ...
-
-    async def rescue(self, url: str, *, streams: bool = True) -> int: ...
-
-    async def in_flight(self) -> dict[str, int]: ...
-
-    async def set_retry_after(self, seconds: float | None) -> None: ...
-
-    # Optional, asked with getattr: ``silent_backends(after_s)``, ``hedge(url, held_s)``,
-    # ``set_trial_backends(urls)``, ``listen(callback)``.
-
-
-def _name(link: RouterLink) -> str:
-    return str(getattr(link, "url", None) or type(link).__name__)
 
 
 @dataclass
@@ -186,12 +164,15 @@ class Controller:
         #: When each link's first reported failure of the burst not yet drained came.
         self._evidence_at: dict[int, float] = {}
         self._unsubscribe = ledger.subscribe(self._on_transition)
-        self._unlisten = [
-            listen(self._evidence_from(k))
-            for k, link in enumerate(self.routers)
-            if (listen := getattr(link, "listen", None)) is not None
-        ]
+        self._unlisten = [link.listen(self._evidence_from(k))
+                          for k, link in enumerate(self.routers) if link.in_process]
         self._wake = asyncio.Event()
+        #: While :meth:`run` reads each engine on its own schedule (:meth:`_read_loop`), the
+        #: tick reads nothing: what the reads decided since the last tick waits here, and the
+        #: tick takes it over as its own report (``False``: each :meth:`tick` reads the fleet).
+        self._read_apart = False
+        self._pending = TickReport(1, 0.0)
+        self._pending_reports: dict[str, Report] = {}
         self.status = self._status()
 
     # ------------------------------------------------------------------ events
@@ -266,11 +247,9 @@ class Controller:
         for link in self.routers:
             try:
                 await link.set_serving_backends(urls, facts)
-                set_trial = getattr(link, "set_trial_backends", None)
-                if set_trial is not None:
-                    await set_trial(trial)
+                await link.set_trial_backends(trial)
             except Exception as exc:
-                self._router_error(report, f"{_name(link)}: push: {exc}")
+                self._router_error(report, f"{link.name}: push: {exc}")
         self.meter.pushed(time.monotonic() - started, len(urls))
 
     async def _rescue(self, report: TickReport | None) -> None:
@@ -282,11 +261,9 @@ class Controller:
         for url, streams in moves:
             for link in self.routers:
                 try:
-                    # the keyword only where it says something: older links take the URL alone
-                    rescued = await (link.rescue(url) if streams
-                                     else link.rescue(url, streams=False))
+                    rescued = await link.rescue(url, streams=streams)
                 except Exception as exc:
-                    self._router_error(report, f"{_name(link)}: rescue: {exc}")
+                    self._router_error(report, f"{link.name}: rescue: {exc}")
                     continue
                 if report is not None:
                     report.rescued += rescued
@@ -330,7 +307,7 @@ class Controller:
         try:
             outcomes = await self._drain(k)
         except Exception as exc:
-            log.warning("router %s: drain: %s", _name(self.routers[k]), exc)
+            log.warning("router %s: drain: %s", self.routers[k].name, exc)
             return
         self.apply_outcomes(outcomes)
         came = self._evidence_at.pop(k, None)
@@ -394,23 +371,12 @@ class Controller:
             rec = self.ledger.shard(i)
             if rec.state in ABSENT:
                 return
-            # Not one step for hedge_after_s with a request held: its requests go to another
-            # engine as well. Never within a pause this engine was seen to come back from (a
-            # long prefill step seen before): past its own longest, or hedge_after_s, whichever
-            # is longer. On a lost core (its gauges show no work) the request it holds was
-            # what would condemn it (held_its_requests), and hedged away it never would: a
-            # canary sent with the hedges takes over their watch (docs/design.md section 12).
-            hedge_after = max(h.hedge_after_s, r.longest_pause_s)
-            if h.hedge_after_s > 0 and r.held_flat_s >= hedge_after:
-                if r.verdict is Verdict.STALLED:
-                    await self._hedge(i, url, hedge_after)
-                elif r.verdict is Verdict.LOST_CORE and r.canary is None:
-                    # A read that sent its own canary has decided (held_flat_s predates it):
-                    # one that answered proved the engine, and its requests are left to it.
-                    await self._hedge_lost_core(i, url, r, hedge_after)
-            unsettled = r.verdict in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
-                                      Verdict.LOST_CORE, Verdict.NO_METRICS)
-            if not first and not unsettled and rec.ejected_until is None:
+            hedge = r.hedge(h.hedge_after_s)
+            if hedge is Hedge.STEP:
+                await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
+            elif hedge is Hedge.LOST_CORE:
+                await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
+            if not first and r.settled and rec.ejected_until is None:
                 return  # proven, or nothing to prove: the tick takes over again
             if self.clock() >= deadline:
                 return
@@ -437,17 +403,14 @@ class Controller:
         await self._hedge(i, url, held_s, lost_race_fails=True)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
-        """The canary that watches a hedged lost core: no answer for what its held requests
-        had left of the stall limit, and nothing advanced, condemn it
-        (:meth:`Watchdog.watch_hedged`)."""
+        """The canary that watches a hedged lost core; what it concludes (the watch's, in
+        :meth:`Watchdog.watch_hedged`) goes into the ledger as any read does."""
         assert self.watchdog is not None
-        canary, why = await self.watchdog.watch_hedged(url, r.held_flat_s)
+        condemned = await self.watchdog.watch_hedged(r)
         rec = self.ledger.shard(i)
-        if why is None or rec.base_url != url or rec.state in ABSENT:
+        if condemned is None or rec.base_url != url or rec.state in ABSENT:
             return
-        self.reports[i] = condemned = replace(
-            r, health=Health.CONDEMNED, canary=canary,
-            evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
+        self.reports[i] = condemned
         self.apply_report(i, condemned, progress_proves=False)
 
     async def _hedge(self, i: int, url: str, held_s: float, *,
@@ -460,17 +423,14 @@ class Controller:
         otherwise (work in its gauges: perhaps one long step) it costs the engine nothing in
         the ledger."""
         for link in self.routers:
-            hedge = getattr(link, "hedge", None)
-            if hedge is None:
-                continue
             try:
-                n = await hedge(url, held_s, lost_race_fails=lost_race_fails)
+                n = await link.hedge(url, held_s, lost_race_fails=lost_race_fails)
             except Exception as exc:
-                log.warning("router %s: hedge: %s", _name(link), exc)
+                log.warning("router %s: hedge: %s", link.name, exc)
                 continue
             if n:
                 log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
-                         held_s, _name(link))
+                         held_s, link.name)
 
     async def _watch_remote(self, k: int, stop: asyncio.Event) -> None:
         """Router ``k`` runs in another process: one long poll of its evidence open at a time
@@ -479,22 +439,19 @@ class Controller:
         silent are accused. A router that does not answer is retried at the tick's pace; an
         older one without the call is judged at the tick, as before."""
         link = self.routers[k]
-        evidence = getattr(link, "evidence", None)
-        if evidence is None:
-            return
         h = self.config.health
         while not stop.is_set():
             try:
-                failed, silent = await evidence(EVIDENCE_WAIT_S, h.silent_after_s)
+                failed, silent = await link.evidence(EVIDENCE_WAIT_S, h.silent_after_s)
             except ControlError as exc:
                 if exc.status == 404:
-                    log.info("router %s has no evidence call: judged at the tick", _name(link))
+                    log.info("router %s has no evidence call: judged at the tick", link.name)
                     return
-                log.warning("router %s: evidence: %s", _name(link), exc)
+                log.warning("router %s: evidence: %s", link.name, exc)
                 await _sleep_unless(stop, h.probe_interval_s)
                 continue
             except Exception as exc:  # down, or restarting: the tick reports it
-                log.debug("router %s: evidence: %s", _name(link), exc)
+                log.debug("router %s: evidence: %s", link.name, exc)
                 await _sleep_unless(stop, h.probe_interval_s)
                 continue
             if failed:
@@ -512,7 +469,7 @@ class Controller:
         """Every ``evidence_poll_s``: engines holding requests silent for ``silent_after_s``
         are accused (in-process routers; those in other processes: :meth:`_watch_remote`)."""
         h = self.config.health
-        local = [link for link in self.routers if getattr(link, "listen", None) is not None]
+        local = [link for link in self.routers if link.in_process]
         if not local:
             return
         while not stop.is_set():
@@ -522,13 +479,10 @@ class Controller:
     async def _accuse_silent(self, links: Sequence[RouterLink]) -> None:
         after = self.config.health.silent_after_s
         for link in links:
-            silent_backends = getattr(link, "silent_backends", None)
-            if silent_backends is None:
-                continue
             try:
-                silent = await silent_backends(after)
+                silent = await link.silent_backends(after)
             except Exception as exc:
-                log.warning("router %s: silent: %s", _name(link), exc)
+                log.warning("router %s: silent: %s", link.name, exc)
                 continue
             for url in silent:
                 i = self.ledger.shard_for_url(url)
@@ -539,74 +493,24 @@ class Controller:
 
     async def tick(self) -> TickReport:
         self.tick_number += 1
-        report = TickReport(self.tick_number, self.clock())
         started = time.perf_counter()
+        reports: Mapping[str, Report]
+        if self._read_apart:
+            # The reads since the last tick were decided as each finished: this tick's.
+            report, self._pending = self._pending, TickReport(self.tick_number + 1, 0.0)
+            report.number, report.started_at = self.tick_number, self.clock()
+            reports, self._pending_reports = self._pending_reports, {}
+        else:
+            report = TickReport(self.tick_number, self.clock())
 
         # 0. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
             self._guarded(report, "refit lease", self.refit.check_lease)
-        excused = self.refit.stalls_excused() if self.refit is not None else frozenset()
-        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
-        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
-        excused = excused | frozenset(self.ledger.sleeping())
 
-        # 1. the watchdog round, for every shard with a process (those under focused reads
-        # are being read already)
-        in_flight = await self._in_flight(report)
-        held = await self._held(report)
-        shards = {}
-        for i in range(len(self.ledger)):
-            if self.ledger.state(i) not in ABSENT and i not in self._focus:
-                shards[self.ledger.shard(i).base_url] = i
-        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
-        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
-        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
-        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
-        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
-        targets = [Target(url=url, in_flight=in_flight.get(url, 0), stalls_excused=i in excused,
-                          held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
-                          confirm=self.ledger.state(i) is ShardState.SUSPECT)
-                   for url, i in shards.items()]
-        decided: set[str] = set()
-
-        def decide(url: str, r: Report) -> None:
-            # Each read is decided on as it finishes (the watchdog calls back), not at the
-            # round's end: a round of a large fleet lasts seconds, and a condemning read would
-            # otherwise wait for the slowest of the others. What a watchdog does not call back
-            # for (a double's round), the loop below decides on at the end.
-            i = shards.get(url)
-            if i is None or url in decided:
-                return
-            decided.add(url)
-            if self.ledger.shard(i).base_url != url:
-                return  # the shard moved during the round (a restart finished)
-            self.reports[i] = r
-            report.verdicts[i] = r.verdict.name
-            self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
-            self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
-            finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
-            now = time.monotonic()
-            self.meter.decided(now - finished_at.get(url, now))
-            if (r.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
-                    and self.ledger.state(i) not in ABSENT):
-                self.confirm(i, r.verdict.name.lower())  # a stall or a refusal: confirm at once
-
-        round_started = time.monotonic()
-        hooked = hasattr(self.watchdog, "on_report")
-        if hooked:
-            self.watchdog.on_report = decide
-        try:
-            reports = await self.watchdog.round(targets)
-        finally:
-            if hooked:
-                self.watchdog.on_report = None
-        round_ended = time.monotonic()
-        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
-        failed_probe = frozenset(url for url, r in reports.items() if r.health is Health.FAILING)
-        for url in shards:
-            r = reports.get(url)
-            if r is not None:
-                decide(url, r)
+        # 1. the watchdog round, each read decided on as it finishes (read apart: done)
+        if not self._read_apart:
+            reports = await self._read_round(report)
+        failed_probe = frozenset(url for url, r in reports.items() if r.failed_probe)
         if self.refit is not None and self.refit.lease is not None:
             self._guarded(report, "refit participants", self.observe_participants, reports)
 
@@ -618,10 +522,10 @@ class Controller:
             try:
                 outcomes = await self._drain(k)
             except Exception as exc:
-                report.router_errors.append(f"{_name(link)}: drain: {exc}")
+                report.router_errors.append(f"{link.name}: drain: {exc}")
                 continue
             self.apply_outcomes(outcomes, failed_probe)
-        remote = [link for link in self.routers if getattr(link, "listen", None) is None]
+        remote = [link for link in self.routers if not link.in_process]
         if remote:
             await self._accuse_silent(remote)
 
@@ -636,16 +540,19 @@ class Controller:
             try:
                 await link.set_retry_after(retry_after)
             except Exception as exc:
-                report.router_errors.append(f"{_name(link)}: retry-after: {exc}")
+                report.router_errors.append(f"{link.name}: retry-after: {exc}")
 
         # 5. rescue what waits on shards condemned or fallen asleep since (if no transition
         # did it already)
         await self._rescue(report)
+        self._tick_done(report, time.perf_counter() - started)
+        return report
 
+    def _tick_done(self, report: TickReport, duration_s: float) -> None:
         for err in report.router_errors:
             log.warning("%s", err)
         self.status = self._status()
-        report.duration_s = time.perf_counter() - started
+        report.duration_s = duration_s
         self.meter.tick_done(report.duration_s)
         self.last_tick = report
         if self.on_tick is not None:
@@ -654,7 +561,143 @@ class Controller:
             except Exception:
                 # An observer never stops the loop, and never makes a tick count as failed.
                 log.exception("tick %d: the on_tick observer failed", report.number)
-        return report
+
+    async def _read_round(self, report: TickReport) -> Mapping[str, Report]:
+        """The watchdog round, for every shard with a process, within the tick."""
+        round_started = time.monotonic()
+        reports = await self._read(report, self._to_read(range(len(self.ledger))))
+        round_ended = time.monotonic()
+        self.meter.round_done(round_ended, round_ended - round_started, len(reports))
+        return reports
+
+    def _to_read(self, shards: Sequence[int]) -> dict[str, int]:
+        """Of ``shards``, those with a process, by URL (those under focused reads are being
+        read already)."""
+        return {self.ledger.shard(i).base_url: i for i in shards
+                if self.ledger.state(i) not in ABSENT and i not in self._focus}
+
+    async def _read_loop(self, stop: asyncio.Event) -> None:
+        """Every engine read once per ``probe_interval_s``, on its own schedule, beside the
+        tick: in slices of ``max_concurrent_reads`` whose starts are spread evenly over the
+        interval, readers taking the next engine as soon as they are free and its slice has
+        begun, each read decided on as it finishes. The tick waits for none of them, so at a
+        thousand engines it stays the cheap ledger and push work (section 6.2). Up to
+        ``max_concurrent_reads`` engines, one slice at the interval's start: the round of old.
+        """
+        interval = self.config.health.probe_interval_s
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                reports = await self._read(None, self._to_read(range(len(self.ledger))),
+                                           spread_s=interval)
+            except Exception:
+                log.exception("a read round failed; the next one runs as usual")
+                reports = {}
+            ended = time.monotonic()
+            self.meter.round_done(ended, ended - started, len(reports))
+            await _sleep_unless(stop, started + interval - time.monotonic())
+
+    async def _read(self, report: TickReport | None, shards: Mapping[str, int], *,
+                    spread_s: float | None = None) -> Mapping[str, Report]:
+        """Read ``shards`` (by URL), each read into the ledger as it finishes (``report``
+        ``None``: into the next tick's report). ``spread_s``: the reads spread over that many
+        seconds, each target made afresh just before its read (:meth:`_target`)."""
+        if spread_s is None:
+            counts, ages = await self._in_flight(report), await self._held(report)
+            targets = [self._target(url, i, counts, ages) for url, i in shards.items()]
+        else:
+            targets = [Target(url) for url in shards]
+        decided: set[str] = set()
+
+        def decide(url: str, r: Report) -> None:
+            # Each read is decided on as it finishes (the watchdog calls back), not at the
+            # round's end: a round of a large fleet lasts seconds, and a condemning read would
+            # otherwise wait for the slowest of the others. What a watchdog does not call back
+            # for (a double's round), the loop below decides on at the end.
+            i = shards.get(url)
+            if i is None or url in decided:
+                return
+            decided.add(url)
+            self._decide(report, i, url, r)
+
+        per_slice = getattr(self.watchdog, "concurrency", len(shards)) or 1
+        # What the routers hold, asked again once per slice of the round: a figure seconds old
+        # would make a request that finished meanwhile look held on an engine gone quiet.
+        fresh_for = (spread_s or 0.0) / max(1, -(-len(shards) // per_slice))
+        asked_at = -float("inf")
+        in_flight: Mapping[str, int] = {}
+        held: Mapping[str, float] = {}
+        asking = asyncio.Lock()  # the readers of one slice share one question to the routers
+
+        async def fresh(t: Target) -> Target | None:
+            nonlocal asked_at, in_flight, held
+            i = shards.get(t.url)
+            if (i is None or i in self._focus or self.ledger.state(i) in ABSENT
+                    or self.ledger.shard(i).base_url != t.url):
+                return None  # condemned, moved or under focused reads since the round began
+            if asked_at == -float("inf") or (time.monotonic() - asked_at >= fresh_for
+                                              and not asking.locked()):
+                # One reader asks; the others read with the last answer meanwhile (at most
+                # a slice's time old) rather than all wait on the routers' round trip. Only
+                # the round's first reads wait for an answer: none is older than the round.
+                async with asking:
+                    if time.monotonic() - asked_at >= fresh_for:
+                        counts, ages = await self._in_flight(report), await self._held(report)
+                        asked_at, in_flight, held = time.monotonic(), counts, ages
+            return self._target(t.url, i, in_flight, held)
+
+        hooked = hasattr(self.watchdog, "on_report")
+        if hooked:
+            self.watchdog.on_report = decide
+        try:
+            if spread_s is None:
+                reports = await self.watchdog.round(targets)
+            else:
+                reports = await self.watchdog.round(targets, spread_s=spread_s, fresh=fresh)
+        finally:
+            if hooked:
+                self.watchdog.on_report = None
+        for url in shards:
+            r = reports.get(url)
+            if r is not None:
+                decide(url, r)
+        return reports
+
+    def _target(self, url: str, i: int, in_flight: Mapping[str, int],
+                held: Mapping[str, float]) -> Target:
+        """Shard ``i``'s engine as a read sees it: what the routers hold there, and whether its
+        stalls are excused."""
+        excused = self.refit is not None and i in self.refit.stalls_excused()
+        # An engine the ledger holds asleep is never canaried, judged stuck or a lost core, even
+        # where it exports no sleep state (or has not yet slept: the trainer's bracket).
+        state = self.ledger.state(i)
+        # A SUSPECT shard stands accused until it is proven: an idle one is canaried at every
+        # tick (never one with work in it), as the ledger needs healthy_threshold good probes
+        # in a row to lift it. The canary interval is for engines nobody doubts; the real-vLLM
+        # tier runs with it at an hour, and a shard that went SUSPECT on reads that timed out
+        # under load, then got no traffic, stayed SUSPECT for the rest of the run.
+        return Target(url=url, in_flight=in_flight.get(url, 0),
+                      stalls_excused=excused or state is ShardState.SLEEPING,
+                      held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
+                      confirm=state is ShardState.SUSPECT)
+
+    def _decide(self, report: TickReport | None, i: int, url: str, r: Report) -> None:
+        """One read of the round into the ledger; a stall or a refusal is confirmed at once.
+        ``report`` ``None``: the read belongs to the next tick's report."""
+        if self.ledger.shard(i).base_url != url:
+            return  # the shard moved during the round (a restart finished)
+        if report is None:
+            report = self._pending
+            self._pending_reports[url] = r
+        self.reports[i] = r
+        report.verdicts[i] = r.verdict.name
+        self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
+        self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
+        finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
+        now = time.monotonic()
+        self.meter.decided(now - finished_at.get(url, now))
+        if r.accuses and self.ledger.state(i) not in ABSENT:
+            self.confirm(i, r.verdict.name.lower())
 
     @staticmethod
     def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
@@ -673,22 +716,19 @@ class Controller:
                 for url, n in (await link.in_flight()).items():
                     total[url] = total.get(url, 0) + n
             except Exception as exc:
-                self._router_error(report, f"{_name(link)}: in-flight: {exc}")
+                self._router_error(report, f"{link.name}: in-flight: {exc}")
         return total
 
     async def _held(self, report: TickReport | None) -> dict[str, float]:
         """Per engine, how long the oldest request any router holds there has received
-        nothing (engines holding none are left out). A router without the call adds nothing."""
+        nothing (engines holding none are left out)."""
         oldest: dict[str, float] = {}
         for link in self.routers:
-            silent_backends = getattr(link, "silent_backends", None)
-            if silent_backends is None:
-                continue
             try:
-                for url, age in (await silent_backends(0.0)).items():
+                for url, age in (await link.silent_backends(0.0)).items():
                     oldest[url] = max(oldest.get(url, 0.0), age)
             except Exception as exc:
-                self._router_error(report, f"{_name(link)}: held requests: {exc}")
+                self._router_error(report, f"{link.name}: held requests: {exc}")
         return oldest
 
     def observe_participants(self, reports: Mapping[str, Report]) -> None:
@@ -714,7 +754,7 @@ class Controller:
             return
         if r is None or url != p.url:
             return  # not read (this tick, or at its URL)
-        answers = r.verdict is not Verdict.UNREACHABLE
+        answers = r.answered
         self.refit.observe_participant(
             i, process_alive=True, api_answers=answers,
             evidence=f"{r.verdict.name}: {r.evidence.summary}")
@@ -741,8 +781,8 @@ class Controller:
 
         ``progress_proves`` False: progress without a canary counts for nothing (the first
         focused read of an accused engine compares with a sample older than the accusation)."""
-        if self.journal is not None and r.verdict not in (Verdict.BUSY, Verdict.IDLE):
-            # BUSY and IDLE are the steady states of a fleet: they would flood the journal.
+        if self.journal is not None and not r.steady:
+            # The steady states of a fleet would flood the journal.
             self.journal.record_verdict(i, r.url, r.verdict.name, r.evidence.to_dict())
         excused = self.refit is not None and i in self.refit.stalls_excused()
         self.ledger.record_reading(i, reading_of(r, excused=excused,
@@ -790,10 +830,11 @@ class Controller:
         """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
         the loop goes on."""
         interval = self.config.health.probe_interval_s
-        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence")]
+        self._read_apart = True
+        watchers = [asyncio.create_task(self._watch_silence(stop), name="watch-silence"),
+                    asyncio.create_task(self._read_loop(stop), name="reads")]
         watchers += [asyncio.create_task(self._watch_remote(k, stop), name=f"evidence:{k}")
-                     for k, link in enumerate(self.routers)
-                     if getattr(link, "listen", None) is None]
+                     for k, link in enumerate(self.routers) if not link.in_process]
         try:
             while not stop.is_set():
                 try:
@@ -804,6 +845,7 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_either(stop), interval)
         finally:
+            self._read_apart = False
             for watcher in watchers:
                 watcher.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
@@ -844,7 +886,7 @@ class Controller:
                     moved += await (link.rescue(url) if streams
                                     else link.rescue(url, streams=False))
                 except Exception as exc:
-                    log.warning("router %s: rescue failed: %s", _name(link), exc)
+                    log.warning("router %s: rescue failed: %s", link.name, exc)
         return moved
 
     def wake(self) -> None:
@@ -869,9 +911,7 @@ def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True
     return Reading(
         health=r.health.value,  # the same four words
         verdict=r.verdict.name, summary=r.evidence.summary,
-        # A restart is also told by a SLEEPING verdict: a new process already asleep
-        restarted=r.verdict is Verdict.RESTARTED or (
-            r.verdict is Verdict.SLEEPING and r.evidence.previous_incarnation is not None),
+        restarted=r.restarted,
         incarnation=r.incarnation,
         canary_ok=None if r.canary is None else r.canary.ok,
         canary_error=r.canary.error if r.canary is not None else "",

@@ -36,7 +36,7 @@ from fleetwarden.admin.views import TRAFFIC_STEP_S, FleetCollector, Traffic, tra
 from fleetwarden.admin.work import WorkCollector
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller, RouterLink, TickReport
+from fleetwarden.controller import Controller, TickReport
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
@@ -46,8 +46,8 @@ from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run
 from fleetwarden.router import Router
-from fleetwarden.router.app import listening_url
-from fleetwarden.router.control import RemoteRouter
+from fleetwarden.router.app import runner_url
+from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sleep import SleepResult, put_to_sleep
 from fleetwarden.sleep import wake as wake_shards
@@ -197,14 +197,56 @@ class Fleet:
         size = len(launched) + len(attached)
 
         self.token = load_or_create_token(cfg.admin.token_file)
-        self._journal = Journal(cfg.journal.path)
-        restored = self._journal.restore(self._policy(), clock=time.time)
+        self._journal = journal = Journal(cfg.journal.path)
+        restored = journal.restore(self._policy(), clock=time.time)
         if restored is not None and len(restored) != size:
             raise ValueError(
                 f"journal {cfg.journal.path} records a fleet of {len(restored)} shards, the "
                 f"config has {size}; use another journal.path for a different fleet"
             )
+        launcher, local, self._launchers = await self._start_launchers(journal, launched,
+                                                                        attached)
+        clean = journal.get_meta("clean_shutdown") == "1"
+        journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
 
+        # Engines an earlier run left running: the current one of each shard is adopted, the
+        # rest (a restart in progress, a condemned engine not yet stopped) are stopped. (Ray
+        # engines are Ray's: their actors end with the driver that started them.)
+        adopted: dict[int, EngineHandle] = {}
+        if restored is not None and local is not None:
+            adopted = await adopt_or_stop(journal, local, restored)
+        ledger, first = await self._first_engines(journal, launcher, local, launched,
+                                                  attached, restored, adopted)
+        if restored is not None:  # journaled, each change with its cause
+            log.info("restoring the fleet from %s (last run stopped %s)", cfg.journal.path,
+                     "cleanly" if clean else "without a clean stop")
+            begin_run(ledger, first, attached)
+        self._supervisor = supervisor = self._start_supervisor(
+            ledger, journal, self._launchers, adopted, first, fresh=restored is None)
+        self._watchdog = Watchdog(cfg.health.watchdog_policy(),
+                                  concurrency=cfg.health.max_concurrent_reads)
+        await self._start_routers(ledger)
+        self._refit = RefitCoordinator(ledger, lease_s=cfg.refit.lease_s, clock=time.time)
+        self._controller = Controller(
+            ledger, self._watchdog, supervisor, self.routers, cfg,
+            journal=journal, refit=self._refit, on_tick=self._after_tick,
+        )
+        # The first answers already name their weights: the push's facts, before any tick.
+        if self._router is not None:
+            self._router.set_serving_backends(*self._controller.serving_push())
+        else:
+            await self._controller.push_now()
+        self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
+        await self._admin.setup()
+        await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
+        self.admin_url = runner_url(self._admin)
+
+    async def _start_launchers(self, journal: Journal, launched: list[int],
+                               attached: dict[int, str],
+                               ) -> tuple[Launcher, LocalLauncher | None, ShardLaunchers]:
+        """The launcher of the launched shards (and the local one, when it is local), and
+        every shard's launcher (attached shards: the attach launcher)."""
+        cfg = self.config
         launcher: Launcher
         local: LocalLauncher | None = None
         if cfg.fleet.launcher == "ray" and launched:
@@ -215,22 +257,21 @@ class Fleet:
             launcher = ray_launcher
         else:
             local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
-            local.events = _JournalEngines(self._journal)
+            local.events = _JournalEngines(journal)
             launcher = local
         attach = AttachLauncher(cfg.fleet, cfg.health)
-        self._launchers = ShardLaunchers(
-            {i: launcher for i in launched} | {i: attach for i in attached}
-        )
-        clean = self._journal.get_meta("clean_shutdown") == "1"
-        self._journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
+        shards = ShardLaunchers({i: launcher for i in launched} | {i: attach for i in attached})
+        return launcher, local, shards
 
-        # Engines an earlier run left running: the current one of each shard is adopted, the
-        # rest (a restart in progress, a condemned engine not yet stopped) are stopped. (Ray
-        # engines are Ray's: their actors end with the driver that started them.)
-        adopted: dict[int, EngineHandle] = {}
-        if restored is not None and local is not None:
-            adopted = await adopt_or_stop(self._journal, local, restored)
-
+    async def _first_engines(self, journal: Journal, launcher: Launcher,
+                             local: LocalLauncher | None,
+                             launched: list[int], attached: dict[int, str],
+                             restored: Ledger | None, adopted: dict[int, EngineHandle]
+                             ) -> tuple[Ledger, dict[int, EngineHandle | BaseException]]:
+        """The first engines started, and the ledger over them (the restored one, or a new
+        one built with their URLs)."""
+        cfg = self.config
+        size = len(launched) + len(attached)
         # The first engines start before the ledger exists, so it is built with their URLs.
         # A restored DEAD shard is not among them: the supervisor restarts it, within budget.
         to_launch = [i for i in launched if i not in adopted and (
@@ -251,29 +292,34 @@ class Fleet:
         if local is not None:
             local.taken_urls = lambda: {r.base_url for r in ledger.snapshot()}
         ledger.subscribe(self.events.transition)
-        self._journal.attach(ledger)
-        if restored is not None:  # journaled, each change with its cause
-            log.info("restoring the fleet from %s (last run stopped %s)", cfg.journal.path,
-                     "cleanly" if clean else "without a clean stop")
-            begin_run(ledger, first, attached)
+        journal.attach(ledger)
+        return ledger, first
 
-        self._supervisor = Supervisor(
-            ledger, self._launchers, cfg.fleet, cfg.supervisor, journal=self._journal,
-            passive=self._launchers.passive,
-        )
+    def _start_supervisor(self, ledger: Ledger, journal: Journal, launchers: ShardLaunchers,
+                          adopted: dict[int, EngineHandle],
+                          first: dict[int, EngineHandle | BaseException], *,
+                          fresh: bool) -> Supervisor:
+        """The supervisor, with every engine running adopted; a first engine that did not
+        start is condemned (the supervisor restarts it within budget)."""
+        cfg = self.config
+        supervisor = Supervisor(ledger, launchers, cfg.fleet, cfg.supervisor, journal=journal,
+                                passive=launchers.passive)
         for i, handle in adopted.items():
-            self._supervisor.adopt(i, handle)
+            supervisor.adopt(i, handle)
         for i, result in first.items():
             if isinstance(result, EngineHandle):
-                self._supervisor.adopt(i, result)
-                if restored is None:
+                supervisor.adopt(i, result)
+                if fresh:
                     ledger.observe_incarnation(i, result.incarnation)
             else:
                 log.error("shard %d: first engine did not start: %s", i, result)
                 ledger.condemn(i, f"first start failed: {result}")
+        return supervisor
 
-        self._watchdog = Watchdog(cfg.health.watchdog_policy(),
-                                  concurrency=cfg.health.max_concurrent_reads)
+    async def _start_routers(self, ledger: Ledger) -> None:
+        """The routers: this process's, or router worker processes of their own; and the
+        remote ones the config names."""
+        cfg = self.config
         if cfg.router.workers:  # router processes of their own, adopted when they still run
             self._workers = RouterWorkers(
                 cfg.router, load_or_create_token(cfg.router.control_token_file),
@@ -293,20 +339,6 @@ class Fleet:
             link = RemoteRouter(remote.url, load_or_create_token(remote.token_file))
             self._remotes.append(link)
             self.routers.append(link)
-        self._refit = RefitCoordinator(ledger, lease_s=cfg.refit.lease_s, clock=time.time)
-        self._controller = Controller(
-            ledger, self._watchdog, self._supervisor, self.routers, cfg,
-            journal=self._journal, refit=self._refit, on_tick=self._after_tick,
-        )
-        # The first answers already name their weights: the push's facts, before any tick.
-        if self._router is not None:
-            self._router.set_serving_backends(*self._controller.serving_push())
-        else:
-            await self._controller.push_now()
-        self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
-        await self._admin.setup()
-        await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
-        self.admin_url = listening_url(self._admin)
 
     async def run(self) -> None:
         """Run the controller loop until :meth:`request_stop`."""

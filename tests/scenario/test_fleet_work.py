@@ -45,7 +45,10 @@ async def test_the_fleets_own_work_is_on_metrics_the_dashboard_and_the_journal(
         # before any run stopped, there is no summary to show, and the command says so
         code, out = await history_summary(journal)
         assert code == 1 and "no run summary" in out
-        await until(lambda: fleet.controller.tick_number >= 3, 30, "three ticks")
+        # The reads run beside the ticks: three of each, not three ticks alone.
+        await until(lambda: fleet.controller.tick_number >= 3
+                    and fleet.controller.meter.read_round.count >= 3, 30,
+                    "three ticks and three read rounds")
         async with aiohttp.ClientSession(
                 headers={"Authorization": f"Bearer {fleet.token}"}) as http, \
                 http.get(fleet.admin_url + "/metrics") as resp:

@@ -5,6 +5,7 @@
   (``spawn``, ``http``), faults, stats and polling waits.
 - :mod:`support.fleet` — a whole :class:`~fleetwarden.fleet.Fleet` in the test's loop on
   simulated engines, with compressed timings.
+- :mod:`support.links` — :class:`QuietLink`, the base of the router-link doubles.
 - :mod:`support.router_rig` — a real router in front of scripted engines, and its client.
 - :mod:`support.scripted_engine` — an engine double that answers with real vLLM captures.
 - :mod:`support.proxy` — a least-connections proxy, as a load balancer in front of engines.

@@ -7,20 +7,21 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import pytest
 
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller
+from fleetwarden.controller import Controller, TickReport
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
-from fleetwarden.router import RemoteRouter
+from fleetwarden.router import InProcessRouter, RemoteRouter, Router
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
+from support.links import QuietLink
 from support.router_rig import rig, until
 
 H, S, ST, D = ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE, ShardState.DEAD
@@ -129,24 +130,12 @@ def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None
     assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})
 
 
-class _Router:
+class _Router(QuietLink):
     def __init__(self) -> None:
         self.pushed: list[list[str]] = []
 
     async def set_serving_backends(self, urls: Any, facts: Any = None) -> None:
         self.pushed.append(list(urls))
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        return {}
-
-    async def rescue(self, url: str) -> int:
-        return 0
-
-    async def in_flight(self) -> dict[str, int]:
-        return {}
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        pass
 
 
 class _BrokenSupervisor(Supervisor):
@@ -302,7 +291,7 @@ class ScriptedReads:
         #: (url, held_flat_s) of each hedged lost core's watching canary; each returns
         #: ``watch_result`` once ``watch_released`` is set.
         self.watches: list[tuple[str, float]] = []
-        self.watch_result: tuple[CanaryResult | None, str | None] = (None, None)
+        self.watch_result: Report | None = None
         self.watch_released = asyncio.Event()
 
     async def probe(self, target: Target) -> Report:
@@ -310,12 +299,18 @@ class ScriptedReads:
         r = self.by_url.get(target.url, self.default)
         return dataclasses.replace(r, url=target.url)
 
-    async def round(self, targets: list[Target]) -> dict[str, Report]:
-        return {t.url: await self.probe(t) for t in targets}
+    async def round(self, targets: list[Target], *, spread_s: float = 0.0,
+                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    ) -> dict[str, Report]:
+        out: dict[str, Report] = {}
+        for t in targets:  # one at a time, all at once: the spread is the watchdog's
+            now = t if fresh is None else await fresh(t)
+            if now is not None:
+                out[now.url] = await self.probe(now)
+        return out
 
-    async def watch_hedged(self, url: str, held_flat_s: float,
-                           ) -> tuple[CanaryResult | None, str | None]:
-        self.watches.append((url, held_flat_s))
+    async def watch_hedged(self, report: Report) -> Report | None:
+        self.watches.append((report.url, report.held_flat_s))
         await self.watch_released.wait()
         return self.watch_result
 
@@ -538,11 +533,13 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         seen = len(reads.probed)
         await until(lambda: len(reads.probed) >= seen + 3, what="reads while it waits")
         assert len(reads.watches) == 1
-        if canary_answers:
-            reads.watch_result = (CanaryResult(True, 0.2, 200), None)
-        else:
-            reads.watch_result = (CanaryResult(False, 4.5, None, "no answer"),
-                                  "the canary sent with the hedges got no answer")
+        if not canary_answers:  # the watch concludes (an answer concludes nothing)
+            lost = reads.by_url[bad.url]
+            reads.watch_result = dataclasses.replace(
+                lost, url=bad.url, health=Health.CONDEMNED,
+                canary=CanaryResult(False, 4.5, None, "no answer"),
+                evidence=dataclasses.replace(lost.evidence, summary="the canary sent with the "
+                                             "hedges got no answer"))
         reads.watch_released.set()
         if canary_answers:  # not a wedge: out of routing until it proves itself, as before
             seen = len(reads.probed)
@@ -570,19 +567,16 @@ async def test_a_condemnation_reaches_the_routers_through_the_ledger_alone() -> 
         await c.close()
 
 
-class _SlowLink:
+class _SlowLink(InProcessRouter):
     """A router link whose rescue takes a while, as a call to a router process does."""
 
-    def __init__(self, link: Any, delay_s: float) -> None:
-        self.link, self.delay_s = link, delay_s
+    def __init__(self, router: Router, delay_s: float) -> None:
+        super().__init__(router)
+        self.delay_s = delay_s
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.link, name)
-
-    async def rescue(self, url: str) -> int:
+    async def rescue(self, url: str, *, streams: bool = True) -> int:
         await asyncio.sleep(self.delay_s)
-        rescued: int = await self.link.rescue(url)
-        return rescued
+        return await super().rescue(url, streams=streams)
 
 
 class _RecordingLauncher(_NoLauncher):
@@ -607,7 +601,7 @@ async def test_a_condemned_engine_is_stopped_only_after_its_requests_were_moved(
         launcher = _RecordingLauncher(lambda: r.router.stats.rescues)
         supervisor = Supervisor(ledger, launcher, config.fleet, config.supervisor)
         supervisor.adopt(1, EngineHandle(1, bad.url, "launch-1"))
-        link = _SlowLink(r.router.control(), 0.3)
+        link = _SlowLink(r.router, 0.3)
         c = Controller(ledger, ScriptedReads(BUSY_REPORT), supervisor, [link], config)  # type: ignore[list-item]
         tasks = [asyncio.create_task(r.post()) for _ in range(4)]
         await until(lambda: good.answered + bad.held == 4, what="all 4 placed")
@@ -639,6 +633,47 @@ async def across_processes(r: Any) -> Any:
             yield c, ledger
         finally:
             stop.set()
+            await loop
+            await c.close()
+
+
+class HangingReads(ScriptedReads):
+    """Reads that hang until ``release`` is set: an engine that takes its time to answer."""
+
+    def __init__(self, default: Report) -> None:
+        super().__init__(default)
+        self.release = asyncio.Event()
+        self.hanging = 0
+
+    async def round(self, targets: list[Target], *, spread_s: float = 0.0,
+                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    ) -> dict[str, Report]:
+        self.hanging += 1
+        await self.release.wait()
+        return await super().round(targets, spread_s=spread_s, fresh=fresh)
+
+
+async def test_the_running_tick_waits_for_no_engine_read() -> None:
+    """In the running fleet each engine is read on its own schedule beside the tick: reads
+    that hang hold no tick (its supervisor, drain and push go on), and what they decide when
+    they come goes into the next tick's report."""
+    async with rig(2, health_managed=True) as r:
+        reads = HangingReads(BUSY_REPORT)
+        c, _ledger = evidence_controller(r, reads, probe_interval_s=0.05)
+        ticks: list[TickReport] = []
+        c.on_tick = ticks.append
+        stop = asyncio.Event()
+        loop = asyncio.create_task(c.run(stop))
+        try:
+            await until(lambda: c.tick_number >= 3 and reads.hanging >= 1,
+                        what="ticks while the reads hang")
+            assert not any(t.verdicts for t in ticks)
+            reads.release.set()
+            await until(lambda: any(t.verdicts == {0: "BUSY", 1: "BUSY"} for t in ticks),
+                        what="the reads in a later tick's report")
+        finally:
+            stop.set()
+            reads.release.set()
             await loop
             await c.close()
 

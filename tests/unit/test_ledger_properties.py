@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    INVARIANT_MARKER,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
 
 from fleetwarden.ledger import (
     ABSENT,
@@ -228,9 +234,11 @@ class LedgerMachine(RuleBasedStateMachine):
                     name == "report_asleep" and b.weights_discarded)  # a level-2 sleep
             if a.state is not SL and b.state is SL:
                 assert name in ("report_asleep", "record_reading")
-                # a reading may tell a restart first: the new process is STALE, then asleep
+                # a reading may tell a restart first: the new process starts with no history
+                # (STALE in trainer mode, HEALTHY on static weights), then falls asleep
                 assert b.state_before_sleep is a.state or (
                     name == "record_reading" and b.state_before_sleep is ST) or (
+                    name == "record_reading" and b.incarnation != a.incarnation) or (
                     b.weights_discarded and b.state_before_sleep is ST)  # a level-2 sleep
         for r in self.ledger.snapshot():
             assert (r.state_before_sleep is not None) == (r.state is SL)
@@ -341,3 +349,26 @@ StaticLedgerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=60, deadline=None
 )
 test_ledger_invariants_hold_with_static_weights = StaticLedgerMachine.TestCase
+
+
+def test_kept_case_a_suspect_engine_restarted_asleep_on_static_weights() -> None:
+    """Hypothesis's shrunk counterexample, kept: a SUSPECT shard's reading tells a restart and
+    sleep at once; on static weights the new process sleeps as HEALTHY (no inherited
+    suspicion), which the sleep invariant once refused."""
+    machine = StaticLedgerMachine()
+    checks = [getattr(machine, name) for name in dir(StaticLedgerMachine)
+              if hasattr(getattr(StaticLedgerMachine, name), INVARIANT_MARKER)]
+    assert len(checks) >= 10  # the invariants were found, not an empty loop
+
+    def check() -> None:
+        for f in checks:
+            f()
+
+    check()
+    machine.mark_suspect(i=0)
+    check()
+    machine.record_reading(canary=None, excused=False, health="proven", i=0, restarted=True,
+                           sleep=1)
+    check()
+    assert machine.ledger.shard(0).state_before_sleep is H
+    machine.teardown()

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.ledger import Ledger
 from fleetwarden.router import Router, RouterSettings
-from fleetwarden.router.control import ControlError, RemoteRouter
+from fleetwarden.router.links import ControlError, RemoteRouter
 from support.router_rig import Rig, rig, until
 from support.scripted_engine import (
     CHAT,

@@ -3,6 +3,7 @@ process alike (docs/design.md section 4, last bullet)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import socket
 import sys
@@ -12,9 +13,19 @@ from typing import Any
 import aiohttp
 import pytest
 
-from fleetwarden.router import BackendFacts, ControlError, RemoteRouter, Router, RouterControl
+import fleetwarden.router
+from fleetwarden.launchers.routers import WorkerLink
+from fleetwarden.router import (
+    BackendFacts,
+    ControlError,
+    InProcessRouter,
+    RemoteRouter,
+    Router,
+    RouterLink,
+)
 from fleetwarden.router.app import HANDOVER_SETTLE_S
 from fleetwarden.router.control import merge_outcomes
+from support.links import QuietLink
 from support.router_rig import rig, until
 from support.scripted_engine import ScriptedEngine
 
@@ -57,7 +68,7 @@ async def test_a_remote_router_is_driven_like_an_in_process_one() -> None:
         assert router.control_url is not None
         remote = RemoteRouter(router.control_url, TOKEN)
         try:
-            handles: list[RouterControl] = [remote, router.control()]
+            handles: list[RouterLink] = [remote, router.control()]
             for handle in handles:
                 await handle.set_serving_backends([old.url, new.url])
                 assert router.serving_backends() == [old.url, new.url]
@@ -97,7 +108,7 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
     try:
         assert router.control_url is not None
         async with RemoteRouter(router.control_url, TOKEN) as remote:
-            handles: list[RouterControl] = [remote, router.control()]
+            handles: list[RouterLink] = [remote, router.control()]
             for version, handle in enumerate(handles, start=3):
                 facts = {a: BackendFacts(0, version, upstream_fields=True),
                          b: BackendFacts(1, version + 1, upstream_fields=False)}
@@ -431,3 +442,72 @@ async def test_connections_queued_when_the_listener_closes_are_served_not_reset(
         assert answers == [b"HTTP/1.1 200 OK"] * 8
         with pytest.raises(OSError):  # and nothing new is accepted
             socket.create_connection((host, port), timeout=2).close()
+
+
+def _calls(cls: type) -> set[str]:
+    """The calls ``cls`` defines itself or inherits, never answered by ``__getattr__``."""
+    return {name for klass in cls.__mro__ if klass is not object for name in vars(klass)}
+
+
+@pytest.mark.parametrize("link", [InProcessRouter, RemoteRouter, WorkerLink, QuietLink],
+                         ids=lambda c: c.__name__)
+def test_every_router_link_implements_the_whole_interface(link: type) -> None:
+    # The controller calls every one of them on every link: none is optional, none forwarded.
+    wanted = {name for name in vars(RouterLink) if not name.startswith("_")}
+    assert {"hedge", "evidence", "listen", "in_process", "name"} <= wanted
+    assert wanted - _calls(link) == set()
+    assert "__getattr__" not in _calls(link)
+
+
+def test_no_router_module_imports_one_that_imports_it_back() -> None:
+    # Each import is at the top of its module (none inside a function, which would hide a
+    # circle), and the router's modules import one another in one direction only.
+    package = Path(fleetwarden.router.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                hidden = [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)]
+                assert not hidden, f"{path.name}: an import inside {node.name}()"
+        imports[path.stem] = {
+            node.module.rsplit(".", 1)[1] for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+            and node.module.startswith("fleetwarden.router.")}
+    for module, names in imports.items():
+        for other in names:
+            assert module not in imports.get(other, set()), f"{module} <-> {other}"
+
+
+async def test_an_in_process_link_answers_evidence_at_the_first_failure() -> None:
+    async with rig(1, health_managed=True) as r:
+        (bad,) = r.engines
+        link = r.router.control()
+        assert await link.evidence(0.1, 1.0) == (0, {})  # nothing: empty at wait_s
+        bad.answer_status(503)
+        poll = asyncio.create_task(link.evidence(30, 1.0))
+        await asyncio.sleep(0.1)
+        assert not poll.done()  # held open while nothing happens
+        await r.post()
+        failed, silent = await asyncio.wait_for(poll, 5)
+        assert failed >= 1 and silent == {}
+
+
+async def test_a_remote_link_tells_its_listeners_of_the_failures_an_evidence_answer_counts(
+) -> None:
+    async with rig(1, health_managed=True, control_token=TOKEN) as r:
+        (bad,) = r.engines
+        bad.answer_status(503)
+        assert r.router.control_url is not None
+        async with RemoteRouter(r.router.control_url, TOKEN) as remote:
+            heard: list[tuple[str, str]] = []
+            unlisten = remote.listen(lambda url, cause: heard.append((url, cause)))
+            assert await remote.evidence(0.1, 1.0) == (0, {}) and heard == []
+            await r.post()
+            failed, _ = await asyncio.wait_for(remote.evidence(30, 1.0), 5)
+            assert failed >= 1 and heard == [("", "remote")] * failed
+            unlisten()
+            r.router.set_serving_backends([bad.url])  # back after the reflex dropped it
+            await r.post()
+            assert (await asyncio.wait_for(remote.evidence(30, 1.0), 5))[0] >= 1
+            assert len(heard) == failed

@@ -12,8 +12,8 @@ import pytest
 
 from fleetwarden.router.splice import (
     DONE,
+    EventAction,
     Mode,
-    Outcome,
     Splice,
     SseSplitter,
     read_stream_request,
@@ -92,9 +92,9 @@ def test_the_first_attempt_strips_only_what_the_router_added() -> None:
     splice = Splice(request({"prompt": "hello there", "max_tokens": 6, "stream": True}))
     splice.begin_attempt(None)
     out = [splice.on_event(e) for e in events]
-    assert out[-1] == (Outcome.DONE, DONE)
+    assert out[-1] == (EventAction.DONE, DONE)
     for (outcome, data), event in zip(out[:-1], events, strict=False):
-        assert outcome is Outcome.SEND
+        assert outcome is EventAction.SEND
         # byte for byte what vLLM sends unasked: the same keys, null
         assert data == event.replace(b'"prompt_token_ids":[1,283,83,303,310,293]',
                                      b'"prompt_token_ids":null').replace(
@@ -130,7 +130,7 @@ def test_a_completion_continues_from_its_ids_with_what_is_left() -> None:
     cont = captured_events("completions-stream-token-prompt.http")
     outcome, data = splice.on_event(cont[0])
     chunk = json.loads(data.removeprefix(b"data: "))
-    assert outcome is Outcome.SEND
+    assert outcome is EventAction.SEND
     assert chunk["id"] == "cmpl-9ecf665361bdd0e3" and chunk["created"] == 1796051753
     assert chunk["choices"][0]["prompt_token_ids"] is None  # once was enough
     assert chunk["choices"][0]["token_ids"] is None  # the client did not ask
@@ -184,16 +184,16 @@ def test_without_ids_a_chat_continues_its_final_message_and_its_role_chunk_is_no
     assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
     assert body["max_tokens"] == 7
     splice.begin_attempt(plan)
-    assert splice.on_event(events[0]) == (Outcome.SKIP, b"")  # the role chunk, once was enough
+    assert splice.on_event(events[0]) == (EventAction.SKIP, b"")  # the role chunk, once was enough
 
 
 def test_a_server_error_event_is_a_failure_and_a_client_error_event_is_the_clients() -> None:
     splice = Splice(request({"prompt": "x", "stream": True}))
     splice.begin_attempt(None)
     dead = b'data: {"error":{"message":"EngineCore encountered an issue.","code":500}}'
-    assert splice.on_event(dead) == (Outcome.ENGINE_ERROR, b"")
+    assert splice.on_event(dead) == (EventAction.ENGINE_ERROR, b"")
     bad = b'data: {"error":{"message":"bad","code":400}}'
-    assert splice.on_event(bad) == (Outcome.SEND, bad + b"\n\n")
+    assert splice.on_event(bad) == (EventAction.SEND, bad + b"\n\n")
 
 
 def test_a_token_id_prompt_without_ids_back_cannot_go_on() -> None:
@@ -277,11 +277,11 @@ def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[st
     assert isinstance(plan, str) and cause in plan
 
 
-def _client_sees(outs: list[tuple[Outcome, bytes]], chat: bool) -> tuple[str, list[int]]:
+def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:
     """The text and token ids a client reads from what the splice sent it."""
     text, ids = [], []
     for outcome, out in outs:
-        if outcome is not Outcome.SEND:
+        if outcome is not EventAction.SEND:
             continue
         for c in json.loads(out.removeprefix(b"data: "))["choices"]:
             text.append((c["delta"].get("content") or "") if chat else c["text"])
@@ -321,7 +321,7 @@ def test_a_cut_inside_a_character_continues_before_it_and_sends_nothing_twice(
     body = {**body, "return_token_ids": True} if wants_ids else body
     events = captured_events(name)
     chat = path.endswith("chat/completions")
-    reference = _client_sees([(Outcome.SEND, e + b"\n\n") for e in events
+    reference = _client_sees([(EventAction.SEND, e + b"\n\n") for e in events
                               if not e.endswith(b"[DONE]")], chat)
     splice = Splice(request(body, path))
     splice.begin_attempt(None)
@@ -337,7 +337,7 @@ def test_a_cut_inside_a_character_continues_before_it_and_sends_nothing_twice(
     # The next engine gives the uninterrupted run's tokens from the one with no text on (a
     # chat's as a completion's chunks).
     rest = [splice.on_event(_as_completion(e) if chat else e) for e in events[inside - 1:]]
-    assert rest[0] == (Outcome.SKIP, b"")  # the client had that token's chunk
+    assert rest[0] == (EventAction.SKIP, b"")  # the client had that token's chunk
     text, ids = _client_sees(first + rest, chat)
     assert text == reference[0] and "\ufffd" in text
     assert ids == (reference[1] if wants_ids else [])
@@ -348,7 +348,7 @@ def test_a_chunk_of_several_tokens_is_generated_again_and_its_text_not_sent_twic
     # Under load vLLM puts several tokens in a chunk: one with text may still end inside a
     # character, so only a one-token chunk with text marks where the engine wrote everything.
     events = captured_events("completions-stream-token-ids.http")
-    reference = _client_sees([(Outcome.SEND, e + b"\n\n") for e in events
+    reference = _client_sees([(EventAction.SEND, e + b"\n\n") for e in events
                               if not e.endswith(b"[DONE]")], False)
     merged = events[2].replace(b'"token_ids":[91]', b'"token_ids":[120,91]')
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True,
@@ -363,7 +363,7 @@ def test_a_chunk_of_several_tokens_is_generated_again_and_its_text_not_sent_twic
     assert (plan.replay, plan.replay_text) == ((120, 91), "\ufffdt")
     splice.begin_attempt(plan)
     rest = [splice.on_event(e) for e in events[1:]]
-    assert rest[:2] == [(Outcome.SKIP, b""), (Outcome.SKIP, b"")]
+    assert rest[:2] == [(EventAction.SKIP, b""), (EventAction.SKIP, b"")]
     assert _client_sees(first + rest, False) == reference
     # A replay whose text came out otherwise is refused.
     splice = Splice(request(body))
@@ -375,7 +375,7 @@ def test_a_chunk_of_several_tokens_is_generated_again_and_its_text_not_sent_twic
     splice.begin_attempt(plan)
     splice.on_event(events[1])
     assert splice.on_event(events[2].replace(b'"text":"\xef\xbf\xbdt"', b'"text":"xt"'))[0] is (
-        Outcome.ENGINE_ERROR)
+        EventAction.ENGINE_ERROR)
     assert "other tokens" in str(splice.continuation())
 
 
@@ -388,7 +388,7 @@ def test_a_token_generated_again_otherwise_is_refused_where_the_client_had_its_i
     assert not isinstance(plan, str)
     splice.begin_attempt(plan)
     other = events[1].replace(b'"token_ids":[120]', b'"token_ids":[121]')
-    assert splice.on_event(other) == (Outcome.ENGINE_ERROR, b"")
+    assert splice.on_event(other) == (EventAction.ENGINE_ERROR, b"")
     refusal = splice.continuation()
     assert isinstance(refusal, str) and "other tokens" in refusal
     # Sampled, the token would not come again the same: refused before it is tried.
@@ -426,7 +426,7 @@ def test_a_chat_cut_after_its_role_chunk_alone_is_sent_again_as_it_was() -> None
                                                  splice.request.upstream_body)
     splice.begin_attempt(plan)
     assert splice.on_event(captured_events("chat-stream-token-ids.http")[0]) == (
-        Outcome.SKIP, b"")  # the role chunk, once was enough
+        EventAction.SKIP, b"")  # the role chunk, once was enough
 
 
 def test_a_generation_whose_final_chunk_came_is_whole() -> None:

@@ -13,10 +13,10 @@ import pytest
 import uvloop
 
 from fleetwarden.router.upstream import (
+    Address,
     ConnectFailed,
     ConnectTimeout,
     Disconnected,
-    Target,
     UpstreamClient,
 )
 
@@ -59,8 +59,8 @@ class Script:
         assert self.server is not None
         self.server.close()
 
-    def target(self, path: str = "/v1/completions") -> Target:
-        return Target.parse(f"http://127.0.0.1:{self.port}{path}")
+    def target(self, path: str = "/v1/completions") -> Address:
+        return Address.parse(f"http://127.0.0.1:{self.port}{path}")
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
@@ -79,13 +79,13 @@ def client(**kw: float) -> UpstreamClient:
 
 
 def test_a_target_is_parsed_once_into_what_goes_on_the_wire() -> None:
-    t = Target.parse("http://127.0.0.1:8001/v1/completions?x=%20y")
+    t = Address.parse("http://127.0.0.1:8001/v1/completions?x=%20y")
     assert (t.host, t.port, t.tls, t.path, t.host_header) == (
         "127.0.0.1", 8001, False, b"/v1/completions?x=%20y", b"127.0.0.1:8001")
-    assert Target.parse("https://engine.example/v1/models").port == 443
-    assert Target.parse("http://[::1]:9/a").host_header == b"[::1]:9"
+    assert Address.parse("https://engine.example/v1/models").port == 443
+    assert Address.parse("http://[::1]:9/a").host_header == b"[::1]:9"
     with pytest.raises(ValueError, match="not an http"):
-        Target.parse("ftp://x/y")
+        Address.parse("ftp://x/y")
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -160,7 +160,7 @@ def test_a_refused_connection_and_a_connect_timeout_say_the_request_never_left(
             port = unused.getsockname()[1]  # bound, not listening: refused
             http = client()
             with pytest.raises(ConnectFailed) as refused:
-                await http.request(Target.parse(f"http://127.0.0.1:{port}/"), "GET", [], b"")
+                await http.request(Address.parse(f"http://127.0.0.1:{port}/"), "GET", [], b"")
             assert not isinstance(refused.value, ConnectTimeout)
         # A listener that never accepts, its queue full: the kernel drops further handshakes.
         with socket.socket() as full:
@@ -178,7 +178,7 @@ def test_a_refused_connection_and_a_connect_timeout_say_the_request_never_left(
                 await asyncio.sleep(0.2)
                 http = client(connect=0.5)
                 with pytest.raises(ConnectTimeout):
-                    await http.request(Target.parse(f"http://127.0.0.1:{port}/"), "GET", [],
+                    await http.request(Address.parse(f"http://127.0.0.1:{port}/"), "GET", [],
                                        b"")
             finally:
                 for s in fillers:

@@ -57,7 +57,7 @@ from fleetwarden.launchers.procs import (
     signal_process,
     terminate_group,
 )
-from fleetwarden.router.control import RemoteRouter
+from fleetwarden.router.links import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import RouterStats
@@ -109,14 +109,17 @@ class RouterRecord:
 
 
 class WorkerLink:
-    """One worker slot, as the controller drives it (:class:`~fleetwarden.controller.RouterLink`).
+    """One worker slot, as the controller drives it (:class:`~fleetwarden.router.links.RouterLink`).
 
     The slot outlives its processes: when a worker is replaced, the link talks to the new one.
     It remembers the last push, so a replacement starts with the serving set at once.
     """
 
+    in_process = False
+
     def __init__(self, worker: int, token: str) -> None:
         self.worker = worker
+        self._listeners: list[Callable[[str, str], None]] = []
         self._token = token
         self._remote: RemoteRouter | None = None
         self.last_push: list[str] = []
@@ -130,6 +133,10 @@ class WorkerLink:
         """The control URL of the worker now in the slot (the controller's name for it)."""
         return self._remote.url if self._remote is not None else f"router worker {self.worker}"
 
+    @property
+    def name(self) -> str:
+        return self.url
+
     def _now(self) -> RemoteRouter:
         if self._remote is None:
             raise ConnectionError(f"router worker {self.worker} is not running")
@@ -138,6 +145,8 @@ class WorkerLink:
     async def connect(self, control_url: str) -> None:
         await self.disconnect()
         self._remote = RemoteRouter(control_url, self._token)
+        for callback in self._listeners:
+            self._remote.listen(callback)
 
     async def disconnect(self) -> None:
         if self._remote is not None:
@@ -178,16 +187,29 @@ class WorkerLink:
     async def metrics_text(self) -> str:
         return await self._now().metrics_text()
 
-    def __getattr__(self, name: str) -> Any:
-        """Any other control call a :class:`RemoteRouter` offers (the controller asks with
-        ``getattr`` for the optional ones), sent to the worker now in the slot."""
-        if name.startswith("_") or not callable(getattr(RemoteRouter, name, None)):
-            raise AttributeError(name)
+    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
+        return await self._now().hedge(url, held_s, lost_race_fails=lost_race_fails)
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await getattr(self._now(), name)(*args, **kwargs)
+    async def silent_backends(self, after_s: float) -> dict[str, float]:
+        return await self._now().silent_backends(after_s)
 
-        return call
+    async def evidence(self, wait_s: float, silent_after_s: float
+                       ) -> tuple[int, dict[str, float]]:
+        return await self._now().evidence(wait_s, silent_after_s)
+
+    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
+        """As :meth:`RemoteRouter.listen`, on whichever worker is in the slot (a replacement
+        is subscribed as it connects)."""
+        self._listeners.append(callback)
+        unlisten = self._remote.listen(callback) if self._remote is not None else None
+
+        def unsubscribe() -> None:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+            if unlisten is not None:
+                unlisten()
+
+        return unsubscribe
 
 
 @dataclass(eq=False)

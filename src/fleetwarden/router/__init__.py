@@ -5,7 +5,8 @@ Must not: import aiohttp for a reader of ``settings`` alone.
 
 ``pool`` (pure) holds the serving backends, their in-flight counts, picking and the outcome
 tallies; ``forward`` sends one request through them, with retries, rescue and deliberate
-statuses; ``app`` is the :class:`Router` itself; ``control`` its control API and clients;
+statuses; ``app`` is the :class:`Router` itself; ``control`` its control API; ``links`` the
+controller's links to a router, here or across that API;
 ``settings`` every default with its reason; ``stats`` its own Prometheus registry.
 
 The names below are imported on first use, so that ``fleetwarden.router.settings`` (pure) can
@@ -19,25 +20,25 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fleetwarden.router.app import Router
-    from fleetwarden.router.control import (
+    from fleetwarden.router.links import (
         ControlError,
         InProcessRouter,
         RemoteRouter,
-        RouterControl,
+        RouterLink,
     )
     from fleetwarden.router.pool import BackendFacts
     from fleetwarden.router.settings import RouterSettings
 
 __all__ = ["BackendFacts", "ControlError", "InProcessRouter", "RemoteRouter", "Router",
-           "RouterControl", "RouterSettings"]
+           "RouterLink", "RouterSettings"]
 
 _HOMES = {
     "BackendFacts": "fleetwarden.router.pool",
     "Router": "fleetwarden.router.app",
-    "ControlError": "fleetwarden.router.control",
-    "InProcessRouter": "fleetwarden.router.control",
-    "RemoteRouter": "fleetwarden.router.control",
-    "RouterControl": "fleetwarden.router.control",
+    "ControlError": "fleetwarden.router.links",
+    "InProcessRouter": "fleetwarden.router.links",
+    "RemoteRouter": "fleetwarden.router.links",
+    "RouterLink": "fleetwarden.router.links",
     "RouterSettings": "fleetwarden.router.settings",
 }
 

@@ -23,22 +23,21 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
+from fleetwarden.router.control import make_control_app
 from fleetwarden.router.forward import Forwarder, error_response
+from fleetwarden.router.links import InProcessRouter
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import RouterStats, make_registry
 
-if TYPE_CHECKING:
-    from fleetwarden.router.control import InProcessRouter
-
-__all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "listening_url"]
+__all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "runner_url"]
 
 log = logging.getLogger("fleetwarden.router")
 
@@ -170,6 +169,10 @@ class Router:
     def serving_backends(self) -> list[str]:
         return list(self.pool.serving)
 
+    def trial_backends(self) -> list[str]:
+        """Backends on probation, sorted."""
+        return sorted(self.pool.trial)
+
     def backend_facts(self) -> dict[str, BackendFacts]:
         """The last push's facts, per serving backend it gave them for."""
         return self.pool.all_facts()
@@ -206,8 +209,6 @@ class Router:
 
     def control(self) -> InProcessRouter:
         """This router behind the async methods a controller calls on any router."""
-        from fleetwarden.router.control import InProcessRouter
-
         return InProcessRouter(self)
 
     def status(self) -> dict[str, Any]:
@@ -293,8 +294,6 @@ class Router:
         self._started = True
         self._url = serve.listening_url(self._listeners)
         if control_port is not None:
-            from fleetwarden.router.control import make_control_app
-
             assert control_token is not None
             control = web.AppRunner(make_control_app(self, control_token), access_log=None,
                                     shutdown_timeout=self.settings.shutdown_grace_s)
@@ -306,7 +305,7 @@ class Router:
                 await self.stop()
                 raise
             self._control_runner = control
-            self._control_url = listening_url(control)
+            self._control_url = runner_url(control)
 
     async def drain(self, bound_s: float) -> None:
         """Hand over to another router on the same port without failing a request: stop
@@ -448,7 +447,7 @@ class Router:
             + " and its own /metrics.", "not_found")
 
 
-def listening_url(runner: web.AppRunner) -> str:
+def runner_url(runner: web.AppRunner) -> str:
     """The URL a started runner listens on (aiohttp's public ``addresses``)."""
     host, port = runner.addresses[0][:2]
     return serve.http_url(host, port)

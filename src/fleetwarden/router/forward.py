@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import math
@@ -71,6 +70,7 @@ from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts, Pool
+from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
 from fleetwarden.router.serve import (
     BodyTooLarge,
     RawHeaders,
@@ -89,7 +89,7 @@ from fleetwarden.router.settings import (
 from fleetwarden.router.splice import (
     DONE,
     Continuation,
-    Outcome,
+    EventAction,
     Splice,
     SseSplitter,
     error_event,
@@ -97,16 +97,16 @@ from fleetwarden.router.splice import (
 )
 from fleetwarden.router.stats import RouterStats
 from fleetwarden.router.upstream import (
+    Address,
     Answer,
     ConnectFailed,
     ConnectTimeout,
     LocalExhaustion,
-    Target,
     UpstreamClient,
     UpstreamError,
 )
 
-__all__ = ["Cause", "Forwarder", "error_response"]
+__all__ = ["Forwarder", "error_response"]
 
 log = logging.getLogger("fleetwarden.router")
 
@@ -135,35 +135,6 @@ _MAX_CACHED_TARGETS = 4096
 #: non-streamed completion arrives in one or two TCP segments anyway, and this saves a system
 #: call and several awaits per request. Streams (no length) and larger bodies go chunk by chunk.
 _WHOLE_ANSWER_BYTES = 256 * 1024
-
-
-class Cause(enum.Enum):
-    """Why an attempt on a backend ended without an answer. Values are metric labels."""
-
-    REFUSED = "refused"  # nothing listens: the request never reached an engine
-    CONNECT_TIMEOUT = "connect_timeout"  # no connection: the request never reached an engine
-    RESET = "reset"  # the connection broke: an engine may have worked on it
-    TIMEOUT = "timeout"  # backend_timeout_s passed: an engine may have worked on it
-    SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
-    RESCUED = "rescued"  # the controller condemned the backend while the request waited there
-    #: It held the request, taking no step, while another engine answered it (a hedge), or a
-    #: stream was moved off it for that (:meth:`Forwarder.hedge`): a lost race, not a failure
-    #: of its engine (out of this router's list until the next push), unless the hedge said no
-    #: step is in progress there (``lost_race_fails``: a lost core).
-    HEDGED = "hedged"
-    STREAM_ERROR = "stream_error"  # the engine ended a stream with a server error event
-    #: A 200 whose generation the engine itself aborted (vLLM's ``finish_reason`` "abort"):
-    #: what a vLLM that is shut down (SIGTERM) answers for what it held, cut short. The client
-    #: asked for a completion, not for the engine's shutdown: re-sent like a 5xx.
-    ABORTED = "aborted"
-    #: The router itself ran out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS): never
-    #: evidence against an engine, and answered 503 at once (another engine would fare no
-    #: better from this process).
-    LOCAL_EXHAUSTION = "local_exhaustion"
-
-    @property
-    def never_reached_an_engine(self) -> bool:
-        return self is Cause.REFUSED or self is Cause.CONNECT_TIMEOUT
 
 
 _DESCRIPTIONS = {
@@ -226,10 +197,36 @@ class _Won:
     facts: BackendFacts
 
 
-#: What a waiting request needs for a hedge to be sent (:meth:`Forwarder.hedge`): the client's
-#: request, its body and headers, the backends it was tried on (the hedge adds its own) and
-#: its minimum weight version. ``None`` for a request that cannot be hedged (a stream).
-_HedgeContext = tuple[Request, bytes, RawHeaders, list[str], int | None]
+@dataclass(slots=True, eq=False)
+class _Exchange:
+    """One client request on its way through the backends, across its attempts: what each
+    attempt sends, and what the attempts so far left. A hedge of a waiting request reads it
+    too (the hedge's backend joins ``tried``)."""
+
+    request: Request
+    body: bytes
+    #: The client's headers as forwarded (hop-by-hop and recomputed ones dropped).
+    headers: RawHeaders
+    #: ``time.perf_counter()`` when it arrived.
+    started: float
+    session: str | None
+    #: The client's minimum weight version (``x-fleetwarden-min-weight-version``).
+    min_version: int | None
+    #: A streamed completion or chat the router continues; None: an answer relayed as it is.
+    stream: _Stream | None
+    #: What the cache-aware policy reads of it (None without that policy, or unreadable).
+    query: Query | None
+    tried: list[str] = field(default_factory=list)
+    #: The last failed attempt, and the step it led to.
+    last: _Failure | None = None
+    resend: AfterFailure | None = None
+    #: Its paid retries, from its first failure that counts against an engine.
+    retries: Retries | None = None
+    #: A 5xx not yet reported against its backend: whether the request is poison (the same
+    #: 5xx on the next backend) is known only at the next attempt, and a request that fails
+    #: everywhere must eject no engine it touched. Reported once it is known not to be
+    #: (another answer, another failure), or when the request ends any other way.
+    held: _Failure | None = None
 
 
 @dataclass(slots=True)
@@ -352,8 +349,8 @@ class Forwarder:
         self._client: UpstreamClient | None = None
         #: Requests waiting on each backend with nothing sent to their client: what a rescue
         #: may cancel. Each is the hold around its wait, with the loop time it began
-        #: (what :meth:`silent` reports) and what a hedge of it needs (None: not hedgeable).
-        self._waiting: dict[str, dict[_Hold, tuple[float, _HedgeContext | None]]] = {}
+        #: (what :meth:`silent` reports) and its request, for a hedge (None: not hedgeable).
+        self._waiting: dict[str, dict[_Hold, tuple[float, _Exchange | None]]] = {}
         #: Hedges in flight, by the hold of the wait they hedge (:meth:`hedge`).
         self._hedging: dict[_Hold, asyncio.Task[_Won | _Failure]] = {}
         #: The holds whose hedges were sent with ``lost_race_fails`` (:meth:`hedge`).
@@ -366,7 +363,7 @@ class Forwarder:
         #: stream; whoever listens must not raise.
         self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[str, Address] = {}
         self._context_lengths: dict[str, int] = {}
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
@@ -451,21 +448,20 @@ class Forwarder:
         free = backend not in pool.serving
         now = asyncio.get_running_loop().time()
         sent = 0
-        for scope, (since, context) in list(waiting.items()):
-            if context is None or now - since < held_s or scope in self._hedging:
+        for scope, (since, ex) in list(waiting.items()):
+            if ex is None or now - since < held_s or scope in self._hedging:
                 continue  # a stream (moved above), a hedge's own wait, or not held that long
-            request, body, headers, tried, min_version = context
-            other = pool.pick([*tried, backend], None, min_version=min_version)
+            other = pool.pick([*ex.tried, backend], None, min_version=ex.min_version)
             if other is None:
                 continue  # no other backend for this one (its weight version, say)
             if not free and not budget.try_acquire():
                 break  # the fleet's retry budget is spent: the next call may find a token
-            tried.append(other)
+            ex.tried.append(other)
             # In flight on ``other`` from now, so the next pick of this call sees it (several
             # held requests' hedges spread as requests do).
             pool.dispatched(other)
             task = asyncio.create_task(
-                self._hedge(scope, backend, request, body, headers, other),
+                self._hedge(scope, backend, ex.request, ex.body, ex.headers, other),
                 name=f"hedge:{other}")
             # Whatever ends it: a task cancelled before its first step (its original answered
             # in the same turn of the loop) runs none of its own code.
@@ -547,22 +543,57 @@ class Forwarder:
     # ------------------------------------------------------------------ the request path
 
     async def forward(self, request: Request) -> StreamResponse:
-        """Answer one allowlisted request through the fleet."""
+        """Answer one allowlisted request through the fleet: attempts until one answers or
+        the request gives up (:mod:`~fleetwarden.router.retry` says which after each failure;
+        this loop does what it says)."""
         started = time.perf_counter()
-        stats = self.stats
-        stats.requests += 1
-        limit = self.settings.max_body_bytes
+        self.stats.requests += 1
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            return body
+        ex = self._exchange(request, body, started)
+        if isinstance(ex, Response):
+            return ex
+        budget = self.pool.retry_budget
+        budget.requests_in_flight += 1
+        try:
+            while True:
+                stream = ex.stream
+                if stream is not None and stream.began:
+                    backend = await self._continue_on(ex, stream)
+                else:
+                    backend = self._pick(ex)
+                if not isinstance(backend, str):
+                    return backend
+                if ex.resend is not None and ex.resend is not AfterFailure.AT_ONCE:
+                    self.stats.retries[ex.resend.value] += 1
+                ex.tried.append(backend)
+                answer = await self._attempt(ex, backend)
+                if not isinstance(answer, _Failure):
+                    return answer
+                step = self._after_failure(ex, answer)
+                if not step.resends:
+                    return await self._give_up(ex, answer, step)
+        finally:
+            if ex.held is not None:
+                # answered, refused or left: never known as poison
+                self._report_failure(ex.held)
+            budget.requests_in_flight -= 1
+            if ex.retries is not None:
+                ex.retries.release()
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        """The client's whole body, or the answer to a client that sent too much or stalled."""
         length = request.content_length
-        if length is not None and length > limit:
+        if length is not None and length > self.settings.max_body_bytes:
             return self._too_large()
         try:
             if request.body_arrived:
                 # The whole body has arrived (a small one comes with its headers): reading it
                 # cannot stall, so no timer is set and cancelled for it.
-                body = await request.read()
-            else:
-                async with asyncio.timeout(self.settings.client_body_timeout_s):
-                    body = await request.read()
+                return await request.read()
+            async with asyncio.timeout(self.settings.client_body_timeout_s):
+                return await request.read()
         except BodyTooLarge:
             return self._too_large()
         except TimeoutError:
@@ -572,6 +603,10 @@ class Forwarder:
             return error_response(
                 408, f"The request body did not arrive within "
                 f"{self.settings.client_body_timeout_s:g} s.", "request_timeout")
+
+    def _exchange(self, request: Request, body: bytes, started: float) -> _Exchange | Response:
+        """What every attempt of ``request`` sends, read once; or the answer to a request the
+        router refuses as it came (a malformed minimum weight version, JSON nested too deep)."""
         # One pass over the headers as they came: what is forwarded, and what the router reads.
         headers: RawHeaders = []
         connection = session_value = min_value = None
@@ -606,161 +641,141 @@ class Forwarder:
                 return error_response(400, "The request body is JSON nested too deeply.",
                                       "invalid_request_error")
             if read is not None:
-                stream = _Stream(Splice(read))
+                stream = _Stream(Splice(read), min_version=min_version)
                 headers.append(_CLOSE)  # never pooled (router/upstream.py)
+        query = None if self.affinity is None else self._query(body, session)
+        exchange = _Exchange(request, body, headers, started, session, min_version, stream,
+                             query)
+        if stream is not None:
+            stream.tried = exchange.tried
+        return exchange
 
-        pool = self.pool
-        affinity = self.affinity
-        query = None if affinity is None else self._query(body, session)
-        budget = pool.retry_budget
-        budget.requests_in_flight += 1
-        holds_retry_token = False
-        #: A 5xx not yet reported against its backend: whether the request is poison (the same
-        #: 5xx on the next backend) is known only at the next attempt, and a request that
-        #: fails everywhere must eject no engine it touched. Reported once it is known not to
-        #: be (another answer, another failure), or when the request ends any other way.
-        held: _Failure | None = None
-        try:
-            tried: list[str] = []
-            if stream is not None:
-                stream.tried, stream.min_version = tried, min_version
-            paid_retries = 0
-            last: _Failure | None = None
-            resend = ""  # the kind of retry the next attempt is: "free", "paid" or none
-            while True:
-                if stream is not None and stream.began:
-                    # Bytes reached the client: the generation goes on elsewhere, from where
-                    # it is, on the same weights; where it cannot, the stream ends with why.
-                    backend = pool.pick_same_weights(stream.weight_version, tried)
-                    if backend is None:
-                        return await self._end_stream(
-                            stream, last, "no other backend with the same weights")
-                    context = None
-                    if stream.splice.needs_context_length():
-                        context = await self._context_length(backend)
-                    plan = stream.splice.continuation(
-                        max_model_len=context, upstream_fields=self._takes_fields(backend))
-                    if isinstance(plan, str):
-                        if stream.response is not None:
-                            return await self._end_stream(stream, last, plan)
-                        # An answer being assembled that cannot go on exactly: nothing reached
-                        # its client, so it is sent again from the start instead.
-                        stream.splice = Splice(stream.splice.request)
-                        stream.continuation = None
-                    else:
-                        stream.continuation = plan
-                    if affinity is not None and query is not None:
-                        affinity.moved(query, backend, time.monotonic())
-                else:
-                    prefer = None
-                    if affinity is not None and query is not None and not tried:
-                        prefer = partial(affinity.choose, query, now=time.monotonic())
-                    picking = time.perf_counter()
-                    backend = pool.pick(tried, session if not tried else None,
-                                        min_version=min_version, prefer=prefer)
-                    stats.picked(time.perf_counter() - picking)
-                    if backend is None:
-                        if last is None and min_version is not None and pool.serving:
-                            return self._refuse_version(min_version)
-                        # nobody left to try: the router cannot serve
-                        return self._refuse(last, min_version)
-                    if stream is not None:
-                        stream.weight_version = pool.facts(backend).weight_version
-                        stream.splice = Splice(stream.splice.request)  # from the start
-                    if affinity is not None and query is not None:
-                        affinity.placed(query, backend, time.monotonic())
-                if resend:
-                    stats.retries[resend] += 1
-                tried.append(backend)
-                answer = await self._attempt(
-                    request, backend, body, headers, started, stream,
-                    None if stream is not None else (request, body, headers, tried, min_version))
-                if not isinstance(answer, _Failure):
-                    return answer
-                failure = answer
-                if stream is not None and stream.began and stream.splice.finished():
-                    # Its final chunk was read: the generation is whole whatever became of
-                    # [DONE], a success of the engine, never continued past its end.
-                    self.pool.record_success(failure.backend)
-                    return await self._end_whole(request, stream)
-                if failure.cause is Cause.RESCUED:
-                    resend = ""  # the controller's call: re-sent at once, and no budget spent
-                    last = failure
-                    continue
-                if failure.cause is Cause.HEDGED and stream is not None:
-                    # A stream moved off an engine that held it without a step
-                    # (:meth:`_move_streams`): a lost race, that engine's failure only on a lost
-                    # core; the stream goes on at once, as a rescued one does.
-                    if failure.race_fails:
-                        self._count_failure(failure)
-                    else:
-                        self._lost_race(failure)
-                    resend = ""
-                    last = failure
-                    continue
-                began = stream is not None and stream.began
-                if (not began and failure.cause is Cause.SERVER_ERROR and last is not None
-                        and last.cause is Cause.SERVER_ERROR and last.status == failure.status):
-                    # The same 5xx on a second backend: the request is the problem, not them.
-                    # Neither is counted, and the first one's reflex drop is undone.
-                    stats.poison_requests += 1
-                    if held is not None:
-                        if self.health_managed:
-                            pool.undrop(held.backend)
-                        held = None
-                    return self._pass_through(failure)
-                if failure.cause is Cause.LOCAL_EXHAUSTION:
-                    # The router's own trouble: no engine is blamed, none is tried next.
-                    stats.local_exhaustion += 1
-                    log.warning("%s: %s", failure.backend, _DESCRIPTIONS[failure.cause])
-                    return self._exhausted()
-                if held is not None:
-                    self._report_failure(held)  # not poison: the first 5xx was its engine's
-                    held = None
-                if not failure.counted:
-                    if failure.cause is Cause.SERVER_ERROR and not began:
-                        # Out of this router's list at once (the reflex), reported once the
-                        # next attempt tells whether the request itself is the problem.
-                        self._reflex(failure)
-                        held = failure
-                    else:
-                        self._count_failure(failure)
-                last = failure
-                if failure.cause.never_reached_an_engine:
-                    resend = "free"  # it cost no engine any work
-                    continue
-                # A backend the reflex took out carries nothing any more: re-sending what it
-                # failed moves its load to the others rather than adding to the fleet's, so it
-                # spends no budget (a crash fails all its requests at once, and each must move).
-                replaced = self.health_managed and failure.backend not in pool.serving
-                if paid_retries < self.settings.max_retries and (
-                        replaced or holds_retry_token or budget.try_acquire()):
-                    if not replaced:
-                        holds_retry_token = True  # held until this request is answered
-                    paid_retries += 1
-                    resend = "replaced" if replaced else "paid"
-                    continue
-                # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's
-                # own 5xx goes back as it is; a transport failure gets the router's answer.
-                if stream is not None and stream.began:
-                    return await self._end_stream(stream, failure, "retries spent")
-                if failure.cause in (Cause.SERVER_ERROR, Cause.ABORTED):
-                    return self._pass_through(failure)  # the engine's answer, as it stands
-                return self._refuse(failure, min_version)
-        finally:
-            if held is not None:
-                self._report_failure(held)  # answered, refused or left: never known as poison
-            budget.requests_in_flight -= 1
-            if holds_retry_token:
-                budget.release()
+    def _after_failure(self, ex: _Exchange, failure: _Failure) -> AfterFailure:
+        """What follows a failed attempt (:mod:`~fleetwarden.router.retry`), with the failure
+        counted where it counts."""
+        stream, last = ex.stream, ex.last
+        began = stream is not None and stream.began
+        step = settle(failure.cause, streamed=stream is not None, began=began,
+                      finished=began and stream is not None and stream.splice.finished(),
+                      same_5xx_again=last is not None and last.cause is Cause.SERVER_ERROR
+                      and last.status == failure.status)
+        if step is None:
+            self._count(ex, failure, began)
+            if ex.retries is None:  # the first failure that counts: most requests have none
+                ex.retries = Retries(self.pool.retry_budget, self.settings.max_retries)
+            step = ex.retries.resend(failure.cause, began=began, replaced=(
+                self.health_managed and failure.backend not in self.pool.serving))
+        elif step is AfterFailure.AT_ONCE and failure.cause is Cause.HEDGED:
+            # A stream moved off an engine that held it without a step (:meth:`_move_streams`):
+            # a lost race, that engine's failure only on a lost core; the stream goes on at
+            # once, as a rescued one does.
+            if failure.race_fails:
+                self._count_failure(failure)
+            else:
+                self._lost_race(failure)
+        ex.last, ex.resend = failure, step
+        return step
 
-    async def _attempt(self, request: Request, backend: str, body: bytes,
-                       headers: RawHeaders, started: float,
-                       stream: _Stream | None = None,
-                       context: _HedgeContext | None = None) -> StreamResponse | _Failure:
-        """One try on one backend: its answer relayed, or why there is none. ``context``: what
-        a hedge of it needs (None: it is never hedged)."""
+    def _count(self, ex: _Exchange, failure: _Failure, began: bool) -> None:
+        """A failure that counts against its engine: the 5xx held back before it was not
+        poison (it was its engine's), and this one is reported now or, a 5xx, held back."""
+        if ex.held is not None:
+            self._report_failure(ex.held)  # not poison: the first 5xx was its engine's
+            ex.held = None
+        if not failure.counted:
+            if failure.cause is Cause.SERVER_ERROR and not began:
+                # Out of this router's list at once (the reflex), reported once the next
+                # attempt tells whether the request itself is the problem.
+                self._reflex(failure)
+                ex.held = failure
+            else:
+                self._count_failure(failure)
+
+    async def _give_up(self, ex: _Exchange, failure: _Failure, step: AfterFailure
+                       ) -> StreamResponse:
+        """The answer of a request that is re-sent no more (``step``)."""
+        if step is AfterFailure.WHOLE:
+            # Its final chunk was read: the generation is whole whatever became of [DONE], a
+            # success of the engine, never continued past its end.
+            assert ex.stream is not None
+            self.pool.record_success(failure.backend)
+            return await self._end_whole(ex.request, ex.stream)
+        if step is AfterFailure.POISON:
+            # The same 5xx on a second backend: the request is the problem, not them. Neither
+            # is counted, and the first one's reflex drop is undone.
+            self.stats.poison_requests += 1
+            if ex.held is not None:
+                if self.health_managed:
+                    self.pool.undrop(ex.held.backend)
+                ex.held = None
+            return self._pass_through(failure)
+        if step is AfterFailure.EXHAUSTED:
+            # The router's own trouble: no engine is blamed, none is tried next.
+            self.stats.local_exhaustion += 1
+            log.warning("%s: %s", failure.backend, _DESCRIPTIONS[failure.cause])
+            return self._exhausted()
+        # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's own
+        # 5xx goes back as it is; a transport failure gets the router's answer.
+        if step is AfterFailure.END_STREAM:
+            assert ex.stream is not None
+            return await self._end_stream(ex.stream, failure, "retries spent")
+        if step is AfterFailure.PASS_THROUGH:
+            return self._pass_through(failure)  # the engine's answer, as it stands
+        return self._refuse(failure, ex.min_version)
+
+    async def _continue_on(self, ex: _Exchange, stream: _Stream) -> str | StreamResponse:
+        """Bytes reached the client: the generation goes on elsewhere, from where it is, on
+        the same weights; where it cannot, the stream ends with why."""
+        backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
+        if backend is None:
+            return await self._end_stream(stream, ex.last,
+                                          "no other backend with the same weights")
+        context = None
+        if stream.splice.needs_context_length():
+            context = await self._context_length(backend)
+        plan = stream.splice.continuation(
+            max_model_len=context, upstream_fields=self._takes_fields(backend))
+        if isinstance(plan, str):
+            if stream.response is not None:
+                return await self._end_stream(stream, ex.last, plan)
+            # An answer being assembled that cannot go on exactly: nothing reached its
+            # client, so it is sent again from the start instead.
+            stream.splice = Splice(stream.splice.request)
+            stream.continuation = None
+        else:
+            stream.continuation = plan
+        if self.affinity is not None and ex.query is not None:
+            self.affinity.moved(ex.query, backend, time.monotonic())
+        return backend
+
+    def _pick(self, ex: _Exchange) -> str | Response:
+        """The backend of a first attempt or a re-send from the start, or the refusal when
+        none is left."""
+        affinity, query, tried, min_version = self.affinity, ex.query, ex.tried, ex.min_version
+        prefer = None
+        if affinity is not None and query is not None and not tried:
+            prefer = partial(affinity.choose, query, now=time.monotonic())
+        picking = time.perf_counter()
+        backend = self.pool.pick(tried, ex.session if not tried else None,
+                                 min_version=min_version, prefer=prefer)
+        self.stats.picked(time.perf_counter() - picking)
+        if backend is None:
+            if ex.last is None and min_version is not None and self.pool.serving:
+                return self._refuse_version(min_version)
+            # nobody left to try: the router cannot serve
+            return self._refuse(ex.last, min_version)
+        if ex.stream is not None:
+            ex.stream.weight_version = self.pool.facts(backend).weight_version
+            ex.stream.splice = Splice(ex.stream.splice.request)  # from the start
+        if affinity is not None and query is not None:
+            affinity.placed(query, backend, time.monotonic())
+        return backend
+
+    async def _attempt(self, ex: _Exchange, backend: str) -> StreamResponse | _Failure:
+        """One try on one backend: its answer relayed, or why there is none. A request the
+        router does not continue as a stream may be hedged (:meth:`hedge`)."""
         pool = self.pool
+        request, body, stream = ex.request, ex.body, ex.stream
         key = backend + request.raw_path  # the request target exactly as the client sent it
         if stream is not None:
             body = stream.splice.request.body_for(self._takes_fields(backend))
@@ -773,23 +788,24 @@ class Forwarder:
         try:
             sent = time.perf_counter()
             answer, hedge = await self._wait_head(backend, request.method, target, body,
-                                                  headers, facts, context,
+                                                  ex.headers, facts,
+                                                  None if stream is not None else ex,
                                                   stream=stream)
             if hedge is not None:
                 if not isinstance(answer, _Failure):
                     self._drop_hedge(hedge)  # this answer came first
                 else:
-                    return await self._after_hedge(request, hedge, answer, started)
+                    return await self._after_hedge(request, hedge, answer, ex.started)
             if isinstance(answer, _Failure):
                 return answer
-            return await self._deliver(request, answer, backend, started,
+            return await self._deliver(request, answer, backend, ex.started,
                                        time.perf_counter() - sent, stream, facts)
         finally:
             pool.finished(backend)
 
-    async def _wait_head(self, backend: str, method: str, target: Target, body: bytes,
+    async def _wait_head(self, backend: str, method: str, target: Address, body: bytes,
                          headers: RawHeaders, facts: BackendFacts,
-                         context: _HedgeContext | None, *, stream: _Stream | None = None,
+                         context: _Exchange | None, *, stream: _Stream | None = None,
                          ) -> tuple[Answer | _Failure,
                                     asyncio.Task[_Won | _Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
@@ -951,13 +967,13 @@ class Forwarder:
             won.upstream.close()
             self.pool.finished(won.backend)
 
-    def _target(self, key: str) -> Target:
+    def _target(self, key: str) -> Address:
         """Where ``key`` (backend + path) goes, parsed once and cached."""
         target = self._targets.get(key)
         if target is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()  # query strings or many restarts: start afresh
-            target = self._targets[key] = Target.parse(key)
+            target = self._targets[key] = Address.parse(key)
         return target
 
     async def _answer_whole(self, request: Request, upstream: Answer,
@@ -1057,12 +1073,12 @@ class Forwarder:
                 hold.since = math.inf
                 for event in splitter.feed(data):
                     outcome, out = splice.on_event(event)
-                    if outcome is Outcome.ENGINE_ERROR:
+                    if outcome is EventAction.ENGINE_ERROR:
                         return _Failure(backend, Cause.STREAM_ERROR)
-                    if outcome is Outcome.SKIP:
+                    if outcome is EventAction.SKIP:
                         continue
                     if splice.request.assemble:
-                        if outcome is Outcome.DONE:
+                        if outcome is EventAction.DONE:
                             complete = True
                             self.pool.record_success(backend)
                             return await self._answer_assembled(
@@ -1073,7 +1089,7 @@ class Forwarder:
                     if response is None:  # the client left: not the engine's doing
                         assert stream.response is not None
                         return stream.response
-                    if outcome is Outcome.DONE:
+                    if outcome is EventAction.DONE:
                         complete = True
                         self.pool.record_success(backend)
                         with contextlib.suppress(ConnectionError):

@@ -214,7 +214,9 @@ def _data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-class Outcome(enum.Enum):
+class EventAction(enum.Enum):
+    """What the router does with one event of an engine's stream (:meth:`Splice.on_event`)."""
+
     SEND = "send"  # write the event's bytes to the client
     SKIP = "skip"  # nothing for the client
     DONE = "done"  # the engine's ``[DONE]``: the generation is complete
@@ -321,49 +323,49 @@ class Splice:
             self._replay_text = continuation.replay_text
         self._before = self.produced
 
-    def on_event(self, event: bytes) -> tuple[Outcome, bytes]:
+    def on_event(self, event: bytes) -> tuple[EventAction, bytes]:
         """What one upstream event means, and the bytes (if any) the client gets for it."""
         data = _data(event)
         if data is None:
-            return (Outcome.SKIP, b"") if self.mode is not None else (Outcome.SEND,
+            return (EventAction.SKIP, b"") if self.mode is not None else (EventAction.SEND,
                                                                          event + b"\n\n")
         if data.strip() == b"[DONE]":
-            return Outcome.DONE, DONE
+            return EventAction.DONE, DONE
         try:
             chunk = json.loads(data)
         except ValueError:
-            return Outcome.SEND, event + b"\n\n"  # not ours to judge: passed on as it came
+            return EventAction.SEND, event + b"\n\n"  # not ours to judge: passed on as it came
         if not isinstance(chunk, dict):
-            return Outcome.SEND, event + b"\n\n"
+            return EventAction.SEND, event + b"\n\n"
         if "error" in chunk and "choices" not in chunk:
             error = chunk["error"]
             code = error.get("code") if isinstance(error, dict) else None
             if isinstance(code, int) and code < 500:  # the request's fault: the client's to see
-                return Outcome.SEND, event + b"\n\n"
+                return EventAction.SEND, event + b"\n\n"
             self.error = error
-            return Outcome.ENGINE_ERROR, b""
+            return EventAction.ENGINE_ERROR, b""
         if any(isinstance(c, dict) and c.get("finish_reason") == "abort"
                for c in chunk.get("choices") or ()):
             # The engine aborted the generation (vLLM shut down with SIGTERM ends what it holds
             # so): a failure of the engine, not an end the client asked for. Its last tokens
             # are not taken; the next engine goes on from what the client has.
             self.error = {"message": "the engine aborted the generation", "code": 500}
-            return Outcome.ENGINE_ERROR, b""
+            return EventAction.ENGINE_ERROR, b""
         replayed = self._take_replay(chunk) if self._replay or self._replay_text else (0, 0)
         if replayed is None:
             self.diverged = True
             self.error = {"message": "the continuation generated other tokens than those the "
                                      "client had", "code": 500}
-            return Outcome.ENGINE_ERROR, b""
+            return EventAction.ENGINE_ERROR, b""
         self._observe(chunk)
         if self.mode is None:  # the first attempt: the engine's bytes, less what we added
             if self.request.wants_ids or self.request.refusal is not None:
-                return Outcome.SEND, event + b"\n\n"
-            return Outcome.SEND, _ADDED_IDS.sub(rb'"\1":null', event) + b"\n\n"
+                return EventAction.SEND, event + b"\n\n"
+            return EventAction.SEND, _ADDED_IDS.sub(rb'"\1":null', event) + b"\n\n"
         out = self._rewrite(chunk, replayed)
         if out is None:
-            return Outcome.SKIP, b""
-        return Outcome.SEND, b"data: " + _dumps(out) + b"\n\n"
+            return EventAction.SKIP, b""
+        return EventAction.SEND, b"data: " + _dumps(out) + b"\n\n"
 
     def _take_replay(self, chunk: dict[str, Any]) -> tuple[int, int] | None:
         """How many of a chunk's first ids and characters the client had already (tokens
@@ -640,23 +642,11 @@ class Splice:
         replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
             from_ids and (self.unwritten or self._replay)) else ()
         produced = self.produced - self.unwritten if replay else self.produced
-        limit = body.get("max_completion_tokens") if request.chat else None
-        if limit is None:
-            limit = body.get("max_tokens")
-        if limit is None:
-            if not request.chat:
-                limit = COMPLETION_DEFAULT_MAX_TOKENS
-            elif max_model_len is None or self.prompt_ids is None:
-                return ("a chat sent without max_tokens, and the engine's context length (its "
-                        "default) is unknown")
-            else:
-                limit = max_model_len - len(self.prompt_ids)
-        if not isinstance(limit, int) or isinstance(limit, bool):
-            return "max_tokens is not a number"
-        if limit - produced < 1:
-            return "nothing left to generate"
+        left = self._tokens_left(max_model_len, produced)
+        if isinstance(left, str):
+            return left
         body.pop("max_completion_tokens", None)
-        body["max_tokens"] = limit - produced
+        body["max_tokens"] = left
         min_tokens = body.get("min_tokens")
         if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
             body["min_tokens"] = max(0, min_tokens - produced)
@@ -693,6 +683,33 @@ class Splice:
             body["prompt"] = ids
             return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay,
                                 replay_text if replay else "")
+        return self._from_text(body)
+
+    def _tokens_left(self, max_model_len: int | None, produced: int) -> int | str:
+        """How many tokens the continuation may generate (the client's limit, or the
+        engine's default, less the ``produced`` its prompt holds), or why that is unknown."""
+        request, body = self.request, self.request.body
+        limit = body.get("max_completion_tokens") if request.chat else None
+        if limit is None:
+            limit = body.get("max_tokens")
+        if limit is None:
+            if not request.chat:
+                limit = COMPLETION_DEFAULT_MAX_TOKENS
+            elif max_model_len is None or self.prompt_ids is None:
+                return ("a chat sent without max_tokens, and the engine's context length (its "
+                        "default) is unknown")
+            else:
+                limit = max_model_len - len(self.prompt_ids)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return "max_tokens is not a number"
+        if limit - produced < 1:
+            return "nothing left to generate"
+        return limit - produced
+
+    def _from_text(self, body: dict[str, Any]) -> Continuation | str:
+        """The continuation from the text the client has (no token ids to go on from):
+        ``body`` is the continuation's, its limits already set."""
+        request = self.request
         options = request.body.get("stream_options")
         if request.assemble or (isinstance(options, dict) and options.get("include_usage")):
             # From text, the continuation's prompt tokens are the text re-read, not the

@@ -14,7 +14,8 @@ fleet's.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -114,127 +115,123 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats
-        pool = self._pool
-        requests = CounterMetricFamily(
-            "fleetwarden_router_requests", "Requests received on the OpenAI API.")
-        requests.add_metric([], s.requests)
-        yield requests
-
-        responses = CounterMetricFamily(
-            "fleetwarden_router_responses", "Responses sent, by HTTP status.", labels=["status"])
-        for status, n in sorted(s.responses.items()):
-            responses.add_metric([str(status)], n)
-        yield responses
-
-        failures = CounterMetricFamily(
-            "fleetwarden_router_backend_failures",
-            "Backend failures (transport errors, or a 5xx before any byte reached the client).",
-            labels=["backend", "cause"])
-        for (backend, cause), n in sorted(s.backend_failures.items()):
-            failures.add_metric([backend, cause], n)
-        yield failures
-
-        retries = CounterMetricFamily(
-            "fleetwarden_router_retries",
-            "Requests re-sent to another backend: free (never reached an engine) or paid.",
-            labels=["kind"])
-        for kind, n in sorted(s.retries.items()):
-            retries.add_metric([kind], n)
-        yield retries
-
-        rescues = CounterMetricFamily(
-            "fleetwarden_router_rescues",
-            "Requests moved off a backend at the controller's word (condemned, asleep, or a "
-            "stream held where nothing steps): re-sent, or continued from their tokens.")
-        rescues.add_metric([], s.rescues)
-        yield rescues
-
-        hedges = CounterMetricFamily(
-            "fleetwarden_router_hedges",
-            "Requests sent to a second backend as well while the first held them taking no "
-            "step (the first answer is the client's).")
-        hedges.add_metric([], s.hedges)
-        yield hedges
-        hedges_won = CounterMetricFamily(
-            "fleetwarden_router_hedges_won",
-            "Hedged requests answered by the second backend (the first was cancelled).")
-        hedges_won.add_metric([], s.hedges_won)
-        yield hedges_won
-
-        poison = CounterMetricFamily(
-            "fleetwarden_router_poison_requests",
-            "Requests that got the same 5xx from a second backend: that answer is passed to "
-            "the client and not counted against the second backend (the first backend's 5xx "
-            "was counted before the retry).")
-        poison.add_metric([], s.poison_requests)
-        yield poison
-
-        exhausted = CounterMetricFamily(
-            "fleetwarden_router_local_exhaustion",
-            "Requests answered 503 because the router was out of file descriptors or buffers "
-            "when connecting to an engine: the router's trouble, never counted against one.")
-        exhausted.add_metric([], s.local_exhaustion)
-        yield exhausted
-
-        closed = CounterMetricFamily(
-            "fleetwarden_router_connections_closed",
-            "Client connections the data port ended itself, by reason: head_timeout (408), "
-            "idle_timeout, write_timeout (a client that stopped reading), head_too_large (431), "
-            "refused (another 4xx/501), over_capacity (503), evicted_idle (to make room).",
-            labels=["reason"])
-        for reason, n in sorted(s.connections_closed.items()):
-            closed.add_metric([reason], n)
-        yield closed
-
-        continuations = CounterMetricFamily(
-            "fleetwarden_router_continuations",
-            "Streams continued on another engine after theirs failed mid-answer, by mode: "
-            "tokens (exact, from token ids) or text (from the text produced so far).",
-            labels=["mode"])
-        for mode, n in sorted(s.continuations.items()):
-            continuations.add_metric([mode], n)
-        yield continuations
-
-        ended = CounterMetricFamily(
-            "fleetwarden_router_streams_ended_with_error",
-            "Streams that had begun, failed and could not be continued: ended with an error "
-            "event, by cause.", labels=["cause"])
-        for cause, n in sorted(s.streams_ended.items()):
-            ended.add_metric([cause], n)
-        yield ended
-
-        in_flight = GaugeMetricFamily(
-            "fleetwarden_router_in_flight",
-            "Requests in flight per backend, dispatch to last byte.", labels=["backend"])
-        for backend, n in sorted(pool.in_flight().items()):
-            in_flight.add_metric([backend], n)
-        yield in_flight
-
-        picks = SummaryMetricFamily(
-            "fleetwarden_router_pick_seconds",
-            "Time spent picking a backend for an attempt (count: picks; sum: seconds).")
-        picks.add_metric([], s.picks, s.picks_s)
-        yield picks
-
-        serving = GaugeMetricFamily(
-            "fleetwarden_router_serving_backends", "Backends the router may send requests to.")
-        serving.add_metric([], len(pool.serving))
-        yield serving
-
-        added = HistogramMetricFamily(
-            "fleetwarden_router_added_latency_seconds",
-            "Time the router adds before the first byte: the whole wait minus the answering "
-            "backend's own time to headers (failed attempts and retries count as added).")
-        cumulative = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, n in zip(ADDED_LATENCY_BUCKETS_S, s.added_latency_buckets, strict=False):
-            cumulative += n
-            buckets.append((repr(bound), cumulative))
-        buckets.append(("+Inf", s.added_latency_count))
-        added.add_metric([], buckets, s.added_latency_sum)
-        yield added
+        yield from _traffic(s)
+        yield from _interventions(s)
+        yield from _connections_and_streams(s)
+        yield from _pool_families(s, self._pool)
         if self._affinity is not None:
             yield from _cache_families(self._affinity)
+
+
+def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _by(name: str, documentation: str, label: str,
+        counts: Mapping[Any, int]) -> CounterMetricFamily:
+    """One sample per label value, in order."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, n in sorted(counts.items()):
+        family.add_metric([str(key)], n)
+    return family
+
+
+def _traffic(s: RouterStats) -> Iterator[Metric]:
+    """Requests, responses, backend failures and re-sends."""
+    yield _counter("fleetwarden_router_requests", "Requests received on the OpenAI API.",
+                   s.requests)
+    yield _by("fleetwarden_router_responses", "Responses sent, by HTTP status.", "status",
+              s.responses)
+    failures = CounterMetricFamily(
+        "fleetwarden_router_backend_failures",
+        "Backend failures (transport errors, or a 5xx before any byte reached the client).",
+        labels=["backend", "cause"])
+    for (backend, cause), n in sorted(s.backend_failures.items()):
+        failures.add_metric([backend, cause], n)
+    yield failures
+    yield _by("fleetwarden_router_retries",
+              "Requests re-sent to another backend: free (never reached an engine) or paid.",
+              "kind", s.retries)
+
+
+def _interventions(s: RouterStats) -> Iterator[Metric]:
+    """What the router did besides a plain send: rescues, hedges, poison, its own exhaustion."""
+    yield _counter(
+        "fleetwarden_router_rescues",
+        "Requests moved off a backend at the controller's word (condemned, asleep, or a "
+        "stream held where nothing steps): re-sent, or continued from their tokens.",
+        s.rescues)
+    yield _counter(
+        "fleetwarden_router_hedges",
+        "Requests sent to a second backend as well while the first held them taking no "
+        "step (the first answer is the client's).", s.hedges)
+    yield _counter(
+        "fleetwarden_router_hedges_won",
+        "Hedged requests answered by the second backend (the first was cancelled).",
+        s.hedges_won)
+    yield _counter(
+        "fleetwarden_router_poison_requests",
+        "Requests that got the same 5xx from a second backend: that answer is passed to "
+        "the client and not counted against the second backend (the first backend's 5xx "
+        "was counted before the retry).", s.poison_requests)
+    yield _counter(
+        "fleetwarden_router_local_exhaustion",
+        "Requests answered 503 because the router was out of file descriptors or buffers "
+        "when connecting to an engine: the router's trouble, never counted against one.",
+        s.local_exhaustion)
+
+
+def _connections_and_streams(s: RouterStats) -> Iterator[Metric]:
+    """Client connections the data port ended, and streams continued or ended with an error."""
+    yield _by(
+        "fleetwarden_router_connections_closed",
+        "Client connections the data port ended itself, by reason: head_timeout (408), "
+        "idle_timeout, write_timeout (a client that stopped reading), head_too_large (431), "
+        "refused (another 4xx/501), over_capacity (503), evicted_idle (to make room).",
+        "reason", s.connections_closed)
+    yield _by(
+        "fleetwarden_router_continuations",
+        "Streams continued on another engine after theirs failed mid-answer, by mode: "
+        "tokens (exact, from token ids) or text (from the text produced so far).",
+        "mode", s.continuations)
+    yield _by(
+        "fleetwarden_router_streams_ended_with_error",
+        "Streams that had begun, failed and could not be continued: ended with an error "
+        "event, by cause.", "cause", s.streams_ended)
+
+
+def _pool_families(s: RouterStats, pool: Pool) -> Iterator[Metric]:
+    """The pool's state now, the time picking takes, and the latency the router adds."""
+    in_flight = GaugeMetricFamily(
+        "fleetwarden_router_in_flight",
+        "Requests in flight per backend, dispatch to last byte.", labels=["backend"])
+    for backend, n in sorted(pool.in_flight().items()):
+        in_flight.add_metric([backend], n)
+    yield in_flight
+
+    picks = SummaryMetricFamily(
+        "fleetwarden_router_pick_seconds",
+        "Time spent picking a backend for an attempt (count: picks; sum: seconds).")
+    picks.add_metric([], s.picks, s.picks_s)
+    yield picks
+
+    serving = GaugeMetricFamily(
+        "fleetwarden_router_serving_backends", "Backends the router may send requests to.")
+    serving.add_metric([], len(pool.serving))
+    yield serving
+
+    added = HistogramMetricFamily(
+        "fleetwarden_router_added_latency_seconds",
+        "Time the router adds before the first byte: the whole wait minus the answering "
+        "backend's own time to headers (failed attempts and retries count as added).")
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    for bound, n in zip(ADDED_LATENCY_BUCKETS_S, s.added_latency_buckets, strict=False):
+        cumulative += n
+        buckets.append((repr(bound), cumulative))
+    buckets.append(("+Inf", s.added_latency_count))
+    added.add_metric([], buckets, s.added_latency_sum)
+    yield added
 
 
 def _cache_families(affinity: Affinity) -> Iterator[Metric]:

@@ -60,13 +60,13 @@ from yarl import URL
 RawHeaders = list[tuple[bytes, bytes]]
 
 __all__ = [
+    "Address",
     "Answer",
     "ConnectFailed",
     "ConnectTimeout",
     "Disconnected",
     "LocalExhaustion",
     "RawHeaders",
-    "Target",
     "UpstreamClient",
     "UpstreamError",
 ]
@@ -111,7 +111,7 @@ _MAX_HEADERS = 100
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
+class Address:
     """Where one request goes: the backend's address and the request target, pre-encoded."""
 
     host: str
@@ -122,7 +122,7 @@ class Target:
     host_header: bytes
 
     @classmethod
-    def parse(cls, url: str) -> Target:
+    def parse(cls, url: str) -> Address:
         """``url``: a backend's base URL joined with a path, as the client sent it (encoded)."""
         parsed = URL(url, encoded=True)
         if parsed.scheme not in ("http", "https") or not parsed.host:
@@ -503,7 +503,7 @@ class UpstreamClient:
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
-    async def request(self, target: Target, method: str, headers: RawHeaders, body: bytes,
+    async def request(self, target: Address, method: str, headers: RawHeaders, body: bytes,
                       *, keep_alive: bool = True) -> Answer:
         """Send one request; returns its answer once its head has come (its body may follow).
         ``headers`` go as given (Host and Content-Length are the client's to add);
@@ -567,7 +567,7 @@ class UpstreamClient:
             return connection
         return None
 
-    async def _connect(self, target: Target, deadline: float) -> _Connection:
+    async def _connect(self, target: Address, deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
         key = (target.host, target.port, target.tls)
         context: ssl.SSLContext | None = None

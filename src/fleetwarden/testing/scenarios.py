@@ -32,8 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 
-__all__ = ["Figures", "condemned_as_a_stopped_core", "crash_under_load", "engine_metric",
-           "fleet_toml", "idle_wedge", "sigstop_under_load", "wedge_under_load",
+__all__ = ["Ejections", "Figures", "condemned_as_a_stopped_core", "crash_under_load",
+           "engine_metric", "fleet_toml", "idle_wedge", "no_false_ejections",
+           "sigstop_under_load", "wedge_under_load",
            "wedge_while_running", "whole"]
 
 
@@ -90,12 +91,16 @@ class Figures:
 
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
-               admin_port: int, *, engines: int = 2, stall_s: float = 15.0,
-               startup_timeout_s: float = 180.0, stop_grace_s: float = 10.0) -> str:
-    """A fleet judged as the real-engine tiers run it: a stall floor of 15 s (the default
-    ``stall_s`` is 5 s; 15 s is the default ``stall_max_s``, the most a learned limit may
-    reach), a 1 s tick, and canaries far apart, so a check sees no fleet canary; every other
-    setting at its default."""
+               admin_port: int, *, engines: int = 2, startup_timeout_s: float = 180.0,
+               stop_grace_s: float = 10.0) -> str:
+    """A fleet judged as a user's is: no ``[health]`` setting at all, so the tick, the stall
+    limit and the canaries are the defaults. What is set is about the machine and the tier:
+    ``startup_timeout_s`` and ``stop_grace_s`` (the caller's engines), and the restart budget.
+
+    The budget: the default is 5 restarts per shard for the fleet's whole life, and one fleet
+    serves a whole test module, which faults the same shard on purpose up to five times (a
+    wedge, an idle wedge, and a cut stream tried up to three times). A sixth would retire it
+    and fail the next test for a reason that is the tier's, not the judge's."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
     return f"""
 [fleet]
@@ -112,15 +117,8 @@ port = {router_port}
 [admin]
 port = {admin_port}
 
-[health]
-probe_interval_s = 1.0
-stall_s = {stall_s}
-canary_interval_s = 3600
-
 [supervisor]
 max_restart_attempts = 50
-backoff_initial_s = 2.0
-backoff_max_s = 10.0
 stop_grace_s = {stop_grace_s}
 """
 
@@ -273,14 +271,16 @@ async def _in_flight(up: UpProcess, shard: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def engine_metric(base_url: str, name: str) -> float:
-    """The sum of one sample's values in an engine's ``/metrics`` (read straight from it)."""
+async def engine_metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of one sample's values in an engine's ``/metrics`` (read straight from it),
+    over the samples whose labels include ``labels``."""
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as http, \
             http.get(base_url + "/metrics") as r:
         body = await r.text()
     return sum(s.value for fam in text_string_to_metric_families(body)
-               for s in fam.samples if s.name == name)
+               for s in fam.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 async def wedge_while_running(up: UpProcess, shard: int,
@@ -315,6 +315,48 @@ def whole(up: UpProcess, limit_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not whole within {limit_s} s: {up.client.shards()}")
         time.sleep(0.2)
+
+
+class Ejections:
+    """What the fleet takes out of service from now on, from its own history: an engine
+    ejected from routing (a failed window of real requests), condemned (DEAD) or retired.
+    A test adds to ``faulted`` the shards it faults on purpose; any other shard taken out is
+    a false ejection (:meth:`false`)."""
+
+    def __init__(self, up: UpProcess) -> None:
+        self.up = up
+        self.faulted: set[int] = set()
+        self.since = self._latest(0)
+
+    def _page(self, since: int) -> list[dict[str, Any]]:
+        return self.up.client.transitions(since)
+
+    def _latest(self, since: int) -> int:
+        while page := self._page(since):
+            since = page[-1]["seq"]
+        return since
+
+    def taken_out(self) -> list[dict[str, Any]]:
+        out, since = [], self.since
+        while page := self._page(since):
+            out += [t for t in page if t["to"] in ("DEAD", "RETIRED") or t["event"] == "ejected"]
+            since = page[-1]["seq"]
+        return out
+
+    def false(self) -> list[str]:
+        """Each shard taken out that was not faulted, as ``shard N: FROM -> TO (cause)``."""
+        return [f"shard {t['shard']}: {t['from']} -> {t['to']} ({t['cause']})"
+                for t in self.taken_out() if t["shard"] not in self.faulted]
+
+
+@contextlib.contextmanager
+def no_false_ejections(up: UpProcess) -> Iterator[set[int]]:
+    """Yields the set a test adds the shards it faults on purpose to; on the way out, fails
+    if the fleet took out (ejected, condemned, retired) any other."""
+    ejections = Ejections(up)
+    yield ejections.faulted
+    if false := ejections.false():
+        raise AssertionError(f"engines taken out that were not faulted: {false}")
 
 
 @contextlib.contextmanager

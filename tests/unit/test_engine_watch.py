@@ -1,0 +1,215 @@
+"""The judge's watch of one engine, read as a specification: what it was told it observed, and
+what it answers, a finished report or the next thing to fetch (docs/design.md section 5). Pure:
+no sockets, no sleeps; the time of each observation is whatever the test says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from fleetwarden.engine_metrics import Sample
+from fleetwarden.judge import (
+    DEFAULT_POLICY,
+    Canaried,
+    CanaryResult,
+    Down,
+    EngineWatch,
+    Fetch,
+    Health,
+    Hedged,
+    ProxyAnswered,
+    Read,
+    ReadEngine,
+    Reading,
+    Report,
+    SendCanary,
+    Target,
+    Verdict,
+    Visit,
+)
+
+URL = "http://engine:8000"
+IDLE = Sample(running=0, waiting=0, steps=1000, generation_tokens=4000, prompt_tokens=40,
+              finished_requests=10, start_time=1.7e9)
+BUSY = replace(IDLE, running=4)
+ANSWERED = CanaryResult(True, 0.2, 200)
+TIMEOUT = DEFAULT_POLICY.canary_timeout_s
+SILENT = CanaryResult(False, TIMEOUT, None, f"no answer within {TIMEOUT:g} s")
+
+
+def moved(s: Sample, **fields: float) -> Sample:
+    return replace(s, **{k: getattr(s, k) + v for k, v in fields.items()})
+
+
+def feed(watch: EngineWatch, step: Report | Fetch | None, answers: list[Reading | CanaryResult],
+         at: float) -> tuple[list[Fetch], Report | None]:
+    """Answer each fetch the watch asks for with the next of ``answers`` (a reading for a read,
+    a result for a canary), all at time ``at``; what it asked, and how it ended."""
+    asked: list[Fetch] = []
+    answers = list(answers)
+    while isinstance(step, ReadEngine | SendCanary):
+        asked.append(step)
+        answer = answers.pop(0)
+        if isinstance(step, ReadEngine):
+            assert not isinstance(answer, CanaryResult), (step, answer)
+            step = watch.next(Read(step.visit, answer, at))
+        else:
+            assert isinstance(answer, CanaryResult), (step, answer)
+            step = watch.next(Canaried(step.visit, answer, at))
+    assert not answers, f"fetches left unasked: {answers}"
+    return asked, step
+
+
+def visit(watch: EngineWatch, target: Target, at: float,
+          answers: list[Reading | CanaryResult]) -> tuple[list[Fetch], Report]:
+    asked, report = feed(watch, watch.next(Visit(target, at)), answers, at)
+    assert report is not None
+    return asked, report
+
+
+@dataclass(frozen=True)
+class Case:
+    """A baseline kept at t=0 (or none), then one visit at ``at``: the fetches it asks for,
+    answered in order, and what it finds."""
+
+    name: str
+    baseline: Sample | None
+    target: Target
+    at: float
+    answers: list[Reading | CanaryResult]
+    asks: list[str]  # "read", "proxy read", "canary <timeout>"
+    verdict: Verdict
+    health: Health
+    says: str = ""  # in the evidence's summary
+
+
+CASES = [
+    Case("an idle engine's first read sends a canary, and reads again after it",
+         None, Target(URL), 1.0, [IDLE, ANSWERED, moved(IDLE, steps=1)],
+         ["read", f"canary {TIMEOUT:g}", "read"], Verdict.IDLE, Health.PROVEN),
+    Case("a busy engine that advanced is proven by progress alone, never canaried",
+         BUSY, Target(URL, in_flight=4), 1.0, [moved(BUSY, steps=5, generation_tokens=20)],
+         ["read"], Verdict.BUSY, Health.PROVEN),
+    Case("work held the stall floor with nothing advancing is condemned without a canary",
+         BUSY, Target(URL, in_flight=4, held_s=6.0), 6.0, [BUSY],
+         ["read"], Verdict.STALLED, Health.CONDEMNED, "held a request 6.0 s"),
+    Case("a request held short of the floor is only a stall",
+         BUSY, Target(URL, in_flight=4, held_s=4.0), 4.0, [BUSY],
+         ["read"], Verdict.STALLED, Health.UNPROVEN),
+    Case("a lost core whose held request concludes before a canary could: no canary",
+         IDLE, Target(URL, in_flight=1, held_s=1.0), 1.0, [IDLE],
+         ["read"], Verdict.LOST_CORE, Health.UNPROVEN, "concludes in 4.0 s"),
+    Case("a lost core holding nothing for long: its canary's failure is conclusive",
+         IDLE, Target(URL, in_flight=1), 1.0, [IDLE, SILENT],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.LOST_CORE, Health.CONDEMNED),
+    Case("an idle engine that held its canary the floor, advancing nothing, is condemned",
+         IDLE, Target(URL), 40.0, [IDLE, SILENT, IDLE],
+         ["read", f"canary {TIMEOUT:g}", "read"], Verdict.IDLE, Health.CONDEMNED,
+         "held its canary"),
+    Case("an idle engine that did something meanwhile is one failed probe",
+         IDLE, Target(URL), 40.0, [IDLE, SILENT, moved(IDLE, steps=1)],
+         ["read", f"canary {TIMEOUT:g}", "read"], Verdict.IDLE, Health.FAILING),
+    Case("a canary that was answered with an error is one failed probe, read no more",
+         IDLE, Target(URL), 40.0, [IDLE, CanaryResult(False, 0.1, 500, "answered 500")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.IDLE, Health.FAILING),
+    Case("a new process that is idle is canaried at once, asking its model again",
+         IDLE, Target(URL), 1.0, [replace(IDLE, start_time=1.8e9), ANSWERED,
+                                  replace(IDLE, start_time=1.8e9, steps=1001)],
+         ["read", f"canary {TIMEOUT:g} new model", "read"], Verdict.RESTARTED, Health.PROVEN),
+    Case("an unreachable engine is one failed probe",
+         IDLE, Target(URL), 1.0, [Down("refused")],
+         ["read"], Verdict.UNREACHABLE, Health.FAILING),
+    Case("an excused stall (a refit lease) is never condemned, whatever it holds",
+         BUSY, Target(URL, in_flight=4, held_s=60.0, stalls_excused=True), 60.0, [BUSY],
+         ["read"], Verdict.STALLED, Health.UNPROVEN, "excused"),
+]
+
+
+def said(step: Fetch) -> str:
+    if isinstance(step, ReadEngine):
+        return "proxy read" if step.proxy else "read"
+    return f"canary {step.timeout_s:g}" + (" new model" if step.new_model else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_each_observation_answers_a_report_or_the_next_fetch(case: Case) -> None:
+    watch = EngineWatch()
+    if case.baseline is not None:
+        watch.keep_baseline(case.baseline, 0.0)
+    asked, report = visit(watch, case.target, case.at, case.answers)
+    assert [said(s) for s in asked] == case.asks
+    assert (report.verdict, report.health) == (case.verdict, case.health), report.evidence
+    assert case.says in report.evidence.summary
+    assert report.limit_s >= DEFAULT_POLICY.stall_s or not isinstance(report.sample, Sample)
+
+
+def test_a_start_time_that_comes_back_is_a_proxy_read_as_one_from_then_on() -> None:
+    watch = EngineWatch()
+    a, b = BUSY, replace(BUSY, start_time=1.8e9)  # with work in it: never canaried
+    visit(watch, Target(URL, in_flight=1), 0.0, [a])
+    visit(watch, Target(URL, in_flight=1), 1.0, [b])
+    asked, report = visit(watch, Target(URL, in_flight=1), 2.0, [a, ProxyAnswered(("m",))])
+    assert [said(s) for s in asked] == ["read", "proxy read"]
+    assert isinstance(asked[1], ReadEngine) and "load balancer" in asked[1].why
+    assert (report.verdict, report.health) == (Verdict.REACHABLE, Health.PROVEN)
+    asked, _ = visit(watch, Target(URL), 3.0, [ProxyAnswered(("m",))])
+    assert [said(s) for s in asked] == ["proxy read"]
+
+
+def lost_core(watch: EngineWatch) -> Report:
+    """A lost core holding a request 1.1 s flat: the read a hedge is decided on."""
+    watch.keep_baseline(IDLE, 0.0)
+    _, report = visit(watch, Target(URL, in_flight=1, held_s=1.1), 1.1, [IDLE])
+    assert report.verdict is Verdict.LOST_CORE and report.held_flat_s == pytest.approx(1.1)
+    return report
+
+
+@pytest.mark.parametrize(("answers", "condemned"), [
+    ([CanaryResult(False, 3.9, None, "no answer within 3.9 s"), IDLE], True),
+    ([CanaryResult(False, 3.9, None, "no answer within 3.9 s"), moved(IDLE, steps=1)], False),
+    ([CanaryResult(True, 0.2, 200)], False),
+    ([CanaryResult(False, 3.9, None, "no answer within 3.9 s"), Down("refused")], False),
+])
+def test_a_hedged_lost_cores_canary_waits_what_the_limit_left_and_concludes(
+        answers: list[Reading | CanaryResult], condemned: bool) -> None:
+    watch = EngineWatch()
+    report = lost_core(watch)
+    first = watch.next(Hedged(report, 1.2))
+    assert isinstance(first, SendCanary)
+    assert first.timeout_s == pytest.approx(DEFAULT_POLICY.stall_s - 1.1)
+    _, ended = feed(watch, first, answers, 5.1)
+    if condemned:
+        assert ended is not None and ended.health is Health.CONDEMNED
+        assert "our canary sent with them kept the watch" in ended.evidence.summary
+        assert ended.canary == answers[0]
+    else:
+        assert ended is None  # nothing concluded: nothing goes to the ledger
+
+
+def test_a_hedged_watch_with_no_sample_to_compare_asks_for_nothing() -> None:
+    watch = EngineWatch()
+    _, report = visit(watch, Target(URL, in_flight=1), 0.0, [Down("refused")])
+    assert watch.next(Hedged(report, 1.0)) is None
+
+
+def test_a_visit_that_waited_on_its_canary_keeps_no_older_sample_over_a_newer() -> None:
+    watch = EngineWatch()
+    watch.keep_baseline(IDLE, 0.0)
+    slow = watch.next(Visit(Target(URL), 40.0))
+    assert isinstance(slow, ReadEngine)
+    canary = watch.next(Read(slow.visit, IDLE, 40.0))
+    assert isinstance(canary, SendCanary)
+    visit(watch, Target(URL), 41.0, [moved(IDLE, steps=3)])  # read meanwhile
+    assert watch.sample_at == 41.0
+    feed(watch, canary, [CanaryResult(False, 0.1, 500, "answered 500")], 45.0)
+    assert watch.sample_at == 41.0 and watch.sample == moved(IDLE, steps=3)
+
+
+def test_each_fetch_is_answered_once_and_an_unknown_one_is_refused() -> None:
+    watch = EngineWatch()
+    step = watch.next(Visit(Target(URL), 0.0))
+    assert isinstance(step, ReadEngine)
+    watch.next(Read(step.visit, Down("refused"), 0.0))
+    with pytest.raises(ValueError, match="no visit"):
+        watch.next(Read(step.visit, Down("refused"), 0.1))

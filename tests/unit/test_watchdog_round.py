@@ -1,0 +1,56 @@
+"""A round spread over the interval: engines in slices of ``concurrency``, each slice not
+begun before its share of the interval, each target made afresh just before its read. No
+engine needed: the visits are recorded, not made."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from fleetwarden.judge import CanaryRule, Evidence, Health, Report, Target, Verdict
+from fleetwarden.watchdog import Watchdog
+
+
+class Recording(Watchdog):
+    """A watchdog whose visits record when they began and what they were given."""
+
+    def __init__(self, concurrency: int) -> None:
+        super().__init__(concurrency=concurrency)
+        self.visits: list[tuple[float, Target]] = []
+        self.open = 0
+        self.most_open = 0
+
+    async def probe(self, target: Target) -> Report:
+        self.visits.append((asyncio.get_running_loop().time(), target))
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        await asyncio.sleep(0)
+        self.open -= 1
+        return Report(target.url, Verdict.IDLE, Evidence("idle"), Health.UNPROVEN,
+                      CanaryRule.NEVER, None, None, None, None)
+
+
+async def test_the_slices_of_a_spread_round_begin_at_their_share_of_the_interval() -> None:
+    async with Recording(concurrency=4) as watchdog:
+        targets = [Target(f"http://engine-{k}:8000") for k in range(10)]  # 3 slices
+        begun = asyncio.get_running_loop().time()
+        reports = await watchdog.round(targets, spread_s=0.3)
+    assert set(reports) == {t.url for t in targets}  # every engine read once
+    assert watchdog.most_open <= 4
+    for at, target in watchdog.visits:
+        k = int(target.url.split("-")[1].split(":")[0])
+        # clock resolution aside, never before its slice's start
+        assert at - begun >= (k // 4) * 0.1 - 0.005, (k, at - begun)
+
+
+async def test_each_target_is_made_afresh_before_its_read_or_left_out() -> None:
+    async def fresh(t: Target) -> Target | None:
+        if t.url.endswith("gone:8000"):
+            return None  # condemned since the round began
+        return replace(t, in_flight=3, held_s=1.5)
+
+    async with Recording(concurrency=2) as watchdog:
+        reports = await watchdog.round([Target("http://a:8000"), Target("http://gone:8000")],
+                                       fresh=fresh)
+    assert list(reports) == ["http://a:8000"]
+    assert [(t.in_flight, t.held_s) for _, t in watchdog.visits] == [(3, 1.5)]
