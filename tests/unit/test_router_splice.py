@@ -344,6 +344,41 @@ def test_a_cut_inside_a_character_continues_before_it_and_sends_nothing_twice(
     assert splice.output_ids == reference[1] and splice.produced == len(reference[1])
 
 
+def test_a_chunk_of_several_tokens_is_generated_again_and_its_text_not_sent_twice() -> None:
+    # Under load vLLM puts several tokens in a chunk: one with text may still end inside a
+    # character, so only a one-token chunk with text marks where the engine wrote everything.
+    events = captured_events("completions-stream-token-ids.http")
+    reference = _client_sees([(EventAction.SEND, e + b"\n\n") for e in events
+                              if not e.endswith(b"[DONE]")], False)
+    merged = events[2].replace(b'"token_ids":[91]', b'"token_ids":[120,91]')
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True,
+            "temperature": 0, "return_token_ids": True}
+    splice = Splice(request(body))
+    splice.begin_attempt(None)
+    first = [splice.on_event(e) for e in (events[0], merged)]
+    assert splice.unwritten == 2
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    assert json.loads(plan.body)["prompt"] == (splice.prompt_ids or []) + [267]
+    assert (plan.replay, plan.replay_text) == ((120, 91), "\ufffdt")
+    splice.begin_attempt(plan)
+    rest = [splice.on_event(e) for e in events[1:]]
+    assert rest[:2] == [(EventAction.SKIP, b""), (EventAction.SKIP, b"")]
+    assert _client_sees(first + rest, False) == reference
+    # A replay whose text came out otherwise is refused.
+    splice = Splice(request(body))
+    splice.begin_attempt(None)
+    for e in (events[0], merged):
+        splice.on_event(e)
+    plan = splice.continuation()
+    assert not isinstance(plan, str)
+    splice.begin_attempt(plan)
+    splice.on_event(events[1])
+    assert splice.on_event(events[2].replace(b'"text":"\xef\xbf\xbdt"', b'"text":"xt"'))[0] is (
+        EventAction.ENGINE_ERROR)
+    assert "other tokens" in str(splice.continuation())
+
+
 def test_a_token_generated_again_otherwise_is_refused_where_the_client_had_its_id() -> None:
     events = captured_events("completions-stream-token-ids.http")
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True,

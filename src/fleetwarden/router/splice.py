@@ -235,6 +235,8 @@ class Continuation:
     #: The output's last token ids, whose text the engine had not written when it was cut:
     #: left out of the prompt, generated again, and not sent twice (:meth:`Splice.continuation`).
     replay: tuple[int, ...] = ()
+    #: The text the client had of those tokens: not sent twice either.
+    replay_text: str = ""
 
 
 class Splice:
@@ -262,6 +264,11 @@ class Splice:
         #: Token ids the current attempt generates again before its own (``Continuation.replay``):
         #: the client had their chunks, with no text.
         self._replay: list[int] = []
+        self._replay_text = ""
+        #: The text that came with the ``unwritten`` tokens (a chunk of several tokens may write
+        #: text and still end inside a character: only a one-token chunk with text is known to
+        #: end where the engine's detokenizer wrote everything).
+        self._tail_text = ""
         #: A replayed token came out otherwise than the first time, where the client had seen it.
         self.diverged = False
         self.text: list[str] = []
@@ -308,7 +315,12 @@ class Splice:
                 del self.output_ids[len(self.output_ids) - drop:]
                 self.produced -= drop
                 self.unwritten = 0
+            chars = len(continuation.replay_text) - len(self._replay_text)
+            if chars:
+                self.text = ["".join(self.text)[:-chars]]
+                self._tail_text = ""
             self._replay = list(continuation.replay)
+            self._replay_text = continuation.replay_text
         self._before = self.produced
 
     def on_event(self, event: bytes) -> tuple[EventAction, bytes]:
@@ -339,7 +351,7 @@ class Splice:
             # are not taken; the next engine goes on from what the client has.
             self.error = {"message": "the engine aborted the generation", "code": 500}
             return EventAction.ENGINE_ERROR, b""
-        replayed = self._take_replay(chunk) if self._replay else 0
+        replayed = self._take_replay(chunk) if self._replay or self._replay_text else (0, 0)
         if replayed is None:
             self.diverged = True
             self.error = {"message": "the continuation generated other tokens than those the "
@@ -355,24 +367,26 @@ class Splice:
             return EventAction.SKIP, b""
         return EventAction.SEND, b"data: " + _dumps(out) + b"\n\n"
 
-    def _take_replay(self, chunk: dict[str, Any]) -> int | None:
-        """How many of a chunk's first ids are tokens generated again, which the client had;
-        ``None`` where one came out otherwise and the client had its id. (A client that had
-        neither their ids nor their text had nothing of them: the new ones stand.)"""
-        replayed = 0
+    def _take_replay(self, chunk: dict[str, Any]) -> tuple[int, int] | None:
+        """How many of a chunk's first ids and characters the client had already (tokens
+        generated again, and their text); ``None`` where they came out otherwise."""
+        ids_n = chars_n = 0
         for choice in chunk.get("choices") or ():
-            ids = choice.get("token_ids") if isinstance(choice, dict) else None
-            if not isinstance(ids, list) or not self._replay:
+            if not isinstance(choice, dict):
                 continue
-            n = min(len(ids), len(self._replay))
-            if ids[:n] != self._replay[:n]:
-                if self.request.wants_ids:
+            ids = choice.get("token_ids")
+            if isinstance(ids, list) and self._replay:
+                ids_n = min(len(ids), len(self._replay))
+                if ids[:ids_n] != self._replay[:ids_n]:
                     return None
-                self._replay = []
-                return 0
-            del self._replay[:n]
-            replayed = n
-        return replayed
+                del self._replay[:ids_n]
+            text = choice.get("text")
+            if isinstance(text, str) and text and self._replay_text:
+                chars_n = min(len(text), len(self._replay_text))
+                if text[:chars_n] != self._replay_text[:chars_n]:
+                    return None
+                self._replay_text = self._replay_text[chars_n:]
+        return ids_n, chars_n
 
     def _observe(self, chunk: dict[str, Any]) -> None:
         if self.id is None:
@@ -417,14 +431,19 @@ class Splice:
                 self.produced += 1
             if isinstance(text, str):
                 self.text.append(text)
-            if text or isinstance(ids, list):
-                self.unwritten = 0 if text else self.unwritten + len(ids or ())
+            if isinstance(ids, list):
+                if text and len(ids) == 1:
+                    self.unwritten, self._tail_text = 0, ""
+                else:
+                    self.unwritten += len(ids)
+                    self._tail_text += text if isinstance(text, str) else ""
             if choice.get("finish_reason") is not None:
                 self.finished_choices.add(choice.get("index", 0))
                 self.finish_reason = choice["finish_reason"]
                 self.stop_reason = choice.get("stop_reason")
 
-    def _rewrite(self, chunk: dict[str, Any], replayed: int = 0) -> dict[str, Any] | None:
+    def _rewrite(self, chunk: dict[str, Any],
+                 replayed: tuple[int, int] = (0, 0)) -> dict[str, Any] | None:
         """A continuation's chunk as the client's stream goes on: its ids, its shape.
         ``replayed``: its first ids were the client's already (their chunks came, with no text)."""
         chat = self.request.chat
@@ -432,11 +451,13 @@ class Splice:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             usage = self.usage = self._whole_usage(usage)
-        if replayed:
+        if any(replayed):
             choices_ = []
             for c in chunk.get("choices") or ():
                 ids = c.get("token_ids")
-                c = {**c, "token_ids": ids[replayed:]} if isinstance(ids, list) else c
+                c = {**c, "token_ids": ids[replayed[0]:]} if isinstance(ids, list) else c
+                if isinstance(c.get("text"), str):
+                    c["text"] = c["text"][replayed[1]:]
                 text = c.get("text", (c.get("delta") or {}).get("content"))
                 if c.get("token_ids") or text or c.get("finish_reason") is not None:
                     choices_.append(c)
@@ -616,8 +637,10 @@ class Splice:
         # ending inside a character with no prefix, and would write the whole decoded prompt
         # in front of its first chunk. At temperature 0 they come again the same; the client,
         # who had their chunks with no text, is not sent them twice.
+        from_ids = exact and (chat_as_completion or not request.chat)
+        replay_text = self._tail_text + self._replay_text
         replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
-            exact and (self.unwritten or self._replay)) else ()
+            from_ids and (self.unwritten or self._replay)) else ()
         produced = self.produced - self.unwritten if replay else self.produced
         left = self._tokens_left(max_model_len, produced)
         if isinstance(left, str):
@@ -645,19 +668,21 @@ class Splice:
         if exact and replay and (self.saw_logprobs or _asks_logprobs(body)):
             return ("logprobs, at a cut inside a character (the text offsets of the tokens "
                     "generated again)")
-        if exact and replay and (request.wants_ids and not _greedy(body)):
-            return ("a cut inside a character of a sampled generation whose token ids the "
-                    "client had (they would not come again the same)")
+        if exact and replay and not _greedy(body):
+            return ("a cut inside a character of a sampled generation (its last tokens would "
+                    "not come again the same)")
         ids = (self.prompt_ids or []) + self.output_ids[
             :len(self.output_ids) - (self.unwritten if replay else 0)]
         if exact and request.chat and chat_as_completion:
             completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
             completion.update(prompt=ids, stream=True,
                               return_token_ids=True, max_tokens=body["max_tokens"])
-            return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True, replay)
+            return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True, replay,
+                                replay_text if replay else "")
         if exact and not request.chat:
             body["prompt"] = ids
-            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay)
+            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay,
+                                replay_text if replay else "")
         return self._from_text(body)
 
     def _tokens_left(self, max_model_len: int | None, produced: int) -> int | str:
