@@ -620,7 +620,7 @@ class Controller:
             decided.add(url)
             self._decide(report, i, url, r)
 
-        per_slice = getattr(self.watchdog, "concurrency", len(shards)) or 1
+        per_slice = self.watchdog.concurrency
         # What the routers hold, asked again once per slice of the round: a figure seconds old
         # would make a request that finished meanwhile look held on an engine gone quiet.
         fresh_for = (spread_s or 0.0) / max(1, -(-len(shards) // per_slice))
@@ -693,7 +693,7 @@ class Controller:
         report.verdicts[i] = r.verdict.name
         self.verdict_counts[r.verdict.name] = self.verdict_counts.get(r.verdict.name, 0) + 1
         self._guarded(report, f"shard {i}: verdict {r.verdict.name}", self.apply_report, i, r)
-        finished_at: Mapping[str, float] = getattr(self.watchdog, "finished_at", {})
+        finished_at: Mapping[str, float] = self.watchdog.finished_at
         now = time.monotonic()
         self.meter.decided(now - finished_at.get(url, now))
         if r.accuses and self.ledger.state(i) not in ABSENT:

@@ -20,7 +20,7 @@ from fleetwarden.ledger import Event, Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.router import InProcessRouter, RemoteRouter, Router
 from fleetwarden.supervisor import Supervisor
-from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
+from fleetwarden.watchdog import DEFAULT_CONCURRENCY, CanaryResult, Report, Target, Watchdog
 from support.links import QuietLink
 from support.router_rig import rig, until
 
@@ -286,6 +286,10 @@ class ScriptedReads:
 
     def __init__(self, default: Report) -> None:
         self.default = default
+        #: What the controller reads of a watchdog beside its calls, as :class:`Watchdog`
+        #: has them: how many reads go at once, and when each engine's last read finished.
+        self.concurrency = DEFAULT_CONCURRENCY
+        self.finished_at: dict[str, float] = {}
         self.by_url: dict[str, Report] = {}
         self.probed: list[Target] = []
         #: (url, held_flat_s) of each hedged lost core's watching canary; each returns
