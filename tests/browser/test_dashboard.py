@@ -155,8 +155,8 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
         await expect(page.locator("#traffic-now")).to_contain_text("rescued")
 
         # The refit history: a trainer's weight sync, as the page lists it.
-        fleet.begin_refit(1)
-        fleet.complete_refit(1)
+        await fleet.begin_refit(1)
+        await fleet.complete_refit(1)
         await expect(page.locator('#refits tbody tr[data-outcome="completed"]')) \
             .to_contain_text("v1")
         await expect(cards.nth(0).locator("dd[data-field=weights]")).to_have_text("v1")

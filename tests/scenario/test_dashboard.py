@@ -197,9 +197,9 @@ async def test_the_event_stream_follows_the_controller(tmp_path: Path) -> None:
             assert snap["shards"][0]["state"] == "HEALTHY"
             assert snap["shards"][0]["restart_budget_left"] == snap["max_restart_attempts"] - 1
 
-            fleet.begin_refit(1)  # what a trainer does around a weight sync
+            await fleet.begin_refit(1)  # what a trainer does around a weight sync
             assert (await stream.until("refit", phase="begin"))["version"] == 1
-            fleet.complete_refit(1)
+            await fleet.complete_refit(1)
             await stream.until("refit", phase="complete", version=1)
             refits = (await stream.until("snapshot"))["refits"]
             assert refits["lease"] is None and refits["current_version"] == 1
