@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -446,6 +448,19 @@ def _list(value: str, known: tuple[str, ...] | None = None) -> list[str]:
     return items
 
 
+@contextlib.contextmanager
+def _run_folder(prefix: str, keep: Path | None) -> Iterator[Path]:
+    """One run's folder: a temporary one, or one kept under ``keep``."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+            yield Path(folder)
+        return
+    keep.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=keep))
+    print(f"kept: {folder}", flush=True)
+    yield folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
@@ -457,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fleet sizes of the failover scenarios (empty: none)")
     parser.add_argument("--scenarios", default=",".join(FAILOVER_SCENARIOS))
     parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--keep", type=Path,
+                        help="keep each run's folder (journal, logs) under this one, to trace "
+                             "what a figure came from (default: removed after the run)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in _list(args.sizes)]
     launched = [int(s) for s in _list(args.launched)]
@@ -467,20 +485,20 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     steadies: list[Steady] = []
     for n in sizes:
-        with tempfile.TemporaryDirectory(prefix=f"scale-{n}-") as folder:
-            row = steady(n, Path(folder))
+        with _run_folder(f"scale-{n}-", args.keep) as folder:
+            row = steady(n, folder)
         steadies.append(row)
         print(steady_table([row]).splitlines()[-1], flush=True)
     for n in launched:
-        with tempfile.TemporaryDirectory(prefix=f"scale-launched-{n}-") as folder:
-            row = steady(n, Path(folder), launched=True)
+        with _run_folder(f"scale-launched-{n}-", args.keep) as folder:
+            row = steady(n, folder, launched=True)
         steadies.append(row)
         print(steady_table([row]).splitlines()[-1], flush=True)
     runs: list[tuple[int, failover.Row, FaultTimes]] = []
     for n in fail_sizes:
         for name in names:
-            with tempfile.TemporaryDirectory(prefix=f"scale-fail-{n}-{name}-") as folder:
-                run, times = failover_run(n, name, Path(folder))
+            with _run_folder(f"scale-fail-{n}-{name}-", args.keep) as folder:
+                run, times = failover_run(n, name, folder)
             runs.append((n, run, times))
             print(f"{n} {name}: sent {run.sent} failed {run.failed} "
                   f"parked answered {failover._parked_cell(run)} "

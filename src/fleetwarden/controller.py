@@ -348,7 +348,10 @@ class Controller:
             # once per ejection when its time is up (the only proof that puts it on trial; a
             # busy engine gets none, and is asked again at the next read).
             due = self.ledger.ejection_due(i)  # on the ledger's clock, as ejected_until is
-            ask = first or (due and canaried_for != rec.ejected_until)
+            # And at every read of an engine in doubt (SUSPECT on reads alone), as the round
+            # does (:meth:`_target`): an idle engine proves itself by nothing else.
+            doubted = self._in_doubt(i)
+            ask = first or doubted or (due and canaried_for != rec.ejected_until)
             # Out of routing for failed requests: its health path too, where that proves a
             # dead core (vLLM's API server outlives its killed core for seconds, /metrics
             # frozen, /health 503).
@@ -376,7 +379,7 @@ class Controller:
                 await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
             elif hedge is Hedge.LOST_CORE:
                 await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
-            if not first and r.settled and rec.ejected_until is None:
+            if not first and r.settled and rec.ejected_until is None and not self._in_doubt(i):
                 return  # proven, or nothing to prove: the tick takes over again
             if self.clock() >= deadline:
                 return
@@ -698,6 +701,18 @@ class Controller:
         self.meter.decided(now - finished_at.get(url, now))
         if r.accuses and self.ledger.state(i) not in ABSENT:
             self.confirm(i, r.verdict.name.lower())
+        elif self._in_doubt(i):
+            # A read left it SUSPECT (a first canary that timed out, a failed read): it needs
+            # healthy_threshold good reads in a row to be lifted, and the round comes back to
+            # it only once per round, which at a thousand engines is a minute or more. Focused
+            # reads settle the doubt at their own pace, whatever the fleet's size.
+            self.confirm(i, "suspect")
+
+    def _in_doubt(self, i: int) -> bool:
+        """SUSPECT on reads alone: not ejected for failed requests (those come back by a
+        canary when their time is up) nor on trial (only a completed request ends that)."""
+        rec = self.ledger.shard(i)
+        return rec.state is ShardState.SUSPECT and rec.ejected_until is None and not rec.on_trial
 
     @staticmethod
     def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:

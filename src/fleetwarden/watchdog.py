@@ -86,6 +86,7 @@ __all__ = [
     "Watchdog",
     "check",
     "exit_code",
+    "read_offsets",
 ]
 
 log = logging.getLogger(__name__)
@@ -174,9 +175,9 @@ class Watchdog:
                     ) -> dict[str, Report]:
         """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL read.
 
-        ``spread_s``: the targets go in slices of ``concurrency``, the slices' starts spread
-        evenly over that many seconds (one slice: all at once); a reader free before its next
-        target's slice has begun waits for it, one that is late reads at once, so a round
+        ``spread_s``: when each target is read, :func:`read_offsets` (engines never read
+        first and at once, the others in slices spread over ``spread_s``); a reader free before
+        its next target is due waits for it, one that is late reads at once, so a round
         takes ``spread_s`` or, when the reads are slower, what they take. ``fresh``: called
         with each target just before its read, for what the routers know about it now
         (``None``: no longer to be read, left out of the round)."""
@@ -187,15 +188,19 @@ class Watchdog:
         self._forget_gone()
         self.finished_at = {}
         reports: dict[str, Report] = {}
-        waiting = enumerate(targets)
+        known = [t.url in self._memory for t in targets]
+        offsets = read_offsets(known, self.concurrency, spread_s)
+        # Never read first (known sorts after unknown), then by when due, then in order.
+        order = sorted(range(len(targets)), key=lambda k: (known[k], offsets[k], k))
+        waiting = ((offsets[k], targets[k]) for k in order)
         loop = asyncio.get_running_loop()
-        started, slices = loop.time(), -(-len(targets) // self.concurrency)
+        started = loop.time()
 
         async def reader() -> None:
             # Each reader takes the next engine when its last read is done: at most
             # ``concurrency`` reads at once, and as many tasks, whatever the fleet's size.
-            for k, target in waiting:
-                due = started + (k // self.concurrency) * spread_s / slices
+            for offset, target in waiting:
+                due = started + offset
                 if due > loop.time():
                     await asyncio.sleep(due - loop.time())
                 now = target if fresh is None else await fresh(target)
@@ -409,6 +414,25 @@ class Watchdog:
             return result(False, error=f"no answer within {timeout:g} s")
         except (aiohttp.ClientError, OSError) as e:
             return result(False, error=_describe(e))
+
+
+def read_offsets(known: list[bool], concurrency: int, spread_s: float) -> list[float]:
+    """When each target of a round is due, in seconds from the round's start (``known``: the
+    watchdog has read that engine before). An engine never read is due at once: until its
+    first read it serves on trust alone, and a new fleet (or a new engine) is confirmed as
+    fast as the readers allow. The others go in slices of ``concurrency``, in their order, the
+    slices' starts spread evenly over ``spread_s`` (one slice: all at once): the steady reads
+    of a large fleet, kept even over the interval."""
+    slices = -(-sum(known) // concurrency)
+    offsets: list[float] = []
+    k = 0
+    for seen in known:
+        if not seen:
+            offsets.append(0.0)
+            continue
+        offsets.append((k // concurrency) * spread_s / slices)
+        k += 1
+    return offsets
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:

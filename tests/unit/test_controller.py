@@ -872,3 +872,45 @@ def test_the_push_carries_each_backends_incarnation_so_a_router_sees_a_restart()
     assert before == BackendFacts(1, ledger.shard(1).weight_version, incarnation="1.5")
     ledger.observe_incarnation(1, "2.5")  # a silent restart
     assert c.serving_push()[1]["http://b"].incarnation == "2.5"
+
+
+class _FirstCanaryTimesOut(Watchdog):
+    """Engine a's first visit: idle, and its canary got no answer (a loaded machine's first
+    generation); every later visit of a: idle, its canary answered. b: idle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.visits: list[Target] = []
+
+    async def probe(self, target: Target) -> Report:
+        await asyncio.sleep(0)
+        if target.url != "http://a":
+            return _idle(target.url)
+        self.visits.append(target)
+        first = len(self.visits) == 1
+        return Report(target.url, Verdict.IDLE, Evidence("idle"),
+                      Health.FAILING if first else Health.PROVEN, CanaryRule.NEVER, None, None,
+                      CanaryResult(not first, 5.0 if first else 0.1,
+                                   None if first else 200, "timed out" if first else ""),
+                      None)
+
+
+async def test_a_read_that_leaves_an_engine_in_doubt_is_followed_by_reads_that_settle_it() -> None:
+    """A round's read that makes an engine SUSPECT is followed by focused reads, each with a
+    canary while it is idle, until healthy_threshold good ones lift it: the round itself
+    comes back to it once per round, a minute or more at a thousand engines."""
+    config = Config.model_validate({"health": {"confirm_interval_s": 0.01}})
+    ledger = Ledger(["http://a", "http://b"])
+    watchdog = _FirstCanaryTimesOut()
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, watchdog, supervisor, [_Router()], config)
+    await c.tick()  # its round: a's canary timed out
+    assert ledger.state(0) is S
+    focus = c._focus.get(0)
+    assert focus is not None, "no read follows until the next round"
+    await asyncio.wait_for(focus, 30.0)  # a bound, not a timing claim
+    assert ledger.state(0) is H
+    # two good reads after the failed one (healthy_threshold), each asking for a canary
+    assert len(watchdog.visits) == 1 + ledger.policy.healthy_threshold
+    assert all(t.confirm for t in watchdog.visits[1:])
+    await c.close()
