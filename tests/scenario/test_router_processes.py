@@ -16,7 +16,9 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
 from fleetwarden.auth import load_or_create_token
@@ -26,6 +28,7 @@ from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.local import kill_launched, live_launch_ids
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.launchers.routers import RouterRecord, RouterWorkers
+from fleetwarden.router.links import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
@@ -297,6 +300,49 @@ async def test_a_reload_whose_new_worker_fails_to_start_is_rolled_back(tmp_path:
             return old["launch_id"] not in {d["launch_id"] for d in journal.running_routers()}
         await until_async(old_gone, 30, "the old worker drained and stopped")
         assert len(journal.running_routers()) == 1
+
+
+async def test_a_reload_pushes_to_the_old_worker_until_it_has_gone(tmp_path: Path) -> None:
+    """Both generations accept on the same sockets until the reload closes the old one's
+    listeners, and the old one serves its open connections after that. Before, the old worker
+    got no push once its replacement answered: in the fleet model, two shards that turned
+    HEALTHY during a reload were never routed by a worker still taking requests."""
+    async with one_worker(tmp_path) as (workers, journal, token_file):
+        [old] = journal.running_routers()
+        handing_over, go_on = asyncio.Event(), asyncio.Event()
+        stop_accepting = workers._stop_accepting
+
+        async def held(p: Any) -> None:  # the new worker answers; the old one still accepts
+            handing_over.set()
+            await go_on.wait()
+            await stop_accepting(p)
+
+        workers._stop_accepting = held  # type: ignore[method-assign]
+        reload = asyncio.create_task(workers.reload())
+        other = "http://127.0.0.1:10"
+        try:
+            await asyncio.wait_for(handing_over.wait(), 60)
+            await workers.links[0].set_serving_backends([BACKEND, other],
+                                                        {other: BackendFacts(0, 3)})
+            token = token_file.read_text().strip()
+            async with RemoteRouter(old["control_url"], token) as remote:
+                status = await remote.status()
+                assert status["accepting"]
+                assert status["serving"] == [BACKEND, other]  # the push reached it too
+                go_on.set()
+                await reload
+                # Draining (it stopped accepting) but still serving its open connections:
+                # still pushed, until it exits.
+                await workers.links[0].set_serving_backends([other], {other: BackendFacts(0, 4)})
+                drained = None
+                with contextlib.suppress(aiohttp.ClientConnectionError):  # unless it exited
+                    drained = (await remote.status())["serving"]
+                assert drained in (None, [other])
+            assert (await workers.links[0].status())["serving"] == [other]  # the new one
+        finally:
+            go_on.set()
+            with contextlib.suppress(Exception):
+                await reload
 
 
 async def until_async(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:

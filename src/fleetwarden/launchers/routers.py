@@ -123,6 +123,14 @@ class WorkerLink:
         self._listeners: list[Callable[[str, str], None]] = []
         self._token = token
         self._remote: RemoteRouter | None = None
+        #: The workers this slot's worker replaces in a reload, while they may still take a
+        #: request (control URL -> link): each gets every push the slot gets, until it exits.
+        #: Both generations accept on the same sockets until the reload closes the old ones'
+        #: listeners (seconds, on a loaded machine, while every slot's new worker starts), and a
+        #: request on an old one's open connection is served after that: a worker that takes
+        #: a request is routed by the last push, or a shard that turned HEALTHY meanwhile is
+        #: never routed by it (docs/design.md section 4, "The reload").
+        self._predecessors: dict[str, RemoteRouter] = {}
         self.last_push: list[str] = []
         self.last_facts: Mapping[str, BackendFacts] | None = None
         #: The shards on trial and the Retry-After last pushed: a replacement gets them too.
@@ -143,21 +151,52 @@ class WorkerLink:
             raise ConnectionError(f"router worker {self.worker} is not running")
         return self._remote
 
-    async def connect(self, control_url: str) -> None:
-        await self.disconnect()
+    async def connect(self, control_url: str, *, keep_predecessor: bool = False) -> None:
+        """Drive the worker at ``control_url`` from now on. ``keep_predecessor`` (a reload):
+        the worker driven until now keeps getting every push until :meth:`release` says it
+        exited."""
+        if keep_predecessor and self._remote is not None:
+            self._predecessors[self._remote.url] = self._remote
+            self._remote = None
+        await self._close_current()
         self._remote = RemoteRouter(control_url, self._token)
         for callback in self._listeners:
             self._remote.listen(callback)
 
-    async def disconnect(self) -> None:
+    async def release(self, control_url: str) -> None:
+        """A predecessor is gone (or back in the slot, a roll-back): no more pushes to it."""
+        remote = self._predecessors.pop(control_url.rstrip("/"), None)
+        if remote is not None:
+            await remote.close()
+
+    async def _close_current(self) -> None:
         if self._remote is not None:
             await self._remote.close()
             self._remote = None
 
+    async def disconnect(self) -> None:
+        await self._close_current()
+        for url in list(self._predecessors):
+            await self.release(url)
+
+    async def _push(self, push: Callable[[RemoteRouter], Awaitable[None]]) -> None:
+        """The push, to the slot's worker (its failure raised, as before), then to every
+        predecessor still here. A predecessor's failure is logged, never raised: it is
+        exiting (its drain is over), and the slot's worker got the push."""
+        try:
+            await push(self._now())
+        finally:
+            for url, remote in list(self._predecessors.items()):
+                try:
+                    await push(remote)
+                except Exception as exc:
+                    log.info("router worker %d: a push to its predecessor %s failed: %s",
+                             self.worker, url, exc)
+
     async def set_serving_backends(self, urls: Sequence[str],
                                    facts: Mapping[str, BackendFacts] | None = None) -> None:
         self.last_push, self.last_facts = list(urls), facts
-        await self._now().set_serving_backends(urls, facts)
+        await self._push(lambda r: r.set_serving_backends(urls, facts))
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return await self._now().drain_outcomes()
@@ -170,11 +209,11 @@ class WorkerLink:
 
     async def set_retry_after(self, seconds: float | None) -> None:
         self.last_retry_after = seconds
-        await self._now().set_retry_after(seconds)
+        await self._push(lambda r: r.set_retry_after(seconds))
 
     async def set_trial_backends(self, urls: Sequence[str]) -> None:
         self.last_trial = list(urls)
-        await self._now().set_trial_backends(urls)
+        await self._push(lambda r: r.set_trial_backends(urls))
 
     async def push_last(self) -> None:
         """Everything last pushed, again: for the process now in the slot (a replacement)."""
@@ -429,7 +468,7 @@ class RouterWorkers:
                                       record.to_dict())
         self._watch(worker, proc.wait())
         await self._wait_answering(record, proc)
-        await self.links[worker].connect(record.control_url)
+        await self.links[worker].connect(record.control_url, keep_predecessor=bool(take_from))
         self.started += 1
         log.info("router worker %d: pid %d on %s (control %s)", worker, proc.pid, record.url,
                  record.control_url)
@@ -511,7 +550,7 @@ class RouterWorkers:
                                    if w % n == link.worker] for link in self.links}
         # Every new worker first, then every old one told at once: a client that an old one
         # tells to reconnect finds only new listeners.
-        started = await asyncio.gather(*(self._launch(link.worker, take_from[link.worker])
+        started = await asyncio.gather(*(self._replace(link.worker, take_from[link.worker])
                                          for link in self.links), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -520,8 +559,6 @@ class RouterWorkers:
             await self._roll_back(olds)
             raise LaunchError(f"router reload rolled back, the old workers serve on: "
                               f"{'; '.join(str(e) for e in failed)}")
-        for link in self.links:
-            await self._push_last(link.worker)
         # Every old listener closed, and each has said so, before any old router answers a
         # request with "Connection: close": a client reconnecting finds only new listeners (a
         # connection queued at a listener as it closes is reset by the kernel). One that does
@@ -535,6 +572,14 @@ class RouterWorkers:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
+
+    async def _replace(self, worker: int, take_from: Sequence[str]) -> None:
+        """Start slot ``worker``'s new worker and push it everything at once: it accepts
+        from its start (on its predecessor's sockets) with only the serving set of its command
+        line, and pushes made while it started went to its predecessor alone. Waiting for the
+        other slots' new workers first left it serving without them for seconds."""
+        await self._launch(worker, take_from)
+        await self._push_last(worker)
 
     async def _roll_back(self, olds: Mapping[int, _Process]) -> None:
         """A reload that could not start every new worker: stop the new ones it started
@@ -552,6 +597,7 @@ class RouterWorkers:
         for worker, old in olds.items():
             old.stopping = False  # its exit is a failure again: another is started for it
             self._procs[worker] = old
+            await self.links[worker].release(old.record.control_url)
             await self.links[worker].connect(old.record.control_url)
             await self._push_last(worker)
         log.error("router reload rolled back: the workers %s serve on",
@@ -582,6 +628,7 @@ class RouterWorkers:
         finally:
             with contextlib.suppress(ValueError):
                 self._replaced.remove(old)
+            await self.links[old.record.worker].release(old.record.control_url)
 
     async def _reap_now(self, old: _Process) -> None:
         rec = old.record
