@@ -34,7 +34,7 @@ from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 from support import wait
 from support.fleet import SIM
-from support.sim import free_port
+from support.sim import SimProcess, free_port
 
 pytestmark = pytest.mark.scenario
 
@@ -479,3 +479,67 @@ async def test_after_a_kill_in_the_middle_of_a_reload_the_newer_worker_is_adopte
         kill_launched(launched)
         older_j.close()
         newer_j.close()
+
+
+async def test_after_a_kill_in_the_middle_of_a_reload_the_old_worker_finishes_what_it_holds(
+        tmp_path: Path) -> None:
+    """fleetwarden SIGKILLed while a reload's old worker still held a request: the next run
+    adopts the new worker and finishes the reload for the old one (stop accepting, drain up to
+    drain_s, rescues reach it). Before, it stopped the old one as an unknown leftover (SIGTERM:
+    up to shutdown_grace_s, then SIGKILL) and the request was cut ("Server disconnected": the
+    fleet model's long run, a SIGKILL right after a storm of SIGHUPs)."""
+    sim = SimProcess("--steps-per-s", "10")  # 80 tokens: 8 s, past shutdown_grace_s
+    token_file = tmp_path / "token"
+    token = load_or_create_token(token_file)
+    journal = Journal(tmp_path / "j.sqlite")
+    config = RouterConfig(port=0, workers=1, shutdown_grace_s=1.0, drain_s=30.0)
+    killed = RouterWorkers(config, token, token_file, tmp_path / "logs", journal)
+    restarted: RouterWorkers | None = None
+    reload: asyncio.Task[None] | None = None
+    try:
+        await killed.start([sim.url])
+        [old] = journal.running_routers()
+
+        async def post(http: aiohttp.ClientSession) -> tuple[int, str]:
+            body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 80}
+            async with http.post(killed.url + "/v1/completions", json=body) as response:
+                return response.status, await response.text()
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            request = asyncio.create_task(post(http))
+
+            async def held() -> bool:
+                return sum((await killed.links[0].status())["in_flight"].values()) > 0
+            await until_async(held, 30, "the old worker holds the request")
+            # A reload, interrupted by the kill after its new worker answered.
+            handing_over = asyncio.Event()
+
+            async def never(p: Any) -> None:
+                handing_over.set()
+                await asyncio.Event().wait()
+
+            killed._stop_accepting = never  # type: ignore[method-assign]
+            reload = asyncio.create_task(killed.reload())
+            await asyncio.wait_for(handing_over.wait(), 60)
+            killed._closing = True  # SIGKILLed: this run's objects never act again
+            reload.cancel()
+            restarted = RouterWorkers(config, token, token_file, tmp_path / "logs", journal)
+            await restarted.start([sim.url])
+            assert restarted.adopted == 1 and restarted.started == 0
+            status, text = await request
+            assert status == 200, text
+
+        async def old_gone() -> bool:
+            return old["launch_id"] not in {d["launch_id"] for d in journal.running_routers()}
+        await until_async(old_gone, 30, "the old worker drained, exited and was journaled")
+    finally:
+        if reload is not None:
+            reload.cancel()
+            with contextlib.suppress(BaseException):
+                await reload
+        if restarted is not None:
+            with contextlib.suppress(Exception):
+                await restarted.stop()
+        kill_launched(journal.router_launch_ids())
+        journal.close()
+        sim.kill()

@@ -163,6 +163,14 @@ class WorkerLink:
         for callback in self._listeners:
             self._remote.listen(callback)
 
+    def keep_predecessor(self, control_url: str) -> None:
+        """A worker of this slot that a reload replaced and that may still take a request (one
+        left draining by a reload that a SIGKILL interrupted): pushes and rescues reach it
+        until :meth:`release`."""
+        url = control_url.rstrip("/")
+        if url not in self._predecessors:
+            self._predecessors[url] = RemoteRouter(url, self._token)
+
     async def release(self, control_url: str) -> None:
         """A predecessor is gone (or back in the slot, a roll-back): no more pushes to it."""
         remote = self._predecessors.pop(control_url.rstrip("/"), None)
@@ -202,7 +210,17 @@ class WorkerLink:
         return await self._now().drain_outcomes()
 
     async def rescue(self, url: str, *, streams: bool = True) -> int:
-        return await self._now().rescue(url, streams=streams)
+        """Rescue on the slot's worker and on each predecessor still draining: a request a
+        predecessor holds on a wedged engine is rescued like any other, not left until its
+        drain's bound cuts it."""
+        rescued = await self._now().rescue(url, streams=streams)
+        for other, remote in list(self._predecessors.items()):
+            try:
+                rescued += await remote.rescue(url, streams=streams)
+            except Exception as exc:
+                log.info("router worker %d: a rescue on its predecessor %s failed: %s",
+                         self.worker, other, exc)
+        return rescued
 
     async def in_flight(self) -> dict[str, int]:
         return await self._now().in_flight()
@@ -372,6 +390,15 @@ class RouterWorkers:
                     and saved.url.startswith(f"http://{self.config.host}:")
                     and (self.config.port in (0, port))
                     and (self.port in (0, port)))
+            holder = self._procs.get(saved.worker)
+            if (holder is not None and holder.record.url == saved.url and self._alive(saved)
+                    and await self._answers(saved.control_url)):
+                # The predecessor in its slot of the worker just adopted: a reload that a
+                # SIGKILL interrupted. Finish it as the reload would have: stopping it
+                # (SIGTERM, up to shutdown_grace_s, then SIGKILL) cut the requests it held,
+                # one on a wedged engine among them, which nothing could rescue.
+                await self._finish_handover(saved)
+                continue
             if fits and self._alive(saved) and await self._answers(saved.control_url):
                 self.port = port
                 self._procs[saved.worker] = _Process(saved, None)
@@ -386,6 +413,17 @@ class RouterWorkers:
                 continue
             await self._stop_leftover(saved)
             await self._journal_write(self.journal.router_stopped, saved.launch_id)
+
+    async def _finish_handover(self, saved: RouterRecord) -> None:
+        """A reload's old worker found running beside its adopted replacement: pushed and
+        rescued through the slot's link, told to stop accepting, then SIGUSR1 (a drain up to
+        ``drain_s``) and reaped as a reload reaps, its stop journaled when it exits."""
+        old = _Process(saved, None, stopping=True)
+        self.links[saved.worker].keep_predecessor(saved.control_url)
+        await self._stop_accepting(old)
+        self._drain(old)
+        log.warning("router worker %d: %s, replaced by a reload that did not finish, drains "
+                    "(up to %g s)", saved.worker, saved.launch_id, self.config.drain_s)
 
     @staticmethod
     async def _journal_write(write: Callable[..., None], *args: Any) -> None:
@@ -566,11 +604,7 @@ class RouterWorkers:
         await asyncio.gather(*(self._stop_accepting(old) for old in olds.values()))
         for worker, old in olds.items():
             self._retire_counters(worker)
-            self._replaced.append(old)
-            signal_process(old.record.pid, old.record.proc_start_ticks or 0, signal.SIGUSR1)
-            task = asyncio.create_task(self._reap(old), name=f"router-drain:{worker}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._drain(old)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
 
     async def _replace(self, worker: int, take_from: Sequence[str]) -> None:
@@ -580,6 +614,15 @@ class RouterWorkers:
         other slots' new workers first left it serving without them for seconds."""
         await self._launch(worker, take_from)
         await self._push_last(worker)
+
+    def _drain(self, old: _Process) -> None:
+        """SIGUSR1 to a replaced worker whose listeners are closed: it finishes what it holds,
+        up to ``drain_s``, and exits; :meth:`_reap` waits for that (and kills it past it)."""
+        self._replaced.append(old)
+        signal_process(old.record.pid, old.record.proc_start_ticks or 0, signal.SIGUSR1)
+        task = asyncio.create_task(self._reap(old), name=f"router-drain:{old.record.worker}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _roll_back(self, olds: Mapping[int, _Process]) -> None:
         """A reload that could not start every new worker: stop the new ones it started
