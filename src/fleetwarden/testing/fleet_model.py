@@ -699,7 +699,7 @@ path = "{self.journal_path}"
 
     async def check(self, http: aiohttp.ClientSession) -> None:
         await self.check_healthy_routed(http)
-        self.check_processes_journaled()
+        await self.check_processes_journaled()
         self.check_orphans()
         self.check_client_failures()
         if self.epoch.weights == "trainer":
@@ -779,12 +779,12 @@ path = "{self.journal_path}"
                                  "SELECT launch_id FROM routers")
         return {str(r[0]) for r in rows}
 
-    def check_processes_journaled(self) -> None:
+    async def check_processes_journaled(self) -> None:
         unknown = {pid: launch for pid, launch in self.ours().items()
                    if launch not in self.journaled()}
         if unknown:
             # A process may be a moment ahead of its journal row: look once more.
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)  # the other fleet's operations go on meanwhile
             known = self.journaled()
             unknown = {p: lid for p, lid in unknown.items() if lid not in known
                        and process_info(p) is not None}
