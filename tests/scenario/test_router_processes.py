@@ -540,6 +540,8 @@ async def test_after_a_kill_in_the_middle_of_a_reload_the_old_worker_finishes_wh
         if restarted is not None:
             with contextlib.suppress(Exception):
                 await restarted.stop()
+        for link in killed.links:  # the killed run's control sessions
+            await link.disconnect()
         kill_launched(journal.router_launch_ids())
         journal.close()
         sim.kill()
