@@ -16,7 +16,9 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
 from fleetwarden.auth import load_or_create_token
@@ -26,12 +28,13 @@ from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.local import kill_launched, live_launch_ids
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.launchers.routers import RouterRecord, RouterWorkers
+from fleetwarden.router.links import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.up import UpProcess
 from support import wait
 from support.fleet import SIM
-from support.sim import free_port
+from support.sim import SimProcess, free_port
 
 pytestmark = pytest.mark.scenario
 
@@ -299,6 +302,49 @@ async def test_a_reload_whose_new_worker_fails_to_start_is_rolled_back(tmp_path:
         assert len(journal.running_routers()) == 1
 
 
+async def test_a_reload_pushes_to_the_old_worker_until_it_has_gone(tmp_path: Path) -> None:
+    """Both generations accept on the same sockets until the reload closes the old one's
+    listeners, and the old one serves its open connections after that. Before, the old worker
+    got no push once its replacement answered: in the fleet model, two shards that turned
+    HEALTHY during a reload were never routed by a worker still taking requests."""
+    async with one_worker(tmp_path) as (workers, journal, token_file):
+        [old] = journal.running_routers()
+        handing_over, go_on = asyncio.Event(), asyncio.Event()
+        stop_accepting = workers._stop_accepting
+
+        async def held(p: Any) -> None:  # the new worker answers; the old one still accepts
+            handing_over.set()
+            await go_on.wait()
+            await stop_accepting(p)
+
+        workers._stop_accepting = held  # type: ignore[method-assign]
+        reload = asyncio.create_task(workers.reload())
+        other = "http://127.0.0.1:10"
+        try:
+            await asyncio.wait_for(handing_over.wait(), 60)
+            await workers.links[0].set_serving_backends([BACKEND, other],
+                                                        {other: BackendFacts(0, 3)})
+            token = token_file.read_text().strip()
+            async with RemoteRouter(old["control_url"], token) as remote:
+                status = await remote.status()
+                assert status["accepting"]
+                assert status["serving"] == [BACKEND, other]  # the push reached it too
+                go_on.set()
+                await reload
+                # Draining (it stopped accepting) but still serving its open connections:
+                # still pushed, until it exits.
+                await workers.links[0].set_serving_backends([other], {other: BackendFacts(0, 4)})
+                drained = None
+                with contextlib.suppress(aiohttp.ClientConnectionError):  # unless it exited
+                    drained = (await remote.status())["serving"]
+                assert drained in (None, [other])
+            assert (await workers.links[0].status())["serving"] == [other]  # the new one
+        finally:
+            go_on.set()
+            with contextlib.suppress(Exception):
+                await reload
+
+
 async def until_async(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not await cond():
@@ -433,3 +479,69 @@ async def test_after_a_kill_in_the_middle_of_a_reload_the_newer_worker_is_adopte
         kill_launched(launched)
         older_j.close()
         newer_j.close()
+
+
+async def test_after_a_kill_in_the_middle_of_a_reload_the_old_worker_finishes_what_it_holds(
+        tmp_path: Path) -> None:
+    """fleetwarden SIGKILLed while a reload's old worker still held a request: the next run
+    adopts the new worker and finishes the reload for the old one (stop accepting, drain up to
+    drain_s, rescues reach it). Before, it stopped the old one as an unknown leftover (SIGTERM:
+    up to shutdown_grace_s, then SIGKILL) and the request was cut ("Server disconnected": the
+    fleet model's long run, a SIGKILL right after a storm of SIGHUPs)."""
+    sim = SimProcess("--steps-per-s", "10")  # 80 tokens: 8 s, past shutdown_grace_s
+    token_file = tmp_path / "token"
+    token = load_or_create_token(token_file)
+    journal = Journal(tmp_path / "j.sqlite")
+    config = RouterConfig(port=0, workers=1, shutdown_grace_s=1.0, drain_s=30.0)
+    killed = RouterWorkers(config, token, token_file, tmp_path / "logs", journal)
+    restarted: RouterWorkers | None = None
+    reload: asyncio.Task[None] | None = None
+    try:
+        await killed.start([sim.url])
+        [old] = journal.running_routers()
+
+        async def post(http: aiohttp.ClientSession) -> tuple[int, str]:
+            body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 80}
+            async with http.post(killed.url + "/v1/completions", json=body) as response:
+                return response.status, await response.text()
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            request = asyncio.create_task(post(http))
+
+            async def held() -> bool:
+                return sum((await killed.links[0].status())["in_flight"].values()) > 0
+            await until_async(held, 30, "the old worker holds the request")
+            # A reload, interrupted by the kill after its new worker answered.
+            handing_over = asyncio.Event()
+
+            async def never(p: Any) -> None:
+                handing_over.set()
+                await asyncio.Event().wait()
+
+            killed._stop_accepting = never  # type: ignore[method-assign]
+            reload = asyncio.create_task(killed.reload())
+            await asyncio.wait_for(handing_over.wait(), 60)
+            killed._closing = True  # SIGKILLed: this run's objects never act again
+            reload.cancel()
+            restarted = RouterWorkers(config, token, token_file, tmp_path / "logs", journal)
+            await restarted.start([sim.url])
+            assert restarted.adopted == 1 and restarted.started == 0
+            status, text = await request
+            assert status == 200, text
+
+        async def old_gone() -> bool:
+            return old["launch_id"] not in {d["launch_id"] for d in journal.running_routers()}
+        await until_async(old_gone, 30, "the old worker drained, exited and was journaled")
+    finally:
+        if reload is not None:
+            reload.cancel()
+            with contextlib.suppress(BaseException):
+                await reload
+        if restarted is not None:
+            with contextlib.suppress(Exception):
+                await restarted.stop()
+        for link in killed.links:  # the killed run's control sessions
+            await link.disconnect()
+        kill_launched(journal.router_launch_ids())
+        journal.close()
+        sim.kill()

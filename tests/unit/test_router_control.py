@@ -517,3 +517,39 @@ async def test_a_remote_link_tells_its_listeners_of_the_failures_an_evidence_ans
             await r.post()
             assert (await asyncio.wait_for(remote.evidence(30, 1.0), 5))[0] >= 1
             assert len(heard) == failed
+
+
+async def test_a_worker_link_pushes_to_its_predecessor_until_released() -> None:
+    """A reload's old worker takes requests until it exits: the slot's link pushes to it as
+    to the new one; one that is gone fails its push quietly; once released, it gets none."""
+    old, new = Router([]), Router([])
+    for r in (old, new):
+        await r.start(control_port=0, control_token=TOKEN)
+    link = WorkerLink(0, TOKEN)
+    try:
+        assert old.control_url is not None and new.control_url is not None
+        await link.connect(old.control_url)
+        await link.connect(new.control_url, keep_predecessor=True)
+        a, b = "http://127.0.0.1:9", "http://127.0.0.1:10"
+        await link.set_serving_backends([a], {a: BackendFacts(0, 2)})
+        await link.set_trial_backends([a])
+        async with RemoteRouter(old.control_url, TOKEN) as o, \
+                RemoteRouter(new.control_url, TOKEN) as n:
+            for status in (await o.status(), await n.status()):
+                assert status["serving"] == [a] and status["trial"] == [a]
+            assert await link.rescue(a) == 0  # asked of both: nothing held on either
+            await link.release(old.control_url)
+            await link.set_serving_backends([b])
+            assert (await o.status())["serving"] == [a]  # released: no more pushes
+            assert (await n.status())["serving"] == [b]
+        # A predecessor gone before its release: the slot's worker still gets the push.
+        await link.connect(old.control_url, keep_predecessor=True)  # new is the predecessor
+        await new.stop()
+        await link.set_serving_backends([a])
+        assert await link.rescue(a) == 0
+        async with RemoteRouter(old.control_url, TOKEN) as o:
+            assert (await o.status())["serving"] == [a]
+    finally:
+        await link.disconnect()
+        for r in (old, new):
+            await r.stop()

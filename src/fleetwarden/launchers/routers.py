@@ -123,6 +123,14 @@ class WorkerLink:
         self._listeners: list[Callable[[str, str], None]] = []
         self._token = token
         self._remote: RemoteRouter | None = None
+        #: The workers this slot's worker replaces in a reload, while they may still take a
+        #: request (control URL -> link): each gets every push the slot gets, until it exits.
+        #: Both generations accept on the same sockets until the reload closes the old ones'
+        #: listeners (seconds, on a loaded machine, while every slot's new worker starts), and a
+        #: request on an old one's open connection is served after that: a worker that takes
+        #: a request is routed by the last push, or a shard that turned HEALTHY meanwhile is
+        #: never routed by it (docs/design.md section 4, "The reload").
+        self._predecessors: dict[str, RemoteRouter] = {}
         self.last_push: list[str] = []
         self.last_facts: Mapping[str, BackendFacts] | None = None
         #: The shards on trial and the Retry-After last pushed: a replacement gets them too.
@@ -143,38 +151,87 @@ class WorkerLink:
             raise ConnectionError(f"router worker {self.worker} is not running")
         return self._remote
 
-    async def connect(self, control_url: str) -> None:
-        await self.disconnect()
+    async def connect(self, control_url: str, *, keep_predecessor: bool = False) -> None:
+        """Drive the worker at ``control_url`` from now on. ``keep_predecessor`` (a reload):
+        the worker driven until now keeps getting every push until :meth:`release` says it
+        exited."""
+        if keep_predecessor and self._remote is not None:
+            self._predecessors[self._remote.url] = self._remote
+            self._remote = None
+        await self._close_current()
         self._remote = RemoteRouter(control_url, self._token)
         for callback in self._listeners:
             self._remote.listen(callback)
 
-    async def disconnect(self) -> None:
+    def keep_predecessor(self, control_url: str) -> None:
+        """A worker of this slot that a reload replaced and that may still take a request (one
+        left draining by a reload that a SIGKILL interrupted): pushes and rescues reach it
+        until :meth:`release`."""
+        url = control_url.rstrip("/")
+        if url not in self._predecessors:
+            self._predecessors[url] = RemoteRouter(url, self._token)
+
+    async def release(self, control_url: str) -> None:
+        """A predecessor is gone (or back in the slot, a roll-back): no more pushes to it."""
+        remote = self._predecessors.pop(control_url.rstrip("/"), None)
+        if remote is not None:
+            await remote.close()
+
+    async def _close_current(self) -> None:
         if self._remote is not None:
             await self._remote.close()
             self._remote = None
 
+    async def disconnect(self) -> None:
+        await self._close_current()
+        for url in list(self._predecessors):
+            await self.release(url)
+
+    async def _push(self, push: Callable[[RemoteRouter], Awaitable[None]]) -> None:
+        """The push, to the slot's worker (its failure raised, as before), then to every
+        predecessor still here. A predecessor's failure is logged, never raised: it is
+        exiting (its drain is over), and the slot's worker got the push."""
+        try:
+            await push(self._now())
+        finally:
+            for url, remote in list(self._predecessors.items()):
+                try:
+                    await push(remote)
+                except Exception as exc:
+                    log.info("router worker %d: a push to its predecessor %s failed: %s",
+                             self.worker, url, exc)
+
     async def set_serving_backends(self, urls: Sequence[str],
                                    facts: Mapping[str, BackendFacts] | None = None) -> None:
         self.last_push, self.last_facts = list(urls), facts
-        await self._now().set_serving_backends(urls, facts)
+        await self._push(lambda r: r.set_serving_backends(urls, facts))
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return await self._now().drain_outcomes()
 
     async def rescue(self, url: str, *, streams: bool = True) -> int:
-        return await self._now().rescue(url, streams=streams)
+        """Rescue on the slot's worker and on each predecessor still draining: a request a
+        predecessor holds on a wedged engine is rescued like any other, not left until its
+        drain's bound cuts it."""
+        rescued = await self._now().rescue(url, streams=streams)
+        for other, remote in list(self._predecessors.items()):
+            try:
+                rescued += await remote.rescue(url, streams=streams)
+            except Exception as exc:
+                log.info("router worker %d: a rescue on its predecessor %s failed: %s",
+                         self.worker, other, exc)
+        return rescued
 
     async def in_flight(self) -> dict[str, int]:
         return await self._now().in_flight()
 
     async def set_retry_after(self, seconds: float | None) -> None:
         self.last_retry_after = seconds
-        await self._now().set_retry_after(seconds)
+        await self._push(lambda r: r.set_retry_after(seconds))
 
     async def set_trial_backends(self, urls: Sequence[str]) -> None:
         self.last_trial = list(urls)
-        await self._now().set_trial_backends(urls)
+        await self._push(lambda r: r.set_trial_backends(urls))
 
     async def push_last(self) -> None:
         """Everything last pushed, again: for the process now in the slot (a replacement)."""
@@ -333,6 +390,15 @@ class RouterWorkers:
                     and saved.url.startswith(f"http://{self.config.host}:")
                     and (self.config.port in (0, port))
                     and (self.port in (0, port)))
+            holder = self._procs.get(saved.worker)
+            if (holder is not None and holder.record.url == saved.url and self._alive(saved)
+                    and await self._answers(saved.control_url)):
+                # The predecessor in its slot of the worker just adopted: a reload that a
+                # SIGKILL interrupted. Finish it as the reload would have: stopping it
+                # (SIGTERM, up to shutdown_grace_s, then SIGKILL) cut the requests it held,
+                # one on a wedged engine among them, which nothing could rescue.
+                await self._finish_handover(saved)
+                continue
             if fits and self._alive(saved) and await self._answers(saved.control_url):
                 self.port = port
                 self._procs[saved.worker] = _Process(saved, None)
@@ -347,6 +413,17 @@ class RouterWorkers:
                 continue
             await self._stop_leftover(saved)
             await self._journal_write(self.journal.router_stopped, saved.launch_id)
+
+    async def _finish_handover(self, saved: RouterRecord) -> None:
+        """A reload's old worker found running beside its adopted replacement: pushed and
+        rescued through the slot's link, told to stop accepting, then SIGUSR1 (a drain up to
+        ``drain_s``) and reaped as a reload reaps, its stop journaled when it exits."""
+        old = _Process(saved, None, stopping=True)
+        self.links[saved.worker].keep_predecessor(saved.control_url)
+        await self._stop_accepting(old)
+        self._drain(old)
+        log.warning("router worker %d: %s, replaced by a reload that did not finish, drains "
+                    "(up to %g s)", saved.worker, saved.launch_id, self.config.drain_s)
 
     @staticmethod
     async def _journal_write(write: Callable[..., None], *args: Any) -> None:
@@ -429,7 +506,7 @@ class RouterWorkers:
                                       record.to_dict())
         self._watch(worker, proc.wait())
         await self._wait_answering(record, proc)
-        await self.links[worker].connect(record.control_url)
+        await self.links[worker].connect(record.control_url, keep_predecessor=bool(take_from))
         self.started += 1
         log.info("router worker %d: pid %d on %s (control %s)", worker, proc.pid, record.url,
                  record.control_url)
@@ -511,7 +588,7 @@ class RouterWorkers:
                                    if w % n == link.worker] for link in self.links}
         # Every new worker first, then every old one told at once: a client that an old one
         # tells to reconnect finds only new listeners.
-        started = await asyncio.gather(*(self._launch(link.worker, take_from[link.worker])
+        started = await asyncio.gather(*(self._replace(link.worker, take_from[link.worker])
                                          for link in self.links), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -520,8 +597,6 @@ class RouterWorkers:
             await self._roll_back(olds)
             raise LaunchError(f"router reload rolled back, the old workers serve on: "
                               f"{'; '.join(str(e) for e in failed)}")
-        for link in self.links:
-            await self._push_last(link.worker)
         # Every old listener closed, and each has said so, before any old router answers a
         # request with "Connection: close": a client reconnecting finds only new listeners (a
         # connection queued at a listener as it closes is reset by the kernel). One that does
@@ -529,12 +604,25 @@ class RouterWorkers:
         await asyncio.gather(*(self._stop_accepting(old) for old in olds.values()))
         for worker, old in olds.items():
             self._retire_counters(worker)
-            self._replaced.append(old)
-            signal_process(old.record.pid, old.record.proc_start_ticks or 0, signal.SIGUSR1)
-            task = asyncio.create_task(self._reap(old), name=f"router-drain:{worker}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._drain(old)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
+
+    async def _replace(self, worker: int, take_from: Sequence[str]) -> None:
+        """Start slot ``worker``'s new worker and push it everything at once: it accepts
+        from its start (on its predecessor's sockets) with only the serving set of its command
+        line, and pushes made while it started went to its predecessor alone. Waiting for the
+        other slots' new workers first left it serving without them for seconds."""
+        await self._launch(worker, take_from)
+        await self._push_last(worker)
+
+    def _drain(self, old: _Process) -> None:
+        """SIGUSR1 to a replaced worker whose listeners are closed: it finishes what it holds,
+        up to ``drain_s``, and exits; :meth:`_reap` waits for that (and kills it past it)."""
+        self._replaced.append(old)
+        signal_process(old.record.pid, old.record.proc_start_ticks or 0, signal.SIGUSR1)
+        task = asyncio.create_task(self._reap(old), name=f"router-drain:{old.record.worker}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _roll_back(self, olds: Mapping[int, _Process]) -> None:
         """A reload that could not start every new worker: stop the new ones it started
@@ -552,6 +640,7 @@ class RouterWorkers:
         for worker, old in olds.items():
             old.stopping = False  # its exit is a failure again: another is started for it
             self._procs[worker] = old
+            await self.links[worker].release(old.record.control_url)
             await self.links[worker].connect(old.record.control_url)
             await self._push_last(worker)
         log.error("router reload rolled back: the workers %s serve on",
@@ -582,6 +671,7 @@ class RouterWorkers:
         finally:
             with contextlib.suppress(ValueError):
                 self._replaced.remove(old)
+            await self.links[old.record.worker].release(old.record.control_url)
 
     async def _reap_now(self, old: _Process) -> None:
         rec = old.record

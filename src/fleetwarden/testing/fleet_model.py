@@ -81,7 +81,8 @@ LOAD_THINK_S = 0.1
 SIM_ARGS = ("--steps-per-s", "40")
 #: A shard whose engine the model broke less than this long before a request is not counted
 #: as a healthy engine for it: a crash or a wedge is condemned and its engine replaced well
-#: within it, a trickle lasts 3 s.
+#: within it while fleetwarden runs, a trickle lasts 3 s. A wedge is remembered longer: from
+#: the last time the model saw its process still the one wedged (``FleetModel.wedged``).
 FAULT_MEMORY_S = 15.0
 #: What an operation returns when the fleet has too few HEALTHY shards for it (faults one at
 #: a time over a serving fleet): not counted; the model waits a moment and draws again.
@@ -263,6 +264,12 @@ class FleetModel:
         #: When the model last broke each shard's engine (a fault, a restart, a sleep): the
         #: ledger may call it HEALTHY for a tick or two after, but it is no healthy engine.
         self.faulted_at: dict[int, float] = {}
+        #: Shards the model wedged, and the identity of the process wedged (:meth:`identity`):
+        #: a wedged engine stays wedged until its process is replaced or restarted, however
+        #: long that takes (a clean restart of fleetwarden took 15.6 s in a long run, past
+        #: FAULT_MEMORY_S, and a poison request's first try then failed on the wedge, not
+        #: on the poison). :meth:`remember_wedges` keeps their fault time current.
+        self.wedged: dict[int, tuple[int, int | None]] = {}
         #: Restarts the model made of launched engines in place (the simulator's own restart).
         self.restarts_by_model: Counter[int] = Counter()
         #: Repairs under way (the system that runs attached engines is slow to replace one).
@@ -277,8 +284,10 @@ class FleetModel:
         self.orphan_since: dict[str, float] = {}
         self.poison_sent = 0
         self.poison_at = -1e9
-        #: Router slots in the journal at the last read.
+        #: Router slots in the journal at the last read, and those with a worker that answered
+        #: and accepts connections.
         self.slots = 0
+        self.slots_serving = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -353,23 +362,26 @@ path = "{self.journal_path}"
         return [{**json.loads(r), "worker": w, "launched_wall": t} for w, r, t in rows]
 
     async def router_sets(self, http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
-        """The current worker of each slot that answers: launch id -> its /status (what it
-        serves). A slot whose newest worker is still starting is left out (its predecessor,
-        draining, gets no pushes any more), and so is one whose newest worker in the journal
-        has stopped accepting (a storm of reloads: its replacement is not journaled yet)."""
-        current: dict[int, dict[str, Any]] = {}
-        for r in self.routers():
-            current[r["worker"]] = r  # the latest launched of each slot
-        self.slots = len(current)
+        """Every router worker the journal says is running that answers and still accepts
+        connections: launch id -> its /status (what it serves). A reload's old worker is one
+        of them until it closes its listeners: it takes requests, so it must be pushed to as
+        its replacement is (docs/design.md section 4). ``self.slots`` is the number of slots;
+        ``self.slots_serving`` those with a worker here (a slot whose workers are all still
+        starting, or all stopped accepting in a storm of reloads, is not)."""
+        rows = self.routers()
+        self.slots = len({r["worker"] for r in rows})
         token = self.router_token.read_text().strip()
         out: dict[str, dict[str, Any]] = {}
-        for r in current.values():
+        serving: set[int] = set()
+        for r in rows:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with http.get(r["control_url"] + "/status",
                                     headers={"Authorization": f"Bearer {token}"}) as resp:
                     status = await resp.json() if resp.status == 200 else None
                     if status is not None and status.get("accepting", True):
                         out[r["launch_id"]] = status
+                        serving.add(r["worker"])
+        self.slots_serving = len(serving)
         return out
 
     # ------------------------------------------------------------------ the operations
@@ -397,6 +409,12 @@ path = "{self.journal_path}"
             return SKIPPED
         assert self.client is not None
         self.faulted_at[s["index"]] = time.monotonic()
+        # A wedge stays until the process is replaced or restarted; any other fault replaces
+        # it (the simulator has one fault at a time).
+        if fault == "wedge":
+            self.wedged[s["index"]] = self.identity(s)
+        else:
+            self.wedged.pop(s["index"], None)
         try:
             await self.call(self.client.chaos, s["index"], fault, **options)
         except FleetClientError as exc:
@@ -417,7 +435,9 @@ path = "{self.journal_path}"
 
     async def op_poison(self, http: aiohttp.ClientSession) -> str:
         assert self.up is not None
-        before = {s["index"]: s["state"] for s in await self.shards()}
+        shards = await self.shards()
+        self.remember_wedges(shards)
+        before = {s["index"]: s["state"] for s in shards}
         seq = await self.last_seq()
         body = {"model": "tiny", "prompt": POISON_PROMPT, "max_tokens": 4}
         status = 0
@@ -539,12 +559,26 @@ path = "{self.journal_path}"
         """Shard -> the identity of its process now, as the model knows it (not as fleetwarden
         has seen it yet): its count of processes for an attached engine; for a launched one
         the PID fleetwarden started and the model's count of the restarts it made in place."""
-        out: dict[int, tuple[int, int | None]] = {}
-        for s in await self.shards():
-            a = self.attached_of(s)
-            out[s["index"]] = ((a.generation, 0) if a is not None
-                               else (self.restarts_by_model[s["index"]], s["pid"]))
-        return out
+        return {s["index"]: self.identity(s) for s in await self.shards()}
+
+    def identity(self, s: dict[str, Any]) -> tuple[int, int | None]:
+        """The identity of shard ``s``'s process now, as the model knows it (participants)."""
+        a = self.attached_of(s)
+        return (a.generation, 0) if a is not None else (self.restarts_by_model[s["index"]],
+                                                         s["pid"])
+
+    def remember_wedges(self, shards: list[dict[str, Any]]) -> None:
+        """A wedge lasts as long as the process wedged: each shard whose wedged process is
+        still its process is faulted now (its fault memory runs from the last time it was
+        seen wedged); one whose process changed (restarted, replaced) is forgotten."""
+        now = time.monotonic()
+        by_index = {s["index"]: s for s in shards}
+        for i, wedged in list(self.wedged.items()):
+            s = by_index.get(i)
+            if s is not None and self.identity(s) == wedged:
+                self.faulted_at[i] = now
+            else:
+                del self.wedged[i]
 
     async def refit(self, *, finish: str, restart_one: bool = False, overrun: bool = False
                     ) -> str:
@@ -665,7 +699,7 @@ path = "{self.journal_path}"
 
     async def check(self, http: aiohttp.ClientSession) -> None:
         await self.check_healthy_routed(http)
-        self.check_processes_journaled()
+        await self.check_processes_journaled()
         self.check_orphans()
         self.check_client_failures()
         if self.epoch.weights == "trainer":
@@ -682,6 +716,7 @@ path = "{self.journal_path}"
         since: dict[str, float] = {}
         while True:
             shards = await self.shards()
+            self.remember_wedges(shards)
             now = time.monotonic()
             healthy = {s["base_url"]: s["index"] for s in shards if s["state"] == "HEALTHY"}
             since = {u: since.get(u, now) for u in healthy}
@@ -695,14 +730,14 @@ path = "{self.journal_path}"
                         for u in healthy if u not in st["serving"])
             foreign = sorted({u for st in sets.values() for u in st["serving"]
                               if u not in configured})
-            every = bool(sets) and len(sets) == self.slots
+            every = bool(sets) and self.slots_serving == self.slots
             if every and not missing and not foreign:
                 break
             waited = time.monotonic() - started
             if (every and waited > PUSH_BOUND_S and not young) or waited > ROUTER_START_BOUND_S:
                 if not every:
                     self.violation("every router answers its control API",
-                                   f"{len(sets)} of {self.slots} router slot(s) answered "
+                                   f"{self.slots_serving} of {self.slots} router slot(s) answered "
                                    f"within {ROUTER_START_BOUND_S:g} s")
                 if missing:
                     self.violation("HEALTHY implies routed by every router within one push",
@@ -744,12 +779,12 @@ path = "{self.journal_path}"
                                  "SELECT launch_id FROM routers")
         return {str(r[0]) for r in rows}
 
-    def check_processes_journaled(self) -> None:
+    async def check_processes_journaled(self) -> None:
         unknown = {pid: launch for pid, launch in self.ours().items()
                    if launch not in self.journaled()}
         if unknown:
             # A process may be a moment ahead of its journal row: look once more.
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)  # the other fleet's operations go on meanwhile
             known = self.journaled()
             unknown = {p: lid for p, lid in unknown.items() if lid not in known
                        and process_info(p) is not None}

@@ -1,0 +1,55 @@
+"""The fleet model's memory of the faults it made: a wedged engine stays wedged until its
+process is replaced or restarted, however long that takes (:mod:`fleetwarden.testing.fleet_model`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from fleetwarden.testing.fleet_model import EPOCHS, FAULT_MEMORY_S, FleetModel, ModelReport
+
+
+def model(tmp_path: Path) -> FleetModel:
+    static = EPOCHS[0]
+    return FleetModel(static, random.Random(0), tmp_path, ModelReport(0), lambda _: None)
+
+
+def shards(m: FleetModel, launched_pid: int | None = 100) -> list[dict[str, Any]]:
+    """The shards as the admin API lists them: the launched one first, then each attached."""
+    out = [{"index": 0, "pid": launched_pid, "base_url": "http://127.0.0.1:1"}]
+    out += [{"index": 1 + k, "pid": None, "base_url": a.url} for k, a in enumerate(m.attached)]
+    return out
+
+
+def test_a_wedge_is_remembered_while_its_process_lives_then_forgotten(tmp_path: Path) -> None:
+    """Before, a wedge was forgotten FAULT_MEMORY_S after it was made: a clean restart of
+    fleetwarden that took 15.6 s outlived it, and the wedge's own failed request on a poison
+    draw counted as a healthy engine ejected."""
+    m = model(tmp_path)
+    now = shards(m)
+    m.wedged[1] = m.identity(now[1])  # an attached engine, wedged long ago
+    m.wedged[0] = m.identity(now[0])  # the launched one, wedged long ago
+    long_ago = time.monotonic() - 10 * FAULT_MEMORY_S
+    m.faulted_at[0] = m.faulted_at[1] = long_ago
+    m.remember_wedges(now)
+    assert m.faulted_at[1] > long_ago + 9 * FAULT_MEMORY_S  # still wedged: faulted now
+    assert m.faulted_at[0] > long_ago + 9 * FAULT_MEMORY_S
+    # The attached engine replaced (the system behind --backend), the launched one started
+    # again by fleetwarden (a new PID): both forgotten, their fault times left as they were.
+    m.attached[0].generation += 1
+    m.faulted_at[0] = m.faulted_at[1] = long_ago
+    m.remember_wedges(shards(m, launched_pid=101))
+    assert m.wedged == {}
+    assert m.faulted_at[0] == m.faulted_at[1] == long_ago
+
+
+def test_a_launched_engine_restarted_in_place_is_no_longer_wedged(tmp_path: Path) -> None:
+    m = model(tmp_path)
+    now = shards(m)
+    m.wedged[0] = m.identity(now[0])
+    m.restarts_by_model[0] += 1  # the simulator's own restart clears its fault
+    m.remember_wedges(now)
+    assert 0 not in m.wedged
