@@ -452,13 +452,13 @@ def _list(value: str, known: tuple[str, ...] | None = None) -> list[str]:
 def _run_folder(prefix: str, keep: Path | None) -> Iterator[Path]:
     """One run's folder: a temporary one, or one kept under ``keep``."""
     if keep is None:
-        with tempfile.TemporaryDirectory(prefix=prefix) as folder:
-            yield Path(folder)
+        with tempfile.TemporaryDirectory(prefix=prefix) as temporary:
+            yield Path(temporary)
         return
     keep.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=keep))
-    print(f"kept: {folder}", flush=True)
-    yield folder
+    kept = Path(tempfile.mkdtemp(prefix=prefix, dir=keep))
+    print(f"kept: {kept}", flush=True)
+    yield kept
 
 
 def main(argv: list[str] | None = None) -> int:
