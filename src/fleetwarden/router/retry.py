@@ -94,7 +94,8 @@ def settle(cause: Cause, *, streamed: bool, began: bool, finished: bool,
 
     ``streamed``: a stream the router continues; ``began``: it reached its client (from then
     on continued, never restarted); ``finished``: its final chunk was read;
-    ``same_5xx_again``: a 5xx with the status of the request's previous failed attempt."""
+    ``same_5xx_again``: this 5xx completes the same status from every engine the request may
+    try (:func:`~fleetwarden.router.pool.poison_quorum`): the request is poison."""
     if began and finished:
         return AfterFailure.WHOLE
     if cause is Cause.RESCUED or (cause is Cause.HEDGED and streamed):
