@@ -4,12 +4,22 @@ process is replaced or restarted, however long that takes (:mod:`fleetwarden.tes
 
 from __future__ import annotations
 
+import contextlib
 import random
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
-from fleetwarden.testing.fleet_model import EPOCHS, FAULT_MEMORY_S, FleetModel, ModelReport
+from fleetwarden.journal import Journal
+from fleetwarden.testing.fleet_model import (
+    EPOCHS,
+    FAULT_MEMORY_S,
+    PUSH_BOUND_S,
+    FleetModel,
+    ModelReport,
+)
+from fleetwarden.testing.load import RequestResult
 
 
 def model(tmp_path: Path) -> FleetModel:
@@ -53,3 +63,27 @@ def test_a_launched_engine_restarted_in_place_is_no_longer_wedged(tmp_path: Path
     m.restarts_by_model[0] += 1  # the simulator's own restart clears its fault
     m.remember_wedges(now)
     assert 0 not in m.wedged
+
+
+def test_a_shard_the_journal_shows_leaving_healthy_between_checks_was_no_healthy_engine(
+        tmp_path: Path) -> None:
+    """Checks are samples. When fleetwarden starts again in trainer mode, every attached shard
+    turns STALE (nothing says which weights it holds); a request refused 409 after that and
+    before the next check was counted against a HEALTHY shard seen at the check before."""
+    m = model(tmp_path)
+    Journal(m.journal_path).close()  # the fleet's own schema
+    now = time.monotonic()
+    m.healthy_seen.append((now - 1.0, frozenset({2})))
+    refused = RequestResult("load-36", started=now - 0.5, latency_s=0.01, status=409)
+    assert m.had_healthy(refused)  # no transition journaled: it had one
+    wall = time.time() - 0.49
+    with contextlib.closing(sqlite3.connect(m.journal_path)) as conn, conn:
+        conn.execute("INSERT INTO transitions (shard, from_state, to_state, event, cause, at, "
+                     "wall, record) VALUES (2, 'HEALTHY', 'STALE', 'new run, weights lost', "
+                     "'fleetwarden started again', 0, ?, '{}')", (wall,))
+    assert not m.had_healthy(refused)
+    # A shard that left HEALTHY before the request's window began is not held against it.
+    later = RequestResult("load-37", started=now + PUSH_BOUND_S + 1.0, latency_s=0.01,
+                          status=409)
+    m.healthy_seen.append((later.started - 0.1, frozenset({2})))
+    assert m.had_healthy(later)

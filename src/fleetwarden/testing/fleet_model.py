@@ -835,13 +835,27 @@ path = "{self.journal_path}"
 
     def had_healthy(self, r: RequestResult) -> bool:
         """A healthy engine all through the request: a shard HEALTHY at every check from a
-        little before it to its end, whose engine the model did not break in that time."""
-        end = r.started + r.latency_s
-        seen = [h for t, h in self.healthy_seen if r.started - PUSH_BOUND_S <= t <= end]
+        little before it to its end, that the journal shows never leaving HEALTHY in that time
+        (checks are samples: a shard can leave between two of them, as every attached one does
+        when fleetwarden starts again in trainer mode), and whose engine the model did not
+        break in that time."""
+        start, end = r.started - PUSH_BOUND_S, r.started + r.latency_s
+        seen = [h for t, h in self.healthy_seen if start <= t <= end]
         if not seen:
             return False
-        always = frozenset.intersection(*seen)
+        always = frozenset.intersection(*seen) - self.left_healthy(start, end)
         return any(self.faulted_at.get(i, -1e9) < r.started - FAULT_MEMORY_S for i in always)
+
+    def left_healthy(self, start: float, end: float) -> set[int]:
+        """Shards the journal shows leaving HEALTHY between two monotonic times."""
+        offset = time.time() - time.monotonic()  # the journal's times are wall-clock
+        if not self.journal_path.exists():
+            return set()
+        rows = self.journal_rows(
+            "SELECT DISTINCT shard FROM transitions WHERE from_state = 'HEALTHY' "
+            f"AND to_state != 'HEALTHY' AND wall BETWEEN {start + offset - 0.05} "
+            f"AND {end + offset + 0.05}")
+        return {int(row[0]) for row in rows}
 
     async def check_lost_weights(self, http: aiohttp.ClientSession) -> None:
         """An engine that lost its weights never serves under a version label: once the
