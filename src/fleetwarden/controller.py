@@ -400,10 +400,11 @@ class Controller:
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
                 await asyncio.sleep(0)
-        # No work in its gauges: no step is in progress, long or not, so a held request that
-        # loses its race is a failed attempt of its engine (out of routing until it proves
-        # itself; the lost races can confirm it before the canary does).
-        await self._hedge(i, url, held_s, lost_race_fails=True)
+        # No work in its gauges is no proof that no step is in progress: real vLLM writes its
+        # gauges at a step's end, so a long first step after idle reads as idle and flat. Its
+        # lost races cost it nothing; the canary (or the held request) condemns at the stall
+        # limit (history: docs/design.md section 12).
+        await self._hedge(i, url, held_s)
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core; what it concludes (the watch's, in

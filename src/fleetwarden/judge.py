@@ -930,8 +930,9 @@ class Hedge(enum.Enum):
 
     #: Work in its gauges, perhaps one long step: a lost race costs the engine nothing.
     STEP = "step"
-    #: No work in its gauges, so no step in progress: a lost race is a failed attempt of the
-    #: engine, and a canary sent with the hedges keeps the watch (:class:`Hedged`).
+    #: No work in its gauges (a lost core, or a long first step whose gauges are not written
+    #: yet): a canary sent with the hedges keeps the watch (:class:`Hedged`); a lost race
+    #: costs the engine nothing either.
     LOST_CORE = "lost core"
 
 

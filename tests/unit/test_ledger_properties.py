@@ -224,7 +224,9 @@ class LedgerMachine(RuleBasedStateMachine):
                     assert b.state is a.state_before_sleep
                     assert not a.sleep_held or self.last_awake_by_trainer
                 elif b.state in (H, S):  # a read that says awake, then what else it says
-                    assert name == "record_reading" and not a.sleep_held
+                    # (a held sleep is the old process's: a restart's new process is awake)
+                    assert name == "record_reading" and (
+                        not a.sleep_held or b.incarnation != a.incarnation)
                 else:
                     assert b.state in (ST, D, X)  # woke STALE, a new process, death, retirement
             if a.state is SL and b.state is SL and a.state_before_sleep is not ST \
@@ -371,4 +373,26 @@ def test_kept_case_a_suspect_engine_restarted_asleep_on_static_weights() -> None
                            sleep=1)
     check()
     assert machine.ledger.shard(0).state_before_sleep is H
+    machine.teardown()
+
+
+def test_kept_case_an_engine_held_asleep_restarted_awake_on_static_weights() -> None:
+    """Hypothesis's shrunk counterexample, kept: a shard the trainer holds asleep, whose
+    reading tells a restart, awake. The hold was the old process's; the new process starts
+    awake with no history and, on static weights, serves (the sleep invariant once refused)."""
+    machine = StaticLedgerMachine()
+    checks = [getattr(machine, name) for name in dir(StaticLedgerMachine)
+              if hasattr(getattr(StaticLedgerMachine, name), INVARIANT_MARKER)]
+
+    def check() -> None:
+        for f in checks:
+            f()
+
+    machine.report_asleep(discarded=False, held=True, i=0)
+    check()
+    assert machine.ledger.shard(0).sleep_held
+    machine.record_reading(canary=True, excused=False, health="proven", i=0, restarted=True,
+                           sleep=None)
+    check()
+    assert machine.ledger.shard(0).state is H and not machine.ledger.shard(0).sleep_held
     machine.teardown()
