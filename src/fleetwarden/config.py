@@ -385,9 +385,9 @@ class HealthConfig(_Section):
     #: this long (every progress counter flat, on the focused reads) is sent to another
     #: engine as well: the first answer is the client's, the other is cancelled. A held
     #: request that lost takes its engine out of that router's list until the next push, and
-    #: is no failure of the engine (a long step looks the same until it ends; only the stall
-    #: limit condemns), except on a lost core (its gauges show no work: no step in progress),
-    #: where it is a failed attempt. vLLM steps every 10-125 ms (the
+    #: is no failure of the engine (a long step looks the same until it ends, and real vLLM's
+    #: gauges show no work during a first step after idle; only the stall limit condemns).
+    #: vLLM steps every 10-125 ms (the
     #: captures), so a second without a step is 8 times its slowest one seen; a healthy
     #: engine that does pause that long (one long prefill step) costs the duplicate work of
     #: what it held, within the router's retry budget, and a tick out of one router's list; a
