@@ -746,7 +746,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
             with Live(console=console, refresh_per_second=2, transient=False) as view:
                 while not fleet.stopping:
                     snap = fleet.snapshot()
-                    view.update(fleet_view(views.describe(snap), views.shards_view(snap),
+                    view.update(fleet_view(views.status_view(snap), views.shards_view(snap),
                                            fleet.events.recent))
                     await asyncio.sleep(0.5)
 

@@ -332,7 +332,7 @@ class Story:
         # to give way in a narrow terminal
         kinds = Text.assemble("engines: ", "  ".join(
             f"{i} {self.kind(i, snap)}" for i in range(len(snap.shards))), style="dim")
-        return Group(head, kinds, fleet_view(views.describe(snap), views.shards_view(snap),
+        return Group(head, kinds, fleet_view(views.status_view(snap), views.shards_view(snap),
                                              fleet.events.recent))
 
     def sample(self) -> None:

@@ -150,7 +150,7 @@ def _version(body: dict[str, Any]) -> int:
 # ---------------------------------------------------------------------- read
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(views.describe(request.app[FLEET].snapshot()))
+    return web.json_response(views.status_view(request.app[FLEET].snapshot()))
 
 
 async def shards(request: web.Request) -> web.Response:

@@ -83,7 +83,7 @@ def snapshot(fleet: FleetSurface) -> dict[str, Any]:
     snap = fleet.snapshot()
     return {
         "at": time.time(),
-        "fleet": views.describe(snap),
+        "fleet": views.status_view(snap),
         "shards": views.shards_view(snap),
         "max_restart_attempts": snap.max_restart_attempts,
         "refits": views.refits_view(snap),
