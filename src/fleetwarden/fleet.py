@@ -42,7 +42,7 @@ from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
-from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
+from fleetwarden.ledger import Ledger, Outcome, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run
 from fleetwarden.router import Router
@@ -181,15 +181,6 @@ class Fleet:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def _policy(self) -> Policy:
-        h, s, f = self.config.health, self.config.supervisor, self.config.fleet
-        return Policy(unhealthy_threshold=h.unhealthy_threshold,
-                      healthy_threshold=h.healthy_threshold,
-                      max_restart_attempts=s.max_restart_attempts,
-                      min_serving_shards=h.min_serving_shards, weights=f.weights,
-                      ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s,
-                      panic_threshold_percent=h.panic_threshold_percent)
-
     async def start(self) -> None:
         cfg = self.config
         launched = list(range(cfg.fleet.launched))
@@ -198,7 +189,7 @@ class Fleet:
 
         self.token = load_or_create_token(cfg.admin.token_file)
         self._journal = journal = Journal(cfg.journal.path)
-        restored = journal.restore(self._policy(), clock=time.time)
+        restored = journal.restore(self.config.ledger_policy(), clock=time.time)
         if restored is not None and len(restored) != size:
             raise ValueError(
                 f"journal {cfg.journal.path} records a fleet of {len(restored)} shards, the "
@@ -286,7 +277,7 @@ class Fleet:
             else:
                 urls.append(f"http://{cfg.fleet.host}:0/shard-{i}-not-started")
 
-        ledger = restored if restored is not None else Ledger(urls, self._policy(),
+        ledger = restored if restored is not None else Ledger(urls, self.config.ledger_policy(),
                                                               clock=time.time)
         self._ledger = ledger
         if local is not None:
