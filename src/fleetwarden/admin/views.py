@@ -29,7 +29,7 @@ __all__ = ["TRAFFIC_STEP_S", "WINDOW_S", "FleetCollector", "Traffic", "TrafficPo
 #: What the page shows of the past: transitions and traffic of the last hour.
 WINDOW_S = 3600.0
 #: Traffic points are kept at most this far apart when ticks come faster (a fleet's own step
-#: follows its tick: see ``Fleet.traffic``).
+#: follows its tick: see ``AdminState.traffic``).
 TRAFFIC_STEP_S = 5.0
 
 
