@@ -96,7 +96,7 @@ async def _server_block(serve: Any, n: int) -> float:
 async def _client_block(upstream: Any, n: int) -> float:
     client = upstream.UpstreamClient(connect_timeout_s=5, total_timeout_s=60,
                                      keepalive_timeout_s=4)
-    connection = upstream._Connection(client, ("engine", 1, False))
+    connection = upstream._EngineConnection(client, ("engine", 1, False))
     connection.connection_made(_Transport())
     loop = asyncio.get_running_loop()
     started = time.process_time()

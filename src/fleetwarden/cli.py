@@ -735,7 +735,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
                       f"(token in {cfg.admin.token_file})", soft_wrap=True)
         # The one place the token is shown (the terminal, never a log): one line, unwrapped,
         # so that it can be copied whole however narrow the terminal.
-        console.print(f"dashboard  {fleet.admin_url}/?token={fleet.token}", soft_wrap=True)
+        console.print(f"dashboard  {fleet.admin_url}/?token={fleet.admin.token}", soft_wrap=True)
         console.print(f"journal    {cfg.journal.path}   logs {cfg.fleet.log_dir}/")
         console.print("Ctrl-C stops the fleet and every engine it started.\n")
         if quiet:
@@ -746,8 +746,8 @@ async def _up(cfg: Any, quiet: bool) -> None:
             with Live(console=console, refresh_per_second=2, transient=False) as view:
                 while not fleet.stopping:
                     snap = fleet.snapshot()
-                    view.update(fleet_view(views.describe(snap), views.shards_view(snap),
-                                           fleet.events.recent))
+                    view.update(fleet_view(views.status_view(snap), views.shards_view(snap),
+                                           fleet.admin.events.recent))
                     await asyncio.sleep(0.5)
 
         async with asyncio.TaskGroup() as group:

@@ -5,6 +5,12 @@ its reason.
 Must not: repeat a default that a component owns (``ledger.Policy``, ``judge.WatchdogPolicy``,
 ``router.settings``): it reads them.
 
+A setting that a component's policy owns is declared there, with its default and its reason.
+A section exposes it by a field of the same name (or one named in the section's ``_renamed``)
+whose default is the policy's and whose type is its validation; everything else is derived
+from the policy's fields: the comment ``config --example`` prints, the values each policy is
+built from, and the policy's own checks at ``config --check`` (see :class:`_Section`).
+
 The sections follow the picture of docs/design.md section 1: `[fleet]` (the engines), `[router]`,
 `[health]` (watchdog and ledger thresholds), `[supervisor]` (restarts), `[journal]` and
 `[admin]`. Components take their section as it is; nothing else holds a default.
@@ -14,12 +20,13 @@ Invalid input is a :class:`ConfigError` whose lines name the key, the value and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import string
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -65,7 +72,46 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class _Section(BaseModel):
+    """One ``[section]`` of the file. It may expose settings that components' policies own
+    (``_policies``: frozen dataclasses): a field named as a policy's field stands for it."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    #: The policies whose fields this section exposes.
+    _policies: ClassVar[tuple[type[Any], ...]] = ()
+    #: A field named otherwise than the policy field it stands for: its name -> the policy's.
+    _renamed: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def policy_fields(cls, policy: type[Any]) -> dict[str, str]:
+        """This section's fields that stand for ``policy``'s: field name -> policy field name."""
+        if policy not in cls._policies:
+            return {}
+        owned = {f.name for f in dataclasses.fields(policy)}
+        names = {key: cls._renamed.get(key, key) for key in cls.model_fields}
+        return {key: name for key, name in names.items() if name in owned}
+
+    @classmethod
+    def owner_of(cls, key: str) -> tuple[type[Any], str] | None:
+        """The policy and policy field that ``key`` stands for; None: the section's own."""
+        for policy in cls._policies:
+            name = cls.policy_fields(policy).get(key)
+            if name is not None:
+                return policy, name
+        return None
+
+    def policy_values(self, policy: type[Any]) -> dict[str, Any]:
+        """What this section sets of ``policy``: keyword arguments by the policy's names."""
+        return {name: getattr(self, key) for key, name in self.policy_fields(policy).items()}
+
+    @model_validator(mode="after")
+    def _policies_accept(self) -> Self:
+        # Each policy checks what a field alone cannot (RouterSettings: never 504; the ledger's
+        # Policy: the ejection backoff grows). Asked here, `config --check` says so, not the
+        # fleet's start; the fields' own bounds were checked first.
+        for policy in self._policies:
+            policy(**self.policy_values(policy))
+        return self
 
 
 #: What an engine command (and its environment's values) may name: the local and Ray
@@ -120,7 +166,7 @@ class EngineGroup(_Section):
 class FleetConfig(_Section):
     """The engines: launched here (a command template) and/or attached (URLs run elsewhere)."""
 
-    _defaults_from: ClassVar[dict[str, type]] = {"weights": Policy}
+    _policies = (Policy,)
 
     #: Engines to launch. Two is the smallest fleet where one can fail and the other serve.
     engines: Annotated[int, Field(ge=0)] = 2
@@ -249,9 +295,7 @@ class RemoteRouterConfig(_Section):
 class RouterConfig(_Section):
     """The data path (docs/design.md section 4)."""
 
-    _defaults_from: ClassVar[dict[str, type]] = {
-        name: RouterSettings for name in RouterSettings.__dataclass_fields__
-    }
+    _policies = (RouterSettings,)
 
     #: Where the router listens for the OpenAI API.
     host: str = DEFAULT_HOST
@@ -327,28 +371,15 @@ class RouterConfig(_Section):
     #: More routers for the same fleet, in other processes or on other hosts; none by default.
     remote: list[RemoteRouterConfig] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _valid_settings(self) -> RouterConfig:
-        self.settings()  # RouterSettings checks what a field alone cannot (never 504)
-        return self
-
     def settings(self) -> RouterSettings:
-        return RouterSettings(**{name: getattr(self, name)
-                                 for name in RouterSettings.__dataclass_fields__})
+        return RouterSettings(**self.policy_values(RouterSettings))
 
 
 class HealthConfig(_Section):
     """Watchdog and ledger thresholds (docs/design.md sections 3.2, 5 and 6)."""
 
-    _defaults_from: ClassVar[dict[str, type]] = {
-        "probe_timeout_s": WatchdogPolicy, "stall_s": WatchdogPolicy,
-        "stall_factor": WatchdogPolicy, "stall_max_s": WatchdogPolicy,
-        "stall_waits": WatchdogPolicy, "canary_interval_s": WatchdogPolicy,
-        "canary_timeout_s": WatchdogPolicy, "unhealthy_threshold": Policy,
-        "healthy_threshold": Policy, "min_serving_shards": Policy,
-        "ejection_base_s": Policy, "ejection_max_s": Policy,
-        "panic_threshold_percent": Policy,
-    }
+    _policies = (WatchdogPolicy, Policy)
+    _renamed = {"probe_timeout_s": "read_timeout_s"}
 
     #: Seconds between controller ticks. A crash is seen at once (process exit); this paces
     #: the metrics reads and the outcome drains.
@@ -410,29 +441,14 @@ class HealthConfig(_Section):
     #: read that hangs holds its reader at most ``probe_timeout_s``.
     max_concurrent_reads: PositiveInt = 64
 
-    @model_validator(mode="after")
-    def _ejection_backoff_grows(self) -> HealthConfig:
-        # The ledger's Policy refuses it too, but only when the fleet starts: `config --check`
-        # must say so first, naming both fields.
-        if self.ejection_base_s > self.ejection_max_s:
-            raise ValueError(
-                f"ejection_base_s ({self.ejection_base_s:g}) must not exceed ejection_max_s "
-                f"({self.ejection_max_s:g}): the backoff doubles from the first up to the second")
-        return self
-
     def watchdog_policy(self) -> WatchdogPolicy:
-        return WatchdogPolicy(
-            stall_s=self.stall_s, stall_factor=self.stall_factor, stall_max_s=self.stall_max_s,
-            stall_waits=self.stall_waits,
-            canary_interval_s=self.canary_interval_s, read_timeout_s=self.probe_timeout_s,
-            canary_timeout_s=self.canary_timeout_s,
-        )
+        return WatchdogPolicy(**self.policy_values(WatchdogPolicy))
 
 
 class SupervisorConfig(_Section):
     """Restarts (docs/design.md section 7)."""
 
-    _defaults_from: ClassVar[dict[str, type]] = {"max_restart_attempts": Policy}
+    _policies = (Policy,)
 
     max_restart_attempts: Annotated[int, Field(ge=0)] = _LEDGER.max_restart_attempts
     #: Seconds before retrying a failed restart, doubling up to `backoff_max_s`.
@@ -483,6 +499,15 @@ class Config(_Section):
     refit: RefitConfig = Field(default_factory=RefitConfig)
     journal: JournalConfig = Field(default_factory=JournalConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
+
+    def ledger_policy(self) -> Policy:
+        """The ledger's policy, from every section that exposes a field of it ([health]'s
+        thresholds, [supervisor]'s restarts, [fleet]'s weights)."""
+        values: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            section: _Section = getattr(self, name)
+            values.update(section.policy_values(Policy))
+        return Policy(**values)
 
 
 class ConfigError(Exception):
@@ -570,14 +595,14 @@ def example_toml() -> str:
         out.append(f"\n[{name}]")
         if model.__doc__:
             out.append(f"# {model.__doc__.strip().splitlines()[0]}")
-        elsewhere: dict[str, type] = getattr(model, "_defaults_from", {})
+        assert issubclass(model, _Section)
         for key, sub in model.model_fields.items():
             comments = _comments_for(source, model.__name__, key)
-            if not comments and key in elsewhere:
-                owner = elsewhere[key]
-                owner_key = {"probe_timeout_s": "read_timeout_s"}.get(key, key)
-                comments = _comments_for(inspect.getsource(sys.modules[owner.__module__]),
-                                         owner.__name__, owner_key)
+            owner = model.owner_of(key)
+            if not comments and owner is not None:  # the reason lives beside the default
+                policy, policy_key = owner
+                comments = _comments_for(inspect.getsource(sys.modules[policy.__module__]),
+                                         policy.__name__, policy_key)
             for comment in comments:
                 out.append(f"# {comment}")
             default = sub.get_default(call_default_factory=True)

@@ -207,7 +207,8 @@ class Story:
             ShardState.HEALTHY, ShardState.SUSPECT), 90, f"{name}: quarantine")
         if seen is not None:
             result.quarantined_after_s = round(time.monotonic() - start, 1)
-            deaths = [t for t in fleet.events.recent if t["shard"] == shard and t["to"] == "DEAD"]
+            deaths = [t for t in fleet.admin.events.recent
+                      if t["shard"] == shard and t["to"] == "DEAD"]
             result.what_happened = deaths[-1]["cause"][:160] if deaths else ""
         paused = self.real and self.load is not None
         if paused:
@@ -293,7 +294,7 @@ class Story:
         sent: dict[int, Any] = {}
         before = fleet.snapshot()
         restarts = before.restarts_completed
-        changes = len(fleet.events.recent)
+        changes = len(fleet.admin.events.recent)
         ticks = before.controller["tick"]
         verdicts: set[str] = set()
         deadline = time.monotonic() + (8 if q else 20)
@@ -307,7 +308,7 @@ class Story:
         await self.stop_load()
         after = fleet.snapshot()
         result.restarts = after.restarts_completed - restarts
-        transitions = len(fleet.events.recent) - changes
+        transitions = len(fleet.admin.events.recent) - changes
         how = "saturated" if saturated is not None else "loaded (not every engine saturated)"
         result.what_happened = (f"{after.controller['tick'] - ticks} ticks {how}: "
                                 f"{transitions} state changes, verdicts {sorted(verdicts)}")
@@ -332,8 +333,8 @@ class Story:
         # to give way in a narrow terminal
         kinds = Text.assemble("engines: ", "  ".join(
             f"{i} {self.kind(i, snap)}" for i in range(len(snap.shards))), style="dim")
-        return Group(head, kinds, fleet_view(views.describe(snap), views.shards_view(snap),
-                                             fleet.events.recent))
+        return Group(head, kinds, fleet_view(views.status_view(snap), views.shards_view(snap),
+                                             fleet.admin.events.recent))
 
     def sample(self) -> None:
         self.states.append((self.now(), [r.state.value for r in self.fleet.snapshot().shards]))
@@ -482,7 +483,7 @@ def _summary(story: Story) -> dict[str, Any]:
                       "status": r.status, "error": r.error or r.incomplete}
                      for r in results if not r.ok],
         "transitions": [{k: t[k] for k in ("wall", "shard", "from", "to", "cause")}
-                        for t in story.fleet.events.recent],
+                        for t in story.fleet.admin.events.recent],
     }
 
 

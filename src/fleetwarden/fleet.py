@@ -3,7 +3,8 @@
 Owns: starting, stopping and wiring. It builds the picture of docs/design.md section 1 from a
 :class:`~fleetwarden.config.Config`: the journal (restored when it exists, by ``restore.py``),
 the ledger, the launchers and the supervisor, the watchdog, the router, the refit coordinator,
-the controller that ticks them, and the admin API with its event bus and views; and it offers
+the controller that ticks them, and the admin API (``admin/server.py``, which keeps the admin
+side's own state: its token, events, traffic and metrics registry); and it offers
 the narrow surface of operations (:class:`~fleetwarden.admin.surface.FleetSurface`: retire,
 restart, refits, outcomes, a fault, a snapshot) that the admin API, the demo and the CLI use.
 
@@ -25,14 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-from fleetwarden.admin import dashboard
-from fleetwarden.admin.app import make_admin_app
-from fleetwarden.admin.events import EventBus
-from fleetwarden.admin.views import TRAFFIC_STEP_S, FleetCollector, Traffic, traffic_point
+from fleetwarden.admin.server import AdminServer
+from fleetwarden.admin.views import FleetCollector
 from fleetwarden.admin.work import WorkCollector
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
@@ -42,11 +37,10 @@ from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
-from fleetwarden.ledger import Ledger, Outcome, Policy, ShardState
+from fleetwarden.ledger import Ledger, Outcome, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run
 from fleetwarden.router import Router
-from fleetwarden.router.app import runner_url
 from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sleep import SleepResult, put_to_sleep
@@ -104,15 +98,13 @@ class Fleet:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.started_at = time.time()
-        self.token = ""
-        self.admin_url = ""
-        self._admin: web.AppRunner | None = None
         self._stop = asyncio.Event()
-        #: State changes and the dashboard's listeners (the admin side's).
-        self.events = EventBus()
-        #: The router's counters over the last hour for the dashboard: a point per tick, one a
-        #: second at most (an hour holds 720 points at the default 5 s tick, 3600 at most).
-        self.traffic = Traffic(step_s=min(TRAFFIC_STEP_S, max(1.0, config.health.probe_interval_s)))
+        r = config.router
+        #: The admin API and what only it uses (its token, events, traffic, metrics).
+        self.admin = AdminServer(
+            host=config.admin.host, port=config.admin.port, token_file=config.admin.token_file,
+            tick_s=config.health.probe_interval_s,
+            failure_statuses=frozenset({r.status_when_others_serve, r.status_when_none_left}))
         self._journal: Journal | None = None
         self._router: Router | None = None
         self._workers: RouterWorkers | None = None
@@ -124,10 +116,9 @@ class Fleet:
         self._launchers: ShardLaunchers | None = None
         self.routers: list[RouterLink] = []
         self._remotes: list[RemoteRouter] = []
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(FleetCollector(
+        self.admin.registry.register(FleetCollector(
             lambda: self.snapshot() if self._controller is not None else None))
-        self.registry.register(WorkCollector(
+        self.admin.registry.register(WorkCollector(
             lambda: self._controller.meter if self._controller is not None else None))
 
     # ------------------------------------------------------------------ parts (once started)
@@ -168,6 +159,10 @@ class Fleet:
     def router_url(self) -> str:
         return self.router.url
 
+    @property
+    def admin_url(self) -> str:
+        return self.admin.url
+
     # ------------------------------------------------------------------ start / stop
 
     async def __aenter__(self) -> Fleet:
@@ -181,24 +176,15 @@ class Fleet:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def _policy(self) -> Policy:
-        h, s, f = self.config.health, self.config.supervisor, self.config.fleet
-        return Policy(unhealthy_threshold=h.unhealthy_threshold,
-                      healthy_threshold=h.healthy_threshold,
-                      max_restart_attempts=s.max_restart_attempts,
-                      min_serving_shards=h.min_serving_shards, weights=f.weights,
-                      ejection_base_s=h.ejection_base_s, ejection_max_s=h.ejection_max_s,
-                      panic_threshold_percent=h.panic_threshold_percent)
-
     async def start(self) -> None:
         cfg = self.config
         launched = list(range(cfg.fleet.launched))
         attached = {cfg.fleet.launched + k: url for k, url in enumerate(cfg.fleet.backends)}
         size = len(launched) + len(attached)
 
-        self.token = load_or_create_token(cfg.admin.token_file)
+        self.admin.load_token()
         self._journal = journal = Journal(cfg.journal.path)
-        restored = journal.restore(self._policy(), clock=time.time)
+        restored = journal.restore(self.config.ledger_policy(), clock=time.time)
         if restored is not None and len(restored) != size:
             raise ValueError(
                 f"journal {cfg.journal.path} records a fleet of {len(restored)} shards, the "
@@ -236,10 +222,7 @@ class Fleet:
             self._router.set_serving_backends(*self._controller.serving_push())
         else:
             await self._controller.push_now()
-        self._admin = web.AppRunner(make_admin_app(self, self.token), access_log=None)
-        await self._admin.setup()
-        await web.TCPSite(self._admin, cfg.admin.host, cfg.admin.port).start()
-        self.admin_url = runner_url(self._admin)
+        await self.admin.start(self)
 
     async def _start_launchers(self, journal: Journal, launched: list[int],
                                attached: dict[int, str],
@@ -286,12 +269,12 @@ class Fleet:
             else:
                 urls.append(f"http://{cfg.fleet.host}:0/shard-{i}-not-started")
 
-        ledger = restored if restored is not None else Ledger(urls, self._policy(),
+        ledger = restored if restored is not None else Ledger(urls, self.config.ledger_policy(),
                                                               clock=time.time)
         self._ledger = ledger
         if local is not None:
             local.taken_urls = lambda: {r.base_url for r in ledger.snapshot()}
-        ledger.subscribe(self.events.transition)
+        ledger.subscribe(self.admin.events.transition)
         journal.attach(ledger)
         return ledger, first
 
@@ -326,7 +309,7 @@ class Fleet:
                 cfg.router.control_token_file, cfg.fleet.log_dir, self._journal,
                 outlive=cfg.fleet.engines_outlive_fleetwarden)
             await self._workers.start(ledger.serving_urls())
-            self.registry.register(self._workers.collector())  # the router's, per worker
+            self.admin.registry.register(self._workers.collector())  # the router's, per worker
             self.routers = list(self._workers.links)
         else:
             if cfg.router.port:  # the bind would fail too; this names who holds the port
@@ -360,11 +343,7 @@ class Fleet:
     async def stop(self) -> None:
         """Stop serving, then stop every engine this fleet started, leaving nothing running."""
         self._stop.set()
-        # open event streams end now, not at the server's close
-        self.events.publish({"type": "bye"})
-        if self._admin is not None:
-            await self._admin.cleanup()
-            self._admin = None
+        await self.admin.stop()
         if self._controller is not None:
             await self._controller.close()
         if self._router is not None:
@@ -413,14 +392,7 @@ class Fleet:
                 "shards": len(self.ledger), "ticks": c.tick_number, "work": c.meter.summary()}
 
     def _after_tick(self, report: TickReport) -> None:
-        self.traffic.record(traffic_point(self.router.stats, time.time(), self._failure_statuses))
-        if self.events.listeners:  # nobody watching: nothing built
-            self.events.publish({"type": "snapshot", "data": dashboard.snapshot(self)})
-
-    @property
-    def _failure_statuses(self) -> frozenset[int]:
-        r = self.config.router
-        return frozenset({r.status_when_others_serve, r.status_when_none_left})
+        self.admin.after_tick(self, self.router.stats)
 
     # ------------------------------------------------------------------ operations (the surface)
 
@@ -450,13 +422,13 @@ class Fleet:
     async def sleep(self, level: int, shards: list[int] | None) -> list[SleepResult]:
         results = await put_to_sleep(self.ledger, self.controller, level=level, shards=shards)
         self.controller.wake()
-        self.events.publish({"type": "sleep", "data": {"phase": "sleep", "level": level}})
+        self.admin.announce("sleep", phase="sleep", level=level)
         return results
 
     async def wake(self, shards: list[int] | None) -> list[SleepResult]:
         results = await wake_shards(self.ledger, self.controller, shards=shards)
         self.controller.wake()
-        self.events.publish({"type": "sleep", "data": {"phase": "wake"}})
+        self.admin.announce("sleep", phase="wake")
         return results
 
     async def begin_refit(self, version: int) -> Lease:
@@ -464,7 +436,7 @@ class Fleet:
         # Every participant read at the start: the baseline its read at the completion is
         # compared with (docs/design.md section 8).
         self.refit.read_at_start(await self.controller.read_participants())
-        self.events.publish({"type": "refit", "data": {"phase": "begin", "version": version}})
+        self.admin.announce("refit", phase="begin", version=version)
         return lease
 
     async def complete_refit(self, version: int) -> RefitRecord:
@@ -473,13 +445,13 @@ class Fleet:
         read = await self.controller.read_participants()
         record = self.refit.complete_refit(version, read_at_end=read)
         self.controller.wake()
-        self.events.publish({"type": "refit", "data": {"phase": "complete", "version": version}})
+        self.admin.announce("refit", phase="complete", version=version)
         return record
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         record = self.refit.abort_refit(version, reason)
         self.controller.wake()
-        self.events.publish({"type": "refit", "data": {"phase": "abort", "version": version}})
+        self.admin.announce("refit", phase="abort", version=version)
         return record
 
     async def inject_fault(self, i: int, fault: str, options: dict[str, Any]) -> str:
@@ -496,7 +468,7 @@ class Fleet:
         c, s, refit = self.controller, self.supervisor, self.refit
         return Snapshot(
             at=time.time(), started_at=self.started_at, router_url=self.router.url,
-            admin_url=self.admin_url, weights=self.config.fleet.weights,
+            admin_url=self.admin.url, weights=self.config.fleet.weights,
             shards=tuple(self.ledger.snapshot()),
             max_restart_attempts=self.ledger.policy.max_restart_attempts,
             controller=c.describe(), status=c.status, verdict_counts=dict(c.verdict_counts),
@@ -511,6 +483,3 @@ class Fleet:
             cache_predicted={u: (t.blocks, t.hit_blocks)
                              for u, t in self.router.cache_predictions().items()},
         )
-
-    def metrics_text(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -310,9 +310,9 @@ class Policy:
     def __post_init__(self) -> None:
         if not 0 <= self.ejection_base_s <= self.ejection_max_s:
             raise ValueError(
-                f"Policy.ejection_base_s must be >= 0 and <= ejection_max_s, got "
-                f"{self.ejection_base_s} and {self.ejection_max_s}"
-            )
+                f"Policy: ejection_base_s ({self.ejection_base_s:g}) must be >= 0 and not exceed "
+                f"ejection_max_s ({self.ejection_max_s:g}): the backoff doubles from the first "
+                "up to the second")
         if not 0 <= self.panic_threshold_percent <= 100:
             raise ValueError(f"Policy.panic_threshold_percent must be within 0..100, got "
                              f"{self.panic_threshold_percent}")

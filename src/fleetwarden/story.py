@@ -18,15 +18,15 @@ from fleetwarden.ledger import Ledger, Outcome, ShardRecord, Transition
 
 
 @dataclass(frozen=True)
-class Step:
-    """One step of the story: what happened, and shard 1's record afterwards."""
+class Scene:
+    """One scene of the story: what happened, and shard 1's record afterwards."""
 
     title: str
     record: ShardRecord
     transitions: list[Transition]
 
 
-def play_note_001(on_transition: Callable[[Transition], None] | None = None) -> list[Step]:
+def play_note_001(on_transition: Callable[[Transition], None] | None = None) -> list[Scene]:
     """Play the story on 4 shards with the default policy; return shard 1 after each step."""
     clock = iter(range(10_000))
     ledger = Ledger([f"http://127.0.0.1:{8100 + i}" for i in range(4)], clock=lambda: next(clock))
@@ -34,13 +34,13 @@ def play_note_001(on_transition: Callable[[Transition], None] | None = None) -> 
     ledger.subscribe(seen.append)
     if on_transition is not None:
         ledger.subscribe(on_transition)
-    steps: list[Step] = []
+    scenes: list[Scene] = []
 
     def step(title: str, *calls: Callable[[], Outcome]) -> None:
         start = len(seen)
         for call in calls:
             call()
-        steps.append(Step(title, ledger.shard(1), seen[start:]))
+        scenes.append(Scene(title, ledger.shard(1), seen[start:]))
 
     step("shard 1 fails 2 requests",
          lambda: ledger.report_failure(1, "request timed out"),
@@ -58,4 +58,4 @@ def play_note_001(on_transition: Callable[[Transition], None] | None = None) -> 
         (lambda i=i: ledger.report_refit(i, 1)) for i in ledger.refit_participants()
     ])
     step("one failed request", lambda: ledger.report_failure(1, "request timed out"))
-    return steps
+    return scenes

@@ -73,7 +73,7 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
     errors: list[str] = []
     said: list[str] = []
     async with running_fleet(tmp_path, fleet={"engines": 3}) as fleet:
-        admin, token = fleet.admin_url, fleet.token
+        admin, token = fleet.admin_url, fleet.admin.token
         page = await browser.new_page()
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.on("console", lambda msg: said.append(msg.text))
@@ -182,7 +182,7 @@ async def test_the_page_reconnects_by_itself_and_asks_to_sign_in_when_its_token_
     port = free_port()  # one admin port for both runs: the page's address stays
     page = await browser.new_page()
     async with running_fleet(tmp_path, fleet={"engines": 1}, admin={"port": port}) as fleet:
-        await page.goto(f"{fleet.admin_url}/?token={fleet.token}")
+        await page.goto(f"{fleet.admin_url}/?token={fleet.admin.token}")
         await expect(page.locator("#link")).to_have_attribute("data-link", "live")
         first_url = fleet.ledger.shard(0).base_url
         await expect(page.locator("#shards .card .url")).to_have_text(first_url)

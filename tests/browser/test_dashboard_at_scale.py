@@ -29,7 +29,7 @@ async def test_a_hundred_shards_are_shown_a_page_at_a_time(
                     120, "a hundred attached engines healthy")
         page = await browser.new_page()
         page.on("pageerror", lambda exc: errors.append(str(exc)))
-        await page.goto(f"{fleet.admin_url}/?token={fleet.token}")
+        await page.goto(f"{fleet.admin_url}/?token={fleet.admin.token}")
         cards = page.locator("#shards .card")
         await expect(cards).to_have_count(PAGE_SIZE)
         await expect(page.locator("#pager")).to_be_visible()

@@ -219,14 +219,14 @@ async def test_no_admin_token_ever_reaches_a_log(tmp_path: Path,
     caplog.set_level(logging.DEBUG)
     async with running_fleet(tmp_path) as fleet:
         async with aiohttp.ClientSession() as http:
-            for token in (fleet.token, "wrong-token-0123456789abcdef"):
+            for token in (fleet.admin.token, "wrong-token-0123456789abcdef"):
                 async with http.get(f"{fleet.admin_url}/admin/status?token={token}") as r:
                     assert r.status == 401  # a query token belongs to the sign-in link only
                 async with http.post(fleet.admin_url + "/admin/shards/0/retire",
                                      headers={"Authorization": f"Bearer {token}x"}) as r:
                     assert r.status == 401
         assert fleet.ledger.state(0) is H  # the refused retire changed nothing
-        token = fleet.token
+        token = fleet.admin.token
     logged = caplog.text + "".join(p.read_text(errors="replace")
                                    for p in (tmp_path / "logs").glob("*.log"))
     assert token not in logged and "wrong-token" not in logged

@@ -70,8 +70,8 @@ class EventStream:
 @contextlib.asynccontextmanager
 async def event_stream(http: aiohttp.ClientSession, fleet: Fleet,
                        **headers: str) -> AsyncIterator[EventStream]:
-    async with http.get(fleet.admin_url + "/admin/events",
-                        headers=headers or {"Authorization": f"Bearer {fleet.token}"}) as resp:
+    bearer = {"Authorization": f"Bearer {fleet.admin.token}"}
+    async with http.get(fleet.admin_url + "/admin/events", headers=headers or bearer) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         yield EventStream(resp)
@@ -90,7 +90,7 @@ async def test_a_cookie_signed_state_change_needs_our_origin_and_json(tmp_path: 
     set our Origin nor a JSON content type without a preflight that is never answered."""
     async with running_fleet(tmp_path) as fleet, \
             aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
-        url, cookie = fleet.admin_url, f"fleetwarden_token={fleet.token}"
+        url, cookie = fleet.admin_url, f"fleetwarden_token={fleet.admin.token}"
         other = "http://127.0.0.1:8888"  # a notebook, a Ray dashboard
         for headers, data in (
             ({"Cookie": cookie, "Origin": other,
@@ -107,7 +107,7 @@ async def test_a_cookie_signed_state_change_needs_our_origin_and_json(tmp_path: 
                              headers={"Cookie": cookie, "Origin": other,
                                       "Content-Type": "application/json"}) as resp:
             assert resp.status == 403 and fleet.refit.lease is None
-        async with http.get(url + f"/admin/status?token={fleet.token}") as resp:
+        async with http.get(url + f"/admin/status?token={fleet.admin.token}") as resp:
             assert resp.status == 401  # a query token is the sign-in link's, nothing else's
         assert fleet.ledger.state(0) is ShardState.HEALTHY  # nothing was changed
         async with http.post(url + "/admin/shards/0/retire", data=b"{}", headers={
@@ -115,7 +115,7 @@ async def test_a_cookie_signed_state_change_needs_our_origin_and_json(tmp_path: 
             assert resp.status == 200  # the dashboard's own request
         assert fleet.ledger.state(0) is ShardState.RETIRED
         async with http.post(url + "/admin/refit/begin", data=b'{"version": 1}',
-                             headers={"Authorization": f"Bearer {fleet.token}"}) as resp:
+                             headers={"Authorization": f"Bearer {fleet.admin.token}"}) as resp:
             assert resp.status == 200  # a bearer token is never sent by a browser on its own
 
 
@@ -124,7 +124,7 @@ async def test_the_page_needs_the_token_and_the_link_trades_it_for_a_cookie(
     caplog.set_level(logging.DEBUG)
     async with running_fleet(tmp_path, fleet={"engines": 1}) as fleet, \
             aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
-        url, token = fleet.admin_url, fleet.token
+        url, token = fleet.admin_url, fleet.admin.token
 
         async with http.get(url + "/") as resp:  # no token: the sign-in form, no data
             page = await resp.text()
@@ -204,9 +204,9 @@ async def test_the_event_stream_follows_the_controller(tmp_path: Path) -> None:
             refits = (await stream.until("snapshot"))["refits"]
             assert refits["lease"] is None and refits["current_version"] == 1
             assert [(r["version"], r["outcome"]) for r in refits["history"]] == [(1, "completed")]
-            assert len(fleet.events.listeners) == 1
+            assert len(fleet.admin.events.listeners) == 1
         # the page went away: its listener goes at the next write (the next tick)
-        await until(lambda: not fleet.events.listeners,
+        await until(lambda: not fleet.admin.events.listeners,
                     what="the listener of a closed stream removed")
 
 

@@ -384,7 +384,7 @@ async def test_admin_api_refuses_requests_without_the_token(tmp_path: Path) -> N
                     assert resp.status == 401, (method, path)
                     assert "token" in (await resp.json())["error"]["message"]
         assert states(fleet) == [H, H]  # nothing changed
-        good = {"Authorization": f"Bearer {fleet.token}"}
+        good = {"Authorization": f"Bearer {fleet.admin.token}"}
         async with http.get(fleet.admin_url + "/admin/shards", headers=good) as resp:
             assert resp.status == 200
             assert [s["state"] for s in (await resp.json())["shards"]] == ["HEALTHY"] * 2
@@ -397,7 +397,7 @@ async def test_admin_api_retires_and_restarts_shards(tmp_path: Path) -> None:
     from fleetwarden.client import FleetClient, FleetClientError
 
     async with running_fleet(tmp_path, fleet={"engines": 3}) as fleet:
-        client = FleetClient(fleet.admin_url, token=fleet.token)
+        client = FleetClient(fleet.admin_url, token=fleet.admin.token)
         old = fleet.ledger.shard(0).base_url
         result = await asyncio.to_thread(client.restart, 0, "operator test")
         assert result["applied"]
@@ -418,7 +418,7 @@ async def test_external_routers_get_the_serving_set_and_report_outcomes(tmp_path
     from fleetwarden.client import FleetClient
 
     async with running_fleet(tmp_path) as fleet:
-        client = FleetClient(fleet.admin_url, token=fleet.token)
+        client = FleetClient(fleet.admin_url, token=fleet.admin.token)
         assert await asyncio.to_thread(client.serving) == fleet.ledger.serving_urls()
         url = fleet.ledger.shard(0).base_url
         await asyncio.to_thread(client.report_outcomes, {url: (0, 5, 5)})
@@ -513,7 +513,7 @@ async def test_a_failing_journal_is_loud_and_never_stops_the_fleet(
         raise sqlite3.OperationalError("database or disk is full")
 
     async with running_fleet(tmp_path) as fleet, aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {fleet.token}"}) as http:
+            headers={"Authorization": f"Bearer {fleet.admin.token}"}) as http:
         monkeypatch.setattr(Journal, "_write", staticmethod(disk_full))
         old = fleet.ledger.shard(0).base_url
         await fleet.inject_fault(0, "crash", {})

@@ -50,7 +50,7 @@ async def test_the_fleets_own_work_is_on_metrics_the_dashboard_and_the_journal(
                     and fleet.controller.meter.read_round.count >= 3, 30,
                     "three ticks and three read rounds")
         async with aiohttp.ClientSession(
-                headers={"Authorization": f"Bearer {fleet.token}"}) as http, \
+                headers={"Authorization": f"Bearer {fleet.admin.token}"}) as http, \
                 http.get(fleet.admin_url + "/metrics") as resp:
             text = await resp.text()
         for name in FAMILIES:
@@ -58,7 +58,7 @@ async def test_the_fleets_own_work_is_on_metrics_the_dashboard_and_the_journal(
         assert sample(text, "fleetwarden_tick_seconds_count") >= 2  # the third may be under way
         assert sample(text, "fleetwarden_engine_reads_total") >= 4  # two engines a round
         assert sample(text, "fleetwarden_push_backends_sum") >= 4
-        work = dashboard.snapshot(fleet)["work"]
+        work = dashboard.snapshot(fleet, fleet.admin)["work"]
         assert work["tick_s"]["count"] >= 2 and work["tick_s"]["p99"] is not None
         assert work["reads_per_s"] is not None and work["reads_per_s"] > 0
         ticks = fleet.controller.tick_number

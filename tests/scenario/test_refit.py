@@ -29,7 +29,7 @@ TRAINER = {"weights": "trainer", "engines": 3}
 
 
 def trainer(fleet: Fleet) -> FleetClient:
-    return FleetClient(fleet.admin_url, token=fleet.token)
+    return FleetClient(fleet.admin_url, token=fleet.admin.token)
 
 
 async def call(fn: object, *args: object) -> dict[str, object]:

@@ -93,7 +93,7 @@ async def test_an_engine_put_to_sleep_by_someone_else_is_left_alone_then_serves_
 async def test_the_trainers_bracket_sleeps_engines_under_load_and_wakes_them(
         tmp_path: Path) -> None:
     async with running_fleet(tmp_path, health=FAST) as fleet:
-        client = FleetClient(fleet.admin_url, token=fleet.token)
+        client = FleetClient(fleet.admin_url, token=fleet.admin.token)
         url = fleet.ledger.shard(1).base_url
         async with Load(fleet.router_url, concurrency=4, max_tokens=8, think_s=0.02,
                         stream=True) as load:
@@ -139,7 +139,7 @@ async def test_a_level_2_sleeper_wakes_stale_and_serves_only_after_a_refit(
     """A level-2 sleep frees the weights: woken, the engine holds none, so it must not serve
     under the version it had (nor unversioned) until a refit gives it weights again."""
     async with running_fleet(tmp_path, health=FAST) as fleet:
-        client = FleetClient(fleet.admin_url, token=fleet.token)
+        client = FleetClient(fleet.admin_url, token=fleet.admin.token)
         await asyncio.to_thread(client.begin_refit, 3)
         await asyncio.to_thread(client.complete_refit, 3)
         url = fleet.ledger.shard(1).base_url
@@ -204,7 +204,7 @@ def whole(chunks: list[dict[str, Any]]) -> bool:
 async def test_the_bracket_lets_streams_under_way_finish_and_moves_what_has_not_started(
         tmp_path: Path) -> None:
     async with running_fleet(tmp_path, health=FAST) as fleet, aiohttp.ClientSession() as http:
-        client = FleetClient(fleet.admin_url, token=fleet.token)
+        client = FleetClient(fleet.admin_url, token=fleet.admin.token)
         url = fleet.ledger.shard(1).base_url
         began = [asyncio.Event() for _ in range(6)]
         tasks = {}

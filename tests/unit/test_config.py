@@ -13,10 +13,14 @@ from fleetwarden.config import (
     Config,
     ConfigError,
     FleetConfig,
+    RouterConfig,
     example_toml,
     load_config,
     parse_config,
 )
+from fleetwarden.judge import WatchdogPolicy
+from fleetwarden.ledger import Policy
+from fleetwarden.router.settings import RouterSettings
 
 
 def test_the_example_is_valid_toml_and_equals_the_defaults() -> None:
@@ -185,3 +189,55 @@ def test_doubled_braces_and_known_placeholders_pass_the_check(tmp_path: Path) ->
                   '--json {{\\"shard\\": {shard}}} --py {python}"\n'
                   'restart_command = "systemctl restart vllm@{shard} # {url} {name}"\n')
     assert done.returncode == 0, done.stderr
+
+
+def _exposed() -> list[tuple[str, str, type, str]]:
+    """Every policy setting the file exposes: (section, key, policy, the policy's name)."""
+    out = []
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type)
+        for key in model.model_fields:
+            owner = model.owner_of(key)  # type: ignore[attr-defined]
+            if owner is not None:
+                out.append((section, key, *owner))
+    return out
+
+
+def test_a_policy_setting_takes_its_default_from_the_policy_that_owns_it() -> None:
+    exposed = _exposed()
+    assert ("health", "probe_timeout_s", WatchdogPolicy, "read_timeout_s") in exposed
+    assert ("supervisor", "max_restart_attempts", Policy, "max_restart_attempts") in exposed
+    assert {policy for _, _, policy, _ in exposed} == {WatchdogPolicy, Policy, RouterSettings}
+    defaults = Config()
+    for section, key, policy, name in exposed:
+        assert getattr(getattr(defaults, section), key) == getattr(policy(), name), (section, key)
+    # One field per policy setting: two sections setting one would leave the policy to whichever
+    # came last.
+    owned = [(policy, name) for _, _, policy, name in exposed]
+    assert len(owned) == len(set(owned))
+
+
+def test_each_policy_is_built_from_the_fields_that_stand_for_it() -> None:
+    cfg = parse_config({
+        "health": {"probe_timeout_s": 7, "stall_s": 6, "unhealthy_threshold": 4,
+                   "ejection_max_s": 90},
+        "supervisor": {"max_restart_attempts": 9},
+        "fleet": {"weights": "trainer"},
+        "router": {"max_retries": 3, "routing": "cache_aware"}})
+    watchdog = cfg.health.watchdog_policy()
+    assert (watchdog.read_timeout_s, watchdog.stall_s) == (7, 6)
+    assert watchdog.check_interval_s == WatchdogPolicy().check_interval_s  # not in the file
+    assert cfg.ledger_policy() == Policy(unhealthy_threshold=4, ejection_max_s=90,
+                                         max_restart_attempts=9, weights="trainer")
+    settings = cfg.router.settings()
+    assert (settings.max_retries, settings.routing) == (3, "cache_aware")
+
+
+def test_the_routing_choices_are_the_routers() -> None:
+    from typing import get_args
+
+    from fleetwarden.router.settings import ROUTING_POLICIES
+
+    annotation = RouterConfig.model_fields["routing"].annotation
+    assert set(get_args(annotation)) == set(ROUTING_POLICIES)

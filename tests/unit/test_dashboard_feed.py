@@ -57,28 +57,28 @@ def _fleet(tmp_path: Path) -> Fleet:
 
 def test_a_listener_that_falls_behind_is_told_to_start_over(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path)
-    q = fleet.events.listen()
+    q = fleet.admin.events.listen()
     for n in range(q.maxsize + 1):
-        fleet.events.publish({"type": "snapshot", "data": n})
+        fleet.admin.events.publish({"type": "snapshot", "data": n})
     assert q.qsize() == 1 and q.get_nowait() == {"type": "resync"}
-    fleet.events.publish({"type": "transition", "data": 1})
+    fleet.admin.events.publish({"type": "transition", "data": 1})
     assert q.get_nowait() == {"type": "transition", "data": 1}
 
 
 def test_bye_reaches_even_a_listener_that_fell_behind(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path)
-    q = fleet.events.listen()
+    q = fleet.admin.events.listen()
     for n in range(q.maxsize):
-        fleet.events.publish({"type": "snapshot", "data": n})
-    fleet.events.publish({"type": "bye"})
+        fleet.admin.events.publish({"type": "snapshot", "data": n})
+    fleet.admin.events.publish({"type": "bye"})
     assert [q.get_nowait() for _ in range(q.qsize())] == [{"type": "resync"}, {"type": "bye"}]
 
 
 def test_a_listener_that_left_gets_nothing(tmp_path: Path) -> None:
     fleet = _fleet(tmp_path)
-    q = fleet.events.listen()
-    fleet.events.unlisten(q)
-    fleet.events.publish({"type": "bye"})
+    q = fleet.admin.events.listen()
+    fleet.admin.events.unlisten(q)
+    fleet.admin.events.publish({"type": "bye"})
     assert q.empty()
 
 
@@ -93,3 +93,45 @@ def test_an_event_with_a_nan_from_an_engine_is_still_json() -> None:
     assert head == "event: snapshot"
     assert json.loads(data.removeprefix("data: ")) == {
         "shards": [{"tokens_per_s": None, "n": 1.5}], "x": [None, 2]}
+
+
+def test_the_admin_side_keeps_its_own_state_and_imports_no_fleet() -> None:
+    """The admin API asks the fleet through FleetSurface; what only it uses (its token, events,
+    traffic, metrics registry) is its own, and it never imports fleet.py."""
+    import ast
+
+    import fleetwarden.admin as admin_package
+    from fleetwarden.admin.surface import FleetSurface
+
+    assert not {"token", "admin_url", "events", "traffic", "registry",
+                "metrics_text"} & (set(FleetSurface.__annotations__) | set(vars(FleetSurface)))
+    for path in Path(admin_package.__file__).parent.glob("*.py"):
+        imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Import) for alias in node.names}
+        assert "fleetwarden.fleet" not in imported, path.name
+
+
+class _Unbuilt:
+    """A fleet surface whose snapshot must not be built."""
+
+    def snapshot(self) -> None:
+        raise AssertionError("a snapshot was built with nobody listening")
+
+
+def test_a_tick_with_nobody_listening_records_traffic_and_builds_nothing(tmp_path: Path) -> None:
+    admin = _fleet(tmp_path).admin
+    stats = RouterStats()
+    stats.requests = 7
+    admin.after_tick(_Unbuilt(), stats)  # type: ignore[arg-type]
+    latest = admin.traffic.latest
+    assert latest is not None and latest.requests == 7
+    assert admin.events.recent == []
+
+
+def test_an_act_is_announced_to_every_page(tmp_path: Path) -> None:
+    admin = _fleet(tmp_path).admin
+    q = admin.events.listen()
+    admin.announce("refit", phase="begin", version=3)
+    assert q.get_nowait() == {"type": "refit", "data": {"phase": "begin", "version": 3}}

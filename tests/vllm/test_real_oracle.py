@@ -32,7 +32,7 @@ import pytest
 
 from fleetwarden.launchers import procs
 from fleetwarden.router import Router, RouterSettings
-from fleetwarden.testing.oracle import Case, draw, normalize, verdict
+from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME, SERVED_MODEL_NAME
 
@@ -147,7 +147,7 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     outcomes: dict[str, int] = {}
     inexact = []
     for case, ref, got in zip(cases, references, answers, strict=True):
-        v = verdict(normalize(*ref, chat=case.chat, stream=case.stream),
+        v = compare(normalize(*ref, chat=case.chat, stream=case.stream),
                     normalize(*got, chat=case.chat, stream=case.stream))
         outcomes[v.outcome] = outcomes.get(v.outcome, 0) + 1
         if v.outcome != "exact":

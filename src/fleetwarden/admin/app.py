@@ -3,7 +3,8 @@
 Owns: the admin API's routes, its token check and its cross-site refusal, and the shape of each
 answer.
 Must not: reach into a fleet's parts (only the operations of ``FleetSurface``), or build a view
-(``views.py``).
+(``views.py``). What only the admin side keeps (events, the metrics registry) is its own
+``AdminState`` (``state.py``).
 
 On its own port, 127.0.0.1 by default, every route behind the bearer token (401 without it,
 and nothing changes); a browser presents it as the dashboard's cookie, and a state change
@@ -41,7 +42,8 @@ from typing import Any
 from aiohttp import web
 
 from fleetwarden.admin import dashboard, views
-from fleetwarden.admin.keys import FLEET, PUBLIC, TOKEN, bearer, presented_token
+from fleetwarden.admin.keys import ADMIN, FLEET, PUBLIC, TOKEN, bearer, presented_token
+from fleetwarden.admin.state import AdminState
 from fleetwarden.admin.surface import FleetSurface
 from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
@@ -150,7 +152,7 @@ def _version(body: dict[str, Any]) -> int:
 # ---------------------------------------------------------------------- read
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(views.describe(request.app[FLEET].snapshot()))
+    return web.json_response(views.status_view(request.app[FLEET].snapshot()))
 
 
 async def shards(request: web.Request) -> web.Response:
@@ -158,14 +160,14 @@ async def shards(request: web.Request) -> web.Response:
 
 
 async def transitions(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET]
+    events = request.app[ADMIN].events
     try:
         since = int(request.query.get("since", "0"))
         limit = min(int(request.query.get("limit", "1000")), 10_000)
         shard = int(request.query["shard"]) if "shard" in request.query else None
     except ValueError:
         raise _http_error(400, "since, limit and shard must be integers") from None
-    return web.json_response({"transitions": fleet.events.since(since, limit, shard)})
+    return web.json_response({"transitions": events.since(since, limit, shard)})
 
 
 async def serving(request: web.Request) -> web.Response:
@@ -314,15 +316,16 @@ async def wake_up(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET]
-    body, content_type = fleet.metrics_text()
+    body, content_type = request.app[ADMIN].metrics_text()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def make_admin_app(fleet: FleetSurface, token: str) -> web.Application:
+def make_admin_app(fleet: FleetSurface, admin: AdminState) -> web.Application:
+    """The admin API over ``fleet``, behind ``admin``'s token (loaded before)."""
     app = web.Application(middlewares=[_auth], client_max_size=_MAX_BODY)
     app[FLEET] = fleet
-    app[TOKEN] = token
+    app[ADMIN] = admin
+    app[TOKEN] = admin.token
     app[PUBLIC] = dashboard.PUBLIC_PATHS
     r = app.router
     r.add_get("/admin/status", status)

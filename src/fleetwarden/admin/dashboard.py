@@ -3,7 +3,7 @@
 Owns: the page, its sign-in and cookie, its static files, and the event stream the page listens
 to.
 Must not: act on the fleet, or read its parts: it renders ``fleet.snapshot()`` through
-``views.py`` and hears ``events.py``.
+``views.py``, and the admin side's own state (``state.py``: its events and traffic).
 
     GET  /               the page, with a valid token (cookie or bearer); else the sign-in form
     GET  /?token=T       the link ``fleetwarden up`` prints: sets the cookie and redirects to /,
@@ -42,7 +42,8 @@ from typing import Any
 from aiohttp import web
 
 from fleetwarden.admin import views
-from fleetwarden.admin.keys import FLEET, TOKEN, presented_token
+from fleetwarden.admin.keys import ADMIN, FLEET, TOKEN, presented_token
+from fleetwarden.admin.state import AdminState
 from fleetwarden.admin.surface import FleetSurface
 from fleetwarden.admin.views import WINDOW_S
 from fleetwarden.auth import token_matches
@@ -77,33 +78,33 @@ _PAGE_HEADERS = {
 
 # ---------------------------------------------------------------------- what the page shows
 
-def snapshot(fleet: FleetSurface) -> dict[str, Any]:
+def snapshot(fleet: FleetSurface, admin: AdminState) -> dict[str, Any]:
     """The fleet as the page shows it now (published after every controller tick)."""
-    latest = fleet.traffic.latest
+    latest = admin.traffic.latest
     snap = fleet.snapshot()
     return {
         "at": time.time(),
-        "fleet": views.describe(snap),
+        "fleet": views.status_view(snap),
         "shards": views.shards_view(snap),
         "max_restart_attempts": snap.max_restart_attempts,
         "refits": views.refits_view(snap),
         "traffic": None if latest is None else asdict(latest),
         # the fleet's own work: what the header shows of the tick, the reads and the pushes
         "work": fleet.run_summary()["work"],
-        "seq": fleet.events.seq,
+        "seq": admin.events.seq,
     }
 
 
-def hello(fleet: FleetSurface) -> dict[str, Any]:
+def hello(fleet: FleetSurface, admin: AdminState) -> dict[str, Any]:
     """A snapshot and the history the page draws: what a page (re)connecting starts from."""
-    view = snapshot(fleet)
+    view = snapshot(fleet, admin)
     since = view["at"] - WINDOW_S
     view.update(
         window_s=WINDOW_S,
         started_at=fleet.started_at,
-        traffic=fleet.traffic.points(),
+        traffic=admin.traffic.points(),
         transitions=[{k: e[k] for k in ("seq", "shard", "from", "to", "event", "cause", "at")}
-                     for e in fleet.events.recent if e["at"] >= since],
+                     for e in admin.events.recent if e["at"] >= since],
     )
     return view
 
@@ -232,14 +233,14 @@ def _finite(data: Any) -> Any:
 
 async def events(request: web.Request) -> web.StreamResponse:
     """The page's event stream (see the module's docstring)."""
-    fleet = request.app[FLEET]
-    queue = fleet.events.listen()  # before the hello: nothing that happens after it is missed
+    fleet, admin = request.app[FLEET], request.app[ADMIN]
+    queue = admin.events.listen()  # before the hello: nothing that happens after it is missed
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-store",
                                        "X-Accel-Buffering": "no"})
     try:
         await resp.prepare(request)
-        await resp.write(f"retry: {RETRY_MS}\n\n".encode() + _frame("hello", hello(fleet)))
+        await resp.write(f"retry: {RETRY_MS}\n\n".encode() + _frame("hello", hello(fleet, admin)))
         # The fleet's stop sets ``stopping``, then publishes ``bye`` (no await between): a
         # stream that listened before gets the bye, one that listened after sees ``stopping``.
         ended = fleet.stopping
@@ -251,14 +252,14 @@ async def events(request: web.Request) -> web.StreamResponse:
                 continue
             ended = event["type"] == "bye"
             if event["type"] == "resync":  # this page fell behind and lost events: start over
-                await resp.write(_frame("hello", hello(fleet)))
+                await resp.write(_frame("hello", hello(fleet, admin)))
             elif not ended:
                 await resp.write(_frame(event["type"], event.get("data")))
         await resp.write(_frame("bye", {"reason": "the fleet is stopping"}))
     except ConnectionResetError:
         pass  # the page went away; its queue goes with it below
     finally:
-        fleet.events.unlisten(queue)
+        admin.events.unlisten(queue)
     return resp
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from fleetwarden.ledger import Transition
 
-__all__ = ["LISTENER_QUEUE", "RECENT", "EventBus"]
+__all__ = ["LISTENER_QUEUE", "RECENT_CHANGES", "EventBus"]
 
 #: State changes kept in memory for the admin API and the dashboard's last hour.
-RECENT = 5000
+RECENT_CHANGES = 5000
 #: Events a listener (a dashboard's event stream) may fall behind by before it starts over.
 LISTENER_QUEUE = 1000
 
@@ -42,8 +42,8 @@ class EventBus:
         self._seq += 1
         entry = {"seq": self._seq, "wall": t.at, **t.to_dict()}
         self.recent.append(entry)
-        if len(self.recent) > RECENT:
-            del self.recent[: len(self.recent) - RECENT]
+        if len(self.recent) > RECENT_CHANGES:
+            del self.recent[: len(self.recent) - RECENT_CHANGES]
         self.publish({"type": "transition", "data": entry})
 
     def since(self, since: int, limit: int, shard: int | None) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """What every admin route shares: the application's keys and how a request shows its token.
 
-Owns: the ``web.AppKey`` names (the fleet's surface, the token, the public paths) and
+Owns: the ``web.AppKey`` names (the fleet's surface, the admin side's state, the token, the
+public paths) and
 :func:`presented_token`. Both ``app.py`` and ``dashboard.py`` import this module and neither
 imports the other's internals through it (no import circle).
 
@@ -11,11 +12,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from fleetwarden.admin.state import AdminState
 from fleetwarden.admin.surface import FleetSurface
 
-__all__ = ["FLEET", "PUBLIC", "TOKEN", "bearer", "presented_token"]
+__all__ = ["ADMIN", "FLEET", "PUBLIC", "TOKEN", "bearer", "presented_token"]
 
 FLEET: web.AppKey[FleetSurface] = web.AppKey("fleet")
+#: The admin side's own state: its events, the traffic series, the metrics registry.
+ADMIN: web.AppKey[AdminState] = web.AppKey("admin")
 TOKEN: web.AppKey[str] = web.AppKey("token")
 #: Paths served without the token: the dashboard's sign-in and its static files only.
 PUBLIC: web.AppKey[frozenset[str]] = web.AppKey("public")

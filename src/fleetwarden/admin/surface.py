@@ -2,7 +2,9 @@
 running fleet.
 
 Owns: :class:`FleetSurface`, the narrow typed set of operations (retire, restart, refits,
-outcomes, a fault, a snapshot, a push) that ``fleet.Fleet`` implements.
+outcomes, a fault, a snapshot, a push) that ``fleet.Fleet`` implements. What only the admin
+side keeps (its token, events, traffic and metrics registry) is no part of it: that is the
+admin side's own state (``state.py``).
 
 Must not: import ``fleet.py``. The admin side depends on this protocol, never on the class
 that implements it: that is what keeps fleet.py -> admin/ a one-way street (no import circle),
@@ -15,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from fleetwarden.admin.events import EventBus
-from fleetwarden.admin.views import Traffic
 from fleetwarden.refit import Lease, RefitRecord
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sleep import SleepResult
@@ -28,13 +28,7 @@ __all__ = ["FleetSurface"]
 class FleetSurface(Protocol):
     """The operations of a running fleet (``fleet.Fleet`` implements them)."""
 
-    token: str
-    admin_url: str
     started_at: float
-    #: State changes and the dashboard's events (``admin/events.py``).
-    events: EventBus
-    #: The router's counters over the last hour (``admin/views.py``).
-    traffic: Traffic
 
     @property
     def router_url(self) -> str: ...
@@ -82,5 +76,3 @@ class FleetSurface(Protocol):
         ...
 
     async def inject_fault(self, i: int, fault: str, options: dict[str, Any]) -> str: ...
-
-    def metrics_text(self) -> tuple[bytes, str]: ...

@@ -1,6 +1,6 @@
 """What the admin API, the dashboard and the CLI show of a fleet, built from one snapshot.
 
-Owns: the JSON views (:func:`describe`, :func:`shards_view`, :func:`states_view`,
+Owns: the JSON views (:func:`status_view`, :func:`shards_view`, :func:`states_view`,
 :func:`refits_view`), the fleet's Prometheus families (:class:`FleetCollector`), and the
 router's traffic over the last hour (:class:`Traffic`, from which the page draws its rates).
 
@@ -23,19 +23,19 @@ from fleetwarden.snapshot import RouterCounters, Snapshot
 if TYPE_CHECKING:
     from fleetwarden.router.stats import RouterStats
 
-__all__ = ["TRAFFIC_STEP_S", "WINDOW_S", "FleetCollector", "Traffic", "TrafficPoint", "describe",
-           "refits_view", "shards_view", "states_view", "traffic_point"]
+__all__ = ["TRAFFIC_STEP_S", "WINDOW_S", "FleetCollector", "Traffic", "TrafficPoint",
+           "refits_view", "shards_view", "states_view", "status_view", "traffic_point"]
 
 #: What the page shows of the past: transitions and traffic of the last hour.
 WINDOW_S = 3600.0
 #: Traffic points are kept at most this far apart when ticks come faster (a fleet's own step
-#: follows its tick: see ``Fleet.traffic``).
+#: follows its tick: see ``AdminState.traffic``).
 TRAFFIC_STEP_S = 5.0
 
 
 # ---------------------------------------------------------------------- JSON views
 
-def describe(snap: Snapshot) -> dict[str, Any]:
+def status_view(snap: Snapshot) -> dict[str, Any]:
     """``GET /admin/status``: the fleet's status, counts, URLs, restarts, refit and router."""
     return {
         **snap.controller,

@@ -160,7 +160,7 @@ class Request:
                  "content_length", "expects_continue", "keep_alive", "method", "path",
                  "raw_headers", "raw_path", "too_large", "version")
 
-    def __init__(self, connection: _Connection, method: str, raw_path: str,
+    def __init__(self, connection: _ClientConnection, method: str, raw_path: str,
                  raw_headers: RawHeaders, content_length: int | None, keep_alive: bool,
                  version: str, limit: int) -> None:
         self._connection = connection
@@ -379,7 +379,7 @@ class Server:
         self.idle_timeout_s = settings.client_idle_timeout_s
         self.write_timeout_s = settings.client_write_timeout_s
         self.max_connections = settings.max_client_connections or _half_the_open_file_limit()
-        self.connections: set[_Connection] = set()
+        self.connections: set[_ClientConnection] = set()
         #: Every answer from now on says ``Connection: close``, and its connection closes after
         #: it (a drain: the client's next request goes to another router).
         self.draining = False
@@ -393,8 +393,8 @@ class Server:
         self._sweep_every_s = min(_SWEEP_EVERY_S, self.head_timeout_s / 4,
                                   self.idle_timeout_s / 4, self.write_timeout_s / 4)
 
-    def __call__(self) -> _Connection:
-        return _Connection(self)
+    def __call__(self) -> _ClientConnection:
+        return _ClientConnection(self)
 
     async def shutdown(self, grace_s: float) -> None:
         """Let the requests being served finish for up to ``grace_s``, then cancel what is
@@ -419,7 +419,7 @@ class Server:
             self._sweep = None
 
     # -- the connections' deadlines
-    def _admit(self, connection: _Connection) -> bool:
+    def _admit(self, connection: _ClientConnection) -> bool:
         """Whether ``connection`` may be served: under the cap, or once the longest-idle
         connection made room (an idle one costs a descriptor and serves nobody)."""
         if len(self.connections) >= self.max_connections:
@@ -466,13 +466,13 @@ def _half_the_open_file_limit() -> int:
     return max(1, soft // 2)
 
 
-#: What a connection's single deadline is for (:attr:`_Connection.deadline`).
+#: What a connection's single deadline is for (:attr:`_ClientConnection.deadline`).
 _HEAD, _IDLE, _LINGER, _NONE = "head", "idle", "linger", "none"
 #: A deadline the next sweep sets (see :meth:`Server._sweep_deadlines`).
 _UNSTAMPED = -1.0
 
 
-class _Connection(asyncio.Protocol):
+class _ClientConnection(asyncio.Protocol):
     """One client connection: parses its requests and serves them one at a time."""
 
     def __init__(self, server: Server) -> None:

@@ -39,7 +39,7 @@ What an engine (or a proxy in front of one) may send, and what the router makes 
 * Running out of descriptors or buffers here (:class:`LocalExhaustion`) is the router's own
   trouble, never evidence against an engine.
 
-An event stream's connection is never pooled (see :meth:`_Connection.on_headers_complete`).
+An event stream's connection is never pooled (see :meth:`_EngineConnection.on_headers_complete`).
 Cancelling a wait (a rescue, a client that left) aborts the connection: the engine sees the
 disconnect and aborts the generation. So does :meth:`Answer.close` on an answer not yet whole.
 """
@@ -162,7 +162,7 @@ class Answer:
         "status",
     )
 
-    def __init__(self, connection: _Connection, head: asyncio.Future[None],
+    def __init__(self, connection: _EngineConnection, head: asyncio.Future[None],
                  deadlines: set[Answer], deadline: float) -> None:
         self.status = 0
         self.reason = ""
@@ -172,7 +172,7 @@ class Answer:
         self._chunked = False
         #: The body ends at the connection's clean close (no length, not chunked).
         self._delimited_by_close = False
-        self._connection: _Connection | None = connection
+        self._connection: _EngineConnection | None = connection
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._whole = False
@@ -294,7 +294,7 @@ class Answer:
         self._fail(TimeoutError("the backend timeout passed"))
 
 
-class _Connection(asyncio.Protocol):
+class _EngineConnection(asyncio.Protocol):
     """One keep-alive connection to one backend, carrying one answer at a time."""
 
     def __init__(self, client: UpstreamClient, key: tuple[str, int, bool]) -> None:
@@ -492,8 +492,8 @@ class UpstreamClient:
         self.max_headers = max_headers
         self.total_timeout_s = total_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
-        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
-        self._open: set[_Connection] = set()
+        self._idle: dict[tuple[str, int, bool], list[_EngineConnection]] = {}
+        self._open: set[_EngineConnection] = set()
         self._sweep: asyncio.TimerHandle | None = None
         #: Answers not yet whole, swept every ``_sweep_every_s`` for those past their deadline:
         #: the total timeout holds to within that (a tenth of it, and at most 1 s).
@@ -555,7 +555,7 @@ class UpstreamClient:
 
     # ------------------------------------------------------------------ the pool
 
-    def _pooled(self, key: tuple[str, int, bool], now: float) -> _Connection | None:
+    def _pooled(self, key: tuple[str, int, bool], now: float) -> _EngineConnection | None:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()  # the most recently used: the least likely to be closing
@@ -567,7 +567,7 @@ class UpstreamClient:
             return connection
         return None
 
-    async def _connect(self, target: Address, deadline: float) -> _Connection:
+    async def _connect(self, target: Address, deadline: float) -> _EngineConnection:
         loop = asyncio.get_running_loop()
         key = (target.host, target.port, target.tls)
         context: ssl.SSLContext | None = None
@@ -579,7 +579,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(timeout):
                 _, protocol = await loop.create_connection(
-                    lambda: _Connection(self, key), target.host, target.port, ssl=context,
+                    lambda: _EngineConnection(self, key), target.host, target.port, ssl=context,
                     server_hostname=target.host if context is not None else None)
         except TimeoutError:
             if timeout < self.connect_timeout_s:
@@ -597,7 +597,7 @@ class UpstreamClient:
             raise ConnectFailed("the router's client is closed")
         return protocol
 
-    def _release(self, connection: _Connection) -> None:
+    def _release(self, connection: _EngineConnection) -> None:
         if self._closed or connection.lost:
             connection.abort()
             return
@@ -607,7 +607,7 @@ class UpstreamClient:
         if self._sweep is None:
             self._sweep = loop.call_later(self.keepalive_timeout_s, self._sweep_idle)
 
-    def _forget(self, connection: _Connection) -> None:
+    def _forget(self, connection: _EngineConnection) -> None:
         self._open.discard(connection)
         idle = self._idle.get(connection.key)
         if idle and connection in idle:

@@ -1,8 +1,8 @@
-"""The exactness oracle's pure half: random requests, random cuts, and the verdict (no I/O).
+"""The exactness oracle's pure half: random requests, random cuts, each answer's exactness (no I/O).
 
 Owns: what a case is (a request as clients send them, and how its engine is cut), what a
 client received, reduced to what must not change (text, token ids when asked, finish and stop
-reason, usage, logprobs, reasoning), and the verdict: exact, refused, or inexact.
+reason, usage, logprobs, reasoning), and its exactness: exact, refused, or inexact.
 Must not: do I/O (``fleetwarden.testing.oracle_rig`` runs the cases).
 
 A continued answer is worth having only if it is the answer the client would have had: each
@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CUTS", "Case", "Verdict", "draw", "normalize", "verdict"]
+__all__ = ["CUTS", "Case", "Exactness", "compare", "draw", "normalize"]
 
 #: How an engine is cut: ``fleetwarden.sim.server``'s per-request fault directives.
 CUTS = ("crash", "reset", "wedge", "split", "after_final")
@@ -149,7 +149,9 @@ def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False) -> C
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Exactness:
+    """How a cut case's answer compares with its uninterrupted reference."""
+
     #: ``exact``, ``refused`` or ``inexact``.
     outcome: str
     #: The refusal's reason, or what differs.
@@ -288,20 +290,20 @@ def _normalize_answer(body: bytes, chat: bool) -> Any:
             "prompt_token_ids": answer.get("prompt_token_ids")}
 
 
-def verdict(reference: Any, got: Any) -> Verdict:
+def compare(reference: Any, got: Any) -> Exactness:
     """Exact, refused (with its reason), or inexact (with what differs)."""
     if isinstance(reference, tuple) and reference[0] == "status" and 400 <= reference[1] < 500:
         # The engine refuses the request itself: through the router, the same refusal.
-        return Verdict("exact" if got == reference else "inexact", f"{got!r}")
+        return Exactness("exact" if got == reference else "inexact", f"{got!r}")
     if isinstance(reference, tuple):
-        return Verdict("inexact", f"the reference itself failed: {reference!r}")
+        return Exactness("inexact", f"the reference itself failed: {reference!r}")
     if isinstance(got, tuple) and got[0] == "refused":
-        return Verdict("refused", str(got[1]))
+        return Exactness("refused", str(got[1]))
     if got == reference:
-        return Verdict("exact")
+        return Exactness("exact")
     if _same_but_offsets(reference, got):
-        return Verdict("exact")
-    return Verdict("inexact", _difference(reference, got))
+        return Exactness("exact")
+    return Exactness("inexact", _difference(reference, got))
 
 
 def _same_but_offsets(reference: Any, got: Any) -> bool:

@@ -26,7 +26,7 @@ import aiohttp
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
-from fleetwarden.testing.oracle import Case, Verdict, draw, normalize, verdict
+from fleetwarden.testing.oracle import Case, Exactness, compare, draw, normalize
 
 __all__ = ["Oracle", "Result", "oracle"]
 
@@ -53,7 +53,7 @@ class Result:
     verdicts: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     by_cut: Counter[tuple[str, str]] = field(default_factory=Counter)
-    inexact: list[tuple[Case, Verdict]] = field(default_factory=list)
+    inexact: list[tuple[Case, Exactness]] = field(default_factory=list)
     seconds: float = 0.0
 
     def summary(self) -> str:
@@ -83,14 +83,14 @@ class Oracle:
             except aiohttp.ClientPayloadError as e:
                 return -1, f"the client's read failed: {e}".encode()
 
-    async def run_case(self, case: Case) -> Verdict:
+    async def run_case(self, case: Case) -> Exactness:
         reference = normalize(*await self._post(self.sims[0].url, case), chat=case.chat,
                               stream=case.stream, held_back=case.held_back)
         headers = {FAULT_HEADER: f"{case.cut}@{case.cut_after}",
                    FAULT_ID_HEADER: f"{case.seed}:{case.index}"}
         got = normalize(*await self._post(self.router.url, case, headers), chat=case.chat,
                         stream=case.stream, held_back=case.held_back)
-        return verdict(reference, got)
+        return compare(reference, got)
 
     async def run(self, seed: int, cases: int, *, first: int = 0,
                   concurrency: int = 48) -> Result:
