@@ -141,6 +141,7 @@ def begin_run(
                 ledger.mark_restart_failed(i, "its new engine's URL belongs to another shard")
         elif state not in ABSENT and not ledger.new_run(i, result.url, result.incarnation):
             ledger.condemn(i, "its new engine's URL belongs to another shard")
+    now = running or {}
     for i, url in attached.items():
         state = ledger.state(i)
         if state in (ShardState.DEAD, ShardState.RESTARTING) and ledger.shard(i).base_url != url:
@@ -150,10 +151,9 @@ def begin_run(
             if state is ShardState.DEAD:
                 ledger.mark_restarting(i)
             if (ledger.state(i) is ShardState.RESTARTING
-                    and not ledger.mark_loaded(i, url, None)):
+                    and not ledger.mark_loaded(i, url, now.get(i))):
                 ledger.mark_restart_failed(i, f"its configured URL {url} belongs to another "
                                               "shard")
-    now = running or {}
     kept = kept_attached(ledger, attached, now)
     for i in sorted(kept):
         log.info("shard %d: its engine at %s is the process the last run knew (incarnation "
