@@ -39,7 +39,7 @@ from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
 from fleetwarden.ledger import Ledger, Outcome, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
-from fleetwarden.restore import adopt_or_stop, begin_run
+from fleetwarden.restore import adopt_or_stop, begin_run, read_attached
 from fleetwarden.router import Router
 from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.pool import BackendFacts
@@ -47,7 +47,7 @@ from fleetwarden.sleep import SleepResult, put_to_sleep
 from fleetwarden.sleep import wake as wake_shards
 from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
-from fleetwarden.watchdog import Watchdog
+from fleetwarden.watchdog import Target, Watchdog
 
 __all__ = ["Fleet", "ShardLaunchers"]
 
@@ -203,14 +203,22 @@ class Fleet:
             adopted = await adopt_or_stop(journal, local, restored)
         ledger, first = await self._first_engines(journal, launcher, local, launched,
                                                   attached, restored, adopted)
+        self._watchdog = watchdog = Watchdog(cfg.health.watchdog_policy(),
+                                             concurrency=cfg.health.max_concurrent_reads)
+        # Which process each attached engine is, read now, all at once (the watchdog keeps
+        # each read as its baseline): the ledger records it, and an engine that is still the
+        # process the journal recorded keeps its state (docs/design.md section 7).
+        running = await read_attached(watchdog, {
+            i: Target(url, engine=cfg.fleet.engine_of(i)) for i, url in attached.items()})
         if restored is not None:  # journaled, each change with its cause
             log.info("restoring the fleet from %s (last run stopped %s)", cfg.journal.path,
                      "cleanly" if clean else "without a clean stop")
-            begin_run(ledger, first, attached)
+            begin_run(ledger, first, attached, running)
+        else:
+            for i, incarnation in running.items():
+                ledger.observe_incarnation(i, incarnation)  # who it is: no restart
         self._supervisor = supervisor = self._start_supervisor(
             ledger, journal, self._launchers, adopted, first, fresh=restored is None)
-        self._watchdog = Watchdog(cfg.health.watchdog_policy(),
-                                  concurrency=cfg.health.max_concurrent_reads)
         await self._start_routers(ledger)
         self._refit = RefitCoordinator(ledger, lease_s=cfg.refit.lease_s, clock=time.time)
         self._controller = Controller(

@@ -1273,7 +1273,10 @@ class EngineWatch:
         del self._visits[n]
         r, before, canary = v.hedged, v.before, v.canary
         assert r is not None and before is not None and canary is not None
-        if not isinstance(after, Sample):
+        if not isinstance(after, Sample) or after.start_time != before.start_time:
+            # Another process: it restarted while the canary waited (the canary dropped with
+            # the old one). Kept as the sample, the new process would hide its restart from
+            # every later read; left out, the next read tells it.
             return None
         why = held_then_canary(before, after, v.held_flat_s, canary.latency_s, v.limit_s)
         if v.now >= self.sample_at:  # unless a newer one was kept meanwhile

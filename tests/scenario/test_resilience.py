@@ -181,3 +181,43 @@ async def test_fleetwardens_own_deaths_spend_no_restart_budget(tmp_path: Path) -
     with Journal(path) as journal:
         causes = [e.cause for e in journal.transitions(shard=0)]
     assert any("no restart spent" in c for c in causes)  # journaled, with its cause
+
+
+async def test_attached_engines_that_lived_on_keep_their_weights_across_a_trainer_restart(
+        tmp_path: Path) -> None:
+    """In trainer mode every attached engine came back from fleetwarden's restart as a new run,
+    STALE until the trainer's next refit (409 for every client), although the same processes
+    held the same weights. One whose start time is the journal's keeps its state (its version;
+    asleep, its sleep and the trainer's hold); one with no start time (SGLang) cannot be told
+    from a replacement and waits for the refit as before."""
+    from support.fleet import running_fleet, until
+    from support.sim import SimProcess
+
+    sims = [SimProcess("--steps-per-s", "40"), SimProcess("--steps-per-s", "40"),
+            SimProcess("--steps-per-s", "40", "--engine", "sglang")]
+    urls = [s.url for s in sims]
+    fleet_cfg = {"fleet": {"engines": 0, "backends": urls, "weights": "trainer"}}
+    try:
+        async with running_fleet(tmp_path, **fleet_cfg) as fleet:
+            await until(lambda: all(fleet.ledger.shard(i).incarnation for i in (0, 1)),
+                        60, "the vLLM engines identified")
+            await fleet.begin_refit(1)
+            await fleet.complete_refit(1)
+            assert [fleet.ledger.state(i).value for i in range(3)] == ["HEALTHY"] * 3
+            await fleet.sleep(1, [1])
+            assert fleet.ledger.shard(1).sleep_held
+            path = fleet.config.journal.path
+        with Journal(path) as journal:  # as if it had died: the next start is not a clean one
+            journal.set_meta("clean_shutdown", "0")
+        async with running_fleet(tmp_path, **fleet_cfg) as fleet:
+            r0, r1, r2 = fleet.ledger.snapshot()
+            assert (r0.state.value, r0.weight_version) == ("HEALTHY", 1)
+            assert (r1.state.value, r1.sleep_held, r1.weight_version) == ("SLEEPING", True, 1)
+            assert r2.state.value == "STALE"  # no start time: a new run, for the next refit
+            assert fleet.router.serving_backends() == [urls[0]]
+            await fleet.wake([1])
+            assert (fleet.ledger.state(1).value, fleet.ledger.shard(1).weight_version) == (
+                "HEALTHY", 1)
+    finally:
+        for s in sims:
+            s.kill()

@@ -187,6 +187,28 @@ def test_a_hedged_lost_cores_canary_waits_what_the_limit_left_and_concludes(
         assert ended is None  # nothing concluded: nothing goes to the ledger
 
 
+def test_a_restart_during_a_hedged_watch_is_told_by_the_next_read() -> None:
+    """The hedged canary's read was kept as the sample even from a new process (restarted
+    while the canary waited, which dropped with the old one): every later read compared the
+    new process with itself, no read said RESTARTED, and a refit credited the new process
+    with the weights the old one had received."""
+    watch = EngineWatch()
+    report = lost_core(watch)
+    first = watch.next(Hedged(report, 1.2))
+    assert isinstance(first, SendCanary)
+    assert IDLE.start_time is not None
+    new = Sample(running=0, waiting=0, steps=0, generation_tokens=0,
+                 start_time=IDLE.start_time + 60)
+    dropped = CanaryResult(False, 0.3, None, "Server disconnected")
+    for canary in (dropped, CanaryResult(False, 3.9, None, "no answer within 3.9 s")):
+        _, ended = feed(watch, watch.next(Hedged(report, 1.2)) if canary is not dropped
+                        else first, [canary, new], 5.1)
+        assert ended is None
+        assert watch.sample == IDLE  # the old process's: the new one is still to be told
+    _, told = visit(watch, Target(URL), 6.0, [new, ANSWERED, new])  # a restart: a canary
+    assert told.restarted and told.incarnation == new.incarnation
+
+
 def test_a_hedged_watch_with_no_sample_to_compare_asks_for_nothing() -> None:
     watch = EngineWatch()
     _, report = visit(watch, Target(URL, in_flight=1), 0.0, [Down("refused")])

@@ -3,9 +3,15 @@ way out, no restart spent on fleetwarden's own death, every change a journaled t
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from aiohttp import web
+
 from fleetwarden.launchers import EngineHandle, LaunchError
-from fleetwarden.ledger import Event, Ledger, Policy, ShardState, Transition
-from fleetwarden.restore import begin_run
+from fleetwarden.ledger import Event, Ledger, Policy, ShardState, Transition, unnamed_incarnation
+from fleetwarden.restore import begin_run, read_attached, same_process
+from fleetwarden.watchdog import Target, Watchdog
+from support.wait import free_port
 
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
                      ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
@@ -133,3 +139,118 @@ def test_a_condemned_backend_replaced_in_the_config_is_loaded_on_its_new_url() -
     ledger.condemn(0, "stuck")
     begin_run(ledger, {}, attached={0: "http://127.0.0.1:8000"})
     assert ledger.state(0) is D
+
+
+# ---------------------------------------------------------------- an attached engine that lived on
+
+VLLM_START = "1764600000.5"  # what a vLLM engine reports: process_start_time_seconds
+
+
+def trainer_fleet_at_version(n: int = 3, version: int = 7) -> Ledger:
+    """A trainer-mode fleet whose attached engines were identified (the watchdog's first read)
+    and refit to ``version``: what the journal holds when fleetwarden is SIGKILLed."""
+    ledger, _ = restored(n, weights="trainer")
+    for i in range(n):
+        ledger.observe_incarnation(i, f"{VLLM_START}{i}")
+        ledger.report_refit(i, version)
+    return ledger
+
+
+def test_the_same_process_is_one_both_sides_name_alike() -> None:
+    assert same_process("1764600000.5", "1764600000.5")
+    assert not same_process("1764600000.5", "1764600001.5")  # restarted meanwhile
+    assert not same_process(None, None)  # SGLang, TGI, openai: no start time to compare
+    assert not same_process("1764600000.5", None)  # gave none now, or the read failed
+    assert not same_process(None, "1764600000.5")  # never identified in the last run
+    # a name the ledger gave a restart it saw on an engine with no start time is no process's
+    assert not same_process(unnamed_incarnation(None), unnamed_incarnation(None))
+
+
+def test_a_trainer_restart_keeps_an_attached_engine_that_lived_on_at_its_version() -> None:
+    """fleetwarden SIGKILLed and started again in trainer mode: every attached engine became a
+    new run, STALE until the trainer's next refit (409 for every client), although the same
+    processes held the same weights. Only the one that is provably the same keeps its state."""
+    ledger = trainer_fleet_at_version()
+    attached = {i: ledger.shard(i).base_url for i in range(3)}
+    running = {0: f"{VLLM_START}0",  # the same process
+               1: f"{VLLM_START}1-other",  # restarted while fleetwarden was down
+               2: None}  # did not answer, or gives no start time
+    begin_run(ledger, {}, attached, running)
+    assert [ledger.state(i) for i in range(3)] == [H, ST, ST]
+    assert ledger.shard(0).weight_version == 7
+    assert ledger.shard(0).incarnation == f"{VLLM_START}0"
+    assert ledger.serving_urls() == [attached[0]]
+    # a new run's process is the one read now: the next restart can tell it again
+    assert [ledger.shard(i).incarnation for i in (1, 2)] == [f"{VLLM_START}1-other", None]
+
+
+def test_an_unidentified_or_moved_attached_shard_is_a_new_run_whatever_it_reports() -> None:
+    ledger, _ = restored(2, weights="trainer")
+    ledger.report_refit(0, 3)  # never identified: the journal knows no process of it
+    ledger.observe_incarnation(1, VLLM_START)
+    ledger.report_refit(1, 3)
+    attached = {0: ledger.shard(0).base_url, 1: "http://127.0.0.1:9999"}  # 1 replaced
+    begin_run(ledger, {}, attached, {0: VLLM_START, 1: VLLM_START})
+    assert [ledger.state(0), ledger.state(1)] == [ST, ST]
+    assert ledger.shard(1).base_url == "http://127.0.0.1:9999"
+
+
+def test_a_sleeping_attached_engine_that_lived_on_stays_asleep_and_held() -> None:
+    """The journal says asleep, held by the trainer; the same process is still asleep. A new
+    run woke it (STALE, awake, no hold): the trainer's wake then found nothing to wake and the
+    shard had left its version behind."""
+    for weights in ("trainer", "static"):
+        ledger, _ = restored(2, weights=weights)
+        for i in range(2):
+            ledger.observe_incarnation(i, f"{VLLM_START}{i}")
+            ledger.report_refit(i, 4)
+            ledger.report_asleep(i, "the trainer's sleep", held=True)
+        attached = {i: ledger.shard(i).base_url for i in range(2)}
+        begin_run(ledger, {}, attached, {0: f"{VLLM_START}0", 1: "another"})
+        r0, r1 = ledger.shard(0), ledger.shard(1)
+        assert (r0.state, r0.sleep_held, r0.state_before_sleep, r0.weight_version) == (
+            ShardState.SLEEPING, True, H, 4), weights
+        assert (r1.state, r1.sleep_held) == (ST, False), weights  # a new process starts awake
+        assert ledger.report_awake(0, "the trainer's wake", by_trainer=True)
+        assert ledger.state(0) is H
+
+
+def test_a_static_restart_keeps_an_ejected_engine_that_lived_on_ejected() -> None:
+    """The same process keeps its verdicts too, as an adopted launched engine does: its
+    ejection and its streak are about this very process."""
+    ledger, _ = restored(2)
+    ledger.observe_incarnation(1, VLLM_START)
+    ledger.report_failure(1, "500")
+    before = ledger.shard(1)
+    begin_run(ledger, {}, {1: before.base_url}, {1: VLLM_START})
+    assert ledger.shard(1) == before
+
+
+async def test_read_attached_names_each_engine_as_the_watchdog_does_and_never_raises() -> None:
+    metrics = (Path(__file__).parents[1] / "fixtures/vllm/metrics-idle.txt").read_text()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def exported(_: web.Request) -> web.Response:
+        return web.Response(text=metrics)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", exported)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+        async with Watchdog() as watchdog:
+            got = await read_attached(watchdog, {3: Target(f"http://127.0.0.1:{port}"),
+                                                 4: Target(dead)})
+            assert await read_attached(watchdog, {}) == {}
+    finally:
+        await runner.cleanup()
+    start = next(line.split()[-1] for line in metrics.splitlines()
+                 if line.startswith("process_start_time_seconds"))
+    assert got == {3: repr(float(start)), 4: None}

@@ -836,9 +836,9 @@ path = "{self.journal_path}"
     def had_healthy(self, r: RequestResult) -> bool:
         """A healthy engine all through the request: a shard HEALTHY at every check from a
         little before it to its end, that the journal shows never leaving HEALTHY in that time
-        (checks are samples: a shard can leave between two of them, as every attached one does
-        when fleetwarden starts again in trainer mode), and whose engine the model did not
-        break in that time."""
+        (checks are samples: a shard can leave between two of them, as an attached one with no
+        start time does when fleetwarden starts again in trainer mode), and whose engine the
+        model did not break in that time."""
         start, end = r.started - PUSH_BOUND_S, r.started + r.latency_s
         seen = [h for t, h in self.healthy_seen if start <= t <= end]
         if not seen:
