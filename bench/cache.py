@@ -31,7 +31,7 @@ router's and the network's share), total time, and requests per engine
 (``vllm:request_success_total``). For fleetwarden's cache-aware run, also what its router
 predicted per engine beside what each engine reported.
 
-    python bench/cache.py [--quick] [--no-peer] [--engines N] [--baseline SRC]
+    python bench/cache.py [--quick] [--no-peer] [--engines N] [--sessions N] [--baseline SRC]
                           [--routers NAMES] [--workloads NAMES]
 
 ``--quick``: smaller workloads (a smoke run). ``--baseline SRC``: also the cache-aware policy of
@@ -394,10 +394,12 @@ async def measure(router: str, urls: list[str], workload: Callable[..., Awaitabl
     return result
 
 
-def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], int | None]]:
+def workloads(quick: bool, sessions: int | None = None
+              ) -> dict[str, tuple[Callable[..., Awaitable[None]], int | None]]:
     # Each workload's texts are its own (the salt), so no router's index of one workload
     # helps it in the next: the engines' caches are reset between them.
     s, t = (8, 4) if quick else (24, 6)
+    s = s if sessions is None else sessions
     g = 8 if quick else 32
     return {
         f"GRPO {g}x8, shared system prompt, 3 epochs": (grpo(g, 8, 3, "[grpo] "), None),
@@ -413,14 +415,15 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], in
 
 
 async def run_router(name: str, router: str, urls: list[str], quick: bool,
-                     wanted: list[str]) -> dict[str, dict[str, Any]]:
+                     wanted: list[str], sessions: int | None = None
+                     ) -> dict[str, dict[str, Any]]:
     async with aiohttp.ClientSession() as http:
         await wait_serving(http, router)
     # A fleet's controller proves each attached engine before it serves at full share (a
     # few probe intervals of 1 s): measure the fleet once it has, as it runs for hours.
     await asyncio.sleep(SETTLE_S if name.startswith("fleetwarden cache_aware") else 0)
     rows = {}
-    for label, (workload, restart_after) in workloads(quick).items():
+    for label, (workload, restart_after) in workloads(quick, sessions).items():
         if wanted and not any(w in label for w in wanted):
             continue
         result = await measure(router, urls, workload, restart_after)
@@ -437,6 +440,8 @@ def main() -> None:
     parser.add_argument("--routers", default="",
                         help="comma-separated names (or parts of names) of the routers to run; "
                              "all by default")
+    parser.add_argument("--sessions", type=int, default=None,
+                        help="conversations of the agent workloads (24; 8 with --quick)")
     parser.add_argument("--baseline", default=None, metavar="SRC",
                         help="also run `fleetwarden route cache_aware` from this source folder "
                              "(e.g. the main checkout's src), as 'fleetwarden baseline "
@@ -470,7 +475,7 @@ def main() -> None:
             try:
                 with start() as router:
                     report[name] = asyncio.run(run_router(name, router, urls, args.quick,
-                                                                wanted))
+                                                          wanted, args.sessions))
             except PeerUnavailable as exc:
                 report[name] = f"not run: {exc}"
     print(json.dumps(report, indent=1))
