@@ -26,6 +26,7 @@ import json
 import random
 import statistics
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from cache import SYSTEM  # the same system prompt as bench/cache.py
@@ -80,7 +81,7 @@ def least_guard(candidates: Sequence[str], loads: Mapping[str, int], balance_abs
 def agents(engines: int, sessions: int, *, system: bool, seed: int,
            settings: AffinitySettings) -> dict[str, Any]:
     urls = [f"http://e{i}" for i in range(engines)]
-    cores = {u: EngineCore(_Quiet(), slots=SLOTS, tokens_per_step=1,  # type: ignore[arg-type]
+    cores = {u: EngineCore(_Quiet(), slots=SLOTS, tokens_per_step=1,
                            max_num_batched_tokens=BUDGET, prefix_cache=PrefixCache(CACHE_BLOCKS))
              for u in urls}
     policy = Affinity(settings)
@@ -103,8 +104,7 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
                 f"Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
             query = query_of({"messages": histories[k]}, f"agent-{k}", settings)
             assert query is not None
-            url = pool.pick(session=query.session, prefer=lambda left, loads, q=query, n=now:
-                            policy.choose(q, left, loads, n))
+            url = pool.pick(session=query.session, prefer=partial(policy.choose, query, now=now))
             assert url is not None
             policy.placed(query, url, now)
             pool.dispatched(url)
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--guard", choices=("mean", "least"), default="mean")
     args = parser.parse_args()
     if args.guard == "least":
-        affinity.within_guard = least_guard  # type: ignore[assignment]
+        affinity.within_guard = least_guard
     settings = AffinitySettings(balance_abs=args.abs, balance_rel=args.rel)
     seeds = [int(s) for s in args.seeds.split(",")]
     for engines in (int(n) for n in args.engines.split(",")):

@@ -99,10 +99,10 @@ class RouterSettings:
     #: The load guard: an engine is used for its cache only while, with the request, it
     #: holds at most this many more than the fleet's mean in flight, and at most this many in
     #: all while another engine idles (router/affinity.py's load_bound) ... 4
-    #: (bench/cache_model.py, fleets of 2 to 8 engines): at 2 or fewer, free-running agents
-    #: are moved off their engine, whole history and all, on every burst (0.63-0.68 of their
-    #: tokens hit, against 0.71); at 5 or more, a quiet fleet stacks a shared system prompt's
-    #: conversations again (the busiest engine past 1.5x the mean). The slack used to be 8
+    #: (bench/cache_model.py, fleets of 2 to 8 engines): at 2, free-running agents are
+    #: moved off their engine, whole history and all, on every burst (0.62-0.70 of their
+    #: tokens hit, against 0.71); at 5, a quiet fleet stacks a shared system prompt's
+    #: conversations again (the busiest engine 1.67x the mean). The slack used to be 8
     #: over the least loaded engine, as sglang-router's 64: it never fires in a fleet whose
     #: concurrency is below it (8 conversations all on one of two engines). RL groups are
     #: bounded by their share instead.
