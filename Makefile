@@ -41,7 +41,8 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
 # The browser tier drives this browser (Playwright with executable_path; nothing downloaded).
 CHROMIUM ?= /usr/bin/chromium
 # The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
-BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py bench/router_ab.py
+BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py bench/cache_model.py \
+               bench/router_ab.py
 
 .PHONY: test test-browser test-ray test-vllm chromium llamacpp demo demo-mixed lint typecheck unit bench \
         bench-router bench-failover dashboard-screenshot clean

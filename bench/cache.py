@@ -25,14 +25,18 @@ Workloads (every engine's prefix cache reset before each, so each starts cold):
 
 Per router and workload: the token hit rate from the engines' own counters
 (``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50/p99 at the
-client (streamed; time to the first token's event), total time, and requests per engine
+client (streamed; time to the first event that carries a token: a chat's role chunk, which
+the engine sends as it takes the request, is timed apart as ``first_event_p50_ms``, the
+router's and the network's share), total time, and requests per engine
 (``vllm:request_success_total``). For fleetwarden's cache-aware run, also what its router
 predicted per engine beside what each engine reported.
 
-    python bench/cache.py [--quick] [--no-peer]
+    python bench/cache.py [--quick] [--no-peer] [--engines N] [--sessions N] [--baseline SRC]
+                          [--routers NAMES] [--workloads NAMES]
 
-``--quick``: smaller workloads (a smoke run). The machine is shared and small: compare figures
-within one run.
+``--quick``: smaller workloads (a smoke run). ``--baseline SRC``: also the cache-aware policy of
+another source folder (``/work/main/src``: before a change), on the same engines in the same
+run. The machine is shared and small: compare figures within one run.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -69,6 +74,9 @@ SETTLE_S = 8.0
 @dataclass
 class Result:
     ttft: list[float] = field(default_factory=list)
+    #: Time to the stream's first event, a token or not: a chat's role chunk, which an engine
+    #: sends as it takes the request (the router's and the network's share of TTFT).
+    first_event: list[float] = field(default_factory=list)
     errors: int = 0
     wall_s: float = 0.0
     queries: float = 0.0
@@ -85,12 +93,15 @@ class Result:
 
     def row(self) -> dict[str, Any]:
         ttft = sorted(self.ttft)
+        first_event = sorted(self.first_event)
         mean = statistics.fmean(self.per_engine) if self.per_engine else 0.0
         out: dict[str, Any] = {
             "hit_rate": self.hits / self.queries if self.queries else 0.0,
             "ttft_p50_ms": 1000 * ttft[len(ttft) // 2] if ttft else None,
             "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]
             if ttft else None,
+            "first_event_p50_ms": 1000 * first_event[len(first_event) // 2]
+            if first_event else None,
             "wall_s": self.wall_s,
             "requests_per_engine": [int(n) for n in self.per_engine],
             "busiest_over_mean": max(self.per_engine) / mean if mean else None,
@@ -158,10 +169,14 @@ def deltas(before: list[tuple[float, float, float]], after: list[tuple[float, fl
 
 async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
                headers: dict[str, str], result: Result) -> str:
-    """One streamed request; its TTFT into ``result``; the text it generated."""
+    """One streamed request; its TTFT into ``result``; the text it generated.
+
+    TTFT is the time to the first event that carries a token: a chat's role chunk comes as
+    the engine takes the request, before its prefill (and before any wait for a slot)."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     started = time.perf_counter()
     text = []
+    evented = False
     try:
         async with http.post(router + path, json={**body, "stream": True},
                              headers=headers) as r:
@@ -172,13 +187,20 @@ async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
             async for line in r.content:
                 if not line.startswith(b"data: {"):
                     continue
+                if not evented:
+                    result.first_event.append(time.perf_counter() - started)
+                    evented = True
+                choice = json.loads(line[6:])["choices"]
+                if not choice:
+                    continue
+                delta = choice[0].get("delta", {})
+                if "role" in delta and not delta.get("content"):
+                    continue  # the role chunk: no token yet
                 if first:
                     result.ttft.append(time.perf_counter() - started)
                     first = False
-                choice = json.loads(line[6:])["choices"]
-                if choice:
-                    part = choice[0].get("delta", {}).get("content") or choice[0].get("text")
-                    text.append(part or "")
+                part = delta.get("content") or choice[0].get("text")
+                text.append(part or "")
     except (TimeoutError, aiohttp.ClientError):
         result.errors += 1
     return "".join(text)
@@ -252,12 +274,16 @@ def fleetwarden_up(urls: list[str], folder: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def fleetwarden_route(urls: list[str], routing: str) -> Iterator[str]:
+def fleetwarden_route(urls: list[str], routing: str, source: str | None = None
+                      ) -> Iterator[str]:
+    """``fleetwarden route``; ``source``: run the fleetwarden package of that source folder
+    (another checkout's ``src``), to compare two versions of a policy on the same engines."""
     argv = [sys.executable, "-m", "fleetwarden", "route", "--port", "0", "--log-level", "error",
             "--routing", routing]
     for url in urls:
         argv += ["--backend", url]
-    with process(argv) as proc:
+    env = None if source is None else {**os.environ, "PYTHONPATH": source}
+    with process(argv, env=env) as proc:
         assert proc.stdout is not None
         yield proc.stdout.readline().split(" on ", 1)[1].split(",")[0]
 
@@ -368,10 +394,12 @@ async def measure(router: str, urls: list[str], workload: Callable[..., Awaitabl
     return result
 
 
-def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], int | None]]:
+def workloads(quick: bool, sessions: int | None = None
+              ) -> dict[str, tuple[Callable[..., Awaitable[None]], int | None]]:
     # Each workload's texts are its own (the salt), so no router's index of one workload
     # helps it in the next: the engines' caches are reset between them.
     s, t = (8, 4) if quick else (24, 6)
+    s = s if sessions is None else sessions
     g = 8 if quick else 32
     return {
         f"GRPO {g}x8, shared system prompt, 3 epochs": (grpo(g, 8, 3, "[grpo] "), None),
@@ -387,14 +415,15 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[..., Awaitable[None]], in
 
 
 async def run_router(name: str, router: str, urls: list[str], quick: bool,
-                     wanted: list[str]) -> dict[str, dict[str, Any]]:
+                     wanted: list[str], sessions: int | None = None
+                     ) -> dict[str, dict[str, Any]]:
     async with aiohttp.ClientSession() as http:
         await wait_serving(http, router)
     # A fleet's controller proves each attached engine before it serves at full share (a
     # few probe intervals of 1 s): measure the fleet once it has, as it runs for hours.
     await asyncio.sleep(SETTLE_S if name.startswith("fleetwarden cache_aware") else 0)
     rows = {}
-    for label, (workload, restart_after) in workloads(quick).items():
+    for label, (workload, restart_after) in workloads(quick, sessions).items():
         if wanted and not any(w in label for w in wanted):
             continue
         result = await measure(router, urls, workload, restart_after)
@@ -411,6 +440,12 @@ def main() -> None:
     parser.add_argument("--routers", default="",
                         help="comma-separated names (or parts of names) of the routers to run; "
                              "all by default")
+    parser.add_argument("--sessions", type=int, default=None,
+                        help="conversations of the agent workloads (24; 8 with --quick)")
+    parser.add_argument("--baseline", default=None, metavar="SRC",
+                        help="also run `fleetwarden route cache_aware` from this source folder "
+                             "(e.g. the main checkout's src), as 'fleetwarden baseline "
+                             "cache_aware', on the same engines")
     parser.add_argument("--workloads", default="",
                         help="comma-separated parts of the workloads' names to run (e.g. "
                              "'system,restart'); all by default")
@@ -425,6 +460,9 @@ def main() -> None:
             ("fleetwarden route cache_aware", lambda: fleetwarden_route(urls, "cache_aware")),
             ("fleetwarden least_in_flight", lambda: fleetwarden_route(urls, "least_in_flight")),
         ]
+        if args.baseline is not None:
+            routers.append(("fleetwarden baseline cache_aware",
+                            lambda: fleetwarden_route(urls, "cache_aware", args.baseline)))
         if not args.no_peer:
             routers += [
                 ("sglang-router 0.3.2 cache_aware", lambda: sglang_router(urls, "cache_aware")),
@@ -437,7 +475,7 @@ def main() -> None:
             try:
                 with start() as router:
                     report[name] = asyncio.run(run_router(name, router, urls, args.quick,
-                                                                wanted))
+                                                          wanted, args.sessions))
             except PeerUnavailable as exc:
                 report[name] = f"not run: {exc}"
     print(json.dumps(report, indent=1))

@@ -8,7 +8,14 @@ import random
 
 import pytest
 
-from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
+from fleetwarden.router.affinity import (
+    Affinity,
+    AffinitySettings,
+    Query,
+    load_bound,
+    query_of,
+    within_guard,
+)
 from fleetwarden.router.pool import Pool
 
 A, B, C, D = (f"http://e{i}" for i in range(4))
@@ -117,31 +124,86 @@ def test_a_shared_system_prompt_never_piles_every_session_on_one_engine() -> Non
 
 
 def test_the_load_guard_bounds_a_hot_prefix_whatever_the_arrivals() -> None:
-    """The thrash spiral of consistent hashing: one hot prefix must never take one engine
-    beyond the guard while others idle. Random arrivals and completions; replay a failure
-    with FLEETWARDEN_AFFINITY_SEED."""
+    """The thrash spiral of consistent hashing, over random fleets of 2 to 8 engines: one hot
+    prefix (and a shared system prompt under every conversation) must never take an engine
+    past the guard: at most balance_abs over the mean, balance_rel times it under load, and
+    balance_abs in all while another engine idles. Random arrivals and completions; replay a
+    failure with FLEETWARDEN_AFFINITY_SEED."""
     seed = int(os.environ.get("FLEETWARDEN_AFFINITY_SEED", random.randrange(2**32)))
     print(f"seed {seed} (FLEETWARDEN_AFFINITY_SEED={seed} replays it)")
     rng = random.Random(seed)
-    s = AffinitySettings(balance_abs=4, balance_rel=1.5, group_window_s=0.001)
-    affinity = Affinity(s)
-    pool = Pool(FLEET)
-    running: list[str] = []
-    hot = [chat("the hot prompt"), chat("the warm prompt"), *(chat(f"cold {k}") for k in range(5))]
-    for step in range(2000):
-        if running and rng.random() < 0.45:
-            pool.finished(running.pop(rng.randrange(len(running))))
-            continue
-        # Mostly the hot prompt, at random times: its engine is the only holder at first.
-        query = hot[0] if rng.random() < 0.8 else rng.choice(hot[1:])
-        loads = pool.in_flight()
-        url = place(affinity, pool, query, step * 0.01)
+    for trial in range(20):
+        fleet = [f"http://e{i}" for i in range(rng.randint(2, 8))]
+        s = AffinitySettings(balance_abs=rng.randint(1, 8), balance_rel=rng.uniform(1.0, 2.0),
+                             group_window_s=0.001)
+        affinity = Affinity(s)
+        pool = Pool(fleet)
+        running: list[str] = []
+        hot = [chat("the hot prompt"), chat("the warm prompt"),
+               *(chat(f"cold {k}", "and its next turn") for k in range(5))]
+        busy = rng.uniform(0.3, 0.7)  # how often a step is an arrival: quiet to saturated
+        for step in range(400):
+            if running and rng.random() > busy:
+                pool.finished(running.pop(rng.randrange(len(running))))
+                continue
+            # Mostly the hot prompt, at random times: its engine is the only holder at first.
+            query = hot[0] if rng.random() < 0.7 else rng.choice(hot[1:])
+            loads = pool.in_flight()
+            url = place(affinity, pool, query, step * 0.01)
+            counts = [loads[u] for u in fleet]
+            mean = (sum(counts) + 1) / len(fleet)
+            # (No RL group bypasses the guard here: arrivals are further apart than its window.)
+            assert loads[url] + 1 <= max(mean + s.balance_abs, s.balance_rel * mean), (
+                seed, trial, step, loads, url)
+            assert min(counts) > 0 or loads[url] < s.balance_abs, (seed, trial, step, loads, url)
+            pool.dispatched(url)
+            running.append(url)
+
+
+def test_the_guard_is_measured_from_the_mean_and_never_leaves_no_choice() -> None:
+    assert load_bound([0, 0], 4, 1.5) == 4  # a quiet pair: 4 on one while the other idles
+    assert load_bound([3, 0], 4, 1.5) == 4
+    assert load_bound([3, 1], 4, 1.5) == 2.5 + 4  # mean 2.5 with the new request
+    assert load_bound([40, 40, 30, 9], 4, 1.5) == pytest.approx(1.5 * 120 / 4)  # under load
+    seed = int(os.environ.get("FLEETWARDEN_AFFINITY_SEED", random.randrange(2**32)))
+    print(f"seed {seed} (FLEETWARDEN_AFFINITY_SEED={seed} replays it)")
+    rng = random.Random(seed)
+    for _ in range(500):
+        fleet = [f"http://e{i}" for i in range(rng.randint(1, 16))]
+        loads = {u: rng.choice([0, rng.randint(0, 4), rng.randint(0, 200)]) for u in fleet}
+        allowed = within_guard(fleet, loads, rng.randint(1, 64), rng.uniform(1.0, 3.0))
         least = min(loads.values())
-        slack = max(s.balance_abs, (s.balance_rel - 1) * (sum(loads.values()) + 1) / 4)
-        # (No RL group bypasses the guard here: arrivals are further apart than its window.)
-        assert loads[url] - least < slack, (seed, step, loads, url)
+        assert all(u in allowed for u in fleet if loads[u] == least), (seed, loads)
+
+
+def test_a_quiet_pair_of_engines_shares_conversations_that_share_a_system_prompt() -> None:
+    """Eight conversations over a shared system prompt on two engines, each staying in flight:
+    a slack of 8 over the least loaded engine put all eight on one engine."""
+    affinity = Affinity()
+    pool = Pool([A, B])
+    counts = dict.fromkeys([A, B], 0)
+    for session in range(8):
+        url = place(affinity, pool, chat(f"agent {session}: task"), 0.0)
         pool.dispatched(url)
-        running.append(url)
+        counts[url] += 1
+    assert sorted(counts.values()) == [4, 4], counts
+
+
+def test_an_idle_engine_takes_a_shared_prefix_before_its_holders_pass_the_slack() -> None:
+    """Three engines hold the shared system prompt and serve within their share of the load;
+    the fourth holds nothing and idles. A new conversation goes to the idle one (which then
+    holds the prompt too), not to a fourth request on a holder."""
+    affinity = Affinity()
+    assert affinity.settings.balance_abs == 4  # the default slack
+    pool = Pool(FLEET)
+    for url in (A, B, C):
+        affinity.placed(chat("an earlier agent"), url, 0.0)
+        for _ in range(4):  # a third of 13 in flight: under the mean's bound, 3.25 + 4
+            pool.dispatched(url)
+    assert place(affinity, pool, chat("a new agent"), 1.0) == D
+    pool.dispatched(D)
+    # Now D holds the prompt too: the next new conversation is a tie, to the least loaded.
+    assert place(affinity, pool, chat("another agent"), 1.0) == D
 
 
 def test_a_restart_a_refit_or_leaving_forgets_the_engines_prefixes() -> None:

@@ -14,13 +14,14 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
   a lookup is one dictionary probe per block. An entry lives ``ttl_s`` after its last use (near
   an engine's cache lifetime under load) and at most ``max_blocks`` are kept, least recently
   used first out: memory is bounded whatever the traffic.
-* **A load guard that fires.** A backend is used for its cache only while it has fewer
-  requests than the least loaded one plus a slack: ``balance_abs`` in a quiet fleet, growing
-  to ``balance_rel - 1`` times the mean under load. sglang-router's 64 requests apart never
-  fires in a fleet whose concurrency is below that, so a shared system prompt above its match
-  threshold put every request on one engine; here the guard spills the excess to the best
-  match among the others, which then hold the shared prefix too, and ties go to the least
-  loaded.
+* **A load guard that fires, at any fleet size.** A backend is used for its cache only while,
+  with the request, it holds at most ``balance_abs`` more than the fleet's mean (growing to
+  ``balance_rel`` times the mean under load), and at most ``balance_abs`` in all while another
+  backend idles (:func:`load_bound`). sglang-router's guard is a slack over the least loaded
+  engine (64 apart): it never fires in a fleet whose concurrency is below it, so a shared
+  system prompt above its match threshold put every request on one engine; here the excess
+  spills to the best match among the others, which then hold the shared prefix too, and ties
+  go to the least loaded.
 * **RL groups.** Siblings (the same whole prompt within ``group_window_s``: a GRPO group's n
   samples) stay on one engine up to ``group_per_engine`` of them, past the load guard, so a
   group is prefilled once per ``group_per_engine`` siblings rather than once per engine it was
@@ -53,8 +54,8 @@ from typing import Any
 
 from fleetwarden.router.settings import RouterSettings
 
-__all__ = ["Affinity", "AffinitySettings", "Predicted", "Query", "query_of", "text_keys",
-           "token_keys"]
+__all__ = ["Affinity", "AffinitySettings", "Predicted", "Query", "load_bound", "query_of",
+           "text_keys", "token_keys", "within_guard"]
 
 
 _DEFAULTS = RouterSettings()
@@ -141,6 +142,38 @@ def query_of(body: Any, session: str | None, settings: AffinitySettings,
     if isinstance(prompt, str):
         return Query(text_keys(prompt, settings.text_block), session, n)
     return None
+
+
+def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float) -> float:
+    """The most requests an engine of a fleet with ``loads`` in flight may hold, the new one
+    included, and still be chosen for its cache (docs/design.md 4.3).
+
+    ``balance_abs`` above the fleet's mean (the new request counted) in a quiet fleet, growing
+    with load to ``balance_rel`` times the mean: the bounded-load rule of consistent hashing,
+    as the pool's session ring keeps. Measured from the mean, not from the least loaded engine,
+    because the least of many engines is low by chance alone: a slack over it moves
+    conversations, and their whole histories, off engines that merely had a burst.
+
+    While an engine idles, ``balance_abs`` in all: the mean is then no guard, since a few
+    engines holding a shared prefix (a system prompt above the match threshold) stay within
+    their share of it while an engine that holds nothing takes nothing, however long it idles.
+    One request there makes it a holder too, and ties go to the least loaded.
+
+    The least loaded engine is always within it (its load is at most the mean, and
+    ``balance_abs`` >= 1), so the guard never leaves no choice."""
+    if not loads or min(loads) == 0:
+        return float(balance_abs)
+    mean = (sum(loads) + 1) / len(loads)
+    return max(mean + balance_abs, balance_rel * mean)
+
+
+def within_guard(candidates: Sequence[str], loads: Mapping[str, int], balance_abs: int,
+                 balance_rel: float) -> list[str]:
+    """The candidates the load guard lets be chosen for their cache: those that, with one more
+    request, hold at most :func:`load_bound`. Never none of them."""
+    counts = [loads.get(u, 0) for u in candidates]
+    bound = load_bound(counts, balance_abs, balance_rel)
+    return [u for u, n in zip(candidates, counts, strict=True) if n + 1 <= bound]
 
 
 def text_keys(text: str, block: int, parent: int = 0) -> tuple[int, ...]:
@@ -279,13 +312,7 @@ class Affinity:
                     full.append(url)
             if len(full) < len(candidates):
                 candidates = [u for u in candidates if u not in full]
-        counts = [loads.get(u, 0) for u in candidates]
-        least = min(counts)
-        # The guard's slack over the least loaded engine: balance_abs requests in a quiet
-        # fleet, growing with load to (balance_rel - 1) times the mean, so a busy fleet keeps
-        # its affinity and a quiet one never stacks a shared prefix's requests on one engine.
-        slack = max(s.balance_abs, (s.balance_rel - 1) * (sum(counts) + 1) / len(candidates))
-        allowed = [u for u in candidates if loads.get(u, 0) - least < slack]
+        allowed = within_guard(candidates, loads, s.balance_abs, s.balance_rel)
         matched = self.matched(query, now) if query.keys else {}
         best = max((matched.get(u, 0) for u in allowed), default=0)
         if query.keys and best / len(query.keys) > s.threshold:

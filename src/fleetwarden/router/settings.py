@@ -96,17 +96,20 @@ class RouterSettings:
     #: Share of a prompt's blocks an engine must hold to be chosen for its cache (else the
     #: session hint, else least in flight); sglang-router's cache_threshold, 0.3.
     cache_threshold: float = 0.3
-    #: The load guard: an engine is used for its cache only while it holds fewer requests
-    #: than the least loaded engine plus a slack: this many in a quiet fleet ... 8: one RL
-    #: group's share; bench/cache.py's free-running agents keep all their hits with it
-    #: (0.708, as sglang-router), where 2 moved sessions off their engine on every burst
-    #: (0.626). sglang-router's 64 apart never fires in a fleet with fewer requests in
-    #: flight, so a shared system prompt put all 144 requests on one engine; here at most 8
-    #: more than the least loaded (48/48/48/0 of 144: the fourth engine idle, since no one
-    #: waited). RL groups are bounded by their share instead.
-    cache_balance_abs: int = 8
-    #: ... growing with load to (this - 1) times the mean in flight, so a busy fleet keeps
-    #: its affinity (sglang-router's balance_rel_threshold, 1.5).
+    #: The load guard: an engine is used for its cache only while, with the request, it
+    #: holds at most this many more than the fleet's mean in flight, and at most this many in
+    #: all while another engine idles (router/affinity.py's load_bound) ... 4
+    #: (bench/cache_model.py, fleets of 2 to 8 engines): at 2, free-running agents are
+    #: moved off their engine, whole history and all, on every burst (0.62-0.70 of their
+    #: tokens hit, against 0.71); at 5, a quiet fleet stacks a shared system prompt's
+    #: conversations again (the busiest engine 1.67x the mean). The slack used to be 8
+    #: over the least loaded engine, as sglang-router's 64: it never fires in a fleet whose
+    #: concurrency is below it (8 conversations all on one of two engines). RL groups are
+    #: bounded by their share instead.
+    cache_balance_abs: int = 4
+    #: ... growing with load to this times the mean in flight, so a busy fleet keeps its
+    #: affinity (the bounded-load rule of consistent hashing; sglang-router's
+    #: balance_rel_threshold, 1.5).
     cache_balance_rel: float = 1.5
     #: RL groups: requests with the same whole prompt within this many seconds of the first
     #: are siblings. 1 s: a GRPO group's samples arrive within milliseconds of each other,

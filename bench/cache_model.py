@@ -1,0 +1,171 @@
+"""The cache-aware policy's load guard in virtual time: quick to rerun, apart from the machine.
+
+bench/cache.py measures routers as processes on a shared 2-core machine, where each run takes
+minutes and its timings carry the machine's load. This model runs the router's pure pieces
+(``router/affinity.py`` and ``router/pool.py``) in front of the simulated engine's pure core
+(``sim/engine.py`` with its prefix cache, bench/cache.py's engine settings: 8 slots, a 512-token
+step budget, a step every 20 ms) on a virtual clock, so a guard setting is compared across fleet
+sizes and seeds in seconds, and a run replays exactly. It measures the policy, not the router's
+cost or the network: TTFT here is the time to the first token's step (queueing and prefill).
+
+Workloads as bench/cache.py's agents: ``--sessions`` conversations of 6 turns, each thinking
+0-200 ms (seeded) between turns, with ``x-session-id``, with and without a shared system prompt.
+
+    python bench/cache_model.py [--engines 2,4,8] [--abs 4] [--rel 1.5] [--seeds 1,2,3]
+                                [--guard mean|least]
+
+``--guard least``: the guard before this model was written, a slack over the least loaded
+engine (``max(abs, (rel - 1) * mean)`` requests above it), for comparison in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+from cache import SYSTEM  # the same system prompt as bench/cache.py
+from fleetwarden.router import affinity
+from fleetwarden.router.affinity import Affinity, AffinitySettings, query_of
+from fleetwarden.router.pool import Pool
+from fleetwarden.sim import wire
+from fleetwarden.sim.engine import EngineCore, SimRequest
+from fleetwarden.sim.prefix_cache import PrefixCache
+
+STEP_S = 0.02  # bench/cache.py's engines: 50 steps/s
+SLOTS = 8
+BUDGET = 512
+CACHE_BLOCKS = 4096
+TURNS = 6
+MAX_TOKENS = 8
+
+
+class _Quiet:
+    """The engine core's metric families, unread here."""
+
+    start_time = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class _Answer:
+    """A generation that spells a fixed answer (the next turn re-sends it)."""
+
+    finish_reason: str | None = None
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.i = 0
+
+    def sample(self) -> int:
+        token = ord(self.text[self.i % len(self.text)])
+        self.i += 1
+        return token
+
+
+def least_guard(candidates: Sequence[str], loads: Mapping[str, int], balance_abs: int,
+                balance_rel: float) -> list[str]:
+    """The earlier guard: a slack over the least loaded engine."""
+    counts = [loads.get(u, 0) for u in candidates]
+    least = min(counts)
+    slack = max(balance_abs, (balance_rel - 1) * (sum(counts) + 1) / len(counts))
+    return [u for u, n in zip(candidates, counts, strict=True) if n - least < slack]
+
+
+def agents(engines: int, sessions: int, *, system: bool, seed: int,
+           settings: AffinitySettings) -> dict[str, Any]:
+    urls = [f"http://e{i}" for i in range(engines)]
+    cores = {u: EngineCore(_Quiet(), slots=SLOTS, tokens_per_step=1,
+                           max_num_batched_tokens=BUDGET, prefix_cache=PrefixCache(CACHE_BLOCKS))
+             for u in urls}
+    policy = Affinity(settings)
+    pool = Pool(urls)
+    histories: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": SYSTEM}] if system else [] for _ in range(sessions)]
+    rngs = [random.Random(f"{seed}-{k}") for k in range(sessions)]
+    arrivals: list[tuple[float, int, int]] = []
+    for k in range(sessions):
+        heapq.heappush(arrivals, (rngs[k].uniform(0.0, 0.2), k, 0))
+    inflight: dict[SimRequest, tuple[str, int, int]] = {}
+    ttft: list[float] = []
+    queried = hits = 0
+    served = dict.fromkeys(urls, 0)
+    now = 0.0
+    while arrivals or inflight:
+        while arrivals and arrivals[0][0] <= now:
+            at, k, t = heapq.heappop(arrivals)
+            histories[k].append({"role": "user", "content": (
+                f"Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
+            query = query_of({"messages": histories[k]}, f"agent-{k}", settings)
+            assert query is not None
+            url = pool.pick(session=query.session, prefer=partial(policy.choose, query, now=now))
+            assert url is not None
+            policy.placed(query, url, now)
+            pool.dispatched(url)
+            served[url] += 1
+            ids = wire.encode(wire.chat_prompt(histories[k]))
+            request = SimRequest(id=f"{k}-{t}", prompt_tokens=len(ids), max_tokens=MAX_TOKENS,
+                                 arrived_at=at, generation=_Answer(f"A{k}t{t}ok."),  # type: ignore[arg-type]
+                                 prompt_ids=ids)
+            cores[url].add(request)
+            inflight[request] = (url, k, t)
+        for url, core in cores.items():
+            if not core.has_work:
+                continue
+            result = core.step(now)
+            for request, _ in result.produced:
+                if request.first_token_at == now and len(request.output) <= 1:
+                    ttft.append(now - request.arrived_at)
+            for request in result.finished:
+                _, k, t = inflight.pop(request)
+                queried += request.prompt_tokens
+                hits += request.cached
+                pool.finished(url)
+                histories[k].append({"role": "assistant",
+                                     "content": "".join(map(chr, request.output))})
+                if t + 1 < TURNS:
+                    heapq.heappush(arrivals, (now + rngs[k].uniform(0.0, 0.2), k, t + 1))
+        now = round(now + STEP_S, 6)
+    ttft.sort()
+    return {"hit_rate": hits / queried,
+            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2],
+            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
+            "requests_per_engine": list(served.values()),
+            "busiest_over_mean": max(served.values()) / statistics.fmean(served.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", default="2,4,8")
+    parser.add_argument("--abs", type=int, default=AffinitySettings().balance_abs)
+    parser.add_argument("--rel", type=float, default=AffinitySettings().balance_rel)
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--guard", choices=("mean", "least"), default="mean")
+    args = parser.parse_args()
+    if args.guard == "least":
+        affinity.within_guard = least_guard
+    settings = AffinitySettings(balance_abs=args.abs, balance_rel=args.rel)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for engines in (int(n) for n in args.engines.split(",")):
+        for sessions in sorted({3 * engines, 6 * engines}):
+            for system in (False, True):
+                rows = [agents(engines, sessions, system=system, seed=s, settings=settings)
+                        for s in seeds]
+                print(json.dumps({
+                    "guard": args.guard, "abs": args.abs, "engines": engines,
+                    "sessions": sessions, "system_prompt": system,
+                    "hit_rate": round(statistics.fmean(r["hit_rate"] for r in rows), 3),
+                    "ttft_p50_ms": [round(r["ttft_p50_ms"]) for r in rows],
+                    "ttft_p99_ms": [round(r["ttft_p99_ms"]) for r in rows],
+                    "busiest_over_mean": [round(r["busiest_over_mean"], 2) for r in rows]}),
+                    flush=True)
+
+
+if __name__ == "__main__":
+    main()
