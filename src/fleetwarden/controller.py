@@ -152,10 +152,6 @@ class Controller:
         self._focus: dict[int, asyncio.Task[None]] = {}
         #: A hedged lost core's watching canary, by shard (:meth:`_hedge_lost_core`).
         self._watching: dict[int, asyncio.Task[None]] = {}
-        #: URLs whose focused reads hedged the requests they hold, left out of every push
-        #: until a read shows them settled (a step taken), or their focused reads end
-        #: (:meth:`_hold_back`).
-        self._held_back: set[str] = set()
         #: Links whose outcomes are drained now (an evidence event came), not at the tick.
         self._drain_pending: set[int] = set()
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
@@ -202,33 +198,7 @@ class Controller:
             self.confirm(t.shard, "ejected")
 
     def _sets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return tuple(self._serving_urls()), tuple(self.ledger.trial_urls())
-
-    def _serving_urls(self) -> list[str]:
-        """The ledger's serving set, less the engines held back while their hedges run
-        (:meth:`_hold_back`); never emptied by that (the ledger's panic rule decides what an
-        empty fleet serves)."""
-        urls = self.ledger.serving_urls()
-        kept = [u for u in urls if u not in self._held_back]
-        return kept or urls
-
-    def _hold_back(self, url: str, held: bool) -> None:
-        """Whether ``url`` is left out of the pushes. Its focused reads hedged what it holds
-        (a request held ``hedge_after_s`` with not one step): a router whose hedge wins drops
-        it only until the next push, and the tick's heartbeat push put a wedge back in
-        routing before the stall limit condemned it, so a request sent there then waited for
-        the condemnation (+6 s) and a generation elsewhere. Held back, no new request goes
-        there while it takes no step; the first read that shows it settled (a long step
-        ended) routes it again at once. The ledger is not told: a long step is no failure
-        (docs/design.md section 12)."""
-        if held == (url in self._held_back):
-            return
-        if held:
-            self._held_back.add(url)
-        else:
-            self._held_back.discard(url)
-        if self._sets() != self._pushed:
-            self._push_soon()
+        return tuple(self.ledger.serving_urls()), tuple(self.ledger.trial_urls())
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None] | None:
         try:
@@ -244,7 +214,7 @@ class Controller:
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
         """What every push carries: the serving URLs, and each one's shard, weight version and
         incarnation (a router's cache-aware policy forgets a restarted engine's prefixes)."""
-        urls = self._serving_urls()
+        urls = self.ledger.serving_urls()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
                                             upstream_fields=self._upstream_fields(rec.index),
@@ -363,19 +333,6 @@ class Controller:
             task.add_done_callback(lambda _: self._focus.pop(shard, None))
 
     async def _confirm(self, i: int, url: str) -> None:
-        ended = False
-        try:
-            await self._focused_reads(i, url)
-            ended = True
-        finally:
-            # Its reads end: the ledger's set decides again (pushed now; when the controller
-            # is stopping, or the reads failed, at the next push).
-            if ended:
-                self._hold_back(url, False)
-            else:
-                self._held_back.discard(url)
-
-    async def _focused_reads(self, i: int, url: str) -> None:
         h = self.config.health
         deadline = self.clock() + h.confirm_max_s
         first = True
@@ -418,10 +375,6 @@ class Controller:
             if rec.state in ABSENT:
                 return
             hedge = r.hedge(h.hedge_after_s)
-            if hedge is not None:
-                self._hold_back(url, True)
-            elif r.settled:
-                self._hold_back(url, False)
             if hedge is Hedge.STEP:
                 await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
             elif hedge is Hedge.LOST_CORE:
