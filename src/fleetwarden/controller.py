@@ -12,9 +12,10 @@ Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 2. a supervisor tick: restarts start for DEAD shards (so a shard condemned this tick is
    RESTARTING before the push), finished restarts are collected;
 3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
-4. ``serving_urls()`` is pushed to every router, every tick, unconditionally (no deltas, so a
-   restarted router converges on the next push), with each backend's facts (shard index,
-   weight version) beside it;
+4. the ledger's ``serving_urls()`` (less a lost core its hedges' canary still watches:
+   :meth:`Controller.serving`) is pushed to every router, every tick, unconditionally (no
+   deltas, so a restarted router converges on the next push), with each backend's facts
+   (shard index, weight version) beside it;
 5. the routers rescue the requests waiting on shards condemned this tick.
 
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
@@ -152,6 +153,10 @@ class Controller:
         self._focus: dict[int, asyncio.Task[None]] = {}
         #: A hedged lost core's watching canary, by shard (:meth:`_hedge_lost_core`).
         self._watching: dict[int, asyncio.Task[None]] = {}
+        #: The URLs of those shards: held out of every push while their canary watches
+        #: (:meth:`serving`).
+        self._held_out: set[str] = set()
+        self._closing = False
         #: Links whose outcomes are drained now (an evidence event came), not at the tick.
         self._drain_pending: set[int] = set()
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
@@ -198,7 +203,17 @@ class Controller:
             self.confirm(t.shard, "ejected")
 
     def _sets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return tuple(self.ledger.serving_urls()), tuple(self.ledger.trial_urls())
+        return tuple(self.serving()), tuple(self.ledger.trial_urls())
+
+    def serving(self) -> list[str]:
+        """What the routers may use: the ledger's serving set, less a lost core whose hedges'
+        canary is still watching it (:meth:`_hedge_lost_core`), unless no other would be left.
+        A lost race drops an engine from its router's list only until the next push; a tick's
+        push in the watch's seconds put an idle wedge back, and new requests reached it until
+        its condemnation, each held a second before its own hedge (history: docs/design.md
+        section 13). Held out, it is no verdict and no failure: the ledger still calls it
+        HEALTHY, and it is pushed again the moment the watch ends, answered or condemned."""
+        return held_out_of(self.ledger.serving_urls(), self._held_out)
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None] | None:
         try:
@@ -214,7 +229,7 @@ class Controller:
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
         """What every push carries: the serving URLs, and each one's shard, weight version and
         incarnation (a router's cache-aware policy forgets a restarted engine's prefixes)."""
-        urls = self.ledger.serving_urls()
+        urls = self.serving()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
                                             upstream_fields=self._upstream_fields(rec.index),
@@ -396,7 +411,9 @@ class Controller:
             task = self._spawn(self._watch_hedged(i, url, r), f"watch-hedged:{i}")
             if task is not None:
                 self._watching[i] = task
-                task.add_done_callback(lambda _: self._watching.pop(i, None))
+                self._held_out.add(url)
+                task.add_done_callback(lambda _: self._watch_ended(i, url))
+                self._push_soon()
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
                 await asyncio.sleep(0)
@@ -405,6 +422,12 @@ class Controller:
         # lost races cost it nothing; the canary (or the held request) condemns at the stall
         # limit (history: docs/design.md section 12).
         await self._hedge(i, url, held_s)
+
+    def _watch_ended(self, i: int, url: str) -> None:
+        self._watching.pop(i, None)
+        self._held_out.discard(url)
+        if not self._closing:
+            self._push_soon()  # back in routing, unless the watch condemned it
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core; what it concludes (the watch's, in
@@ -944,6 +967,7 @@ class Controller:
         self._wake.set()
 
     async def close(self) -> None:
+        self._closing = True
         self._unsubscribe()
         for unlisten in self._unlisten:
             unlisten()
@@ -954,6 +978,13 @@ class Controller:
     def describe(self) -> dict[str, Any]:
         return {"status": self.status.state, "detail": self.status.detail,
                 "counts": self.status.counts, "tick": self.tick_number}
+
+
+def held_out_of(serving: list[str], held: set[str]) -> list[str]:
+    """``serving`` less the URLs ``held`` out, unless that would leave none: an engine in
+    doubt still serves when it is all there is (a held-out lost core is no condemned one)."""
+    kept = [u for u in serving if u not in held]
+    return kept or serving
 
 
 def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True) -> Reading:

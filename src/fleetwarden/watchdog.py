@@ -411,7 +411,12 @@ class Watchdog:
                         return result(False, resp.status, "answered 200 without a completion")
                     return result(True, resp.status)
         except TimeoutError:
-            return result(False, error=f"no answer within {timeout:g} s")
+            # It waited its whole timeout: asyncio fires a timer up to its clock resolution
+            # early, and a latency a hair under the timeout once made a held canary's span
+            # fall short of the stall limit it was sized to reach (history: docs/design.md
+            # section 13).
+            waited = max(self._clock() - started, timeout)
+            return CanaryResult(False, waited, None, f"no answer within {timeout:g} s")
         except (aiohttp.ClientError, OSError) as e:
             return result(False, error=_describe(e))
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller, TickReport
+from fleetwarden.controller import Controller, TickReport, held_out_of
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
@@ -541,6 +541,11 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         seen = len(reads.probed)
         await until(lambda: len(reads.probed) >= seen + 3, what="reads while it waits")
         assert len(reads.watches) == 1
+        # Held out of every push while the canary watches (a tick's push included), with no
+        # verdict: the ledger still calls it HEALTHY.
+        await c.tick()
+        assert r.router.serving_backends() == [good.url]
+        assert ledger.state(1) is H and ledger.serving_urls() == [good.url, bad.url]
         if not canary_answers:  # the watch concludes (an answer concludes nothing)
             lost = reads.by_url[bad.url]
             reads.watch_result = dataclasses.replace(
@@ -549,9 +554,8 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
                 evidence=dataclasses.replace(lost.evidence, summary="the canary sent with the "
                                              "hedges got no answer"))
         reads.watch_released.set()
-        if canary_answers:  # not a wedge: it serves on, never ejected
-            seen = len(reads.probed)
-            await until(lambda: len(reads.probed) >= seen + 3, what="reads after it")
+        if canary_answers:  # not a wedge: routed again at once, never ejected
+            await until(lambda: bad.url in r.router.serving_backends(), what="pushed again")
             assert ledger.state(1) is H and ledger.ejected() == []
         else:
             await until(lambda: ledger.state(1) is D, what="condemned by the canary")
@@ -918,3 +922,11 @@ async def test_a_read_that_leaves_an_engine_in_doubt_is_followed_by_reads_that_s
     assert len(watchdog.visits) == 1 + ledger.policy.healthy_threshold
     assert all(t.confirm for t in watchdog.visits[1:])
     await c.close()
+
+
+def test_a_lost_core_is_held_out_of_pushes_unless_it_is_all_there_is() -> None:
+    assert held_out_of(["a", "b", "c"], {"b"}) == ["a", "c"]
+    assert held_out_of(["a", "b"], {"a", "b"}) == ["a", "b"]  # none left: all still serve
+    assert held_out_of(["a"], {"a"}) == ["a"]
+    assert held_out_of([], {"a"}) == []
+    assert held_out_of(["a", "b"], {"z"}) == ["a", "b"]  # a URL no longer serving

@@ -255,7 +255,10 @@ def test_real_vllm_engine_crash_is_retried_and_restarted(fleet: UpProcess,
     fig = asyncio.run(crash_under_load(fleet, "vllm-cpu"))
     report(fig)
     assert fig.client_errors == 0 and fig.restarts == 1
-    assert fig.retried >= 1  # the engine-dead 500s were re-sent elsewhere
+    # Its requests were re-sent elsewhere: the engine-dead 500s retried, or, when the fleet
+    # read the frozen gauges of the API server that outlives its core as a lost core first,
+    # hedged (a hedge won, and the 500 of the request it replaced was never needed).
+    assert fig.retried + fig.hedged + fig.rescued >= 1
     assert fig.old_pid is not None and group_members(fig.old_pid) == []
     whole(fleet)
 

@@ -83,6 +83,15 @@ async def _with_stop_from_reference(http: aiohttp.ClientSession, url: str, case:
     return Case(case.seed, case.index, case.path, body_, case.cut, case.cut_after)
 
 
+async def _finished(http: aiohttp.ClientSession, url: str) -> float:
+    """``vllm:request_success_total`` on the engine at ``url``, summed over its labels."""
+    name = "vllm:request_success_total"
+    async with http.get(url + "/metrics") as r:
+        body = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     router = Router([], RouterSettings(continue_answers=True, max_retries=4,
                                        retry_budget_ratio=1.0))
@@ -103,20 +112,36 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
                 case = Case(seed_, i, case.path, body, case.cut, case.cut_after)
                 cases.append(await _with_stop_from_reference(http, b.base_url, case))
             references = await asyncio.gather(*(_post(http, b.base_url, c) for c in cases))
-            progress: dict[int, int] = {}
-            runs = [asyncio.ensure_future(_post(http, router.url, c, progress))
-                    for c in cases]
-            streams = [c for c in cases if c.stream]
-            for _ in range(3000):  # bounded: 30 s
-                if sum(progress.get(id(c), 0) >= UNDER_WAY for c in streams) >= len(streams) // 4:
-                    break
-                await asyncio.sleep(0.01)
-            under_way = sum(1 for c in streams if progress.get(id(c), 0) >= UNDER_WAY)
-            router.set_serving_backends([a.base_url, b.base_url])
             core = procs.find_group_member(a.pgid, ENGINE_CORE_PROCESS_NAME)
             assert core is not None, a.log_tail()
-            assert procs.signal_process(core.pid, core.start_ticks, signal.SIGKILL)
-            answers = await asyncio.gather(*runs)
+            streams = [c for c in cases if c.stream]
+            # The kill must cut generations still running in the engine. A client starved on
+            # 2 busy cores reads the streams late (once, every generation had ended in the
+            # engine before the kill landed): so the core is stopped first and killed only
+            # while its own counter shows a request of the batch unfinished; else it goes on,
+            # and the batch is sent again.
+            for _ in range(3):
+                finished_before = await _finished(http, a.base_url)
+                progress: dict[int, int] = {}
+                runs = [asyncio.ensure_future(_post(http, router.url, c, progress))
+                        for c in cases]
+                for _ in range(3000):  # bounded: 30 s
+                    if sum(progress.get(id(c), 0) >= UNDER_WAY
+                           for c in streams) >= len(streams) // 4:
+                        break
+                    await asyncio.sleep(0.01)
+                under_way = sum(1 for c in streams if progress.get(id(c), 0) >= UNDER_WAY)
+                assert procs.signal_process(core.pid, core.start_ticks, signal.SIGSTOP)
+                await asyncio.sleep(0.2)  # the API server takes in what the core sent
+                if await _finished(http, a.base_url) - finished_before < len(cases):
+                    router.set_serving_backends([a.base_url, b.base_url])
+                    assert procs.signal_process(core.pid, core.start_ticks, signal.SIGKILL)
+                    answers = await asyncio.gather(*runs)
+                    break
+                assert procs.signal_process(core.pid, core.start_ticks, signal.SIGCONT)
+                await asyncio.gather(*runs)
+            else:
+                pytest.fail("no batch still ran in the engine when its core was stopped")
     finally:
         await router.stop()
     outcomes: dict[str, int] = {}

@@ -175,17 +175,26 @@ def test_a_killed_engine_core_fails_in_flight_requests_and_the_server_exits(
         return (metric(body, "vllm:num_requests_running") == 4
                 and metric(body, "vllm:generation_tokens_total") - tokens_before < 1000)
 
+    def finished() -> float:
+        return metric(engine.get("/metrics")[1], "vllm:request_success_total")
+
     # Kill while all four are in the engine and far from done (4 × 500 tokens take about
-    # 1.5 s). On 2 busy cores this client can be starved long enough to miss that window;
-    # then the round's requests finish and another round starts.
+    # 1.5 s). On 2 busy cores this client can be starved long enough to miss that window (all
+    # four once answered 200 before the kill landed): so the core is stopped first, and killed
+    # only if none of the four finished by then; else it goes on, and another round starts.
     with ThreadPoolExecutor(4) as pool:
         for _ in range(5):
-            tokens = metric(engine.get("/metrics")[1], "vllm:generation_tokens_total")
+            tokens, done_before = (metric(engine.get("/metrics")[1], name) for name in (
+                "vllm:generation_tokens_total", "vllm:request_success_total"))
             futures = [pool.submit(long_request) for _ in range(4)]
             while not all(f.done() for f in futures) and not in_first_half(tokens):
                 time.sleep(0.01)
             if not any(f.done() for f in futures):
-                break
+                assert procs.signal_process(core.pid, core.start_ticks, signal.SIGSTOP)
+                time.sleep(0.2)  # the API server takes in what the core sent before it stopped
+                if finished() == done_before and not any(f.done() for f in futures):
+                    break
+                assert procs.signal_process(core.pid, core.start_ticks, signal.SIGCONT)
             assert [f.result() for f in futures] == [200] * 4
         else:
             pytest.fail("no round had 4 requests running in the first half of their work")
