@@ -464,6 +464,10 @@ class Row:
     #: saw it). None where the engines' logs carry no request ids (real engines).
     parked: int | None = None
     parked_answered_s: float | None = None
+    #: The last-answered parked request: its id and its max_tokens (what its generation costs
+    #: where it is answered; bench/scale.py splits its time from the fault).
+    parked_last_id: str = ""
+    parked_last_tokens: int | None = None
     bad_still_at_end: bool = False
     bad_exited: bool = False
     healthy_ejected: int = 0
@@ -651,10 +655,12 @@ def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, b
     if ids and ids != {"load-?"}:
         # Load times its requests on the monotonic clock; the fault is wall time.
         to_wall = time.time() - time.monotonic()
-        parked = [r.started + r.latency_s + to_wall - fault_at for r in results
+        parked = [(r.started + r.latency_s + to_wall - fault_at, r) for r in results
                   if r.request_id in ids and r.started + r.latency_s + to_wall > fault_at]
         row.parked = len(parked)
-        row.parked_answered_s = max(parked, default=None)
+        if parked:
+            row.parked_answered_s, last = max(parked, key=lambda p: p[0])
+            row.parked_last_id, row.parked_last_tokens = last.request_id, last.max_tokens
     after = [at for at, _ in arrivals if at >= fault_at]
     row.bad_after = len(after)
     row.bad_last_s = (after[-1] - fault_at) if after else 0.0

@@ -414,14 +414,15 @@ class HealthConfig(_Section):
     silent_after_s: PositiveFloat = 1.0
     #: A request the router holds while its engine shows work and takes not one step for
     #: this long (every progress counter flat, on the focused reads) is sent to another
-    #: engine as well: the first answer is the client's, the other is cancelled. A held
-    #: request that lost takes its engine out of that router's list until the next push, and
-    #: is no failure of the engine (a long step looks the same until it ends, and real vLLM's
-    #: gauges show no work during a first step after idle; only the stall limit condemns).
+    #: engine as well: the first answer is the client's, the other is cancelled. The engine
+    #: is held out of the pushes while its reads show no step (until the stall limit
+    #: condemns it, or a step ends the hold), and a lost race is no failure of the engine (a
+    #: long step looks the same until it ends, and real vLLM's gauges show no work during a
+    #: first step after idle; only the stall limit condemns).
     #: vLLM steps every 10-125 ms (the
     #: captures), so a second without a step is 8 times its slowest one seen; a healthy
     #: engine that does pause that long (one long prefill step) costs the duplicate work of
-    #: what it held, within the router's retry budget, and a tick out of one router's list; a
+    #: what it held, within the router's retry budget, and no new request until it steps; a
     #: pause it came back from is learned (its cadence), and a hedge then waits past it.
     #: 0: never.
     hedge_after_s: Annotated[float, Field(ge=0)] = 1.0

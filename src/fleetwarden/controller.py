@@ -50,7 +50,7 @@ from typing import Any
 from fleetwarden.config import Config
 from fleetwarden.engines import AUTO, profile
 from fleetwarden.journal import Journal
-from fleetwarden.judge import Hedge
+from fleetwarden.judge import Hedge, Verdict
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -156,6 +156,10 @@ class Controller:
         #: The URLs of those shards: held out of every push while their canary watches
         #: (:meth:`serving`).
         self._held_out: set[str] = set()
+        #: The URLs of shards whose focused reads hedged what they hold while their gauges
+        #: show work and nothing steps: held out of every push while those reads stay
+        #: STALLED (:meth:`_hold_stalled`).
+        self._stalled_out: set[str] = set()
         self._closing = False
         #: Links whose outcomes are drained now (an evidence event came), not at the tick.
         self._drain_pending: set[int] = set()
@@ -213,7 +217,25 @@ class Controller:
         its condemnation, each held a second before its own hedge (history: docs/design.md
         section 13). Held out, it is no verdict and no failure: the ledger still calls it
         HEALTHY, and it is pushed again the moment the watch ends, answered or condemned."""
-        return held_out_of(self.ledger.serving_urls(), self._held_out)
+        return held_out_of(self.ledger.serving_urls(), self._held_out | self._stalled_out)
+
+    def _hold_stalled(self, url: str, held: bool) -> None:
+        """Whether ``url`` is held out of the pushes for hedged requests on an engine that
+        shows work and takes no step. A router whose hedge wins drops it only until the next
+        push, and the tick's heartbeat push put a wedge back in routing before the stall limit
+        condemned it: a request sent there then waited for the condemnation (+6 s) and a
+        generation elsewhere, at 3 as at 256 engines (BENCHMARKS.md, "A wedge's parked
+        requests at scale, split"). The hold lasts while its reads stay STALLED, which the
+        stall limit bounds (STUCK condemns; a step ends it), and is no verdict: the ledger
+        still calls it HEALTHY, and a long step that ends routes it again at that read."""
+        if held == (url in self._stalled_out):
+            return
+        if held:
+            self._stalled_out.add(url)
+        else:
+            self._stalled_out.discard(url)
+        if not self._closing:
+            self._push_soon()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None] | None:
         try:
@@ -348,6 +370,12 @@ class Controller:
             task.add_done_callback(lambda _: self._focus.pop(shard, None))
 
     async def _confirm(self, i: int, url: str) -> None:
+        try:
+            await self._focused_reads(i, url)
+        finally:
+            self._hold_stalled(url, False)  # its reads end: the ledger's set decides again
+
+    async def _focused_reads(self, i: int, url: str) -> None:
         h = self.config.health
         deadline = self.clock() + h.confirm_max_s
         first = True
@@ -390,6 +418,8 @@ class Controller:
             if rec.state in ABSENT:
                 return
             hedge = r.hedge(h.hedge_after_s)
+            self._hold_stalled(url, hedge is Hedge.STEP or (
+                url in self._stalled_out and r.verdict is Verdict.STALLED))
             if hedge is Hedge.STEP:
                 await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
             elif hedge is Hedge.LOST_CORE:

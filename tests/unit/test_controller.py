@@ -504,10 +504,44 @@ async def test_a_long_step_that_outlasts_hedge_after_s_costs_its_engine_nothing(
         slow.unwedge()  # the step ends
         reads.by_url[slow.url] = BUSY_REPORT
         await c.tick()
-        assert set(r.router.serving_backends()) == {good.url, slow.url}
+        # routed again once a read shows the step ended (held back until then)
+        await until(lambda: set(r.router.serving_backends()) == {good.url, slow.url},
+                    what="routed again")
         assert ledger.state(1) is H and ledger.ejected() == []
         assert not [t for t in moves if t.shard == 1 and t.event in (Event.EJECTED,
                                                                      Event.FAILURE)]
+        await c.close()
+
+
+async def test_an_engine_whose_held_requests_were_hedged_is_in_no_push_until_it_steps(
+) -> None:
+    """A hedge that wins drops its engine from that router's list only until the next push,
+    and the tick's heartbeat put a wedge back in routing: a request sent there then waited for
+    the stall limit's condemnation and a generation elsewhere (+7.3 s after the wedge, at 3
+    and at 256 engines). The controller leaves it out of every push while its reads show no
+    step, with nothing told to the ledger; the first read that shows one routes it again."""
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()
+        reads = ScriptedReads(BUSY_REPORT)
+        reads.by_url[bad.url] = dataclasses.replace(STALLED_REPORT, held_flat_s=0.5)
+        c, ledger = evidence_controller(r, reads, hedge_after_s=0.2)
+        tasks = await held_and_accused(r, c, 1, 2)
+        assert [(await t)[0] for t in tasks] == [200] * 2
+        await until(lambda: bad.held == 0, what="the held ones cancelled")
+        await c.tick()  # the heartbeat's push
+        assert r.router.serving_backends() == [good.url]
+        before = good.answered
+        for _ in range(4):
+            assert (await r.post())[0] == 200
+        assert good.answered == before + 4 and bad.held == 0  # none waits on the wedge
+        assert ledger.state(1) is H and ledger.ejected() == []  # and it is no failure
+        bad.unwedge()  # its step ends: the next read shows it
+        reads.by_url[bad.url] = BUSY_REPORT
+        await until(lambda: set(r.router.serving_backends()) == {good.url, bad.url},
+                    what="routed again at the read that shows a step")
+        await c.tick()
+        assert set(r.router.serving_backends()) == {good.url, bad.url}
         await c.close()
 
 
