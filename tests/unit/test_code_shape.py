@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from support.source import runtime_nodes
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 MAX_FUNCTION_LINES = 80
 #: Functions that are a table of data, not steps: (module path, function name).
@@ -26,19 +28,11 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _run_time_nodes(tree: ast.Module) -> list[ast.AST]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
-    return [n for n in ast.walk(tree) if id(n) not in skip]
-
-
 def _imports(tree: ast.Module, known: set[str]) -> set[str]:
     """The package's modules ``tree`` imports at run time (``from a import b``: ``a.b`` when
     that is a module)."""
     out: set[str] = set()
-    for node in _run_time_nodes(tree):
+    for node in runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in known)
         elif isinstance(node, ast.ImportFrom) and node.module in known and node.level == 0:
