@@ -5,7 +5,7 @@ the in-process routers' failure events, the remote routers' long poll (``GET /ev
 the polling for requests held silent, and the questions every read asks the routers first
 (requests in flight and how long the oldest has been silent, per engine).
 Must not: read an engine or decide health (the watchdog reads, the judge and the ledger's table
-decide), or push to the routers (the controller does); an accusation goes to its ``accuse``
+decide), or push the serving set (the controller does); an accusation goes to its ``accuse``
 callback, which starts focused reads (focus.py).
 
 Evidence does not wait for the tick (docs/design.md, "Judgement at the speed of evidence"):

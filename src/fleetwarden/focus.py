@@ -6,7 +6,7 @@ or ``confirm_max_s`` passes); the hedges its reads ask for (every router sends w
 an engine that takes no step to another engine as well); the canary that watches a hedged lost
 core.
 Must not: conclude what a read means (the judge's report does: ``hedge()``, ``settled``), map
-a report to a state (the ledger's table does), or push to the routers (the controller does).
+a report to a state (the ledger's table does), or push the serving set (the controller does).
 
 An accusation is anything that puts a shard in doubt between two reads of the round: an
 ejection for failed requests, requests held silent, a stall or an unreachable read, a read that
