@@ -693,6 +693,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
     from fleetwarden.admin import views
     from fleetwarden.console import fleet_view
     from fleetwarden.fleet import Fleet
+    from fleetwarden.tasks import TaskOwner
 
     fleet = Fleet(cfg)
 
@@ -702,7 +703,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
         signal.alarm(0)
         fleet.request_stop()
 
-    reloads: set[asyncio.Task[None]] = set()
+    reloads = TaskOwner()
 
     async def reload() -> None:
         try:
@@ -711,9 +712,7 @@ async def _up(cfg: Any, quiet: bool) -> None:
             logging.getLogger("fleetwarden").error("router reload failed: %s", exc)
 
     def reload_on_signal() -> None:
-        task = asyncio.create_task(reload(), name="router-reload")
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        reloads.start(reload(), "router-reload")
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -10,7 +10,7 @@ does it: ``mark_restarting`` (spends one restart), launch, wait until the engine
 ``mark_restart_failed`` and an exponential backoff (2 s doubling to 60 s). At most
 ``max_concurrent_restarts`` run at once, fleet-wide.
 
-Restarts run in the background, each a task owned by the supervisor (:class:`TaskOwner`: none
+Restarts run in the background, each a task owned by the supervisor (a :class:`TaskOwner`: none
 is started bare, none outlives :meth:`Supervisor.close`, which cancels the attempts and awaits
 every task, background stops included); the ledger is only
 touched from :meth:`Supervisor.tick` and the exit callback, both on the controller's event loop.
@@ -26,18 +26,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, Launcher, LaunchError
 from fleetwarden.ledger import ABSENT, Ledger, ShardState, Transition
+from fleetwarden.tasks import TaskOwner
 
-__all__ = ["RestartAttempt", "Supervisor", "TaskOwner", "launch_first"]
-
-T = TypeVar("T")
+__all__ = ["RestartAttempt", "Supervisor", "launch_first"]
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +142,7 @@ class Supervisor:
             if state is not ShardState.DEAD or i in self.attempts:
                 continue
             if self.passive(i):
-                task = self.tasks.start(self._restart(i), f"await-return:{i}")
+                task = self.tasks.start(self._restart(i), f"await-return:{i}", collected=True)
                 self.attempts[i] = RestartAttempt(i, 0, now, task, passive=True)
                 continue
             if self.restarts_in_progress() >= self.cap or now < self._not_before.get(i, 0.0):
@@ -163,7 +161,8 @@ class Supervisor:
             if not outcome:
                 continue
             attempt = record.restart_attempts
-            task = self.tasks.start(self._restart(i), f"restart:{i}:{attempt}")
+            task = self.tasks.start(self._restart(i), f"restart:{i}:{attempt}",
+                                    collected=True)
             self.attempts[i] = RestartAttempt(i, attempt, now, task)
             if self.journal is not None:
                 self.journal.record_restart(i, attempt, "started")
@@ -302,31 +301,6 @@ class Supervisor:
             log.error("stopping the engines: %s", exc)
             return False
         return True
-
-
-class TaskOwner:
-    """The owner of every background task a supervisor starts: each is kept until it ends, and
-    :meth:`wait_all` awaits them all, so none is dropped unawaited or outlives its owner.
-    (The supervisor lives from a fleet's start to its stop, not within one ``async with``, so
-    this is its task group.)"""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def start(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    async def wait_all(self) -> None:
-        """Await every task still running (a task started meanwhile is awaited too); their
-        errors and cancellations are theirs: the caller collected what it needed."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def launch_first(

@@ -8,6 +8,7 @@
 - :mod:`support.links` — :class:`QuietLink`, the base of the router-link doubles.
 - :mod:`support.router_rig` — a real router in front of scripted engines, and its client.
 - :mod:`support.scripted_engine` — an engine double that answers with real vLLM captures.
+- :mod:`support.source` — the package's source read as code (``runtime_nodes``).
 - :mod:`support.proxy` — a least-connections proxy, as a load balancer in front of engines.
 - ``support/engines/`` — engine scripts that tests launch as processes by path.
 

@@ -948,7 +948,7 @@ async def test_a_read_that_leaves_an_engine_in_doubt_is_followed_by_reads_that_s
     c = Controller(ledger, watchdog, supervisor, [_Router()], config)
     await c.tick()  # its round: a's canary timed out
     assert ledger.state(0) is S
-    focus = c._focus.get(0)
+    focus = c.focus.running.get(0)
     assert focus is not None, "no read follows until the next round"
     await asyncio.wait_for(focus, 30.0)  # a bound, not a timing claim
     assert ledger.state(0) is H

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from support.source import runtime_nodes
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 MAKEFILE = SRC.parent / "Makefile"
 
@@ -36,15 +38,6 @@ def core_modules() -> list[str]:
     paths = re.findall(r"src/(fleetwarden/\S+)\.py", block.group(1))
     assert paths, "the CORE list is empty"
     return [p.replace("/", ".") for p in paths]
-
-
-def runtime_nodes(tree: ast.Module) -> list[ast.AST]:
-    """Every node except those under ``if TYPE_CHECKING:``."""
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
-    return [n for n in ast.walk(tree) if id(n) not in skip]
 
 
 def imports(nodes: list[ast.AST]) -> set[str]:

@@ -62,6 +62,7 @@ from fleetwarden.router.links import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import RouterStats
+from fleetwarden.tasks import TaskOwner
 
 if TYPE_CHECKING:
     from fleetwarden.journal import Journal
@@ -302,7 +303,8 @@ class RouterWorkers:
         self._metrics: dict[int, str] = {}
         #: Counters of workers that are gone, so the fleet's totals never go backwards.
         self._gone = RouterStats()
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: Replaced workers being reaped as they drain (:meth:`_reap`).
+        self._reaps = TaskOwner()
         #: Replaced workers still draining (a reload).
         self._replaced: list[_Process] = []
         self._status_task: asyncio.Task[None] | None = None
@@ -620,9 +622,7 @@ class RouterWorkers:
         up to ``drain_s``, and exits; :meth:`_reap` waits for that (and kills it past it)."""
         self._replaced.append(old)
         signal_process(old.record.pid, old.record.proc_start_ticks or 0, signal.SIGUSR1)
-        task = asyncio.create_task(self._reap(old), name=f"router-drain:{old.record.worker}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._reaps.start(self._reap(old), f"router-drain:{old.record.worker}")
 
     async def _roll_back(self, olds: Mapping[int, _Process]) -> None:
         """A reload that could not start every new worker: stop the new ones it started
@@ -702,8 +702,7 @@ class RouterWorkers:
                 await self._status_task
         for link in self.links:
             await link.disconnect()
-        for task in list(self._tasks):  # replaced workers still draining: stopped with the rest
-            task.cancel()
+        await self._reaps.cancel_all()  # replaced workers still draining: stopped with the rest
         procs = list(self._procs.values()) + list(self._replaced)
         for p in procs:
             p.stopping = True

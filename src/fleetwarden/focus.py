@@ -1,0 +1,234 @@
+"""Focused reads: an accused engine read again and again until the reads conclude, and hedges.
+
+Owns: one run of focused reads per accused shard (right away, then every
+``confirm_interval_s``, until they conclude — condemned, proven, or nothing left to prove —
+or ``confirm_max_s`` passes); the hedges its reads ask for (every router sends what it holds on
+an engine that takes no step to another engine as well); the canary that watches a hedged lost
+core.
+Must not: conclude what a read means (the judge's report does: ``hedge()``, ``settled``), map
+a report to a state (the ledger's table does), or push the serving set (the controller does).
+
+An accusation is anything that puts a shard in doubt between two reads of the round: an
+ejection for failed requests, requests held silent, a stall or an unreachable read, a read that
+left it SUSPECT (docs/design.md section 6, "Judgement at the speed of evidence").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from fleetwarden.config import Config
+from fleetwarden.evidence import Evidence
+from fleetwarden.judge import Hedge, Verdict
+from fleetwarden.ledger import ABSENT, Ledger, ShardState
+from fleetwarden.refit import RefitCoordinator
+from fleetwarden.reports import ReportBook
+from fleetwarden.router.links import RouterLink
+from fleetwarden.tasks import TaskOwner
+from fleetwarden.watchdog import Report, Target, Watchdog
+
+__all__ = ["Focus"]
+
+log = logging.getLogger(__name__)
+
+
+class Focus:
+    """The focused reads of accused shards, one run per shard at a time."""
+
+    def __init__(self, ledger: Ledger, watchdog: Watchdog, routers: Sequence[RouterLink],
+                 config: Config, *, evidence: Evidence, book: ReportBook, tasks: TaskOwner,
+                 refit: RefitCoordinator | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 push: Callable[[], None] = lambda: None) -> None:
+        self.ledger = ledger
+        self.watchdog = watchdog
+        self.routers = routers
+        self.config = config
+        self.evidence = evidence
+        self.book = book
+        self.tasks = tasks
+        self.refit = refit
+        self.clock = clock
+        #: Shards under focused reads, by index: the task doing them.
+        self.running: dict[int, asyncio.Task[None]] = {}
+        #: A hedged lost core's watching canary, by shard (:meth:`_hedge_lost_core`).
+        self._watching: dict[int, asyncio.Task[None]] = {}
+        #: Focused read runs started, by why (for the fleet's metrics and the tests).
+        self.started: dict[str, int] = {}
+        #: Asks the controller to push the serving set now (a hold began or ended).
+        self._push = push
+        #: URLs held out of every push: lost cores whose hedges' canary watches
+        #: (:meth:`_hedge_lost_core`), and engines that show work with hedged requests and
+        #: take no step (:meth:`_hold_stalled`).
+        self._watched_out: set[str] = set()
+        self._stalled_out: set[str] = set()
+        #: Set at the controller's close: a hold that ends then pushes nothing.
+        self.closing = False
+
+    def held_out(self) -> set[str]:
+        """The URLs held out of every push now (:meth:`Controller.serving`)."""
+        return self._watched_out | self._stalled_out
+
+    def __contains__(self, shard: int) -> bool:
+        """Whether ``shard`` is under focused reads now (the round does not read it)."""
+        return shard in self.running
+
+    def confirm(self, shard: int, why: str) -> None:
+        """Accuse ``shard``: focused reads of its engine, now and every ``confirm_interval_s``,
+        until they conclude. One run per shard at a time."""
+        if shard in self.running or self.ledger.state(shard) in ABSENT or self.watchdog is None:
+            return
+        url = self.ledger.shard(shard).base_url
+        task = self.tasks.start_if_running(self._confirm(shard, url), f"confirm:{shard}")
+        if task is not None:
+            self.started[why] = self.started.get(why, 0) + 1
+            self.running[shard] = task
+            task.add_done_callback(lambda _: self.running.pop(shard, None))
+
+    def in_doubt(self, i: int) -> bool:
+        """SUSPECT on reads alone: not ejected for failed requests (those come back by a
+        canary when their time is up) nor on trial (only a completed request ends that)."""
+        rec = self.ledger.shard(i)
+        return rec.state is ShardState.SUSPECT and rec.ejected_until is None and not rec.on_trial
+
+    async def _confirm(self, i: int, url: str) -> None:
+        try:
+            await self._focused_reads(i, url)
+        finally:
+            self._hold_stalled(url, False)  # its reads end: the ledger's set decides again
+
+    def _hold_stalled(self, url: str, held: bool) -> None:
+        """Whether ``url`` is held out of the pushes for hedged requests on an engine that
+        shows work and takes no step. A router whose hedge wins drops it only until the next
+        push, and the tick's heartbeat push put a wedge back in routing before the stall limit
+        condemned it: a request sent there then waited for the condemnation (+6 s) and a
+        generation elsewhere, at 3 as at 256 engines (BENCHMARKS.md, "A wedge's parked
+        requests at scale, split"). The hold lasts while its reads stay STALLED, which the
+        stall limit bounds (STUCK condemns; a step ends it), and is no verdict: the ledger
+        still calls it HEALTHY, and a long step that ends routes it again at that read."""
+        if held == (url in self._stalled_out):
+            return
+        if held:
+            self._stalled_out.add(url)
+        else:
+            self._stalled_out.discard(url)
+        if not self.closing:
+            self._push()
+
+    async def _focused_reads(self, i: int, url: str) -> None:
+        h = self.config.health
+        deadline = self.clock() + h.confirm_max_s
+        first = True
+        canaried_for: float | None = -1.0  # the ejection a canary was sent for
+        while True:
+            rec = self.ledger.shard(i)
+            if rec.base_url != url or rec.state in ABSENT:
+                return  # condemned, or a new process: nothing left to confirm about this one
+            excused = self.refit is not None and i in self.refit.stalls_excused()
+            in_flight = (await self.evidence.in_flight(None)).get(url, 0)
+            held = (await self.evidence.held(None)).get(url, 0.0)
+            # A canary, if the engine is idle: on the first read (the accusation itself), and
+            # once per ejection when its time is up (the only proof that puts it on trial; a
+            # busy engine gets none, and is asked again at the next read).
+            due = self.ledger.ejection_due(i)  # on the ledger's clock, as ejected_until is
+            # And at every read of an engine in doubt (SUSPECT on reads alone), as the round
+            # does (controller.py, ``_target``): an idle engine proves itself by nothing else.
+            doubted = self.in_doubt(i)
+            ask = first or doubted or (due and canaried_for != rec.ejected_until)
+            # Out of routing for failed requests: its health path too, where that proves a
+            # dead core (vLLM's API server outlives its killed core for seconds, /metrics
+            # frozen, /health 503).
+            r = await self.watchdog.probe(Target(url=url, in_flight=in_flight, held_s=held,
+                                                 stalls_excused=excused, confirm=ask,
+                                                 check_health=rec.ejected_until is not None))
+            if due and ask and r.canary is not None:
+                canaried_for = rec.ejected_until
+            rec = self.ledger.shard(i)
+            if rec.base_url != url:
+                return
+            self.book.last[i] = r
+            self.book.count(r)
+            # The first read compares with the tick's sample, taken before the accusation:
+            # progress it shows may predate the fault, so it proves nothing (a canary does).
+            self.book.enter(i, r, progress_proves=not first)
+            # The tick does not read a shard under focused reads: a lease's status of it is
+            # kept from these reads, or it would show the last tick's (stale) liveness.
+            self.book.observe_participant(i, url, r)
+            rec = self.ledger.shard(i)
+            if rec.state in ABSENT:
+                return
+            hedge = r.hedge(h.hedge_after_s)
+            self._hold_stalled(url, hedge is Hedge.STEP or (
+                url in self._stalled_out and r.verdict is Verdict.STALLED))
+            if hedge is Hedge.STEP:
+                await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
+            elif hedge is Hedge.LOST_CORE:
+                await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
+            if not first and r.settled and rec.ejected_until is None and not self.in_doubt(i):
+                return  # proven, or nothing to prove: the tick takes over again
+            if self.clock() >= deadline:
+                return
+            first = False
+            await asyncio.sleep(h.confirm_interval_s)
+
+    async def _hedge_lost_core(self, i: int, url: str, r: Report, held_s: float) -> None:
+        """Hedge a lost core's held requests, with a canary sent as they are, unless one sent
+        with earlier hedges still waits: it takes over their watch (:meth:`_watch_hedged`).
+        Started first, so that the engine holds work throughout (the hedges' answers cancel the
+        requests it held, a generation later). In a task of its own: the focused reads go on
+        meanwhile, and requests that reach ``held_s`` there later are hedged then."""
+        if i not in self._watching:
+            task = self.tasks.start_if_running(self._watch_hedged(i, url, r),
+                                               f"watch-hedged:{i}")
+            if task is not None:
+                self._watching[i] = task
+                self._watched_out.add(url)
+                task.add_done_callback(lambda _: self._watch_ended(i, url))
+                self._push()
+                # Its task starts before the hedges are asked for; a hedge answers (and cancels
+                # a held request) only after a generation elsewhere, so the canary is there.
+                await asyncio.sleep(0)
+        # No work in its gauges is no proof that no step is in progress: real vLLM writes its
+        # gauges at a step's end, so a long first step after idle reads as idle and flat. Its
+        # lost races cost it nothing; the canary (or the held request) condemns at the stall
+        # limit (history: docs/design.md section 12).
+        await self._hedge(i, url, held_s)
+
+    def _watch_ended(self, i: int, url: str) -> None:
+        self._watching.pop(i, None)
+        self._watched_out.discard(url)
+        if not self.closing:
+            self._push()  # back in routing, unless the watch condemned it
+
+    async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
+        """The canary that watches a hedged lost core; what it concludes (the watch's, in
+        :meth:`Watchdog.watch_hedged`) goes into the ledger as any read does."""
+        assert self.watchdog is not None
+        condemned = await self.watchdog.watch_hedged(r)
+        rec = self.ledger.shard(i)
+        if condemned is None or rec.base_url != url or rec.state in ABSENT:
+            return
+        self.book.last[i] = condemned
+        self.book.enter(i, condemned, progress_proves=False)
+
+    async def _hedge(self, i: int, url: str, held_s: float, *,
+                     lost_race_fails: bool = False) -> None:
+        """Shard ``i``'s engine held a request ``held_s`` and took no step: every router sends
+        what it holds there that long to another engine as well (the first answer is the
+        client's). Asked again at each focused read while it lasts: requests that reach
+        ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again.
+        ``lost_race_fails``: a lost race is a failed attempt of the engine (a lost core);
+        otherwise (work in its gauges: perhaps one long step) it costs the engine nothing in
+        the ledger."""
+        for link in self.routers:
+            try:
+                n = await link.hedge(url, held_s, lost_race_fails=lost_race_fails)
+            except Exception as exc:
+                log.warning("router %s: hedge: %s", link.name, exc)
+                continue
+            if n:
+                log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
+                         held_s, link.name)
