@@ -16,6 +16,7 @@ left it SUSPECT (docs/design.md section 6, "Judgement at the speed of evidence")
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,10 @@ class Focus:
         #: take no step (:meth:`_hold_stalled`).
         self._watched_out: set[str] = set()
         self._stalled_out: set[str] = set()
+        #: When each URL's hold began (a token its expiry checks), and the URLs whose hold
+        #: expired: none again until their focused reads end (:meth:`_hold`).
+        self._held_since: dict[str, object] = {}
+        self._spent: set[str] = set()
         #: Set at the controller's close: a hold that ends then pushes nothing.
         self.closing = False
 
@@ -99,6 +104,46 @@ class Focus:
             await self._focused_reads(i, url)
         finally:
             self._hold_stalled(url, False)  # its reads end: the ledger's set decides again
+            self._spent.discard(url)
+
+    def _hold(self, kind: set[str], url: str) -> None:
+        """Hold ``url`` out of the pushes (``kind``: why), for at most the stall floor. Past
+        the floor, a pause is one an engine's own cadence may allow (a long prefill step
+        learned): held out as long as the stall limit, a healthy engine in such a step would
+        be kept from serving as long as a wedge (the fleet model: a wedged engine whose
+        learned limit was 45 s stayed HEALTHY and unrouted for 15 s). The floor covers what a
+        hold is for at the defaults: a wedge is condemned at it."""
+        if url in kind or url in self._spent:
+            return
+        first = url not in self.held_out()
+        kind.add(url)
+        if first:
+            token = self._held_since[url] = object()
+            with contextlib.suppress(RuntimeError):  # no loop: a unit test of the mapping
+                asyncio.get_running_loop().call_later(self.config.health.stall_s,
+                                                      self._expire, url, token)
+        self._pushed()
+
+    def _release(self, kind: set[str], url: str) -> None:
+        if url not in kind:
+            return
+        kind.discard(url)
+        if url not in self.held_out():
+            self._held_since.pop(url, None)
+        self._pushed()
+
+    def _expire(self, url: str, token: object) -> None:
+        if self._held_since.get(url) is not token:
+            return  # released (and perhaps held again) since
+        del self._held_since[url]
+        self._watched_out.discard(url)
+        self._stalled_out.discard(url)
+        self._spent.add(url)
+        self._pushed()
+
+    def _pushed(self) -> None:
+        if not self.closing:
+            self._push()
 
     def _hold_stalled(self, url: str, held: bool) -> None:
         """Whether ``url`` is held out of the pushes for hedged requests on an engine that
@@ -108,15 +153,12 @@ class Focus:
         generation elsewhere, at 3 as at 256 engines (BENCHMARKS.md, "A wedge's parked
         requests at scale, split"). The hold lasts while its reads stay STALLED, which the
         stall limit bounds (STUCK condemns; a step ends it), and is no verdict: the ledger
-        still calls it HEALTHY, and a long step that ends routes it again at that read."""
-        if held == (url in self._stalled_out):
-            return
+        still calls it HEALTHY, and a long step that ends routes it again at that read; a hold
+        lasts at most the stall floor (:meth:`_hold`)."""
         if held:
-            self._stalled_out.add(url)
+            self._hold(self._stalled_out, url)
         else:
-            self._stalled_out.discard(url)
-        if not self.closing:
-            self._push()
+            self._release(self._stalled_out, url)
 
     async def _focused_reads(self, i: int, url: str) -> None:
         h = self.config.health
@@ -185,9 +227,8 @@ class Focus:
                                                f"watch-hedged:{i}")
             if task is not None:
                 self._watching[i] = task
-                self._watched_out.add(url)
+                self._hold(self._watched_out, url)
                 task.add_done_callback(lambda _: self._watch_ended(i, url))
-                self._push()
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
                 await asyncio.sleep(0)
@@ -199,9 +240,7 @@ class Focus:
 
     def _watch_ended(self, i: int, url: str) -> None:
         self._watching.pop(i, None)
-        self._watched_out.discard(url)
-        if not self.closing:
-            self._push()  # back in routing, unless the watch condemned it
+        self._release(self._watched_out, url)  # back in routing, unless it condemned it
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core; what it concludes (the watch's, in

@@ -302,6 +302,26 @@ async def test_a_reload_whose_new_worker_fails_to_start_is_rolled_back(tmp_path:
         assert len(journal.running_routers()) == 1
 
 
+async def test_a_stop_while_a_replaced_worker_drains_stops_it_too(tmp_path: Path) -> None:
+    """A reload's old worker drains what it holds (here a connection that has sent nothing),
+    and the fleet stops meanwhile: the old worker is stopped with the rest. Before, the stop
+    awaited the cancelled reaps, whose cleanup dropped the old worker from the list it then
+    stopped, and it outlived the stop (the fleet model, after a clean restart)."""
+    idle: asyncio.StreamWriter | None = None
+    try:
+        async with one_worker(tmp_path) as (workers, journal, _):
+            [old] = journal.running_routers()
+            host, port = workers.url.removeprefix("http://").rsplit(":", 1)
+            _, idle = await asyncio.open_connection(host, int(port))  # the old worker's
+            await workers.reload()
+            assert old["launch_id"] in live_launch_ids({old["launch_id"]})  # still draining
+        # one_worker's end asserts that no router process outlived the stop, the connection
+        # still open.
+    finally:
+        if idle is not None:
+            idle.close()
+
+
 async def test_a_reload_pushes_to_the_old_worker_until_it_has_gone(tmp_path: Path) -> None:
     """Both generations accept on the same sockets until the reload closes the old one's
     listeners, and the old one serves its open connections after that. Before, the old worker

@@ -597,6 +597,31 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         await c.close()
 
 
+async def test_a_hold_lasts_at_most_the_stall_floor_while_the_watch_goes_on() -> None:
+    """Held out as long as the stall limit, a healthy engine in a long step its cadence allows
+    would be kept from serving as long as a wedge: a hold ends at the floor, with a push, even
+    while the canary still watches; and it is not taken again for the same accusation."""
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()
+        reads = ScriptedReads(BUSY_REPORT)
+        reads.by_url[bad.url] = dataclasses.replace(
+            report(Verdict.LOST_CORE, Health.UNPROVEN), held_flat_s=0.5)
+        c, ledger = evidence_controller(r, reads, hedge_after_s=0.2, stall_s=0.3)
+        tasks = await held_and_accused(r, c, 1, 3)
+        assert [(await t)[0] for t in tasks] == [200] * 3
+        await until(lambda: reads.watches != [], what="the watch began")
+        # The floor passed: routed again, the watch still waiting, nothing concluded.
+        await until(lambda: bad.url in r.router.serving_backends(), what="pushed again")
+        assert len(reads.watches) == 1 and ledger.state(1) is H
+        seen = len(reads.probed)
+        await until(lambda: len(reads.probed) >= seen + 5, what="reads after the hold")
+        await c.tick()
+        assert bad.url in r.router.serving_backends()  # not held again: its reads go on
+        reads.watch_released.set()
+        await c.close()
+
+
 async def test_a_condemnation_reaches_the_routers_through_the_ledger_alone() -> None:
     async with rig(2, health_managed=True) as r:
         good, bad = r.engines

@@ -702,8 +702,12 @@ class RouterWorkers:
                 await self._status_task
         for link in self.links:
             await link.disconnect()
-        await self._reaps.cancel_all()  # replaced workers still draining: stopped with the rest
-        procs = list(self._procs.values()) + list(self._replaced)
+        # Replaced workers still draining are stopped with the rest: taken before their reaps
+        # are cancelled, whose cleanup drops them from ``_replaced`` (awaited, it left them
+        # running after a clean stop).
+        replaced = list(self._replaced)
+        await self._reaps.cancel_all()
+        procs = list(self._procs.values()) + replaced
         for p in procs:
             p.stopping = True
         results = await asyncio.gather(*(self._stop_one(p) for p in procs),
