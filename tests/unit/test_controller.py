@@ -602,7 +602,7 @@ async def test_a_hold_lasts_at_most_the_stall_floor_while_the_watch_goes_on() ->
     would be kept from serving as long as a wedge: a hold ends at the floor, with a push, even
     while the canary still watches; and it is not taken again for the same accusation."""
     async with rig(2, health_managed=True) as r:
-        good, bad = r.engines
+        _, bad = r.engines
         bad.wedge()
         reads = ScriptedReads(BUSY_REPORT)
         reads.by_url[bad.url] = dataclasses.replace(

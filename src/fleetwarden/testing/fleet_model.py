@@ -233,6 +233,17 @@ class AttachedEngine:
             self._start()
 
 
+async def sim_restarts(url: str) -> int | None:
+    """How many times the simulated engine at ``url`` restarted in place (``/sim/stats``), or
+    ``None`` when it did not answer."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \
+                http.get(url + "/sim/stats") as resp:
+            return int((await resp.json())["restarts"])
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+        return None
+
+
 # ---------------------------------------------------------------------- one epoch
 
 
@@ -471,9 +482,14 @@ path = "{self.journal_path}"
             await asyncio.to_thread(a.restart)
         else:
             assert self.client is not None
-            self.restarts_by_model[s["index"]] += 1
+            before = await sim_restarts(s["base_url"])
             with contextlib.suppress(FleetClientError):
                 await self.call(self.client.chaos, s["index"], "restart")
+            # Only a restart the simulator made: a crashed one (its API server outliving its
+            # core, as vLLM's does) takes no more orders, and a restart counted that never
+            # happened read as a process changed during a lease (seed 11).
+            if before is None or await sim_restarts(s["base_url"]) != before:
+                self.restarts_by_model[s["index"]] += 1
         if self.epoch.weights == "trainer":
             engine = a.engine if a is not None else "vllm"
             self.lost_weights[s["index"]] = (time.monotonic(), engine)
