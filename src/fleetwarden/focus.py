@@ -151,10 +151,9 @@ class Focus:
         push, and the tick's heartbeat push put a wedge back in routing before the stall limit
         condemned it: a request sent there then waited for the condemnation (+6 s) and a
         generation elsewhere, at 3 as at 256 engines (BENCHMARKS.md, "A wedge's parked
-        requests at scale, split"). The hold lasts while its reads stay STALLED, which the
-        stall limit bounds (STUCK condemns; a step ends it), and is no verdict: the ledger
-        still calls it HEALTHY, and a long step that ends routes it again at that read; a hold
-        lasts at most the stall floor (:meth:`_hold`)."""
+        requests at scale, split"). The hold lasts while its reads stay STALLED, and at most the
+        stall floor (:meth:`_hold`); it is no verdict: the ledger still calls it HEALTHY, and a
+        long step that ends routes it again at that read."""
         if held:
             self._hold(self._stalled_out, url)
         else:
@@ -253,18 +252,17 @@ class Focus:
         self.book.last[i] = condemned
         self.book.enter(i, condemned, progress_proves=False)
 
-    async def _hedge(self, i: int, url: str, held_s: float, *,
-                     lost_race_fails: bool = False) -> None:
+    async def _hedge(self, i: int, url: str, held_s: float) -> None:
         """Shard ``i``'s engine held a request ``held_s`` and took no step: every router sends
         what it holds there that long to another engine as well (the first answer is the
         client's). Asked again at each focused read while it lasts: requests that reach
         ``held_s`` later are hedged then, and a hedge the retry budget refused is tried again.
-        ``lost_race_fails``: a lost race is a failed attempt of the engine (a lost core);
-        otherwise (work in its gauges: perhaps one long step) it costs the engine nothing in
-        the ledger."""
+        A lost race costs the engine nothing in the ledger (a long step, or a first step whose
+        gauges are not written yet, looks the same); the router's ``lost_race_fails`` is left
+        to a caller that knows no step runs."""
         for link in self.routers:
             try:
-                n = await link.hedge(url, held_s, lost_race_fails=lost_race_fails)
+                n = await link.hedge(url, held_s)
             except Exception as exc:
                 log.warning("router %s: hedge: %s", link.name, exc)
                 continue
