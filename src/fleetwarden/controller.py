@@ -63,7 +63,7 @@ from fleetwarden.ledger import (
     ShardState,
     Transition,
 )
-from fleetwarden.refit import RefitCoordinator
+from fleetwarden.refit import ProcessSeen, RefitCoordinator
 from fleetwarden.reports import ReportBook
 from fleetwarden.router.links import CONTROL_TIMEOUT_S, RouterLink
 from fleetwarden.router.pool import BackendFacts
@@ -529,15 +529,16 @@ class Controller:
             log.exception("tick %d: %s failed; the tick goes on", report.number, step)
             report.errors.append(f"{step}: {type(exc).__name__}: {exc}")
 
-    async def read_participants(self) -> frozenset[int]:
+    async def read_participants(self) -> dict[int, ProcessSeen]:
         """One read of every participant of the open lease, now: at its start (the baseline)
         and when the trainer asks to complete it. What the ledger knows of each process must
         reach from the lease's start to its end, or a process restarted between two ticks'
         reads, or before its first, is credited with weights it never received. Each read is
         applied as a tick's is (a restart it shows moves the shard) and noted on the lease.
-        Returns the participants whose API answered it."""
+        Returns the participants whose API answered it, with the process each read saw (the
+        lease compares its two reads directly: docs/design.md section 8)."""
         if self.refit is None or self.refit.lease is None or self.watchdog is None:
-            return frozenset()
+            return {}
         watchdog = self.watchdog
         in_flight = await self.evidence.in_flight(None)
         held = await self.evidence.held(None)
@@ -552,7 +553,7 @@ class Controller:
                 stalls_excused=i in excused, engine=self.config.fleet.engine_of(i)))
 
         reports = await asyncio.gather(*(read(i, url) for i, url in parts))
-        answered = set()
+        answered: dict[int, ProcessSeen] = {}
         for (i, url), r in zip(parts, reports, strict=True):
             if self.ledger.shard(i).base_url != url:
                 continue  # the shard moved during the read (a restart finished)
@@ -560,8 +561,9 @@ class Controller:
             self.book.enter(i, r)
             self.book.observe_participant(i, url, r)
             if r.answered:
-                answered.add(i)
-        return frozenset(answered)
+                answered[i] = ProcessSeen(
+                    r.incarnation, {} if r.sample is None else r.sample.counters())
+        return answered
 
     def _retry_after_estimate(self) -> float | None:
         """Seconds until a shard is expected back, when some are restarting; else None."""

@@ -27,12 +27,13 @@ Pure: no I/O, an injected clock. The admin API and the in-process Python API bot
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from fleetwarden.ledger import ABSENT, UNNAMED_PREFIX, Ledger
 
-__all__ = ["Lease", "ParticipantStatus", "RefitCoordinator", "RefitError", "RefitRecord"]
+__all__ = ["Lease", "ParticipantStatus", "ProcessSeen", "RefitCoordinator", "RefitError",
+           "RefitRecord"]
 
 #: The default of ``[refit] lease_s`` (``config.py`` gives its reason).
 DEFAULT_LEASE_S = 300.0
@@ -52,6 +53,26 @@ class Participant:
     #: The process that takes part: a shard whose process changed during the sync (same URL,
     #: new process) did not get the weights, whatever its URL says.
     incarnation: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSeen:
+    """Who a participant's process was at one of the lease's own reads (at its start, at its
+    end): the start time the engine gives (``None``: it gives none) and its counters, which a
+    new process starts from zero."""
+
+    start_time: str | None = None
+    counters: Mapping[str, float] = field(default_factory=dict)
+
+    def same_process(self, later: ProcessSeen) -> bool:
+        """``later`` (a read after this one) shows no other process: no new start time, no
+        counter gone back. What neither read knows (no start time, no counters) proves
+        nothing either way."""
+        if (self.start_time is not None and later.start_time is not None
+                and self.start_time != later.start_time):
+            return False
+        return all(later.counters.get(name, value) >= value
+                   for name, value in self.counters.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +115,11 @@ class Lease:
     #: Participants whose read at the lease's start did not answer (:meth:`RefitCoordinator.
     #: read_at_start`): no baseline, so no read at the end can tell whether they restarted.
     unread_at_start: set[int] = field(default_factory=set)
+    #: Each participant's process as the read at the lease's start saw it: the read at the end
+    #: is compared with it directly, not through the ledger's incarnation, which learns of a
+    #: restart only from a read that says RESTARTED against the watch's last sample, and any
+    #: other read of the engine (a focused read, the tick's) may have moved that sample.
+    seen_at_start: dict[int, ProcessSeen] = field(default_factory=dict)
 
     def culprits(self) -> list[ParticipantStatus]:
         return [s for _, s in sorted(self.status.items()) if s.culprit]
@@ -165,12 +191,15 @@ class RefitCoordinator:
         return lease
 
     def complete_refit(self, version: int, *,
-                       read_at_end: Collection[int] | None = None) -> RefitRecord:
+                       read_at_end: Collection[int] | Mapping[int, ProcessSeen] | None = None,
+                       ) -> RefitRecord:
         """Close the lease, crediting ``version`` to each participant whose process took part
         from its start to its end. ``read_at_end``: the participants read, their API
         answering, after the trainer asked to complete (the fleet reads them all first); one
         not among them may have been restarted since the ledger last saw it, and is not
-        credited. ``None``: no such read (a caller without engines to read)."""
+        credited. A mapping also says what each read saw (:class:`ProcessSeen`): one whose
+        process is not the one the read at the start saw is not credited either. ``None``: no
+        such read (a caller without engines to read)."""
         lease = self._close(version)
         done = []
         for p in lease.participants:
@@ -182,7 +211,8 @@ class RefitCoordinator:
                 continue
             unread = (p.shard in lease.unread_at_start
                       or (read_at_end is not None and p.shard not in read_at_end))
-            if unread or not _same_process(p, rec.base_url, rec.incarnation) or (
+            if unread or _moved(lease, p.shard, read_at_end) or not _same_process(
+                    p, rec.base_url, rec.incarnation) or (
                     p.shard in lease.interrupted and not _named_by_itself(p.incarnation)):
                 # A version is credited only to a process known alive through the whole
                 # lease. One that gives no start time and stopped answering during it may have
@@ -197,13 +227,17 @@ class RefitCoordinator:
         self._remember(record)
         return record
 
-    def read_at_start(self, answered: Collection[int]) -> None:
+    def read_at_start(self, answered: Collection[int] | Mapping[int, ProcessSeen]) -> None:
         """The participants read, their API answering, just after the lease began (the fleet
         reads them all before it answers the trainer): the baseline that the read at the end
         compares with (a new start time, counters gone back). A participant not among them
-        has none, and is not credited at the completion."""
+        has none, and is not credited at the completion. A mapping also says what each read
+        saw (:class:`ProcessSeen`), kept for the read at the end."""
         if self.lease is not None:
             self.lease.unread_at_start = set(self.lease.shards - frozenset(answered))
+            if isinstance(answered, Mapping):
+                self.lease.seen_at_start = {i: seen for i, seen in answered.items()
+                                            if i in self.lease.shards}
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         lease = self._close(version)
@@ -284,6 +318,15 @@ class RefitCoordinator:
     def stalls_excused(self) -> frozenset[int]:
         """Shards whose stalls the watchdog must not judge right now."""
         return self.lease.shards if self.lease is not None else frozenset()
+
+
+def _moved(lease: Lease, shard: int,
+           read_at_end: Collection[int] | Mapping[int, ProcessSeen] | None) -> bool:
+    """The lease's own two reads of ``shard`` saw two processes."""
+    start = lease.seen_at_start.get(shard)
+    if start is None or not isinstance(read_at_end, Mapping) or shard not in read_at_end:
+        return False
+    return not start.same_process(read_at_end[shard])
 
 
 def _same_process(p: Participant, url: str, incarnation: str | None) -> bool:

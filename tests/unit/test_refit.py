@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetwarden.ledger import Ledger, Policy, Reading, ShardState
-from fleetwarden.refit import RefitCoordinator, RefitError
+from fleetwarden.refit import ProcessSeen, RefitCoordinator, RefitError
 
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
                      ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
@@ -304,3 +304,32 @@ def test_an_overrun_lease_with_no_culprit_ejects_no_one() -> None:
     refit.check_lease()
     assert ledger.ejected() == []
     assert len(ledger.serving_urls()) == 2
+
+
+def test_the_lease_compares_its_own_two_reads_of_a_participant() -> None:
+    """The ledger learns of a restart only from a read that says RESTARTED against the
+    watch's last sample; another read of the engine (a focused read, the tick's) may have moved
+    that sample to the new process while its own report was still on its way, so the read at
+    the lease's end says nothing and the ledger still names the old process. The lease keeps
+    what its read at the start saw, and the read at the end that shows another process (a new
+    start time; counters gone back, for an engine that gives no start time) is not credited."""
+    ledger, refit, _ = make(3)
+    refit.begin_refit(1)
+    refit.read_at_start({0: ProcessSeen("1700000001.0", {"generation_tokens": 40.0}),
+                         1: ProcessSeen(None, {"generation_tokens": 90.0}),
+                         2: ProcessSeen("1700000002.0", {"generation_tokens": 7.0})})
+    record = refit.complete_refit(1, read_at_end={
+        0: ProcessSeen("1700000099.0", {"generation_tokens": 0.0}),  # a new start time
+        1: ProcessSeen(None, {"generation_tokens": 3.0}),  # no start time; counters went back
+        2: ProcessSeen("1700000002.0", {"generation_tokens": 12.0})})  # the same process
+    assert record.participants == (2,)
+    assert [ledger.state(i) for i in range(3)] == [ST, ST, H]
+    assert [ledger.shard(i).weight_version for i in range(3)] == [0, 0, 1]
+
+
+def test_what_neither_read_knows_proves_no_restart() -> None:
+    """No start time and no counters (a proxy read on /v1/models): nothing to compare, so the
+    lease's reads do not stand in the way; the ledger's own incarnation still does."""
+    assert ProcessSeen().same_process(ProcessSeen("1700000000.0", {"x": 1.0}))
+    assert ProcessSeen("1.0", {"a": 1.0}).same_process(ProcessSeen(None, {}))
+    assert not ProcessSeen("1.0").same_process(ProcessSeen("2.0"))
