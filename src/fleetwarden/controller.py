@@ -52,7 +52,7 @@ from typing import Any
 from fleetwarden.config import Config
 from fleetwarden.engines import AUTO, profile
 from fleetwarden.evidence import Evidence, router_error
-from fleetwarden.focus import Focus
+from fleetwarden.focus import Focus, held_out_of
 from fleetwarden.journal import Journal
 from fleetwarden.ledger import (
     ABSENT,
@@ -676,13 +676,6 @@ class Controller:
     def describe(self) -> dict[str, Any]:
         return {"status": self.status.state, "detail": self.status.detail,
                 "counts": self.status.counts, "tick": self.tick_number}
-
-
-def held_out_of(serving: list[str], held: set[str]) -> list[str]:
-    """``serving`` less the URLs ``held`` out, unless that would leave none: an engine in
-    doubt still serves when it is all there is (a held-out engine is no condemned one)."""
-    kept = [u for u in serving if u not in held]
-    return kept or serving
 
 
 def _errors(report: TickReport | None) -> list[str] | None:

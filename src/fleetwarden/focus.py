@@ -31,7 +31,7 @@ from fleetwarden.router.links import RouterLink
 from fleetwarden.tasks import TaskOwner
 from fleetwarden.watchdog import Report, Target, Watchdog
 
-__all__ = ["Focus"]
+__all__ = ["Focus", "held_out_of"]
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +269,10 @@ class Focus:
             if n:
                 log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
                          held_s, link.name)
+
+
+def held_out_of(serving: list[str], held: set[str]) -> list[str]:
+    """``serving`` less the URLs ``held`` out, unless that would leave none: an engine in
+    doubt still serves when it is all there is (a held-out engine is no condemned one)."""
+    kept = [u for u in serving if u not in held]
+    return kept or serving

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller, TickReport, held_out_of
+from fleetwarden.controller import Controller, TickReport
+from fleetwarden.focus import held_out_of
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
