@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from fleetwarden.journal import Journal
+from fleetwarden.sim.config import FaultMode, SimConfig
+from fleetwarden.sim.server import Sim
 from fleetwarden.testing.fleet_model import (
     EPOCHS,
     FAULT_MEMORY_S,
     PUSH_BOUND_S,
     FleetModel,
     ModelReport,
+    sim_restarts,
 )
 from fleetwarden.testing.load import RequestResult
 
@@ -87,3 +90,18 @@ def test_a_shard_the_journal_shows_leaving_healthy_between_checks_was_no_healthy
                           status=409)
     m.healthy_seen.append((later.started - 0.1, frozenset({2})))
     assert m.had_healthy(later)
+
+
+async def test_the_model_counts_only_the_restarts_the_simulator_made() -> None:
+    """A crashed simulated engine takes no more orders: a restart asked of it never happens,
+    and a model that counted it anyway saw a process changed during a refit's lease that was
+    the same process (the long run's trainer step 41: the count was read from the wrong key
+    of ``/sim/stats``, never found, and every restart asked for was counted)."""
+    async with Sim(SimConfig(crash_exit_s=30)) as sim:
+        assert await sim_restarts(sim.url) == 0
+        await sim.set_fault(FaultMode.RESTART)
+        assert await sim_restarts(sim.url) == 1
+        await sim.set_fault(FaultMode.CRASH)
+        await sim.set_fault(FaultMode.RESTART)  # a dead process takes no more orders
+        assert await sim_restarts(sim.url) == 1
+    assert await sim_restarts(sim.url) is None  # gone: not an answer

@@ -239,7 +239,7 @@ async def sim_restarts(url: str) -> int | None:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http, \
                 http.get(url + "/sim/stats") as resp:
-            return int((await resp.json())["restarts"])
+            return int((await resp.json())["engine"]["restarts"])
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
         return None
 
@@ -612,8 +612,10 @@ path = "{self.journal_path}"
             live = [s for s in shards if s["state"] not in ("DEAD", "RESTARTING", "RETIRED")]
             if live:
                 s = self.rng.choice(live)
+                was = self.identity(s)
                 await self.restart_engine(s)
-                restarted.add(s["index"])
+                if self.identity(s) != was:  # a crashed engine takes no restart order
+                    restarted.add(s["index"])
         if overrun:
             await asyncio.sleep(LEASE_S + 2 * PROBE_INTERVAL_S)
         if finish != "complete":
