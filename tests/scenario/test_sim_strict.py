@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from fleetwarden.sim import Sim, SimConfig, wire
+from fleetwarden.sim.config import FaultMode
 from fleetwarden.sim.sampling import EOS, Generation, Params
 from scenario.test_sim_continuation import keys
 
@@ -207,3 +208,23 @@ async def test_several_choices_of_a_greedy_sample_are_refused_as_vllm_refuses_th
             "n must be 1 when using greedy sampling, got 2.")  # real vLLM 0.32's words
     async with http.post(sim.url + "/v1/completions", json={**body, "temperature": 0.5}) as r:
         assert r.status == 200 and len((await r.json())["choices"]) == 2
+
+
+async def test_a_crashed_engine_takes_no_sleep_wake_or_cache_call(
+        http: aiohttp.ClientSession) -> None:
+    """vLLM's sleep, wake-up, is-sleeping and prefix-cache endpoints call into its engine
+    core; with the core dead each raises EngineDeadError, answered 500 as a generation is
+    (vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py). A sim that slept a
+    crashed engine let the fleet model sleep, then credit, an engine that had died."""
+    async with Sim(SimConfig(steps_per_s=1000, crash_exit_s=30)) as s:
+        async with http.post(s.url + "/sleep", params={"level": "1"}) as r:
+            assert r.status == 200
+        async with http.post(s.url + "/wake_up") as r:
+            assert r.status == 200
+        await s.set_fault(FaultMode.CRASH)
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"),
+                             ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache")):
+            async with http.request(method, s.url + path) as r:
+                assert r.status == 500, path
+                assert "EngineCore encountered an issue" in (await r.json())["error"]["message"]
+        assert s.sleep_level == 0

@@ -374,10 +374,16 @@ class Sim:
             self._core.prefix_cache.reset()
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if self._crashed:
+            return _json(wire.ENGINE_DEAD, 500)
         self.reset_prefix_cache()
         return web.Response(status=200)
 
     async def _sleep(self, request: web.Request) -> web.Response:
+        # vLLM's sleep, wake-up and cache endpoints are calls into its engine core; with the
+        # core dead, each raises EngineDeadError: the same 500 as a generation's.
+        if self._crashed:
+            return _json(wire.ENGINE_DEAD, 500)
         raw = request.query.get("level", "1")
         try:
             level = int(raw)
@@ -387,10 +393,14 @@ class Sim:
         return _json({"status": "sleeping", "level": level})
 
     async def _wake_up(self, request: web.Request) -> web.Response:
+        if self._crashed:
+            return _json(wire.ENGINE_DEAD, 500)
         self.wake_up()
         return web.Response(status=200)
 
     async def _is_sleeping(self, request: web.Request) -> web.Response:
+        if self._crashed:
+            return _json(wire.ENGINE_DEAD, 500)
         return _json({"is_sleeping": self._sleep_level > 0})
 
     # ------------------------------------------------------------------ the engine loop
