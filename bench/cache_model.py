@@ -79,7 +79,10 @@ def least_guard(candidates: Sequence[str], loads: Mapping[str, int], balance_abs
 
 
 def agents(engines: int, sessions: int, *, system: bool, seed: int,
-           settings: AffinitySettings) -> dict[str, Any]:
+           settings: AffinitySettings, pinned: bool = False) -> dict[str, Any]:
+    """One run; ``pinned``: session k always on engine k mod ``engines``, no router (the
+    ideal placement of these sessions: every engine holds an equal share of them, and no
+    conversation ever moves)."""
     urls = [f"http://e{i}" for i in range(engines)]
     cores = {u: EngineCore(_Quiet(), slots=SLOTS, tokens_per_step=1,
                            max_num_batched_tokens=BUDGET, prefix_cache=PrefixCache(CACHE_BLOCKS))
@@ -94,6 +97,7 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
         heapq.heappush(arrivals, (rngs[k].uniform(0.0, 0.2), k, 0))
     inflight: dict[SimRequest, tuple[str, int, int]] = {}
     ttft: list[float] = []
+    trace: list[dict[str, Any]] = []
     queried = hits = 0
     served = dict.fromkeys(urls, 0)
     now = 0.0
@@ -104,7 +108,8 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
                 f"Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
             query = query_of({"messages": histories[k]}, f"agent-{k}", settings)
             assert query is not None
-            url = pool.pick(session=query.session, prefer=partial(policy.choose, query, now=now))
+            url = urls[k % engines] if pinned else pool.pick(
+                session=query.session, prefer=partial(policy.choose, query, now=now))
             assert url is not None
             policy.placed(query, url, now)
             pool.dispatched(url)
@@ -122,6 +127,8 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
             for request, _ in result.produced:
                 if request.first_token_at == now and len(request.output) <= 1:
                     ttft.append(now - request.arrived_at)
+                    _, k, t = inflight[request]
+                    trace.append(_traced(request, urls.index(url), k, t, now))
             for request in result.finished:
                 _, k, t = inflight.pop(request)
                 queried += request.prompt_tokens
@@ -137,7 +144,21 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
             "ttft_p50_ms": 1000 * ttft[len(ttft) // 2],
             "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
             "requests_per_engine": list(served.values()),
-            "busiest_over_mean": max(served.values()) / statistics.fmean(served.values())}
+            "busiest_over_mean": max(served.values()) / statistics.fmean(served.values()),
+            "trace": trace}
+
+
+def _traced(request: SimRequest, engine: int, session: int, turn: int, now: float
+            ) -> dict[str, Any]:
+    """One request's first token, taken apart: where it went, what it found cached, how long
+    it waited for a slot, and how many engine steps it took."""
+    scheduled = request.scheduled_at if request.scheduled_at is not None else now
+    assert request.first_token_step is not None
+    return {"session": session, "turn": turn, "engine": engine,
+            "prompt_tokens": request.prompt_tokens, "cached": request.cached,
+            "queued_ms": round(1000 * (scheduled - request.arrived_at), 1),
+            "steps": request.first_token_step - request.arrival_step,
+            "ttft_ms": round(1000 * (now - request.arrived_at), 1)}
 
 
 def main() -> None:
