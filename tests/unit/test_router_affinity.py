@@ -206,6 +206,33 @@ def test_an_idle_engine_takes_a_shared_prefix_before_its_holders_pass_the_slack(
     assert place(affinity, pool, chat("another agent"), 1.0) == D
 
 
+def test_a_new_session_takes_an_idle_engine_before_a_busy_holder_of_its_prefix() -> None:
+    """The cold start of a burst of conversations sharing a system prompt: a new session on a
+    busy holder waits out that engine's prefills (bench/cache_model.py: the first turns were
+    the whole TTFT tail). An idle engine takes it, the one holding the most of its prompt
+    first; a session already at home stays there, and a request with no session is matched
+    as before."""
+    affinity = Affinity()
+    pool = Pool([A, B, C])
+    affinity.placed(Query(chat("agent 1: task").keys, "agent-1"), A, 0.0)
+    pool.dispatched(A)  # agent 1's first turn is in flight on A, the only holder
+    assert place(affinity, pool, Query(chat("agent 2: task").keys, "agent-2"), 0.1) in (B, C)
+    pool.dispatched(B)  # (wherever it went, B is busy now)
+    affinity.placed(Query(chat("agent 3: task").keys, "agent-3"), C, 0.1)  # C holds it, idle
+    pool2 = Pool([A, B, C, D])
+    pool2.dispatched(A)
+    pool2.dispatched(B)
+    # C and D idle: C holds the prompt, D nothing; the deeper match wins.
+    assert place(affinity, pool2, Query(chat("agent 4: task").keys, "agent-4"), 0.2) == C
+    # Agent 1's next turn: its home A is busy and D idles, but its history is on A.
+    nxt = Query(chat("agent 1: task", "agent 1: more").keys, "agent-1")
+    pool3 = Pool([A, D])
+    pool3.dispatched(A)
+    assert place(affinity, pool3, nxt, 0.3) == A
+    # Without a session the prefix's holder is taken, as before (within the guard).
+    assert place(affinity, pool3, chat("agent 5: task"), 0.3) == A
+
+
 def test_a_restart_a_refit_or_leaving_forgets_the_engines_prefixes() -> None:
     affinity = Affinity()
     q = chat("remember me")

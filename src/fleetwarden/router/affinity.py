@@ -33,7 +33,10 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
 
 Session keys (``x-session-id``, OpenAI's ``prompt_cache_key``, ``user`` where configured) are
 hints: a session goes back to its last backend when no backend matches its prompt better and
-that backend holds some of it.
+that backend holds some of it. A session the router has not seen (no live home) whose prompt
+matches above the threshold goes to an idle backend if there is one, the deepest match among
+them, before a busy holder: what it matches is another session's prefix, prefilled again on
+the idle engine beside the burst instead of queued behind it (docs/design.md 4.3).
 
 A prompt that matches nowhere above the threshold and has no session home goes to the least
 loaded backend, ties to the one the index takes to hold the fewest blocks (sglang-router's
@@ -315,13 +318,22 @@ class Affinity:
         allowed = within_guard(candidates, loads, s.balance_abs, s.balance_rel)
         matched = self.matched(query, now) if query.keys else {}
         best = max((matched.get(u, 0) for u in allowed), default=0)
+        home = self._session_home(query, now)
         if query.keys and best / len(query.keys) > s.threshold:
+            if query.session is not None and home is None:
+                # A new conversation whose match is a prefix other sessions put there (a
+                # shared system prompt): an idle engine first, the deepest match among them.
+                # Queued on a busy holder, it waits out the holder's prefills (the cold start
+                # of a burst of sessions: the tail of TTFT); on an idle engine the prefix is
+                # prefilled beside them, once, as the balance guard has every engine do anyway.
+                idle = [u for u in allowed if not loads.get(u, 0)]
+                if idle:
+                    held = self._held
+                    return max(idle, key=lambda u: (matched.get(u, 0), -held.get(u, 0)))
             tied = [u for u in allowed if matched.get(u, 0) == best]
-            home = self._session_home(query, now)
             if home in tied:
                 return home
             return min(tied, key=lambda u: loads.get(u, 0))
-        home = self._session_home(query, now)
         # The hint counts where its home holds some of this prompt: one that holds none of it
         # (the session's earlier requests had other prompts) is worth no more than any engine.
         if home is not None and home in allowed and (not query.keys or matched.get(home)):
