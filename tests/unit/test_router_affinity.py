@@ -233,6 +233,27 @@ def test_a_new_session_takes_an_idle_engine_before_a_busy_holder_of_its_prefix()
     assert place(affinity, pool3, chat("agent 5: task"), 0.3) == A
 
 
+def test_a_conversation_at_home_is_bounded_by_the_mean_not_by_an_idle_engine() -> None:
+    """A session's fifth request in flight on its home while another engine idles: moved by
+    the idle clause, it would prefill its whole history there (bench/cache_model.py: every
+    move of a conversation was this, 50-80 ms against 13 at home). It stays, up to the mean's
+    bound; past that bound it moves as before."""
+    affinity = Affinity()
+    pool = Pool([A, B])
+    history = [f"agent 1 turn {t}: " + "tool output " * 20 for t in range(4)]
+    affinity.placed(Query(talk(*history).keys, "agent-1"), A, 0.0)
+    for _ in range(4):  # four in flight on A (balance_abs), none on B
+        pool.dispatched(A)
+    nxt = Query(talk(*history, "agent 1 turn 4").keys, "agent-1")
+    assert place(affinity, pool, nxt, 1.0) == A
+    # A request with no session and the same history: the idle clause holds it off A.
+    assert place(affinity, pool, talk(*history, "another turn 4"), 1.0) == B
+    for _ in range(5):  # nine on A, one on B: the mean with it is 5.5, A would be 10 > 9.5
+        pool.dispatched(A)
+    pool.dispatched(B)
+    assert place(affinity, pool, nxt, 3.0) == B  # (3.0: past the RL-group window of the last)
+
+
 def test_a_restart_a_refit_or_leaving_forgets_the_engines_prefixes() -> None:
     affinity = Affinity()
     q = chat("remember me")

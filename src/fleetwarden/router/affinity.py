@@ -17,11 +17,11 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
 * **A load guard that fires, at any fleet size.** A backend is used for its cache only while,
   with the request, it holds at most ``balance_abs`` more than the fleet's mean (growing to
   ``balance_rel`` times the mean under load), and at most ``balance_abs`` in all while another
-  backend idles (:func:`load_bound`). sglang-router's guard is a slack over the least loaded
-  engine (64 apart): it never fires in a fleet whose concurrency is below it, so a shared
-  system prompt above its match threshold put every request on one engine; here the excess
-  spills to the best match among the others, which then hold the shared prefix too, and ties
-  go to the least loaded.
+  backend idles (:func:`load_bound`; a conversation at home, by the mean's bound alone).
+  sglang-router's guard is a slack over the least loaded engine (64 apart): it never fires in
+  a fleet whose concurrency is below it, so a shared system prompt above its match threshold
+  put every request on one engine; here the excess spills to the best match among the
+  others, which then hold the shared prefix too, and ties go to the least loaded.
 * **RL groups.** Siblings (the same whole prompt within ``group_window_s``: a GRPO group's n
   samples) stay on one engine up to ``group_per_engine`` of them, past the load guard, so a
   group is prefilled once per ``group_per_engine`` siblings rather than once per engine it was
@@ -147,7 +147,8 @@ def query_of(body: Any, session: str | None, settings: AffinitySettings,
     return None
 
 
-def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float) -> float:
+def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float,
+               idle_clause: bool = True) -> float:
     """The most requests an engine of a fleet with ``loads`` in flight may hold, the new one
     included, and still be chosen for its cache (docs/design.md 4.3).
 
@@ -162,9 +163,12 @@ def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float) -> fl
     their share of it while an engine that holds nothing takes nothing, however long it idles.
     One request there makes it a holder too, and ties go to the least loaded.
 
+    ``idle_clause=False``: the mean's bound alone, for a conversation at home (its history is
+    its own, so no idle engine holds any of it; :meth:`Affinity.choose`).
+
     The least loaded engine is always within it (its load is at most the mean, and
     ``balance_abs`` >= 1), so the guard never leaves no choice."""
-    if not loads or min(loads) == 0:
+    if not loads or (idle_clause and min(loads) == 0):
         return float(balance_abs)
     mean = (sum(loads) + 1) / len(loads)
     return max(mean + balance_abs, balance_rel * mean)
@@ -317,8 +321,19 @@ class Affinity:
                 candidates = [u for u in candidates if u not in full]
         allowed = within_guard(candidates, loads, s.balance_abs, s.balance_rel)
         matched = self.matched(query, now) if query.keys else {}
-        best = max((matched.get(u, 0) for u in allowed), default=0)
         home = self._session_home(query, now)
+        if home is not None and home not in allowed and home in candidates and \
+                matched.get(home, 0) and matched[home] == max(matched.values()):
+            # A conversation at home (its home holds the most of it): bounded by the mean
+            # alone. The idle clause is for a shared prefix, which an idle engine can start
+            # holding at the cost of one prefill; a conversation moved to it re-prefills its
+            # whole history (bench/cache_model.py: every move of a conversation was this
+            # clause, its home at 5 of 8 slots, and cost 50-80 ms against 13 at home).
+            counts = [loads.get(u, 0) for u in candidates]
+            if loads.get(home, 0) + 1 <= load_bound(counts, s.balance_abs, s.balance_rel,
+                                                    idle_clause=False):
+                allowed = [*allowed, home]
+        best = max((matched.get(u, 0) for u in allowed), default=0)
         if query.keys and best / len(query.keys) > s.threshold:
             if query.session is not None and home is None:
                 # A new conversation whose match is a prefix other sessions put there (a
