@@ -209,8 +209,9 @@ async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
                     continue  # the role chunk: no token yet
                 if first:
                     result.ttft.append(time.perf_counter() - started)
-                    result.sent.append({"id": chunk.get("id"), "ttft_ms": round(
-                        1000 * result.ttft[-1], 3), **(tag or {})})
+                    result.sent.append({"id": chunk.get("id"), "sent_at": started,
+                                        "ttft_ms": round(1000 * result.ttft[-1], 3),
+                                        **(tag or {})})
                     first = False
                 part = delta.get("content") or choice[0].get("text")
                 text.append(part or "")

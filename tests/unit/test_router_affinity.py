@@ -231,6 +231,9 @@ def test_a_new_session_takes_an_idle_engine_before_a_busy_holder_of_its_prefix()
     assert place(affinity, pool3, nxt, 0.3) == A
     # Without a session the prefix's holder is taken, as before (within the guard).
     assert place(affinity, pool3, chat("agent 5: task"), 0.3) == A
+    # Agent 1's id reused for a new conversation: A holds only the shared prompt of it, so
+    # it is no home (a bench that reuses its session ids from one workload to the next).
+    assert place(affinity, pool3, Query(chat("a new task").keys, "agent-1"), 0.4) == D
 
 
 def test_a_conversation_at_home_is_bounded_by_the_mean_not_by_an_idle_engine() -> None:
@@ -248,6 +251,10 @@ def test_a_conversation_at_home_is_bounded_by_the_mean_not_by_an_idle_engine() -
     assert place(affinity, pool, nxt, 1.0) == A
     # A request with no session and the same history: the idle clause holds it off A.
     assert place(affinity, pool, talk(*history, "another turn 4"), 1.0) == B
+    # The same session id with a new conversation over the same first turn: A holds only
+    # part of it, so the idle clause holds it off A like anyone's.
+    assert place(affinity, pool, Query(talk(history[0], "a new turn").keys, "agent-1"),
+                 1.0) == B
     for _ in range(5):  # nine on A, one on B: the mean with it is 5.5, A would be 10 > 9.5
         pool.dispatched(A)
     pool.dispatched(B)

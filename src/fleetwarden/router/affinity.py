@@ -33,10 +33,11 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
 
 Session keys (``x-session-id``, OpenAI's ``prompt_cache_key``, ``user`` where configured) are
 hints: a session goes back to its last backend when no backend matches its prompt better and
-that backend holds some of it. A session the router has not seen (no live home) whose prompt
-matches above the threshold goes to an idle backend if there is one, the deepest match among
-them, before a busy holder: what it matches is another session's prefix, prefilled again on
-the idle engine beside the burst instead of queued behind it (docs/design.md 4.3).
+that backend holds some of it. A session whose conversation does not go on at its home (a new
+one, or an id reused for another conversation) and whose prompt matches above the threshold
+goes to an idle backend if there is one, the deepest match among them, before a busy holder:
+what it matches is another session's prefix, prefilled again on the idle engine beside the
+burst instead of queued behind it (docs/design.md 4.3).
 
 A prompt that matches nowhere above the threshold and has no session home goes to the least
 loaded backend, ties to the one the index takes to hold the fewest blocks (sglang-router's
@@ -230,7 +231,8 @@ class Affinity:
         self.settings = settings if settings is not None else AffinitySettings()
         #: block key -> {backend: when it was last placed there}; least recently used first.
         self._index: OrderedDict[int, dict[str, float]] = OrderedDict()
-        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        #: session -> (its last backend, when, blocks of the prompt it was sent there).
+        self._sessions: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
         self._groups: OrderedDict[int, _Group] = OrderedDict()
         #: What the last push said of each backend: (incarnation, weight version).
         self._epochs: dict[str, tuple[str | None, int | None]] = {}
@@ -273,7 +275,7 @@ class Affinity:
         for key in emptied:
             del self._index[key]
         self._held.pop(backend, None)
-        for session in [s for s, (u, _) in self._sessions.items() if u == backend]:
+        for session in [s for s, (u, _, _) in self._sessions.items() if u == backend]:
             del self._sessions[session]
         for group in self._groups.values():
             group.placed.pop(backend, None)
@@ -321,21 +323,25 @@ class Affinity:
                 candidates = [u for u in candidates if u not in full]
         allowed = within_guard(candidates, loads, s.balance_abs, s.balance_rel)
         matched = self.matched(query, now) if query.keys else {}
-        home = self._session_home(query, now)
-        if home is not None and home not in allowed and home in candidates and \
-                matched.get(home, 0) and matched[home] == max(matched.values()):
-            # A conversation at home (its home holds the most of it): bounded by the mean
-            # alone. The idle clause is for a shared prefix, which an idle engine can start
-            # holding at the cost of one prefill; a conversation moved to it re-prefills its
-            # whole history (bench/cache_model.py: every move of a conversation was this
-            # clause, its home at 5 of 8 slots, and cost 50-80 ms against 13 at home).
+        home, depth = self._session_home(query, now)
+        # The session's conversation goes on: its home holds every block of the prompt the
+        # session last sent there (a next turn re-sends them all, key for key). A home that
+        # holds only a prefix other sessions share (a session id reused for a new
+        # conversation) is no conversation's home.
+        at_home = home is not None and 0 < depth <= matched.get(home, 0)
+        if home is not None and at_home and home not in allowed and home in candidates:
+            # A conversation at home: bounded by the mean alone. The idle clause is for a
+            # shared prefix, which an idle engine can start holding at the cost of one
+            # prefill; a conversation moved to it re-prefills its whole history
+            # (bench/cache_model.py: every move of a conversation was this clause, its home
+            # at 5 of 8 slots, and cost 50-80 ms against 13 at home).
             counts = [loads.get(u, 0) for u in candidates]
             if loads.get(home, 0) + 1 <= load_bound(counts, s.balance_abs, s.balance_rel,
                                                     idle_clause=False):
                 allowed = [*allowed, home]
         best = max((matched.get(u, 0) for u in allowed), default=0)
         if query.keys and best / len(query.keys) > s.threshold:
-            if query.session is not None and home is None:
+            if query.session is not None and not at_home:
                 # A new conversation whose match is a prefix other sessions put there (a
                 # shared system prompt): an idle engine first, the deepest match among them.
                 # Queued on a busy holder, it waits out the holder's prefills (the cold start
@@ -362,13 +368,15 @@ class Affinity:
         held = self._held
         return min(allowed, key=lambda u: (loads.get(u, 0), held.get(u, 0)))
 
-    def _session_home(self, query: Query, now: float) -> str | None:
+    def _session_home(self, query: Query, now: float) -> tuple[str | None, int]:
+        """The session's last backend while fresh, and the blocks of the prompt it sent there
+        (``(None, 0)``: no session, or none known)."""
         if query.session is None:
-            return None
+            return None, 0
         found = self._sessions.get(query.session)
         if found is None or now - found[1] > self.settings.ttl_s:
-            return None
-        return found[0]
+            return None, 0
+        return found[0], found[2]
 
     def placed(self, query: Query, backend: str, now: float) -> None:
         """``query`` was sent to ``backend``: it will hold the prompt's blocks, and a sibling
@@ -383,7 +391,7 @@ class Affinity:
             tally.hit_blocks += self.matched(query, now).get(backend, 0)
         self._hold(query.keys, backend, now)
         if query.session is not None:
-            self._sessions[query.session] = (backend, now)
+            self._sessions[query.session] = (backend, now, len(query.keys))
             self._sessions.move_to_end(query.session)
             while len(self._sessions) > s.max_blocks:
                 self._sessions.popitem(last=False)
@@ -425,7 +433,7 @@ class Affinity:
         prefills the same prompt, so it is the holder now."""
         self._hold(query.keys, backend, now)
         if query.session is not None:
-            self._sessions[query.session] = (backend, now)
+            self._sessions[query.session] = (backend, now, len(query.keys))
 
     # ------------------------------------------------------------------ reading
 
