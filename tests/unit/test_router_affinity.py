@@ -311,6 +311,34 @@ def test_predicted_hits_are_tallied_per_engine() -> None:
     assert tally.hit_rate == pytest.approx(0.5)
 
 
+def test_a_prompt_is_looked_up_once_a_request_and_a_forget_in_between_counts() -> None:
+    """placed() tallies the matches choose() found for the same request (one lookup a request),
+    unless the index changed in between: a restart forgotten between the pick and the record
+    is no predicted hit."""
+    affinity = Affinity()
+    q = chat("a task")
+    affinity.placed(q, A, 0.0)
+    lookups = []
+    real = affinity.matched
+
+    def counted(query: Query, now: float) -> dict[str, int]:
+        lookups.append(query)
+        return real(query, now)
+
+    affinity.matched = counted  # type: ignore[method-assign]
+    # (Seconds apart: within the RL-group window the sibling rule answers before any lookup.)
+    assert affinity.choose(q, [A, B], {}, 5.0) == A
+    affinity.placed(q, A, 5.0)
+    assert len(lookups) == 1
+    assert affinity.predicted()[A].hit_blocks == len(q.keys)
+    assert affinity.choose(q, [A, B], {}, 10.0) == A
+    assert len(lookups) == 2
+    affinity.sync([A, B], {A: ("second", None), B: (None, None)})  # first push: both known
+    affinity.sync([A, B], {A: ("third", None), B: (None, None)})  # A restarted
+    affinity.placed(q, A, 10.0)
+    assert affinity.predicted()[A].hit_blocks == len(q.keys)  # nothing more predicted
+
+
 def test_a_continued_stream_makes_its_new_engine_the_holder() -> None:
     affinity = Affinity()
     q = Query(chat("a long generation").keys, "s1")

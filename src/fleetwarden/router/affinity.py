@@ -242,6 +242,10 @@ class Affinity:
         self._held: dict[str, int] = {}
         #: Entries dropped because their backend's cache went (a restart, a refit, leaving).
         self.forgotten = 0
+        #: The last :meth:`choose`'s query and its matches, for :meth:`placed` to tally the
+        #: same request without looking its prompt up again; dropped by any change to the
+        #: index (:meth:`_hold`, :meth:`forget`).
+        self._memo: tuple[Query, dict[str, int]] | None = None
 
     # ------------------------------------------------------------------ health
 
@@ -266,6 +270,7 @@ class Affinity:
 
     def forget(self, backend: str) -> None:
         """Drop every entry of ``backend``: its prefix cache is gone (or it is)."""
+        self._memo = None
         emptied = []
         for key, holders in self._index.items():
             if holders.pop(backend, None) is not None:
@@ -323,6 +328,7 @@ class Affinity:
                 candidates = [u for u in candidates if u not in full]
         allowed = within_guard(candidates, loads, s.balance_abs, s.balance_rel)
         matched = self.matched(query, now) if query.keys else {}
+        self._memo = (query, matched)
         home, depth = self._session_home(query, now)
         # The session's conversation goes on: its home holds every block of the prompt the
         # session last sent there (a next turn re-sends them all, key for key). A home that
@@ -387,8 +393,13 @@ class Affinity:
             tally = self._predicted[backend] = Predicted()
         tally.requests += 1
         if query.keys:
+            memo, self._memo = self._memo, None
+            # The matches choose() found for this very request, if nothing changed since
+            # (the shell places it right after the pick): one lookup a request, not two.
+            matched = memo[1] if memo is not None and memo[0] is query else self.matched(
+                query, now)
             tally.blocks += len(query.keys)
-            tally.hit_blocks += self.matched(query, now).get(backend, 0)
+            tally.hit_blocks += matched.get(backend, 0)
         self._hold(query.keys, backend, now)
         if query.session is not None:
             self._sessions[query.session] = (backend, now, len(query.keys))
@@ -412,6 +423,7 @@ class Affinity:
     def _hold(self, keys: Sequence[int], backend: str, now: float) -> None:
         """``backend`` holds ``keys`` as of ``now``; the least recently used entries go past
         ``max_blocks``."""
+        self._memo = None
         index = self._index
         held = self._held
         for key in keys:
