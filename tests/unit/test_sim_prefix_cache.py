@@ -101,9 +101,9 @@ def test_a_finished_requests_output_is_cached_for_the_next_turn() -> None:
 
 def test_blocks_are_cached_as_their_chunk_is_scheduled_and_looked_up_when_scheduled() -> None:
     """vLLM's rule (``allocate_slots`` caches the blocks of the tokens scheduled in the step;
-    a waiting request is looked up when it is scheduled, and only with budget left for it): a
-    request scheduled after another in the same step finds that step's chunk, never a chunk
-    not scheduled yet."""
+    a request is looked up when it is scheduled, which takes budget left for it): a request
+    scheduled after another in the same step finds that step's chunk, never a chunk not
+    scheduled yet."""
     families = VllmFamilies("tiny", max_model_len=8192, kv_capacity_tokens=8192)
     cache = PrefixCache(512)
     core = EngineCore(families, slots=4, tokens_per_step=1, max_num_batched_tokens=100,
@@ -113,11 +113,10 @@ def test_blocks_are_cached_as_their_chunk_is_scheduled_and_looked_up_when_schedu
     core.add(first)
     core.add(sibling)
     core.step(0.0)
-    # The first chunk of 100 took the budget: 6 full blocks cached, the sibling still waits,
-    # unlooked-up (scheduled at once and handed the whole prompt, it would claim 992 tokens
-    # of which 100 were computed).
-    assert (first.computed, len(cache), sibling.cached) == (100, 6, 0)
-    assert list(core.waiting) == [sibling]
+    # The first chunk of 100 took the budget: 6 full blocks cached; the sibling holds a slot
+    # but is not looked up yet (looked up at once and handed the whole prompt, it would claim
+    # 992 tokens of which 100 were computed).
+    assert (first.computed, len(cache), sibling.cached, sibling.looked_up) == (100, 6, 0, False)
     steps = 1
     while core.has_work:
         core.step(float(steps))

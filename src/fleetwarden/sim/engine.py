@@ -11,10 +11,13 @@ to be fooled the same ways:
   ``tokens_per_step`` each, then prompt prefill in chunks with what is left — so a long prompt
   takes several steps that produce **no output token** while the step count still advances
   (note 002's lesson: judge steps, not tokens);
-* requests wait (``num_requests_waiting``) until one of ``slots`` frees and the step has budget
-  left after the running ones, then run, in arrival order; a prefix cache is looked up then, and
-  caches a prompt's blocks as their chunks are scheduled (vLLM's ``allocate_slots``), so a
-  request scheduled after another in the same step finds that step's chunk, never a later one;
+* requests wait (``num_requests_waiting``) until one of ``slots`` frees, then run (vLLM
+  counts a request as running only once the step's budget reaches it; here it holds its slot
+  from then on, the gauge the watchdog's tests of a slot-bound batch are written against);
+* a prefix cache is looked up when a request's prefill first gets some of a step's budget,
+  which goes in arrival order, and caches a prompt's blocks as their chunk is scheduled (vLLM's
+  ``allocate_slots``), so a request scheduled after another in the same step finds that step's
+  chunk, never a chunk not scheduled yet;
 * the step that completes a prompt's prefill samples its first token and only then counts its
   prompt tokens (``vllm:prompt_tokens_total``), as vLLM's iteration stats do;
 * a request finishes with reason ``length`` once it has ``max_tokens`` tokens; an aborted one
@@ -59,6 +62,9 @@ class SimRequest:
     #: (a bench's breakdown of TTFT: queueing, prefill chunks, the step boundary).
     arrival_step: int = 0
     first_token_step: int | None = None
+    #: Whether its prompt was looked up in the prefix cache yet (when its prefill first gets
+    #: some of a step's budget, as vLLM schedules it).
+    looked_up: bool = False
 
     @property
     def prefilled(self) -> bool:
@@ -117,6 +123,12 @@ class EngineCore:
 
     def step(self, now: float) -> StepResult:
         f = self.families
+        while self.waiting and len(self.running) < self.slots:
+            r = self.waiting.popleft()
+            r.scheduled_at = now
+            f.on_scheduled(now - r.arrived_at)
+            self.running.append(r)
+
         budget = self.budget
         produced: list[tuple[SimRequest, list[int]]] = []
         for r in self.running:  # decodes first, as vLLM's scheduler serves running requests
@@ -125,21 +137,17 @@ class EngineCore:
                 budget -= n
                 produced.append((r, _sample(r, n)))
         for r in self.running:  # then prefill, in chunks of what the budget has left
+            if not r.looked_up:
+                cache = self.prefix_cache
+                if cache is not None and r.prompt_ids:
+                    if budget <= 0:
+                        continue  # looked up when the budget reaches it, as vLLM schedules
+                    # It finds the blocks of every request scheduled before it, in this step
+                    # too (vLLM caches a block as its chunk is scheduled), and no other.
+                    r.cached = r.computed = cache.lookup(r.prompt_ids)
+                r.looked_up = True
+                f.on_prefix_cache(r.prompt_tokens, r.cached)
             if not r.prefilled and budget > 0:
-                budget = self._prefill(r, budget, now, produced)
-        # Then the waiting, in order, while a slot and some of the budget are left: vLLM
-        # schedules a waiting request only with tokens to compute for it in this step.
-        while self.waiting and len(self.running) < self.slots and budget > 0:
-            r = self.waiting.popleft()
-            r.scheduled_at = now
-            f.on_scheduled(now - r.arrived_at)
-            if self.prefix_cache is not None and r.prompt_ids:
-                # Looked up as it is scheduled: it finds the blocks of every request scheduled
-                # before it, in this step too (vLLM caches a block as its step is scheduled).
-                r.cached = r.computed = self.prefix_cache.lookup(r.prompt_ids)
-            f.on_prefix_cache(r.prompt_tokens, r.cached)
-            self.running.append(r)
-            if not r.prefilled:
                 budget = self._prefill(r, budget, now, produced)
         scheduled = self.budget - budget
 
