@@ -29,10 +29,13 @@ client (streamed; time to the first event that carries a token: a chat's role ch
 the engine sends as it takes the request, is timed apart as ``first_event_p50_ms``, the
 router's and the network's share), total time, and requests per engine
 (``vllm:request_success_total``). For fleetwarden's cache-aware run, also what its router
-predicted per engine beside what each engine reported.
+predicted per engine beside what each engine reported. Every request is also taken apart
+(its answer's id joined to the engine's ``GET /sim/requests``: which engine, prompt and cached
+tokens, time queued, engine steps to the first token): ``ttft_by_turn`` gives TTFT p50 / p99 of
+the first turn and of the turns after it and the slowest requests; ``--trace`` writes them all.
 
     python bench/cache.py [--quick] [--no-peer] [--engines N] [--sessions N] [--baseline SRC]
-                          [--routers NAMES] [--workloads NAMES]
+                          [--routers NAMES] [--workloads NAMES] [--trace FILE]
 
 ``--quick``: smaller workloads (a smoke run). ``--baseline SRC``: also the cache-aware policy of
 another source folder (``/work/main/src``: before a change), on the same engines in the same
@@ -90,6 +93,10 @@ class Result:
     #: blocks placed there, blocks predicted held) over the same workload.
     actual: list[tuple[float, float]] = field(default_factory=list)
     predicted: list[tuple[float, float]] = field(default_factory=list)
+    #: Per request: its id (from its answer), TTFT, and the workload's tag (session, turn).
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    #: Per request, ``sent`` joined to what its engine says of it (``GET /sim/requests``).
+    trace: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         ttft = sorted(self.ttft)
@@ -114,6 +121,8 @@ class Result:
             out["restarted_engine"] = self.restarted
         if self.forgotten_at_restart is not None:
             out["index_blocks_forgotten_at_restart"] = int(self.forgotten_at_restart)
+        if self.trace:
+            out["ttft_by_turn"] = breakdown(self.trace)
         if any(b for b, _ in self.predicted):
             out["per_engine_predicted_vs_actual"] = [
                 (round(ph / pb, 3) if pb else None, round(h / q, 3) if q else None)
@@ -168,7 +177,8 @@ def deltas(before: list[tuple[float, float, float]], after: list[tuple[float, fl
 
 
 async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
-               headers: dict[str, str], result: Result) -> str:
+               headers: dict[str, str], result: Result, tag: dict[str, Any] | None = None
+               ) -> str:
     """One streamed request; its TTFT into ``result``; the text it generated.
 
     TTFT is the time to the first event that carries a token: a chat's role chunk comes as
@@ -187,10 +197,11 @@ async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
             async for line in r.content:
                 if not line.startswith(b"data: {"):
                     continue
+                chunk = json.loads(line[6:])
                 if not evented:
                     result.first_event.append(time.perf_counter() - started)
                     evented = True
-                choice = json.loads(line[6:])["choices"]
+                choice = chunk["choices"]
                 if not choice:
                     continue
                 delta = choice[0].get("delta", {})
@@ -198,6 +209,9 @@ async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any],
                     continue  # the role chunk: no token yet
                 if first:
                     result.ttft.append(time.perf_counter() - started)
+                    result.sent.append({"id": chunk.get("id"), "sent_at": started,
+                                        "ttft_ms": round(1000 * result.ttft[-1], 3),
+                                        **(tag or {})})
                     first = False
                 part = delta.get("content") or choice[0].get("text")
                 text.append(part or "")
@@ -214,7 +228,7 @@ def grpo(prompts: int, siblings: int, epochs: int, salt: str) -> Callable[..., A
                 send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
                                     "prompt": f"{salt}{SYSTEM}\nProblem {p}: compute {p * 7919} "
                                               f"modulo {p + 13}, showing the work."},
-                     {}, result)
+                     {}, result, {"prompt": p, "turn": epoch})
                 for p in range(prompts) for _ in range(siblings)))
             await between(epoch)
     return run
@@ -234,7 +248,8 @@ def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str,
                 f"{salt}Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
             answer = await send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
                                                "messages": history},
-                                {"x-session-id": f"agent-{k}"} if header else {}, result)
+                                {"x-session-id": f"agent-{k}"} if header else {}, result,
+                                {"session": k, "turn": t})
             history.append({"role": "assistant", "content": answer})
 
         if lockstep:  # every session's turn t, then every turn t + 1 (the restart needs it)
@@ -342,6 +357,51 @@ async def predicted(http: aiohttp.ClientSession, router: str) -> dict[str, tuple
     return {url: (b, h) for url, (b, h) in out.items()}
 
 
+# ---------------------------------------------------------------------- the breakdown
+
+
+async def taken_apart(http: aiohttp.ClientSession, urls: list[str],
+                      sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``sent`` joined, by the id each answer carried, to what its engine says of it
+    (``GET /sim/requests``: which engine, prompt and cached tokens, time queued for a slot and
+    the step budget, time and engine steps to the first token)."""
+    engine_side: dict[str, dict[str, Any]] = {}
+    for i, url in enumerate(urls):
+        async with http.get(url + "/sim/requests") as r:
+            if r.status != 200:
+                return []
+            for record in await r.json():
+                engine_side[record["id"]] = {**record, "engine": i}
+    return [{**s, **engine_side[s["id"]]} for s in sent if s.get("id") in engine_side]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))] if values else None
+
+
+def breakdown(trace: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT p50 / p99 (ms, at the client and at the engine) of the first turn (a GRPO
+    workload's first epoch) and of the turns after it, and the slowest requests taken apart."""
+    out: dict[str, Any] = {}
+    for name, rows in (("first", [t for t in trace if t["turn"] == 0]),
+                       ("after_first", [t for t in trace if t["turn"] > 0])):
+        ttft = [t["ttft_ms"] for t in rows]
+        at_engine = [t["first_token_ms"] for t in rows]
+        out[name] = {"n": len(rows), "p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99),
+                     # The engine's own view, from the request's arrival to its first token's
+                     # step: without the client's, the router's and the machine's share.
+                     "engine_p50": _pct(at_engine, 0.5), "engine_p99": _pct(at_engine, 0.99),
+                     "steps_p50": _pct([t["steps_to_first_token"] for t in rows], 0.5)}
+    at_engine = [t["first_token_ms"] for t in trace]
+    out["all"] = {"engine_p50": _pct(at_engine, 0.5), "engine_p99": _pct(at_engine, 0.99)}
+    out["slowest"] = [
+        {k: t[k] for k in ("turn", "engine", "prompt_tokens", "cached", "queued_ms",
+                           "steps_to_first_token", "first_token_ms", "ttft_ms")}
+        for t in sorted(trace, key=lambda t: -t["ttft_ms"])[:4]]
+    return out
+
+
 # ---------------------------------------------------------------------- the run
 
 
@@ -388,6 +448,7 @@ async def measure(router: str, urls: list[str], workload: Callable[..., Awaitabl
         result.predicted = [
             (now_guessed.get(u, (0.0, 0.0))[0] - guessed.get(u, (0.0, 0.0))[0],
              now_guessed.get(u, (0.0, 0.0))[1] - guessed.get(u, (0.0, 0.0))[1]) for u in urls]
+        result.trace = await taken_apart(http, urls, result.sent)
         if "restart" in marks:
             since = deltas(marks["restart"], after)
             result.after_restart = (sum(q for q, _, _ in since), sum(h for _, h, _ in since))
@@ -415,8 +476,8 @@ def workloads(quick: bool, sessions: int | None = None
 
 
 async def run_router(name: str, router: str, urls: list[str], quick: bool,
-                     wanted: list[str], sessions: int | None = None
-                     ) -> dict[str, dict[str, Any]]:
+                     wanted: list[str], sessions: int | None = None,
+                     trace: Path | None = None) -> dict[str, dict[str, Any]]:
     async with aiohttp.ClientSession() as http:
         await wait_serving(http, router)
     # A fleet's controller proves each attached engine before it serves at full share (a
@@ -429,6 +490,10 @@ async def run_router(name: str, router: str, urls: list[str], quick: bool,
         result = await measure(router, urls, workload, restart_after)
         rows[label] = result.row()
         print(f"{name} | {label}: {json.dumps(rows[label])}", file=sys.stderr, flush=True)
+        if trace is not None:
+            with trace.open("a") as f:
+                for t in result.trace:
+                    f.write(json.dumps({"router": name, "workload": label, **t}) + "\n")
     return rows
 
 
@@ -449,6 +514,10 @@ def main() -> None:
     parser.add_argument("--workloads", default="",
                         help="comma-separated parts of the workloads' names to run (e.g. "
                              "'system,restart'); all by default")
+    parser.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                        help="append every request, taken apart, to FILE (JSON lines: router, "
+                             "workload, session or prompt, turn, engine, prompt and cached "
+                             "tokens, time queued, engine steps and TTFT)")
     args = parser.parse_args()
     wanted = [w for w in args.workloads.split(",") if w]
     report: dict[str, Any] = {}
@@ -475,7 +544,7 @@ def main() -> None:
             try:
                 with start() as router:
                     report[name] = asyncio.run(run_router(name, router, urls, args.quick,
-                                                          wanted, args.sessions))
+                                                          wanted, args.sessions, args.trace))
             except PeerUnavailable as exc:
                 report[name] = f"not run: {exc}"
     print(json.dumps(report, indent=1))

@@ -11,22 +11,32 @@ cost or the network: TTFT here is the time to the first token's step (queueing a
 Workloads as bench/cache.py's agents: ``--sessions`` conversations of 6 turns, each thinking
 0-200 ms (seeded) between turns, with ``x-session-id``, with and without a shared system prompt.
 
-    python bench/cache_model.py [--engines 2,4,8] [--abs 4] [--rel 1.5] [--seeds 1,2,3]
-                                [--guard mean|least]
+    python bench/cache_model.py [--engines 2,4,8] [--sessions N,..] [--abs 4] [--rel 1.5]
+                                [--seeds 1,2,3] [--guard mean|least] [--baseline SRC] [--pinned]
 
 ``--guard least``: the guard before this model was written, a slack over the least loaded
 engine (``max(abs, (rel - 1) * mean)`` requests above it), for comparison in the same run.
+``--baseline SRC``: also another source folder's policy (before a change), on the same seeds;
+``--pinned``: also the ideal placement (session k on engine k mod n, no router). Per run: hit
+rate, TTFT p50/p99, the first turns' p99 and the later turns' p50/p99 (each request is taken
+apart: turn, engine, cached tokens, time queued, steps), conversations moved, the busiest
+engine over the mean, and the policy's own time per request (choose and record, CPU time).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import importlib.util
 import json
 import random
 import statistics
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from functools import partial
+from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 from cache import SYSTEM  # the same system prompt as bench/cache.py
@@ -79,12 +89,17 @@ def least_guard(candidates: Sequence[str], loads: Mapping[str, int], balance_abs
 
 
 def agents(engines: int, sessions: int, *, system: bool, seed: int,
-           settings: AffinitySettings) -> dict[str, Any]:
+           settings: AffinitySettings, pinned: bool = False,
+           policy_class: type[Affinity] = Affinity) -> dict[str, Any]:
+    """One run; ``pinned``: session k always on engine k mod ``engines``, no router (the
+    ideal placement of these sessions: every engine holds an equal share of them, and no
+    conversation ever moves). ``policy_class``: another version's policy (``--baseline``)."""
     urls = [f"http://e{i}" for i in range(engines)]
     cores = {u: EngineCore(_Quiet(), slots=SLOTS, tokens_per_step=1,
                            max_num_batched_tokens=BUDGET, prefix_cache=PrefixCache(CACHE_BLOCKS))
              for u in urls}
-    policy = Affinity(settings)
+    policy = policy_class(settings)
+    policy_s = 0.0
     pool = Pool(urls)
     histories: list[list[dict[str, str]]] = [
         [{"role": "system", "content": SYSTEM}] if system else [] for _ in range(sessions)]
@@ -94,6 +109,7 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
         heapq.heappush(arrivals, (rngs[k].uniform(0.0, 0.2), k, 0))
     inflight: dict[SimRequest, tuple[str, int, int]] = {}
     ttft: list[float] = []
+    trace: list[dict[str, Any]] = []
     queried = hits = 0
     served = dict.fromkeys(urls, 0)
     now = 0.0
@@ -104,9 +120,12 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
                 f"Agent {k}, turn {t}: here is the tool output you asked for. " * 5)})
             query = query_of({"messages": histories[k]}, f"agent-{k}", settings)
             assert query is not None
-            url = pool.pick(session=query.session, prefer=partial(policy.choose, query, now=now))
+            started = time.process_time()
+            url = urls[k % engines] if pinned else pool.pick(
+                session=query.session, prefer=partial(policy.choose, query, now=now))
             assert url is not None
             policy.placed(query, url, now)
+            policy_s += time.process_time() - started
             pool.dispatched(url)
             served[url] += 1
             ids = wire.encode(wire.chat_prompt(histories[k]))
@@ -122,6 +141,8 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
             for request, _ in result.produced:
                 if request.first_token_at == now and len(request.output) <= 1:
                     ttft.append(now - request.arrived_at)
+                    _, k, t = inflight[request]
+                    trace.append(_traced(request, urls.index(url), k, t, now))
             for request in result.finished:
                 _, k, t = inflight.pop(request)
                 queried += request.prompt_tokens
@@ -133,38 +154,92 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
                     heapq.heappush(arrivals, (now + rngs[k].uniform(0.0, 0.2), k, t + 1))
         now = round(now + STEP_S, 6)
     ttft.sort()
+    trace.sort(key=lambda r: (r["session"], r["turn"]))
+    after = sorted(r["ttft_ms"] for r in trace if r["turn"] > 0)
+    first = sorted(r["ttft_ms"] for r in trace if r["turn"] == 0)
     return {"hit_rate": hits / queried,
+            "first_turn_p99_ms": first[min(len(first) - 1, int(len(first) * 0.99))],
+            "after_first_p50_ms": after[len(after) // 2],
+            "after_first_p99_ms": after[min(len(after) - 1, int(len(after) * 0.99))],
+            "moves": sum(1 for a, b in pairwise(trace)
+                         if a["session"] == b["session"] and a["engine"] != b["engine"]),
+            "policy_us_per_request": 1e6 * policy_s / len(trace),
             "ttft_p50_ms": 1000 * ttft[len(ttft) // 2],
             "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
             "requests_per_engine": list(served.values()),
-            "busiest_over_mean": max(served.values()) / statistics.fmean(served.values())}
+            "busiest_over_mean": max(served.values()) / statistics.fmean(served.values()),
+            "trace": trace}
+
+
+def _traced(request: SimRequest, engine: int, session: int, turn: int, now: float
+            ) -> dict[str, Any]:
+    """One request's first token, taken apart: where it went, what it found cached, how long
+    it waited for a slot, and how many engine steps it took."""
+    scheduled = request.scheduled_at if request.scheduled_at is not None else now
+    assert request.first_token_step is not None
+    return {"session": session, "turn": turn, "engine": engine,
+            "prompt_tokens": request.prompt_tokens, "cached": request.cached,
+            "queued_ms": round(1000 * (scheduled - request.arrived_at), 1),
+            "steps": request.first_token_step - request.arrival_step,
+            "ttft_ms": round(1000 * (now - request.arrived_at), 1)}
+
+
+def baseline_policy(src: Path) -> type[Affinity]:
+    """The ``Affinity`` of another source folder (another checkout's ``src``: before a change),
+    loaded beside this one's."""
+    spec = importlib.util.spec_from_file_location("baseline_affinity",
+                                                  src / "fleetwarden/router/affinity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    policy: type[Affinity] = module.Affinity
+    return policy
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", default="2,4,8")
+    parser.add_argument("--sessions", default="",
+                        help="comma-separated agents per run (3 and 6 per engine by default)")
     parser.add_argument("--abs", type=int, default=AffinitySettings().balance_abs)
     parser.add_argument("--rel", type=float, default=AffinitySettings().balance_rel)
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--guard", choices=("mean", "least"), default="mean")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="SRC",
+                        help="also the policy of this source folder (e.g. the main checkout's "
+                             "src), on the same seeds")
+    parser.add_argument("--pinned", action="store_true",
+                        help="also the ideal placement: session k on engine k mod n")
     args = parser.parse_args()
     if args.guard == "least":
         affinity.within_guard = least_guard
     settings = AffinitySettings(balance_abs=args.abs, balance_rel=args.rel)
     seeds = [int(s) for s in args.seeds.split(",")]
+    policies: list[tuple[str, type[Affinity], bool]] = [("this", Affinity, False)]
+    if args.baseline is not None:
+        policies.insert(0, ("baseline", baseline_policy(args.baseline), False))
+    if args.pinned:
+        policies.append(("pinned", Affinity, True))
     for engines in (int(n) for n in args.engines.split(",")):
-        for sessions in sorted({3 * engines, 6 * engines}):
+        counts = ([int(n) for n in args.sessions.split(",")] if args.sessions
+                  else sorted({3 * engines, 6 * engines}))
+        for sessions in counts:
             for system in (False, True):
-                rows = [agents(engines, sessions, system=system, seed=s, settings=settings)
-                        for s in seeds]
-                print(json.dumps({
-                    "guard": args.guard, "abs": args.abs, "engines": engines,
-                    "sessions": sessions, "system_prompt": system,
-                    "hit_rate": round(statistics.fmean(r["hit_rate"] for r in rows), 3),
-                    "ttft_p50_ms": [round(r["ttft_p50_ms"]) for r in rows],
-                    "ttft_p99_ms": [round(r["ttft_p99_ms"]) for r in rows],
-                    "busiest_over_mean": [round(r["busiest_over_mean"], 2) for r in rows]}),
-                    flush=True)
+                for name, policy, pinned in policies:
+                    rows = [agents(engines, sessions, system=system, seed=s,
+                                   settings=settings, pinned=pinned, policy_class=policy)
+                            for s in seeds]
+                    print(json.dumps({
+                        "policy": name, "guard": args.guard, "abs": args.abs,
+                        "engines": engines, "sessions": sessions, "system_prompt": system,
+                        **{k: [round(r[k], 3 if k == "hit_rate" else
+                                     2 if k == "busiest_over_mean" else 1) for r in rows]
+                           for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms",
+                                     "first_turn_p99_ms", "after_first_p50_ms",
+                                     "after_first_p99_ms", "busiest_over_mean", "moves",
+                                     "policy_us_per_request")}}),
+                        flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ it. On a shared machine the other tenants slow both alike within a pair, so the 
 ratio B/A holds still where the absolute figures of single runs move by 20 % and more.
 
     python bench/router_ab.py --baseline /path/to/main/src [--blocks 12] [--seconds 2]
+                              [--routing cache_aware]
 
 A is the baseline ``src``; B is this checkout's (the ``PYTHONPATH`` this runs with). Prints
 each router's median and best µs of CPU per request, and the median of the pairs' ratios.
@@ -28,15 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 OVERHEAD = ROOT / "bench" / "router_overhead.py"
 
 
-def _route(backend_url: str, src: Path | None,
-           stack: contextlib.ExitStack) -> tuple[str, int]:
-    """A `fleetwarden route` from ``src`` (None: this checkout's): its URL and pid."""
+def _route(backend_url: str, src: Path | None, stack: contextlib.ExitStack,
+           routing: str | None = None) -> tuple[str, int]:
+    """A `fleetwarden route` from ``src`` (None: this checkout's), with ``--routing`` when
+    given: its URL and pid."""
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = str(src.resolve())
     router = stack.enter_context(process(
         [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
-         "--backend", backend_url, "--log-level", "error"], env=env))
+         "--backend", backend_url, "--log-level", "error",
+         *(("--routing", routing) if routing else ())], env=env))
     assert router.stdout is not None
     url = router.stdout.readline().split(" on ", 1)[1].split(",")[0]
     _wait_until_serving(url)
@@ -50,13 +53,15 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12, help="pairs of blocks (A, then B)")
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds of load a block")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--routing", default=None,
+                        help="both routers' --routing (e.g. cache_aware: the policy's cost)")
     args = parser.parse_args()
     with process([sys.executable, str(OVERHEAD), "--role", "backend"]) as backend, \
             contextlib.ExitStack() as stack:
         assert backend.stdout is not None
         backend_url = f"http://127.0.0.1:{backend.stdout.readline().strip()}"
-        routers = {"A (baseline)": _route(backend_url, args.baseline, stack),
-                   "B (this checkout)": _route(backend_url, None, stack)}
+        routers = {"A (baseline)": _route(backend_url, args.baseline, stack, args.routing),
+                   "B (this checkout)": _route(backend_url, None, stack, args.routing)}
         cpu: dict[str, list[float]] = {name: [] for name in routers}
         for _ in range(args.blocks):
             for name, (url, pid) in routers.items():

@@ -110,3 +110,22 @@ async def test_a_restarted_engine_is_forgotten_at_the_push_and_the_prefix_goes_e
             text = await r.text()
         assert "fleetwarden_router_cache_forgotten_blocks_total" in text
         assert f'fleetwarden_router_cache_predicted_hit_blocks_total{{backend="{holder}"}}' in text
+
+
+async def test_the_engine_takes_each_finished_request_apart(http: aiohttp.ClientSession) -> None:
+    """``GET /sim/requests``: a bench's TTFT breakdown per request, joined to its answer by id."""
+    async with Sim(SimConfig(steps_per_s=200)) as sim:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "go"}]
+        ids = []
+        for _ in range(2):
+            body = {"model": "tiny", "messages": messages, "max_tokens": 2}
+            async with http.post(sim.url + "/v1/chat/completions", json=body) as r:
+                ids.append((await r.json())["id"])
+        async with http.get(sim.url + "/sim/requests") as r:
+            taken = await r.json()
+    assert [t["id"] for t in taken] == ids
+    first, second = taken
+    assert first["prompt_tokens"] == second["prompt_tokens"] > len(SYSTEM)
+    assert first["cached"] == 0 and second["cached"] > len(SYSTEM) - 16  # the second hits
+    assert all(t["steps_to_first_token"] >= 1 and t["first_token_ms"] >= t["queued_ms"] >= 0
+               for t in taken)

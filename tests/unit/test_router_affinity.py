@@ -206,6 +206,61 @@ def test_an_idle_engine_takes_a_shared_prefix_before_its_holders_pass_the_slack(
     assert place(affinity, pool, chat("another agent"), 1.0) == D
 
 
+def test_a_new_session_takes_an_idle_engine_before_a_busy_holder_of_its_prefix() -> None:
+    """The cold start of a burst of conversations sharing a system prompt: a new session on a
+    busy holder waits out that engine's prefills (bench/cache_model.py: the first turns were
+    the whole TTFT tail). An idle engine takes it, the one holding the most of its prompt
+    first; a session already at home stays there, and a request with no session is matched
+    as before."""
+    affinity = Affinity()
+    pool = Pool([A, B, C])
+    affinity.placed(Query(chat("agent 1: task").keys, "agent-1"), A, 0.0)
+    pool.dispatched(A)  # agent 1's first turn is in flight on A, the only holder
+    assert place(affinity, pool, Query(chat("agent 2: task").keys, "agent-2"), 0.1) in (B, C)
+    pool.dispatched(B)  # (wherever it went, B is busy now)
+    affinity.placed(Query(chat("agent 3: task").keys, "agent-3"), C, 0.1)  # C holds it, idle
+    pool2 = Pool([A, B, C, D])
+    pool2.dispatched(A)
+    pool2.dispatched(B)
+    # C and D idle: C holds the prompt, D nothing; the deeper match wins.
+    assert place(affinity, pool2, Query(chat("agent 4: task").keys, "agent-4"), 0.2) == C
+    # Agent 1's next turn: its home A is busy and D idles, but its history is on A.
+    nxt = Query(chat("agent 1: task", "agent 1: more").keys, "agent-1")
+    pool3 = Pool([A, D])
+    pool3.dispatched(A)
+    assert place(affinity, pool3, nxt, 0.3) == A
+    # Without a session the prefix's holder is taken, as before (within the guard).
+    assert place(affinity, pool3, chat("agent 5: task"), 0.3) == A
+    # Agent 1's id reused for a new conversation: A holds only the shared prompt of it, so
+    # it is no home (a bench that reuses its session ids from one workload to the next).
+    assert place(affinity, pool3, Query(chat("a new task").keys, "agent-1"), 0.4) == D
+
+
+def test_a_conversation_at_home_is_bounded_by_the_mean_not_by_an_idle_engine() -> None:
+    """A session's fifth request in flight on its home while another engine idles: moved by
+    the idle clause, it would prefill its whole history there (bench/cache_model.py: every
+    move of a conversation was this, 50-80 ms against 13 at home). It stays, up to the mean's
+    bound; past that bound it moves as before."""
+    affinity = Affinity()
+    pool = Pool([A, B])
+    history = [f"agent 1 turn {t}: " + "tool output " * 20 for t in range(4)]
+    affinity.placed(Query(talk(*history).keys, "agent-1"), A, 0.0)
+    for _ in range(4):  # four in flight on A (balance_abs), none on B
+        pool.dispatched(A)
+    nxt = Query(talk(*history, "agent 1 turn 4").keys, "agent-1")
+    assert place(affinity, pool, nxt, 1.0) == A
+    # A request with no session and the same history: the idle clause holds it off A.
+    assert place(affinity, pool, talk(*history, "another turn 4"), 1.0) == B
+    # The same session id with a new conversation over the same first turn: A holds only
+    # part of it, so the idle clause holds it off A like anyone's.
+    assert place(affinity, pool, Query(talk(history[0], "a new turn").keys, "agent-1"),
+                 1.0) == B
+    for _ in range(5):  # nine on A, one on B: the mean with it is 5.5, A would be 10 > 9.5
+        pool.dispatched(A)
+    pool.dispatched(B)
+    assert place(affinity, pool, nxt, 3.0) == B  # (3.0: past the RL-group window of the last)
+
+
 def test_a_restart_a_refit_or_leaving_forgets_the_engines_prefixes() -> None:
     affinity = Affinity()
     q = chat("remember me")
@@ -254,6 +309,34 @@ def test_predicted_hits_are_tallied_per_engine() -> None:
     tally = affinity.predicted()[A]
     assert (tally.requests, tally.blocks, tally.hit_blocks) == (2, 2 * len(q.keys), len(q.keys))
     assert tally.hit_rate == pytest.approx(0.5)
+
+
+def test_a_prompt_is_looked_up_once_a_request_and_a_forget_in_between_counts() -> None:
+    """placed() tallies the matches choose() found for the same request (one lookup a request),
+    unless the index changed in between: a restart forgotten between the pick and the record
+    is no predicted hit."""
+    affinity = Affinity()
+    q = chat("a task")
+    affinity.placed(q, A, 0.0)
+    lookups = []
+    real = affinity.matched
+
+    def counted(query: Query, now: float) -> dict[str, int]:
+        lookups.append(query)
+        return real(query, now)
+
+    affinity.matched = counted  # type: ignore[method-assign]
+    # (Seconds apart: within the RL-group window the sibling rule answers before any lookup.)
+    assert affinity.choose(q, [A, B], {}, 5.0) == A
+    affinity.placed(q, A, 5.0)
+    assert len(lookups) == 1
+    assert affinity.predicted()[A].hit_blocks == len(q.keys)
+    assert affinity.choose(q, [A, B], {}, 10.0) == A
+    assert len(lookups) == 2
+    affinity.sync([A, B], {A: ("second", None), B: (None, None)})  # first push: both known
+    affinity.sync([A, B], {A: ("third", None), B: (None, None)})  # A restarted
+    affinity.placed(q, A, 10.0)
+    assert affinity.predicted()[A].hit_blocks == len(q.keys)  # nothing more predicted
 
 
 def test_a_continued_stream_makes_its_new_engine_the_holder() -> None:

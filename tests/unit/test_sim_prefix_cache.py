@@ -97,3 +97,40 @@ def test_a_finished_requests_output_is_cached_for_the_next_turn() -> None:
     core.add(nxt)
     core.step(200.0)
     assert nxt.cached == 4 * BLOCK_SIZE  # the prompt's 2 blocks and the answer's 2 more
+
+
+def test_blocks_are_cached_as_their_chunk_is_scheduled_and_looked_up_when_scheduled() -> None:
+    """vLLM's rule (``allocate_slots`` caches the blocks of the tokens scheduled in the step;
+    a request is looked up when it is scheduled, which takes budget left for it): a request
+    scheduled after another in the same step finds that step's chunk, never a chunk not
+    scheduled yet."""
+    families = VllmFamilies("tiny", max_model_len=8192, kv_capacity_tokens=8192)
+    cache = PrefixCache(512)
+    core = EngineCore(families, slots=4, tokens_per_step=1, max_num_batched_tokens=100,
+                      prefix_cache=cache)
+    prompt = list(range(1000))
+    first, sibling = _request("a", prompt, 1, 0.0), _request("b", prompt, 1, 0.0)
+    core.add(first)
+    core.add(sibling)
+    core.step(0.0)
+    # The first chunk of 100 took the budget: 6 full blocks cached; the sibling holds a slot
+    # but is not looked up yet (looked up at once and handed the whole prompt, it would claim
+    # 992 tokens of which 100 were computed).
+    assert (first.computed, len(cache), sibling.cached, sibling.looked_up) == (100, 6, 0, False)
+    steps = 1
+    while core.has_work:
+        core.step(float(steps))
+        steps += 1
+    # The first one's ten chunks take the budget of ten steps; the sibling is scheduled in the
+    # eleventh, and finds every block of the prompt.
+    assert (sibling.cached, sibling.first_token_step, first.first_token_step) == (992, 11, 10)
+
+    # In one step: the first request's whole prompt, then a sibling that shares 480 tokens.
+    core = EngineCore(families, slots=4, tokens_per_step=1, max_num_batched_tokens=600,
+                      prefix_cache=PrefixCache(512))
+    head = list(range(2000, 2500))
+    a, b = _request("a", head, 1, 0.0), _request("b", [*head[:480], *range(100)], 1, 0.0)
+    core.add(a)
+    core.add(b)
+    core.step(0.0)
+    assert (a.cached, b.cached, b.first_token_step) == (0, 480, 1)

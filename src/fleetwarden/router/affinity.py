@@ -17,11 +17,11 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
 * **A load guard that fires, at any fleet size.** A backend is used for its cache only while,
   with the request, it holds at most ``balance_abs`` more than the fleet's mean (growing to
   ``balance_rel`` times the mean under load), and at most ``balance_abs`` in all while another
-  backend idles (:func:`load_bound`). sglang-router's guard is a slack over the least loaded
-  engine (64 apart): it never fires in a fleet whose concurrency is below it, so a shared
-  system prompt above its match threshold put every request on one engine; here the excess
-  spills to the best match among the others, which then hold the shared prefix too, and ties
-  go to the least loaded.
+  backend idles (:func:`load_bound`; a conversation at home, by the mean's bound alone).
+  sglang-router's guard is a slack over the least loaded engine (64 apart): it never fires in
+  a fleet whose concurrency is below it, so a shared system prompt above its match threshold
+  put every request on one engine; here the excess spills to the best match among the
+  others, which then hold the shared prefix too, and ties go to the least loaded.
 * **RL groups.** Siblings (the same whole prompt within ``group_window_s``: a GRPO group's n
   samples) stay on one engine up to ``group_per_engine`` of them, past the load guard, so a
   group is prefilled once per ``group_per_engine`` siblings rather than once per engine it was
@@ -33,7 +33,11 @@ The router cannot see the engines' KV caches, so it remembers where it sent each
 
 Session keys (``x-session-id``, OpenAI's ``prompt_cache_key``, ``user`` where configured) are
 hints: a session goes back to its last backend when no backend matches its prompt better and
-that backend holds some of it.
+that backend holds some of it. A session whose conversation does not go on at its home (a new
+one, or an id reused for another conversation) and whose prompt matches above the threshold
+goes to an idle backend if there is one, the deepest match among them, before a busy holder:
+what it matches is another session's prefix, prefilled again on the idle engine beside the
+burst instead of queued behind it (docs/design.md 4.3).
 
 A prompt that matches nowhere above the threshold and has no session home goes to the least
 loaded backend, ties to the one the index takes to hold the fewest blocks (sglang-router's
@@ -144,7 +148,8 @@ def query_of(body: Any, session: str | None, settings: AffinitySettings,
     return None
 
 
-def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float) -> float:
+def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float,
+               idle_clause: bool = True) -> float:
     """The most requests an engine of a fleet with ``loads`` in flight may hold, the new one
     included, and still be chosen for its cache (docs/design.md 4.3).
 
@@ -159,9 +164,12 @@ def load_bound(loads: Sequence[int], balance_abs: int, balance_rel: float) -> fl
     their share of it while an engine that holds nothing takes nothing, however long it idles.
     One request there makes it a holder too, and ties go to the least loaded.
 
+    ``idle_clause=False``: the mean's bound alone, for a conversation at home (its history is
+    its own, so no idle engine holds any of it; :meth:`Affinity.choose`).
+
     The least loaded engine is always within it (its load is at most the mean, and
     ``balance_abs`` >= 1), so the guard never leaves no choice."""
-    if not loads or min(loads) == 0:
+    if not loads or (idle_clause and min(loads) == 0):
         return float(balance_abs)
     mean = (sum(loads) + 1) / len(loads)
     return max(mean + balance_abs, balance_rel * mean)
@@ -223,7 +231,8 @@ class Affinity:
         self.settings = settings if settings is not None else AffinitySettings()
         #: block key -> {backend: when it was last placed there}; least recently used first.
         self._index: OrderedDict[int, dict[str, float]] = OrderedDict()
-        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        #: session -> (its last backend, when, blocks of the prompt it was sent there).
+        self._sessions: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
         self._groups: OrderedDict[int, _Group] = OrderedDict()
         #: What the last push said of each backend: (incarnation, weight version).
         self._epochs: dict[str, tuple[str | None, int | None]] = {}
@@ -233,6 +242,10 @@ class Affinity:
         self._held: dict[str, int] = {}
         #: Entries dropped because their backend's cache went (a restart, a refit, leaving).
         self.forgotten = 0
+        #: The last :meth:`choose`'s query and its matches, for :meth:`placed` to tally the
+        #: same request without looking its prompt up again; dropped by any change to the
+        #: index (:meth:`_hold`, :meth:`forget`).
+        self._memo: tuple[Query, dict[str, int]] | None = None
 
     # ------------------------------------------------------------------ health
 
@@ -257,6 +270,7 @@ class Affinity:
 
     def forget(self, backend: str) -> None:
         """Drop every entry of ``backend``: its prefix cache is gone (or it is)."""
+        self._memo = None
         emptied = []
         for key, holders in self._index.items():
             if holders.pop(backend, None) is not None:
@@ -266,7 +280,7 @@ class Affinity:
         for key in emptied:
             del self._index[key]
         self._held.pop(backend, None)
-        for session in [s for s, (u, _) in self._sessions.items() if u == backend]:
+        for session in [s for s, (u, _, _) in self._sessions.items() if u == backend]:
             del self._sessions[session]
         for group in self._groups.values():
             group.placed.pop(backend, None)
@@ -314,14 +328,39 @@ class Affinity:
                 candidates = [u for u in candidates if u not in full]
         allowed = within_guard(candidates, loads, s.balance_abs, s.balance_rel)
         matched = self.matched(query, now) if query.keys else {}
+        self._memo = (query, matched)
+        home, depth = self._session_home(query, now)
+        # The session's conversation goes on: its home holds every block of the prompt the
+        # session last sent there (a next turn re-sends them all, key for key). A home that
+        # holds only a prefix other sessions share (a session id reused for a new
+        # conversation) is no conversation's home.
+        at_home = home is not None and 0 < depth <= matched.get(home, 0)
+        if home is not None and at_home and home not in allowed and home in candidates:
+            # A conversation at home: bounded by the mean alone. The idle clause is for a
+            # shared prefix, which an idle engine can start holding at the cost of one
+            # prefill; a conversation moved to it re-prefills its whole history
+            # (bench/cache_model.py: every move of a conversation was this clause, its home
+            # at 5 of 8 slots, and cost 50-80 ms against 13 at home).
+            counts = [loads.get(u, 0) for u in candidates]
+            if loads.get(home, 0) + 1 <= load_bound(counts, s.balance_abs, s.balance_rel,
+                                                    idle_clause=False):
+                allowed = [*allowed, home]
         best = max((matched.get(u, 0) for u in allowed), default=0)
         if query.keys and best / len(query.keys) > s.threshold:
+            if query.session is not None and not at_home:
+                # A new conversation whose match is a prefix other sessions put there (a
+                # shared system prompt): an idle engine first, the deepest match among them.
+                # Queued on a busy holder, it waits out the holder's prefills (the cold start
+                # of a burst of sessions: the tail of TTFT); on an idle engine the prefix is
+                # prefilled beside them, once, as the balance guard has every engine do anyway.
+                idle = [u for u in allowed if not loads.get(u, 0)]
+                if idle:
+                    held = self._held
+                    return max(idle, key=lambda u: (matched.get(u, 0), -held.get(u, 0)))
             tied = [u for u in allowed if matched.get(u, 0) == best]
-            home = self._session_home(query, now)
             if home in tied:
                 return home
             return min(tied, key=lambda u: loads.get(u, 0))
-        home = self._session_home(query, now)
         # The hint counts where its home holds some of this prompt: one that holds none of it
         # (the session's earlier requests had other prompts) is worth no more than any engine.
         if home is not None and home in allowed and (not query.keys or matched.get(home)):
@@ -335,13 +374,15 @@ class Affinity:
         held = self._held
         return min(allowed, key=lambda u: (loads.get(u, 0), held.get(u, 0)))
 
-    def _session_home(self, query: Query, now: float) -> str | None:
+    def _session_home(self, query: Query, now: float) -> tuple[str | None, int]:
+        """The session's last backend while fresh, and the blocks of the prompt it sent there
+        (``(None, 0)``: no session, or none known)."""
         if query.session is None:
-            return None
+            return None, 0
         found = self._sessions.get(query.session)
         if found is None or now - found[1] > self.settings.ttl_s:
-            return None
-        return found[0]
+            return None, 0
+        return found[0], found[2]
 
     def placed(self, query: Query, backend: str, now: float) -> None:
         """``query`` was sent to ``backend``: it will hold the prompt's blocks, and a sibling
@@ -352,11 +393,16 @@ class Affinity:
             tally = self._predicted[backend] = Predicted()
         tally.requests += 1
         if query.keys:
+            memo, self._memo = self._memo, None
+            # The matches choose() found for this very request, if nothing changed since
+            # (the shell places it right after the pick): one lookup a request, not two.
+            matched = memo[1] if memo is not None and memo[0] is query else self.matched(
+                query, now)
             tally.blocks += len(query.keys)
-            tally.hit_blocks += self.matched(query, now).get(backend, 0)
+            tally.hit_blocks += matched.get(backend, 0)
         self._hold(query.keys, backend, now)
         if query.session is not None:
-            self._sessions[query.session] = (backend, now)
+            self._sessions[query.session] = (backend, now, len(query.keys))
             self._sessions.move_to_end(query.session)
             while len(self._sessions) > s.max_blocks:
                 self._sessions.popitem(last=False)
@@ -377,6 +423,7 @@ class Affinity:
     def _hold(self, keys: Sequence[int], backend: str, now: float) -> None:
         """``backend`` holds ``keys`` as of ``now``; the least recently used entries go past
         ``max_blocks``."""
+        self._memo = None
         index = self._index
         held = self._held
         for key in keys:
@@ -398,7 +445,7 @@ class Affinity:
         prefills the same prompt, so it is the holder now."""
         self._hold(query.keys, backend, now)
         if query.session is not None:
-            self._sessions[query.session] = (backend, now)
+            self._sessions[query.session] = (backend, now, len(query.keys))
 
     # ------------------------------------------------------------------ reading
 

@@ -98,7 +98,8 @@ class RouterSettings:
     cache_threshold: float = 0.3
     #: The load guard: an engine is used for its cache only while, with the request, it
     #: holds at most this many more than the fleet's mean in flight, and at most this many in
-    #: all while another engine idles (router/affinity.py's load_bound) ... 4
+    #: all while another engine idles (router/affinity.py's load_bound; a conversation at
+    #: home, the mean's bound alone) ... 4
     #: (bench/cache_model.py, fleets of 2 to 8 engines): at 2, free-running agents are
     #: moved off their engine, whole history and all, on every burst (0.62-0.70 of their
     #: tokens hit, against 0.71); at 5, a quiet fleet stacks a shared system prompt's

@@ -7,11 +7,17 @@ No I/O and no clock: the server's loop calls :meth:`EngineCore.step` at the conf
 passes the time in. What a step does follows vLLM's V1 scheduler closely enough for a watchdog
 to be fooled the same ways:
 
-* requests wait (``num_requests_waiting``) until one of ``slots`` frees, then run;
 * each step has a token budget (``max_num_batched_tokens``): running decodes first, one
   ``tokens_per_step`` each, then prompt prefill in chunks with what is left — so a long prompt
   takes several steps that produce **no output token** while the step count still advances
   (note 002's lesson: judge steps, not tokens);
+* requests wait (``num_requests_waiting``) until one of ``slots`` frees, then run (vLLM
+  counts a request as running only once the step's budget reaches it; here it holds its slot
+  from then on, the gauge the watchdog's tests of a slot-bound batch are written against);
+* a prefix cache is looked up when a request's prefill first gets some of a step's budget,
+  which goes in arrival order, and caches a prompt's blocks as their chunk is scheduled (vLLM's
+  ``allocate_slots``), so a request scheduled after another in the same step finds that step's
+  chunk, never a chunk not scheduled yet;
 * the step that completes a prompt's prefill samples its first token and only then counts its
   prompt tokens (``vllm:prompt_tokens_total``), as vLLM's iteration stats do;
 * a request finishes with reason ``length`` once it has ``max_tokens`` tokens; an aborted one
@@ -51,6 +57,14 @@ class SimRequest:
     prompt_ids: Sequence[int] = field(repr=False, default=())
     #: Prompt tokens the prefix cache held when it was scheduled (vLLM's cached tokens).
     cached: int = 0
+    #: The engine's step count when the request arrived, and the number of the step that
+    #: sampled its first token: their difference is the steps it took to its first token
+    #: (a bench's breakdown of TTFT: queueing, prefill chunks, the step boundary).
+    arrival_step: int = 0
+    first_token_step: int | None = None
+    #: Whether its prompt was looked up in the prefix cache yet (when its prefill first gets
+    #: some of a step's budget, as vLLM schedules it).
+    looked_up: bool = False
 
     @property
     def prefilled(self) -> bool:
@@ -91,6 +105,7 @@ class EngineCore:
         return bool(self.waiting or self.running)
 
     def add(self, request: SimRequest) -> None:
+        request.arrival_step = self.steps
         self.waiting.append(request)
         self._publish()
 
@@ -112,13 +127,6 @@ class EngineCore:
             r = self.waiting.popleft()
             r.scheduled_at = now
             f.on_scheduled(now - r.arrived_at)
-            cache = self.prefix_cache
-            if cache is not None and r.prompt_ids:
-                # As vLLM's scheduler: look the prompt up as it is scheduled, start its prefill
-                # after the hit, and cache its blocks at once (a later sibling finds them).
-                r.cached = r.computed = cache.lookup(r.prompt_ids)
-                cache.insert(r.prompt_ids)
-            f.on_prefix_cache(r.prompt_tokens, r.cached)
             self.running.append(r)
 
         budget = self.budget
@@ -129,14 +137,18 @@ class EngineCore:
                 budget -= n
                 produced.append((r, _sample(r, n)))
         for r in self.running:  # then prefill, in chunks of what the budget has left
+            if not r.looked_up:
+                cache = self.prefix_cache
+                if cache is not None and r.prompt_ids:
+                    if budget <= 0:
+                        continue  # looked up when the budget reaches it, as vLLM schedules
+                    # It finds the blocks of every request scheduled before it, in this step
+                    # too (vLLM caches a block as its chunk is scheduled), and no other.
+                    r.cached = r.computed = cache.lookup(r.prompt_ids)
+                r.looked_up = True
+                f.on_prefix_cache(r.prompt_tokens, r.cached)
             if not r.prefilled and budget > 0:
-                chunk = min(budget, r.prompt_tokens - r.computed)
-                r.computed += chunk
-                budget -= chunk
-                if r.prefilled:  # the step that completes the prompt samples its first token
-                    r.first_token_at = now
-                    f.on_prefilled(r.prompt_tokens, now - r.arrived_at)
-                    produced.append((r, _sample(r, 1)))
+                budget = self._prefill(r, budget, now, produced)
         scheduled = self.budget - budget
 
         step_s = 0.0 if self._last_step_at is None else now - self._last_step_at
@@ -165,6 +177,23 @@ class EngineCore:
                           prefill_s=first - scheduled_at, decode_s=now - first)
         self._publish()
         return StepResult(produced, finished, scheduled)
+
+    def _prefill(self, r: SimRequest, budget: int, now: float,
+                 produced: list[tuple[SimRequest, list[int]]]) -> int:
+        """Schedule the next chunk of ``r``'s prompt out of ``budget``; what is left of it."""
+        chunk = min(budget, r.prompt_tokens - r.computed)
+        r.computed += chunk
+        if self.prefix_cache is not None and r.prompt_ids:
+            # vLLM caches the full blocks of the tokens scheduled so far, and no more: a request
+            # scheduled after this one finds them; one whose prefix is not scheduled yet (a
+            # later chunk) does not, however soon it comes.
+            self.prefix_cache.insert(r.prompt_ids[:r.computed])
+        if r.prefilled:  # the step that completes the prompt samples its first token
+            r.first_token_at = now
+            r.first_token_step = self.steps + 1
+            self.families.on_prefilled(r.prompt_tokens, now - r.arrived_at)
+            produced.append((r, _sample(r, 1)))
+        return budget - chunk
 
     def publish(self) -> None:
         """Write the queues into the gauges again (after a sleep showed them empty)."""

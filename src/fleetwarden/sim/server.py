@@ -38,7 +38,9 @@ faithful:
 Control: ``POST /sim/fault {"mode": "wedge", "factor": 4, "duration_s": 5}`` (``"mode": null``
 or ``DELETE /sim/fault`` clears), ``GET /sim/fault``, and ``GET /sim/stats``: every request
 received, by path, and a bounded log with method, path, time and ``x-request-id``, so tests can
-prove what a health check sent.
+prove what a health check sent; ``GET /sim/requests``: the last finished requests taken apart
+(id, prompt tokens, cached tokens, time queued, time and engine steps to the first token), so a
+bench can say where a slow first token came from.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ class Sim:
         self._pending: dict[SimRequest, _Pending] = {}
         self._by_path: Counter[str] = Counter()
         self._log: deque[dict[str, Any]] = deque(maxlen=config.stats_log_size)
+        #: The last finished requests, taken apart (``GET /sim/requests``).
+        self._finished: deque[dict[str, Any]] = deque(maxlen=config.stats_log_size)
         self._received = 0
         self._families, self._core = self._new_process(None)
         self._runner: web.AppRunner | None = None
@@ -189,6 +193,7 @@ class Sim:
             web.post("/tokenize", self._tokenize),
             web.post("/detokenize", self._detokenize),
             web.get("/sim/stats", self._stats),
+            web.get("/sim/requests", self._requests),
             web.get("/sim/fault", self._get_fault),
             web.post("/sim/fault", self._post_fault),
             web.delete("/sim/fault", self._delete_fault),
@@ -447,6 +452,8 @@ class Sim:
 
     def _deliver(self, result: StepResult) -> None:
         finished = set(result.finished)
+        for r in result.finished:
+            self._finished.append(_taken_apart(r))
         for request, _ in result.produced:
             pending = self._pending.get(request)
             if pending is not None:
@@ -792,6 +799,11 @@ class Sim:
     async def _stats(self, request: web.Request) -> web.Response:
         return _json(self.stats())
 
+    async def _requests(self, request: web.Request) -> web.Response:
+        """The last ``stats_log_size`` finished requests, each taken apart (a bench's TTFT
+        breakdown: bench/cache.py ``--trace``)."""
+        return _json(list(self._finished))
+
     async def _get_fault(self, request: web.Request) -> web.Response:
         return _json({"fault": self._fault.to_dict()})
 
@@ -820,6 +832,19 @@ class Sim:
             await self.set_fault(mode, factor, duration)
             return response
         return _json({"fault": (await self.set_fault(mode, factor, duration)).to_dict()})
+
+
+def _taken_apart(r: SimRequest) -> dict[str, Any]:
+    """One finished request: its id (as its answer carries it), its prompt and what the prefix
+    cache held of it, the time it waited to be scheduled, and the time and engine steps from its
+    arrival to its first token."""
+    def ms(at: float | None) -> float | None:
+        return None if at is None else round(1000 * (at - r.arrived_at), 3)
+
+    return {"id": r.id, "prompt_tokens": r.prompt_tokens, "cached": r.cached,
+            "queued_ms": ms(r.scheduled_at), "first_token_ms": ms(r.first_token_at),
+            "steps_to_first_token": None if r.first_token_step is None
+            else r.first_token_step - r.arrival_step}
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
