@@ -99,16 +99,13 @@ class Result:
     trace: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
-        ttft = sorted(self.ttft)
-        first_event = sorted(self.first_event)
+        ms = [1000 * t for t in self.ttft]
         mean = statistics.fmean(self.per_engine) if self.per_engine else 0.0
         out: dict[str, Any] = {
             "hit_rate": self.hits / self.queries if self.queries else 0.0,
-            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2] if ttft else None,
-            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]
-            if ttft else None,
-            "first_event_p50_ms": 1000 * first_event[len(first_event) // 2]
-            if first_event else None,
+            "ttft_p50_ms": pct(ms, 0.5),
+            "ttft_p99_ms": pct(ms, 0.99),
+            "first_event_p50_ms": pct([1000 * t for t in self.first_event], 0.5),
             "wall_s": self.wall_s,
             "requests_per_engine": [int(n) for n in self.per_engine],
             "busiest_over_mean": max(self.per_engine) / mean if mean else None,
@@ -375,7 +372,9 @@ async def taken_apart(http: aiohttp.ClientSession, urls: list[str],
     return [{**s, **engine_side[s["id"]]} for s in sent if s.get("id") in engine_side]
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (the nearest rank below), ``None`` for none: every
+    p50 and p99 of this bench and bench/cache_model.py."""
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q))] if values else None
 
@@ -388,13 +387,13 @@ def breakdown(trace: list[dict[str, Any]]) -> dict[str, Any]:
                        ("after_first", [t for t in trace if t["turn"] > 0])):
         ttft = [t["ttft_ms"] for t in rows]
         at_engine = [t["first_token_ms"] for t in rows]
-        out[name] = {"n": len(rows), "p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99),
+        out[name] = {"n": len(rows), "p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99),
                      # The engine's own view, from the request's arrival to its first token's
                      # step: without the client's, the router's and the machine's share.
-                     "engine_p50": _pct(at_engine, 0.5), "engine_p99": _pct(at_engine, 0.99),
-                     "steps_p50": _pct([t["steps_to_first_token"] for t in rows], 0.5)}
+                     "engine_p50": pct(at_engine, 0.5), "engine_p99": pct(at_engine, 0.99),
+                     "steps_p50": pct([t["steps_to_first_token"] for t in rows], 0.5)}
     at_engine = [t["first_token_ms"] for t in trace]
-    out["all"] = {"engine_p50": _pct(at_engine, 0.5), "engine_p99": _pct(at_engine, 0.99)}
+    out["all"] = {"engine_p50": pct(at_engine, 0.5), "engine_p99": pct(at_engine, 0.99)}
     out["slowest"] = [
         {k: t[k] for k in ("turn", "engine", "prompt_tokens", "cached", "queued_ms",
                            "steps_to_first_token", "first_token_ms", "ttft_ms")}

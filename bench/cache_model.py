@@ -39,7 +39,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from cache import SYSTEM  # the same system prompt as bench/cache.py
+from cache import SYSTEM, pct  # the same system prompt and quantiles as bench/cache.py
 from fleetwarden.router import affinity
 from fleetwarden.router.affinity import Affinity, AffinitySettings, query_of
 from fleetwarden.router.pool import Pool
@@ -153,19 +153,18 @@ def agents(engines: int, sessions: int, *, system: bool, seed: int,
                 if t + 1 < TURNS:
                     heapq.heappush(arrivals, (now + rngs[k].uniform(0.0, 0.2), k, t + 1))
         now = round(now + STEP_S, 6)
-    ttft.sort()
     trace.sort(key=lambda r: (r["session"], r["turn"]))
-    after = sorted(r["ttft_ms"] for r in trace if r["turn"] > 0)
-    first = sorted(r["ttft_ms"] for r in trace if r["turn"] == 0)
+    after = [r["ttft_ms"] for r in trace if r["turn"] > 0]
+    first = [r["ttft_ms"] for r in trace if r["turn"] == 0]
     return {"hit_rate": hits / queried,
-            "first_turn_p99_ms": first[min(len(first) - 1, int(len(first) * 0.99))],
-            "after_first_p50_ms": after[len(after) // 2],
-            "after_first_p99_ms": after[min(len(after) - 1, int(len(after) * 0.99))],
+            "first_turn_p99_ms": pct(first, 0.99),
+            "after_first_p50_ms": pct(after, 0.5),
+            "after_first_p99_ms": pct(after, 0.99),
             "moves": sum(1 for a, b in pairwise(trace)
                          if a["session"] == b["session"] and a["engine"] != b["engine"]),
             "policy_us_per_request": 1e6 * policy_s / len(trace),
-            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2],
-            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
+            "ttft_p50_ms": pct([1000 * t for t in ttft], 0.5),
+            "ttft_p99_ms": pct([1000 * t for t in ttft], 0.99),
             "requests_per_engine": list(served.values()),
             "busiest_over_mean": max(served.values()) / statistics.fmean(served.values()),
             "trace": trace}

@@ -27,7 +27,7 @@ Pure: no I/O, an injected clock. The admin API and the in-process Python API bot
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from fleetwarden.ledger import ABSENT, UNNAMED_PREFIX, Ledger
@@ -191,15 +191,14 @@ class RefitCoordinator:
         return lease
 
     def complete_refit(self, version: int, *,
-                       read_at_end: Collection[int] | Mapping[int, ProcessSeen] | None = None,
-                       ) -> RefitRecord:
+                       read_at_end: Mapping[int, ProcessSeen] | None = None) -> RefitRecord:
         """Close the lease, crediting ``version`` to each participant whose process took part
         from its start to its end. ``read_at_end``: the participants read, their API
-        answering, after the trainer asked to complete (the fleet reads them all first); one
-        not among them may have been restarted since the ledger last saw it, and is not
-        credited. A mapping also says what each read saw (:class:`ProcessSeen`): one whose
-        process is not the one the read at the start saw is not credited either. ``None``: no
-        such read (a caller without engines to read)."""
+        answering, after the trainer asked to complete (the fleet reads them all first), with
+        what each read saw (:class:`ProcessSeen`); one not among them may have been restarted
+        since the ledger last saw it, and one whose process is not the one the read at the
+        start saw was: neither is credited. ``None``: no such read (a caller without engines
+        to read)."""
         lease = self._close(version)
         done = []
         for p in lease.participants:
@@ -216,9 +215,10 @@ class RefitCoordinator:
                     p.shard in lease.interrupted and not _named_by_itself(p.incarnation)):
                 # A version is credited only to a process known alive through the whole
                 # lease. One that gives no start time and stopped answering during it may have
-                # been restarted (refused, then back), and one not read at its end may have
-                # been restarted since the last read: nothing proves it is the one that
-                # received. When the ledger cannot know, it does not credit: STALE.
+                # been restarted (refused, then back), one not read at its end may have been
+                # restarted since the last read, and one whose two lease reads saw two
+                # processes was: nothing proves it is the one that received. When the ledger
+                # cannot know, it does not credit: STALE.
                 self.ledger.missed_refit(p.shard, version)
                 continue
             if self.ledger.report_refit(p.shard, version):
@@ -227,17 +227,15 @@ class RefitCoordinator:
         self._remember(record)
         return record
 
-    def read_at_start(self, answered: Collection[int] | Mapping[int, ProcessSeen]) -> None:
+    def read_at_start(self, answered: Mapping[int, ProcessSeen]) -> None:
         """The participants read, their API answering, just after the lease began (the fleet
-        reads them all before it answers the trainer): the baseline that the read at the end
-        compares with (a new start time, counters gone back). A participant not among them
-        has none, and is not credited at the completion. A mapping also says what each read
-        saw (:class:`ProcessSeen`), kept for the read at the end."""
+        reads them all before it answers the trainer), with what each read saw: the baseline
+        that the read at the end is compared with (a new start time, counters gone back). A
+        participant not among them has none, and is not credited at the completion."""
         if self.lease is not None:
-            self.lease.unread_at_start = set(self.lease.shards - frozenset(answered))
-            if isinstance(answered, Mapping):
-                self.lease.seen_at_start = {i: seen for i, seen in answered.items()
-                                            if i in self.lease.shards}
+            self.lease.unread_at_start = set(self.lease.shards - answered.keys())
+            self.lease.seen_at_start = {i: seen for i, seen in answered.items()
+                                        if i in self.lease.shards}
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         lease = self._close(version)
@@ -320,11 +318,10 @@ class RefitCoordinator:
         return self.lease.shards if self.lease is not None else frozenset()
 
 
-def _moved(lease: Lease, shard: int,
-           read_at_end: Collection[int] | Mapping[int, ProcessSeen] | None) -> bool:
+def _moved(lease: Lease, shard: int, read_at_end: Mapping[int, ProcessSeen] | None) -> bool:
     """The lease's own two reads of ``shard`` saw two processes."""
     start = lease.seen_at_start.get(shard)
-    if start is None or not isinstance(read_at_end, Mapping) or shard not in read_at_end:
+    if start is None or read_at_end is None or shard not in read_at_end:
         return False
     return not start.same_process(read_at_end[shard])
 

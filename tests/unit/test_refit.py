@@ -18,6 +18,11 @@ class Clock:
         return self.now
 
 
+def seen(*shards: int) -> dict[int, ProcessSeen]:
+    """A lease read that answered from ``shards``, telling nothing of their processes."""
+    return {i: ProcessSeen() for i in shards}
+
+
 def make(n: int = 4, lease_s: float = 60) -> tuple[Ledger, RefitCoordinator, Clock]:
     clock = Clock()
     ledger = Ledger([f"http://127.0.0.1:{9000 + i}" for i in range(n)],
@@ -255,14 +260,14 @@ def test_a_participant_not_read_alive_at_the_lease_end_is_not_credited() -> None
     ledger.observe_incarnation(0, "1700000001.0")  # these give a start time
     ledger.observe_incarnation(2, "1700000000.0")
     refit.begin_refit(1)
-    record = refit.complete_refit(1, read_at_end={0})
+    record = refit.complete_refit(1, read_at_end=seen(0))
     assert record.participants == (0,)
     assert [ledger.state(i) for i in range(3)] == [H, ST, ST]
     assert [ledger.shard(i).weight_version for i in range(3)] == [1, 0, 0]
     # read at the end, a restart shows (a new start time) and is not credited either
     refit.begin_refit(2)
     ledger.observe_incarnation(0, "1700000099.0")  # the end read saw a new process
-    record = refit.complete_refit(2, read_at_end={0, 1, 2})
+    record = refit.complete_refit(2, read_at_end=seen(0, 1, 2))
     assert record.participants == (1, 2)
     assert ledger.state(0) is ST
 
@@ -273,13 +278,13 @@ def test_a_participant_not_read_at_the_lease_start_is_not_credited() -> None:
     time, and nothing tells it apart. Read at the start it is credited as usual."""
     ledger, refit, _ = make(3)
     refit.begin_refit(1)
-    refit.read_at_start({0, 2})
-    record = refit.complete_refit(1, read_at_end={0, 1, 2})
+    refit.read_at_start(seen(0, 2))
+    record = refit.complete_refit(1, read_at_end=seen(0, 1, 2))
     assert record.participants == (0, 2)
     assert [ledger.state(i) for i in range(3)] == [H, ST, H]
     refit.begin_refit(2)
-    refit.read_at_start({0, 1, 2})
-    assert refit.complete_refit(2, read_at_end={0, 1, 2}).participants == (0, 1, 2)
+    refit.read_at_start(seen(0, 1, 2))
+    assert refit.complete_refit(2, read_at_end=seen(0, 1, 2)).participants == (0, 1, 2)
 
 
 def test_an_overrun_lease_leaves_the_old_weights_serving() -> None:

@@ -379,16 +379,10 @@ class Sim:
             self._core.prefix_cache.reset()
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
-        if self._crashed:
-            return _json(wire.ENGINE_DEAD, 500)
         self.reset_prefix_cache()
         return web.Response(status=200)
 
     async def _sleep(self, request: web.Request) -> web.Response:
-        # vLLM's sleep, wake-up and cache endpoints are calls into its engine core; with the
-        # core dead, each raises EngineDeadError: the same 500 as a generation's.
-        if self._crashed:
-            return _json(wire.ENGINE_DEAD, 500)
         raw = request.query.get("level", "1")
         try:
             level = int(raw)
@@ -398,14 +392,10 @@ class Sim:
         return _json({"status": "sleeping", "level": level})
 
     async def _wake_up(self, request: web.Request) -> web.Response:
-        if self._crashed:
-            return _json(wire.ENGINE_DEAD, 500)
         self.wake_up()
         return web.Response(status=200)
 
     async def _is_sleeping(self, request: web.Request) -> web.Response:
-        if self._crashed:
-            return _json(wire.ENGINE_DEAD, 500)
         return _json({"is_sleeping": self._sleep_level > 0})
 
     # ------------------------------------------------------------------ the engine loop
@@ -477,6 +467,9 @@ class Sim:
     async def _vllm_errors(self, request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
+        if (self._crashed and request.path in _ENGINE_CORE_CALLS
+                and request.match_info.http_exception is None):
+            return _json(wire.ENGINE_DEAD, 500)
         try:
             return await handler(request)
         except web.HTTPNotFound:
@@ -832,6 +825,12 @@ class Sim:
             await self.set_fault(mode, factor, duration)
             return response
         return _json({"fault": (await self.set_fault(mode, factor, duration)).to_dict()})
+
+
+#: vLLM's endpoints that call into its engine core: with the core dead each raises
+#: EngineDeadError, answered with the generation's 500 (vLLM 0.32's
+#: entrypoints/serve/exception_handling/handlers/vllm_error.py).
+_ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache"})
 
 
 def _taken_apart(r: SimRequest) -> dict[str, Any]:
