@@ -751,6 +751,14 @@ def up(
         "router": {"port": port, "workers": router_workers}, "admin": {"port": admin_port},
         "journal": {"path": str(journal) if journal else None},
     })
+    if cfg.router.keys_file is not None:
+        from fleetwarden.router.keys import KeysFileError, read_keys
+
+        try:  # said before anything starts, not as a router that cannot
+            read_keys(cfg.router.keys_file)
+        except KeysFileError as exc:
+            typer.echo(f"error: [router] keys_file: {exc}", err=True)
+            raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not quiet:

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -551,20 +550,32 @@ class Router:
             + " and its own /metrics.", "not_found")
 
 
-#: Where a whole answer's token counts are: its ``usage`` object (vLLM writes it last).
-_USAGE_FIELD = re.compile(rb'"(prompt|completion)_tokens":\s*(\d+)')
-
-
 def _usage_of(body: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens of a whole OpenAI answer, from its ``usage``; ``None``
-    without one. Read without parsing the answer: only after its last ``"usage":``."""
+    without one. Found with ``bytes.find`` after its last ``"usage":`` (vLLM writes it last),
+    not by parsing the answer: a few hundred nanoseconds on the request path."""
     at = body.rfind(b'"usage":')
     if at < 0:
         return None
-    counts = {b"prompt": 0, b"completion": 0}
-    for match in _USAGE_FIELD.finditer(body, at, at + 512):
-        counts[match.group(1)] = int(match.group(2))
-    return counts[b"prompt"], counts[b"completion"]
+    return _count(body, b'"prompt_tokens":', at), _count(body, b'"completion_tokens":', at)
+
+
+def _count(body: bytes, field: bytes, at: int) -> int:
+    """The integer after ``field`` in ``body`` from ``at``, within the usage object; 0 where
+    there is none (an embedding's usage has no completion tokens)."""
+    start = body.find(field, at, at + 512)
+    if start < 0:
+        return 0
+    start += len(field)
+    end = start
+    for delimiter in (b",", b"}"):
+        found = body.find(delimiter, start, start + 24)
+        if found >= 0 and (end == start or found < end):
+            end = found
+    try:
+        return int(body[start:end])  # int() takes the spaces around it
+    except ValueError:
+        return 0
 
 
 def runner_url(runner: web.AppRunner) -> str:
