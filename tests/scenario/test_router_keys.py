@@ -245,6 +245,8 @@ async def test_the_engines_key_replaces_the_clients_and_streams_count_their_toke
         assert tally.requests == 3  # /v1/models, a stream, a whole answer
         assert tally.completion_tokens == 7 + usage["completion_tokens"]
         assert tally.prompt_tokens == 2 * usage["prompt_tokens"] > 0
+        # What a worker reports to the fleet (its control API's status): the same counts.
+        assert router.status()["stats"]["keys"] == {"alpha": tally.to_list()}
     finally:
         await router.stop()
 

@@ -270,3 +270,37 @@ def test_the_temporary_file_of_a_write_is_private_from_its_first_byte(
     monkeypatch.setattr(keys_module.os, "replace", looking)
     add_key(tmp_path / "keys", "alpha")
     assert modes == [0o600]
+
+
+def test_the_workers_key_counts_add_up_in_the_fleets_view() -> None:
+    """Each router process reports its keys in its status; the fleet adds them up (the
+    dashboard's table), those of workers that are gone included."""
+    from fleetwarden.launchers.routers import _add, _add_status
+    from fleetwarden.snapshot import RouterCounters
+
+    gone = RouterStats()
+    gone.key("alpha").requests = 1
+    total = RouterStats()
+    _add(total, gone)
+    for status in ({"keys": {"alpha": [2, 20, 4]}, "key_refusals": {"wrong": 1}},
+                   {"keys": {"alpha": [1, 10, 2], "beta": [5, 0, 0]},
+                    "key_refusals": {"wrong": 2, "missing": 1}}):
+        _add_status(total, status)
+    counters = RouterCounters.of(total)
+    assert counters.keys == {"alpha": (4, 30, 6), "beta": (5, 0, 0)}
+    assert counters.key_refusals == {"wrong": 3, "missing": 1}
+
+
+def test_router_processes_get_the_keys_file_as_an_absolute_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleetwarden up` gives its router processes every setting as JSON; the keys file's
+    path is made absolute, so that a worker reads the same file whatever its directory."""
+    from fleetwarden.launchers.routers import RouterWorkers
+
+    monkeypatch.chdir(tmp_path)
+    workers = RouterWorkers(RouterConfig(keys_file="keys", workers=1), "t" * 20,
+                            tmp_path / "token", tmp_path)
+    argv = workers._command(0, 9999)
+    settings = json.loads(argv[argv.index("--settings-json") + 1])
+    assert settings["keys_file"] == str(tmp_path / "keys")
+    assert RouterSettings(**settings).keys_file == str(tmp_path / "keys")
