@@ -157,13 +157,20 @@ async def test_a_router_process_with_keys_lets_in_only_its_keys_and_counts_each(
             for i in range(n):
                 answer = await ask(router, post(f"ok {i}", extra=keyed(secret)))
                 assert answer is not None and answer.status == 200, answer
-        assert len(engine.received) == 5
+        # A key in the query string beside a valid one goes no further either.
+        answer = await ask(router, post("q", f"/v1/completions?api_key={beta}",
+                                        extra=keyed(alpha)))
+        assert answer is not None and answer.status == 200
+        assert engine.received[-1].head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert len(engine.received) == 6
         assert all(b"authorization" not in r.headers for r in engine.received)
+        assert all(alpha.encode() not in r.head and beta.encode() not in r.head
+                   for r in engine.received)
 
         text = metrics_text(router.url)  # open without a key, as vLLM's is
-        assert sample(text, "fleetwarden_router_key_requests_total", 'key="alpha"') == 3
+        assert sample(text, "fleetwarden_router_key_requests_total", 'key="alpha"') == 4
         assert sample(text, "fleetwarden_router_key_requests_total", 'key="beta"') == 2
-        assert sample(text, "fleetwarden_router_key_prompt_tokens_total", 'key="alpha"') == 33
+        assert sample(text, "fleetwarden_router_key_prompt_tokens_total", 'key="alpha"') == 44
         assert sample(text, "fleetwarden_router_key_completion_tokens_total",
                       'key="beta"') == 6
         assert sample(text, "fleetwarden_router_key_refusals_total", 'why="missing"') == 4

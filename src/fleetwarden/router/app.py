@@ -469,7 +469,8 @@ class Router:
     def _dispatch_keyed(self, request: serve.Request) -> Awaitable[serve.StreamResponse]:
         """:meth:`_dispatch` behind the client keys (router/keys.py): the router's /metrics is
         open (as vLLM's is); anything else needs a key of the file, or is answered 401. The
-        client's key goes no further: toward the engines it is replaced by theirs."""
+        client's key goes no further: toward the engines it is replaced by theirs, and the
+        query string is dropped."""
         method, path = request.method, request.path
         if method == "GET" and path == "/metrics":
             return self._own(request)
@@ -487,6 +488,11 @@ class Router:
             if key is not None:
                 request.raw_headers[:] = without_client_key(request.raw_headers,
                                                             self._engine_authorization)
+                if "?" in request.raw_path:
+                    # Nor does a query string go on: a key put there (the client's, or
+                    # another's) would be in the engine's access log. The API the router
+                    # forwards takes nothing from one.
+                    request.raw_path = request.raw_path.partition("?")[0]
                 tally = self.stats.key(key)
                 tally.requests += 1
                 if (method == "POST" and path in _POST) or (method == "GET" and path in _GET):
