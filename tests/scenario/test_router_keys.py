@@ -254,6 +254,10 @@ async def test_the_engines_key_replaces_the_clients_and_streams_count_their_toke
         assert tally.prompt_tokens == 2 * usage["prompt_tokens"] > 0
         # What a worker reports to the fleet (its control API's status): the same counts.
         assert router.status()["stats"]["keys"] == {"alpha": tally.to_list()}
+        keys.write_text("alpha sha256:broken\n")
+        assert router.reload_keys() is False
+        said = router.status()["keys_file"]
+        assert said["path"] == str(keys) and said["keys"] == 1 and "line 1" in said["error"]
     finally:
         await router.stop()
 

@@ -260,6 +260,11 @@ class Router:
                       "keys": {name: t.to_list() for name, t in self.stats.keys.items()},
                       "key_refusals": dict(self.stats.key_refusals)},
             "routing": self.settings.routing,
+            # The data port's keys file: how many keys are in force, and why its last change
+            # was not taken (the keys before it stay in force); None: no keys.
+            "keys_file": None if self.keys is None else {
+                "path": str(self.keys.path), "keys": len(self.keys.ring),
+                "error": self.keys.error},
             # The cache-aware policy's predicted hits per backend (router/affinity.py).
             "cache": {url: {"requests": t.requests, "blocks": t.blocks,
                             "predicted_hit_blocks": t.hit_blocks}
