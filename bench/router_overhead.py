@@ -48,6 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The backend's answer: vLLM's real completion body (tests/fixtures/vllm/completions.http).
 BODY = (ROOT / "tests/fixtures/vllm/completions.http").read_bytes().partition(b"\r\n\r\n")[2]
+#: The environment variable whose value the load sends as its Bearer key, when set.
+KEY_ENV = "FLEETWARDEN_BENCH_KEY"
 PAYLOAD = b'{"model": "tiny", "prompt": "hello", "max_tokens": 8}'
 
 
@@ -134,7 +136,11 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
 
 async def _load(url: str, concurrency: int, requests: int, seconds: float) -> dict[str, object]:
     host, port = url.removeprefix("http://").split(":")
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    # A client key on every request, where the run measures the data port's keys
+    # (bench/router_ab.py --keys).
+    key = os.environ.get(KEY_ENV)
+    authorization = f"Authorization: Bearer {key}\r\n" if key else ""
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n{authorization}"
                f"Content-Type: application/json\r\nContent-Length: {len(PAYLOAD)}\r\n\r\n"
                ).encode() + PAYLOAD
     latencies: list[float] = []
@@ -237,7 +243,9 @@ def _wait_until_serving(url: str, timeout_s: float = 60.0) -> None:
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((host, int(port)), timeout=1) as s:
-                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                key = os.environ.get(KEY_ENV)
+                authorization = f"Authorization: Bearer {key}\r\n" if key else ""
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{authorization}"
                           f"Content-Type: application/json\r\n"
                           f"Content-Length: {len(PAYLOAD)}\r\nConnection: close\r\n\r\n"
                           .encode() + PAYLOAD)

@@ -418,6 +418,10 @@ _RouteRouting = Annotated[str, typer.Option(
     "--routing", help="How a request picks its engine: "
     + " or ".join(ROUTING_POLICIES) + " (docs/design.md 4.3).")
 ]
+_RouteKeysFile = Annotated[Path | None, typer.Option(
+    "--keys-file",
+    help="Client keys (`fleetwarden keys add`): every request needs one, else 401.")
+]
 _RouteControlPort = Annotated[int | None, typer.Option(
     "--control-port",
     help="Also serve the control API at this port (needs --token-file).")
@@ -466,6 +470,7 @@ def route(
     continue_answers: _RouteContinueAnswers = _ROUTER_DEFAULTS.continue_answers,
     upstream_fields: _RouteUpstreamFields = _ROUTER_DEFAULTS.upstream_fields,
     routing: _RouteRouting = _ROUTER_DEFAULTS.routing,
+    keys_file: _RouteKeysFile = None,
     control_port: _RouteControlPort = None,
     control_host: _RouteControlHost = DEFAULT_HOST,
     token_file: _RouteTokenFile = None,
@@ -511,7 +516,11 @@ def route(
                 max_retries=max_retries, max_body_bytes=max_body_bytes,
                 session_header=session_header or None, continue_streams=continue_streams,
                 continue_answers=continue_answers, upstream_fields=upstream_fields,
-                routing=routing)
+                routing=routing, keys_file=None if keys_file is None else str(keys_file))
+        if settings.keys_file is not None:
+            from fleetwarden.router.keys import read_keys
+
+            read_keys(settings.keys_file)  # a file that cannot be used is said here, not later
         from fleetwarden.auth import load_or_create_token
 
         token = load_or_create_token(token_file) if token_file is not None else None
@@ -601,6 +610,80 @@ async def _take_listeners(launch_ids: Sequence[str], token: str | None) -> list[
     return taken
 
 
+keys_app = typer.Typer(help="Client keys of the router's data port (`[router] keys_file`).",
+                       no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+_KeysFileOpt = Annotated[Path | None, typer.Option(
+    "--file", "-f", help="The keys file (default: the config's [router] keys_file).")]
+_KeysConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", help="The fleet's config file, for its [router] keys_file.")]
+
+
+def _keys_file(file: Path | None, config_file: Path | None) -> Path:
+    """The keys file named on the command line, else the config's."""
+    if file is not None:
+        return file
+    configured = _load_config(config_file, {}).router.keys_file
+    if configured is None:
+        typer.echo("error: give --file, or a --config whose [router] keys_file is set",
+                   err=True)
+        raise typer.Exit(2)
+    return Path(configured)
+
+
+@keys_app.command("add")
+def keys_add(
+    name: Annotated[str, typer.Argument(help="The key's name: in /metrics and on the "
+                                        "dashboard.")],
+    file: _KeysFileOpt = None, config_file: _KeysConfigOpt = None,
+) -> None:
+    """Make a new key, store its hash, and print the key (once: it is stored nowhere).
+    Running routers take it within a second, without a restart."""
+    from fleetwarden.router.keys import KeysFileError, add_key
+
+    path = _keys_file(file, config_file)
+    try:
+        secret = add_key(path, name)
+    except (KeysFileError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"key {name!r} added to {path}; give this to its client (shown once):",
+               err=True)
+    typer.echo(secret)
+
+
+@keys_app.command("remove")
+def keys_remove(
+    name: Annotated[str, typer.Argument(help="The key's name.")],
+    file: _KeysFileOpt = None, config_file: _KeysConfigOpt = None,
+) -> None:
+    """Remove a key: running routers refuse it within a second, without a restart."""
+    from fleetwarden.router.keys import KeysFileError, remove_key
+
+    path = _keys_file(file, config_file)
+    try:
+        remove_key(path, name)
+    except (KeysFileError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"key {name!r} removed from {path}")
+
+
+@keys_app.command("list")
+def keys_list(file: _KeysFileOpt = None, config_file: _KeysConfigOpt = None) -> None:
+    """The names of the keys in the file (their secrets are not in it)."""
+    from fleetwarden.router.keys import KeysFileError, read_keys
+
+    try:
+        names = read_keys(_keys_file(file, config_file))
+    except KeysFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for name in names:
+        typer.echo(name)
+
+
 def _load_config(config_file: Path | None, overrides: dict[str, dict[str, Any]]) -> Any:
     """The config file (or the defaults) with command-line overrides, validated together."""
     from fleetwarden.config import ConfigError, load_config
@@ -668,6 +751,14 @@ def up(
         "router": {"port": port, "workers": router_workers}, "admin": {"port": admin_port},
         "journal": {"path": str(journal) if journal else None},
     })
+    if cfg.router.keys_file is not None:
+        from fleetwarden.router.keys import KeysFileError, read_keys
+
+        try:  # said before anything starts, not as a router that cannot
+            read_keys(cfg.router.keys_file)
+        except KeysFileError as exc:
+            typer.echo(f"error: [router] keys_file: {exc}", err=True)
+            raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not quiet:

@@ -347,6 +347,12 @@ class RouterConfig(_Section):
     #: Bytes of an engine's 5xx body kept: an error message is short; a longer body is not
     #: waited on to its end.
     max_error_body_bytes: PositiveInt = _ROUTER.max_error_body_bytes
+    #: A file of named client keys, made with `fleetwarden keys add NAME --file PATH`
+    #: (hashes only; docs/operations.md, "Keys on the data port"). Set: every request but
+    #: GET /metrics needs `Authorization: Bearer <key>` (else 401), the client's key never
+    #: reaches an engine, requests and tokens are counted per key in /metrics and on the
+    #: dashboard, and the file is reread within a second of a change. Unset: no keys.
+    keys_file: str | None = _ROUTER.keys_file
 
 
     #: Whether an engine whose kind the controller does not know (``engine = "auto"``, or a

@@ -38,13 +38,20 @@ class RouterCounters:
     retries: Mapping[str, int] = field(default_factory=dict)
     responses: Mapping[int, int] = field(default_factory=dict)
     backend_failures: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    #: Per client key (keys on the data port): (requests, prompt tokens, completion tokens).
+    keys: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: Requests refused a 401 for their key, by why (missing, wrong, ambiguous).
+    key_refusals: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, stats: RouterStats) -> RouterCounters:
         return cls(requests=stats.requests, rescues=stats.rescues, hedges=stats.hedges,
                    hedges_won=stats.hedges_won, retries=dict(stats.retries),
                    responses=dict(stats.responses),
-                   backend_failures=dict(stats.backend_failures))
+                   backend_failures=dict(stats.backend_failures),
+                   keys={name: (t.requests, t.prompt_tokens, t.completion_tokens)
+                         for name, t in stats.keys.items()},
+                   key_refusals=dict(stats.key_refusals))
 
 
 @dataclass(frozen=True, slots=True)

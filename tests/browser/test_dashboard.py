@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from playwright.async_api import BrowserContext, Page, expect
 
+from fleetwarden.router.keys import add_key
 from fleetwarden.testing.load import Load
 from support.fleet import running_fleet, until
 from support.wait import free_port
@@ -181,11 +182,23 @@ async def test_the_page_reconnects_by_itself_and_asks_to_sign_in_when_its_token_
         tmp_path: Path, browser: BrowserContext) -> None:
     port = free_port()  # one admin port for both runs: the page's address stays
     page = await browser.new_page()
-    async with running_fleet(tmp_path, fleet={"engines": 1}, admin={"port": port}) as fleet:
+    keys = tmp_path / "keys"
+    secret = add_key(keys, "trainer")
+    async with running_fleet(tmp_path, fleet={"engines": 1}, admin={"port": port},
+                             router={"keys_file": str(keys)}) as fleet:
         await page.goto(f"{fleet.admin_url}/?token={fleet.admin.token}")
         await expect(page.locator("#link")).to_have_attribute("data-link", "live")
         first_url = fleet.ledger.shard(0).base_url
         await expect(page.locator("#shards .card .url")).to_have_text(first_url)
+        # The data port's keys: the router panel counts each key's requests, and refusals.
+        for authorization in (f"Bearer {secret}", f"Bearer {secret}", None):
+            answer = await page.request.get(
+                fleet.router_url + "/v1/models",
+                headers={"Authorization": authorization} if authorization else {})
+            assert answer.status == (200 if authorization else 401)
+        row = page.locator('#keys tr[data-key="trainer"] td')
+        await expect(row).to_have_text(["trainer", "2", "0", "0"], timeout=20_000)
+        await expect(page.locator("#key-refusals")).to_have_text("refused 401: 1 missing")
     # The fleet said bye as it stopped; the page waits for it, retrying on its own.
     await expect(page.locator("#link")).to_have_attribute("data-link", "stopped")
     # A larger fleet this time (its own journal): the page must rebuild from a fresh hello.

@@ -12,11 +12,15 @@ import contextlib
 import errno
 import json
 import socket
+import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
 from fleetwarden.router import serve
+from fleetwarden.router.keys import hash_secret
+from support.keys import recorded_comparisons
 from support.raw_http import (
     Client,
     RawEngine,
@@ -382,6 +386,91 @@ async def test_a_refusal_behind_a_pipelined_request_comes_after_its_answer() -> 
         refused = await client.answer()
         clear_error(refused, 400)
         client.close()
+
+
+# ---------------------------------------------------------------- keys on the data port
+
+#: The one key of the keys file these cases run against (router/keys.py).
+SECRET = "sk-fw-hostile-" + "k" * 36
+
+
+def keyed(value: bytes) -> bytes:
+    return b"Authorization: " + value + b"\r\n"
+
+
+#: What a client may send instead of its key: each a clear 4xx naming no key, never forwarded.
+KEY_TABLE: dict[str, tuple[bytes, set[int]]] = {
+    "no Authorization": (post("x"), {401}),
+    "a wrong key": (post("x", extra=keyed(b"Bearer sk-fw-wrong")), {401}),
+    "the key with its last byte changed": (
+        post("x", extra=keyed(b"Bearer " + SECRET[:-1].encode() + b"j")), {401}),
+    "the key in the query string": (post("x", "/v1/completions?api_key=" + SECRET), {401}),
+    "the key in the query string of a GET": (
+        b"GET /v1/models?key=" + SECRET.encode() + b" HTTP/1.1\r\nHost: r\r\n\r\n", {401}),
+    "the key bare, without Bearer": (post("x", extra=keyed(SECRET.encode())), {401}),
+    "the key under Basic": (post("x", extra=keyed(b"Basic " + SECRET.encode())), {401}),
+    "the key in X-API-Key": (post("x", extra=b"X-API-Key: " + SECRET.encode() + b"\r\n"),
+                             {401}),
+    "Bearer and nothing": (post("x", extra=keyed(b"Bearer ")), {401}),
+    "two Authorization headers, one of them right": (
+        post("x", extra=keyed(b"Bearer " + SECRET.encode()) + keyed(b"Bearer other")), {401}),
+    "the stored hash as the key": (
+        post("x", extra=keyed(b"Bearer " + hash_secret(SECRET).encode())), {401}),
+    "a 59 KB key": (post("x", extra=keyed(b"Bearer " + b"k" * 59_000)), {401}),
+    "a 100 KB Authorization header": (post("x", extra=keyed(b"Bearer " + b"k" * 100_000)),
+                                      {431}),
+    "a key of control and non-ASCII bytes": (
+        post("x", extra=keyed(b"Bearer \x01\x7f\xff\xfe" + SECRET.encode())), {400, 401}),
+}
+
+
+@pytest.mark.parametrize("case", list(KEY_TABLE))
+async def test_each_way_of_not_sending_a_valid_key_is_a_clear_401(case: str,
+                                                                  tmp_path: Path) -> None:
+    data, statuses = KEY_TABLE[case]
+    keys = tmp_path / "keys"
+    keys.write_text(f"alpha {hash_secret(SECRET)}\n")
+    engine = RawEngine()
+    async with fleet(engine, keys_file=str(keys)) as router:
+        answer = await exchange(router, data)
+        clear_error(answer, *statuses)
+        assert answer is not None and SECRET.encode() not in answer.body
+        if answer.status == 401:
+            assert json.loads(answer.body)["error"]["code"] == "invalid_api_key"
+        assert engine.received == [], "forwarded to an engine"
+        assert 500 not in router.stats.responses
+        ok = await exchange(router, post("y", extra=keyed(b"Bearer " + SECRET.encode())))
+        assert ok is not None and ok.status == 200  # the router lives on
+        assert b"authorization" not in engine.received[0].headers
+
+
+async def test_keys_are_compared_in_constant_time_and_the_secret_never_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the wire: every comparison is ``hmac.compare_digest`` of two whole SHA-256
+    digests, never of the secret. The time a wrong key takes is printed beside the right
+    key's and an unrelated one's (a measure, not a claim the test could time)."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"alpha {hash_secret(SECRET)}\n")
+    compared = recorded_comparisons(monkeypatch)
+    engine = RawEngine()
+    async with fleet(engine, keys_file=str(keys)) as router:
+        for value in (SECRET, SECRET[:-1] + "j", "sk-fw-other"):
+            await exchange(router, post("x", extra=keyed(b"Bearer " + value.encode())))
+        assert compared, "no constant-time comparison"
+        assert all(len(a) == len(b) == 32 for a, b in compared)
+        assert all(SECRET.encode() not in a + b for a, b in compared)
+        ring = router.keys.ring if router.keys is not None else None
+        assert ring is not None
+    monkeypatch.undo()
+    timings = {}
+    for label, value in (("right key", SECRET), ("last byte wrong", SECRET[:-1] + "j"),
+                         ("unrelated", "sk-fw-" + "z" * 43)):
+        header = b"Bearer " + value.encode()
+        started = time.perf_counter()
+        for _ in range(20_000):
+            ring.name_for(header)
+        timings[label] = (time.perf_counter() - started) / 20_000 * 1e9
+    print("\nname_for, ns per key: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
 
 
 # ---------------------------------------------------------------- the router's own limits

@@ -10,6 +10,7 @@
 - :mod:`support.scripted_engine` — an engine double that answers with real vLLM captures.
 - :mod:`support.source` — the package's source read as code (``runtime_nodes``).
 - :mod:`support.proxy` — a least-connections proxy, as a load balancer in front of engines.
+- :mod:`support.keys` — a recorder of the data port's key comparisons.
 - ``support/engines/`` — engine scripts that tests launch as processes by path.
 
 What benchmarks, examples or the CLI use as well stays in :mod:`fleetwarden.testing` (a load

@@ -89,3 +89,29 @@ def test_check_and_sim_refuse_an_unknown_engine() -> None:
     assert out.returncode == 2 and "choose one of: auto, vllm, llamacpp" in out.stderr
     out = fleetwarden("sim", "--engine", "tgi")
     assert out.returncode == 2 and "choose one of: vllm, llamacpp, sglang" in out.stderr
+
+
+def test_keys_add_prints_the_key_once_and_up_refuses_a_broken_keys_file(
+        tmp_path: object) -> None:
+    from pathlib import Path
+
+    from fleetwarden.router.keys import hash_secret, read_keys
+
+    keys = Path(str(tmp_path)) / "keys"
+    out = fleetwarden("keys", "add", "trainer", "--file", str(keys))
+    assert out.returncode == 0, out.stderr
+    secret = out.stdout.strip()
+    assert secret.startswith("sk-fw-") and "shown once" in out.stderr
+    assert read_keys(keys) == {"trainer": hash_secret(secret)}
+    assert secret not in keys.read_text()
+    again = fleetwarden("keys", "add", "trainer", "--file", str(keys))
+    assert again.returncode == 2 and "already has a key named 'trainer'" in again.stderr
+
+    keys.write_text(keys.read_text() + "eval sha256:nothex\n")
+    config = Path(str(tmp_path)) / "fleet.toml"
+    config.write_text(f'[router]\nkeys_file = "{keys}"\n')
+    up = fleetwarden("up", "--config", str(config))
+    assert up.returncode == 2
+    assert "[router] keys_file" in up.stderr and "line 3" in up.stderr
+    route = fleetwarden("route", "--backend", "http://127.0.0.1:9", "--keys-file", str(keys))
+    assert route.returncode == 2 and "line 3" in route.stderr

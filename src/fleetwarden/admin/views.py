@@ -53,7 +53,12 @@ def status_view(snap: Snapshot) -> dict[str, Any]:
                    "rescues": snap.router.rescues,
                    "hedges": snap.router.hedges,
                    "hedges_won": snap.router.hedges_won,
-                   "retries": dict(snap.router.retries)},
+                   "retries": dict(snap.router.retries),
+                   # The data port's client keys, when the router checks them.
+                   "keys": [{"name": name, "requests": r, "prompt_tokens": p,
+                             "completion_tokens": c}
+                            for name, (r, p, c) in sorted(snap.router.keys.items())],
+                   "key_refusals": dict(snap.router.key_refusals)},
     }
 
 

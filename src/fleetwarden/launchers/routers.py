@@ -58,10 +58,11 @@ from fleetwarden.launchers.procs import (
     terminate_group,
 )
 from fleetwarden.router.affinity import Predicted
+from fleetwarden.router.keys import KeysFileError, read_keys
 from fleetwarden.router.links import RemoteRouter
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.settings import RouterSettings
-from fleetwarden.router.stats import RouterStats
+from fleetwarden.router.stats import KeyTally, RouterStats
 from fleetwarden.tasks import TaskOwner
 
 if TYPE_CHECKING:
@@ -370,6 +371,11 @@ class RouterWorkers:
             # Adopted workers hold the port as ours; with none, whoever holds it is not.
             refuse_if_taken(self.config.host, self.port)
         missing = [link.worker for link in self.links if link.worker not in self._procs]
+        if missing and self.config.keys_file is not None:
+            try:  # said here, not as workers that exit at start
+                read_keys(self.config.keys_file)
+            except KeysFileError as exc:
+                raise LaunchError(f"[router] keys_file: {exc}") from None
         for worker in missing:
             self.links[worker].last_push = list(backends)
         await asyncio.gather(*(self._launch(worker) for worker in missing))
@@ -470,6 +476,8 @@ class RouterWorkers:
     def _command(self, worker: int, control_port: int,
                  take_from: Sequence[str] = ()) -> list[str]:
         settings = {k: getattr(self.config, k) for k in RouterSettings.__dataclass_fields__}
+        if settings["keys_file"] is not None:  # the worker's own directory may differ
+            settings["keys_file"] = str(Path(settings["keys_file"]).expanduser().resolve())
         argv = [sys.executable, "-m", "fleetwarden", "route",
                 "--host", self.config.host, "--port", str(self.port), "--reuse-port",
                 "--control-port", str(control_port), "--token-file", str(self.token_file),
@@ -800,6 +808,10 @@ def _add(total: RouterStats, more: RouterStats) -> None:
     total.local_exhaustion += more.local_exhaustion
     for reason, n in more.connections_closed.items():
         total.connections_closed[reason] = total.connections_closed.get(reason, 0) + n
+    for name, tally in more.keys.items():
+        total.key(name).add(tally)
+    for why, n in more.key_refusals.items():
+        total.key_refusals[why] = total.key_refusals.get(why, 0) + n
 
 
 def _add_status(total: RouterStats, stats: Mapping[str, Any]) -> None:
@@ -820,3 +832,7 @@ def _add_status(total: RouterStats, stats: Mapping[str, Any]) -> None:
     total.local_exhaustion += int(stats.get("local_exhaustion", 0))
     for reason, n in stats.get("connections_closed", {}).items():
         total.connections_closed[reason] = total.connections_closed.get(reason, 0) + int(n)
+    for name, counts in stats.get("keys", {}).items():
+        total.key(name).add(KeyTally(*(int(n) for n in counts[:3])))
+    for why, n in stats.get("key_refusals", {}).items():
+        total.key_refusals[why] = total.key_refusals.get(why, 0) + int(n)

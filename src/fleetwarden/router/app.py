@@ -17,9 +17,11 @@ protocols and httptools), the control API by aiohttp.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
+import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -32,10 +34,11 @@ from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
 from fleetwarden.router.control import make_control_app
 from fleetwarden.router.forward import Forwarder, error_response
+from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
 from fleetwarden.router.links import InProcessRouter
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
-from fleetwarden.router.stats import RouterStats, make_registry
+from fleetwarden.router.stats import KeyTally, RouterStats, make_registry
 
 __all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "runner_url"]
 
@@ -76,6 +79,11 @@ class Router:
 
     ``worker``: this router is worker N of several processes sharing one port; its
     ``/metrics`` series carry ``worker="N"``.
+
+    ``engine_key``: the engines' own key, sent to them as ``Authorization: Bearer`` in the
+    client key's place when the router checks keys (``settings.keys_file``); without it, the
+    client's key is removed and nothing is sent in its place. Raises
+    :class:`~fleetwarden.router.keys.KeysFileError` for a keys file that cannot be used.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class Router:
         *,
         health_managed: bool = False,
         worker: int | None = None,
+        engine_key: str | None = None,
     ) -> None:
         self.settings = settings if settings is not None else RouterSettings()
         self.health_managed = health_managed
@@ -103,7 +112,17 @@ class Router:
         self.registry = make_registry(self.stats, self.pool, worker, self._forwarder.affinity)
         self._forwarder.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
-        self._server = serve.Server(self._dispatch, max_body_bytes=s.max_body_bytes,
+        #: The client keys in force, when the router checks them (router/keys.py); ``None``:
+        #: the data port is open, and its handler is the one that never looks at a key.
+        self.keys = KeysFile(s.keys_file) if s.keys_file is not None else None
+        self._engine_authorization = (None if engine_key is None
+                                      else b"Bearer " + engine_key.encode())
+        self._keys_watch: asyncio.Task[None] | None = None
+        handler = self._dispatch
+        if self.keys is not None:
+            handler = self._dispatch_keyed
+            self._forwarder.count_usage = True
+        self._server = serve.Server(handler, max_body_bytes=s.max_body_bytes,
                                     settings=s, closed_for=self.stats.connections_closed)
         #: The data port's listeners (several: the sockets a replaced router handed over).
         self._listeners: list[asyncio.Server] = []
@@ -236,8 +255,16 @@ class Router:
                       "hedges_won": self.stats.hedges_won,
                       "poison_requests": self.stats.poison_requests,
                       "local_exhaustion": self.stats.local_exhaustion,
-                      "connections_closed": dict(self.stats.connections_closed)},
+                      "connections_closed": dict(self.stats.connections_closed),
+                      # name -> [requests, prompt tokens, completion tokens]
+                      "keys": {name: t.to_list() for name, t in self.stats.keys.items()},
+                      "key_refusals": dict(self.stats.key_refusals)},
             "routing": self.settings.routing,
+            # The data port's keys file: how many keys are in force, and why its last change
+            # was not taken (the keys before it stay in force); None: no keys.
+            "keys_file": None if self.keys is None else {
+                "path": str(self.keys.path), "keys": len(self.keys.ring),
+                "error": self.keys.error},
             # The cache-aware policy's predicted hits per backend (router/affinity.py).
             "cache": {url: {"requests": t.requests, "blocks": t.blocks,
                             "predicted_hit_blocks": t.hit_blocks}
@@ -296,6 +323,8 @@ class Router:
             raise
         self._started = True
         self._url = serve.listening_url(self._listeners)
+        if self.keys is not None:
+            self._keys_watch = loop.create_task(self._watch_keys(), name="keys-file")
         if control_port is not None:
             assert control_token is not None
             control = web.AppRunner(make_control_app(self, control_token), access_log=None,
@@ -390,6 +419,11 @@ class Router:
 
     async def stop(self) -> None:
         """Stop listening, end the requests in flight, close the client session."""
+        if self._keys_watch is not None:
+            self._keys_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keys_watch
+            self._keys_watch = None
         if self._control_runner is not None:
             await self._control_runner.cleanup()
             self._control_runner = None
@@ -437,6 +471,84 @@ class Router:
             return self._forwarder.forward(request)
         return self._own(request)
 
+    def _dispatch_keyed(self, request: serve.Request) -> Awaitable[serve.StreamResponse]:
+        """:meth:`_dispatch` behind the client keys (router/keys.py): the router's /metrics is
+        open (as vLLM's is); anything else needs a key of the file, or is answered 401. The
+        client's key goes no further: toward the engines it is replaced by theirs, and the
+        query string is dropped."""
+        method, path = request.method, request.path
+        if method == "GET" and path == "/metrics":
+            return self._own(request)
+        assert self.keys is not None
+        presented: bytes | None = None
+        why = "missing"
+        for name, value in request.raw_headers:
+            if name.lower() == b"authorization":
+                if presented is not None:
+                    why = "ambiguous"  # two credentials: which one is meant is not guessed
+                    break
+                presented, why = value, "wrong"
+        else:
+            key = None if presented is None else self.keys.ring.name_for(presented)
+            if key is not None:
+                request.raw_headers[:] = without_client_key(request.raw_headers,
+                                                            self._engine_authorization)
+                if "?" in request.raw_path:
+                    # Nor does a query string go on: a key put there (the client's, or
+                    # another's) would be in the engine's access log. The API the router
+                    # forwards takes nothing from one.
+                    request.raw_path = request.raw_path.partition("?")[0]
+                tally = self.stats.key(key)
+                tally.requests += 1
+                if (method == "POST" and path in _POST) or (method == "GET" and path in _GET):
+                    return self._counted(request, tally)
+                return self._own(request)
+        return self._refuse_key(request, why)
+
+    async def _counted(self, request: serve.Request, tally: KeyTally) -> serve.StreamResponse:
+        """Forward, then add the answer's tokens to its key's tally: a stream's as the
+        forwarder counted them, a whole answer's from its ``usage``."""
+        response = await self._forwarder.forward(request)
+        usage = response.usage
+        if usage is None and isinstance(response, serve.Response) and response.status == 200:
+            usage = _usage_of(response.body)
+        if usage is not None:
+            tally.prompt_tokens += usage[0]
+            tally.completion_tokens += usage[1]
+        return response
+
+    async def _refuse_key(self, request: serve.Request, why: str) -> serve.StreamResponse:
+        """401 in OpenAI's shape (``invalid_api_key``), with ``WWW-Authenticate: Bearer``.
+        Nothing the client sent is repeated in it."""
+        refusals = self.stats.key_refusals
+        refusals[why] = refusals.get(why, 0) + 1
+        self.stats.responded(401)
+        message = {
+            "missing": "No API key: send one as 'Authorization: Bearer <key>'.",
+            "wrong": "Incorrect API key: no key of this router has that value.",
+            "ambiguous": "More than one Authorization header: send one key.",
+        }[why]
+        if why == "missing" and "?" in request.raw_path:
+            message += " A key in the query string is never read."
+        return error_response(401, message, "invalid_request_error",
+                              {"WWW-Authenticate": 'Bearer realm="fleetwarden"'},
+                              code="invalid_api_key")
+
+    def reload_keys(self) -> bool:
+        """Reread the keys file if it changed (:class:`KeysFile`); whether the keys changed."""
+        return self.keys is not None and self.keys.reload_if_changed()
+
+    async def _watch_keys(self) -> None:
+        """Look at the keys file every :data:`RELOAD_EVERY_S`: a key added or removed is in
+        force without a restart (owned by :meth:`start`, ended by :meth:`stop`)."""
+        while True:
+            await asyncio.sleep(RELOAD_EVERY_S)
+            try:
+                self.reload_keys()
+            except Exception:
+                # The watch never ends the data port: the keys in force stay in force.
+                log.exception("rereading the keys file failed")
+
     async def _own(self, request: serve.Request) -> serve.StreamResponse:
         """What the router answers itself: its /metrics, or a 404."""
         method, path = request.method, request.path
@@ -448,6 +560,25 @@ class Router:
             404, f"No route for {method} {path}: the router serves "
             "POST " + ", ".join(FORWARDED_POST) + "; GET " + ", ".join(FORWARDED_GET)
             + " and its own /metrics.", "not_found")
+
+
+#: A whole answer's token counts, in its ``usage`` object (a search each: no alternation).
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def _usage_of(body: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of a whole OpenAI answer, from its ``usage``; ``None``
+    without one. Searched for after its last ``"usage":`` (vLLM writes it last), not parsed:
+    the answer is not read as JSON on the request path. An embedding's usage has no
+    completion tokens: 0."""
+    at = body.rfind(b'"usage":')
+    if at < 0:
+        return None
+    prompt = _PROMPT_TOKENS.search(body, at, at + 512)
+    completion = _COMPLETION_TOKENS.search(body, at, at + 512)
+    return (0 if prompt is None else int(prompt.group(1)),
+            0 if completion is None else int(completion.group(1)))
 
 
 def runner_url(runner: web.AppRunner) -> str:

@@ -369,6 +369,9 @@ class Forwarder:
         #: them too, and they go on elsewhere. Each hold's ``since`` is when it last received
         #: anything: a stream whose engine stopped after its head is held there all the same.
         self._streaming: dict[str, set[_Hold]] = {}
+        #: Set the tokens of each stream it relays event by event on its response
+        #: (``StreamResponse.usage``): the router counts them per client key.
+        self.count_usage = False
         #: Told of every failed attempt as it happens: (backend, cause). The router's evidence
         #: stream; whoever listens must not raise.
         self.on_failure: Callable[[str, str], None] | None = None
@@ -1102,6 +1105,8 @@ class Forwarder:
                     if outcome is EventAction.DONE:
                         complete = True
                         self.pool.record_success(backend)
+                        if self.count_usage:
+                            response.usage = _stream_usage(splice)
                         with contextlib.suppress(ConnectionError):
                             await response.write_eof()
                         return response
@@ -1359,6 +1364,19 @@ class Forwarder:
         return error_response(
             413, f"Request body larger than {self.settings.max_body_bytes} bytes.",
             "request_too_large")
+
+
+def _stream_usage(splice: Splice) -> tuple[int, int]:
+    """A whole stream's (prompt, completion) tokens: its usage where the engine sent one (the
+    whole generation's, across continuations), else the prompt's token ids and the tokens
+    produced (the router asks vLLM for the ids)."""
+    usage = splice.usage or {}
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int):
+        prompt = len(splice.prompt_ids or ())
+    if not isinstance(completion, int):
+        completion = splice.produced
+    return prompt, completion
 
 
 def _hedge_ended(pool: Pool, backend: str, task: asyncio.Task[_Won | _Failure]) -> None:

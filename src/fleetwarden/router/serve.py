@@ -260,6 +260,11 @@ class StreamResponse:
     ``headers``: names and values, or raw (bytes) pairs as they go on the wire; the framing
     ones (Content-Length aside, Transfer-Encoding, Connection, Keep-Alive) are the server's."""
 
+    #: (prompt, completion) tokens of a stream the forwarder read event by event, when it is
+    #: asked to count them (keys on the data port); a class default, so that an answer of a
+    #: router that counts nothing never sets it.
+    usage: tuple[int, int] | None = None
+
     def __init__(self, status: int = 200, reason: str | None = None,
                  headers: Mapping[str, str] | RawHeaders | None = None) -> None:
         self.status = status

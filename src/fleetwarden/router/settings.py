@@ -156,6 +156,12 @@ class RouterSettings:
     #: generations and streams included, up to this bound; then it stops as on SIGTERM. Ten
     #: minutes: ``backend_timeout_s``, the longest one attempt may take anyway.
     drain_s: float = 600.0
+    #: A file of named client keys (``fleetwarden keys add``; router/keys.py): set, every
+    #: request but ``GET /metrics`` needs ``Authorization: Bearer`` with one of them (else
+    #: 401), the client's key goes no further than the router, and requests and tokens are
+    #: counted per key. Unset by default: the router stays as open as the engines behind it,
+    #: and a request pays nothing for keys.
+    keys_file: str | None = None
 
     # -- Limits on what one client (or one engine) may make the router hold. The defaults
     # are the ones users know from the proxies and servers they run (docs/design.md,
@@ -236,5 +242,7 @@ class RouterSettings:
         if not 0 <= self.cache_threshold < 1:
             raise ValueError("RouterSettings.cache_threshold must be in [0, 1), "
                              f"got {self.cache_threshold}")
+        if self.keys_file is not None and not self.keys_file.strip():
+            raise ValueError("RouterSettings.keys_file must be a path or None")
         if self.session_header is not None and not self.session_header.strip():
             raise ValueError("RouterSettings.session_header must be a header name or None")

@@ -30,7 +30,8 @@ from prometheus_client.registry import Collector
 from fleetwarden.router.affinity import Affinity
 from fleetwarden.router.pool import Pool
 
-__all__ = ["ADDED_LATENCY_BUCKETS_S", "RouterCollector", "RouterStats", "make_registry"]
+__all__ = ["ADDED_LATENCY_BUCKETS_S", "KeyTally", "RouterCollector", "RouterStats",
+           "make_registry"]
 
 #: Buckets of the added-latency histogram, in seconds. The router's own cost is tens to hundreds
 #: of microseconds; retries and rescues add whole attempts, up to seconds.
@@ -40,13 +41,34 @@ ADDED_LATENCY_BUCKETS_S: tuple[float, ...] = (
 )
 
 
+class KeyTally:
+    """One client key's requests, and the tokens of their answers (router/keys.py)."""
+
+    __slots__ = ("completion_tokens", "prompt_tokens", "requests")
+
+    def __init__(self, requests: int = 0, prompt_tokens: int = 0,
+                 completion_tokens: int = 0) -> None:
+        self.requests = requests
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+
+    def to_list(self) -> list[int]:
+        return [self.requests, self.prompt_tokens, self.completion_tokens]
+
+    def add(self, more: KeyTally) -> None:
+        self.requests += more.requests
+        self.prompt_tokens += more.prompt_tokens
+        self.completion_tokens += more.completion_tokens
+
+
 class RouterStats:
     """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
                  "backend_failures", "connections_closed", "continuations", "hedges",
-                 "hedges_won", "local_exhaustion", "picks", "picks_s", "poison_requests",
-                 "requests", "rescues", "responses", "retries", "streams_ended")
+                 "hedges_won", "key_refusals", "keys", "local_exhaustion", "picks", "picks_s",
+                 "poison_requests", "requests", "rescues", "responses", "retries",
+                 "streams_ended")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -82,6 +104,18 @@ class RouterStats:
         #: what grows with the fleet on every request).
         self.picks = 0
         self.picks_s = 0.0
+        #: key name -> its requests and tokens, while the router checks keys (router/keys.py)
+        self.keys: dict[str, KeyTally] = {}
+        #: why -> requests refused a 401 for their key: missing, wrong (no key of the file),
+        #: ambiguous (more than one Authorization header)
+        self.key_refusals: dict[str, int] = {}
+
+    def key(self, name: str) -> KeyTally:
+        """The tally of the key named ``name`` (made on its first request)."""
+        tally = self.keys.get(name)
+        if tally is None:
+            tally = self.keys[name] = KeyTally()
+        return tally
 
     def responded(self, status: int) -> None:
         responses = self.responses
@@ -118,6 +152,8 @@ class RouterCollector(Collector):
         yield from _traffic(s)
         yield from _interventions(s)
         yield from _connections_and_streams(s)
+        if s.keys or s.key_refusals:
+            yield from _key_families(s)
         yield from _pool_families(s, self._pool)
         if self._affinity is not None:
             yield from _cache_families(self._affinity)
@@ -198,6 +234,28 @@ def _connections_and_streams(s: RouterStats) -> Iterator[Metric]:
         "fleetwarden_router_streams_ended_with_error",
         "Streams that had begun, failed and could not be continued: ended with an error "
         "event, by cause.", "cause", s.streams_ended)
+
+
+def _key_families(s: RouterStats) -> Iterator[Metric]:
+    """Per client key: its requests and its answers' tokens; and the requests refused for
+    their key, by why (the data port's keys: router/keys.py)."""
+    names = sorted(s.keys)
+    for family, documentation, field in (
+            ("fleetwarden_router_key_requests", "Requests let in, by the client key's name.",
+             "requests"),
+            ("fleetwarden_router_key_prompt_tokens",
+             "Prompt tokens of the answers to each client key's requests (their usage).",
+             "prompt_tokens"),
+            ("fleetwarden_router_key_completion_tokens",
+             "Completion tokens of the answers to each client key's requests (their usage, "
+             "or the tokens a stream carried).", "completion_tokens")):
+        counter = CounterMetricFamily(family, documentation, labels=["key"])
+        for name in names:
+            counter.add_metric([name], getattr(s.keys[name], field))
+        yield counter
+    yield _by("fleetwarden_router_key_refusals",
+              "Requests answered 401 for their key, by why: missing, wrong, ambiguous.",
+              "why", s.key_refusals)
 
 
 def _pool_families(s: RouterStats, pool: Pool) -> Iterator[Metric]:

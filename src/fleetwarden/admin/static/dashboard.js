@@ -129,6 +129,7 @@ function applySnapshot(d, fromHello) {
   renderHeader();
   renderCards();
   renderRefits();
+  renderKeys();
   scheduleCharts();
 }
 
@@ -520,6 +521,28 @@ function renderRefits() {
     rows.push(tr);
   }
   body.replaceChildren(...rows);
+}
+
+// ------------------------------------------------------------------ client keys
+
+function renderKeys() {  // the data port's keys ([router] keys_file): shown only when checked
+  const router = model.view.fleet.router;
+  const keys = router.keys || [];
+  const refusals = router.key_refusals || {};
+  const table = $("keys");
+  const refused = Object.entries(refusals).filter(([, n]) => n > 0);
+  table.hidden = !keys.length && !refused.length;
+  if (table.hidden) return;
+  $("key-refusals").textContent = refused.length
+    ? "refused 401: " + refused.map(([why, n]) => `${n} ${why}`).join(", ") : "";
+  table.tBodies[0].replaceChildren(...keys.map((k) => {
+    const tr = el("tr", { "data-key": k.name });
+    for (const text of [k.name, String(k.requests), String(k.prompt_tokens),
+                        String(k.completion_tokens)]) {
+      tr.append(el("td", {}, text));
+    }
+    return tr;
+  }));
 }
 
 // ------------------------------------------------------------------ actions
