@@ -25,7 +25,8 @@ CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit
         src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
         src/fleetwarden/router/settings.py src/fleetwarden/workmeter.py \
-        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py
+        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py \
+        src/fleetwarden/router/models.py
 # The shell modules that are kept --strict clean too (typed I/O around the core; journal.py
 # writes SQLite from a thread, config.py reads files).
 STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \

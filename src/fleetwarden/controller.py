@@ -17,7 +17,7 @@ Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 4. the ledger's ``serving_urls()`` (less an engine the focused reads hold out:
    :meth:`Controller.serving`) is pushed to every router, every tick, unconditionally (no
    deltas, so a restarted router converges on the next push), with each backend's facts
-   (shard index, weight version) beside it;
+   (shard index, weight version, the models it serves) beside it;
 5. the routers rescue the requests waiting on shards condemned this tick.
 
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
@@ -237,13 +237,15 @@ class Controller:
         return held_out_of(self.ledger.serving_urls(), self.focus.held_out())
 
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
-        """What every push carries: the serving URLs, and each one's shard, weight version and
-        incarnation (a router's cache-aware policy forgets a restarted engine's prefixes)."""
+        """What every push carries: the serving URLs, and each one's shard, weight version,
+        incarnation (a router's cache-aware policy forgets a restarted engine's prefixes) and
+        the models it serves, as the watchdog read them (the routers' ``GET /v1/models``)."""
         urls = self.serving()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
                                             upstream_fields=self._upstream_fields(rec.index),
-                                            incarnation=rec.incarnation)
+                                            incarnation=rec.incarnation,
+                                            models=self.watchdog.models(rec.base_url))
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
 

@@ -299,6 +299,9 @@ class ScriptedReads:
         self.watch_result: Report | None = None
         self.watch_released = asyncio.Event()
 
+    def models(self, url: str) -> None:
+        return None  # no model list read: the push names none
+
     async def probe(self, target: Target) -> Report:
         self.probed.append(target)
         r = self.by_url.get(target.url, self.default)
