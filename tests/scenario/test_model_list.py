@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 
 from fleetwarden.ledger import ShardState
-from support.fleet import SIM, running_fleet, until
+from support.fleet import SIM, running_fleet
+from support.wait import until
 
 pytestmark = pytest.mark.scenario
 
