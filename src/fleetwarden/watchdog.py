@@ -219,6 +219,7 @@ class Watchdog:
                         self.on_report(now.url, report)
                     except Exception:
                         log.exception("%s: deciding on its read failed", now.url)
+                await self.learn_models(report)
 
         async with asyncio.TaskGroup() as group:
             for _ in range(min(self.concurrency, len(targets))):
@@ -232,8 +233,6 @@ class Watchdog:
         step = memory.watch.next(Visit(target, self._clock()))
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
-        if report.answered and not memory.watch.proxy:
-            await self._learn_models(target.url, memory, report.incarnation)
         return report
 
     def models(self, url: str) -> tuple[ModelCard, ...] | None:
@@ -242,10 +241,16 @@ class Watchdog:
         memory = self._memory.get(url)
         return None if memory is None else memory.models
 
-    async def _learn_models(self, url: str, memory: _Memory, incarnation: str | None) -> None:
-        """Read ``/v1/models`` once per process (a new one may serve other models): one small
-        GET, never a generation. A read that got no answer is tried again at the next visit;
-        an answer that is no model list is kept as none until the process changes."""
+    async def learn_models(self, report: Report) -> None:
+        """After a read that answered: ``/v1/models`` of its engine, once per process (a new
+        one may serve other models), one small GET, never a generation. A read that got no
+        answer is tried again after the next; an answer that is no model list is kept as none
+        until the process changes. Called once the report was decided on, so that a slow
+        list delays no verdict."""
+        memory = self._memory.get(report.url)
+        if memory is None or memory.watch.proxy or not report.answered:
+            return
+        url, incarnation = report.url, report.incarnation
         if memory.models_read and memory.models_of == incarnation:
             return
         if memory.models_of != incarnation:
