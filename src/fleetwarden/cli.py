@@ -883,7 +883,8 @@ def status(
 
     client = _client(config_file, admin, token_file)
     try:
-        st, shards, transitions = client.status(), client.shards(), client.transitions()
+        st, shards = client.status_and_shards()  # one snapshot: the headline is the rows'
+        transitions = client.transitions()
     except FleetClientError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

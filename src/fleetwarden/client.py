@@ -80,6 +80,12 @@ class FleetClient:
         result: list[dict[str, Any]] = self._call("GET", "/admin/shards")["shards"]
         return result
 
+    def status_and_shards(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The status and the shards of one snapshot (one call): a headline that agrees with
+        its rows."""
+        result: dict[str, Any] = self._call("GET", "/admin/shards")
+        return result["status"], result["shards"]
+
     def states(self) -> dict[int, str]:
         return {s["index"]: s["state"] for s in self.shards()}
 

@@ -17,7 +17,7 @@ Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 4. the ledger's ``serving_urls()`` (less an engine the focused reads hold out:
    :meth:`Controller.serving`) is pushed to every router, every tick, unconditionally (no
    deltas, so a restarted router converges on the next push), with each backend's facts
-   (shard index, weight version) beside it;
+   (shard index, weight version, the models it serves) beside it;
 5. the routers rescue the requests waiting on shards condemned this tick.
 
 A router that fails is logged and tried again next tick; nothing a router does stops the loop.
@@ -58,10 +58,11 @@ from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
     Event,
-    FleetExhausted,
     Ledger,
+    ShardRecord,
     ShardState,
     Transition,
+    tally,
 )
 from fleetwarden.refit import ProcessSeen, RefitCoordinator
 from fleetwarden.reports import ReportBook
@@ -72,7 +73,7 @@ from fleetwarden.tasks import TaskOwner, sleep_unless
 from fleetwarden.watchdog import Report, Target, Watchdog
 from fleetwarden.workmeter import WorkMeter
 
-__all__ = ["Controller", "FleetStatus", "TickReport"]
+__all__ = ["Controller", "FleetStatus", "TickReport", "fleet_status"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,39 @@ class FleetStatus:
     state: str  # "serving", "degraded", "asleep", "down", "exhausted"
     detail: str
     counts: dict[str, int]
+    #: The shards as the headline counts them: serving, coming back, out (:func:`tally`).
+    tally: dict[str, int] = field(default_factory=dict)
+
+
+def fleet_status(shards: Sequence[ShardRecord], min_serving_shards: int,
+                 journal_problem: str = "") -> FleetStatus:
+    """The status of a fleet whose shards are ``shards`` (one snapshot of the ledger's), so
+    that a headline and the rows beside it, read from the same records, always agree: the
+    detail counts what the rows show, in the ledger's terms (serving, coming back, out)."""
+    counts = {s.value: 0 for s in ShardState}
+    for rec in shards:
+        counts[rec.state.value] += 1
+    told = tally(rec.state for rec in shards)
+    serving, total = told["serving"], len(shards)
+    remaining = total - told["out"]
+    if remaining < min_serving_shards:
+        return FleetStatus("exhausted", f"{remaining} of {total} shards can still serve; "
+                           f"min_serving_shards is {min_serving_shards}", counts, told)
+    others = "; ".join(f"{n} {words}" for n, words in ((told["coming_back"], "coming back"),
+                                                       (told["out"], "out")) if n)
+    if serving == 0:
+        asleep = counts[ShardState.SLEEPING.value]
+        if asleep:
+            return FleetStatus("asleep", f"no shard serves; {others} ({asleep} asleep: none "
+                               "serves until one wakes)", counts, told)
+        return FleetStatus("down", f"no shard serves; {others}", counts, told)
+    if serving < total:
+        return FleetStatus("degraded", f"{serving} of {total} shards serve; {others}"
+                           + journal_problem, counts, told)
+    if journal_problem:
+        return FleetStatus("degraded", f"all {serving} shards serve" + journal_problem,
+                           counts, told)
+    return FleetStatus("serving", f"all {serving} shards serve", counts, told)
 
 
 class Controller:
@@ -237,13 +271,15 @@ class Controller:
         return held_out_of(self.ledger.serving_urls(), self.focus.held_out())
 
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
-        """What every push carries: the serving URLs, and each one's shard, weight version and
-        incarnation (a router's cache-aware policy forgets a restarted engine's prefixes)."""
+        """What every push carries: the serving URLs, and each one's shard, weight version,
+        incarnation (a router's cache-aware policy forgets a restarted engine's prefixes) and
+        the models it serves, as the watchdog read them (the routers' ``GET /v1/models``)."""
         urls = self.serving()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
                                             upstream_fields=self._upstream_fields(rec.index),
-                                            incarnation=rec.incarnation)
+                                            incarnation=rec.incarnation,
+                                            models=self.watchdog.models(rec.base_url))
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
 
@@ -576,24 +612,8 @@ class Controller:
         return round(left)
 
     def _status(self) -> FleetStatus:
-        counts = {s.value: n for s, n in self.ledger.counts_by_state().items()}
-        serving = len(self.ledger.serving())
-        try:
-            self.ledger.raise_if_exhausted()
-        except FleetExhausted as exc:
-            return FleetStatus("exhausted", str(exc), counts)
-        if serving == 0 and self.ledger.sleeping():
-            return FleetStatus("asleep", f"{len(self.ledger.sleeping())} shards asleep; none "
-                               "serves until one wakes", counts)
-        if serving == 0:
-            return FleetStatus("down", "no shard serves; restarts in progress", counts)
-        journal = self._journal_problem()
-        if serving < len(self.ledger):
-            return FleetStatus("degraded", f"{serving} of {len(self.ledger)} shards serve"
-                               + journal, counts)
-        if journal:
-            return FleetStatus("degraded", f"all {serving} shards serve" + journal, counts)
-        return FleetStatus("serving", f"all {serving} shards serve", counts)
+        return fleet_status(self.ledger.snapshot(), self.ledger.policy.min_serving_shards,
+                            self._journal_problem())
 
     def _journal_problem(self) -> str:
         if self.journal is None or self.journal.failure is None:
@@ -673,9 +693,17 @@ class Controller:
         self.evidence.close()
         await self.tasks.cancel_all()
 
-    def describe(self) -> dict[str, Any]:
-        return {"status": self.status.state, "detail": self.status.detail,
-                "counts": self.status.counts, "tick": self.tick_number}
+    def describe(self, status: FleetStatus | None = None) -> dict[str, Any]:
+        """The status (``status``, else the last tick's) as the admin API's JSON."""
+        status = self.status if status is None else status
+        return {"status": status.state, "detail": status.detail, "counts": status.counts,
+                "tally": status.tally, "tick": self.tick_number}
+
+    def status_of(self, shards: Sequence[ShardRecord]) -> FleetStatus:
+        """The status of ``shards`` (a snapshot of the ledger's taken by the caller, who shows
+        them beside it)."""
+        return fleet_status(shards, self.ledger.policy.min_serving_shards,
+                            self._journal_problem())
 
 
 def _errors(report: TickReport | None) -> list[str] | None:

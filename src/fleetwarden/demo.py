@@ -522,53 +522,8 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
                   f"p99 {t['p99_s'] or 0:.2f} s; {t['duration_s']:.0f} s in all")
 
 
-_COLOURS = {"HEALTHY": "#2e9e44", "SUSPECT": "#e6b800", "STALE": "#2bb3c0", "DEAD": "#d62728",
-            "RESTARTING": "#9467bd", "RETIRED": "#7f7f7f"}
-
-
 def _timeline(story: Story, path: Path) -> None:
-    import matplotlib
+    from fleetwarden import timeline
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True,
-                                      gridspec_kw={"height_ratios": [1.2, 1]})
-    shards = len(story.states[-1][1]) if story.states else 0
-    end: list[tuple[float, list[str | None]]] = [(story.now(), [None] * shards)]
-    samples: list[tuple[float, list[str | None]]] = [(t, list(s)) for t, s in story.states]
-    for i in range(shards):
-        start, current = 0.0, None
-        for t, states in [*samples, *end]:
-            state = states[i]
-            if state != current:
-                if current is not None:
-                    top.broken_barh([(start, t - start)], (i - 0.4, 0.8),
-                                    color=_COLOURS.get(current, "#cccccc"))
-                start, current = t, state
-    top.set_yticks(range(shards), [f"shard {i}" for i in range(shards)])
-    top.invert_yaxis()
-    top.set_title("shard states", loc="left", pad=20)
-    top.legend(handles=[Patch(color=c, label=s) for s, c in _COLOURS.items()
-                        if s != "RETIRED"], loc="upper right", ncol=5, fontsize=8)
-    results = story.all_results()
-    ok = [(r.started - story.t0, r.latency_s) for r in results if r.ok]
-    bad = [(r.started - story.t0, r.latency_s) for r in results if not r.ok]
-    if ok:
-        bottom.scatter(*zip(*ok, strict=True), s=4, color="#1f77b4", label="answered 200")
-    if bad:
-        bottom.scatter(*zip(*bad, strict=True), s=12, color="#d62728", marker="x",
-                       label="failed")
-    bottom.set_ylabel("latency (s)")
-    bottom.set_xlabel("seconds since start")
-    bottom.set_title("requests (each dot one request, at its start)")
-    bottom.legend(loc="upper right", fontsize=8)
-    for t, label in story.marks:
-        for ax in (top, bottom):
-            ax.axvline(t, color="black", linestyle="--", linewidth=0.8)
-        top.annotate(label, (t, -0.6), rotation=0, fontsize=8, ha="left", va="bottom",
-                     annotation_clip=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    timeline.draw([(t, list(s)) for t, s in story.states], story.now(), story.marks,
+                  story.all_results(), story.t0, path)

@@ -474,12 +474,17 @@ class Fleet:
     def snapshot(self) -> Snapshot:
         """Everything the views show, read from the parts now (``admin/views.py``)."""
         c, s, refit = self.controller, self.supervisor, self.refit
+        shards = tuple(self.ledger.snapshot())
+        # The headline from the very records the rows show: never the last tick's, which a
+        # transition since (a crash, an operator) has made wrong.
+        status = c.status_of(shards)
         return Snapshot(
             at=time.time(), started_at=self.started_at, router_url=self.router.url,
             admin_url=self.admin.url, weights=self.config.fleet.weights,
-            shards=tuple(self.ledger.snapshot()),
+            shards=shards,
             max_restart_attempts=self.ledger.policy.max_restart_attempts,
-            controller=c.describe(), status=c.status, verdict_counts=dict(c.verdict_counts),
+            controller=c.describe(status), status=status,
+            verdict_counts=dict(c.verdict_counts),
             reports=dict(c.reports), engines=dict(s.engines),
             in_flight=self.router.in_flight(),
             restarts_completed=s.restarts_completed, restarts_failed=s.restarts_failed,

@@ -32,6 +32,8 @@ from typing import Any, Literal, get_args
 
 __all__ = [
     "ABSENT",
+    "COMING_BACK",
+    "OUT",
     "ROUTABLE",
     "TRANSITIONS",
     "UNNAMED_PREFIX",
@@ -46,6 +48,7 @@ __all__ = [
     "ShardState",
     "Transition",
     "WeightsMode",
+    "tally",
     "unnamed_incarnation",
 ]
 
@@ -77,6 +80,22 @@ SLEEPING = ShardState.SLEEPING
 ROUTABLE: frozenset[ShardState] = frozenset({HEALTHY, SUSPECT})
 #: States whose shards have no usable process: left out of refits and of the serving set.
 ABSENT: frozenset[ShardState] = frozenset({DEAD, RESTARTING, RETIRED})
+#: States whose shards serve nothing now but have a way back: a restart (DEAD, RESTARTING),
+#: a refit (STALE), a wake (SLEEPING). With ROUTABLE ("serving") and OUT, how the status
+#: headline counts a fleet (:func:`tally`).
+COMING_BACK: frozenset[ShardState] = frozenset({STALE, SLEEPING, DEAD, RESTARTING})
+#: The state whose shards never serve again: retired (terminal).
+OUT: frozenset[ShardState] = frozenset({RETIRED})
+
+
+def tally(states: Iterable[ShardState]) -> dict[str, int]:
+    """Shards as an operator counts them: ``serving`` (ROUTABLE), ``coming_back``
+    (:data:`COMING_BACK`), ``out`` (:data:`OUT`); every state is in exactly one of the three."""
+    counts = {"serving": 0, "coming_back": 0, "out": 0}
+    for state in states:
+        key = "serving" if state in ROUTABLE else "coming_back" if state in COMING_BACK else "out"
+        counts[key] += 1
+    return counts
 
 
 class Event(enum.Enum):

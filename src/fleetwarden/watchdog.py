@@ -72,6 +72,7 @@ from fleetwarden.judge import (
 )
 from fleetwarden.probe import describe as _describe
 from fleetwarden.probe import health_status
+from fleetwarden.router.models import ModelCard, cards_of
 
 __all__ = [
     "CANARY_ID_PREFIX",
@@ -108,6 +109,11 @@ class _Memory:
     model: str | None = None  # from /v1/models, for the canary; looked up again after a restart
     #: When this URL was last read: a URL no one reads any more is forgotten.
     visited_at: float = 0.0
+    #: The models it serves, from its ``/v1/models`` (``None``: not known), and the process
+    #: they were read of (:meth:`Watchdog.models`).
+    models: tuple[ModelCard, ...] | None = None
+    models_of: str | None = None
+    models_read: bool = False  # the engine answered /v1/models (a list or not) for models_of
 
 
 #: Engines one round reads at once by default (the fleet passes ``health.max_concurrent_reads``).
@@ -213,6 +219,7 @@ class Watchdog:
                         self.on_report(now.url, report)
                     except Exception:
                         log.exception("%s: deciding on its read failed", now.url)
+                await self.learn_models(report)
 
         async with asyncio.TaskGroup() as group:
             for _ in range(min(self.concurrency, len(targets))):
@@ -227,6 +234,32 @@ class Watchdog:
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
         return report
+
+    def models(self, url: str) -> tuple[ModelCard, ...] | None:
+        """The models the engine at ``url`` serves, as its ``/v1/models`` said (``None``: not
+        known yet, or it has no model list): what the routers' own ``GET /v1/models`` lists."""
+        memory = self._memory.get(url)
+        return None if memory is None else memory.models
+
+    async def learn_models(self, report: Report) -> None:
+        """After a read that answered: ``/v1/models`` of its engine, once per process (a new
+        one may serve other models), one small GET, never a generation. A read that got no
+        answer is tried again after the next; an answer that is no model list is kept as none
+        until the process changes. Called once the report was decided on, so that a slow
+        list delays no verdict."""
+        memory = self._memory.get(report.url)
+        if memory is None or memory.watch.proxy or not report.answered:
+            return
+        url, incarnation = report.url, report.incarnation
+        if memory.models_read and memory.models_of == incarnation:
+            return
+        if memory.models_of != incarnation:
+            memory.models = None
+        cards, answered = await self._model_cards(url)
+        memory.models_of, memory.models_read = incarnation, answered
+        memory.models = cards if not isinstance(cards, str) else None
+        if isinstance(cards, str) and answered:
+            log.info("%s: GET /v1/models %s: the router lists none of its models", url, cards)
 
     async def watch_hedged(self, report: Report) -> Report | None:
         """A canary for a lost core whose held requests are being hedged away (the caller
@@ -355,18 +388,20 @@ class Watchdog:
 
     async def _models(self, url: str) -> tuple[str, ...] | str:
         """The served model names, or why they could not be had."""
+        cards, _ = await self._model_cards(url)
+        return cards if isinstance(cards, str) else tuple(card.id for card in cards)
+
+    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | str, bool]:
+        """The served models' cards, or why they could not be had; and whether the engine
+        answered at all."""
         try:
             async with self._http().get(url + "/v1/models", timeout=self._read_timeout()) as resp:
                 if resp.status != 200:
-                    return f"answered {resp.status}"
+                    return f"answered {resp.status}", True
                 body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e)
-        try:
-            data = json.loads(body or b"")["data"]
-            return tuple(str(m["id"]) for m in data)
-        except (ValueError, KeyError, TypeError):
-            return "not a model list"
+            return _describe(e), False
+        return cards_of(body or b""), True
 
     def _read_timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)

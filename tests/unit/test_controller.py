@@ -299,6 +299,9 @@ class ScriptedReads:
         self.watch_result: Report | None = None
         self.watch_released = asyncio.Event()
 
+    def models(self, url: str) -> None:
+        return None  # no model list read: the push names none
+
     async def probe(self, target: Target) -> Report:
         self.probed.append(target)
         r = self.by_url.get(target.url, self.default)
@@ -990,3 +993,41 @@ def test_a_lost_core_is_held_out_of_pushes_unless_it_is_all_there_is() -> None:
     assert held_out_of(["a"], {"a"}) == ["a"]
     assert held_out_of([], {"a"}) == []
     assert held_out_of(["a", "b"], {"z"}) == ["a", "b"]  # a URL no longer serving
+
+
+# ---------------------------------------------------------------------- the status headline
+
+def test_every_state_is_counted_once_as_serving_coming_back_or_out() -> None:
+    from fleetwarden.ledger import COMING_BACK, OUT, ROUTABLE, tally
+
+    assert set(ShardState) == ROUTABLE | COMING_BACK | OUT
+    assert not (ROUTABLE & COMING_BACK or ROUTABLE & OUT or COMING_BACK & OUT)
+    assert tally(ShardState) == {"serving": 2, "coming_back": 4, "out": 1}
+
+
+@pytest.mark.parametrize("states, state, detail", [
+    ("HH", "serving", "all 2 shards serve"),
+    ("HS", "serving", "all 2 shards serve"),  # SUSPECT still serves
+    ("HR", "degraded", "1 of 2 shards serve; 1 coming back"),
+    ("HDT", "degraded", "1 of 3 shards serve; 2 coming back"),
+    ("HX", "degraded", "1 of 2 shards serve; 1 out"),
+    ("RZ", "asleep", "no shard serves; 2 coming back (1 asleep: none serves until one wakes)"),
+    ("RD", "down", "no shard serves; 2 coming back"),
+    ("XX", "exhausted", "0 of 2 shards can still serve; min_serving_shards is 1"),
+])
+def test_the_headline_counts_the_shards_it_is_given(states: str, state: str,
+                                                    detail: str) -> None:
+    from fleetwarden.controller import fleet_status
+    from fleetwarden.ledger import ShardRecord
+
+    names = {"H": ShardState.HEALTHY, "S": ShardState.SUSPECT, "T": ShardState.STALE,
+             "D": ShardState.DEAD, "R": ShardState.RESTARTING, "X": ShardState.RETIRED,
+             "Z": ShardState.SLEEPING}
+    shards = [ShardRecord(i, f"http://127.0.0.1:{9000 + i}", names[c])
+              for i, c in enumerate(states)]
+    status = fleet_status(shards, min_serving_shards=1)
+    assert (status.state, status.detail) == (state, detail)
+    assert sum(status.tally.values()) == len(shards) == sum(status.counts.values())
+    if state == "serving":  # a journal that fails degrades a fleet that serves
+        journal = fleet_status(shards, 1, "; the journal fails (disk full)")
+        assert journal.state == "degraded" and journal.detail.endswith("(disk full)")

@@ -96,6 +96,35 @@ def test_real_vllm_metrics_match_the_simulator(fleet: UpProcess) -> None:
                                                          real_shape[name])
 
 
+def test_the_router_lists_the_real_engines_models_in_vllms_shape(fleet: UpProcess) -> None:
+    """``GET /v1/models`` through the router: every engine's model once, in vLLM's own shape,
+    from the cards the watchdog read and the controller pushed (docs/engines.md, "The model
+    list"); about a second of the tier."""
+
+    async def lists() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        urls = [s["base_url"] for s in fleet.client.shards()]
+        async with aiohttp.ClientSession() as http:
+            engines = []
+            for url in urls:
+                async with http.get(url + "/v1/models") as r:
+                    engines.append(await r.json())
+            async with http.get(fleet.router + "/v1/models") as r:
+                assert r.status == 200
+                return engines, await r.json()
+
+    engines, ours = asyncio.run(lists())
+    theirs = [card for listed in engines for card in listed["data"]]
+    assert [m["id"] for m in ours["data"]] == list(dict.fromkeys(m["id"] for m in theirs))
+    assert list(ours) == list(engines[0])
+    card, real = ours["data"][0], theirs[0]
+    assert list(card) == list(real)  # every field of vLLM's card, in its order
+    assert list(card["permission"][0]) == list(real["permission"][0])
+    assert card["max_model_len"] == min(m["max_model_len"] for m in theirs
+                                        if m["id"] == card["id"])
+    assert (card["root"], card["parent"], card["owned_by"]) == (
+        real["root"], real["parent"], real["owned_by"])
+
+
 def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
     whole(fleet)
     url = fleet.client.shards()[0]["base_url"]

@@ -156,7 +156,10 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def shards(request: web.Request) -> web.Response:
-    return web.json_response({"shards": views.shards_view(request.app[FLEET].snapshot())})
+    # With the status of the same snapshot: a headline shown beside these rows agrees with them.
+    snap = request.app[FLEET].snapshot()
+    return web.json_response({"shards": views.shards_view(snap),
+                              "status": views.status_view(snap)})
 
 
 async def transitions(request: web.Request) -> web.Response:

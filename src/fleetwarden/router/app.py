@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -36,6 +38,7 @@ from fleetwarden.router.control import make_control_app
 from fleetwarden.router.forward import Forwarder, error_response
 from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
 from fleetwarden.router.links import InProcessRouter
+from fleetwarden.router.models import model_list
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import KeyTally, RouterStats, make_registry
@@ -467,6 +470,10 @@ class Router:
         404 for anything else (a known path asked with another method included). Returns the
         forwarding coroutine itself: one coroutine fewer on every request's way."""
         method, path = request.method, request.path
+        if method == "GET" and path == "/v1/models":
+            listed = self.model_list()
+            if listed is not None:
+                return self._answer_models(listed)
         if ((method == "POST" and path in _POST) or (method == "GET" and path in _GET)):
             return self._forwarder.forward(request)
         return self._own(request)
@@ -500,6 +507,10 @@ class Router:
                     request.raw_path = request.raw_path.partition("?")[0]
                 tally = self.stats.key(key)
                 tally.requests += 1
+                if method == "GET" and path == "/v1/models":
+                    listed = self.model_list()
+                    if listed is not None:
+                        return self._answer_models(listed)
                 if (method == "POST" and path in _POST) or (method == "GET" and path in _GET):
                     return self._counted(request, tally)
                 return self._own(request)
@@ -548,6 +559,20 @@ class Router:
             except Exception:
                 # The watch never ends the data port: the keys in force stay in force.
                 log.exception("rereading the keys file failed")
+
+    def model_list(self) -> dict[str, Any] | None:
+        """``GET /v1/models`` as this router answers it: every model that the backends it may
+        use serve, each once (:func:`~fleetwarden.router.models.model_list`), from what the
+        last push said of them. ``None`` when it named none: the request is then forwarded to
+        one backend, as a router whose pushes carry no models (an older controller, a
+        fleet's first moments) always did."""
+        cards = [facts.models for facts in map(self.pool.facts, self.pool.serving)
+                 if facts.models is not None]
+        return model_list(cards, int(time.time())) if cards else None
+
+    async def _answer_models(self, listed: dict[str, Any]) -> serve.StreamResponse:
+        self.stats.responded(200)
+        return serve.Response(body=json.dumps(listed).encode(), content_type="application/json")
 
     async def _own(self, request: serve.Request) -> serve.StreamResponse:
         """What the router answers itself: its /metrics, or a 404."""

@@ -48,8 +48,9 @@ without ``ack`` (an older controller) gets only what happened since, as before. 
 a controller that applied a batch and died before acknowledging it has that window counted
 twice by the next one, where losing it would hide failures.
 
-``facts`` of a backend are ``{"shard": i, "weight_version": v, "incarnation": s}``
-(:class:`BackendFacts`; the incarnation tells the cache-aware policy of a restart). They
+``facts`` of a backend are ``{"shard": i, "weight_version": v, "incarnation": s, "models":
+[...]}`` (:class:`BackendFacts`; the incarnation tells the cache-aware policy of a restart, the
+models are what the router's own ``GET /v1/models`` lists). They
 are optional both ways: a push without them (an older controller) is served, with every
 backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
 
@@ -85,6 +86,7 @@ from fleetwarden.router.links import (
     Outcomes,
     facts_json,
 )
+from fleetwarden.router.models import MAX_CARDS, ModelCard, card_error
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.serve import error_body
 
@@ -337,8 +339,24 @@ def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
         if incarnation is not None and not isinstance(incarnation, str):
             raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
         facts[url] = BackendFacts(values["shard"], values["weight_version"],
-                                  upstream_fields=fields, incarnation=incarnation)
+                                  upstream_fields=fields, incarnation=incarnation,
+                                  models=_models_of(url, fact.get("models")))
     return facts
+
+
+def _models_of(url: str, raw: object) -> tuple[ModelCard, ...] | None:
+    """``facts.URL.models`` of a push: absent or null (not read yet, or an older
+    controller), or a list of cards (:class:`~fleetwarden.router.models.ModelCard`)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_CARDS:
+        raise _bad_request(f"'facts.{url}.models' must be a list of at most {MAX_CARDS} "
+                           "model cards or null")
+    for k, card in enumerate(raw):
+        problem = card_error(card)
+        if problem is not None:
+            raise _bad_request(f"'facts.{url}.models[{k}]': {problem}")
+    return tuple(ModelCard.of(card) for card in raw)
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

@@ -1174,7 +1174,11 @@ class Forwarder:
     async def _context_length(self, backend: str) -> int | None:
         """``backend``'s context length (vLLM's ``max_model_len`` in ``/v1/models``), which a
         chat sent without ``max_tokens`` takes its default from; ``None`` if it does not say.
-        Asked once per backend."""
+        From the push's models when they say (the watchdog read them), else asked once per
+        backend."""
+        pushed = self.pool.facts(backend).models
+        if pushed and pushed[0].max_model_len is not None:
+            return pushed[0].max_model_len
         known = self._context_lengths.get(backend)
         if known is not None or backend in self._context_lengths:
             return known

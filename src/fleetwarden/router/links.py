@@ -100,8 +100,7 @@ class ControlError(Exception):
         self.status = status
 
 
-def facts_json(facts: Mapping[str, BackendFacts]
-               ) -> dict[str, dict[str, int | bool | str | None]]:
+def facts_json(facts: Mapping[str, BackendFacts]) -> dict[str, dict[str, Any]]:
     """``facts`` of a push as JSON (the control API's ``PUT /serving``)."""
     return {url: f.to_dict() for url, f in facts.items()}
 

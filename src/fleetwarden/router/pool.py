@@ -25,6 +25,9 @@ import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+from fleetwarden.router.models import ModelCard
 
 __all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "RetryBudget",
            "SessionRing", "blamed_5xx", "poison_quorum"]
@@ -51,13 +54,19 @@ class BackendFacts:
     #: The engine process's identity as the ledger knows it: a new one means a restart, and
     #: an empty KV cache (the cache-aware policy forgets what it placed there).
     incarnation: str | None = None
+    #: The models its engine serves (its ``/v1/models``, as the watchdog read it): what the
+    #: router's own ``GET /v1/models`` lists. ``None``: not read yet, or the push did not say.
+    models: tuple[ModelCard, ...] | None = None
 
-    def to_dict(self) -> dict[str, int | bool | str | None]:
-        out: dict[str, int | bool | str | None] = {
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "shard": self.shard, "weight_version": self.weight_version,
             "upstream_fields": self.upstream_fields}
-        if self.incarnation is not None:  # an older router reads only the three above
+        # an older router reads only the three above
+        if self.incarnation is not None:
             out["incarnation"] = self.incarnation
+        if self.models is not None:
+            out["models"] = [card.to_dict() for card in self.models]
         return out
 
 
