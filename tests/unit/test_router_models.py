@@ -4,9 +4,11 @@ from the push (docs/engines.md, "The model list")."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from fleetwarden.router.keys import add_key
 from fleetwarden.router.links import ControlError, RemoteRouter
 from fleetwarden.router.models import MAX_CARDS, ModelCard, cards_of, model_list
 from fleetwarden.router.pool import BackendFacts
@@ -107,3 +109,21 @@ async def test_the_router_answers_from_the_push_and_asks_no_engine() -> None:
             with pytest.raises(ControlError, match=r"models' must be a list"):
                 await remote._call("PUT", "/serving", {"backends": [a], "facts": {
                     a: {"models": {"id": "x"}}}})
+
+
+async def test_a_router_behind_keys_answers_its_list_to_a_keyed_client_alone(
+        tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    alpha = add_key(keys, "alpha")
+    async with rig(1, health_managed=True, keys_file=str(keys)) as r:
+        a = r.engines[0].url
+        r.router.set_serving_backends(
+            [a], {a: BackendFacts(0, 0, models=(ModelCard("alpha", "vllm", "/a", None, 4096),))})
+        async with r.http.get(r.router.url + "/v1/models") as refused:
+            assert refused.status == 401
+        async with r.http.get(r.router.url + "/v1/models",
+                              headers={"Authorization": f"Bearer {alpha}"}) as answered:
+            assert answered.status == 200
+            assert [m["id"] for m in (await answered.json())["data"]] == ["alpha"]
+        assert r.engines[0].received == 0  # from the push, behind the key as without one
+        assert r.router.stats.keys["alpha"].requests == 1
