@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fleetwarden import __version__
 from fleetwarden.judge import DEFAULT_POLICY
@@ -269,6 +270,9 @@ def sim(
     prefix_cache_blocks: int | None = typer.Option(
         None, min=0, help="KV blocks (16 tokens) the prefix cache keeps; default: the whole "
         "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
+    api_key: Annotated[list[str] | None, typer.Option(
+        "--api-key", help="Guard /v1, /v2, /inference and /cohere as vLLM's --api-key does "
+        "(Authorization: Bearer KEY); repeat to accept several keys.")] = None,
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -291,7 +295,8 @@ def sim(
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
-                       engine=engine, prefix_cache_blocks=prefix_cache_blocks)
+                       engine=engine, prefix_cache_blocks=prefix_cache_blocks,
+                       api_keys=tuple(api_key or ()))
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 
@@ -362,9 +367,14 @@ def check(
                       + (f"; progress proof: {kind.progress}" if kind else ""), markup=False)
         for limit in kind.limits if kind is not None else ():
             console.print(f"  limit: {limit}", markup=False)
+        for fault in report.faults:
+            # Never held against the engine (it proves nothing either way): a config fix.
+            console.print(f"  [bold red]config fault[/]: {escape(fault)}")
         canary = report.canary
         if canary is not None:
-            console.print(f"  canary: {'answered' if canary.ok else 'FAILED'} in "
+            said = ("answered" if canary.ok else "REFUSED, proves nothing" if canary.refused
+                    else "FAILED")
+            console.print(f"  canary: {said} in "
                           f"{canary.latency_s:.2f} s" + (f" ({canary.error})" if canary.error
                                                         else ""), markup=False)
         else:

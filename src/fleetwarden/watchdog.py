@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -52,6 +52,7 @@ from fleetwarden.judge import (
     EXIT_HEALTHY,
     EXIT_NOT_SERVING,
     EXIT_UNREACHABLE,
+    Answer,
     Canaried,
     CanaryResult,
     Down,
@@ -68,6 +69,7 @@ from fleetwarden.judge import (
     Target,
     Visit,
     WatchdogPolicy,
+    asked_wrong,
     exit_code,
 )
 from fleetwarden.probe import describe as _describe
@@ -108,6 +110,16 @@ class _Memory:
     model: str | None = None  # from /v1/models, for the canary; looked up again after a restart
     #: When this URL was last read: a URL no one reads any more is forgotten.
     visited_at: float = 0.0
+    #: The configuration faults already logged for this URL (:meth:`Watchdog._tell_faults`):
+    #: one log line per engine and cause, not one per read.
+    faults_told: frozenset[str] = frozenset()
+
+
+class _NoModels(NamedTuple):
+    """Why the model list could not be had: the status when one came, and in words."""
+
+    status: int | None
+    why: str
 
 
 #: Engines one round reads at once by default (the fleet passes ``health.max_concurrent_reads``).
@@ -226,7 +238,18 @@ class Watchdog:
         step = memory.watch.next(Visit(target, self._clock()))
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
+        self._tell_faults(target.url, memory, report.faults)
         return report
+
+    @staticmethod
+    def _tell_faults(url: str, memory: _Memory, faults: tuple[str, ...]) -> None:
+        """Log each configuration fault of an engine once, when first seen (and again if it
+        comes back after it was gone): loud, but not once per read."""
+        for fault in faults:
+            if fault not in memory.faults_told:
+                log.warning("%s: configuration fault, not held against the engine: %s",
+                            url, fault)
+        memory.faults_told = frozenset(faults)
 
     async def watch_hedged(self, report: Report) -> Report | None:
         """A canary for a lost core whose held requests are being hedged away (the caller
@@ -297,22 +320,26 @@ class Watchdog:
                     check_health: bool = False) -> Reading:
         if proxy:
             models = await self._models(url)
-            if isinstance(models, str):
-                return Down(f"GET /v1/models: {models}")
+            if isinstance(models, _NoModels):
+                return Down(f"GET /v1/models: {models.why}",
+                            _answer("/v1/models", models.status), models.status)
             return ProxyAnswered(models)
         known = memory.watch.profile
+        answers: tuple[Answer, ...] = ()
         if known is not None and not known.has_metrics:
             problem = (f"the {known.name} profile has no /metrics: nothing proves progress; "
                        "canaries when idle and the router's outcomes only")
         else:
-            result, found = await self._metrics(url, known)
+            result, found, status = await self._metrics(url, known)
+            answers += _answer("/metrics", status)
             if found is not None:
                 memory.watch.profile = found
             if isinstance(result, Sample):
                 engine = memory.watch.profile
                 if check_health and engine is not None and engine.health_proves_core:
                     health = await self._get_status(url + engine.health_path)
-                    if health != 200:
+                    # A refusal ("you asked wrong": a key it wants) says nothing of its core.
+                    if health != 200 and not (isinstance(health, int) and asked_wrong(health)):
                         why = health if isinstance(health, str) else f"answered {health}"
                         return Down(f"{engine.health_path}: {why}, while /metrics answers "
                                     "(its engine core is dead)")
@@ -322,51 +349,54 @@ class Watchdog:
         path = known.health_path if known is not None else "/health"
         health = await self._get_status(url + path)
         if health == 200:
-            return NoMetrics(problem)
+            return NoMetrics(problem, answers)
         why = health if isinstance(health, str) else f"answered {health}"
-        return Down(f"/metrics: {problem}; {path}: {why}")
+        status = health if isinstance(health, int) else None
+        return Down(f"/metrics: {problem}; {path}: {why}", answers + _answer(path, status),
+                    status)
 
     async def _metrics(self, url: str, known: EngineProfile | None
-                       ) -> tuple[Sample | str, EngineProfile | None]:
-        """The sample, or why there is none; and the profile it was read by, if any."""
+                       ) -> tuple[Sample | str, EngineProfile | None, int | None]:
+        """The sample, or why there is none; the profile it was read by, if any; and the
+        status when it was not 200."""
         limit = self.policy.max_metrics_bytes
         try:
             async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
                 if resp.status != 200:
-                    return f"/metrics answered {resp.status}", None
+                    return f"/metrics answered {resp.status}", None, resp.status
                 body = await _read_bounded(resp, limit)
                 headers = resp.headers
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e), None
+            return _describe(e), None, None
         if body is None:
-            return f"/metrics body over the {limit}-byte limit", None
+            return f"/metrics body over the {limit}-byte limit", None, None
         engine = known
         if engine is None:
             engine = detect(body[:limit].decode("utf-8", errors="replace"))
             if engine is None:
                 return ("no known engine's families in /metrics (vllm, llamacpp, sglang, tgi); "
-                        "set engine in the config"), None
+                        "set engine in the config"), None, None
         start = headers.get(engine.start_header) if engine.start_header else None
         result = parse(body, max_bytes=limit, profile=engine, start_header=start)
-        return (result.reason if isinstance(result, Unreadable) else result), engine
+        return (result.reason if isinstance(result, Unreadable) else result), engine, None
 
     async def _get_status(self, url: str) -> int | str:
         return await health_status(self._http(), url, read_timeout=self._read_timeout())
 
-    async def _models(self, url: str) -> tuple[str, ...] | str:
+    async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
         """The served model names, or why they could not be had."""
         try:
             async with self._http().get(url + "/v1/models", timeout=self._read_timeout()) as resp:
                 if resp.status != 200:
-                    return f"answered {resp.status}"
+                    return _NoModels(resp.status, f"answered {resp.status}")
                 body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e)
+            return _NoModels(None, _describe(e))
         try:
             data = json.loads(body or b"")["data"]
             return tuple(str(m["id"]) for m in data)
         except (ValueError, KeyError, TypeError):
-            return "not a model list"
+            return _NoModels(None, "not a model list")
 
     def _read_timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
@@ -390,9 +420,12 @@ class Watchdog:
                 model = self.model or memory.model
                 if model is None:
                     models = await self._models(url)
-                    if isinstance(models, str) or not models:
-                        return result(False, error=f"no model to ask for: GET /v1/models "
-                                      f"{models or 'listed none'}")
+                    if isinstance(models, _NoModels) or not models:
+                        why = models.why if isinstance(models, _NoModels) else "listed none"
+                        status = models.status if isinstance(models, _NoModels) else None
+                        return CanaryResult(False, self._clock() - started, status,
+                                            f"no model to ask for: GET /v1/models {why}",
+                                            request="GET /v1/models")
                     model = memory.model = models[0]
                 headers = {"x-request-id": CANARY_ID_PREFIX + uuid.uuid4().hex[:16]}
                 payload = {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1,
@@ -438,6 +471,11 @@ def read_offsets(known: list[bool], concurrency: int, spread_s: float) -> list[f
         offsets.append((k // concurrency) * spread_s / slices)
         k += 1
     return offsets
+
+
+def _answer(path: str, status: int | None) -> tuple[Answer, ...]:
+    """``path``'s answer as a read records it: its status when one came that was not 200."""
+    return () if status is None or status == 200 else ((path, status),)
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -177,7 +179,7 @@ class Sim:
         return self._port
 
     async def start(self) -> None:
-        app = web.Application(middlewares=[self._record, self._vllm_errors],
+        app = web.Application(middlewares=[self._record, self._vllm_auth, self._vllm_errors],
                               client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self._health),
@@ -461,6 +463,23 @@ class Sim:
         self._by_path[request.path] += 1
         self._log.append({"method": request.method, "path": request.path, "at": time.time(),
                           "request_id": request.headers.get("x-request-id")})
+        return await handler(request)
+
+    @web.middleware
+    async def _vllm_auth(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
+        """vLLM 0.32's ``--api-key``, rule for rule (vllm/entrypoints/serve/middleware/
+        authenticate.py): OPTIONS is never guarded; a path that starts with ``/v1``, ``/v2``,
+        ``/inference`` or ``/cohere`` (a plain string prefix: ``/v1x`` too) wants an
+        ``Authorization`` header whose scheme is ``bearer`` in any case, followed by one
+        space and one of the keys, compared in constant time (hashed first, as vLLM does);
+        else 401 ``{"error": "Unauthorized"}``. /health, /metrics, /ping, /version and the
+        dev endpoints (/sleep, /wake_up, ...) stay open."""
+        keys = self.config.api_keys
+        if (keys and request.method != "OPTIONS" and request.path.startswith(_GUARDED)
+                and not _bearer_matches(request.headers.get("Authorization"), keys)):
+            return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
     @web.middleware
@@ -831,6 +850,23 @@ class Sim:
 #: EngineDeadError, answered with the generation's 500 (vLLM 0.32's
 #: entrypoints/serve/exception_handling/handlers/vllm_error.py).
 _ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache"})
+#: The path prefixes vLLM's ``--api-key`` guards (its ``GUARDED_PREFIX``).
+_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _bearer_matches(header: str | None, keys: tuple[str, ...]) -> bool:
+    """vLLM's ``verify_token``: ``<scheme> <key>`` split at the first space, the scheme
+    ``bearer`` in any case, the key's SHA-256 compared with every key's in constant time."""
+    if not header:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(given.encode()).digest()
+    match = False
+    for key in keys:
+        match |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    return match
 
 
 def _taken_apart(r: SimRequest) -> dict[str, Any]:
