@@ -272,7 +272,8 @@ def sim(
         "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
     api_key: Annotated[list[str] | None, typer.Option(
         "--api-key", help="Guard /v1, /v2, /inference and /cohere as vLLM's --api-key does "
-        "(Authorization: Bearer KEY); repeat to accept several keys.")] = None,
+        "(Authorization: Bearer KEY), or with --engine llamacpp every path but /health and "
+        "/models as llama-server's; repeat to accept several keys.")] = None,
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -325,6 +326,12 @@ def check(
     engine: str = typer.Option("auto", help="The engine's kind: auto (recognised from "
                                "/metrics), vllm, llamacpp, sglang, tgi or openai (no /metrics)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="File holding the engine's API key (its --api-key), "
+        "sent with every request (mode 0600).")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        "--api-key-env", help="Environment variable holding the engine's API key, "
+        "e.g. VLLM_API_KEY.")] = None,
 ) -> None:
     """Judge one engine once from its /metrics, the way the fleet's watchdog does.
 
@@ -335,16 +342,22 @@ def check(
     import json
     from dataclasses import replace
 
+    from fleetwarden.credentials import CredentialError, read_key
     from fleetwarden.engines import ENGINE_NAMES
     from fleetwarden.watchdog import check as run_check
 
     if engine not in ENGINE_NAMES:
         raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(ENGINE_NAMES)}",
                                  param_hint="--engine")
+    try:
+        key = read_key("check", api_key_file, api_key_env)
+    except CredentialError as exc:
+        raise typer.BadParameter(str(exc).replace("check.", "--").replace("_", "-"),
+                                 param_hint="--api-key-file / --api-key-env") from None
     policy = replace(DEFAULT_POLICY, stall_s=stall_s, read_timeout_s=timeout,
                      canary_timeout_s=canary_timeout, check_interval_s=interval)
     result = asyncio.run(run_check(url, proxy=proxy, in_flight=in_flight, policy=policy,
-                                   model=model, engine=engine))
+                                   model=model, engine=engine, key=key))
     report = result.report
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))

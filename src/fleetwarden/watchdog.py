@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
+from fleetwarden.credentials import Secret
 from fleetwarden.engine_metrics import Sample, Unreadable, parse
 from fleetwarden.engines import AUTO, EngineProfile, detect, profile
 from fleetwarden.judge import (
@@ -136,13 +137,17 @@ class Watchdog:
     def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY, *, model: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  session: aiohttp.ClientSession | None = None,
-                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY,
+                 key_of: Callable[[str], Secret | None] | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.policy = policy
         #: Engines a round reads at once (``health.max_concurrent_reads``).
         self.concurrency = concurrency
         self.model = model
+        #: The API key each engine URL wants (``credentials.EngineKeys``), carried by every
+        #: request sent there; ``None``: none wants one.
+        self.key_of = key_of
         self._clock = clock
         self._session = session
         self._own_session = session is None
@@ -175,6 +180,11 @@ class Watchdog:
                 headers={"user-agent": "fleetwarden-watchdog"},
             )
         return self._session
+
+    def _auth(self, url: str) -> dict[str, str]:
+        """The headers that carry ``url``'s key, if its engine wants one."""
+        key = None if self.key_of is None else self.key_of(url)
+        return {} if key is None else key.bearer()
 
     def forget(self, url: str) -> None:
         """Drop what is remembered of an engine (it left the fleet, or moved)."""
@@ -337,7 +347,7 @@ class Watchdog:
             if isinstance(result, Sample):
                 engine = memory.watch.profile
                 if check_health and engine is not None and engine.health_proves_core:
-                    health = await self._get_status(url + engine.health_path)
+                    health = await self._get_status(url, engine.health_path)
                     # A refusal ("you asked wrong": a key it wants) says nothing of its core.
                     if health != 200 and not (isinstance(health, int) and asked_wrong(health)):
                         why = health if isinstance(health, str) else f"answered {health}"
@@ -347,7 +357,7 @@ class Watchdog:
             problem = result
         known = memory.watch.profile
         path = known.health_path if known is not None else "/health"
-        health = await self._get_status(url + path)
+        health = await self._get_status(url, path)
         if health == 200:
             return NoMetrics(problem, answers)
         why = health if isinstance(health, str) else f"answered {health}"
@@ -361,7 +371,8 @@ class Watchdog:
         status when it was not 200."""
         limit = self.policy.max_metrics_bytes
         try:
-            async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
+            async with self._http().get(url + "/metrics", timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
                 if resp.status != 200:
                     return f"/metrics answered {resp.status}", None, resp.status
                 body = await _read_bounded(resp, limit)
@@ -380,13 +391,15 @@ class Watchdog:
         result = parse(body, max_bytes=limit, profile=engine, start_header=start)
         return (result.reason if isinstance(result, Unreadable) else result), engine, None
 
-    async def _get_status(self, url: str) -> int | str:
-        return await health_status(self._http(), url, read_timeout=self._read_timeout())
+    async def _get_status(self, base: str, path: str) -> int | str:
+        return await health_status(self._http(), base + path, read_timeout=self._read_timeout(),
+                                   headers=self._auth(base))
 
     async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
         """The served model names, or why they could not be had."""
         try:
-            async with self._http().get(url + "/v1/models", timeout=self._read_timeout()) as resp:
+            async with self._http().get(url + "/v1/models", timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
                 if resp.status != 200:
                     return _NoModels(resp.status, f"answered {resp.status}")
                 body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
@@ -427,7 +440,8 @@ class Watchdog:
                                             f"no model to ask for: GET /v1/models {why}",
                                             request="GET /v1/models")
                     model = memory.model = models[0]
-                headers = {"x-request-id": CANARY_ID_PREFIX + uuid.uuid4().hex[:16]}
+                headers = {"x-request-id": CANARY_ID_PREFIX + uuid.uuid4().hex[:16],
+                           **self._auth(url)}
                 payload = {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1,
                            "temperature": 0}
                 async with self._http().post(url + "/v1/completions", json=payload,
@@ -511,18 +525,18 @@ class Check:
 
 async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
                 policy: WatchdogPolicy = DEFAULT_POLICY, model: str | None = None,
-                engine: str = AUTO) -> Check:
+                engine: str = AUTO, key: Secret | None = None) -> Check:
     """One engine, judged once: a baseline read, then reads ``check_interval_s`` apart until the
     verdict is final — a third read only to tell STALLED from STUCK (timed so that the stall
     spans ``stall_s``), or to compare a restarted engine within its new process.
 
     A proxy is read once, ``GET /v1/models`` only. ``engine`` names the engine's profile
     (``auto``: recognised from ``/metrics``); a stall is never concluded sooner than the
-    profile's ``min_stall_s``.
+    profile's ``min_stall_s``. ``key``: the engine's API key, carried by every request.
     """
     target = Target(url.rstrip("/"), in_flight=in_flight, proxy=proxy, engine=engine)
     interval_s = policy.check_interval_s
-    async with Watchdog(policy, model=model) as watchdog:
+    async with Watchdog(policy, model=model, key_of=lambda _url: key) as watchdog:
         if proxy:
             report = await watchdog.probe(target)
             return Check(report, 1, exit_code(report))

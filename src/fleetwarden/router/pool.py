@@ -24,7 +24,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 __all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "RetryBudget",
            "SessionRing", "blamed_5xx", "poison_quorum"]
@@ -51,6 +51,10 @@ class BackendFacts:
     #: The engine process's identity as the ledger knows it: a new one means a restart, and
     #: an empty KV cache (the cache-aware policy forgets what it placed there).
     incarnation: str | None = None
+    #: The API key its engine wants (``--api-key``), for the router's own requests there: a
+    #: stream's continuation and its read of ``/v1/models``. Never in a repr or in
+    #: :meth:`to_dict` (the router's status, the push's answer): pushed apart, as ``keys``.
+    key: str | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, int | bool | str | None]:
         out: dict[str, int | bool | str | None] = {

@@ -55,7 +55,7 @@ import signal
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -475,9 +475,23 @@ class Sim:
         ``Authorization`` header whose scheme is ``bearer`` in any case, followed by one
         space and one of the keys, compared in constant time (hashed first, as vLLM does);
         else 401 ``{"error": "Unauthorized"}``. /health, /metrics, /ping, /version and the
-        dev endpoints (/sleep, /wake_up, ...) stay open."""
+        dev endpoints (/sleep, /wake_up, ...) stay open.
+
+        With ``engine = "llamacpp"``, llama-server's rule instead (tools/server/
+        server-http.cpp, ``middleware_validate_api_key``): every path but /health,
+        /v1/health, /models, /v1/models and / wants the key (/metrics and /slots too), in
+        ``Authorization`` with or without ``Bearer `` or in ``X-Api-Key``, compared as it
+        is; else 401 with an OpenAI-shaped ``authentication_error``. OPTIONS is open. The
+        simulator's own /sim/ control stays open in both."""
         keys = self.config.api_keys
-        if (keys and request.method != "OPTIONS" and request.path.startswith(_GUARDED)
+        if not keys or request.method == "OPTIONS" or request.path.startswith("/sim/"):
+            return await handler(request)
+        if self.config.engine == "llamacpp":
+            if (request.path not in _LLAMACPP_PUBLIC
+                    and not _llamacpp_key_matches(request.headers, keys)):
+                return _json({"error": {"message": "Invalid API Key",
+                                        "type": "authentication_error", "code": 401}}, 401)
+        elif (request.path.startswith(_GUARDED)
                 and not _bearer_matches(request.headers.get("Authorization"), keys)):
             return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
@@ -852,6 +866,18 @@ class Sim:
 _ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache"})
 #: The path prefixes vLLM's ``--api-key`` guards (its ``GUARDED_PREFIX``).
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+#: The paths llama-server's ``--api-key`` leaves open (its ``get_public_endpoints``).
+_LLAMACPP_PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
+
+
+def _llamacpp_key_matches(headers: Mapping[str, str], keys: tuple[str, ...]) -> bool:
+    """llama-server's check: ``Authorization`` (else ``X-Api-Key``), less a leading
+    ``Bearer ``, equal to one of the keys."""
+    given = headers.get("Authorization") or headers.get("X-Api-Key") or ""
+    given = given.removeprefix("Bearer ")
+    return any(hmac.compare_digest(given.encode(), key.encode()) for key in keys)
 
 
 def _bearer_matches(header: str | None, keys: tuple[str, ...]) -> bool:
