@@ -342,3 +342,18 @@ async def test_launched_keyed_engines_restart_after_a_crash_and_a_wedge_is_still
         assert fleet.ledger.shard(0).restart_attempts == 1
     logs = b"".join(p.read_bytes() for p in (tmp_path / "logs").glob("*.log"))
     assert b"--api-key" in logs and KEY.encode() not in logs
+
+
+async def test_check_names_the_missing_key_and_judges_with_the_key(
+        spawn: Callable[..., SimProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fleetwarden check`` on a keyed engine: without the key it cannot judge (exit 3: its
+    canary proves nothing) and names the fault; with ``--api-key-env`` it is healthy."""
+    from support.sim import run_check
+
+    sim = spawn("--api-key", KEY)
+    code, report = await run_check(sim.url)
+    assert code == 3 and any("401" in f for f in report["faults"]), report
+    monkeypatch.setenv("FLEETWARDEN_TEST_ENGINE_KEY", KEY)  # the check process inherits it
+    code, report = await run_check(sim.url, "--api-key-env", "FLEETWARDEN_TEST_ENGINE_KEY")
+    print(f"with the key: exit {code}, {report['verdict']}")
+    assert (code, report["verdict"], report["faults"]) == (0, "idle", [])
