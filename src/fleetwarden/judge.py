@@ -447,6 +447,7 @@ def judge(
     cadence: Cadence = NO_CADENCE,
     confirm: bool = False,
     policy: WatchdogPolicy = DEFAULT_POLICY,
+    proxy: bool = False,
 ) -> Judgement:
     """The verdict on an engine from its last sample and a new reading.
 
@@ -459,10 +460,11 @@ def judge(
     held while the engine reads as idle are no lost core either. ``cadence`` is what the
     previous call returned; ``confirm`` (the engine is accused, and a canary is what would
     prove or refute it) makes a canary that is allowed but not yet due, due now: an idle
-    engine only, never a busy one.
+    engine only, never a busy one. ``proxy``: the reading is a load balancer's, which is
+    never sent a canary.
     """
     ask = _Ask(max(0.0, elapsed_s), in_flight, stall, since_canary_s, stalls_excused, cadence,
-               confirm, policy)
+               confirm, policy, proxy)
     if not isinstance(after, Sample):
         return _judge_unsampled(ask, after)
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
@@ -513,6 +515,7 @@ class _Ask:
     cadence: Cadence
     confirm: bool
     policy: WatchdogPolicy
+    proxy: bool = False
 
     def send(self, canary: CanaryRule) -> bool:
         """The canary rule applied to the time since the last canary: send one now?"""
@@ -547,6 +550,12 @@ def _judge_unsampled(ask: _Ask, after: Down | ProxyAnswered | NoMetrics) -> Judg
         return ask.verdict(Verdict.REACHABLE, CanaryRule.NEVER,
                            Evidence(f"proxy answered GET /v1/models ({names}); its backends are "
                                     "judged directly, never through it", in_flight=in_flight))
+    if ask.proxy:
+        # A load balancer that refused our model list: reachable, nothing proved, and never
+        # a canary (its backends are judged directly).
+        return ask.verdict(Verdict.NO_METRICS, CanaryRule.NEVER,
+                           Evidence(f"proxy refused us ({after.reason}); nothing proved",
+                                    in_flight=in_flight, problem=after.reason))
     if in_flight:
         summary = (f"no metrics ({after.reason}); /health 200; {in_flight} requests in "
                    "flight, so no canary: one would queue behind them")
@@ -1215,7 +1224,7 @@ class EngineWatch:
             elapsed_s=now - self.sample_at if before is not None else 0.0,
             in_flight=t.in_flight, stall=self.stall, since_canary_s=since_canary,
             stalls_excused=t.stalls_excused, cadence=self.cadence,
-            confirm=t.confirm, policy=self.judged_by(),
+            confirm=t.confirm, policy=self.judged_by(), proxy=v.proxy,
         )
         v.evidence = judgement.evidence
         held, wait_s = self._held(v, judgement)
