@@ -144,11 +144,14 @@ def config(
 ) -> None:
     """Print a commented example configuration, or validate a file."""
     from fleetwarden.config import ConfigError, example_toml, load_config
+    from fleetwarden.credentials import CredentialError, EngineKeys
 
     if check:
         try:
-            load_config(check)
-        except ConfigError as exc:
+            # The engines' keys too: a file or a variable that cannot be read fails here, in
+            # this environment, not at the fleet's start.
+            EngineKeys.of(load_config(check).fleet)
+        except (ConfigError, CredentialError) as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
         typer.echo(f"{check}: valid")
