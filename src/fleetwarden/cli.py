@@ -660,6 +660,12 @@ def up(
     restart_command: Annotated[str | None, typer.Option(
         "--restart-command", help="Restarts a condemned attached engine; {shard}, {url}, "
                                   "{name} are filled in.")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="File holding the engines' API key (their --api-key; mode "
+        "0600): every request of fleetwarden's own carries it.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        "--api-key-env", help="Environment variable holding the engines' API key, e.g. "
+        "VLLM_API_KEY.")] = None,
     weights: Annotated[str | None, typer.Option(
         "--weights", help="static (plain serving) or trainer (an RL trainer refits).")] = None,
     launcher: Annotated[str | None, typer.Option(
@@ -690,7 +696,9 @@ def up(
         "fleet": {"engines": engines, "engine_cmd": engine_cmd, "backends": backend or None,
                   "engine": engine, "groups": [_group(g) for g in group] if group else None,
                   "restart_command": restart_command, "weights": weights,
-                  "launcher": launcher, "ray_address": ray_address},
+                  "launcher": launcher, "ray_address": ray_address,
+                  "api_key_file": str(api_key_file) if api_key_file else None,
+                  "api_key_env": api_key_env},
         "router": {"port": port, "workers": router_workers}, "admin": {"port": admin_port},
         "journal": {"path": str(journal) if journal else None},
     })
