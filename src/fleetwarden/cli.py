@@ -275,8 +275,9 @@ def sim(
         "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
     api_key: Annotated[list[str] | None, typer.Option(
         "--api-key", help="Guard /v1, /v2, /inference and /cohere as vLLM's --api-key does "
-        "(Authorization: Bearer KEY), or with --engine llamacpp every path but /health and "
-        "/models as llama-server's; repeat to accept several keys.")] = None,
+        "(Authorization: Bearer KEY), or with --engine llamacpp / sglang as theirs (all but "
+        "/health and /models / all but /health* and /metrics*); repeat for several keys.")
+    ] = None,
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of

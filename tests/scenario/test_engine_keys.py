@@ -75,6 +75,15 @@ async def test_the_sim_guards_paths_as_vllms_middleware_does(
         assert await status("OPTIONS", "/v1/models") != 401
         async with http.get(sim.url + "/v1/models") as r:
             assert await r.json() == {"error": "Unauthorized"}
+    # SGLang's rule (python/sglang/srt/utils/auth.py): all but /health* and /metrics*.
+    sglang = spawn("--engine", "sglang", "--api-key", KEY)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for path, want in (("/health", 200), ("/health_generate", 404), ("/metrics", 200),
+                           ("/v1/models", 401), ("/get_model_info", 401), ("/version", 401)):
+            async with http.get(sglang.url + path) as r:
+                assert r.status == want, path
+        async with http.get(sglang.url + "/v1/models", headers=bearer(KEY)) as r:
+            assert r.status == 200
 
 
 async def test_canaries_answered_400_or_404_condemn_nothing(

@@ -76,7 +76,8 @@ class SimConfig:
     #: Started with ``--api-key`` (several accepted): every path under /v1, /v2, /inference
     #: and /cohere then wants ``Authorization: Bearer <one of them>``, as vLLM's middleware
     #: guards them; with ``engine = "llamacpp"``, every path but /health, /models and their
-    #: /v1 forms, as llama-server's (``server.py``, ``_vllm_auth``). Empty: nothing guarded.
+    #: /v1 forms, as llama-server's; with ``sglang``, all but /health* and /metrics*, as
+    #: SGLang's (``server.py``, ``_vllm_auth``). Empty: nothing guarded.
     api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

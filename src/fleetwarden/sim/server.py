@@ -481,18 +481,36 @@ class Sim:
         server-http.cpp, ``middleware_validate_api_key``): every path but /health,
         /v1/health, /models, /v1/models and / wants the key (/metrics and /slots too), in
         ``Authorization`` with or without ``Bearer `` or in ``X-Api-Key``, compared as it
-        is; else 401 with an OpenAI-shaped ``authentication_error``. OPTIONS is open. The
-        simulator's own /sim/ control stays open in both."""
+        is; else 401 with an OpenAI-shaped ``authentication_error``. OPTIONS is open.
+
+        With ``engine = "sglang"``, SGLang's (python/sglang/srt/utils/auth.py,
+        ``decide_request_auth``, its normal endpoints): every path but those starting with
+        /health or /metrics wants ``Authorization: bearer <key>`` as vLLM's check reads it;
+        else 401 ``{"error": "Unauthorized"}``. OPTIONS is open. (Its admin-key endpoints
+        are not simulated.) The simulator's own /sim/ control stays open in all three."""
         keys = self.config.api_keys
-        if not keys or request.method == "OPTIONS" or request.path.startswith("/sim/"):
+        path, engine = request.path, self.config.engine
+        if not keys or request.method == "OPTIONS" or path.startswith("/sim/"):
             return await handler(request)
+        if engine == "llamacpp":
+            if path not in _LLAMACPP_PUBLIC and not _llamacpp_key_matches(request.headers, keys):
+                return _json({"error": {"message": "Invalid API Key",
+                                        "type": "authentication_error", "code": 401}}, 401)
+            return await handler(request)
+        guarded = (not path.startswith(_SGLANG_OPEN) if engine == "sglang"
+                   else path.startswith(_GUARDED))
+        if guarded and not _bearer_matches(request.headers.get("Authorization"), keys):
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
         if self.config.engine == "llamacpp":
             if (request.path not in _LLAMACPP_PUBLIC
                     and not _llamacpp_key_matches(request.headers, keys)):
                 return _json({"error": {"message": "Invalid API Key",
                                         "type": "authentication_error", "code": 401}}, 401)
-        elif (request.path.startswith(_GUARDED)
-                and not _bearer_matches(request.headers.get("Authorization"), keys)):
+        elif (request.path.startswith(_SGLANG_OPEN) if self.config.engine == "sglang"
+              else not request.path.startswith(_GUARDED)):
+            pass
+        elif not _bearer_matches(request.headers.get("Authorization"), keys):
             return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
@@ -868,6 +886,8 @@ _ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_pr
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 
+#: The path prefixes SGLang's ``--api-key`` leaves open.
+_SGLANG_OPEN = ("/health", "/metrics")
 #: The paths llama-server's ``--api-key`` leaves open (its ``get_public_endpoints``).
 _LLAMACPP_PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
 
