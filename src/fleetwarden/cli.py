@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fleetwarden import __version__
 from fleetwarden.judge import DEFAULT_POLICY
@@ -32,6 +33,7 @@ from fleetwarden.sim.config import SIM_ENGINES, FaultMode, SimConfig
 
 if TYPE_CHECKING:
     from fleetwarden.router import Router
+    from fleetwarden.watchdog import Check
 
 #: The router's defaults, shown in ``fleetwarden route --help`` (defined once, in settings).
 _ROUTER_DEFAULTS = RouterSettings()
@@ -143,11 +145,14 @@ def config(
 ) -> None:
     """Print a commented example configuration, or validate a file."""
     from fleetwarden.config import ConfigError, example_toml, load_config
+    from fleetwarden.credentials import CredentialError, EngineKeys
 
     if check:
         try:
-            load_config(check)
-        except ConfigError as exc:
+            # The engines' keys too: a file or a variable that cannot be read fails here, in
+            # this environment, not at the fleet's start.
+            EngineKeys.of(load_config(check).fleet)
+        except (ConfigError, CredentialError) as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
         typer.echo(f"{check}: valid")
@@ -269,6 +274,11 @@ def sim(
     prefix_cache_blocks: int | None = typer.Option(
         None, min=0, help="KV blocks (16 tokens) the prefix cache keeps; default: the whole "
         "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
+    api_key: Annotated[list[str] | None, typer.Option(
+        "--api-key", help="Guard /v1, /v2, /inference and /cohere as vLLM's --api-key does "
+        "(Authorization: Bearer KEY), or with --engine llamacpp / sglang as theirs (all but "
+        "/health and /models / all but /health* and /metrics*); repeat for several keys.")
+    ] = None,
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -291,7 +301,8 @@ def sim(
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
-                       engine=engine, prefix_cache_blocks=prefix_cache_blocks)
+                       engine=engine, prefix_cache_blocks=prefix_cache_blocks,
+                       api_keys=tuple(api_key or ()))
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 
@@ -320,6 +331,12 @@ def check(
     engine: str = typer.Option("auto", help="The engine's kind: auto (recognised from "
                                "/metrics), vllm, llamacpp, sglang, tgi or openai (no /metrics)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="File holding the engine's API key (its --api-key), "
+        "sent with every request (mode 0600).")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        "--api-key-env", help="Environment variable holding the engine's API key, "
+        "e.g. VLLM_API_KEY.")] = None,
 ) -> None:
     """Judge one engine once from its /metrics, the way the fleet's watchdog does.
 
@@ -330,46 +347,62 @@ def check(
     import json
     from dataclasses import replace
 
+    from fleetwarden.credentials import CredentialError, read_key
     from fleetwarden.engines import ENGINE_NAMES
     from fleetwarden.watchdog import check as run_check
 
     if engine not in ENGINE_NAMES:
         raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(ENGINE_NAMES)}",
                                  param_hint="--engine")
+    try:
+        key = read_key("check", api_key_file, api_key_env)
+    except CredentialError as exc:
+        raise typer.BadParameter(str(exc).replace("check.", "--").replace("_", "-"),
+                                 param_hint="--api-key-file / --api-key-env") from None
     policy = replace(DEFAULT_POLICY, stall_s=stall_s, read_timeout_s=timeout,
                      canary_timeout_s=canary_timeout, check_interval_s=interval)
     result = asyncio.run(run_check(url, proxy=proxy, in_flight=in_flight, policy=policy,
-                                   model=model, engine=engine))
-    report = result.report
+                                   model=model, engine=engine, key=key))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        console = Console(highlight=False)
-        colour = {0: "green", 1: "red", 2: "red", 3: "yellow"}[result.exit_code]
-        console.print(f"{report.url}  [bold {colour}]{report.verdict.value.upper()}[/] "
-                      f"({report.health.value})")
-        console.print(f"  {report.evidence.summary}", markup=False)
-        details = [f"{result.reads} reads"]
-        if report.tokens_per_s is not None:
-            details.append(f"{report.tokens_per_s:.0f} tokens/s")
-        kind = report.engine
-        if report.incarnation is not None:
-            details.append(f"process {report.incarnation} (from the {kind.start_header} header: "
-                           "compared, not a time)" if kind is not None and kind.start_header
-                           else f"process started {report.incarnation}")
-        console.print("  " + "; ".join(details), markup=False)
-        console.print(f"  engine: {kind.title if kind else 'not recognised'}"
-                      + (f"; progress proof: {kind.progress}" if kind else ""), markup=False)
-        for limit in kind.limits if kind is not None else ():
-            console.print(f"  limit: {limit}", markup=False)
-        canary = report.canary
-        if canary is not None:
-            console.print(f"  canary: {'answered' if canary.ok else 'FAILED'} in "
-                          f"{canary.latency_s:.2f} s" + (f" ({canary.error})" if canary.error
-                                                        else ""), markup=False)
-        else:
-            console.print(f"  canary: none sent ({report.canary_rule.value})", markup=False)
+        _print_check(result)
     raise typer.Exit(result.exit_code)
+
+
+def _print_check(result: Check) -> None:
+    """`fleetwarden check`'s report in words: verdict, evidence, engine, faults, canary."""
+    report = result.report
+    console = Console(highlight=False)
+    colour = {0: "green", 1: "red", 2: "red", 3: "yellow"}[result.exit_code]
+    console.print(f"{report.url}  [bold {colour}]{report.verdict.value.upper()}[/] "
+                  f"({report.health.value})")
+    console.print(f"  {report.evidence.summary}", markup=False)
+    details = [f"{result.reads} reads"]
+    if report.tokens_per_s is not None:
+        details.append(f"{report.tokens_per_s:.0f} tokens/s")
+    kind = report.engine
+    if report.incarnation is not None:
+        details.append(f"process {report.incarnation} (from the {kind.start_header} header: "
+                       "compared, not a time)" if kind is not None and kind.start_header
+                       else f"process started {report.incarnation}")
+    console.print("  " + "; ".join(details), markup=False)
+    console.print(f"  engine: {kind.title if kind else 'not recognised'}"
+                  + (f"; progress proof: {kind.progress}" if kind else ""), markup=False)
+    for limit in kind.limits if kind is not None else ():
+        console.print(f"  limit: {limit}", markup=False)
+    for fault in report.faults:
+        # Never held against the engine (it proves nothing either way): a config fix.
+        console.print(f"  [bold red]config fault[/]: {escape(fault)}")
+    canary = report.canary
+    if canary is not None:
+        said = ("answered" if canary.ok else "REFUSED, proves nothing" if canary.refused
+                else "FAILED")
+        console.print(f"  canary: {said} in "
+                      f"{canary.latency_s:.2f} s" + (f" ({canary.error})" if canary.error
+                                                    else ""), markup=False)
+    else:
+        console.print(f"  canary: none sent ({report.canary_rule.value})", markup=False)
 
 
 #: The options of `fleetwarden route`, one each (the command takes them in this order).
@@ -717,6 +750,12 @@ def up(
     restart_command: Annotated[str | None, typer.Option(
         "--restart-command", help="Restarts a condemned attached engine; {shard}, {url}, "
                                   "{name} are filled in.")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="File holding the engines' API key (their --api-key; mode "
+        "0600): every request of fleetwarden's own carries it.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        "--api-key-env", help="Environment variable holding the engines' API key, e.g. "
+        "VLLM_API_KEY.")] = None,
     weights: Annotated[str | None, typer.Option(
         "--weights", help="static (plain serving) or trainer (an RL trainer refits).")] = None,
     launcher: Annotated[str | None, typer.Option(
@@ -747,7 +786,9 @@ def up(
         "fleet": {"engines": engines, "engine_cmd": engine_cmd, "backends": backend or None,
                   "engine": engine, "groups": [_group(g) for g in group] if group else None,
                   "restart_command": restart_command, "weights": weights,
-                  "launcher": launcher, "ray_address": ray_address},
+                  "launcher": launcher, "ray_address": ray_address,
+                  "api_key_file": str(api_key_file) if api_key_file else None,
+                  "api_key_env": api_key_env},
         "router": {"port": port, "workers": router_workers}, "admin": {"port": admin_port},
         "journal": {"path": str(journal) if journal else None},
     })

@@ -139,6 +139,19 @@ def _check_template(field: str, text: str, known: frozenset[str]) -> None:
                 "as {{ or }})")
 
 
+def _key_source(literal: str | None, file: Path | None, env: str | None) -> None:
+    """A key is read from a file or a variable, never written in the config: a literal one
+    would be in every copy, diff and paste of the file. No message repeats it."""
+    if literal is not None:
+        raise ValueError("api_key: a key is never written in the config file; put it in a "
+                         "file (api_key_file, mode 0600) or an environment variable "
+                         "(api_key_env)")
+    if file is not None and env is not None:
+        raise ValueError("api_key_file and api_key_env are both set; name one")
+    if env is not None and not env.strip():
+        raise ValueError("api_key_env: name an environment variable")
+
+
 class EngineGroup(_Section):
     """More launched engines, of another command and kind: a mixed fleet. A group's shards are
     numbered after the fleet's own `engines`, in the order the groups are listed (attached
@@ -152,9 +165,16 @@ class EngineGroup(_Section):
     engine: EngineName = "auto"
     #: Extra environment for this group's engines, on top of `fleet.engine_env`.
     engine_env: dict[str, str] = Field(default_factory=dict)
+    #: The API key this group's engines want (`--api-key`), if not the fleet's: a file that
+    #: holds it (mode 0600), or an environment variable. As `fleet.api_key_file`.
+    api_key_file: Path | None = None
+    api_key_env: str | None = None
+    #: Refused: a key is never written in the config (see `fleet.api_key`).
+    api_key: str | None = None
 
     @model_validator(mode="after")
     def _has_port(self) -> EngineGroup:
+        _key_source(self.api_key, self.api_key_file, self.api_key_env)
         _check_template("engine_cmd", self.engine_cmd, ENGINE_PLACEHOLDERS)
         for key, value in self.engine_env.items():
             _check_template(f"engine_env.{key}", value, ENGINE_PLACEHOLDERS)
@@ -228,6 +248,19 @@ class FleetConfig(_Section):
     #: allow, so one lost node takes the fewest engines with it; `DEFAULT` is Ray's own
     #: policy (packs a node before using the next).
     ray_scheduling: Literal["SPREAD", "DEFAULT"] = "SPREAD"
+    #: The API key the engines want, when they are started with `--api-key` (vLLM's,
+    #: llama.cpp's): a file that holds it (its first line; mode 0600, as the admin token),
+    #: e.g. `api_key_file = "/etc/fleetwarden/engine.key"`. Every request fleetwarden makes
+    #: on its own account carries it (canaries, /v1/models, /metrics, sleep and wake, the
+    #: router's continuations); clients' own keys pass through the router as they are. A
+    #: group's own key (`[[fleet.groups]] api_key_file`) replaces it for that group. Unset:
+    #: requests carry none. See docs/operations.md, "Engines with API keys".
+    api_key_file: Path | None = None
+    #: ... or the environment variable that holds it, e.g. `api_key_env = "VLLM_API_KEY"`.
+    api_key_env: str | None = None
+    #: Refused with an error naming the fix: a key written in the config file would be in
+    #: every copy, diff and paste of it. Use `api_key_file` or `api_key_env`.
+    api_key: str | None = None
 
     @field_validator("backends")
     @classmethod
@@ -245,6 +278,7 @@ class FleetConfig(_Section):
 
     @model_validator(mode="after")
     def _some_engines(self) -> FleetConfig:
+        _key_source(self.api_key, self.api_key_file, self.api_key_env)
         if self.engines == 0 and not self.backends and not self.groups:
             raise ValueError("a fleet needs engines > 0, a group, or at least one backends URL")
         if self.groups and self.launcher == "ray":
@@ -533,7 +567,10 @@ def _describe(exc: ValidationError, source: str) -> ConfigError:
         elif err["type"] == "literal_error" and "expected" in err.get("ctx", {}):
             msg = f"must be one of {err['ctx']['expected']}"
         value = err.get("input")
-        shown = "" if err["type"] == "missing" or isinstance(value, dict) else f" = {value!r}"
+        # A literal key is never repeated: the error would carry it into logs and terminals.
+        secret = err["loc"][-1:] == ("api_key",) if err["loc"] else False
+        shown = ("" if err["type"] == "missing" or isinstance(value, dict) or secret
+                 else f" = {value!r}")
         lines.append(f"  {key}{shown}: {msg}")
     return ConfigError("\n".join(lines))
 
@@ -604,6 +641,8 @@ def example_toml() -> str:
             out.append(f"# {model.__doc__.strip().splitlines()[0]}")
         assert issubclass(model, _Section)
         for key, sub in model.model_fields.items():
+            if key == "api_key":
+                continue  # refused, never to be written (FleetConfig.api_key)
             comments = _comments_for(source, model.__name__, key)
             owner = model.owner_of(key)
             if not comments and owner is not None:  # the reason lives beside the default

@@ -137,6 +137,14 @@ def fleet_view(status: dict[str, Any], shards: list[dict[str, Any]],
                          f"  {status.get('detail', '')}  ·  router {status.get('router_url', '')}"
                          f"  ·  tick {status.get('tick', 0)}")
     parts: list[Any] = [head, ShardTable(shards)]
+    faults = Text()
+    for s in shards:
+        for fault in s.get("config_faults") or ():
+            # Loud: never held against the engine, so no state shows it.
+            faults.append(f"shard {s['index']}  config fault  ", style="bold red")
+            faults.append(f"{fault}\n")
+    if faults:
+        parts.append(faults)
     if transitions:
         lines = Text()
         for t in transitions[-6:]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetwarden.config import Config
+from fleetwarden.credentials import NO_KEYS, EngineKeys
 from fleetwarden.engines import AUTO, profile
 from fleetwarden.evidence import Evidence, router_error
 from fleetwarden.focus import Focus, held_out_of
@@ -155,8 +156,12 @@ class Controller:
         refit: RefitCoordinator | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_tick: Callable[[TickReport], None] | None = None,
+        engine_keys: EngineKeys = NO_KEYS,
     ) -> None:
         self.ledger = ledger
+        #: The API key each shard's engine wants: pushed to the routers (their own requests
+        #: there) and sent with sleep and wake.
+        self.engine_keys = engine_keys
         self.refit = refit
         self.watchdog = watchdog
         self.supervisor = supervisor
@@ -279,9 +284,14 @@ class Controller:
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
                                             upstream_fields=self._upstream_fields(rec.index),
                                             incarnation=rec.incarnation,
-                                            models=self.watchdog.models(rec.base_url))
+                                            models=self.watchdog.models(rec.base_url),
+                                            key=self._key(rec.index))
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
+
+    def _key(self, shard: int) -> str | None:
+        key = self.engine_keys.of_shard(shard)
+        return None if key is None else key.reveal()
 
     def _upstream_fields(self, shard: int) -> bool | None:
         """Whether shard's engine takes vLLM's own request fields, as its profile says

@@ -32,6 +32,7 @@ from fleetwarden.admin.work import WorkCollector
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, TickReport
+from fleetwarden.credentials import NO_KEYS, EngineKeys, Secret
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
@@ -109,6 +110,9 @@ class Fleet:
         self._router: Router | None = None
         self._workers: RouterWorkers | None = None
         self._watchdog: Watchdog | None = None
+        #: The engines' API keys, read at the start (``credentials.EngineKeys``).
+        self.engine_keys = NO_KEYS
+        self._shard_at: dict[str, int] = {}  # engine URL -> shard, for a group's own key
         self._supervisor: Supervisor | None = None
         self._controller: Controller | None = None
         self._ledger: Ledger | None = None
@@ -182,6 +186,11 @@ class Fleet:
         attached = {cfg.fleet.launched + k: url for k, url in enumerate(cfg.fleet.backends)}
         size = len(launched) + len(attached)
 
+        # The keys first: one that cannot be read is a config error, before anything starts.
+        self.engine_keys = EngineKeys.of(cfg.fleet)
+        if self.engine_keys.any:
+            log.info("engines' API keys read (%s); every request of fleetwarden's own "
+                     "carries its engine's", "; ".join(self.engine_keys.sources))
         self.admin.load_token()
         self._journal = journal = Journal(cfg.journal.path)
         restored = journal.restore(self.config.ledger_policy(), clock=time.time)
@@ -204,7 +213,8 @@ class Fleet:
         ledger, first = await self._first_engines(journal, launcher, local, launched,
                                                   attached, restored, adopted)
         self._watchdog = watchdog = Watchdog(cfg.health.watchdog_policy(),
-                                             concurrency=cfg.health.max_concurrent_reads)
+                                             concurrency=cfg.health.max_concurrent_reads,
+                                             key_of=self._key_of)
         # Which process each attached engine is, read now, all at once (the watchdog keeps
         # each read as its baseline): the ledger records it, and an engine that is still the
         # process the journal recorded keeps its state (docs/design.md section 7).
@@ -224,6 +234,7 @@ class Fleet:
         self._controller = Controller(
             ledger, self._watchdog, supervisor, self.routers, cfg,
             journal=journal, refit=self._refit, on_tick=self._after_tick,
+            engine_keys=self.engine_keys,
         )
         # The first answers already name their weights: the push's facts, before any tick.
         if self._router is not None:
@@ -231,6 +242,18 @@ class Fleet:
         else:
             await self._controller.push_now()
         await self.admin.start(self)
+
+    def _key_of(self, url: str) -> Secret | None:
+        """The key the engine at ``url`` wants: the fleet's, or its shard's group's."""
+        keys = self.engine_keys
+        if keys.uniform or self._ledger is None:
+            return keys.fleet
+        shard = self._shard_at.get(url)
+        if shard is None or self._ledger.shard(shard).base_url != url:
+            # A restart moved a URL: the map is made afresh (once per move, not per read).
+            self._shard_at = {rec.base_url: rec.index for rec in self._ledger.snapshot()}
+            shard = self._shard_at.get(url)
+        return keys.fleet if shard is None else keys.of_shard(shard)
 
     async def _start_launchers(self, journal: Journal, launched: list[int],
                                attached: dict[int, str],
@@ -250,7 +273,7 @@ class Fleet:
             local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
             local.events = _JournalEngines(journal)
             launcher = local
-        attach = AttachLauncher(cfg.fleet, cfg.health)
+        attach = AttachLauncher(cfg.fleet, cfg.health, key=self.engine_keys.fleet)
         shards = ShardLaunchers({i: launcher for i in launched} | {i: attach for i in attached})
         return launcher, local, shards
 

@@ -45,6 +45,7 @@ from fleetwarden.engine_metrics import MAX_BODY_BYTES, Sample
 from fleetwarden.engines import AUTO, EngineProfile
 
 __all__ = [
+    "ASKED_WRONG",
     "DEFAULT_POLICY",
     "EXIT_CANNOT_JUDGE",
     "EXIT_HEALTHY",
@@ -53,6 +54,7 @@ __all__ = [
     "NO_CADENCE",
     "NO_STALL",
     "VERDICTS",
+    "Answer",
     "Cadence",
     "Canaried",
     "CanaryResult",
@@ -79,8 +81,10 @@ __all__ = [
     "VerdictRule",
     "Visit",
     "WatchdogPolicy",
+    "asked_wrong",
     "conclude",
     "exit_code",
+    "fault_of",
     "flat",
     "held_its_canary",
     "held_its_requests",
@@ -153,6 +157,33 @@ class WatchdogPolicy:
 
 
 DEFAULT_POLICY = WatchdogPolicy()
+
+#: The answers that say "you asked wrong" rather than "I cannot serve": 401 and 403 (the
+#: engine wants a key that fleetwarden did not send, or refuses the one it sent), 400 and 422
+#: (a model name or a body it does not take), 404 and 405 (a path or a method it does not
+#: serve). Its HTTP server parsed our request and refused it before any engine core saw it, so
+#: such an answer proves neither alive nor stuck: it is a fault of fleetwarden's configuration,
+#: shown as such (:attr:`Report.faults`) and never held against the engine (docs/design.md
+#: section 5, "Asked wrong"). A 429 or a 5xx is the engine's own word on its state, and counts.
+ASKED_WRONG: frozenset[int] = frozenset({400, 401, 403, 404, 405, 422})
+
+
+def asked_wrong(status: int | None) -> bool:
+    """``status`` says that fleetwarden's own request was wrong, not that the engine failed."""
+    return status is not None and status in ASKED_WRONG
+
+
+def fault_of(method: str, path: str, status: int) -> str:
+    """The configuration fault an answer in :data:`ASKED_WRONG` shows, in words, with the fix."""
+    if status in (401, 403):
+        fix = ("the engine wants an API key fleetwarden did not send, or refuses the one it "
+               "sent: set api_key_file or api_key_env for it")
+    elif status in (404, 405):
+        fix = ("the engine does not serve this path or model name: check the engine's URL "
+               "(a path prefix?), its kind, and the model it serves")
+    else:
+        fix = "the engine refuses the request: check the model name (model, or /v1/models)"
+    return f"{method} {path} answered {status}: {fix}"
 
 
 class Verdict(enum.Enum):
@@ -251,11 +282,18 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
 # ---------------------------------------------------------------------- readings
 
 
+#: ``(path, status)``: one answer other than 200 that a read of the engine got (the judge
+#: tells "you asked wrong" from a failure: :func:`asked_wrong`).
+Answer = tuple[str, int]
+
+
 @dataclass(frozen=True, slots=True)
 class NoMetrics:
     """The engine answered ``/health`` with 200, but ``/metrics`` gave no :class:`Sample`."""
 
     reason: str
+    #: The answers other than 200 that this read got (``/metrics`` answered 401, ...).
+    answers: tuple[Answer, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +301,10 @@ class Down:
     """Neither ``/metrics`` nor ``/health`` answered, or ``/health`` answered other than 200."""
 
     reason: str
+    #: The answers other than 200 that this read got.
+    answers: tuple[Answer, ...] = ()
+    #: What the health path answered, when it answered (``None``: no answer, or not read).
+    health_status: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +447,7 @@ def judge(
     cadence: Cadence = NO_CADENCE,
     confirm: bool = False,
     policy: WatchdogPolicy = DEFAULT_POLICY,
+    proxy: bool = False,
 ) -> Judgement:
     """The verdict on an engine from its last sample and a new reading.
 
@@ -417,10 +460,11 @@ def judge(
     held while the engine reads as idle are no lost core either. ``cadence`` is what the
     previous call returned; ``confirm`` (the engine is accused, and a canary is what would
     prove or refute it) makes a canary that is allowed but not yet due, due now: an idle
-    engine only, never a busy one.
+    engine only, never a busy one. ``proxy``: the reading is a load balancer's, which is
+    never sent a canary.
     """
     ask = _Ask(max(0.0, elapsed_s), in_flight, stall, since_canary_s, stalls_excused, cadence,
-               confirm, policy)
+               confirm, policy, proxy)
     if not isinstance(after, Sample):
         return _judge_unsampled(ask, after)
     gauges = f"{_n(after.running)} running, {_n(after.waiting)} waiting"
@@ -471,6 +515,7 @@ class _Ask:
     cadence: Cadence
     confirm: bool
     policy: WatchdogPolicy
+    proxy: bool = False
 
     def send(self, canary: CanaryRule) -> bool:
         """The canary rule applied to the time since the last canary: send one now?"""
@@ -492,6 +537,10 @@ class _Ask:
 def _judge_unsampled(ask: _Ask, after: Down | ProxyAnswered | NoMetrics) -> Judgement:
     """A reading with no sample: unreachable, a proxy, or no metrics."""
     in_flight = ask.in_flight
+    if isinstance(after, Down) and asked_wrong(after.health_status):
+        # Its HTTP server answered us, and refused: reachable, and nothing proved either way;
+        # judged as an engine without metrics (progress, canaries, the router's outcomes).
+        after = NoMetrics(after.reason, after.answers)
     if isinstance(after, Down):
         return ask.verdict(Verdict.UNREACHABLE, CanaryRule.NEVER,
                            Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
@@ -501,6 +550,12 @@ def _judge_unsampled(ask: _Ask, after: Down | ProxyAnswered | NoMetrics) -> Judg
         return ask.verdict(Verdict.REACHABLE, CanaryRule.NEVER,
                            Evidence(f"proxy answered GET /v1/models ({names}); its backends are "
                                     "judged directly, never through it", in_flight=in_flight))
+    if ask.proxy:
+        # A load balancer that refused our model list: reachable, nothing proved, and never
+        # a canary (its backends are judged directly).
+        return ask.verdict(Verdict.NO_METRICS, CanaryRule.NEVER,
+                           Evidence(f"proxy refused us ({after.reason}); nothing proved",
+                                    in_flight=in_flight, problem=after.reason))
     if in_flight:
         summary = (f"no metrics ({after.reason}); /health 200; {in_flight} requests in "
                    "flight, so no canary: one would queue behind them")
@@ -774,10 +829,23 @@ class CanaryResult:
     latency_s: float
     status: int | None = None  # HTTP status, None when no answer came
     error: str = ""
+    #: The request the status answered: ``POST /v1/completions``, or ``GET /v1/models`` when
+    #: the model to ask for could not be had.
+    request: str = "POST /v1/completions"
+
+    @property
+    def refused(self) -> bool:
+        """It was answered "you asked wrong" (:data:`ASKED_WRONG`): it proves nothing."""
+        return not self.ok and asked_wrong(self.status)
+
+    @property
+    def outcome(self) -> bool | None:
+        """What it proves: ``True`` answered, ``False`` failed, ``None`` refused (nothing)."""
+        return None if self.refused else self.ok
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "latency_s": self.latency_s, "status": self.status,
-                "error": self.error}
+                "error": self.error, "request": self.request, "refused": self.refused}
 
 
 @dataclass(frozen=True, slots=True)
@@ -809,10 +877,15 @@ class Report:
     longest_pause_s: float = 0.0
     #: The stall limit at this read's load (:attr:`Judgement.limit_s`; 0 without a sample).
     limit_s: float = 0.0
+    #: Faults of fleetwarden's own configuration that this engine's answers show (a key it
+    #: wants, a model name it does not serve: :data:`ASKED_WRONG`), each with its fix: nothing
+    #: against the engine, everything against the config. Empty when there are none.
+    faults: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "url": self.url,
+            "faults": list(self.faults),
             "verdict": self.verdict.value,
             "health": self.health.value,
             "canary_rule": self.canary_rule.value,
@@ -1055,6 +1128,10 @@ class EngineWatch:
         #: then on.
         self.incarnations: list[str] = []
         self.proxy = False
+        #: The configuration faults its last read and its last answered canary showed
+        #: (:attr:`Report.faults`): each kept until the same request is asked again.
+        self.read_faults: tuple[str, ...] = ()
+        self.canary_faults: tuple[str, ...] = ()
         self._visits: dict[int, _VisitState] = {}
         self._numbered = 0
 
@@ -1137,6 +1214,9 @@ class EngineWatch:
         """The visit's read, judged; and what it needs next: a canary, or nothing."""
         t, now = v.target, v.now
         v.reading = reading
+        answers = reading.answers if isinstance(reading, NoMetrics | Down) else ()
+        self.read_faults = tuple(fault_of("GET", path, status) for path, status in answers
+                                 if asked_wrong(status))
         v.before = before = None if v.proxy else self.sample
         since_canary = None if self.canary_at is None else now - self.canary_at
         v.judgement = judgement = judge(
@@ -1144,7 +1224,7 @@ class EngineWatch:
             elapsed_s=now - self.sample_at if before is not None else 0.0,
             in_flight=t.in_flight, stall=self.stall, since_canary_s=since_canary,
             stalls_excused=t.stalls_excused, cadence=self.cadence,
-            confirm=t.confirm, policy=self.judged_by(),
+            confirm=t.confirm, policy=self.judged_by(), proxy=v.proxy,
         )
         v.evidence = judgement.evidence
         held, wait_s = self._held(v, judgement)
@@ -1166,6 +1246,10 @@ class EngineWatch:
     def _after_canary(self, n: int, v: _VisitState) -> Report | Fetch | None:
         canary, judgement, reading = v.canary, v.judgement, v.reading
         assert canary is not None
+        if canary.status is not None:  # answered: what it says of the config is the latest
+            method, _, path = canary.request.partition(" ")
+            self.canary_faults = ((fault_of(method, path, canary.status),) if canary.refused
+                                  else ())
         if v.stage == "hedged":
             if canary.ok or canary.status is not None:
                 del self._visits[n]
@@ -1238,15 +1322,19 @@ class EngineWatch:
             self.stall = judgement.stall
             self.cadence = judgement.cadence
         canary = v.canary
+        if canary is not None and canary.refused:
+            evidence = replace(evidence, summary=f"{evidence.summary}; its canary proves "
+                               f"nothing: {canary.error}")
         return Report(
             url=v.target.url, verdict=judgement.verdict, evidence=evidence,
-            health=v.health or conclude(judgement, None if canary is None else canary.ok),
+            # A refused canary is as none sent (ASKED_WRONG): it proves nothing either way.
+            health=v.health or conclude(judgement, None if canary is None else canary.outcome),
             canary_rule=judgement.canary, sample=sample, tokens_per_s=tokens_per_s,
             canary=canary, incarnation=None if sample is None else sample.incarnation,
             engine=self.profile, held_flat_s=v.held_flat_s,
             longest_pause_s=(0.0 if sample is None
                              else judgement.cadence.gap_at(sample.running + sample.waiting)),
-            limit_s=judgement.limit_s,
+            limit_s=judgement.limit_s, faults=self.read_faults + self.canary_faults,
         )
 
     def _keep(self, sample: Sample, at: float) -> None:

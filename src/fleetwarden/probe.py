@@ -10,22 +10,26 @@ how long to wait, and how often, is the caller's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import aiohttp
 
 __all__ = ["describe", "health_status"]
 
 
 async def health_status(session: aiohttp.ClientSession, url: str, *,
-                        read_timeout: aiohttp.ClientTimeout | None = None) -> int | str:
+                        read_timeout: aiohttp.ClientTimeout | None = None,
+                        headers: Mapping[str, str] | None = None) -> int | str:
     """``GET url`` (an engine's health path): its status code, or why there was none, within
-    ``read_timeout`` (the session's timeout when ``None``).
+    ``read_timeout`` (the session's timeout when ``None``); ``headers``: the engine's key, if
+    it wants one (``credentials.Secret.bearer``).
 
     Only the first chunk of the body is read: ``/health`` is empty, and a large body (a
     proxy's page) is never worth reading."""
     try:
         # the session's own timeout unless the caller names one
-        request = (session.get(url) if read_timeout is None
-                   else session.get(url, timeout=read_timeout))
+        request = (session.get(url, headers=headers) if read_timeout is None
+                   else session.get(url, timeout=read_timeout, headers=headers))
         async with request as resp:
             await resp.content.readany()
             return resp.status

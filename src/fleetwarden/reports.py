@@ -88,7 +88,8 @@ def reading_of(r: Report, *, excused: bool = False, progress_proves: bool = True
         verdict=r.verdict.name, summary=r.evidence.summary,
         restarted=r.restarted,
         incarnation=r.incarnation,
-        canary_ok=None if r.canary is None else r.canary.ok,
+        # A refused canary (the judge's ASKED_WRONG) proves nothing: as if none was sent.
+        canary_ok=None if r.canary is None else r.canary.outcome,
         canary_error=r.canary.error if r.canary is not None else "",
         excused=excused, progress_proves=progress_proves,
         sleep_level=r.sample.sleep_level if r.sample is not None else None,

@@ -40,6 +40,7 @@ from fleetwarden.ledger import ABSENT, Ledger, ShardState
 
 if TYPE_CHECKING:
     from fleetwarden.controller import Controller
+    from fleetwarden.credentials import Secret
 
 __all__ = ["SLEEP_CALL_TIMEOUT_S", "SLEEP_DRAIN_S", "SleepResult", "put_to_sleep", "wake"]
 
@@ -83,10 +84,13 @@ def _targets(ledger: Ledger, shards: Iterable[int] | None, wanted: set[ShardStat
     return chosen
 
 
-async def _call(http: aiohttp.ClientSession, method: str, url: str) -> tuple[int, Any] | str:
-    """(status, JSON body or None), or what went wrong."""
+async def _call(http: aiohttp.ClientSession, method: str, url: str,
+                key: Secret | None = None) -> tuple[int, Any] | str:
+    """(status, JSON body or None), or what went wrong; ``key``: the engine's, if it wants
+    one."""
     try:
-        async with http.request(method, url) as resp:
+        async with http.request(method, url,
+                                headers=None if key is None else key.bearer()) as resp:
             raw = await resp.read()
             try:
                 body = await resp.json(content_type=None) if raw else None
@@ -152,8 +156,10 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
         # go on elsewhere from where they are (a stream that cannot ends with why it stopped).
         await controller.rescue_now(sorted(late))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        answers = await asyncio.gather(*(_call(http, "POST", f"{url}/sleep?level={level}")
-                                         for _, url in marked))
+        keys = controller.engine_keys
+        answers = await asyncio.gather(*(_call(http, "POST", f"{url}/sleep?level={level}",
+                                               keys.of_shard(i))
+                                         for i, url in marked))
     for (i, url), answer in zip(marked, answers, strict=True):
         error = ""
         if isinstance(answer, str):
@@ -188,20 +194,21 @@ async def wake(ledger: Ledger, controller: Controller, *, shards: Iterable[int] 
         else:
             asleep.append((i, rec.base_url))
 
-    async def one(http: aiohttp.ClientSession, url: str) -> str:
-        answer = await _call(http, "POST", f"{url}/wake_up")
+    async def one(http: aiohttp.ClientSession, i: int, url: str) -> str:
+        key = controller.engine_keys.of_shard(i)
+        answer = await _call(http, "POST", f"{url}/wake_up", key)
         if isinstance(answer, str):
             return f"POST /wake_up: {answer}"
         if answer[0] != 200:
             return f"POST /wake_up answered {answer[0]}: {answer[1]}"
-        check = await _call(http, "GET", f"{url}/is_sleeping")
+        check = await _call(http, "GET", f"{url}/is_sleeping", key)
         if not isinstance(check, str) and check[0] == 200 and isinstance(check[1], dict) \
                 and check[1].get("is_sleeping") is True:
             return "GET /is_sleeping still says true after /wake_up"
         return ""  # an engine without /is_sleeping: its 200 to /wake_up is its word
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        errors = await asyncio.gather(*(one(http, url) for _, url in asleep))
+        errors = await asyncio.gather(*(one(http, i, url) for i, url in asleep))
     for (i, url), error in zip(asleep, errors, strict=True):
         if not error and ledger.shard(i).base_url == url:
             ledger.report_awake(i, "woken by the trainer", by_trainer=True)

@@ -40,10 +40,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
+from fleetwarden.credentials import Secret
 from fleetwarden.engine_metrics import Sample, Unreadable, parse
 from fleetwarden.engines import AUTO, EngineProfile, detect, profile
 from fleetwarden.judge import (
@@ -52,6 +53,7 @@ from fleetwarden.judge import (
     EXIT_HEALTHY,
     EXIT_NOT_SERVING,
     EXIT_UNREACHABLE,
+    Answer,
     Canaried,
     CanaryResult,
     Down,
@@ -68,6 +70,7 @@ from fleetwarden.judge import (
     Target,
     Visit,
     WatchdogPolicy,
+    asked_wrong,
     exit_code,
 )
 from fleetwarden.probe import describe as _describe
@@ -114,6 +117,16 @@ class _Memory:
     models: tuple[ModelCard, ...] | None = None
     models_of: str | None = None
     models_read: bool = False  # the engine answered /v1/models (a list or not) for models_of
+    #: The configuration faults already logged for this URL (:meth:`Watchdog._tell_faults`):
+    #: one log line per engine and cause, not one per read.
+    faults_told: frozenset[str] = frozenset()
+
+
+class _NoModels(NamedTuple):
+    """Why the model list could not be had: the status when one came, and in words."""
+
+    status: int | None
+    why: str
 
 
 #: Engines one round reads at once by default (the fleet passes ``health.max_concurrent_reads``).
@@ -130,13 +143,17 @@ class Watchdog:
     def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY, *, model: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  session: aiohttp.ClientSession | None = None,
-                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY,
+                 key_of: Callable[[str], Secret | None] | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.policy = policy
         #: Engines a round reads at once (``health.max_concurrent_reads``).
         self.concurrency = concurrency
         self.model = model
+        #: The API key each engine URL wants (``credentials.EngineKeys``), carried by every
+        #: request sent there; ``None``: none wants one.
+        self.key_of = key_of
         self._clock = clock
         self._session = session
         self._own_session = session is None
@@ -169,6 +186,11 @@ class Watchdog:
                 headers={"user-agent": "fleetwarden-watchdog"},
             )
         return self._session
+
+    def _auth(self, url: str) -> dict[str, str]:
+        """The headers that carry ``url``'s key, if its engine wants one."""
+        key = None if self.key_of is None else self.key_of(url)
+        return {} if key is None else key.bearer()
 
     def forget(self, url: str) -> None:
         """Drop what is remembered of an engine (it left the fleet, or moved)."""
@@ -233,6 +255,7 @@ class Watchdog:
         step = memory.watch.next(Visit(target, self._clock()))
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
+        self._tell_faults(target.url, memory, report.faults)
         return report
 
     def models(self, url: str) -> tuple[ModelCard, ...] | None:
@@ -257,9 +280,20 @@ class Watchdog:
             memory.models = None
         cards, answered = await self._model_cards(url)
         memory.models_of, memory.models_read = incarnation, answered
-        memory.models = cards if not isinstance(cards, str) else None
-        if isinstance(cards, str) and answered:
-            log.info("%s: GET /v1/models %s: the router lists none of its models", url, cards)
+        memory.models = None if isinstance(cards, _NoModels) else cards
+        if isinstance(cards, _NoModels) and answered:
+            log.info("%s: GET /v1/models %s: the router lists none of its models", url,
+                     cards.why)
+
+    @staticmethod
+    def _tell_faults(url: str, memory: _Memory, faults: tuple[str, ...]) -> None:
+        """Log each configuration fault of an engine once, when first seen (and again if it
+        comes back after it was gone): loud, but not once per read."""
+        for fault in faults:
+            if fault not in memory.faults_told:
+                log.warning("%s: configuration fault, not held against the engine: %s",
+                            url, fault)
+        memory.faults_told = frozenset(faults)
 
     async def watch_hedged(self, report: Report) -> Report | None:
         """A canary for a lost core whose held requests are being hedged away (the caller
@@ -330,22 +364,26 @@ class Watchdog:
                     check_health: bool = False) -> Reading:
         if proxy:
             models = await self._models(url)
-            if isinstance(models, str):
-                return Down(f"GET /v1/models: {models}")
+            if isinstance(models, _NoModels):
+                return Down(f"GET /v1/models: {models.why}",
+                            _answer("/v1/models", models.status), models.status)
             return ProxyAnswered(models)
         known = memory.watch.profile
+        answers: tuple[Answer, ...] = ()
         if known is not None and not known.has_metrics:
             problem = (f"the {known.name} profile has no /metrics: nothing proves progress; "
                        "canaries when idle and the router's outcomes only")
         else:
-            result, found = await self._metrics(url, known)
+            result, found, status = await self._metrics(url, known)
+            answers += _answer("/metrics", status)
             if found is not None:
                 memory.watch.profile = found
             if isinstance(result, Sample):
                 engine = memory.watch.profile
                 if check_health and engine is not None and engine.health_proves_core:
-                    health = await self._get_status(url + engine.health_path)
-                    if health != 200:
+                    health = await self._get_status(url, engine.health_path)
+                    # A refusal ("you asked wrong": a key it wants) says nothing of its core.
+                    if health != 200 and not (isinstance(health, int) and asked_wrong(health)):
                         why = health if isinstance(health, str) else f"answered {health}"
                         return Down(f"{engine.health_path}: {why}, while /metrics answers "
                                     "(its engine core is dead)")
@@ -353,55 +391,62 @@ class Watchdog:
             problem = result
         known = memory.watch.profile
         path = known.health_path if known is not None else "/health"
-        health = await self._get_status(url + path)
+        health = await self._get_status(url, path)
         if health == 200:
-            return NoMetrics(problem)
+            return NoMetrics(problem, answers)
         why = health if isinstance(health, str) else f"answered {health}"
-        return Down(f"/metrics: {problem}; {path}: {why}")
+        status = health if isinstance(health, int) else None
+        return Down(f"/metrics: {problem}; {path}: {why}", answers + _answer(path, status),
+                    status)
 
     async def _metrics(self, url: str, known: EngineProfile | None
-                       ) -> tuple[Sample | str, EngineProfile | None]:
-        """The sample, or why there is none; and the profile it was read by, if any."""
+                       ) -> tuple[Sample | str, EngineProfile | None, int | None]:
+        """The sample, or why there is none; the profile it was read by, if any; and the
+        status when it was not 200."""
         limit = self.policy.max_metrics_bytes
         try:
-            async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
+            async with self._http().get(url + "/metrics", timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
                 if resp.status != 200:
-                    return f"/metrics answered {resp.status}", None
+                    return f"/metrics answered {resp.status}", None, resp.status
                 body = await _read_bounded(resp, limit)
                 headers = resp.headers
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e), None
+            return _describe(e), None, None
         if body is None:
-            return f"/metrics body over the {limit}-byte limit", None
+            return f"/metrics body over the {limit}-byte limit", None, None
         engine = known
         if engine is None:
             engine = detect(body[:limit].decode("utf-8", errors="replace"))
             if engine is None:
                 return ("no known engine's families in /metrics (vllm, llamacpp, sglang, tgi); "
-                        "set engine in the config"), None
+                        "set engine in the config"), None, None
         start = headers.get(engine.start_header) if engine.start_header else None
         result = parse(body, max_bytes=limit, profile=engine, start_header=start)
-        return (result.reason if isinstance(result, Unreadable) else result), engine
+        return (result.reason if isinstance(result, Unreadable) else result), engine, None
 
-    async def _get_status(self, url: str) -> int | str:
-        return await health_status(self._http(), url, read_timeout=self._read_timeout())
+    async def _get_status(self, base: str, path: str) -> int | str:
+        return await health_status(self._http(), base + path, read_timeout=self._read_timeout(),
+                                   headers=self._auth(base))
 
-    async def _models(self, url: str) -> tuple[str, ...] | str:
+    async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
         """The served model names, or why they could not be had."""
         cards, _ = await self._model_cards(url)
-        return cards if isinstance(cards, str) else tuple(card.id for card in cards)
+        return cards if isinstance(cards, _NoModels) else tuple(card.id for card in cards)
 
-    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | str, bool]:
+    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | _NoModels, bool]:
         """The served models' cards, or why they could not be had; and whether the engine
         answered at all."""
         try:
-            async with self._http().get(url + "/v1/models", timeout=self._read_timeout()) as resp:
+            async with self._http().get(url + "/v1/models", timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
                 if resp.status != 200:
-                    return f"answered {resp.status}", True
+                    return _NoModels(resp.status, f"answered {resp.status}"), True
                 body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _describe(e), False
-        return cards_of(body or b""), True
+            return _NoModels(None, _describe(e)), False
+        cards = cards_of(body or b"")
+        return (_NoModels(None, cards) if isinstance(cards, str) else cards), True
 
     def _read_timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
@@ -425,11 +470,15 @@ class Watchdog:
                 model = self.model or memory.model
                 if model is None:
                     models = await self._models(url)
-                    if isinstance(models, str) or not models:
-                        return result(False, error=f"no model to ask for: GET /v1/models "
-                                      f"{models or 'listed none'}")
+                    if isinstance(models, _NoModels) or not models:
+                        why = models.why if isinstance(models, _NoModels) else "listed none"
+                        status = models.status if isinstance(models, _NoModels) else None
+                        return CanaryResult(False, self._clock() - started, status,
+                                            f"no model to ask for: GET /v1/models {why}",
+                                            request="GET /v1/models")
                     model = memory.model = models[0]
-                headers = {"x-request-id": CANARY_ID_PREFIX + uuid.uuid4().hex[:16]}
+                headers = {"x-request-id": CANARY_ID_PREFIX + uuid.uuid4().hex[:16],
+                           **self._auth(url)}
                 payload = {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1,
                            "temperature": 0}
                 async with self._http().post(url + "/v1/completions", json=payload,
@@ -475,6 +524,11 @@ def read_offsets(known: list[bool], concurrency: int, spread_s: float) -> list[f
     return offsets
 
 
+def _answer(path: str, status: int | None) -> tuple[Answer, ...]:
+    """``path``'s answer as a read records it: its status when one came that was not 200."""
+    return () if status is None or status == 200 else ((path, status),)
+
+
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
     """The body, or None as soon as it is known to be over ``limit`` bytes."""
     if resp.content_length is not None and resp.content_length > limit:
@@ -508,18 +562,18 @@ class Check:
 
 async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
                 policy: WatchdogPolicy = DEFAULT_POLICY, model: str | None = None,
-                engine: str = AUTO) -> Check:
+                engine: str = AUTO, key: Secret | None = None) -> Check:
     """One engine, judged once: a baseline read, then reads ``check_interval_s`` apart until the
     verdict is final — a third read only to tell STALLED from STUCK (timed so that the stall
     spans ``stall_s``), or to compare a restarted engine within its new process.
 
     A proxy is read once, ``GET /v1/models`` only. ``engine`` names the engine's profile
     (``auto``: recognised from ``/metrics``); a stall is never concluded sooner than the
-    profile's ``min_stall_s``.
+    profile's ``min_stall_s``. ``key``: the engine's API key, carried by every request.
     """
     target = Target(url.rstrip("/"), in_flight=in_flight, proxy=proxy, engine=engine)
     interval_s = policy.check_interval_s
-    async with Watchdog(policy, model=model) as watchdog:
+    async with Watchdog(policy, model=model, key_of=lambda _url: key) as watchdog:
         if proxy:
             report = await watchdog.probe(target)
             return Check(report, 1, exit_code(report))

@@ -102,6 +102,7 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
             await expect(card).to_have_attribute("data-state", "HEALTHY")
             await expect(card.locator(".url")).to_have_text(fleet.ledger.shard(i).base_url)
             await expect(card.locator("dd[data-field=budget]")).to_have_text("5 of 5")
+            await expect(card.locator("dd[data-field=config]")).to_have_text("—")  # no fault
 
         # A confirmation stands before every action: cancelled, nothing happens.
         await cards.nth(0).locator("button[data-action=crash]").click()

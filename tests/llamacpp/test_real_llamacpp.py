@@ -225,3 +225,57 @@ def test_a_restart_on_the_same_port_is_seen_in_the_start_header(
     assert [v for v, _ in seen] == [Verdict.IDLE, Verdict.IDLE, Verdict.RESTARTED], seen
     assert seen[0][1] == seen[1][1] != seen[2][1]
     print(f"\nProcess-Start-Time-Unix {seen[1][1]} -> {seen[2][1]}: RESTARTED")
+
+
+def test_a_keyed_llama_server_is_read_with_its_key_and_never_failed_without(
+        llama_server: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    """llama-server with --api-key (its own, started here: about 20 ms): the paths it leaves
+    open, read from the running binary (tools/server/server-http.cpp says /health, /models
+    and their /v1 forms; /metrics is guarded); the watchdog without the key reads no
+    metrics and its canary is refused, which fails nothing; with the key it is proven."""
+    from fleetwarden.credentials import Secret
+    from fleetwarden.judge import Health, WatchdogPolicy
+
+    key = "sk-llama-tier"
+    eng = start_llamacpp_engine(llama_server, tiny_gguf, tmp_path, extra_args=f"--api-key {key}")
+    try:
+        eng.wait_ready(timeout_s=30)
+
+        async def run() -> tuple[dict[str, tuple[int, int]], list[Health], tuple[str, ...],
+                                 Health, int]:
+            paths: dict[str, tuple[int, int]] = {}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                for path in ("/health", "/v1/models", "/metrics", "/slots", "/props"):
+                    got = []
+                    for headers in ({}, {"Authorization": f"Bearer {key}"}):
+                        async with http.get(eng.base_url + path, headers=headers) as r:
+                            got.append(r.status)
+                    paths[path] = (got[0], got[1])
+                wrong = 0
+                for _ in range(20):
+                    async with http.post(eng.base_url + "/v1/completions",
+                                         headers={"Authorization": "Bearer sk-wrong"},
+                                         json={"prompt": "hi", "max_tokens": 1}) as r:
+                        wrong += r.status == 401
+            policy = WatchdogPolicy(canary_interval_s=0.0)
+            async with Watchdog(policy) as bare:
+                without = [await bare.probe(Target(eng.base_url, engine="llamacpp"))
+                           for _ in range(3)]
+            async with Watchdog(policy, key_of=lambda _url: Secret(key)) as keyed:
+                with_key = await keyed.probe(Target(eng.base_url, engine="llamacpp"))
+            return (paths, [r.health for r in without], without[-1].faults, with_key.health,
+                    wrong)
+
+        paths, healths, faults, keyed_health, wrong = asyncio.run(run())
+    finally:
+        stop = eng.stop()
+        assert stop.clean, f"engine group {eng.pgid} left {stop.left}"
+    print(f"\nstatus without / with the key: {paths}; wrong key: {wrong} of 20 answered 401; "
+          f"watchdog without the key: {[h.value for h in healths]}, faults {faults}; "
+          f"with it: {keyed_health.value}")
+    assert paths["/health"] == (200, 200) and paths["/v1/models"] == (200, 200)
+    assert paths["/metrics"] == (401, 200)
+    assert wrong == 20
+    assert healths == [Health.UNPROVEN] * 3
+    assert any(f.startswith("GET /metrics answered 401") for f in faults), faults
+    assert keyed_health is Health.PROVEN

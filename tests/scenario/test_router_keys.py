@@ -24,6 +24,7 @@ import pytest
 
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.keys import RELOAD_EVERY_S, add_key, remove_key
+from fleetwarden.router.pool import BackendFacts
 from support.raw_http import Answer, Client, RawEngine, Received, post
 from support.sim import SimProcess
 from support.wait import until
@@ -224,6 +225,15 @@ async def test_the_engines_key_replaces_the_clients_and_streams_count_their_toke
         assert answer is not None and answer.status == 200
         (received,) = engine.received
         assert received.headers[b"authorization"] == b"Bearer sk-engine"
+        assert alpha.encode() not in received.head
+        # The fleet's push names each engine's own key (``[fleet] api_key_file``): with client
+        # keys on, every attempt carries it, not only the router's continuations.
+        router.set_serving_backends([engine.url], {engine.url: BackendFacts(0, None,
+                                                                           key="sk-pushed")})
+        answer = await ask(router, post("two", extra=keyed(alpha)))
+        assert answer is not None and answer.status == 200
+        received = engine.received[-1]
+        assert received.headers[b"authorization"] == b"Bearer sk-pushed"
         assert alpha.encode() not in received.head
     finally:
         await router.stop()

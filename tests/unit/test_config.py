@@ -241,3 +241,15 @@ def test_the_routing_choices_are_the_routers() -> None:
 
     annotation = RouterConfig.model_fields["routing"].annotation
     assert set(get_args(annotation)) == set(ROUTING_POLICIES)
+
+
+def test_config_check_reads_the_engines_key_and_never_shows_one(tmp_path: Path) -> None:
+    """A key's file or variable that cannot be read fails `config --check` naming the field;
+    a literal key is refused without being repeated."""
+    done = _check(tmp_path, '[fleet]\napi_key_env = "FLEETWARDEN_TEST_UNSET_KEY"\n')
+    assert done.returncode == 2 and "fleet.api_key_env" in done.stderr, done.stderr
+    done = _check(tmp_path, f'[fleet]\napi_key_file = "{tmp_path / "none.key"}"\n')
+    assert done.returncode == 2 and "fleet.api_key_file: cannot read" in done.stderr
+    done = _check(tmp_path, '[fleet]\napi_key = "sk-literal-in-config"\n')
+    assert done.returncode == 2 and "api_key_file" in done.stderr
+    assert "sk-literal-in-config" not in done.stderr + done.stdout

@@ -101,3 +101,13 @@ def test_a_wide_terminal_shows_every_column() -> None:
 
 def test_the_columns_that_always_stay_lead_the_priority_list() -> None:
     assert {col for col, _ in COLUMNS[: len(ALWAYS)]} == ALWAYS
+
+
+def test_a_configuration_fault_is_a_line_of_its_own_under_the_table() -> None:
+    """Never held against the engine, so no state shows it: `status` says it in words."""
+    fault = ("GET /v1/models answered 401: the engine wants an API key fleetwarden did not "
+             "send, or refuses the one it sent: set api_key_file or api_key_env for it")
+    shards = [{**SHARDS[0], "config_faults": [fault]}, *SHARDS[1:]]
+    text = render(200, shards)
+    assert f"shard 0  config fault  {fault}" in text
+    assert "config fault" not in render(200)

@@ -18,6 +18,7 @@ from fleetwarden.judge import (
     Fetch,
     Health,
     Hedged,
+    NoMetrics,
     ProxyAnswered,
     Read,
     ReadEngine,
@@ -120,6 +121,46 @@ CASES = [
     Case("an unreachable engine is one failed probe",
          IDLE, Target(URL), 1.0, [Down("refused")],
          ["read"], Verdict.UNREACHABLE, Health.FAILING),
+    # "You asked wrong" (judge.ASKED_WRONG) is a fault of fleetwarden's config, never the
+    # engine's: it proves nothing, either way.
+    Case("an idle engine whose canary is refused a key proves nothing, and is not failing",
+         IDLE, Target(URL), 40.0, [IDLE, CanaryResult(False, 0.01, 401, "answered 401")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.IDLE, Health.UNPROVEN, "proves nothing"),
+    Case("a canary that cannot list the models for want of a key proves nothing",
+         IDLE, Target(URL), 40.0,
+         [IDLE, CanaryResult(False, 0.01, 401, "no model to ask for: GET /v1/models "
+                             "answered 401", request="GET /v1/models")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.IDLE, Health.UNPROVEN),
+    Case("a canary answered 404 for its model name or path proves nothing",
+         IDLE, Target(URL), 40.0, [IDLE, CanaryResult(False, 0.01, 404, "answered 404")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.IDLE, Health.UNPROVEN),
+    Case("a canary answered 400 proves nothing",
+         IDLE, Target(URL), 40.0, [IDLE, CanaryResult(False, 0.01, 400, "answered 400")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.IDLE, Health.UNPROVEN),
+    Case("a lost core's refused canary is not conclusive: its held requests still are",
+         IDLE, Target(URL, in_flight=1), 1.0, [IDLE, CanaryResult(False, 0.01, 403, "403")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.LOST_CORE, Health.UNPROVEN),
+    Case("a lost core's held request condemns at the limit, whatever the canary says",
+         IDLE, Target(URL, in_flight=1, held_s=6.0), 6.0, [IDLE],
+         ["read"], Verdict.LOST_CORE, Health.CONDEMNED, "held a request 6.0 s"),
+    Case("a health path that refuses us answered: reachable, judged without metrics",
+         IDLE, Target(URL), 40.0,
+         [Down("/metrics: answered 401; /health: answered 401",
+               (("/metrics", 401), ("/health", 401)), 401),
+          CanaryResult(False, 0.01, 401, "answered 401")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.NO_METRICS, Health.UNPROVEN),
+    Case("a health path that answers 503 is down, refusals elsewhere or not",
+         IDLE, Target(URL), 1.0,
+         [Down("/metrics: answered 401; /health: answered 503",
+               (("/metrics", 401), ("/health", 503)), 503)],
+         ["read"], Verdict.UNREACHABLE, Health.FAILING),
+    Case("a proxy that refuses our model list is reachable, proves nothing, gets no canary",
+         None, Target(URL, proxy=True), 1.0,
+         [Down("GET /v1/models: answered 401", (("/v1/models", 401),), 401)],
+         ["proxy read"], Verdict.NO_METRICS, Health.UNPROVEN, "proxy refused us"),
+    Case("a canary answered 429 (the engine's own word on its load) is one failed probe",
+         IDLE, Target(URL), 40.0, [IDLE, CanaryResult(False, 0.01, 429, "answered 429")],
+         ["read", f"canary {TIMEOUT:g}"], Verdict.IDLE, Health.FAILING),
     Case("an excused stall (a refit lease) is never condemned, whatever it holds",
          BUSY, Target(URL, in_flight=4, held_s=60.0, stalls_excused=True), 60.0, [BUSY],
          ["read"], Verdict.STALLED, Health.UNPROVEN, "excused"),
@@ -235,3 +276,42 @@ def test_each_fetch_is_answered_once_and_an_unknown_one_is_refused() -> None:
     watch.next(Read(step.visit, Down("refused"), 0.0))
     with pytest.raises(ValueError, match="no visit"):
         watch.next(Read(step.visit, Down("refused"), 0.1))
+
+
+def test_a_configuration_fault_is_shown_until_the_same_request_is_answered() -> None:
+    """Each refused request names its fault and fix in the report, read after read (not only
+    at the read that sent the canary), until the same request is asked again and answered."""
+    watch = EngineWatch()
+    watch.keep_baseline(IDLE, 0.0)
+    refused = CanaryResult(False, 0.01, 401, "no model to ask for: GET /v1/models answered 401",
+                           request="GET /v1/models")
+    _, report = visit(watch, Target(URL), 40.0, [IDLE, refused])
+    assert report.health is Health.UNPROVEN
+    assert len(report.faults) == 1 and report.faults[0].startswith("GET /v1/models answered 401")
+    assert "api_key_file" in report.faults[0]
+    # Busy and proven by progress: the canary's fault stands (no canary was asked since).
+    _, report = visit(watch, Target(URL, in_flight=2), 41.0,
+                      [moved(BUSY, steps=5, generation_tokens=20)])
+    assert report.health is Health.PROVEN and len(report.faults) == 1
+    # A read that finds /metrics refused adds its own.
+    _, report = visit(watch, Target(URL, in_flight=2), 42.0,
+                      [NoMetrics("/metrics answered 403", (("/metrics", 403),))])
+    assert [f.split(":")[0] for f in report.faults] == ["GET /metrics answered 403",
+                                                        "GET /v1/models answered 401"]
+    # The key fixed: the metrics read and the canary answered, and no fault is left.
+    watch.keep_baseline(IDLE, 42.0)
+    _, report = visit(watch, Target(URL), 80.0, [IDLE, ANSWERED, moved(IDLE, steps=1)])
+    assert report.health is Health.PROVEN and report.faults == ()
+
+
+def test_a_refused_canary_is_none_for_the_ledger() -> None:
+    """The ledger is told no canary was sent (it proves nothing), so it counts no failed
+    probe; a canary that failed otherwise is told as failed."""
+    from fleetwarden.reports import reading_of
+
+    watch = EngineWatch()
+    watch.keep_baseline(IDLE, 0.0)
+    _, report = visit(watch, Target(URL), 40.0, [IDLE, CanaryResult(False, 0.01, 401, "401")])
+    assert reading_of(report).canary_ok is None and reading_of(report).health == "unproven"
+    _, report = visit(watch, Target(URL), 80.0, [IDLE, CanaryResult(False, 0.01, 500, "500")])
+    assert reading_of(report).canary_ok is False and reading_of(report).health == "failing"

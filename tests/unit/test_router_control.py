@@ -142,6 +142,19 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
                 [a], {a: BackendFacts(0, 7, incarnation="1795973023.5")})
             assert router.pool.facts(a).incarnation == "1795973023.5"
             assert (await remote.status())["facts"][a]["incarnation"] == "1795973023.5"
+            # The engines' keys (the router's own requests there) go apart from the facts,
+            # both ways; no answer and no status carries one.
+            key = "sk-pushed-5e1f"
+            for handle in (remote, router.control()):
+                await handle.set_serving_backends(
+                    [a, b], {a: BackendFacts(0, 1, key=key), b: BackendFacts(1, 1)})
+                assert router.pool.facts(a).key == key and router.pool.facts(b).key is None
+                assert key not in str(await handle.status())
+            answer = await remote._call("PUT", "/serving", {
+                "backends": [a], "facts": {a: {"shard": 0}}, "keys": {a: key}})
+            assert key not in str(answer) and router.pool.facts(a).key == key
+            with pytest.raises(ControlError, match="'keys' must be"):
+                await remote._call("PUT", "/serving", {"backends": [a], "keys": {a: 7}})
     finally:
         await router.stop()
 
@@ -553,3 +566,4 @@ async def test_a_worker_link_pushes_to_its_predecessor_until_released() -> None:
         await link.disconnect()
         for r in (old, new):
             await r.stop()
+

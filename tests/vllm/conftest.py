@@ -27,12 +27,24 @@ def tiny_model_dir(vllm_python: Path) -> Path:
     return ensure_tiny_model(python=vllm_python)
 
 
+#: The key the module's engine is started with (``--api-key``, as most deployments run vLLM):
+#: the tests' clients hold it (they always sent it: the OpenAI client wants a key).
+ENGINE_KEY = "unused"
+
+
+@pytest.fixture(scope="session")
+def engine_key() -> str:
+    return ENGINE_KEY
+
+
 @pytest.fixture(scope="module")
 def engine(vllm_python: Path, tiny_model_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
     """One real engine for the module's tests, in file order (the last one kills its core), up
-    and answering /health; stopped as a group however the tests end."""
-    eng = start_vllm_engine(vllm_python, tiny_model_dir, tmp_path_factory.mktemp("engine"))
+    and answering /health; stopped as a group however the tests end. Started with
+    ``--api-key`` (:data:`ENGINE_KEY`): /v1 wants it, /health and /metrics do not."""
+    eng = start_vllm_engine(vllm_python, tiny_model_dir, tmp_path_factory.mktemp("engine"),
+                            extra_args=f"--api-key {ENGINE_KEY}")
     try:
         eng.wait_ready()
         yield eng

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -38,18 +39,29 @@ from fleetwarden.testing.scenarios import (
     whole,
 )
 from fleetwarden.testing.up import UpProcess
-from fleetwarden.testing.vllm_env import vllm_engine_command, vllm_engine_env
+from fleetwarden.testing.vllm_env import (
+    SERVED_MODEL_NAME,
+    vllm_engine_command,
+    vllm_engine_env,
+)
 
 pytestmark = pytest.mark.vllm
+
+
+#: The engines run with an API key, as most vLLM deployments do: exported as VLLM_API_KEY to
+#: `fleetwarden up`, whose engines read it themselves and whose config names it
+#: (`api_key_env`), the working config of docs/operations.md. The tests' clients hold it.
+ENGINE_KEY = "sk-real-fleet-tier"
+KEYED = {"VLLM_API_KEY": ENGINE_KEY}
 
 
 @pytest.fixture(scope="module")
 def fleet(vllm_python: Path, tiny_model_dir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     toml = fleet_toml(vllm_engine_command(tiny_model_dir, vllm_python), vllm_engine_env(),
-                      0, 0)  # 0: up picks free ports itself
+                      0, 0, api_key_env="VLLM_API_KEY")  # 0: up picks free ports itself
     with up_fleet(tmp_path_factory.mktemp("real-fleet"), toml, start_timeout_s=300,
-                  stop_timeout_s=180) as up:
+                  stop_timeout_s=180, env=KEYED, client_key=ENGINE_KEY) as up:
         yield up
 
 
@@ -131,8 +143,9 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
 
     def check(*args: str, interval: str = "1") -> tuple[int, dict[str, object]]:
         out = subprocess.run([sys.executable, "-m", "fleetwarden", "check", url, "--json",
-                              "--interval", interval, *args],
-                             capture_output=True, text=True, timeout=120)
+                              "--interval", interval, "--api-key-env", "VLLM_API_KEY", *args],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **KEYED})
         return out.returncode, json.loads(out.stdout)
 
     def check_started(*args: str, interval: str) -> subprocess.Popen[str]:
@@ -142,7 +155,8 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
         ready = ("import sys; from fleetwarden.cli import main; print('ready', file=sys.stderr, "
                  "flush=True); sys.stdin.readline(); main()")
         proc = subprocess.Popen([sys.executable, "-c", ready, "check", url, "--json",
-                                 "--interval", interval, *args], text=True,
+                                 "--interval", interval, "--api-key-env", "VLLM_API_KEY",
+                                 *args], text=True, env={**os.environ, **KEYED},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         assert proc.stderr is not None and proc.stderr.readline() == "ready\n"
@@ -175,7 +189,7 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
     before, canaries_before = finished(), canaries()
 
     async def busy() -> tuple[int, dict[str, object], int]:
-        async with Load(url, concurrency=8, max_tokens_range=(240, 480),
+        async with Load(url, api_key=ENGINE_KEY, concurrency=8, max_tokens_range=(240, 480),
                         timeout_s=300) as load:
             for _ in range(600):  # 30 s at most
                 if await engine_metric(url, "vllm:num_requests_running") > 0:
@@ -201,7 +215,7 @@ def test_check_cli_on_real_vllm(fleet: UpProcess) -> None:
     # with a 1 s limit, and the core is let go through the admin API (no CLI to start): both
     # inside the fleet's 5 s. (Started after the stop, the check's own start made it 4.6 s.)
     async def stuck() -> tuple[int, dict[str, object]]:
-        async with Load(url, concurrency=4, max_tokens_range=(240, 480),
+        async with Load(url, api_key=ENGINE_KEY, concurrency=4, max_tokens_range=(240, 480),
                         timeout_s=300) as load:
             ready = await asyncio.to_thread(check_started, "--stall-s", "1", interval="0.25")
             struck, _ = await wedge_while_running(fleet, 0)
@@ -254,6 +268,47 @@ class FleetCanaries:
         self._stop.set()
         self._thread.join(timeout=30)
         return self._sent
+
+
+def test_real_vllm_keyed_fleet_serves_keyed_clients_and_wrong_keys_get_the_engines_401(
+        fleet: UpProcess) -> None:
+    """The fleet's engines have run with --api-key since the module began (idle, read at the
+    defaults, canaried with the key, checked): no shard was taken out (the autouse fixture)
+    and none shows a configuration fault. Through the router: 20 wrong-key requests are the
+    engine's 401, 20 of 20; 20 keyed ones are answered; keyless ones are 401 too. The key is
+    in neither the fleet's output nor its admin API."""
+    whole(fleet)
+    body = {"model": SERVED_MODEL_NAME, "prompt": "hello", "max_tokens": 4}
+
+    async def send(http: aiohttp.ClientSession, headers: dict[str, str],
+                   n: int = 20) -> list[int]:
+        gate = asyncio.Semaphore(4)
+
+        async def one() -> int:
+            async with gate, http.post(fleet.router + "/v1/completions", json=body,
+                                       headers=headers) as r:
+                await r.read()
+                return r.status
+
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            return (await send(http, {"Authorization": "Bearer sk-wrong"}),
+                    await send(http, {"Authorization": f"Bearer {ENGINE_KEY}"}),
+                    await send(http, {}, 5))
+
+    started = time.monotonic()
+    wrong, keyed, bare = asyncio.run(run())
+    shards = fleet.client.shards()
+    print(f"\nwrong key: {wrong.count(401)} of 20 answered 401; keyed: {keyed.count(200)} of "
+          f"20; keyless: {bare.count(401)} of 5 answered 401; config faults "
+          f"{[s['config_faults'] for s in shards]}; {time.monotonic() - started:.1f} s")
+    assert wrong == [401] * 20 and keyed == [200] * 20 and bare == [401] * 5
+    assert [s["config_faults"] for s in shards] == [[], []]
+    assert all(s["state"] == "HEALTHY" for s in shards), shards
+    shown = json.dumps([fleet.client.status(), shards, fleet.client.transitions()])
+    assert ENGINE_KEY not in shown and ENGINE_KEY not in "".join(fleet.output)
 
 
 def test_real_vllm_wedge_under_load_is_quarantined_and_requests_rescued(
@@ -310,7 +365,6 @@ def test_real_vllm_stream_cut_by_a_killed_core_goes_on_on_the_other_engine(
     max_tokens in one stream with one [DONE]. The client asks for the token ids itself, so it
     can count them: vLLM may put several tokens in one chunk when its API server falls behind,
     so chunks are no count of tokens."""
-    import os
     import signal
     import urllib.request
 
@@ -339,7 +393,8 @@ def test_real_vllm_stream_cut_by_a_killed_core_goes_on_on_the_other_engine(
         events: list[bytes] = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http, \
                 http.post(fleet.router + "/v1/completions", json=body,
-                          headers={"x-session-id": session}) as r:
+                          headers={"x-session-id": session,
+                                   "Authorization": f"Bearer {ENGINE_KEY}"}) as r:
             assert r.status == 200, await r.text()
             while event := await r.content.readuntil(b"\n\n"):
                 events.append(event[:-2])
@@ -434,7 +489,8 @@ def test_real_vllm_asleep_under_load_is_left_alone_and_serves_again_on_wake(
             assert time.monotonic() < deadline, fleet.client.shards()
             await asyncio.sleep(0.5)
         t0 = time.monotonic()
-        async with Load(fleet.router, concurrency=4, max_tokens=8, think_s=0.05) as asleep:
+        async with Load(fleet.router, api_key=ENGINE_KEY, concurrency=4, max_tokens=8,
+                        think_s=0.05) as asleep:
             await asyncio.sleep(60)
         assert fleet.client.states()[1] == "SLEEPING"
         status, body = await post("/wake_up")
@@ -442,7 +498,8 @@ def test_real_vllm_asleep_under_load_is_left_alone_and_serves_again_on_wake(
         while fleet.client.states()[1] != "HEALTHY":
             assert time.monotonic() - t0 < 180, fleet.client.shards()
             await asyncio.sleep(0.5)
-        async with Load(fleet.router, concurrency=4, max_tokens=8, total=40) as awake:
+        async with Load(fleet.router, api_key=ENGINE_KEY, concurrency=4, max_tokens=8,
+                        total=40) as awake:
             await awake.wait()
         return asleep, awake, time.monotonic() - t0
 

@@ -122,6 +122,66 @@ def test_a_real_engine_serves_the_tiny_model(engine: VllmEngine) -> None:
     # of tests/vllm/test_real_fleet.py: "nothing left running".)
 
 
+def test_a_keyed_engine_is_read_with_its_key_and_never_failed_without(
+        engine: VllmEngine, engine_key: str) -> None:
+    """The engine runs with --api-key. Without the key the watchdog's canary is refused (its
+    GET /v1/models answers 401): that proves nothing, so reads on reads it is never failing,
+    and the fault is named. With the key it is proven idle by an answered canary, as
+    ``fleetwarden check`` finds it; 20 completions with a wrong key are the engine's 401."""
+    import asyncio
+    import urllib.error
+    import urllib.request
+
+    from fleetwarden.credentials import Secret
+    from fleetwarden.judge import Health, Target, WatchdogPolicy
+    from fleetwarden.watchdog import Watchdog, check
+
+    engine_key = engine_key
+
+    def status(key: str | None) -> int:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        request = urllib.request.Request(engine.base_url + "/v1/models", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert (status(None), status(engine_key), status("sk-wrong")) == (401, 200, 401)
+    assert engine.get("/health")[0] == 200 and engine.get("/metrics")[0] == 200
+    wrong = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="sk-wrong", max_retries=0,
+                          timeout=30)
+    refused = 0
+    for _ in range(20):
+        try:
+            wrong.completions.create(model=SERVED_MODEL_NAME, prompt="hi", max_tokens=1)
+        except openai.AuthenticationError:
+            refused += 1
+    policy = WatchdogPolicy(canary_interval_s=0.0, canary_timeout_s=30.0)
+
+    async def judged() -> tuple[list[Health], tuple[str, ...], Health, int]:
+        started = time.monotonic()
+        async with Watchdog(policy) as bare:
+            without = [await bare.probe(Target(engine.base_url, engine="vllm"))
+                       for _ in range(3)]
+        async with Watchdog(policy, key_of=lambda _url: Secret(engine_key)) as keyed:
+            with_key = await keyed.probe(Target(engine.base_url, engine="vllm"))
+        checked = await check(engine.base_url, engine="vllm", key=Secret(engine_key),
+                              policy=WatchdogPolicy(check_interval_s=0.5))
+        print(f"judged in {time.monotonic() - started:.1f} s")
+        return ([r.health for r in without], without[-1].faults, with_key.health,
+                checked.exit_code)
+
+    healths, faults, keyed_health, exit_code = asyncio.run(judged())
+    print(f"wrong key: {refused} of 20 answered 401; without the key: "
+          f"{[h.value for h in healths]}, faults {faults}; with it: {keyed_health.value}, "
+          f"check exit {exit_code}")
+    assert refused == 20
+    assert healths == [Health.UNPROVEN] * 3
+    assert any(f.startswith("GET /v1/models answered 401") for f in faults), faults
+    assert keyed_health is Health.PROVEN and exit_code == 0
+
+
 def test_engine_core_is_found_and_can_be_stopped_and_continued(engine: VllmEngine) -> None:
     api = client(engine)
     api.completions.create(model=SERVED_MODEL_NAME, prompt="warm up", max_tokens=4)

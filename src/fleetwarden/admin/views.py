@@ -49,6 +49,10 @@ def status_view(snap: Snapshot) -> dict[str, Any]:
                      "in_progress": snap.restarts_in_progress},
         "refit": refits_view(snap)["lease"],
         "journal": {"failure": snap.journal_failure, "dropped": snap.journal_dropped},
+        # Shards whose answers show a fault of fleetwarden's own configuration (shards_view).
+        "config_faults": sum(1 for rec in snap.shards
+                             if (r := snap.reports.get(rec.index)) is not None and r.faults
+                             and r.url == rec.base_url),
         "router": {"requests": snap.router.requests,
                    "rescues": snap.router.rescues,
                    "hedges": snap.router.hedges,
@@ -81,6 +85,11 @@ def shards_view(snap: Snapshot) -> list[dict[str, Any]]:
             pid=handle.pid if handle else None,
             log_path=str(handle.log_path) if handle and handle.log_path else None,
             watchdog=report.to_dict() if report is not None else None,
+            # Faults of fleetwarden's own configuration its answers show (a key it wants, a
+            # model name it does not serve): never held against the engine, so shown here,
+            # where no state would show them (docs/design.md section 5, "Asked wrong").
+            config_faults=(list(report.faults) if report is not None
+                           and report.url == rec.base_url else []),
         )
         out.append(d)
     return out

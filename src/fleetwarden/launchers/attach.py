@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from fleetwarden.config import FleetConfig, HealthConfig
+from fleetwarden.credentials import Secret
 from fleetwarden.engine_metrics import Sample, parse
 from fleetwarden.engines import VLLM, detect
 from fleetwarden.launchers import EngineHandle, LaunchError
@@ -40,16 +41,18 @@ _POLL_S = 0.5
 
 
 async def read_incarnation(
-    session: aiohttp.ClientSession, url: str
+    session: aiohttp.ClientSession, url: str, key: Secret | None = None
 ) -> tuple[bool, str | None]:
     """(answers /health 200, which process answers — its start time from /metrics, or its
-    start header where the engine has one, llama.cpp's — or None)."""
-    status = await health_status(session, url + "/health")
+    start header where the engine has one, llama.cpp's — or None). ``key``: the engine's API
+    key, if it wants one (llama.cpp's ``--api-key`` guards /metrics)."""
+    headers = None if key is None else key.bearer()
+    status = await health_status(session, url + "/health", headers=headers)
     if isinstance(status, str):  # no answer at all
         return False, None
     healthy = status == 200
     try:
-        async with session.get(url + "/metrics") as resp:
+        async with session.get(url + "/metrics", headers=headers) as resp:
             if resp.status != 200:
                 return healthy, None
             body = await resp.read()
@@ -64,8 +67,11 @@ async def read_incarnation(
 class AttachLauncher:
     """Restarts attached engines through ``restart_command``; starts nothing itself."""
 
-    def __init__(self, fleet: FleetConfig, health: HealthConfig) -> None:
+    def __init__(self, fleet: FleetConfig, health: HealthConfig,
+                 key: Secret | None = None) -> None:
         self.command = fleet.restart_command
+        #: The attached engines' API key (the fleet's), for the reads of their process.
+        self.key = key
         self.urls = {fleet.launched + k: url for k, url in enumerate(fleet.backends)}
         self.read_timeout = aiohttp.ClientTimeout(total=health.probe_timeout_s)
         #: A restart command is part of the attempt, so it gets the attempt's time.
@@ -83,7 +89,7 @@ class AttachLauncher:
     async def launch(self, shard: int) -> EngineHandle:
         url = self.urls[shard]
         async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
-            answered, before = await read_incarnation(session, url)
+            answered, before = await read_incarnation(session, url, self.key)
         handle = EngineHandle(shard=shard, url=url, launch_id=f"attach-{uuid.uuid4().hex[:12]}",
                               launched_at=time.time())
         if self.command is not None:
@@ -135,7 +141,7 @@ class AttachLauncher:
         last = "no answer"
         async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
             while time.monotonic() < deadline:
-                healthy, now = await read_incarnation(session, handle.url)
+                healthy, now = await read_incarnation(session, handle.url, self.key)
                 if not healthy:
                     self._seen_down.add(key)
                 if healthy and now is not None and now != before:

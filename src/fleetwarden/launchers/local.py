@@ -48,7 +48,7 @@ from fleetwarden.launchers.procs import (
 from fleetwarden.probe import health_status
 
 __all__ = ["LocalLauncher", "default_engine_command", "free_port", "kill_launched",
-           "launch_id_of", "live_launch_ids", "wait_healthy"]
+           "launch_id_of", "live_launch_ids", "redacted", "wait_healthy"]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,31 @@ async def wait_healthy(handle: EngineHandle, timeout_s: float, hint: str) -> Non
     raise LaunchError(f"no /health 200 within {timeout_s:g} s ({last}); {hint}")
 
 
+
+#: Options whose value is a key: never written to an engine's log as given.
+_KEY_OPTIONS = ("--api-key",)
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` as an engine's log may show it: the value of ``--api-key`` (``--api-key K``
+    or ``--api-key=K``) as ``***``. A key belongs in a file or a variable
+    (docs/operations.md, "Engines with API keys"); one written in a command is at least not
+    copied into every log."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif arg in _KEY_OPTIONS:
+            out.append(arg)
+            hide = True
+        elif arg.startswith(tuple(o + "=" for o in _KEY_OPTIONS)):
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return out
+
 class LocalLauncher:
     """Starts engines from ``fleet.engine_cmd`` as local process groups."""
 
@@ -226,7 +251,7 @@ class LocalLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"shard-{shard}-{launch_id}.log"
         with open(log_path, "ab") as out:  # noqa: ASYNC230 - a local create, microseconds
-            out.write(f"# fleetwarden: {shlex.join(argv)}\n".encode())
+            out.write(f"# fleetwarden: {shlex.join(redacted(argv))}\n".encode())
             out.flush()
             try:
                 proc = await spawn_group(

@@ -125,6 +125,7 @@ class Router:
         if self.keys is not None:
             handler = self._dispatch_keyed
             self._forwarder.count_usage = True
+            self._forwarder.engine_keys_always = True
         self._server = serve.Server(handler, max_body_bytes=s.max_body_bytes,
                                     settings=s, closed_for=self.stats.connections_closed)
         #: The data port's listeners (several: the sockets a replaced router handed over).

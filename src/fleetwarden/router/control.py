@@ -182,7 +182,8 @@ class _ControlApi:
     async def put_serving(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         backends = _urls(body, "backends")
-        self.router.set_serving_backends(backends, _facts_of(body.get("facts")))
+        self.router.set_serving_backends(backends, _facts_of(body.get("facts"),
+                                                             body.get("keys")))
         self.router.arm_reflex()  # pushed from the fleet's health: the next push undoes a drop
         return web.json_response({"serving": self.router.serving_backends(),
                                   "facts": facts_json(self.router.backend_facts())})
@@ -314,9 +315,13 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
         content_type="application/json")
 
 
-def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
+def _facts_of(raw: object, keys: object = None) -> dict[str, BackendFacts] | None:
     """``facts`` of a push: absent or null (an older controller), or ``{url: {"shard": i,
-    "weight_version": v}}`` with either field absent or null when unknown."""
+    "weight_version": v}}`` with either field absent or null when unknown; ``keys``: the
+    engines' API keys by URL (absent: none), never echoed (no error names one)."""
+    if keys is not None and (not isinstance(keys, dict) or not all(
+            isinstance(k, str) and k for k in keys.values())):
+        raise _bad_request("'keys' must be an object mapping URLs to non-empty strings")
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -340,7 +345,8 @@ def _facts_of(raw: object) -> dict[str, BackendFacts] | None:
             raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
         facts[url] = BackendFacts(values["shard"], values["weight_version"],
                                   upstream_fields=fields, incarnation=incarnation,
-                                  models=_models_of(url, fact.get("models")))
+                                  models=_models_of(url, fact.get("models")),
+                                  key=(keys or {}).get(url))
     return facts
 
 

@@ -284,6 +284,15 @@ def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_
     return headers
 
 
+def _with_key(headers: RawHeaders, key: str | None) -> RawHeaders:
+    """``headers`` with ``Authorization: Bearer key`` in place of any the client sent, for a
+    request the router makes on its own account; as they are without a key."""
+    if key is None:
+        return headers
+    kept = [(k, v) for k, v in headers if k.lower() != b"authorization"]
+    return [*kept, (b"Authorization", b"Bearer " + key.encode("latin-1", "replace"))]
+
+
 def _min_version(value: bytes | None) -> int | Response | None:
     """The request's minimum weight version, ``None`` without one, or the 400 for a bad one."""
     if value is None:
@@ -372,6 +381,10 @@ class Forwarder:
         #: Set the tokens of each stream it relays event by event on its response
         #: (``StreamResponse.usage``): the router counts them per client key.
         self.count_usage = False
+        #: Every attempt carries its engine's key (the push's ``key``), not only the router's
+        #: own continuations: set when the router checks client keys, whose keys never go on
+        #: to an engine (router/keys.py), so that clients never need to hold the engines' key.
+        self.engine_keys_always = False
         #: Told of every failed attempt as it happens: (backend, cause). The router's evidence
         #: stream; whoever listens must not raise.
         self.on_failure: Callable[[str, str], None] | None = None
@@ -790,18 +803,24 @@ class Forwarder:
         pool = self.pool
         request, body, stream = ex.request, ex.body, ex.stream
         key = backend + request.raw_path  # the request target exactly as the client sent it
+        headers = ex.headers
+        facts = pool.facts(backend)  # what the push said of it as the attempt leaves
         if stream is not None:
             body = stream.splice.request.body_for(self._takes_fields(backend))
             if stream.began and stream.continuation is not None:
                 key = backend + stream.continuation.path
                 body = stream.continuation.body
+                # A continuation is the router's own request, not the client's: it carries
+                # the engine's key where the push gave one (the client's otherwise).
+                headers = _with_key(headers, facts.key)
+        if self.engine_keys_always:
+            headers = _with_key(headers, facts.key)
         target = self._target(key)
-        facts = pool.facts(backend)  # what the push said of it as the attempt leaves
         pool.dispatched(backend)
         try:
             sent = time.perf_counter()
             answer, hedge = await self._wait_head(backend, request.method, target, body,
-                                                  ex.headers, facts,
+                                                  headers, facts,
                                                   None if stream is not None else ex,
                                                   stream=stream)
             if hedge is not None:
@@ -932,6 +951,8 @@ class Forwarder:
         (:meth:`_attempt`); a failure here is counted against ``other`` and leaves the original
         waiting."""
         facts = self.pool.facts(other)
+        if self.engine_keys_always:
+            headers = _with_key(headers, facts.key)
         sent = time.perf_counter()
         # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is never
         # hedged itself: the original is its hedge).
@@ -1186,7 +1207,8 @@ class Forwarder:
         found = None
         try:
             answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
-                                                [], b"")
+                                                _with_key([], self.pool.facts(backend).key),
+                                                b"")
             models = json.loads(await _read(answer))
             value = models["data"][0]["max_model_len"]
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -268,6 +268,11 @@ class RemoteRouter:
         body: dict[str, Any] = {"backends": list(urls)}
         if facts is not None:
             body["facts"] = facts_json(facts)
+            # The engines' keys, apart from the facts: the facts are echoed in answers and
+            # statuses, the keys never.
+            keys = {url: f.key for url, f in facts.items() if f.key is not None}
+            if keys:
+                body["keys"] = keys
         await self._call("PUT", "/serving", body)
 
     async def drain_outcomes(self) -> Outcomes:

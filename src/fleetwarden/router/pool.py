@@ -24,7 +24,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from fleetwarden.router.models import ModelCard
@@ -57,6 +57,10 @@ class BackendFacts:
     #: The models its engine serves (its ``/v1/models``, as the watchdog read it): what the
     #: router's own ``GET /v1/models`` lists. ``None``: not read yet, or the push did not say.
     models: tuple[ModelCard, ...] | None = None
+    #: The API key its engine wants (``--api-key``), for the router's own requests there: a
+    #: stream's continuation and its read of ``/v1/models``. Never in a repr or in
+    #: :meth:`to_dict` (the router's status, the push's answer): pushed apart, as ``keys``.
+    key: str | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -73,6 +73,12 @@ class SimConfig:
     #: the whole KV capacity (``slots * max_model_len`` tokens), as vLLM caches in every free
     #: block; 0: prefix caching off. A benchmark makes it small to show eviction.
     prefix_cache_blocks: int | None = None
+    #: Started with ``--api-key`` (several accepted): every path under /v1, /v2, /inference
+    #: and /cohere then wants ``Authorization: Bearer <one of them>``, as vLLM's middleware
+    #: guards them; with ``engine = "llamacpp"``, every path but /health, /models and their
+    #: /v1 forms, as llama-server's; with ``sglang``, all but /health* and /metrics*, as
+    #: SGLang's (``server.py``, ``_vllm_auth``). Empty: nothing guarded.
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:

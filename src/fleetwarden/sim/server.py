@@ -47,13 +47,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import signal
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -177,7 +179,7 @@ class Sim:
         return self._port
 
     async def start(self) -> None:
-        app = web.Application(middlewares=[self._record, self._vllm_errors],
+        app = web.Application(middlewares=[self._record, self._vllm_auth, self._vllm_errors],
                               client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self._health),
@@ -461,6 +463,55 @@ class Sim:
         self._by_path[request.path] += 1
         self._log.append({"method": request.method, "path": request.path, "at": time.time(),
                           "request_id": request.headers.get("x-request-id")})
+        return await handler(request)
+
+    @web.middleware
+    async def _vllm_auth(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
+        """vLLM 0.32's ``--api-key``, rule for rule (vllm/entrypoints/serve/middleware/
+        authenticate.py): OPTIONS is never guarded; a path that starts with ``/v1``, ``/v2``,
+        ``/inference`` or ``/cohere`` (a plain string prefix: ``/v1x`` too) wants an
+        ``Authorization`` header whose scheme is ``bearer`` in any case, followed by one
+        space and one of the keys, compared in constant time (hashed first, as vLLM does);
+        else 401 ``{"error": "Unauthorized"}``. /health, /metrics, /ping, /version and the
+        dev endpoints (/sleep, /wake_up, ...) stay open.
+
+        With ``engine = "llamacpp"``, llama-server's rule instead (tools/server/
+        server-http.cpp, ``middleware_validate_api_key``): every path but /health,
+        /v1/health, /models, /v1/models and / wants the key (/metrics and /slots too), in
+        ``Authorization`` with or without ``Bearer `` or in ``X-Api-Key``, compared as it
+        is; else 401 with an OpenAI-shaped ``authentication_error``. OPTIONS is open.
+
+        With ``engine = "sglang"``, SGLang's (python/sglang/srt/utils/auth.py,
+        ``decide_request_auth``, its normal endpoints): every path but those starting with
+        /health or /metrics wants ``Authorization: bearer <key>`` as vLLM's check reads it;
+        else 401 ``{"error": "Unauthorized"}``. OPTIONS is open. (Its admin-key endpoints
+        are not simulated.) The simulator's own /sim/ control stays open in all three."""
+        keys = self.config.api_keys
+        path, engine = request.path, self.config.engine
+        if not keys or request.method == "OPTIONS" or path.startswith("/sim/"):
+            return await handler(request)
+        if engine == "llamacpp":
+            if path not in _LLAMACPP_PUBLIC and not _llamacpp_key_matches(request.headers, keys):
+                return _json({"error": {"message": "Invalid API Key",
+                                        "type": "authentication_error", "code": 401}}, 401)
+            return await handler(request)
+        guarded = (not path.startswith(_SGLANG_OPEN) if engine == "sglang"
+                   else path.startswith(_GUARDED))
+        if guarded and not _bearer_matches(request.headers.get("Authorization"), keys):
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+        if self.config.engine == "llamacpp":
+            if (request.path not in _LLAMACPP_PUBLIC
+                    and not _llamacpp_key_matches(request.headers, keys)):
+                return _json({"error": {"message": "Invalid API Key",
+                                        "type": "authentication_error", "code": 401}}, 401)
+        elif (request.path.startswith(_SGLANG_OPEN) if self.config.engine == "sglang"
+              else not request.path.startswith(_GUARDED)):
+            pass
+        elif not _bearer_matches(request.headers.get("Authorization"), keys):
+            return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
     @web.middleware
@@ -831,6 +882,37 @@ class Sim:
 #: EngineDeadError, answered with the generation's 500 (vLLM 0.32's
 #: entrypoints/serve/exception_handling/handlers/vllm_error.py).
 _ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache"})
+#: The path prefixes vLLM's ``--api-key`` guards (its ``GUARDED_PREFIX``).
+_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+#: The path prefixes SGLang's ``--api-key`` leaves open.
+_SGLANG_OPEN = ("/health", "/metrics")
+#: The paths llama-server's ``--api-key`` leaves open (its ``get_public_endpoints``).
+_LLAMACPP_PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
+
+
+def _llamacpp_key_matches(headers: Mapping[str, str], keys: tuple[str, ...]) -> bool:
+    """llama-server's check: ``Authorization`` (else ``X-Api-Key``), less a leading
+    ``Bearer ``, equal to one of the keys."""
+    given = headers.get("Authorization") or headers.get("X-Api-Key") or ""
+    given = given.removeprefix("Bearer ")
+    return any(hmac.compare_digest(given.encode(), key.encode()) for key in keys)
+
+
+def _bearer_matches(header: str | None, keys: tuple[str, ...]) -> bool:
+    """vLLM's ``verify_token``: ``<scheme> <key>`` split at the first space, the scheme
+    ``bearer`` in any case, the key's SHA-256 compared with every key's in constant time."""
+    if not header:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(given.encode()).digest()
+    match = False
+    for key in keys:
+        match |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    return match
 
 
 def _taken_apart(r: SimRequest) -> dict[str, Any]:

@@ -218,14 +218,15 @@ def ensure_tiny_gguf(cache: Path | None = None) -> Path:
 
 def start_llamacpp_engine(binary: str | os.PathLike[str], model: str | os.PathLike[str],
                           log_dir: str | os.PathLike[str], port: int | None = None,
-                          ) -> LocalEngine:
+                          extra_args: str = "") -> LocalEngine:
     """Launch one ``llama-server`` on 127.0.0.1 (a free port unless given) in its own process
     group, its own libraries first on the loader path, and return at once; call
     :meth:`LocalEngine.wait_ready` next (about 20 ms), and :meth:`LocalEngine.stop` in a
-    ``finally``."""
+    ``finally``. ``extra_args`` go to the server as they are (e.g. ``--api-key KEY``)."""
     port = port or free_port()
     command = llamacpp_engine_command(binary, model).format(host="127.0.0.1", port=port)
-    return launch(shlex.split(command), {**os.environ, **_engine_env(Path(binary))},
+    argv = shlex.split(command) + shlex.split(extra_args)
+    return launch(argv, {**os.environ, **_engine_env(Path(binary))},
                   Path(log_dir) / f"llama-server-port{port}.log", port, "llama-server")
 
 

@@ -86,6 +86,9 @@ class Load:
     #: Each request's ``x-request-id`` is this and its number: two loads side by side (streams
     #: and waiting requests, say) are told apart in an engine's log.
     id_prefix: str = "load-"
+    #: The key each request carries (``Authorization: Bearer``): the engines' own when they
+    #: are started with ``--api-key``; a placeholder otherwise (the client library wants one).
+    api_key: str = field(default="none", repr=False)
     results: list[RequestResult] = field(default_factory=list)
     _sent: int = 0
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,7 +102,7 @@ class Load:
         await self.stop()
 
     def start(self) -> None:
-        self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key="none",
+        self._client = AsyncOpenAI(base_url=self.base_url.rstrip("/") + "/v1", api_key=self.api_key,
                                    max_retries=0, timeout=self.timeout_s,
                                    http_client=openai.DefaultAsyncHttpxClient(limits=_LIMITS))
         self._t0 = time.monotonic()

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -92,7 +92,8 @@ class Figures:
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, startup_timeout_s: float = 180.0,
-               stop_grace_s: float = 10.0, routing: str = "least_in_flight") -> str:
+               stop_grace_s: float = 10.0, routing: str = "least_in_flight",
+               api_key_env: str | None = None) -> str:
     """A fleet judged as a user's is: no ``[health]`` setting at all, so the tick, the stall
     limit and the canaries are the defaults. What is set is about the machine and the tier:
     ``startup_timeout_s`` and ``stop_grace_s`` (the caller's engines), the restart budget, and
@@ -103,12 +104,13 @@ def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
     wedge, an idle wedge, and a cut stream tried up to three times). A sixth would retire it
     and fail the next test for a reason that is the tier's, not the judge's."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
+    key = "" if api_key_env is None else f'api_key_env = "{api_key_env}"\n'
     return f"""
 [fleet]
 engines = {engines}
 engine_cmd = '''{engine_cmd}'''
 startup_timeout_s = {startup_timeout_s}
-
+{key}
 [fleet.engine_env]
 {env}
 
@@ -231,7 +233,8 @@ async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0,
     idle with the router's requests in flight there, and the watchdog condemns a lost core
     instead of a stuck one; both are this fault, caught.
     """
-    load = Load(up.router, concurrency=6, max_tokens_range=(120, 280), timeout_s=300)
+    load = Load(up.router, concurrency=6, max_tokens_range=(120, 280), timeout_s=300,
+                api_key=up.client_key)
     load.start()
     await _in_flight(up, shard)
     url = (await _state(up, shard))["base_url"]
@@ -245,7 +248,8 @@ async def wedge_under_load(up: UpProcess, engines: str, shard: int = 0,
 async def sigstop_under_load(up: UpProcess, engines: str, shard: int = 0) -> Figures:
     """SIGSTOP of the engine's whole process group while it runs the router's requests: on a
     one-process engine (llama.cpp) its ``/health`` and ``/metrics`` stop answering too."""
-    load = Load(up.router, concurrency=6, max_tokens_range=(120, 280), timeout_s=300)
+    load = Load(up.router, concurrency=6, max_tokens_range=(120, 280), timeout_s=300,
+                api_key=up.client_key)
     load.start()
     await _in_flight(up, shard)
     return await _fault_under(up, "SIGSTOP under load", engines, shard, "sigstop", load)
@@ -253,7 +257,8 @@ async def sigstop_under_load(up: UpProcess, engines: str, shard: int = 0) -> Fig
 
 async def crash_under_load(up: UpProcess, engines: str, shard: int = 1) -> Figures:
     """SIGKILL of the engine core (or a simulated crash) with requests in flight."""
-    load = Load(up.router, concurrency=6, max_tokens=200, timeout_s=300)
+    load = Load(up.router, concurrency=6, max_tokens=200, timeout_s=300,
+                api_key=up.client_key)
     load.start()
     await _in_flight(up, shard)
     return await _fault_under(up, "crash under load", engines, shard, "crash", load)
@@ -261,7 +266,8 @@ async def crash_under_load(up: UpProcess, engines: str, shard: int = 1) -> Figur
 
 async def idle_wedge(up: UpProcess, engines: str, shard: int = 0) -> Figures:
     """A wedge while nothing runs; then the first routed requests."""
-    load = Load(up.router, concurrency=2, max_tokens=16, timeout_s=300)
+    load = Load(up.router, concurrency=2, max_tokens=16, timeout_s=300,
+                api_key=up.client_key)
     return await _fault_under(up, "idle wedge", engines, shard, "wedge", load, then_route=True)
 
 
@@ -363,12 +369,14 @@ def no_false_ejections(up: UpProcess) -> Iterator[set[int]]:
 
 @contextlib.contextmanager
 def up_fleet(work: Path, toml: str, *, start_timeout_s: float,
-             stop_timeout_s: float) -> Iterator[UpProcess]:
+             stop_timeout_s: float, env: Mapping[str, str] | None = None,
+             client_key: str = "none") -> Iterator[UpProcess]:
     """``fleetwarden up`` on the config ``toml`` (written into ``work``), stopped however the
     caller ends, and checked to leave nothing running. Give the config ports 0: ``up`` picks
-    free ones itself, so none probed free beforehand can be taken meanwhile."""
+    free ones itself, so none probed free beforehand can be taken meanwhile. ``env`` and
+    ``client_key``: as :class:`UpProcess` takes them (engines behind a key)."""
     up = UpProcess(work, "--config", str(write_config(work, toml)),
-                   start_timeout_s=start_timeout_s)
+                   start_timeout_s=start_timeout_s, env=env, client_key=client_key)
     try:
         yield up
     finally:

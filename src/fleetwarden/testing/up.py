@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from fleetwarden.client import FleetClient
@@ -30,10 +31,15 @@ class UpProcess:
     """`fleetwarden up --quiet`, on free ports unless ``args`` name ports or a config file."""
 
     def __init__(self, workdir: Path, *args: str, start_timeout_s: float = 120.0,
-                 drain: bool = False) -> None:
+                 drain: bool = False, env: Mapping[str, str] | None = None,
+                 client_key: str = "none") -> None:
         """``drain``: read what it prints after the start too, in a thread (into
-        ``output``), so a fleet that runs long and logs much never blocks on a full pipe."""
+        ``output``), so a fleet that runs long and logs much never blocks on a full pipe.
+        ``env``: more environment for it (and the engines it launches: ``VLLM_API_KEY``);
+        ``client_key``: the key the tests' clients send through its router (the engines',
+        when they run with ``--api-key``)."""
         self.workdir = workdir
+        self.client_key = client_key
         self._drain: threading.Thread | None = None
         argv = [sys.executable, "-m", "fleetwarden", "up", "--quiet"]
         if "--config" not in args:  # a config file names its own ports
@@ -44,6 +50,7 @@ class UpProcess:
         self.proc = subprocess.Popen(
             [*argv, *args], cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.output: list[str] = []
         self.router = self.admin = ""

@@ -229,6 +229,7 @@ const FIELDS = [
   ["tokens", "tokens/s"], ["cache", "prefix-cache hits"], ["verdict", "watchdog"],
   ["streaks", "streaks"],
   ["budget", "restarts left"], ["weights", "weight version"], ["error", "last error"],
+  ["config", "config fault"],
 ];
 
 function renderCards() {
@@ -299,6 +300,10 @@ function renderCard(s) {
   field(card, "budget", `${s.restart_budget_left} of ${model.view.max_restart_attempts}`);
   field(card, "weights", `v${s.weight_version}`);
   field(card, "error", s.last_error || "—", s.last_error ? "error" : "");
+  // A fault of fleetwarden's own configuration (a key the engine wants): never held against
+  // the engine, so no state shows it; shown here instead.
+  const faults = s.config_faults || [];
+  field(card, "config", faults.length ? faults.join("\n") : "—", faults.length ? "error" : "");
   const trail = card.querySelector(".trail");
   trail.replaceChildren(...model.transitions.filter((t) => t.shard === s.index).slice(-8)
     .map((t) => el("span", { "data-state": t.to, "data-tip": tipFor(t) }, t.to)));
