@@ -535,3 +535,52 @@ async def test_a_stream_whose_final_chunk_came_is_whole_and_its_engine_not_blame
         assert [(s, f) for s, f, _ in outcomes.values()] == [(1, 0)], outcomes
         assert sorted(router.pool.serving) == sorted(s.url for s in sims)
         assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
+
+
+# ---------------------------------------------------------------------- how a request ends
+
+
+async def test_an_assembled_answer_whose_stream_ends_in_a_client_error_is_that_error(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM codes the exceptions its stream generators catch 400: an answer the router
+    assembles from a stream that ends so is that error, with its code, never a 200 with the
+    content so far and no ``finish_reason``."""
+    body = {k: v for k, v in COMPLETION.items() if k != "stream"}
+    async with fleet(settings=RouterSettings(continue_answers=True)) as (router, _):
+        headers = {FAULT_HEADER: "error@5", FAULT_ID_HEADER: "assembled-400"}
+        async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
+            status, answer = r.status, await r.json()
+        assert directive_fired("assembled-400")
+        assert status == 400, answer
+        assert answer["error"]["code"] == 400 and answer["error"]["message"] == (
+            "the request failed while it was generated")
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
+
+
+async def test_a_whole_generation_whose_usage_cannot_be_counted_ends_with_done() -> None:
+    """Cut after its final chunk, before the usage event, on an engine that gives no token
+    ids: the router cannot count the usage, but the answer is whole: the stream ends with
+    ``[DONE]`` and the ``openai`` client reads it to its end without raising."""
+    async with fleet(n=2, token_ids=False) as (router, sims):
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused",
+                                    max_retries=0)
+        reference = openai.AsyncOpenAI(base_url=sims[0].url + "/v1", api_key="unused",
+                                       max_retries=0)
+        try:
+            expected = [c async for c in await reference.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, stream=True,
+                stream_options={"include_usage": True})]
+            stream = await client.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={FAULT_HEADER: "before_usage", FAULT_ID_HEADER: "no-usage-1"})
+            got = [c async for c in stream]
+        finally:
+            await client.close()
+            await reference.close()
+        assert directive_fired("no-usage-1")
+        assert "".join(c.choices[0].text for c in got if c.choices) == "".join(
+            c.choices[0].text for c in expected if c.choices)
+        assert [c.choices[0].finish_reason for c in got if c.choices][-1] == "length"
+        assert router.stats.streams_ended == {}

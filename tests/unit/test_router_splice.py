@@ -193,7 +193,9 @@ def test_a_server_error_event_is_a_failure_and_a_client_error_event_is_the_clien
     dead = b'data: {"error":{"message":"EngineCore encountered an issue.","code":500}}'
     assert splice.on_event(dead) == (EventAction.ENGINE_ERROR, b"")
     bad = b'data: {"error":{"message":"bad","code":400}}'
-    assert splice.on_event(bad) == (EventAction.SEND, bad + b"\n\n")
+    assert splice.on_event(bad) == (EventAction.CLIENT_ERROR, bad + b"\n\n")
+    # an answer being assembled ends as that error, with its code
+    assert splice.error_answer() == (400, b'{"error":{"message":"bad","code":400}}')
 
 
 def test_a_token_id_prompt_without_ids_back_cannot_go_on() -> None:

@@ -1088,6 +1088,14 @@ class Forwarder:
                     if outcome is EventAction.SKIP:
                         continue
                     if splice.request.assemble:
+                        if outcome is EventAction.CLIENT_ERROR:
+                            # The request's fault (a 4xx error event): its answer is that
+                            # error, and the engine did its part.
+                            complete = True
+                            self.pool.record_success(backend)
+                            return await self._answer_assembled(
+                                request, stream, upstream, started, backend_time, facts,
+                                error=True)
                         if outcome is EventAction.DONE:
                             complete = True
                             self.pool.record_success(backend)
@@ -1144,17 +1152,21 @@ class Forwarder:
 
     async def _answer_assembled(self, request: Request, stream: _Stream,
                                 upstream: Answer, started: float,
-                                backend_time: float, facts: BackendFacts) -> StreamResponse:
-        """The whole answer to a non-streamed request, assembled from the stream(s)."""
+                                backend_time: float, facts: BackendFacts, *,
+                                error: bool = False) -> StreamResponse:
+        """The whole answer to a non-streamed request, assembled from the stream(s); with
+        ``error``, the error its stream ended with."""
         headers = _response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE | {b"content-type"},
                                     facts)
-        response = Response(status=200, body=stream.splice.answer(), headers=headers,
-                                content_type="application/json")
+        status, body = (stream.splice.error_answer() if error
+                        else (200, stream.splice.answer()))
+        response = Response(status=status, body=body, headers=headers,
+                            content_type="application/json")
         stream.response = response
         try:
             await response.prepare(request)
             self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
-            self.stats.responded(200)
+            self.stats.responded(status)
             await response.write_eof()
         except ConnectionError:
             pass  # the client left: its loss, not the engine's
@@ -1219,6 +1231,11 @@ class Forwarder:
         closing = splice.closing_usage() if splice.finished() else None
         if closing is not None:
             data = closing + DONE
+        elif splice.finished():
+            # Whole, but its usage cannot be counted (no token ids): it ends as a whole answer
+            # does, without the usage event, never with an error a client library would raise
+            # after it had every token.
+            data = DONE
         else:
             what = "The stream broke off"
             if failure is not None:

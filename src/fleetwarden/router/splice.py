@@ -221,6 +221,10 @@ class EventAction(enum.Enum):
     SKIP = "skip"  # nothing for the client
     DONE = "done"  # the engine's ``[DONE]``: the generation is complete
     ENGINE_ERROR = "engine_error"  # the engine ended the stream with an error event, or aborted
+    #: An error event coded below 500: the request's fault, not the engine's. A stream's client
+    #: gets it as it came; an answer being assembled ends as that error (:meth:`Splice.
+    #: error_answer`), never as a 200 with the content so far.
+    CLIENT_ERROR = "client_error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +345,8 @@ class Splice:
             error = chunk["error"]
             code = error.get("code") if isinstance(error, dict) else None
             if isinstance(code, int) and code < 500:  # the request's fault: the client's to see
-                return EventAction.SEND, event + b"\n\n"
+                self.error = error
+                return EventAction.CLIENT_ERROR, event + b"\n\n"
             self.error = error
             return EventAction.ENGINE_ERROR, b""
         if any(isinstance(c, dict) and c.get("finish_reason") == "abort"
@@ -558,6 +563,14 @@ class Splice:
                       "completion_tokens": self.produced},
             "system_fingerprint": self.fingerprint,
         }) + b"\n\n"
+
+    def error_answer(self) -> tuple[int, bytes]:
+        """The non-streamed answer to a request whose stream ended with an error event of the
+        request's own (:attr:`EventAction.CLIENT_ERROR`): its code and its error, as vLLM
+        answers a request that fails before it streams."""
+        code = self.error.get("code") if isinstance(self.error, dict) else None
+        return (code if isinstance(code, int) and 400 <= code < 500 else 400,
+                _dumps({"error": self.error}))
 
     def answer(self) -> bytes:
         """The non-streamed answer, assembled from the stream(s), in vLLM 0.32's shape
