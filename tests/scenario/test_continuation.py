@@ -584,3 +584,29 @@ async def test_a_whole_generation_whose_usage_cannot_be_counted_ends_with_done()
             c.choices[0].text for c in expected if c.choices)
         assert [c.choices[0].finish_reason for c in got if c.choices][-1] == "length"
         assert router.stats.streams_ended == {}
+
+
+async def test_a_seeded_sampled_answer_is_sent_again_whole_and_a_stream_of_one_refused(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM draws a seeded request's tokens from one generator seeded once: a continuation's
+    draws would start again at the cut. An answer being assembled, of which its client has
+    nothing, is sent again from the start; a stream that began ends naming why."""
+    seeded = {"seed": 7, "temperature": 0.8}
+    body = {k: v for k, v in COMPLETION.items() if k != "stream"} | seeded
+    async with fleet(settings=RouterSettings(continue_answers=True)) as (router, sims):
+        async with http.post(sims[0].url + "/v1/completions", json=body) as r:
+            reference = await r.json()
+        headers = {FAULT_HEADER: "crash@8", FAULT_ID_HEADER: "seeded-answer"}
+        async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            answer = await r.json()
+        assert directive_fired("seeded-answer")
+        assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert answer["usage"] == reference["usage"]
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
+        headers = {FAULT_HEADER: "crash@8", FAULT_ID_HEADER: "seeded-stream"}
+        got = await read_stream(http, router.url, "/v1/completions", {**COMPLETION, **seeded},
+                                headers=headers)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert "seed" in error["reason"], error

@@ -269,6 +269,8 @@ def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
     ({"stop": ["\n"]}, "stop strings"),
     ({"presence_penalty": 0.5}, "penalties"),
     ({"frequency_penalty": -1}, "penalties"),
+    ({"seed": 7, "temperature": 0.8}, "seed"),
+    ({"seed": 7}, "seed"),  # vLLM's temperature 1: sampled
 ])
 def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[str, Any],
                                                                    cause: str) -> None:
@@ -277,6 +279,19 @@ def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[st
                         "/v1/completions", "completions-stream-token-ids.http", 3)
     plan = splice.continuation()
     assert isinstance(plan, str) and cause in plan
+
+
+def test_a_seeded_greedy_generation_goes_on_and_a_seeded_sampled_one_starts_again() -> None:
+    """At temperature 0 a seed draws nothing. A seeded sampled generation is reproducible
+    only from its start: nothing of it has reached the client, it is sent again whole."""
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True}
+    splice = _cut_after({**body, "seed": 7, "temperature": 0},
+                        "/v1/completions", "completions-stream-token-ids.http", 3)
+    assert not isinstance(splice.continuation(), str)
+    splice = Splice(request({**body, "seed": 7, "temperature": 0.8}))
+    splice.begin_attempt(None)
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.RESTART
 
 
 def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:

@@ -760,6 +760,11 @@ class Splice:
             # vLLM holds back the text a stop string might begin with, and matches a stop only
             # in its own output: the held text and a match across the cut would both be lost.
             return "stop strings (the text held back at the cut, and a match across it)"
+        if body.get("seed") is not None and not _greedy(body):
+            # vLLM draws a seeded request's tokens from one generator, seeded once at its start:
+            # a continuation's generator starts again at the cut, and its tokens after it are
+            # not the reproducible ones the seed promised (at temperature 0 nothing is drawn).
+            return "a seeded sampled generation (its random draws would restart at the cut)"
         if any(isinstance(body.get(k), int | float) and body.get(k)
                for k in ("presence_penalty", "frequency_penalty")):
             return "presence or frequency penalties (they count the output before the cut)"
