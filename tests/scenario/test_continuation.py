@@ -610,3 +610,63 @@ async def test_a_seeded_sampled_answer_is_sent_again_whole_and_a_stream_of_one_r
                                 headers=headers)
         error = json.loads(got[-2].removeprefix(b"data: "))["error"]
         assert "seed" in error["reason"], error
+
+
+# ---------------------------------------------------------------------- the engine's limits
+
+
+async def test_a_chat_without_a_limit_keeps_the_context_of_the_engine_that_began_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Engines of one model with different context lengths: a chat sent without a limit gets
+    vLLM's default on the engine that began it (its context less the prompt), and its
+    continuation keeps that, not the next engine's. The context is read in the background
+    when such a chat begins on an engine."""
+    short = Sim(SimConfig(steps_per_s=40, max_model_len=64))
+    long_ = Sim(SimConfig(steps_per_s=40, max_model_len=128))
+    router = Router([], RouterSettings(), health_managed=True)
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    try:
+        await short.start()
+        await long_.start()
+        await router.start()
+        router.set_serving_backends([short.url])
+        reference = await read_stream(http, short.url, "/v1/chat/completions", body)
+        # the first such chat on the engine: its context is read beside it
+        first = await read_stream(http, router.url, "/v1/chat/completions", body)
+        assert text(chunks(first)) == text(chunks(reference))
+        await until(lambda: short.url in router._forwarder.limits.context)
+
+        async def cut() -> None:
+            router.set_serving_backends([short.url, long_.url])
+            await crash(short)
+
+        got = await read_stream(http, router.url, "/v1/chat/completions", body, cut)
+        assert_whole(got, reference, chat=True)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
+    finally:
+        await router.stop()
+        await short.stop()
+        await long_.stop()
+
+
+async def test_a_server_cap_a_length_finish_revealed_is_kept_by_the_continuation(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Engines started with vLLM's ``--override-generation-config '{"max_new_tokens": 12}'``
+    end a request that asks 30 at 12, a cap no endpoint tells. A whole generation that ends
+    ``"length"`` short of its limit reveals it; a stream cut later is continued to that cap,
+    not to the client's 30."""
+    async with fleet(n=2, override_max_new_tokens=12) as (router, sims):
+        reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
+        assert len(chunks(reference)) == 12
+        # one whole generation on each engine (least in flight spreads two at once)
+        await asyncio.gather(*(read_stream(http, router.url, "/v1/completions", COMPLETION)
+                               for _ in sims))
+
+        async def cut() -> None:
+            await crash(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert_whole(got, reference, chat=False)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}

@@ -97,6 +97,7 @@ from fleetwarden.router.settings import (
 from fleetwarden.router.splice import (
     DONE,
     Continuation,
+    EngineLimits,
     EventAction,
     Splice,
     SseSplitter,
@@ -255,6 +256,8 @@ class _Stream:
     #: could go next (:meth:`Forwarder._elsewhere`).
     tried: list[str] = field(default_factory=list)
     min_version: int | None = None
+    #: The backend whose attempt began the generation: its limits are the ones kept.
+    began_on: str | None = None
 
     @property
     def began(self) -> bool:
@@ -374,7 +377,10 @@ class Forwarder:
         self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, Address] = {}
-        self._context_lengths: dict[str, int] = {}
+        #: Each engine's context length and server caps (:class:`EngineLimits`), and the
+        #: reads of ``/v1/models`` a push started (:meth:`learn_limits`).
+        self.limits = EngineLimits()
+        self._learning: dict[str, asyncio.Task[None]] = {}
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
@@ -413,6 +419,9 @@ class Forwarder:
                                       max_headers=s.max_headers)
 
     async def close(self) -> None:
+        for task in self._learning.values():
+            task.cancel()
+        self._learning.clear()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -706,7 +715,7 @@ class Forwarder:
             # Its final chunk was read: the generation is whole whatever became of [DONE], a
             # success of the engine, never continued past its end.
             assert ex.stream is not None
-            self.pool.record_success(failure.backend)
+            self._whole(failure.backend, ex.stream.splice)
             return await self._end_whole(ex.request, ex.stream)
         if step is AfterFailure.POISON:
             # The same 5xx from every engine it may try: the request is the problem, not
@@ -735,11 +744,16 @@ class Forwarder:
         if backend is None:
             return await self._end_stream(stream, ex.last,
                                           "no other backend with the same weights")
-        context = None
-        if stream.splice.needs_context_length():
-            context = await self._context_length(backend)
+        # The limits of the engine that began it, learnt before (never read here, outside
+        # every rescue and hedge); a chat with no limit on an engine whose context length is
+        # not known yet is refused.
+        limits, began_on = self.limits, stream.began_on
+        no_limit = stream.splice.names_no_limit()
         plan = stream.splice.continuation(
-            max_model_len=context, upstream_fields=self._takes_fields(backend))
+            max_model_len=None if began_on is None else limits.context.get(began_on),
+            upstream_fields=self._takes_fields(backend),
+            output_cap=limits.output_cap(began_on, no_limit),
+            next_output_cap=limits.output_cap(backend, False))
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self._end_stream(stream, ex.last, plan)
@@ -1058,6 +1072,10 @@ class Forwarder:
         start; one that fails after it is continued (by the caller)."""
         splice = stream.splice
         splice.begin_attempt(stream.continuation if stream.began else None)
+        if not stream.began:
+            stream.began_on = backend
+            if splice.names_no_limit():
+                self._learn_context(backend)
         if stream.began and stream.continuation is not None:
             self.stats.continuations[stream.continuation.mode.value] += 1
         streaming = self._streaming.get(backend)
@@ -1098,7 +1116,7 @@ class Forwarder:
                                 error=True)
                         if outcome is EventAction.DONE:
                             complete = True
-                            self.pool.record_success(backend)
+                            self._whole(backend, splice)
                             return await self._answer_assembled(
                                 request, stream, upstream, started, backend_time, facts)
                         continue
@@ -1109,7 +1127,7 @@ class Forwarder:
                         return stream.response
                     if outcome is EventAction.DONE:
                         complete = True
-                        self.pool.record_success(backend)
+                        self._whole(backend, splice)
                         with contextlib.suppress(ConnectionError):
                             await response.write_eof()
                         return response
@@ -1178,29 +1196,46 @@ class Forwarder:
         said = self.pool.facts(backend).upstream_fields
         return self.settings.upstream_fields if said is None else said
 
-    async def _context_length(self, backend: str) -> int | None:
-        """``backend``'s context length (vLLM's ``max_model_len`` in ``/v1/models``), which a
-        chat sent without ``max_tokens`` takes its default from; ``None`` if it does not say.
-        Asked once per backend."""
-        known = self._context_lengths.get(backend)
-        if known is not None or backend in self._context_lengths:
-            return known
+    def _whole(self, backend: str, splice: Splice) -> None:
+        """A generation came whole from ``backend``: a success of the engine, and a
+        ``"length"`` finish short of its limit tells that engine's server cap."""
+        self.pool.record_success(backend)
+        revealed = splice.revealed_cap(self.limits.context.get(backend))
+        if revealed is not None:
+            self.limits.learn_cap(backend, revealed)
+
+    def learn_limits(self) -> None:
+        """A push came: forget the limits of backends that left (one that comes back may have
+        been started otherwise)."""
+        self.limits.forget(set(self.pool.serving))
+
+    def _learn_context(self, backend: str) -> None:
+        """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the
+        background, once a chat sent without a limit begins there: its continuation keeps the
+        context of the engine that began it, and a read on the continuation's own path would
+        sit outside every rescue and hedge. Unknown when a cut comes: refused."""
+        if backend in self.limits.context or backend in self._learning:
+            return
+        task = asyncio.create_task(self._read_context(backend), name=f"context:{backend}")
+        self._learning[backend] = task
+        task.add_done_callback(partial(self._learnt, backend))
+
+    def _learnt(self, backend: str, _: asyncio.Task[None]) -> None:
+        self._learning.pop(backend, None)
+
+    async def _read_context(self, backend: str) -> None:
+        """``backend``'s context length, where its ``/v1/models`` says it (unknown otherwise:
+        the next chat that begins there asks again)."""
         assert self._client is not None, "Forwarder.open() was not awaited"
-        found = None
         try:
             answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
                                                 [], b"")
-            models = json.loads(await _read(answer))
-            value = models["data"][0]["max_model_len"]
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                found = value
+            value = json.loads(await _read(answer))["data"][0]["max_model_len"]
         except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
-            found = None
-        if len(self._context_lengths) >= _MAX_CACHED_TARGETS:
-            self._context_lengths.clear()
-        if found is not None:
-            self._context_lengths[backend] = found  # unknown ones are asked again next time
-        return found
+            return
+        if (isinstance(value, int) and not isinstance(value, bool) and value > 0
+                and backend in self.pool.serving):
+            self.limits.context[backend] = value
 
     async def _end_whole(self, request: Request, stream: _Stream) -> StreamResponse:
         """A generation whose final chunk came and whose connection went before ``[DONE]``:

@@ -583,11 +583,10 @@ class Sim:
             else:
                 return _json(wire.invalid("prompt must be a string or a list of tokens",
                                           "prompt"), 400)
-        params = parse_params(body, chat=chat, prompt_tokens=len(prompt_ids),
-                              max_model_len=c.max_model_len,
-                              reasoning_parser=c.reasoning_parser,
-                              override_max_new_tokens=c.override_max_new_tokens,
-                              default_max_new_tokens=c.default_max_new_tokens)
+        params = parse_params(
+            body, chat=chat, prompt_tokens=len(prompt_ids), max_model_len=c.max_model_len,
+            reasoning_parser=c.reasoning_parser, override_max_new_tokens=c.override_max_new_tokens,
+            default_max_new_tokens=c.default_max_new_tokens)
         if isinstance(params, dict):
             return _json(params, 400)
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
