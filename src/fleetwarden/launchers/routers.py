@@ -542,17 +542,21 @@ class RouterWorkers:
             await asyncio.sleep(RESTART_DELAY_S)
             if self._closing or self._procs.get(worker) is not p:
                 return
-            try:
-                await self._launch(worker)
-            except Exception as exc:  # its own watcher starts another once it exits
-                log.error("router worker %d: could not start again: %s", worker, exc)
-                return
-            # Its command line names the last serving set, not the facts that go with it
-            # (weight versions, the shards on trial): without this push a replacement serves
-            # without them until the controller's next change, which may be an hour away.
-            await self._push_last(worker)
+            await self._start_again(worker)
 
         p.watcher = asyncio.create_task(watch(), name=f"router-watch:{worker}")
+
+    async def _start_again(self, worker: int) -> None:
+        """A new worker in slot ``worker``, whose worker died, with the last push."""
+        try:
+            await self._launch(worker)
+        except Exception as exc:  # its own watcher starts another once it exits
+            log.error("router worker %d: could not start again: %s", worker, exc)
+            return
+        # Its command line names the last serving set, not the facts that go with it
+        # (weight versions, the shards on trial): without this push a replacement serves
+        # without them until the controller's next change, which may be an hour away.
+        await self._push_last(worker)
 
     def _retire_counters(self, worker: int) -> None:
         self._metrics.pop(worker, None)
@@ -638,13 +642,27 @@ class RouterWorkers:
             if isinstance(r, BaseException):
                 log.error("router reload roll-back: %s", r)
         for worker, old in olds.items():
+            await self.links[worker].release(old.record.control_url)
+            if not _same(old.record.pid, old.record.proc_start_ticks):
+                # It died during the reload, while its exit was no failure (its watcher
+                # started nothing): put back, its slot would hold a dead worker that nothing
+                # replaces. A new one takes the slot, as after any worker's death.
+                log.warning("router worker %d (pid %d) died during the reload; starting "
+                            "another", worker, old.record.pid)
+                self._procs[worker] = old
+                if self.journal is not None:
+                    await self._journal_write(self.journal.router_stopped,
+                                              old.record.launch_id)
+                self._retire_counters(worker)
+                await self.links[worker].disconnect()
+                await self._start_again(worker)
+                continue
             old.stopping = False  # its exit is a failure again: another is started for it
             self._procs[worker] = old
-            await self.links[worker].release(old.record.control_url)
             await self.links[worker].connect(old.record.control_url)
             await self._push_last(worker)
         log.error("router reload rolled back: the workers %s serve on",
-                  [p.record.pid for p in olds.values()])
+                  [p.record.pid for p in self._procs.values()])
 
     async def _push_last(self, worker: int) -> None:
         """Push the last serving set, its facts, the trial set and the Retry-After to the
