@@ -566,11 +566,14 @@ class RouterWorkers:
 
     async def _read_statuses(self) -> None:
         while not self._closing:
-            for link in self.links:
-                with contextlib.suppress(Exception):
-                    self._statuses[link.worker] = await link.status()
-                    self._metrics[link.worker] = await link.metrics_text()
+            await self._read_statuses_once()
             await asyncio.sleep(STATUS_EVERY_S)
+
+    async def _read_statuses_once(self) -> None:
+        for link in self.links:
+            with contextlib.suppress(Exception):
+                self._statuses[link.worker] = await link.status()
+                self._metrics[link.worker] = await link.metrics_text()
 
     async def reload(self) -> None:
         """Replace every worker with no request failed: new processes (the code installed
