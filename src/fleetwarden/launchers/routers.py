@@ -299,7 +299,9 @@ class RouterWorkers:
         self.adopted = 0
         self.started = 0
         self._procs: dict[int, _Process] = {}
-        self._statuses: dict[int, dict[str, Any]] = {}
+        #: Each worker process's last status, by its control URL: during a reload a slot's
+        #: old and new workers both count, each once, until the old one is retired.
+        self._statuses: dict[str, dict[str, Any]] = {}
         self._metrics: dict[int, str] = {}
         #: Counters of workers that are gone, so the fleet's totals never go backwards.
         self._gone = RouterStats()
@@ -537,7 +539,7 @@ class RouterWorkers:
                         worker, p.record.pid, code)
             if self.journal is not None:
                 await self._journal_write(self.journal.router_stopped, p.record.launch_id)
-            self._retire_counters(worker)
+            self._retire_counters(worker, p)
             await self.links[worker].disconnect()
             await asyncio.sleep(RESTART_DELAY_S)
             if self._closing or self._procs.get(worker) is not p:
@@ -558,9 +560,11 @@ class RouterWorkers:
         # without them until the controller's next change, which may be an hour away.
         await self._push_last(worker)
 
-    def _retire_counters(self, worker: int) -> None:
+    def _retire_counters(self, worker: int, p: _Process) -> None:
+        """Worker process ``p`` of slot ``worker`` is gone, or going: its last totals join
+        those of the gone (its own: the slot's new worker may have been read already)."""
         self._metrics.pop(worker, None)
-        status = self._statuses.pop(worker, None)
+        status = self._statuses.pop(p.record.control_url.rstrip("/"), None)
         if status is not None:
             _add_status(self._gone, status.get("stats", {}))
 
@@ -571,8 +575,9 @@ class RouterWorkers:
 
     async def _read_statuses_once(self) -> None:
         for link in self.links:
+            answering = link.url.rstrip("/")  # the worker now in the slot
             with contextlib.suppress(Exception):
-                self._statuses[link.worker] = await link.status()
+                self._statuses[answering] = await link.status()
                 self._metrics[link.worker] = await link.metrics_text()
 
     async def reload(self) -> None:
@@ -612,7 +617,7 @@ class RouterWorkers:
         # not answer closes its own on SIGUSR1 and waits HANDOVER_SETTLE_S for the others.
         await asyncio.gather(*(self._stop_accepting(old) for old in olds.values()))
         for worker, old in olds.items():
-            self._retire_counters(worker)
+            self._retire_counters(worker, old)
             self._drain(old)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
 
@@ -656,7 +661,7 @@ class RouterWorkers:
                 if self.journal is not None:
                     await self._journal_write(self.journal.router_stopped,
                                               old.record.launch_id)
-                self._retire_counters(worker)
+                self._retire_counters(worker, old)
                 await self.links[worker].disconnect()
                 await self._start_again(worker)
                 continue
