@@ -17,6 +17,7 @@ from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import free_port
+from fleetwarden.sim import FaultMode, Sim, SimConfig
 
 pytestmark = pytest.mark.scenario
 
@@ -187,3 +188,24 @@ async def test_a_passive_wait_for_an_engine_with_no_start_time_ends_when_it_is_b
     finally:
         await engine.down()
         await launcher.close()
+
+
+async def test_an_engine_back_under_a_new_incarnation_leaves_nothing_remembered() -> None:
+    """Ready, the handle takes the new incarnation as its launch id (what the watchdog
+    reports): what was kept under the old one must go then, or each restart of a long-lived
+    fleet leaves one entry for good."""
+    sim = Sim(SimConfig())
+    await sim.start()
+    launcher = AttachLauncher(FleetConfig(engines=0, backends=[sim.url]),
+                              HealthConfig(probe_timeout_s=2.0))
+    try:
+        for _ in range(3):
+            handle = await launcher.launch(0)
+            await sim.set_fault(FaultMode.RESTART)  # the system that runs it replaces it
+            await launcher.wait_ready(handle, 20.0)
+            assert not handle.launch_id.startswith("attach-")  # the new incarnation
+            await launcher.stop(handle)
+        assert launcher._before == {} and launcher._seen_down == set()
+    finally:
+        await launcher.close()
+        await sim.stop()

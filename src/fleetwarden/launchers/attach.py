@@ -139,7 +139,7 @@ class AttachLauncher:
                 if not healthy:
                     self._seen_down.add(key)
                 if healthy and now is not None and now != before:
-                    self._seen_down.discard(key)
+                    self._forget(key)  # the handle goes on under its new name
                     handle.launch_id = now  # the incarnation the watchdog reports, same spelling
                     return
                 if healthy and now is None and before is None and (
@@ -149,16 +149,20 @@ class AttachLauncher:
                     # system that runs it replaced it). Without the second, a passive wait for
                     # an engine with no start time (SGLang, TGI, many attached ones) never
                     # ended, and its shard stayed DEAD with its engine serving again.
-                    self._seen_down.discard(key)
+                    self._forget(key)
                     return
                 last = ("answers under the same incarnation" if healthy and now == before
                         else "not answering /health" if not healthy else "no incarnation")
                 await asyncio.sleep(_POLL_S)
         raise LaunchError(f"{handle.url} did not come back within {timeout_s:g} s ({last})")
 
+    def _forget(self, key: str) -> None:
+        """What was kept for the restart under launch id ``key``: its wait is over."""
+        self._before.pop(key, None)
+        self._seen_down.discard(key)
+
     async def stop(self, handle: EngineHandle) -> None:
-        self._before.pop(handle.launch_id, None)  # someone else runs it: nothing to stop
-        self._seen_down.discard(handle.launch_id)
+        self._forget(handle.launch_id)  # someone else runs it: nothing to stop
 
     async def close(self) -> None:
         self._before.clear()
