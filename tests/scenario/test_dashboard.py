@@ -163,7 +163,12 @@ async def test_the_page_needs_the_token_and_the_link_trades_it_for_a_cookie(
         async with http.post(url + "/login", data={"token": token}, headers={"Origin": url},
                              allow_redirects=False) as resp:
             assert resp.status == 303 and set_cookie(resp)["fleetwarden_token"].value == token
-        async with http.post(url + "/logout", headers=cookie, allow_redirects=False) as resp:
+        # another site's page cannot sign the browser out (a cross-site form post)
+        async with http.post(url + "/logout", headers={**cookie, "Origin": "http://evil.example"},
+                             allow_redirects=False) as resp:
+            assert resp.status == 403 and not set_cookie(resp)
+        async with http.post(url + "/logout", headers={**cookie, "Origin": url},
+                             allow_redirects=False) as resp:
             assert resp.status == 303 and set_cookie(resp)["fleetwarden_token"].value == ""
 
         # the page's own files carry no data and need no token; nothing else does without one
