@@ -276,8 +276,12 @@ def error_response(status: int, message: str, error_type: str,
 
 def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_HOP,
                       facts: BackendFacts = UNKNOWN_FACTS) -> RawHeaders:
-    """The engine's answer headers the client gets: ``dropped`` and any the engine gave of the
-    router's own removed, then the facts of the push added."""
+    """The engine's answer headers the client gets: ``dropped``, those the engine's
+    ``Connection`` names (hop-by-hop, RFC 9110 7.6.1) and any it gave of the router's own
+    removed, then the facts of the push added."""
+    named = [v for k, v in upstream if k.lower() == b"connection"]
+    if named:
+        dropped = dropped | {t.strip().lower() for v in named for t in v.split(b",")}
     headers = [(k, v) for k, v in upstream
                if (lowered := k.lower()) not in dropped and lowered not in _FACT_HEADERS]
     if facts.weight_version is not None:
