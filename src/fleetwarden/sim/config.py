@@ -77,9 +77,9 @@ class SimConfig:
     #: request's output, even one that names a larger ``max_tokens`` (RL stacks set it).
     #: None: no cap.
     override_max_new_tokens: int | None = None
-    #: The model's ``generation_config.json`` ``max_new_tokens``: the default of a request that
-    #: names no limit (a chat's; a completion's pydantic default, 16, wins), no cap on one that
-    #: names it. None: the model sets none.
+    #: The model's ``generation_config.json`` ``max_new_tokens`` (vLLM's ``--generation-config
+    #: auto``): the default of a request that names no limit (a chat's; a completion's pydantic
+    #: default, 16, wins), no cap on one that names it. None: the model sets none.
     default_max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
