@@ -382,7 +382,7 @@ class Forwarder:
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, Address] = {}
         #: Each engine's context length and server caps (:class:`EngineLimits`), and the
-        #: reads of ``/v1/models`` a push started (:meth:`learn_limits`).
+        #: reads of ``/v1/models`` under way (:meth:`_learn_context`).
         self.limits = EngineLimits()
         self._learning: dict[str, asyncio.Task[None]] = {}
         header = settings.session_header
@@ -1208,7 +1208,7 @@ class Forwarder:
         if revealed is not None:
             self.limits.learn_cap(backend, revealed)
 
-    def learn_limits(self) -> None:
+    def forget_limits(self) -> None:
         """A push came: forget the limits of backends that left (one that comes back may have
         been started otherwise)."""
         self.limits.forget(set(self.pool.serving))
