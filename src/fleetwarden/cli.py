@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
@@ -243,6 +244,22 @@ _SIM = SimConfig()  # the simulator's defaults, shown in --help
 _FAULTS = tuple(m.value for m in FaultMode)
 
 
+def _max_new_tokens(raw: str | None) -> int | None:
+    """``max_new_tokens`` of an ``--override-generation-config`` JSON object (None: unset)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise typer.BadParameter(f"{raw!r} is not JSON",
+                                 param_hint="--override-generation-config") from None
+    cap = value.get("max_new_tokens") if isinstance(value, dict) else None
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise typer.BadParameter(f"max_new_tokens must be an integer >= 1, got {cap!r}",
+                                 param_hint="--override-generation-config")
+    return cap
+
+
 @app.command()
 def sim(
     port: int = typer.Option(8000, help="Port to listen on; 0 picks a free one (see the "
@@ -279,6 +296,9 @@ def sim(
         "(Authorization: Bearer KEY), or with --engine llamacpp / sglang as theirs (all but "
         "/health and /models / all but /health* and /metrics*); repeat for several keys.")
     ] = None,
+    override_generation_config: str | None = typer.Option(
+        None, help="vLLM's flag, as JSON: '{\"max_new_tokens\": N}' caps every request's "
+        "output at N, even one that names more (the only key the simulator reads)."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -296,13 +316,15 @@ def sim(
     if engine not in SIM_ENGINES:
         raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(SIM_ENGINES)}",
                                  param_hint="--engine")
+    cap = _max_new_tokens(override_generation_config)
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
                        tokens_per_step=tokens_per_step,
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
-                       api_keys=tuple(api_key or ()))
+                       api_keys=tuple(api_key or ()),
+                       override_max_new_tokens=cap)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 

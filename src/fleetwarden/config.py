@@ -27,6 +27,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -286,6 +287,12 @@ class FleetConfig(_Section):
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backends: {url!r} is not an http(s) URL")
+            parts = urlsplit(url)
+            if parts.path or parts.query or parts.fragment:
+                # The router, the watchdog and the supervisor add their own paths to it.
+                raise ValueError(f"backends: {url!r} has a path; give the engine's root, "
+                                 f"{parts.scheme}://{parts.netloc} (fleetwarden adds "
+                                 "/v1/..., /metrics and /health itself)")
         if self.engine_cmd is not None:
             _check_template("engine_cmd", self.engine_cmd, ENGINE_PLACEHOLDERS)
         for key, value in self.engine_env.items():

@@ -168,7 +168,11 @@ class Focus:
             rec = self.ledger.shard(i)
             if rec.base_url != url or rec.state in ABSENT:
                 return  # condemned, or a new process: nothing left to confirm about this one
-            excused = self.refit is not None and i in self.refit.stalls_excused()
+            # Asleep in the ledger: never canaried nor judged stuck, as in the round
+            # (controller.py, ``_target``): a canary to an engine in vLLM's sleep mode waits
+            # until it wakes, and a stall while asleep is no fault.
+            asleep = rec.state is ShardState.SLEEPING
+            excused = asleep or (self.refit is not None and i in self.refit.stalls_excused())
             in_flight = (await self.evidence.in_flight(None)).get(url, 0)
             held = (await self.evidence.held(None)).get(url, 0.0)
             # A canary, if the engine is idle: on the first read (the accusation itself), and
@@ -178,7 +182,7 @@ class Focus:
             # And at every read of an engine in doubt (SUSPECT on reads alone), as the round
             # does (controller.py, ``_target``): an idle engine proves itself by nothing else.
             doubted = self.in_doubt(i)
-            ask = first or doubted or (due and canaried_for != rec.ejected_until)
+            ask = not asleep and (first or doubted or (due and canaried_for != rec.ejected_until))
             # Out of routing for failed requests: its health path too, where that proves a
             # dead core (vLLM's API server outlives its killed core for seconds, /metrics
             # frozen, /health 503).

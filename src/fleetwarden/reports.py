@@ -67,7 +67,12 @@ class ReportBook:
         if self.refit is None or p is None:
             return
         rec = self.ledger.shard(i)
-        if rec.state in ABSENT or rec.base_url != p.url:
+        # A new process at the same URL (restarted in place) is not the participant's: it
+        # did not get the weights, however well it answers. (One not named at the lease's
+        # start is told by its URL alone: its first name is no restart.)
+        replaced = rec.base_url != p.url or (p.incarnation is not None
+                                             and rec.incarnation != p.incarnation)
+        if rec.state in ABSENT or replaced:
             self.refit.observe_participant(
                 i, process_alive=False, api_answers=None,
                 evidence=f"{rec.state}: {rec.last_error}" if rec.last_error

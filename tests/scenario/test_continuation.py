@@ -535,3 +535,138 @@ async def test_a_stream_whose_final_chunk_came_is_whole_and_its_engine_not_blame
         assert [(s, f) for s, f, _ in outcomes.values()] == [(1, 0)], outcomes
         assert sorted(router.pool.serving) == sorted(s.url for s in sims)
         assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
+
+
+# ---------------------------------------------------------------------- how a request ends
+
+
+async def test_an_assembled_answer_whose_stream_ends_in_a_client_error_is_that_error(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM codes the exceptions its stream generators catch 400: an answer the router
+    assembles from a stream that ends so is that error, with its code, never a 200 with the
+    content so far and no ``finish_reason``."""
+    body = {k: v for k, v in COMPLETION.items() if k != "stream"}
+    async with fleet(settings=RouterSettings(continue_answers=True)) as (router, _):
+        headers = {FAULT_HEADER: "error@5", FAULT_ID_HEADER: "assembled-400"}
+        async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
+            status, answer = r.status, await r.json()
+        assert directive_fired("assembled-400")
+        assert status == 400, answer
+        assert answer["error"]["code"] == 400 and answer["error"]["message"] == (
+            "the request failed while it was generated")
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
+
+
+async def test_a_whole_generation_whose_usage_cannot_be_counted_ends_with_done() -> None:
+    """Cut after its final chunk, before the usage event, on an engine that gives no token
+    ids: the router cannot count the usage, but the answer is whole: the stream ends with
+    ``[DONE]`` and the ``openai`` client reads it to its end without raising."""
+    async with fleet(n=2, token_ids=False) as (router, sims):
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused",
+                                    max_retries=0)
+        reference = openai.AsyncOpenAI(base_url=sims[0].url + "/v1", api_key="unused",
+                                       max_retries=0)
+        try:
+            expected = [c async for c in await reference.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, stream=True,
+                stream_options={"include_usage": True})]
+            stream = await client.completions.create(
+                model="tiny", prompt="hello", max_tokens=12, stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={FAULT_HEADER: "before_usage", FAULT_ID_HEADER: "no-usage-1"})
+            got = [c async for c in stream]
+        finally:
+            await client.close()
+            await reference.close()
+        assert directive_fired("no-usage-1")
+        assert "".join(c.choices[0].text for c in got if c.choices) == "".join(
+            c.choices[0].text for c in expected if c.choices)
+        assert [c.choices[0].finish_reason for c in got if c.choices][-1] == "length"
+        assert router.stats.streams_ended == {}
+
+
+async def test_a_seeded_sampled_answer_is_sent_again_whole_and_a_stream_of_one_refused(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM draws a seeded request's tokens from one generator seeded once: a continuation's
+    draws would start again at the cut. An answer being assembled, of which its client has
+    nothing, is sent again from the start; a stream that began ends naming why."""
+    seeded = {"seed": 7, "temperature": 0.8}
+    body = {k: v for k, v in COMPLETION.items() if k != "stream"} | seeded
+    async with fleet(settings=RouterSettings(continue_answers=True)) as (router, sims):
+        async with http.post(sims[0].url + "/v1/completions", json=body) as r:
+            reference = await r.json()
+        headers = {FAULT_HEADER: "crash@8", FAULT_ID_HEADER: "seeded-answer"}
+        async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            answer = await r.json()
+        assert directive_fired("seeded-answer")
+        assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert answer["usage"] == reference["usage"]
+        assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
+        headers = {FAULT_HEADER: "crash@8", FAULT_ID_HEADER: "seeded-stream"}
+        got = await read_stream(http, router.url, "/v1/completions", {**COMPLETION, **seeded},
+                                headers=headers)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert "seed" in error["reason"], error
+
+
+# ---------------------------------------------------------------------- the engine's limits
+
+
+async def test_a_chat_without_a_limit_keeps_the_context_of_the_engine_that_began_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Engines of one model with different context lengths: a chat sent without a limit gets
+    vLLM's default on the engine that began it (its context less the prompt), and its
+    continuation keeps that, not the next engine's. The context is read in the background
+    when such a chat begins on an engine."""
+    short = Sim(SimConfig(steps_per_s=40, max_model_len=64))
+    long_ = Sim(SimConfig(steps_per_s=40, max_model_len=128))
+    router = Router([], RouterSettings(), health_managed=True)
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    try:
+        await short.start()
+        await long_.start()
+        await router.start()
+        router.set_serving_backends([short.url])
+        reference = await read_stream(http, short.url, "/v1/chat/completions", body)
+        # the first such chat on the engine: its context is read beside it
+        first = await read_stream(http, router.url, "/v1/chat/completions", body)
+        assert text(chunks(first)) == text(chunks(reference))
+        await until(lambda: short.url in router._forwarder.limits.context)
+
+        async def cut() -> None:
+            router.set_serving_backends([short.url, long_.url])
+            await crash(short)
+
+        got = await read_stream(http, router.url, "/v1/chat/completions", body, cut)
+        assert_whole(got, reference, chat=True)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
+    finally:
+        await router.stop()
+        await short.stop()
+        await long_.stop()
+
+
+async def test_a_server_cap_a_length_finish_revealed_is_kept_by_the_continuation(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Engines started with vLLM's ``--override-generation-config '{"max_new_tokens": 12}'``
+    end a request that asks 30 at 12, a cap no endpoint tells. A whole generation that ends
+    ``"length"`` short of its limit reveals it; a stream cut later is continued to that cap,
+    not to the client's 30."""
+    async with fleet(n=2, override_max_new_tokens=12) as (router, sims):
+        reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
+        assert len(chunks(reference)) == 12
+        # one whole generation on each engine (least in flight spreads two at once)
+        await asyncio.gather(*(read_stream(http, router.url, "/v1/completions", COMPLETION)
+                               for _ in sims))
+
+        async def cut() -> None:
+            await crash(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert_whole(got, reference, chat=False)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}

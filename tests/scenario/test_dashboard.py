@@ -163,7 +163,12 @@ async def test_the_page_needs_the_token_and_the_link_trades_it_for_a_cookie(
         async with http.post(url + "/login", data={"token": token}, headers={"Origin": url},
                              allow_redirects=False) as resp:
             assert resp.status == 303 and set_cookie(resp)["fleetwarden_token"].value == token
-        async with http.post(url + "/logout", headers=cookie, allow_redirects=False) as resp:
+        # another site's page cannot sign the browser out (a cross-site form post)
+        async with http.post(url + "/logout", headers={**cookie, "Origin": "http://evil.example"},
+                             allow_redirects=False) as resp:
+            assert resp.status == 403 and not set_cookie(resp)
+        async with http.post(url + "/logout", headers={**cookie, "Origin": url},
+                             allow_redirects=False) as resp:
             assert resp.status == 303 and set_cookie(resp)["fleetwarden_token"].value == ""
 
         # the page's own files carry no data and need no token; nothing else does without one
@@ -268,11 +273,13 @@ def test_the_workers_cache_tallies_are_added_up() -> None:
     from fleetwarden.launchers.routers import RouterWorkers
 
     workers = RouterWorkers.__new__(RouterWorkers)
-    workers._statuses = {  # what each worker's GET /status said last
-        0: {"cache": {"http://a": {"requests": 2, "blocks": 10, "predicted_hit_blocks": 4}}},
-        1: {"cache": {"http://a": {"requests": 1, "blocks": 6, "predicted_hit_blocks": 6},
-                      "http://b": {"requests": 1, "blocks": 3, "predicted_hit_blocks": 0}}},
-        2: {},  # a worker under least in flight, or one that has said nothing yet
+    workers._statuses = {  # what each worker's GET /status said last, by its control URL
+        "http://127.0.0.1:1": {"cache": {"http://a": {"requests": 2, "blocks": 10,
+                                                      "predicted_hit_blocks": 4}}},
+        "http://127.0.0.1:2": {"cache": {
+            "http://a": {"requests": 1, "blocks": 6, "predicted_hit_blocks": 6},
+            "http://b": {"requests": 1, "blocks": 3, "predicted_hit_blocks": 0}}},
+        "http://127.0.0.1:3": {},  # a worker under least in flight, or one silent so far
     }
     got = {u: (t.requests, t.blocks, t.hit_blocks)
            for u, t in workers.cache_predictions().items()}

@@ -75,6 +75,21 @@ async def test_an_early_hints_answer_is_skipped_and_its_answer_never_reaches_ano
         assert (b.status, json.loads(b.body)) == (200, {"prompt": "B"})
 
 
+async def test_headers_an_engine_names_in_connection_never_reach_the_client() -> None:
+    """RFC 9110 7.6.1: a proxy removes the header fields its Connection header names, on the
+    answer as on the request: they are the engine's hop's, not the client's."""
+    async def named(request: Received, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Engine-Hop\r\n"
+                     b"X-Engine-Hop: private\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\n{}")
+        return True
+
+    async with fleet(RawEngine(named)) as router:
+        answer = await exchange(router, post("x"))
+        assert answer is not None and answer.status == 200 and answer.body == b"{}"
+        assert answer.headers.get(b"x-kept") == b"1"
+        assert b"x-engine-hop" not in answer.headers
+
+
 async def test_a_101_from_an_engine_is_refused_never_relayed() -> None:
     async def upgrades(request: Received, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -565,3 +565,30 @@ async def test_after_a_kill_in_the_middle_of_a_reload_the_old_worker_finishes_wh
         kill_launched(journal.router_launch_ids())
         journal.close()
         sim.kill()
+
+
+async def test_a_reload_rolled_back_replaces_an_old_worker_that_died_during_it(
+    tmp_path: Path,
+) -> None:
+    """Before: the roll-back put the dead worker back in its slot, where nothing replaced it
+    (its exit, during the reload, was no failure): the slot served nothing until a stop."""
+    async with one_worker(tmp_path) as (workers, journal, _):
+        [old] = journal.running_routers()
+        launch = workers._launch
+
+        dying = workers._procs[0].proc
+        assert dying is not None
+
+        async def no_new_worker(worker: int, take_from: Sequence[str] = ()) -> None:
+            if take_from:  # a reload's new worker: it fails to start, once the old one died
+                await until(lambda: dying.returncode is not None, 10, "the old worker died")
+                raise LaunchError("the reload's new worker could not start")
+            await launch(worker, take_from)
+
+        workers._launch = no_new_worker  # type: ignore[method-assign]
+        os.kill(old["pid"], signal.SIGKILL)  # dies as the reload begins
+        with pytest.raises(LaunchError, match="rolled back"):
+            await workers.reload()
+        [now] = journal.running_routers()
+        assert now["launch_id"] != old["launch_id"]
+        assert (await workers.links[0].status())["serving"] == [BACKEND]

@@ -20,7 +20,7 @@ import pytest
 
 from fleetwarden.sim import Sim, SimConfig, wire
 from fleetwarden.sim.config import FaultMode
-from fleetwarden.sim.sampling import EOS, Generation, Params
+from fleetwarden.sim.sampling import EOS, Generation, Params, parse_params
 from scenario.test_sim_continuation import keys
 
 pytestmark = pytest.mark.scenario
@@ -228,3 +228,24 @@ async def test_a_crashed_engine_takes_no_sleep_wake_or_cache_call(
                 assert r.status == 500, path
                 assert "EngineCore encountered an issue" in (await r.json())["error"]["message"]
         assert s.sleep_level == 0
+
+
+def test_server_caps_limit_the_output_as_vllms_get_max_tokens_does() -> None:
+    """vLLM's ``get_max_tokens``: the override's ``max_new_tokens`` caps even a request that
+    names more; the generation config's is only the default of a chat that names none."""
+    def limit(body: dict[str, Any], chat: bool, **caps: int) -> int:
+        params = parse_params(body, chat=chat, prompt_tokens=10, max_model_len=100,
+                              reasoning_parser=False, **caps)
+        assert isinstance(params, Params), params
+        return params.max_tokens
+
+    assert limit({"max_tokens": 50}, False, override_max_new_tokens=20) == 20
+    assert limit({"max_tokens": 50}, True, override_max_new_tokens=20) == 20
+    assert limit({"max_tokens": 5}, True, override_max_new_tokens=20) == 5
+    assert limit({}, True, override_max_new_tokens=20) == 20
+    assert limit({}, True, override_max_new_tokens=200) == 90  # the context left
+    assert limit({}, False, override_max_new_tokens=20) == 16  # a completion's default
+    assert limit({"max_tokens": 50}, True, default_max_new_tokens=20) == 50
+    assert limit({}, True, default_max_new_tokens=20) == 20
+    # the override replaces the model's default
+    assert limit({}, True, default_max_new_tokens=20, override_max_new_tokens=30) == 30

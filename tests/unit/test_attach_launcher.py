@@ -17,6 +17,7 @@ from fleetwarden.config import FleetConfig, HealthConfig
 from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import free_port
+from fleetwarden.sim import FaultMode, Sim, SimConfig
 
 pytestmark = pytest.mark.scenario
 
@@ -184,6 +185,61 @@ async def test_a_passive_wait_for_an_engine_with_no_start_time_ends_when_it_is_b
             await asyncio.sleep(0.6)
         await engine.up()
         await asyncio.wait_for(waiting, 10)
+    finally:
+        await engine.down()
+        await launcher.close()
+
+
+async def test_an_engine_back_under_a_new_incarnation_leaves_nothing_remembered() -> None:
+    """Ready, the handle takes the new incarnation as its launch id (what the watchdog
+    reports): what was kept under the old one must go then, or each restart of a long-lived
+    fleet leaves one entry for good."""
+    sim = Sim(SimConfig())
+    await sim.start()
+    launcher = AttachLauncher(FleetConfig(engines=0, backends=[sim.url]),
+                              HealthConfig(probe_timeout_s=2.0))
+    try:
+        for _ in range(3):
+            handle = await launcher.launch(0)
+            await sim.set_fault(FaultMode.RESTART)  # the system that runs it replaces it
+            await launcher.wait_ready(handle, 20.0)
+            assert not handle.launch_id.startswith("attach-")  # the new incarnation
+            await launcher.stop(handle)
+        assert launcher._before == {} and launcher._seen_down == set()
+    finally:
+        await launcher.close()
+        await sim.stop()
+
+
+async def test_with_a_command_and_no_start_time_the_old_process_answering_is_not_back() -> None:
+    """A restart command may return before the old process goes (``kubectl delete pod``):
+    with no start time to tell them apart, the first /health 200 after it may be the old
+    one's. Back is /health again after it was seen not answering since the restart began
+    (the command's run watched too: a ``systemctl restart`` is down while it runs)."""
+    port = free_port("127.0.0.1")
+    engine = _NoStartTimeEngine(port)
+    fleet = FleetConfig(engines=0, backends=[f"http://127.0.0.1:{port}"],
+                        restart_command="true")
+    launcher = AttachLauncher(fleet, HealthConfig(probe_timeout_s=0.5))
+    try:
+        await engine.up()
+        handle = await launcher.launch(0)  # the old process answers on
+        waiting = asyncio.create_task(launcher.wait_ready(handle, 20.0))
+        await asyncio.sleep(0.6)  # a poll or more
+        assert not waiting.done(), "the old process's answer was taken for the new one's"
+        await engine.down()
+        await asyncio.sleep(0.6)
+        await engine.up()
+        await asyncio.wait_for(waiting, 10)
+        # A command that replaces it while it runs: the watch during the run sees it down.
+        launcher.command = "sleep 1"
+        launching = asyncio.create_task(launcher.launch(0))
+        await asyncio.sleep(0.3)
+        await engine.down()
+        await asyncio.sleep(0.3)
+        await engine.up()
+        handle = await asyncio.wait_for(launching, 10)
+        await asyncio.wait_for(launcher.wait_ready(handle, 20.0), 10)
     finally:
         await engine.down()
         await launcher.close()

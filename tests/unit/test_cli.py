@@ -89,6 +89,8 @@ def test_check_and_sim_refuse_an_unknown_engine() -> None:
     assert out.returncode == 2 and "choose one of: auto, vllm, llamacpp" in out.stderr
     out = fleetwarden("sim", "--engine", "tgi")
     assert out.returncode == 2 and "choose one of: vllm, llamacpp, sglang" in out.stderr
+    out = fleetwarden("sim", "--override-generation-config", '{"max_new_tokens": 0}')
+    assert out.returncode == 2 and "max_new_tokens must be an" in out.stderr
 
 
 def test_keys_add_prints_the_key_once_and_up_refuses_a_broken_keys_file(

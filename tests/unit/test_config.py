@@ -107,6 +107,16 @@ def test_backend_urls_are_normalised_once_at_the_config() -> None:
         FleetConfig(engines=0, backends=["http://127.0.0.1:8000/", "http://127.0.0.1:8000"])
 
 
+@pytest.mark.parametrize("url", ["http://10.0.0.2:8000/v1", "http://10.0.0.2:8000/v1/",
+                                 "http://10.0.0.2:8000?x=1", "http://10.0.0.2:8000#top"])
+def test_a_backend_url_with_a_path_is_refused_naming_the_field(url: str) -> None:
+    """The router, the watchdog and the supervisor add their paths (``/v1/completions``,
+    ``/metrics``, ``/health``) to a backend's URL: one with a path of its own
+    (``http://host:8000/v1``) would be read at ``/v1/v1/completions`` and judged dead."""
+    with pytest.raises(ValueError, match=r"backends: .* engine's root"):
+        FleetConfig(engines=0, backends=[url])
+
+
 def test_engine_kinds_are_the_profiles_names() -> None:
     from typing import get_args
 

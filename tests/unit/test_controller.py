@@ -1031,3 +1031,23 @@ def test_the_headline_counts_the_shards_it_is_given(states: str, state: str,
     if state == "serving":  # a journal that fails degrades a fleet that serves
         journal = fleet_status(shards, 1, "; the journal fails (disk full)")
         assert journal.state == "degraded" and journal.detail.endswith("(disk full)")
+
+
+async def test_focused_reads_of_a_sleeping_engine_send_it_no_canary() -> None:
+    """An engine the ledger holds asleep is never canaried nor judged stuck, by the round
+    (``_target``) or by the focused reads an accusation starts: a canary to an engine in
+    vLLM's sleep mode waits until it wakes, and a stall while asleep is no fault."""
+    config = Config.model_validate({"fleet": {"weights": "trainer"},
+                                    "health": {"confirm_interval_s": 0.01}})
+    ledger = Ledger(["http://a", "http://b"], Policy(weights="trainer"))
+    reads = ScriptedReads(BUSY_REPORT)
+    c = Controller(ledger, reads, IdleSupervisor(), [], config)  # type: ignore[arg-type]
+    ledger.report_asleep(1, "the trainer put it to sleep", held=True)
+    reads.by_url["http://b"] = report(Verdict.SLEEPING, Health.UNPROVEN)
+    c.confirm(1, "silent requests")
+    focus = c.focus.running.get(1)
+    assert focus is not None
+    await until(lambda: any(t.url == "http://b" for t in reads.probed), what="a focused read")
+    await c.close()
+    read = next(t for t in reads.probed if t.url == "http://b")
+    assert not read.confirm and read.stalls_excused

@@ -10,12 +10,14 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fleetwarden.launchers import keeper
 from fleetwarden.launchers.procs import group_members, process_info
 from support.wait import wait_until
 
@@ -140,3 +142,31 @@ def test_sigterm_to_the_keeper_stops_the_group(keepers: Callable[..., Keeper]) -
 def test_an_engine_that_cannot_start_is_reported(tmp_path: Path) -> None:
     k = Keeper(tmp_path / "engine.log", ["/nonexistent/engine"])
     assert k.started["event"] == "failed" and "/nonexistent/engine" in k.started["error"]
+
+
+def test_the_sigterm_handler_never_waits_on_a_lock_the_main_thread_may_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python runs a signal handler in the main thread between two bytecodes, maybe while
+    that thread holds the lock of the queue it waits on: a handler that put into a
+    ``queue.Queue`` (whose lock is not reentrant) would wait on itself for ever. The keeper's
+    handler must put without a lock (``queue.SimpleQueue``, documented reentrant)."""
+    handlers: dict[int, Any] = {}
+    monkeypatch.setattr(keeper.signal, "signal", lambda sig, h: handlers.__setitem__(sig, h))
+    # No engine: the keeper installs its handlers, fails to start it, and returns.
+    assert keeper.main(["--grace", "1", "--kill-wait", "1", "--log", str(tmp_path / "log"),
+                        "--no-detach", "--", str(tmp_path / "no-such-engine")]) == 1
+    handler = handlers[signal.SIGTERM]
+    [events] = [c.cell_contents for c in handler.__closure__ or ()]
+    lock = getattr(events, "mutex", None)  # what the main thread holds inside get()
+    if lock is not None:
+        lock.acquire()
+    try:
+        done = threading.Event()
+        threading.Thread(target=lambda: (handler(signal.SIGTERM, None), done.set()),
+                         daemon=True).start()
+        assert done.wait(_WAIT_S / 10), "the handler waited on the queue's lock"
+    finally:
+        if lock is not None:
+            lock.release()
+    assert events.get_nowait() == (keeper.SIGNALLED, None)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.ledger import Ledger, Policy, Reading, ShardState
 from fleetwarden.refit import ProcessSeen, RefitCoordinator, RefitError
+from fleetwarden.reports import ReportBook
+from fleetwarden.watchdog import Report
 
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
                      ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
@@ -338,3 +341,25 @@ def test_what_neither_read_knows_proves_no_restart() -> None:
     assert ProcessSeen().same_process(ProcessSeen("1700000000.0", {"x": 1.0}))
     assert ProcessSeen("1.0", {"a": 1.0}).same_process(ProcessSeen(None, {}))
     assert not ProcessSeen("1.0").same_process(ProcessSeen("2.0"))
+
+
+def test_a_new_process_at_a_participants_url_is_not_its_process_alive() -> None:
+    """A participant restarted in place (an attached engine, a supervisor at the same URL)
+    during a lease did not get the weights: the lease shows its process gone, however well
+    the new one answers."""
+    ledger, refit, _ = make(2)
+    for i in range(2):
+        ledger.observe_incarnation(i, "1000.0")
+    lease = refit.begin_refit(1)
+    url = ledger.shard(0).base_url
+    ledger.observe_incarnation(0, "2000.0")  # a new process, same URL
+    book = ReportBook(ledger, refit=refit)
+    answers = Report(url, Verdict.IDLE, Evidence("idle"), Health.PROVEN, CanaryRule.NEVER,
+                     None, None, None, "2000.0")
+    book.observe_participant(0, url, answers)
+    assert lease.status[0].process_alive is False and lease.status[0].culprit
+    book.observe_participant(1, ledger.shard(1).base_url,
+                             Report(ledger.shard(1).base_url, Verdict.IDLE, Evidence("idle"),
+                                    Health.PROVEN, CanaryRule.NEVER, None, None, None,
+                                    "1000.0"))
+    assert lease.status[1].process_alive is True

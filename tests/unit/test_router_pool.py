@@ -21,6 +21,17 @@ from fleetwarden.router.settings import RouterSettings
 A, B, C, D = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
 
 
+def test_ties_rotate_for_requests_with_a_minimum_weight_version_too() -> None:
+    """Backends a minimum version rules out are not ones the request failed on: its first
+    attempt moves the tie-break on like any other, so sequential requests share the
+    qualifying backends (the turn that falls on the one ruled out goes to the next)."""
+    pool = Pool([])
+    pool.replace([A, B, C, D], {A: BackendFacts(0, 1), B: BackendFacts(1, 2),
+                                C: BackendFacts(2, 2), D: BackendFacts(3, 2)})
+    picks = Counter(pool.pick(min_version=2) for _ in range(300))
+    assert picks == {B: 150, C: 75, D: 75}
+
+
 def test_the_least_loaded_backend_is_picked() -> None:
     pool = Pool([A, B, C])
     pool.dispatched(A)

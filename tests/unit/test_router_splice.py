@@ -12,6 +12,7 @@ import pytest
 
 from fleetwarden.router.splice import (
     DONE,
+    EngineLimits,
     EventAction,
     Mode,
     Splice,
@@ -193,7 +194,9 @@ def test_a_server_error_event_is_a_failure_and_a_client_error_event_is_the_clien
     dead = b'data: {"error":{"message":"EngineCore encountered an issue.","code":500}}'
     assert splice.on_event(dead) == (EventAction.ENGINE_ERROR, b"")
     bad = b'data: {"error":{"message":"bad","code":400}}'
-    assert splice.on_event(bad) == (EventAction.SEND, bad + b"\n\n")
+    assert splice.on_event(bad) == (EventAction.CLIENT_ERROR, bad + b"\n\n")
+    # an answer being assembled ends as that error, with its code
+    assert splice.error_answer() == (400, b'{"error":{"message":"bad","code":400}}')
 
 
 def test_a_token_id_prompt_without_ids_back_cannot_go_on() -> None:
@@ -254,7 +257,7 @@ def test_a_completion_without_max_tokens_keeps_vllms_default_of_16() -> None:
 def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     splice = _cut_after(body, "/v1/chat/completions", "chat-stream-token-ids.http", 3)
-    assert splice.needs_context_length()
+    assert splice.names_no_limit()
     # vLLM's chat default: the context less the rendered prompt (5 ids), less what came (2)
     plan = splice.continuation(max_model_len=256)
     assert not isinstance(plan, str) and plan.as_completion
@@ -267,6 +270,8 @@ def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
     ({"stop": ["\n"]}, "stop strings"),
     ({"presence_penalty": 0.5}, "penalties"),
     ({"frequency_penalty": -1}, "penalties"),
+    ({"seed": 7, "temperature": 0.8}, "seed"),
+    ({"seed": 7}, "seed"),  # vLLM's temperature 1: sampled
 ])
 def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[str, Any],
                                                                    cause: str) -> None:
@@ -275,6 +280,49 @@ def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[st
                         "/v1/completions", "completions-stream-token-ids.http", 3)
     plan = splice.continuation()
     assert isinstance(plan, str) and cause in plan
+
+
+def test_a_seeded_greedy_generation_goes_on_and_a_seeded_sampled_one_starts_again() -> None:
+    """At temperature 0 a seed draws nothing. A seeded sampled generation is reproducible
+    only from its start: nothing of it has reached the client, it is sent again whole."""
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True}
+    splice = _cut_after({**body, "seed": 7, "temperature": 0},
+                        "/v1/completions", "completions-stream-token-ids.http", 3)
+    assert not isinstance(splice.continuation(), str)
+    splice = Splice(request({**body, "seed": 7, "temperature": 0.8}))
+    splice.begin_attempt(None)
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.mode is Mode.RESTART
+
+
+def test_a_length_finish_short_of_the_limit_reveals_a_server_cap_the_continuation_keeps(
+) -> None:
+    """The capture asked 6 and got 6: asked 30, those 6 tokens ending ``"length"`` tell a cap
+    of 6 on every request (vLLM's ``--override-generation-config`` ``max_new_tokens``)."""
+    events = captured_events("completions-stream-token-ids.http")
+    body = {"model": "tiny", "prompt": "hello there", "stream": True}
+    assert _cut_after({**body, "max_tokens": 6}, "/v1/completions",
+                      "completions-stream-token-ids.http", len(events)).revealed_cap(None) is None
+    whole = _cut_after({**body, "max_tokens": 30}, "/v1/completions",
+                       "completions-stream-token-ids.http", len(events))
+    assert whole.revealed_cap(None) == (6, True)
+    limits = EngineLimits()
+    limits.learn_cap("a", (6, True))
+    limits.learn_cap("b", (9, False))  # a chat with no limit: its default, for such chats only
+    assert limits.output_cap("a", False) == 6 and limits.output_cap("b", False) is None
+    assert limits.output_cap("b", True) == 9
+    cut = _cut_after({**body, "max_tokens": 30}, "/v1/completions",
+                     "completions-stream-token-ids.http", 3)
+    plan = cut.continuation(output_cap=6)
+    assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 6 - 3
+    refusal = cut.continuation(output_cap=20, next_output_cap=5)
+    assert isinstance(refusal, str) and "server cap" in refusal
+    # a chat with no limit: a finish short of the context left reveals its default's cap
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    whole = _cut_after(chat, "/v1/chat/completions", "chat-stream-token-ids.http", 8)
+    assert whole.revealed_cap(256) == (6, False) and whole.revealed_cap(None) is None
+    limits.forget({"b"})
+    assert limits.output_cap("a", True) is None
 
 
 def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:

@@ -342,3 +342,38 @@ def test_an_idle_connection_is_not_reused_past_the_keep_alive_timeout(loop: str)
                 await http.request(engine.target(), "GET", [], b"")
 
     run(loop, test)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_pooled_connection_the_engine_closed_is_sent_again_once_on_a_new_one(
+        loop: str) -> None:
+    """An engine closes an idle keep-alive connection as the router reuses it: the request
+    meets the close and no byte of an answer (RFC 9112 9.3.1). urllib3 and aiohttp send it
+    again on a new connection, once; so does the router, instead of failing a healthy
+    engine. A new connection that fails so is the engine's failure, as before."""
+
+    async def close_after_one(reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)  # the reused connection's request: closed, unanswered
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async def test() -> None:
+        async with Script(close_after_one) as engine:
+            http = client()
+            for _ in range(3):
+                assert await (await http.request(engine.target(), "POST", [], b"{}")).read() \
+                    == b"{}"
+            assert engine.connections == 3  # each close met once, on a reused connection
+            await http.close()
+        async with Script(never_answer) as engine:
+            http = client()
+            with pytest.raises(Disconnected):
+                await http.request(engine.target(), "POST", [], b"{}")
+            assert engine.connections == 1  # a new connection's failure is not sent again
+            await http.close()
+
+    run(loop, test)

@@ -198,6 +198,9 @@ async def login(request: web.Request) -> web.StreamResponse:
 
 
 async def logout(request: web.Request) -> web.StreamResponse:
+    # The sign-in's rule: another site's page must not sign the browser out either.
+    if not _same_origin(request):
+        return _sign_in_page("Sign out from this page, not from another site.", 403)
     resp = _see_root()
     resp.del_cookie(COOKIE, path="/")
     return resp

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds between reads while waiting for an attached engine to come back.
 _POLL_S = 0.5
+#: Seconds between /health reads while a restart command runs: a ``systemctl restart`` has
+#: the engine down only while it runs, and an engine with no start time is known new only by
+#: having been seen down (a vLLM-sized engine is down for seconds; 0.1 s sees a short one).
+_WATCH_S = 0.1
 
 
 async def read_incarnation(
@@ -103,7 +107,13 @@ class AttachLauncher:
             except OSError as exc:
                 raise LaunchError(f"shard {shard}: cannot run restart command {argv[0]!r}: "
                                   f"{exc}") from exc
-            out = await self._finish(proc, shard)
+            watch = asyncio.create_task(self._seen_down_during(url))
+            try:
+                out = await self._finish(proc, shard)
+            finally:
+                down = watch.done() and not watch.cancelled() and watch.result()
+                watch.cancel()
+            answered = answered and not down
             if proc.returncode != 0:
                 tail = out.decode(errors="replace")[-500:].strip()
                 raise LaunchError(f"shard {shard}: restart command exited with code "
@@ -115,6 +125,15 @@ class AttachLauncher:
         if not answered:
             self._seen_down.add(handle.launch_id)
         return handle
+
+    async def _seen_down_during(self, url: str) -> bool:
+        """Reads /health until it does not answer 200 (``True``), while the restart command
+        runs (the caller cancels it when the command ends)."""
+        async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
+            while True:
+                if await health_status(session, url + "/health") != 200:
+                    return True
+                await asyncio.sleep(_WATCH_S)
 
     async def _finish(self, proc: asyncio.subprocess.Process, shard: int) -> bytes:
         """The command's output once it exits. A command still running after
@@ -145,26 +164,31 @@ class AttachLauncher:
                 if not healthy:
                     self._seen_down.add(key)
                 if healthy and now is not None and now != before:
-                    self._seen_down.discard(key)
+                    self._forget(key)  # the handle goes on under its new name
                     handle.launch_id = now  # the incarnation the watchdog reports, same spelling
                     return
-                if healthy and now is None and before is None and (
-                        self.command is not None or key in self._seen_down):
-                    # No start time to tell processes apart: /health after the command, or,
-                    # waiting passively, /health again after it was seen not answering (the
-                    # system that runs it replaced it). Without the second, a passive wait for
-                    # an engine with no start time (SGLang, TGI, many attached ones) never
-                    # ended, and its shard stayed DEAD with its engine serving again.
-                    self._seen_down.discard(key)
+                if healthy and now is None and before is None and key in self._seen_down:
+                    # No start time to tell processes apart: /health again after it was seen
+                    # not answering since the restart began (the command's run watched too).
+                    # A restart command may return before the old process goes (``kubectl
+                    # delete pod``): /health just after it may be the old one's. Waiting
+                    # passively, the system that runs it replaced it; without this, a passive
+                    # wait for an engine with no start time (SGLang, TGI, many attached ones)
+                    # never ended, and its shard stayed DEAD with its engine serving again.
+                    self._forget(key)
                     return
                 last = ("answers under the same incarnation" if healthy and now == before
                         else "not answering /health" if not healthy else "no incarnation")
                 await asyncio.sleep(_POLL_S)
         raise LaunchError(f"{handle.url} did not come back within {timeout_s:g} s ({last})")
 
+    def _forget(self, key: str) -> None:
+        """What was kept for the restart under launch id ``key``: its wait is over."""
+        self._before.pop(key, None)
+        self._seen_down.discard(key)
+
     async def stop(self, handle: EngineHandle) -> None:
-        self._before.pop(handle.launch_id, None)  # someone else runs it: nothing to stop
-        self._seen_down.discard(handle.launch_id)
+        self._forget(handle.launch_id)  # someone else runs it: nothing to stop
 
     async def close(self) -> None:
         self._before.clear()

@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)  # the caller waits for this exit; the keeper lives on in the child
         os.setsid()
 
-    events: queue.Queue[tuple[str, int | None]] = queue.Queue()
+    # A SimpleQueue: the SIGTERM handler runs in the main thread between two bytecodes, maybe
+    # while that thread holds the lock of the queue it waits on, and a Queue's lock is not
+    # reentrant (the handler would wait on itself for ever); SimpleQueue.put takes none.
+    events: queue.SimpleQueue[tuple[str, int | None]] = queue.SimpleQueue()
     signal.signal(signal.SIGTERM, lambda *_: events.put((SIGNALLED, None)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is not for us
 

@@ -300,7 +300,9 @@ class RouterWorkers:
         self.adopted = 0
         self.started = 0
         self._procs: dict[int, _Process] = {}
-        self._statuses: dict[int, dict[str, Any]] = {}
+        #: Each worker process's last status, by its control URL: during a reload a slot's
+        #: old and new workers both count, each once, until the old one is retired.
+        self._statuses: dict[str, dict[str, Any]] = {}
         self._metrics: dict[int, str] = {}
         #: Counters of workers that are gone, so the fleet's totals never go backwards.
         self._gone = RouterStats()
@@ -545,36 +547,46 @@ class RouterWorkers:
                         worker, p.record.pid, code)
             if self.journal is not None:
                 await self._journal_write(self.journal.router_stopped, p.record.launch_id)
-            self._retire_counters(worker)
+            self._retire_counters(worker, p)
             await self.links[worker].disconnect()
             await asyncio.sleep(RESTART_DELAY_S)
             if self._closing or self._procs.get(worker) is not p:
                 return
-            try:
-                await self._launch(worker)
-            except Exception as exc:  # its own watcher starts another once it exits
-                log.error("router worker %d: could not start again: %s", worker, exc)
-                return
-            # Its command line names the last serving set, not the facts that go with it
-            # (weight versions, the shards on trial): without this push a replacement serves
-            # without them until the controller's next change, which may be an hour away.
-            await self._push_last(worker)
+            await self._start_again(worker)
 
         p.watcher = asyncio.create_task(watch(), name=f"router-watch:{worker}")
 
-    def _retire_counters(self, worker: int) -> None:
+    async def _start_again(self, worker: int) -> None:
+        """A new worker in slot ``worker``, whose worker died, with the last push."""
+        try:
+            await self._launch(worker)
+        except Exception as exc:  # its own watcher starts another once it exits
+            log.error("router worker %d: could not start again: %s", worker, exc)
+            return
+        # Its command line names the last serving set, not the facts that go with it
+        # (weight versions, the shards on trial): without this push a replacement serves
+        # without them until the controller's next change, which may be an hour away.
+        await self._push_last(worker)
+
+    def _retire_counters(self, worker: int, p: _Process) -> None:
+        """Worker process ``p`` of slot ``worker`` is gone, or going: its last totals join
+        those of the gone (its own: the slot's new worker may have been read already)."""
         self._metrics.pop(worker, None)
-        status = self._statuses.pop(worker, None)
+        status = self._statuses.pop(p.record.control_url.rstrip("/"), None)
         if status is not None:
             _add_status(self._gone, status.get("stats", {}))
 
     async def _read_statuses(self) -> None:
         while not self._closing:
-            for link in self.links:
-                with contextlib.suppress(Exception):
-                    self._statuses[link.worker] = await link.status()
-                    self._metrics[link.worker] = await link.metrics_text()
+            await self._read_statuses_once()
             await asyncio.sleep(STATUS_EVERY_S)
+
+    async def _read_statuses_once(self) -> None:
+        for link in self.links:
+            answering = link.url.rstrip("/")  # the worker now in the slot
+            with contextlib.suppress(Exception):
+                self._statuses[answering] = await link.status()
+                self._metrics[link.worker] = await link.metrics_text()
 
     async def reload(self) -> None:
         """Replace every worker with no request failed: new processes (the code installed
@@ -613,7 +625,7 @@ class RouterWorkers:
         # not answer closes its own on SIGUSR1 and waits HANDOVER_SETTLE_S for the others.
         await asyncio.gather(*(self._stop_accepting(old) for old in olds.values()))
         for worker, old in olds.items():
-            self._retire_counters(worker)
+            self._retire_counters(worker, old)
             self._drain(old)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
 
@@ -646,13 +658,27 @@ class RouterWorkers:
             if isinstance(r, BaseException):
                 log.error("router reload roll-back: %s", r)
         for worker, old in olds.items():
+            await self.links[worker].release(old.record.control_url)
+            if not _same(old.record.pid, old.record.proc_start_ticks):
+                # It died during the reload, while its exit was no failure (its watcher
+                # started nothing): put back, its slot would hold a dead worker that nothing
+                # replaces. A new one takes the slot, as after any worker's death.
+                log.warning("router worker %d (pid %d) died during the reload; starting "
+                            "another", worker, old.record.pid)
+                self._procs[worker] = old
+                if self.journal is not None:
+                    await self._journal_write(self.journal.router_stopped,
+                                              old.record.launch_id)
+                self._retire_counters(worker, old)
+                await self.links[worker].disconnect()
+                await self._start_again(worker)
+                continue
             old.stopping = False  # its exit is a failure again: another is started for it
             self._procs[worker] = old
-            await self.links[worker].release(old.record.control_url)
             await self.links[worker].connect(old.record.control_url)
             await self._push_last(worker)
         log.error("router reload rolled back: the workers %s serve on",
-                  [p.record.pid for p in olds.values()])
+                  [p.record.pid for p in self._procs.values()])
 
     async def _push_last(self, worker: int) -> None:
         """Push the last serving set, its facts, the trial set and the Retry-After to the

@@ -160,6 +160,7 @@ class Router:
         self.pool.replace(urls, facts)
         self._forwarder.forget_idle(set(self.pool.serving))
         self._forwarder.sync_affinity()
+        self._forwarder.forget_limits()
 
     def set_trial_backends(self, urls: Iterable[str]) -> None:
         """Backends on probation: each takes one request at a time (the ledger lifts it)."""

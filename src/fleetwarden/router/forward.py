@@ -97,6 +97,7 @@ from fleetwarden.router.settings import (
 from fleetwarden.router.splice import (
     DONE,
     Continuation,
+    EngineLimits,
     EventAction,
     Splice,
     SseSplitter,
@@ -255,6 +256,8 @@ class _Stream:
     #: could go next (:meth:`Forwarder._elsewhere`).
     tried: list[str] = field(default_factory=list)
     min_version: int | None = None
+    #: The backend whose attempt began the generation: its limits are the ones kept.
+    began_on: str | None = None
 
     @property
     def began(self) -> bool:
@@ -273,8 +276,12 @@ def error_response(status: int, message: str, error_type: str,
 
 def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_HOP,
                       facts: BackendFacts = UNKNOWN_FACTS) -> RawHeaders:
-    """The engine's answer headers the client gets: ``dropped`` and any the engine gave of the
-    router's own removed, then the facts of the push added."""
+    """The engine's answer headers the client gets: ``dropped``, those the engine's
+    ``Connection`` names (hop-by-hop, RFC 9110 7.6.1) and any it gave of the router's own
+    removed, then the facts of the push added."""
+    named = [v for k, v in upstream if k.lower() == b"connection"]
+    if named:
+        dropped = dropped | {t.strip().lower() for v in named for t in v.split(b",")}
     headers = [(k, v) for k, v in upstream
                if (lowered := k.lower()) not in dropped and lowered not in _FACT_HEADERS]
     if facts.weight_version is not None:
@@ -390,7 +397,10 @@ class Forwarder:
         self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, Address] = {}
-        self._context_lengths: dict[str, int] = {}
+        #: Each engine's context length and server caps (:class:`EngineLimits`), and the
+        #: reads of ``/v1/models`` under way (:meth:`_learn_context`).
+        self.limits = EngineLimits()
+        self._learning: dict[str, asyncio.Task[None]] = {}
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
@@ -429,6 +439,9 @@ class Forwarder:
                                       max_headers=s.max_headers)
 
     async def close(self) -> None:
+        for task in self._learning.values():
+            task.cancel()
+        self._learning.clear()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -722,7 +735,7 @@ class Forwarder:
             # Its final chunk was read: the generation is whole whatever became of [DONE], a
             # success of the engine, never continued past its end.
             assert ex.stream is not None
-            self.pool.record_success(failure.backend)
+            self._whole(failure.backend, ex.stream.splice)
             return await self._end_whole(ex.request, ex.stream)
         if step is AfterFailure.POISON:
             # The same 5xx from every engine it may try: the request is the problem, not
@@ -751,11 +764,16 @@ class Forwarder:
         if backend is None:
             return await self._end_stream(stream, ex.last,
                                           "no other backend with the same weights")
-        context = None
-        if stream.splice.needs_context_length():
-            context = await self._context_length(backend)
+        # The limits of the engine that began it, learnt before (never read here, outside
+        # every rescue and hedge); a chat with no limit on an engine whose context length is
+        # not known yet is refused.
+        limits, began_on = self.limits, stream.began_on
+        no_limit = stream.splice.names_no_limit()
         plan = stream.splice.continuation(
-            max_model_len=context, upstream_fields=self._takes_fields(backend))
+            max_model_len=None if began_on is None else limits.context.get(began_on),
+            upstream_fields=self._takes_fields(backend),
+            output_cap=limits.output_cap(began_on, no_limit),
+            next_output_cap=limits.output_cap(backend, False))
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self._end_stream(stream, ex.last, plan)
@@ -1082,6 +1100,10 @@ class Forwarder:
         start; one that fails after it is continued (by the caller)."""
         splice = stream.splice
         splice.begin_attempt(stream.continuation if stream.began else None)
+        if not stream.began:
+            stream.began_on = backend
+            if splice.names_no_limit():
+                self._learn_context(backend)
         if stream.began and stream.continuation is not None:
             self.stats.continuations[stream.continuation.mode.value] += 1
         streaming = self._streaming.get(backend)
@@ -1112,9 +1134,17 @@ class Forwarder:
                     if outcome is EventAction.SKIP:
                         continue
                     if splice.request.assemble:
-                        if outcome is EventAction.DONE:
+                        if outcome is EventAction.CLIENT_ERROR:
+                            # The request's fault (a 4xx error event): its answer is that
+                            # error, and the engine did its part.
                             complete = True
                             self.pool.record_success(backend)
+                            return await self._answer_assembled(
+                                request, stream, upstream, started, backend_time, facts,
+                                error=True)
+                        if outcome is EventAction.DONE:
+                            complete = True
+                            self._whole(backend, splice)
                             return await self._answer_assembled(
                                 request, stream, upstream, started, backend_time, facts)
                         continue
@@ -1125,7 +1155,7 @@ class Forwarder:
                         return stream.response
                     if outcome is EventAction.DONE:
                         complete = True
-                        self.pool.record_success(backend)
+                        self._whole(backend, splice)
                         if self.count_usage:
                             response.usage = _stream_usage(splice)
                         with contextlib.suppress(ConnectionError):
@@ -1170,17 +1200,21 @@ class Forwarder:
 
     async def _answer_assembled(self, request: Request, stream: _Stream,
                                 upstream: Answer, started: float,
-                                backend_time: float, facts: BackendFacts) -> StreamResponse:
-        """The whole answer to a non-streamed request, assembled from the stream(s)."""
+                                backend_time: float, facts: BackendFacts, *,
+                                error: bool = False) -> StreamResponse:
+        """The whole answer to a non-streamed request, assembled from the stream(s); with
+        ``error``, the error its stream ended with."""
         headers = _response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE | {b"content-type"},
                                     facts)
-        response = Response(status=200, body=stream.splice.answer(), headers=headers,
-                                content_type="application/json")
+        status, body = (stream.splice.error_answer() if error
+                        else (200, stream.splice.answer()))
+        response = Response(status=status, body=body, headers=headers,
+                            content_type="application/json")
         stream.response = response
         try:
             await response.prepare(request)
             self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
-            self.stats.responded(200)
+            self.stats.responded(status)
             await response.write_eof()
         except ConnectionError:
             pass  # the client left: its loss, not the engine's
@@ -1192,34 +1226,52 @@ class Forwarder:
         said = self.pool.facts(backend).upstream_fields
         return self.settings.upstream_fields if said is None else said
 
-    async def _context_length(self, backend: str) -> int | None:
-        """``backend``'s context length (vLLM's ``max_model_len`` in ``/v1/models``), which a
-        chat sent without ``max_tokens`` takes its default from; ``None`` if it does not say.
-        From the push's models when they say (the watchdog read them), else asked once per
-        backend."""
+    def _whole(self, backend: str, splice: Splice) -> None:
+        """A generation came whole from ``backend``: a success of the engine, and a
+        ``"length"`` finish short of its limit tells that engine's server cap."""
+        self.pool.record_success(backend)
+        revealed = splice.revealed_cap(self.limits.context.get(backend))
+        if revealed is not None:
+            self.limits.learn_cap(backend, revealed)
+
+    def forget_limits(self) -> None:
+        """A push came: forget the limits of backends that left (one that comes back may have
+        been started otherwise)."""
+        self.limits.forget(set(self.pool.serving))
+
+    def _learn_context(self, backend: str) -> None:
+        """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the
+        background, once a chat sent without a limit begins there: its continuation keeps the
+        context of the engine that began it, and a read on the continuation's own path would
+        sit outside every rescue and hedge. Unknown when a cut comes: refused."""
+        if backend in self.limits.context or backend in self._learning:
+            return
         pushed = self.pool.facts(backend).models
         if pushed and pushed[0].max_model_len is not None:
-            return pushed[0].max_model_len
-        known = self._context_lengths.get(backend)
-        if known is not None or backend in self._context_lengths:
-            return known
+            # The watchdog read it already and the push said it: nothing to ask.
+            self.limits.context[backend] = pushed[0].max_model_len
+            return
+        task = asyncio.create_task(self._read_context(backend), name=f"context:{backend}")
+        self._learning[backend] = task
+        task.add_done_callback(partial(self._learnt, backend))
+
+    def _learnt(self, backend: str, _: asyncio.Task[None]) -> None:
+        self._learning.pop(backend, None)
+
+    async def _read_context(self, backend: str) -> None:
+        """``backend``'s context length, where its ``/v1/models`` says it (unknown otherwise:
+        the next chat that begins there asks again)."""
         assert self._client is not None, "Forwarder.open() was not awaited"
-        found = None
         try:
             answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
                                                 _with_key([], self.pool.facts(backend).key),
                                                 b"")
-            models = json.loads(await _read(answer))
-            value = models["data"][0]["max_model_len"]
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                found = value
+            value = json.loads(await _read(answer))["data"][0]["max_model_len"]
         except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
-            found = None
-        if len(self._context_lengths) >= _MAX_CACHED_TARGETS:
-            self._context_lengths.clear()
-        if found is not None:
-            self._context_lengths[backend] = found  # unknown ones are asked again next time
-        return found
+            return
+        if (isinstance(value, int) and not isinstance(value, bool) and value > 0
+                and backend in self.pool.serving):
+            self.limits.context[backend] = value
 
     async def _end_whole(self, request: Request, stream: _Stream) -> StreamResponse:
         """A generation whose final chunk came and whose connection went before ``[DONE]``:
@@ -1250,6 +1302,11 @@ class Forwarder:
         closing = splice.closing_usage() if splice.finished() else None
         if closing is not None:
             data = closing + DONE
+        elif splice.finished():
+            # Whole, but its usage cannot be counted (no token ids): it ends as a whole answer
+            # does, without the usage event, never with an error a client library would raise
+            # after it had every token.
+            data = DONE
         else:
             what = "The stream broke off"
             if failure is not None:

@@ -289,7 +289,6 @@ class Pool:
             exclude = set(exclude) | {u for u in serving
                                       if not self.qualifies(u, min_version, version)}
         in_flight = self._in_flight
-        retry = bool(exclude)
         if self._trial:
             # A backend on trial that holds its one request is taken by nobody else.
             # When every backend left is a busy trial, the limit yields: a request sent to an

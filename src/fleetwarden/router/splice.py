@@ -42,11 +42,11 @@ import enum
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OPT_OUT_HEADER", "Mode", "Splice", "SseSplitter", "StreamRequest", "error_event",
-           "read_stream_request"]
+__all__ = ["OPT_OUT_HEADER", "EngineLimits", "Mode", "Splice", "SseSplitter", "StreamRequest",
+           "error_event", "read_stream_request"]
 
 #: A client that wants a cut stream to end rather than go on elsewhere sends this header with
 #: ``off`` (or ``0``, ``false``, ``no``).
@@ -221,6 +221,10 @@ class EventAction(enum.Enum):
     SKIP = "skip"  # nothing for the client
     DONE = "done"  # the engine's ``[DONE]``: the generation is complete
     ENGINE_ERROR = "engine_error"  # the engine ended the stream with an error event, or aborted
+    #: An error event coded below 500: the request's fault, not the engine's. A stream's client
+    #: gets it as it came; an answer being assembled ends as that error (:meth:`Splice.
+    #: error_answer`), never as a 200 with the content so far.
+    CLIENT_ERROR = "client_error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +241,49 @@ class Continuation:
     replay: tuple[int, ...] = ()
     #: The text the client had of those tokens: not sent twice either.
     replay_text: str = ""
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    """What the router knows of each engine's output limits, which a continuation must keep.
+
+    vLLM's output limit (``get_max_tokens``, ``entrypoints/serve/utils/api_utils.py``) is the
+    least of the context left, the request's limit (naming none: the generation config's
+    ``max_new_tokens``, else 16 for a completion) and ``--override-generation-config``'s
+    ``max_new_tokens``, which caps even a request that names more. The context length is read
+    from ``/v1/models`` in the background (never on a request's path); the caps are
+    in no endpoint: a ``"length"`` finish below the limit a request asked reveals them
+    (:meth:`Splice.revealed_cap`)."""
+
+    #: ``max_model_len``, by backend.
+    context: dict[str, int] = field(default_factory=dict)
+    #: A cap on every request's output (the override's ``max_new_tokens``), by backend.
+    cap: dict[str, int] = field(default_factory=dict)
+    #: A cap on the output of a chat that names no limit (the generation config's
+    #: ``max_new_tokens`` too), by backend.
+    default_cap: dict[str, int] = field(default_factory=dict)
+
+    def forget(self, keep: set[str]) -> None:
+        """Forget backends that left (one that comes back may have been started otherwise)."""
+        for table in (self.context, self.cap, self.default_cap):
+            for url in [u for u in table if u not in keep]:
+                del table[url]
+
+    def learn_cap(self, backend: str, revealed: tuple[int, bool]) -> None:
+        """A cap a finish revealed: ``(tokens, whether it caps every request)``."""
+        tokens, everyone = revealed
+        table = self.cap if everyone else self.default_cap
+        table[backend] = min(tokens, table.get(backend, tokens))
+
+    def output_cap(self, backend: str | None, names_no_limit: bool) -> int | None:
+        """The least cap known on ``backend``'s output for such a request (``None``: none)."""
+        if backend is None:
+            return None
+        caps = [self.cap.get(backend)]
+        if names_no_limit:
+            caps.append(self.default_cap.get(backend))
+        known = [c for c in caps if c is not None]
+        return min(known) if known else None
 
 
 class Splice:
@@ -341,7 +388,8 @@ class Splice:
             error = chunk["error"]
             code = error.get("code") if isinstance(error, dict) else None
             if isinstance(code, int) and code < 500:  # the request's fault: the client's to see
-                return EventAction.SEND, event + b"\n\n"
+                self.error = error
+                return EventAction.CLIENT_ERROR, event + b"\n\n"
             self.error = error
             return EventAction.ENGINE_ERROR, b""
         if any(isinstance(c, dict) and c.get("finish_reason") == "abort"
@@ -559,6 +607,14 @@ class Splice:
             "system_fingerprint": self.fingerprint,
         }) + b"\n\n"
 
+    def error_answer(self) -> tuple[int, bytes]:
+        """The non-streamed answer to a request whose stream ended with an error event of the
+        request's own (:attr:`EventAction.CLIENT_ERROR`): its code and its error, as vLLM
+        answers a request that fails before it streams."""
+        code = self.error.get("code") if isinstance(self.error, dict) else None
+        return (code if isinstance(code, int) and 400 <= code < 500 else 400,
+                _dumps({"error": self.error}))
+
     def answer(self) -> bytes:
         """The non-streamed answer, assembled from the stream(s), in vLLM 0.32's shape
         (``completions.http``, ``chat.http``, ``completions-token-ids.http``)."""
@@ -598,12 +654,27 @@ class Splice:
 
     # ------------------------------------------------------------------ the next attempt
 
-    def needs_context_length(self) -> bool:
-        """Whether :meth:`continuation` needs the engine's context length: a chat sent without
-        a limit, whose default (vLLM's: the context left after the prompt) must be kept."""
+    def names_no_limit(self) -> bool:
+        """A chat that names neither ``max_tokens`` nor ``max_completion_tokens``: its limit is
+        the engine's default (the context left, or the generation config's)."""
         body = self.request.body
-        return (self.request.chat and self.produced > 0 and body.get("max_tokens") is None
+        return (self.request.chat and body.get("max_tokens") is None
                 and body.get("max_completion_tokens") is None)
+
+    def revealed_cap(self, max_model_len: int | None) -> tuple[int, bool] | None:
+        """The server cap a whole generation revealed, if it did: a ``"length"`` finish of an
+        attempt sent as the client wrote it, below the limit it asked (vLLM refuses a request
+        whose prompt and limit exceed the context, so only a cap ends one short). Returns
+        ``(tokens, whether it caps every request)``; a chat that named no limit reveals only
+        the cap of such chats (its default may be the generation config's)."""
+        if (self.mode not in (None, Mode.RESTART) or not self.finished()
+                or self.finish_reason != "length" or not self.ids_complete
+                or _number(self.request.body.get("n"), 1) != 1):
+            return None
+        asked = self._tokens_left(max_model_len, 0)
+        if isinstance(asked, str) or self.produced >= asked:
+            return None
+        return self.produced, not self.names_no_limit()
 
     def finished(self) -> bool:
         """The generation is whole: its final chunk (``finish_reason`` set) was read, whatever
@@ -612,11 +683,14 @@ class Splice:
 
     def continuation(self, chat_as_completion: bool = True, *,
                      max_model_len: int | None = None,
-                     upstream_fields: bool = True) -> Continuation | str:
+                     upstream_fields: bool = True, output_cap: int | None = None,
+                     next_output_cap: int | None = None) -> Continuation | str:
         """The request that continues this stream, or why there can be none (the rules:
         docs/design.md, "Continuing a generation"; where in doubt, refuse).
         ``upstream_fields``: the next engine takes vLLM's own request fields (else nothing
-        but what any OpenAI server takes is sent, and only a completion of text can go on)."""
+        but what any OpenAI server takes is sent, and only a completion of text can go on).
+        ``max_model_len``, ``output_cap``: the context and server cap of the engine that began
+        it (its limit is kept); ``next_output_cap``: the next one's, which must leave room."""
         request = self.request
         if request.refusal is not None:
             return request.refusal
@@ -642,9 +716,12 @@ class Splice:
         replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
             from_ids and (self.unwritten or self._replay)) else ()
         produced = self.produced - self.unwritten if replay else self.produced
-        left = self._tokens_left(max_model_len, produced)
+        left = self._tokens_left(max_model_len, produced, output_cap)
         if isinstance(left, str):
             return left
+        if next_output_cap is not None and left > next_output_cap:
+            return (f"the next engine's server cap ({next_output_cap} tokens), below the "
+                    f"{left} left")
         body.pop("max_completion_tokens", None)
         body["max_tokens"] = left
         min_tokens = body.get("min_tokens")
@@ -685,9 +762,11 @@ class Splice:
                                 replay_text if replay else "")
         return self._from_text(body)
 
-    def _tokens_left(self, max_model_len: int | None, produced: int) -> int | str:
+    def _tokens_left(self, max_model_len: int | None, produced: int,
+                     output_cap: int | None = None) -> int | str:
         """How many tokens the continuation may generate (the client's limit, or the
-        engine's default, less the ``produced`` its prompt holds), or why that is unknown."""
+        engine's default, or its server cap where less, less the ``produced`` its prompt
+        holds), or why that is unknown."""
         request, body = self.request, self.request.body
         limit = body.get("max_completion_tokens") if request.chat else None
         if limit is None:
@@ -702,6 +781,8 @@ class Splice:
                 limit = max_model_len - len(self.prompt_ids)
         if not isinstance(limit, int) or isinstance(limit, bool):
             return "max_tokens is not a number"
+        if output_cap is not None:
+            limit = min(limit, output_cap)
         if limit - produced < 1:
             return "nothing left to generate"
         return limit - produced
@@ -747,6 +828,11 @@ class Splice:
             # vLLM holds back the text a stop string might begin with, and matches a stop only
             # in its own output: the held text and a match across the cut would both be lost.
             return "stop strings (the text held back at the cut, and a match across it)"
+        if body.get("seed") is not None and not _greedy(body):
+            # vLLM draws a seeded request's tokens from one generator, seeded once at its start:
+            # a continuation's generator starts again at the cut, and its tokens after it are
+            # not the reproducible ones the seed promised (at temperature 0 nothing is drawn).
+            return "a seeded sampled generation (its random draws would restart at the cut)"
         if any(isinstance(body.get(k), int | float) and body.get(k)
                for k in ("presence_penalty", "frequency_penalty")):
             return "presence or frequency penalties (they count the output before the cut)"

@@ -517,6 +517,25 @@ class UpstreamClient:
         connection = self._pooled((target.host, target.port, target.tls), loop.time())
         if connection is None:
             connection = await self._connect(target, deadline)
+        else:
+            try:
+                return await self._send(connection, target, method, headers, body, keep_alive,
+                                        deadline)
+            except Disconnected:
+                if connection._head_bytes:
+                    raise
+            # A reused connection that ended before a byte of the answer: the engine's close
+            # of an idle connection was on its way as the request left (RFC 9112 9.3.1: a
+            # client may retry then; urllib3 and aiohttp do, once). Its engine is not at
+            # fault: once, on a new connection, before anyone is told of a failure.
+            connection = await self._connect(target, deadline)
+        return await self._send(connection, target, method, headers, body, keep_alive,
+                                deadline)
+
+    async def _send(self, connection: _EngineConnection, target: Address, method: str,
+                    headers: RawHeaders, body: bytes, keep_alive: bool,
+                    deadline: float) -> Answer:
+        loop = asyncio.get_running_loop()
         head: asyncio.Future[None] = loop.create_future()
         answer = Answer(connection, head, self._deadlines, deadline)
         if self._deadline_sweep is None:

@@ -79,6 +79,14 @@ class SimConfig:
     #: /v1 forms, as llama-server's; with ``sglang``, all but /health* and /metrics*, as
     #: SGLang's (``server.py``, ``_vllm_auth``). Empty: nothing guarded.
     api_keys: tuple[str, ...] = ()
+    #: vLLM's ``--override-generation-config '{"max_new_tokens": N}'``: a server cap on every
+    #: request's output, even one that names a larger ``max_tokens`` (RL stacks set it).
+    #: None: no cap.
+    override_max_new_tokens: int | None = None
+    #: The model's ``generation_config.json`` ``max_new_tokens`` (vLLM's ``--generation-config
+    #: auto``): the default of a request that names no limit (a chat's; a completion's pydantic
+    #: default, 16, wins), no cap on one that names it. None: the model sets none.
+    default_max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:
@@ -93,5 +101,9 @@ class SimConfig:
         if self.prefix_cache_blocks is not None and self.prefix_cache_blocks < 0:
             raise ValueError(f"prefix_cache_blocks must be >= 0 or None, got "
                              f"{self.prefix_cache_blocks}")
+        for name in ("override_max_new_tokens", "default_max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
         if not self.steps_per_s > 0 or not self.fault_factor > 0:
             raise ValueError("steps_per_s and fault_factor must be > 0")

@@ -81,14 +81,26 @@ def _number(value: Any) -> bool:
 
 
 def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
-                 max_model_len: int, reasoning_parser: bool) -> Params | dict[str, Any]:
-    """The request's :class:`Params`, or vLLM's 400 body for what it refuses."""
+                 max_model_len: int, reasoning_parser: bool,
+                 override_max_new_tokens: int | None = None,
+                 default_max_new_tokens: int | None = None) -> Params | dict[str, Any]:
+    """The request's :class:`Params`, or vLLM's 400 body for what it refuses.
+
+    The output limit is vLLM's ``get_max_tokens`` (``entrypoints/serve/utils/api_utils.py``):
+    the least of the context left, the request's limit (or, naming none, the generation
+    config's ``max_new_tokens``, which ``--override-generation-config`` replaces) and the
+    override's ``max_new_tokens``, which caps even a request that names a larger one. A
+    completion that names none has pydantic's 16."""
     raw = body.get("max_completion_tokens") if chat else None
     if raw is None:
         raw = body.get("max_tokens")
+    default = (default_max_new_tokens if override_max_new_tokens is None
+               else override_max_new_tokens)
     if raw is None:
         max_tokens = (max_model_len - prompt_tokens if chat
                       else COMPLETION_DEFAULT_MAX_TOKENS)
+        if chat and default is not None:
+            max_tokens = min(max_tokens, default)
     elif not _int(raw) or raw < 1:
         return wire.invalid(f"max_tokens must be at least 1, got {raw!r}.", "max_tokens")
     else:
@@ -99,6 +111,8 @@ def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
         return wire.prompt_too_long(max_model_len)
     if prompt_tokens + max_tokens > max_model_len:
         return wire.context_too_long(max_model_len, prompt_tokens, max_tokens)
+    if override_max_new_tokens is not None:
+        max_tokens = min(max_tokens, override_max_new_tokens)
     min_tokens = body.get("min_tokens") or 0
     if not _int(min_tokens) or min_tokens < 0:
         return wire.invalid(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",

@@ -86,14 +86,21 @@ POISON_PROMPT = "sim:poison"
 #: ``x-sim-fault: KIND@N`` fires once its stream has written N token chunks: ``crash`` (vLLM's
 #: engine-dead error event, then ``[DONE]``), ``reset`` (the connection closed), ``wedge``
 #: (nothing more, ever), ``split`` (half of the next chunk's bytes, then closed),
-#: ``after_final`` (the final chunk and usage, then closed before ``[DONE]``).
+#: ``after_final`` (the final chunk and usage, then closed before ``[DONE]``),
+#: ``before_usage`` (the final chunk, then closed before the usage event and ``[DONE]``),
+#: ``error`` (an error event coded 400, then ``[DONE]``: vLLM codes the exceptions its stream
+#: generators catch 400, ``create_streaming_error_response``; not streamed, that 400 answer).
 FAULT_HEADER = "x-sim-fault"
 #: A directive fires once per id in this process: the attempt that continues the request
 #: (which carries the same headers) runs clean.
 FAULT_ID_HEADER = "x-sim-fault-id"
-DIRECTIVES = ("crash", "reset", "wedge", "split", "after_final")
+DIRECTIVES = ("crash", "reset", "wedge", "split", "after_final", "before_usage", "error")
 _FIRED: set[str] = set()
 _LANDED: set[str] = set()
+
+
+#: An exception a vLLM stream generator caught, as its error event (``code`` 400).
+STREAM_ERROR = wire.invalid("the request failed while it was generated", None)
 
 
 def directive_fired(once: str) -> bool:
@@ -627,9 +634,10 @@ class Sim:
             else:
                 return _json(wire.invalid("prompt must be a string or a list of tokens",
                                           "prompt"), 400)
-        params = parse_params(body, chat=chat, prompt_tokens=len(prompt_ids),
-                              max_model_len=c.max_model_len,
-                              reasoning_parser=c.reasoning_parser)
+        params = parse_params(
+            body, chat=chat, prompt_tokens=len(prompt_ids), max_model_len=c.max_model_len,
+            reasoning_parser=c.reasoning_parser, override_max_new_tokens=c.override_max_new_tokens,
+            default_max_new_tokens=c.default_max_new_tokens)
         if isinstance(params, dict):
             return _json(params, 400)
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
@@ -723,6 +731,9 @@ class Sim:
                     if directive[0] == "crash":
                         _LANDED.add(directive[2])
                         return _json(wire.ENGINE_DEAD, 500)
+                    if directive[0] == "error":
+                        _LANDED.add(directive[2])
+                        return _json(STREAM_ERROR, 400)
                     await self._fire(request, directive[0], directive[2])
         except _EngineDied as e:
             return _json(e.body, 500)
@@ -766,10 +777,11 @@ class Sim:
             async for step in self._steps(pending):
                 kind = None if directive is None or written < directive[1] else directive[0]
                 once = "" if directive is None else directive[2]
-                if kind in ("crash", "reset", "wedge"):
-                    if kind == "crash":
+                if kind in ("crash", "reset", "wedge", "error"):
+                    if kind in ("crash", "error"):
                         _LANDED.add(once)
-                        await response.write(wire.sse(wire.ENGINE_DEAD))
+                        await response.write(wire.sse(
+                            wire.ENGINE_DEAD if kind == "crash" else STREAM_ERROR))
                         break
                     await self._fire(request, kind, once)
                 last = step.finish_reason is not None and not include_usage
@@ -807,6 +819,8 @@ class Sim:
                 await response.write(data)
                 written += 1
                 if step.finish_reason is not None:
+                    if directive is not None and directive[0] == "before_usage":
+                        await self._fire(request, "before_usage", once)
                     if include_usage:
                         await response.write(wire.sse(wire.usage_chunk(
                             r.id, created, model, chat, r.prompt_tokens,
