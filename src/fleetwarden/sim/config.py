@@ -25,6 +25,9 @@ class FaultMode(enum.Enum):
     NO_METRICS = "no_metrics"
     GARBAGE_METRICS = "garbage_metrics"
     RESTART = "restart"
+    #: A weight reload (vLLM's ``reload_weights`` through ``/collective_rpc``) takes
+    #: ``factor`` seconds; everything else runs as usual.
+    SLOW_LOAD = "slow_load"
 
     def __str__(self) -> str:
         return self.value
@@ -73,6 +76,10 @@ class SimConfig:
     #: the whole KV capacity (``slots * max_model_len`` tokens), as vLLM caches in every free
     #: block; 0: prefix caching off. A benchmark makes it small to show eviction.
     prefix_cache_blocks: int | None = None
+    #: The checkpoint the process loads at its start, and again at each restart (a file or a
+    #: directory: ``fleetwarden.sim.weights``). None: the base weights (the simulator's older
+    #: answers).
+    weights_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:
