@@ -26,6 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
+
 from fleetwarden.admin.server import AdminServer
 from fleetwarden.admin.views import FleetCollector
 from fleetwarden.admin.work import WorkCollector
@@ -37,17 +39,24 @@ from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
-from fleetwarden.ledger import Ledger, Outcome, ShardState
+from fleetwarden.ledger import ABSENT, Ledger, Outcome, ShardState
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run, read_attached
 from fleetwarden.router import Router
 from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.pool import BackendFacts
-from fleetwarden.sleep import SleepResult, put_to_sleep
+from fleetwarden.sleep import SleepResult, drain_routers, put_to_sleep
 from fleetwarden.sleep import wake as wake_shards
 from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import Target, Watchdog
+from fleetwarden.weight_sync import (
+    PAUSE_MODES,
+    EngineOutcome,
+    RefitLoad,
+    load_checkpoint,
+    read_all,
+)
 
 __all__ = ["Fleet", "ShardLaunchers"]
 
@@ -447,14 +456,74 @@ class Fleet:
         self.admin.announce("refit", phase="begin", version=version)
         return lease
 
-    async def complete_refit(self, version: int) -> RefitRecord:
+    async def complete_refit(self, version: int, checksums: Mapping[str, str] | None = None,
+                             *, failed: Mapping[int, str] | None = None) -> RefitRecord:
         # Every participant read once more first: a version is credited only to a process
-        # known alive through the whole lease (docs/design.md section 8).
-        read = await self.controller.read_participants()
-        record = self.refit.complete_refit(version, read_at_end=read)
+        # known alive through the whole lease, and whose engine, where it can say, says it
+        # holds that version (and the trainer's checksums, when given): docs/design.md
+        # section 8.
+        lease = self.refit.lease
+        targets = {} if lease is None else {
+            p.shard: (p.url, self.config.fleet.engine_of(p.shard)) for p in lease.participants}
+        read, weights = await asyncio.gather(
+            self.controller.read_participants(),
+            read_all(targets, checksums=checksums is not None,
+                     timeout_s=self.config.health.probe_timeout_s))
+        record = self.refit.complete_refit(version, read_at_end=read, weights=weights,
+                                           checksums=checksums, failed=failed)
         self.controller.wake()
         self.admin.announce("refit", phase="complete", version=version)
         return record
+
+    async def refit_from(self, path: str, version: int, *, pause_mode: str | None = None,
+                         checksums: Mapping[str, str] | None = None) -> RefitLoad:
+        """Load the checkpoint at ``path`` into every participant as ``version``, and credit
+        only the engines that confirm it. Out of routing first (each participant STALE: no
+        request is sent to an engine whose weights are changing, nor labelled with a version
+        it no longer holds), the routers' requests on them drained for ``[refit] drain_s``;
+        then on every engine at once: pause (``pause_mode``, default ``[refit] pause_mode``),
+        reload from ``path``, stamp ``version``, resume; then the completion reads each
+        engine's own version (and checksums, when given). An engine whose load failed stays
+        STALE with the error; the others serve ``version``; the routers know before this
+        returns. Per engine: :class:`~fleetwarden.weight_sync.EngineOutcome`."""
+        cfg = self.config.refit
+        mode = cfg.pause_mode if pause_mode is None else pause_mode
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        started = time.monotonic()
+        lease = await self.begin_refit(version)
+        try:
+            parts = [(p.shard, p.url) for p in lease.participants
+                     if self.ledger.shard(p.shard).base_url == p.url
+                     and self.ledger.state(p.shard) not in ABSENT]
+            for i, _ in parts:
+                self.ledger.mark_weights_partial(i, f"loading weight version {version} from "
+                                                    f"{path}")
+            await self.controller.push_now()
+            # Requests already sent finish where they are (for drain_s at most; past it the
+            # pause mode decides), so none reaches an engine in the middle of its load.
+            await drain_routers(self.controller, {url for _, url in parts}, cfg.drain_s)
+            timeout = aiohttp.ClientTimeout(total=cfg.load_timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                loads = await asyncio.gather(*(
+                    load_checkpoint(http, url, path, version, pause_mode=mode)
+                    for _, url in parts))
+            failed = {i: r.error for (i, _), r in zip(parts, loads, strict=True) if not r.took}
+            record = await self.complete_refit(version, checksums, failed=failed)
+        except BaseException:
+            if self.refit.lease is not None and self.refit.lease.version == version:
+                self.abort_refit(version, "the load was interrupted")
+            raise
+        await self.push()
+        disagreed = dict(record.unconfirmed)
+        engines = tuple(
+            EngineOutcome(i, url, took=r.took,
+                          confirmed=True if i in record.confirmed
+                          else False if i in disagreed else None,
+                          state=self.ledger.state(i).value,
+                          error=r.error or disagreed.get(i, ""), seconds=r.seconds)
+            for (i, url), r in zip(parts, loads, strict=True))
+        return RefitLoad(version, path, mode, engines, time.monotonic() - started)
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         record = self.refit.abort_refit(version, reason)
