@@ -176,3 +176,17 @@ async def until_tokens(sim: Sim, n: int) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"no request reached {n} tokens")
+
+
+async def test_calls_into_a_wedged_engine_core_wait_for_it(
+        sim: Sim, http: aiohttp.ClientSession) -> None:
+    """A wedge stops the EngineCore (as SIGSTOP does): vLLM's RL calls are RPCs into it, so
+    they go unanswered until it runs again, while /health still answers."""
+    await sim.set_fault(FaultMode.WEDGE)
+    info = asyncio.ensure_future(call(http, "GET", sim.url + "/weight_info"))
+    async with http.get(sim.url + "/health") as r:
+        assert r.status == 200
+    done, _ = await asyncio.wait({info}, timeout=0.3)
+    assert not done
+    await sim.set_fault(None)
+    assert await info == (200, {"weight_version": "default"})

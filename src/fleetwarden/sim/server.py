@@ -173,6 +173,8 @@ class Sim:
         self._weights: Weights = self._base_weights
         self._paused: str | None = None
         self._idle = asyncio.Event()  # set by the engine loop whenever nothing runs
+        self._unwedged = asyncio.Event()  # clear while wedged: RL calls reach the core
+        self._unwedged.set()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self._port = config.port
@@ -324,6 +326,10 @@ class Sim:
             self._crash()
         if until is not None:
             self._fault_timer = loop.call_at(until, self._clear_by_timer)
+        if mode is FaultMode.WEDGE:
+            self._unwedged.clear()
+        else:
+            self._unwedged.set()
         self._wake.set()
         return self._fault
 
@@ -428,19 +434,31 @@ class Sim:
     def _rl_routes(self) -> list[web.RouteDef]:
         if self.config.engine != "vllm":
             return []
+        core = self._through_core
         return [
-            web.post("/pause", self._pause),
-            web.post("/resume", self._resume),
-            web.get("/is_paused", self._is_paused),
-            web.post("/start_weight_update", self._start_weight_update),
-            web.post("/update_weights", self._update_weights),
-            web.post("/finish_weight_update", self._finish_weight_update),
-            web.post("/update_weight_version", self._update_weight_version),
-            web.get("/weight_info", self._weight_info),
-            web.post("/weight_checker", self._weight_checker),
-            web.post("/collective_rpc", self._collective_rpc),
+            web.post("/pause", core(self._pause)),
+            web.post("/resume", core(self._resume)),
+            web.get("/is_paused", core(self._is_paused)),
+            web.post("/start_weight_update", core(self._start_weight_update)),
+            web.post("/update_weights", core(self._update_weights)),
+            web.post("/finish_weight_update", core(self._finish_weight_update)),
+            web.post("/update_weight_version", core(self._update_weight_version)),
+            web.get("/weight_info", core(self._weight_info)),
+            web.post("/weight_checker", core(self._weight_checker)),
+            web.post("/collective_rpc", core(self._collective_rpc)),
             web.post("/inference/v1/generate", self._inference_generate),
         ]
+
+    def _through_core(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """Each of these is a call into vLLM's EngineCore process (a utility call, or a
+        collective RPC through it to the workers): while a wedge has stopped that process (as
+        SIGSTOP does), the HTTP server takes the call and it waits, unanswered."""
+        async def wait_for_the_core(request: web.Request) -> web.StreamResponse:
+            await self._unwedged.wait()
+            return await handler(request)
+
+        return wait_for_the_core
 
     @property
     def weights(self) -> Weights:
