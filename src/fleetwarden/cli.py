@@ -269,6 +269,13 @@ def sim(
     prefix_cache_blocks: int | None = typer.Option(
         None, min=0, help="KV blocks (16 tokens) the prefix cache keeps; default: the whole "
         "KV capacity (slots x max-model-len); 0 turns prefix caching off."),
+    weights: str | None = typer.Option(
+        None, help="The checkpoint (a file or a folder) loaded at start and at each restart; "
+        "its bytes change every answer, as POST /collective_rpc reload_weights does. Default: "
+        "the base weights."),
+    enable_scale_out: bool = typer.Option(
+        False, "--enable-scale-out", help="Serve POST /inference/v1/generate, as vLLM's flag "
+        "does (without it: 403)."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -291,7 +298,8 @@ def sim(
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
-                       engine=engine, prefix_cache_blocks=prefix_cache_blocks)
+                       engine=engine, prefix_cache_blocks=prefix_cache_blocks,
+                       weights_path=weights, enable_scale_out=enable_scale_out)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 

