@@ -51,6 +51,7 @@ from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import Target, Watchdog
 from fleetwarden.weight_sync import (
+    CONFIRM_READ_S,
     PAUSE_MODES,
     EngineOutcome,
     RefitLoad,
@@ -468,7 +469,7 @@ class Fleet:
         read, weights = await asyncio.gather(
             self.controller.read_participants(),
             read_all(targets, checksums=checksums is not None,
-                     timeout_s=self.config.health.probe_timeout_s))
+                     timeout_s=max(self.config.health.probe_timeout_s, CONFIRM_READ_S)))
         record = self.refit.complete_refit(version, read_at_end=read, weights=weights,
                                            checksums=checksums, failed=failed)
         self.controller.wake()

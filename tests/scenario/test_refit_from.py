@@ -72,6 +72,7 @@ class Answer:
     shard: int | None
     sent_at: float
     resent: int
+    latency: float  # from the first send to the answer, re-sends included
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Books:
 
 async def rollout(http: aiohttp.ClientSession, router: str, prompt: str, books: Books) -> None:
     loop = asyncio.get_running_loop()
+    first = loop.time()
     for attempt in range(ATTEMPTS):
         sent = loop.time()
         try:
@@ -97,7 +99,7 @@ async def rollout(http: aiohttp.ClientSession, router: str, prompt: str, books: 
                     s = r.headers.get("x-fleetwarden-shard")
                     books.answers.append(Answer(
                         prompt, body["choices"][0]["text"], None if v is None else int(v),
-                        None if s is None else int(s), sent, attempt))
+                        None if s is None else int(s), sent, attempt, loop.time() - first))
                     books.resent += attempt
                     return
                 assert r.status in (409, 500, 502, 503, 504), (r.status, body)
@@ -249,6 +251,9 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
           f"mean per load; per engine that took it: p50 "
           f"{statistics.median(per_engine) * 1000:.0f} ms, max {max(per_engine) * 1000:.0f} ms; "
           f"engines left STALE and named {failed_named}")
+    latencies = [a.latency for a in books.answers]
+    print(f"rollout latency (each begun as a load starts): p50 "
+          f"{statistics.median(latencies):.2f} s, max {max(latencies):.2f} s")
     print(f"mislabeled answers {len(mislabeled)}; answers from an engine left STALE "
           f"{len(from_stale)}")
     assert mislabeled == [], mislabeled[:5]

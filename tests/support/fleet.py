@@ -94,7 +94,7 @@ async def stamp(fleet: Fleet, version: int) -> None:
     credited. An engine that does not answer is left as it is (the completion judges it)."""
     lease = fleet.refit.lease
     assert lease is not None, "stamp inside a lease"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
         for p in lease.participants:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with s.post(p.url + "/update_weight_version",
