@@ -29,12 +29,13 @@ import aiohttp
 import pytest
 
 from fleetwarden.fleet import Fleet
+from fleetwarden.ledger import Event, ShardState, Transition
 from fleetwarden.refit import RefitError
 from fleetwarden.sim import wire
 from fleetwarden.sim.sampling import Generation, parse_params
 from fleetwarden.sim.weights import BASE, Weights, load_weights
 from fleetwarden.weight_sync import RefitLoad
-from support.fleet import running_fleet, until
+from support.fleet import record_transitions, running_fleet, until
 
 pytestmark = pytest.mark.scenario
 
@@ -166,7 +167,14 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
         version = 1
         stale_since: dict[int, float] = {}  # left STALE by a load, at this time
 
-        async def account(done: RefitLoad, load_started: float) -> int:
+        def credited(t: Transition) -> None:
+            """A shard left STALE serves again (a later load, or loaded alone at once)."""
+            if t.to_state in (ShardState.HEALTHY, ShardState.SUSPECT) and t.shard in stale_since:
+                books.stale.append((t.shard, stale_since.pop(t.shard), loop.time()))
+
+        f.ledger.subscribe(credited)
+
+        async def account(done: RefitLoad) -> int:
             """Check one load's outcome; note the shards it left STALE; how many it named."""
             now, named = loop.time(), 0
             for e in done.engines:
@@ -174,8 +182,6 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
                     stale_since.setdefault(e.shard, now)
                     assert e.error, f"v{done.version}: shard {e.shard} STALE, no error named"
                     named += 1
-                elif e.shard in stale_since:  # credited again by this load
-                    books.stale.append((e.shard, stale_since.pop(e.shard), load_started))
                 if e.state in ("HEALTHY", "SUSPECT"):
                     # Credited: its engine holds this checkpoint, by its own word and weights.
                     said = await engine_version(http, e.url)
@@ -215,7 +221,7 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
             done = first = await load(f, path, version, loads)
             if killer is not None:
                 await killer
-            failed_named += await account(done, load_started)
+            failed_named += await account(done)
             for _ in range(20):
                 if done.credited:
                     break
@@ -224,7 +230,7 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
                 await asyncio.sleep(0.2)
                 load_started = loop.time()
                 done = await load(f, path, version, loads)
-                failed_named += await account(done, load_started)
+                failed_named += await account(done)
             if fault == "failed_load":
                 assert victim in first.failed and "TimeoutError" in next(
                     e.error for e in first.engines if e.shard == victim), first
@@ -276,3 +282,36 @@ async def load(f: Fleet, path: str, version: int, loads: list[RefitLoad]) -> Ref
         loads.append(done)
         return done
     raise AssertionError("no load could begin")
+
+
+async def test_a_replacement_engine_is_loaded_at_once_and_serves_only_then(
+        tmp_path: Path) -> None:
+    """After a load fleetwarden ran, a restarted engine (a new process, the checkpoint's base
+    weights) waits in STALE only until fleetwarden has loaded the same checkpoint into it,
+    alone, and its engine confirmed it: no trainer step, no refit of the fleet."""
+    path = tmp_path / "ckpt-1"
+    path.write_text("weights after step 1\n")
+    expected = {p: reference(p, load_weights(str(path))) for p in PROMPTS[:3]}
+    async with running_fleet(tmp_path, fleet={"weights": "trainer", "engines": 2}) as f, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        done = await f.refit_from(str(path), 1)
+        assert done.credited == [0, 1]
+        refits = len(f.refit.history)
+        old = f.ledger.shard(1).base_url
+        seen = record_transitions(f)
+        await f.restart(1, "a replacement, for the test")
+        await until(lambda: f.ledger.shard(1).base_url != old
+                    and f.ledger.state(1) is ShardState.HEALTHY, timeout=60,
+                    what="the replacement up, loaded and confirmed")
+        moves = [(t.to_state, t.event) for t in seen if t.shard == 1]
+        # Up in STALE (the checkpoint's base weights), then credited by its load alone.
+        assert moves[-2:] == [(ShardState.STALE, Event.LOADED),
+                              (ShardState.HEALTHY, Event.REFIT)], moves
+        assert f.ledger.shard(1).weight_version == 1 and len(f.refit.history) == refits
+        url = f.ledger.shard(1).base_url
+        assert await engine_version(http, url) == ("1", load_weights(str(path)).checksums())
+        await until(lambda: url in f.router.serving_backends(), what="routed again")
+        for p, text in expected.items():  # straight from it: the checkpoint's answers
+            async with http.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS}) as r:
+                assert (await r.json())["choices"][0]["text"] == text
