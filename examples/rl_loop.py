@@ -6,8 +6,11 @@ each demanding the current weights (``x-fleetwarden-min-weight-version``) and ch
 the version its answer names (``x-fleetwarden-weight-version``). Then, as colocated RL does,
 the engines are put to sleep for the training step (``FleetClient.sleep()``: out of routing,
 then vLLM's ``/sleep``) and woken after it (``wake()``); then "new weights" are pushed with a
-refit to version + 1: begin (the participants to push to), the push (a pause here: the engines
-are simulated), complete.
+refit to version + 1: begin (the participants to push to), the push (here: the version stamped
+on each engine, as vLLM's ``finish_weight_update {"weight_version"}`` ends a real push; the
+completion credits only engines that say they hold it), complete. (A trainer that writes
+checkpoints to disk can have fleetwarden run the whole sync: ``FleetClient.refit_from``,
+``examples/refit_from_loop.py``.)
 
 With ``--hang-refit-at-step K`` one participant wedges during step K's weight push (its API
 stops answering, as an engine stuck in a broadcast). The trainer polls
@@ -31,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -71,6 +76,23 @@ async def rollout(client: openai.AsyncOpenAI, step: int, n: int,
             return False, resent, None
         except openai.APIError:
             return False, resent, None
+
+
+def push_weights(lease: dict[str, Any], version: int) -> None:
+    """The weight push, as far as simulated engines take one: each participant's engine is
+    told the version it now holds (vLLM: ``POST /update_weight_version``, or the
+    ``weight_version`` of ``/finish_weight_update``). One that does not answer is left to the
+    completion, which does not credit it."""
+    for p in lease["participants"]:
+        req = urllib.request.Request(
+            p["url"] + "/update_weight_version", method="POST",
+            data=json.dumps({"new_version": str(version)}).encode(),
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5):
+                pass
+        except OSError:
+            continue
 
 
 async def hang_and_abort(fleet: FleetClient, version: int, lease: dict[str, Any]) -> None:
@@ -132,6 +154,7 @@ async def run(args: argparse.Namespace, router: str, fleet: FleetClient) -> bool
                 await hang_and_abort(fleet, version, lease)
                 lease = await asyncio.to_thread(fleet.begin_refit, version)
                 await asyncio.sleep(args.push_s)
+            await asyncio.to_thread(push_weights, lease, version)
             done = await asyncio.to_thread(fleet.complete_refit, version)
             states = Counter(done["states"].values())
             per_shard = " ".join(f"{i}:{s[:4]}" for i, s in sorted(done["states"].items()))

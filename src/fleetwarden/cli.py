@@ -299,6 +299,13 @@ def sim(
     override_generation_config: str | None = typer.Option(
         None, help="vLLM's flag, as JSON: '{\"max_new_tokens\": N}' caps every request's "
         "output at N, even one that names more (the only key the simulator reads)."),
+    weights: str | None = typer.Option(
+        None, help="The checkpoint (a file or a folder) loaded at start and at each restart; "
+        "its bytes change every answer, as POST /collective_rpc reload_weights does. Default: "
+        "the base weights."),
+    enable_scale_out: bool = typer.Option(
+        False, "--enable-scale-out", help="Serve POST /inference/v1/generate, as vLLM's flag "
+        "does (without it: 403)."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -324,7 +331,8 @@ def sim(
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
                        api_keys=tuple(api_key or ()),
-                       override_max_new_tokens=cap)
+                       override_max_new_tokens=cap,
+                       weights_path=weights, enable_scale_out=enable_scale_out)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 

@@ -48,7 +48,8 @@ class FleetClient:
         self._token = token
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+              timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.admin_url + path, data=data, method=method,
@@ -56,7 +57,7 @@ class FleetClient:
                      "Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
             raw = exc.read()
@@ -104,9 +105,35 @@ class FleetClient:
         result: dict[str, Any] = self._call("POST", "/admin/refit/begin", {"version": version})
         return result
 
-    def complete_refit(self, version: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", "/admin/refit/complete",
-                                            {"version": version})
+    def complete_refit(self, version: int,
+                       checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Credit ``version`` to the participants whose engine confirms it (vLLM: its
+        ``/weight_info`` says ``str(version)``: stamp it with ``finish_weight_update`` or
+        ``update_weight_version``; and, given ``checksums``, its ``/weight_checker`` agrees).
+        ``["unconfirmed"]``: the shards left STALE, each with what its engine reported."""
+        body: dict[str, Any] = {"version": version}
+        if checksums is not None:
+            body["checksums"] = checksums
+        result: dict[str, Any] = self._call("POST", "/admin/refit/complete", body)
+        return result
+
+    def refit_from(self, path: str, version: int, *, pause_mode: str | None = None,
+                   checksums: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
+        """Have fleetwarden load the checkpoint at ``path`` (as the engines' hosts see it) into
+        every participant as ``version``: out of routing, paused (``pause_mode``: the
+        fleet's ``[refit] pause_mode`` by default), reloaded, stamped, resumed, and credited
+        only where the engine confirms. ``["engines"]``: per engine ``took``, ``confirmed``,
+        ``state`` and ``error``; ``["credited"]`` / ``["failed"]``: the shards. Waits up to
+        ``timeout_s`` (default: the client's, at least 600 s: a load takes minutes)."""
+        body: dict[str, Any] = {"path": path, "version": version}
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
+        if checksums is not None:
+            body["checksums"] = checksums
+        result: dict[str, Any] = self._call(
+            "POST", "/admin/refit/load", body,
+            timeout_s=timeout_s if timeout_s is not None else max(self.timeout_s, 600.0))
         return result
 
     def abort_refit(self, version: int, reason: str) -> dict[str, Any]:

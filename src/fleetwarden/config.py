@@ -524,6 +524,23 @@ class RefitConfig(_Section):
     #: timeout would excuse stalls after the trainer has stopped waiting, so 300 s. A trainer
     #: need not wait for it: the lease names a silent participant within a tick.
     lease_s: PositiveFloat = DEFAULT_LEASE_S
+    #: What an engine does with the requests still running on it when a load that fleetwarden
+    #: runs (``refit_from``) pauses it, once the routers have drained it for ``drain_s``
+    #: (vLLM's ``/pause?mode=``): ``wait`` lets them finish under the old weights first, so
+    #: every answer comes from one checkpoint and says so; the sync waits for the longest.
+    #: ``abort`` ends them at once (``finish_reason`` ``abort``: the trainer re-sends them);
+    #: ``keep`` freezes them and lets them go on under the new weights: a mixed answer, whose
+    #: spans say so on ``/inference/v1/generate`` but whose OpenAI answer's header names one
+    #: version. ``wait``: no answer lost or mislabelled (docs/rl.md).
+    pause_mode: Literal["wait", "abort", "keep"] = "wait"
+    #: How long ``refit_from`` lets the routers' requests on an engine finish (nothing new is
+    #: sent there) before it pauses it. The same 30 s as the sleep bracket's drain: rollouts
+    #: of a step are usually in before the trainer syncs, and past it ``pause_mode`` decides.
+    drain_s: Annotated[float, Field(ge=0)] = 30.0
+    #: How long each call of one engine's load (its pause, its reload, its stamp, its resume)
+    #: may take: loading a large checkpoint from disk takes minutes, and a ``wait`` pause
+    #: lasts as long as what still runs. Past it the engine's load failed (it stays STALE).
+    load_timeout_s: PositiveFloat = 600.0
 
 
 class JournalConfig(_Section):

@@ -21,10 +21,13 @@ are reachable for tests; callers outside tests use the surface.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
 from typing import Any
+
+import aiohttp
 
 from fleetwarden.admin.server import AdminServer
 from fleetwarden.admin.views import FleetCollector
@@ -38,17 +41,26 @@ from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
-from fleetwarden.ledger import Ledger, Outcome, ShardState
-from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
+from fleetwarden.ledger import ABSENT, Ledger, Outcome, ShardState
+from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord, confirmation
 from fleetwarden.restore import adopt_or_stop, begin_run, read_attached
 from fleetwarden.router import Router
 from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.pool import BackendFacts
-from fleetwarden.sleep import SleepResult, put_to_sleep
+from fleetwarden.sleep import SleepResult, drain_routers, put_to_sleep
 from fleetwarden.sleep import wake as wake_shards
 from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import Target, Watchdog
+from fleetwarden.weight_sync import (
+    CONFIRM_READ_S,
+    PAUSE_MODES,
+    EngineOutcome,
+    RefitLoad,
+    load_checkpoint,
+    read_all,
+    read_weights,
+)
 
 __all__ = ["Fleet", "ShardLaunchers"]
 
@@ -120,6 +132,15 @@ class Fleet:
         self._launchers: ShardLaunchers | None = None
         self.routers: list[RouterLink] = []
         self._remotes: list[RemoteRouter] = []
+        #: The checkpoint of the last load fleetwarden ran (``refit_from``): a replacement
+        #: engine waiting in STALE is loaded from it at once (:meth:`_catch_up`).
+        self._source: tuple[str, int, Mapping[str, str] | None] | None = None
+        #: Loads fleetwarden runs, one at a time: a fleet's and a replacement's never overlap.
+        self._loading = asyncio.Lock()
+        self._catching_up: asyncio.Task[None] | None = None
+        #: (shard, incarnation, version) already tried: a replacement is loaded once per
+        #: process and checkpoint, so an engine that cannot load is not tried every tick.
+        self._caught: set[tuple[int, str | None, int]] = set()
         self.admin.registry.register(FleetCollector(
             lambda: self.snapshot() if self._controller is not None else None))
         self.admin.registry.register(WorkCollector(
@@ -375,6 +396,10 @@ class Fleet:
         """Stop serving, then stop every engine this fleet started, leaving nothing running."""
         self._stop.set()
         await self.admin.stop()
+        if self._catching_up is not None:
+            self._catching_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._catching_up
         if self._controller is not None:
             await self._controller.close()
         if self._router is not None:
@@ -424,6 +449,10 @@ class Fleet:
 
     def _after_tick(self, report: TickReport) -> None:
         self.admin.after_tick(self, self.router.stats)
+        if (self._source is not None and self.refit.lease is None and not self._loading.locked()
+                and (self._catching_up is None or self._catching_up.done())
+                and self._stale_replacements()):
+            self._catching_up = asyncio.ensure_future(self._catch_up())
 
     # ------------------------------------------------------------------ operations (the surface)
 
@@ -470,14 +499,141 @@ class Fleet:
         self.admin.announce("refit", phase="begin", version=version)
         return lease
 
-    async def complete_refit(self, version: int) -> RefitRecord:
+    async def complete_refit(self, version: int, checksums: Mapping[str, str] | None = None,
+                             *, failed: Mapping[int, str] | None = None) -> RefitRecord:
         # Every participant read once more first: a version is credited only to a process
-        # known alive through the whole lease (docs/design.md section 8).
-        read = await self.controller.read_participants()
-        record = self.refit.complete_refit(version, read_at_end=read)
+        # known alive through the whole lease, and whose engine, where it can say, says it
+        # holds that version (and the trainer's checksums, when given): docs/design.md
+        # section 8.
+        lease = self.refit.lease
+        targets = {} if lease is None else {
+            p.shard: (p.url, self.config.fleet.engine_of(p.shard)) for p in lease.participants}
+        read, weights = await asyncio.gather(
+            self.controller.read_participants(),
+            read_all(targets, checksums=checksums is not None,
+                     timeout_s=max(self.config.health.probe_timeout_s, CONFIRM_READ_S),
+                     keys={i: self.engine_keys.of_shard(i) for i in targets}))
+        record = self.refit.complete_refit(version, read_at_end=read, weights=weights,
+                                           checksums=checksums, failed=failed)
         self.controller.wake()
         self.admin.announce("refit", phase="complete", version=version)
         return record
+
+    async def refit_from(self, path: str, version: int, *, pause_mode: str | None = None,
+                         checksums: Mapping[str, str] | None = None) -> RefitLoad:
+        """Load the checkpoint at ``path`` into every participant as ``version``, and credit
+        only the engines that confirm it. Out of routing first (each participant STALE: no
+        request is sent to an engine whose weights are changing, nor labelled with a version
+        it no longer holds), the routers' requests on them drained for ``[refit] drain_s``;
+        then on every engine at once: pause (``pause_mode``, default ``[refit] pause_mode``),
+        reload from ``path``, stamp ``version``, resume; then the completion reads each
+        engine's own version (and checksums, when given). An engine whose load failed stays
+        STALE with the error; the others serve ``version``; the routers know before this
+        returns. Per engine: :class:`~fleetwarden.weight_sync.EngineOutcome`."""
+        mode = self.config.refit.pause_mode if pause_mode is None else pause_mode
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if self._catching_up is not None and not self._catching_up.done():
+            # The trainer's load goes first: a replacement being caught up is a participant
+            # of it (STALE), loaded with the newer checkpoint after whatever its engine was
+            # doing (vLLM's core takes one call at a time).
+            self._catching_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._catching_up
+        async with self._loading:
+            load = await self._refit_from(path, version, mode, checksums)
+        if load.credited:
+            self._source = (path, version, checksums)  # what a replacement is loaded from
+        return load
+
+    async def _refit_from(self, path: str, version: int, mode: str,
+                          checksums: Mapping[str, str] | None) -> RefitLoad:
+        cfg = self.config.refit
+        started = time.monotonic()
+        lease = await self.begin_refit(version)
+        try:
+            parts = [(p.shard, p.url) for p in lease.participants
+                     if self.ledger.shard(p.shard).base_url == p.url
+                     and self.ledger.state(p.shard) not in ABSENT]
+            for i, _ in parts:
+                self.ledger.mark_weights_partial(i, f"loading weight version {version} from "
+                                                    f"{path}")
+            await self.controller.push_now()
+            # Requests already sent finish where they are (for drain_s at most; past it the
+            # pause mode decides), so none reaches an engine in the middle of its load.
+            await drain_routers(self.controller, {url for _, url in parts}, cfg.drain_s)
+            timeout = aiohttp.ClientTimeout(total=cfg.load_timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                loads = await asyncio.gather(*(
+                    load_checkpoint(http, url, path, version, pause_mode=mode,
+                                    key=self.engine_keys.of_shard(i))
+                    for i, url in parts))
+            failed = {i: r.error for (i, _), r in zip(parts, loads, strict=True) if not r.took}
+            record = await self.complete_refit(version, checksums, failed=failed)
+        except BaseException:
+            if self.refit.lease is not None and self.refit.lease.version == version:
+                self.abort_refit(version, "the load was interrupted")
+            raise
+        await self.push()
+        disagreed = dict(record.unconfirmed)
+        engines = tuple(
+            EngineOutcome(i, url, took=r.took,
+                          confirmed=True if i in record.confirmed
+                          else False if i in disagreed else None,
+                          state=self.ledger.state(i).value,
+                          error=r.error or disagreed.get(i, ""), seconds=r.seconds)
+            for (i, url), r in zip(parts, loads, strict=True))
+        return RefitLoad(version, path, mode, engines, time.monotonic() - started)
+
+    def _stale_replacements(self) -> list[int]:
+        """STALE shards not yet tried with the current source, in this process."""
+        if self._source is None:
+            return []
+        version = self._source[1]
+        return [r.index for r in self.ledger.snapshot()
+                if r.state is ShardState.STALE and r.weight_version <= version
+                and (r.index, r.incarnation, version) not in self._caught]
+
+    async def _catch_up(self) -> None:
+        """Load the last checkpoint fleetwarden loaded into each replacement engine waiting in
+        STALE (restarted, or attached after the load), only it, at once: without this it
+        would wait for the trainer's next step, or, worse, in static mode be promoted with the
+        checkpoint's weights under the current version. Credited only where its engine
+        confirms the version (an engine that cannot say waits for the next refit) and its
+        process is the one loaded (the same URL and incarnation before and after)."""
+        assert self._source is not None
+        path, version, checksums = self._source
+        async with self._loading:
+            if self.refit.lease is not None:
+                return
+            shards = [(i, self.ledger.shard(i)) for i in self._stale_replacements()]
+            self._caught = {c for c in self._caught if c[2] == version}  # older: done with
+            self._caught.update((i, r.incarnation, version) for i, r in shards)
+            timeout = aiohttp.ClientTimeout(total=self.config.refit.load_timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                loads = await asyncio.gather(*(
+                    load_checkpoint(http, r.base_url, path, version,
+                                    pause_mode=self.config.refit.pause_mode,
+                                    key=self.engine_keys.of_shard(i))
+                    for i, r in shards))
+                said = await asyncio.gather(*(
+                    read_weights(http, r.base_url, self.config.fleet.engine_of(i),
+                                 checksums=checksums is not None,
+                                 key=self.engine_keys.of_shard(i)) for i, r in shards))
+            credited = []
+            for (i, before), load, weights in zip(shards, loads, said, strict=True):
+                now = self.ledger.shard(i)
+                ok, why = confirmation(version, checksums, weights)
+                if not load.took or ok is not True or now.state is not ShardState.STALE or (
+                        now.base_url, now.incarnation) != (before.base_url, before.incarnation):
+                    log.warning("shard %d: not loaded with version %d from %s: %s", i,
+                                version, path, load.error or why)
+                    continue
+                self.ledger.report_refit(i, version)
+                credited.append(i)
+        if credited:
+            await self.push()
+            self.admin.announce("refit", phase="catch-up", version=version)
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord:
         record = self.refit.abort_refit(version, reason)

@@ -116,6 +116,7 @@ class Event(enum.Enum):
     REFIT = "refit"  # a completed refit, nothing suspected
     REFIT_STILL_SUSPECT = "refit, still suspect"  # a completed refit that was suspected before
     MISSED_REFIT = "missed refit"  # a refit completed, but this process did not take part
+    REFIT_UNCONFIRMED = "refit unconfirmed"  # a refit completed; the engine says otherwise
     IDENTIFIED = "identified"  # the first incarnation seen of a shard's process: no restart
     NEW_INCARNATION = "new incarnation"  # silent restart, weights unchanged (static mode)
     NEW_INCARNATION_WEIGHTS_LOST = "new incarnation, weights lost"  # silent restart, trainer mode
@@ -152,6 +153,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
         E.MISSED_REFIT: STALE,
+        E.REFIT_UNCONFIRMED: STALE,
         E.REFIT: HEALTHY,
         E.IDENTIFIED: HEALTHY,
         E.NEW_INCARNATION: HEALTHY,
@@ -175,6 +177,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
         E.MISSED_REFIT: STALE,
+        E.REFIT_UNCONFIRMED: STALE,
         E.REFIT_STILL_SUSPECT: SUSPECT,
         E.IDENTIFIED: SUSPECT,
         E.NEW_INCARNATION: HEALTHY,  # the suspicion was about the old process
@@ -195,6 +198,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.SILENT_PARTICIPANT: DEAD,
         E.WEIGHTS_PARTIAL: STALE,
         E.MISSED_REFIT: STALE,
+        E.REFIT_UNCONFIRMED: STALE,
         E.REFIT: HEALTHY,
         E.REFIT_STILL_SUSPECT: SUSPECT,
         E.IDENTIFIED: STALE,
@@ -236,6 +240,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.CONDEMNED: DEAD,
         E.SILENT_PARTICIPANT: DEAD,
         E.MISSED_REFIT: SLEEPING,  # wakes STALE
+        E.REFIT_UNCONFIRMED: SLEEPING,  # wakes STALE
         E.WEIGHTS_PARTIAL: SLEEPING,  # wakes STALE
         E.REFIT: SLEEPING,  # wakes HEALTHY
         E.REFIT_STILL_SUSPECT: SLEEPING,  # wakes SUSPECT
@@ -907,8 +912,11 @@ class Ledger:
 
     # ------------------------------------------------------------------ refits
 
-    def mark_weights_partial(self, i: int) -> Outcome:
-        """A refit aborted while this shard received: its weights are a mix. STALE."""
+    def mark_weights_partial(self, i: int,
+                             cause: str = "a refit aborted while its weights were loading"
+                             ) -> Outcome:
+        """A refit aborted while this shard received: its weights are a mix. STALE. (Also a
+        load fleetwarden runs itself, from its start: ``cause`` says which.)"""
         s = self._shard(i)
         if s.state in ABSENT:
             return self._ignored(s, "absent shards take no part in a refit")
@@ -917,7 +925,7 @@ class Ledger:
         # say nothing to the refit that reads it, so an already-STALE shard keeps its value
         asleep: dict[str, Any] = {"state_before_sleep": STALE} if s.state is SLEEPING else {}
         return self._apply(
-            s, E.WEIGHTS_PARTIAL, "a refit aborted while its weights were loading",
+            s, E.WEIGHTS_PARTIAL, cause,
             state_before_partial=before, **asleep,  # a sleeping shard wakes STALE
         )
 
@@ -951,6 +959,20 @@ class Ledger:
             state_before_partial=None,  # a verdict on the process that took part, not this one
             **asleep,  # a sleeping shard wakes STALE
         )
+
+    def refit_unconfirmed(self, i: int, version: int, reported: str) -> Outcome:
+        """A refit to ``version`` completed, but this shard's engine does not confirm it
+        (``reported``: what it said instead: another version, other checksums, no answer).
+        It may hold any weights: STALE, for the next refit, its suspicion kept for it."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "absent shards take no part in a refit")
+        awake = _awake_state(s)
+        before = s.state_before_partial if awake is STALE else awake
+        asleep: dict[str, Any] = {"state_before_sleep": STALE} if s.state is SLEEPING else {}
+        cause = f"refit to version {version} not confirmed by the engine: {reported}"
+        return self._apply(s, E.REFIT_UNCONFIRMED, cause, last_error=cause,
+                           state_before_partial=before, **asleep)
 
     def report_refit(self, i: int, version: int) -> Outcome:
         """A refit to ``version`` completed on this shard."""

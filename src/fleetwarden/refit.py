@@ -11,6 +11,15 @@ HEALTHY, or back to SUSPECT when it was suspected before an abort. ``abort_refit
 reason)`` is ``mark_weights_partial`` for the participants, and when exactly one shard is
 suspected it is the one that stalled the sync: ``condemn_silent_participant``.
 
+**Credit only what the engine confirms.** Where the engine can say what it holds (vLLM's ``GET
+/weight_info`` and ``POST /weight_checker``: :class:`EngineWeights`, read by the fleet at the
+completion), a participant is credited only when its own reported version is the refit's and,
+when the trainer gave checksums, its checksums are those (:func:`confirmation`); one that
+disagrees is left STALE (``refit_unconfirmed``), never routed, and the refit's record names it
+with what it reported. An engine that cannot say (no ``/weight_info``: SGLang, TGI, llama.cpp,
+``openai`` profiles, a vLLM without dev mode) is credited on the lease's reads alone, as
+before: a weaker rule, which proves the process lived through the sync, not that it loaded.
+
 A lease that overruns marks its participants SUSPECT with the cause, once, and is closed; only
 those the lease names as culprits (gone, or not answering) are also ejected, so the old
 weights go on serving.
@@ -32,8 +41,8 @@ from dataclasses import dataclass, field
 
 from fleetwarden.ledger import ABSENT, UNNAMED_PREFIX, Ledger
 
-__all__ = ["Lease", "ParticipantStatus", "ProcessSeen", "RefitCoordinator", "RefitError",
-           "RefitRecord"]
+__all__ = ["CANNOT_SAY", "EngineWeights", "Lease", "ParticipantStatus", "ProcessSeen",
+           "RefitCoordinator", "RefitError", "RefitRecord", "confirmation"]
 
 #: The default of ``[refit] lease_s`` (``config.py`` gives its reason).
 DEFAULT_LEASE_S = 300.0
@@ -73,6 +82,56 @@ class ProcessSeen:
             return False
         return all(later.counters.get(name, value) >= value
                    for name, value in self.counters.items())
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWeights:
+    """What an engine said of its own weights when it was asked (at a refit's completion)."""
+
+    #: It has a way to say (vLLM's ``/weight_info``); ``False``: none (another engine, a
+    #: vLLM without dev mode answering 404), and the refit is credited on the lease's reads.
+    can_say: bool
+    #: The weight version it reports (``None``: the read failed).
+    version: str | None = None
+    #: Its weights' checksums (``None``: not read, or the read failed).
+    checksums: Mapping[str, str] | None = None
+    #: Why a read failed (empty when it did not).
+    error: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"can_say": self.can_say, "version": self.version,
+                "checksums": None if self.checksums is None else dict(self.checksums),
+                "error": self.error}
+
+
+#: What an engine with no way to say its weights says.
+CANNOT_SAY = EngineWeights(can_say=False)
+
+
+def confirmation(version: int, checksums: Mapping[str, str] | None,
+                 said: EngineWeights) -> tuple[bool | None, str]:
+    """Whether the engine confirms that it holds ``version`` (and, when the trainer gave
+    ``checksums``, those weights): ``(True, ...)`` it does, ``(False, what it reported)`` it
+    does not, ``(None, ...)`` it cannot say. A failed read confirms nothing: an engine that
+    can say and did not is not credited."""
+    if not said.can_say:
+        return None, "the engine cannot say its weights: credited on the lease's reads alone"
+    if said.version is None:
+        return False, f"its weight version could not be read: {said.error or 'no answer'}"
+    if said.version != str(version):
+        return False, f"reports weight version {said.version!r}, not {version}"
+    if checksums is None:
+        return True, f"reports weight version {version}"
+    if said.checksums is None:
+        return False, (f"reports weight version {version}, but its checksums could not be "
+                       f"read: {said.error or 'no answer'}")
+    differ = sorted(k for k in checksums.keys() | said.checksums.keys()
+                    if checksums.get(k) != said.checksums.get(k))
+    if differ:
+        return False, (f"reports weight version {version}, but its checksums differ from the "
+                       f"trainer's on {len(differ)} of {len(checksums)} parameters "
+                       f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})")
+    return True, f"reports weight version {version} and the trainer's checksums"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +199,10 @@ class RefitRecord:
     participants: tuple[int, ...]
     detail: str = ""
     condemned: tuple[int, ...] = field(default=())
+    #: Participants credited on their engine's own word (version, and checksums when given).
+    confirmed: tuple[int, ...] = field(default=())
+    #: Participants whose engine disagreed, with what it reported: left STALE.
+    unconfirmed: tuple[tuple[int, str], ...] = field(default=())
 
 
 class RefitCoordinator:
@@ -191,16 +254,29 @@ class RefitCoordinator:
         return lease
 
     def complete_refit(self, version: int, *,
-                       read_at_end: Mapping[int, ProcessSeen] | None = None) -> RefitRecord:
+                       read_at_end: Mapping[int, ProcessSeen] | None = None,
+                       weights: Mapping[int, EngineWeights] | None = None,
+                       checksums: Mapping[str, str] | None = None,
+                       failed: Mapping[int, str] | None = None) -> RefitRecord:
         """Close the lease, crediting ``version`` to each participant whose process took part
         from its start to its end. ``read_at_end``: the participants read, their API
         answering, after the trainer asked to complete (the fleet reads them all first), with
         what each read saw (:class:`ProcessSeen`); one not among them may have been restarted
         since the ledger last saw it, and one whose process is not the one the read at the
         start saw was: neither is credited. ``None``: no such read (a caller without engines
-        to read)."""
+        to read).
+
+        ``weights``: what each participant's engine said of its own weights (one not among
+        them: it cannot say), and ``checksums`` the trainer's: a participant credited by the
+        reads is credited only when its engine confirms (:func:`confirmation`); one that
+        disagrees is left STALE. ``None``: nobody asked the engines (today's weaker rule).
+        ``failed``: participants whose load is known to have failed (fleetwarden ran the sync
+        itself: :meth:`fleet.Fleet.refit_from`), with the error: left STALE whatever their
+        engine says, since one that cannot say would otherwise be credited."""
         lease = self._close(version)
         done = []
+        confirmed: list[int] = []
+        unconfirmed: list[tuple[int, str]] = []
         for p in lease.participants:
             # A shard that died during the sync, or whose process was replaced (a new URL, or
             # a new process on the same URL), did not get these weights: it stays out (absent)
@@ -221,9 +297,24 @@ class RefitCoordinator:
                 # cannot know, it does not credit: STALE.
                 self.ledger.missed_refit(p.shard, version)
                 continue
+            if failed is not None and p.shard in failed:
+                why = f"its load failed: {failed[p.shard]}"
+                self.ledger.refit_unconfirmed(p.shard, version, why)
+                unconfirmed.append((p.shard, why))
+                continue
+            if weights is not None:
+                said, why = confirmation(version, checksums, weights.get(p.shard, CANNOT_SAY))
+                if said is False:
+                    # Its own word against the trainer's: the engine knows what it loaded.
+                    self.ledger.refit_unconfirmed(p.shard, version, why)
+                    unconfirmed.append((p.shard, why))
+                    continue
+                if said:
+                    confirmed.append(p.shard)
             if self.ledger.report_refit(p.shard, version):
                 done.append(p.shard)
-        record = RefitRecord(version, "completed", lease.started_at, self.clock(), tuple(done))
+        record = RefitRecord(version, "completed", lease.started_at, self.clock(), tuple(done),
+                             confirmed=tuple(confirmed), unconfirmed=tuple(unconfirmed))
         self._remember(record)
         return record
 

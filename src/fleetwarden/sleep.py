@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from fleetwarden.controller import Controller
     from fleetwarden.credentials import Secret
 
-__all__ = ["SLEEP_CALL_TIMEOUT_S", "SLEEP_DRAIN_S", "SleepResult", "put_to_sleep", "wake"]
+__all__ = ["SLEEP_CALL_TIMEOUT_S", "SLEEP_DRAIN_S", "SleepResult", "drain_routers", "put_to_sleep",
+           "wake"]
 
 #: How long one engine's ``/sleep`` or ``/wake_up`` may take. vLLM answers when the move is
 #: done: offloading (or reloading) a large model's weights between GPU and CPU memory takes tens
@@ -113,7 +114,7 @@ async def _busy(controller: Controller, urls: set[str]) -> set[str]:
     return busy
 
 
-async def _drain(controller: Controller, urls: set[str], limit_s: float) -> set[str]:
+async def drain_routers(controller: Controller, urls: set[str], limit_s: float) -> set[str]:
     """Until no router has a request in flight on ``urls``, or ``limit_s`` has passed; returns
     the URLs still busy then."""
     loop = asyncio.get_running_loop()
@@ -150,7 +151,7 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
         ledger.report_asleep(i, f"put to sleep by the trainer (level {level})", held=True)
         marked.append((i, rec.base_url))
     await controller.push_and_rescue_now()  # nothing more is sent there; what waits moves
-    late = await _drain(controller, {url for _, url in marked}, drain_s)
+    late = await drain_routers(controller, {url for _, url in marked}, drain_s)
     if late:
         # Past the drain bound: a sleeping engine would freeze them until its wake-up, so they
         # go on elsewhere from where they are (a stream that cannot ends with why it stopped).

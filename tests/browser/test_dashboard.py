@@ -18,7 +18,7 @@ from playwright.async_api import BrowserContext, Page, expect
 
 from fleetwarden.router.keys import add_key
 from fleetwarden.testing.load import Load
-from support.fleet import running_fleet, until
+from support.fleet import running_fleet, stamp, until
 from support.wait import free_port
 
 pytestmark = pytest.mark.browser
@@ -158,6 +158,7 @@ async def test_the_dashboard_shows_a_wedged_shard_condemned_restarted_and_back(
 
         # The refit history: a trainer's weight sync, as the page lists it.
         await fleet.begin_refit(1)
+        await stamp(fleet, 1)  # the push's end: each engine told the version it holds
         await fleet.complete_refit(1)
         await expect(page.locator('#refits tbody tr[data-outcome="completed"]')) \
             .to_contain_text("v1")

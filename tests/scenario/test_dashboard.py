@@ -18,7 +18,7 @@ import pytest
 
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
-from support.fleet import fleet_config, running_fleet, until
+from support.fleet import fleet_config, running_fleet, stamp, until
 
 pytestmark = pytest.mark.scenario
 
@@ -204,6 +204,7 @@ async def test_the_event_stream_follows_the_controller(tmp_path: Path) -> None:
 
             await fleet.begin_refit(1)  # what a trainer does around a weight sync
             assert (await stream.until("refit", phase="begin"))["version"] == 1
+            await stamp(fleet, 1)
             await fleet.complete_refit(1)
             await stream.until("refit", phase="complete", version=1)
             refits = (await stream.until("snapshot"))["refits"]

@@ -36,3 +36,20 @@ def test_the_rl_loop_finishes_every_step_when_an_engine_is_killed_and_a_refit_ha
     assert any(f"condemned [{wedged.split()[2]}]" in line for line in lines)
     assert "HEALTHY': 3" in steps[-1]  # the replacement rejoined at a later refit
     assert "every step finished" in out.stdout
+
+
+def test_the_refit_from_loop_loads_each_checkpoint_and_survives_a_bad_path(
+        tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "refit_from_loop.py"), "--steps", "4",
+         "--bad-path-at-step", "2"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    steps = [line for line in lines if line.strip()[:1].isdigit()]
+    assert [line.split()[2] for line in steps] == ["[0]", "[1]", "[2]", "[3]"], steps
+    assert all(line.count("y/y/HEAL") == 3 for line in steps), steps
+    refused = next(line for line in lines if "a path that is not there" in line)
+    assert "credited []" in refused and "reload_weights answered 500" in refused
+    assert "every answer named the checkpoint behind it" in out.stdout

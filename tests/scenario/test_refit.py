@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
 from fleetwarden.client import FleetClient
 from fleetwarden.fleet import Fleet
 from fleetwarden.ledger import ShardState
 from fleetwarden.testing.load import Load
-from support.fleet import record_transitions, running_fleet, served_ids, sim_stats, until
+from support.fleet import record_transitions, running_fleet, served_ids, sim_stats, stamp, until
 
 pytestmark = pytest.mark.scenario
 
@@ -65,8 +67,9 @@ async def test_a_restarted_engine_has_no_history_end_to_end(tmp_path: Path) -> N
         assert r.consecutive_reported_failures == 0 and r.state_before_partial is None
 
         await call(t.begin_refit, 2)
+        await stamp(f, 2)
         done = await call(t.complete_refit, 2)
-        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}, done
         r = f.ledger.shard(1)
         assert (r.state, r.consecutive_reported_failures, r.weight_version) == (H, 0, 2)
 
@@ -89,6 +92,7 @@ async def test_a_restarted_engine_does_not_serve_until_the_next_refit(tmp_path: 
         assert f.ledger.state(0) is ST  # and it stays there: no canary promotes in trainer mode
 
         await call(t.begin_refit, 1)
+        await stamp(f, 1)
         await call(t.complete_refit, 1)
         assert f.ledger.state(0) is H
         await until(lambda: new in f.router.serving_backends(), what="pushed to the router")
@@ -114,6 +118,7 @@ async def test_stalls_during_a_refit_lease_are_not_condemned(tmp_path: Path) -> 
             assert f.controller.reports[2].verdict.name == "STALLED"
             assert f.controller.reports[2].evidence.stalls_excused
             await f.inject_fault(2, "unwedge", {})
+            await stamp(f, 1)
             await call(t.complete_refit, 1)
         assert [f.ledger.state(i) for i in range(3)] == [H, H, H]
         assert load.failures == []  # the paused requests finished when the engine went on
@@ -127,8 +132,11 @@ async def test_a_stall_after_the_lease_is_judged_again(tmp_path: Path) -> None:
             await until(lambda: f.router.in_flight().get(url, 0) >= 1, what="in flight on 2")
             await call(t.begin_refit, 1)
             await f.inject_fault(2, "wedge", {})
-            await call(t.complete_refit, 1)  # the lease ends; the engine stays wedged
-            await until(lambda: f.ledger.state(2) in (D, R, ST), timeout=30,
+            await stamp(f, 1)
+            done = await call(t.complete_refit, 1)  # the lease ends; it stays wedged
+            # Its core takes no call: it cannot confirm the version, and is not credited.
+            assert "could not be read" in done["unconfirmed"]["2"]  # type: ignore[index]
+            await until(lambda: f.ledger.shard(2).restart_attempts >= 1, timeout=30,
                         what="condemned once the lease is over")
         assert load.failures == []
 
@@ -194,6 +202,7 @@ async def test_an_aborted_refit_keeps_a_suspicion(tmp_path: Path) -> None:
         assert [f.ledger.state(i) for i in range(3)] == [ST, ST, ST]
         assert [f.ledger.shard(i).state_before_partial for i in range(3)] == [S, S, H]
         await call(t.begin_refit, 1)
+        await stamp(f, 1)
         await call(t.complete_refit, 1)
         assert [f.ledger.state(i) for i in range(3)] == [S, S, H]
         assert [f.ledger.shard(i).consecutive_reported_failures for i in range(3)] == streaks
@@ -217,6 +226,20 @@ async def test_refit_calls_out_of_order_are_refused_with_the_reason(tmp_path: Pa
         started = time.monotonic()
         await call(t.abort_refit, 3, "test")
         assert time.monotonic() - started < 30
+        load, complete = "/admin/refit/load", "/admin/refit/complete"
+        for post, body, field in [
+                (load, {"version": 4}, "path"),
+                (load, {"path": "/ckpt", "version": 4, "pause_mode": "later"}, "pause_mode"),
+                (load, {"path": "/ckpt", "version": 4, "checksums": [1]}, "checksums"),
+                (complete, {"version": 4, "checksums": {"w": 1}}, "checksums")]:
+            with pytest.raises(FleetClientError) as err:
+                await asyncio.to_thread(t._call, "POST", post, body)
+            assert err.value.status == 400 and field in err.value.message, body
+        await call(t.begin_refit, 5)
+        with pytest.raises(FleetClientError) as err:  # a load is a refit: in order too
+            await call(t.refit_from, "/ckpt", 6)
+        assert err.value.status == 409 and "still open" in err.value.message
+        await call(t.abort_refit, 5, "test")
 
 
 async def test_every_rollout_names_its_weights_and_a_minimum_version_is_kept(
@@ -239,6 +262,7 @@ async def test_every_rollout_names_its_weights_and_a_minimum_version_is_kept(
             assert before == {("0", "0"), ("0", "1")}
 
             await call(t.begin_refit, 1)
+            await stamp(f, 1)
             await call(t.complete_refit, 1)
             # Pushed before complete_refit answered: the very next rollout names version 1
             demand = {"x_fleetwarden_min_weight_version": "1"}
@@ -290,8 +314,9 @@ async def test_a_participant_that_goes_silent_in_a_refit_is_named_and_the_abort_
         await until(lambda: f.ledger.state(1) is ST and f.ledger.shard(1).restart_attempts == 1,
                     timeout=60, what="replaced, waiting for the next refit")
         await call(t.begin_refit, 2)
+        await stamp(f, 2)
         done = await call(t.complete_refit, 2)
-        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "HEALTHY"}, done
 
 
 async def test_an_engine_restarted_just_before_the_trainer_completes_is_not_credited(
@@ -304,8 +329,41 @@ async def test_an_engine_restarted_just_before_the_trainer_completes_is_not_cred
         t = trainer(f)
         await call(t.begin_refit, 1)
         await f.inject_fault(1, "restart", {})
+        await stamp(f, 1)
         done = await call(t.complete_refit, 1)
         assert done["refitted"] == [0, 2], (done, [(r.state, r.last_error)
                                                    for r in f.ledger.snapshot()])
         assert f.ledger.state(1) is ST and f.ledger.shard(1).weight_version == 0
         assert [f.ledger.shard(i).weight_version for i in (0, 2)] == [1, 1]
+
+
+async def test_an_engine_that_does_not_confirm_the_version_stays_stale_and_is_named(
+        tmp_path: Path) -> None:
+    """The engines answer vLLM's ``/weight_info``: the completion credits only those that say
+    they hold the version (and the trainer's checksums, when it gives them); the others stay
+    STALE, out of routing, named with what they reported."""
+    async with running_fleet(tmp_path, fleet=TRAINER) as f:
+        t = trainer(f)
+        await call(t.begin_refit, 1)
+        await stamp(f, 1)
+        url = f.ledger.shard(2).base_url
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/update_weight_version", json={"new_version": "0"}):
+                pass  # shard 2's push went wrong: its engine holds something else
+            async with http.post(f.ledger.shard(0).base_url + "/weight_checker",
+                                 json={"action": "checksum"}) as r:
+                sums = (await r.json())["checksums"]
+        done = await asyncio.to_thread(t.complete_refit, 1, sums)
+        assert done["states"] == {"0": "HEALTHY", "1": "HEALTHY", "2": "STALE"}
+        assert done["confirmed"] == [0, 1] and done["refitted"] == [0, 1]
+        assert done["unconfirmed"] == {"2": "reports weight version '0', not 1"}
+        assert url not in f.router.serving_backends()
+        history: Any = (await call(t.refits))["history"]
+        assert history[-1]["unconfirmed"] == {"2": "reports weight version '0', not 1"}
+
+        # Checksums that are not the engine's: nobody is credited.
+        await call(t.begin_refit, 2)
+        await stamp(f, 2)
+        done = await asyncio.to_thread(t.complete_refit, 2, {k: "0" for k in sums})
+        assert set(done["states"].values()) == {"STALE"}
+        assert all("checksums differ" in why for why in done["unconfirmed"].values())

@@ -196,7 +196,7 @@ async def test_attached_engines_that_lived_on_keep_their_weights_across_a_traine
     held the same weights. One whose start time is the journal's keeps its state (its version;
     asleep, its sleep and the trainer's hold); one with no start time (SGLang) cannot be told
     from a replacement and waits for the refit as before."""
-    from support.fleet import running_fleet, until
+    from support.fleet import running_fleet, stamp, until
     from support.sim import SimProcess
 
     sims = [SimProcess("--steps-per-s", "40"), SimProcess("--steps-per-s", "40"),
@@ -208,6 +208,7 @@ async def test_attached_engines_that_lived_on_keep_their_weights_across_a_traine
             await until(lambda: all(fleet.ledger.shard(i).incarnation for i in (0, 1)),
                         60, "the vLLM engines identified")
             await fleet.begin_refit(1)
+            await stamp(fleet, 1)
             await fleet.complete_refit(1)
             assert [fleet.ledger.state(i).value for i in range(3)] == ["HEALTHY"] * 3
             await fleet.sleep(1, [1])

@@ -24,7 +24,7 @@ from fleetwarden.ledger import ShardState
 from fleetwarden.sleep import put_to_sleep
 from fleetwarden.testing.load import Load
 from fleetwarden.watchdog import CANARY_ID_PREFIX
-from support.fleet import record_transitions, running_fleet, served_ids, sim_stats, until
+from support.fleet import record_transitions, running_fleet, served_ids, sim_stats, stamp, until
 
 pytestmark = pytest.mark.scenario
 
@@ -141,6 +141,7 @@ async def test_a_level_2_sleeper_wakes_stale_and_serves_only_after_a_refit(
     async with running_fleet(tmp_path, health=FAST) as fleet:
         client = FleetClient(fleet.admin_url, token=fleet.admin.token)
         await asyncio.to_thread(client.begin_refit, 3)
+        await stamp(fleet, 3)
         await asyncio.to_thread(client.complete_refit, 3)
         url = fleet.ledger.shard(1).base_url
         slept = await asyncio.to_thread(client.sleep, 2, [1])
@@ -157,6 +158,7 @@ async def test_a_level_2_sleeper_wakes_stale_and_serves_only_after_a_refit(
         assert fleet.ledger.state(1) is ShardState.STALE
         assert generations_and_canaries(await sim_stats(url), woke_at)[0] == 0
         await asyncio.to_thread(client.begin_refit, 4)
+        await stamp(fleet, 4)
         await asyncio.to_thread(client.complete_refit, 4)
         assert fleet.ledger.state(1) is H and fleet.ledger.shard(1).weight_version == 4
         await until(lambda: url in fleet.router.serving_backends(), what="routed again")

@@ -87,6 +87,21 @@ async def sim_stats(url: str) -> dict[str, Any]:
         return data
 
 
+async def stamp(fleet: Fleet, version: int) -> None:
+    """What a trainer's weight push ends with on vLLM: ``version`` stamped on each participant's
+    engine (``POST /update_weight_version``; vLLM's ``finish_weight_update`` does the same),
+    which the completion reads back: an engine that does not say it holds the version is not
+    credited. An engine that does not answer is left as it is (the completion judges it)."""
+    lease = fleet.refit.lease
+    assert lease is not None, "stamp inside a lease"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        for p in lease.participants:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with s.post(p.url + "/update_weight_version",
+                                  json={"new_version": str(version)}):
+                    pass
+
+
 def served_ids(stats: dict[str, Any], prefix: str = "load-") -> set[str]:
     """The x-request-ids of requests an engine received (from its /sim/stats log)."""
     return {e["request_id"] for e in stats.get("log", [])

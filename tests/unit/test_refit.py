@@ -6,7 +6,14 @@ import pytest
 
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.ledger import Ledger, Policy, Reading, ShardState
-from fleetwarden.refit import ProcessSeen, RefitCoordinator, RefitError
+from fleetwarden.refit import (
+    CANNOT_SAY,
+    EngineWeights,
+    ProcessSeen,
+    RefitCoordinator,
+    RefitError,
+    confirmation,
+)
 from fleetwarden.reports import ReportBook
 from fleetwarden.watchdog import Report
 
@@ -363,3 +370,85 @@ def test_a_new_process_at_a_participants_url_is_not_its_process_alive() -> None:
                                     Health.PROVEN, CanaryRule.NEVER, None, None, None,
                                     "1000.0"))
     assert lease.status[1].process_alive is True
+
+
+# ---------------------------------------------------------------------- the engine's own word
+
+SUMS = {"dp0:pp0:pcp0:tp0:lm_head.weight": "aa", "dp0:pp0:pcp0:tp0:embed.weight": "bb"}
+
+
+def says(version: str | None, checksums: dict[str, str] | None = None,
+         error: str = "") -> EngineWeights:
+    return EngineWeights(can_say=True, version=version, checksums=checksums, error=error)
+
+
+@pytest.mark.parametrize(("said", "sums", "expected", "words"), [
+    (says("7"), None, True, "reports weight version 7"),
+    (says("7", SUMS), SUMS, True, "the trainer's checksums"),
+    (says("6"), None, False, "reports weight version '6', not 7"),
+    (says("default"), None, False, "'default', not 7"),  # a restarted engine: never stamped
+    (says("7", {**SUMS, "dp0:pp0:pcp0:tp0:lm_head.weight": "zz"}), SUMS, False,
+     "differ from the trainer's on 1 of 2 parameters (dp0:pp0:pcp0:tp0:lm_head.weight)"),
+    (says("7", {"dp0:pp0:pcp0:tp0:lm_head.weight": "aa"}), SUMS, False, "on 1 of 2"),
+    (says("7", error="POST /weight_checker answered 500"), SUMS, False,
+     "checksums could not be read: POST /weight_checker answered 500"),
+    (says(None, error="GET /weight_info: TimeoutError"), None, False,
+     "could not be read: GET /weight_info: TimeoutError"),
+    (CANNOT_SAY, SUMS, None, "cannot say"),
+])
+def test_an_engine_confirms_only_its_own_version_and_checksums(
+        said: EngineWeights, sums: dict[str, str] | None, expected: bool | None,
+        words: str) -> None:
+    ok, why = confirmation(7, sums, said)
+    assert ok is expected and words in why
+
+
+def test_a_participant_whose_engine_disagrees_stays_stale_and_is_named() -> None:
+    ledger, refit, _ = make(4)
+    ledger.mark_weights_partial(3)  # STALE before: still STALE after, with the new cause
+    refit.begin_refit(1)
+    record = refit.complete_refit(1, weights={0: says("1"), 1: says("default"),
+                                              2: CANNOT_SAY, 3: says("0")})
+    assert [ledger.state(i) for i in range(4)] == [H, ST, H, ST]
+    assert record.participants == (0, 2) and record.confirmed == (0,)
+    assert dict(record.unconfirmed) == {1: "reports weight version 'default', not 1",
+                                        3: "reports weight version '0', not 1"}
+    assert ledger.shard(1).weight_version == 0  # not credited
+    assert "not confirmed by the engine" in ledger.shard(1).last_error
+    assert not ledger.shard(1).routable and 1 not in ledger.serving()
+
+
+def test_without_the_engines_word_the_lease_reads_alone_credit() -> None:
+    """A caller that asked no engine (``weights=None``), or an engine not among those asked:
+    the weaker rule, the lease's reads alone."""
+    _, refit, _ = make(2)
+    refit.begin_refit(1)
+    record = refit.complete_refit(1)
+    assert record.participants == (0, 1) and record.confirmed == () == record.unconfirmed
+    refit.begin_refit(2)
+    record = refit.complete_refit(2, weights={0: says("2")})
+    assert record.participants == (0, 1) and record.confirmed == (0,)
+
+
+def test_a_failed_load_is_not_credited_even_where_the_engine_cannot_say() -> None:
+    ledger, refit, _ = make(3)
+    refit.begin_refit(1)
+    record = refit.complete_refit(1, weights={0: CANNOT_SAY, 1: CANNOT_SAY, 2: says("1")},
+                                  failed={1: "POST /pause answered 404: Not Found",
+                                          2: "POST /resume: ClientConnectorError"})
+    assert [ledger.state(i) for i in range(3)] == [H, ST, ST]
+    assert dict(record.unconfirmed)[1] == "its load failed: POST /pause answered 404: Not Found"
+
+
+def test_an_unconfirmed_suspect_comes_back_suspect_after_the_next_refit() -> None:
+    """Left STALE by its engine's word, a suspected shard keeps its suspicion for the refit that
+    finally lands, as after an aborted one: the failures it was suspected for are not the
+    weights'."""
+    ledger, refit, _ = make(2)
+    ledger.report_failure(0, "a failed window")
+    refit.begin_refit(1)
+    refit.complete_refit(1, weights={0: says("0"), 1: says("1")})
+    assert ledger.state(0) is ST and ledger.shard(0).state_before_partial is S
+    refit.begin_refit(2)
+    refit.complete_refit(2, weights={0: says("2"), 1: says("2")})
+    assert ledger.state(0) is S and ledger.state(1) is H

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.engine_metrics import JUDGED, Sample, parse
 from fleetwarden.launchers.procs import group_members
+from fleetwarden.testing.checkpoints import ensure_checkpoint
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import (
     Figures,
@@ -514,4 +516,111 @@ def test_real_vllm_asleep_under_load_is_left_alone_and_serves_again_on_wake(
     rec = fleet.client.shards()[1]
     assert rec["restart_attempts"] == restarts and rec["state"] == "HEALTHY"
     assert asyncio.run(sleep_level(url)) == 0
+    whole(fleet)
+
+
+def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
+        fleet: UpProcess, vllm_python: Path, tiny_model_dir: Path) -> None:
+    """Ten steps of a trainer loop on the real engines: rollouts in flight through the router
+    while fleetwarden loads the next checkpoint itself (``FleetClient.refit_from``: out of
+    routing, vLLM's /pause, /collective_rpc reload_weights, /update_weight_version, /resume,
+    then each engine's /weight_info read back). Two checkpoints of the tiny model whose greedy
+    answers differ, alternately; every answer matched by its text to the checkpoint that
+    produced it and compared with the version its header names. Ends on the base model again,
+    for the tests after it."""
+    whole(fleet)
+    paths = {0: tiny_model_dir, 1: ensure_checkpoint(tiny_model_dir, 1, vllm_python),
+             2: ensure_checkpoint(tiny_model_dir, 2, vllm_python)}
+    prompts = ["The engine takes", "Every slot is", "Once upon a time", "user\nHello",
+               "A step and", "Weights change"]
+    urls = [s["base_url"] for s in fleet.client.shards()]
+    first = fleet.client.refits()["current_version"] + 1
+    key_of = {first + step: 1 + step % 2 for step in range(10)}  # version -> checkpoint
+
+    async def complete(http: aiohttp.ClientSession, base: str, prompt: str
+                       ) -> tuple[str, int | None, float, float]:
+        """(text, version named, sent at, answered at), re-sent on a 409 (nothing serves while
+        the engines load)."""
+        sent = time.monotonic()
+        for _ in range(200):
+            async with http.post(base + "/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 12,
+                    "temperature": 0}) as r:
+                body = await r.json()
+                if r.status == 200:
+                    v = r.headers.get("x-fleetwarden-weight-version")
+                    return (body["choices"][0]["text"], None if v is None else int(v), sent,
+                            time.monotonic())
+                assert r.status in (409, 503), body
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no answer to {prompt!r}")
+
+    direct: list[float] = []  # latencies straight to an engine: no fleetwarden, no load
+
+    async def reference(http: aiohttp.ClientSession) -> dict[str, str]:
+        """Each prompt's greedy answer from every engine directly: they must agree."""
+        said: dict[str, dict[str, str]] = {}
+        for url in urls:
+            for p in prompts:
+                text, _, sent, answered = await complete(http, url, p)
+                said.setdefault(url, {})[p] = text
+                direct.append(answered - sent)
+        assert all(s == said[urls[0]] for s in said.values()), said
+        return said[urls[0]]
+
+    Rollout = tuple[str, str, int | None, float, bool]  # prompt, text, named, latency, in a load
+
+    async def loop() -> tuple[dict[int, dict[str, str]], list[Rollout], list[dict[str, Any]]]:
+        refs: dict[int, dict[str, str]] = {}  # by checkpoint (0: the base model)
+        rollouts: list[Rollout] = []
+        loads = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            refs[0] = await reference(http)
+            for version, key in key_of.items():
+                tasks = [asyncio.ensure_future(complete(http, fleet.router, p))
+                         for p in prompts * 2]
+                await asyncio.sleep(0.05 * (version % 3))  # rollouts in flight as it starts
+                began = time.monotonic()
+                done = await asyncio.to_thread(fleet.client.refit_from, str(paths[key]),
+                                               version)
+                loads.append(done)
+                assert done["credited"] == [0, 1] and all(
+                    e["took"] and e["confirmed"] for e in done["engines"]), done
+                for p, (text, named, sent, answered) in zip(
+                        prompts * 2, await asyncio.gather(*tasks), strict=True):
+                    rollouts.append((p, text, named, answered - sent, answered > began))
+                if key not in refs:
+                    refs[key] = await reference(http)
+            back = await asyncio.to_thread(fleet.client.refit_from, str(paths[0]), first + 10)
+            assert back["credited"] == [0, 1], back
+            assert await reference(http) == refs[0]  # the base model's answers again
+        return refs, rollouts, loads
+
+    refs, rollouts, loads = asyncio.run(loop())
+    # Answers differ by checkpoint, on every prompt: a text names the checkpoint behind it.
+    assert all(len({refs[k][p] for k in refs}) == len(refs) for p in prompts), refs
+
+    def produced_by(prompt: str, text: str) -> int:
+        """The checkpoint whose greedy answer shares the longest start with ``text``."""
+        def shared(a: str, b: str) -> int:
+            return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                        min(len(a), len(b)))
+        return max(refs, key=lambda k: shared(refs[k][prompt], text))
+
+    mislabeled = [(p, t, v) for p, t, v, _, _ in rollouts
+                  if v is None or produced_by(p, t) != key_of.get(v, 0)]
+    exact = sum(1 for p, t, v, _, _ in rollouts
+                if v is not None and refs[key_of.get(v, 0)][p] == t)
+    per_engine = [e["seconds"] for ld in loads for e in ld["engines"]]
+    during = [lat for *_, lat, in_load in rollouts if in_load]
+    print(f"\n10 loads on 2 real engines: {len(rollouts)} rollouts, none lost, {exact} exactly "
+          f"their checkpoint's greedy text, mislabeled {len(mislabeled)}, from a STALE engine 0 "
+          f"(none left STALE); a load took {statistics.mean(ld['seconds'] for ld in loads):.2f}"
+          f" s mean (max {max(ld['seconds'] for ld in loads):.2f}); per engine "
+          f"{statistics.median(per_engine) * 1000:.0f} ms p50, {max(per_engine) * 1000:.0f} ms "
+          f"max; rollouts answered during a load ({len(during)}): latency p50 "
+          f"{statistics.median(during) if during else 0:.2f} s, max "
+          f"{max(during, default=0):.2f} s; one at a time straight to an engine, no load "
+          f"({len(direct)}): p50 {statistics.median(direct):.2f} s, max {max(direct):.2f} s")
+    assert mislabeled == [], mislabeled[:5]
     whole(fleet)

@@ -21,7 +21,9 @@ line that would carry the sign-in link's ``?token=`` query.
                                             {"how": ..., "at": when it landed (epoch s)}
     GET  /admin/serving                     the serving set, for routers that poll
     POST /admin/outcomes                    {"outcomes": {url: [ok, failed, trailing]}}
-    POST /admin/refit/begin|complete|abort  {"version": N, "reason": "..."}
+    POST /admin/refit/begin|complete|abort  {"version": N, "reason": "...", "checksums": {...}}
+    POST /admin/refit/load                  {"path": P, "version": N, "pause_mode": "wait",
+                                            "checksums": {...}}: fleetwarden loads P itself
     GET  /admin/refits                      the refit history and the open lease
     POST /admin/sleep                       {"level": 1|2, "shards": [i, ...]}: the trainer's
                                             sleep bracket (default: every awake shard)
@@ -47,6 +49,7 @@ from fleetwarden.admin.state import AdminState
 from fleetwarden.admin.surface import FleetSurface
 from fleetwarden.auth import token_matches
 from fleetwarden.refit import RefitError
+from fleetwarden.weight_sync import PAUSE_MODES
 
 __all__ = ["make_admin_app", "presented_token"]
 
@@ -140,6 +143,16 @@ def _shard_index(request: web.Request) -> int:
     if not 0 <= i < fleet.size:
         raise _http_error(404, f"no shard {i}: the fleet has shards 0..{fleet.size - 1}")
     return i
+
+
+def _checksums(body: dict[str, Any]) -> dict[str, str] | None:
+    sums = body.get("checksums")
+    if sums is None:
+        return None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise _http_error(400, "checksums must be an object {parameter: checksum string}, as "
+                               "vLLM's POST /weight_checker {\"action\": \"checksum\"} gives")
+    return sums
 
 
 def _version(body: dict[str, Any]) -> int:
@@ -259,13 +272,34 @@ async def refit_complete(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     body = await _json_body(request)
     try:
-        record = await fleet.complete_refit(_version(body))
+        record = await fleet.complete_refit(_version(body), _checksums(body))
     except RefitError as exc:
         raise _http_error(409, str(exc)) from None
     # The routers learn the new weight versions before the trainer's next rollout is sent.
     await fleet.push()
     return web.json_response({"version": record.version, "refitted": list(record.participants),
+                              "confirmed": list(record.confirmed),
+                              "unconfirmed": {str(i): why for i, why in record.unconfirmed},
                               "states": views.states_view(fleet.snapshot())})
+
+
+async def refit_load(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    body = await _json_body(request)
+    path = body.get("path")
+    if not isinstance(path, str) or not path:
+        raise _http_error(400, f"path must be the checkpoint's path on the engines' hosts, got "
+                               f"{path!r}")
+    mode = body.get("pause_mode")
+    if mode is not None and mode not in PAUSE_MODES:
+        raise _http_error(400, f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got "
+                               f"{mode!r}")
+    try:
+        load = await fleet.refit_from(path, _version(body), pause_mode=mode,
+                                      checksums=_checksums(body))
+    except RefitError as exc:
+        raise _http_error(409, str(exc)) from None
+    return web.json_response({**load.to_dict(), "states": views.states_view(fleet.snapshot())})
 
 
 async def refit_abort(request: web.Request) -> web.Response:
@@ -343,6 +377,7 @@ def make_admin_app(fleet: FleetSurface, admin: AdminState) -> web.Application:
     r.add_post("/admin/refit/begin", refit_begin)
     r.add_post("/admin/refit/complete", refit_complete)
     r.add_post("/admin/refit/abort", refit_abort)
+    r.add_post("/admin/refit/load", refit_load)
     r.add_post("/admin/sleep", sleep)
     r.add_post("/admin/wake", wake_up)
     r.add_get("/metrics", metrics)

@@ -21,6 +21,7 @@ from fleetwarden.refit import Lease, RefitRecord
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sleep import SleepResult
 from fleetwarden.snapshot import Acted, Snapshot
+from fleetwarden.weight_sync import RefitLoad
 
 __all__ = ["FleetSurface"]
 
@@ -59,7 +60,17 @@ class FleetSurface(Protocol):
 
     async def begin_refit(self, version: int) -> Lease: ...
 
-    async def complete_refit(self, version: int) -> RefitRecord: ...
+    async def complete_refit(self, version: int, checksums: Mapping[str, str] | None = None
+                             ) -> RefitRecord:
+        """Credit ``version`` to the participants that lived through the lease and whose
+        engine, where it can say, confirms it (and the trainer's ``checksums``, if given)."""
+        ...
+
+    async def refit_from(self, path: str, version: int, *, pause_mode: str | None = None,
+                         checksums: Mapping[str, str] | None = None) -> RefitLoad:
+        """A whole sync run by fleetwarden: out of routing, each engine paused, reloaded from
+        ``path``, stamped ``version`` and resumed, then credited where it confirms."""
+        ...
 
     def abort_refit(self, version: int, reason: str) -> RefitRecord: ...
 

@@ -113,7 +113,9 @@ def refits_view(snap: Snapshot) -> dict[str, Any]:
         "history": [
             {"version": r.version, "outcome": r.outcome, "started_at": r.started_at,
              "ended_at": r.ended_at, "participants": list(r.participants),
-             "detail": r.detail, "condemned": list(r.condemned)}
+             "detail": r.detail, "condemned": list(r.condemned),
+             "confirmed": list(r.confirmed),
+             "unconfirmed": {str(i): why for i, why in r.unconfirmed}}
             for r in snap.refit_history[-100:]
         ],
     }

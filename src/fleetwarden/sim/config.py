@@ -25,6 +25,9 @@ class FaultMode(enum.Enum):
     NO_METRICS = "no_metrics"
     GARBAGE_METRICS = "garbage_metrics"
     RESTART = "restart"
+    #: A weight reload (vLLM's ``reload_weights`` through ``/collective_rpc``) takes
+    #: ``factor`` seconds; everything else runs as usual.
+    SLOW_LOAD = "slow_load"
 
     def __str__(self) -> str:
         return self.value
@@ -87,6 +90,13 @@ class SimConfig:
     #: auto``): the default of a request that names no limit (a chat's; a completion's pydantic
     #: default, 16, wins), no cap on one that names it. None: the model sets none.
     default_max_new_tokens: int | None = None
+    #: The checkpoint the process loads at its start, and again at each restart (a file or a
+    #: directory: ``fleetwarden.sim.weights``). None: the base weights (the simulator's older
+    #: answers).
+    weights_path: str | None = None
+    #: vLLM's ``--enable-scale-out``: ``POST /inference/v1/generate`` (token in, token out,
+    #: with per-request weight version spans) is served; without it vLLM answers 403.
+    enable_scale_out: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:

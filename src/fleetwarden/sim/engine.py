@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from fleetwarden.sim.dialects import Families
 from fleetwarden.sim.prefix_cache import PrefixCache
 from fleetwarden.sim.sampling import Generation
+from fleetwarden.sim.weights import DEFAULT_VERSION
 
 
 @dataclass(eq=False)
@@ -65,6 +66,17 @@ class SimRequest:
     #: Whether its prompt was looked up in the prefix cache yet (when its prefill first gets
     #: some of a step's budget, as vLLM schedules it).
     looked_up: bool = False
+    #: Where each weight version began in the output: (version, index of its first token), a
+    #: new entry only when the version changes (vLLM's ``track_weight_version``).
+    version_starts: list[tuple[str, int]] = field(default_factory=list)
+
+    def weight_versions(self) -> list[dict[str, object]]:
+        """The output's spans as vLLM's ``WeightVersionSpan``: tokens ``[start, end)`` were
+        sampled by the weights labelled ``version``."""
+        starts = self.version_starts
+        ends = [start for _, start in starts[1:]] + [len(self.output)]
+        return [{"version": v, "start": s, "end": e} for (v, s), e in zip(starts, ends,
+                                                                          strict=True)]
 
     @property
     def prefilled(self) -> bool:
@@ -96,6 +108,9 @@ class EngineCore:
         self.prefix_cache = prefix_cache
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        #: The label of the weights loaded now, attached to every token a step samples (vLLM's
+        #: EngineCore stamps its outputs with it; ``"default"`` until someone sets one).
+        self.weight_version = DEFAULT_VERSION
         self.steps = 0
         self._last_step_at: float | None = None
         self._publish()
@@ -157,6 +172,9 @@ class EngineCore:
         finished: list[SimRequest] = []
         generated = 0
         for r, tokens in produced:
+            version = self.weight_version
+            if tokens and (not r.version_starts or r.version_starts[-1][0] != version):
+                r.version_starts.append((version, len(r.output)))
             r.output.extend(tokens)
             generated += len(tokens)
             if r.remaining <= 0 or r.generation.finish_reason is not None:

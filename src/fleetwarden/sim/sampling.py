@@ -219,6 +219,11 @@ class Generation:
     prompt_ids: list[int]
     params: Params
     eos_period: int = 0
+    #: The loaded weights' salt (:mod:`fleetwarden.sim.weights`): mixed into every next-token
+    #: choice, so two checkpoints answer the same prompt differently. Empty: the base weights,
+    #: whose answers are the simulator's older ones. The engine changes it under a generation
+    #: that was kept across a weight reload: its later tokens are the new weights'.
+    salt: bytes = b""
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -254,6 +259,8 @@ class Generation:
     def _logits(self) -> list[float]:
         """One score per vocabulary piece, then EOS; greedy picks the highest."""
         d = self._context.digest()
+        if self.salt:
+            d = hashlib.blake2b(d, digest_size=8, key=self.salt).digest()
         best = d[0] % _VOCAB
         p = self.params
         logits = [2.0 if j == best else ((d[j % 7 + 1] ^ (j * 53)) & 0xFF) / 128.0

