@@ -73,6 +73,7 @@ __all__ = [
     "Reading",
     "Report",
     "SendCanary",
+    "Silent",
     "Stall",
     "Target",
     "Verdict",
@@ -167,6 +168,7 @@ class Verdict(enum.Enum):
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
     SLEEPING = "sleeping"
+    SILENT = "silent"
 
     def __str__(self) -> str:
         return self.value
@@ -215,6 +217,16 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
     Verdict.UNREACHABLE: VerdictRule(
         "``/metrics`` and ``/health`` unreachable, or ``/health`` not 200", "never",
         Health.FAILING),
+    # Silence is evidence: a read the engine accepted and never answered (a whole process
+    # SIGSTOPped, whose kernel still accepts into the backlog; a black hole), or a process the OS
+    # reports stopped. One failed probe, as an unreachable read is, so its streak condemns; and
+    # with requests held there, a stall: they are hedged and it is held out of routing as a
+    # STALLED engine's are (Report.hedge), since nothing answers them either. Judged as a
+    # refusal, the held requests waited for three reads of a read timeout each (13.9 s, where
+    # a wedge's went in 2.4-4.1 s). Only an answer (a read, a client's request) ends it.
+    Verdict.SILENT: VerdictRule(
+        "``/metrics`` accepted the connection and answered nothing within the read timeout, "
+        "or the OS reports the engine's process stopped", "never", Health.FAILING),
     Verdict.NO_METRICS: VerdictRule(
         "reachable; ``/metrics`` missing, unparseable or lacking", "when due; none in flight",
         None),
@@ -266,6 +278,17 @@ class Down:
 
 
 @dataclass(frozen=True, slots=True)
+class Silent:
+    """The engine gave no answer at all: ``/metrics`` accepted the connection (or it timed out
+    connecting) and answered nothing within the read timeout, or (``stopped``) the OS reports
+    its process stopped, so no read was sent. Not a refusal: something holds the connection,
+    and whatever the router sent there is held the same way."""
+
+    reason: str
+    stopped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ProxyAnswered:
     """A proxy target answered ``GET /v1/models`` with a model list."""
 
@@ -273,7 +296,7 @@ class ProxyAnswered:
 
 
 #: One visit to an engine, as the watchdog found it.
-Reading = Sample | NoMetrics | Down | ProxyAnswered
+Reading = Sample | NoMetrics | Down | Silent | ProxyAnswered
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,9 +512,16 @@ class _Ask:
         return Judgement(v, evidence, canary, self.send(canary), new_stall, cadence)
 
 
-def _judge_unsampled(ask: _Ask, after: Down | ProxyAnswered | NoMetrics) -> Judgement:
-    """A reading with no sample: unreachable, a proxy, or no metrics."""
+def _judge_unsampled(ask: _Ask, after: Down | Silent | ProxyAnswered | NoMetrics
+                     ) -> Judgement:
+    """A reading with no sample: unreachable, silent, a proxy, or no metrics."""
     in_flight = ask.in_flight
+    if isinstance(after, Silent):
+        # Nothing proved either way of its progress: a stall counted so far stands.
+        held = f"; {in_flight} requests in flight there" if in_flight else ""
+        return ask.verdict(Verdict.SILENT, CanaryRule.NEVER,
+                           Evidence(f"silent: {after.reason}{held}", in_flight=in_flight,
+                                    problem=after.reason), ask.stall)
     if isinstance(after, Down):
         return ask.verdict(Verdict.UNREACHABLE, CanaryRule.NEVER,
                            Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
@@ -766,6 +796,9 @@ class Target:
     #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
     #: ``/metrics`` at the first read.
     engine: str = AUTO
+    #: The OS reports its process stopped (``/proc/PID/stat`` state ``T``; known only of an
+    #: engine fleetwarden launched): it answers nothing, so it is not read but judged SILENT.
+    stopped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -845,7 +878,7 @@ class Report:
     @property
     def answered(self) -> bool:
         """Its API answered this read (what a refit lease is told of a participant)."""
-        return self.verdict is not Verdict.UNREACHABLE
+        return self.verdict not in (Verdict.UNREACHABLE, Verdict.SILENT)
 
     @property
     def steady(self) -> bool:
@@ -860,14 +893,14 @@ class Report:
 
     @property
     def accuses(self) -> bool:
-        """A stall or a refusal: the engine is read again at once (focused reads)."""
-        return self.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
+        """A stall, a refusal or silence: the engine is read again at once (focused reads)."""
+        return self.verdict in (Verdict.STALLED, Verdict.UNREACHABLE, Verdict.SILENT)
 
     @property
     def settled(self) -> bool:
         """Nothing left to prove by reading again soon: proven, or nothing to prove."""
         return self.verdict not in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
-                                    Verdict.LOST_CORE, Verdict.NO_METRICS)
+                                    Verdict.LOST_CORE, Verdict.NO_METRICS, Verdict.SILENT)
 
     @property
     def compare_again(self) -> bool:
@@ -896,7 +929,7 @@ class Report:
         and its requests are left to it."""
         if hedge_after_s <= 0 or self.held_flat_s < self.hedge_after(hedge_after_s):
             return None
-        if self.verdict is Verdict.STALLED:
+        if self.verdict in (Verdict.STALLED, Verdict.SILENT):
             return Hedge.STEP
         if self.verdict is Verdict.LOST_CORE and self.canary is None:
             return Hedge.LOST_CORE
@@ -918,7 +951,7 @@ def exit_code(report: Report) -> int:
     """``fleetwarden check``'s status for a report."""
     if report.health is Health.PROVEN:
         return EXIT_HEALTHY
-    if report.verdict is Verdict.UNREACHABLE:
+    if report.verdict in (Verdict.UNREACHABLE, Verdict.SILENT):
         return EXIT_UNREACHABLE
     if report.not_serving:
         return EXIT_NOT_SERVING
@@ -1017,6 +1050,8 @@ class _VisitState:
     stage: str  # "read", "canary", "held-canary", "after-canary", "hedged", "hedged-read"
     proxy: bool
     now: float
+    #: When the visit began (``now`` moves to each read's end).
+    began: float = 0.0
     reading: Reading | None = None
     before: Sample | None = None
     judgement: Judgement | None = None
@@ -1055,6 +1090,9 @@ class EngineWatch:
         #: then on.
         self.incarnations: list[str] = []
         self.proxy = False
+        #: When the first visit of the engine's present silence began (a read it answered
+        #: nothing, or its process stopped); ``None`` once any read is answered.
+        self.silent_since: float | None = None
         self._visits: dict[int, _VisitState] = {}
         self._numbered = 0
 
@@ -1096,11 +1134,18 @@ class EngineWatch:
         self._visits[self._numbered] = v
         return self._numbered
 
-    def _begin(self, observed: Visit) -> ReadEngine:
+    def _begin(self, observed: Visit) -> ReadEngine | Report:
         t = observed.target
         proxy = t.proxy or self.proxy
-        v = _VisitState(t, "read", proxy, observed.at)
-        return ReadEngine(self._number(v), proxy, check_health=t.check_health)
+        v = _VisitState(t, "read", proxy, observed.at, began=observed.at)
+        n = self._number(v)
+        if t.stopped and not proxy:
+            # The OS's word that it cannot answer: no read to wait a timeout for.
+            judged = self._judge(n, v, Silent("the OS reports its process stopped (state T)",
+                                              stopped=True))
+            assert isinstance(judged, Report)  # silence never asks for a canary
+            return judged
+        return ReadEngine(n, proxy, check_health=t.check_health)
 
     def _after_read(self, n: int, v: _VisitState, reading: Reading) -> Report | Fetch | None:
         if v.stage == "read":
@@ -1137,6 +1182,8 @@ class EngineWatch:
         """The visit's read, judged; and what it needs next: a canary, or nothing."""
         t, now = v.target, v.now
         v.reading = reading
+        if not isinstance(reading, Silent):
+            self.silent_since = None  # it answered: only an answer ends a silence
         v.before = before = None if v.proxy else self.sample
         since_canary = None if self.canary_at is None else now - self.canary_at
         v.judgement = judgement = judge(
@@ -1196,6 +1243,9 @@ class EngineWatch:
         before a canary sent now could time out, the seconds left (no canary then). Sets how
         long a held request has gone with no step (:attr:`Report.held_flat_s`)."""
         t, before, reading = v.target, v.before, v.reading
+        if isinstance(reading, Silent):
+            self._held_silent(v, reading)
+            return None, None
         if (t.held_s <= 0 or t.stalls_excused or before is None
                 or not isinstance(reading, Sample)
                 or judgement.verdict not in (Verdict.STALLED, Verdict.LOST_CORE)):
@@ -1213,6 +1263,18 @@ class EngineWatch:
             return why, None
         left = limit - held_flat
         return None, (left if left < self.judged_by().canary_timeout_s else None)
+
+    def _held_silent(self, v: _VisitState, reading: Silent) -> None:
+        """How long a request held there has gone unanswered while the engine answered nothing
+        either: the router's wait, and ours since the first read of this silence began (the
+        whole wait, where the OS says the process is stopped). What a hedge is decided on, as
+        a stall's flat stretch is; the verdict's failed probes condemn (docs/design.md,
+        "Silence is evidence")."""
+        t = v.target
+        if self.silent_since is None:
+            self.silent_since = v.began
+        silent_for = t.held_s if reading.stopped else v.now - self.silent_since
+        v.held_flat_s = 0.0 if t.stalls_excused else min(t.held_s, silent_for)
 
     def _condemn(self, v: _VisitState, why: str) -> None:
         assert v.evidence is not None

@@ -65,6 +65,7 @@ from fleetwarden.judge import (
     Reading,
     Report,
     SendCanary,
+    Silent,
     Target,
     Visit,
     WatchdogPolicy,
@@ -308,6 +309,12 @@ class Watchdog:
             result, found = await self._metrics(url, known)
             if found is not None:
                 memory.watch.profile = found
+            if isinstance(result, Silent):
+                # It took the connection and answered nothing for the whole read timeout: its
+                # /health would keep it as long again (a SIGSTOPped process, a black hole), and
+                # an answer there would not undo this silence (docs/design.md, "Silence is
+                # evidence").
+                return result
             if isinstance(result, Sample):
                 engine = memory.watch.profile
                 if check_health and engine is not None and engine.health_proves_core:
@@ -327,8 +334,9 @@ class Watchdog:
         return Down(f"/metrics: {problem}; {path}: {why}")
 
     async def _metrics(self, url: str, known: EngineProfile | None
-                       ) -> tuple[Sample | str, EngineProfile | None]:
-        """The sample, or why there is none; and the profile it was read by, if any."""
+                       ) -> tuple[Sample | Silent | str, EngineProfile | None]:
+        """The sample, silence (no answer within the read timeout), or why there is none; and
+        the profile it was read by, if any."""
         limit = self.policy.max_metrics_bytes
         try:
             async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
@@ -336,7 +344,9 @@ class Watchdog:
                     return f"/metrics answered {resp.status}", None
                 body = await _read_bounded(resp, limit)
                 headers = resp.headers
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        except TimeoutError:
+            return Silent(f"/metrics: no answer within {self.policy.read_timeout_s:g} s"), None
+        except (aiohttp.ClientError, OSError) as e:
             return _describe(e), None
         if body is None:
             return f"/metrics body over the {limit}-byte limit", None

@@ -11,12 +11,14 @@ import pytest
 from fleetwarden.engine_metrics import Sample
 from fleetwarden.judge import (
     DEFAULT_POLICY,
+    EXIT_UNREACHABLE,
     Canaried,
     CanaryResult,
     Down,
     EngineWatch,
     Fetch,
     Health,
+    Hedge,
     Hedged,
     ProxyAnswered,
     Read,
@@ -24,9 +26,11 @@ from fleetwarden.judge import (
     Reading,
     Report,
     SendCanary,
+    Silent,
     Target,
     Verdict,
     Visit,
+    exit_code,
 )
 
 URL = "http://engine:8000"
@@ -235,3 +239,64 @@ def test_each_fetch_is_answered_once_and_an_unknown_one_is_refused() -> None:
     watch.next(Read(step.visit, Down("refused"), 0.0))
     with pytest.raises(ValueError, match="no visit"):
         watch.next(Read(step.visit, Down("refused"), 0.1))
+
+
+# ---------------------------------------------------------------------- silence is evidence
+
+
+def silent_visit(watch: EngineWatch, target: Target, began: float, answered_at: float,
+                 reading: Reading) -> Report:
+    """One visit whose read began at ``began`` and came back at ``answered_at``."""
+    step = watch.next(Visit(target, began))
+    assert isinstance(step, ReadEngine)
+    report = watch.next(Read(step.visit, reading, answered_at))
+    assert isinstance(report, Report)
+    return report
+
+
+def test_a_read_accepted_and_never_answered_is_a_stall_of_the_requests_held_there() -> None:
+    """SIGSTOP of the whole process, a black hole: the read waited its whole timeout for
+    nothing, as the router's requests there wait. They are hedged as a stall's are, and the
+    read is one failed probe (its streak condemns, as unreachable reads do)."""
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    held = Target(URL, in_flight=3, held_s=1.5)
+    r = silent_visit(watch, held, 10.0, 12.0, Silent("/metrics: no answer within 2 s"))
+    assert r.verdict is Verdict.SILENT and r.health is Health.FAILING
+    assert r.held_flat_s == 1.5  # the router's wait, shorter than the read's 2 s here
+    assert r.hedge(1.0) is Hedge.STEP
+    assert r.accuses and not r.settled and not r.answered
+    assert exit_code(r) == EXIT_UNREACHABLE
+    # nothing held: no hedge, still one failed probe
+    idle = silent_visit(EngineWatch(), Target(URL), 10.0, 12.0, Silent("no answer"))
+    assert idle.held_flat_s == 0.0 and idle.hedge(1.0) is None
+    assert idle.health is Health.FAILING
+
+
+def test_a_silence_lasts_across_reads_until_one_is_answered() -> None:
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    silent_visit(watch, Target(URL, held_s=0.5), 10.0, 12.0, Silent("no answer"))
+    # the second silent read counts from the first one's start: 4.25 s of nothing
+    r = silent_visit(watch, Target(URL, held_s=9.0), 12.25, 14.25, Silent("no answer"))
+    assert r.held_flat_s == pytest.approx(4.25)
+    # an answer ends it: the next silence counts from its own read only
+    silent_visit(watch, Target(URL), 15.0, 15.0, moved(BUSY, steps=5, generation_tokens=5))
+    r = silent_visit(watch, Target(URL, held_s=9.0), 20.0, 22.0, Silent("no answer"))
+    assert r.held_flat_s == pytest.approx(2.0)
+
+
+def test_a_process_the_os_reports_stopped_is_judged_silent_without_a_read() -> None:
+    """Known of a launched engine (``/proc/PID/stat`` state T): nothing to fetch, and the
+    requests it holds have waited on a process that cannot answer."""
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    r = watch.next(Visit(Target(URL, in_flight=2, held_s=1.2, stopped=True), 10.0))
+    assert isinstance(r, Report)  # no ReadEngine asked for
+    assert r.verdict is Verdict.SILENT and r.health is Health.FAILING
+    assert r.held_flat_s == 1.2 and r.hedge(1.0) is Hedge.STEP
+    assert "stopped" in r.evidence.summary
+    # a refit lease excuses stalls: nothing is hedged then
+    excused = watch.next(Visit(Target(URL, held_s=3.0, stopped=True, stalls_excused=True),
+                               11.0))
+    assert isinstance(excused, Report) and excused.hedge(1.0) is None

@@ -134,6 +134,8 @@ class WorkerLink:
         self._predecessors: dict[str, RemoteRouter] = {}
         self.last_push: list[str] = []
         self.last_facts: Mapping[str, BackendFacts] | None = None
+        #: The last push's count of shards coming back (resent with it to a new worker).
+        self.last_coming = 0
         #: The shards on trial and the Retry-After last pushed: a replacement gets them too.
         self.last_trial: list[str] = []
         self.last_retry_after: float | None = None
@@ -203,9 +205,11 @@ class WorkerLink:
                              self.worker, url, exc)
 
     async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
-        self.last_push, self.last_facts = list(urls), facts
-        await self._push(lambda r: r.set_serving_backends(urls, facts))
+                                   facts: Mapping[str, BackendFacts] | None = None, *,
+                                   coming_back: int = 0) -> None:
+        self.last_push, self.last_facts, self.last_coming = list(urls), facts, coming_back
+        await self._push(lambda r: r.set_serving_backends(urls, facts,
+                                                          coming_back=coming_back))
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return await self._now().drain_outcomes()
@@ -236,7 +240,8 @@ class WorkerLink:
 
     async def push_last(self) -> None:
         """Everything last pushed, again: for the process now in the slot (a replacement)."""
-        await self.set_serving_backends(self.last_push, self.last_facts)
+        await self.set_serving_backends(self.last_push, self.last_facts,
+                                        coming_back=self.last_coming)
         await self.set_trial_backends(self.last_trial)
         await self.set_retry_after(self.last_retry_after)
 

@@ -25,6 +25,7 @@ class FaultMode(enum.Enum):
     NO_METRICS = "no_metrics"
     GARBAGE_METRICS = "garbage_metrics"
     RESTART = "restart"
+    BLACKHOLE = "blackhole"
 
     def __str__(self) -> str:
         return self.value
