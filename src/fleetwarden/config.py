@@ -386,6 +386,7 @@ class HealthConfig(_Section):
     #: the metrics reads and the outcome drains.
     probe_interval_s: PositiveFloat = 5.0
     probe_timeout_s: PositiveFloat = _WATCHDOG.read_timeout_s
+    silence_read_s: PositiveFloat = _WATCHDOG.silence_read_s
     unhealthy_threshold: PositiveInt = _LEDGER.unhealthy_threshold
     healthy_threshold: PositiveInt = _LEDGER.healthy_threshold
     stall_s: PositiveFloat = _WATCHDOG.stall_s

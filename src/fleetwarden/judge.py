@@ -125,6 +125,13 @@ class WatchdogPolicy:
     #: client saturated. 2 s, and at most 4 s with the ``/health`` fallback, keeps a round inside
     #: the controller's 5 s tick.
     read_timeout_s: float = 2.0
+    #: ... but an engine the router holds a request on, silent, is read with this timeout: a
+    #: healthy ``/metrics`` answers in milliseconds, and none within a second is silence (a
+    #: whole process stopped, a black hole) whose held requests are hedged then, as a wedge's
+    #: are at its first flat read, not after the full read timeout. Silence this short is no
+    #: failed probe (a starved host's read may take seconds): only a silence as long as the
+    #: whole read timeout is one (docs/design.md, "Silence is evidence").
+    silence_read_s: float = 1.0
     #: The canary: one completion of ``max_tokens`` 1 on an idle engine is one prefill step,
     #: well under a second even for large models. 5 s fails a wedged engine quickly, and is far
     #: from note 002's 45 s that a busy engine's queue could eat.
@@ -138,7 +145,7 @@ class WatchdogPolicy:
 
     def __post_init__(self) -> None:
         for name in ("stall_s", "stall_max_s", "canary_interval_s", "read_timeout_s",
-                     "canary_timeout_s", "check_interval_s"):
+                     "silence_read_s", "canary_timeout_s", "check_interval_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"WatchdogPolicy.{name} must be >= 0, got {value!r}")
@@ -225,8 +232,10 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
     # refusal, the held requests waited for three reads of a read timeout each (13.9 s, where
     # a wedge's went in 2.4-4.1 s). Only an answer (a read, a client's request) ends it.
     Verdict.SILENT: VerdictRule(
-        "``/metrics`` accepted the connection and answered nothing within the read timeout, "
-        "or the OS reports the engine's process stopped", "never", Health.FAILING),
+        "``/metrics`` accepted the connection and answered nothing within the read timeout "
+        "(``silence_read_s`` while a request is held there), or the OS reports the engine's "
+        "process stopped; a failed probe only when stopped, or silent (over reads in a row) "
+        "for the whole read timeout", "never", None),
     Verdict.NO_METRICS: VerdictRule(
         "reachable; ``/metrics`` missing, unparseable or lacking", "when due; none in flight",
         None),
@@ -286,6 +295,8 @@ class Silent:
 
     reason: str
     stopped: bool = False
+    #: How long the read waited for nothing (its timeout); 0 when none was sent (stopped).
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1018,12 +1029,14 @@ Observation = Visit | Read | Canaried | Hedged
 class ReadEngine:
     """Read the engine: ``/metrics`` (``/health`` when there are none), or a proxy's
     ``GET /v1/models``; ``check_health``: its health path too, where that proves a dead core.
-    ``why``: the reason to tell the operator, when this read changes how the URL is read."""
+    ``why``: the reason to tell the operator, when this read changes how the URL is read.
+    ``timeout_s``: how long to wait for ``/metrics`` (``None``: the read timeout)."""
 
     visit: int
     proxy: bool
     check_health: bool = False
     why: str = ""
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1145,7 +1158,13 @@ class EngineWatch:
                                               stopped=True))
             assert isinstance(judged, Report)  # silence never asks for a canary
             return judged
-        return ReadEngine(n, proxy, check_health=t.check_health)
+        # A request held there, silent: a read that gets no answer within the silence timeout
+        # is silence enough to hedge it (Verdict.SILENT).
+        policy = self.judged_by()
+        short = (t.held_s > 0 and not t.stalls_excused
+                 and policy.silence_read_s < policy.read_timeout_s)
+        return ReadEngine(n, proxy, check_health=t.check_health,
+                          timeout_s=policy.silence_read_s if short else None)
 
     def _after_read(self, n: int, v: _VisitState, reading: Reading) -> Report | Fetch | None:
         if v.stage == "read":
@@ -1273,8 +1292,16 @@ class EngineWatch:
         t = v.target
         if self.silent_since is None:
             self.silent_since = v.began
-        silent_for = t.held_s if reading.stopped else v.now - self.silent_since
-        v.held_flat_s = 0.0 if t.stalls_excused else min(t.held_s, silent_for)
+        # The held request, if it is still held, has waited through this read too; the router
+        # hedges only those held as long as the hedge asks.
+        held = t.held_s + (v.now - v.began) if t.held_s > 0 else 0.0
+        silent_for = held if reading.stopped else max(v.now - self.silent_since,
+                                                      reading.waited_s)
+        v.held_flat_s = 0.0 if t.stalls_excused else min(held, silent_for)
+        if reading.stopped or silent_for >= self.judged_by().read_timeout_s:
+            # Nothing answered for a whole read timeout, over one read or several in a row:
+            # each such read is a failed probe (three condemn, as refused reads do).
+            v.health = Health.FAILING
 
     def _condemn(self, v: _VisitState, why: str) -> None:
         assert v.evidence is not None

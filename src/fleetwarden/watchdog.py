@@ -250,7 +250,8 @@ class Watchdog:
                 if step.why:
                     log.warning("%s: %s", url, step.why)
                 reading = await self._read(url, step.proxy, memory,
-                                           check_health=step.check_health)
+                                           check_health=step.check_health,
+                                           timeout_s=step.timeout_s)
                 step = watch.next(Read(step.visit, reading, self._clock()))
             else:
                 if step.new_model:
@@ -295,7 +296,7 @@ class Watchdog:
         return await self._read(url, proxy, self._remember(Target(url, engine=engine)))
 
     async def _read(self, url: str, proxy: bool, memory: _Memory, *,
-                    check_health: bool = False) -> Reading:
+                    check_health: bool = False, timeout_s: float | None = None) -> Reading:
         if proxy:
             models = await self._models(url)
             if isinstance(models, str):
@@ -306,7 +307,7 @@ class Watchdog:
             problem = (f"the {known.name} profile has no /metrics: nothing proves progress; "
                        "canaries when idle and the router's outcomes only")
         else:
-            result, found = await self._metrics(url, known)
+            result, found = await self._metrics(url, known, timeout_s)
             if found is not None:
                 memory.watch.profile = found
             if isinstance(result, Silent):
@@ -333,19 +334,22 @@ class Watchdog:
         why = health if isinstance(health, str) else f"answered {health}"
         return Down(f"/metrics: {problem}; {path}: {why}")
 
-    async def _metrics(self, url: str, known: EngineProfile | None
+    async def _metrics(self, url: str, known: EngineProfile | None,
+                       timeout_s: float | None = None,
                        ) -> tuple[Sample | Silent | str, EngineProfile | None]:
-        """The sample, silence (no answer within the read timeout), or why there is none; and
-        the profile it was read by, if any."""
+        """The sample, silence (no answer within ``timeout_s``, the read timeout when
+        ``None``), or why there is none; and the profile it was read by, if any."""
         limit = self.policy.max_metrics_bytes
+        waited = self.policy.read_timeout_s if timeout_s is None else timeout_s
         try:
-            async with self._http().get(url + "/metrics", timeout=self._read_timeout()) as resp:
+            async with self._http().get(url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=waited)) as resp:
                 if resp.status != 200:
                     return f"/metrics answered {resp.status}", None
                 body = await _read_bounded(resp, limit)
                 headers = resp.headers
         except TimeoutError:
-            return Silent(f"/metrics: no answer within {self.policy.read_timeout_s:g} s"), None
+            return Silent(f"/metrics: no answer within {waited:g} s", waited_s=waited), None
         except (aiohttp.ClientError, OSError) as e:
             return _describe(e), None
         if body is None:
