@@ -142,6 +142,13 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
                 [a], {a: BackendFacts(0, 7, incarnation="1795973023.5")})
             assert router.pool.facts(a).incarnation == "1795973023.5"
             assert (await remote.status())["facts"][a]["incarnation"] == "1795973023.5"
+            # How many engines are coming back rides with the push (0 when left out).
+            await remote.set_serving_backends([a], coming_back=2)
+            assert router._forwarder.coming_back == 2
+            await remote._call("PUT", "/serving", {"backends": [a]})
+            assert router._forwarder.coming_back == 0
+            with pytest.raises(ControlError, match="coming_back"):
+                await remote._call("PUT", "/serving", {"backends": [a], "coming_back": -1})
     finally:
         await router.stop()
 
