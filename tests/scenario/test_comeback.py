@@ -67,11 +67,12 @@ async def test_a_rolling_restart_of_launched_engines_paced_by_health_loses_nothi
                 def replaced(shard: int = shard, old: Any = old) -> bool:
                     return fleet.supervisor.engines.get(shard) not in (None, old)
 
-                # the supervisor's handle exists once its /health answered: the pace
+                # the supervisor's handle exists once its /health answered: the pace, so the
+                # next one goes at once, while this one may not be routed yet
                 await until(replaced, timeout=30, what=f"shard {shard}'s new process")
-                url = fleet.supervisor.engines[shard].url
-                await asyncio.sleep(1.0)  # it serves a moment before the next goes
-                stats = await sim_stats(url)
+            await asyncio.sleep(1.0)  # the last one serves a moment
+            for shard in (0, 1):
+                stats = await sim_stats(fleet.supervisor.engines[shard].url)
                 health = first_after(stats, "", "/health")
                 first = first_after(stats, "load-")
                 back.append(None if health is None or first is None else first - health)

@@ -779,9 +779,15 @@ class Forwarder:
         """Bytes reached the client: the generation goes on elsewhere, from where it is, on
         the same weights; where it cannot, the stream ends with why."""
         backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
+        while backend is None and await self._wait_for_comeback(ex):
+            # None left, one coming: the stream waits for it as a new request would.
+            backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
         if backend is None:
             return await self._end_stream(stream, ex.last,
                                           "no other backend with the same weights")
+        if ex.none_left_since is not None:
+            self.stats.comeback_served += 1
+            ex.none_left_since = None
         context = None
         if stream.splice.needs_context_length():
             context = await self._context_length(backend)
