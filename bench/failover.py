@@ -201,6 +201,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
 ]}
 #: Seconds between a rolling restart's exit of an engine and the start of its new process.
 ROLLING_GAP_S = 2.0
+#: Seconds of load at least after a rolling restart's last engine answered /health.
+ROLLING_TAIL_S = 3.0
 #: What --engines real runs (the tiny model answers in well under a second: no "long").
 REAL_SCENARIOS = ("wedge", "crash")
 
@@ -723,7 +725,10 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
         elif scenario.fault and not scenario.idle_before_s:
             await engines.inject(bad, scenario.fault)
             fault_at = time.time()
-        await asyncio.sleep(max(0.0, observe_until - time.monotonic()))
+        # A rolling restart longer than the window still gets a little load after its end:
+        # the last engine back must be seen serving.
+        tail_s = ROLLING_TAIL_S if restarted else 0.0
+        await asyncio.sleep(max(tail_s, observe_until - time.monotonic()))
         if engines.check is not None and scenario.fault in ("sigstop", "blackhole"):
             row.fault_check = await engines.check(bad, scenario.fault)
         load_stopped = time.time()

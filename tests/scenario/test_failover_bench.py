@@ -104,7 +104,8 @@ def test_silence_under_load_is_rescued_on_the_wedges_timeline(tmp_path: Path) ->
         f"{name} {by[name]['max_s']:.1f} s / {by[name]['parked_answered_s'] or 0:.1f} s"
         for name in ("wedge", "sigstop", "blackhole")))
     for name in ("wedge", "sigstop", "blackhole", "saturated"):
-        assert by[name]["failed"] == 0 and by[name]["sent"] >= 30, by[name]
+        # the saturated scenario's generations are 2-4 s: fewer in its window
+        assert by[name]["failed"] == 0 and by[name]["sent"] >= 20, by[name]
         assert by[name]["healthy_ejected"] == 0, by[name]
     for name in ("sigstop", "blackhole"):
         assert by[name]["fault_check"].startswith("verified"), by[name]["fault_check"]
