@@ -265,6 +265,7 @@ def test_real_vllm_engine_crash_is_retried_and_restarted(fleet: UpProcess,
     whole(fleet)
 
 
+@pytest.mark.timeout(900)  # two vLLM starts; on a shared 2-core machine ~100 s each
 def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
         fleet: UpProcess, faulted: set[int]) -> None:
     """A deploy's rolling restart of both engines: each one's process group is stopped
@@ -272,13 +273,16 @@ def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
     one's new process answers /health, while load runs: the fleet holds none for the moment
     the first one's canary takes, and a request that finds none waits for it. Nothing fails;
     each engine's wait from its /health (the LOADED transition) to routing (HEALTHY) is
-    printed. Costs two engine starts (~30 s each on the 2-core machine)."""
+    printed. Costs two engine starts: 80 s on a quiet 2-core machine, 300 s measured on a
+    shared one beside other suites."""
     whole(fleet)
     faulted.update({0, 1})
 
     async def run() -> tuple[Load, list[float | None]]:
         started_wall = time.time()
-        load = Load(fleet.router, concurrency=4, max_tokens=16, timeout_s=120,
+        # Two clients: enough that requests meet the moment with none routable, few enough
+        # that the engine starting is not starved of the machine's two cores.
+        load = Load(fleet.router, concurrency=2, max_tokens=8, timeout_s=120,
                     pause_after_failure_s=1.0)
         load.start()
         try:
@@ -312,8 +316,8 @@ def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
     print(f"\nreal rolling restart: {len(load.results)} sent, {len(load.failures)} failed; "
           "each new engine from its /health to routing: "
           + " / ".join("—" if w is None else f"{w:.2f} s" for w in waits)
-          + f" (target < 1 s); {router.get('stats', {}).get('comeback_waits', '?')} requests "
-          "waited for a comeback")
+          + f" (target < 1 s); {router.get('comeback_waits')} requests waited for a comeback, "
+          f"{router.get('comeback_served')} of them served")
     assert load.failures == [], load.failures[:3]
     assert None not in waits
     whole(fleet)

@@ -802,6 +802,8 @@ def _add(total: RouterStats, more: RouterStats) -> None:
     total.hedges += more.hedges
     total.hedges_won += more.hedges_won
     total.poison_requests += more.poison_requests
+    total.comeback_waits += more.comeback_waits
+    total.comeback_served += more.comeback_served
     total.local_exhaustion += more.local_exhaustion
     for reason, n in more.connections_closed.items():
         total.connections_closed[reason] = total.connections_closed.get(reason, 0) + n
@@ -822,6 +824,8 @@ def _add_status(total: RouterStats, stats: Mapping[str, Any]) -> None:
     total.hedges += int(stats.get("hedges", 0))
     total.hedges_won += int(stats.get("hedges_won", 0))
     total.poison_requests += int(stats.get("poison_requests", 0))
+    total.comeback_waits += int(stats.get("comeback_waits", 0))
+    total.comeback_served += int(stats.get("comeback_served", 0))
     total.local_exhaustion += int(stats.get("local_exhaustion", 0))
     for reason, n in stats.get("connections_closed", {}).items():
         total.connections_closed[reason] = total.connections_closed.get(reason, 0) + int(n)
