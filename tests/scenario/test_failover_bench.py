@@ -94,18 +94,18 @@ def test_a_rolling_restart_paced_by_health_loses_nothing(tmp_path: Path) -> None
 
 def test_silence_under_load_is_rescued_on_the_wedges_timeline(tmp_path: Path) -> None:
     """SIGSTOP of a whole attached engine and a black hole, beside a wedge in the same run,
-    at the defaults: nothing fails, each fault is read back from the engine, and the slowest
-    answers are printed side by side. The saturated fleet beside them: no healthy engine is
-    ejected (silence judged sooner must cost nothing there)."""
-    rows, _ = _bench(tmp_path, "--quick-windows", "--scenarios",
-                     "wedge,sigstop,blackhole,saturated", timeout_s=300)
+    at the defaults: nothing fails, no healthy engine is ejected, each fault is read back from
+    the engine, and the slowest answers are printed side by side. (The saturated fleet at the
+    defaults: BENCHMARKS.md, "Back at once, out at once"; at compressed timings,
+    tests/scenario/test_fleet.py.)"""
+    rows, _ = _bench(tmp_path, "--quick-windows", "--scenarios", "wedge,sigstop,blackhole",
+                     timeout_s=300)
     by = {row["scenario"]: row for row in rows}
     print("\nslowest answer / last parked request answered: " + "; ".join(
         f"{name} {by[name]['max_s']:.1f} s / {by[name]['parked_answered_s'] or 0:.1f} s"
         for name in ("wedge", "sigstop", "blackhole")))
-    for name in ("wedge", "sigstop", "blackhole", "saturated"):
-        # the saturated scenario's generations are 2-4 s: fewer in its window
-        assert by[name]["failed"] == 0 and by[name]["sent"] >= 20, by[name]
+    for name in ("wedge", "sigstop", "blackhole"):
+        assert by[name]["failed"] == 0 and by[name]["sent"] >= 30, by[name]
         assert by[name]["healthy_ejected"] == 0, by[name]
     for name in ("sigstop", "blackhole"):
         assert by[name]["fault_check"].startswith("verified"), by[name]["fault_check"]
