@@ -51,8 +51,10 @@ pytestmark = pytest.mark.vllm
 
 
 #: The engines run with an API key, as most vLLM deployments do: exported as VLLM_API_KEY to
-#: `fleetwarden up`, whose engines read it themselves and whose config names it
-#: (`api_key_env`), the working config of docs/operations.md. The tests' clients hold it.
+#: `fleetwarden up`, whose engines read it themselves; fleetwarden reads it from a 0600 file
+#: (`api_key_file`, as a secret mounted from a store is), so the crash test's restart is a
+#: launched engine keyed by `--engine-cmd`'s environment and read by the key from a file.
+#: The tests' clients hold it.
 ENGINE_KEY = "sk-real-fleet-tier"
 KEYED = {"VLLM_API_KEY": ENGINE_KEY}
 
@@ -60,8 +62,12 @@ KEYED = {"VLLM_API_KEY": ENGINE_KEY}
 @pytest.fixture(scope="module")
 def fleet(vllm_python: Path, tiny_model_dir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    secrets = tmp_path_factory.mktemp("secrets")
+    key_file = secrets / "engine.key"
+    key_file.write_text(ENGINE_KEY + "\n")
+    key_file.chmod(0o600)
     toml = fleet_toml(vllm_engine_command(tiny_model_dir, vllm_python), vllm_engine_env(),
-                      0, 0, api_key_env="VLLM_API_KEY")  # 0: up picks free ports itself
+                      0, 0, api_key_file=str(key_file))  # 0: up picks free ports itself
     with up_fleet(tmp_path_factory.mktemp("real-fleet"), toml, start_timeout_s=300,
                   stop_timeout_s=180, env=KEYED, client_key=ENGINE_KEY) as up:
         yield up

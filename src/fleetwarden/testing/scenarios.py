@@ -93,7 +93,7 @@ class Figures:
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, startup_timeout_s: float = 180.0,
                stop_grace_s: float = 10.0, routing: str = "least_in_flight",
-               api_key_env: str | None = None) -> str:
+               api_key_env: str | None = None, api_key_file: str | None = None) -> str:
     """A fleet judged as a user's is: no ``[health]`` setting at all, so the tick, the stall
     limit and the canaries are the defaults. What is set is about the machine and the tier:
     ``startup_timeout_s`` and ``stop_grace_s`` (the caller's engines), the restart budget, and
@@ -105,6 +105,8 @@ def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
     and fail the next test for a reason that is the tier's, not the judge's."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
     key = "" if api_key_env is None else f'api_key_env = "{api_key_env}"\n'
+    if api_key_file is not None:
+        key += f'api_key_file = "{api_key_file}"\n'
     return f"""
 [fleet]
 engines = {engines}
