@@ -1244,12 +1244,9 @@ class EngineWatch:
         policy = self.judged_by()
         short = (t.held_s > 0 and not t.stalls_excused
                  and policy.silence_read_s < policy.read_timeout_s)
-        # Nothing there, and no silence begun while something was: a /metrics that hangs
-        # while /health and canaries answer is an engine whose metrics are slow, not a silent
-        # one (a silence is one that cost a request; once begun it lasts until an answer,
-        # though its requests were hedged away meanwhile).
-        waiting = ((t.in_flight > 0 or t.held_s > 0 or self.silent_since is not None)
-                   and not t.stalls_excused)
+        # Nothing there: a /metrics that hangs while /health and canaries answer is an engine
+        # whose metrics are slow, not a silent one (only a wait that costs a request is).
+        waiting = (t.in_flight > 0 or t.held_s > 0) and not t.stalls_excused
         return ReadEngine(n, proxy, check_health=t.check_health,
                           timeout_s=policy.silence_read_s if short else None,
                           silence_counts=waiting)

@@ -406,13 +406,3 @@ def test_silence_counts_only_where_requests_wait() -> None:
                            (Target(URL, in_flight=2, held_s=3.0, stalls_excused=True), False)]:
         step = EngineWatch().next(Visit(target, 10.0))
         assert isinstance(step, ReadEngine) and step.silence_counts is counts, target
-    # A silence begun with a request there lasts, though the request was hedged away since:
-    # only an answer ends it.
-    watch = EngineWatch()
-    watch.keep_baseline(BUSY, 0.0)
-    silent_visit(watch, Target(URL, held_s=0.5), 10.0, 11.0, Silent("no answer", waited_s=1))
-    step = watch.next(Visit(Target(URL), 12.0))
-    assert isinstance(step, ReadEngine) and step.silence_counts
-    silent_visit(watch, Target(URL), 12.0, 12.0, moved(BUSY, steps=5, generation_tokens=5))
-    step = watch.next(Visit(Target(URL), 13.0))
-    assert isinstance(step, ReadEngine) and not step.silence_counts
