@@ -1103,17 +1103,13 @@ class ReadEngine:
     """Read the engine: ``/metrics`` (``/health`` when there are none), or a proxy's
     ``GET /v1/models``; ``check_health``: its health path too, where that proves a dead core.
     ``why``: the reason to tell the operator, when this read changes how the URL is read.
-    ``timeout_s``: how long to wait for ``/metrics`` (``None``: the read timeout).
-    ``silence_counts``: a ``/metrics`` read that gets no answer is :class:`Silent` (requests
-    wait there, and their silence is the engine's); with nothing there, it is one more reason
-    there are no metrics, and ``/health`` is read as for any other."""
+    ``timeout_s``: how long to wait for ``/metrics`` (``None``: the read timeout)."""
 
     visit: int
     proxy: bool
     check_health: bool = False
     why: str = ""
     timeout_s: float | None = None
-    silence_counts: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -1244,12 +1240,8 @@ class EngineWatch:
         policy = self.judged_by()
         short = (t.held_s > 0 and not t.stalls_excused
                  and policy.silence_read_s < policy.read_timeout_s)
-        # Nothing there: a /metrics that hangs while /health and canaries answer is an engine
-        # whose metrics are slow, not a silent one (only a wait that costs a request is).
-        waiting = (t.in_flight > 0 or t.held_s > 0) and not t.stalls_excused
         return ReadEngine(n, proxy, check_health=t.check_health,
-                          timeout_s=policy.silence_read_s if short else None,
-                          silence_counts=waiting)
+                          timeout_s=policy.silence_read_s if short else None)
 
     def _after_read(self, n: int, v: _VisitState, reading: Reading) -> Report | Fetch | None:
         if v.stage == "read":

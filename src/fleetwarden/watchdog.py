@@ -318,8 +318,7 @@ class Watchdog:
                     log.warning("%s: %s", url, step.why)
                 reading = await self._read(url, step.proxy, memory,
                                            check_health=step.check_health,
-                                           timeout_s=step.timeout_s,
-                                           silence_counts=step.silence_counts)
+                                           timeout_s=step.timeout_s)
                 step = watch.next(Read(step.visit, reading, self._clock()))
             else:
                 if step.new_model:
@@ -364,8 +363,7 @@ class Watchdog:
         return await self._read(url, proxy, self._remember(Target(url, engine=engine)))
 
     async def _read(self, url: str, proxy: bool, memory: _Memory, *,
-                    check_health: bool = False, timeout_s: float | None = None,
-                    silence_counts: bool = True) -> Reading:
+                    check_health: bool = False, timeout_s: float | None = None) -> Reading:
         if proxy:
             models = await self._models(url)
             if isinstance(models, _NoModels):
@@ -382,9 +380,7 @@ class Watchdog:
             answers += _answer("/metrics", status)
             if found is not None:
                 memory.watch.profile = found
-            if isinstance(result, Silent) and not silence_counts:
-                result = result.reason  # nothing waits there: /health says the rest
-            elif isinstance(result, Silent):
+            if isinstance(result, Silent):
                 # It took the connection and answered nothing for the whole read timeout: its
                 # /health would keep it as long again (a SIGSTOPped process, a black hole), and
                 # an answer there would not undo this silence (docs/design.md, "Silence is

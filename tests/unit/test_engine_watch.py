@@ -395,14 +395,3 @@ def test_a_process_the_os_reports_stopped_is_judged_silent_without_a_read() -> N
     excused = watch.next(Visit(Target(URL, held_s=3.0, stopped=True, stalls_excused=True),
                                11.0))
     assert isinstance(excused, Report) and excused.hedge(1.0) is None
-
-
-def test_silence_counts_only_where_requests_wait() -> None:
-    """An idle engine whose /metrics hangs while /health answers is one with slow metrics,
-    read by /health and canaries as before; with a request there (in flight, or held
-    silent), the same silence is the engine's."""
-    for target, counts in [(Target(URL), False), (Target(URL, in_flight=1), True),
-                           (Target(URL, held_s=0.5), True),
-                           (Target(URL, in_flight=2, held_s=3.0, stalls_excused=True), False)]:
-        step = EngineWatch().next(Visit(target, 10.0))
-        assert isinstance(step, ReadEngine) and step.silence_counts is counts, target
