@@ -198,7 +198,7 @@ LLAMACPP = EngineProfile(
         "batch: stall_s must outlast the slowest single batch",
         "a restart shows only in the Process-Start-Time-Unix header (compared, not a time) "
         "and in counters starting again from 0",
-        "SIGSTOP freezes /metrics and /health too (the engine is one process): silent, "
+        "SIGSTOP freezes /metrics and /health too (the engine is one process): unreachable, "
         "not stuck",
     ),
 )

@@ -191,9 +191,8 @@ def test_check_on_live_llamacpp_idle_busy_and_stopped(engine: LocalEngine) -> No
         stopped_s = time.monotonic() - started
     finally:
         os.kill(engine.pid, signal.SIGCONT)
-    # it accepts (the kernel's backlog) and answers nothing: silent, the same exit status
-    assert (code, report["verdict"]) == (2, "silent"), report
-    print(f"SIGSTOP: SILENT, exit 2 after {stopped_s:.1f} s "
+    assert (code, report["verdict"]) == (2, "unreachable"), report
+    print(f"SIGSTOP: UNREACHABLE, exit 2 after {stopped_s:.1f} s "
           f"({report['evidence']['problem'] or report['evidence']['summary']})")
     assert engine.get("/health")[0] == 200  # and serving again after SIGCONT
 
