@@ -123,7 +123,9 @@ def test_the_router_lists_the_real_engines_models_in_vllms_shape(fleet: UpProces
 
     async def lists() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         urls = [s["base_url"] for s in fleet.client.shards()]
-        async with aiohttp.ClientSession() as http:
+        # The engines want their key (the router's list is as open as its data port)
+        async with aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {ENGINE_KEY}"}) as http:
             engines = []
             for url in urls:
                 async with http.get(url + "/v1/models") as r:
@@ -580,7 +582,10 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
         refs: dict[int, dict[str, str]] = {}  # by checkpoint (0: the base model)
         rollouts: list[Rollout] = []
         loads = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        # The engines want their key, asked directly (the references) or through the router,
+        # which passes the client's Authorization on.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), headers={
+                "Authorization": f"Bearer {ENGINE_KEY}"}) as http:
             refs[0] = await reference(http)
             for version, key in key_of.items():
                 tasks = [asyncio.ensure_future(complete(http, fleet.router, p))
