@@ -59,7 +59,7 @@ def test_the_mixed_demo_detects_every_fault_on_each_kind_and_loses_no_request(
     # answered), or a canary the engine held with nothing advancing, whichever came first
     # (the demo canaries every 5 s)
     idle = faults["idle wedge"]["what_happened"]
-    assert condemned_as_a_stopped_core(idle) or "held its canary" in idle, idle
+    assert condemned_as_a_stopped_core(idle), idle
     saturated = faults["saturated but healthy"]
     assert saturated["canaries"] == 0 and saturated["restarts"] == 0
     assert "0 state changes" in saturated["what_happened"]

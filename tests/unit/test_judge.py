@@ -631,3 +631,13 @@ def test_flat_means_the_same_process_and_no_counter_moved() -> None:
     assert flat(IDLE, replace(IDLE, running=1, waiting=2))  # gauges are no progress
     assert not flat(IDLE, replace(IDLE, steps=IDLE.steps + 1))
     assert not flat(IDLE, replace(IDLE, start_time=1.8e9))
+
+
+def test_a_held_canary_is_a_stopped_cores_condemnation_and_a_probe_streak_is_not() -> None:
+    # What the real tiers accept as "the wedge was caught as a wedge": the judge's own words for
+    # a canary held the floor with nothing advanced count; a streak of failed probes never does.
+    from fleetwarden.testing.scenarios import condemned_as_a_stopped_core
+    held = held_its_canary(IDLE, IDLE, 5.0)
+    assert held is not None and condemned_as_a_stopped_core(f"IDLE: idle; {held}")
+    assert not condemned_as_a_stopped_core("3 failed probes in a row: UNREACHABLE: refused")
+    assert not condemned_as_a_stopped_core("IDLE: idle; canary answered in 0.2 s")

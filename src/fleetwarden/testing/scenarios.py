@@ -41,11 +41,15 @@ __all__ = ["Ejections", "Figures", "condemned_as_a_stopped_core", "crash_under_l
 def condemned_as_a_stopped_core(cause: str) -> bool:
     """A condemnation's cause is the evidence of a core that stopped under the requests it
     held: STUCK (its gauges show work, every counter flat); LOST_CORE (a wedge that froze its
-    gauges at 0 running while the router held requests there); or, where its hedges won and
-    took every request it held, the windows its lost races failed, confirmed by a canary it
-    never answered (docs/design.md section 12). Not a streak of failed probes, not an exit."""
+    gauges at 0 running while the router held requests there); where its hedges won and took
+    every request it held, the windows its lost races failed, confirmed by a canary it never
+    answered (docs/design.md section 12); or, where rescues and hedges took every request
+    before a read saw them held, the canary it then held for the stall floor with every counter
+    flat (the same evidence with the canary in a client's place: ``judge.held_its_canary``).
+    Not a streak of failed probes, not an exit."""
     return ("STUCK" in cause or "LOST_CORE" in cause
-            or ("confirmed by a failed probe" in cause and "no answer" in cause))
+            or ("confirmed by a failed probe" in cause and "no answer" in cause)
+            or ("held its canary" in cause and "advanced nothing" in cause))
 
 
 @dataclass
