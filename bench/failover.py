@@ -24,6 +24,16 @@ the foreground). A router that cannot be installed or started here is reported a
                                                   # streams cut mid-answer: their own section
     python bench/failover.py --scenarios wedge,stream-wedge-short
                                                   # parked on a wedge: waiting vs streamed
+    python bench/failover.py --scenarios rolling-restart,wedge,sigstop,blackhole
+                                                  # back at once, out at once
+    python bench/failover.py --scenarios sigstop --control
+                                                  # the fault aimed at nothing: its check fails
+
+Each fault is verified on the engine after it ran, by what the router under test cannot fake:
+SIGSTOP by the process state the kernel reports (``/proc/PID/stat``: ``T``), a black hole by the
+engine's own count of the requests it swallowed, a rolling restart by each engine's new process
+start time. ``--control`` sends the fault nowhere and must fail that check (the scenario tests
+run it), so a check that passes proves the fault happened.
 
 The machine is small (2 cores hold the engines, the router and the clients): concurrency is
 kept modest and the engines slow, and the load average is recorded beside every row.
@@ -66,6 +76,7 @@ from _peers import (
     stop_group,
 )
 from fleetwarden import __version__ as FLEETWARDEN_VERSION
+from fleetwarden.testing.faults import check_fault
 from fleetwarden.testing.load import Load, RequestResult
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +106,9 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 class Scenario:
     name: str
     title: str
-    #: The simulated engine's fault (``POST /sim/fault``): wedge, crash, error5xx; None: none.
+    #: The simulated engine's fault (``POST /sim/fault``): wedge, crash, error5xx, blackhole;
+    #: ``sigstop`` (SIGSTOP of its whole process), ``rolling-restart`` (every engine in turn, see
+    #: :func:`_rolling_restart`); None: none.
     fault: str | None
     #: Engine shape: slots per engine, engine steps per second (1 token per step).
     slots: int
@@ -168,7 +181,28 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     # the same scenario's waiting requests (same lengths, clients and window).
     dataclasses.replace(_short("stream-wedge-short", "wedge under load, streamed", "wedge",
                                warm_s=4, observe_s=20), stream=True),
+    # Wholly silent under load: /health and /metrics hang too (the kernel still accepts into
+    # the backlog). Beside the wedge, whose /health answers and /metrics are frozen.
+    _short("sigstop", "SIGSTOP of the whole engine process under load", "sigstop", warm_s=4,
+           observe_s=20),
+    _short("blackhole", "accepts every connection, answers nothing, under load", "blackhole",
+           warm_s=4, observe_s=20),
+    # Every engine in turn: its process exits, a new one starts on the same port 2 s later,
+    # and the next goes as soon as the new one answers /health (a Kubernetes rolling update
+    # with maxUnavailable 1 and a /health readiness probe).
+    # Generations of 0.2 s, as the restart was first measured with: a fleet of short
+    # requests finds "none left" at once when it has none.
+    dataclasses.replace(_short("rolling-restart", "every engine restarted in turn, paced by "
+                               "/health", "rolling-restart", warm_s=4, observe_s=20),
+                        max_tokens=(4, 4)),
+    dataclasses.replace(_short("stream-rolling-restart", "rolling restart, streamed",
+                               "rolling-restart", warm_s=4, observe_s=20),
+                        max_tokens=(4, 4), stream=True),
 ]}
+#: Seconds between a rolling restart's exit of an engine and the start of its new process.
+ROLLING_GAP_S = 2.0
+#: Seconds of load at least after a rolling restart's last engine answered /health.
+ROLLING_TAIL_S = 3.0
 #: What --engines real runs (the tiny model answers in well under a second: no "long").
 REAL_SCENARIOS = ("wedge", "crash")
 
@@ -270,25 +304,45 @@ class Launcher:
     # ------------------------------------------------------------------ engines
 
     def sims(self, scenario: Scenario, n: int = 3) -> list[str]:
-        procs = []
-        for i in range(n):
-            with (self.folder / f"sim{i}.log").open("w") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "fleetwarden", "sim", "--port", "0",
-                     "--engine", scenario.sim_engines[i % len(scenario.sim_engines)],
-                     "--slots", str(scenario.slots),
-                     "--steps-per-s", f"{scenario.steps_per_s:g}"],
-                    stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                    start_new_session=True)
-            self.procs.append(proc)
-            procs.append(proc)
-        urls = []
-        for proc in procs:
-            line = _readline(proc, 30.0)
-            if not line.startswith("ready "):
-                raise RuntimeError(f"a simulated engine did not start: {line!r}")
-            urls.append(line.split()[1])
+        procs = [self._sim(scenario, i, 0) for i in range(n)]
+        urls = [self._ready(proc) for proc in procs]
+        #: Each engine's process now, by URL (a rolling restart replaces them).
+        self.sim_procs = dict(zip(urls, procs, strict=True))
+        self.sim_shape = {url: (scenario, i) for i, url in enumerate(urls)}
         return urls
+
+    def _sim(self, scenario: Scenario, i: int, port: int) -> subprocess.Popen[str]:
+        with (self.folder / f"sim{i}.log").open("a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fleetwarden", "sim", "--port", str(port),
+                 "--engine", scenario.sim_engines[i % len(scenario.sim_engines)],
+                 "--slots", str(scenario.slots),
+                 "--steps-per-s", f"{scenario.steps_per_s:g}"],
+                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _ready(proc: subprocess.Popen[str]) -> str:
+        line = _readline(proc, 30.0)
+        if not line.startswith("ready "):
+            raise RuntimeError(f"a simulated engine did not start: {line!r}")
+        return line.split()[1]
+
+    def restart_sim(self, url: str) -> None:
+        """A deploy's restart of one engine: its process exits (SIGTERM), and a new one is
+        started on the same port :data:`ROLLING_GAP_S` later (returns once it is started; its
+        /health is the caller's to wait for)."""
+        old = self.sim_procs[url]
+        stop_group(old, grace_s=5.0)
+        time.sleep(ROLLING_GAP_S)
+        scenario, i = self.sim_shape[url]
+        proc = self._sim(scenario, i, int(url.rpartition(":")[2]))
+        started = self._ready(proc)
+        if started != url:
+            raise RuntimeError(f"the restarted engine came up at {started}, not {url}")
+        self.sim_procs[url] = proc
 
     # ------------------------------------------------------------------ routers
 
@@ -471,6 +525,12 @@ class Row:
     bad_still_at_end: bool = False
     bad_exited: bool = False
     healthy_ejected: int = 0
+    #: The fault's check on the engine after it ran: "" not checked (no such fault), else
+    #: "verified: ..." or "NOT verified: ...".
+    fault_check: str = ""
+    #: A rolling restart: per engine, seconds from its new process answering /health to the
+    #: first client request it received (None: none came).
+    comeback_s: list[float | None] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     load_avg: tuple[float, float] = (0.0, 0.0)
     seconds: float = 0.0
@@ -547,6 +607,7 @@ async def _serve_once(urls: list[str]) -> None:
 
 
 async def _inject(url: str, mode: str) -> None:
+    """A fault sent to a simulated engine's fault endpoint."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         try:
             async with http.post(url + "/sim/fault", json={"mode": mode}) as resp:
@@ -571,6 +632,46 @@ class Engines:
     urls: list[str]
     inject: Callable[[str, str], Awaitable[None]]  # (url, fault)
     stats: RequestLog
+    #: What the fault did, read on the engine after it ran (:func:`check_fault`); None: no check.
+    check: Callable[[str, str], Awaitable[str]] | None = None
+    #: Restart one engine (a deploy's restart); returns once its new process started.
+    restart: Callable[[str], Awaitable[None]] | None = None
+    #: Once the load has stopped: a stopped process continued, so that its log (the requests
+    #: parked in its socket's backlog included) can be read; returns when (None: nothing done).
+    lift: Callable[[str, str], Awaitable[float | None]] | None = None
+
+
+def sim_engines(launcher: Launcher, urls: list[str], *, control: bool = False) -> Engines:
+    """Simulated engines, their faults sent as :func:`_inject` does, SIGSTOP as a signal to
+    the engine's process, each checked after it ran (:func:`check_fault`). ``control``: every
+    fault is aimed at nothing (the run its check must fail)."""
+
+    async def inject(url: str, fault: str) -> None:
+        if control:
+            return
+        if fault == "sigstop":
+            os.kill(launcher.sim_procs[url].pid, signal.SIGSTOP)
+            return
+        await _inject(url, fault)
+
+    async def check(url: str, fault: str) -> str:
+        return await check_fault(url, fault, launcher.sim_procs[url].pid)
+
+    async def restart(url: str) -> None:
+        await asyncio.to_thread(launcher.restart_sim, url)
+
+    stats = StatsLog(urls)
+
+    async def lift(url: str, fault: str) -> float | None:
+        if control or fault != "sigstop":
+            return None
+        os.kill(launcher.sim_procs[url].pid, signal.SIGCONT)
+        stats.gone.discard(url)
+        return time.time()
+
+    return Engines(urls, inject, stats, check, None if control else restart, lift)
+
+
 
 
 async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
@@ -600,6 +701,7 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
                 await router.poll(http)
 
     task = asyncio.create_task(poller(), name="poller")
+    lifted: float | None = None
     try:
         fault_at = None
         if scenario.fault and scenario.idle_before_s:
@@ -615,22 +717,93 @@ async def _drive(scenario: Scenario, router: RunningRouter, engines: Engines,
         if scenario.idle_before_s:
             fault_at = load_started  # the first moment a router could notice
         await asyncio.sleep(scenario.warm_s)
-        if scenario.fault and not scenario.idle_before_s:
+        restarted: dict[str, float] = {}
+        observe_until = time.monotonic() + scenario.observe_s
+        if scenario.fault == "rolling-restart":
+            fault_at = time.time()
+            restarted = await _rolling_restart(engines, row)
+        elif scenario.fault and not scenario.idle_before_s:
             await engines.inject(bad, scenario.fault)
             fault_at = time.time()
-        await asyncio.sleep(scenario.observe_s)
+        # A rolling restart longer than the window still gets a little load after its end:
+        # the last engine back must be seen serving.
+        tail_s = ROLLING_TAIL_S if restarted else 0.0
+        await asyncio.sleep(max(tail_s, observe_until - time.monotonic()))
+        if engines.check is not None and scenario.fault in ("sigstop", "blackhole"):
+            row.fault_check = await engines.check(bad, scenario.fault)
         load_stopped = time.time()
         await load.stop()  # waits for every request in flight: an answer or the client timeout
+        if engines.lift is not None and scenario.fault:
+            lifted = await engines.lift(bad, scenario.fault)
+            if lifted is not None:
+                await asyncio.sleep(1.0)  # it takes in its backlog before the last poll
     finally:
         await load.stop()  # at once when it already stopped; after an error, the load's end
         polling = False
         await task
-    _score(scenario, load.results, engines, bad, fault_at, load_stopped, row)
+    if scenario.fault == "rolling-restart":
+        _score(scenario, load.results, engines, bad, None, load_stopped, row)
+        row.comeback_s = [_first_request_after(engines.stats, url, at)
+                          for url, at in restarted.items()]
+    else:
+        _score(scenario, load.results, engines, bad, fault_at, load_stopped, row, lifted)
     return fault_at
 
 
+async def _rolling_restart(engines: Engines, row: Row) -> dict[str, float]:
+    """Every engine in turn: restarted (:meth:`Launcher.restart_sim`), the next one as soon
+    as the new process answers ``/health``. Returns when each answered it (wall time), by
+    URL; the check (each engine's new process start time) goes into ``row.fault_check``."""
+    answered: dict[str, float] = {}
+    if engines.restart is None:  # a control run: nothing restarted
+        row.fault_check = "NOT verified: no engine was restarted"
+        return answered
+    starts_before = {url: await _start_time(url) for url in engines.urls}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as http:
+        for url in engines.urls:
+            await engines.restart(url)
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.02)
+            answered[url] = time.time()
+            if isinstance(engines.stats, StatsLog):
+                engines.stats.gone.discard(url)  # its log is the new process's now
+    starts_after = {url: await _start_time(url) for url in engines.urls}
+    new = [url for url in engines.urls
+           if starts_after[url] is not None and starts_after[url] != starts_before[url]]
+    row.fault_check = (f"{'verified' if len(new) == len(engines.urls) else 'NOT verified'}: "
+                       f"{len(new)} of {len(engines.urls)} engines answer under a new process "
+                       "start time")
+    return answered
+
+
+async def _start_time(url: str) -> float | None:
+    """The engine's ``process_start_time_seconds`` from its own ``/metrics``."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, \
+                http.get(url + "/metrics") as resp:
+            body = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    found = re.search(r"^process_start_time_seconds(?:\{[^}]*\})? (\S+)$", body, re.M)
+    return float(found.group(1)) if found else None
+
+
+def _first_request_after(stats: RequestLog, url: str, at: float) -> float | None:
+    """Seconds from ``at`` to the first client request the engine at ``url`` received."""
+    after = [t for t, _ in stats.arrivals(url) if t >= at]
+    return round(after[0] - at, 2) if after else None
+
+
 def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, bad: str,
-           fault_at: float | None, load_stopped: float, row: Row) -> None:
+           fault_at: float | None, load_stopped: float, row: Row,
+           lifted: float | None = None) -> None:
+    """``lifted``: when a stopped engine was continued; what its log shows from then on
+    arrived while it was stopped, at times nobody saw (parked in its backlog): counted as
+    parked, never as new requests at the time it logs them."""
     row.sent = len(results)
     row.ok = sum(r.ok for r in results)
     row.failed = row.sent - row.ok
@@ -661,6 +834,13 @@ def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, b
         if parked:
             row.parked_answered_s, last = max(parked, key=lambda p: p[0])
             row.parked_last_id, row.parked_last_tokens = last.request_id, last.max_tokens
+    if lifted is not None:
+        # Logged once it was continued, these arrived while it was stopped: placed at their
+        # client's start, the latest they can have arrived after.
+        to_wall = time.time() - time.monotonic()
+        sent_at = {r.request_id: r.started + to_wall for r in results}
+        arrivals = sorted((sent_at.get(rid, at) if at >= lifted else at, rid)
+                          for at, rid in arrivals)
     after = [at for at, _ in arrivals if at >= fault_at]
     row.bad_after = len(after)
     row.bad_last_s = (after[-1] - fault_at) if after else 0.0
@@ -669,7 +849,7 @@ def _score(scenario: Scenario, results: list[RequestResult], engines: Engines, b
 
 
 def run_one(spec: RouterSpec, scenario: Scenario, quick: bool, keep: bool,
-            real: RealEngines | None = None) -> Row:
+            real: RealEngines | None = None, control: bool = False) -> Row:
     row = Row(spec.name, scenario.name)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -680,7 +860,7 @@ def run_one(spec: RouterSpec, scenario: Scenario, quick: bool, keep: bool,
             engines = real.start(launcher, folder)
         else:
             urls = launcher.sims(scenario)
-            engines = Engines(urls, _inject, StatsLog(urls))
+            engines = sim_engines(launcher, urls, control=control)
             if scenario.idle_before_s:
                 asyncio.run(_serve_once(urls))  # before any router: see _serve_once
         try:
@@ -691,7 +871,10 @@ def run_one(spec: RouterSpec, scenario: Scenario, quick: bool, keep: bool,
         row.version = router.version
         fault_at = asyncio.run(_drive(scenario, router, engines, row))
         ejected, notes = router.verdicts(fault_at)
-        healthy = set(engines.urls) - ({engines.urls[BAD]} if scenario.fault else set())
+        # A rolling restart faults every engine in turn: each is rightly taken out.
+        faulted = ({engines.urls[BAD]} if scenario.fault != "rolling-restart"
+                   else set(engines.urls)) if scenario.fault else set()
+        healthy = set(engines.urls) - faulted
         row.healthy_ejected = len(ejected & healthy)
         row.notes = _shorten(notes, engines.urls)
     except Exception as exc:  # one broken run is a row that says so, not a lost benchmark
@@ -850,6 +1033,21 @@ def table(rows: list[Row], scenarios: dict[str, Scenario]) -> str:
     return "\n".join(lines)
 
 
+def fault_table(rows: list[Row]) -> str:
+    """The faults' own checks, and each restarted engine's wait for its first client request
+    (empty when no row has either)."""
+    checked = [r for r in rows if r.fault_check or r.comeback_s]
+    if not checked:
+        return ""
+    lines = ["| scenario | router | the fault, checked on the engine after it ran "
+             "| restarted engines: /health 200 → first client request, s |",
+             "|---|---|---|---|"]
+    for row in checked:
+        back = " / ".join("none" if s is None else f"{s:.2f}" for s in row.comeback_s) or "—"
+        lines.append(f"| {row.scenario} | {row.router} | {row.fault_check or '—'} | {back} |")
+    return "\n".join(lines)
+
+
 def describe(scenarios: dict[str, Scenario], routers: list[RouterSpec], rows: list[Row],
              real: bool, quick: bool) -> str:
     lines = ["Scenarios (engine 1 gets the fault; "
@@ -993,6 +1191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="shorter windows; fleetwarden's timings compressed (tick 0.5 s, "
                              "stall 2 s) to fit them")
+    parser.add_argument("--quick-windows", action="store_true",
+                        help="--quick's shorter windows, fleetwarden at its defaults (what the "
+                             "scenario tests run: a rolling restart's comeback at the defaults)")
     parser.add_argument("--scenarios", help="comma-separated: " + ",".join(SCENARIOS))
     parser.add_argument("--routers", help="comma-separated: " + ",".join(ROUTERS))
     parser.add_argument("--engines", choices=["sim", "real"], default="sim")
@@ -1006,6 +1207,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{CHARTS['real'].relative_to(ROOT)})")
     parser.add_argument("--json", type=Path, help="also write every row as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs)")
+    parser.add_argument("--control", action="store_true",
+                        help="aim every fault at nothing: the run whose fault check must fail "
+                             "(never written to BENCHMARKS.md)")
     args = parser.parse_args(argv)
 
     real = args.engines == "real"
@@ -1020,7 +1224,8 @@ def main(argv: list[str] | None = None) -> int:
                          "own section")
     if real:
         names = [n for n in names if n in REAL_SCENARIOS]
-    scenarios = {n: SCENARIOS[n].quick() if args.quick else SCENARIOS[n] for n in names}
+    short = args.quick or args.quick_windows
+    scenarios = {n: SCENARIOS[n].quick() if short else SCENARIOS[n] for n in names}
     if real:
         scenarios = {n: dataclasses.replace(s, slots=0, steps_per_s=1000.0, max_tokens=(16, 64),
                                             clients=8) for n, s in scenarios.items()}
@@ -1055,7 +1260,8 @@ def main(argv: list[str] | None = None) -> int:
             for spec in routers:
                 print(f"[{time.monotonic() - started:6.0f} s] {name:10} {spec.name} ...",
                       file=sys.stderr, end="", flush=True)
-                row = run_one(spec, scenario, args.quick, args.keep, engines_real)
+                row = run_one(spec, scenario, args.quick, args.keep, engines_real,
+                              control=args.control)
                 rows.append(row)
                 print(f" {row.seconds:.0f} s: " + (f"not run: {row.not_run}" if row.not_run
                       else f"{row.failed}/{row.sent} failed, {row.slow} slow, "
@@ -1066,9 +1272,11 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     summary = (f"{started_wall:%Y-%m-%d}, {os.cpu_count()} CPUs, whole run "
                f"{elapsed / 60:.1f} min; load average (1 min) {load_start[0]:.2f} at the start, "
-               f"{load_end[0]:.2f} at the end" + (" (--quick)" if args.quick else ""))
-    body = "\n\n".join([f"```\n{command}\n```", summary, table(rows, scenarios),
-                        describe(scenarios, routers, rows, real, args.quick)])
+               f"{load_end[0]:.2f} at the end" + (" (--quick)" if args.quick else
+                                                  " (--quick-windows)" if short else ""))
+    body = "\n\n".join(part for part in [
+        f"```\n{command}\n```", summary, table(rows, scenarios), fault_table(rows),
+        describe(scenarios, routers, rows, real, args.quick)] if part)
     print("\n" + body)
     notes = [f"- {r.router} / {r.scenario}: {n}" for r in rows for n in r.notes]
     if notes:
@@ -1077,6 +1285,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"command": command, "summary": summary,
                                          "rows": [dataclasses.asdict(r) for r in rows]},
                                         indent=2))
+    if args.write and args.control:
+        raise SystemExit("--control runs are checks of the checks: never written")
     if args.write:
         where = CHARTS[kind]
         chart(rows, list(scenarios), [r.name for r in routers], where, summary)

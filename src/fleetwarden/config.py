@@ -352,6 +352,7 @@ class RouterConfig(_Section):
     status_when_others_serve: Annotated[int, Field(ge=400, le=599)] = (
         _ROUTER.status_when_others_serve)
     status_when_none_left: Annotated[int, Field(ge=400, le=599)] = _ROUTER.status_when_none_left
+    comeback_wait_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = _ROUTER.comeback_wait_s
     session_header: str | None = _ROUTER.session_header
     affinity_load_factor: Annotated[float, Field(ge=1)] = _ROUTER.affinity_load_factor
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
@@ -432,6 +433,7 @@ class HealthConfig(_Section):
     #: the metrics reads and the outcome drains.
     probe_interval_s: PositiveFloat = 5.0
     probe_timeout_s: PositiveFloat = _WATCHDOG.read_timeout_s
+    silence_read_s: PositiveFloat = _WATCHDOG.silence_read_s
     unhealthy_threshold: PositiveInt = _LEDGER.unhealthy_threshold
     healthy_threshold: PositiveInt = _LEDGER.healthy_threshold
     stall_s: PositiveFloat = _WATCHDOG.stall_s

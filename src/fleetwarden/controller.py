@@ -55,6 +55,7 @@ from fleetwarden.engines import AUTO, profile
 from fleetwarden.evidence import Evidence, router_error
 from fleetwarden.focus import Focus, held_out_of
 from fleetwarden.journal import Journal
+from fleetwarden.launchers.procs import process_info
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -181,7 +182,7 @@ class Controller:
         #: events (pushes, drains, focused reads): all cancelled and awaited on close.
         self.tasks = TaskOwner()
         #: The serving and trial sets last pushed: a transition that changes them pushes now.
-        self._pushed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self._pushed: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
         self._push_pending = False
         #: Condemned URLs whose requests the routers have not yet been told to move: set once
         #: they were (what the supervisor waits for before it stops the old process).
@@ -199,7 +200,7 @@ class Controller:
         #: The focused reads of accused shards, and the hedges they ask for.
         self.focus = Focus(ledger, watchdog, self.routers, config, evidence=self.evidence,
                            book=self.book, tasks=self.tasks, refit=refit, clock=clock,
-                           push=self._push_soon)
+                           push=self._push_soon, stopped=self.process_stopped)
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._wake = asyncio.Event()
         #: While :meth:`run` reads each engine on its own schedule (:meth:`_read_loop`), the
@@ -226,6 +227,16 @@ class Controller:
     def focus_started(self) -> dict[str, int]:
         """Focused read runs started, by why (the fleet's metrics, the tests)."""
         return self.focus.started
+
+    def process_stopped(self, shard: int) -> bool:
+        """Whether the OS reports shard's engine process stopped (``/proc/PID/stat`` state
+        ``T``: SIGSTOP): known only of an engine this fleet launched (an attached one has no
+        PID here). Such an engine answers nothing, and is judged silent without a read."""
+        handle = self.supervisor.engines.get(shard)
+        if handle is None or handle.pid is None:
+            return False
+        info = process_info(handle.pid)
+        return info is not None and info.state == "T"
 
     def confirm(self, shard: int, why: str) -> None:
         """Accuse ``shard``: focused reads of its engine until they conclude (focus.py)."""
@@ -261,9 +272,31 @@ class Controller:
             self._push_soon()
         if t.event is Event.EJECTED:
             self.confirm(t.shard, "ejected")
+        elif t.event in _COMEBACKS and t.to_state is ShardState.STALE:
+            # A new process answers: proven now, by one canary while it is idle (or by its
+            # progress), not at the next read of the round, up to a tick away. With static
+            # weights that canary is its refit (HEALTHY, routed by this same channel); with a
+            # trainer's it stays STALE until a refit confirms its weights.
+            self.confirm(t.shard, "comeback")
 
-    def _sets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return tuple(self.serving()), tuple(self.ledger.trial_urls())
+    def _sets(self) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        return tuple(self.serving()), tuple(self.ledger.trial_urls()), self.coming_back()
+
+    def coming_back(self) -> int:
+        """Shards with an engine on its way back to routing: restarting, condemned with a
+        restart to come or a return awaited (:meth:`Supervisor.coming_back`), or a new process
+        that only its proof stands between it and routing (STALE with static weights: one
+        canary). A STALE shard with a trainer's weights waits for a refit nobody can time, so
+        it is not counted. Pushed beside the serving set: a router that finds no engine waits
+        for one while this is not 0 (docs/design.md, "None left, one coming")."""
+        static = self.ledger.policy.weights == "static"
+        n = 0
+        for rec in self.ledger.snapshot():
+            if rec.state is ShardState.STALE:
+                n += static and not rec.weights_discarded
+            elif rec.state in ABSENT:
+                n += self.supervisor.coming_back(rec.index)
+        return n
 
     def serving(self) -> list[str]:
         """What the routers may use: the ledger's serving set, less the engines the focused
@@ -314,10 +347,11 @@ class Controller:
         started = time.monotonic()
         urls, facts = self.serving_push()
         trial = self.ledger.trial_urls()
-        self._pushed = (tuple(urls), tuple(trial))
+        coming = self.coming_back()
+        self._pushed = (tuple(urls), tuple(trial), coming)
         for link in self.routers:
             try:
-                await link.set_serving_backends(urls, facts)
+                await link.set_serving_backends(urls, facts, coming_back=coming)
                 await link.set_trial_backends(trial)
             except Exception as exc:
                 router_error(_errors(report), f"{link.name}: push: {exc}")
@@ -539,7 +573,7 @@ class Controller:
         return Target(url=url, in_flight=in_flight.get(url, 0),
                       stalls_excused=excused or state is ShardState.SLEEPING,
                       held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
-                      confirm=state is ShardState.SUSPECT)
+                      confirm=state is ShardState.SUSPECT, stopped=self.process_stopped(i))
 
     def _decide(self, report: TickReport | None, i: int, url: str, r: Report) -> None:
         """One read of the round into the ledger; a stall or a refusal is confirmed at once.
@@ -714,6 +748,11 @@ class Controller:
         them beside it)."""
         return fleet_status(shards, self.ledger.policy.min_serving_shards,
                             self._journal_problem())
+
+
+#: The events that give a shard a new process: each is proven at once (:meth:`_on_transition`).
+_COMEBACKS = frozenset({Event.LOADED, Event.NEW_INCARNATION, Event.NEW_INCARNATION_WEIGHTS_LOST,
+                        Event.NEW_RUN, Event.NEW_RUN_WEIGHTS_LOST})
 
 
 def _errors(report: TickReport | None) -> list[str] | None:

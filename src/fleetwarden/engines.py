@@ -198,8 +198,8 @@ LLAMACPP = EngineProfile(
         "batch: stall_s must outlast the slowest single batch",
         "a restart shows only in the Process-Start-Time-Unix header (compared, not a time) "
         "and in counters starting again from 0",
-        "SIGSTOP freezes /metrics and /health too (the engine is one process): unreachable, "
-        "not stuck",
+        "SIGSTOP freezes /metrics and /health too (the engine is one process): silent "
+        "with requests there, unreachable idle; not stuck",
     ),
 )
 

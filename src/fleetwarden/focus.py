@@ -43,7 +43,8 @@ class Focus:
                  config: Config, *, evidence: Evidence, book: ReportBook, tasks: TaskOwner,
                  refit: RefitCoordinator | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 push: Callable[[], None] = lambda: None) -> None:
+                 push: Callable[[], None] = lambda: None,
+                 stopped: Callable[[int], bool] = lambda i: False) -> None:
         self.ledger = ledger
         self.watchdog = watchdog
         self.routers = routers
@@ -61,6 +62,8 @@ class Focus:
         self.started: dict[str, int] = {}
         #: Asks the controller to push the serving set now (a hold began or ended).
         self._push = push
+        #: Whether the OS reports shard i's engine process stopped (launched engines only).
+        self._stopped = stopped
         #: URLs held out of every push: lost cores whose hedges' canary watches
         #: (:meth:`_hedge_lost_core`), and engines that show work with hedged requests and
         #: take no step (:meth:`_hold_stalled`).
@@ -188,7 +191,8 @@ class Focus:
             # frozen, /health 503).
             r = await self.watchdog.probe(Target(url=url, in_flight=in_flight, held_s=held,
                                                  stalls_excused=excused, confirm=ask,
-                                                 check_health=rec.ejected_until is not None))
+                                                 check_health=rec.ejected_until is not None,
+                                                 stopped=self._stopped(i)))
             if due and ask and r.canary is not None:
                 canaried_for = rec.ejected_until
             rec = self.ledger.shard(i)
@@ -207,7 +211,7 @@ class Focus:
                 return
             hedge = r.hedge(h.hedge_after_s)
             self._hold_stalled(url, hedge is Hedge.STEP or (
-                url in self._stalled_out and r.verdict is Verdict.STALLED))
+                url in self._stalled_out and r.verdict in (Verdict.STALLED, Verdict.SILENT)))
             if hedge is Hedge.STEP:
                 await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
             elif hedge is Hedge.LOST_CORE:

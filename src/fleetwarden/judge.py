@@ -75,6 +75,7 @@ __all__ = [
     "Reading",
     "Report",
     "SendCanary",
+    "Silent",
     "Stall",
     "Target",
     "Verdict",
@@ -128,6 +129,13 @@ class WatchdogPolicy:
     #: client saturated. 2 s, and at most 4 s with the ``/health`` fallback, keeps a round inside
     #: the controller's 5 s tick.
     read_timeout_s: float = 2.0
+    #: ... but an engine the router holds a request on, silent, is read with this timeout: a
+    #: healthy ``/metrics`` answers in milliseconds, and none within a second is silence (a
+    #: whole process stopped, a black hole) whose held requests are hedged then, as a wedge's
+    #: are at its first flat read, not after the full read timeout. Silence this short is no
+    #: failed probe (a starved host's read may take seconds): only a silence as long as the
+    #: whole read timeout is one (docs/design.md, "Silence is evidence").
+    silence_read_s: float = 1.0
     #: The canary: one completion of ``max_tokens`` 1 on an idle engine is one prefill step,
     #: well under a second even for large models. 5 s fails a wedged engine quickly, and is far
     #: from note 002's 45 s that a busy engine's queue could eat.
@@ -141,7 +149,7 @@ class WatchdogPolicy:
 
     def __post_init__(self) -> None:
         for name in ("stall_s", "stall_max_s", "canary_interval_s", "read_timeout_s",
-                     "canary_timeout_s", "check_interval_s"):
+                     "silence_read_s", "canary_timeout_s", "check_interval_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"WatchdogPolicy.{name} must be >= 0, got {value!r}")
@@ -198,6 +206,7 @@ class Verdict(enum.Enum):
     FIRST_READ = "first-read"
     REACHABLE = "reachable"
     SLEEPING = "sleeping"
+    SILENT = "silent"
 
     def __str__(self) -> str:
         return self.value
@@ -246,6 +255,18 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
     Verdict.UNREACHABLE: VerdictRule(
         "``/metrics`` and ``/health`` unreachable, or ``/health`` not 200", "never",
         Health.FAILING),
+    # Silence is evidence: a read the engine accepted and never answered (a whole process
+    # SIGSTOPped, whose kernel still accepts into the backlog; a black hole), or a process the OS
+    # reports stopped. One failed probe, as an unreachable read is, so its streak condemns; and
+    # with requests held there, a stall: they are hedged and it is held out of routing as a
+    # STALLED engine's are (Report.hedge), since nothing answers them either. Judged as a
+    # refusal, the held requests waited for three reads of a read timeout each (13.9 s, where
+    # a wedge's went in 2.4-4.1 s). Only an answer (a read, a client's request) ends it.
+    Verdict.SILENT: VerdictRule(
+        "``/metrics`` accepted the connection and answered nothing within the read timeout "
+        "(``silence_read_s`` while a request is held there), or the OS reports the engine's "
+        "process stopped; a failed probe only when stopped, or silent (over reads in a row) "
+        "for the whole read timeout", "never", None),
     Verdict.NO_METRICS: VerdictRule(
         "reachable; ``/metrics`` missing, unparseable or lacking", "when due; none in flight",
         None),
@@ -308,6 +329,19 @@ class Down:
 
 
 @dataclass(frozen=True, slots=True)
+class Silent:
+    """The engine gave no answer at all: ``/metrics`` accepted the connection (or it timed out
+    connecting) and answered nothing within the read timeout, or (``stopped``) the OS reports
+    its process stopped, so no read was sent. Not a refusal: something holds the connection,
+    and whatever the router sent there is held the same way."""
+
+    reason: str
+    stopped: bool = False
+    #: How long the read waited for nothing (its timeout); 0 when none was sent (stopped).
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ProxyAnswered:
     """A proxy target answered ``GET /v1/models`` with a model list."""
 
@@ -315,7 +349,7 @@ class ProxyAnswered:
 
 
 #: One visit to an engine, as the watchdog found it.
-Reading = Sample | NoMetrics | Down | ProxyAnswered
+Reading = Sample | NoMetrics | Down | Silent | ProxyAnswered
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,13 +568,20 @@ class _Ask:
         return Judgement(v, evidence, canary, self.send(canary), new_stall, cadence)
 
 
-def _judge_unsampled(ask: _Ask, after: Down | ProxyAnswered | NoMetrics) -> Judgement:
-    """A reading with no sample: unreachable, a proxy, or no metrics."""
+def _judge_unsampled(ask: _Ask, after: Down | Silent | ProxyAnswered | NoMetrics
+                     ) -> Judgement:
+    """A reading with no sample: unreachable, silent, a proxy, or no metrics."""
     in_flight = ask.in_flight
     if isinstance(after, Down) and asked_wrong(after.health_status):
         # Its HTTP server answered us, and refused: reachable, and nothing proved either way;
         # judged as an engine without metrics (progress, canaries, the router's outcomes).
         after = NoMetrics(after.reason, after.answers)
+    if isinstance(after, Silent):
+        # Nothing proved either way of its progress: a stall counted so far stands.
+        held = f"; {in_flight} requests in flight there" if in_flight else ""
+        return ask.verdict(Verdict.SILENT, CanaryRule.NEVER,
+                           Evidence(f"silent: {after.reason}{held}", in_flight=in_flight,
+                                    problem=after.reason), ask.stall)
     if isinstance(after, Down):
         return ask.verdict(Verdict.UNREACHABLE, CanaryRule.NEVER,
                            Evidence(f"unreachable: {after.reason}", in_flight=in_flight,
@@ -821,6 +862,9 @@ class Target:
     #: Its kind (``fleetwarden.engines``): a profile name, or ``auto`` to recognise it from
     #: ``/metrics`` at the first read.
     engine: str = AUTO
+    #: The OS reports its process stopped (``/proc/PID/stat`` state ``T``; known only of an
+    #: engine fleetwarden launched): it answers nothing, so it is not read but judged SILENT.
+    stopped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -918,7 +962,7 @@ class Report:
     @property
     def answered(self) -> bool:
         """Its API answered this read (what a refit lease is told of a participant)."""
-        return self.verdict is not Verdict.UNREACHABLE
+        return self.verdict not in (Verdict.UNREACHABLE, Verdict.SILENT)
 
     @property
     def steady(self) -> bool:
@@ -933,14 +977,14 @@ class Report:
 
     @property
     def accuses(self) -> bool:
-        """A stall or a refusal: the engine is read again at once (focused reads)."""
-        return self.verdict in (Verdict.STALLED, Verdict.UNREACHABLE)
+        """A stall, a refusal or silence: the engine is read again at once (focused reads)."""
+        return self.verdict in (Verdict.STALLED, Verdict.UNREACHABLE, Verdict.SILENT)
 
     @property
     def settled(self) -> bool:
         """Nothing left to prove by reading again soon: proven, or nothing to prove."""
         return self.verdict not in (Verdict.STALLED, Verdict.FIRST_READ, Verdict.UNREACHABLE,
-                                    Verdict.LOST_CORE, Verdict.NO_METRICS)
+                                    Verdict.LOST_CORE, Verdict.NO_METRICS, Verdict.SILENT)
 
     @property
     def compare_again(self) -> bool:
@@ -969,7 +1013,7 @@ class Report:
         and its requests are left to it."""
         if hedge_after_s <= 0 or self.held_flat_s < self.hedge_after(hedge_after_s):
             return None
-        if self.verdict is Verdict.STALLED:
+        if self.verdict in (Verdict.STALLED, Verdict.SILENT):
             return Hedge.STEP
         if self.verdict is Verdict.LOST_CORE and self.canary is None:
             return Hedge.LOST_CORE
@@ -991,7 +1035,7 @@ def exit_code(report: Report) -> int:
     """``fleetwarden check``'s status for a report."""
     if report.health is Health.PROVEN:
         return EXIT_HEALTHY
-    if report.verdict is Verdict.UNREACHABLE:
+    if report.verdict in (Verdict.UNREACHABLE, Verdict.SILENT):
         return EXIT_UNREACHABLE
     if report.not_serving:
         return EXIT_NOT_SERVING
@@ -1058,12 +1102,18 @@ Observation = Visit | Read | Canaried | Hedged
 class ReadEngine:
     """Read the engine: ``/metrics`` (``/health`` when there are none), or a proxy's
     ``GET /v1/models``; ``check_health``: its health path too, where that proves a dead core.
-    ``why``: the reason to tell the operator, when this read changes how the URL is read."""
+    ``why``: the reason to tell the operator, when this read changes how the URL is read.
+    ``timeout_s``: how long to wait for ``/metrics`` (``None``: the read timeout).
+    ``silence_counts``: a ``/metrics`` read that gets no answer is :class:`Silent` (requests
+    wait there, and their silence is the engine's); with nothing there, it is one more reason
+    there are no metrics, and ``/health`` is read as for any other."""
 
     visit: int
     proxy: bool
     check_health: bool = False
     why: str = ""
+    timeout_s: float | None = None
+    silence_counts: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -1090,6 +1140,8 @@ class _VisitState:
     stage: str  # "read", "canary", "held-canary", "after-canary", "hedged", "hedged-read"
     proxy: bool
     now: float
+    #: When the visit began (``now`` moves to each read's end).
+    began: float = 0.0
     reading: Reading | None = None
     before: Sample | None = None
     judgement: Judgement | None = None
@@ -1132,6 +1184,9 @@ class EngineWatch:
         #: (:attr:`Report.faults`): each kept until the same request is asked again.
         self.read_faults: tuple[str, ...] = ()
         self.canary_faults: tuple[str, ...] = ()
+        #: When the first visit of the engine's present silence began (a read it answered
+        #: nothing, or its process stopped); ``None`` once any read is answered.
+        self.silent_since: float | None = None
         self._visits: dict[int, _VisitState] = {}
         self._numbered = 0
 
@@ -1173,11 +1228,31 @@ class EngineWatch:
         self._visits[self._numbered] = v
         return self._numbered
 
-    def _begin(self, observed: Visit) -> ReadEngine:
+    def _begin(self, observed: Visit) -> ReadEngine | Report:
         t = observed.target
         proxy = t.proxy or self.proxy
-        v = _VisitState(t, "read", proxy, observed.at)
-        return ReadEngine(self._number(v), proxy, check_health=t.check_health)
+        v = _VisitState(t, "read", proxy, observed.at, began=observed.at)
+        n = self._number(v)
+        if t.stopped and not proxy:
+            # The OS's word that it cannot answer: no read to wait a timeout for.
+            judged = self._judge(n, v, Silent("the OS reports its process stopped (state T)",
+                                              stopped=True))
+            assert isinstance(judged, Report)  # silence never asks for a canary
+            return judged
+        # A request held there, silent: a read that gets no answer within the silence timeout
+        # is silence enough to hedge it (Verdict.SILENT).
+        policy = self.judged_by()
+        short = (t.held_s > 0 and not t.stalls_excused
+                 and policy.silence_read_s < policy.read_timeout_s)
+        # Nothing there, and no silence begun while something was: a /metrics that hangs
+        # while /health and canaries answer is an engine whose metrics are slow, not a silent
+        # one (a silence is one that cost a request; once begun it lasts until an answer,
+        # though its requests were hedged away meanwhile).
+        waiting = ((t.in_flight > 0 or t.held_s > 0 or self.silent_since is not None)
+                   and not t.stalls_excused)
+        return ReadEngine(n, proxy, check_health=t.check_health,
+                          timeout_s=policy.silence_read_s if short else None,
+                          silence_counts=waiting)
 
     def _after_read(self, n: int, v: _VisitState, reading: Reading) -> Report | Fetch | None:
         if v.stage == "read":
@@ -1217,6 +1292,8 @@ class EngineWatch:
         answers = reading.answers if isinstance(reading, NoMetrics | Down) else ()
         self.read_faults = tuple(fault_of("GET", path, status) for path, status in answers
                                  if asked_wrong(status))
+        if not isinstance(reading, Silent):
+            self.silent_since = None  # it answered: only an answer ends a silence
         v.before = before = None if v.proxy else self.sample
         since_canary = None if self.canary_at is None else now - self.canary_at
         v.judgement = judgement = judge(
@@ -1280,6 +1357,9 @@ class EngineWatch:
         before a canary sent now could time out, the seconds left (no canary then). Sets how
         long a held request has gone with no step (:attr:`Report.held_flat_s`)."""
         t, before, reading = v.target, v.before, v.reading
+        if isinstance(reading, Silent):
+            self._held_silent(v, reading)
+            return None, None
         if (t.held_s <= 0 or t.stalls_excused or before is None
                 or not isinstance(reading, Sample)
                 or judgement.verdict not in (Verdict.STALLED, Verdict.LOST_CORE)):
@@ -1297,6 +1377,26 @@ class EngineWatch:
             return why, None
         left = limit - held_flat
         return None, (left if left < self.judged_by().canary_timeout_s else None)
+
+    def _held_silent(self, v: _VisitState, reading: Silent) -> None:
+        """How long a request held there has gone unanswered while the engine answered nothing
+        either: the router's wait, and ours since the first read of this silence began (the
+        whole wait, where the OS says the process is stopped). What a hedge is decided on, as
+        a stall's flat stretch is; the verdict's failed probes condemn (docs/design.md,
+        "Silence is evidence")."""
+        t = v.target
+        if self.silent_since is None:
+            self.silent_since = v.began
+        # The held request, if it is still held, has waited through this read too; the router
+        # hedges only those held as long as the hedge asks.
+        held = t.held_s + (v.now - v.began) if t.held_s > 0 else 0.0
+        silent_for = held if reading.stopped else max(v.now - self.silent_since,
+                                                      reading.waited_s)
+        v.held_flat_s = 0.0 if t.stalls_excused else min(held, silent_for)
+        if reading.stopped or silent_for >= self.judged_by().read_timeout_s:
+            # Nothing answered for a whole read timeout, over one read or several in a row:
+            # each such read is a failed probe (three condemn, as refused reads do).
+            v.health = Health.FAILING
 
     def _condemn(self, v: _VisitState, why: str) -> None:
         assert v.evidence is not None

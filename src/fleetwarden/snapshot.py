@@ -35,6 +35,9 @@ class RouterCounters:
     rescues: int = 0
     hedges: int = 0
     hedges_won: int = 0
+    #: Requests that found no engine while one was coming back, and those then served.
+    comeback_waits: int = 0
+    comeback_served: int = 0
     retries: Mapping[str, int] = field(default_factory=dict)
     responses: Mapping[int, int] = field(default_factory=dict)
     backend_failures: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -46,7 +49,8 @@ class RouterCounters:
     @classmethod
     def of(cls, stats: RouterStats) -> RouterCounters:
         return cls(requests=stats.requests, rescues=stats.rescues, hedges=stats.hedges,
-                   hedges_won=stats.hedges_won, retries=dict(stats.retries),
+                   hedges_won=stats.hedges_won, comeback_waits=stats.comeback_waits,
+                   comeback_served=stats.comeback_served, retries=dict(stats.retries),
                    responses=dict(stats.responses),
                    backend_failures=dict(stats.backend_failures),
                    keys={name: (t.requests, t.prompt_tokens, t.completion_tokens)

@@ -18,7 +18,10 @@ A process exit is conclusive: the shard is condemned the moment the launcher see
 
 A condemnation reaches the supervisor the way it reaches the routers: through the ledger's
 transition stream. A shard that goes DEAD, whoever condemned it, has its restart begun on the
-next turn of the event loop, not at the next tick.
+next turn of the event loop, not at the next tick. A restart that ends is collected the same
+way, as its task ends: a replacement that answers is loaded (and the controller proves it with
+one canary) at once, not at the next tick, which left a restarted engine unrouted for up to a
+tick after it answered (docs/design.md, "A comeback is seen at once").
 """
 
 from __future__ import annotations
@@ -97,7 +100,12 @@ class Supervisor:
         self._unsubscribe = ledger.subscribe(self._on_transition)
 
     def _on_transition(self, t: Transition) -> None:
-        if t.to_state is not ShardState.DEAD or self._tick_pending:
+        if t.to_state is ShardState.DEAD:
+            self._tick_soon()
+
+    def _tick_soon(self) -> None:
+        """A pass on the next turn of the event loop (a condemnation, an attempt that ended)."""
+        if self._tick_pending:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -143,6 +151,7 @@ class Supervisor:
                 continue
             if self.passive(i):
                 task = self.tasks.start(self._restart(i), f"await-return:{i}", collected=True)
+                task.add_done_callback(self._attempt_ended)
                 self.attempts[i] = RestartAttempt(i, 0, now, task, passive=True)
                 continue
             if self.restarts_in_progress() >= self.cap or now < self._not_before.get(i, 0.0):
@@ -163,11 +172,38 @@ class Supervisor:
             attempt = record.restart_attempts
             task = self.tasks.start(self._restart(i), f"restart:{i}:{attempt}",
                                     collected=True)
+            task.add_done_callback(self._attempt_ended)
             self.attempts[i] = RestartAttempt(i, attempt, now, task)
             if self.journal is not None:
                 self.journal.record_restart(i, attempt, "started")
             log.info("shard %d: restart %d of %d begun", i, attempt,
                      self.ledger.policy.max_restart_attempts)
+
+    def _attempt_ended(self, task: asyncio.Task[EngineHandle]) -> None:
+        """Collected on the next turn of the loop: a replacement that answers is loaded now."""
+        if not task.cancelled():
+            self._tick_soon()
+
+    def coming_back(self, i: int) -> bool:
+        """Whether shard ``i`` has an engine on its way back: a restart under way, a DEAD
+        shard whose restart begins (budget left), or one whose return something else is
+        awaited for, within ``startup_timeout_s`` of its condemnation (the time a launched
+        engine gets to start; past it, nothing is known to be coming). What the routers are
+        told, so that a request finding no engine waits for it a while (docs/design.md, "None
+        left, one coming")."""
+        state = self.ledger.state(i)
+        if state is ShardState.RESTARTING:
+            return True
+        if state is not ShardState.DEAD:
+            return False
+        attempt = self.attempts.get(i)
+        if attempt is not None and not attempt.passive:
+            return True
+        if self.passive(i):
+            since = attempt.started_at if attempt is not None else self.clock()
+            return self.clock() - since < self.fleet.startup_timeout_s
+        record = self.ledger.shard(i)
+        return record.restart_attempts < self.ledger.policy.max_restart_attempts
 
     def restarts_in_progress(self) -> int:
         """Attempts that hold a slot of the fleet-wide cap. A passive wait for an attached

@@ -67,6 +67,7 @@ from fleetwarden.judge import (
     Reading,
     Report,
     SendCanary,
+    Silent,
     Target,
     Visit,
     WatchdogPolicy,
@@ -316,7 +317,9 @@ class Watchdog:
                 if step.why:
                     log.warning("%s: %s", url, step.why)
                 reading = await self._read(url, step.proxy, memory,
-                                           check_health=step.check_health)
+                                           check_health=step.check_health,
+                                           timeout_s=step.timeout_s,
+                                           silence_counts=step.silence_counts)
                 step = watch.next(Read(step.visit, reading, self._clock()))
             else:
                 if step.new_model:
@@ -361,7 +364,8 @@ class Watchdog:
         return await self._read(url, proxy, self._remember(Target(url, engine=engine)))
 
     async def _read(self, url: str, proxy: bool, memory: _Memory, *,
-                    check_health: bool = False) -> Reading:
+                    check_health: bool = False, timeout_s: float | None = None,
+                    silence_counts: bool = True) -> Reading:
         if proxy:
             models = await self._models(url)
             if isinstance(models, _NoModels):
@@ -374,10 +378,18 @@ class Watchdog:
             problem = (f"the {known.name} profile has no /metrics: nothing proves progress; "
                        "canaries when idle and the router's outcomes only")
         else:
-            result, found, status = await self._metrics(url, known)
+            result, found, status = await self._metrics(url, known, timeout_s)
             answers += _answer("/metrics", status)
             if found is not None:
                 memory.watch.profile = found
+            if isinstance(result, Silent) and not silence_counts:
+                result = result.reason  # nothing waits there: /health says the rest
+            elif isinstance(result, Silent):
+                # It took the connection and answered nothing for the whole read timeout: its
+                # /health would keep it as long again (a SIGSTOPped process, a black hole), and
+                # an answer there would not undo this silence (docs/design.md, "Silence is
+                # evidence").
+                return result
             if isinstance(result, Sample):
                 engine = memory.watch.profile
                 if check_health and engine is not None and engine.health_proves_core:
@@ -399,19 +411,26 @@ class Watchdog:
         return Down(f"/metrics: {problem}; {path}: {why}", answers + _answer(path, status),
                     status)
 
-    async def _metrics(self, url: str, known: EngineProfile | None
-                       ) -> tuple[Sample | str, EngineProfile | None, int | None]:
-        """The sample, or why there is none; the profile it was read by, if any; and the
-        status when it was not 200."""
+    async def _metrics(self, url: str, known: EngineProfile | None,
+                       timeout_s: float | None = None,
+                       ) -> tuple[Sample | Silent | str, EngineProfile | None, int | None]:
+        """The sample, silence (no answer within ``timeout_s``, the read timeout when
+        ``None``), or why there is none; the profile it was read by, if any; and the status
+        when it was not 200."""
         limit = self.policy.max_metrics_bytes
+        waited = self.policy.read_timeout_s if timeout_s is None else timeout_s
         try:
-            async with self._http().get(url + "/metrics", timeout=self._read_timeout(),
+            async with self._http().get(url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=waited),
                                         headers=self._auth(url)) as resp:
                 if resp.status != 200:
                     return f"/metrics answered {resp.status}", None, resp.status
                 body = await _read_bounded(resp, limit)
                 headers = resp.headers
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        except TimeoutError:
+            return (Silent(f"/metrics: no answer within {waited:g} s", waited_s=waited), None,
+                    None)
+        except (aiohttp.ClientError, OSError) as e:
             return _describe(e), None, None
         if body is None:
             return f"/metrics body over the {limit}-byte limit", None, None

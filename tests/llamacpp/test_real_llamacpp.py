@@ -191,6 +191,9 @@ def test_check_on_live_llamacpp_idle_busy_and_stopped(engine: LocalEngine) -> No
         stopped_s = time.monotonic() - started
     finally:
         os.kill(engine.pid, signal.SIGCONT)
+    # it accepts (the kernel's backlog) and answers nothing; with no request of a client
+    # waiting there (check's in_flight 0) that is no silence of the engine's: /health is read
+    # and times out too, unreachable (a fleet with requests parked there reads it SILENT)
     assert (code, report["verdict"]) == (2, "unreachable"), report
     print(f"SIGSTOP: UNREACHABLE, exit 2 after {stopped_s:.1f} s "
           f"({report['evidence']['problem'] or report['evidence']['summary']})")

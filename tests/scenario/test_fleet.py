@@ -432,7 +432,8 @@ async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
     class Broken(QuietLink):
         name = "http://broken-router"
 
-        async def set_serving_backends(self, urls: object, facts: object = None) -> None:
+        async def set_serving_backends(self, urls: object, facts: object = None, *,
+                                       coming_back: int = 0) -> None:
             raise ConnectionError("router unreachable")
 
         async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:

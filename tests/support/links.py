@@ -21,7 +21,8 @@ class QuietLink:
     in_process = False
 
     async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
+                                   facts: Mapping[str, BackendFacts] | None = None, *,
+                                   coming_back: int = 0) -> None:
         pass
 
     async def set_trial_backends(self, urls: Sequence[str]) -> None:

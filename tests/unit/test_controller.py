@@ -134,9 +134,12 @@ def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None
 class _Router(QuietLink):
     def __init__(self) -> None:
         self.pushed: list[list[str]] = []
+        self.coming: list[int] = []
 
-    async def set_serving_backends(self, urls: Any, facts: Any = None) -> None:
+    async def set_serving_backends(self, urls: Any, facts: Any = None, *,
+                                   coming_back: int = 0) -> None:
         self.pushed.append(list(urls))
+        self.coming.append(coming_back)
 
 
 class _BrokenSupervisor(Supervisor):
@@ -326,9 +329,13 @@ class ScriptedReads:
 class IdleSupervisor:
     def __init__(self) -> None:
         self.attempts: dict[int, Any] = {}
+        self.engines: dict[int, Any] = {}
 
     def tick(self) -> None:
         pass
+
+    def coming_back(self, i: int) -> bool:
+        return False
 
 
 def evidence_controller(r: Any, reads: ScriptedReads,
@@ -1051,3 +1058,44 @@ async def test_focused_reads_of_a_sleeping_engine_send_it_no_canary() -> None:
     await c.close()
     read = next(t for t in reads.probed if t.url == "http://b")
     assert not read.confirm and read.stalls_excused
+
+
+# ---------------------------------------------------------------------- a comeback
+
+
+async def test_a_new_process_is_proven_by_one_canary_at_once_and_routed() -> None:
+    """A replacement that answers is read (and canaried, being idle) the moment the ledger
+    loads it, not at the round's next read of it: with static weights, HEALTHY and pushed
+    within the same turn of focused reads. Meanwhile it counts as coming back in the push."""
+    async with rig(2, health_managed=True) as r:
+        good, back = r.engines
+        reads = ScriptedReads(report(Verdict.RESTARTED, Health.PROVEN, canary=True))
+        c, ledger = evidence_controller(r, reads)
+        ledger.condemn(1, "engine process exited with code -9")
+        ledger.mark_restarting(1)
+        assert c.coming_back() == 0  # an idle double of a supervisor: nothing it restarts
+        ledger.mark_loaded(1, back.url, "2.0")
+        assert ledger.state(1) is ST and c.coming_back() == 1  # one canary away
+        await until(lambda: ledger.state(1) is H, what="proven by its canary")
+        assert c.focus_started.get("comeback") == 1
+        assert reads.probed[0].url == back.url and reads.probed[0].confirm
+        await until(lambda: set(r.router.serving_backends()) == {good.url, back.url},
+                    what="pushed back into routing")
+        assert c.coming_back() == 0
+        await c.close()
+
+
+async def test_a_trainer_fleets_new_process_stays_stale_until_its_refit() -> None:
+    """``--weights trainer``: its canary proves the process, never its weights; it is not
+    counted as coming back either (a refit nobody can time)."""
+    async with rig(2, health_managed=True) as r:
+        reads = ScriptedReads(report(Verdict.RESTARTED, Health.PROVEN, canary=True))
+        config = Config.model_validate({"health": {"confirm_interval_s": 0.01}})
+        ledger = Ledger([e.url for e in r.engines], Policy(weights="trainer"))
+        c = Controller(ledger, reads, IdleSupervisor(), [r.router.control()], config)  # type: ignore[arg-type]
+        ledger.condemn(1, "engine process exited with code -9")
+        ledger.mark_restarting(1)
+        ledger.mark_loaded(1, r.engines[1].url, "2.0")
+        await until(lambda: len(reads.probed) >= 2, what="its focused reads")
+        assert ledger.state(1) is ST and c.coming_back() == 0
+        await c.close()

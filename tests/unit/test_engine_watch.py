@@ -11,12 +11,14 @@ import pytest
 from fleetwarden.engine_metrics import Sample
 from fleetwarden.judge import (
     DEFAULT_POLICY,
+    EXIT_UNREACHABLE,
     Canaried,
     CanaryResult,
     Down,
     EngineWatch,
     Fetch,
     Health,
+    Hedge,
     Hedged,
     NoMetrics,
     ProxyAnswered,
@@ -25,9 +27,11 @@ from fleetwarden.judge import (
     Reading,
     Report,
     SendCanary,
+    Silent,
     Target,
     Verdict,
     Visit,
+    exit_code,
 )
 
 URL = "http://engine:8000"
@@ -315,3 +319,100 @@ def test_a_refused_canary_is_none_for_the_ledger() -> None:
     assert reading_of(report).canary_ok is None and reading_of(report).health == "unproven"
     _, report = visit(watch, Target(URL), 80.0, [IDLE, CanaryResult(False, 0.01, 500, "500")])
     assert reading_of(report).canary_ok is False and reading_of(report).health == "failing"
+
+
+# ---------------------------------------------------------------------- silence is evidence
+
+
+def silent_visit(watch: EngineWatch, target: Target, began: float, answered_at: float,
+                 reading: Reading) -> Report:
+    """One visit whose read began at ``began`` and came back at ``answered_at``."""
+    step = watch.next(Visit(target, began))
+    assert isinstance(step, ReadEngine)
+    report = watch.next(Read(step.visit, reading, answered_at))
+    assert isinstance(report, Report)
+    return report
+
+
+def test_a_read_accepted_and_never_answered_is_a_stall_of_the_requests_held_there() -> None:
+    """SIGSTOP of the whole process, a black hole: the read waited for nothing, as the
+    router's requests there wait. They are hedged as a stall's are; a read that waited the
+    whole read timeout is one failed probe too (its streak condemns, as unreachable reads
+    do)."""
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    held = Target(URL, in_flight=3, held_s=1.5)
+    step = watch.next(Visit(held, 10.0))
+    # a request held there: read with the short silence timeout
+    assert isinstance(step, ReadEngine) and step.timeout_s == DEFAULT_POLICY.silence_read_s
+    r = watch.next(Read(step.visit, Silent("/metrics: no answer within 1 s", waited_s=1.0),
+                        11.0))
+    assert isinstance(r, Report)
+    assert r.verdict is Verdict.SILENT and r.health is Health.UNPROVEN  # no failed probe yet
+    assert r.held_flat_s == 1.0  # our read's second of nothing; the request's 2.5 s
+    assert r.hedge(1.0) is Hedge.STEP
+    assert r.accuses and not r.settled and not r.answered
+    assert exit_code(r) == EXIT_UNREACHABLE
+    # nothing held: the full read timeout, and its silence is a failed probe
+    watch2 = EngineWatch()
+    step = watch2.next(Visit(Target(URL), 10.0))
+    assert isinstance(step, ReadEngine) and step.timeout_s is None
+    idle = watch2.next(Read(step.visit, Silent("no answer", waited_s=2.0), 12.0))
+    assert isinstance(idle, Report)
+    assert idle.held_flat_s == 0.0 and idle.hedge(1.0) is None
+    assert idle.health is Health.FAILING
+
+
+def test_a_silence_lasts_across_reads_until_one_is_answered() -> None:
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    first = silent_visit(watch, Target(URL, held_s=0.5), 10.0, 11.0,
+                         Silent("no answer", waited_s=1))
+    assert first.health is Health.UNPROVEN  # a second of silence: hedges, condemns nothing
+    # the second silent read counts from the first one's start: 2.25 s of nothing, as long
+    # as a whole read timeout: a failed probe
+    r = silent_visit(watch, Target(URL, held_s=9.0), 11.25, 12.25,
+                     Silent("no answer", waited_s=1.0))
+    assert r.held_flat_s == pytest.approx(2.25) and r.health is Health.FAILING
+    # an answer ends it: the next silence counts from its own read only
+    silent_visit(watch, Target(URL), 15.0, 15.0, moved(BUSY, steps=5, generation_tokens=5))
+    r = silent_visit(watch, Target(URL, held_s=9.0), 20.0, 21.0,
+                     Silent("no answer", waited_s=1.0))
+    assert r.held_flat_s == pytest.approx(1.0)
+
+
+def test_a_process_the_os_reports_stopped_is_judged_silent_without_a_read() -> None:
+    """Known of a launched engine (``/proc/PID/stat`` state T): nothing to fetch, and the
+    requests it holds have waited on a process that cannot answer."""
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    r = watch.next(Visit(Target(URL, in_flight=2, held_s=1.2, stopped=True), 10.0))
+    assert isinstance(r, Report)  # no ReadEngine asked for
+    assert r.verdict is Verdict.SILENT and r.health is Health.FAILING
+    assert r.held_flat_s == 1.2 and r.hedge(1.0) is Hedge.STEP
+    assert "stopped" in r.evidence.summary
+    # a refit lease excuses stalls: nothing is hedged then
+    excused = watch.next(Visit(Target(URL, held_s=3.0, stopped=True, stalls_excused=True),
+                               11.0))
+    assert isinstance(excused, Report) and excused.hedge(1.0) is None
+
+
+def test_silence_counts_only_where_requests_wait() -> None:
+    """An idle engine whose /metrics hangs while /health answers is one with slow metrics,
+    read by /health and canaries as before; with a request there (in flight, or held
+    silent), the same silence is the engine's."""
+    for target, counts in [(Target(URL), False), (Target(URL, in_flight=1), True),
+                           (Target(URL, held_s=0.5), True),
+                           (Target(URL, in_flight=2, held_s=3.0, stalls_excused=True), False)]:
+        step = EngineWatch().next(Visit(target, 10.0))
+        assert isinstance(step, ReadEngine) and step.silence_counts is counts, target
+    # A silence begun with a request there lasts, though the request was hedged away since:
+    # only an answer ends it.
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    silent_visit(watch, Target(URL, held_s=0.5), 10.0, 11.0, Silent("no answer", waited_s=1))
+    step = watch.next(Visit(Target(URL), 12.0))
+    assert isinstance(step, ReadEngine) and step.silence_counts
+    silent_visit(watch, Target(URL), 12.0, 12.0, moved(BUSY, steps=5, generation_tokens=5))
+    step = watch.next(Visit(Target(URL), 13.0))
+    assert isinstance(step, ReadEngine) and not step.silence_counts

@@ -90,6 +90,51 @@ async def test_the_last_backend_failing_answers_409(fault: str) -> None:
         assert error_of(body)["backend"] == (None if fault == "crash" else last.url)
 
 
+async def test_none_left_waits_for_an_engine_coming_back_within_the_bound() -> None:
+    """The push says one engine is coming back: a request that finds none waits for the next
+    push and is served by it, where it was a 409 at once (a rolling restart's gap)."""
+    async with rig(1, health_managed=True, comeback_wait_s=30.0) as r:
+        (engine,) = r.engines
+        r.router.set_serving_backends([], coming_back=1)
+        waiting = asyncio.create_task(r.post())
+        await until(lambda: r.router.stats.comeback_waits == 1, what="the request waits")
+        assert not waiting.done()
+        r.router.set_serving_backends([], coming_back=1)  # a push with none yet: waits on
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        r.router.set_serving_backends([engine.url])  # it is back
+        status, _, _ = await waiting
+        assert status == 200 and engine.answered == 1
+        assert r.router.stats.comeback_served == 1
+        assert r.router.status()["stats"]["comeback_waits"] == 1
+
+
+async def test_none_left_is_409_once_the_bound_passes_or_nothing_is_coming() -> None:
+    async with rig(1, health_managed=True, comeback_wait_s=0.2) as r:
+        # nothing coming back: the 409 at once, as the seed defines it
+        r.router.set_serving_backends([])
+        status, _, body = await r.post()
+        assert status == 409 and error_of(body)["cause"] == "no_backend"
+        assert r.router.stats.comeback_waits == 0
+        # one coming back that does not come within the bound: the 409 once it passed
+        r.router.set_serving_backends([], coming_back=1)
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        status, _, body = await r.post()
+        assert status == 409 and error_of(body)["cause"] == "no_backend"
+        assert loop.time() - asked >= 0.2
+        assert r.router.stats.comeback_waits == 1 and r.router.stats.comeback_served == 0
+        # a push that says nothing is coming any more ends the wait with the 409 at once
+        r.router.set_serving_backends([], coming_back=1)
+        waiting = asyncio.create_task(r.post())
+        await until(lambda: r.router.stats.comeback_waits == 2, what="the second waits")
+        r.router.set_serving_backends([], coming_back=0)
+        status, _, _ = await waiting
+        assert status == 409 and r.router.stats.comeback_served == 0
+    with pytest.raises(ValueError, match="comeback_wait_s"):
+        RouterSettings(comeback_wait_s=-1.0)
+
+
 @pytest.mark.parametrize("engines", [1, 2])
 async def test_an_engines_own_504_is_never_passed_on(engines: int) -> None:
     # e.g. a gateway in front of the engine timed out; clients would retry a 504 forever

@@ -155,6 +155,13 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             assert key not in str(answer) and router.pool.facts(a).key == key
             with pytest.raises(ControlError, match="'keys' must be"):
                 await remote._call("PUT", "/serving", {"backends": [a], "keys": {a: 7}})
+            # How many engines are coming back rides with the push (0 when left out).
+            await remote.set_serving_backends([a], coming_back=2)
+            assert router._forwarder.coming_back == 2
+            await remote._call("PUT", "/serving", {"backends": [a]})
+            assert router._forwarder.coming_back == 0
+            with pytest.raises(ControlError, match="coming_back"):
+                await remote._call("PUT", "/serving", {"backends": [a], "coming_back": -1})
     finally:
         await router.stop()
 

@@ -89,6 +89,33 @@ async def test_a_dead_shard_is_restarted_on_a_new_url_with_no_history() -> None:
     assert sup.engines[2] is h
 
 
+async def test_a_replacement_that_answers_is_loaded_at_once_not_at_the_next_tick() -> None:
+    """The attempt's end is collected on the next turn of the loop: no tick in between. And
+    until then the shard is coming back; a passive one for the startup timeout only."""
+    ledger, launcher, sup, clock, _ = fleet(2)
+    ledger.condemn(1, "engine process exited with code -9")
+    await settle()  # the condemnation began the restart: no tick
+    assert ledger.state(1) is R and sup.coming_back(1)
+    assert not sup.coming_back(0)  # HEALTHY: nothing to come back
+    (h,) = launcher.launched
+    launcher.come_up(h)
+    await settle()  # no sup.tick(): the attempt's end collected it
+    r = ledger.shard(1)
+    assert (r.state, r.base_url, r.restart_attempts) == (ST, h.url, 1)
+    assert not sup.coming_back(1)  # STALE: the controller's business now (one canary)
+    # attached with no restart command: awaited for startup_timeout_s, then not counted
+    ledger2 = Ledger(["http://10.0.0.1:8000"])
+    sup2 = Supervisor(ledger2, FakeLauncher(), FleetConfig(startup_timeout_s=60.0),
+                      SupervisorConfig(), passive=lambda i: True, clock=clock)
+    ledger2.condemn(0, "stuck")
+    await settle()
+    assert sup2.coming_back(0)
+    clock.now += 61.0
+    assert not sup2.coming_back(0)
+    await sup2.close()
+    await sup.close()
+
+
 async def test_backoff_doubles_up_to_the_maximum() -> None:
     ledger, launcher, sup, clock, _ = fleet(4, backoff_initial_s=2, backoff_max_s=10, budget=20)
     ledger.condemn(0, "exited")

@@ -130,7 +130,8 @@ class RandomRouter(QuietLink):
         self.rng = rng
         self.serving: list[str] = []
 
-    async def set_serving_backends(self, urls: Sequence[str], facts: object = None) -> None:
+    async def set_serving_backends(self, urls: Sequence[str], facts: object = None, *,
+                                   coming_back: int = 0) -> None:
         self.serving = list(urls)
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:

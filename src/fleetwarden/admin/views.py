@@ -57,6 +57,8 @@ def status_view(snap: Snapshot) -> dict[str, Any]:
                    "rescues": snap.router.rescues,
                    "hedges": snap.router.hedges,
                    "hedges_won": snap.router.hedges_won,
+                   "comeback_waits": snap.router.comeback_waits,
+                   "comeback_served": snap.router.comeback_served,
                    "retries": dict(snap.router.retries),
                    # The data port's client keys, when the router checks them.
                    "keys": [{"name": name, "requests": r, "prompt_tokens": p,

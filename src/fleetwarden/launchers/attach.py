@@ -36,8 +36,13 @@ __all__ = ["AttachLauncher", "read_incarnation"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between reads while waiting for an attached engine to come back.
-_POLL_S = 0.5
+#: Seconds between reads while waiting for an attached engine to come back: from the first,
+#: doubling to the last. The engine is routed once this wait sees it (and one canary proves
+#: it), so the pace is what a comeback waits at most to be seen: half a second, the confirm
+#: pace's order, never the tick's 5 s (a rolling restart paced by /health took a restarted
+#: engine back 7-10 s after it answered). A refused connect twice a second costs nothing.
+_POLL_FIRST_S = 0.1
+_POLL_MAX_S = 0.5
 #: Seconds between /health reads while a restart command runs: a ``systemctl restart`` has
 #: the engine down only while it runs, and an engine with no start time is known new only by
 #: having been seen down (a vLLM-sized engine is down for seconds; 0.1 s sees a short one).
@@ -158,6 +163,7 @@ class AttachLauncher:
         before = self._before.get(key)
         deadline = time.monotonic() + timeout_s
         last = "no answer"
+        pause = _POLL_FIRST_S
         async with aiohttp.ClientSession(timeout=self.read_timeout) as session:
             while time.monotonic() < deadline:
                 healthy, now = await read_incarnation(session, handle.url, self.key)
@@ -179,7 +185,8 @@ class AttachLauncher:
                     return
                 last = ("answers under the same incarnation" if healthy and now == before
                         else "not answering /health" if not healthy else "no incarnation")
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
         raise LaunchError(f"{handle.url} did not come back within {timeout_s:g} s ({last})")
 
     def _forget(self, key: str) -> None:

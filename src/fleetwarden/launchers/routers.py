@@ -135,6 +135,8 @@ class WorkerLink:
         self._predecessors: dict[str, RemoteRouter] = {}
         self.last_push: list[str] = []
         self.last_facts: Mapping[str, BackendFacts] | None = None
+        #: The last push's count of shards coming back (resent with it to a new worker).
+        self.last_coming = 0
         #: The shards on trial and the Retry-After last pushed: a replacement gets them too.
         self.last_trial: list[str] = []
         self.last_retry_after: float | None = None
@@ -204,9 +206,11 @@ class WorkerLink:
                              self.worker, url, exc)
 
     async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
-        self.last_push, self.last_facts = list(urls), facts
-        await self._push(lambda r: r.set_serving_backends(urls, facts))
+                                   facts: Mapping[str, BackendFacts] | None = None, *,
+                                   coming_back: int = 0) -> None:
+        self.last_push, self.last_facts, self.last_coming = list(urls), facts, coming_back
+        await self._push(lambda r: r.set_serving_backends(urls, facts,
+                                                          coming_back=coming_back))
 
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return await self._now().drain_outcomes()
@@ -237,7 +241,8 @@ class WorkerLink:
 
     async def push_last(self) -> None:
         """Everything last pushed, again: for the process now in the slot (a replacement)."""
-        await self.set_serving_backends(self.last_push, self.last_facts)
+        await self.set_serving_backends(self.last_push, self.last_facts,
+                                        coming_back=self.last_coming)
         await self.set_trial_backends(self.last_trial)
         await self.set_retry_after(self.last_retry_after)
 
@@ -831,6 +836,8 @@ def _add(total: RouterStats, more: RouterStats) -> None:
     total.hedges += more.hedges
     total.hedges_won += more.hedges_won
     total.poison_requests += more.poison_requests
+    total.comeback_waits += more.comeback_waits
+    total.comeback_served += more.comeback_served
     total.local_exhaustion += more.local_exhaustion
     for reason, n in more.connections_closed.items():
         total.connections_closed[reason] = total.connections_closed.get(reason, 0) + n
@@ -855,6 +862,8 @@ def _add_status(total: RouterStats, stats: Mapping[str, Any]) -> None:
     total.hedges += int(stats.get("hedges", 0))
     total.hedges_won += int(stats.get("hedges_won", 0))
     total.poison_requests += int(stats.get("poison_requests", 0))
+    total.comeback_waits += int(stats.get("comeback_waits", 0))
+    total.comeback_served += int(stats.get("comeback_served", 0))
     total.local_exhaustion += int(stats.get("local_exhaustion", 0))
     for reason, n in stats.get("connections_closed", {}).items():
         total.connections_closed[reason] = total.connections_closed.get(reason, 0) + int(n)

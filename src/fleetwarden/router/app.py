@@ -151,16 +151,20 @@ class Router:
         self._forwarder.health_managed = True
 
     def set_serving_backends(self, urls: Iterable[str],
-                             facts: Mapping[str, BackendFacts] | None = None) -> None:
+                             facts: Mapping[str, BackendFacts] | None = None, *,
+                             coming_back: int = 0) -> None:
         """Replace the whole serving list; URLs never seen before are welcome (a restarted
         engine comes back on a new port). Requests in flight elsewhere finish where they are.
 
         ``facts``: each backend's shard index and weight version, as the ledger has them; a
-        push without them (an older controller) leaves them unknown."""
+        push without them (an older controller) leaves them unknown. ``coming_back``: how many
+        engines the controller expects back soon; while it is not 0, a request that finds no
+        backend waits for one (``comeback_wait_s``) instead of a 409 at once."""
         self.pool.replace(urls, facts)
         self._forwarder.forget_idle(set(self.pool.serving))
         self._forwarder.sync_affinity()
         self._forwarder.forget_limits()
+        self._forwarder.pushed(coming_back)
 
     def set_trial_backends(self, urls: Iterable[str]) -> None:
         """Backends on probation: each takes one request at a time (the ledger lifts it)."""
@@ -259,6 +263,8 @@ class Router:
                       "hedges": self.stats.hedges,
                       "hedges_won": self.stats.hedges_won,
                       "poison_requests": self.stats.poison_requests,
+                      "comeback_waits": self.stats.comeback_waits,
+                      "comeback_served": self.stats.comeback_served,
                       "local_exhaustion": self.stats.local_exhaustion,
                       "connections_closed": dict(self.stats.connections_closed),
                       # name -> [requests, prompt tokens, completion tokens]

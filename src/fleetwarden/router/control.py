@@ -13,7 +13,8 @@ method   path             body                             answer
 =======  ===============  ===============================  ==============================
 GET      /status          -                                :meth:`Router.status`
 PUT      /serving         ``{"backends": [url, ...],       ``{"serving": [url, ...],
-                          "facts": {url: facts}}``         "facts": {url: facts}}``
+                          "facts": {url: facts},           "facts": {url: facts}}``
+                          "coming_back": n}``
 POST     /outcomes/drain  ``{"ack": batch or null}``       ``{"outcomes": {url: [s, f, t]},
                           (optional)                       "batch": id}``
 POST     /rescue          ``{"backend": url,               ``{"rescued": n}``
@@ -53,6 +54,9 @@ twice by the next one, where losing it would hide failures.
 models are what the router's own ``GET /v1/models`` lists). They
 are optional both ways: a push without them (an older controller) is served, with every
 backend's facts unknown, and an older router reads ``backends`` alone and ignores them.
+``coming_back`` (optional, 0 when absent) is how many engines the controller expects back in
+routing soon: while it is not 0, a request that finds no backend waits a while for one
+(``RouterSettings.comeback_wait_s``) before it is answered ``status_when_none_left``.
 
 Evidence (each failed attempt, as it happens) reaches a controller in the same process through
 :meth:`~fleetwarden.router.links.InProcessRouter.listen`. A router in another process
@@ -182,8 +186,12 @@ class _ControlApi:
     async def put_serving(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         backends = _urls(body, "backends")
+        coming = body.get("coming_back", 0)
+        if isinstance(coming, bool) or not isinstance(coming, int) or coming < 0:
+            raise _bad_request("'coming_back' must be an integer >= 0")
         self.router.set_serving_backends(backends, _facts_of(body.get("facts"),
-                                                             body.get("keys")))
+                                                             body.get("keys")),
+                                         coming_back=coming)
         self.router.arm_reflex()  # pushed from the fleet's health: the next push undoes a drop
         return web.json_response({"serving": self.router.serving_backends(),
                                   "facts": facts_json(self.router.backend_facts())})

@@ -46,8 +46,12 @@ section 4):
   cannot be continued ends with an error event naming the cause, never with a silent cut.
 * When it cannot serve, the router answers deliberately: ``status_when_others_serve`` (500)
   while backends remain, ``status_when_none_left`` (409) when none does. Never 504: clients
-  retry it without bound. (An exception that escapes a handler is answered 500 by the
-  server, :mod:`fleetwarden.router.serve`; none is meant to.)
+  retry it without bound. A request that finds none while the controller's push says an engine
+  is coming back waits for the next push, ``comeback_wait_s`` at most, before that 409: a
+  rolling restart leaves a small fleet none for the moment between one engine's stop and the
+  last one's admission (docs/design.md, "None left, one coming"). (An exception that escapes
+  a handler is answered 500 by the server, :mod:`fleetwarden.router.serve`; none is meant
+  to.)
 * Every answer an engine produced carries the weight version and shard index the controller's
   push gave that engine (``x-fleetwarden-weight-version``, ``x-fleetwarden-shard``). A request
   with ``x-fleetwarden-min-weight-version: N`` is sent only to engines at version N or later;
@@ -238,6 +242,9 @@ class _Exchange:
     held: list[_Failure] = field(default_factory=list)
     #: An engine answered the request (a whole answer, or a stream's first bytes).
     answered: bool = False
+    #: When it first found no backend left while one was coming back (the start of its
+    #: wait, ``comeback_wait_s`` at most); None: it has not, or a backend took it since.
+    none_left_since: float | None = None
 
 
 @dataclass(slots=True)
@@ -372,6 +379,10 @@ class Forwarder:
         self.health_managed = health_managed
         #: Seconds a client should wait before retrying, when the caller expects a backend back.
         self.retry_after: float | None = None
+        #: Engines the last push said are coming back (:meth:`pushed`), and the event the
+        #: requests waiting for one wait on: set, and replaced, at every push.
+        self.coming_back = 0
+        self._push_seen = asyncio.Event()
         self._client: UpstreamClient | None = None
         #: Requests waiting on each backend with nothing sent to their client: what a rescue
         #: may cancel. Each is the hold around its wait, with the loop time it began
@@ -407,6 +418,34 @@ class Forwarder:
         self.affinity: Affinity | None = None
         if settings.routing == "cache_aware":
             self.affinity = Affinity(AffinitySettings.of(settings))
+
+    def pushed(self, coming_back: int) -> None:
+        """A push arrived: the requests waiting for a backend look again."""
+        self.coming_back = coming_back
+        seen, self._push_seen = self._push_seen, asyncio.Event()
+        seen.set()
+
+    async def _wait_for_comeback(self, ex: _Exchange) -> bool:
+        """No backend is left for ``ex``: wait for the next push while one is coming back,
+        until ``comeback_wait_s`` from the first time it found none. True: look again."""
+        if self.coming_back <= 0:
+            return False
+        now = time.monotonic()
+        if ex.none_left_since is None:
+            ex.none_left_since = now
+            self.stats.comeback_waits += 1
+        left = ex.none_left_since + self.settings.comeback_wait_s - now
+        if left <= 0:
+            return False
+        try:
+            async with asyncio.timeout(left):
+                await self._push_seen.wait()
+        except TimeoutError:
+            return False
+        # A push: the backends it serves are tried afresh, those this request tried before
+        # too (an engine that refused it may be the one back, as a new process at its URL).
+        ex.tried.clear()
+        return True
 
     def sync_affinity(self) -> None:
         """A push arrived: the policy forgets backends that left, restarted or were refit."""
@@ -598,10 +637,18 @@ class Forwarder:
         try:
             while True:
                 stream = ex.stream
+                backend: str | StreamResponse | None
                 if stream is not None and stream.began:
                     backend = await self._continue_on(ex, stream)
                 else:
                     backend = self._pick(ex)
+                    if backend is None:
+                        if await self._wait_for_comeback(ex):
+                            continue
+                        return self._refuse(ex.last, ex.min_version)
+                    if ex.none_left_since is not None and isinstance(backend, str):
+                        self.stats.comeback_served += 1
+                        ex.none_left_since = None
                 if not isinstance(backend, str):
                     return backend
                 if ex.resend is not None and ex.resend is not AfterFailure.AT_ONCE:
@@ -761,9 +808,15 @@ class Forwarder:
         """Bytes reached the client: the generation goes on elsewhere, from where it is, on
         the same weights; where it cannot, the stream ends with why."""
         backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
+        while backend is None and await self._wait_for_comeback(ex):
+            # None left, one coming: the stream waits for it as a new request would.
+            backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
         if backend is None:
             return await self._end_stream(stream, ex.last,
                                           "no other backend with the same weights")
+        if ex.none_left_since is not None:
+            self.stats.comeback_served += 1
+            ex.none_left_since = None
         # The limits of the engine that began it, learnt before (never read here, outside
         # every rescue and hedge); a chat with no limit on an engine whose context length is
         # not known yet is refused.
@@ -787,9 +840,10 @@ class Forwarder:
             self.affinity.moved(ex.query, backend, time.monotonic())
         return backend
 
-    def _pick(self, ex: _Exchange) -> str | Response:
-        """The backend of a first attempt or a re-send from the start, or the refusal when
-        none is left."""
+    def _pick(self, ex: _Exchange) -> str | Response | None:
+        """The backend of a first attempt or a re-send from the start, the refusal of a
+        request no backend may take, or ``None`` when none is left to try (the caller waits
+        for one coming back, or refuses)."""
         affinity, query, tried, min_version = self.affinity, ex.query, ex.tried, ex.min_version
         prefer = None
         if affinity is not None and query is not None and not tried:
@@ -806,8 +860,7 @@ class Forwarder:
                 # refused it): poison, as in :meth:`_give_up`.
                 self.stats.poison_requests += 1
                 return self._pass_through(ex.held[-1])
-            # nobody left to try: the router cannot serve
-            return self._refuse(ex.last, min_version)
+            return None  # nobody left to try
         if ex.stream is not None:
             ex.stream.weight_version = self.pool.facts(backend).weight_version
             ex.stream.splice = Splice(ex.stream.splice.request)  # from the start

@@ -60,7 +60,8 @@ class RouterLink(Protocol):
         each attempt fails; otherwise evidence is pulled with :meth:`evidence`."""
 
     async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None: ...
+                                   facts: Mapping[str, BackendFacts] | None = None, *,
+                                   coming_back: int = 0) -> None: ...
     async def set_trial_backends(self, urls: Sequence[str]) -> None: ...
     async def set_retry_after(self, seconds: float | None) -> None: ...
     async def drain_outcomes(self) -> Outcomes: ...
@@ -80,7 +81,8 @@ class LocalRouter(Protocol):
     (:class:`~fleetwarden.router.app.Router`): the same calls, synchronous."""
 
     def set_serving_backends(self, urls: Iterable[str],
-                             facts: Mapping[str, BackendFacts] | None = None) -> None: ...
+                             facts: Mapping[str, BackendFacts] | None = None, *,
+                             coming_back: int = 0) -> None: ...
     def set_trial_backends(self, urls: Iterable[str]) -> None: ...
     def set_retry_after(self, seconds: float | None) -> None: ...
     def drain_outcomes(self) -> Outcomes: ...
@@ -161,8 +163,9 @@ class InProcessRouter:
         self._failures = 0  # the feed's count at the last evidence answer
 
     async def set_serving_backends(self, urls: Iterable[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
-        self.router.set_serving_backends(urls, facts)
+                                   facts: Mapping[str, BackendFacts] | None = None, *,
+                                   coming_back: int = 0) -> None:
+        self.router.set_serving_backends(urls, facts, coming_back=coming_back)
 
     async def set_trial_backends(self, urls: Iterable[str]) -> None:
         self.router.set_trial_backends(urls)
@@ -264,8 +267,9 @@ class RemoteRouter:
         return await self._text("GET", "/metrics")
 
     async def set_serving_backends(self, urls: Iterable[str],
-                                   facts: Mapping[str, BackendFacts] | None = None) -> None:
-        body: dict[str, Any] = {"backends": list(urls)}
+                                   facts: Mapping[str, BackendFacts] | None = None, *,
+                                   coming_back: int = 0) -> None:
+        body: dict[str, Any] = {"backends": list(urls), "coming_back": coming_back}
         if facts is not None:
             body["facts"] = facts_json(facts)
             # The engines' keys, apart from the facts: the facts are echoed in answers and

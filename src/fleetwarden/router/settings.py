@@ -65,6 +65,15 @@ class RouterSettings:
     #: Status when no backend is left. 409 is not retried by those clients: with nothing to
     #: route to, failing the row is the right answer.
     status_when_none_left: int = 409
+    #: Seconds a request that finds no backend waits for one while the controller says an
+    #: engine is coming back (restarting, or answering again and being proven), before it is
+    #: answered ``status_when_none_left``. A rolling restart leaves a fleet of one or two engines
+    #: none for the second between the next one's stop and the last one's admission (a restarted
+    #: engine is routed within a second of answering: one poll, one canary); 5 s covers that
+    #: and a slow canary with room, and is short beside a generation, so a client whose fleet
+    #: stays empty still learns it within seconds. 0 turns the wait off (409 at once). When
+    #: nothing is coming back, the 409 is at once whatever this says.
+    comeback_wait_s: float = 5.0
     #: Seconds a client may take to send its request body. The body is read whole before a
     #: backend is picked (so it can be re-sent), so a client that stalls holds no engine slot,
     #: only its own handler; 30 s is ample for 32 MiB on any link a client would use.
@@ -214,6 +223,9 @@ class RouterSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"RouterSettings.{name} must be at least 1, "
                                  f"got {getattr(self, name)}")
+        if not 0 <= self.comeback_wait_s < float("inf"):
+            raise ValueError(f"RouterSettings.comeback_wait_s must be a finite number >= 0, "
+                             f"got {self.comeback_wait_s}")
         for name in ("max_retries", "retry_budget_min", "max_client_connections"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RouterSettings.{name} must be at least 0, "

@@ -65,9 +65,10 @@ class RouterStats:
     """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
 
     __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
-                 "backend_failures", "connections_closed", "continuations", "hedges",
-                 "hedges_won", "key_refusals", "keys", "local_exhaustion", "picks", "picks_s",
-                 "poison_requests", "requests", "rescues", "responses", "retries",
+                 "backend_failures", "comeback_served", "comeback_waits", "connections_closed",
+                 "continuations", "hedges", "hedges_won", "key_refusals", "keys",
+                 "local_exhaustion", "picks", "picks_s", "poison_requests", "requests", "rescues",
+                 "responses", "retries",
                  "streams_ended")
 
     def __init__(self) -> None:
@@ -86,6 +87,10 @@ class RouterStats:
         self.hedges = 0
         self.hedges_won = 0
         self.poison_requests = 0
+        #: Requests that found no backend while the controller said one was coming back, and
+        #: waited for it (``comeback_wait_s`` at most); of those, the ones a backend then took.
+        self.comeback_waits = 0
+        self.comeback_served = 0
         #: Requests answered 503 because the router itself was out of descriptors or buffers
         #: (never counted against an engine).
         self.local_exhaustion = 0
@@ -210,6 +215,13 @@ def _interventions(s: RouterStats) -> Iterator[Metric]:
         "Requests that got the same 5xx from a second backend: that answer is passed to "
         "the client and not counted against the second backend (the first backend's 5xx "
         "was counted before the retry).", s.poison_requests)
+    yield _counter(
+        "fleetwarden_router_comeback_waits",
+        "Requests that found no backend while one was coming back, and waited for it "
+        "(comeback_wait_s at most) instead of a 409 at once.", s.comeback_waits)
+    yield _counter(
+        "fleetwarden_router_comeback_served",
+        "Of those, the requests a backend took once it was back.", s.comeback_served)
     yield _counter(
         "fleetwarden_router_local_exhaustion",
         "Requests answered 503 because the router was out of file descriptors or buffers "

@@ -28,6 +28,7 @@ class FaultMode(enum.Enum):
     #: A weight reload (vLLM's ``reload_weights`` through ``/collective_rpc``) takes
     #: ``factor`` seconds; everything else runs as usual.
     SLOW_LOAD = "slow_load"
+    BLACKHOLE = "blackhole"
 
     def __str__(self) -> str:
         return self.value

@@ -38,6 +38,10 @@ faithful:
   (``fleetwarden.sim.weights``); and ``POST /inference/v1/generate`` with each choice's
   ``weight_versions`` spans. A restart loads the base weights again, under ``"default"``;
   ``slow_load`` makes a reload take ``factor`` seconds.
+* ``blackhole`` accepts every connection and answers nothing: the loop stops as for a wedge,
+  and every request but the control endpoints (``/sim/...``) is held unanswered, ``/health``
+  and ``/metrics`` too, until it is cleared (``blackholed`` in ``/sim/stats`` counts them): a
+  process that hangs whole, or a network path that swallows every answer.
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
 * A poison request: a completion whose prompt starts with :data:`POISON_PROMPT` is answered
@@ -174,6 +178,11 @@ class Sim:
         #: The last finished requests, taken apart (``GET /sim/requests``).
         self._finished: deque[dict[str, Any]] = deque(maxlen=config.stats_log_size)
         self._received = 0
+        #: Requests the black hole took in (and held, unanswered, while it lasted), and the
+        #: event they wait on: set while there is no black hole.
+        self._blackholed = 0
+        self._no_blackhole = asyncio.Event()
+        self._no_blackhole.set()
         self._families, self._core = self._new_process(None)
         #: vLLM's RL API (:meth:`_rl_routes`): the weights loaded, and the pause mode.
         self._base_weights = BASE if config.weights_path is None else load_weights(
@@ -336,6 +345,10 @@ class Sim:
             self._refuse()
         if mode is FaultMode.CRASH:
             self._crash()
+        if mode is FaultMode.BLACKHOLE:
+            self._no_blackhole.clear()
+        else:
+            self._no_blackhole.set()
         if until is not None:
             self._fault_timer = loop.call_at(until, self._clear_by_timer)
         if mode is FaultMode.WEDGE:
@@ -757,8 +770,8 @@ class Sim:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            if (self._fault.mode is FaultMode.WEDGE or self._crashed or self._sleep_level
-                    or self._paused in _FROZEN):
+            if (self._fault.mode in (FaultMode.WEDGE, FaultMode.BLACKHOLE) or self._crashed
+                    or self._sleep_level or self._paused in _FROZEN):
                 self._wake.clear()
                 await self._wake.wait()  # frozen: nothing below runs, no metric changes
                 next_at = loop.time()
@@ -818,6 +831,9 @@ class Sim:
         self._by_path[request.path] += 1
         self._log.append({"method": request.method, "path": request.path, "at": time.time(),
                           "request_id": request.headers.get("x-request-id")})
+        if self._fault.mode is FaultMode.BLACKHOLE and not request.path.startswith("/sim/"):
+            self._blackholed += 1
+            await self._no_blackhole.wait()  # held until it is cleared
         return await handler(request)
 
     @web.middleware
@@ -1196,6 +1212,7 @@ class Sim:
         core = self._core
         return {
             "received": self._received,
+            "blackholed": self._blackholed,
             "by_path": dict(self._by_path),
             "log": list(self._log),
             "log_size": self.config.stats_log_size,

