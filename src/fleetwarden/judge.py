@@ -1187,6 +1187,9 @@ class EngineWatch:
         #: When the first visit of the engine's present silence began (a read it answered
         #: nothing, or its process stopped); ``None`` once any read is answered.
         self.silent_since: float | None = None
+        #: How long its last answered read took (``None`` until one is): an engine whose
+        #: reads were already slow is starved of CPU, and its next slow read is no silence.
+        self.read_took_s: float | None = None
         self._visits: dict[int, _VisitState] = {}
         self._numbered = 0
 
@@ -1242,14 +1245,21 @@ class EngineWatch:
         # A request held there, silent: a read that gets no answer within the silence timeout
         # is silence enough to hedge it (Verdict.SILENT).
         policy = self.judged_by()
-        short = (t.held_s > 0 and not t.stalls_excused
+        # ... from an engine whose last read came back quickly (a healthy /metrics answers in
+        # milliseconds): one whose reads were already slow is starved of CPU by its own load
+        # or its host's, and its reads take seconds as its answers do. A saturated engine's
+        # reads on a 2-core host took over the silence timeout, read as silence, and its
+        # requests were hedged onto an engine as loaded. It is read with the whole read
+        # timeout, as before silence counted (history: docs/design.md section 13).
+        quick = self.read_took_s is None or self.read_took_s <= policy.silence_read_s / 2
+        short = (t.held_s > 0 and not t.stalls_excused and quick
                  and policy.silence_read_s < policy.read_timeout_s)
         # Nothing there, and no silence begun while something was: a /metrics that hangs
         # while /health and canaries answer is an engine whose metrics are slow, not a silent
         # one (a silence is one that cost a request; once begun it lasts until an answer,
         # though its requests were hedged away meanwhile).
         waiting = ((t.in_flight > 0 or t.held_s > 0 or self.silent_since is not None)
-                   and not t.stalls_excused)
+                   and not t.stalls_excused and (quick or self.silent_since is not None))
         return ReadEngine(n, proxy, check_health=t.check_health,
                           timeout_s=policy.silence_read_s if short else None,
                           silence_counts=waiting)
@@ -1294,6 +1304,8 @@ class EngineWatch:
                                  if asked_wrong(status))
         if not isinstance(reading, Silent):
             self.silent_since = None  # it answered: only an answer ends a silence
+            if v.stage == "read" and not v.proxy:
+                self.read_took_s = now - v.began
         v.before = before = None if v.proxy else self.sample
         since_canary = None if self.canary_at is None else now - self.canary_at
         v.judgement = judgement = judge(

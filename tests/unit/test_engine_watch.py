@@ -416,3 +416,24 @@ def test_silence_counts_only_where_requests_wait() -> None:
     silent_visit(watch, Target(URL), 12.0, 12.0, moved(BUSY, steps=5, generation_tokens=5))
     step = watch.next(Visit(Target(URL), 13.0))
     assert isinstance(step, ReadEngine) and not step.silence_counts
+
+
+def test_an_engine_whose_reads_were_already_slow_is_starved_not_silent() -> None:
+    """A saturated engine on a starved host answers /metrics in seconds: its next read waits
+    the whole read timeout, and one that times out is no silence (no hedge); once a read comes
+    back quickly again, a short silent read counts as before."""
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    held = Target(URL, in_flight=8, held_s=1.5)
+    # a read that took 1.8 s of the 2 s: the engine was starved, not stopped
+    silent_visit(watch, held, 10.0, 11.8, moved(BUSY, steps=5, generation_tokens=40))
+    step = watch.next(Visit(held, 12.0))
+    assert isinstance(step, ReadEngine)
+    assert step.timeout_s is None and not step.silence_counts
+    # a quick read again: the short silence read, and its silence counts
+    watch.next(Read(step.visit, moved(BUSY, steps=9, generation_tokens=80), 12.01))
+    step = watch.next(Visit(held, 13.0))
+    assert isinstance(step, ReadEngine)
+    assert step.timeout_s == DEFAULT_POLICY.silence_read_s and step.silence_counts
+    r = watch.next(Read(step.visit, Silent("no answer", waited_s=1.0), 14.0))
+    assert isinstance(r, Report) and r.verdict is Verdict.SILENT

@@ -20,7 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.ledger import Ledger
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.forward import Forwarder, _Failure
 from fleetwarden.router.links import ControlError, RemoteRouter
+from fleetwarden.router.pool import Pool
+from fleetwarden.router.retry import Cause
+from fleetwarden.router.stats import RouterStats
 from support.router_rig import Rig, rig, until
 from support.scripted_engine import (
     CHAT,
@@ -732,6 +736,43 @@ async def test_a_stream_whose_engine_stops_after_its_head_is_held_there_and_move
         assert r.router.stats.backend_failures == {(stopped.url, "hedged"): 1}
         assert r.router.stats.streams_ended == {}
         assert r.router.in_flight() == {good.url: 0}  # the reflex took it out of routing
+
+
+async def test_an_engine_that_answers_others_while_a_request_waits_there_is_not_silent(
+) -> None:
+    """Silence is the engine's, not one request's: a saturated engine queues requests for
+    seconds while it answers others, and only an engine that answers nothing is silent."""
+    async with rig(1) as r:
+        (engine,) = r.engines
+        engine.stall_streams(after=1)
+        async with r.http.post(r.router.url + "/v1/completions", json=STREAM) as response:
+            await response.content.readuntil(b"\n\n")  # the answer has begun, then stalls
+            await until(lambda: engine.url in r.router.silent_backends(0.2),
+                        what="the stream reported silent")
+            waited = r.router.silent_backends(0.0)[engine.url]
+            status, _, _ = await r.post()  # the engine answers another request
+            assert status == 200
+            assert r.router.silent_backends(0.2) == {}  # it answered: not silent
+            assert r.router.silent_backends(0.0)[engine.url] < waited  # held since the answer
+            await until(lambda: engine.url in r.router.silent_backends(0.2),
+                        what="silent again once it answers nothing")
+            engine.unwedge()
+            await response.read()
+        assert r.router.silent_backends(0.0) == {}
+
+
+def test_a_lost_race_never_takes_the_last_backend_out() -> None:
+    """A lost race is no failure of its engine: its reflex drop never leaves the router none
+    to route to (two engines each hedged to the other, each losing its race, left none, and
+    every request was answered 409 until the next push)."""
+    pool = Pool(["http://a", "http://b"])
+    forwarder = Forwarder(pool, RouterSettings(), RouterStats(), health_managed=True)
+    forwarder._lost_race(_Failure("http://a", Cause.HEDGED))
+    assert pool.serving == ("http://b",)  # the reflex, while another serves
+    forwarder._lost_race(_Failure("http://b", Cause.HEDGED))
+    assert pool.serving == ("http://b",)  # never the last
+    assert forwarder.stats.backend_failures == {("http://a", "hedged"): 1,
+                                                ("http://b", "hedged"): 1}
 
 
 async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None:

@@ -396,6 +396,11 @@ class Forwarder:
         #: them too, and they go on elsewhere. Each hold's ``since`` is when it last received
         #: anything: a stream whose engine stopped after its head is held there all the same.
         self._streaming: dict[str, set[_Hold]] = {}
+        #: The loop time each backend last answered anything on the request path (a head, a
+        #: stream's bytes): a request waiting there is silent only as long as its engine is.
+        #: A saturated engine queues requests for seconds while it answers others; a stopped
+        #: one answers none (docs/design.md, "Silence is evidence").
+        self._heard: dict[str, float] = {}
         #: Set the tokens of each stream it relays event by event on its response
         #: (``StreamResponse.usage``): the router counts them per client key.
         self.count_usage = False
@@ -597,17 +602,20 @@ class Forwarder:
         return self.pool.pick(exclude, min_version=stream.min_version) is not None
 
     def silent(self, after_s: float) -> dict[str, float]:
-        """Backends holding a request that has received nothing for at least ``after_s``:
-        ``{backend: seconds the oldest has waited}``. A stream counts from its send as a
-        waiting request does, and from each event it receives: one whose engine stops after
-        its head (or mid-answer) is held there, silent, like a request waiting for its head."""
+        """Backends holding a request while they have answered nothing for at least
+        ``after_s``: ``{backend: seconds}``, the oldest request's wait or, where the engine
+        answered another request since it began, the time since that answer. A stream counts
+        from its send as a waiting request does, and from each event it receives: one whose
+        engine stops after its head (or mid-answer) is held there, silent, like a request
+        waiting for its head. An engine that answers others while requests queue there is
+        saturated, not silent: only an engine that answers nothing at all is."""
         now = asyncio.get_running_loop().time()
         out: dict[str, float] = {}
         for backend in self._waiting.keys() | self._streaming.keys():
             sinces = [since for since, _ in self._waiting.get(backend, {}).values()]
             sinces += [hold.since for hold in self._streaming.get(backend, ())]
             if sinces:
-                oldest = now - min(sinces)
+                oldest = now - max(min(sinces), self._heard.get(backend, -math.inf))
                 if oldest >= after_s:
                     out[backend] = oldest
         return out
@@ -617,6 +625,9 @@ class Forwarder:
         for table in (self._waiting, self._streaming):
             for url in [u for u, w in table.items() if not w and u not in keep]:
                 del table[url]
+        for url in [u for u in self._heard if u not in keep
+                    and not self._waiting.get(u) and not self._streaming.get(u)]:
+            del self._heard[url]
 
     # ------------------------------------------------------------------ the request path
 
@@ -929,6 +940,7 @@ class Forwarder:
             try:
                 upstream = await self._client.request(
                     target, method, headers, body, keep_alive=_CLOSE not in headers)
+                self._heard[backend] = asyncio.get_running_loop().time()
                 if upstream.status >= 500:
                     answer = await self._server_error(backend, upstream, facts)
                 else:
@@ -1177,6 +1189,7 @@ class Forwarder:
                     return _Failure(backend, _classify(exc))
                 if not data:
                     return _Failure(backend, Cause.RESET)  # it ended without [DONE]
+                self._heard[backend] = loop.time()
                 # Until its events are written, it waits on its client, not on its engine: a
                 # slow reader (the engine done, its answer in buffers) is never held there.
                 hold.since = math.inf
@@ -1434,7 +1447,10 @@ class Forwarder:
         lost races ejected it from the fleet, to come back only on proof. A wedge is condemned
         by the stall limit, or by the canary that watches a hedged lost core."""
         self.stats.backend_failed(failure.backend, failure.cause.value)
-        self._reflex(failure)
+        if len(self.pool.serving) > 1 or failure.backend not in self.pool.serving:
+            # Never the last: a lost race is no failure of its engine, and an empty list would
+            # answer every request 409 until the next push.
+            self._reflex(failure)
 
     def _reflex(self, failure: _Failure) -> None:
         if self.health_managed and self.pool.drop(failure.backend):
