@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -354,6 +355,63 @@ def test_real_vllm_engine_crash_is_retried_and_restarted(fleet: UpProcess,
     # hedged (a hedge won, and the 500 of the request it replaced was never needed).
     assert fig.retried + fig.hedged + fig.rescued >= 1
     assert fig.old_pid is not None and group_members(fig.old_pid) == []
+    whole(fleet)
+
+
+# Two engine starts under load: 305-480 s measured on the shared 2-core machine beside other
+# work, over the tier's 300 s default.
+@pytest.mark.timeout(900)
+def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
+        fleet: UpProcess, faulted: set[int]) -> None:
+    """A deploy's rolling restart of both engines: each one's process group is stopped
+    (SIGTERM) in turn, the fleet starts a new one, and the second goes as soon as the first
+    one's new process answers /health, while load runs: the fleet holds none for the moment
+    the first one's canary takes, and a request that finds none waits for it. Nothing fails;
+    each engine's wait from its /health (the LOADED transition) to routing (HEALTHY) is
+    printed. Costs two engine starts (~30 s each on the 2-core machine)."""
+    whole(fleet)
+    faulted.update({0, 1})
+
+    async def run() -> tuple[Load, list[float | None]]:
+        started_wall = time.time()
+        load = Load(fleet.router, api_key=ENGINE_KEY, concurrency=4, max_tokens=16,
+                    timeout_s=120, pause_after_failure_s=1.0)
+        load.start()
+        try:
+            await asyncio.sleep(2.0)
+            for index in (0, 1):
+                before = {s["index"]: s for s in fleet.client.shards()}[index]
+                os.killpg(before["pid"], signal.SIGTERM)  # the deploy stops it
+                deadline = time.monotonic() + 300
+                while True:  # paced by its new process's /health, as the fleet saw it
+                    now = {s["index"]: s for s in await asyncio.to_thread(
+                        fleet.client.shards)}[index]
+                    if now["pid"] != before["pid"] and now["state"] in ("STALE", "HEALTHY"):
+                        break
+                    assert time.monotonic() < deadline, f"shard {index} not back: {now}"
+                    await asyncio.sleep(0.1)
+            await asyncio.sleep(3.0)
+        finally:
+            await load.stop()
+        history = await asyncio.to_thread(fleet.client.transitions)
+        waits: list[float | None] = []
+        for index in (0, 1):
+            mine = [t for t in history if t["shard"] == index and t["wall"] >= started_wall]
+            loaded = next((t["wall"] for t in mine if t["event"] == "loaded"), None)
+            routed = next((t["wall"] for t in mine if t["to"] == "HEALTHY"
+                           and loaded is not None and t["wall"] >= loaded), None)
+            waits.append(None if loaded is None or routed is None else routed - loaded)
+        return load, waits
+
+    load, waits = asyncio.run(run())
+    router = fleet.client.status()["router"]
+    print(f"\nreal rolling restart: {len(load.results)} sent, {len(load.failures)} failed; "
+          "each new engine from its /health to routing: "
+          + " / ".join("—" if w is None else f"{w:.2f} s" for w in waits)
+          + f" (target < 1 s); {router.get('stats', {}).get('comeback_waits', '?')} requests "
+          "waited for a comeback")
+    assert load.failures == [], load.failures[:3]
+    assert None not in waits
     whole(fleet)
 
 
