@@ -408,8 +408,8 @@ def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
     print(f"\nreal rolling restart: {len(load.results)} sent, {len(load.failures)} failed; "
           "each new engine from its /health to routing: "
           + " / ".join("—" if w is None else f"{w:.2f} s" for w in waits)
-          + f" (target < 1 s); {router.get('stats', {}).get('comeback_waits', '?')} requests "
-          "waited for a comeback")
+          + f" (target < 1 s); {router['comeback_waits']} requests waited for a comeback, "
+          f"{router['comeback_served']} served by it")
     assert load.failures == [], load.failures[:3]
     assert None not in waits
     whole(fleet)
