@@ -512,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, end="", flush=True)
             row = run_one(router, fault, records, shape, args, aiperf)
             rows.append(row)
+            if args.json:  # after every run: a long matrix stopped halfway keeps its rows
+                args.json.write_text(json.dumps({"command": command, "about": about, "rows": [
+                    {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}, indent=2))
             print(f" {row.seconds:.0f} s: " + (f"not run: {row.not_run}" if row.not_run else
                   f"goodput {_pct(row.goodput)}, lost {row.lost}, post-check "
                   f"{row.post_check or '-'}"), file=sys.stderr, flush=True)
