@@ -131,7 +131,7 @@ class Row:
     hit_rate: float | None = None
     hit_rate_before: float | None = None
     hit_rate_after: float | None = None
-    healthy_ejected: int = 0
+    healthy_ejected: int | None = 0  # None: the router's own account could not be read
     post_check: str = ""  # "passed", "failed: ...", or "" (no fault)
     fault_at_s: float | None = None  # after the first request
     fault_wall: float | None = None  # time.time() at the fault
@@ -222,10 +222,19 @@ def run_aiperf(python: Path, records: list[TraceRecord], url: str, folder: Path,
             (value("request_latency") or 0.0) / 1000, 0 if error else 200,
             int(value("usage_completion_tokens") or 0),
             record.output_length if record else -1,
-            json.dumps(error)[:200] if error else ""))
+            _error_text(error)))
     # AIPerf counts tokens itself; a stream cut short shows as an error record. Rows it never
     # sent (it stopped) are lost too: the caller counts them against the trace's length.
     return results, first
+
+
+def _error_text(error: object) -> str:
+    """AIPerf's error record (``{"type": ..., "message": ...}``) as one line; "" for none."""
+    if not error:
+        return ""
+    if isinstance(error, dict):
+        return f"{error.get('type', '?')}: {error.get('message', '')}"[:200]
+    return str(error)[:200]
 
 
 # ---------------------------------------------------------------------- one run
@@ -297,14 +306,20 @@ async def _drive(records: list[TraceRecord], router: RunningRouter, engines: lis
 
     async def watch() -> None:
         async with aiohttp.ClientSession() as http:
+            n = 0
             while not done.is_set():
                 await counters.read(http, t0)
+                if router.poll is not None and n % 4 == 0:  # a peer's breaker states
+                    await router.poll(http)
+                n += 1
                 if not first_seen and trace_started():
                     first_seen.append(time.monotonic() - t0)
                     seen.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(done.wait(), 0.25 if not first_seen else 1.0)
             await counters.read(http, t0)
+            if router.poll is not None:
+                await router.poll(http)
 
     aimed_decoy: Any = None
 
@@ -404,7 +419,8 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
         healthy = {t.url for t in engines} - (
             {t.url for t in fault.picks(engines)} if fault is not None and not args.control
             else set())
-        row.healthy_ejected = len(ejected & healthy)
+        unread = any("never answered" in n or n == "no journal" for n in notes)
+        row.healthy_ejected = None if unread else len(ejected & healthy)
         row.notes += notes[:6]
     except Exception as exc:  # one broken run is a row that says so
         row.not_run = f"error: {type(exc).__name__}: {exc}"[:300]
@@ -443,7 +459,8 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.fault} | {r.router} | {_pct(r.goodput)} ({r.within_slo} of {r.requests}) "
             f"| {r.lost} ({r.lost_after_fault}) | {_s(r.ttft_p50_s)} / {_s(r.ttft_p99_s)} "
-            f"| {hits} | {r.healthy_ejected} | {r.post_check or '-'} |")
+            f"| {hits} | {'not read' if r.healthy_ejected is None else r.healthy_ejected} "
+            f"| {r.post_check or '-'} |")
     return "\n".join(lines)
 
 
