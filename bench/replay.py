@@ -9,9 +9,10 @@ driven open loop at its timestamps by NVIDIA's AIPerf, pinned at :data:`AIPERF`.
 Why AIPerf and not kubernetes-sigs' inference-perf: AIPerf reads Mooncake's format as it is
 (``--custom-dataset-type mooncake_trace``), sends each row at its timestamp
 (``--fixed-schedule``) and builds each prompt from its ``hash_ids``, so two rows that share ids
-share a prefix on the wire; inference-perf 0.7.0 drives load stages of rates or concurrency
-from its own data generators, with no replay of recorded timestamps and shared blocks. AIPerf is
-installed on first use into its own virtual environment under
+share a prefix on the wire. inference-perf's documented load patterns (constant rate,
+Poisson arrivals, concurrent users) and data (ShareGPT and other datasets, synthetic, shared
+prefix, multi-turn) name no Mooncake rows with their recorded timestamps and shared blocks.
+AIPerf is installed on first use into its own virtual environment under
 ``~/.cache/fleetwarden/bench-venvs/`` (about 1.2 GB: ``make test`` never pays for it; the suite's
 scenario test uses this project's own driver instead). It needs a tokenizer to size prompts, and
 the machines here have no network: it gets the tiny model's (``testing.tiny_model``) through a
