@@ -1,0 +1,569 @@
+"""A trace replayed at its recorded schedule through a load generator this project did not write,
+with a fault during it, against fleetwarden and the peer routers.
+
+Every figure the other benches publish comes from this project's own closed-loop load. Here the
+load is a trace in Mooncake's JSONL format (``fleetwarden.testing.traces``: generated, seeded,
+from the published shape of the Mooncake FAST'25 and BurstGPT traces; or ``--trace FILE``),
+driven open loop at its timestamps by NVIDIA's AIPerf, pinned at :data:`AIPERF`.
+
+Why AIPerf and not kubernetes-sigs' inference-perf: AIPerf reads Mooncake's format as it is
+(``--custom-dataset-type mooncake_trace``), sends each row at its timestamp
+(``--fixed-schedule``) and builds each prompt from its ``hash_ids``, so two rows that share ids
+share a prefix on the wire. inference-perf's documented load patterns (constant rate,
+Poisson arrivals, concurrent users) and data (ShareGPT and other datasets, synthetic, shared
+prefix, multi-turn) name no Mooncake rows with their recorded timestamps and shared blocks.
+AIPerf is installed on first use into its own virtual environment under
+``~/.cache/fleetwarden/bench-venvs/`` (about 1.2 GB: ``make test`` never pays for it; the suite's
+scenario test uses this project's own driver instead). It needs a tokenizer to size prompts, and
+the machines here have no network: it gets the tiny model's (``testing.tiny_model``) through a
+HuggingFace cache folder made beside it. ``--driver own`` replays with this project's driver
+(``fleetwarden.testing.replay``) instead: the cross-check.
+
+Per router and fault, one run: four fresh simulated vLLM engines (``fleetwarden sim``, 8 slots,
+50 steps a second, a 512-token step budget, prefix caches: prefill and decode cost follow the
+tokens, and a cached prefix is cheaper), the router in front of them (started as
+``bench/failover.py`` starts it: fleetwarden attached at its defaults, sglang-router and
+vllm-router in their own environments at their defaults and tuned, nginx with passive checks),
+the trace replayed through it, and the fault injected into engine 1 (every engine, one by one,
+for the rolling restart) ``--fault-at`` seconds after the trace's first request left (AIPerf's
+log says when).
+
+After the run, the fault's post-check (``testing.replay``: the kernel's view of the process, the
+engine's own counters and answers) says whether it happened; a fault that did not happen fails
+the run. ``--control`` aims every fault at nothing (a port nobody listens on, a process that is
+no engine) and expects every post-check to fail.
+
+What is reported, per run: goodput (requests answered whole within the SLO: first token within
+:data:`SLO_TTFT_S`, the whole answer within that plus :data:`SLO_TPOT_S` a token), requests lost
+(an error, a cut stream, or no answer), TTFT p50 / p99 of the answered, the engines' prefix-cache
+hit rate from their own counters (``vllm:prefix_cache_hits_total / _queries_total``, each
+incarnation summed) before and after the fault, the healthy engines the router ejected, and the
+post-check.
+
+    python bench/replay.py                               # fleetwarden, every fault, AIPerf
+    python bench/replay.py --routers fleetwarden,sglang-router,sglang-router-tuned,nginx
+    python bench/replay.py --faults crash --driver own   # this project's driver instead
+    python bench/replay.py --control                     # every post-check must fail
+    python bench/replay.py --write-trace trace.jsonl     # the generated trace, and stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from _peers import PeerUnavailable, peer_python
+from failover import ROUTERS, Launcher, RunningRouter, _readline, _wait_serving
+from fleetwarden.testing.replay import (
+    FAULTS,
+    Counters,
+    Fault,
+    ReplayResult,
+    Target,
+    decoys,
+    replay,
+)
+from fleetwarden.testing.traces import (
+    TraceRecord,
+    TraceShape,
+    generate,
+    read_jsonl,
+    reuse_ratio,
+    write_jsonl,
+)
+
+#: Pinned: the version whose command line and export format this script reads.
+AIPERF = "aiperf==0.13.0"
+#: The simulated engines, as bench/cache.py runs them: a 512-token step budget, so a long
+#: prompt prefills over several 20 ms steps and a cached prefix saves some of them; room for
+#: the longest prompt AIPerf's tokenizer turns into characters (about 2 a token).
+ENGINES = 4
+SIM_ARGS = ["--slots", "8", "--steps-per-s", "50", "--max-num-batched-tokens", "512",
+            "--max-model-len", "16384"]
+#: The engine each single-engine fault is aimed at (of 0..3).
+BAD = 1
+#: The SLO a request must meet to count in goodput: its first token within 2 s (ten times a
+#: cold prefill of the longest prompt here), and the whole answer within that plus 0.1 s a
+#: token (five times the engines' 20 ms step).
+SLO_TTFT_S = 2.0
+SLO_TPOT_S = 0.1
+#: A request with no answer after this long is lost (the longest answer here takes 8 s).
+REQUEST_TIMEOUT_S = 60.0
+#: Default: the fault this long after the trace's first request left (of a trace of
+#: about 80 s), and the rolling restart's engines this far apart.
+FAULT_AT_S = 20.0
+RESTART_GAP_S = 8.0
+FAULT_NAMES = ("none", *FAULTS)
+#: What AIPerf 0.13.0 logs as it starts sending the trace.
+AIPERF_STARTED = "Phase profiling (profiling) started"
+
+
+@dataclass
+class Row:
+    router: str
+    fault: str
+    driver: str
+    version: str = ""
+    not_run: str = ""
+    requests: int = 0  # in the trace
+    answered: int = 0  # whole
+    within_slo: int = 0
+    lost: int = 0
+    lost_after_fault: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    hit_rate: float | None = None
+    hit_rate_before: float | None = None
+    hit_rate_after: float | None = None
+    healthy_ejected: int | None = 0  # None: the router's own account could not be read
+    post_check: str = ""  # "passed", "failed: ...", or "" (no fault)
+    fault_at_s: float | None = None  # after the first request
+    fault_wall: float | None = None  # time.time() at the fault
+    notes: list[str] = field(default_factory=list)
+    load_avg: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def goodput(self) -> float | None:
+        return self.within_slo / self.requests if self.requests else None
+
+
+# ---------------------------------------------------------------------- AIPerf
+
+
+def aiperf_python() -> Path:
+    """AIPerf's environment (installed on first use), with the tiny model's tokenizer in a
+    HuggingFace cache folder beside it (AIPerf loads a tokenizer by hub name offline)."""
+    python = peer_python(AIPERF)
+    cache = python.parent.parent / "hf-cache"
+    revision = "0" * 40
+    model = cache / "models--fleetwarden--tiny"
+    snapshot = model / "snapshots" / revision
+    if not (snapshot / "tokenizer.json").exists():
+        from fleetwarden.testing.tiny_model import ensure_tiny_model
+
+        source = ensure_tiny_model()
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (model / "refs").mkdir(exist_ok=True)
+        (model / "refs" / "main").write_text(revision)
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            shutil.copy(source / name, snapshot / name)
+    return python
+
+
+def run_aiperf(python: Path, records: list[TraceRecord], url: str, folder: Path,
+               block_tokens: int, seed: int) -> tuple[list[ReplayResult], float]:
+    """The trace through AIPerf; its results, and the wall time its first request left."""
+    trace = folder / "aiperf-trace.jsonl"
+    # Mooncake's own fields only: AIPerf groups rows with a session_id into one conversation,
+    # which its completions endpoint refuses; the sessions' reuse is in the hash_ids.
+    trace.write_text("".join(json.dumps({"timestamp": r.timestamp,
+                                         "input_length": r.input_length,
+                                         "output_length": r.output_length,
+                                         "hash_ids": list(r.hash_ids)}) + "\n"
+                             for r in records))
+    out = folder / "aiperf"
+    argv = [str(python.parent / "aiperf"), "profile", "--model", "tiny",
+            "--endpoint-type", "completions", "--streaming", "--url", url,
+            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
+            "--fixed-schedule", "--tokenizer", "fleetwarden/tiny",
+            "--prompt-input-tokens-block-size", str(block_tokens),
+            "--output-artifact-dir", str(out), "--random-seed", str(seed), "--ui-type", "none",
+            "--use-server-token-count", "--request-timeout-seconds", f"{REQUEST_TIMEOUT_S:g}",
+            "--workers-max", "2",
+            "--record-processor-service-count", "1", "--no-auto-plot"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "HF_HUB_CACHE": str(python.parent.parent / "hf-cache")}
+    env.pop("PYTHONPATH", None)
+    with (folder / "aiperf.log").open("w") as log:
+        subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False,
+                       timeout=records[-1].timestamp / 1000 + 300, stdin=subprocess.DEVNULL)
+    export = out / "profile_export.jsonl"
+    if not export.exists():
+        tail = (folder / "aiperf.log").read_text(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError("AIPerf wrote no records: " + " / ".join(tail))
+    rows = [json.loads(line) for line in export.read_text().splitlines() if line.strip()]
+    starts = [r["metadata"]["request_start_ns"] / 1e9 for r in rows]
+    first = min(starts) if starts else time.time()
+    results = []
+    for i, r in enumerate(sorted(rows, key=lambda r: r["metadata"]["request_start_ns"])):
+        meta, m = r["metadata"], r.get("metrics") or {}
+
+        def value(name: str, m: dict[str, Any] = m) -> float | None:
+            v = m.get(name)
+            return float(v["value"]) if isinstance(v, dict) and "value" in v else None
+
+        # Each row of the trace is a conversation of its own, numbered in trace order.
+        index = int(meta.get("session_num", i))
+        record = records[index] if 0 <= index < len(records) else None
+        error = r.get("error")
+        ttft = value("time_to_first_token")
+        sent = meta["request_start_ns"] / 1e9 - first
+        results.append(ReplayResult(
+            index, str(meta.get("x_request_id", "")), "",
+            record.timestamp / 1000 if record else sent, sent,
+            ttft / 1000 if ttft is not None else None,
+            (value("request_latency") or 0.0) / 1000, 0 if error else 200,
+            int(value("usage_completion_tokens") or 0),
+            record.output_length if record else -1,
+            _error_text(error)))
+    # AIPerf counts tokens itself; a stream cut short shows as an error record. Rows it never
+    # sent (it stopped) are lost too: the caller counts them against the trace's length.
+    return results, first
+
+
+def _error_text(error: object) -> str:
+    """AIPerf's error record (``{"type": ..., "message": ...}``) as one line; "" for none."""
+    if not error:
+        return ""
+    if isinstance(error, dict):
+        return f"{error.get('type', '?')}: {error.get('message', '')}"[:200]
+    return str(error)[:200]
+
+
+# ---------------------------------------------------------------------- one run
+
+
+def start_sims(launcher: Launcher, n: int) -> list[Target]:
+    procs = []
+    for i in range(n):
+        with (launcher.folder / f"sim{i}.log").open("w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "fleetwarden", "sim", "--port", "0",
+                                     *SIM_ARGS], stdout=subprocess.PIPE, stderr=log,
+                                    stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        launcher.procs.append(proc)
+        procs.append(proc)
+    targets = []
+    for proc in procs:
+        line = _readline(proc, 30.0)
+        if not line.startswith("ready "):
+            raise RuntimeError(f"a simulated engine did not start: {line!r}")
+        targets.append(Target(line.split()[1], proc.pid))
+    return targets
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))]
+
+
+def _hit_rate_split(counters: Counters, fault_t: float | None) -> tuple[float | None,
+                                                                         float | None]:
+    """The engines' hit rate over the readings before the fault, and after it."""
+    if fault_t is None:
+        return None, None
+    last_before: dict[str, tuple[float, float]] = {}
+    for t, url, q, h in counters.series:
+        if t <= fault_t:
+            last_before[url] = (q, h)
+    qb = sum(q for q, _ in last_before.values())
+    hb = sum(h for _, h in last_before.values())
+    qa, ha = counters.totals()
+    before = hb / qb if qb else None
+    after = (ha - hb) / (qa - qb) if qa - qb > 0 else None
+    return before, after
+
+
+async def _drive(records: list[TraceRecord], router: RunningRouter, engines: list[Target],
+                 fault: Fault | None, control: bool, driver: str, aiperf: Path | None,
+                 folder: Path, shape: TraceShape, seed: int, fault_at_s: float,
+                 row: Row) -> None:
+    await _wait_serving(router)
+    counters = Counters([t.url for t in engines])
+    t0 = time.monotonic()
+    first_seen: list[float] = []
+    fault_t: list[float] = []
+    done = asyncio.Event()
+    seen = asyncio.Event()  # the trace's first request left
+    aiperf_log = folder / "aiperf.log"
+
+    def trace_started() -> bool:
+        """From the driver itself, never from the engines (a router's own canaries reach
+        them before any request of the trace): AIPerf logs its profiling phase's start."""
+        if driver != "aiperf":
+            return True  # the own driver starts at once, below
+        with contextlib.suppress(OSError):
+            return AIPERF_STARTED in aiperf_log.read_text(errors="replace")
+        return False
+
+    async def watch() -> None:
+        async with aiohttp.ClientSession() as http:
+            n = 0
+            while not done.is_set():
+                await counters.read(http, t0)
+                if router.poll is not None and n % 4 == 0:  # a peer's breaker states
+                    await router.poll(http)
+                n += 1
+                if not first_seen and trace_started():
+                    first_seen.append(time.monotonic() - t0)
+                    seen.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), 0.25 if not first_seen else 1.0)
+            await counters.read(http, t0)
+            if router.poll is not None:
+                await router.poll(http)
+
+    aimed_decoy: Any = None
+
+    async def inject() -> None:
+        nonlocal aimed_decoy
+        assert fault is not None
+        await fault.before(engines)
+        await seen.wait()
+        await asyncio.sleep(max(0.0, first_seen[0] + fault_at_s - (time.monotonic() - t0)))
+        fault_t.append(time.monotonic() - t0)
+        row.fault_wall = time.time()
+        if control:
+            fakes, aimed_decoy = decoys(len(fault.picks(engines)))
+            await fault.inject(fakes)
+        else:
+            await fault.inject(fault.picks(engines))
+
+    watcher = asyncio.create_task(watch())
+    injector = asyncio.create_task(inject()) if fault is not None else None
+    try:
+        if driver == "aiperf":
+            assert aiperf is not None
+            results, _ = await asyncio.to_thread(run_aiperf, aiperf, records, router.url,
+                                                 folder, shape.block_tokens, seed)
+        else:
+            results = await replay(records, router.url, block_tokens=shape.block_tokens,
+                                   timeout_s=REQUEST_TIMEOUT_S)
+        if injector is not None:
+            if not injector.done():
+                row.notes.append("the trace ended before the fault was due")
+                injector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await injector
+            if fault_t and fault is not None:
+                missing = await fault.verify(engines)
+                row.post_check = "passed" if not missing else "failed: " + "; ".join(missing)
+    finally:
+        done.set()
+        await watcher
+        if fault is not None:
+            await fault.undo(engines)
+        if aimed_decoy is not None:
+            aimed_decoy.kill()
+            aimed_decoy.wait()
+    _score(records, results, counters, first_seen, fault_t, row)
+
+
+def _score(records: list[TraceRecord], results: list[ReplayResult], counters: Counters,
+           first_seen: list[float], fault_t: list[float], row: Row) -> None:
+    row.requests = len(records)
+    good = [r for r in results if r.ok]
+    row.answered = len(good)
+    row.within_slo = sum(1 for r in good if r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S
+                         and r.latency_s <= SLO_TTFT_S + SLO_TPOT_S * r.tokens)
+    row.lost = row.requests - row.answered
+    if fault_t and first_seen:
+        # Both drivers time requests from the trace's start, which first_seen marks.
+        since = fault_t[0] - first_seen[0]
+        row.fault_at_s = since
+        row.lost_after_fault = sum(1 for r in results if not r.ok
+                                   and r.sent_s + r.latency_s >= since)
+    ttfts = [r.ttft_s for r in good if r.ttft_s is not None]
+    row.ttft_p50_s = statistics.median(ttfts) if ttfts else None
+    row.ttft_p99_s = _percentile(ttfts, 0.99)
+    row.hit_rate = counters.hit_rate()
+    row.hit_rate_before, row.hit_rate_after = _hit_rate_split(
+        counters, fault_t[0] if fault_t else None)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = r.error.split(":")[0][:60] if r.error else f"{r.tokens}/{r.output_length} tokens"
+            errors[key] = errors.get(key, 0) + 1
+    row.notes += [f"{n} x {e}" for e, n in sorted(errors.items(), key=lambda x: -x[1])[:4]]
+
+
+def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape: TraceShape,
+            args: argparse.Namespace, aiperf: Path | None) -> Row:
+    row = Row(router_name, fault_name, args.driver)
+    started = time.monotonic()
+    folder = Path(tempfile.mkdtemp(prefix=f"replay-{router_name}-{fault_name}-"))
+    launcher = Launcher(folder, quick=False)
+    fault: Fault | None = None
+    if fault_name != "none":
+        fault = (FAULTS[fault_name](gap_s=args.restart_gap)  # type: ignore[call-arg]
+                 if fault_name == "rolling-restart" else FAULTS[fault_name]())
+    try:
+        engines = start_sims(launcher, ENGINES)
+        try:
+            router = launcher.router(ROUTERS[router_name], [t.url for t in engines])
+        except PeerUnavailable as exc:
+            row.not_run = str(exc)
+            return row
+        row.version = router.version
+        asyncio.run(_drive(records, router, engines, fault, args.control, args.driver, aiperf,
+                           folder, shape, args.seed, args.fault_at, row))
+        ejected, notes = router.verdicts(row.fault_wall)
+        healthy = {t.url for t in engines} - (
+            {t.url for t in fault.picks(engines)} if fault is not None and not args.control
+            else set())
+        unread = any("never answered" in n or n == "no journal" for n in notes)
+        row.healthy_ejected = None if unread else len(ejected & healthy)
+        row.notes += notes[:6]
+    except Exception as exc:  # one broken run is a row that says so
+        row.not_run = f"error: {type(exc).__name__}: {exc}"[:300]
+    finally:
+        launcher.close()
+        row.seconds = time.monotonic() - started
+        row.load_avg = os.getloadavg()[0]
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            row.notes.append(f"logs in {folder}")
+    return row
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| fault | router | goodput (within SLO) | lost (after the fault) | TTFT p50 / p99 s "
+             "| cache hit rate: run (before / after the fault) | healthy ejected | post-check |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.not_run:
+            lines.append(f"| {r.fault} | {r.router} | not run: {r.not_run} | | | | | |")
+            continue
+        hits = _pct(r.hit_rate) + (f" ({_pct(r.hit_rate_before)} / {_pct(r.hit_rate_after)})"
+                                   if r.hit_rate_before is not None else "")
+        lines.append(
+            f"| {r.fault} | {r.router} | {_pct(r.goodput)} ({r.within_slo} of {r.requests}) "
+            f"| {r.lost} ({r.lost_after_fault}) | {_s(r.ttft_p50_s)} / {_s(r.ttft_p99_s)} "
+            f"| {hits} | {'not read' if r.healthy_ejected is None else r.healthy_ejected} "
+            f"| {r.post_check or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--routers", default="fleetwarden",
+                        help="comma-separated: " + ",".join(ROUTERS))
+    parser.add_argument("--faults", default=",".join(FAULT_NAMES),
+                        help="comma-separated: " + ",".join(FAULT_NAMES))
+    parser.add_argument("--driver", choices=["aiperf", "own"], default="aiperf")
+    parser.add_argument("--trace", type=Path, help="a Mooncake JSONL trace instead of the "
+                        "generated one (its hash ids taken as blocks of --block-tokens)")
+    parser.add_argument("--block-tokens", type=int, default=TraceShape().block_tokens)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=TraceShape().requests)
+    parser.add_argument("--rate", type=float, default=TraceShape().rate_per_s)
+    parser.add_argument("--fault-at", type=float, default=FAULT_AT_S,
+                        help="seconds after the trace's first request left")
+    parser.add_argument("--restart-gap", type=float, default=RESTART_GAP_S)
+    parser.add_argument("--control", action="store_true",
+                        help="aim every fault at nothing: every post-check must fail")
+    parser.add_argument("--write-trace", type=Path, help="write the trace here and stop")
+    parser.add_argument("--json", type=Path, help="also write every row as JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs)")
+    args = parser.parse_args(argv)
+
+    shape = TraceShape(requests=args.requests, rate_per_s=args.rate,
+                       block_tokens=args.block_tokens)
+    records = read_jsonl(args.trace) if args.trace else generate(shape, args.seed)
+    if args.write_trace:
+        write_jsonl(records, args.write_trace)
+        print(f"wrote {len(records)} requests to {args.write_trace}", file=sys.stderr)
+        return 0
+    routers = [n for n in args.routers.split(",") if n]
+    faults = [n for n in args.faults.split(",") if n]
+    for name in routers:
+        if name not in ROUTERS:
+            parser.error(f"--routers: {name!r} is none of {', '.join(ROUTERS)}")
+    for name in faults:
+        if name not in FAULT_NAMES:
+            parser.error(f"--faults: {name!r} is none of {', '.join(FAULT_NAMES)}")
+    aiperf = None
+    if args.driver == "aiperf":
+        try:
+            aiperf = aiperf_python()
+        except PeerUnavailable as exc:
+            raise SystemExit(f"AIPerf is not available: {exc} (--driver own runs without "
+                             "it)") from None
+
+    command = "python bench/replay.py " + shlex.join(argv if argv is not None
+                                                      else sys.argv[1:])
+    started = time.monotonic()
+    started_wall = dt.datetime.now().astimezone()
+    load = os.getloadavg()[0]
+    trace_s = records[-1].timestamp / 1000
+    about = (f"trace: {len(records)} requests over {trace_s:.0f} s "
+             f"({len(records) / trace_s:.2f}/s), {len({r.session_id for r in records})} sessions, "
+             f"prefix reuse {reuse_ratio(records):.2f}; driver "
+             f"{AIPERF if args.driver == 'aiperf' else 'fleetwarden.testing.replay'}")
+    print(f"{command}\nstarted {started_wall:%Y-%m-%d %H:%M %Z}; {os.cpu_count()} CPUs; "
+          f"load {load:.2f}\n{about}", file=sys.stderr)
+    rows = []
+    for fault in faults:
+        for router in routers:
+            print(f"[{time.monotonic() - started:6.0f} s] {fault:16} {router} ...",
+                  file=sys.stderr, end="", flush=True)
+            row = run_one(router, fault, records, shape, args, aiperf)
+            rows.append(row)
+            if args.json:  # after every run: a long matrix stopped halfway keeps its rows
+                args.json.write_text(json.dumps({"command": command, "about": about, "rows": [
+                    {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}, indent=2))
+            print(f" {row.seconds:.0f} s: " + (f"not run: {row.not_run}" if row.not_run else
+                  f"goodput {_pct(row.goodput)}, lost {row.lost}, post-check "
+                  f"{row.post_check or '-'}"), file=sys.stderr, flush=True)
+    elapsed = time.monotonic() - started
+    summary = (f"{started_wall:%Y-%m-%d %H:%M %Z}, {os.cpu_count()} CPUs, whole run "
+               f"{elapsed / 60:.1f} min, load average (1 min) {load:.2f} at the start, "
+               f"{os.getloadavg()[0]:.2f} at the end; {about}; SLO: first token within "
+               f"{SLO_TTFT_S:g} s, the answer within that + {SLO_TPOT_S:g} s a token"
+               + ("; --control: every fault aimed at nothing" if args.control else ""))
+    print(f"\n```\n{command}\n```\n\n{summary}\n\n{table(rows)}")
+    notes = [f"- {r.router} / {r.fault}: {n}" for r in rows for n in r.notes]
+    if notes:
+        print("\n" + "\n".join(notes))
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "summary": summary, "rows": [
+            {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}, indent=2))
+    ran = [r for r in rows if not r.not_run and r.fault != "none"]
+    if args.control:
+        bad = [r for r in ran if r.post_check == "passed"]
+        if bad:
+            print(f"\nCONTROL FAILED: a post-check passed with the fault aimed at nothing: "
+                  f"{[(r.router, r.fault) for r in bad]}", file=sys.stderr)
+            return 1
+    else:
+        bad = [r for r in ran if r.post_check != "passed"]
+        if bad:
+            print(f"\nA FAULT DID NOT HAPPEN: {[(r.router, r.fault, r.post_check) for r in bad]}",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

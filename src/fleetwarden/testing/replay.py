@@ -1,0 +1,426 @@
+"""Replaying a trace at its recorded schedule, faults during it, and each fault's post-check.
+
+Owns: this project's own trace driver (open loop: every request leaves at its timestamp,
+whatever the others do), the engines' counters read during a replay, and the faults a replay
+injects with the check, after it ran, that each one happened.
+Must not: judge the router (the bench scores; tests assert).
+
+The bench's driver of record is AIPerf (``bench/replay.py``); this driver is the test suite's,
+where AIPerf's install (about 1.2 GB) is too heavy to pay for, and the bench's cross-check.
+
+A fault injector that silently does nothing lets a run pass, so every fault here has a
+post-check that reads the fault's signature from the engine itself (the kernel's view of its
+process, its own counters, what it answers), never from the injector: :meth:`Fault.verify`
+returns what is missing, empty when the fault happened. A control aims the same injection at
+nothing (:func:`decoys`: a port nobody listens on, a process that is no engine) and must leave
+the signature missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetwarden.launchers.procs import process_info
+from fleetwarden.testing.traces import TraceRecord, prompt_text
+
+__all__ = ["FAULTS", "Counters", "Crash", "Fault", "ReplayResult", "RollingRestart", "SigStop",
+           "Target", "Wedge", "decoys", "replay"]
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    index: int  # the record's place in the trace
+    request_id: str
+    session_id: str
+    scheduled_s: float  # the record's timestamp, seconds after the replay's start
+    sent_s: float  # when it left, seconds after the replay's start
+    ttft_s: float | None  # to the first token; None when none came
+    latency_s: float
+    status: int  # 200, the status of a refusal, or 0 when no answer came
+    tokens: int  # tokens received
+    output_length: int  # tokens asked for
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Answered whole: a 200 whose stream carried every token asked for and ended."""
+        return self.status == 200 and not self.error and self.tokens == self.output_length
+
+
+async def _one(http: aiohttp.ClientSession, url: str, model: str, record: TraceRecord,
+               index: int, block_tokens: int, t0: float, id_prefix: str) -> ReplayResult:
+    rid = f"{id_prefix}{index}"
+    scheduled = record.timestamp / 1000.0
+    body = {"model": model, "prompt": prompt_text(record, block_tokens),
+            "max_tokens": record.output_length, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"x-request-id": rid}
+    if record.session_id:
+        headers["x-session-id"] = record.session_id
+    sent = time.monotonic()
+    ttft: float | None = None
+    tokens, status, error, finished = 0, 0, "", False
+    try:
+        async with http.post(url + "/v1/completions", json=body, headers=headers) as resp:
+            status = resp.status
+            if status != 200:
+                error = (await resp.text())[:200]
+            else:
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        finished = True
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        error = f"error event: {chunk['error']}"[:200]
+                        break
+                    for choice in chunk.get("choices") or ():
+                        if choice.get("text") or choice.get("token_ids"):
+                            tokens += 1
+                            if ttft is None:
+                                ttft = time.monotonic() - sent
+                if not finished and not error:
+                    error = "stream cut before [DONE]"
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"[:200]
+    return ReplayResult(index, rid, record.session_id, scheduled, sent - t0, ttft,
+                        time.monotonic() - sent, status, tokens, record.output_length, error)
+
+
+async def replay(records: Sequence[TraceRecord], base_url: str, *, block_tokens: int,
+                 model: str = "tiny", timeout_s: float = 60.0, id_prefix: str = "replay-",
+                 start_at: float | None = None) -> list[ReplayResult]:
+    """Send every record at ``start_at + timestamp`` (``time.monotonic()``; now when None),
+    streamed, open loop; one result per record, in trace order."""
+    t0 = time.monotonic() if start_at is None else start_at
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+
+        async def at_its_time(i: int, r: TraceRecord) -> ReplayResult:
+            await asyncio.sleep(max(0.0, t0 + r.timestamp / 1000.0 - time.monotonic()))
+            return await _one(http, base_url.rstrip("/"), model, r, i, block_tokens, t0,
+                              id_prefix)
+
+        return list(await asyncio.gather(*(at_its_time(i, r) for i, r in enumerate(records))))
+
+
+# ---------------------------------------------------------------------- the engines' counters
+
+
+@dataclass
+class Counters:
+    """Prefix-cache counters read from each engine's ``/metrics`` during a run. A restart
+    starts them from zero (a new ``process_start_time_seconds``), so each incarnation's last
+    reading is kept and the incarnations summed; a crashed engine's last reading is the one
+    before it went."""
+
+    urls: Sequence[str]
+    #: (url, start time) -> (queries, hits), the latest reading of that incarnation
+    readings: dict[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
+    #: url -> every start time seen, in order
+    starts: dict[str, list[float]] = field(default_factory=dict)
+    #: (seconds since ``t0``, url, queries, hits) per reading, for the cache hit rate over time
+    series: list[tuple[float, str, float, float]] = field(default_factory=list)
+
+    async def read(self, http: aiohttp.ClientSession, t0: float) -> None:
+        async def one(url: str) -> None:
+            values = await metrics(http, url, ("process_start_time_seconds",
+                                               "vllm:prefix_cache_queries_total",
+                                               "vllm:prefix_cache_hits_total"))
+            if values is None:
+                return
+            start = values["process_start_time_seconds"]
+            q, h = values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+            self.readings[(url, start)] = (q, h)
+            seen = self.starts.setdefault(url, [])
+            if not seen or seen[-1] != start:
+                seen.append(start)
+            self.series.append((time.monotonic() - t0, url, q, h))
+
+        await asyncio.gather(*(one(u) for u in self.urls))
+
+    def totals(self) -> tuple[float, float]:
+        """Queries and hits over every engine and incarnation."""
+        q = sum(v[0] for v in self.readings.values())
+        h = sum(v[1] for v in self.readings.values())
+        return q, h
+
+    def hit_rate(self) -> float | None:
+        q, h = self.totals()
+        return h / q if q else None
+
+
+async def metrics(http: aiohttp.ClientSession, url: str,
+                  names: Sequence[str]) -> dict[str, float] | None:
+    """The named samples of an engine's ``/metrics`` (summed over labels), or None when it
+    does not answer; a name it lacks reads 0."""
+    try:
+        async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            if r.status != 200:
+                return None
+            body = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    out = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
+# ---------------------------------------------------------------------- faults
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """An engine a fault is aimed at: its URL and its process (None: not ours to signal)."""
+
+    url: str
+    pid: int | None = None
+
+
+class Fault(Protocol):
+    name: str
+
+    def picks(self, engines: Sequence[Target]) -> list[Target]:
+        """The engines this fault is for."""
+        ...
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        """Read what the post-check compares against, before the fault."""
+        ...
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        """Inject into ``aimed`` (the picks, or decoys in a control); never raises: an
+        injection that failed shows in the post-check, as a silent injector's would."""
+        ...
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        """What of the fault's signature is missing on the picked engines; empty: it
+        happened."""
+        ...
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        """Leave the engines so that they can be stopped (a stopped process continued)."""
+        ...
+
+
+async def _post_fault(url: str, mode: str) -> None:
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http, \
+                http.post(url + "/sim/fault", json={"mode": mode}) as resp:
+            await resp.read()
+
+
+async def _answers(url: str, path: str, timeout_s: float) -> int | None:
+    """The status ``GET url+path`` answers within ``timeout_s``; None when none came."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as h, \
+                h.get(url + path) as resp:
+            return resp.status
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+async def _generates(url: str, timeout_s: float) -> bool:
+    """Whether a one-token completion sent straight to the engine is answered in time."""
+    body = {"model": "tiny", "prompt": "post-check", "max_tokens": 1}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as h, \
+                h.post(url + "/v1/completions", json=body) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+@dataclass
+class _One:
+    """A fault for one engine, engine ``index`` of the fleet."""
+
+    index: int = 1
+
+    def picks(self, engines: Sequence[Target]) -> list[Target]:
+        return [engines[self.index]]
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        return None
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        return None
+
+
+@dataclass
+class Crash(_One):
+    """The engine dies (``/sim/fault crash``: vLLM's 500 to what it holds, then exit 1).
+    Signature: the kernel has no running process left (gone or a zombie) and its port refuses."""
+
+    name: str = "crash"
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        await asyncio.gather(*(_post_fault(t.url, "crash") for t in aimed))
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems: list[str] = []
+        for t in self.picks(engines):
+            for _ in range(30):  # a dying engine answers 503 for a moment before it exits
+                info = process_info(t.pid) if t.pid is not None else None
+                running = info is not None and info.state not in "ZX"
+                answers = await _answers(t.url, "/health", 2.0)
+                if not running and answers is None:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                if running:
+                    problems.append(f"{t.url}: process {t.pid} still running")
+                if answers is not None:
+                    problems.append(f"{t.url}: still answers /health ({answers})")
+        return problems
+
+
+@dataclass
+class Wedge(_One):
+    """The engine's loop stops (``/sim/fault wedge``, as a SIGSTOPped EngineCore): it still
+    answers ``/health`` but generates nothing. Signature: ``/health`` 200 and a one-token
+    completion sent straight to it unanswered after ``probe_s``."""
+
+    name: str = "wedge"
+    probe_s: float = 2.0
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        await asyncio.gather(*(_post_fault(t.url, "wedge") for t in aimed))
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        for t in self.picks(engines):
+            health = await _answers(t.url, "/health", 2.0)
+            if health != 200:
+                problems.append(f"{t.url}: /health answered {health}, not 200 (not a wedge)")
+            if await _generates(t.url, self.probe_s):
+                problems.append(f"{t.url}: generated a token within {self.probe_s:g} s")
+        return problems
+
+
+@dataclass
+class SigStop(_One):
+    """The whole engine process stopped by SIGSTOP (nothing answers, not even ``/health``).
+    Signature: the kernel reports the process stopped (state T)."""
+
+    name: str = "sigstop"
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        for t in aimed:
+            if t.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(t.pid, signal.SIGSTOP)
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        for t in self.picks(engines):
+            state = "?"
+            for _ in range(20):  # the kernel may take a moment to report T
+                info = process_info(t.pid) if t.pid is not None else None
+                state = info.state if info is not None else "gone"
+                if state in "Tt":
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                problems.append(f"{t.url}: process {t.pid} in state {state}, not stopped")
+        return problems
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        for t in self.picks(engines):
+            if t.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(t.pid, signal.SIGCONT)
+
+
+@dataclass
+class RollingRestart:
+    """Every engine restarted in turn, ``gap_s`` apart (``/sim/fault restart``: a new
+    process, its requests in flight dropped). Signature: each engine's own
+    ``process_start_time_seconds`` moved past the one read before, and it serves again."""
+
+    gap_s: float = 5.0
+    name: str = "rolling-restart"
+    _before: dict[str, float] = field(default_factory=dict)
+
+    def picks(self, engines: Sequence[Target]) -> list[Target]:
+        return list(engines)
+
+    async def _starts(self, engines: Sequence[Target]) -> dict[str, float]:
+        out = {}
+        async with aiohttp.ClientSession() as http:
+            for t in engines:
+                values = await metrics(http, t.url, ("process_start_time_seconds",))
+                if values is not None:
+                    out[t.url] = values["process_start_time_seconds"]
+        return out
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        self._before = await self._starts(engines)
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        for i, t in enumerate(aimed):
+            if i:
+                await asyncio.sleep(self.gap_s)
+            await _post_fault(t.url, "restart")
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        now = await self._starts(engines)
+        problems = []
+        for t in engines:
+            was, is_ = self._before.get(t.url), now.get(t.url)
+            if was is None or is_ is None:
+                problems.append(f"{t.url}: no start time read (before {was}, after {is_})")
+            elif not is_ > was:
+                problems.append(f"{t.url}: not restarted (process start {is_:.3f} as before)")
+            elif await _answers(t.url, "/health", 2.0) != 200:
+                problems.append(f"{t.url}: restarted but not serving")
+        return problems
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        return None
+
+
+#: The faults by name, each a fresh one (the rolling restart keeps its readings).
+FAULTS = {"crash": Crash, "wedge": Wedge, "sigstop": SigStop, "rolling-restart": RollingRestart}
+
+
+def decoys(n: int) -> tuple[list[Target], subprocess.Popen[bytes]]:
+    """``n`` targets that are no engine: each a port nobody listens on, and one process that
+    is not an engine (a sleeping Python). A control run aims its fault at them. The caller
+    stops the process (``proc.kill(); proc.wait()``)."""
+    import socket
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    targets = []
+    for _ in range(n):
+        with socket.socket() as s:  # bound and closed: nothing listens there afterwards
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        targets.append(Target(f"http://127.0.0.1:{port}", proc.pid))
+    return targets, proc
