@@ -364,6 +364,10 @@ class RouterConfig(_Section):
     rl_group_window_s: PositiveFloat = _ROUTER.rl_group_window_s
     rl_group_per_engine: PositiveInt = _ROUTER.rl_group_per_engine
     cache_user_is_session: bool = _ROUTER.cache_user_is_session
+    #: With cache_aware: route prompts of token ids by the KV events of the engines that
+    #: publish them (vLLM's --kv-events-config; found at GET /kv_event_sources), the guess
+    #: elsewhere (docs/design.md 4.3).
+    kv_events: bool = _ROUTER.kv_events
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     drain_s: PositiveFloat = _ROUTER.drain_s

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from fleetwarden.router.affinity import token_keys
-from fleetwarden.router.kv_index import DUPLICATE, GAP, OK, KVIndex, decode_batch
+from fleetwarden.router.affinity import Affinity, query_of, token_keys
+from fleetwarden.router.kv_index import GAP, OK, KVIndex, decode_batch
 from fleetwarden.router.kv_index import AllBlocksCleared as Cleared
 from fleetwarden.router.kv_index import BlockRemoved as Removed
 from fleetwarden.router.kv_index import BlockStored as Stored
@@ -135,7 +135,7 @@ def test_a_block_whose_parent_is_unknown_or_that_carries_a_lora_is_not_keyed() -
     assert index.matched(token_keys(list(range(40)), 16), ["e"]) == {"e": 2}
 
 
-def test_sequence_numbers_tell_gaps_restarts_and_duplicates_and_a_lost_gap_resyncs() -> None:
+def test_sequence_numbers_tell_gaps_and_restarts_and_a_lost_gap_resyncs() -> None:
     index = KVIndex(resync_s=10.0)
     stored = Stored(block_hashes=[b"a"], parent_block_hash=None, token_ids=list(range(16)),
                     block_size=16)
@@ -145,8 +145,6 @@ def test_sequence_numbers_tell_gaps_restarts_and_duplicates_and_a_lost_gap_resyn
     assert index.receive("e", 0, [stored], 0.0) == OK
     for seq in (1, 2, 3):
         assert index.receive("e", seq, [], 0.0) == OK
-    index.replayed("e", 1, 2)
-    assert index.receive("e", 2, [], 0.0) == DUPLICATE
     assert index.receive("e", 6, [], 0.0) == GAP  # 4 and 5 missing
     index.lost("e", 6, now=5.0)  # ... and past the replay buffer
     assert index.blocks("e") == 0 and index.expected("e") == 6
@@ -158,3 +156,45 @@ def test_sequence_numbers_tell_gaps_restarts_and_duplicates_and_a_lost_gap_resyn
     assert index.tallies.restarts == 1 and index.tallies.lost == 1
     index.forget("e")  # the ledger's word: the cache went
     assert index.blocks("e") == 0 and index.expected("e") == 1
+
+
+def test_cache_aware_reads_the_events_where_they_are_whole_and_the_guess_elsewhere() -> None:
+    affinity = Affinity()
+    index = affinity.precise = KVIndex(resync_s=10.0)
+    prompt = list(range(70))
+    query = query_of({"prompt": prompt}, None, affinity.settings)
+    assert query is not None and query.tokens
+    affinity.sync(["a", "b"], {"a": ("1", None), "b": ("1", None)})
+    affinity.placed(query, "a", 0.0)  # the guess: "a" holds it
+    cache = PrefixCache(100, events=True)
+    cache.insert(prompt)  # ... but "b" does, by its events; "a" tells it holds nothing
+    assert index.receive("b", 0, _batch(cache), 0.0) == OK  # type: ignore[arg-type]
+    assert index.receive("a", 0, [], 0.0) == OK
+    assert affinity.matched(query, 1.0) == {"b": 4}
+    # (past the RL-group window: a sibling would stay with its group whatever the cache)
+    assert affinity.choose(query, ["a", "b"], {}, 5.0) == "b"
+    # A prompt of text: the events cannot answer for it (no tokenizer); the guess does.
+    text = query_of({"prompt": "hello " * 40}, None, affinity.settings)
+    assert text is not None and not text.tokens
+    affinity.placed(text, "a", 0.0)
+    assert affinity.matched(text, 1.0) == {"a": len(text.keys)}
+    # Nothing held by any engine that tells: where the guess says it went last.
+    other = query_of({"prompt": list(range(500, 540))}, None, affinity.settings)
+    assert other is not None
+    affinity.placed(other, "a", 0.0)
+    assert affinity.matched(other, 1.0) == {"a": 3}
+    # A gap no replay filled: "b" is guessed again until it has resynced.
+    index.lost("b", 5, now=2.0)
+    assert affinity.matched(query, 3.0) == {"a": 5}
+    # The ledger's word (a new incarnation) empties the engine's events at once.
+    index.lost("b", 5, now=-100.0)
+    assert index.receive("b", 5, _batch(_filled(prompt)), 0.0) == OK  # type: ignore[arg-type]
+    assert affinity.matched(query, 3.0) == {"b": 4}
+    affinity.sync(["a", "b"], {"a": ("1", None), "b": ("2", None)})
+    assert index.blocks("b") == 0
+
+
+def _filled(prompt: list[int]) -> PrefixCache:
+    cache = PrefixCache(100, events=True)
+    cache.insert(prompt)
+    return cache

@@ -182,8 +182,6 @@ class KVEvents:
                      "route it again after %g s", backend, index.expected(backend), seq - 1,
                      index.resync_s)
             index.lost(backend, seq, now)
-        else:
-            index.replayed(backend, start, seq - 1)
         index.receive(backend, seq, events, now)
 
     async def _replay(self, source: Source, start: int) -> list[tuple[int, list[Any]]]:

@@ -27,7 +27,8 @@ batch numbered from 0 for the process's life. The rules here:
   index serves it meanwhile. The first batch heard from an engine is a gap from 0 (a replay
   from 0 teaches a router started late the engine's whole history, where the buffer still
   holds it). An earlier number than expected is a new process (its numbers start again at 0):
-  its cache is empty, the engine's entries go. One the last replay gave is a duplicate.
+  its cache is empty, the engine's entries go. (A replay never gives a batch the live stream
+  gives too: the shell feeds it only the batches before the live one that showed the gap.)
 * **Restarts obey the ledger.** :meth:`KVIndex.forget` is called where the push says the cache
   went (a new incarnation, a refit, a sleep, out of the serving set), before any event says so.
 """
@@ -40,7 +41,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["DUPLICATE", "GAP", "OK", "AllBlocksCleared", "BlockRemoved", "BlockStored",
+__all__ = ["GAP", "OK", "AllBlocksCleared", "BlockRemoved", "BlockStored",
            "KVIndex", "decode_batch"]
 
 
@@ -83,7 +84,6 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 #: What :meth:`KVIndex.receive` says of a batch.
 OK = "ok"
 GAP = "gap"
-DUPLICATE = "duplicate"
 
 
 def decode_batch(payload: bytes) -> list[Event]:
@@ -120,8 +120,6 @@ class _Engine:
     held: dict[int, int] = field(default_factory=dict)
     #: The sequence number expected next (0: nothing heard yet from this process).
     expected: int = 0
-    #: The last replay's range (duplicates of it may still come on the live stream).
-    replayed: tuple[int, int] = (0, -1)
     #: None: every block the engine holds is known. Else when the entries were last dropped
     #: for a gap no replay could fill: the engine is not routed by its events before
     #: ``resync_s`` after it.
@@ -146,7 +144,6 @@ class Tallies:
     gaps: int = 0
     lost: int = 0
     restarts: int = 0
-    duplicates: int = 0
 
 
 class KVIndex:
@@ -163,22 +160,17 @@ class KVIndex:
     # ------------------------------------------------------------------ the stream
 
     def receive(self, backend: str, seq: int, events: Sequence[Event], now: float) -> str:
-        """Batch number ``seq`` of ``backend``: applied (``OK``), a duplicate of one the last
-        replay gave (``DUPLICATE``), or not applied because batches before it are missing
-        (``GAP``: replay from :meth:`expected`, then give this one again)."""
+        """Batch number ``seq`` of ``backend``: applied (``OK``), or not applied because batches
+        before it are missing (``GAP``: replay from :meth:`expected`, then give this one
+        again)."""
         engine = self._engines.get(backend)
         if engine is None:
             engine = self._engines[backend] = _Engine()
-        first, last = engine.replayed
-        if first <= seq <= last and seq < engine.expected:
-            self.tallies.duplicates += 1
-            return DUPLICATE
         if seq < engine.expected:
             # The numbers went back: a new process, whose cache starts empty.
             self.tallies.restarts += 1
             engine.clear()
             engine.lost_at = None if seq == 0 else now
-            engine.replayed = (0, -1)
             engine.expected = seq
         elif seq > engine.expected:
             self.tallies.gaps += 1
@@ -189,13 +181,6 @@ class KVIndex:
         for event in events:
             self._apply(engine, event)
         return OK
-
-    def replayed(self, backend: str, first: int, last: int) -> None:
-        """The shell fed batches ``first..last`` from the replay endpoint: the live stream's
-        copies of them are duplicates."""
-        engine = self._engines.get(backend)
-        if engine is not None:
-            engine.replayed = (first, last)
 
     def lost(self, backend: str, seq: int, now: float) -> None:
         """Batches before ``seq`` cannot be had: drop the engine's entries and take its events

@@ -123,6 +123,12 @@ class RouterSettings:
     #: Take a request's OpenAI ``user`` field as its session (off: ``user`` often names an
     #: account with many unrelated conversations). ``prompt_cache_key`` always is one.
     cache_user_is_session: bool = False
+    #: With ``cache_aware``: listen to the KV events of every engine that publishes them
+    #: (vLLM's ``--kv-events-config``, found at its ``GET /kv_event_sources``) and route
+    #: prompts of token ids by what each engine's cache holds now, evictions included,
+    #: instead of the guess (router/kv_index.py). On: it costs one read per engine start and
+    #: nothing where no engine publishes; an engine's events count only while they are whole.
+    kv_events: bool = True
     #: Continue a streamed completion or chat on another engine when its engine fails it
     #: after the first bytes reached the client (router/splice.py). On: a crash or a wedge
     #: then costs a stream a pause, not the generation. The router asks engines for
