@@ -280,6 +280,10 @@ class KVIndex:
                 found[url] = depth
         return found
 
+    def backends(self) -> list[str]:
+        """The engines heard from, sorted."""
+        return sorted(u for u, e in self._engines.items() if e.heard)
+
     def blocks(self, backend: str) -> int:
         """Router blocks ``backend`` holds by its events."""
         engine = self._engines.get(backend)
