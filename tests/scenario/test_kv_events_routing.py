@@ -66,11 +66,13 @@ async def test_the_sims_stream_is_vllms_frames_and_its_replay_answers_from_a_num
             await asyncio.sleep(0.2)  # the subscription reaches the publisher
             await _complete(http, sim.url, list(range(40)))
             await http.post(sim.url + "/reset_prefix_cache")
+            # The reset goes out with the next step's batch, as vLLM's does.
+            await _complete(http, sim.url, list(range(100, 120)))
             frames = [await asyncio.wait_for(sub.recv_multipart(), 5) for _ in range(2)]
             assert [len(f) for f in frames] == [3, 3]
             assert [int.from_bytes(f[1], "big") for f in frames] == [0, 1]
             assert [type(e).__name__ for f in frames for e in decode_batch(f[2])] == [
-                "BlockStored", "AllBlocksCleared"]
+                "BlockStored", "AllBlocksCleared", "BlockStored"]
             await dealer.send_multipart((b"", (1).to_bytes(8, "big")))
             replayed = await asyncio.wait_for(dealer.recv_multipart(), 5)
             end = await asyncio.wait_for(dealer.recv_multipart(), 5)
@@ -121,7 +123,9 @@ async def test_the_index_follows_evictions_a_dropped_stream_and_a_restart(
             assert cache is not None
             await _until(lambda: index.blocks(sim.url) == len(cache) == 2)
             await http.post(sim.url + "/reset_prefix_cache")
-            await _until(lambda: index.blocks(sim.url) == 0)
+            await _complete(http, sim.url, list(range(800, 820)))  # the step that says so
+            await _until(lambda: index.tallies.cleared == 1)
+            await _until(lambda: index.blocks(sim.url) == len(cache) == 1)
         finally:
             await events.close()
 

@@ -21,9 +21,10 @@ Read from vLLM's ``vllm/distributed/kv_events.py`` and ``vllm/config/kv_events.p
   binds ``tcp://*:0`` on its own listen address (tests talk only to 127.0.0.1);
 * one batch per engine step that changed the cache (vLLM's scheduler publishes what
   ``take_events`` returned, if anything); ``AllBlocksCleared`` on ``reset_prefix_cache`` (which
-  sleep and a refit's pause call too). A restart is a new process: a new publisher whose
-  sequence starts again at 0 with an empty replay buffer, and no event says the cache went;
-  a subscriber sees the sequence go back.
+  sleep and a refit's pause call too), in the next step's batch: an idle engine's reset is
+  published at its next request (seen on vLLM 0.32: nothing came between the reset and it).
+  A restart is a new process: a new publisher whose sequence starts again at 0 with an empty
+  replay buffer, and no event says the cache went; a subscriber sees the sequence go back.
 
 The block hashes are the simulator's own, salted per process as vLLM's are per hash seed: a
 consumer cannot recompute them from tokens, and must key blocks by their ``token_ids``.

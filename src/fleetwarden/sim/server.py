@@ -428,12 +428,14 @@ class Sim:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block, as vLLM's ``POST /reset_prefix_cache`` does."""
         if self._core.prefix_cache is not None:
+            # Its AllBlocksCleared goes out with the next step's batch, as vLLM's scheduler
+            # publishes what the block pool queued only when it steps (an idle engine's reset
+            # is heard at its next request).
             self._core.prefix_cache.reset()
-            self._publish_kv_events()
 
     def _publish_kv_events(self) -> None:
         """Send the cache's events since the last batch as one batch (vLLM publishes one per
-        engine step that changed the cache, and one for a reset between steps)."""
+        engine step that changed the cache)."""
         cache = self._core.prefix_cache
         if self._kv_events is not None and cache is not None:
             self._kv_events.publish(cache.take_events())
