@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from fleetwarden.router import RouterSettings
 from fleetwarden.router.affinity import Affinity, query_of, token_keys
 from fleetwarden.router.kv_index import GAP, OK, KVIndex, decode_batch
 from fleetwarden.router.kv_index import AllBlocksCleared as Cleared
@@ -90,7 +91,7 @@ def test_kv_events_config_is_vllms_json_and_bad_fields_are_named() -> None:
     for text, field in [('{"bogus": 1}', "bogus"), ('{"buffer_steps": 0}', "buffer_steps"),
                         ('{"hwm": "x"}', "hwm"), ('{"endpoint": "http://x"}', "endpoint"),
                         ('{"publisher": "kafka"}', "publisher")]:
-        with pytest.raises(ValueError, match=f"kv_events_config.{field}"):
+        with pytest.raises(ValueError, match=rf"kv_events_config\.{field}"):
             KVEventsConfig.from_json(text)
 
 
@@ -154,8 +155,10 @@ def test_sequence_numbers_tell_gaps_and_restarts_and_a_lost_gap_resyncs() -> Non
     assert index.receive("e", 0, [], 20.0) == OK
     assert index.blocks("e") == 0 and index.synced("e", 20.0)
     assert index.tallies.restarts == 1 and index.tallies.lost == 1
-    index.forget("e")  # the ledger's word: the cache went
-    assert index.blocks("e") == 0 and index.expected("e") == 1
+    index.lost("e", 1, now=30.0)
+    assert not index.synced("e", 31.0)
+    index.forget("e")  # the ledger's word: the cache went, and what it holds is known again
+    assert index.blocks("e") == 0 and index.expected("e") == 1 and index.synced("e", 31.0)
 
 
 def test_cache_aware_reads_the_events_where_they_are_whole_and_the_guess_elsewhere() -> None:
@@ -198,3 +201,18 @@ def _filled(prompt: list[int]) -> PrefixCache:
     cache = PrefixCache(100, events=True)
     cache.insert(prompt)
     return cache
+
+
+def test_kv_event_endpoints_are_parsed_and_a_bad_entry_is_named() -> None:
+    settings = RouterSettings(kv_event_endpoints=[  # type: ignore[arg-type]
+        "http://10.0.0.5:8000/ tcp://10.0.0.5:5557 tcp://10.0.0.5:5558",
+        "http://10.0.0.6:8000 tcp://10.0.0.6:5557"])
+    assert settings.kv_event_endpoints == (  # a list from JSON or TOML becomes a tuple
+        "http://10.0.0.5:8000/ tcp://10.0.0.5:5557 tcp://10.0.0.5:5558",
+        "http://10.0.0.6:8000 tcp://10.0.0.6:5557")
+    assert settings.kv_event_sources() == {
+        "http://10.0.0.5:8000": ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
+        "http://10.0.0.6:8000": ("tcp://10.0.0.6:5557", None)}
+    for bad in ("http://x:1", "tcp://x:1 tcp://y:2", "http://x:1 http://y:2", "a b c d"):
+        with pytest.raises(ValueError, match=r"RouterSettings\.kv_event_endpoints"):
+            RouterSettings(kv_event_endpoints=(bad,))

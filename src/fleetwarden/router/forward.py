@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
-from fleetwarden.router.kv_events import KVEvents, sources_of
+from fleetwarden.router.kv_events import KVEvents, Source, sources_of
 from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import (
     UNKNOWN_FACTS,
@@ -414,6 +414,7 @@ class Forwarder:
         #: at (asked again only when that changes), and the reads under way.
         self._kv_asked: dict[str, str | None] = {}
         self._kv_asking: dict[str, asyncio.Task[None]] = {}
+        self._kv_configured = settings.kv_event_sources()
         if settings.routing == "cache_aware":
             self.affinity = Affinity(AffinitySettings.of(settings))
             if settings.kv_events:
@@ -441,7 +442,12 @@ class Forwarder:
         events.keep(serving)
         for url in [u for u in self._kv_asked if u not in serving]:
             del self._kv_asked[url]
+        configured = self._kv_configured
         for url in serving:
+            named = configured.get(url.rstrip("/"))
+            if named is not None:  # the configuration says where: nothing to ask
+                events.watch(url, Source(*named))
+                continue
             incarnation = self.pool.facts(url).incarnation
             if url in self._kv_asking or (url in self._kv_asked
                                           and self._kv_asked[url] == incarnation):

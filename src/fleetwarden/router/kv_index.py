@@ -198,10 +198,12 @@ class KVIndex:
 
     def forget(self, backend: str) -> None:
         """The ledger says ``backend``'s cache went (a restart, a refit, a sleep) or it left:
-        drop its entries at once. Its next batches are those of its new cache."""
+        drop its entries at once. Its next batches are those of its new cache, which starts
+        empty: what it holds is known again (a gap before it no longer matters)."""
         engine = self._engines.get(backend)
         if engine is not None:
             engine.clear()
+            engine.lost_at = None
 
     def drop(self, backend: str) -> None:
         """No longer listened to: forget everything of ``backend``, its numbers too."""
