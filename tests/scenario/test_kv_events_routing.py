@@ -118,9 +118,12 @@ async def test_the_index_follows_evictions_a_dropped_stream_and_a_restart(
         cache = sim._core.prefix_cache
         assert cache is not None
         try:
-            # Batches sent before the router listened are learnt from the replay (from 0).
+            # Batches sent before the router listened are learnt from the replay (from 0), at
+            # once: an idle engine publishes nothing until its next step.
             await _complete(http, sim.url, list(range(40)))
             events.watch(sim.url, source)
+            await _until(lambda: index.blocks(sim.url) == len(cache) == 2)
+            assert index.synced(sim.url, time.monotonic())
             for k in range(4):  # 4 x 2 blocks through a cache of 6: evictions
                 await _complete(http, sim.url, [1000 * k + i for i in range(40)])
             await _heard(http, sim, index, 0)
@@ -176,11 +179,11 @@ async def test_a_gap_past_the_replay_buffer_hands_the_engine_to_the_guess_until_
                 await asyncio.sleep(0.05)
             await _until(lambda: index.tallies.lost == 1 and index.blocks(sim.url) >= 2)
             # What it held before the gap is unknown: its events do not route it, and the
-            # index holds only what came after.
+            # index holds only what the buffer still had and what came after.
             cache = sim._core.prefix_cache
             assert cache is not None
             assert not index.synced(sim.url, time.monotonic())
-            assert 2 <= index.blocks(sim.url) <= len(cache) - 8
+            assert 2 <= index.blocks(sim.url) < len(cache)
             print(f"gap past the buffer: {index.tallies}")
         finally:
             await events.close()
@@ -289,8 +292,9 @@ async def test_events_place_prompts_where_their_blocks_still_are_one_view_for_ev
     http: aiohttp.ClientSession,
 ) -> None:
     """One router: the events see the evictions the guess cannot (a prefix copied to both
-    engines and evicted from one goes to the other). Two router workers: each worker's guess
-    knows only what it placed itself; every worker hears the same events."""
+    engines and evicted from one goes to the other), a small gain within the runs' spread.
+    Two router workers: each worker's guess knows only what it placed itself; every worker
+    hears the same events."""
     seeds = range(3)
     guess = [await _hit_rate(http, seed, kv_events=False) for seed in seeds]
     told = [await _hit_rate(http, seed, kv_events=True) for seed in seeds]
@@ -299,11 +303,22 @@ async def test_events_place_prompts_where_their_blocks_still_are_one_view_for_ev
     print("token hit rate from the engines' counters, seeds 0-2: "
           + "; ".join([_show("1 worker guess", guess), _show("events", told),
                        _show("2 workers guess", guess2), _show("events", told2)]))
-    margin = sum(told) / len(told) - sum(guess) / len(guess)
-    drift = sum(told2) / len(told2) - sum(told) / len(told)
-    print(f"events - guess (1 worker, mean): {margin:+.3f}; events, 2 workers - 1: {drift:+.3f}")
-    assert margin > 0
-    assert all(t - g > 0.05 for t, g in zip(told2, guess2, strict=True))
-    # Workers cost the events no hit rate: the spread between seeds here is ~0.03, so a loss
-    # within it is noise (the guess loses 0.06 with a second worker on the same seeds).
+    mean = _mean
+    margin = mean(told) - mean(guess)
+    margin2 = mean(told2) - mean(guess2)
+    drift = mean(told2) - mean(told)
+    print(f"events - guess: 1 worker {margin:+.3f}, 2 workers {margin2:+.3f}; events, "
+          f"2 workers - 1: {drift:+.3f}")
+    # One router: the events gain where a document sits on both engines and one evicted it:
+    # +0.027 over 27 seed-runs (standard error 0.006), but -0.011 to +0.057 for the mean of
+    # one run's three seeds (BENCHMARKS.md): one run cannot show it. Never worse beyond that.
+    assert margin > -0.03
+    # Two workers: each guess knows only what its worker placed; the events are one view
+    # (measured +0.075 to +0.123 in nine runs). Workers cost the events no hit rate beyond
+    # the spread (the guess loses 0.03-0.12 with a second worker on the same seeds).
+    assert margin2 > 0.05
     assert drift >= -0.03
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)

@@ -42,6 +42,9 @@ log = logging.getLogger("fleetwarden.router")
 #: wait), so a second without an answer means no replay endpoint listens.
 REPLAY_TIMEOUT_S = 1.0
 _END_SEQ = -1
+#: The catch-up replay's last batches kept to tell their live copies: only those sent between
+#: the subscription taking and the replay answering (a few steps) can come again.
+_CAUGHT_UP_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,13 +144,36 @@ class KVEvents:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         sub.connect(source.endpoint)
+        #: The batches the catch-up replay gave, by number: the live stream may give some of
+        #: them again (those sent after the subscription took, before the replay answered);
+        #: the same number with the same bytes is that copy, not a new process.
+        caught_up: dict[int, bytes] = {}
         try:
+            if source.replay is not None:
+                caught_up = await self._catch_up(backend, source)
             while True:
-                gap = self._received(backend, await sub.recv_multipart())
+                frames = await sub.recv_multipart()
+                if (len(frames) == 3 and len(frames[1]) == 8
+                        and caught_up.get(int.from_bytes(frames[1], "big")) == frames[2]):
+                    continue
+                gap = self._received(backend, frames)
                 if gap is not None:
                     await self._fill(backend, source, *gap)
         finally:
             sub.close(linger=0)
+
+    async def _catch_up(self, backend: str, source: Source) -> dict[int, bytes]:
+        """Learn what the engine's replay buffer holds from the expected batch on, at once: an
+        idle engine publishes nothing until its next step (vLLM publishes when it steps), and
+        its cache is what the batches before say. Past the buffer: lost, as a gap is."""
+        index = self.index
+        got = await self._replay(source, index.expected(backend), keep_bytes=True)
+        now = self._now()
+        for number, events, _ in got:
+            if index.receive(backend, number, events, now) == GAP:
+                index.lost(backend, number, now)
+                index.receive(backend, number, events, now)
+        return {number: payload for number, _, payload in got[-_CAUGHT_UP_KEPT:]}
 
     def _received(self, backend: str, frames: list[bytes]) -> tuple[int, list[Any]] | None:
         """Feed one live batch; on a gap, the batch (number, events) to give after the fill."""
@@ -172,7 +198,7 @@ class KVEvents:
         start = index.expected(backend)
         got = await self._replay(source, start) if source.replay is not None else []
         now = self._now()
-        for number, replayed in got:
+        for number, replayed, _ in got:
             if number >= seq:
                 break  # the live stream has it
             if index.receive(backend, number, replayed, now) == GAP:
@@ -184,13 +210,15 @@ class KVEvents:
             index.lost(backend, seq, now)
         index.receive(backend, seq, events, now)
 
-    async def _replay(self, source: Source, start: int) -> list[tuple[int, list[Any]]]:
-        """The batches the engine's replay buffer holds from ``start`` on (decoded), in order;
-        none if it does not answer within :data:`REPLAY_TIMEOUT_S`."""
+    async def _replay(self, source: Source, start: int, keep_bytes: bool = False
+                      ) -> list[tuple[int, list[Any], bytes]]:
+        """The batches the engine's replay buffer holds from ``start`` on (number, events and,
+        with ``keep_bytes``, the payload), in order; none if it does not answer within
+        :data:`REPLAY_TIMEOUT_S`."""
         assert source.replay is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.connect(source.replay)
-        got: list[tuple[int, list[Any]]] = []
+        got: list[tuple[int, list[Any], bytes]] = []
         try:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
@@ -202,7 +230,8 @@ class KVEvents:
                 if number == _END_SEQ:
                     return got
                 try:
-                    got.append((number, list(decode_batch(frames[3]))))
+                    got.append((number, list(decode_batch(frames[3])),
+                                frames[3] if keep_bytes else b""))
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     self.malformed += 1
                     return got
