@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -116,7 +117,18 @@ class KVEvents:
             return
         self.unwatch(backend)
         task = asyncio.create_task(self._listen(backend, source), name=f"kv-events:{backend}")
+        task.add_done_callback(partial(self._ended, backend))
         self._tasks[backend] = (source, task)
+
+    def _ended(self, backend: str, task: asyncio.Task[None]) -> None:
+        """A subscription that ended by itself (a socket error): its engine is routed by the
+        guess from now on, and the next :meth:`watch` of it listens again."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("KV events of %s: the subscription failed (%r); the guess routes it",
+                  backend, task.exception())
+        if self._tasks.get(backend, (None, None))[1] is task:
+            self.index.drop(backend)
 
     def unwatch(self, backend: str) -> None:
         """Stop listening to ``backend`` and forget all its events told."""
