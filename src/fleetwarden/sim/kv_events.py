@@ -103,11 +103,16 @@ def _is_bind_endpoint(endpoint: str) -> bool:
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str, host: str) -> str:
-    """Bind ``endpoint``; ``tcp://*:0`` on ``host`` at a free port, returned resolved."""
-    if endpoint != "tcp://*:0":
-        sock.bind(endpoint)
-        return endpoint
-    sock.bind(f"tcp://{host}:0")
+    """Bind ``endpoint``; ``tcp://*:0`` on ``host`` at a free port, returned resolved. A bind
+    that fails (the port is taken) is an OSError naming the endpoint, as a taken HTTP port is."""
+    try:
+        if endpoint != "tcp://*:0":
+            sock.bind(endpoint)
+            return endpoint
+        sock.bind(f"tcp://{host}:0")
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise OSError(e.errno, f"kv_events_config: cannot bind {endpoint} ({e})") from None
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 
