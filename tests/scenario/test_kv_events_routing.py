@@ -17,6 +17,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.affinity import token_keys
 from fleetwarden.router.kv_events import KVEvents, sources_of
 from fleetwarden.router.kv_index import KVIndex, decode_batch
 from fleetwarden.sim import Sim, SimConfig
@@ -153,6 +154,31 @@ async def test_the_index_follows_evictions_a_dropped_stream_and_a_restart(
             await _complete(http, sim.url, list(range(800, 820)))  # the step that says so
             await _until(lambda: index.tallies.cleared == 1)
             await _until(lambda: index.blocks(sim.url) == len(cache) == 1)
+        finally:
+            await events.close()
+
+
+async def test_a_router_started_after_a_reset_learns_the_reset_from_the_replay(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A router restart: the new router's index is the engine's cache now, the cleared blocks
+    not among it, before any new batch."""
+    async with _sim() as sim:
+        async with http.get(sim.url + "/kv_event_sources") as r:
+            source = sources_of(await r.json(), sim.url)
+        assert source is not None
+        before, after = list(range(64)), list(range(500, 564))
+        await _complete(http, sim.url, before)
+        await http.post(sim.url + "/reset_prefix_cache")
+        await _complete(http, sim.url, after)  # the step that publishes the reset
+        index = KVIndex()
+        events = KVEvents(index, clock=time.monotonic)
+        try:
+            events.watch(sim.url, source)
+            await _until(lambda: index.tallies.cleared == 1 and index.blocks(sim.url) == 4)
+            assert index.matched(token_keys(before, 16), [sim.url]) == {}
+            assert index.matched(token_keys(after, 16), [sim.url]) == {sim.url: 4}
+            assert index.synced(sim.url, time.monotonic())
         finally:
             await events.close()
 
