@@ -117,9 +117,19 @@ def test_the_index_holds_what_the_engine_holds_keyed_by_the_routers_own_chain() 
     assert index.matched(keys, ["e"]) == {}
     assert index.matched(token_keys([9] * 33, 16), ["e"]) == {"e": 2}
     assert index.blocks("e") == len(cache)
+    # A second engine holding the same tokens: both found by one walk; one cleared, the other
+    # still holds them.
+    twin = PrefixCache(4, events=True)
+    twin.insert([9] * 33)
+    assert index.receive("f", 0, _batch(twin), 0.0) == OK  # type: ignore[arg-type]
+    assert index.told(token_keys([9] * 33, 16), 0.0) == {"e": 2, "f": 2}
     cache.reset()
     assert index.receive("e", 2, _batch(cache), 0.0) == OK  # type: ignore[arg-type]
     assert index.blocks("e") == 0 and index.tallies.cleared == 1
+    assert index.told(token_keys([9] * 33, 16), 0.0) == {"f": 2}
+    index.drop("f")
+    assert index.told(token_keys([9] * 33, 16), 0.0) == {}
+    assert not index._holders  # nothing left behind by the clear and the drop
 
 
 def test_a_block_whose_parent_is_unknown_or_that_carries_a_lora_is_not_keyed() -> None:

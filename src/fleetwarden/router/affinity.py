@@ -310,17 +310,14 @@ class Affinity:
         precise = self.precise
         if precise is None or not query.tokens:
             return guessed
-        told = [u for u in self._epochs if precise.synced(u, now)]
-        if not told:
-            return guessed
-        held = precise.matched(query.keys, told)
+        held = precise.told(query.keys, now)
         if not held:
             # No engine that tells holds any of it: the guess names where the prefix went
             # last, which is where it is prefilled again, so that each prefix keeps to one
             # engine instead of being copied wherever load sends it (the cache's room is what
             # eviction is short of).
             return guessed
-        found = {u: n for u, n in guessed.items() if u not in told}
+        found = {u: n for u, n in guessed.items() if not precise.synced(u, now)}
         found.update(held)
         return found
 

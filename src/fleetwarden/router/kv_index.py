@@ -35,7 +35,7 @@ batch numbered from 0 for the process's life. The rules here:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,18 +102,12 @@ def _chain(parent: int, ids: Sequence[int], block: int) -> list[int]:
     return keys
 
 
-def _release(held: dict[int, int], keys: Iterable[int]) -> None:
-    """One engine block holding ``keys`` went."""
-    for key in keys:
-        count = held.get(key, 0) - 1
-        if count > 0:
-            held[key] = count
-        else:
-            held.pop(key, None)
-
-
 @dataclass(slots=True)
 class _Engine:
+    url: str
+    #: router key -> the engines that hold it, shared by every engine of the index (a
+    #: request's lookup is one probe per block, whatever the fleet's size).
+    holders: dict[int, set[str]]
     #: engine block hash -> the router keys of its tokens.
     by_hash: dict[bytes | int, tuple[int, ...]] = field(default_factory=dict)
     #: router key -> how many engine blocks hold it (two KV groups may hold the same tokens).
@@ -127,7 +121,35 @@ class _Engine:
     #: A batch heard yet (the first one is a gap from 0 unless it is 0).
     heard: bool = False
 
+    def hold(self, keys: Iterable[int]) -> None:
+        """One more engine block holds ``keys``."""
+        held = self.held
+        for key in keys:
+            count = held.get(key, 0)
+            held[key] = count + 1
+            if not count:
+                self.holders.setdefault(key, set()).add(self.url)
+
+    def release(self, keys: Iterable[int]) -> None:
+        """One engine block holding ``keys`` went."""
+        held = self.held
+        for key in keys:
+            count = held.get(key, 0) - 1
+            if count > 0:
+                held[key] = count
+            elif held.pop(key, None) is not None:
+                self._unhold(key)
+
+    def _unhold(self, key: int) -> None:
+        owners = self.holders.get(key)
+        if owners is not None:
+            owners.discard(self.url)
+            if not owners:
+                del self.holders[key]
+
     def clear(self) -> None:
+        for key in self.held:
+            self._unhold(key)
         self.by_hash.clear()
         self.held.clear()
 
@@ -155,7 +177,14 @@ class KVIndex:
         self.block = block
         self.resync_s = resync_s
         self._engines: dict[str, _Engine] = {}
+        self._holders: dict[int, set[str]] = {}
         self.tallies = Tallies()
+
+    def _engine(self, backend: str) -> _Engine:
+        engine = self._engines.get(backend)
+        if engine is None:
+            engine = self._engines[backend] = _Engine(backend, self._holders)
+        return engine
 
     # ------------------------------------------------------------------ the stream
 
@@ -163,9 +192,7 @@ class KVIndex:
         """Batch number ``seq`` of ``backend``: applied (``OK``), or not applied because batches
         before it are missing (``GAP``: replay from :meth:`expected`, then give this one
         again)."""
-        engine = self._engines.get(backend)
-        if engine is None:
-            engine = self._engines[backend] = _Engine()
+        engine = self._engine(backend)
         if seq < engine.expected:
             # The numbers went back: a new process, whose cache starts empty.
             self.tallies.restarts += 1
@@ -185,7 +212,7 @@ class KVIndex:
     def lost(self, backend: str, seq: int, now: float) -> None:
         """Batches before ``seq`` cannot be had: drop the engine's entries and take its events
         again from ``seq``; it is routed by the approximate index for ``resync_s``."""
-        engine = self._engines.setdefault(backend, _Engine())
+        engine = self._engine(backend)
         self.tallies.lost += 1
         engine.clear()
         engine.lost_at = now
@@ -207,7 +234,9 @@ class KVIndex:
 
     def drop(self, backend: str) -> None:
         """No longer listened to: forget everything of ``backend``, its numbers too."""
-        self._engines.pop(backend, None)
+        engine = self._engines.pop(backend, None)
+        if engine is not None:
+            engine.clear()
 
     def _apply(self, engine: _Engine, event: Event) -> None:
         if isinstance(event, BlockStored):
@@ -218,7 +247,7 @@ class KVIndex:
                 if keys is None:
                     continue
                 self.tallies.removed += 1
-                _release(engine.held, keys)
+                engine.release(keys)
         else:
             self.tallies.cleared += 1
             engine.clear()
@@ -249,10 +278,9 @@ class KVIndex:
                 continue  # stored again (a reuse report): held once
             old = engine.by_hash.get(h)
             if old is not None:  # the same hash for other tokens: the engine reused it
-                _release(engine.held, old)
+                engine.release(old)
             engine.by_hash[h] = mine
-            for key in mine:
-                engine.held[key] = engine.held.get(key, 0) + 1
+            engine.hold(mine)
             self.tallies.stored += 1
 
     # ------------------------------------------------------------------ reading
@@ -267,20 +295,40 @@ class KVIndex:
 
     def matched(self, keys: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         """Leading blocks of ``keys`` each of ``backends`` holds, by its events (0 left out)."""
-        found: dict[str, int] = {}
-        for url in backends:
-            engine = self._engines.get(url)
-            if engine is None:
-                continue
-            held = engine.held
-            depth = 0
-            for key in keys:
-                if key not in held:
+        allowed = set(backends)
+        return self._walk(keys, allowed.__contains__)
+
+    def told(self, keys: Sequence[int], now: float) -> dict[str, int]:
+        """Leading blocks of ``keys`` each engine holds whose events are whole (:meth:`synced`),
+        0 left out: one probe per block, the fleet's size aside."""
+        synced: dict[str, bool] = {}
+
+        def whole(url: str) -> bool:
+            found = synced.get(url)
+            if found is None:
+                found = synced[url] = self.synced(url, now)
+            return found
+
+        return self._walk(keys, whole)
+
+    def _walk(self, keys: Sequence[int], accept: Callable[[str], bool]) -> dict[str, int]:
+        holders = self._holders
+        alive: dict[str, int] = {}
+        for depth, key in enumerate(keys):
+            owners = holders.get(key)
+            if not owners:
+                break
+            if not depth:
+                alive = {u: 1 for u in owners if accept(u)}
+            else:
+                still = [u for u, n in alive.items() if n == depth and u in owners]
+                if not still:
                     break
-                depth += 1
-            if depth:
-                found[url] = depth
-        return found
+                for u in still:
+                    alive[u] = depth + 1
+            if not alive:
+                break
+        return alive
 
     def backends(self) -> list[str]:
         """The engines heard from, sorted."""
