@@ -26,13 +26,13 @@ CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
         src/fleetwarden/router/settings.py src/fleetwarden/workmeter.py \
         src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py \
-        src/fleetwarden/router/models.py
+        src/fleetwarden/router/models.py src/fleetwarden/router/kv_index.py
 # The shell modules that are kept --strict clean too (typed I/O around the core; journal.py
 # writes SQLite from a thread, config.py reads files).
 STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py src/fleetwarden/restore.py \
           src/fleetwarden/probe.py src/fleetwarden/sim/sampling.py src/fleetwarden/sim/many.py src/fleetwarden/sim/weights.py \
-          src/fleetwarden/controller.py src/fleetwarden/evidence.py src/fleetwarden/focus.py \
+          src/fleetwarden/sim/kv_events.py src/fleetwarden/controller.py src/fleetwarden/evidence.py src/fleetwarden/focus.py \
           src/fleetwarden/reports.py src/fleetwarden/tasks.py src/fleetwarden/timeline.py \
           src/fleetwarden/supervisor.py src/fleetwarden/client.py src/fleetwarden/weight_sync.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
@@ -40,7 +40,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py \
                        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py \
-                       src/fleetwarden/router/models.py, \
+                       src/fleetwarden/router/models.py src/fleetwarden/router/kv_index.py, \
                        $(wildcard src/fleetwarden/router/*.py))
 
 # The browser tier drives this browser (Playwright with executable_path; nothing downloaded).

@@ -30,7 +30,7 @@ from fleetwarden.router.settings import (
     ROUTING_POLICIES,
     RouterSettings,
 )
-from fleetwarden.sim.config import SIM_ENGINES, FaultMode, SimConfig
+from fleetwarden.sim.config import SIM_ENGINES, FaultMode, KVEventsConfig, SimConfig
 
 if TYPE_CHECKING:
     from fleetwarden.router import Router
@@ -306,6 +306,11 @@ def sim(
     enable_scale_out: bool = typer.Option(
         False, "--enable-scale-out", help="Serve POST /inference/v1/generate, as vLLM's flag "
         "does (without it: 403)."),
+    kv_events_config: str | None = typer.Option(
+        None, help="vLLM's flag, as JSON ('{\"enable_kv_cache_events\": true, \"endpoint\": "
+        "\"tcp://*:0\", \"replay_endpoint\": \"tcp://*:0\"}'): publish the prefix cache's "
+        "KV events over ZMQ as vLLM does; GET /kv_event_sources says where (tcp://*:0: a free "
+        "port on --host, one per engine with --engines)."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -324,6 +329,11 @@ def sim(
         raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(SIM_ENGINES)}",
                                  param_hint="--engine")
     cap = _max_new_tokens(override_generation_config)
+    try:
+        kv_events = (None if kv_events_config is None
+                     else KVEventsConfig.from_json(kv_events_config))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-events-config") from None
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
                        tokens_per_step=tokens_per_step,
                        max_num_batched_tokens=max_num_batched_tokens,
@@ -332,7 +342,8 @@ def sim(
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
                        api_keys=tuple(api_key or ()),
                        override_max_new_tokens=cap,
-                       weights_path=weights, enable_scale_out=enable_scale_out)
+                       weights_path=weights, enable_scale_out=enable_scale_out,
+                       kv_events=kv_events)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 

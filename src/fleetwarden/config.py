@@ -365,6 +365,13 @@ class RouterConfig(_Section):
     rl_group_window_s: PositiveFloat = _ROUTER.rl_group_window_s
     rl_group_per_engine: PositiveInt = _ROUTER.rl_group_per_engine
     cache_user_is_session: bool = _ROUTER.cache_user_is_session
+    #: With cache_aware: route prompts of token ids by the KV events of the engines that
+    #: publish them (vLLM's --kv-events-config; found at GET /kv_event_sources), the guess
+    #: elsewhere (docs/design.md 4.3).
+    kv_events: bool = _ROUTER.kv_events
+    #: Where engines publish their KV events when GET /kv_event_sources does not say:
+    #: "BACKEND_URL ENDPOINT [REPLAY_ENDPOINT]" each (a backend named is not asked).
+    kv_event_endpoints: tuple[str, ...] = _ROUTER.kv_event_endpoints
     keepalive_timeout_s: PositiveFloat = _ROUTER.keepalive_timeout_s
     shutdown_grace_s: PositiveFloat = _ROUTER.shutdown_grace_s
     drain_s: PositiveFloat = _ROUTER.drain_s
@@ -714,8 +721,8 @@ def _toml_line(key: str, value: Any) -> str:
         return f'{key} = "{value}"'
     if isinstance(value, str):
         return f"{key} = {value!r}".replace("'", '"')
-    if isinstance(value, list):
-        return f"{key} = []" if not value else f"{key} = {value!r}"
+    if isinstance(value, list | tuple):
+        return f"{key} = {json.dumps(list(value))}"
     if isinstance(value, dict):
         items = ", ".join(f"{json.dumps(str(k))} = {json.dumps(v)}" for k, v in value.items())
         return f"{key} = {{ {items} }}" if value else f"{key} = {{}}"

@@ -47,6 +47,14 @@ with the prompts nobody holds, while those another engine holds go there.
 
 The predicted hits (blocks the index said the chosen backend held, of the blocks looked up) are
 tallied per backend (:meth:`Affinity.predicted`), to be set beside the engines' own counters.
+
+**Precise where the engines say.** Where an engine publishes its KV events (router/kv_index.py,
+``precise``) and they are whole (heard from, no gap unfilled), what it holds is read from them
+for a prompt of token ids, instead of guessed: an eviction the guess cannot see is seen. The
+guess serves every other engine, every prompt of text (the router has no tokenizer: the
+events' keys are token ids), and an engine whose events had a gap, until they are whole again.
+The guess is still kept for every engine, so that a gap falls back on it at once, and it still
+names where a prompt no engine holds any more is prefilled again (where it went last).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.settings import RouterSettings
 
 __all__ = ["Affinity", "AffinitySettings", "Predicted", "Query", "load_bound", "query_of",
@@ -93,12 +102,14 @@ class AffinitySettings:
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """What the policy reads of one request: its prompt's block keys, its session hint and how
-    many completions it asks for."""
+    """What the policy reads of one request: its prompt's block keys, its session hint, how
+    many completions it asks for, and whether the keys are of token ids (the engines' KV
+    events can answer for those; text keys only the guess)."""
 
     keys: tuple[int, ...]
     session: str | None = None
     n: int = 1
+    tokens: bool = False
 
 
 def _text_of_content(content: Any) -> str:
@@ -140,7 +151,7 @@ def query_of(body: Any, session: str | None, settings: AffinitySettings,
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return Query(token_keys(prompt, settings.token_block), session, n)
+        return Query(token_keys(prompt, settings.token_block), session, n, tokens=True)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -246,6 +257,9 @@ class Affinity:
         #: same request without looking its prompt up again; dropped by any change to the
         #: index (:meth:`_hold`, :meth:`forget`).
         self._memo: tuple[Query, dict[str, int]] | None = None
+        #: The engines' own KV events, where they publish them (router/kv_events.py feeds it);
+        #: None: the guess alone.
+        self.precise: KVIndex | None = None
 
     # ------------------------------------------------------------------ health
 
@@ -271,6 +285,8 @@ class Affinity:
     def forget(self, backend: str) -> None:
         """Drop every entry of ``backend``: its prefix cache is gone (or it is)."""
         self._memo = None
+        if self.precise is not None:
+            self.precise.forget(backend)
         emptied = []
         for key, holders in self._index.items():
             if holders.pop(backend, None) is not None:
@@ -288,7 +304,25 @@ class Affinity:
     # ------------------------------------------------------------------ the choice
 
     def matched(self, query: Query, now: float) -> dict[str, int]:
-        """Leading blocks of ``query`` each backend holds (fresh entries only)."""
+        """Leading blocks of ``query`` each backend holds: by its KV events where they are
+        whole and the prompt is token ids, else by the guess (fresh entries only)."""
+        guessed = self._guessed(query, now)
+        precise = self.precise
+        if precise is None or not query.tokens:
+            return guessed
+        held = precise.told(query.keys, now)
+        if not held:
+            # No engine that tells holds any of it: the guess names where the prefix went
+            # last, which is where it is prefilled again, so that each prefix keeps to one
+            # engine instead of being copied wherever load sends it (the cache's room is what
+            # eviction is short of).
+            return guessed
+        found = {u: n for u, n in guessed.items() if not precise.synced(u, now)}
+        found.update(held)
+        return found
+
+    def _guessed(self, query: Query, now: float) -> dict[str, int]:
+        """Leading blocks of ``query`` each backend is guessed to hold (fresh entries only)."""
         ttl = self.settings.ttl_s
         index = self._index
         alive: dict[str, int] | None = None

@@ -75,6 +75,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
+from fleetwarden.router.kv_events import KVEvents, Source, sources_of
+from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import (
     UNKNOWN_FACTS,
     BackendFacts,
@@ -421,8 +423,20 @@ class Forwarder:
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
         self.affinity: Affinity | None = None
+        #: The subscriptions to the engines' KV events (router/kv_events.py), opened with the
+        #: forwarder; None: cache-aware routing off, or ``kv_events`` off.
+        self.kv_events: KVEvents | None = None
+        #: Each backend whose ``/kv_event_sources`` was read, by the incarnation it was read
+        #: at (asked again only when that changes), and the reads under way.
+        self._kv_asked: dict[str, str | None] = {}
+        self._kv_asking: dict[str, asyncio.Task[None]] = {}
+        self._kv_configured = settings.kv_event_sources()
         if settings.routing == "cache_aware":
             self.affinity = Affinity(AffinitySettings.of(settings))
+            if settings.kv_events:
+                # A gap no replay fills is served by the guess for the guess's own lifetime.
+                self.affinity.precise = KVIndex(self.affinity.settings.token_block,
+                                                resync_s=settings.cache_ttl_s)
 
     def pushed(self, coming_back: int) -> None:
         """A push arrived: the requests waiting for a backend look again."""
@@ -453,12 +467,60 @@ class Forwarder:
         return True
 
     def sync_affinity(self) -> None:
-        """A push arrived: the policy forgets backends that left, restarted or were refit."""
+        """A push arrived: the policy forgets backends that left, restarted or were refit, and
+        the engines that publish KV events are listened to."""
         if self.affinity is not None:
             pool = self.pool
             facts = pool.all_facts()
             self.affinity.sync(pool.serving, {
                 u: (f.incarnation, f.weight_version) for u, f in facts.items()})
+            self._sync_kv_events()
+
+    def _sync_kv_events(self) -> None:
+        """Listen to the KV events of every serving backend that publishes them (asked at its
+        ``/kv_event_sources`` once per incarnation); stop listening to those that left."""
+        events = self.kv_events
+        if events is None:
+            return
+        serving = set(self.pool.serving)
+        events.keep(serving)
+        for url in [u for u in self._kv_asked if u not in serving]:
+            del self._kv_asked[url]
+        configured = self._kv_configured
+        for url in serving:
+            named = configured.get(url.rstrip("/"))
+            if named is not None:  # the configuration says where: nothing to ask
+                events.watch(url, Source(*named))
+                continue
+            incarnation = self.pool.facts(url).incarnation
+            if url in self._kv_asking or (url in self._kv_asked
+                                          and self._kv_asked[url] == incarnation):
+                continue
+            self._kv_asked[url] = incarnation
+            task = asyncio.create_task(self._read_kv_sources(url), name=f"kv-sources:{url}")
+            self._kv_asking[url] = task
+            task.add_done_callback(partial(self._kv_asked_done, url))
+
+    def _kv_asked_done(self, backend: str, _: asyncio.Task[None]) -> None:
+        self._kv_asking.pop(backend, None)
+
+    async def _read_kv_sources(self, backend: str) -> None:
+        """Where ``backend`` publishes its KV events (vLLM's ``GET /kv_event_sources``), and
+        listen there; an engine that does not say is routed by the guess."""
+        assert self._client is not None, "Forwarder.open() was not awaited"
+        try:
+            answer = await self._client.request(
+                self._target(backend + "/kv_event_sources"), "GET",
+                _with_key([], self.pool.facts(backend).key), b"")
+            status = answer.status
+            raw = await _read(answer)
+            source = sources_of(json.loads(raw), backend) if status == 200 else None
+        except (UpstreamError, TimeoutError, ValueError):
+            self._kv_asked.pop(backend, None)  # unreachable now: the next push asks again
+            return
+        if source is not None and self.kv_events is not None and backend in self.pool.serving:
+            log.info("KV events of %s: listening at %s", backend, source.endpoint)
+            self.kv_events.watch(backend, source)
 
     def _query(self, body: bytes, session: str | None) -> Query | None:
         """What the cache-aware policy reads of a request; None for a body it cannot read
@@ -481,11 +543,18 @@ class Forwarder:
                                       keepalive_timeout_s=s.keepalive_timeout_s,
                                       max_head_bytes=s.max_head_bytes,
                                       max_headers=s.max_headers)
+        if self.affinity is not None and self.affinity.precise is not None:
+            self.kv_events = KVEvents(self.affinity.precise, clock=time.monotonic)
+            self.sync_affinity()  # the backends it was given: theirs are listened to at once
 
     async def close(self) -> None:
-        for task in self._learning.values():
+        for task in [*self._learning.values(), *self._kv_asking.values()]:
             task.cancel()
         self._learning.clear()
+        self._kv_asking.clear()
+        if self.kv_events is not None:
+            await self.kv_events.close()
+            self.kv_events = None
         if self._client is not None:
             await self._client.close()
             self._client = None

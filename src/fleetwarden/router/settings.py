@@ -132,6 +132,17 @@ class RouterSettings:
     #: Take a request's OpenAI ``user`` field as its session (off: ``user`` often names an
     #: account with many unrelated conversations). ``prompt_cache_key`` always is one.
     cache_user_is_session: bool = False
+    #: With ``cache_aware``: listen to the KV events of every engine that publishes them
+    #: (vLLM's ``--kv-events-config``, found at its ``GET /kv_event_sources``) and route
+    #: prompts of token ids by what each engine's cache holds now, evictions included,
+    #: instead of the guess (router/kv_index.py). On: it costs one read per engine start and
+    #: nothing where no engine publishes; an engine's events count only while they are whole.
+    kv_events: bool = True
+    #: Where engines publish their KV events when they do not say so at ``GET
+    #: /kv_event_sources`` (a vLLM before it, a port forwarded elsewhere): ``"BACKEND
+    #: ENDPOINT [REPLAY]"`` each, e.g. ``"http://10.0.0.5:8000 tcp://10.0.0.5:5557
+    #: tcp://10.0.0.5:5558"``. A backend named here is not asked. Empty: each is asked.
+    kv_event_endpoints: tuple[str, ...] = ()
     #: Continue a streamed completion or chat on another engine when its engine fails it
     #: after the first bytes reached the client (router/splice.py). On: a crash or a wedge
     #: then costs a stream a pause, not the generation. The router asks engines for
@@ -254,7 +265,21 @@ class RouterSettings:
         if not 0 <= self.cache_threshold < 1:
             raise ValueError("RouterSettings.cache_threshold must be in [0, 1), "
                              f"got {self.cache_threshold}")
+        object.__setattr__(self, "kv_event_endpoints", tuple(self.kv_event_endpoints))
+        self.kv_event_sources()  # each entry well formed, or the error naming it
         if self.keys_file is not None and not self.keys_file.strip():
             raise ValueError("RouterSettings.keys_file must be a path or None")
         if self.session_header is not None and not self.session_header.strip():
             raise ValueError("RouterSettings.session_header must be a header name or None")
+
+    def kv_event_sources(self) -> dict[str, tuple[str, str | None]]:
+        """``kv_event_endpoints`` by backend: (endpoint, replay endpoint or None)."""
+        found: dict[str, tuple[str, str | None]] = {}
+        for entry in self.kv_event_endpoints:
+            parts = entry.split()
+            if (len(parts) not in (2, 3) or not parts[0].startswith(("http://", "https://"))
+                    or not all(p.startswith(("tcp://", "ipc://")) for p in parts[1:])):
+                raise ValueError("RouterSettings.kv_event_endpoints: each entry is 'BACKEND_URL "
+                                 f"ENDPOINT [REPLAY_ENDPOINT]' (tcp:// or ipc://), got {entry!r}")
+            found[parts[0].rstrip("/")] = (parts[1], parts[2] if len(parts) == 3 else None)
+        return found

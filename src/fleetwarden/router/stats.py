@@ -14,6 +14,7 @@ fleet's.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from fleetwarden.router.affinity import Affinity
+from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import Pool
 
 __all__ = ["ADDED_LATENCY_BUCKETS_S", "KeyTally", "RouterCollector", "RouterStats",
@@ -334,6 +336,37 @@ def _cache_families(affinity: Affinity) -> Iterator[Metric]:
         "restarted (a new incarnation) or was refit (a new weight version).")
     forgotten.add_metric([], affinity.forgotten)
     yield forgotten
+    if affinity.precise is not None:
+        yield from _kv_event_families(affinity.precise)
+
+
+def _kv_event_families(index: KVIndex) -> Iterator[Metric]:
+    """The engines' own KV events as the router heard them (router/kv_index.py): what each
+    engine holds by them, whether they route it now, and the stream's gaps and restarts."""
+    now = time.monotonic()  # the clock the router's KVEvents stamps batches with
+    held = GaugeMetricFamily(
+        "fleetwarden_router_kv_events_blocks",
+        "Prompt blocks each engine holds by its own KV events.", labels=["backend"])
+    synced = GaugeMetricFamily(
+        "fleetwarden_router_kv_events_synced",
+        "1 while an engine's KV events route it (heard, no gap left unfilled within "
+        "cache_ttl_s); 0: the guess routes it.", labels=["backend"])
+    for backend in index.backends():
+        held.add_metric([backend], index.blocks(backend))
+        synced.add_metric([backend], 1 if index.synced(backend, now) else 0)
+    yield held
+    yield synced
+    t = index.tallies
+    for name, value, text in [
+            ("batches", t.batches, "KV-event batches applied, replayed ones included."),
+            ("gaps", t.gaps, "Batches that showed earlier ones missing (a replay was asked)."),
+            ("lost", t.lost, "Gaps no replay filled: the engine's entries were dropped."),
+            ("restarts", t.restarts, "Sequence numbers that went back: a new engine process."),
+            ("unkeyed_blocks", t.unkeyed,
+             "Stored blocks not keyed (parent unknown, a LoRA, extra keys, another group).")]:
+        family = CounterMetricFamily(f"fleetwarden_router_kv_events_{name}", text)
+        family.add_metric([], value)
+        yield family
 
 
 class _WorkerLabelled(Collector):

@@ -8,9 +8,11 @@ Must not: do I/O.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["SIM_ENGINES", "FaultMode", "SimConfig"]
+__all__ = ["SIM_ENGINES", "FaultMode", "KVEventsConfig", "SimConfig"]
 
 #: The engines whose wire the simulator speaks.
 SIM_ENGINES = ("vllm", "llamacpp", "sglang")
@@ -32,6 +34,66 @@ class FaultMode(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig``: the JSON of ``--kv-events-config``, with its defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:  # vLLM's __post_init__: zmq when enabled, else null
+            object.__setattr__(self, "publisher",
+                               "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher: 'zmq' or 'null', got "
+                             f"{self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config.{name} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events_config.{name}: a zmq endpoint (tcp://, ipc://, "
+                                 f"inproc://), got {value!r}")
+
+    @property
+    def on(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse ``--kv-events-config``; a bad value is an error naming the field."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"kv_events_config: not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("kv_events_config: a JSON object is wanted")
+        known = {f.name: f for f in fields(cls)}
+        for name, value in raw.items():
+            if name not in known:
+                raise ValueError(f"kv_events_config.{name}: unknown field (known: "
+                                 f"{', '.join(known)})")
+            wanted: tuple[type, ...] = {
+                "enable_kv_cache_events": (bool,), "buffer_steps": (int,), "hwm": (int,),
+                "max_queue_size": (int,)}.get(name, (str, type(None)))
+            if not isinstance(value, wanted) or (bool not in wanted and isinstance(value, bool)):
+                raise ValueError(f"kv_events_config.{name}: wrong type {type(value).__name__}")
+        return cls(**raw)
+
+    def as_source(self) -> dict[str, Any]:
+        """The entry vLLM's ``GET /kv_event_sources`` shows for this publisher."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +160,10 @@ class SimConfig:
     #: vLLM's ``--enable-scale-out``: ``POST /inference/v1/generate`` (token in, token out,
     #: with per-request weight version spans) is served; without it vLLM answers 403.
     enable_scale_out: bool = False
+    #: vLLM's ``--kv-events-config``: with ``enable_kv_cache_events`` and the ``zmq``
+    #: publisher, the prefix cache's KV events go out as vLLM's (``sim/kv_events.py``) and
+    #: ``GET /kv_event_sources`` says where. None: no events, as vLLM by default.
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.tokens_per_step < 1 or self.max_num_batched_tokens < 1:

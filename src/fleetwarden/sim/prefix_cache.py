@@ -18,12 +18,22 @@ measured against it:
 
 The engine empties it with :meth:`reset` where vLLM loses its KV cache: a restart (a new process
 gets a new cache), sleep (level 1 discards the KV cache too) and ``POST /reset_prefix_cache``.
+
+With ``events`` on it records vLLM's KV events as they happen (``sim/kv_events.py``): one
+``BlockStored`` per run of blocks an insert adds (their tokens, the parent's hash), one
+``BlockRemoved`` per evicted block, ``AllBlocksCleared`` on a reset. The hashes it reports are
+its keys hashed again with a salt drawn per cache (per process), as vLLM's are seeded: a
+consumer must key blocks by their tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from fleetwarden.sim.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["BLOCK_SIZE", "PrefixCache"]
 
@@ -34,15 +44,20 @@ BLOCK_SIZE = 16
 class PrefixCache:
     """Full blocks of prompt tokens an engine holds, least recently used first."""
 
-    __slots__ = ("_blocks", "block_size", "capacity_blocks")
+    __slots__ = ("_blocks", "_salt", "block_size", "capacity_blocks", "events")
 
-    def __init__(self, capacity_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int = BLOCK_SIZE,
+                 events: bool = False) -> None:
         if capacity_blocks < 0 or block_size < 1:
             raise ValueError(f"capacity_blocks must be >= 0 and block_size >= 1, got "
                              f"{capacity_blocks} and {block_size}")
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        #: The KV events since the last :meth:`take_events` (None: events off).
+        self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] | None = (
+            [] if events else None)
+        self._salt = os.urandom(16)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -74,12 +89,51 @@ class PrefixCache:
         if not self.capacity_blocks:
             return
         blocks = self._blocks
-        for key in self._keys(ids, len(ids)):
+        events = self.events
+        keys = self._keys(ids, len(ids))
+        first_new: int | None = None  # where the run of blocks new to the cache began
+        for i, key in enumerate(keys):
+            if events is not None:
+                if key not in blocks and first_new is None:
+                    first_new = i
+                elif key in blocks and first_new is not None:
+                    self._stored(ids, keys, first_new, i)
+                    first_new = None
             blocks[key] = None
             blocks.move_to_end(key)
+        if events is not None and first_new is not None:
+            self._stored(ids, keys, first_new, len(keys))
         while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+            key, _ = blocks.popitem(last=False)
+            if events is not None:
+                events.append(BlockRemoved(block_hashes=[self.external(key)], medium=MEDIUM_GPU,
+                                           group_idx=0))
+
+    def _stored(self, ids: Sequence[int], keys: list[int], start: int, end: int) -> None:
+        """One ``BlockStored`` for blocks ``start:end`` of ``ids``, as vLLM's
+        ``cache_full_blocks`` reports the blocks one scheduling of a request cached."""
+        assert self.events is not None
+        size = self.block_size
+        self.events.append(BlockStored(
+            block_hashes=[self.external(k) for k in keys[start:end]],
+            parent_block_hash=self.external(keys[start - 1]) if start else None,
+            token_ids=list(ids[start * size:end * size]), block_size=size, lora_id=None,
+            medium=MEDIUM_GPU, lora_name=None, group_idx=0))
+
+    def external(self, key: int) -> bytes:
+        """The hash a block is reported by: its key, salted (32 bytes, as vLLM's sha256)."""
+        return hashlib.sha256(self._salt + key.to_bytes(8, "big", signed=True)).digest()
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The events since the last call, oldest first (vLLM's ``take_events``)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     def reset(self) -> None:
         """Forget every block (vLLM's ``reset_prefix_cache``; a sleep; a new process)."""
         self._blocks.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())

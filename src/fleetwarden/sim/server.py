@@ -78,6 +78,7 @@ from fleetwarden.sim.config import FaultMode, SimConfig
 from fleetwarden.sim.dialects import DIALECTS, Families
 from fleetwarden.sim.engine import EngineCore, SimRequest, StepResult
 from fleetwarden.sim.families import VllmFamilies
+from fleetwarden.sim.kv_events import Publisher
 from fleetwarden.sim.prefix_cache import BLOCK_SIZE, PrefixCache
 from fleetwarden.sim.sampling import (
     Generation,
@@ -183,6 +184,8 @@ class Sim:
         self._blackholed = 0
         self._no_blackhole = asyncio.Event()
         self._no_blackhole.set()
+        #: The KV-event publisher (``--kv-events-config``), bound at :meth:`start`.
+        self._kv_events: Publisher | None = None
         self._families, self._core = self._new_process(None)
         #: vLLM's RL API (:meth:`_rl_routes`): the weights loaded, and the pause mode.
         self._base_weights = BASE if config.weights_path is None else load_weights(
@@ -226,6 +229,7 @@ class Sim:
             web.post("/wake_up", self._wake_up),
             web.get("/is_sleeping", self._is_sleeping),
             web.post("/reset_prefix_cache", self._reset_prefix_cache),
+            web.get("/kv_event_sources", self._kv_event_sources),
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
             web.post("/tokenize", self._tokenize),
@@ -245,6 +249,9 @@ class Sim:
                                      handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         await self._listen()
+        events = self.config.kv_events
+        if events is not None and events.on and self._kv_events is None:
+            self._kv_events = Publisher(events, self.config.host)
         self._engine_task = asyncio.create_task(self._engine_loop(), name="sim-engine")
         if self.config.fault is not None:
             await self.set_fault(self.config.fault, self.config.fault_factor)
@@ -271,6 +278,9 @@ class Sim:
         self._tasks.clear()
         self._engine_task = None
         self._close_listener()
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -312,9 +322,10 @@ class Sim:
         if blocks is None:
             blocks = c.slots * c.max_model_len // BLOCK_SIZE
         # A new process starts with an empty prefix cache: a restart flushes it.
+        events = c.kv_events is not None and c.kv_events.on
         core = EngineCore(families, slots=c.slots, tokens_per_step=c.tokens_per_step,
                           max_num_batched_tokens=c.max_num_batched_tokens,
-                          prefix_cache=PrefixCache(blocks))
+                          prefix_cache=PrefixCache(blocks, events=events))
         return families, core
 
     # ------------------------------------------------------------------ faults
@@ -391,6 +402,10 @@ class Sim:
         dropped = list(self._pending.values())
         self._pending.clear()
         self._inbox.clear()
+        if self._kv_events is not None:
+            # A new process publishes anew: its sequence starts at 0, nothing to replay, and
+            # nothing says the old cache went (the subscriber sees the sequence go back).
+            self._kv_events.new_process()
         self._families, self._core = self._new_process(self._families.start_time)
         self._sleep_level = 0  # a new process starts awake
         self._new_process_weights()
@@ -426,11 +441,28 @@ class Sim:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block, as vLLM's ``POST /reset_prefix_cache`` does."""
         if self._core.prefix_cache is not None:
+            # Its AllBlocksCleared goes out with the next step's batch, as vLLM's scheduler
+            # publishes what the block pool queued only when it steps (an idle engine's reset
+            # is heard at its next request).
             self._core.prefix_cache.reset()
+
+    def _publish_kv_events(self) -> None:
+        """Send the cache's events since the last batch as one batch (vLLM publishes one per
+        engine step that changed the cache)."""
+        cache = self._core.prefix_cache
+        if self._kv_events is not None and cache is not None:
+            self._kv_events.publish(cache.take_events())
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.reset_prefix_cache()
         return web.Response(status=200)
+
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /kv_event_sources``: each data-parallel rank's publisher config, with
+        its endpoints as bound; ``{}`` with no publisher."""
+        if self._kv_events is None:
+            return _json({})
+        return _json({"0": self._kv_events.config.as_source()})
 
     async def _sleep(self, request: web.Request) -> web.Response:
         raw = request.query.get("level", "1")
@@ -790,6 +822,7 @@ class Sim:
                 continue  # look at faults and the inbox again before stepping
             now = loop.time()
             self._deliver(self._core.step(now))
+            self._publish_kv_events()
             next_at += self._step_interval()
             if next_at < now:
                 next_at = now  # a late loop steps late; it never bursts to catch up
