@@ -17,11 +17,13 @@ not its cut; the engine behaviour behind each is pinned by a test (here, and in
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
 import random
 import signal
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,7 @@ import pytest
 
 from fleetwarden.launchers import procs
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.splice import check_stop_strings
 from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME, SERVED_MODEL_NAME
@@ -213,3 +216,27 @@ def test_random_cases_cut_by_a_killed_engine_core_are_exact_or_refused(
     seed = int(os.environ.get("FLEETWARDEN_ORACLE_SEED") or random.randrange(2**31))
     print(f"\nreal vLLM oracle: FLEETWARDEN_ORACLE_SEED={seed}, kept cases {KEPT_CASES}")
     asyncio.run(_run(*pair, seed))
+
+
+def test_the_routers_stop_check_is_vllms_own(vllm_python: Path) -> None:
+    """The router holds vLLM's stop check across a cut (router/splice.py ``StopCheck``): its
+    ``check_stop_strings`` gives what the installed vLLM's own gives (the function read from
+    its source: it needs nothing but ``sys``), on random texts, windows and stop lists."""
+    found = sorted(vllm_python.parent.parent.glob(
+        "lib/python*/site-packages/vllm/v1/engine/detokenizer.py"))
+    assert found, f"no vllm/v1/engine/detokenizer.py beside {vllm_python}"
+    tree = ast.parse(found[0].read_text())
+    node = next(n for n in tree.body
+                if isinstance(n, ast.FunctionDef) and n.name == "check_stop_strings")
+    space: dict[str, Any] = {"sys": sys}
+    exec(compile(ast.Module([node], []), str(found[0]), "exec"), space)
+    vllm = space["check_stop_strings"]
+    rng = random.Random(5)
+    for _ in range(20_000):
+        text = "".join(rng.choice("ab c.") for _ in range(rng.randint(0, 14)))
+        stops = tuple("".join(rng.choice("ab c.") for _ in range(rng.randint(1, 4)))
+                      for _ in range(rng.randint(1, 3)))
+        new = rng.randint(0, len(text))
+        include = rng.random() < 0.5
+        assert check_stop_strings(text, new, stops, include) == vllm(
+            text, new, list(stops), include), (text, new, stops, include)

@@ -1143,7 +1143,7 @@ class Forwarder:
                                 request, stream, upstream, started, backend_time, facts,
                                 error=True)
                         if outcome is EventAction.DONE:
-                            complete = True
+                            complete = not splice.ended_by_router()
                             self._whole(backend, splice)
                             return await self._answer_assembled(
                                 request, stream, upstream, started, backend_time, facts)
@@ -1154,7 +1154,10 @@ class Forwarder:
                         assert stream.response is not None
                         return stream.response
                     if outcome is EventAction.DONE:
-                        complete = True
+                        # A stop string the router matched ends it before its engine does:
+                        # that engine is let go (it would go on to its limit), as vLLM aborts
+                        # a generation its detokenizer stopped.
+                        complete = not splice.ended_by_router()
                         self._whole(backend, splice)
                         if self.count_usage:
                             response.usage = _stream_usage(splice)

@@ -373,19 +373,22 @@ class Generation:
 
 def _check_stop_strings(text: str, new_chars: int, stop: tuple[str, ...],
                         include: bool) -> tuple[str, int] | None:
-    """vLLM's ``check_stop_strings``: (the string, where the text is cut or -1), or None."""
+    """vLLM 0.32's ``check_stop_strings``: of the strings found in the new text, the one that
+    completes earliest (ties: list order); (the string, where the text is cut or -1), or
+    None."""
     if not new_chars:
         return None
+    best: tuple[str, int, int] | None = None
     for s in stop:
         index = text.find(s, max(0, len(text) + 1 - new_chars - len(s)))
-        if index == -1:
-            continue
-        if include:
-            index += len(s)
-            if index >= len(text):
-                return s, -1
-        return s, index
-    return None
+        if index != -1 and (best is None or index + len(s) < best[2]):
+            best = (s, index, index + len(s))
+    if best is None:
+        return None
+    s, index, end = best
+    if include:
+        return (s, -1) if end >= len(text) else (s, end)
+    return s, index
 
 
 # ---------------------------------------------------------------------- logprobs on the wire
