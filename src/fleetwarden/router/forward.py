@@ -1239,8 +1239,13 @@ class Forwarder:
 
     def forget_limits(self) -> None:
         """A push came: forget the limits of backends that left (one that comes back may have
-        been started otherwise)."""
+        been started otherwise), and take the server caps it says (read from the commands
+        that started the engines: before any ``"length"`` finish could reveal them)."""
         self.limits.forget(set(self.pool.serving))
+        for url in self.pool.serving:
+            cap = self.pool.facts(url).output_cap
+            if cap is not None:
+                self.limits.cap[url] = cap
 
     def _learn_context(self, backend: str) -> None:
         """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the
