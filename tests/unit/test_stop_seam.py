@@ -155,28 +155,18 @@ def test_stop_strings_across_cuts_come_out_as_the_uninterrupted_run() -> None:
     assert verdicts["exact"] > CASES // 2, verdicts
 
 
-def test_the_router_matches_a_stop_string_across_the_cut_and_ends_there() -> None:
-    """The match begins in the text the engine held back at the cut and ends in the
-    continuation's: the router finds it, ends the generation there, lets the engine go."""
-    body = {"model": "tiny", "prompt": "the", "stream": True, "temperature": 0,
-            "max_tokens": 30, "stop": None}
-    prompt = wire.encode("the")
-    text = _engine(prompt, {**body, "stop": None}, 0)
-    while text.sample() is not None:
-        pass
-    # a stop string spanning tokens 4 and 5 of the uninterrupted output
-    pieces = [wire.piece(t) for t in text.output]
-    stop = pieces[3][-2:] + pieces[4][:2]
-    body["stop"] = [stop]
-    whole = _client([e + b"\n\n" for e in _events(_engine(prompt, body, 0), 1)])
-    assert whole["stop_reason"] == stop
+def _begun(body: dict[str, Any], chunks: int) -> tuple[Splice, list[bytes]]:
+    """A splice whose first attempt gave its client ``chunks`` chunks (one token each)."""
     read = read_stream_request("/v1/completions", json.dumps(body).encode(), {})
     assert read is not None
     splice = Splice(read)
     splice.begin_attempt(None)
-    out = [splice.on_event(e)[1] for e in _events(_engine(prompt, body, 0), 1)[:4]]
-    plan = splice.continuation()
-    assert not isinstance(plan, str) and plan.held_stop
+    events = _events(_engine(wire.encode(body["prompt"]), body, 0), 1)
+    return splice, [splice.on_event(e)[1] for e in events[:chunks]]
+
+
+def _go_on(splice: Splice, plan: Any, out: list[bytes]) -> dict[str, Any]:
+    """The continuation ``plan`` run to its end; what the client got in all."""
     splice.begin_attempt(plan)
     continued = json.loads(plan.body)
     for event in _events(_engine(continued["prompt"], continued, 0), 1):
@@ -184,8 +174,45 @@ def test_the_router_matches_a_stop_string_across_the_cut_and_ends_there() -> Non
         out.append(data)
         if action is EventAction.DONE:
             break
+    return _client(out)
+
+
+def test_the_router_matches_a_stop_string_across_the_cut_and_ends_there() -> None:
+    """The match begins in the text the engine held back at the cut and ends in the
+    continuation's: the router finds it, ends the generation there, lets the engine go."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": "the", "stream": True,
+                            "temperature": 0, "max_tokens": 30}
+    text = _engine(wire.encode("the"), body, 0)
+    while text.sample() is not None:
+        pass
+    # a stop string spanning tokens 4 and 5 of the uninterrupted output
+    pieces = [wire.piece(t) for t in text.output]
+    stop = pieces[3][-2:] + pieces[4][:2]
+    body["stop"] = [stop]
+    whole = _client([e + b"\n\n" for e in _events(_engine(wire.encode("the"), body, 0), 1)])
+    assert whole["stop_reason"] == stop
+    splice, out = _begun(body, 4)
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.held_stop
+    got = _go_on(splice, plan, out)
     assert splice.ended_by_router()
-    got = _client(out)
     assert {k: got[k] for k in ("text", "finish", "stop_reason")} == {
         k: whole[k] for k in ("text", "finish", "stop_reason")}
 
+
+def test_a_cut_before_the_tokens_generated_again_came_goes_on_from_the_seam() -> None:
+    """Cut again before any of the tokens to be generated again came: the client had their
+    chunks (and some of their text), so the request is not sent again from the start (it
+    would write that text twice); it goes on from the seam again."""
+    body = {"model": "tiny", "prompt": "the", "stream": True, "temperature": 0,
+            "max_tokens": 30, "stop": ["zzzzzzzzzzzz"], "return_token_ids": True}
+    splice, out = _begun(body, 4)
+    assert _client([*out, b"data: [DONE]\n\n"])["text"]  # the client has some text
+    plan = splice.continuation()
+    assert not isinstance(plan, str) and plan.replay and plan.held_stop
+    splice.begin_attempt(plan)
+    assert splice.produced == 0
+    again = splice.continuation()  # cut before its first chunk
+    assert not isinstance(again, str) and again.mode is plan.mode and again.replay == plan.replay
+    whole = _client([e + b"\n\n" for e in _events(_engine(wire.encode("the"), body, 0), 1)])
+    assert _go_on(splice, again, out) == whole

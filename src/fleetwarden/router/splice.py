@@ -491,6 +491,10 @@ class Splice:
         self._chars_before = (sum(map(len, self.text)) if self._offset_end is None
                               else self._offset_end)
         if continuation is not None:
+            if continuation.mode is Mode.RESTART and self.stop_check is not None:
+                # from the start: the engine holds the stop strings again
+                self.stop_check = StopCheck(self.stop_check.stops, self.stop_check.include,
+                                            self.stop_check.min_tokens, self.stop_check.hold)
             self.mode = continuation.mode
             self._as_completion = continuation.as_completion
             # The output stops where its text was last written; the tokens after it (those
@@ -881,9 +885,10 @@ class Splice:
         request = self.request
         if request.refusal is not None:
             return request.refusal
-        if self.produced == 0:
+        if self.produced == 0 and not self._replay:
             # Nothing of the generation reached the client (a chat's role chunk at most): the
-            # request itself goes again, and its role chunk is not repeated.
+            # request itself goes again, and its role chunk is not repeated. (Tokens still to
+            # be generated again did reach it: their chunks came, and perhaps some text.)
             path = CHAT if request.chat else COMPLETIONS
             return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
         refusal = self._inexact()
@@ -946,6 +951,9 @@ class Splice:
         if not upstream_fields and request.chat:
             return "a chat, on an engine that takes no continue_final_message"
         if exact and replay and (self.saw_logprobs or _asks_logprobs(body)):
+            if check is not None:
+                return ("logprobs, at a cut where stop strings held text back (the text "
+                        "offsets of the tokens generated again)")
             return ("logprobs, at a cut inside a character (the text offsets of the tokens "
                     "generated again)")
         if exact and replay and not _greedy(body):
