@@ -32,8 +32,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetwarden.engines import output_cap_of
 from fleetwarden.launchers import procs
-from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router import BackendFacts, Router, RouterSettings
 from fleetwarden.router.splice import check_stop_strings
 from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
@@ -55,6 +56,11 @@ UNDER_WAY = 2
 #: Added to a case's explicit limit: the tiny model on CPU streams fast, and a generation
 #: must still be going when the core is killed (those without a limit keep vLLM's default).
 LONGER = 150
+#: Both engines run with a server cap below every case's limit (vLLM's
+#: ``--override-generation-config``, as RL stacks set it): a continuation must end where the
+#: cap would have ended the uninterrupted run. The router is told it by the push, read from the
+#: command as the controller reads it (``engines.output_cap_of``).
+CAP_ARGS = "--override-generation-config '{{\"max_new_tokens\": 120}}'"
 
 
 async def _post(http: aiohttp.ClientSession, url: str, case: Case,
@@ -98,14 +104,19 @@ async def _finished(http: aiohttp.ClientSession, url: str) -> float:
 async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     router = Router([], RouterSettings(continue_answers=True, max_retries=4,
                                        retry_budget_ratio=1.0))
-    router.set_serving_backends([a.base_url])
+    cap = output_cap_of(CAP_ARGS)
+    assert cap == 120
+    facts = {e.base_url: BackendFacts(output_cap=cap) for e in (a, b)}
+    router.set_serving_backends([a.base_url], facts)
     await router.start()
     try:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             cases = []
             for seed_, i in [*((seed, i) for i in range(CASES)), *KEPT_CASES]:
-                case = draw(seed_, i, SERVED_MODEL_NAME, real=True)
+                # a third of the fresh cases sampled with a seed; the kept ones as they were
+                case = draw(seed_, i, SERVED_MODEL_NAME, real=True,
+                            sampling=(seed_, i) not in KEPT_CASES)
                 body = dict(case.body)
                 if case.stream is False and i % 2:  # mostly streams: they are what is cut
                     body["stream"] = True
@@ -137,7 +148,7 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
                 assert procs.signal_process(core.pid, core.start_ticks, signal.SIGSTOP)
                 await asyncio.sleep(0.2)  # the API server takes in what the core sent
                 if await _finished(http, a.base_url) - finished_before < len(cases):
-                    router.set_serving_backends([a.base_url, b.base_url])
+                    router.set_serving_backends([a.base_url, b.base_url], facts)
                     assert procs.signal_process(core.pid, core.start_ticks, signal.SIGKILL)
                     answers = await asyncio.gather(*runs)
                     break
@@ -158,8 +169,12 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
         if v.outcome == "inexact":
             inexact.append((case, v))
     continued = router.stats.continuations
+    sampled = sum(1 for c in cases if c.body.get("temperature") not in (0, None)
+                  and c.body.get("n", 1) == 1)
+    capped = sum(1 for _, got in zip(cases, answers, strict=True)
+                 if b'"length"' in got[1] and b'"completion_tokens":120' in got[1])
     print(f"\nreal vLLM oracle: FLEETWARDEN_ORACLE_SEED={seed} kept {KEPT_CASES} "
-          f"cases={len(cases)} "
+          f"cases={len(cases)} seeded sampled={sampled} ended at the cap (usage seen)={capped} "
           f"streams under way at the kill={under_way} outcomes={outcomes} "
           f"continuations={continued}")
     assert not inexact, json.dumps([c.describe() + " " + v.detail for c, v in inexact])
@@ -175,7 +190,8 @@ def pair(vllm_python: Path, tiny_model_dir: Path,
     engines: list[LocalEngine] = []
     try:
         for shard in (0, 1):
-            engines.append(start_vllm_engine(vllm_python, tiny_model_dir, log_dir, shard))
+            engines.append(start_vllm_engine(vllm_python, tiny_model_dir, log_dir, shard,
+                                             extra_args=CAP_ARGS))
         for engine in engines:
             engine.wait_ready()
         yield engines[0], engines[1]
