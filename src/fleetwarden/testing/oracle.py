@@ -63,6 +63,15 @@ class Case:
         """Its stop strings hold text back while they might begin (vLLM's detokenizer)."""
         return bool(self.body.get("stop")) and not self.body.get("include_stop_str_in_output")
 
+    @property
+    def kind(self) -> str:
+        """greedy, sampled or seeded (sampled with a seed); ``capped`` appended where it went
+        to the engines with a server cap."""
+        sampled = self.body.get("temperature") not in (0, None)
+        kind = ("seeded" if self.body.get("seed") is not None else "sampled") if sampled else (
+            "greedy")
+        return kind + (", capped" if self.capped else "")
+
     def describe(self) -> str:
         return (f"seed={self.seed} index={self.index} {self.path} cut={self.cut}@"
                 f"{self.cut_after}{' capped' if self.capped else ''} "

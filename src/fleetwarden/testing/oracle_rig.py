@@ -59,6 +59,9 @@ class Result:
     verdicts: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     by_cut: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Outcomes by what the request was: greedy, sampled, seeded (sampled with a seed), and
+    #: whether it went to the capped engines.
+    by_kind: Counter[tuple[str, str]] = field(default_factory=Counter)
     inexact: list[tuple[Case, Exactness]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -119,6 +122,7 @@ class Oracle:
                 result.continued += v.outcome == "exact"
             result.verdicts[v.outcome] += 1
             result.by_cut[(case.cut, v.outcome)] += 1
+            result.by_kind[(case.kind, v.outcome)] += 1
             if v.outcome == "refused":
                 result.refused[v.detail] += 1
             elif v.outcome == "inexact":
