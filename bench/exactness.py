@@ -37,6 +37,7 @@ async def _run(seed: int, cases: int, concurrency: int, batch: int) -> int:
                 totals.verdicts.update(result.verdicts)
                 totals.refused.update(result.refused)
                 totals.by_cut.update(result.by_cut)
+                totals.by_kind.update(result.by_kind)
                 totals.inexact += result.inexact
                 totals.seconds += result.seconds
         assert totals is not None
@@ -45,6 +46,11 @@ async def _run(seed: int, cases: int, concurrency: int, batch: int) -> int:
         for cut in sorted({c for c, _ in totals.by_cut}):
             row = {v: totals.by_cut[(cut, v)] for v in ("exact", "refused", "inexact")}
             print(f"  {cut:12} exact {row['exact']:6d}  refused {row['refused']:6d}  "
+                  f"inexact {row['inexact']:3d}")
+        print("by request:")
+        for kind in sorted({k for k, _ in totals.by_kind}):
+            row = {v: totals.by_kind[(kind, v)] for v in ("exact", "refused", "inexact")}
+            print(f"  {kind:16} exact {row['exact']:6d}  refused {row['refused']:6d}  "
                   f"inexact {row['inexact']:3d}")
         inexact = totals.verdicts["inexact"]
     return inexact

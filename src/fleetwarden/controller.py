@@ -51,7 +51,7 @@ from typing import Any
 
 from fleetwarden.config import Config
 from fleetwarden.credentials import NO_KEYS, EngineKeys
-from fleetwarden.engines import AUTO, profile
+from fleetwarden.engines import AUTO, output_cap_of, profile
 from fleetwarden.evidence import Evidence, router_error
 from fleetwarden.focus import Focus, held_out_of
 from fleetwarden.journal import Journal
@@ -318,9 +318,19 @@ class Controller:
                                             upstream_fields=self._upstream_fields(rec.index),
                                             incarnation=rec.incarnation,
                                             models=self.watchdog.models(rec.base_url),
-                                            key=self._key(rec.index))
+                                            key=self._key(rec.index),
+                                            output_cap=self._output_cap(rec.index))
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
+
+    def _output_cap(self, shard: int) -> int | None:
+        """The server cap a launched shard's command sets on every request's output (an
+        attached engine's command is not known here)."""
+        fleet = self.config.fleet
+        if shard >= fleet.launched:
+            return None
+        group = fleet.group_of(shard)
+        return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd)
 
     def _key(self, shard: int) -> str | None:
         key = self.engine_keys.of_shard(shard)

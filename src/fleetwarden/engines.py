@@ -50,6 +50,10 @@ Keep in sync: :data:`PROFILES`, the fixtures' READMEs, ``README.md`` ("Engines")
 
 from __future__ import annotations
 
+import functools
+import json
+import shlex
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -322,4 +326,38 @@ def detect(body: str) -> EngineProfile | None:
     for p in PROFILES.values():
         if p.detect and ("\n# TYPE " + p.detect in body or body.startswith("# TYPE " + p.detect)):
             return p
+    return None
+
+
+#: vLLM's flag for generation-config overrides; its ``max_new_tokens`` caps every request.
+OVERRIDE_GENERATION_CONFIG = "--override-generation-config"
+
+
+@functools.lru_cache(maxsize=256)
+def output_cap_of(command: str | None) -> int | None:
+    """The server cap on every request's output that an engine command sets: vLLM's
+    ``--override-generation-config '{"max_new_tokens": N}'`` (``get_max_tokens`` caps even a
+    request that names more). The command is a template (``str.format``: literal braces
+    doubled), read with its placeholders left blank. ``None``: it sets none, or it cannot be
+    read (then a continuation learns the cap only from a ``"length"`` finish)."""
+    if not command or OVERRIDE_GENERATION_CONFIG not in command:
+        return None
+    try:
+        names = {n for _, n, _, _ in string.Formatter().parse(command) if n}
+        words = shlex.split(command.format(**dict.fromkeys(names, "0")))
+    except (ValueError, KeyError, IndexError):
+        return None
+    value = None
+    for i, word in enumerate(words):
+        if word == OVERRIDE_GENERATION_CONFIG and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith(OVERRIDE_GENERATION_CONFIG + "="):
+            value = word.split("=", 1)[1]
+    try:
+        cap = json.loads(value) if value is not None else None
+    except ValueError:
+        return None
+    tokens = cap.get("max_new_tokens") if isinstance(cap, dict) else None
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:
+        return tokens
     return None

@@ -1099,3 +1099,22 @@ async def test_a_trainer_fleets_new_process_stays_stale_until_its_refit() -> Non
         await until(lambda: len(reads.probed) >= 2, what="its focused reads")
         assert ledger.state(1) is ST and c.coming_back() == 0
         await c.close()
+
+
+def test_the_push_carries_the_server_cap_an_engine_command_sets() -> None:
+    """vLLM's ``--override-generation-config '{"max_new_tokens": N}'`` caps every request and no
+    endpoint tells it: the push says it, from the command, before any finish could reveal it
+    (a continuation asks no more than the cap less what was produced)."""
+    from fleetwarden.router.pool import BackendFacts
+
+    command = ("vllm serve m --port {port} --override-generation-config "
+               "'{{\"max_new_tokens\": 64}}'")
+    config = Config.model_validate({"fleet": {"engine_cmd": command, "groups": [
+        {"engines": 1, "engine_cmd": "vllm serve m --port {port}"}]}})
+    ledger = Ledger(["http://a", "http://b", "http://c"], Policy())
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, _Watchdog(), supervisor, [], config,
+                   refit=RefitCoordinator(ledger))
+    facts = c.serving_push()[1]
+    assert [facts[u].output_cap for u in ("http://a", "http://b", "http://c")] == [64, 64, None]
+    assert facts["http://a"] == BackendFacts(0, ledger.shard(0).weight_version, output_cap=64)

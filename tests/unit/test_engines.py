@@ -19,6 +19,7 @@ from fleetwarden.engines import (
     EngineProfile,
     Family,
     detect,
+    output_cap_of,
     profile,
 )
 
@@ -98,3 +99,17 @@ def test_tgi_counters_written_without_total_are_read() -> None:
     sample = parse(BODIES["tgi"].read_text(), profile=TGI)
     assert isinstance(sample, Sample)
     assert (sample.running, sample.waiting, sample.steps) == (4, 2, 9 + 1730)
+
+
+@pytest.mark.parametrize(("command", "cap"), [
+    ("vllm serve m --port {port} --override-generation-config '{{\"max_new_tokens\": 64}}'", 64),
+    ("vllm serve m --override-generation-config='{{\"max_new_tokens\": 8, \"temperature\": 0}}'"
+     " --port {port}", 8),
+    ("vllm serve m --port {port} --override-generation-config '{{\"temperature\": 0.5}}'", None),
+    ("vllm serve m --port {port}", None),
+    (None, None),
+    ("vllm serve m --override-generation-config '{{not json}}' --port {port}", None),
+    ("vllm serve m --override-generation-config '{{\"max_new_tokens\": 0}}'", None),
+])
+def test_the_server_cap_an_engine_command_sets(command: str | None, cap: int | None) -> None:
+    assert output_cap_of(command) == cap

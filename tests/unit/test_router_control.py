@@ -162,6 +162,21 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             assert router._forwarder.coming_back == 0
             with pytest.raises(ControlError, match="coming_back"):
                 await remote._call("PUT", "/serving", {"backends": [a], "coming_back": -1})
+            # An engine's server cap (read from its command): a continuation of a generation
+            # begun there asks no more than it from the first request on, where before it knew
+            # the cap only once a "length" finish revealed it, and ran past it until then.
+            await remote.set_serving_backends([a, b], {a: BackendFacts(0, 1, output_cap=12),
+                                                       b: BackendFacts(1, 1)})
+            assert router.pool.facts(a).output_cap == 12
+            limits = router._forwarder.limits
+            assert (limits.output_cap(a, False), limits.output_cap(b, False)) == (12, None)
+            assert (await remote.status())["facts"][a]["output_cap"] == 12
+            with pytest.raises(ControlError, match="output_cap"):
+                await remote._call("PUT", "/serving", {"backends": [a], "facts": {
+                    a: {"output_cap": 0}}})
+            # an engine that left takes its cap along (one started again may have another)
+            await remote.set_serving_backends([b], {b: BackendFacts(1, 1)})
+            assert limits.output_cap(a, False) is None
     finally:
         await router.stop()
 
@@ -573,4 +588,5 @@ async def test_a_worker_link_pushes_to_its_predecessor_until_released() -> None:
         await link.disconnect()
         for r in (old, new):
             await r.stop()
+
 

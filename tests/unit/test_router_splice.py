@@ -267,7 +267,10 @@ def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
 
 
 @pytest.mark.parametrize(("extra", "cause"), [
-    ({"stop": ["\n"]}, "stop strings"),
+    # held back at the cut, in a sampled generation: its tokens would not come again the same
+    ({"stop": ["\n\n\n\n"]}, "stop strings in a sampled generation"),
+    ({"stop": ["\n\n\n\n"], "logprobs": 1, "temperature": 0},
+     "logprobs, at a cut where stop strings held text back"),
     ({"presence_penalty": 0.5}, "penalties"),
     ({"frequency_penalty": -1}, "penalties"),
     ({"seed": 7, "temperature": 0.8}, "seed"),

@@ -17,11 +17,13 @@ not its cut; the engine behaviour behind each is pinned by a test (here, and in
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
 import random
 import signal
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +32,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetwarden.engines import output_cap_of
 from fleetwarden.launchers import procs
-from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router import BackendFacts, Router, RouterSettings
+from fleetwarden.router.splice import check_stop_strings
 from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME, SERVED_MODEL_NAME
@@ -52,6 +56,11 @@ UNDER_WAY = 2
 #: Added to a case's explicit limit: the tiny model on CPU streams fast, and a generation
 #: must still be going when the core is killed (those without a limit keep vLLM's default).
 LONGER = 150
+#: Both engines run with a server cap below every case's limit (vLLM's
+#: ``--override-generation-config``, as RL stacks set it): a continuation must end where the
+#: cap would have ended the uninterrupted run. The router is told it by the push, read from the
+#: command as the controller reads it (``engines.output_cap_of``).
+CAP_ARGS = "--override-generation-config '{{\"max_new_tokens\": 120}}'"
 
 
 async def _post(http: aiohttp.ClientSession, url: str, case: Case,
@@ -95,14 +104,19 @@ async def _finished(http: aiohttp.ClientSession, url: str) -> float:
 async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     router = Router([], RouterSettings(continue_answers=True, max_retries=4,
                                        retry_budget_ratio=1.0))
-    router.set_serving_backends([a.base_url])
+    cap = output_cap_of(CAP_ARGS)
+    assert cap == 120
+    facts = {e.base_url: BackendFacts(output_cap=cap) for e in (a, b)}
+    router.set_serving_backends([a.base_url], facts)
     await router.start()
     try:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             cases = []
             for seed_, i in [*((seed, i) for i in range(CASES)), *KEPT_CASES]:
-                case = draw(seed_, i, SERVED_MODEL_NAME, real=True)
+                # a third of the fresh cases sampled with a seed; the kept ones as they were
+                case = draw(seed_, i, SERVED_MODEL_NAME, real=True,
+                            sampling=(seed_, i) not in KEPT_CASES)
                 body = dict(case.body)
                 if case.stream is False and i % 2:  # mostly streams: they are what is cut
                     body["stream"] = True
@@ -134,7 +148,7 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
                 assert procs.signal_process(core.pid, core.start_ticks, signal.SIGSTOP)
                 await asyncio.sleep(0.2)  # the API server takes in what the core sent
                 if await _finished(http, a.base_url) - finished_before < len(cases):
-                    router.set_serving_backends([a.base_url, b.base_url])
+                    router.set_serving_backends([a.base_url, b.base_url], facts)
                     assert procs.signal_process(core.pid, core.start_ticks, signal.SIGKILL)
                     answers = await asyncio.gather(*runs)
                     break
@@ -155,8 +169,12 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
         if v.outcome == "inexact":
             inexact.append((case, v))
     continued = router.stats.continuations
+    sampled = sum(1 for c in cases if c.body.get("temperature") not in (0, None)
+                  and c.body.get("n", 1) == 1)
+    capped = sum(1 for _, got in zip(cases, answers, strict=True)
+                 if b'"length"' in got[1] and b'"completion_tokens":120' in got[1])
     print(f"\nreal vLLM oracle: FLEETWARDEN_ORACLE_SEED={seed} kept {KEPT_CASES} "
-          f"cases={len(cases)} "
+          f"cases={len(cases)} seeded sampled={sampled} ended at the cap (usage seen)={capped} "
           f"streams under way at the kill={under_way} outcomes={outcomes} "
           f"continuations={continued}")
     assert not inexact, json.dumps([c.describe() + " " + v.detail for c, v in inexact])
@@ -172,7 +190,8 @@ def pair(vllm_python: Path, tiny_model_dir: Path,
     engines: list[LocalEngine] = []
     try:
         for shard in (0, 1):
-            engines.append(start_vllm_engine(vllm_python, tiny_model_dir, log_dir, shard))
+            engines.append(start_vllm_engine(vllm_python, tiny_model_dir, log_dir, shard,
+                                             extra_args=CAP_ARGS))
         for engine in engines:
             engine.wait_ready()
         yield engines[0], engines[1]
@@ -213,3 +232,27 @@ def test_random_cases_cut_by_a_killed_engine_core_are_exact_or_refused(
     seed = int(os.environ.get("FLEETWARDEN_ORACLE_SEED") or random.randrange(2**31))
     print(f"\nreal vLLM oracle: FLEETWARDEN_ORACLE_SEED={seed}, kept cases {KEPT_CASES}")
     asyncio.run(_run(*pair, seed))
+
+
+def test_the_routers_stop_check_is_vllms_own(vllm_python: Path) -> None:
+    """The router holds vLLM's stop check across a cut (router/splice.py ``StopCheck``): its
+    ``check_stop_strings`` gives what the installed vLLM's own gives (the function read from
+    its source: it needs nothing but ``sys``), on random texts, windows and stop lists."""
+    found = sorted(vllm_python.parent.parent.glob(
+        "lib/python*/site-packages/vllm/v1/engine/detokenizer.py"))
+    assert found, f"no vllm/v1/engine/detokenizer.py beside {vllm_python}"
+    tree = ast.parse(found[0].read_text())
+    node = next(n for n in tree.body
+                if isinstance(n, ast.FunctionDef) and n.name == "check_stop_strings")
+    space: dict[str, Any] = {"sys": sys}
+    exec(compile(ast.Module([node], []), str(found[0]), "exec"), space)
+    vllm = space["check_stop_strings"]
+    rng = random.Random(5)
+    for _ in range(20_000):
+        text = "".join(rng.choice("ab c.") for _ in range(rng.randint(0, 14)))
+        stops = tuple("".join(rng.choice("ab c.") for _ in range(rng.randint(1, 4)))
+                      for _ in range(rng.randint(1, 3)))
+        new = rng.randint(0, len(text))
+        include = rng.random() < 0.5
+        assert check_stop_strings(text, new, stops, include) == vllm(
+            text, new, list(stops), include), (text, new, stops, include)

@@ -351,10 +351,13 @@ def _facts_of(raw: object, keys: object = None) -> dict[str, BackendFacts] | Non
         incarnation = fact.get("incarnation")
         if incarnation is not None and not isinstance(incarnation, str):
             raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
+        cap = fact.get("output_cap")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise _bad_request(f"'facts.{url}.output_cap' must be an integer >= 1 or null")
         facts[url] = BackendFacts(values["shard"], values["weight_version"],
                                   upstream_fields=fields, incarnation=incarnation,
                                   models=_models_of(url, fact.get("models")),
-                                  key=(keys or {}).get(url))
+                                  key=(keys or {}).get(url), output_cap=cap)
     return facts
 
 

@@ -1278,7 +1278,7 @@ class Forwarder:
                                 request, stream, upstream, started, backend_time, facts,
                                 error=True)
                         if outcome is EventAction.DONE:
-                            complete = True
+                            complete = not splice.ended_by_router()
                             self._whole(backend, splice)
                             return await self._answer_assembled(
                                 request, stream, upstream, started, backend_time, facts)
@@ -1289,7 +1289,10 @@ class Forwarder:
                         assert stream.response is not None
                         return stream.response
                     if outcome is EventAction.DONE:
-                        complete = True
+                        # A stop string the router matched ends it before its engine does:
+                        # that engine is let go (it would go on to its limit), as vLLM aborts
+                        # a generation its detokenizer stopped.
+                        complete = not splice.ended_by_router()
                         self._whole(backend, splice)
                         if self.count_usage:
                             response.usage = _stream_usage(splice)
@@ -1371,8 +1374,13 @@ class Forwarder:
 
     def forget_limits(self) -> None:
         """A push came: forget the limits of backends that left (one that comes back may have
-        been started otherwise)."""
+        been started otherwise), and take the server caps it says (read from the commands
+        that started the engines: before any ``"length"`` finish could reveal them)."""
         self.limits.forget(set(self.pool.serving))
+        for url in self.pool.serving:
+            cap = self.pool.facts(url).output_cap
+            if cap is not None:
+                self.limits.cap[url] = cap
 
     def _learn_context(self, backend: str) -> None:
         """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the

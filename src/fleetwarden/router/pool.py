@@ -61,6 +61,10 @@ class BackendFacts:
     #: stream's continuation and its read of ``/v1/models``. Never in a repr or in
     #: :meth:`to_dict` (the router's status, the push's answer): pushed apart, as ``keys``.
     key: str | None = field(default=None, repr=False)
+    #: The engine's server cap on every request's output (vLLM's ``--override-generation-config
+    #: '{"max_new_tokens": N}'``), read from the command that started it: no endpoint tells it,
+    #: and a continuation must not ask past it (docs/design.md 4.1). ``None``: not known.
+    output_cap: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -71,6 +75,8 @@ class BackendFacts:
             out["incarnation"] = self.incarnation
         if self.models is not None:
             out["models"] = [card.to_dict() for card in self.models]
+        if self.output_cap is not None:
+            out["output_cap"] = self.output_cap
         return out
 
 

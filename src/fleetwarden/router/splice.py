@@ -29,6 +29,10 @@ Two ways to continue, and the metrics say which one happened:
   far, a chat from the partial assistant message with ``continue_final_message``. The output
   may differ from an uninterrupted run where the text does not re-tokenize to the same tokens.
 
+Stop strings are the router's to check across a cut (:class:`StopCheck`): the continuation
+goes on from the last token boundary whose text the router knows, without the stop strings,
+and the router runs vLLM's own check over the text known from the start.
+
 A request is not continuable where a continuation cannot be exact or is not allowed: several
 choices (``n`` > 1, ``best_of``, several prompts), ``echo``, prompt logprobs, structured output
 or tools (their grammar state would restart), or a client that opted out with
@@ -41,6 +45,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,6 +246,9 @@ class Continuation:
     replay: tuple[int, ...] = ()
     #: The text the client had of those tokens: not sent twice either.
     replay_text: str = ""
+    #: The request's stop strings are the router's to check on this attempt (it is sent
+    #: without them): :class:`StopCheck`.
+    held_stop: bool = False
 
 
 @dataclass(slots=True)
@@ -284,6 +292,128 @@ class EngineLimits:
             caps.append(self.default_cap.get(backend))
         known = [c for c in caps if c is not None]
         return min(known) if known else None
+
+
+def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """A request's stop strings as vLLM reads them (one string is a list of one); ``None``
+    where they are not strings."""
+    stop = body.get("stop")
+    if stop is None or stop == []:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        return tuple(stop)
+    return None
+
+
+def check_stop_strings(text: str, new_chars: int, stops: tuple[str, ...],
+                       include: bool) -> tuple[str, int] | None:
+    """vLLM 0.32's ``check_stop_strings`` (``vllm/v1/engine/detokenizer.py``), line for line:
+    of the stop strings found in the text new since the last check (plus a string's length
+    before it), the one that completes earliest (ties: list order); returns it and where the
+    text is cut (its start; with ``include``, its end, or -1 where that is the text's end)."""
+    if not new_chars or not stops:
+        return None
+    best: str | None = None
+    best_index = 0
+    best_end = sys.maxsize
+    for stop in stops:
+        index = text.find(stop, 1 - new_chars - len(stop))
+        if index == -1:
+            continue
+        end = index + len(stop)
+        if end < best_end:
+            best, best_index, best_end = stop, index, end
+    if best is None:
+        return None
+    if include:
+        return (best, -1) if best_end >= len(text) else (best, best_end)
+    return best, best_index
+
+
+@dataclass(slots=True)
+class StopCheck:
+    """vLLM's stop-string check on one generation, which the router holds across a cut.
+
+    vLLM matches stop strings in its detokenizer's output text, only in the text new since its
+    last check, and, unless ``include_stop_str_in_output``, holds back the last
+    ``max(len(stop)) - 1`` characters from every chunk while a stop string might begin. A
+    continuation's engine would lose both: the held text (it never reached the router) and a
+    match that begins before the cut. So a continuation is sent without the stop strings and
+    the router checks them itself, over the text known from the generation's start, exactly as
+    vLLM does (:func:`check_stop_strings`), holding back from the client what vLLM would; it
+    goes on from the last *seam*: a token boundary whose text is known, where the held text's
+    tokens are generated again (at temperature 0 they come the same, and their text, which
+    the client partly had, is checked against it). Where it cannot prove where vLLM would have
+    cut (a match inside a chunk of several tokens: which token completed it is unknown), it
+    refuses (:attr:`unprovable`)."""
+
+    stops: tuple[str, ...]
+    include: bool
+    min_tokens: int
+    #: The characters vLLM holds back from the client (0 with ``include_stop_str_in_output``).
+    hold: int
+    #: The output text known from its start (vLLM's ``output_text``) and the tokens it covers,
+    #: while the router holds the check; before that, the client's text is what is known.
+    text: str = ""
+    tokens: int = 0
+    #: Characters of the output text the client has.
+    sent: int = 0
+    #: The last token boundary whose text is known: (tokens, characters).
+    seam: tuple[int, int] = (0, 0)
+    #: On the first attempt: boundaries whose text the engine still held back from the client.
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    #: The router holds the check (an attempt sent without the stop strings).
+    active: bool = False
+    #: The router matched a stop string: the generation ended here.
+    stopped: bool = False
+    unprovable: str | None = None
+
+    def engine_chunk(self, ids: list[int], text: str, produced: int) -> None:
+        """A chunk of an attempt that carried the stop strings (the engine held text back),
+        ``produced`` tokens in: a one-token chunk with text ends where the engine's
+        detokenizer wrote everything (vLLM writes a token's text once its character is
+        whole), and its output text then ends ``hold`` characters past what the client has."""
+        self.sent += len(text)
+        if len(ids) == 1 and text:
+            self.pending.append((produced, self.sent + self.hold))
+        while self.pending and self.pending[0][1] <= self.sent:
+            self.seam = self.pending.pop(0)
+
+    def begin(self, known: str) -> None:
+        """An attempt sent without the stop strings, going on from the seam; ``known``: the
+        output text known so far (the client's, or the router's own)."""
+        self.active, self.pending = True, []
+        self.tokens, self.text = self.seam[0], known[:self.seam[1]]
+
+    def chunk(self, ids: list[int], text: str, finished: bool) -> tuple[str, str | None]:
+        """One chunk of such an attempt (its ids and its whole text): the text the client gets
+        for it, and the stop string that ends the generation here, if one does."""
+        before, start = self.tokens, len(self.text)
+        self.text += text
+        self.tokens += len(ids)
+        if len(ids) == 1 and text:
+            self.seam = (self.tokens, len(self.text))
+        found = None
+        if self.tokens > self.min_tokens:
+            # vLLM checks from the token after the first ``min_tokens``: inside a chunk of
+            # several, where that token's text begins is unknown.
+            first = max(self.min_tokens - before, 0)
+            found = check_stop_strings(self.text, len(self.text) - start, self.stops,
+                                       self.include)
+            if found is not None and (first > 0 or len(ids) > 1):
+                self.unprovable = ("a stop string matched inside a chunk of several tokens "
+                                   "(which token completed it is unknown)")
+                return "", None
+        if found is not None:
+            if found[1] != -1:
+                self.text = self.text[:found[1]]
+            self.stopped = finished = True
+        end = len(self.text) if finished else len(self.text) - self.hold
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out, None if found is None else found[0]
 
 
 class Splice:
@@ -344,6 +474,15 @@ class Splice:
         #: ``_offset_end`` when the current attempt began (the client's text, where no offsets
         #: came): its offsets count from there.
         self._chars_before = 0
+        #: The stop-string check, where the request has stop strings (``None``: it has none,
+        #: or they are not strings, which a continuation refuses).
+        self.stop_check: StopCheck | None = None
+        stops = stop_strings(request.body)
+        if stops:
+            include = request.body.get("include_stop_str_in_output") is True
+            min_tokens = _number(request.body.get("min_tokens"), 0)
+            self.stop_check = StopCheck(stops, include, min_tokens,
+                                        0 if include else max(map(len, stops)) - 1)
 
     # ------------------------------------------------------------------ events
 
@@ -352,6 +491,10 @@ class Splice:
         self._chars_before = (sum(map(len, self.text)) if self._offset_end is None
                               else self._offset_end)
         if continuation is not None:
+            if continuation.mode is Mode.RESTART and self.stop_check is not None:
+                # from the start: the engine holds the stop strings again
+                self.stop_check = StopCheck(self.stop_check.stops, self.stop_check.include,
+                                            self.stop_check.min_tokens, self.stop_check.hold)
             self.mode = continuation.mode
             self._as_completion = continuation.as_completion
             # The output stops where its text was last written; the tokens after it (those
@@ -363,7 +506,14 @@ class Splice:
                 self.produced -= drop
                 self.unwritten = 0
             chars = len(continuation.replay_text) - len(self._replay_text)
-            if chars:
+            if continuation.held_stop and self.stop_check is not None:
+                # The client's text stays whole: what the client gets is counted by the
+                # check, from the seam's known text.
+                check = self.stop_check
+                known = check.text if check.active else "".join(self.text)
+                check.begin(known)
+                self.unwritten, self._tail_text = 0, ""
+            elif chars:
                 self.text = ["".join(self.text)[:-chars]]
                 self._tail_text = ""
             self._replay = list(continuation.replay)
@@ -405,15 +555,49 @@ class Splice:
             self.error = {"message": "the continuation generated other tokens than those the "
                                      "client had", "code": 500}
             return EventAction.ENGINE_ERROR, b""
+        check = self.stop_check
+        if check is not None and check.active:
+            if not self._check_stops(chunk, check):
+                self.error = {"message": check.unprovable, "code": 500}
+                return EventAction.ENGINE_ERROR, b""
+            replayed = (replayed[0], 0)  # the check counted the client's text already
         self._observe(chunk)
         if self.mode is None:  # the first attempt: the engine's bytes, less what we added
             if self.request.wants_ids or self.request.refusal is not None:
                 return EventAction.SEND, event + b"\n\n"
             return EventAction.SEND, _ADDED_IDS.sub(rb'"\1":null', event) + b"\n\n"
         out = self._rewrite(chunk, replayed)
+        if check is not None and check.stopped:
+            # The router matched a stop string: the generation ends here, as vLLM ends it
+            # (the final chunk, the usage asked for, ``[DONE]``); its engine is let go.
+            prompt = len(self.prompt_ids or ())
+            self.usage = {"prompt_tokens": prompt, "total_tokens": prompt + self.produced,
+                          "completion_tokens": self.produced}
+            final = b"" if out is None else b"data: " + _dumps(out) + b"\n\n"
+            return EventAction.DONE, final + (self.closing_usage() or b"") + DONE
         if out is None:
             return EventAction.SKIP, b""
         return EventAction.SEND, b"data: " + _dumps(out) + b"\n\n"
+
+    def _check_stops(self, chunk: dict[str, Any], check: StopCheck) -> bool:
+        """The router's stop check on a chunk of an attempt sent without the stop strings: its
+        text becomes what the client gets, and a match ends the generation (``False``: where
+        vLLM would have cut cannot be proven)."""
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get("token_ids")
+            text = choice.get("text")
+            if not isinstance(ids, list) or not isinstance(text, str):
+                check.unprovable = "stop strings, with a chunk without token ids or text"
+                return False
+            out, stop = check.chunk(ids, text, choice.get("finish_reason") is not None)
+            if check.unprovable is not None:
+                return False
+            choice["text"] = out
+            if stop is not None:
+                choice["finish_reason"], choice["stop_reason"] = "stop", stop
+        return True
 
     def _take_replay(self, chunk: dict[str, Any]) -> tuple[int, int] | None:
         """How many of a chunk's first ids and characters the client had already (tokens
@@ -479,6 +663,9 @@ class Splice:
                 self.produced += 1
             if isinstance(text, str):
                 self.text.append(text)
+            check = self.stop_check
+            if check is not None and not check.active and isinstance(ids, list):
+                check.engine_chunk(ids, text if isinstance(text, str) else "", self.produced)
             if isinstance(ids, list):
                 if text and len(ids) == 1:
                     self.unwritten, self._tail_text = 0, ""
@@ -676,6 +863,10 @@ class Splice:
             return None
         return self.produced, not self.names_no_limit()
 
+    def ended_by_router(self) -> bool:
+        """The router matched a stop string and ended the generation before its engine did."""
+        return self.stop_check is not None and self.stop_check.stopped
+
     def finished(self) -> bool:
         """The generation is whole: its final chunk (``finish_reason`` set) was read, whatever
         became of ``[DONE]``. It is never continued past its end."""
@@ -694,9 +885,10 @@ class Splice:
         request = self.request
         if request.refusal is not None:
             return request.refusal
-        if self.produced == 0:
+        if self.produced == 0 and not self._replay:
             # Nothing of the generation reached the client (a chat's role chunk at most): the
-            # request itself goes again, and its role chunk is not repeated.
+            # request itself goes again, and its role chunk is not repeated. (Tokens still to
+            # be generated again did reach it: their chunks came, and perhaps some text.)
             path = CHAT if request.chat else COMPLETIONS
             return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
         refusal = self._inexact()
@@ -716,6 +908,22 @@ class Splice:
         replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
             from_ids and (self.unwritten or self._replay)) else ()
         produced = self.produced - self.unwritten if replay else self.produced
+        check = self.stop_check
+        if check is not None:
+            # The router holds the stop check from here (:class:`StopCheck`): the prompt of
+            # ids stops at the seam, and the tokens after it are generated again.
+            if not from_ids:
+                return ("stop strings, without token ids to go on from (the text held back "
+                        "at the cut, and a match across it)")
+            seam_tokens, seam_chars = check.seam
+            replay = (*self.output_ids[seam_tokens:], *self._replay)
+            client = "".join(self.text)
+            replay_text = client[seam_chars:]
+            produced = seam_tokens
+            if replay and not _greedy(body):
+                return ("stop strings in a sampled generation, cut where the engine held text "
+                        "back (its tokens, generated again, would not come the same)")
+            body.pop("stop", None)
         left = self._tokens_left(max_model_len, produced, output_cap)
         if isinstance(left, str):
             return left
@@ -743,23 +951,27 @@ class Splice:
         if not upstream_fields and request.chat:
             return "a chat, on an engine that takes no continue_final_message"
         if exact and replay and (self.saw_logprobs or _asks_logprobs(body)):
+            if check is not None:
+                return ("logprobs, at a cut where stop strings held text back (the text "
+                        "offsets of the tokens generated again)")
             return ("logprobs, at a cut inside a character (the text offsets of the tokens "
                     "generated again)")
         if exact and replay and not _greedy(body):
             return ("a cut inside a character of a sampled generation (its last tokens would "
                     "not come again the same)")
-        ids = (self.prompt_ids or []) + self.output_ids[
-            :len(self.output_ids) - (self.unwritten if replay else 0)]
+        again = len(replay) - len(self._replay) if replay else 0  # output ids made again
+        ids = (self.prompt_ids or []) + self.output_ids[:len(self.output_ids) - again]
+        held = check is not None
         if exact and request.chat and chat_as_completion:
             completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
             completion.update(prompt=ids, stream=True,
                               return_token_ids=True, max_tokens=body["max_tokens"])
             return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True, replay,
-                                replay_text if replay else "")
+                                replay_text if replay else "", held)
         if exact and not request.chat:
             body["prompt"] = ids
             return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay,
-                                replay_text if replay else "")
+                                replay_text if replay else "", held)
         return self._from_text(body)
 
     def _tokens_left(self, max_model_len: int | None, produced: int,
@@ -823,11 +1035,10 @@ class Splice:
         """Why a continuation from here could not be proven the same answer, if it could not.
         Each is a state the engine kept that a new prompt does not carry."""
         body = self.request.body
-        stop = body.get("stop")
-        if stop:
-            # vLLM holds back the text a stop string might begin with, and matches a stop only
-            # in its own output: the held text and a match across the cut would both be lost.
-            return "stop strings (the text held back at the cut, and a match across it)"
+        if stop_strings(body) is None:
+            return "stop strings that are not strings"
+        if self.stop_check is not None and self.stop_check.unprovable is not None:
+            return self.stop_check.unprovable
         if body.get("seed") is not None and not _greedy(body):
             # vLLM draws a seeded request's tokens from one generator, seeded once at its start:
             # a continuation's generator starts again at the cut, and its tokens after it are

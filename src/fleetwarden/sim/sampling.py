@@ -27,14 +27,21 @@ utils.py`` ``check_stop``, ``vllm/v1/engine/detokenizer.py``, ``serving_chat.py`
 
 The model is greedy and deterministic: the next token depends only on the bytes of the context
 (and, with penalties, on the output's counts), so an uninterrupted run is the reference any
-continuation is compared with. ``eos_period`` makes the model end on its own now and then
-(vLLM's EOS); 0 keeps the simulator's older behaviour of a model that never does.
+continuation is compared with. At a ``temperature`` above 0 a token is drawn from the scores'
+softmax: with a ``seed``, from one generator seeded at the generation's start, one draw a token
+(vLLM's per-request generator: a continuation's draws start again, and differ); without one,
+from a draw that is a function of the context alone (vLLM's come from its global generator and
+repeat nothing; here a continuation from the same tokens draws the same, so the oracle can
+compare a sampled continuation with its uninterrupted run). ``eos_period`` makes the model
+end on its own now and then (vLLM's EOS); 0 keeps the simulator's older behaviour of a model
+that never does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +77,11 @@ class Params:
     n: int = 1
     #: The chat's reasoning (thinking) is on: its first tokens are reasoning output.
     reasoning: bool = False
+    #: Sampling: 0 (or none named: the simulator's greedy model) picks the best token; above
+    #: it, a token is drawn from the scores' softmax at that temperature.
+    temperature: float = 0.0
+    #: vLLM's per-request generator: seeded once at the generation's start, one draw a token.
+    seed: int | None = None
 
 
 def _int(value: Any) -> bool:
@@ -158,7 +170,10 @@ def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
                   include_stop_str_in_output=body.get("include_stop_str_in_output") is True,
                   ignore_eos=body.get("ignore_eos") is True,
                   presence_penalty=penalties[0], frequency_penalty=penalties[1],
-                  logprobs=logprobs, top_logprobs=top, n=n, reasoning=thinking)
+                  logprobs=logprobs, top_logprobs=top, n=n, reasoning=thinking,
+                  temperature=float(temperature) if isinstance(temperature, int | float)
+                  else 0.0,
+                  seed=body.get("seed") if _int(body.get("seed")) else None)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> tuple[bool, int | dict[str, Any]]:
@@ -237,8 +252,11 @@ class Generation:
     _counts: dict[int, int] = field(default_factory=dict)
     _context: Any = None
     _logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    _rng: random.Random | None = None
 
     def __post_init__(self) -> None:
+        if self.params.temperature > 0 and self.params.seed is not None:
+            self._rng = random.Random(self.params.seed)
         self._context = hashlib.blake2b(wire.token_bytes(self.prompt_ids), digest_size=8)
         if self.params.reasoning:
             # How long the model thinks: a function of the prompt only.
@@ -286,8 +304,10 @@ class Generation:
             masked.add(_VOCAB)  # EOS
         if len(self.output) < p.min_tokens:
             masked.update(t - wire.FIRST_PIECE for t in p.stop_token_ids)
-        choice = max((j for j in range(len(logits)) if j not in masked),
-                     key=lambda j: (logits[j], -j))
+        allowed = [j for j in range(len(logits)) if j not in masked]
+        choice = max(allowed, key=lambda j: (logits[j], -j))
+        if p.temperature > 0:
+            choice = self._draw(allowed, logits, p.temperature)
         token = EOS if choice == _VOCAB else wire.FIRST_PIECE + choice
         if p.logprobs:
             self._logprobs.append(self._logprob_entry(token, logits))
@@ -297,6 +317,22 @@ class Generation:
             self._context.update(wire._PIECES[token - wire.FIRST_PIECE].encode())
         self._check_stop(token)
         return token
+
+    def _draw(self, allowed: list[int], logits: list[float], temperature: float) -> int:
+        """A token drawn from the softmax of the allowed scores at ``temperature``."""
+        if self._rng is not None:
+            u = self._rng.random()
+        else:
+            d = hashlib.blake2b(self._context.digest() + self.salt, digest_size=8).digest()
+            u = int.from_bytes(d, "big") / 2**64
+        top = max(logits[j] for j in allowed)
+        weights = [math.exp((logits[j] - top) / temperature) for j in allowed]
+        u *= sum(weights)
+        for j, w in zip(allowed, weights, strict=True):
+            u -= w
+            if u < 0:
+                return j
+        return allowed[-1]
 
     def _logprob_entry(self, token: int, logits: list[float]
                        ) -> tuple[int, float, list[tuple[int, float]]]:
@@ -373,19 +409,22 @@ class Generation:
 
 def _check_stop_strings(text: str, new_chars: int, stop: tuple[str, ...],
                         include: bool) -> tuple[str, int] | None:
-    """vLLM's ``check_stop_strings``: (the string, where the text is cut or -1), or None."""
+    """vLLM 0.32's ``check_stop_strings``: of the strings found in the new text, the one that
+    completes earliest (ties: list order); (the string, where the text is cut or -1), or
+    None."""
     if not new_chars:
         return None
+    best: tuple[str, int, int] | None = None
     for s in stop:
         index = text.find(s, max(0, len(text) + 1 - new_chars - len(s)))
-        if index == -1:
-            continue
-        if include:
-            index += len(s)
-            if index >= len(text):
-                return s, -1
-        return s, index
-    return None
+        if index != -1 and (best is None or index + len(s) < best[2]):
+            best = (s, index, index + len(s))
+    if best is None:
+        return None
+    s, index, end = best
+    if include:
+        return (s, -1) if end >= len(text) else (s, end)
+    return s, index
 
 
 # ---------------------------------------------------------------------- logprobs on the wire

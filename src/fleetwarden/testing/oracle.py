@@ -47,6 +47,8 @@ class Case:
     body: dict[str, Any]
     cut: str  # one of CUTS
     cut_after: int  # token chunks the engine writes before the cut
+    #: Sent to the engines started with a server cap (``--override-generation-config``).
+    capped: bool = False
 
     @property
     def chat(self) -> bool:
@@ -61,17 +63,30 @@ class Case:
         """Its stop strings hold text back while they might begin (vLLM's detokenizer)."""
         return bool(self.body.get("stop")) and not self.body.get("include_stop_str_in_output")
 
+    @property
+    def kind(self) -> str:
+        """greedy, sampled or seeded (sampled with a seed); ``capped`` appended where it went
+        to the engines with a server cap."""
+        sampled = self.body.get("temperature") not in (0, None)
+        kind = ("seeded" if self.body.get("seed") is not None else "sampled") if sampled else (
+            "greedy")
+        return kind + (", capped" if self.capped else "")
+
     def describe(self) -> str:
         return (f"seed={self.seed} index={self.index} {self.path} cut={self.cut}@"
-                f"{self.cut_after} body={json.dumps(self.body, sort_keys=True)}")
+                f"{self.cut_after}{' capped' if self.capped else ''} "
+                f"body={json.dumps(self.body, sort_keys=True)}")
 
 
-def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False) -> Case:
+def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False,
+         sampling: bool = True) -> Case:
     """Case ``index`` of the run seeded ``seed``: what clients really send, cut somewhere.
     ``real``: for a real engine serving a text-only model with no reasoning parser nor tool
     parser (no images, tools, structured output, thinking, or the simulator's stop strings
     and token ids; a stop string is then ``"<from the reference>"``, for the caller to take
-    from the reference's text)."""
+    from the reference's text). ``sampling``: a third of the cases at a temperature above 0,
+    half of them with a ``seed`` (on a real engine all of them: an unseeded sample repeats
+    nothing to compare with); a quarter (not ``real``) go to the engines with a server cap."""
     rng = random.Random(f"{seed}:{index}")
     chance = rng.random
     chat = chance() < 0.5
@@ -142,7 +157,15 @@ def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False) -> C
     # Mostly inside what the generation will produce (its limit, or vLLM's default of 16 for a
     # completion), now and then past a short one's end: then it runs whole, and must be exact.
     cut_after = rng.randint(0, max(0, min(limit or 16, 24) - 1))
-    return Case(seed, index, CHAT if chat else COMPLETIONS, body, cut, cut_after)
+    # Drawn apart, so that the draws above (and the cases kept by seed and index) stay as
+    # they were before these were added.
+    more = random.Random(f"{seed}:{index}:sampling")
+    if sampling and not several and more.random() < 1 / 3:
+        body["temperature"] = more.choice((0.6, 1.0))
+        if real or more.random() < 0.5:
+            body["seed"] = more.randrange(2**31)
+    capped = not real and more.random() < 0.25
+    return Case(seed, index, CHAT if chat else COMPLETIONS, body, cut, cut_after, capped)
 
 
 # ---------------------------------------------------------------------- what the client got

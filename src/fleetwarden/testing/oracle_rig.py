@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
 from fleetwarden.testing.oracle import Case, Exactness, compare, draw, normalize
@@ -40,6 +41,11 @@ STEPS_PER_S = 2000.0
 #: Tokens per step on each engine: 1 as vLLM, and more, whose chunks carry several tokens (a
 #: cut inside one of them is one of the cuts).
 TOKENS_PER_STEP = (1, 1, 3, 1)
+#: The engines of the second fleet: started with a server cap (vLLM's
+#: ``--override-generation-config '{"max_new_tokens": N}'``) below many cases' limits, which
+#: their router is told by the push, as the controller reads it from the engine command.
+CAPPED_TOKENS_PER_STEP = (1, 1)
+OUTPUT_CAP = 20
 
 
 @dataclass
@@ -53,6 +59,9 @@ class Result:
     verdicts: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     by_cut: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Outcomes by what the request was: greedy, sampled, seeded (sampled with a seed), and
+    #: whether it went to the capped engines.
+    by_kind: Counter[tuple[str, str]] = field(default_factory=Counter)
     inexact: list[tuple[Case, Exactness]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -74,6 +83,9 @@ class Oracle:
     router: Router
     sims: list[Sim]
     http: aiohttp.ClientSession
+    #: The fleet of capped engines and its router (cases with ``capped``).
+    capped_router: Router
+    capped_sims: list[Sim]
 
     async def _post(self, url: str, case: Case, headers: dict[str, str] | None = None
                     ) -> tuple[int, bytes]:
@@ -84,11 +96,13 @@ class Oracle:
                 return -1, f"the client's read failed: {e}".encode()
 
     async def run_case(self, case: Case) -> Exactness:
-        reference = normalize(*await self._post(self.sims[0].url, case), chat=case.chat,
+        router, sims = ((self.capped_router, self.capped_sims) if case.capped
+                        else (self.router, self.sims))
+        reference = normalize(*await self._post(sims[0].url, case), chat=case.chat,
                               stream=case.stream, held_back=case.held_back)
         headers = {FAULT_HEADER: f"{case.cut}@{case.cut_after}",
                    FAULT_ID_HEADER: f"{case.seed}:{case.index}"}
-        got = normalize(*await self._post(self.router.url, case, headers), chat=case.chat,
+        got = normalize(*await self._post(router.url, case, headers), chat=case.chat,
                         stream=case.stream, held_back=case.held_back)
         return compare(reference, got)
 
@@ -108,6 +122,7 @@ class Oracle:
                 result.continued += v.outcome == "exact"
             result.verdicts[v.outcome] += 1
             result.by_cut[(case.cut, v.outcome)] += 1
+            result.by_kind[(case.kind, v.outcome)] += 1
             if v.outcome == "refused":
                 result.refused[v.detail] += 1
             elif v.outcome == "inexact":
@@ -124,30 +139,41 @@ class Oracle:
 async def oracle(settings: RouterSettings | None = None, *,
                  eos_period: int = EOS_PERIOD) -> AsyncIterator[Oracle]:
     """Engines and a router, started; stopped at the end."""
-    sims = [Sim(SimConfig(steps_per_s=STEPS_PER_S, tokens_per_step=n, slots=256,
-                          max_model_len=MAX_MODEL_LEN, eos_period=eos_period,
-                          reasoning_parser=True)) for n in TOKENS_PER_STEP]
+    def engines(steps: tuple[int, ...], cap: int | None) -> list[Sim]:
+        return [Sim(SimConfig(steps_per_s=STEPS_PER_S, tokens_per_step=n, slots=256,
+                              max_model_len=MAX_MODEL_LEN, eos_period=eos_period,
+                              reasoning_parser=True, override_max_new_tokens=cap))
+                for n in steps]
+
+    sims, capped = engines(TOKENS_PER_STEP, None), engines(CAPPED_TOKENS_PER_STEP, OUTPUT_CAP)
     # Every request here is cut: a retry budget sized for a fleet where few fail would refuse
     # most of them for the budget's sake, which says nothing of exactness.
-    router = Router([], settings or RouterSettings(continue_answers=True, max_retries=4,
-                                                   retry_budget_ratio=1.0))
+    routers = [Router([], settings or RouterSettings(continue_answers=True, max_retries=4,
+                                                     retry_budget_ratio=1.0))
+               for _ in range(2)]
     loop = asyncio.get_running_loop()
     try:
-        for sim in sims:
-            await sim.start()
+        for router, fleet in zip(routers, (sims, capped), strict=True):
+            for sim in fleet:
+                await sim.start()
 
-            def rescue(kind: str, url: str = sim.url) -> None:
-                if kind == "wedge":  # the controller's call at condemnation, a moment later
-                    loop.call_later(0.01, router.rescue, url)
+                def rescue(kind: str, url: str = sim.url, router: Router = router) -> None:
+                    if kind == "wedge":  # the controller's call at condemnation, a moment later
+                        loop.call_later(0.01, router.rescue, url)
 
-            sim.on_directive = rescue
-        router.set_serving_backends([s.url for s in sims])
-        await router.start()
+                sim.on_directive = rescue
+            cap = fleet[0].config.override_max_new_tokens
+            router.set_serving_backends([s.url for s in fleet], {
+                s.url: BackendFacts(output_cap=cap) for s in fleet})
+            await router.start()
         timeout = aiohttp.ClientTimeout(total=60)
-        connector = aiohttp.TCPConnector(limit=0)
+        # A pooled connection is let go before the router's own idle timeout (5 s) closes it
+        # under a request sent on it (aiohttp keeps one 15 s): a reset that is no case's.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-            yield Oracle(router, sims, http)
+            yield Oracle(routers[0], sims, http, routers[1], capped)
     finally:
-        await router.stop()
-        for sim in sims:
+        for router in routers:
+            await router.stop()
+        for sim in (*sims, *capped):
             await sim.stop()
