@@ -260,6 +260,32 @@ def _max_new_tokens(raw: str | None) -> int | None:
     return cap
 
 
+# The longest options of `fleetwarden sim`, written out here so its signature reads at once.
+_SIM_OVERRIDE_GENERATION_CONFIG = typer.Option(
+    None, help="vLLM's flag, as JSON: '{\"max_new_tokens\": N}' caps every request's "
+    "output at N, even one that names more (the only key the simulator reads).")
+
+_SIM_WEIGHTS = typer.Option(
+    None, help="The checkpoint (a file or a folder) loaded at start and at each restart; "
+    "its bytes change every answer, as POST /collective_rpc reload_weights does. Default: "
+    "the base weights.")
+
+_SIM_ENABLE_SCALE_OUT = typer.Option(
+    False, "--enable-scale-out", help="Serve POST /inference/v1/generate, as vLLM's flag "
+    "does (without it: 403).")
+
+_SIM_KV_EVENTS_CONFIG = typer.Option(
+    None, help="vLLM's flag, as JSON ('{\"enable_kv_cache_events\": true, \"endpoint\": "
+    "\"tcp://*:0\", \"replay_endpoint\": \"tcp://*:0\"}'): publish the prefix cache's "
+    "KV events over ZMQ as vLLM does; GET /kv_event_sources says where (tcp://*:0: a free "
+    "port on --host, one per engine with --engines).")
+
+_SIM_GUARD_DEV_API = typer.Option(
+    False, "--guard-dev-api", help="With --api-key, guard the dev endpoints too (sleep, "
+    "the RL API: /pause, /collective_rpc, /weight_info, ...), as a proxy in front of vLLM "
+    "would; vLLM leaves them open.")
+
+
 @app.command()
 def sim(
     port: int = typer.Option(8000, help="Port to listen on; 0 picks a free one (see the "
@@ -296,21 +322,11 @@ def sim(
         "(Authorization: Bearer KEY), or with --engine llamacpp / sglang as theirs (all but "
         "/health and /models / all but /health* and /metrics*); repeat for several keys.")
     ] = None,
-    override_generation_config: str | None = typer.Option(
-        None, help="vLLM's flag, as JSON: '{\"max_new_tokens\": N}' caps every request's "
-        "output at N, even one that names more (the only key the simulator reads)."),
-    weights: str | None = typer.Option(
-        None, help="The checkpoint (a file or a folder) loaded at start and at each restart; "
-        "its bytes change every answer, as POST /collective_rpc reload_weights does. Default: "
-        "the base weights."),
-    enable_scale_out: bool = typer.Option(
-        False, "--enable-scale-out", help="Serve POST /inference/v1/generate, as vLLM's flag "
-        "does (without it: 403)."),
-    kv_events_config: str | None = typer.Option(
-        None, help="vLLM's flag, as JSON ('{\"enable_kv_cache_events\": true, \"endpoint\": "
-        "\"tcp://*:0\", \"replay_endpoint\": \"tcp://*:0\"}'): publish the prefix cache's "
-        "KV events over ZMQ as vLLM does; GET /kv_event_sources says where (tcp://*:0: a free "
-        "port on --host, one per engine with --engines)."),
+    override_generation_config: str | None = _SIM_OVERRIDE_GENERATION_CONFIG,
+    weights: str | None = _SIM_WEIGHTS,
+    enable_scale_out: bool = _SIM_ENABLE_SCALE_OUT,
+    kv_events_config: str | None = _SIM_KV_EVENTS_CONFIG,
+    guard_dev_api: bool = _SIM_GUARD_DEV_API,
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -343,7 +359,8 @@ def sim(
                        api_keys=tuple(api_key or ()),
                        override_max_new_tokens=cap,
                        weights_path=weights, enable_scale_out=enable_scale_out,
-                       kv_events=kv_events)
+                       kv_events=kv_events,
+                       guard_dev_api=guard_dev_api)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 

@@ -23,6 +23,7 @@ from fleetwarden.router.kv_index import KVIndex, decode_batch
 from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.config import KVEventsConfig
 from support.sim import set_fault
+from support.wait import until
 
 pytestmark = pytest.mark.scenario
 
@@ -38,14 +39,6 @@ async def _complete(http: aiohttp.ClientSession, url: str, prompt: list[int]) ->
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
     async with http.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
-
-
-async def _until(check: object, timeout_s: float = 5.0) -> None:
-    """Wait (bounded) until ``check()`` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def _heard(http: aiohttp.ClientSession, sim: Sim, index: KVIndex, batches: int) -> None:
@@ -123,12 +116,12 @@ async def test_the_index_follows_evictions_a_dropped_stream_and_a_restart(
             # once: an idle engine publishes nothing until its next step.
             await _complete(http, sim.url, list(range(40)))
             events.watch(sim.url, source)
-            await _until(lambda: index.blocks(sim.url) == len(cache) == 2)
+            await until(lambda: index.blocks(sim.url) == len(cache) == 2)
             assert index.synced(sim.url, time.monotonic())
             for k in range(4):  # 4 x 2 blocks through a cache of 6: evictions
                 await _complete(http, sim.url, [1000 * k + i for i in range(40)])
             await _heard(http, sim, index, 0)
-            await _until(lambda: index.blocks(sim.url) == len(cache)
+            await until(lambda: index.blocks(sim.url) == len(cache)
                          and index.tallies.removed > 0)
             assert index.synced(sim.url, time.monotonic())
             print(f"after evictions: engine {len(cache)} blocks, index "
@@ -141,19 +134,19 @@ async def test_the_index_follows_evictions_a_dropped_stream_and_a_restart(
             events.watch(sim.url, source)
             await _complete(http, sim.url, list(range(600, 640)))
             await _heard(http, sim, index, seen)
-            await _until(lambda: index.blocks(sim.url) == len(cache)
+            await until(lambda: index.blocks(sim.url) == len(cache)
                          and index.tallies.batches > seen)
             # A restart: the sequence starts again, the index empties with the cache.
             await set_fault(http, sim.url, "restart")
             await _complete(http, sim.url, list(range(700, 740)))
-            await _until(lambda: index.tallies.restarts == 1)
+            await until(lambda: index.tallies.restarts == 1)
             cache = sim._core.prefix_cache
             assert cache is not None
-            await _until(lambda: index.blocks(sim.url) == len(cache) == 2)
+            await until(lambda: index.blocks(sim.url) == len(cache) == 2)
             await http.post(sim.url + "/reset_prefix_cache")
             await _complete(http, sim.url, list(range(800, 820)))  # the step that says so
-            await _until(lambda: index.tallies.cleared == 1)
-            await _until(lambda: index.blocks(sim.url) == len(cache) == 1)
+            await until(lambda: index.tallies.cleared == 1)
+            await until(lambda: index.blocks(sim.url) == len(cache) == 1)
         finally:
             await events.close()
 
@@ -175,7 +168,7 @@ async def test_a_router_started_after_a_reset_learns_the_reset_from_the_replay(
         events = KVEvents(index, clock=time.monotonic)
         try:
             events.watch(sim.url, source)
-            await _until(lambda: index.tallies.cleared == 1 and index.blocks(sim.url) == 4)
+            await until(lambda: index.tallies.cleared == 1 and index.blocks(sim.url) == 4)
             assert index.matched(token_keys(before, 16), [sim.url]) == {}
             assert index.matched(token_keys(after, 16), [sim.url]) == {sim.url: 4}
             assert index.synced(sim.url, time.monotonic())
@@ -203,7 +196,7 @@ async def test_a_gap_past_the_replay_buffer_hands_the_engine_to_the_guess_until_
                 if index.tallies.lost:
                     break
                 await asyncio.sleep(0.05)
-            await _until(lambda: index.tallies.lost == 1 and index.blocks(sim.url) >= 2)
+            await until(lambda: index.tallies.lost == 1 and index.blocks(sim.url) >= 2)
             # What it held before the gap is unknown: its events do not route it, and the
             # index holds only what the buffer still had and what came after.
             cache = sim._core.prefix_cache
@@ -229,13 +222,13 @@ async def test_a_router_told_where_an_engine_publishes_listens_there_without_ask
         try:
             events = router._forwarder.kv_events
             assert events is not None
-            await _until(lambda: sim.url in events.watched)
+            await until(lambda: sim.url in events.watched)
             await _complete(http, router.url, list(range(64)))
             index = events.index
             await _heard(http, sim, index, 0)
             cache = sim._core.prefix_cache
             assert cache is not None
-            await _until(lambda: index.blocks(sim.url) == len(cache) >= 4)
+            await until(lambda: index.blocks(sim.url) == len(cache) >= 4)
             async with http.get(sim.url + "/sim/stats") as r:
                 asked = (await r.json())["by_path"]
             assert asked.get("/kv_event_sources") == 1  # the test's own read, not the router's
@@ -272,7 +265,7 @@ async def _hit_rate(http: aiohttp.ClientSession, seed: int, kv_events: bool,
             events = router._forwarder.kv_events
             if kv_events:  # listening before the load, as in a fleet that runs
                 assert events is not None
-                await _until(lambda events=events: len(events.watched) == len(sims))
+                await until(lambda events=events: len(events.watched) == len(sims))
             else:
                 assert events is None
         queue = iter(enumerate(_workload(seed, 240)))
@@ -292,7 +285,7 @@ async def _hit_rate(http: aiohttp.ClientSession, seed: int, kv_events: bool,
                 for sim in sims:
                     cache = sim._core.prefix_cache
                     assert cache is not None
-                    await _until(lambda index=index, sim=sim, cache=cache:
+                    await until(lambda index=index, sim=sim, cache=cache:
                                  index.blocks(sim.url) == len(cache))
             async with http.get(routers[0].url + "/metrics") as r:
                 text = await r.text()

@@ -16,6 +16,7 @@ printed.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -261,6 +262,10 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
     latencies = [a.latency for a in books.answers]
     print(f"rollout latency (each begun as a load starts): p50 "
           f"{statistics.median(latencies):.2f} s, max {max(latencies):.2f} s")
+    spent: Counter[str] = Counter()
+    for ld in loads:
+        spent.update({k: v for k, v in (ld.cost or {}).items() if isinstance(v, int)})
+    print(f"what the faults cost the rollouts, told with the loads: {dict(spent)}")
     print(f"mislabeled answers {len(mislabeled)}; answers from an engine left STALE "
           f"{len(from_stale)}")
     assert mislabeled == [], mislabeled[:5]
@@ -316,3 +321,155 @@ async def test_a_replacement_engine_is_loaded_at_once_and_serves_only_then(
             async with http.post(url + "/v1/completions", json={
                     "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS}) as r:
                 assert (await r.json())["choices"][0]["text"] == text
+
+
+async def keep_rollout(http: aiohttp.ClientSession, router: str, prompt: str, stream: bool,
+                       max_tokens: int) -> tuple[str, list[int]]:
+    """One rollout through the router: its text and the versions its answer names (the header
+    of a whole answer; a stream's last event, else its header)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+    async with http.post(router + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        one, many = (r.headers.get("x-fleetwarden-weight-version"),
+                     r.headers.get("x-fleetwarden-weight-versions"))
+        assert (one is None) != (many is None), (one, many)  # exactly one of the two
+        named = [int(v) for v in (many or one or "").split(",")]
+        if not stream:
+            return (await r.json())["choices"][0]["text"], named
+        text = []
+        async for line in r.content:
+            data = line.strip().removeprefix(b"data: ")
+            if not data or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "fleetwarden_weight_versions" in chunk:
+                named = chunk["fleetwarden_weight_versions"]
+            text += [c["text"] for c in chunk.get("choices", ())]  # none: an error event
+        return "".join(text), named
+
+
+async def generate_rollout(http: aiohttp.ClientSession, router: str, prompt: str,
+                           stream: bool, max_tokens: int) -> tuple[list[str], str]:
+    """One token-in/token-out rollout through the router: the versions its spans name (the
+    engine's own word, passed through), and its weight headers as one string."""
+    body = {"token_ids": wire.encode(prompt), "stream": stream,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0}}
+    async with http.post(router + "/inference/v1/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        header = (r.headers.get("x-fleetwarden-weight-versions")
+                  or r.headers.get("x-fleetwarden-weight-version") or "")
+        if stream:
+            chunks = [json.loads(line.strip().removeprefix(b"data: "))
+                      async for line in r.content if line.strip() not in (b"", b"data: [DONE]")]
+            choice = chunks[-1]["choices"][0]
+        else:
+            choice = (await r.json())["choices"][0]
+        return [span["version"] for span in choice["weight_versions"]], header
+
+
+async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_told(
+        tmp_path: Path) -> None:
+    """With ``pause_mode = "keep"`` a generation under way when its engine pauses goes on
+    under the new weights (the simulator, as vLLM, re-salts it): its answer must name both
+    versions, never the old one alone, on whole and streamed completions alike. Each answer
+    is matched by its text: one that matches a checkpoint's greedy answer whole was made by
+    it; one that matches none was mixed. Rollouts on ``/inference/v1/generate`` beside them
+    carry the engine's own spans through the router, and its whole answers' headers name
+    what the spans name.
+
+    Then ``RefitLoad.cost``, what the routers counted since the last load: an ``abort``
+    pause under rollouts ends each generation under way (``finish_reason`` "abort"): the
+    whole answers' tokens are thrown away and the requests go again; the streams, with no
+    engine left on their weights to go on, end with an error. The trainer is told how many
+    of each, and the tokens; a quiet step after it costs nothing."""
+    max_tokens = 60
+    weights = {0: BASE}
+    for v in (1, 2):
+        (tmp_path / f"ckpt-{v}").write_text(f"weights after step {v}\n")
+        weights[v] = load_weights(str(tmp_path / f"ckpt-{v}"))
+    prompts = PROMPTS[:4]
+
+    def ref(p: str, v: int) -> str:
+        ids = wire.encode(p)
+        params = parse_params({"max_tokens": max_tokens}, chat=False, prompt_tokens=len(ids),
+                              max_model_len=8192, reasoning_parser=False)
+        assert not isinstance(params, dict)
+        g = Generation(ids, params, 0, salt=weights[v].salt)
+        while g.sample() is not None:
+            pass
+        return g.content
+
+    refs = {v: {p: ref(p, v) for p in prompts} for v in weights}
+    cmd = ("{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 100 "
+           "--enable-scale-out")
+    answers: list[tuple[str, str, list[int]]] = []  # (prompt, text, versions named)
+    async with running_fleet(
+            tmp_path, fleet={"weights": "trainer", "engines": 2, "engine_cmd": cmd},
+            refit={"drain_s": 0.0, "pause_mode": "keep"}) as f, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        assert (await f.refit_from(str(tmp_path / "ckpt-1"), 1)).credited == [0, 1]
+        await until(lambda: len(f.router.serving_backends()) == 2, what="both routed")
+        jobs = [(p, s) for p in prompts for s in (False, True)]
+        rollouts = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, s, max_tokens))
+                    for p, s in jobs]
+        generated = [asyncio.ensure_future(generate_rollout(http, f.router_url, p, s,
+                                                            max_tokens)) for p, s in jobs]
+        await asyncio.sleep(0.2)  # about 20 tokens in: each spans the load
+        done = await f.refit_from(str(tmp_path / "ckpt-2"), 2)
+        assert done.credited == [0, 1], done.to_dict()
+        for (p, _), (text, named) in zip(jobs, await asyncio.gather(*rollouts), strict=True):
+            answers.append((p, text, named))
+        spans = await asyncio.gather(*generated)
+        after = await generate_rollout(http, f.router_url, prompts[0], False, max_tokens)
+
+        wholes = [asyncio.ensure_future(whole_rollout(http, f.router_url, max_tokens))
+                  for _ in range(4)]
+        streams = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, True, max_tokens))
+                   for p in prompts]
+        await asyncio.sleep(0.2)  # about 20 tokens in
+        aborted = await f.refit_from(str(tmp_path / "ckpt-1"), 3, pause_mode="abort")
+        await asyncio.gather(*wholes, *streams)
+        quiet = await f.refit_from(str(tmp_path / "ckpt-2"), 4)
+        urls = {r.base_url for r in f.ledger.snapshot()}
+    # The spans as the engine reported them, through the router; a whole answer's header
+    # names them (a stream's head went before them: the spans are its label).
+    print(f"generate: spans {[s for s, _ in spans]}, headers {[h for _, h in spans]}")
+    assert all(s == ["1", "2"] for s, _ in spans), spans
+    assert [h for (_, stream), (_, h) in zip(jobs, spans, strict=True) if not stream] \
+        == ["1,2"] * len(prompts), spans
+    assert after == (["2"], "2")
+    whole = [a for a in answers if any(refs[v][a[0]] == a[1] for v in refs)]
+    mixed = [a for a in answers if a not in whole]
+    # A whole answer may be named with both (it ended as the pause came): never with another
+    # version alone.
+    wrong = [a for a in whole if len(a[2]) == 1 and refs[a[2][0]][a[0]] != a[1]]
+    unnamed = [a for a in mixed if a[2] != [1, 2]]
+    print(f"\nanswers {len(answers)}: from one checkpoint {len(whole)}, mixed {len(mixed)}; "
+          f"one-version labels that are wrong {len(wrong)}; mixed answers not naming both "
+          f"{len(unnamed)}")
+    assert mixed, "no answer spanned the load: the test proves nothing"
+    assert wrong == [] and unnamed == [], (wrong, unnamed)
+
+    cost = aborted.cost
+    assert cost is not None
+    print(f"cost of the aborted step: {aborted.to_dict()['cost']}")
+    assert cost["aborted"] == 8, cost  # every generation under way
+    assert cost["tokens_discarded"] >= 4 * 10, cost  # the whole answers', 20 tokens in each
+    assert cost["ended_with_error"] == 4, cost  # the streams: no engine on their weights
+    assert set(cost["failures"]) <= urls and cost["failures"], cost
+    assert quiet.cost is not None and {k: v for k, v in quiet.cost.items() if v} == {}, \
+        quiet.cost
+
+
+async def whole_rollout(http: aiohttp.ClientSession, router: str, max_tokens: int) -> int:
+    """One whole rollout, re-sent on a 409 (nothing serves during a sync): its re-sends."""
+    for attempt in range(200):
+        async with http.post(router + "/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": max_tokens}) as r:
+            if r.status == 200:
+                return attempt
+            assert r.status == 409, await r.text()
+        await asyncio.sleep(0.05)
+    raise AssertionError("never answered")
+

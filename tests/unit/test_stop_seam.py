@@ -15,8 +15,11 @@ import random
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from fleetwarden.router.splice import (
     EventAction,
+    Mode,
     Splice,
     read_stream_request,
 )
@@ -127,10 +130,25 @@ def _run(seed: int, index: int) -> tuple[str, str]:
             return "refused", next_plan
         plan = next_plan
         continued = json.loads(plan.body)
-        assert "stop" not in continued  # the router holds the stop check
-        events = _events(_engine(continued["prompt"], continued, eos_period),
+        # The router holds the stop check from a seam on; a request sent again whole (nothing
+        # of it reached the client) takes its stop strings to the engine, as the first did.
+        assert plan.mode is Mode.RESTART or "stop" not in continued, plan
+        ids = prompt if plan.mode is Mode.RESTART else continued["prompt"]
+        events = _events(_engine(ids, continued, eos_period),
                          chunking[min(attempt + 1, 2)])
     raise AssertionError("unreachable")
+
+
+SECOND_CUT = ("a second cut, after ids the client had came again with text a stop string held "
+              "back")
+
+
+@pytest.mark.parametrize(("seed", "index"), [(1157693645, 277), (1, 17), (4, 566)])
+def test_a_second_cut_after_the_ids_came_again_is_refused_not_sent_again_whole(
+        seed: int, index: int) -> None:
+    # Seeds the oracle found: the first cut after one token whose text the check held, the
+    # second once its id had come again; sent again whole, the client had that id twice.
+    assert _run(seed, index) == ("refused", SECOND_CUT)
 
 
 def test_stop_strings_across_cuts_come_out_as_the_uninterrupted_run() -> None:
@@ -151,7 +169,7 @@ def test_stop_strings_across_cuts_come_out_as_the_uninterrupted_run() -> None:
     # The check proves most of them: refusals only where a match fell inside a chunk of
     # several tokens.
     assert set(refused) <= {"a stop string matched inside a chunk of several tokens (which "
-                            "token completed it is unknown)"}, refused
+                            "token completed it is unknown)", SECOND_CUT}, refused
     assert verdicts["exact"] > CASES // 2, verdicts
 
 

@@ -40,7 +40,7 @@ from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
 from fleetwarden.router.links import InProcessRouter
 from fleetwarden.router.models import model_list
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
-from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.settings import GENERATE, RouterSettings
 from fleetwarden.router.stats import KeyTally, RouterStats, make_registry
 
 __all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "runner_url"]
@@ -51,6 +51,9 @@ log = logging.getLogger("fleetwarden.router")
 FORWARDED_POST: tuple[str, ...] = (
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
     "/tokenize", "/detokenize",
+    # vLLM's token-in/token-out endpoint (``--enable-scale-out``), what RL frameworks sample
+    # rollouts with: its answers carry the engine's own weight-version spans.
+    GENERATE,
 )
 FORWARDED_GET: tuple[str, ...] = ("/v1/models",)
 _POST = frozenset(FORWARDED_POST)
@@ -215,6 +218,11 @@ class Router:
         go on elsewhere from where they are. Returns how many were moved."""
         return self._forwarder.rescue(url, streams=streams)
 
+    def weights_changing(self, url: str, version: int) -> int:
+        """``url``'s engine loads ``version`` with the requests on it kept: each answer under
+        way there names every version it may hold. Returns how many were marked."""
+        return self._forwarder.weights_changing(url, version)
+
     def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request held on ``url`` for ``held_s`` with nothing sent to its client to
         another backend as well; the first answer is the client's
@@ -262,6 +270,12 @@ class Router:
                       "rescues": self.stats.rescues,
                       "hedges": self.stats.hedges,
                       "hedges_won": self.stats.hedges_won,
+                      # What faults cost the requests (a trainer's step: fleet.refit_from).
+                      "continuations": dict(self.stats.continuations),
+                      "streams_ended": dict(self.stats.streams_ended),
+                      "aborted": self.stats.aborted,
+                      "tokens_discarded": self.stats.tokens_discarded,
+                      "failures": _failures_by_backend(self.stats.backend_failures),
                       "poison_requests": self.stats.poison_requests,
                       "comeback_waits": self.stats.comeback_waits,
                       "comeback_served": self.stats.comeback_served,
@@ -612,6 +626,14 @@ def _usage_of(body: bytes) -> tuple[int, int] | None:
     completion = _COMPLETION_TOKENS.search(body, at, at + 512)
     return (0 if prompt is None else int(prompt.group(1)),
             0 if completion is None else int(completion.group(1)))
+
+
+def _failures_by_backend(failures: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """``{backend: {cause: n}}`` of the router's ``(backend, cause) -> n``."""
+    out: dict[str, dict[str, int]] = {}
+    for (backend, cause), n in failures.items():
+        out.setdefault(backend, {})[cause] = n
+    return out
 
 
 def runner_url(runner: web.AppRunner) -> str:

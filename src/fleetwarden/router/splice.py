@@ -181,6 +181,11 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+#: A stream's ``error`` when its engine aborted it (``finish_reason`` "abort"); the one object,
+#: so the forwarder tells it from an engine's own error event by identity.
+ABORTED_ERROR: dict[str, Any] = {"message": "the engine aborted the generation", "code": 500}
+
+
 def error_event(message: str, error_type: str, code: int, **extra: object) -> bytes:
     """An error in the OpenAI shape as an SSE event (vLLM ends a failed stream this way too;
     the ``openai`` client raises it as an ``APIError``)."""
@@ -416,6 +421,13 @@ class StopCheck:
         return out, None if found is None else found[0]
 
 
+#: A continuation cut again once the ids it was to give again had come, with the text a stop
+#: check holds: the client has ids the count no longer shows, and sent again whole, it would
+#: get them twice.
+_SECOND_CUT = ("a second cut, after ids the client had came again with text a stop string "
+               "held back")
+
+
 class Splice:
     """One client stream, across the attempts that produce it."""
 
@@ -455,6 +467,9 @@ class Splice:
         self.saw_reasoning = False
         #: Logprobs came with the output.
         self.saw_logprobs = False
+        #: Token ids of the output reached the client (it asked for them), whatever text a
+        #: stop check held back with them: the request can no longer be sent again whole.
+        self.ids_sent = False
         #: Tokens produced (ids counted, or one per chunk where the engine gave none).
         self.produced = 0
         self.finish_reason: str | None = None
@@ -547,7 +562,7 @@ class Splice:
             # The engine aborted the generation (vLLM shut down with SIGTERM ends what it holds
             # so): a failure of the engine, not an end the client asked for. Its last tokens
             # are not taken; the next engine goes on from what the client has.
-            self.error = {"message": "the engine aborted the generation", "code": 500}
+            self.error = ABORTED_ERROR
             return EventAction.ENGINE_ERROR, b""
         replayed = self._take_replay(chunk) if self._replay or self._replay_text else (0, 0)
         if replayed is None:
@@ -658,6 +673,7 @@ class Splice:
             if isinstance(ids, list):
                 self.output_ids.extend(ids)
                 self.produced += len(ids)
+                self.ids_sent = self.ids_sent or (bool(ids) and self.request.wants_ids)
             else:
                 self.ids_complete = False
                 self.produced += 1
@@ -794,6 +810,16 @@ class Splice:
             "system_fingerprint": self.fingerprint,
         }) + b"\n\n"
 
+    def versions_event(self, versions: list[int]) -> bytes:
+        """The event that ends a stream whose tokens may come from several weight versions
+        (loaded under it), naming them in order: shaped as a usage chunk (no choices), which
+        OpenAI clients read without complaint; the head named the first only."""
+        return b"data: " + _dumps({
+            "id": self.id, "object": ("chat.completion.chunk" if self.request.chat
+                                      else "text_completion"),
+            "created": self.created, "model": self.model, "choices": [],
+            "fleetwarden_weight_versions": versions}) + b"\n\n"
+
     def error_answer(self) -> tuple[int, bytes]:
         """The non-streamed answer to a request whose stream ended with an error event of the
         request's own (:attr:`EventAction.CLIENT_ERROR`): its code and its error, as vLLM
@@ -886,6 +912,8 @@ class Splice:
         if request.refusal is not None:
             return request.refusal
         if self.produced == 0 and not self._replay:
+            if self.ids_sent:
+                return _SECOND_CUT
             # Nothing of the generation reached the client (a chat's role chunk at most): the
             # request itself goes again, and its role chunk is not repeated. (Tokens still to
             # be generated again did reach it: their chunks came, and perhaps some text.)
@@ -930,35 +958,11 @@ class Splice:
         if next_output_cap is not None and left > next_output_cap:
             return (f"the next engine's server cap ({next_output_cap} tokens), below the "
                     f"{left} left")
-        body.pop("max_completion_tokens", None)
-        body["max_tokens"] = left
-        min_tokens = body.get("min_tokens")
-        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
-            body["min_tokens"] = max(0, min_tokens - produced)
-        if upstream_fields:
-            body["return_token_ids"] = True
-        elif not request.wants_ids:
-            body.pop("return_token_ids", None)
-        else:
-            return "the client's return_token_ids, which the next engine does not take"
-        if request.assemble:  # the client's request was not streamed; its continuation is
-            body.update(stream=True, stream_options={"include_usage": True})
-        if (self.saw_logprobs or _asks_logprobs(body)) and (request.chat or not exact):
-            # A completion's continue from its ids, their text offsets moved on by the text
-            # the client has; a chat's would come in a completion's shape, from which its own
-            # (token bytes, alternatives by rank) cannot be rebuilt without the tokenizer.
-            return "logprobs (a chat's, or without token ids)"
-        if not upstream_fields and request.chat:
-            return "a chat, on an engine that takes no continue_final_message"
-        if exact and replay and (self.saw_logprobs or _asks_logprobs(body)):
-            if check is not None:
-                return ("logprobs, at a cut where stop strings held text back (the text "
-                        "offsets of the tokens generated again)")
-            return ("logprobs, at a cut inside a character (the text offsets of the tokens "
-                    "generated again)")
-        if exact and replay and not _greedy(body):
-            return ("a cut inside a character of a sampled generation (its last tokens would "
-                    "not come again the same)")
+        refusal = (self._continued_fields(body, left, produced, upstream_fields)
+                   or self._refused_fields(body, exact, bool(replay), check is not None,
+                                           upstream_fields))
+        if refusal is not None:
+            return refusal
         again = len(replay) - len(self._replay) if replay else 0  # output ids made again
         ids = (self.prompt_ids or []) + self.output_ids[:len(self.output_ids) - again]
         held = check is not None
@@ -973,6 +977,48 @@ class Splice:
             return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay,
                                 replay_text if replay else "", held)
         return self._from_text(body)
+
+    def _continued_fields(self, body: dict[str, Any], left: int, produced: int,
+                          upstream_fields: bool) -> str | None:
+        """Set the continuation's limits and stream fields in ``body``; or why it cannot."""
+        request = self.request
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = left
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
+            body["min_tokens"] = max(0, min_tokens - produced)
+        if upstream_fields:
+            body["return_token_ids"] = True
+        elif not request.wants_ids:
+            body.pop("return_token_ids", None)
+        else:
+            return "the client's return_token_ids, which the next engine does not take"
+        if request.assemble:  # the client's request was not streamed; its continuation is
+            body.update(stream=True, stream_options={"include_usage": True})
+        return None
+
+    def _refused_fields(self, body: dict[str, Any], exact: bool, replay: bool, held: bool,
+                        upstream_fields: bool) -> str | None:
+        """Why the continuation's fields cannot be continued exactly, or ``None``."""
+        request = self.request
+        logprobs = self.saw_logprobs or _asks_logprobs(body)
+        if logprobs and (request.chat or not exact):
+            # A completion's continue from its ids, their text offsets moved on by the text
+            # the client has; a chat's would come in a completion's shape, from which its own
+            # (token bytes, alternatives by rank) cannot be rebuilt without the tokenizer.
+            return "logprobs (a chat's, or without token ids)"
+        if not upstream_fields and request.chat:
+            return "a chat, on an engine that takes no continue_final_message"
+        if exact and replay and logprobs:
+            if held:
+                return ("logprobs, at a cut where stop strings held text back (the text "
+                        "offsets of the tokens generated again)")
+            return ("logprobs, at a cut inside a character (the text offsets of the tokens "
+                    "generated again)")
+        if exact and replay and not _greedy(body):
+            return ("a cut inside a character of a sampled generation (its last tokens would "
+                    "not come again the same)")
+        return None
 
     def _tokens_left(self, max_model_len: int | None, produced: int,
                      output_cap: int | None = None) -> int | str:

@@ -132,15 +132,9 @@ def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
     if min_tokens > max_tokens:
         return wire.invalid(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                             f"got {min_tokens}.", "min_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(s for s in stop if s)
-    else:
-        return wire.invalid("stop must be a string or a list of strings", "stop")
+    stops = _stops(body)
+    if isinstance(stops, dict):
+        return stops
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_int(t) for t in stop_ids):
         return wire.invalid("stop_token_ids must be a list of integers", "stop_token_ids")
@@ -174,6 +168,18 @@ def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
                   temperature=float(temperature) if isinstance(temperature, int | float)
                   else 0.0,
                   seed=body.get("seed") if _int(body.get("seed")) else None)
+
+
+def _stops(body: Mapping[str, Any]) -> tuple[str, ...] | dict[str, Any]:
+    """The request's stop strings (empty ones dropped, as vLLM does), or its 400 body."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    return wire.invalid("stop must be a string or a list of strings", "stop")
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> tuple[bool, int | dict[str, Any]]:

@@ -78,6 +78,24 @@ class Case:
                 f"body={json.dumps(self.body, sort_keys=True)}")
 
 
+def _prompt(rng: random.Random, chat: bool, real: bool) -> dict[str, Any]:
+    """A case's prompt: a few words, as a chat's messages (now and then a system message, or
+    an image beside the words where not ``real``) or a completion's prompt."""
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 6)))
+    if not chat:
+        return {"prompt": words}
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": "be brief"})
+    if rng.random() < 0.05 and not real:  # multimodal: an image beside the text
+        messages.append({"role": "user", "content": [
+            {"type": "text", "text": words},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]})
+    else:
+        messages.append({"role": "user", "content": words})
+    return {"messages": messages}
+
+
 def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False,
          sampling: bool = True) -> Case:
     """Case ``index`` of the run seeded ``seed``: what clients really send, cut somewhere.
@@ -90,21 +108,7 @@ def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False,
     rng = random.Random(f"{seed}:{index}")
     chance = rng.random
     chat = chance() < 0.5
-    body: dict[str, Any] = {"model": model}
-    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 6)))
-    if chat:
-        messages: list[dict[str, Any]] = []
-        if chance() < 0.3:
-            messages.append({"role": "system", "content": "be brief"})
-        if chance() < 0.05 and not real:  # multimodal: an image beside the text
-            messages.append({"role": "user", "content": [
-                {"type": "text", "text": words},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]})
-        else:
-            messages.append({"role": "user", "content": words})
-        body["messages"] = messages
-    else:
-        body["prompt"] = words
+    body: dict[str, Any] = {"model": model, **_prompt(rng, chat, real)}
     stream = chance() < 0.8
     if stream:
         body["stream"] = True
