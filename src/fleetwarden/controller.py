@@ -693,6 +693,18 @@ class Controller:
                     log.warning("router %s: rescue failed: %s", link.name, exc)
         return moved
 
+    async def weights_changing(self, urls: Sequence[str], version: int) -> int:
+        """Every router marks the requests on ``urls`` as kept across a load of ``version``
+        (their answers name each version: router/forward.py). Returns how many."""
+        marked = 0
+        for url in urls:
+            for link in self.routers:
+                try:
+                    marked += await link.weights_changing(url, version)
+                except Exception as exc:
+                    log.warning("router %s: marking a load failed: %s", link.name, exc)
+        return marked
+
     def wake(self) -> None:
         """Run the next tick now (an admin action changed the fleet)."""
         self._wake.set()

@@ -562,6 +562,10 @@ class Fleet:
             # Requests already sent finish where they are (for drain_s at most; past it the
             # pause mode decides), so none reaches an engine in the middle of its load.
             await drain_routers(self.controller, {url for _, url in parts}, cfg.drain_s)
+            if mode == "keep":
+                # Those still under way go on under the new weights: their answers name both
+                # versions, never the old one alone (docs/rl.md, the pause mode).
+                await self.controller.weights_changing([url for _, url in parts], version)
             timeout = aiohttp.ClientTimeout(total=cfg.load_timeout_s)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 loads = await asyncio.gather(*(

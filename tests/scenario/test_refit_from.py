@@ -16,6 +16,7 @@ printed.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -316,3 +317,83 @@ async def test_a_replacement_engine_is_loaded_at_once_and_serves_only_then(
             async with http.post(url + "/v1/completions", json={
                     "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS}) as r:
                 assert (await r.json())["choices"][0]["text"] == text
+
+
+async def keep_rollout(http: aiohttp.ClientSession, router: str, prompt: str, stream: bool,
+                       max_tokens: int) -> tuple[str, list[int]]:
+    """One rollout through the router: its text and the versions its answer names (the header
+    of a whole answer; a stream's last event, else its header)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+    async with http.post(router + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        one, many = (r.headers.get("x-fleetwarden-weight-version"),
+                     r.headers.get("x-fleetwarden-weight-versions"))
+        assert (one is None) != (many is None), (one, many)  # exactly one of the two
+        named = [int(v) for v in (many or one or "").split(",")]
+        if not stream:
+            return (await r.json())["choices"][0]["text"], named
+        text = []
+        async for line in r.content:
+            data = line.strip().removeprefix(b"data: ")
+            if not data or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "fleetwarden_weight_versions" in chunk:
+                named = chunk["fleetwarden_weight_versions"]
+            text += [c["text"] for c in chunk["choices"]]
+        return "".join(text), named
+
+
+async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions(
+        tmp_path: Path) -> None:
+    """With ``pause_mode = "keep"`` a generation under way when its engine pauses goes on
+    under the new weights (the simulator, as vLLM, re-salts it): its answer must name both
+    versions, never the old one alone, on whole and streamed completions alike. Each answer
+    is matched by its text: one that matches a checkpoint's greedy answer whole was made by
+    it; one that matches none was mixed."""
+    max_tokens = 60
+    weights = {0: BASE}
+    for v in (1, 2):
+        (tmp_path / f"ckpt-{v}").write_text(f"weights after step {v}\n")
+        weights[v] = load_weights(str(tmp_path / f"ckpt-{v}"))
+    prompts = PROMPTS[:4]
+
+    def ref(p: str, v: int) -> str:
+        ids = wire.encode(p)
+        params = parse_params({"max_tokens": max_tokens}, chat=False, prompt_tokens=len(ids),
+                              max_model_len=8192, reasoning_parser=False)
+        assert not isinstance(params, dict)
+        g = Generation(ids, params, 0, salt=weights[v].salt)
+        while g.sample() is not None:
+            pass
+        return g.content
+
+    refs = {v: {p: ref(p, v) for p in prompts} for v in weights}
+    cmd = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 100"
+    answers: list[tuple[str, str, list[int]]] = []  # (prompt, text, versions named)
+    async with running_fleet(
+            tmp_path, fleet={"weights": "trainer", "engines": 2, "engine_cmd": cmd},
+            refit={"drain_s": 0.0, "pause_mode": "keep"}) as f, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        assert (await f.refit_from(str(tmp_path / "ckpt-1"), 1)).credited == [0, 1]
+        await until(lambda: len(f.router.serving_backends()) == 2, what="both routed")
+        jobs = [(p, s) for p in prompts for s in (False, True)]
+        rollouts = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, s, max_tokens))
+                    for p, s in jobs]
+        await asyncio.sleep(0.2)  # about 20 tokens in: each spans the load
+        done = await f.refit_from(str(tmp_path / "ckpt-2"), 2)
+        assert done.credited == [0, 1], done.to_dict()
+        for (p, _), (text, named) in zip(jobs, await asyncio.gather(*rollouts), strict=True):
+            answers.append((p, text, named))
+    whole = [a for a in answers if any(refs[v][a[0]] == a[1] for v in refs)]
+    mixed = [a for a in answers if a not in whole]
+    # A whole answer may be named with both (it ended as the pause came): never with another
+    # version alone.
+    wrong = [a for a in whole if len(a[2]) == 1 and refs[a[2][0]][a[0]] != a[1]]
+    unnamed = [a for a in mixed if a[2] != [1, 2]]
+    print(f"\nanswers {len(answers)}: from one checkpoint {len(whole)}, mixed {len(mixed)}; "
+          f"one-version labels that are wrong {len(wrong)}; mixed answers not naming both "
+          f"{len(unnamed)}")
+    assert mixed, "no answer spanned the load: the test proves nothing"
+    assert wrong == [] and unnamed == [], (wrong, unnamed)

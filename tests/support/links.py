@@ -36,6 +36,9 @@ class QuietLink:
     async def rescue(self, url: str, *, streams: bool = True) -> int:
         return 0
 
+    async def weights_changing(self, url: str, version: int) -> int:
+        return 0
+
     async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         return 0
 

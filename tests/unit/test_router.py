@@ -1048,6 +1048,58 @@ async def test_every_answer_names_the_weight_version_and_shard_that_produced_it(
         assert headers["x-fleetwarden-weight-version"] == which[shard][1]
 
 
+async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one() -> None:
+    """``weights_changing``: the requests on an engine when it loads new weights with them
+    kept (vLLM's ``keep`` pause) may end with tokens of both. A whole answer then names both
+    in ``x-fleetwarden-weight-versions`` and no single version; a stream, whose head went
+    first, names them in its last event, before ``[DONE]``; one sent afterwards, or elsewhere
+    from the start, names its one version."""
+    from fleetwarden.router import BackendFacts
+
+    async with rig(2) as r:
+        a, b = r.engines
+        r.router.set_serving_backends([a.url], {a.url: BackendFacts(0, 7)})
+        a.wedge()
+        held = asyncio.create_task(r.post())
+        await until(lambda: a.held == 1)
+        assert r.router.weights_changing(a.url, 8) == 1
+        assert r.router.weights_changing(a.url, 8) == 0  # marked once per version
+        a.unwedge()
+        status, headers, _ = await held
+        assert status == 200 and headers["x-fleetwarden-weight-versions"] == "7,8"
+        assert "x-fleetwarden-weight-version" not in headers
+        status, headers, _ = await r.post()  # sent after the load: one version
+        assert headers["x-fleetwarden-weight-version"] == "7"
+        assert "x-fleetwarden-weight-versions" not in headers
+
+        a.stall_streams(after=1)
+        async with r.http.post(r.router.url + "/v1/completions",
+                               json={"model": "tiny", "prompt": "hi", "stream": True}) as resp:
+            assert resp.headers["x-fleetwarden-weight-version"] == "7"  # its head went first
+            await until(lambda: r.router.weights_changing(a.url, 8) == 1)
+            a.unwedge()
+            events = [e for e in (await resp.read()).split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2].removeprefix(b"data: "))[
+            "fleetwarden_weight_versions"] == [7, 8]
+
+        # Rescued from the engine loading and sent to another from the start: its one version.
+        r.router.set_serving_backends([a.url, b.url], {a.url: BackendFacts(0, 7),
+                                                       b.url: BackendFacts(1, 9)})
+        a.wedge()
+        b.wedge()
+        held = asyncio.create_task(r.post())
+        await until(lambda: a.held + b.held == 1)
+        loading, other = (a, b) if a.held else (b, a)
+        assert r.router.weights_changing(loading.url, 10) == 1
+        other.unwedge()
+        r.router.set_serving_backends([other.url], {other.url: BackendFacts(1, 9)})
+        assert r.router.rescue(loading.url) == 1
+        status, headers, _ = await held
+        assert status == 200 and headers["x-fleetwarden-weight-version"] == "9"
+        loading.unwedge()
+
+
 async def test_without_facts_an_answer_carries_no_weight_headers() -> None:
     async with rig(1) as r:  # a router nobody manages: nothing is known of its backend
         status, headers, _ = await r.post()

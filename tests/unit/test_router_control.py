@@ -85,6 +85,9 @@ async def test_a_remote_router_is_driven_like_an_in_process_one() -> None:
             held = asyncio.create_task(r.post())
             await until(lambda: new.held == 1)
             assert await remote.in_flight() == {new.url: 1}
+            # Marked as kept across a load there (a rescue sends it again from the start).
+            assert await remote.weights_changing(new.url, 7) == 1
+            assert await remote.weights_changing(old.url, 7) == 0
             await remote.set_serving_backends([old.url])
             assert await remote.rescue(new.url) == 1
             assert (await held)[0] == 200 and old.answered == 1
@@ -179,6 +182,11 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
                                        ("POST", "/rescue", {}),
                                        ("POST", "/rescue", {"backend": "http://x:1",
                                                             "streams": "no"}),
+                                       ("POST", "/weights-changing", {"version": 1}),
+                                       ("POST", "/weights-changing", {"backend": "http://x:1",
+                                                                      "version": True}),
+                                       ("POST", "/weights-changing", {"backend": "http://x:1",
+                                                                      "version": -1}),
                                        ("PUT", "/retry-after", {"seconds": -1}),
                                        ("PUT", "/retry-after", {})]:
                 with pytest.raises(ControlError) as bad:

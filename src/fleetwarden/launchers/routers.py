@@ -211,6 +211,18 @@ class WorkerLink:
     async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
         return await self._now().drain_outcomes()
 
+    async def weights_changing(self, url: str, version: int) -> int:
+        """On the slot's worker and on each predecessor still draining: either may relay a
+        request kept across the load."""
+        marked = await self._now().weights_changing(url, version)
+        for other, remote in list(self._predecessors.items()):
+            try:
+                marked += await remote.weights_changing(url, version)
+            except Exception as exc:
+                log.info("router worker %d: marking a load on its predecessor %s failed: %s",
+                         self.worker, other, exc)
+        return marked
+
     async def rescue(self, url: str, *, streams: bool = True) -> int:
         """Rescue on the slot's worker and on each predecessor still draining: a request a
         predecessor holds on a wedged engine is rescued like any other, not left until its

@@ -211,6 +211,11 @@ class Router:
         go on elsewhere from where they are. Returns how many were moved."""
         return self._forwarder.rescue(url, streams=streams)
 
+    def weights_changing(self, url: str, version: int) -> int:
+        """``url``'s engine loads ``version`` with the requests on it kept: each answer under
+        way there names every version it may hold. Returns how many were marked."""
+        return self._forwarder.weights_changing(url, version)
+
     def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request held on ``url`` for ``held_s`` with nothing sent to its client to
         another backend as well; the first answer is the client's

@@ -23,6 +23,9 @@ POST     /hedge           ``{"backend": url,               ``{"hedged": n}``
                           "held_s": x,
                           "lost_race_fails": b}``
                           (the last optional, false)
+POST     /weights-changing ``{"backend": url,              ``{"marked": n}``
+                          "version": v}`` (its requests
+                          kept across a load of v)
 GET      /in-flight       -                                ``{"in_flight": {url: n}}``
 PUT      /trial           ``{"backends": [url, ...]}``     ``{"trial": [url, ...]}``
 GET      /silent?after_s  -                                ``{"silent": {url: seconds}}``
@@ -131,6 +134,7 @@ def make_control_app(router: ControlledRouter, token: str) -> web.Application:
     app.router.add_post("/outcomes/drain", api.drain)
     app.router.add_post("/rescue", api.rescue)
     app.router.add_post("/hedge", api.hedge)
+    app.router.add_post("/weights-changing", api.weights_changing)
     app.router.add_get("/in-flight", api.in_flight)
     app.router.add_put("/retry-after", api.put_retry_after)
     app.router.add_put("/trial", api.put_trial)
@@ -210,6 +214,15 @@ class _ControlApi:
             raise _bad_request("'backend' must be a URL string")
         streams = _flag(body, "streams", True)
         return web.json_response({"rescued": self.router.rescue(backend, streams=streams)})
+
+    async def weights_changing(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        backend, version = body.get("backend"), body.get("version")
+        if not isinstance(backend, str):
+            raise _bad_request("'backend' must be a URL string")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise _bad_request("'version' must be an integer >= 0")
+        return web.json_response({"marked": self.router.weights_changing(backend, version)})
 
     async def hedge(self, request: web.Request) -> web.Response:
         body = await _json_object(request)

@@ -92,6 +92,7 @@ from fleetwarden.router.settings import (
     MIN_VERSION_HEADER,
     SHARD_HEADER,
     WEIGHT_VERSION_HEADER,
+    WEIGHT_VERSIONS_HEADER,
     RouterSettings,
 )
 from fleetwarden.router.splice import (
@@ -131,8 +132,10 @@ _NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 #: An answer relayed whole is re-framed: its length is recomputed.
 _NOT_RELAYED_WHOLE = _HOP_BY_HOP | {b"content-length"}
 #: The router's word on which weights answered, never an engine's header of the same name.
-_FACT_HEADERS = frozenset({WEIGHT_VERSION_HEADER.encode(), SHARD_HEADER.encode()})
+_FACT_HEADERS = frozenset({WEIGHT_VERSION_HEADER.encode(), WEIGHT_VERSIONS_HEADER.encode(),
+                           SHARD_HEADER.encode()})
 _WEIGHT_VERSION = WEIGHT_VERSION_HEADER.encode()
+_WEIGHT_VERSIONS = WEIGHT_VERSIONS_HEADER.encode()
 _SHARD = SHARD_HEADER.encode()
 _MIN_VERSION = MIN_VERSION_HEADER.encode()
 _CLOSE = (b"Connection", b"close")
@@ -238,6 +241,9 @@ class _Exchange:
     held: list[_Failure] = field(default_factory=list)
     #: An engine answered the request (a whole answer, or a stream's first bytes).
     answered: bool = False
+    #: The weight versions loaded into its engine while it was there (:meth:`Forwarder.
+    #: weights_changing`): its tokens may come from each, after the version it began on.
+    crossed: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -258,6 +264,8 @@ class _Stream:
     min_version: int | None = None
     #: The backend whose attempt began the generation: its limits are the ones kept.
     began_on: str | None = None
+    #: Its exchange's ``crossed`` (the same list).
+    crossed: list[int] = field(default_factory=list)
 
     @property
     def began(self) -> bool:
@@ -274,18 +282,37 @@ def error_response(status: int, message: str, error_type: str,
                     content_type="application/json", headers=headers)
 
 
+def _versions(facts: BackendFacts, crossed: list[int]) -> list[int]:
+    """Every weight version that may have produced an answer begun under ``facts``, in order:
+    its own, then those loaded under it (``crossed``)."""
+    if facts.weight_version is None:
+        return []
+    versions = [facts.weight_version]
+    for v in crossed:
+        if v != versions[-1]:
+            versions.append(v)
+    return versions
+
+
 def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_HOP,
-                      facts: BackendFacts = UNKNOWN_FACTS) -> RawHeaders:
+                      facts: BackendFacts = UNKNOWN_FACTS,
+                      crossed: list[int] | None = None) -> RawHeaders:
     """The engine's answer headers the client gets: ``dropped``, those the engine's
     ``Connection`` names (hop-by-hop, RFC 9110 7.6.1) and any it gave of the router's own
-    removed, then the facts of the push added."""
+    removed, then the facts of the push added. An answer whose engine loaded other weights
+    while it was there (``crossed``) names every version in ``x-fleetwarden-weight-versions``
+    and none in ``x-fleetwarden-weight-version``: one version named for a mixed answer would
+    be a wrong label (docs/rl.md)."""
     named = [v for k, v in upstream if k.lower() == b"connection"]
     if named:
         dropped = dropped | {t.strip().lower() for v in named for t in v.split(b",")}
     headers = [(k, v) for k, v in upstream
                if (lowered := k.lower()) not in dropped and lowered not in _FACT_HEADERS]
-    if facts.weight_version is not None:
-        headers.append((_WEIGHT_VERSION, str(facts.weight_version).encode()))
+    versions = _versions(facts, crossed or [])
+    if len(versions) > 1:
+        headers.append((_WEIGHT_VERSIONS, ",".join(map(str, versions)).encode()))
+    elif versions:
+        headers.append((_WEIGHT_VERSION, str(versions[0]).encode()))
     if facts.shard is not None:
         headers.append((_SHARD, str(facts.shard).encode()))
     return headers
@@ -331,9 +358,10 @@ class _Hold:
     ``async with`` (5 µs a request, measured under uvloop); the same cancel-count rule, so a
     client that leaves at the same moment still ends its handler."""
 
-    __slots__ = ("_cancelling", "_interrupted", "_task", "since", "stream", "why")
+    __slots__ = ("_cancelling", "_interrupted", "_task", "crossed", "since", "stream", "why")
 
-    def __init__(self, *, stream: _Stream | None = None, since: float = 0.0) -> None:
+    def __init__(self, *, stream: _Stream | None = None, since: float = 0.0,
+                 crossed: list[int] | None = None) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
@@ -347,6 +375,8 @@ class _Hold:
         self.since = since
         #: What the attempt ends as when this hold is interrupted.
         self.why = Cause.RESCUED
+        #: Where a weight load on its backend is noted (its request's ``crossed``).
+        self.crossed = crossed
 
     def interrupt(self, why: Cause = Cause.RESCUED) -> None:
         if not self._interrupted:
@@ -463,6 +493,21 @@ class Forwarder:
             hold.interrupt()  # the request moves on from its wait at once
         self.stats.rescues += len(holds)
         return len(holds)
+
+    def weights_changing(self, backend: str, version: int) -> int:
+        """``backend``'s engine is about to load ``version`` with the requests on it kept
+        (vLLM's ``pause?mode=keep``: they go on under the new weights). Each request there now
+        (waiting for its head, or streaming) may end with tokens of both: its answer names
+        every version (:func:`_response_headers`, and a stream's last event). One that ends
+        before the pause is named so too: the label may list a version that produced none of
+        its tokens, never leave out one that did. Returns how many were marked."""
+        holds = [*self._waiting.get(backend, {}), *self._streaming.get(backend, ())]
+        marked = 0
+        for hold in holds:
+            if hold.crossed is not None and version not in hold.crossed[-1:]:
+                hold.crossed.append(version)
+                marked += 1
+        return marked
 
     def hedge(self, backend: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send each request that has waited on ``backend`` for at least ``held_s`` with nothing
@@ -602,6 +647,7 @@ class Forwarder:
                     backend = await self._continue_on(ex, stream)
                 else:
                     backend = self._pick(ex)
+                    ex.crossed.clear()  # sent again from the start: its tokens come afresh
                 if not isinstance(backend, str):
                     return backend
                 if ex.resend is not None and ex.resend is not AfterFailure.AT_ONCE:
@@ -688,6 +734,7 @@ class Forwarder:
                              query)
         if stream is not None:
             stream.tried = exchange.tried
+            stream.crossed = exchange.crossed
         return exchange
 
     def _after_failure(self, ex: _Exchange, failure: _Failure) -> AfterFailure:
@@ -840,22 +887,24 @@ class Forwarder:
             answer, hedge = await self._wait_head(backend, request.method, target, body,
                                                   headers, facts,
                                                   None if stream is not None else ex,
-                                                  stream=stream)
+                                                  stream=stream, crossed=ex.crossed)
             if hedge is not None:
                 if not isinstance(answer, _Failure):
                     self._drop_hedge(hedge)  # this answer came first
                 else:
-                    return await self._after_hedge(request, hedge, answer, ex.started)
+                    return await self._after_hedge(request, hedge, answer, ex.started,
+                                                   ex.crossed)
             if isinstance(answer, _Failure):
                 return answer
             return await self._deliver(request, answer, backend, ex.started,
-                                       time.perf_counter() - sent, stream, facts)
+                                       time.perf_counter() - sent, stream, facts, ex.crossed)
         finally:
             pool.finished(backend)
 
     async def _wait_head(self, backend: str, method: str, target: Address, body: bytes,
                          headers: RawHeaders, facts: BackendFacts,
                          context: _Exchange | None, *, stream: _Stream | None = None,
+                         crossed: list[int] | None = None,
                          ) -> tuple[Answer | _Failure,
                                     asyncio.Task[_Won | _Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
@@ -870,7 +919,7 @@ class Forwarder:
         hedge: asyncio.Task[_Won | _Failure] | None = None
         race_fails = False
         answer: Answer | _Failure
-        hold = _Hold(stream=stream)
+        hold = _Hold(stream=stream, crossed=crossed)
         waiting[hold] = (asyncio.get_running_loop().time(), context)
         try:
             try:
@@ -931,8 +980,8 @@ class Forwarder:
 
     async def _deliver(self, request: Request, upstream: Answer,
                        backend: str, started: float, backend_time: float,
-                       stream: _Stream | None,
-                       facts: BackendFacts) -> StreamResponse | _Failure:
+                       stream: _Stream | None, facts: BackendFacts,
+                       crossed: list[int]) -> StreamResponse | _Failure:
         """Relay an answer whose headers have come (nothing of it reached the client yet)."""
         try:
             if stream is not None:
@@ -954,10 +1003,11 @@ class Forwarder:
                     return _Failure(backend, Cause.ABORTED, upstream.status, upstream.raw_headers,
                                     whole, facts)
                 return await self._answer_whole(request, upstream, whole, backend, started,
-                                                backend_time, facts)
+                                                backend_time, facts, crossed)
         except (TimeoutError, UpstreamError) as exc:
             return _Failure(backend, _classify(exc))
-        return await self._relay(request, upstream, backend, started, backend_time, facts)
+        return await self._relay(request, upstream, backend, started, backend_time, facts,
+                                 crossed)
 
     # ------------------------------------------------------------------ hedges
 
@@ -976,7 +1026,7 @@ class Forwarder:
         # hedged itself: the original is its hedge).
         answer, _ = await self._wait_head(other, request.method,
                                           self._target(other + request.raw_path), body,
-                                          headers, facts, None)
+                                          headers, facts, None, crossed=scope.crossed)
         if isinstance(answer, _Failure):
             if answer.cause is not Cause.RESCUED:
                 self._count_failure(answer)
@@ -987,7 +1037,8 @@ class Forwarder:
         return _Won(other, answer, time.perf_counter() - sent, facts)
 
     async def _after_hedge(self, request: Request, hedge: asyncio.Task[_Won | _Failure],
-                           failure: _Failure, started: float) -> StreamResponse | _Failure:
+                           failure: _Failure, started: float,
+                           crossed: list[int]) -> StreamResponse | _Failure:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
         if failure.cause is Cause.HEDGED and not failure.race_fails:
@@ -1002,7 +1053,7 @@ class Forwarder:
         self.stats.hedges_won += 1
         try:
             return await self._deliver(request, won.upstream, won.backend, started,
-                                       won.backend_time, None, won.facts)
+                                       won.backend_time, None, won.facts, crossed)
         finally:
             self.pool.finished(won.backend)
 
@@ -1030,12 +1081,13 @@ class Forwarder:
 
     async def _answer_whole(self, request: Request, upstream: Answer,
                             body: bytes, backend: str, started: float,
-                            backend_time: float, facts: BackendFacts) -> StreamResponse:
+                            backend_time: float, facts: BackendFacts,
+                            crossed: list[int]) -> StreamResponse:
         """Send a complete answer: headers and body in one write."""
         status = upstream.status
         response = Response(status=status, reason=upstream.reason, body=body,
                                 headers=_response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE,
-                                                          facts))
+                                                          facts, crossed))
         if status < 400:
             self.pool.record_success(backend)  # the engine's answer is complete
         try:
@@ -1049,12 +1101,14 @@ class Forwarder:
 
     async def _relay(self, request: Request, upstream: Answer,
                      backend: str, started: float, backend_time: float,
-                     facts: BackendFacts) -> StreamResponse:
-        """Stream the engine's answer to the client chunk by chunk; count it when complete."""
+                     facts: BackendFacts, crossed: list[int]) -> StreamResponse:
+        """Stream the engine's answer to the client chunk by chunk; count it when complete.
+        Its headers go first: a weight load under it later is not named (only the streams the
+        router continues end with the versions, :meth:`_relay_stream`)."""
         status = upstream.status
         response = StreamResponse(status=status, reason=upstream.reason,
                                       headers=_response_headers(upstream.raw_headers, _HOP_BY_HOP,
-                                                                facts))
+                                                                facts, crossed))
         complete = False
         try:
             try:
@@ -1114,7 +1168,7 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         # Its head is no token: the attempt has waited on the engine since it was sent, as a
         # request waiting for its head has (:meth:`silent`).
-        hold = _Hold(stream=stream, since=loop.time() - backend_time)
+        hold = _Hold(stream=stream, since=loop.time() - backend_time, crossed=stream.crossed)
         streaming.add(hold)
         try:
             while True:
@@ -1148,6 +1202,10 @@ class Forwarder:
                             return await self._answer_assembled(
                                 request, stream, upstream, started, backend_time, facts)
                         continue
+                    if outcome is EventAction.DONE:
+                        versions = _versions(facts, stream.crossed)
+                        if len(versions) > 1:  # its last event names them: its head went
+                            out = splice.versions_event(versions) + out
                     response = await self._send(request, stream, out, upstream, started,
                                                 backend_time, facts)
                     if response is None:  # the client left: not the engine's doing
@@ -1183,7 +1241,8 @@ class Forwarder:
             # ended with an error event, so an engine's Content-Length would cut them short.
             response = StreamResponse(status=upstream.status, reason=upstream.reason,
                                           headers=_response_headers(upstream.raw_headers,
-                                                                    _NOT_RELAYED_WHOLE, facts))
+                                                                    _NOT_RELAYED_WHOLE, facts,
+                                                                    stream.crossed))
             stream.response = response
             try:
                 await response.prepare(request)
@@ -1205,7 +1264,7 @@ class Forwarder:
         """The whole answer to a non-streamed request, assembled from the stream(s); with
         ``error``, the error its stream ended with."""
         headers = _response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE | {b"content-type"},
-                                    facts)
+                                    facts, stream.crossed)
         status, body = (stream.splice.error_answer() if error
                         else (200, stream.splice.answer()))
         response = Response(status=status, body=body, headers=headers,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "MIN_VERSION_HEADER",
-           "ROUTING_POLICIES", "SHARD_HEADER", "WEIGHT_VERSION_HEADER", "RouterSettings"]
+           "ROUTING_POLICIES", "SHARD_HEADER", "WEIGHT_VERSIONS_HEADER", "WEIGHT_VERSION_HEADER",
+           "RouterSettings"]
 
 #: Where ``fleetwarden route`` listens unless told otherwise. Loopback: exposing a fleet is a
 #: decision (``--host 0.0.0.0``), never an accident.
@@ -28,6 +29,9 @@ FORBIDDEN_STATUS = 504
 #: produced each rollout). Left off when the push did not say (a router nobody manages).
 WEIGHT_VERSION_HEADER = "x-fleetwarden-weight-version"
 SHARD_HEADER = "x-fleetwarden-shard"
+#: In its place on an answer whose engine loaded other weights while it was there (a ``keep``
+#: pause): every version that may have produced its tokens, in order, comma-separated.
+WEIGHT_VERSIONS_HEADER = "x-fleetwarden-weight-versions"
 #: A request carrying it (an integer >= 0) is only ever sent to an engine whose weight version
 #: is at least that; when none is, the router answers ``status_when_none_left`` itself.
 MIN_VERSION_HEADER = "x-fleetwarden-min-weight-version"

@@ -607,6 +607,16 @@ class Splice:
             "system_fingerprint": self.fingerprint,
         }) + b"\n\n"
 
+    def versions_event(self, versions: list[int]) -> bytes:
+        """The event that ends a stream whose tokens may come from several weight versions
+        (loaded under it), naming them in order: shaped as a usage chunk (no choices), which
+        OpenAI clients read without complaint; the head named the first only."""
+        return b"data: " + _dumps({
+            "id": self.id, "object": ("chat.completion.chunk" if self.request.chat
+                                      else "text_completion"),
+            "created": self.created, "model": self.model, "choices": [],
+            "fleetwarden_weight_versions": versions}) + b"\n\n"
+
     def error_answer(self) -> tuple[int, bytes]:
         """The non-streamed answer to a request whose stream ended with an error event of the
         request's own (:attr:`EventAction.CLIENT_ERROR`): its code and its error, as vLLM
