@@ -530,8 +530,8 @@ class RefitConfig(_Section):
     #: every answer comes from one checkpoint and says so; the sync waits for the longest.
     #: ``abort`` ends them at once (``finish_reason`` ``abort``: the trainer re-sends them);
     #: ``keep`` freezes them and lets them go on under the new weights: a mixed answer, whose
-    #: spans say so on ``/inference/v1/generate`` but whose OpenAI answer's header names one
-    #: version. ``wait``: no answer lost or mislabelled (docs/rl.md).
+    #: spans say so on ``/inference/v1/generate`` and whose OpenAI answer the router labels
+    #: with both versions. ``wait``: every answer from one checkpoint, none lost (docs/rl.md).
     pause_mode: Literal["wait", "abort", "keep"] = "wait"
     #: How long ``refit_from`` lets the routers' requests on an engine finish (nothing new is
     #: sent there) before it pauses it. The same 30 s as the sleep bracket's drain: rollouts

@@ -345,13 +345,34 @@ async def keep_rollout(http: aiohttp.ClientSession, router: str, prompt: str, st
         return "".join(text), named
 
 
+async def generate_rollout(http: aiohttp.ClientSession, router: str, prompt: str,
+                           stream: bool, max_tokens: int) -> tuple[list[str], str]:
+    """One token-in/token-out rollout through the router: the versions its spans name (the
+    engine's own word, passed through), and its weight headers as one string."""
+    body = {"token_ids": wire.encode(prompt), "stream": stream,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0}}
+    async with http.post(router + "/inference/v1/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        header = (r.headers.get("x-fleetwarden-weight-versions")
+                  or r.headers.get("x-fleetwarden-weight-version") or "")
+        if stream:
+            chunks = [json.loads(line.strip().removeprefix(b"data: "))
+                      async for line in r.content if line.strip() not in (b"", b"data: [DONE]")]
+            choice = chunks[-1]["choices"][0]
+        else:
+            choice = (await r.json())["choices"][0]
+        return [span["version"] for span in choice["weight_versions"]], header
+
+
 async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions(
         tmp_path: Path) -> None:
     """With ``pause_mode = "keep"`` a generation under way when its engine pauses goes on
     under the new weights (the simulator, as vLLM, re-salts it): its answer must name both
     versions, never the old one alone, on whole and streamed completions alike. Each answer
     is matched by its text: one that matches a checkpoint's greedy answer whole was made by
-    it; one that matches none was mixed."""
+    it; one that matches none was mixed. Rollouts on ``/inference/v1/generate`` beside them
+    carry the engine's own spans through the router, and its whole answers' headers name
+    what the spans name."""
     max_tokens = 60
     weights = {0: BASE}
     for v in (1, 2):
@@ -370,7 +391,8 @@ async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions
         return g.content
 
     refs = {v: {p: ref(p, v) for p in prompts} for v in weights}
-    cmd = "{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 100"
+    cmd = ("{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 100 "
+           "--enable-scale-out")
     answers: list[tuple[str, str, list[int]]] = []  # (prompt, text, versions named)
     async with running_fleet(
             tmp_path, fleet={"weights": "trainer", "engines": 2, "engine_cmd": cmd},
@@ -381,11 +403,22 @@ async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions
         jobs = [(p, s) for p in prompts for s in (False, True)]
         rollouts = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, s, max_tokens))
                     for p, s in jobs]
+        generated = [asyncio.ensure_future(generate_rollout(http, f.router_url, p, s,
+                                                            max_tokens)) for p, s in jobs]
         await asyncio.sleep(0.2)  # about 20 tokens in: each spans the load
         done = await f.refit_from(str(tmp_path / "ckpt-2"), 2)
         assert done.credited == [0, 1], done.to_dict()
         for (p, _), (text, named) in zip(jobs, await asyncio.gather(*rollouts), strict=True):
             answers.append((p, text, named))
+        spans = await asyncio.gather(*generated)
+        after = await generate_rollout(http, f.router_url, prompts[0], False, max_tokens)
+    # The spans as the engine reported them, through the router; a whole answer's header
+    # names them (a stream's head went before them: the spans are its label).
+    print(f"generate: spans {[s for s, _ in spans]}, headers {[h for _, h in spans]}")
+    assert all(s == ["1", "2"] for s, _ in spans), spans
+    assert [h for (_, stream), (_, h) in zip(jobs, spans, strict=True) if not stream] \
+        == ["1,2"] * len(prompts), spans
+    assert after == (["2"], "2")
     whole = [a for a in answers if any(refs[v][a[0]] == a[1] for v in refs)]
     mixed = [a for a in answers if a not in whole]
     # A whole answer may be named with both (it ended as the pause came): never with another

@@ -1100,6 +1100,51 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         loading.unwedge()
 
 
+async def test_a_token_in_token_out_answer_is_labelled_by_its_engines_own_spans() -> None:
+    """``/inference/v1/generate`` goes through the router as the OpenAI paths do (a refused
+    attempt is sent elsewhere; the push's facts name the weights). Its whole answer's spans
+    are the engine's word on which weights sampled which tokens: passed through untouched,
+    and the headers name what they name, in place of the push's version."""
+    from multidict import CIMultiDict
+
+    from fleetwarden.router import BackendFacts
+    from support.scripted_engine import Capture
+
+    def generated(*versions: str) -> bytes:
+        spans = [{"version": v, "start": i * 4, "end": i * 4 + 4}
+                 for i, v in enumerate(versions)]
+        return json.dumps({"request_id": "r", "choices": [{
+            "index": 0, "token_ids": [1] * 4 * len(versions), "finish_reason": "length",
+            "weight_versions": spans}]}).encode()
+
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 8}}
+    async with rig(2) as r:
+        a, b = r.engines
+        r.router.set_serving_backends([a.url, b.url], {a.url: BackendFacts(0, 3),
+                                                       b.url: BackendFacts(1, 3)})
+        json_head = CIMultiDict({"content-type": "application/json"})
+        for versions, header in [(("3",), ("x-fleetwarden-weight-version", "3")),
+                                 (("3", "4"), ("x-fleetwarden-weight-versions", "3,4")),
+                                 (("2",), ("x-fleetwarden-weight-version", "2")),
+                                 (("default",), ("x-fleetwarden-weight-versions", "default"))]:
+            for engine in (a, b):
+                engine.answer(Capture(200, json_head, generated(*versions)))
+            status, headers, answer = await r.post("/inference/v1/generate", body)
+            assert status == 200 and answer == generated(*versions)  # passed through
+            assert headers[header[0]] == header[1], (versions, dict(headers))
+            other = ({"x-fleetwarden-weight-version", "x-fleetwarden-weight-versions"}
+                     - {header[0]}).pop()
+            assert other not in headers
+        for engine in (a, b):  # no spans (an error, an engine that reports none): the push's
+            engine.answer(None)
+        a.reset()  # and a refused attempt goes elsewhere
+        for _ in range(3):
+            status, headers, _ = await r.post("/inference/v1/generate", body)
+            assert status == 200 and headers["x-fleetwarden-weight-version"] == "3"
+            assert headers["x-fleetwarden-shard"] == "1"
+        assert b.seen[-1].path == "/inference/v1/generate"
+
+
 async def test_without_facts_an_answer_carries_no_weight_headers() -> None:
     async with rig(1) as r:  # a router nobody manages: nothing is known of its backend
         status, headers, _ = await r.post()

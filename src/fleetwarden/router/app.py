@@ -40,7 +40,7 @@ from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
 from fleetwarden.router.links import InProcessRouter
 from fleetwarden.router.models import model_list
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
-from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.settings import GENERATE, RouterSettings
 from fleetwarden.router.stats import KeyTally, RouterStats, make_registry
 
 __all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "runner_url"]
@@ -51,6 +51,9 @@ log = logging.getLogger("fleetwarden.router")
 FORWARDED_POST: tuple[str, ...] = (
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
     "/tokenize", "/detokenize",
+    # vLLM's token-in/token-out endpoint (``--enable-scale-out``), what RL frameworks sample
+    # rollouts with: its answers carry the engine's own weight-version spans.
+    GENERATE,
 )
 FORWARDED_GET: tuple[str, ...] = ("/v1/models",)
 _POST = frozenset(FORWARDED_POST)

@@ -89,6 +89,7 @@ from fleetwarden.router.serve import (
 )
 from fleetwarden.router.settings import (
     FORBIDDEN_STATUS,
+    GENERATE,
     MIN_VERSION_HEADER,
     SHARD_HEADER,
     WEIGHT_VERSION_HEADER,
@@ -294,25 +295,55 @@ def _versions(facts: BackendFacts, crossed: list[int]) -> list[int]:
     return versions
 
 
+#: A span's version as a header may carry it: what ``str(int)`` gives, or a label of vLLM's own
+#: (``"default"``); never a comma, which would split it.
+_SPAN_VERSION = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def _span_versions(body: bytes) -> list[str] | None:
+    """The weight versions a whole ``/inference/v1/generate`` answer's spans name, in order of
+    their first token over its choices; ``None`` where it names none (an engine that reports
+    no spans, an error) or one a header cannot carry."""
+    if b'"weight_versions"' not in body:
+        return None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    versions: list[str] = []
+    choices = parsed.get("choices") if isinstance(parsed, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        spans = choice.get("weight_versions") if isinstance(choice, dict) else None
+        for span in spans if isinstance(spans, list) else ():
+            v = span.get("version") if isinstance(span, dict) else None
+            if not isinstance(v, str) or _SPAN_VERSION.fullmatch(v) is None:
+                return None
+            if v not in versions:
+                versions.append(v)
+    return versions or None
+
+
 def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_HOP,
                       facts: BackendFacts = UNKNOWN_FACTS,
-                      crossed: list[int] | None = None) -> RawHeaders:
+                      crossed: list[int] | None = None,
+                      spans: list[str] | None = None) -> RawHeaders:
     """The engine's answer headers the client gets: ``dropped``, those the engine's
     ``Connection`` names (hop-by-hop, RFC 9110 7.6.1) and any it gave of the router's own
     removed, then the facts of the push added. An answer whose engine loaded other weights
     while it was there (``crossed``) names every version in ``x-fleetwarden-weight-versions``
     and none in ``x-fleetwarden-weight-version``: one version named for a mixed answer would
-    be a wrong label (docs/rl.md)."""
+    be a wrong label (docs/rl.md). ``spans``: the versions the engine itself reported for the
+    answer's tokens (:func:`_span_versions`): its word, exact, is named in place of the push's."""
     named = [v for k, v in upstream if k.lower() == b"connection"]
     if named:
         dropped = dropped | {t.strip().lower() for v in named for t in v.split(b",")}
     headers = [(k, v) for k, v in upstream
                if (lowered := k.lower()) not in dropped and lowered not in _FACT_HEADERS]
-    versions = _versions(facts, crossed or [])
-    if len(versions) > 1:
-        headers.append((_WEIGHT_VERSIONS, ",".join(map(str, versions)).encode()))
+    versions = spans or [str(v) for v in _versions(facts, crossed or [])]
+    if len(versions) > 1 or (spans and not spans[0].isdigit()):
+        headers.append((_WEIGHT_VERSIONS, ",".join(versions).encode()))
     elif versions:
-        headers.append((_WEIGHT_VERSION, str(versions[0]).encode()))
+        headers.append((_WEIGHT_VERSION, versions[0].encode()))
     if facts.shard is not None:
         headers.append((_SHARD, str(facts.shard).encode()))
     return headers
@@ -1085,9 +1116,10 @@ class Forwarder:
                             crossed: list[int]) -> StreamResponse:
         """Send a complete answer: headers and body in one write."""
         status = upstream.status
+        spans = _span_versions(body) if request.path == GENERATE and status == 200 else None
         response = Response(status=status, reason=upstream.reason, body=body,
                                 headers=_response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE,
-                                                          facts, crossed))
+                                                          facts, crossed, spans))
         if status < 400:
             self.pool.record_success(backend)  # the engine's answer is complete
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "MIN_VERSION_HEADER",
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FORBIDDEN_STATUS", "GENERATE", "MIN_VERSION_HEADER",
            "ROUTING_POLICIES", "SHARD_HEADER", "WEIGHT_VERSIONS_HEADER", "WEIGHT_VERSION_HEADER",
            "RouterSettings"]
 
@@ -29,6 +29,9 @@ FORBIDDEN_STATUS = 504
 #: produced each rollout). Left off when the push did not say (a router nobody manages).
 WEIGHT_VERSION_HEADER = "x-fleetwarden-weight-version"
 SHARD_HEADER = "x-fleetwarden-shard"
+#: vLLM's token-in/token-out endpoint: each finished choice reports ``weight_versions``
+#: spans (the engine's own word on which weights sampled which tokens).
+GENERATE = "/inference/v1/generate"
 #: In its place on an answer whose engine loaded other weights while it was there (a ``keep``
 #: pause): every version that may have produced its tokens, in order, comma-separated.
 WEIGHT_VERSIONS_HEADER = "x-fleetwarden-weight-versions"
