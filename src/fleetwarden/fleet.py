@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -57,6 +58,8 @@ from fleetwarden.weight_sync import (
     PAUSE_MODES,
     EngineOutcome,
     RefitLoad,
+    cost_since,
+    cost_totals,
     load_checkpoint,
     read_all,
     read_weights,
@@ -141,6 +144,9 @@ class Fleet:
         #: (shard, incarnation, version) already tried: a replacement is loaded once per
         #: process and checkpoint, so an engine that cannot load is not tried every tick.
         self._caught: set[tuple[int, str | None, int]] = set()
+        #: The routers' fault counters at the end of the last load (``refit_from``): the next
+        #: one charges the trainer's step with what they counted since (``RefitLoad.cost``).
+        self._costs_at_load: dict[str, Any] = cost_totals([])
         self.admin.registry.register(FleetCollector(
             lambda: self.snapshot() if self._controller is not None else None))
         self.admin.registry.register(WorkCollector(
@@ -542,6 +548,9 @@ class Fleet:
                 await self._catching_up
         async with self._loading:
             load = await self._refit_from(path, version, mode, checksums)
+        now = await self._fault_costs()
+        load = dataclasses.replace(load, cost=cost_since(self._costs_at_load, now))
+        self._costs_at_load = now
         if load.credited:
             self._source = (path, version, checksums)  # what a replacement is loaded from
         return load
@@ -588,6 +597,17 @@ class Fleet:
                           error=r.error or disagreed.get(i, ""), seconds=r.seconds)
             for (i, url), r in zip(parts, loads, strict=True))
         return RefitLoad(version, path, mode, engines, time.monotonic() - started)
+
+    async def _fault_costs(self) -> dict[str, Any]:
+        """The routers' fault counters now, summed (:func:`~fleetwarden.weight_sync.
+        cost_totals`); a router that does not answer is left out of this read."""
+        said = []
+        for link in self.controller.routers:
+            try:
+                said.append((await link.status())["stats"])
+            except Exception as exc:
+                log.warning("router %s: its counters were not read: %s", link.name, exc)
+        return cost_totals(said)
 
     def _stale_replacements(self) -> list[int]:
         """STALE shards not yet tried with the current source, in this process."""

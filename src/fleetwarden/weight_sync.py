@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ from fleetwarden.credentials import Secret
 from fleetwarden.refit import CANNOT_SAY, EngineWeights
 
 __all__ = ["CONFIRM_READ_S", "ENGINES_THAT_SAY", "PAUSE_MODES", "EngineOutcome", "LoadResult",
-           "RefitLoad", "load_checkpoint", "read_all", "read_weights"]
+           "RefitLoad", "cost_since", "cost_totals", "load_checkpoint", "read_all",
+           "read_weights"]
 
 #: The engine kinds asked for their weights: vLLM, and an engine not yet recognised (``auto``:
 #: a vLLM answers, another answers 404 and cannot say).
@@ -173,15 +174,61 @@ class EngineOutcome:
                 "seconds": round(self.seconds, 3)}
 
 
+#: What the routers' counters (``Router.status()["stats"]``) charge a trainer's step with:
+#: requests re-sent from the start, streams continued elsewhere from their tokens,
+#: generations an engine aborted, requests rescued off a condemned engine, streams that ended
+#: with an error, and tokens generated that no client got as generated.
+COST_KEYS = ("re_sent", "continued", "aborted", "rescued", "ended_with_error",
+             "tokens_discarded")
+
+
+def cost_totals(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The counters of :data:`COST_KEYS` summed over routers' ``stats``, and ``failures``:
+    ``{engine url: {cause: attempts failed}}``, the faults that cost them."""
+    total: dict[str, Any] = dict.fromkeys(COST_KEYS, 0)
+    failures: dict[str, dict[str, int]] = {}
+    for s in stats:
+        cont = s.get("continuations") or {}
+        total["re_sent"] += sum((s.get("retries") or {}).values())
+        total["continued"] += sum(n for mode, n in cont.items() if mode != "restart")
+        total["aborted"] += s.get("aborted", 0)
+        total["rescued"] += s.get("rescues", 0)
+        total["ended_with_error"] += sum((s.get("streams_ended") or {}).values())
+        total["tokens_discarded"] += s.get("tokens_discarded", 0)
+        for url, causes in (s.get("failures") or {}).items():
+            mine = failures.setdefault(url, {})
+            for cause, n in causes.items():
+                mine[cause] = mine.get(cause, 0) + n
+    total["failures"] = failures
+    return total
+
+
+def cost_since(before: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`cost_totals` counted between two reads. A router restarted in between
+    counts from zero again: a counter that went down is taken as counted since then."""
+    def less(a: int, b: int) -> int:
+        return a - b if a >= b else a
+
+    cost: dict[str, Any] = {k: less(now[k], before[k]) for k in COST_KEYS}
+    cost["failures"] = {
+        url: delta for url, causes in now["failures"].items()
+        if (delta := {c: d for c, n in causes.items()
+                      if (d := less(n, before["failures"].get(url, {}).get(c, 0)))})}
+    return cost
+
+
 @dataclass(frozen=True, slots=True)
 class RefitLoad:
-    """A load of ``path`` as ``version`` into every participant, engine by engine."""
+    """A load of ``path`` as ``version`` into every participant, engine by engine, and what
+    the requests paid for faults since the last load (``cost``, :func:`cost_since`: the
+    trainer's step)."""
 
     version: int
     path: str
     pause_mode: str
     engines: tuple[EngineOutcome, ...]
     seconds: float
+    cost: Mapping[str, Any] | None = None
 
     @property
     def credited(self) -> list[int]:
@@ -197,4 +244,5 @@ class RefitLoad:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "path": self.path, "pause_mode": self.pause_mode,
                 "seconds": round(self.seconds, 3), "credited": self.credited,
-                "failed": self.failed, "engines": [e.to_dict() for e in self.engines]}
+                "failed": self.failed, "engines": [e.to_dict() for e in self.engines],
+                "cost": None if self.cost is None else dict(self.cost)}

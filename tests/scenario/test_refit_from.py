@@ -262,6 +262,10 @@ async def test_a_trainer_loop_of_loads_under_faults_labels_every_answer_truthful
     latencies = [a.latency for a in books.answers]
     print(f"rollout latency (each begun as a load starts): p50 "
           f"{statistics.median(latencies):.2f} s, max {max(latencies):.2f} s")
+    spent: Counter[str] = Counter()
+    for ld in loads:
+        spent.update({k: v for k, v in (ld.cost or {}).items() if isinstance(v, int)})
+    print(f"what the faults cost the rollouts, told with the loads: {dict(spent)}")
     print(f"mislabeled answers {len(mislabeled)}; answers from an engine left STALE "
           f"{len(from_stale)}")
     assert mislabeled == [], mislabeled[:5]
@@ -341,7 +345,7 @@ async def keep_rollout(http: aiohttp.ClientSession, router: str, prompt: str, st
             chunk = json.loads(data)
             if "fleetwarden_weight_versions" in chunk:
                 named = chunk["fleetwarden_weight_versions"]
-            text += [c["text"] for c in chunk["choices"]]
+            text += [c["text"] for c in chunk.get("choices", ())]  # none: an error event
         return "".join(text), named
 
 
@@ -364,7 +368,7 @@ async def generate_rollout(http: aiohttp.ClientSession, router: str, prompt: str
         return [span["version"] for span in choice["weight_versions"]], header
 
 
-async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions(
+async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_told(
         tmp_path: Path) -> None:
     """With ``pause_mode = "keep"`` a generation under way when its engine pauses goes on
     under the new weights (the simulator, as vLLM, re-salts it): its answer must name both
@@ -372,7 +376,13 @@ async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions
     is matched by its text: one that matches a checkpoint's greedy answer whole was made by
     it; one that matches none was mixed. Rollouts on ``/inference/v1/generate`` beside them
     carry the engine's own spans through the router, and its whole answers' headers name
-    what the spans name."""
+    what the spans name.
+
+    Then ``RefitLoad.cost``, what the routers counted since the last load: an ``abort``
+    pause under rollouts ends each generation under way (``finish_reason`` "abort"): the
+    whole answers' tokens are thrown away and the requests go again; the streams, with no
+    engine left on their weights to go on, end with an error. The trainer is told how many
+    of each, and the tokens; a quiet step after it costs nothing."""
     max_tokens = 60
     weights = {0: BASE}
     for v in (1, 2):
@@ -412,6 +422,16 @@ async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions
             answers.append((p, text, named))
         spans = await asyncio.gather(*generated)
         after = await generate_rollout(http, f.router_url, prompts[0], False, max_tokens)
+
+        wholes = [asyncio.ensure_future(whole_rollout(http, f.router_url, max_tokens))
+                  for _ in range(4)]
+        streams = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, True, max_tokens))
+                   for p in prompts]
+        await asyncio.sleep(0.2)  # about 20 tokens in
+        aborted = await f.refit_from(str(tmp_path / "ckpt-1"), 3, pause_mode="abort")
+        await asyncio.gather(*wholes, *streams)
+        quiet = await f.refit_from(str(tmp_path / "ckpt-2"), 4)
+        urls = {r.base_url for r in f.ledger.snapshot()}
     # The spans as the engine reported them, through the router; a whole answer's header
     # names them (a stream's head went before them: the spans are its label).
     print(f"generate: spans {[s for s, _ in spans]}, headers {[h for _, h in spans]}")
@@ -430,3 +450,26 @@ async def test_a_keep_pause_labels_answers_that_span_the_load_with_both_versions
           f"{len(unnamed)}")
     assert mixed, "no answer spanned the load: the test proves nothing"
     assert wrong == [] and unnamed == [], (wrong, unnamed)
+
+    cost = aborted.cost
+    assert cost is not None
+    print(f"cost of the aborted step: {aborted.to_dict()['cost']}")
+    assert cost["aborted"] == 8, cost  # every generation under way
+    assert cost["tokens_discarded"] >= 4 * 10, cost  # the whole answers', 20 tokens in each
+    assert cost["ended_with_error"] == 4, cost  # the streams: no engine on their weights
+    assert set(cost["failures"]) <= urls and cost["failures"], cost
+    assert quiet.cost is not None and {k: v for k, v in quiet.cost.items() if v} == {}, \
+        quiet.cost
+
+
+async def whole_rollout(http: aiohttp.ClientSession, router: str, max_tokens: int) -> int:
+    """One whole rollout, re-sent on a 409 (nothing serves during a sync): its re-sends."""
+    for attempt in range(200):
+        async with http.post(router + "/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": max_tokens}) as r:
+            if r.status == 200:
+                return attempt
+            assert r.status == 409, await r.text()
+        await asyncio.sleep(0.05)
+    raise AssertionError("never answered")
+

@@ -452,3 +452,30 @@ def test_an_unconfirmed_suspect_comes_back_suspect_after_the_next_refit() -> Non
     refit.begin_refit(2)
     refit.complete_refit(2, weights={0: says("2"), 1: says("2")})
     assert ledger.state(0) is S and ledger.state(1) is H
+
+
+def test_a_steps_cost_is_what_the_routers_counted_since_the_last_load() -> None:
+    """``cost_totals`` sums the routers' fault counters; ``cost_since`` charges a step with
+    what they counted since the last load, and a router restarted in between (its counters
+    from zero) with what it counted since its start, never a negative count."""
+    from fleetwarden.weight_sync import cost_since, cost_totals
+
+    def router(retries: int, aborted: int, tokens: int, failed: int) -> dict[str, object]:
+        return {"retries": {"free": 1, "paid": retries}, "rescues": 1, "aborted": aborted,
+                "continuations": {"tokens": 2, "text": 1, "restart": 5},
+                "streams_ended": {"reset": 1}, "tokens_discarded": tokens,
+                "failures": {"http://e:1": {"aborted": failed}}}
+
+    before = cost_totals([router(2, 1, 10, 1), router(0, 0, 0, 0)])
+    assert before == {"re_sent": 4, "continued": 6, "aborted": 1, "rescued": 2,
+                      "ended_with_error": 2, "tokens_discarded": 10,
+                      "failures": {"http://e:1": {"aborted": 1}}}
+    now = cost_totals([router(5, 4, 70, 3), router(0, 0, 0, 0)])
+    assert cost_since(before, now) == {"re_sent": 3, "continued": 0, "aborted": 3,
+                                       "rescued": 0, "ended_with_error": 0,
+                                       "tokens_discarded": 60,
+                                       "failures": {"http://e:1": {"aborted": 2}}}
+    assert cost_since(now, now)["failures"] == {}
+    restarted = cost_totals([router(0, 1, 5, 1)])  # one router, counting from zero again
+    assert cost_since(now, restarted)["aborted"] == 1
+    assert cost_since(now, restarted)["tokens_discarded"] == 5

@@ -266,6 +266,12 @@ class Router:
                       "rescues": self.stats.rescues,
                       "hedges": self.stats.hedges,
                       "hedges_won": self.stats.hedges_won,
+                      # What faults cost the requests (a trainer's step: fleet.refit_from).
+                      "continuations": dict(self.stats.continuations),
+                      "streams_ended": dict(self.stats.streams_ended),
+                      "aborted": self.stats.aborted,
+                      "tokens_discarded": self.stats.tokens_discarded,
+                      "failures": _failures_by_backend(self.stats.backend_failures),
                       "poison_requests": self.stats.poison_requests,
                       "local_exhaustion": self.stats.local_exhaustion,
                       "connections_closed": dict(self.stats.connections_closed),
@@ -614,6 +620,14 @@ def _usage_of(body: bytes) -> tuple[int, int] | None:
     completion = _COMPLETION_TOKENS.search(body, at, at + 512)
     return (0 if prompt is None else int(prompt.group(1)),
             0 if completion is None else int(completion.group(1)))
+
+
+def _failures_by_backend(failures: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """``{backend: {cause: n}}`` of the router's ``(backend, cause) -> n``."""
+    out: dict[str, dict[str, int]] = {}
+    for (backend, cause), n in failures.items():
+        out.setdefault(backend, {})[cause] = n
+    return out
 
 
 def runner_url(runner: web.AppRunner) -> str:

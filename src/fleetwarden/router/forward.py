@@ -97,6 +97,7 @@ from fleetwarden.router.settings import (
     RouterSettings,
 )
 from fleetwarden.router.splice import (
+    ABORTED_ERROR,
     DONE,
     Continuation,
     EngineLimits,
@@ -688,6 +689,10 @@ class Forwarder:
                 if not isinstance(answer, _Failure):
                     ex.answered = True
                     return answer
+                if answer.cause is Cause.ABORTED or (
+                        answer.cause is Cause.STREAM_ERROR and stream is not None
+                        and stream.splice.error is ABORTED_ERROR):
+                    self._aborted(answer)
                 ex.answered = ex.answered or (stream is not None and stream.began)
                 step = self._after_failure(ex, answer)
                 if not step.resends:
@@ -1192,6 +1197,7 @@ class Forwarder:
                 self._learn_context(backend)
         if stream.began and stream.continuation is not None:
             self.stats.continuations[stream.continuation.mode.value] += 1
+            self.stats.tokens_discarded += len(stream.continuation.replay)
         streaming = self._streaming.get(backend)
         if streaming is None:
             streaming = self._streaming[backend] = set()
@@ -1416,6 +1422,16 @@ class Forwarder:
         return response
 
     # ------------------------------------------------------------------ outcomes and answers
+
+    def _aborted(self, failure: _Failure) -> None:
+        """An attempt whose engine aborted its generation: counted, and a whole answer's
+        tokens (its usage says them) as discarded: the request goes again from the start."""
+        self.stats.aborted += 1
+        if failure.body:
+            with contextlib.suppress(ValueError, RecursionError, AttributeError, TypeError):
+                tokens = json.loads(failure.body)["usage"]["completion_tokens"]
+                if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+                    self.stats.tokens_discarded += tokens
 
     def _count_failure(self, failure: _Failure) -> None:
         self._report_failure(failure)

@@ -176,6 +176,11 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+#: A stream's ``error`` when its engine aborted it (``finish_reason`` "abort"); the one object,
+#: so the forwarder tells it from an engine's own error event by identity.
+ABORTED_ERROR: dict[str, Any] = {"message": "the engine aborted the generation", "code": 500}
+
+
 def error_event(message: str, error_type: str, code: int, **extra: object) -> bytes:
     """An error in the OpenAI shape as an SSE event (vLLM ends a failed stream this way too;
     the ``openai`` client raises it as an ``APIError``)."""
@@ -397,7 +402,7 @@ class Splice:
             # The engine aborted the generation (vLLM shut down with SIGTERM ends what it holds
             # so): a failure of the engine, not an end the client asked for. Its last tokens
             # are not taken; the next engine goes on from what the client has.
-            self.error = {"message": "the engine aborted the generation", "code": 500}
+            self.error = ABORTED_ERROR
             return EventAction.ENGINE_ERROR, b""
         replayed = self._take_replay(chunk) if self._replay or self._replay_text else (0, 0)
         if replayed is None:

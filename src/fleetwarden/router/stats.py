@@ -64,11 +64,11 @@ class KeyTally:
 class RouterStats:
     """Counters the request path bumps. Plain attributes and dicts: the cheapest thing to touch."""
 
-    __slots__ = ("added_latency_buckets", "added_latency_count", "added_latency_sum",
+    __slots__ = ("aborted", "added_latency_buckets", "added_latency_count", "added_latency_sum",
                  "backend_failures", "connections_closed", "continuations", "hedges",
                  "hedges_won", "key_refusals", "keys", "local_exhaustion", "picks", "picks_s",
                  "poison_requests", "requests", "rescues", "responses", "retries",
-                 "streams_ended")
+                 "streams_ended", "tokens_discarded")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -97,6 +97,14 @@ class RouterStats:
         self.continuations: dict[str, int] = {"tokens": 0, "text": 0, "restart": 0}
         #: cause -> streams that had begun and could not be continued: ended with an error event
         self.streams_ended: dict[str, int] = {}
+        #: Generations an engine aborted (``finish_reason`` "abort": a ``pause?mode=abort``, a
+        #: shutdown): each was re-sent or continued elsewhere, or ended with why.
+        self.aborted = 0
+        #: Tokens an engine generated that no client got as generated: a whole answer it
+        #: aborted (its usage), and the tokens a continuation generates again before its own.
+        #: Counted where the router saw them (a hedge's losing attempt, cancelled before its
+        #: answer, made tokens no one counts): what a fault cost a trainer's step, at least.
+        self.tokens_discarded = 0
         self.added_latency_buckets = [0] * (len(ADDED_LATENCY_BUCKETS_S) + 1)
         self.added_latency_count = 0
         self.added_latency_sum = 0.0
@@ -230,6 +238,14 @@ def _connections_and_streams(s: RouterStats) -> Iterator[Metric]:
         "Streams continued on another engine after theirs failed mid-answer, by mode: "
         "tokens (exact, from token ids) or text (from the text produced so far).",
         "mode", s.continuations)
+    yield _counter(
+        "fleetwarden_router_aborted",
+        "Generations an engine aborted (finish_reason abort): re-sent, continued, or "
+        "ended with an error.", s.aborted)
+    yield _counter(
+        "fleetwarden_router_tokens_discarded",
+        "Tokens engines generated that no client got as generated: aborted whole answers, "
+        "and tokens a continuation generated again.", s.tokens_discarded)
     yield _by(
         "fleetwarden_router_streams_ended_with_error",
         "Streams that had begun, failed and could not be continued: ended with an error "
