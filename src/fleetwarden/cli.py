@@ -306,6 +306,10 @@ def sim(
     enable_scale_out: bool = typer.Option(
         False, "--enable-scale-out", help="Serve POST /inference/v1/generate, as vLLM's flag "
         "does (without it: 403)."),
+    guard_dev_api: bool = typer.Option(
+        False, "--guard-dev-api", help="With --api-key, guard the dev endpoints too (sleep, "
+        "the RL API: /pause, /collective_rpc, /weight_info, ...), as a proxy in front of vLLM "
+        "would; vLLM leaves them open."),
 ) -> None:
     """Run one simulated engine (OpenAI API, /metrics, faults) until SIGTERM: vLLM by default,
     or llama.cpp's or SGLang's metrics and endpoints with --engine. With --engines N, N of
@@ -332,7 +336,8 @@ def sim(
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
                        api_keys=tuple(api_key or ()),
                        override_max_new_tokens=cap,
-                       weights_path=weights, enable_scale_out=enable_scale_out)
+                       weights_path=weights, enable_scale_out=enable_scale_out,
+                       guard_dev_api=guard_dev_api)
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 

@@ -308,6 +308,16 @@ async def test_a_keyed_llamacpp_engine_is_read_with_its_key_and_never_failed_wit
     assert with_key[-1].health is Health.PROVEN
 
 
+def keyed_sims(tmp_path: Path, flags: str = "") -> tuple[Path, str]:
+    """The engines' key file (0600) and a command launching a simulator that reads its
+    ``--api-key`` from it, with ``flags``."""
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    return key_file, (f"sh -c 'exec {{python}} -m fleetwarden sim --host {{host}} --port "
+                      f"{{port}} --steps-per-s 40 {flags} --api-key \"$(cat {key_file})\"'")
+
+
 async def test_launched_keyed_engines_restart_after_a_crash_and_a_wedge_is_still_condemned(
         tmp_path: Path) -> None:
     """Engines launched with --api-key, their command reading the key from the same file as
@@ -317,11 +327,7 @@ async def test_launched_keyed_engines_restart_after_a_crash_and_a_wedge_is_still
     from fleetwarden.testing.load import Load
     from support.fleet import served_ids, sim_stats, wedge_when_busy
 
-    key_file = tmp_path / "engine.key"
-    key_file.write_text(KEY + "\n")
-    key_file.chmod(0o600)
-    cmd = (f"sh -c 'exec {{python}} -m fleetwarden sim --host {{host}} --port {{port}} "
-           f"--steps-per-s 40 --api-key \"$(cat {key_file})\"'")
+    key_file, cmd = keyed_sims(tmp_path)
     async with running_fleet(tmp_path, fleet={"engines": 2, "engine_cmd": cmd,
                                               "api_key_file": str(key_file)}) as fleet:
         seen = record_transitions(fleet)
@@ -351,6 +357,37 @@ async def test_launched_keyed_engines_restart_after_a_crash_and_a_wedge_is_still
         assert fleet.ledger.shard(0).restart_attempts == 1
     logs = b"".join(p.read_bytes() for p in (tmp_path / "logs").glob("*.log"))
     assert b"--api-key" in logs and KEY.encode() not in logs
+
+
+async def test_the_weight_api_and_sleep_are_called_with_each_engines_key(
+        tmp_path: Path) -> None:
+    """Engines whose RL and sleep endpoints want the key (``--guard-dev-api``: a proxy in front
+    of vLLM, which leaves them open): a load fleetwarden runs (pause, reload, stamp, resume,
+    then each engine's word on its version) and a sleep bracket succeed on every engine, so
+    each of those calls carried the engine's key; the same calls without it are refused."""
+    (tmp_path / "ckpt-1").write_text("weights after step 1\n")
+    key_file, cmd = keyed_sims(tmp_path, "--guard-dev-api")
+    async with running_fleet(tmp_path, fleet={"engines": 2, "engine_cmd": cmd,
+                                              "weights": "trainer",
+                                              "api_key_file": str(key_file)}) as fleet, \
+            aiohttp.ClientSession() as http:
+        done = await fleet.refit_from(str(tmp_path / "ckpt-1"), 1)
+        assert done.credited == [0, 1] and all(e.confirmed for e in done.engines), \
+            done.to_dict()
+        slept = await fleet.sleep(1, None)
+        assert [(r.state, r.error) for r in slept] == [("SLEEPING", "")] * 2, slept
+        woke = await fleet.wake(None)
+        assert [r.error for r in woke] == ["", ""] and "SLEEPING" not in {
+            r.state for r in woke}, woke
+        url = fleet.ledger.shard(0).base_url
+        for path in ("/weight_info", "/is_sleeping"):
+            async with http.get(url + path) as r:
+                assert r.status == 401, path  # the guard is on: without the key, refused
+            async with http.get(url + path, headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status == 200, path
+        async with http.get(url + "/weight_info",
+                            headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert (await r.json())["weight_version"] == "1"
 
 
 async def test_check_names_the_missing_key_and_judges_with_the_key(

@@ -82,6 +82,11 @@ class SimConfig:
     #: /v1 forms, as llama-server's; with ``sglang``, all but /health* and /metrics*, as
     #: SGLang's (``server.py``, ``_vllm_auth``). Empty: nothing guarded.
     api_keys: tuple[str, ...] = ()
+    #: With ``api_keys``, guard vLLM's dev endpoints too (sleep, the RL API: /pause,
+    #: /collective_rpc, /weight_info, ...), as a proxy in front of vLLM that wants the key on
+    #: every path would; vLLM itself leaves them open. False: vLLM's own rule. What lets a
+    #: test fail when fleetwarden's calls of the weight API go without the engine's key.
+    guard_dev_api: bool = False
     #: vLLM's ``--override-generation-config '{"max_new_tokens": N}'``: a server cap on every
     #: request's output, even one that names a larger ``max_tokens`` (RL stacks set it).
     #: None: no cap.

@@ -830,7 +830,8 @@ class Sim:
         ``Authorization`` header whose scheme is ``bearer`` in any case, followed by one
         space and one of the keys, compared in constant time (hashed first, as vLLM does);
         else 401 ``{"error": "Unauthorized"}``. /health, /metrics, /ping, /version and the
-        dev endpoints (/sleep, /wake_up, ...) stay open.
+        dev endpoints (/sleep, /wake_up, the RL API: /pause, /weight_info, ...) stay open,
+        unless ``guard_dev_api`` (a proxy in front of vLLM that guards them with its key).
 
         With ``engine = "llamacpp"``, llama-server's rule instead (tools/server/
         server-http.cpp, ``middleware_validate_api_key``): every path but /health,
@@ -853,19 +854,9 @@ class Sim:
                                         "type": "authentication_error", "code": 401}}, 401)
             return await handler(request)
         guarded = (not path.startswith(_SGLANG_OPEN) if engine == "sglang"
-                   else path.startswith(_GUARDED))
+                   else path.startswith(_GUARDED)
+                   or (self.config.guard_dev_api and path in _ENGINE_CORE_CALLS))
         if guarded and not _bearer_matches(request.headers.get("Authorization"), keys):
-            return _json({"error": "Unauthorized"}, 401)
-        return await handler(request)
-        if self.config.engine == "llamacpp":
-            if (request.path not in _LLAMACPP_PUBLIC
-                    and not _llamacpp_key_matches(request.headers, keys)):
-                return _json({"error": {"message": "Invalid API Key",
-                                        "type": "authentication_error", "code": 401}}, 401)
-        elif (request.path.startswith(_SGLANG_OPEN) if self.config.engine == "sglang"
-              else not request.path.startswith(_GUARDED)):
-            pass
-        elif not _bearer_matches(request.headers.get("Authorization"), keys):
             return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
