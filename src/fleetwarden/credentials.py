@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fleetwarden.config import FleetConfig
+    from fleetwarden.config import EngineGroup, FleetConfig
 
 __all__ = ["CredentialError", "EngineKeys", "Secret", "read_key"]
 
@@ -102,10 +101,11 @@ class EngineKeys:
     (the engine is asked without ``Authorization``)."""
 
     fleet: Secret | None = None
-    #: Per launched group, by index in ``fleet.groups``.
-    groups: Mapping[int, Secret] | None = None
-    #: The first shard of each group, in order (``FleetConfig.group_of``'s numbering).
-    group_starts: tuple[tuple[int, int, int], ...] = ()
+    #: Each launched group that names a key, with it (the group itself, as the config holds
+    #: it: which shards are whose is ``FleetConfig.group_of``'s to say, not numbered here).
+    groups: tuple[tuple[EngineGroup, Secret], ...] = ()
+    #: The config that says which group a shard is in (``None``: no group names a key).
+    layout: FleetConfig | None = None
     #: Where each key was read, in words (never the key): what the fleet's start logs.
     sources: tuple[str, ...] = ()
 
@@ -115,24 +115,21 @@ class EngineKeys:
         names the field whose key cannot be had."""
         own = read_key("fleet", fleet.api_key_file, fleet.api_key_env)
         sources = [_source("fleet", fleet.api_key_file, fleet.api_key_env)] if own else []
-        groups: dict[int, Secret] = {}
-        starts: list[tuple[int, int, int]] = []
-        first = fleet.engines
+        groups: list[tuple[EngineGroup, Secret]] = []
         for k, group in enumerate(fleet.groups):
             key = read_key(f"fleet.groups[{k}]", group.api_key_file, group.api_key_env)
             if key is not None:
-                groups[k] = key
+                groups.append((group, key))
                 sources.append(_source(f"fleet.groups[{k}]", group.api_key_file,
                                        group.api_key_env))
-            starts.append((first, first + group.engines, k))
-            first += group.engines
-        return cls(own, groups, tuple(starts), tuple(sources))
+        return cls(own, tuple(groups), fleet if groups else None, tuple(sources))
 
     def of_shard(self, shard: int) -> Secret | None:
-        for first, end, k in self.group_starts:
-            if first <= shard < end:
-                return (self.groups or {}).get(k, self.fleet)
-        return self.fleet
+        if self.layout is None:
+            return self.fleet
+        group = self.layout.group_of(shard)
+        # By identity: two groups configured alike are still two groups.
+        return next((key for g, key in self.groups if g is group), self.fleet)
 
     @property
     def any(self) -> bool:
