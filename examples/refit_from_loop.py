@@ -72,8 +72,10 @@ async def run(args: argparse.Namespace, router: str, fleet: FleetClient, ckpts: 
                                f"{'y' if e['confirmed'] else 'n'}/{e['state'][:4]}"
                                for e in done["engines"])
             named = sorted({v for _, v in results})
+            # What faults cost the step (the routers' count since the last load): 0 where none.
+            cost = {k: v for k, v in (done.get("cost") or {}).items() if v}
             print(f"{step:>4}  {len(results):>8}  {named!s:>7}  {done['seconds']:.2f}s  "
-                  f"{engines}", flush=True)
+                  f"{engines}{f'  cost {cost}' if cost else ''}", flush=True)
             ok &= len(done["credited"]) > 0
     finally:
         await client.close()
