@@ -535,7 +535,13 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
     then each engine's /weight_info read back). Two checkpoints of the tiny model whose greedy
     answers differ, alternately; every answer matched by its text to the checkpoint that
     produced it and compared with the version its header names. Ends on the base model again,
-    for the tests after it."""
+    for the tests after it.
+
+    One fault, folded in where it costs no engine restart: at the fifth step the trainer first
+    names a checkpoint that is not there. Every engine refuses it with its own error (vLLM's
+    reload fails, its model left on the meta device), none is credited, each is STALE and
+    serves nothing; the right checkpoint loaded next is taken and confirmed by both, and every
+    answer after it is that checkpoint's."""
     whole(fleet)
     paths = {0: tiny_model_dir, 1: ensure_checkpoint(tiny_model_dir, 1, vllm_python),
              2: ensure_checkpoint(tiny_model_dir, 2, vllm_python)}
@@ -544,6 +550,7 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
     urls = [s["base_url"] for s in fleet.client.shards()]
     first = fleet.client.refits()["current_version"] + 1
     key_of = {first + step: 1 + step % 2 for step in range(10)}  # version -> checkpoint
+    bad_at = first + 4  # this step's good load follows a load of a path that is not there
 
     async def complete(http: aiohttp.ClientSession, base: str, prompt: str
                        ) -> tuple[str, int | None, float, float]:
@@ -564,6 +571,7 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
         raise AssertionError(f"no answer to {prompt!r}")
 
     direct: list[float] = []  # latencies straight to an engine: no fleetwarden, no load
+    bad_s: list[float] = []  # the bad load's time, then the good one's after it
 
     async def reference(http: aiohttp.ClientSession) -> dict[str, str]:
         """Each prompt's greedy answer from every engine directly: they must agree."""
@@ -592,8 +600,21 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
                          for p in prompts * 2]
                 await asyncio.sleep(0.05 * (version % 3))  # rollouts in flight as it starts
                 began = time.monotonic()
+                if version == bad_at:
+                    t0 = time.monotonic()
+                    bad = await asyncio.to_thread(fleet.client.refit_from,
+                                                  str(paths[0] / "not-there"), version)
+                    bad_s.append(time.monotonic() - t0)
+                    assert bad["credited"] == [] and all(
+                        not e["took"] and e["state"] == "STALE"
+                        and "reload_weights" in e["error"] for e in bad["engines"]), bad
+                    states = {s["state"] for s in fleet.client.shards()}
+                    assert states == {"STALE"}, states  # nothing serves those weights
+                t0 = time.monotonic()
                 done = await asyncio.to_thread(fleet.client.refit_from, str(paths[key]),
                                                version)
+                if version == bad_at:
+                    bad_s.append(time.monotonic() - t0)
                 loads.append(done)
                 assert done["credited"] == [0, 1] and all(
                     e["took"] and e["confirmed"] for e in done["engines"]), done
@@ -633,5 +654,7 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
           f"{statistics.median(during) if during else 0:.2f} s, max "
           f"{max(during, default=0):.2f} s; one at a time straight to an engine, no load "
           f"({len(direct)}): p50 {statistics.median(direct):.2f} s, max {max(direct):.2f} s")
+    print(f"the bad path: refused by both engines in {bad_s[0]:.2f} s; the good load after it "
+          f"{bad_s[1]:.2f} s, both confirmed")
     assert mislabeled == [], mislabeled[:5]
     whole(fleet)
