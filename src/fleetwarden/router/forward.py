@@ -340,11 +340,15 @@ def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_
         dropped = dropped | {t.strip().lower() for v in named for t in v.split(b",")}
     headers = [(k, v) for k, v in upstream
                if (lowered := k.lower()) not in dropped and lowered not in _FACT_HEADERS]
-    versions = spans or [str(v) for v in _versions(facts, crossed or [])]
-    if len(versions) > 1 or (spans and not spans[0].isdigit()):
-        headers.append((_WEIGHT_VERSIONS, ",".join(versions).encode()))
-    elif versions:
-        headers.append((_WEIGHT_VERSION, versions[0].encode()))
+    if spans is None and not crossed:  # nearly every answer: the push's one version
+        if facts.weight_version is not None:
+            headers.append((_WEIGHT_VERSION, str(facts.weight_version).encode()))
+    else:
+        versions = spans or [str(v) for v in _versions(facts, crossed or [])]
+        if len(versions) > 1 or (spans and not spans[0].isdigit()):
+            headers.append((_WEIGHT_VERSIONS, ",".join(versions).encode()))
+        elif versions:
+            headers.append((_WEIGHT_VERSION, versions[0].encode()))
     if facts.shard is not None:
         headers.append((_SHARD, str(facts.shard).encode()))
     return headers
