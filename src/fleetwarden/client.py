@@ -124,7 +124,9 @@ class FleetClient:
         every participant as ``version``: out of routing, paused (``pause_mode``: the
         fleet's ``[refit] pause_mode`` by default), reloaded, stamped, resumed, and credited
         only where the engine confirms. ``["engines"]``: per engine ``took``, ``confirmed``,
-        ``state`` and ``error``; ``["credited"]`` / ``["failed"]``: the shards. Waits up to
+        ``state`` and ``error``; ``["credited"]`` / ``["failed"]``: the shards; ``["cost"]``:
+        what faults cost the requests since the last load (re-sent, continued, aborted,
+        tokens discarded, failures by engine: docs/rl.md). Waits up to
         ``timeout_s`` (default: the client's, at least 600 s: a load takes minutes)."""
         body: dict[str, Any] = {"path": path, "version": version}
         if pause_mode is not None:
