@@ -68,6 +68,12 @@ async def test_an_engine_that_never_answers_fails_its_start(tmp_path: Path) -> N
         await _wait_for_status(h.url + "/health")
         with pytest.raises(LaunchError, match="/health answered 503"):
             await lau.wait_ready(h, 1.5)
+        # A start given up leaves in its log what its processes were doing then: where a
+        # start hangs before the engine prints anything, nothing else says.
+        assert h.log_path is not None
+        log = h.log_path.read_text()
+        assert "# fleetwarden: not ready; its processes now:" in log, log
+        assert f"#   pid {h.pid} state " in log and "tiny_engine.py" in log, log
     finally:
         await lau.close()
     assert group_members(h.pgid or 0) == []

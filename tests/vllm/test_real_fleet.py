@@ -68,7 +68,11 @@ def fleet(vllm_python: Path, tiny_model_dir: Path,
     key_file.write_text(ENGINE_KEY + "\n")
     key_file.chmod(0o600)
     toml = fleet_toml(vllm_engine_command(tiny_model_dir, vllm_python), vllm_engine_env(),
-                      0, 0, api_key_file=str(key_file))  # 0: up picks free ports itself
+                      0, 0, api_key_file=str(key_file),  # 0: up picks free ports itself
+                      # a start beside a loaded engine on 2 cores: 130-140 s measured under
+                      # a trickle of load with other work on the machine (three processes,
+                      # each importing vLLM: the CPU platform spawns)
+                      startup_timeout_s=300)
     with up_fleet(tmp_path_factory.mktemp("real-fleet"), toml, start_timeout_s=300,
                   stop_timeout_s=180, env=KEYED, client_key=ENGINE_KEY) as up:
         yield up
@@ -358,11 +362,10 @@ def test_real_vllm_engine_crash_is_retried_and_restarted(fleet: UpProcess,
     whole(fleet)
 
 
-# Two engine starts under load: 305-480 s measured on the shared 2-core machine beside other
-# work, over the tier's 300 s default. Left out of `make test` (`make test-vllm` runs it): in
-# one `make test` a restarted engine printed nothing for the supervisor's 180 s and came up on
-# the next attempt, past this test's 300 s wait; the cause is not found.
-@pytest.mark.vllm_long
+# The load is a trickle (2 clients, 0.2 s apart, 8 tokens), not a closed loop: on 2 cores a
+# saturated surviving engine starves the new one's start (305-480 s for two starts measured
+# under 4 closed-loop clients, once past the supervisor's 180 s startup timeout in `make test`).
+# A request still reaches the router every ~0.1 s, so a gap with none routable is met.
 @pytest.mark.timeout(900)
 def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
         fleet: UpProcess, faulted: set[int]) -> None:
@@ -371,21 +374,22 @@ def test_real_vllm_rolling_restart_paced_by_health_loses_nothing(
     one's new process answers /health, while load runs: the fleet holds none for the moment
     the first one's canary takes, and a request that finds none waits for it. Nothing fails;
     each engine's wait from its /health (the LOADED transition) to routing (HEALTHY) is
-    printed. Costs two engine starts (~30 s each on the 2-core machine)."""
+    printed. Costs two engine starts under load: 295 s for the test with other work on the
+    machine (load average 8-13), each start 130-140 s."""
     whole(fleet)
     faulted.update({0, 1})
 
     async def run() -> tuple[Load, list[float | None]]:
         started_wall = time.time()
-        load = Load(fleet.router, api_key=ENGINE_KEY, concurrency=4, max_tokens=16,
-                    timeout_s=120, pause_after_failure_s=1.0)
+        load = Load(fleet.router, api_key=ENGINE_KEY, concurrency=2, max_tokens=8,
+                    think_s=0.2, timeout_s=120, pause_after_failure_s=1.0)
         load.start()
         try:
             await asyncio.sleep(2.0)
             for index in (0, 1):
                 before = {s["index"]: s for s in fleet.client.shards()}[index]
                 os.killpg(before["pid"], signal.SIGTERM)  # the deploy stops it
-                deadline = time.monotonic() + 300
+                deadline = time.monotonic() + 360
                 while True:  # paced by its new process's /health, as the fleet saw it
                     now = {s["index"]: s for s in await asyncio.to_thread(
                         fleet.client.shards)}[index]

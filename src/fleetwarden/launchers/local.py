@@ -38,6 +38,7 @@ from fleetwarden.launchers import (
 )
 from fleetwarden.launchers.procs import (
     ProcessInfo,
+    describe_group,
     group_members,
     process_info,
     process_start_ticks,
@@ -335,7 +336,16 @@ class LocalLauncher:
         return len(members)
 
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
-        await wait_healthy(handle, timeout_s, f"see {handle.log_path}")
+        try:
+            await wait_healthy(handle, timeout_s, f"see {handle.log_path}")
+        except (LaunchError, asyncio.CancelledError):
+            # given up (its own timeout, or the attempt's): say in its log what it was doing
+            if not handle.exited and handle.pgid is not None and handle.log_path is not None:
+                snapshot = describe_group(handle.pgid)
+                with open(handle.log_path, "a") as out:  # noqa: ASYNC230 - a few lines
+                    out.write("# fleetwarden: not ready; its processes now:\n"
+                              + "".join(f"#   {line}\n" for line in snapshot or ["none"]))
+            raise
 
     async def stop(self, handle: EngineHandle) -> None:
         handle.stopping = True

@@ -175,6 +175,28 @@ def group_members(pgid: int) -> list[ProcessInfo]:
     return sorted(members, key=lambda p: p.pid)
 
 
+def describe_group(pgid: int) -> list[str]:
+    """One line per live member of group ``pgid``: what a start that never finished was doing
+    when it was given up (its state, where the kernel has it waiting, CPU seconds, threads).
+    A start that hangs before the engine prints anything leaves nothing else to go on."""
+    lines = []
+    for p in group_members(pgid):
+        base = _PROC / str(p.pid)
+        try:
+            wchan = (base / "wchan").read_text().strip() or "-"
+            fields = (base / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            status = (base / "status").read_text()
+        except OSError:
+            continue  # it ended while being read
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu_s = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
+        threads = next((line.split()[1] for line in status.splitlines()
+                        if line.startswith("Threads:")), "?")
+        lines.append(f"pid {p.pid} state {p.state} wchan {wchan} cpu {cpu_s:.1f} s "
+                     f"threads {threads}: {p.title[:160]!r}")
+    return lines
+
+
 def find_group_member(pgid: int, name: str) -> ProcessInfo | None:
     """The member of group ``pgid`` named ``name`` (see :meth:`ProcessInfo.is_named`), the
     oldest one if several are."""
