@@ -294,7 +294,7 @@ class Story:
         sent: dict[int, Any] = {}
         before = fleet.snapshot()
         restarts = before.restarts_completed
-        changes = len(fleet.admin.events.recent)
+        seq = fleet.admin.events.seq
         ticks = before.controller["tick"]
         verdicts: set[str] = set()
         deadline = time.monotonic() + (8 if q else 20)
@@ -308,10 +308,13 @@ class Story:
         await self.stop_load()
         after = fleet.snapshot()
         result.restarts = after.restarts_completed - restarts
-        transitions = len(fleet.admin.events.recent) - changes
+        changed = [e for e in fleet.admin.events.recent if e["seq"] > seq]
         how = "saturated" if saturated is not None else "loaded (not every engine saturated)"
+        named = "".join(f"; shard {e['shard']} {e['from']}->{e['to']} ({e['cause']})"
+                        for e in changed)
         result.what_happened = (f"{after.controller['tick'] - ticks} ticks {how}: "
-                                f"{transitions} state changes, verdicts {sorted(verdicts)}")
+                                f"{len(changed)} state changes, verdicts {sorted(verdicts)}"
+                                f"{named}")
         result.client_errors = self.errors_between(result.injected_at, self.now())
         result.requests = self.requests_between(result.injected_at, self.now())
         self.results.append(result)
