@@ -208,6 +208,31 @@ def test_cache_aware_reads_the_events_where_they_are_whole_and_the_guess_elsewhe
     assert index.blocks("b") == 0
 
 
+def test_an_engine_whose_events_say_its_cache_went_is_not_guessed_to_hold_it() -> None:
+    """Where no engine's events hold a prompt the guess answers; an engine whose own events
+    said its cache went (its numbers starting again, an ``AllBlocksCleared``) is not among
+    its answers, as after a push that says so."""
+    for went in ("restart", "cleared"):
+        affinity = Affinity()
+        index = affinity.precise = KVIndex()
+        prompt = list(range(500, 540))
+        query = query_of({"prompt": prompt}, None, affinity.settings)
+        assert query is not None
+        affinity.placed(query, "a", 0.0)
+        affinity.placed(query, "b", 0.0)
+        for seq in range(3):  # both engines heard, neither holds the prompt by its events
+            assert index.receive("a", seq, [], 0.0) == OK
+            assert index.receive("b", seq, [], 0.0) == OK
+        n = len(query.keys)
+        assert affinity.matched(query, 1.0) == {"a": n, "b": n}
+        if went == "restart":
+            assert index.receive("a", 0, [], 1.0) == OK
+        else:
+            assert index.receive("a", 3, [Cleared()], 1.0) == OK
+        assert affinity.matched(query, 2.0) == {"b": n}, went
+        assert affinity.forgotten == n and index.emptied == []
+
+
 def _filled(prompt: list[int]) -> PrefixCache:
     cache = PrefixCache(100, events=True)
     cache.insert(prompt)
