@@ -170,6 +170,12 @@ def test_sequence_numbers_tell_gaps_and_restarts_and_a_lost_gap_resyncs() -> Non
     assert not index.synced("e", 31.0)
     index.forget("e")  # the ledger's word: the cache went, and what it holds is known again
     assert index.blocks("e") == 0 and index.expected("e") == 1 and index.synced("e", 31.0)
+    # The engine's own word that it emptied (a reset) does the same: what it holds from then
+    # on is what its next events say.
+    index.lost("e", 1, now=40.0)
+    assert index.receive("e", 1, [stored], 40.0) == OK and not index.synced("e", 41.0)
+    assert index.receive("e", 2, [Cleared(), stored], 41.0) == OK
+    assert index.synced("e", 41.0) and index.blocks("e") == 1
 
 
 def test_cache_aware_reads_the_events_where_they_are_whole_and_the_guess_elsewhere() -> None:

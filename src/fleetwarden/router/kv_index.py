@@ -258,6 +258,9 @@ class KVIndex:
             self.tallies.cleared += 1
             self.emptied.append(engine.url)
             engine.clear()
+            # Emptied: all it holds from here is what its next events say, so a gap lost
+            # before no longer hides anything (a reset, a sleep, a refit's pause resync it).
+            engine.lost_at = None
 
     def _stored(self, engine: _Engine, event: BlockStored) -> None:
         size = event.block_size
