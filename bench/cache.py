@@ -36,6 +36,19 @@ the first turn and of the turns after it and the slowest requests; ``--trace`` w
 
     python bench/cache.py [--quick] [--no-peer] [--engines N] [--sessions N] [--baseline SRC]
                           [--routers NAMES] [--workloads NAMES] [--trace FILE]
+    python bench/cache.py --events [--quick] [--engines N] [--seeds N] [--routers NAMES]
+
+``--events``: instead, the router's index fed by the engines' own KV events beside the
+approximate index (its guess from where it sent each prompt) and least in flight, each with
+1, 2 and 4 router workers (``fleetwarden route`` processes sharing one port, as ``[router]
+workers`` runs them). The engines publish vLLM's KV events (``--kv-events-config``) and keep
+a bounded block pool (``EVENT_BLOCKS``); the workloads are prompts of token ids (the events
+route only those: the router has no tokenizer): Zipf-popular documents whose working set fits
+the engines' pools, and one whose working set exceeds them (evictions). ``--seeds N`` runs;
+hit rates from the engines' own counters, their means printed as a table at the end.
+sglang-router is not in this comparison: 0.3.2 (the peer installed here) has no KV-event
+mode (its ``--help`` names no event, ZMQ or KV-event option; its ``cache_aware`` is the
+approximate radix tree measured above).
 
 ``--quick``: smaller workloads (a smoke run). ``--baseline SRC``: also the cache-aware policy of
 another source folder (``/work/main/src``: before a change), on the same engines in the same
@@ -72,6 +85,13 @@ SYSTEM = ("You are a careful assistant that solves problems step by step, checks
           "and states the final answer on its own line. ") * 9  # ~1,100 characters
 MAX_TOKENS = 8
 SETTLE_S = 8.0
+#: --events: each engine's block pool (16-token blocks). The fitting workload's documents
+#: (24 of 8 blocks: 192) fit 4 engines' 4 x 96 once each, with room for the questions, but
+#: not one engine: where each document goes decides the hit rate. The evicting one's (64 of
+#: 8 blocks: 512) exceed the 4 pools: engines evict, and a guess cannot see which.
+EVENT_BLOCKS = 96
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                        "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
 
 
 @dataclass
@@ -131,12 +151,13 @@ class Result:
 
 
 @contextlib.contextmanager
-def engines(n: int) -> Iterator[list[str]]:
+def engines(n: int, extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
     with contextlib.ExitStack() as stack:
         urls = []
         for _ in range(n):
             proc = stack.enter_context(process(
-                [sys.executable, "-m", "fleetwarden", "sim", "--port", "0", *SIM_ARGS]))
+                [sys.executable, "-m", "fleetwarden", "sim", "--port", "0", *SIM_ARGS,
+                 *extra]))
             assert proc.stdout is not None
             urls.append(proc.stdout.readline().split()[1])
         yield urls
@@ -268,6 +289,28 @@ def agents(sessions: int, turns: int, *, header: bool, system: bool, salt: str,
     return run
 
 
+def documents(docs: int, requests: int, clients: int, seed: int, base: int
+              ) -> Callable[..., Awaitable[None]]:
+    """Prompts of token ids: ``docs`` documents of 8 blocks (128 tokens), Zipf-popular, each
+    request one of them and a question of its own (10 tokens); ``clients`` at once."""
+    async def run(http: aiohttp.ClientSession, router: str, result: Result,
+                  between: Callable[[int], Awaitable[None]]) -> None:
+        rng = random.Random(seed)
+        texts = [[base + 1_000 * d + i for i in range(128)] for d in range(docs)]
+        weights = [1 / (rank + 1) for rank in range(docs)]
+        prompts = [[*rng.choices(texts, weights)[0], *(rng.randrange(1, 900) for _ in range(9)),
+                    n] for n in range(requests)]
+        queue = iter(prompts)
+
+        async def client() -> None:
+            for prompt in queue:
+                await send(http, router, {"model": "tiny", "max_tokens": MAX_TOKENS,
+                                          "prompt": prompt}, {}, result, {"turn": 0})
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return run
+
+
 # ---------------------------------------------------------------------- routers
 
 
@@ -298,6 +341,26 @@ def fleetwarden_route(urls: list[str], routing: str, source: str | None = None
     with process(argv, env=env) as proc:
         assert proc.stdout is not None
         yield proc.stdout.readline().split(" on ", 1)[1].split(",")[0]
+
+
+@contextlib.contextmanager
+def fleetwarden_workers(urls: list[str], workers: int, settings: dict[str, Any]
+                        ) -> Iterator[str]:
+    """``workers`` ``fleetwarden route`` processes sharing one port (SO_REUSEPORT, as ``[router]
+    workers`` runs them): the kernel spreads the client's connections over them, and each
+    keeps its own index (each subscribes to every engine's events itself)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "fleetwarden", "route", "--port", str(port), "--reuse-port",
+            "--log-level", "error", "--settings-json", json.dumps(settings)]
+    for url in urls:
+        argv += ["--backend", url]
+    with contextlib.ExitStack() as stack:
+        for _ in range(workers):
+            proc = stack.enter_context(process(argv))
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("fleetwarden route: listening on "), line
+        yield f"http://127.0.0.1:{port}"
 
 
 @contextlib.contextmanager
@@ -496,6 +559,72 @@ async def run_router(name: str, router: str, urls: list[str], quick: bool,
     return rows
 
 
+def event_routers() -> list[tuple[str, int, dict[str, Any]]]:
+    """--events: (name, router workers, settings) of each router measured."""
+    out: list[tuple[str, int, dict[str, Any]]] = [
+        ("least_in_flight x1", 1, {"routing": "least_in_flight"})]
+    for workers in (1, 2, 4):
+        out += [(f"approximate x{workers}", workers,
+                 {"routing": "cache_aware", "kv_events": False}),
+                (f"events x{workers}", workers, {"routing": "cache_aware", "kv_events": True})]
+    return out
+
+
+def event_workloads(quick: bool, seed: int) -> dict[str, Callable[..., Awaitable[None]]]:
+    # Token ids of their own for every workload and seed, so no router's index of one run
+    # helps it in the next (the engines' caches are reset between them; a router's guess is
+    # not).
+    requests = 160 if quick else 400
+    return {"documents that fit (24 x 8 blocks)":
+            documents(24, requests, 16, seed, 1_000_000 * (1 + 2 * seed)),
+            "documents evicted (64 x 8 blocks)":
+            documents(64, requests, 16, seed, 1_000_000 * (2 + 2 * seed))}
+
+
+async def run_events_router(name: str, router: str, urls: list[str], quick: bool,
+                            seeds: int) -> dict[str, list[dict[str, Any]]]:
+    async with aiohttp.ClientSession() as http:
+        await wait_serving(http, router)
+    await asyncio.sleep(1.0)  # every worker reads /kv_event_sources and subscribes
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for seed in range(seeds):
+        for label, workload in event_workloads(quick, seed).items():
+            result = await measure(router, urls, workload)
+            row = {k: v for k, v in result.row().items() if k != "ttft_by_turn"}
+            async with aiohttp.ClientSession() as http:
+                row["kv_events_lost"] = await router_counter(
+                    http, router, "fleetwarden_router_kv_events_lost_total")
+            row["seed"] = seed
+            rows.setdefault(label, []).append(row)
+            print(f"{name} | {label} | seed {seed}: {json.dumps(row)}", file=sys.stderr,
+                  flush=True)
+    return rows
+
+
+def run_events(args: argparse.Namespace) -> None:
+    """--events: see the module's docstring."""
+    report: dict[str, Any] = {}
+    picked = [r for r in args.routers.split(",") if r]
+    extra = ("--kv-events-config", KV_EVENTS, "--prefix-cache-blocks", str(EVENT_BLOCKS))
+    with engines(args.engines, extra) as urls:
+        for name, workers, settings in event_routers():
+            if picked and not any(p in name for p in picked):
+                continue
+            with fleetwarden_workers(urls, workers, settings) as router:
+                report[name] = asyncio.run(run_events_router(name, router, urls, args.quick,
+                                                             args.seeds))
+    print(json.dumps(report, indent=1))
+    print(f"\ntoken hit rate from the engines' counters, mean (min-max) of {args.seeds} seeds; "
+          f"{args.engines} engines of {EVENT_BLOCKS} blocks")
+    for name, by_workload in report.items():
+        cells = []
+        for label, rows in by_workload.items():
+            rates = [r["hit_rate"] for r in rows]
+            cells.append(f"{label}: {statistics.fmean(rates):.3f} "
+                         f"({min(rates):.3f}-{max(rates):.3f})")
+        print(f"{name:20} | " + " | ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
@@ -517,7 +646,14 @@ def main() -> None:
                         help="append every request, taken apart, to FILE (JSON lines: router, "
                              "workload, session or prompt, turn, engine, prompt and cached "
                              "tokens, time queued, engine steps and TTFT)")
+    parser.add_argument("--events", action="store_true",
+                        help="the KV-event index beside the approximate one and least in "
+                             "flight, 1, 2 and 4 router workers (see the docstring)")
+    parser.add_argument("--seeds", type=int, default=3, help="--events: runs of each workload")
     args = parser.parse_args()
+    if args.events:
+        run_events(args)
+        return
     wanted = [w for w in args.workloads.split(",") if w]
     report: dict[str, Any] = {}
     with engines(args.engines) as urls, tempfile.TemporaryDirectory() as tmp:

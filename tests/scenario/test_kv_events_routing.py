@@ -22,6 +22,7 @@ from fleetwarden.router.kv_events import KVEvents, sources_of
 from fleetwarden.router.kv_index import KVIndex, decode_batch
 from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.config import KVEventsConfig
+from fleetwarden.sim.prefix_cache import PrefixCache
 from support.sim import set_fault
 from support.wait import until
 
@@ -341,3 +342,142 @@ async def test_events_place_prompts_where_their_blocks_still_are_one_view_for_ev
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+#: The fault runs' prompts: 12 documents of 3 blocks and a question of 5 tokens each (every
+#: block of a document can hit: vLLM recomputes a prompt's last token, never a whole block).
+_FAULT_DOCS = [[20_000 * (d + 1) + i for i in range(48)] for d in range(12)]
+
+
+class _Overclaims:
+    """Requests sent one at a time through a router, each set beside its engine's counters:
+    one that the router placed for more blocks than its engine then hit was routed for a
+    cache the engine no longer had."""
+
+    def __init__(self, http: aiohttp.ClientSession, sims: list[Sim]) -> None:
+        self.http = http
+        self.sims = sims
+        self.requests = self.predicted = self.hit = self.over = 0
+
+    async def hits(self, sim: Sim) -> float:
+        async with self.http.get(sim.url + "/metrics") as r:
+            text = await r.text()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:prefix_cache_hits_total")
+
+    async def send(self, router: Router, prompt: list[int]) -> None:
+        before = {s.url: await self.hits(s) for s in self.sims}
+        affinity = router.affinity
+        assert affinity is not None
+        told = {u: p.hit_blocks for u, p in affinity.predicted().items()}
+        await _complete(self.http, router.url, prompt)
+        after_told = affinity.predicted()
+        for sim in self.sims:
+            claimed = after_told.get(sim.url)
+            claimed_blocks = 0 if claimed is None else claimed.hit_blocks - told.get(sim.url, 0)
+            hit_blocks = int(await self.hits(sim) - before[sim.url]) // 16
+            self.predicted += claimed_blocks
+            self.hit += hit_blocks
+            self.over += claimed_blocks > hit_blocks
+        self.requests += 1
+        # The next request is routed on this one's events (stored, evicted): one at a time,
+        # each after its batches were heard, so a claim is never one batch behind.
+        await _caught_up(_index_of(router), self.sims)
+
+    async def round(self, router: Router, rng: random.Random) -> None:
+        for doc in _FAULT_DOCS:
+            await self.send(router, [*doc, *(rng.randrange(1, 9_000) for _ in range(5))])
+
+    def __str__(self) -> str:
+        return (f"{self.requests} requests, {self.predicted} blocks predicted held where "
+                f"placed, {self.hit} hit, {self.over} placed for blocks their engine no "
+                f"longer had")
+
+
+def _index_of(router: Router) -> KVIndex:
+    affinity = router.affinity
+    assert affinity is not None and affinity.precise is not None
+    return affinity.precise
+
+
+def _cache_of(sim: Sim) -> PrefixCache:
+    cache = sim._core.prefix_cache
+    assert cache is not None
+    return cache
+
+
+async def _caught_up(index: KVIndex, sims: list[Sim]) -> None:
+    """Until ``index`` holds, per engine, as many blocks as its cache does."""
+    for sim in sims:
+        def same(sim: Sim = sim) -> bool:
+            return index.blocks(sim.url) == len(_cache_of(sim))
+        await until(same)
+
+
+async def _events_router(sims: list[Sim]) -> Router:
+    router = Router([s.url for s in sims], RouterSettings(routing="cache_aware"))
+    await router.start()
+    events = router._forwarder.kv_events
+    assert events is not None
+    await until(lambda: len(events.watched) == len(sims))
+    return router
+
+
+async def test_no_request_goes_for_a_cache_its_engine_said_it_lost(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A restarted engine, a dropped event stream and a restarted router: after the event that
+    says an engine's cache went (its numbers starting again, its entries caught up again from
+    the replay), no request is placed for blocks its engine no longer holds."""
+    rng = random.Random(0)
+    async with _sim(blocks=40) as a, _sim(blocks=40) as b:
+        sims = [a, b]
+        router = await _events_router(sims)
+        try:
+            warm = _Overclaims(http, sims)
+            await warm.round(router, rng)  # 12 x 3 blocks over two caches of 40
+            print(f"warm: {warm}")
+            assert warm.over == 0, str(warm)
+            index = _index_of(router)
+
+            # A killed and restarted engine: its first step's batch (number 0) says so.
+            victim = max(sims, key=lambda s: index.blocks(s.url))
+            held = index.blocks(victim.url)
+            await set_fault(http, victim.url, "restart")
+            await _complete(http, victim.url, [90_000 + i for i in range(20)])  # a probe
+            await until(lambda: index.tallies.restarts == 1)
+            restarted = _Overclaims(http, sims)
+            await restarted.round(router, rng)
+            print(f"after the restart of an engine that held {held} blocks: {restarted}")
+
+            # The stream dropped mid-run (the router's socket closed) while the engines went on
+            # serving and evicting; the new subscription catches up from the replay.
+            events = router._forwarder.kv_events
+            assert events is not None
+            source = events.watched[a.url]
+            events.unwatch(a.url)
+            for doc in _FAULT_DOCS[6:]:
+                await _complete(http, a.url, [*doc, 1, 2, 3, 4, 5])
+            events.watch(a.url, source)
+            await until(lambda: index.synced(a.url, time.monotonic()))
+            await _caught_up(index, sims)
+            dropped = _Overclaims(http, sims)
+            await dropped.round(router, rng)
+            print(f"after a dropped stream: {dropped}")
+        finally:
+            await router.stop()
+
+        # A router restart: the new one learns the caches from the replays, nothing else.
+        await http.post(b.url + "/reset_prefix_cache")
+        await _complete(http, b.url, [95_000 + i for i in range(20)])  # publishes the reset
+        router = await _events_router(sims)
+        try:
+            await _caught_up(_index_of(router), sims)
+            fresh = _Overclaims(http, sims)
+            await fresh.round(router, rng)
+            print(f"after a router restart: {fresh}")
+        finally:
+            await router.stop()
+    for run in (restarted, dropped, fresh):
+        assert run.over == 0, str(run)
+    assert restarted.hit > 0 and dropped.hit > 0 and fresh.hit > 0

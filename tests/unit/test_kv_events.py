@@ -170,6 +170,12 @@ def test_sequence_numbers_tell_gaps_and_restarts_and_a_lost_gap_resyncs() -> Non
     assert not index.synced("e", 31.0)
     index.forget("e")  # the ledger's word: the cache went, and what it holds is known again
     assert index.blocks("e") == 0 and index.expected("e") == 1 and index.synced("e", 31.0)
+    # The engine's own word that it emptied (a reset) does the same: what it holds from then
+    # on is what its next events say.
+    index.lost("e", 1, now=40.0)
+    assert index.receive("e", 1, [stored], 40.0) == OK and not index.synced("e", 41.0)
+    assert index.receive("e", 2, [Cleared(), stored], 41.0) == OK
+    assert index.synced("e", 41.0) and index.blocks("e") == 1
 
 
 def test_cache_aware_reads_the_events_where_they_are_whole_and_the_guess_elsewhere() -> None:
@@ -206,6 +212,31 @@ def test_cache_aware_reads_the_events_where_they_are_whole_and_the_guess_elsewhe
     assert affinity.matched(query, 3.0) == {"b": 4}
     affinity.sync(["a", "b"], {"a": ("1", None), "b": ("2", None)})
     assert index.blocks("b") == 0
+
+
+def test_an_engine_whose_events_say_its_cache_went_is_not_guessed_to_hold_it() -> None:
+    """Where no engine's events hold a prompt the guess answers; an engine whose own events
+    said its cache went (its numbers starting again, an ``AllBlocksCleared``) is not among
+    its answers, as after a push that says so."""
+    for went in ("restart", "cleared"):
+        affinity = Affinity()
+        index = affinity.precise = KVIndex()
+        prompt = list(range(500, 540))
+        query = query_of({"prompt": prompt}, None, affinity.settings)
+        assert query is not None
+        affinity.placed(query, "a", 0.0)
+        affinity.placed(query, "b", 0.0)
+        for seq in range(3):  # both engines heard, neither holds the prompt by its events
+            assert index.receive("a", seq, [], 0.0) == OK
+            assert index.receive("b", seq, [], 0.0) == OK
+        n = len(query.keys)
+        assert affinity.matched(query, 1.0) == {"a": n, "b": n}
+        if went == "restart":
+            assert index.receive("a", 0, [], 1.0) == OK
+        else:
+            assert index.receive("a", 3, [Cleared()], 1.0) == OK
+        assert affinity.matched(query, 2.0) == {"b": n}, went
+        assert affinity.forgotten == n and index.emptied == []
 
 
 def _filled(prompt: list[int]) -> PrefixCache:

@@ -5,23 +5,37 @@ of its own at the head of every prompt, so neither finds the other's blocks); th
 the engines' own ``vllm:prefix_cache_hits / vllm:prefix_cache_queries`` over the run. Then one
 engine is restarted: the router's index must hold nothing for it, and the new engine's counters
 start from nothing (its cache went with the process). Seed: ``FLEETWARDEN_CACHE_SEED``.
+
+The engines publish their KV events (vLLM's ``--kv-events-config``). The same workload sent as
+token ids (each turn's chat tokenized by the engine's ``/tokenize``: the router has no
+tokenizer, and routes only prompts of token ids by the events) goes through the fleet's router
+(by the events) and through a bare ``fleetwarden route`` of the approximate index: the events
+must place at least as well, and the fleet's index must then hold what the engines' own event
+logs (read back from their replay endpoints) say they hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetwarden.router.affinity import token_keys
+from fleetwarden.router.kv_events import sources_of
+from fleetwarden.router.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from fleetwarden.testing.scenarios import (
     engine_metric,
     fleet_toml,
@@ -53,7 +67,16 @@ THINK_S = (0.0, 0.4)
 MARGIN = 0.05
 #: vLLM's block on the CPU is 128 tokens by default; 32 (the CPU backend wants multiples of
 #: 32) lets a conversation of a few hundred tokens show its hits block by block.
-ENGINE_ARGS = "--enable-prefix-caching --block-size 32"
+BLOCK = 32
+#: Each engine publishes its KV events on free ports of the loopback (vLLM binds
+#: ``tcp://*:0`` on the node's IP, ``VLLM_HOST_IP``) and says where at ``/kv_event_sources``.
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                        "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
+ENGINE_ARGS = (f"--enable-prefix-caching --block-size {BLOCK} --kv-events-config '"
+               + KV_EVENTS.replace("{", "{{").replace("}", "}}") + "'")
+#: The events against the guess on the token-id workload: at least as good, within the
+#: spread of one run's rate (about 0.03, as above).
+EVENTS_SPREAD = 0.03
 FORGOTTEN = "fleetwarden_router_cache_forgotten_blocks_total"
 PREDICTED = "fleetwarden_router_cache_predicted_hit_blocks_total"
 _WORDS = ("the", "water", "people", "sound", "number", "light", "house", "world", "school",
@@ -73,7 +96,7 @@ def fleet(vllm_python: Path, tiny_model_dir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     toml = fleet_toml(
         vllm_engine_command(tiny_model_dir, vllm_python, extra_args=ENGINE_ARGS),
-        vllm_engine_env(), 0, 0, routing="cache_aware")
+        {**vllm_engine_env(), "VLLM_HOST_IP": "127.0.0.1"}, 0, 0, routing="cache_aware")
     with up_fleet(tmp_path_factory.mktemp("cache-fleet"), toml, start_timeout_s=300,
                   stop_timeout_s=180) as up:
         yield up
@@ -83,11 +106,22 @@ def fleet(vllm_python: Path, tiny_model_dir: Path,
 def least_in_flight(fleet: UpProcess) -> Iterator[str]:
     """A router of the same code, least in flight, in front of the fleet's two engines as they
     are now (no controller: a static list)."""
+    yield from _route(fleet, {"routing": "least_in_flight"})
+
+
+@pytest.fixture
+def approximate(fleet: UpProcess) -> Iterator[str]:
+    """The same, cache-aware by the guess alone (the KV events off)."""
+    yield from _route(fleet, {"routing": "cache_aware", "kv_events": False})
+
+
+def _route(fleet: UpProcess, settings: dict[str, object]) -> Iterator[str]:
     whole(fleet)
     urls = [s["base_url"] for s in fleet.client.shards()]
     proc = subprocess.Popen(
         [sys.executable, "-m", "fleetwarden", "route", "--port", "0",
-         "--routing", "least_in_flight", *(a for u in urls for a in ("--backend", u))],
+         "--settings-json", json.dumps(settings),
+         *(a for u in urls for a in ("--backend", u))],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
@@ -172,14 +206,16 @@ async def measured(router: str, engines: list[str], tag: str,
     return Run(sum(q for q, _ in per.values()), sum(h for _, h in per.values()), per), convs
 
 
-async def router_cache(router: str) -> dict[str, dict[str, float]]:
-    """The router's own cache series, by name then backend (summed over its workers)."""
+async def router_cache(router: str, prefix: str = "fleetwarden_router_cache_"
+                       ) -> dict[str, dict[str, float]]:
+    """The router's own cache series (those named from ``prefix``), by name then backend
+    (summed over its workers)."""
     async with aiohttp.ClientSession() as http, http.get(router + "/metrics") as r:
         body = await r.text()
     out: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(body):
         for s in fam.samples:
-            if s.name.startswith("fleetwarden_router_cache_"):
+            if s.name.startswith(prefix):
                 by = out.setdefault(s.name, {})
                 key = s.labels.get("backend", "")
                 by[key] = by.get(key, 0.0) + s.value
@@ -243,3 +279,124 @@ def test_cache_aware_beats_least_in_flight_and_forgets_a_restarted_engine(
     print(f"new engine after one more turn: engine hits {hits:.0f} of {queries:.0f} tokens; "
           f"router: {blocks:.0f} index blocks, {predicted:.0f} predicted hit blocks")
     whole(fleet)
+
+
+async def converse_tokens(router: str, tokenizer: str, tag: str,
+                          turns: list[list[Turn]]) -> None:
+    """:func:`converse`'s conversations as prompts of token ids: each turn's chat tokenized by
+    the engine ``tokenizer`` (its chat template, the generation prompt added), completed
+    through ``router``."""
+    system = f"{tag} " + " ".join(_WORDS)
+    convs = [[{"role": "system", "content": system}] for _ in turns]
+
+    async def session(i: int, http: aiohttp.ClientSession) -> None:
+        for think_s, text in turns[i]:
+            await asyncio.sleep(think_s)
+            convs[i].append({"role": "user", "content": text})
+            async with http.post(tokenizer + "/tokenize", json={
+                    "model": SERVED_MODEL_NAME, "messages": convs[i],
+                    "add_generation_prompt": True}) as r:
+                assert r.status == 200, (r.status, await r.text())
+                tokens = (await r.json())["tokens"]
+            body = {"model": SERVED_MODEL_NAME, "prompt": tokens, "max_tokens": 8,
+                    "temperature": 0}
+            async with http.post(router + "/v1/completions", json=body) as r:
+                assert r.status == 200, (r.status, await r.text())
+                answer = await r.json()
+            convs[i].append({"role": "assistant", "content": answer["choices"][0]["text"]})
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await asyncio.gather(*(session(i, http) for i in range(len(turns))))
+
+
+async def measured_tokens(router: str, engines: list[str], tag: str,
+                          turns: list[list[Turn]]) -> Run:
+    before = await counters(engines)
+    await converse_tokens(router, engines[0], tag, turns)
+    after = await counters(engines)
+    per = {u: (after[u][0] - before[u][0], after[u][1] - before[u][1]) for u in engines}
+    return Run(sum(q for q, _ in per.values()), sum(h for _, h in per.values()), per)
+
+
+async def logged_keys(engine: str) -> tuple[int, int]:
+    """What an engine holds by its own event log: every batch since its start, read back from
+    its replay endpoint, applied to a set of the engine's own block hashes. Returns (its
+    blocks, the router's 16-token keys of their tokens: each block's whole prefix rebuilt
+    through its parents, keyed as the router keys a prompt of token ids). Two engine blocks
+    may share a key (the same parent and first 16 tokens, their last 16 different)."""
+    async with aiohttp.ClientSession() as http, http.get(engine + "/kv_event_sources") as r:
+        source = sources_of(await r.json(), engine)
+    assert source is not None and source.replay is not None, "no KV events published"
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(source.replay)
+    stored: dict[bytes | int, tuple[bytes | int | None, list[int]]] = {}
+    held: set[bytes | int] = set()
+    try:
+        await dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        for _ in range(100_000):  # bounded: the replay buffer's batches, then the end marker
+            frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
+            if int.from_bytes(frames[2], "big", signed=True) == -1:
+                break
+            for event in decode_batch(frames[3]):
+                if isinstance(event, BlockStored):
+                    parent = event.parent_block_hash
+                    size = event.block_size
+                    for k, h in enumerate(event.block_hashes):
+                        stored[h] = (parent, event.token_ids[k * size:(k + 1) * size])
+                        held.add(h)
+                        parent = h
+                elif isinstance(event, BlockRemoved):
+                    held.difference_update(event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    held.clear()
+        else:
+            raise AssertionError("the replay did not end")
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    keys: set[int] = set()
+    for h in held:
+        chain: list[list[int]] = []
+        at: bytes | int | None = h
+        while at is not None:
+            parent, tokens = stored[at]
+            chain.append(tokens)
+            at = parent
+        prefix = [t for tokens in reversed(chain) for t in tokens]
+        keys.update(token_keys(prefix, 16)[-(BLOCK // 16):])
+    return len(held), len(keys)
+
+
+def router_series(router: str, name: str) -> dict[str, float]:
+    """One series of the router's /metrics by backend (summed over its workers)."""
+    return asyncio.run(router_cache(router, name)).get(name, {})
+
+
+def test_kv_events_place_token_prompts_at_least_as_well_as_the_guess_and_match_the_engines(
+        fleet: UpProcess, approximate: str) -> None:
+    rng = random.Random(seed())
+    whole(fleet)
+    engines = [s["base_url"] for s in fleet.client.shards()]
+    guess = asyncio.run(measured_tokens(approximate, engines, "guess", conversation_turns(rng)))
+    told = asyncio.run(measured_tokens(fleet.router, engines, "told", conversation_turns(rng)))
+    for name, run in (("approximate index", guess), ("KV events", told)):
+        print(f"token ids, {name}: hit rate {run.hit_rate:.3f} ({run.hits:.0f} of "
+              f"{run.queries:.0f} tokens); per engine (queries, hits): {run.per_engine}")
+    # The fleet's router routed by the events: both engines' streams whole, nothing lost.
+    synced = router_series(fleet.router, "fleetwarden_router_kv_events_synced")
+    assert all(synced.get(u) == 1.0 for u in engines), synced
+    assert router_series(fleet.router, "fleetwarden_router_kv_events_lost_total") == {"": 0.0}
+    assert guess.queries > 0 and told.queries > 0
+    assert told.hit_rate >= guess.hit_rate - EVENTS_SPREAD, (told, guess)
+
+    # A quiet second, then the router's index is the engines' own logs, key for key (the
+    # router keys 16-token blocks: an engine block of 32 is two keys, shared where two blocks
+    # begin alike).
+    time.sleep(1.0)
+    index = router_series(fleet.router, "fleetwarden_router_kv_events_blocks")
+    logged = {u: asyncio.run(logged_keys(u)) for u in engines}
+    print(f"after a quiet second: router's index (16-token keys) {index}; engines' logs "
+          f"({BLOCK}-token blocks, their keys) {logged}")
+    assert all(blocks > 0 for blocks, _ in logged.values()), logged
+    assert {u: index.get(u) for u in engines} == {u: logged[u][1] for u in engines}

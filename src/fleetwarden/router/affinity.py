@@ -284,9 +284,22 @@ class Affinity:
 
     def forget(self, backend: str) -> None:
         """Drop every entry of ``backend``: its prefix cache is gone (or it is)."""
-        self._memo = None
         if self.precise is not None:
             self.precise.forget(backend)
+        self._forget_guess(backend)
+
+    def _obey_events(self) -> None:
+        """Engines whose own KV events said their cache went since the last request: their
+        guessed entries go too (the guess is the fallback where no engine's events hold a
+        prompt; it must not send the prompt back for blocks the engine said it lost)."""
+        precise = self.precise
+        if precise is not None and precise.emptied:
+            for backend in precise.emptied:
+                self._forget_guess(backend)
+            precise.emptied.clear()
+
+    def _forget_guess(self, backend: str) -> None:
+        self._memo = None
         emptied = []
         for key, holders in self._index.items():
             if holders.pop(backend, None) is not None:
@@ -306,6 +319,7 @@ class Affinity:
     def matched(self, query: Query, now: float) -> dict[str, int]:
         """Leading blocks of ``query`` each backend holds: by its KV events where they are
         whole and the prompt is token ids, else by the guess (fresh entries only)."""
+        self._obey_events()
         guessed = self._guessed(query, now)
         precise = self.precise
         if precise is None or not query.tokens:

@@ -179,6 +179,11 @@ class KVIndex:
         self._engines: dict[str, _Engine] = {}
         self._holders: dict[int, set[str]] = {}
         self.tallies = Tallies()
+        #: Engines whose own events said their whole cache went (numbers starting again, an
+        #: ``AllBlocksCleared``), in order, until the reader takes them: the guess beside this
+        #: index (router/affinity.py) drops its entries of them too, as it does at a push that
+        #: says so, so that no prompt goes to them for a cache they said they lost.
+        self.emptied: list[str] = []
 
     def _engine(self, backend: str) -> _Engine:
         engine = self._engines.get(backend)
@@ -196,6 +201,7 @@ class KVIndex:
         if seq < engine.expected:
             # The numbers went back: a new process, whose cache starts empty.
             self.tallies.restarts += 1
+            self.emptied.append(backend)
             engine.clear()
             engine.lost_at = None if seq == 0 else now
             engine.expected = seq
@@ -250,7 +256,11 @@ class KVIndex:
                 engine.release(keys)
         else:
             self.tallies.cleared += 1
+            self.emptied.append(engine.url)
             engine.clear()
+            # Emptied: all it holds from here is what its next events say, so a gap lost
+            # before no longer hides anything (a reset, a sleep, a refit's pause resync it).
+            engine.lost_at = None
 
     def _stored(self, engine: _Engine, event: BlockStored) -> None:
         size = event.block_size
