@@ -18,7 +18,7 @@ pytestmark = pytest.mark.scenario
 
 
 async def test_the_router_lists_the_models_of_the_engines_it_routes_to(tmp_path: Path) -> None:
-    # shard 0 serves model-0 with a context of 4096, shard 1 model-1 with 2048
+    # shard 0 serves model-0 with a context of 2048, shard 1 model-1 with 2148
     cmd = SIM + " --model model-{shard} --max-model-len 2{shard}48"
     async with (running_fleet(tmp_path, fleet={"engine_cmd": cmd}) as fleet,
                 aiohttp.ClientSession() as http):
