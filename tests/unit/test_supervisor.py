@@ -113,6 +113,21 @@ async def test_a_replacement_that_answers_is_loaded_at_once_not_at_the_next_tick
     await sup.close()
 
 
+async def test_an_attached_engine_is_awaited_until_its_startup_timeout_not_a_tick_longer(
+) -> None:
+    ledger = Ledger(["http://10.0.0.1:8000"])
+    clock = Clock(0.0)
+    sup = Supervisor(ledger, FakeLauncher(), FleetConfig(startup_timeout_s=60.0),
+                     SupervisorConfig(), passive=lambda i: True, clock=clock)
+    ledger.condemn(0, "stuck")
+    await settle()
+    clock.now = 60.0 - TICK_S
+    assert sup.coming_back(0)
+    clock.now = 60.0
+    assert not sup.coming_back(0)
+    await sup.close()
+
+
 async def test_backoff_doubles_up_to_the_maximum() -> None:
     ledger, launcher, sup, clock, _ = fleet(4, backoff_initial_s=2, backoff_max_s=10, budget=20)
     ledger.condemn(0, "exited")
