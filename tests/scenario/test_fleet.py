@@ -34,6 +34,7 @@ from support.fleet import (
     wedge_when_busy,
 )
 from support.links import QuietLink
+from support.pids import alive
 
 pytestmark = pytest.mark.scenario
 
@@ -287,7 +288,7 @@ def test_stopping_fleetwarden_leaves_no_engine_process(tmp_path: Path) -> None:
         )
         try:
             engine_pids = _engine_pids(work)
-            assert len(engine_pids) == 2 and all(_alive(p) for p in engine_pids)
+            assert len(engine_pids) == 2 and all(alive(p) for p in engine_pids)
             proc.send_signal(sig)
             out, _ = proc.communicate(timeout=60)
         finally:
@@ -300,8 +301,8 @@ def test_stopping_fleetwarden_leaves_no_engine_process(tmp_path: Path) -> None:
         assert "nothing left running" in out
         with Journal(work / "fleetwarden.sqlite") as journal:  # the router's processes too
             assert live_launch_ids(journal.router_launch_ids()) == set()
-        assert not any(_alive(p) for p in engine_pids)
-        assert not any(_group_alive(p) for p in engine_pids)
+        assert not any(alive(p) for p in engine_pids)
+        assert not any(_groupalive(p) for p in engine_pids)
 
 
 def _engine_pids(work: Path) -> list[int]:
@@ -321,15 +322,7 @@ def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def _group_alive(pgid: int) -> bool:
+def _groupalive(pgid: int) -> bool:
     from fleetwarden.launchers.procs import group_members
 
     return bool(group_members(pgid))

@@ -22,6 +22,7 @@ from fleetwarden.refit import RefitCoordinator
 from fleetwarden.router import InProcessRouter, RemoteRouter, Router
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import DEFAULT_CONCURRENCY, CanaryResult, Report, Target, Watchdog
+from support.clock import Clock
 from support.links import QuietLink
 from support.router_rig import rig, until
 
@@ -403,17 +404,24 @@ async def test_an_answered_canary_puts_an_ejected_engine_on_trial_and_a_request_
     async with rig(2, health_managed=True) as r:
         good, bad = r.engines
         reads = ScriptedReads(BUSY_REPORT)
-        # The ledger on the wall clock, as a fleet's is (its journal's), the controller on
-        # the monotonic one: an ejection's time is read on the ledger's.
-        c, ledger = evidence_controller(r, reads, ledger_clock=time.time)
+        # The ledger on a wall-clock time, as a fleet's is (its journal's), the controller on
+        # the monotonic one: an ejection's time is read on the ledger's. The test moves it.
+        wall = Clock(1.7e9)
+        c, ledger = evidence_controller(r, reads, ledger_clock=wall)
         bad.answer_status(503)
         await failing_request(r, bad)
         await until(lambda: ledger.ejected() == [1], what="ejected")
         # Its focused reads show progress, well past the ejection's 0.3 s: no proof that its
         # generations complete (the trickle's engine steps too), so it stays out.
-        await asyncio.sleep(0.8)
-        busy_reads, seen = sum(t.url == bad.url for t in reads.probed), len(reads.probed)
-        assert busy_reads > 10 and ledger.ejected() == [1] and not ledger.shard(1).on_trial
+        def bad_reads() -> int:
+            return sum(t.url == bad.url for t in reads.probed)
+        await until(lambda: bad_reads() > 5, what="focused reads within its ejection")
+        wall.advance(0.8)
+        past = bad_reads()
+        await until(lambda: bad_reads() > past + 5 or ledger.ejected() != [1],
+                    what="focused reads past its ejection")
+        seen = len(reads.probed)
+        assert ledger.ejected() == [1] and not ledger.shard(1).on_trial
         assert r.router.serving_backends() == [good.url]
         # It goes idle: the next focused read asks for a canary, which answers: on trial.
         reads.by_url[bad.url] = report(Verdict.IDLE, Health.PROVEN, canary=True)
@@ -650,14 +658,17 @@ async def test_a_condemnation_reaches_the_routers_through_the_ledger_alone() -> 
 
 
 class _SlowLink(InProcessRouter):
-    """A router link whose rescue takes a while, as a call to a router process does."""
+    """A router link whose rescue takes a while, as a call to a router process does: it
+    answers when the test sets ``answer``."""
 
-    def __init__(self, router: Router, delay_s: float) -> None:
+    def __init__(self, router: Router) -> None:
         super().__init__(router)
-        self.delay_s = delay_s
+        self.asked = asyncio.Event()
+        self.answer = asyncio.Event()
 
     async def rescue(self, url: str, *, streams: bool = True) -> int:
-        await asyncio.sleep(self.delay_s)
+        self.asked.set()
+        await self.answer.wait()
         return await super().rescue(url, streams=streams)
 
 
@@ -683,17 +694,38 @@ async def test_a_condemned_engine_is_stopped_only_after_its_requests_were_moved(
         launcher = _RecordingLauncher(lambda: r.router.stats.rescues)
         supervisor = Supervisor(ledger, launcher, config.fleet, config.supervisor)
         supervisor.adopt(1, EngineHandle(1, bad.url, "launch-1"))
-        link = _SlowLink(r.router, 0.3)
+        link = _SlowLink(r.router)
         c = Controller(ledger, ScriptedReads(BUSY_REPORT), supervisor, [link], config)  # type: ignore[list-item]
         tasks = [asyncio.create_task(r.post()) for _ in range(4)]
         await until(lambda: good.answered + bad.held == 4, what="all 4 placed")
         parked = bad.held
         ledger.condemn(1, "LOST_CORE: idle and flat, with requests in flight")
+        await link.asked.wait()
+        for _ in range(20):  # turns of the loop in which a stop that did not wait would come
+            await asyncio.sleep(0)
+        assert launcher.stopped == []
+        link.answer.set()
         await until(lambda: launcher.stopped != [], what="the old engine stopped")
         assert launcher.stopped == [(bad.url, parked)]  # moved before the stop, not by it
         assert [(await t)[0] for t in tasks] == [200] * 4
         await supervisor.close()
         await c.close()
+
+
+def evidence_polls_taken_in(router: Router) -> list[int]:
+    """Each evidence poll as the router's control API takes it in (its count fixed): the
+    list grows by one per poll."""
+    app = router._control_runner.app  # type: ignore[attr-defined]
+    api = next(route.handler.__self__ for route in app.router.routes()
+               if route.resource.canonical == "/evidence")
+    wait, opened = api.feed.wait, []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        opened.append(len(opened))
+        return await wait(*args, **kwargs)
+
+    api.feed.wait = counted
+    return opened
 
 
 @contextlib.asynccontextmanager
@@ -704,6 +736,7 @@ async def across_processes(r: Any) -> Any:
     config = Config.model_validate({"health": {"probe_interval_s": 60, "silent_after_s": 0.3,
                                                "confirm_interval_s": 0.01}})
     ledger = Ledger([e.url for e in r.engines])
+    opened = evidence_polls_taken_in(r.router)
     async with RemoteRouter(r.router.control_url, "t0ken") as remote:
         c = Controller(ledger, ScriptedReads(BUSY_REPORT), IdleSupervisor(), [remote],  # type: ignore[arg-type]
                        config)
@@ -711,7 +744,9 @@ async def across_processes(r: Any) -> Any:
         loop = asyncio.create_task(c.run(stop))
         try:
             await until(lambda: c.tick_number == 1, what="the first tick")
-            await asyncio.sleep(0.2)  # the long poll is open
+            # A failure before the first poll reaches the router is counted before it (the
+            # poll counts from the router's count as it arrives): start once it is open.
+            await until(lambda: opened != [], what="the long poll open")
             yield c, ledger
         finally:
             stop.set()

@@ -16,16 +16,10 @@ from fleetwarden.refit import (
 )
 from fleetwarden.reports import ReportBook
 from fleetwarden.watchdog import Report
+from support.clock import Clock
 
 H, S, ST, D, R, X = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE,
                      ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def seen(*shards: int) -> dict[int, ProcessSeen]:
@@ -34,7 +28,7 @@ def seen(*shards: int) -> dict[int, ProcessSeen]:
 
 
 def make(n: int = 4, lease_s: float = 60) -> tuple[Ledger, RefitCoordinator, Clock]:
-    clock = Clock()
+    clock = Clock(0.0)
     ledger = Ledger([f"http://127.0.0.1:{9000 + i}" for i in range(n)],
                     Policy(weights="trainer"), clock=clock)
     return ledger, RefitCoordinator(ledger, lease_s=lease_s, clock=clock), clock

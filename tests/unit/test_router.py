@@ -25,6 +25,7 @@ from fleetwarden.router.links import ControlError, RemoteRouter
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.retry import Cause
 from fleetwarden.router.stats import RouterStats
+from support.clock import TICK_S
 from support.router_rig import Rig, rig, until
 from support.scripted_engine import (
     CHAT,
@@ -819,11 +820,12 @@ async def test_a_stream_whose_client_does_not_read_is_not_held_on_its_engine() -
             connections = r.router._server.connections
             await until(lambda: bool(connections) and all(c._paused for c in connections),
                         what="the router waiting for its client")
-            await asyncio.sleep(1.2)  # past the 1 s asked below: a stream held would show
             assert all(c._paused for c in connections)  # it still waits for its client
             assert r.router.in_flight() == {engine.url: 1}
-            assert r.router.silent_backends(1.0) == {}
-            assert r.router.hedge(engine.url, 1.0) == 0
+            # Held on its engine, it would count as silent from its last event on, and show
+            # at any age asked down to 0 s: no wait is needed to see it.
+            assert r.router.silent_backends(0.0) == {}
+            assert r.router.hedge(engine.url, 0.0) == 0
         finally:
             writer.transport.abort()
 
@@ -1318,12 +1320,15 @@ async def test_backends_holding_silent_requests_are_named_with_their_oldest_wait
     async with rig(2, health_managed=True) as r:
         good, wedged = r.engines
         wedged.wedge()
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         tasks = [asyncio.create_task(r.post()) for _ in range(4)]
         await until(lambda: good.answered + wedged.held == 4, what="all 4 placed")
-        await asyncio.sleep(0.3)
-        silent = r.router.silent_backends(0.2)
-        assert list(silent) == [wedged.url] and silent[wedged.url] >= 0.3
-        assert r.router.silent_backends(5.0) == {}
+        silent = r.router.silent_backends(0.0)  # no need to wait: the ages are what they are
+        waited = loop.time() - sent
+        assert list(silent) == [wedged.url] and 0.0 <= silent[wedged.url] <= waited
+        assert list(r.router.silent_backends(silent[wedged.url])) == [wedged.url]  # at its age
+        assert r.router.silent_backends(waited + TICK_S) == {}  # past any wait: not
         r.router.set_serving_backends([good.url])
         r.router.rescue(wedged.url)
         assert [(await t)[0] for t in tasks] == [200] * 4
@@ -1377,7 +1382,8 @@ def _closes_after_each_stream(split: bool) -> Callable[
         writer.write(headers + b"\r\n\r\n")
         if split:
             await writer.drain()
-            await asyncio.sleep(0.01)
+            for _ in range(5):  # turns of the loop for the router to read the head alone
+                await asyncio.sleep(0)
         writer.write(events)
         await writer.drain()
         # A request sent on the connection meanwhile is read and never answered; a router that

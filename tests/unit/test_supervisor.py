@@ -1,17 +1,21 @@
 """The supervisor's policy: budgets, backoff, the fleet-wide cap, exits are conclusive.
 
 A fake launcher whose engines come up (or fail) when the test says so; a fake clock for the
-backoff. No real time passes.
+backoff, and the virtual-time loop for the startup timeout (tests/support/clock.py). No real
+time passes.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import ABSENT, Ledger, Policy, ShardState
 from fleetwarden.supervisor import Supervisor, launch_first
+from support.clock import TICK_S, Clock, elapse
 
 D, R, ST, X = ShardState.DEAD, ShardState.RESTARTING, ShardState.STALE, ShardState.RETIRED
 
@@ -46,13 +50,6 @@ class FakeLauncher:
         self.ready[handle.launch_id].set_exception(LaunchError(why))
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -62,7 +59,7 @@ def fleet(n: int, **cfg: object) -> tuple[Ledger, FakeLauncher, Supervisor, Cloc
     ledger = Ledger([f"http://127.0.0.1:{8000 + i}" for i in range(n)],
                     Policy(max_restart_attempts=cfg.pop("budget", 5)))  # type: ignore[arg-type]
     launcher = FakeLauncher()
-    clock = Clock()
+    clock = Clock(0.0)
     condemned: list[int] = []
     sup = Supervisor(ledger, launcher, FleetConfig(), SupervisorConfig(**cfg),  # type: ignore[arg-type]
                      clock=clock)
@@ -116,6 +113,21 @@ async def test_a_replacement_that_answers_is_loaded_at_once_not_at_the_next_tick
     await sup.close()
 
 
+async def test_an_attached_engine_is_awaited_until_its_startup_timeout_not_a_tick_longer(
+) -> None:
+    ledger = Ledger(["http://10.0.0.1:8000"])
+    clock = Clock(0.0)
+    sup = Supervisor(ledger, FakeLauncher(), FleetConfig(startup_timeout_s=60.0),
+                     SupervisorConfig(), passive=lambda i: True, clock=clock)
+    ledger.condemn(0, "stuck")
+    await settle()
+    clock.now = 60.0 - TICK_S
+    assert sup.coming_back(0)
+    clock.now = 60.0
+    assert not sup.coming_back(0)
+    await sup.close()
+
+
 async def test_backoff_doubles_up_to_the_maximum() -> None:
     ledger, launcher, sup, clock, _ = fleet(4, backoff_initial_s=2, backoff_max_s=10, budget=20)
     ledger.condemn(0, "exited")
@@ -133,6 +145,26 @@ async def test_backoff_doubles_up_to_the_maximum() -> None:
             sup.tick()
         waits.append(clock.now - start)
     assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+async def test_a_failed_restart_is_retried_at_its_backoff_not_a_tick_before() -> None:
+    """Each boundary of the backoff (2 s, doubled to 4 s, capped at 5 s) from both sides."""
+    ledger, launcher, sup, clock, _ = fleet(2, backoff_initial_s=2, backoff_max_s=5, budget=20)
+    ledger.condemn(0, "exited")
+    sup.tick()
+    for backoff in (2.0, 4.0, 5.0, 5.0):
+        await settle()
+        launcher.fail(launcher.launched[-1])
+        await settle()
+        sup.tick()
+        assert ledger.state(0) is D
+        due = clock.now + backoff
+        clock.now = due - TICK_S
+        sup.tick()
+        assert ledger.state(0) is D, f"retried before its {backoff:g} s backoff"
+        clock.now = due
+        sup.tick()
+        assert ledger.state(0) is R, f"not retried at its {backoff:g} s backoff"
 
 
 async def test_the_restart_budget_retires_a_shard_that_keeps_dying() -> None:
@@ -315,18 +347,22 @@ class HangingLauncher(FakeLauncher):
         raise AssertionError("unreachable")
 
 
-async def test_a_launch_that_hangs_fails_after_the_startup_timeout() -> None:
+@pytest.mark.virtual_time
+async def test_a_launch_that_hangs_fails_at_the_startup_timeout_not_a_tick_before() -> None:
     ledger = Ledger(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
-    sup = Supervisor(ledger, HangingLauncher(), FleetConfig(startup_timeout_s=0.2),
-                     SupervisorConfig())
+    sup = Supervisor(ledger, HangingLauncher(), FleetConfig(startup_timeout_s=20.0),
+                     SupervisorConfig(), clock=asyncio.get_running_loop().time)
     ledger.condemn(0, "exited")
     sup.tick()
     assert ledger.state(0) is R
-    await asyncio.sleep(0.4)
+    await elapse(20.0 - TICK_S)
+    sup.tick()
+    assert ledger.state(0) is R and sup.restarts_failed == 0  # a tick before: still waited for
+    await elapse(2 * TICK_S)
     sup.tick()
     r = ledger.shard(0)
     assert r.state is D and sup.attempts == {}
-    assert "0.2 s" in r.last_error and sup.restarts_failed == 1
+    assert "20 s" in r.last_error and sup.restarts_failed == 1
 
 
 async def test_a_port_that_a_dead_shard_still_records_fails_the_attempt_not_the_tick() -> None:

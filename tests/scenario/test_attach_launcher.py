@@ -18,16 +18,9 @@ from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import free_port
 from fleetwarden.sim import FaultMode, Sim, SimConfig
+from support.pids import alive
 
 pytestmark = pytest.mark.scenario
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 async def test_a_restart_command_that_hangs_is_ended_with_its_group(tmp_path: Path) -> None:
@@ -46,10 +39,10 @@ async def test_a_restart_command_that_hangs_is_ended_with_its_group(tmp_path: Pa
     pids = [int(p) for p in pidfile.read_text().split()]
     assert len(pids) == 2
     for _ in range(50):
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             break
         await asyncio.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "the command's process group outlived it"
+    assert not any(alive(p) for p in pids), "the command's process group outlived it"
     assert os.getpgid(0) != pids[0]
 
 
@@ -70,10 +63,10 @@ async def test_a_cancelled_restart_command_is_ended_with_its_group(tmp_path: Pat
         await task
     pids = [int(p) for p in pidfile.read_text().split()]
     for _ in range(50):
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             break
         await asyncio.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 async def test_a_failed_restart_command_leaves_nothing_remembered(tmp_path: Path) -> None:
@@ -134,7 +127,7 @@ def _marked(mark: str) -> list[int]:
                 env = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if mark.encode() in env and _alive(int(entry.name)):
+            if mark.encode() in env and alive(int(entry.name)):
                 found.append(int(entry.name))
     return found
 
