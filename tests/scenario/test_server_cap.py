@@ -6,18 +6,24 @@ or that it is unknown (docs/design.md 4.1, "Server caps")."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from fleetwarden.admin import views
 from fleetwarden.credentials import Secret
 from fleetwarden.engines import CapUnknown
 from fleetwarden.judge import Target
+from fleetwarden.router import Router
 from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.config import FaultMode
 from fleetwarden.watchdog import Watchdog
-from support.sim import run_check
+from support.fleet import running_fleet
+from support.sim import SimProcess, run_check
+from support.wait import until
 
 pytestmark = pytest.mark.scenario
 
@@ -82,3 +88,43 @@ async def test_check_says_the_cap_or_that_it_is_unknown() -> None:
         code, report = await run_check(plain.url, "--engine", "vllm")
         assert code == 0 and report["output_cap"] is None
         assert "VLLM_SERVER_DEV_MODE=1" in report["output_cap_unknown"]
+
+
+async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Three attached engines capped at 24: one in vLLM's dev mode (its /server_info says
+    it), one declared on its [[fleet.backends]] table, one that says nothing. The routers get
+    the first two; the third is unknown: one warning, its status row, the status count."""
+    caplog.set_level(logging.WARNING, logger="fleetwarden.controller")
+    cap = ["--override-generation-config", '{"max_new_tokens": 24}']
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # read by `fleetwarden sim`, as by vLLM
+    dev = SimProcess(*cap)
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    declared, silent = SimProcess(*cap), SimProcess(*cap)
+    sims = (dev, declared, silent)
+    try:
+        backends = [dev.url, {"url": declared.url, "output_cap": 24}, silent.url]
+        async with running_fleet(tmp_path, fleet={"engines": 0, "backends": backends}) as fleet:
+
+            def caps() -> list[tuple[object, object]]:
+                return [(s["output_cap"], s["output_cap_from"])
+                        for s in views.shards_view(fleet.snapshot())]
+
+            await until(lambda: caps()[0] == (24, "engine") and caps()[2][1] != (
+                "unknown: its /server_info not read yet"), timeout=20,
+                what="the dev-mode engine's cap read and the silent one asked")
+            got = caps()
+            print(f"\ncaps on the status rows: {got}")
+            assert got[:2] == [(24, "engine"), (24, "declared")]
+            assert got[2][0] is None and "VLLM_SERVER_DEV_MODE=1" in str(got[2][1])
+            assert views.status_view(fleet.snapshot())["output_caps_unknown"] == 1
+            router = fleet.router
+            assert isinstance(router, Router)  # workers = 0: the router in the fleet's process
+            await until(lambda: [router.pool.facts(s.url).output_cap for s in sims]
+                        == [24, 24, None], timeout=10, what="the caps pushed")
+        told = [r.getMessage() for r in caplog.records if "server cap" in r.getMessage()]
+        assert len(told) == 1 and silent.url in told[0], told
+    finally:
+        for s in sims:
+            s.kill()
