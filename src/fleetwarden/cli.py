@@ -433,7 +433,7 @@ def check(
 
 def _print_check(result: Check) -> None:
     """`fleetwarden check`'s report in words: verdict, evidence, engine, faults, canary."""
-    from fleetwarden.engines import VLLM, CapUnknown
+    from fleetwarden.engines import CapUnknown
 
     report = result.report
     console = Console(highlight=False)
@@ -455,11 +455,12 @@ def _print_check(result: Check) -> None:
     for limit in kind.limits if kind is not None else ():
         console.print(f"  limit: {limit}", markup=False)
     cap = result.output_cap
-    if report.engine is VLLM or not isinstance(cap, CapUnknown):
+    if not (isinstance(cap, CapUnknown) and not cap.settled):  # asked, and it answered
         # What a continuation there must not ask past (docs/design.md 4.1, "Server caps").
         console.print("  output cap: " + (
-            f"[bold yellow]unknown[/] ({escape(cap.why)}; in a fleet, declare output_cap on "
-            "its [[fleet.backends]] table)" if isinstance(cap, CapUnknown)
+            "[bold yellow]unknown[/] " + escape(f"({cap.why}; in a fleet, declare output_cap "
+                                                "on its [[fleet.backends]] table)")
+            if isinstance(cap, CapUnknown)
             else "none" if cap is None else f"{cap} tokens (from its /server_info)"))
     for fault in report.faults:
         # Never held against the engine (it proves nothing either way): a config fix.

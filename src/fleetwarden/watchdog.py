@@ -321,9 +321,13 @@ class Watchdog:
         memory = self._memory.get(report.url)
         if memory is None or memory.watch.proxy or not report.answered:
             return
-        if memory.watch.profile is not VLLM:
-            return  # only vLLM has /server_info; the others' caps are declared
         url, incarnation = report.url, report.incarnation
+        known = memory.watch.profile
+        if known is not VLLM:
+            if known is not None:  # only vLLM has /server_info; the others' caps are declared
+                memory.output_cap_of = incarnation
+                memory.output_cap = CapUnknown(f"a {known.name} engine shows no server cap")
+            return
         if memory.output_cap_of == incarnation and not (
                 isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):
             return

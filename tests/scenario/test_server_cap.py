@@ -5,8 +5,11 @@ or that it is unknown (docs/design.md 4.1, "Server caps")."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.config import FaultMode
 from fleetwarden.watchdog import Watchdog
 from support.fleet import running_fleet
-from support.sim import SimProcess, run_check
+from support.sim import CHECK_FAST, SimProcess, run_check
 from support.wait import until
 
 pytestmark = pytest.mark.scenario
@@ -88,6 +91,17 @@ async def test_check_says_the_cap_or_that_it_is_unknown() -> None:
         code, report = await run_check(plain.url, "--engine", "vllm")
         assert code == 0 and report["output_cap"] is None
         assert "VLLM_SERVER_DEV_MODE=1" in report["output_cap_unknown"]
+        proc = await asyncio.create_subprocess_exec(  # in words, as an operator reads it
+            sys.executable, "-m", "fleetwarden", "check", plain.url, *CHECK_FAST,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "200"})
+        words = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+        assert "output cap: unknown (no GET /server_info" in words, words
+        assert "declare output_cap on its [[fleet.backends]] table)" in words, words
+    async with sims(SimConfig(port=0, engine="llamacpp")) as (llama,):
+        code, report = await run_check(llama.url, "--engine", "llamacpp")
+        assert (code, report["output_cap_unknown"]) == (0, "a llamacpp engine shows no "
+                                                            "server cap")
+        assert "/server_info" not in llama.stats()["by_path"]  # not asked: it has none
 
 
 async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_one(
