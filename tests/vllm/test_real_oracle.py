@@ -133,8 +133,9 @@ async def _learnt_caps(*engines: LocalEngine) -> dict[str, BackendFacts]:
 async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     router = Router([], RouterSettings(continue_answers=True, max_retries=4,
                                        retry_budget_ratio=1.0))
-    facts = await _learnt_caps(a, b)
-    router.set_serving_backends([a.base_url], facts)
+    # The caps are read while the references run (vLLM's first /server_info takes seconds,
+    # in a thread of its API server), and pushed before anything goes through the router.
+    learning = asyncio.ensure_future(_learnt_caps(a, b))
     await router.start()
     try:
         timeout = aiohttp.ClientTimeout(total=300)
@@ -153,6 +154,8 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
                 case = Case(seed_, i, case.path, body, case.cut, case.cut_after)
                 cases.append(await _with_stop_from_reference(http, b.base_url, case))
             references = await asyncio.gather(*(_post(http, b.base_url, c) for c in cases))
+            facts = await learning
+            router.set_serving_backends([a.base_url], facts)
             core = procs.find_group_member(a.pgid, ENGINE_CORE_PROCESS_NAME)
             assert core is not None, a.log_tail()
             streams = [c for c in cases if c.stream]
@@ -184,6 +187,7 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
             else:
                 pytest.fail("no batch still ran in the engine when its core was stopped")
     finally:
+        learning.cancel()
         await router.stop()
     outcomes: dict[str, int] = {}
     inexact = []
