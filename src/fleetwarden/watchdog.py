@@ -331,6 +331,8 @@ class Watchdog:
         if memory.output_cap_of == incarnation and not (
                 isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):
             return
+        if memory.output_cap_of != incarnation:
+            memory.output_cap = _NOT_ASKED  # a new process may have been started otherwise
         memory.output_cap_of, memory.output_cap = incarnation, await self._server_cap(url)
 
     async def _server_cap(self, url: str) -> int | CapUnknown | None:
