@@ -360,7 +360,10 @@ def sim(
                        override_max_new_tokens=cap,
                        weights_path=weights, enable_scale_out=enable_scale_out,
                        kv_events=kv_events,
-                       guard_dev_api=guard_dev_api)
+                       guard_dev_api=guard_dev_api,
+                       # vLLM reads it as bool(int(...)): "1" on, "0" or unset off
+                       dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in
+                       ("", "0"))
     if engines > 1:
         from fleetwarden.sim.many import serve_many
 
@@ -430,6 +433,8 @@ def check(
 
 def _print_check(result: Check) -> None:
     """`fleetwarden check`'s report in words: verdict, evidence, engine, faults, canary."""
+    from fleetwarden.engines import CapUnknown
+
     report = result.report
     console = Console(highlight=False)
     colour = {0: "green", 1: "red", 2: "red", 3: "yellow"}[result.exit_code]
@@ -449,6 +454,14 @@ def _print_check(result: Check) -> None:
                   + (f"; progress proof: {kind.progress}" if kind else ""), markup=False)
     for limit in kind.limits if kind is not None else ():
         console.print(f"  limit: {limit}", markup=False)
+    cap = result.output_cap
+    if not (isinstance(cap, CapUnknown) and not cap.settled):  # asked, and it answered
+        # What a continuation there must not ask past (docs/design.md 4.1, "Server caps").
+        console.print("  output cap: " + (
+            "[bold yellow]unknown[/] " + escape(f"({cap.why}; in a fleet, declare output_cap "
+                                                "on its [[fleet.backends]] table)")
+            if isinstance(cap, CapUnknown)
+            else "none" if cap is None else f"{cap} tokens (from its /server_info)"))
     for fault in report.faults:
         # Never held against the engine (it proves nothing either way): a config fix.
         console.print(f"  [bold red]config fault[/]: {escape(fault)}")

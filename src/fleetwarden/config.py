@@ -72,6 +72,18 @@ PositiveInt = Annotated[int, Field(gt=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]
 
 
+#: A declared server cap on every request's output (docs/design.md 4.1, "Server caps"): a
+#: number of tokens, or "none" (the engine caps nothing: said, so nothing is left unknown).
+OutputCap = Annotated[int, Field(ge=1)] | Literal["none"]
+
+
+def _output_cap(where: str, value: object) -> int | str:
+    """A declared ``output_cap``, checked here so that the error names the entry it is on."""
+    if value == "none" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f'{where}: must be an integer >= 1 (tokens) or "none", got {value!r}')
+
+
 class _Section(BaseModel):
     """One ``[section]`` of the file. It may expose settings that components' policies own
     (``_policies``: frozen dataclasses): a field named as a policy's field stands for it."""
@@ -172,6 +184,14 @@ class EngineGroup(_Section):
     api_key_env: str | None = None
     #: Refused: a key is never written in the config (see `fleet.api_key`).
     api_key: str | None = None
+    #: The server cap on every request's output of this group's engines, where their command
+    #: does not show it (a wrapper script): as `fleet.output_cap`.
+    output_cap: OutputCap | None = None
+
+    @field_validator("output_cap", mode="before")
+    @classmethod
+    def _cap(cls, value: object) -> object:
+        return value if value is None else _output_cap("output_cap", value)
 
     @model_validator(mode="after")
     def _has_port(self) -> EngineGroup:
@@ -212,8 +232,19 @@ class FleetConfig(_Section):
     #: CPU in ~30 s; real models on GPUs take minutes. A restart attempt that runs past it fails.
     startup_timeout_s: PositiveFloat = 300.0
     weights: WeightsMode = _LEDGER.weights
-    #: Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job).
+    #: Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job): each a
+    #: URL, or a `[[fleet.backends]]` table with `url` and what fleetwarden cannot read from
+    #: the engine: `output_cap`, its server cap on every request's output (vLLM's
+    #: `--override-generation-config '{"max_new_tokens": N}'`), a number of tokens or "none".
+    #: An engine's own `GET /server_info` (vLLM with `VLLM_SERVER_DEV_MODE=1`) wins over it.
     backends: list[str] = Field(default_factory=list)
+    #: The `output_cap` each `[[fleet.backends]]` table declares, by URL (filled from them).
+    backend_output_caps: dict[str, OutputCap] = Field(default_factory=dict)
+    #: The server cap on every request's output of the fleet's own launched engines, where
+    #: `engine_cmd` does not show it (a wrapper script; their command's
+    #: `--override-generation-config` is read otherwise): tokens, or "none". An engine's own
+    #: `GET /server_info` wins over both. Unset: the command says.
+    output_cap: OutputCap | None = None
     #: Attach mode: how to restart a condemned attached engine, e.g. `kubectl delete pod
     #: {name}` or `systemctl restart vllm@{shard}`; `{shard}`, `{url}`, `{name}` (the
     #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
@@ -263,6 +294,38 @@ class FleetConfig(_Section):
     #: every copy, diff and paste of it. Use `api_key_file` or `api_key_env`.
     api_key: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_tables(cls, data: Any) -> Any:
+        """`[[fleet.backends]]` tables to URLs, their `output_cap`s to `backend_output_caps`
+        (each checked here, so that an error names the entry)."""
+        if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
+            return data
+        urls: list[Any] = []
+        caps = dict(data.get("backend_output_caps") or {})
+        for i, entry in enumerate(data["backends"]):
+            if not isinstance(entry, dict):
+                urls.append(entry)
+                continue
+            unknown = sorted(set(entry) - {"url", "output_cap"})
+            if unknown:
+                raise ValueError(f"backends[{i}]: unknown field(s) {', '.join(unknown)}; "
+                                 "a backend table takes url and output_cap")
+            url = entry.get("url")
+            if not isinstance(url, str):
+                raise ValueError(f"backends[{i}].url: give the engine's URL, "
+                                 "e.g. http://10.0.0.5:8000")
+            urls.append(url)
+            if "output_cap" in entry:
+                caps[url.strip().rstrip("/")] = _output_cap(f"backends[{i}].output_cap",
+                                                            entry["output_cap"])
+        return {**data, "backends": urls, "backend_output_caps": caps}
+
+    @field_validator("output_cap", mode="before")
+    @classmethod
+    def _cap(cls, value: object) -> object:
+        return value if value is None else _output_cap("output_cap", value)
+
     @field_validator("backends")
     @classmethod
     def _one_spelling(cls, urls: list[str]) -> list[str]:
@@ -295,6 +358,9 @@ class FleetConfig(_Section):
                                  "/v1/..., /metrics and /health itself)")
         if self.engine_cmd is not None:
             _check_template("engine_cmd", self.engine_cmd, ENGINE_PLACEHOLDERS)
+        for url in self.backend_output_caps:
+            if url not in self.backends:
+                raise ValueError(f"backend_output_caps: {url!r} is not one of the backends")
         for key, value in self.engine_env.items():
             _check_template(f"engine_env.{key}", value, ENGINE_PLACEHOLDERS)
         if self.restart_command is not None:
@@ -316,6 +382,17 @@ class FleetConfig(_Section):
                 return group
             first += group.engines
         return None
+
+    def declared_output_cap(self, shard: int) -> int | str | None:
+        """The `output_cap` the config declares for a shard (a launched one's group's or the
+        fleet's own, an attached one's `[[fleet.backends]]` table): tokens, "none", or None
+        where it declares nothing."""
+        if shard >= self.launched:
+            index = shard - self.launched
+            url = self.backends[index] if index < len(self.backends) else None
+            return None if url is None else self.backend_output_caps.get(url)
+        group = self.group_of(shard)
+        return self.output_cap if group is None else group.output_cap
 
     def engine_of(self, shard: int) -> str:
         """The engine kind of a shard (``auto``: recognised at its first read)."""

@@ -49,9 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetwarden.config import Config
+from fleetwarden.config import Config, FleetConfig
 from fleetwarden.credentials import NO_KEYS, EngineKeys
-from fleetwarden.engines import AUTO, output_cap_of, profile
+from fleetwarden.engines import AUTO, CapUnknown, output_cap_of, profile
 from fleetwarden.evidence import Evidence, router_error
 from fleetwarden.focus import Focus, held_out_of
 from fleetwarden.journal import Journal
@@ -111,6 +111,24 @@ class FleetStatus:
     counts: dict[str, int]
     #: The shards as the headline counts them: serving, coming back, out (:func:`tally`).
     tally: dict[str, int] = field(default_factory=dict)
+
+
+def output_cap_from(said: int | CapUnknown | None, fleet: FleetConfig,
+                    shard: int) -> tuple[int | None, str]:
+    """A shard's server cap on every request's output, and where it comes from, in the order
+    of trust: what its engine's ``/server_info`` says (the running process's word); the
+    config's declared ``output_cap``; a launched engine's command
+    (``--override-generation-config``); else ``unknown: why`` (an attached engine that
+    says nothing, with no declaration), with ``None``."""
+    if not isinstance(said, CapUnknown):
+        return said, "engine"
+    declared = fleet.declared_output_cap(shard)
+    if declared is not None:
+        return (None if declared == "none" else int(declared)), "declared"
+    if shard < fleet.launched:
+        group = fleet.group_of(shard)
+        return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd), "command"
+    return None, f"unknown: {said.why}"
 
 
 def fleet_status(shards: Sequence[ShardRecord], min_serving_shards: int,
@@ -184,6 +202,8 @@ class Controller:
         #: The serving and trial sets last pushed: a transition that changes them pushes now.
         self._pushed: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
         self._push_pending = False
+        #: The engine process whose unknown server cap was last told, by shard: told once.
+        self._cap_told: dict[int, str | None] = {}
         #: Condemned URLs whose requests the routers have not yet been told to move: set once
         #: they were (what the supervisor waits for before it stops the old process).
         self._released: dict[str, asyncio.Event] = {}
@@ -311,7 +331,8 @@ class Controller:
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
         """What every push carries: the serving URLs, and each one's shard, weight version,
         incarnation (a router's cache-aware policy forgets a restarted engine's prefixes) and
-        the models it serves, as the watchdog read them (the routers' ``GET /v1/models``)."""
+        the models it serves, as the watchdog read them (the routers' ``GET /v1/models``), and
+        its server cap (:meth:`output_cap`)."""
         urls = self.serving()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
@@ -319,18 +340,32 @@ class Controller:
                                             incarnation=rec.incarnation,
                                             models=self.watchdog.models(rec.base_url),
                                             key=self._key(rec.index),
-                                            output_cap=self._output_cap(rec.index))
+                                            output_cap=self.output_cap(rec)[0])
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
 
-    def _output_cap(self, shard: int) -> int | None:
-        """The server cap a launched shard's command sets on every request's output (an
-        attached engine's command is not known here)."""
-        fleet = self.config.fleet
-        if shard >= fleet.launched:
-            return None
-        group = fleet.group_of(shard)
-        return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd)
+    def output_cap(self, rec: ShardRecord) -> tuple[int | None, str]:
+        """The server cap on every request's output of ``rec``'s engine (``None``: none, or
+        not known) and where it comes from: ``engine`` (its own ``GET /server_info``, the
+        running process's word), ``declared`` (the config's ``output_cap``), ``command`` (a
+        launched engine's ``--override-generation-config``), or ``unknown: why`` (an attached
+        engine that says nothing and has no declaration: its continuations go on to the
+        client's limit, docs/design.md 4.1; said once per process in the log, and on its
+        status row)."""
+        said = self.watchdog.output_cap(rec.base_url)
+        cap, source = output_cap_from(said, self.config.fleet, rec.index)
+        if isinstance(said, CapUnknown) and source.startswith("unknown"):
+            self._tell_unknown_cap(rec, said)
+        return cap, source
+
+    def _tell_unknown_cap(self, rec: ShardRecord, said: CapUnknown) -> None:
+        """Log an attached engine's unknown cap once per process, once it was asked."""
+        if said.settled and self._cap_told.get(rec.index, "") != rec.incarnation:
+            self._cap_told[rec.index] = rec.incarnation
+            log.warning("shard %d (%s): its server cap on a request's output is unknown (%s; "
+                        "no output_cap on its [[fleet.backends]] table): a continuation there "
+                        "may run past a cap until a \"length\" finish reveals it "
+                        "(docs/design.md 4.1)", rec.index, rec.base_url, said.why)
 
     def _key(self, shard: int) -> str | None:
         key = self.engine_keys.of_shard(shard)

@@ -361,3 +361,51 @@ def output_cap_of(command: str | None) -> int | None:
     if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:
         return tokens
     return None
+
+
+#: vLLM's dev-mode endpoint (``VLLM_SERVER_DEV_MODE=1``) that shows the engine's config: the
+#: one place a running vLLM says its server cap. JSON, not the default text.
+SERVER_INFO_PATH = "/server_info?config_format=json"
+
+
+@dataclass(frozen=True, slots=True)
+class CapUnknown:
+    """Why an engine's server cap is not known. ``settled``: it was asked and will say no more
+    in this process (no ``/server_info``, or one that does not tell); else not asked yet, or
+    no answer came (asked again at its next read)."""
+
+    why: str
+    settled: bool = True
+
+
+def output_cap_of_server_info(body: bytes) -> int | CapUnknown | None:
+    """The server cap on every request's output that a vLLM 0.32 ``GET /server_info`` (JSON)
+    shows: ``None``: it caps none. Mirrors the ``override_max_tokens`` that vLLM's serving
+    classes pass to ``get_max_tokens`` (``entrypoints/openai/*/serving.py``): under
+    ``--generation-config auto`` or ``vllm``, ``--override-generation-config``'s
+    ``max_new_tokens``; under a folder, that folder's ``generation_config.json`` with the
+    override applied (``ModelConfig.get_diff_sampling_param``), whose file ``/server_info``
+    does not show: known only where the override names ``max_new_tokens``. Never raises."""
+    try:
+        info = json.loads(body)
+    except ValueError:
+        return CapUnknown("GET /server_info: not JSON")
+    config = info.get("vllm_config") if isinstance(info, dict) else None
+    model = config.get("model_config") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return CapUnknown("GET /server_info: no vllm_config.model_config")
+    source = model.get("generation_config", "auto")
+    override = model.get("override_generation_config") or {}
+    if not isinstance(source, str) or not isinstance(override, dict):
+        return CapUnknown("GET /server_info: generation_config or its override unreadable")
+    if source not in ("auto", "vllm") and "max_new_tokens" not in override:
+        return CapUnknown(f"--generation-config {source}: the max_new_tokens of its "
+                          "generation_config.json caps every request, and /server_info "
+                          "does not show that file")
+    tokens = override.get("max_new_tokens")
+    if tokens is None:
+        return None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        return CapUnknown(f"--override-generation-config max_new_tokens {tokens!r} is not "
+                          "an integer >= 1")
+    return tokens

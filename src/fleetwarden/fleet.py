@@ -698,4 +698,5 @@ class Fleet:
             journal_dropped=self._journal.dropped if self._journal is not None else 0,
             cache_predicted={u: (t.blocks, t.hit_blocks)
                              for u, t in self.router.cache_predictions().items()},
+            output_caps={rec.index: c.output_cap(rec) for rec in shards},
         )

@@ -89,6 +89,9 @@ class Snapshot:
     #: The cache-aware router's tallies per backend URL: (prompt blocks placed, blocks
     #: predicted held); empty under least in flight.
     cache_predicted: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    #: Each shard's server cap on a request's output and where it comes from
+    #: (``Controller.output_cap``: ``engine``, ``declared``, ``command``, ``unknown: why``).
+    output_caps: Mapping[int, tuple[int | None, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

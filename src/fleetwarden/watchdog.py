@@ -46,7 +46,16 @@ import aiohttp
 
 from fleetwarden.credentials import Secret
 from fleetwarden.engine_metrics import Sample, Unreadable, parse
-from fleetwarden.engines import AUTO, EngineProfile, detect, profile
+from fleetwarden.engines import (
+    AUTO,
+    SERVER_INFO_PATH,
+    VLLM,
+    CapUnknown,
+    EngineProfile,
+    detect,
+    output_cap_of_server_info,
+    profile,
+)
 from fleetwarden.judge import (
     DEFAULT_POLICY,
     EXIT_CANNOT_JUDGE,
@@ -102,6 +111,11 @@ CANARY_ID_PREFIX = "fleetwarden-canary-"
 #: The canary's prompt: a few tokens, so it is one short prefill step on any engine.
 CANARY_PROMPT = "ping"
 _MODELS_BODY_LIMIT = 1024 * 1024  # a model list is a few KB; a proxy's may list many models
+#: vLLM's /server_info is ~25 KB (its config, its environment, ``pip list``); a large
+#: environment's package list may make it several times that.
+_SERVER_INFO_BODY_LIMIT = 4 * 1024 * 1024
+#: Not asked yet: what :meth:`Watchdog.output_cap` says until the engine's process was read.
+_NOT_ASKED = CapUnknown("its /server_info not read yet", settled=False)
 
 
 @dataclass(slots=True)
@@ -118,6 +132,10 @@ class _Memory:
     models: tuple[ModelCard, ...] | None = None
     models_of: str | None = None
     models_read: bool = False  # the engine answered /v1/models (a list or not) for models_of
+    #: Its server cap as its ``/server_info`` said (:meth:`Watchdog.learn_output_cap`), and
+    #: the process it was read of.
+    output_cap: int | CapUnknown | None = _NOT_ASKED
+    output_cap_of: str | None = None
     #: The configuration faults already logged for this URL (:meth:`Watchdog._tell_faults`):
     #: one log line per engine and cause, not one per read.
     faults_told: frozenset[str] = frozenset()
@@ -243,6 +261,7 @@ class Watchdog:
                     except Exception:
                         log.exception("%s: deciding on its read failed", now.url)
                 await self.learn_models(report)
+                await self.learn_output_cap(report)
 
         async with asyncio.TaskGroup() as group:
             for _ in range(min(self.concurrency, len(targets))):
@@ -285,6 +304,53 @@ class Watchdog:
         if isinstance(cards, _NoModels) and answered:
             log.info("%s: GET /v1/models %s: the router lists none of its models", url,
                      cards.why)
+
+    def output_cap(self, url: str) -> int | CapUnknown | None:
+        """The server cap on every request's output that the engine at ``url`` says (its
+        ``/server_info``; ``None``: it caps none), or why that is not known."""
+        memory = self._memory.get(url)
+        return _NOT_ASKED if memory is None else memory.output_cap
+
+    async def learn_output_cap(self, report: Report) -> None:
+        """After a read that answered: a vLLM engine's server cap, from its ``GET
+        /server_info`` (dev mode, ``VLLM_SERVER_DEV_MODE=1``), once per process, with its key;
+        never on a request's path (docs/design.md 4.1, "Server caps"). One that got no answer
+        (vLLM's first answer runs ``pip list`` and more: seconds) is asked again after the next
+        read; a 404 (no dev mode) or an answer that does not tell is kept until the process
+        changes. Called once the report was decided on, as :meth:`learn_models`."""
+        memory = self._memory.get(report.url)
+        if memory is None or memory.watch.proxy or not report.answered:
+            return
+        url, incarnation = report.url, report.incarnation
+        known = memory.watch.profile
+        if known is not VLLM:
+            if known is not None:  # only vLLM has /server_info; the others' caps are declared
+                memory.output_cap_of = incarnation
+                memory.output_cap = CapUnknown(f"a {known.name} engine shows no server cap")
+            return
+        if memory.output_cap_of == incarnation and not (
+                isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):
+            return
+        if memory.output_cap_of != incarnation:
+            memory.output_cap = _NOT_ASKED  # a new process may have been started otherwise
+        memory.output_cap_of, memory.output_cap = incarnation, await self._server_cap(url)
+
+    async def _server_cap(self, url: str) -> int | CapUnknown | None:
+        try:
+            async with self._http().get(url + SERVER_INFO_PATH, timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
+                if resp.status == 404:
+                    return CapUnknown("no GET /server_info (vLLM shows it only with "
+                                      "VLLM_SERVER_DEV_MODE=1)")
+                if resp.status != 200:
+                    return CapUnknown(f"GET /server_info answered {resp.status}",
+                                      settled=resp.status < 500)
+                body = await _read_bounded(resp, _SERVER_INFO_BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return CapUnknown(f"GET /server_info: {_describe(e)}", settled=False)
+        if body is None:
+            return CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes")
+        return output_cap_of_server_info(body)
 
     @staticmethod
     def _tell_faults(url: str, memory: _Memory, faults: tuple[str, ...]) -> None:
@@ -574,9 +640,15 @@ class Check:
     report: Report
     reads: int
     exit_code: int
+    #: Its server cap on every request's output, as its ``/server_info`` said (``None``: it
+    #: caps none), or why that is unknown: an attached engine's cap is then to be declared.
+    output_cap: int | CapUnknown | None = _NOT_ASKED
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.report.to_dict(), "reads": self.reads, "exit_code": self.exit_code}
+        cap = self.output_cap
+        return {**self.report.to_dict(), "reads": self.reads, "exit_code": self.exit_code,
+                "output_cap": None if isinstance(cap, CapUnknown) else cap,
+                "output_cap_unknown": cap.why if isinstance(cap, CapUnknown) else None}
 
 
 async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
@@ -604,7 +676,8 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
             report = await watchdog.probe(target)
             reads += 1
             if not report.compare_again or reads >= MAX_CHECK_READS:
-                return Check(report, reads, exit_code(report))
+                await watchdog.learn_output_cap(report)
+                return Check(report, reads, exit_code(report), watchdog.output_cap(target.url))
             wait = report.compare_in(interval_s)
 
 

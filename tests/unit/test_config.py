@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -115,6 +116,44 @@ def test_a_backend_url_with_a_path_is_refused_naming_the_field(url: str) -> None
     (``http://host:8000/v1``) would be read at ``/v1/v1/completions`` and judged dead."""
     with pytest.raises(ValueError, match=r"backends: .* engine's root"):
         FleetConfig(engines=0, backends=[url])
+
+
+def test_a_backend_table_declares_its_output_cap() -> None:
+    """An attached engine that says nothing of its server cap (no vLLM dev mode) has it
+    declared on its `[[fleet.backends]]` table: tokens, or "none" (docs/configuration.md)."""
+    config = parse_config(tomllib.loads(
+        '[fleet]\nengines = 1\noutput_cap = 32\n'
+        '[[fleet.groups]]\nengine_cmd = "vllm serve m --port {port}"\noutput_cap = "none"\n'
+        '[[fleet.backends]]\nurl = "http://10.0.0.5:8000/"\noutput_cap = 64\n'
+        '[[fleet.backends]]\nurl = "http://10.0.0.6:8000"\n'
+        '[[fleet.backends]]\nurl = "http://10.0.0.7:8000"\noutput_cap = "none"\n'))
+    fleet = config.fleet
+    assert fleet.backends == ["http://10.0.0.5:8000", "http://10.0.0.6:8000",
+                              "http://10.0.0.7:8000"]
+    assert [fleet.declared_output_cap(i) for i in range(5)] == [32, "none", 64, None, "none"]
+    mixed = FleetConfig.model_validate({"engines": 0, "backends": [
+        "http://a:1", {"url": "http://b:1", "output_cap": 8}]})
+    assert mixed.backends == ["http://a:1", "http://b:1"]
+    assert mixed.backend_output_caps == {"http://b:1": 8}
+
+
+@pytest.mark.parametrize(("toml", "error"), [
+    ('[[fleet.backends]]\nurl = "http://a:1"\noutput_cap = 0\n',
+     'backends[0].output_cap: must be an integer >= 1 (tokens) or "none", got 0'),
+    ('[[fleet.backends]]\nurl = "http://a:1"\noutput_cap = "unbounded"\n',
+     "backends[0].output_cap: must be"),
+    ('[[fleet.backends]]\nurl = "http://a:1"\noutput_cap = true\n',
+     "backends[0].output_cap: must be"),
+    ('[[fleet.backends]]\nurl = "http://a:1"\ncap = 3\n',
+     "backends[0]: unknown field(s) cap"),
+    ('[[fleet.backends]]\noutput_cap = 3\n', "backends[0].url: give the engine's URL"),
+    ('[fleet]\noutput_cap = -1\n', "output_cap: must be an integer >= 1"),
+    ('[fleet]\nengines = 0\nbackends = ["http://a:1"]\n[fleet.backend_output_caps]\n'
+     '"http://b:1" = 4\n', "'http://b:1' is not one of the backends"),
+])
+def test_a_bad_output_cap_is_refused_naming_the_field(toml: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        parse_config(tomllib.loads(toml))
 
 
 def test_engine_kinds_are_the_profiles_names() -> None:

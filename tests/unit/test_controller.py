@@ -14,6 +14,7 @@ import pytest
 
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, TickReport
+from fleetwarden.engines import CapUnknown
 from fleetwarden.focus import held_out_of
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
@@ -305,6 +306,9 @@ class ScriptedReads:
 
     def models(self, url: str) -> None:
         return None  # no model list read: the push names none
+
+    def output_cap(self, url: str) -> CapUnknown:
+        return CapUnknown("not read", settled=False)  # no /server_info read
 
     async def probe(self, target: Target) -> Report:
         self.probed.append(target)
@@ -1153,3 +1157,45 @@ def test_the_push_carries_the_server_cap_an_engine_command_sets() -> None:
     facts = c.serving_push()[1]
     assert [facts[u].output_cap for u in ("http://a", "http://b", "http://c")] == [64, 64, None]
     assert facts["http://a"] == BackendFacts(0, ledger.shard(0).weight_version, output_cap=64)
+
+
+def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_commands(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An attached engine's command is not fleetwarden's: its cap comes from its own
+    ``GET /server_info`` (vLLM's dev mode), else from its ``[[fleet.backends]]`` table; where
+    neither says, it is unknown: said once per process in the log and on its status row, and
+    pushed as no cap (docs/design.md 4.1)."""
+    command = ("vllm serve m --port {port} --override-generation-config "
+               "'{{\"max_new_tokens\": 64}}'")
+    backends = ["http://said", "http://declared", "http://silent", "http://none"]
+    config = Config.model_validate({"fleet": {"engines": 2, "engine_cmd": command, "backends": [
+        backends[0], {"url": backends[1], "output_cap": 32}, backends[2],
+        {"url": backends[3], "output_cap": "none"}]}})
+    urls = ["http://l0", "http://l1", *backends]
+    ledger = Ledger(urls, Policy())
+    watchdog = _Watchdog()
+    said: dict[str, int | CapUnknown | None] = {
+        "http://l0": 100, "http://said": 120, "http://declared": 16,
+        "http://silent": CapUnknown("no GET /server_info"),
+        "http://none": CapUnknown("no GET /server_info")}
+    watchdog.output_cap = (  # type: ignore[method-assign]
+        lambda url: said.get(url, CapUnknown("not read", settled=False)))
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, watchdog, supervisor, [], config, refit=RefitCoordinator(ledger))
+    assert [c.output_cap(ledger.shard(i)) for i in range(len(urls))] == [
+        (100, "engine"), (64, "command"), (120, "engine"), (16, "engine"),
+        (None, "unknown: no GET /server_info"), (None, "declared")]
+    said["http://declared"] = CapUnknown("no GET /server_info")
+    assert c.output_cap(ledger.shard(3)) == (32, "declared")
+    assert [f.output_cap for f in c.serving_push()[1].values()] == [100, 64, 120, 32, None, None]
+    told = [r for r in caplog.records if "server cap" in r.getMessage()]
+    assert len(told) == 1 and "http://silent" in told[0].getMessage()
+    # a new process: not told until it was asked (nothing is known to be missing), then once
+    restarted = dataclasses.replace(ledger.shard(4), incarnation="new")
+    said.pop("http://silent")
+    assert c.output_cap(restarted)[1] == "unknown: not read"
+    assert len([r for r in caplog.records if "server cap" in r.getMessage()]) == 1
+    said["http://silent"] = CapUnknown("no GET /server_info")
+    c.output_cap(restarted)
+    c.output_cap(restarted)
+    assert len([r for r in caplog.records if "server cap" in r.getMessage()]) == 2

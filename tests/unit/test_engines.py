@@ -3,7 +3,9 @@ recognised as its own."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,10 +18,12 @@ from fleetwarden.engines import (
     SGLANG,
     TGI,
     VLLM,
+    CapUnknown,
     EngineProfile,
     Family,
     detect,
     output_cap_of,
+    output_cap_of_server_info,
     profile,
 )
 
@@ -113,3 +117,53 @@ def test_tgi_counters_written_without_total_are_read() -> None:
 ])
 def test_the_server_cap_an_engine_command_sets(command: str | None, cap: int | None) -> None:
     assert output_cap_of(command) == cap
+
+
+#: A real vLLM 0.32 ``GET /server_info?config_format=json``, started with
+#: ``--override-generation-config '{"max_new_tokens": 120}'`` (its environment left out:
+#: ``tests/fixtures/vllm/server-info/README.md``).
+SERVER_INFO = FIXTURES / "vllm" / "server-info" / "server-info-override-120.json"
+
+
+def _server_info(generation_config: str, override: dict[str, Any]) -> bytes:
+    info = json.loads(SERVER_INFO.read_text())
+    info["vllm_config"]["model_config"].update(generation_config=generation_config,
+                                                override_generation_config=override)
+    return json.dumps(info).encode()
+
+
+def test_the_server_cap_a_real_server_info_shows() -> None:
+    assert output_cap_of_server_info(SERVER_INFO.read_bytes()) == 120
+
+
+# vLLM 0.32's serving classes (entrypoints/openai/chat_completion/serving.py and the others):
+#   override_max_tokens = (default_sampling_params.get("max_tokens")
+#                          if generation_config not in ("auto", "vllm")
+#                          else override_generation_config.get("max_new_tokens"))
+# where default_sampling_params is a folder's generation_config.json updated by the override
+# (ModelConfig.get_diff_sampling_param). Under "auto" the model's own max_new_tokens is only a
+# request's default, never this cap.
+@pytest.mark.parametrize(("generation_config", "override", "cap"), [
+    ("auto", {"max_new_tokens": 64}, 64),
+    ("vllm", {"max_new_tokens": 64, "temperature": 0.5}, 64),
+    ("auto", {}, None),
+    ("vllm", {"temperature": 0.5}, None),
+    ("/models/gen", {"max_new_tokens": 32}, 32),
+    ("/models/gen", {"max_new_tokens": None}, None),  # the override unsets the folder's
+])
+def test_the_server_cap_mirrors_vllms_override_max_tokens(
+        generation_config: str, override: dict[str, Any], cap: int | None) -> None:
+    assert output_cap_of_server_info(_server_info(generation_config, override)) == cap
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (_server_info("/models/gen", {}), "generation_config.json caps every request"),
+    (_server_info("/models/gen", {"temperature": 0}), "does not show that file"),
+    (_server_info("auto", {"max_new_tokens": 0}), "is not an integer >= 1"),
+    (_server_info("auto", {"max_new_tokens": "64"}), "is not an integer >= 1"),
+    (b"<html>", "not JSON"),
+    (b'{"vllm_config": "ModelConfig(model=...)"}', "no vllm_config.model_config"),
+])
+def test_a_server_info_that_does_not_tell_the_cap_says_why(body: bytes, why: str) -> None:
+    said = output_cap_of_server_info(body)
+    assert isinstance(said, CapUnknown) and said.settled and why in said.why

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import json
 import os
 import random
 import signal
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,13 +34,17 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetwarden.config import FleetConfig
+from fleetwarden.controller import output_cap_from
 from fleetwarden.engines import output_cap_of
+from fleetwarden.judge import DEFAULT_POLICY, Target
 from fleetwarden.launchers import procs
 from fleetwarden.router import BackendFacts, Router, RouterSettings
 from fleetwarden.router.splice import check_stop_strings
 from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME, SERVED_MODEL_NAME
+from fleetwarden.watchdog import Watchdog
 
 pytestmark = pytest.mark.vllm
 
@@ -58,8 +64,10 @@ UNDER_WAY = 2
 LONGER = 150
 #: Both engines run with a server cap below every case's limit (vLLM's
 #: ``--override-generation-config``, as RL stacks set it): a continuation must end where the
-#: cap would have ended the uninterrupted run. The router is told it by the push, read from the
-#: command as the controller reads it (``engines.output_cap_of``).
+#: cap would have ended the uninterrupted run. The router is told it by the push, as the
+#: controller learns it of an attached engine: from the engine's own ``GET /server_info``
+#: (the tier runs vLLM with ``VLLM_SERVER_DEV_MODE=1``), which must say what the command set
+#: (``engines.output_cap_of``).
 CAP_ARGS = "--override-generation-config '{{\"max_new_tokens\": 120}}'"
 
 
@@ -101,13 +109,33 @@ async def _finished(http: aiohttp.ClientSession, url: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+async def _learnt_caps(*engines: LocalEngine) -> dict[str, BackendFacts]:
+    """Each engine's facts as a controller pushes those of attached engines: its cap read by
+    the watchdog from its ``/server_info`` (vLLM's first answer runs ``pip list`` and more:
+    seconds, so a longer read timeout than the watchdog's 2 s, instead of a second read)."""
+    urls = [e.base_url for e in engines]
+    config = FleetConfig(engines=0, backends=urls)
+    started = time.monotonic()
+    async with Watchdog(dataclasses.replace(DEFAULT_POLICY, read_timeout_s=60)) as watchdog:
+
+        async def learn(url: str) -> None:
+            await watchdog.learn_output_cap(await watchdog.probe(Target(url, engine="vllm")))
+
+        await asyncio.gather(*(learn(url) for url in urls))
+        caps = [output_cap_from(watchdog.output_cap(url), config, shard)
+                for shard, url in enumerate(urls)]
+    print(f"\nthe engines' caps from GET /server_info: {caps} in "
+          f"{time.monotonic() - started:.1f} s")
+    assert caps == [(output_cap_of(CAP_ARGS), "engine")] * len(urls) == [(120, "engine")] * 2
+    return {url: BackendFacts(output_cap=cap) for url, (cap, _) in zip(urls, caps, strict=True)}
+
+
 async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     router = Router([], RouterSettings(continue_answers=True, max_retries=4,
                                        retry_budget_ratio=1.0))
-    cap = output_cap_of(CAP_ARGS)
-    assert cap == 120
-    facts = {e.base_url: BackendFacts(output_cap=cap) for e in (a, b)}
-    router.set_serving_backends([a.base_url], facts)
+    # The caps are read while the references run (vLLM's first /server_info takes seconds,
+    # in a thread of its API server), and pushed before anything goes through the router.
+    learning = asyncio.ensure_future(_learnt_caps(a, b))
     await router.start()
     try:
         timeout = aiohttp.ClientTimeout(total=300)
@@ -126,6 +154,8 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
                 case = Case(seed_, i, case.path, body, case.cut, case.cut_after)
                 cases.append(await _with_stop_from_reference(http, b.base_url, case))
             references = await asyncio.gather(*(_post(http, b.base_url, c) for c in cases))
+            facts = await learning
+            router.set_serving_backends([a.base_url], facts)
             core = procs.find_group_member(a.pgid, ENGINE_CORE_PROCESS_NAME)
             assert core is not None, a.log_tail()
             streams = [c for c in cases if c.stream]
@@ -157,6 +187,7 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
             else:
                 pytest.fail("no batch still ran in the engine when its core was stopped")
     finally:
+        learning.cancel()
         await router.stop()
     outcomes: dict[str, int] = {}
     inexact = []

@@ -53,6 +53,10 @@ def status_view(snap: Snapshot) -> dict[str, Any]:
         "config_faults": sum(1 for rec in snap.shards
                              if (r := snap.reports.get(rec.index)) is not None and r.faults
                              and r.url == rec.base_url),
+        # Shards whose server cap on a request's output is unknown (shards_view, output_cap):
+        # continued there to the client's limit, not proven exact (docs/design.md 4.1).
+        "output_caps_unknown": sum(1 for _, source in snap.output_caps.values()
+                                   if source.startswith("unknown")),
         "router": {"requests": snap.router.requests,
                    "rescues": snap.router.rescues,
                    "hedges": snap.router.hedges,
@@ -93,6 +97,10 @@ def shards_view(snap: Snapshot) -> list[dict[str, Any]]:
             config_faults=(list(report.faults) if report is not None
                            and report.url == rec.base_url else []),
         )
+        cap, source = snap.output_caps.get(rec.index, (None, "unknown: not read"))
+        # Its server cap on a request's output, and where it was learnt; "unknown: why" for
+        # an attached engine that says nothing and has no declared output_cap.
+        d.update(output_cap=cap, output_cap_from=source)
         out.append(d)
     return out
 

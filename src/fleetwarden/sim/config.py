@@ -146,9 +146,10 @@ class SimConfig:
     #: SGLang's (``server.py``, ``_vllm_auth``). Empty: nothing guarded.
     api_keys: tuple[str, ...] = ()
     #: With ``api_keys``, guard vLLM's dev endpoints too (sleep, the RL API: /pause,
-    #: /collective_rpc, /weight_info, ...), as a proxy in front of vLLM that wants the key on
-    #: every path would; vLLM itself leaves them open. False: vLLM's own rule. What lets a
-    #: test fail when fleetwarden's calls of the weight API go without the engine's key.
+    #: /collective_rpc, /weight_info, ..., and /server_info), as a proxy in front of vLLM
+    #: that wants the key on every path would; vLLM itself leaves them open. False: vLLM's
+    #: own rule. What lets a test fail when fleetwarden's calls of the weight API (or its
+    #: read of /server_info) go without the engine's key.
     guard_dev_api: bool = False
     #: vLLM's ``--override-generation-config '{"max_new_tokens": N}'``: a server cap on every
     #: request's output, even one that names a larger ``max_tokens`` (RL stacks set it).
@@ -158,6 +159,10 @@ class SimConfig:
     #: auto``): the default of a request that names no limit (a chat's; a completion's pydantic
     #: default, 16, wins), no cap on one that names it. None: the model sets none.
     default_max_new_tokens: int | None = None
+    #: vLLM's ``VLLM_SERVER_DEV_MODE=1`` (``fleetwarden sim`` reads the variable as vLLM does):
+    #: ``GET /server_info`` is served, its ``vllm_config.model_config`` showing the
+    #: generation-config fields above as vLLM's does; without it, 404, as vLLM.
+    dev_mode: bool = False
     #: The checkpoint the process loads at its start, and again at each restart (a file or a
     #: directory: ``fleetwarden.sim.weights``). None: the base weights (the simulator's older
     #: answers).

@@ -243,6 +243,8 @@ class Sim:
         ])
         if self.config.engine == "llamacpp":
             app.add_routes([web.get("/slots", self._slots)])
+        if self.config.engine == "vllm" and self.config.dev_mode:
+            app.add_routes([web.get("/server_info", self._server_info)])
         # handler_cancellation: a client that goes away cancels its handler, which aborts its
         # request in the engine, as vLLM does (no orphaned decoding).
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
@@ -904,7 +906,8 @@ class Sim:
             return await handler(request)
         guarded = (not path.startswith(_SGLANG_OPEN) if engine == "sglang"
                    else path.startswith(_GUARDED)
-                   or (self.config.guard_dev_api and path in _ENGINE_CORE_CALLS))
+                   or (self.config.guard_dev_api
+                       and (path in _ENGINE_CORE_CALLS or path == "/server_info")))
         if guarded and not _bearer_matches(request.headers.get("Authorization"), keys):
             return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
@@ -951,6 +954,27 @@ class Sim:
     async def _models(self, request: web.Request) -> web.Response:
         created = int(time.time())
         return _json(wire.models(self.config.model, self.config.max_model_len, created))
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """vLLM 0.32's dev-mode ``GET /server_info`` (``serve/dev/server_info/api_router.py``):
+        ``vllm_config`` (JSON with ``config_format=json``, else its text), ``vllm_env`` and
+        ``system_env``. Of the config, the simulator fills what it has: the model's fields,
+        the generation config as vLLM's ``ModelConfig`` holds it (``auto``: the model's own
+        ``generation_config.json``, which vLLM does not show here) and the override."""
+        c = self.config
+        override = ({} if c.override_max_new_tokens is None
+                    else {"max_new_tokens": c.override_max_new_tokens})
+        model_config = {"model": c.model, "served_model_name": c.model,
+                        "max_model_len": c.max_model_len, "generation_config": "auto",
+                        "override_generation_config": override}
+        config: Any = {"model_config": model_config}
+        if request.query.get("config_format", "text") == "text":
+            config = f"model={c.model!r}, override_generation_config={override!r}"
+        elif request.query.get("config_format") != "json":
+            return _json(wire.invalid("config_format must be 'text' or 'json'",
+                                      "config_format"), 422)
+        return _json({"vllm_config": config, "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
+                      "system_env": {}})
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json({"version": "0.32.0"})

@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from fleetwarden.config import FleetConfig
+from fleetwarden.controller import output_cap_from
+from fleetwarden.judge import Target
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import Sim, SimConfig
 from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
 from fleetwarden.testing.oracle import Case, Exactness, compare, draw, normalize
+from fleetwarden.watchdog import Watchdog
 
 __all__ = ["Oracle", "Result", "oracle"]
 
@@ -43,9 +47,16 @@ STEPS_PER_S = 2000.0
 TOKENS_PER_STEP = (1, 1, 3, 1)
 #: The engines of the second fleet: started with a server cap (vLLM's
 #: ``--override-generation-config '{"max_new_tokens": N}'``) below many cases' limits, which
-#: their router is told by the push, as the controller reads it from the engine command.
-CAPPED_TOKENS_PER_STEP = (1, 1)
+#: their router is told by the push, as the controller learns it (``controller.
+#: output_cap_from``): one launched (read from its command), one attached in vLLM's dev mode
+#: (read from its ``GET /server_info``), one attached that says nothing (its
+#: ``[[fleet.backends]]`` table declares it).
+CAPPED_TOKENS_PER_STEP = (1, 1, 1)
 OUTPUT_CAP = 20
+#: How each capped engine's cap is known, in the order of :data:`CAPPED_TOKENS_PER_STEP`.
+CAP_SOURCES = ("command", "engine", "declared")
+CAPPED_COMMAND = ("fleetwarden sim --port {port} --override-generation-config "
+                  f"'{{{{\"max_new_tokens\": {OUTPUT_CAP}}}}}'")
 
 
 @dataclass
@@ -135,6 +146,23 @@ class Oracle:
         return result
 
 
+async def capped_facts(fleet: list[Sim]) -> dict[str, BackendFacts]:
+    """The capped engines' facts as a controller pushes them: each engine read once by a
+    watchdog (its ``/server_info`` where it has one), then ``output_cap_from`` over a fleet
+    config that launches the first and attaches the others, the last with its cap declared."""
+    launched, learnt, declared = (s.url for s in fleet)
+    config = FleetConfig(engines=1, engine_cmd=CAPPED_COMMAND, backends=[
+        learnt, {"url": declared, "output_cap": OUTPUT_CAP}])  # type: ignore[list-item]
+    facts = {}
+    async with Watchdog() as watchdog:
+        for shard, url in enumerate((launched, learnt, declared)):
+            await watchdog.learn_output_cap(await watchdog.probe(Target(url, engine="vllm")))
+            cap, source = output_cap_from(watchdog.output_cap(url), config, shard)
+            assert source == CAP_SOURCES[shard], (url, source)
+            facts[url] = BackendFacts(output_cap=cap)
+    return facts
+
+
 @contextlib.asynccontextmanager
 async def oracle(settings: RouterSettings | None = None, *,
                  eos_period: int = EOS_PERIOD) -> AsyncIterator[Oracle]:
@@ -142,8 +170,9 @@ async def oracle(settings: RouterSettings | None = None, *,
     def engines(steps: tuple[int, ...], cap: int | None) -> list[Sim]:
         return [Sim(SimConfig(steps_per_s=STEPS_PER_S, tokens_per_step=n, slots=256,
                               max_model_len=MAX_MODEL_LEN, eos_period=eos_period,
-                              reasoning_parser=True, override_max_new_tokens=cap))
-                for n in steps]
+                              reasoning_parser=True, override_max_new_tokens=cap,
+                              dev_mode=cap is not None and CAP_SOURCES[i] == "engine"))
+                for i, n in enumerate(steps)]
 
     sims, capped = engines(TOKENS_PER_STEP, None), engines(CAPPED_TOKENS_PER_STEP, OUTPUT_CAP)
     # Every request here is cut: a retry budget sized for a fleet where few fail would refuse
@@ -162,9 +191,9 @@ async def oracle(settings: RouterSettings | None = None, *,
                         loop.call_later(0.01, router.rescue, url)
 
                 sim.on_directive = rescue
-            cap = fleet[0].config.override_max_new_tokens
-            router.set_serving_backends([s.url for s in fleet], {
-                s.url: BackendFacts(output_cap=cap) for s in fleet})
+            facts = (await capped_facts(fleet) if fleet is capped
+                     else {s.url: BackendFacts() for s in fleet})
+            router.set_serving_backends([s.url for s in fleet], facts)
             await router.start()
         timeout = aiohttp.ClientTimeout(total=60)
         # A pooled connection is let go before the router's own idle timeout (5 s) closes it
