@@ -286,6 +286,23 @@ _SIM_GUARD_DEV_API = typer.Option(
     "would; vLLM leaves them open.")
 
 
+def _check_sim_choices(fault: str | None, engine: str) -> None:
+    if fault is not None and fault not in _FAULTS:
+        raise typer.BadParameter(f"{fault!r}; choose one of: {', '.join(_FAULTS)}",
+                                 param_hint="--fault")
+    if engine not in SIM_ENGINES:
+        raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(SIM_ENGINES)}",
+                                 param_hint="--engine")
+
+
+def _sim_kv_events(kv_events_config: str | None) -> KVEventsConfig | None:
+    try:
+        return (None if kv_events_config is None
+                else KVEventsConfig.from_json(kv_events_config))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-events-config") from None
+
+
 @app.command()
 def sim(
     port: int = typer.Option(8000, help="Port to listen on; 0 picks a free one (see the "
@@ -338,18 +355,9 @@ def sim(
     """
     from fleetwarden.sim import serve
 
-    if fault is not None and fault not in _FAULTS:
-        raise typer.BadParameter(f"{fault!r}; choose one of: {', '.join(_FAULTS)}",
-                                 param_hint="--fault")
-    if engine not in SIM_ENGINES:
-        raise typer.BadParameter(f"{engine!r}; choose one of: {', '.join(SIM_ENGINES)}",
-                                 param_hint="--engine")
+    _check_sim_choices(fault, engine)
     cap = _max_new_tokens(override_generation_config)
-    try:
-        kv_events = (None if kv_events_config is None
-                     else KVEventsConfig.from_json(kv_events_config))
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-events-config") from None
+    kv_events = _sim_kv_events(kv_events_config)
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
                        tokens_per_step=tokens_per_step,
                        max_num_batched_tokens=max_num_batched_tokens,
