@@ -42,9 +42,9 @@ from support.fleet import record_transitions, running_fleet, until
 
 pytestmark = pytest.mark.scenario
 
-#: Steps of the loop, each with its seeded fault draw. 60 in `make test` (24-35 s); 200 or
-#: more with FLEETWARDEN_REFIT_STEPS (BENCHMARKS.md: 200 steps took 96-156 s with the
-#: machine's load average at 8-15, a step with no fault 0.2-0.45 s).
+#: Steps of the loop, each with its seeded fault draw. 60 in `make test` (17-36 s); 200 or
+#: more with FLEETWARDEN_REFIT_STEPS (BENCHMARKS.md: 200 steps took 76-156 s with the
+#: machine's load average at 4-15, over the suite's share at the higher loads).
 STEPS = int(os.environ.get("FLEETWARDEN_REFIT_STEPS", "60"))
 #: A bound on the loop's time, not a target: a loop still running past it has hung.
 LOOP_LIMIT_S = 600.0
