@@ -612,6 +612,57 @@ async def test_a_seeded_sampled_answer_is_sent_again_whole_and_a_stream_of_one_r
         assert "seed" in error["reason"], error
 
 
+@pytest.mark.parametrize(("directive", "stream"), [
+    ("after_final", True), ("crash@20", True), ("after_final", False)],
+    ids=["whole-end-lost", "broken-off", "assembled-end-lost"])
+async def test_an_answer_whose_end_is_lost_after_a_weight_load_still_names_every_version(
+    http: aiohttp.ClientSession, directive: str, stream: bool,
+) -> None:
+    """An answer on an engine that loaded new weights under it (``keep``: its tokens may come
+    from both), whose connection is lost before its end, and which no other engine on its
+    weights can continue: the router ends it itself, and that end still names every version
+    its tokens may come from, where anything can still be sent. A stream's last events name
+    them (before the error a client library raises on); an answer the router assembles names
+    them in its headers, as one that ended well does."""
+    body = {**COMPLETION, **USAGE}
+    if not stream:
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    async with fleet(n=1, settings=RouterSettings(continue_answers=True)) as (router, sims):
+        url = sims[0].url
+        router.set_serving_backends([url], {url: BackendFacts(0, 7)})
+        headers = {FAULT_HEADER: directive, FAULT_ID_HEADER: f"lost-end-{directive}-{stream}"}
+
+        async def load() -> None:  # the weights change under it (refit_from's keep pause)
+            await until(lambda: router._forwarder.weights_changing(url, 8) == 1)
+
+        if stream:
+            async def cut() -> None:
+                await load()
+
+            got = await read_stream(http, router.url, "/v1/completions", body, cut, headers)
+            assert got[-1] == b"data: [DONE]"
+            events = [json.loads(e.removeprefix(b"data: ")) for e in got[:-1]]
+            named = [e["fleetwarden_weight_versions"] for e in events
+                     if "fleetwarden_weight_versions" in e]
+            assert named == [[7, 8]], events[-3:]
+            at = next(i for i, e in enumerate(events) if "fleetwarden_weight_versions" in e)
+            # Before the error a client library raises on (and stops reading at).
+            assert not any("error" in e for e in events[:at])
+            if directive.startswith("crash"):
+                assert "error" in events[-1], events[-1]
+        else:
+            loading = asyncio.ensure_future(load())
+            async with http.post(router.url + "/v1/completions", json=body,
+                                 headers=headers) as r:
+                assert r.status == 200, await r.text()
+                answer, named = await r.json(), r.headers.get("x-fleetwarden-weight-versions")
+                single = r.headers.get("x-fleetwarden-weight-version")
+            await loading
+            assert answer["choices"][0]["finish_reason"] == "length", answer
+            assert (named, single) == ("7,8", None)
+        assert directive_fired(f"lost-end-{directive}-{stream}")
+
+
 # ---------------------------------------------------------------------- the engine's limits
 
 

@@ -71,7 +71,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
@@ -293,16 +293,24 @@ def error_response(status: int, message: str, error_type: str,
                     content_type="application/json", headers=headers)
 
 
-def _versions(facts: BackendFacts, crossed: list[int]) -> list[int]:
-    """Every weight version that may have produced an answer begun under ``facts``, in order:
-    its own, then those loaded under it (``crossed``)."""
-    if facts.weight_version is None:
+def _versions(version: int | None, crossed: list[int]) -> list[int]:
+    """Every weight version that may have produced an answer begun on weights ``version``, in
+    order: its own, then those loaded under it (``crossed``)."""
+    if version is None:
         return []
-    versions = [facts.weight_version]
+    versions = [version]
     for v in crossed:
         if v != versions[-1]:
             versions.append(v)
     return versions
+
+
+def _versions_label(stream: _Stream, version: int | None) -> bytes:
+    """The event that names the weight versions of a stream begun on weights ``version``,
+    where a load crossed it (its head named the first only); ``b""`` where one version made
+    it all."""
+    versions = _versions(version, stream.crossed)
+    return stream.splice.versions_event(versions) if len(versions) > 1 else b""
 
 
 #: A span's version as a header may carry it: what ``str(int)`` gives, or a label of vLLM's own
@@ -353,7 +361,7 @@ def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_
         if facts.weight_version is not None:
             headers.append((_WEIGHT_VERSION, str(facts.weight_version).encode()))
     else:
-        versions = spans or [str(v) for v in _versions(facts, crossed or [])]
+        versions = spans or [str(v) for v in _versions(facts.weight_version, crossed or [])]
         if len(versions) > 1 or (spans and not spans[0].isdigit()):
             headers.append((_WEIGHT_VERSIONS, ",".join(versions).encode()))
         elif versions:
@@ -950,7 +958,7 @@ class Forwarder:
             # success of the engine, never continued past its end.
             assert ex.stream is not None
             self._whole(failure.backend, ex.stream.splice)
-            return await self._end_whole(ex.request, ex.stream)
+            return await self._end_whole(ex.request, ex.stream, failure.backend)
         if step is AfterFailure.POISON:
             # The same 5xx from every engine it may try: the request is the problem, not
             # them. None is counted, and their reflex drops are undone (at its end).
@@ -1371,9 +1379,7 @@ class Forwarder:
                                 request, stream, upstream, started, backend_time, facts)
                         continue
                     if outcome is EventAction.DONE:
-                        versions = _versions(facts, stream.crossed)
-                        if len(versions) > 1:  # its last event names them: its head went
-                            out = splice.versions_event(versions) + out
+                        out = _versions_label(stream, facts.weight_version) + out
                     response = await self._send(request, stream, out, upstream, started,
                                                 backend_time, facts)
                     if response is None:  # the client left: not the engine's doing
@@ -1522,12 +1528,19 @@ class Forwarder:
                 and backend in self.pool.serving):
             self.limits.context[backend] = value
 
-    async def _end_whole(self, request: Request, stream: _Stream) -> StreamResponse:
-        """A generation whose final chunk came and whose connection went before ``[DONE]``:
-        its client gets its end (the usage it asked for, where the router can count it)."""
+    async def _end_whole(self, request: Request, stream: _Stream,
+                         backend: str) -> StreamResponse:
+        """A generation whose final chunk came (from ``backend``) and whose connection went
+        before ``[DONE]``: its client gets its end (the usage it asked for, where the router can
+        count it), labelled as one that ended well is (the versions its tokens may come
+        from)."""
         splice = stream.splice
         if stream.response is None:  # an answer being assembled: it is whole
+            facts = replace(self.pool.facts(backend),
+                            weight_version=stream.weight_version)
             response = Response(status=200, body=splice.answer(),
+                                headers=_response_headers([], facts=facts,
+                                                          crossed=stream.crossed),
                                 content_type="application/json")
             stream.response = response
             self.stats.responded(200)
@@ -1542,20 +1555,24 @@ class Forwarder:
                           reason: str) -> StreamResponse:
         """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
         cause, then ``[DONE]``, as vLLM ends a stream that failed. A generation that was
-        already whole (its finish came, its end was lost) just ends."""
+        already whole (its finish came, its end was lost) just ends. Either way, first, the
+        event naming the weight versions its tokens may come from, where a load crossed it:
+        the label is owed however the stream ends, and a client library stops reading at the
+        error event."""
         response = stream.response
         splice = stream.splice
         if response is None:  # an answer being assembled: nothing reached the client yet
             self.stats.stream_ended(reason)
             return self._refuse(failure)
         closing = splice.closing_usage() if splice.finished() else None
+        label = _versions_label(stream, stream.weight_version)
         if closing is not None:
-            data = closing + DONE
+            data = label + closing + DONE
         elif splice.finished():
             # Whole, but its usage cannot be counted (no token ids): it ends as a whole answer
             # does, without the usage event, never with an error a client library would raise
             # after it had every token.
-            data = DONE
+            data = label + DONE
         else:
             what = "The stream broke off"
             if failure is not None:
@@ -1563,7 +1580,7 @@ class Forwarder:
                 if failure.cause is Cause.STREAM_ERROR and isinstance(splice.error, dict):
                     what += f" ({splice.error.get('message')})"
             self.stats.stream_ended(reason)
-            data = error_event(
+            data = label + error_event(
                 f"{what} after {splice.produced} tokens, and the generation could not be "
                 f"continued: {reason}.", "stream_interrupted", 500,
                 cause=None if failure is None else failure.cause.value,
