@@ -229,7 +229,9 @@ class FleetConfig(_Section):
     #: (With `launcher = "ray"`, `{host}` is the IP of the node that runs the engine.)
     host: str = "127.0.0.1"
     #: Seconds an engine may take from launch to `/health` 200. vLLM loads a tiny model on a
-    #: CPU in ~30 s; real models on GPUs take minutes. A restart attempt that runs past it fails.
+    #: CPU in ~30 s (130-140 s beside a loaded engine on 2 cores); real models on GPUs take
+    #: minutes. A restart attempt that runs past it fails, and the engine's log then ends
+    #: with what its processes were doing (state, wait channel, CPU seconds, threads).
     startup_timeout_s: PositiveFloat = 300.0
     weights: WeightsMode = _LEDGER.weights
     #: Attach mode: engines that something else runs (Kubernetes, systemd, a Ray job): each a
