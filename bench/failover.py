@@ -870,6 +870,8 @@ def run_one(spec: RouterSpec, scenario: Scenario, quick: bool, keep: bool,
             return row
         row.version = router.version
         fault_at = asyncio.run(_drive(scenario, router, engines, row))
+        if keep and fault_at is not None:  # the logs' timeline is read from the fault on
+            (folder / "fault_at").write_text(f"{fault_at!r}\n")
         ejected, notes = router.verdicts(fault_at)
         # A rolling restart faults every engine in turn: each is rightly taken out.
         faulted = ({engines.urls[BAD]} if scenario.fault != "rolling-restart"

@@ -3,8 +3,8 @@
 Owns: one run of focused reads per accused shard (right away, then every
 ``confirm_interval_s``, until they conclude — condemned, proven, or nothing left to prove —
 or ``confirm_max_s`` passes); the hedges its reads ask for (every router sends what it holds on
-an engine that takes no step to another engine as well); the canary that watches a hedged lost
-core.
+an engine that takes no step to another engine as well), and a silent engine's between its
+reads; the canary that watches a hedged lost core.
 Must not: conclude what a read means (the judge's report does: ``hedge()``, ``settled``), map
 a report to a state (the ledger's table does), or push the serving set (the controller does).
 
@@ -72,6 +72,9 @@ class Focus:
         #: When each URL's hold began (a token its expiry checks), and the URLs whose hold
         #: expired: none again until their focused reads end (:meth:`_hold`).
         self._held_since: dict[str, object] = {}
+        #: A silent engine's hedges while its next read waits out its silence, by shard
+        #: (:meth:`_hedge_while_silent`): ended by that read's report.
+        self._between: dict[int, asyncio.Task[None]] = {}
         self._spent: set[str] = set()
         #: Set at the controller's close: a hold that ends then pushes nothing.
         self.closing = False
@@ -106,6 +109,7 @@ class Focus:
         try:
             await self._focused_reads(i, url)
         finally:
+            self._end_between(i)
             self._hold_stalled(url, False)  # its reads end: the ledger's set decides again
             self._spent.discard(url)
 
@@ -193,6 +197,7 @@ class Focus:
                                                  stalls_excused=excused, confirm=ask,
                                                  check_health=rec.ejected_until is not None,
                                                  stopped=self._stopped(i)))
+            self._end_between(i)  # this read says what the silence is now
             if due and ask and r.canary is not None:
                 canaried_for = rec.ejected_until
             rec = self.ledger.shard(i)
@@ -214,6 +219,8 @@ class Focus:
                 url in self._stalled_out and r.verdict in (Verdict.STALLED, Verdict.SILENT)))
             if hedge is Hedge.STEP:
                 await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
+                if r.verdict is Verdict.SILENT:
+                    self._between_reads(i, url, r.hedge_after(h.hedge_after_s))
             elif hedge is Hedge.LOST_CORE:
                 await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
             if not first and r.settled and rec.ejected_until is None and not self.in_doubt(i):
@@ -222,6 +229,33 @@ class Focus:
                 return
             first = False
             await asyncio.sleep(h.confirm_interval_s)
+
+    def _between_reads(self, i: int, url: str, held_s: float) -> None:
+        task = self.tasks.start_if_running(self._hedge_while_silent(i, url, held_s),
+                                           f"hedge-silent:{i}")
+        if task is not None:
+            self._between[i] = task
+
+    def _end_between(self, i: int) -> None:
+        task = self._between.pop(i, None)
+        if task is not None:
+            task.cancel()
+
+    async def _hedge_while_silent(self, i: int, url: str, held_s: float) -> None:
+        """A silent engine's requests are hedged as they reach ``held_s`` while its next read
+        waits out the silence read, every ``confirm_interval_s``, not when that read ends: a
+        silent read takes ``silence_read_s`` where a wedge's frozen ``/metrics`` answers at
+        once, and a request sent just before the silence began was hedged a whole read later
+        than on a wedge (BENCHMARKS.md, "A silent engine's hedges between its reads"). The
+        evidence is the read's hedge's own: the last read got no answer, and the engine has
+        answered no request for ``held_s`` (the routers' held time there runs from its last
+        answer). Only an answer ends a silence: a client's request answered there puts the
+        held time back (no hedge until it reaches ``held_s`` again), and the next read's
+        report ends this (:meth:`_end_between`; docs/design.md, "Silence is evidence")."""
+        while True:
+            await asyncio.sleep(self.config.health.confirm_interval_s)
+            if (await self.evidence.held(None)).get(url, 0.0) >= held_s:
+                await self._hedge(i, url, held_s)
 
     async def _hedge_lost_core(self, i: int, url: str, r: Report, held_s: float) -> None:
         """Hedge a lost core's held requests, with a canary sent as they are, unless one sent

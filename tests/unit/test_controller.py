@@ -509,6 +509,47 @@ async def held_and_accused(r: Any, c: Controller, shard: int, n: int
     return tasks
 
 
+class SilentReads(ScriptedReads):
+    """A silent engine's reads: its first concludes at once, each later one waits (as a
+    silence read waits out ``silence_read_s``) until the test sets ``released``."""
+
+    def __init__(self, default: Report, silent_url: str) -> None:
+        super().__init__(default)
+        self.silent_url = silent_url
+        self.released = asyncio.Event()
+
+    def waiting(self) -> int:
+        return max(0, sum(t.url == self.silent_url for t in self.probed) - 1)
+
+    async def probe(self, target: Target) -> Report:
+        if target.url == self.silent_url and any(t.url == target.url for t in self.probed):
+            self.probed.append(target)
+            await self.released.wait()
+            return dataclasses.replace(self.by_url[target.url], url=target.url)
+        return await super().probe(target)
+
+
+async def test_a_silent_engines_request_is_hedged_as_it_reaches_hedge_after_s_not_a_read_later(
+) -> None:
+    """A request sent just before its engine went silent is held there under hedge_after_s at
+    the read that finds the silence: it is hedged when it reaches hedge_after_s, while the
+    next read still waits out its silence, not when that read ends (a wedge's next read
+    answers at once and hedges it then)."""
+    async with rig(2, health_managed=True) as r:
+        good, bad = r.engines
+        bad.wedge()  # answers no request, as a SIGSTOPped engine
+        reads = SilentReads(BUSY_REPORT, bad.url)
+        reads.by_url[bad.url] = dataclasses.replace(report(Verdict.SILENT, Health.UNPROVEN),
+                                                    held_flat_s=0.5)
+        c, _ = evidence_controller(r, reads, hedge_after_s=0.2)
+        tasks = await held_and_accused(r, c, 1, 1)  # held milliseconds at the first read
+        await until(lambda: r.router.stats.hedges_won == 1, what="hedged, and answered")
+        assert [(await t)[0] for t in tasks] == [200] and good.answered == 1
+        assert reads.waiting() == 1 and not reads.released.is_set()  # the next read waits on
+        reads.released.set()
+        await c.close()
+
+
 async def test_a_long_step_that_outlasts_hedge_after_s_costs_its_engine_nothing() -> None:
     """A healthy engine's first long prefill step (no pause learned yet, so hedged at
     hedge_after_s): its held requests are answered by their hedges, and when the step ends
