@@ -56,6 +56,8 @@ class Evidence:
         #: Links whose outcomes are drained now (an evidence event came), not at the tick.
         self._drain_pending: set[int] = set()
         self._drain_locks = [asyncio.Lock() for _ in self.routers]
+        #: When each router's current window began (the ledger's clock: its last drain).
+        self._window_began: list[float | None] = [None for _ in self.routers]
         #: When each link's first reported failure of the burst not yet drained came.
         self._evidence_at: dict[int, float] = {}
         self._unlisten = [link.listen(self._failed_at(k))
@@ -84,20 +86,29 @@ class Evidence:
     async def _drain_now(self, k: int) -> None:
         self._drain_pending.discard(k)
         try:
-            outcomes = await self._drain(k)
+            began, outcomes = await self._drain(k)
         except Exception as exc:
             log.warning("router %s: drain: %s", self.routers[k].name, exc)
             return
-        self.apply_outcomes(outcomes)
+        self.apply_outcomes(outcomes, window_began_at=began)
         came = self._evidence_at.pop(k, None)
         if came is not None:
             self.meter.decided(time.monotonic() - came)
 
-    async def _drain(self, k: int) -> dict[str, tuple[int, int, int]]:
-        """One window of router ``k``'s outcomes. One drain per router at a time: two in
-        flight would both acknowledge the same batch, and the router would count it twice."""
+    async def _drain(self, k: int) -> tuple[float | None, dict[str, tuple[int, int, int]]]:
+        """One window of router ``k``'s outcomes, and when it began (None: the first). One
+        drain per router at a time: two in flight would both acknowledge the same batch, and
+        the router would count it twice. The next window is dated from just before this
+        drain is asked for: a little early, so a suspicion is never taken to be older than
+        the window."""
         async with self._drain_locks[k]:
-            return await self.routers[k].drain_outcomes()
+            began, self._window_began[k] = self._window_began[k], self.ledger.now()
+            try:
+                return began, await self.routers[k].drain_outcomes()
+            except BaseException:
+                # nothing was acknowledged: the window still began where it did
+                self._window_began[k] = began
+                raise
 
     async def take_windows(self, failed_probe: frozenset[str], errors: list[str]) -> None:
         """The tick's intake: one window of outcomes from every router, and the silent
@@ -105,11 +116,11 @@ class Evidence:
         ``errors`` and the others are read all the same."""
         for k, link in enumerate(self.routers):
             try:
-                outcomes = await self._drain(k)
+                began, outcomes = await self._drain(k)
             except Exception as exc:
                 errors.append(f"{link.name}: drain: {exc}")
                 continue
-            self.apply_outcomes(outcomes, failed_probe)
+            self.apply_outcomes(outcomes, failed_probe, window_began_at=began)
         remote = [link for link in self.routers if not link.in_process]
         if remote:
             await self._accuse_silent(remote)
@@ -118,10 +129,13 @@ class Evidence:
         self._renewed.clear()
 
     def apply_outcomes(self, outcomes: Mapping[str, tuple[int, int, int]],
-                       failed_probe: frozenset[str] = frozenset()) -> None:
+                       failed_probe: frozenset[str] = frozenset(), *,
+                       window_began_at: float | None = None) -> None:
         """Router windows into the ledger. ``failed_probe``: engines whose probe failed in
         this tick's round: their windows began before it and may have ended before it too,
-        so their completions lift no suspicion (:meth:`Ledger.report_outcomes`)."""
+        so their completions lift no suspicion (:meth:`Ledger.report_outcomes`); nor do
+        those of a window that began before the engine became suspect (``window_began_at``,
+        the ledger's clock)."""
         for url, (successes, failures, trailing) in outcomes.items():
             i = self.ledger.shard_for_url(url)
             if i is None:
@@ -131,7 +145,8 @@ class Evidence:
                 # process's (they are why it restarted), and a new process has no history.
                 failures = trailing = 0
             self.ledger.report_outcomes(i, successes, failures, trailing,
-                                        may_predate_suspicion=url in failed_probe)
+                                        may_predate_suspicion=url in failed_probe,
+                                        window_began_at=window_began_at)
 
     # ------------------------------------------------------------------ what the routers hold
 

@@ -465,6 +465,13 @@ class Transition:
         }
 
 
+def _began_before_suspicion(s: _Shard, window_began_at: float | None) -> bool:
+    """A window begun before its shard became SUSPECT (whatever made it so: a silent read
+    between two drains): its successes may all be from before the suspicion."""
+    return (window_began_at is not None and s.state is ShardState.SUSPECT
+            and window_began_at < s.last_transition_at)
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What an operation did. Falsy when its guard did not hold and nothing changed."""
@@ -772,7 +779,7 @@ class Ledger:
 
     def report_outcomes(
         self, i: int, successes: int, failures: int, trailing_failures: int, *,
-        may_predate_suspicion: bool = False,
+        may_predate_suspicion: bool = False, window_began_at: float | None = None,
     ) -> Outcome:
         """One router window for a serving shard (docs/design.md section 3.3).
 
@@ -783,15 +790,16 @@ class Ledger:
         ``may_predate_suspicion``: the window may have ended before what made the shard
         SUSPECT (a probe that failed in the same tick, after the window began): its completed
         requests clear the reported streak but lift nothing: work done before a suspicion is
-        no proof against it (history: docs/design.md section 13).
+        no proof against it (history: docs/design.md section 13); so for a window that began
+        (``window_began_at``, this ledger's clock) before the shard became SUSPECT.
         """
         if min(successes, failures, trailing_failures) < 0:
-            raise ValueError(
-                f"outcome counts cannot be negative: {successes}, {failures}, {trailing_failures}"
-            )
+            raise ValueError(f"outcome counts cannot be negative: {successes}, {failures}, "
+                             f"{trailing_failures}")
         s = self._shard(i)
         if s.state not in ROUTABLE:
             return self._ignored(s, "outcomes only count for serving shards")
+        predates = may_predate_suspicion or _began_before_suspicion(s, window_began_at)
         ended_in_failure = trailing_failures > 0 or (failures > 0 and successes == 0)
         if successes > 0:
             s.last_ok_at = self._clock()
@@ -807,8 +815,8 @@ class Ledger:
                 s, s.consecutive_reported_failures + 1,
                 f"{failures} failed requests in the last window", window=True,
             )
-        if (successes > 0 and failures == 0 and s.state is SUSPECT and s.ejected_until is not None
-                and not may_predate_suspicion):
+        proof = successes > 0 and failures == 0 and s.state is SUSPECT and not predates
+        if proof and s.ejected_until is not None:
             # Ejected: nothing new was routed to it, so these are requests it held from before
             # its ejection, and perhaps from before the fault (note 000's trickle completes
             # what it admitted before the fault and fails everything after). They put it on
@@ -822,14 +830,13 @@ class Ledger:
                 ejected_until=None,
                 on_trial=True,
             )
-        if successes > 0 and failures == 0 and s.state is SUSPECT and not may_predate_suspicion:
-            # Successful work is evidence: an engine that completes every
-            # generation routed to it in a window serves, whatever made it suspect (a /metrics
-            # read that timed out under load, a failed window before). Without this an idle
-            # suspect waits a canary interval (an hour in some configs) for the only other
-            # evidence that lifts it. A window with any failure lifts nothing. Completed
-            # generations are proof of the kind a trial request gives, so they end
-            # a trial too (an ejection: above).
+        if proof:
+            # Successful work is evidence: an engine that completes every generation routed
+            # to it in a window serves, whatever made it suspect (a /metrics read that timed
+            # out under load, a failed window before). Without this an idle suspect waits a
+            # canary interval (an hour in some configs) for the only other evidence that lifts
+            # it. A window with any failure lifts nothing. Completed generations are proof of
+            # the kind a trial request gives, so they end a trial too (an ejection: above).
             return self._apply(
                 s, E.SERVED, f"{successes} requests completed and none failed",
                 consecutive_reported_failures=0,  # completed generations prove the engine serves
@@ -1245,6 +1252,10 @@ class Ledger:
         wall clock in a fleet, not the controller's monotonic one)."""
         until = self._shard(i).ejected_until
         return until is not None and self._clock() >= until
+
+    def now(self) -> float:
+        """This ledger's clock: what evidence is dated with (``report_outcomes``)."""
+        return self._clock()
 
     def shard_for_url(self, url: str) -> int | None:
         return self._by_url.get(url)

@@ -479,6 +479,27 @@ def test_successful_work_lifts_a_suspect_without_a_canary() -> None:
     assert r.consecutive_probe_failures == 0 and r.consecutive_reported_failures == 0
 
 
+def test_a_window_that_began_before_the_suspicion_lifts_nothing() -> None:
+    """A black-holed engine's requests completed just before the fault sit in the router's
+    window drained after its silence made it SUSPECT: completed work from before a suspicion
+    is no proof against it. The window begun a tick after the suspicion is."""
+    clock = Clock()
+    ledger = Ledger(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], clock=clock)
+    began = clock.now
+    clock.now += 0.5
+    ledger.record_probe(1, False, "SILENT: /metrics answered nothing in 1 s")
+    ledger.record_probe(1, False, "SILENT: /metrics answered nothing in 1 s")
+    assert ledger.state(1) is S
+    suspected = clock.now
+    clock.now += 0.5
+    out = ledger.report_outcomes(1, 2, 0, 0, window_began_at=began)
+    assert ledger.state(1) is S and out.transition is None
+    assert ledger.report_outcomes(1, 2, 0, 0, window_began_at=suspected - 0.001).transition \
+        is None  # a tick before the suspicion: still no proof
+    ledger.report_outcomes(1, 2, 0, 0, window_began_at=suspected)
+    assert ledger.state(1) is H  # begun with the suspicion: what completed came after it
+
+
 def test_a_window_with_any_failure_lifts_no_suspicion() -> None:
     """Note 000's engine fails some generations and answers every probe: a window that saw a
     failure, even before its successes, is no proof that it serves."""
