@@ -50,7 +50,7 @@ async def _run(seed: int, cases: int, concurrency: int, batch: int) -> int:
         print("by request:")
         for kind in sorted({k for k, _ in totals.by_kind}):
             row = {v: totals.by_kind[(kind, v)] for v in ("exact", "refused", "inexact")}
-            print(f"  {kind:16} exact {row['exact']:6d}  refused {row['refused']:6d}  "
+            print(f"  {kind:18} exact {row['exact']:6d}  refused {row['refused']:6d}  "
                   f"inexact {row['inexact']:3d}")
         inexact = totals.verdicts["inexact"]
     return inexact

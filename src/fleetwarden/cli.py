@@ -260,6 +260,16 @@ def _max_new_tokens(raw: str | None) -> int | None:
     return cap
 
 
+def _sim_default_max_new_tokens(model: str, cap: int | None) -> int | None:
+    """The default limit of a chat that names none, as vLLM's ``--generation-config auto``
+    (its default) takes it from ``--model``'s folder (:func:`fleetwarden.engines.
+    generation_limits`): a served name that is no folder here sets none."""
+    from fleetwarden.engines import generation_limits
+
+    default = generation_limits(model, "auto", {} if cap is None else {"max_new_tokens": cap})[1]
+    return default if isinstance(default, int) else None
+
+
 # The longest options of `fleetwarden sim`, written out here so its signature reads at once.
 _SIM_OVERRIDE_GENERATION_CONFIG = typer.Option(
     None, help="vLLM's flag, as JSON: '{\"max_new_tokens\": N}' caps every request's "
@@ -319,7 +329,9 @@ def sim(
         help="Token budget of one step: longer prompts prefill over several steps."),
     max_model_len: int = typer.Option(_SIM.max_model_len, min=2,
                                       help="Context length (prompt + output)."),
-    model: str = typer.Option(_SIM.model, help="Served model name."),
+    model: str = typer.Option(_SIM.model, help="Served model name; a local folder's "
+                              "generation_config.json max_new_tokens is then the default "
+                              "limit of a chat that names none, as vLLM's."),
     fault: str | None = typer.Option(
         None, help="Start with a fault: " + ", ".join(_FAULTS) + "."),
     factor: float = typer.Option(_SIM.fault_factor, min=0.001,
@@ -357,6 +369,7 @@ def sim(
 
     _check_sim_choices(fault, engine)
     cap = _max_new_tokens(override_generation_config)
+    default = _sim_default_max_new_tokens(model, cap)
     kv_events = _sim_kv_events(kv_events_config)
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
                        tokens_per_step=tokens_per_step,
@@ -365,7 +378,7 @@ def sim(
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
                        api_keys=tuple(api_key or ()),
-                       override_max_new_tokens=cap,
+                       override_max_new_tokens=cap, default_max_new_tokens=default,
                        weights_path=weights, enable_scale_out=enable_scale_out,
                        kv_events=kv_events,
                        guard_dev_api=guard_dev_api,

@@ -51,7 +51,7 @@ from typing import Any
 
 from fleetwarden.config import Config, FleetConfig
 from fleetwarden.credentials import NO_KEYS, EngineKeys
-from fleetwarden.engines import AUTO, CapUnknown, output_cap_of, profile
+from fleetwarden.engines import AUTO, CapUnknown, output_cap_of, output_default_of, profile
 from fleetwarden.evidence import Evidence, router_error
 from fleetwarden.focus import Focus, held_out_of
 from fleetwarden.journal import Journal
@@ -129,6 +129,19 @@ def output_cap_from(said: int | CapUnknown | None, fleet: FleetConfig,
         group = fleet.group_of(shard)
         return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd), "command"
     return None, f"unknown: {said.why}"
+
+
+def output_default_from(said: int | None, fleet: FleetConfig, shard: int) -> int | None:
+    """A shard's default limit of a request that names none (a chat's; vLLM's
+    ``default_sampling_params``, :func:`~fleetwarden.engines.generation_limits`): what its
+    engine's ``/server_info`` shows (its model folder, where that is on this host), else a
+    launched engine's command (its model folder, ``--generation-config``, the override);
+    ``None``: none, or not known (an attached engine elsewhere: a ``"length"`` finish of
+    such a chat reveals it, docs/design.md 4.1)."""
+    if said is not None or shard >= fleet.launched:
+        return said
+    group = fleet.group_of(shard)
+    return output_default_of(fleet.engine_cmd if group is None else group.engine_cmd)
 
 
 def fleet_status(shards: Sequence[ShardRecord], min_serving_shards: int,
@@ -332,7 +345,7 @@ class Controller:
         """What every push carries: the serving URLs, and each one's shard, weight version,
         incarnation (a router's cache-aware policy forgets a restarted engine's prefixes) and
         the models it serves, as the watchdog read them (the routers' ``GET /v1/models``), and
-        its server cap (:meth:`output_cap`)."""
+        its server cap (:meth:`output_cap`) and default limit (:func:`output_default_from`)."""
         urls = self.serving()
         wanted = set(urls)
         facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
@@ -340,7 +353,10 @@ class Controller:
                                             incarnation=rec.incarnation,
                                             models=self.watchdog.models(rec.base_url),
                                             key=self._key(rec.index),
-                                            output_cap=self.output_cap(rec)[0])
+                                            output_cap=self.output_cap(rec)[0],
+                                            output_default=output_default_from(
+                                                self.watchdog.output_default(rec.base_url),
+                                                self.config.fleet, rec.index))
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
 

@@ -52,10 +52,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shlex
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "AUTO",
@@ -331,36 +333,125 @@ def detect(body: str) -> EngineProfile | None:
 
 #: vLLM's flag for generation-config overrides; its ``max_new_tokens`` caps every request.
 OVERRIDE_GENERATION_CONFIG = "--override-generation-config"
+#: vLLM's flag naming where the default sampling parameters come from: ``auto`` (its
+#: default: the model's own ``generation_config.json``), ``vllm`` (none) or a folder.
+GENERATION_CONFIG = "--generation-config"
+#: The flags of a vLLM command that the output limits depend on (the model's folder too).
+_LIMIT_FLAGS = (OVERRIDE_GENERATION_CONFIG, GENERATION_CONFIG, "--model", "--hf-config-path")
 
 
 @functools.lru_cache(maxsize=256)
-def output_cap_of(command: str | None) -> int | None:
-    """The server cap on every request's output that an engine command sets: vLLM's
-    ``--override-generation-config '{"max_new_tokens": N}'`` (``get_max_tokens`` caps even a
-    request that names more). The command is a template (``str.format``: literal braces
-    doubled), read with its placeholders left blank. ``None``: it sets none, or it cannot be
-    read (then a continuation learns the cap only from a ``"length"`` finish)."""
-    if not command or OVERRIDE_GENERATION_CONFIG not in command:
-        return None
+def _limit_args(command: str) -> dict[str, str] | None:
+    """The flags of :data:`_LIMIT_FLAGS` a command names (the last of each, as argparse),
+    and ``serve``'s positional model as ``--model`` (vLLM's ``serve`` sets ``args.model``
+    from it, over ``--model``). The command is a template (``str.format``: literal braces
+    doubled), read with its placeholders left blank. ``None``: it cannot be read."""
     try:
         names = {n for _, n, _, _ in string.Formatter().parse(command) if n}
         words = shlex.split(command.format(**dict.fromkeys(names, "0")))
     except (ValueError, KeyError, IndexError):
         return None
-    value = None
+    found: dict[str, str] = {}
+    positional = None
     for i, word in enumerate(words):
-        if word == OVERRIDE_GENERATION_CONFIG and i + 1 < len(words):
-            value = words[i + 1]
-        elif word.startswith(OVERRIDE_GENERATION_CONFIG + "="):
-            value = word.split("=", 1)[1]
+        flag, eq, value = word.partition("=")
+        if flag in _LIMIT_FLAGS:
+            if eq:
+                found[flag] = value
+            elif i + 1 < len(words):
+                found[flag] = words[i + 1]
+        elif word == "serve" and i + 1 < len(words) and not words[i + 1].startswith("-"):
+            positional = words[i + 1]
+    if positional is not None:
+        found["--model"] = positional
+    return found
+
+
+def _generation_config_file(folder: str) -> dict[str, Any] | None:
+    """A local folder's ``generation_config.json`` (what ``GenerationConfig.from_pretrained``
+    reads there), or ``None`` where there is none to read (a hub name, another host's path,
+    no such file: vLLM then falls back to the model's ``config.json``, which is not
+    mirrored here)."""
     try:
-        cap = json.loads(value) if value is not None else None
-    except ValueError:
+        with open(os.path.join(folder, "generation_config.json"), encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
         return None
-    tokens = cap.get("max_new_tokens") if isinstance(cap, dict) else None
-    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:
-        return tokens
-    return None
+    return value if isinstance(value, dict) else None
+
+
+def _tokens(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 \
+        else None
+
+
+def generation_limits(model: str | None, source: str, override: Mapping[str, Any],
+                      hf_config_path: str | None = None,
+                      ) -> tuple[int | CapUnknown | None, int | CapUnknown | None]:
+    """``(cap, default)`` of a vLLM 0.32 engine's output, mirroring its source line for line:
+    ``default`` is ``ModelConfig.get_diff_sampling_param()``'s ``max_tokens`` (the serving
+    classes' ``default_sampling_params``), the limit ``get_max_tokens`` gives a request that
+    names none (a chat; a completion's pydantic default is 16): no file under
+    ``--generation-config vllm``, else ``ModelConfig.try_get_generation_config``'s file (the
+    ``hf_config_path`` or model folder under ``auto``, the named folder otherwise), updated
+    with ``--override-generation-config`` (its ``max_new_tokens``, even ``null``, replaces the
+    file's). ``cap`` is the serving classes' ``override_max_tokens``, on every request: under
+    ``auto`` or ``vllm`` the override's ``max_new_tokens``, under a folder the default.
+    ``None``: none; :class:`CapUnknown`: the file that decides cannot be read here."""
+    config: dict[str, Any] | None = {}
+    if source != "vllm":
+        folder = (hf_config_path or model) if source == "auto" else source
+        config = None if folder is None else _generation_config_file(folder)
+        if config is None and "max_new_tokens" not in override:
+            return (None if source == "auto" else CapUnknown(
+                        f"--generation-config {source}: the max_new_tokens of its "
+                        "generation_config.json caps every request, and that file is not "
+                        "readable on this host"),
+                    CapUnknown(f"the model's generation_config.json is not readable in "
+                               f"{folder!r} on this host"))
+    tokens = {**(config or {}), **override}.get("max_new_tokens")
+    default: int | CapUnknown | None = None if tokens is None else (
+        _tokens(tokens) or CapUnknown(f"max_new_tokens {tokens!r} is not an integer >= 1"))
+    if source not in ("auto", "vllm"):
+        return default, default
+    cap = override.get("max_new_tokens")
+    return (None if cap is None else _tokens(cap) or CapUnknown(
+        f"--override-generation-config max_new_tokens {cap!r} is not an integer >= 1")), default
+
+
+def _command_limits(command: str | None) -> tuple[int | CapUnknown | None,
+                                                  int | CapUnknown | None]:
+    args = None if not command else _limit_args(command)
+    if args is None:
+        return None, None
+    raw = args.get(OVERRIDE_GENERATION_CONFIG)
+    try:
+        override = {} if raw is None else json.loads(raw)
+    except ValueError:
+        override = None
+    if not isinstance(override, dict):
+        return CapUnknown(f"{OVERRIDE_GENERATION_CONFIG}: not a JSON object"), None
+    return generation_limits(args.get("--model"), args.get(GENERATION_CONFIG, "auto"),
+                             override, args.get("--hf-config-path"))
+
+
+def output_cap_of(command: str | None) -> int | None:
+    """The server cap on every request's output that an engine command sets
+    (:func:`generation_limits`: ``--override-generation-config '{"max_new_tokens": N}'``,
+    or under ``--generation-config FOLDER`` that folder's ``max_new_tokens``, read from
+    this host's disk). ``None``: it sets none, or it cannot be read (then a continuation
+    learns the cap only from a ``"length"`` finish)."""
+    cap = _command_limits(command)[0]
+    return None if isinstance(cap, CapUnknown) else cap
+
+
+def output_default_of(command: str | None) -> int | None:
+    """The default limit of a request that names none (a chat's) that an engine command
+    sets (:func:`generation_limits`: the model folder's ``generation_config.json``
+    ``max_new_tokens`` under vLLM's ``--generation-config auto``, read from this host's
+    disk). ``None``: none, or not known."""
+    default = _command_limits(command)[1]
+    return None if isinstance(default, CapUnknown) else default
 
 
 #: vLLM's dev-mode endpoint (``VLLM_SERVER_DEV_MODE=1``) that shows the engine's config: the
@@ -378,34 +469,44 @@ class CapUnknown:
     settled: bool = True
 
 
-def output_cap_of_server_info(body: bytes) -> int | CapUnknown | None:
-    """The server cap on every request's output that a vLLM 0.32 ``GET /server_info`` (JSON)
-    shows: ``None``: it caps none. Mirrors the ``override_max_tokens`` that vLLM's serving
-    classes pass to ``get_max_tokens`` (``entrypoints/openai/*/serving.py``): under
-    ``--generation-config auto`` or ``vllm``, ``--override-generation-config``'s
-    ``max_new_tokens``; under a folder, that folder's ``generation_config.json`` with the
-    override applied (``ModelConfig.get_diff_sampling_param``), whose file ``/server_info``
-    does not show: known only where the override names ``max_new_tokens``. Never raises."""
+def _server_info_limits(body: bytes) -> tuple[int | CapUnknown | None,
+                                              int | CapUnknown | None]:
+    """``(cap, default)`` as a vLLM 0.32 ``GET /server_info`` (JSON) shows them
+    (:func:`generation_limits`): its ``vllm_config.model_config`` holds ``model`` (the path
+    or hub name), ``hf_config_path``, ``generation_config`` and
+    ``override_generation_config``, not the file's content: that is read where the path is a
+    folder on this host. Never raises."""
     try:
         info = json.loads(body)
     except ValueError:
-        return CapUnknown("GET /server_info: not JSON")
+        unknown = CapUnknown("GET /server_info: not JSON")
+        return unknown, unknown
     config = info.get("vllm_config") if isinstance(info, dict) else None
     model = config.get("model_config") if isinstance(config, dict) else None
     if not isinstance(model, dict):
-        return CapUnknown("GET /server_info: no vllm_config.model_config")
+        unknown = CapUnknown("GET /server_info: no vllm_config.model_config")
+        return unknown, unknown
     source = model.get("generation_config", "auto")
     override = model.get("override_generation_config") or {}
+    path, hf_path = model.get("model"), model.get("hf_config_path")
     if not isinstance(source, str) or not isinstance(override, dict):
-        return CapUnknown("GET /server_info: generation_config or its override unreadable")
-    if source not in ("auto", "vllm") and "max_new_tokens" not in override:
-        return CapUnknown(f"--generation-config {source}: the max_new_tokens of its "
-                          "generation_config.json caps every request, and /server_info "
-                          "does not show that file")
-    tokens = override.get("max_new_tokens")
-    if tokens is None:
-        return None
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        return CapUnknown(f"--override-generation-config max_new_tokens {tokens!r} is not "
-                          "an integer >= 1")
-    return tokens
+        unknown = CapUnknown("GET /server_info: generation_config or its override unreadable")
+        return unknown, unknown
+    return generation_limits(path if isinstance(path, str) else None, source, override,
+                             hf_path if isinstance(hf_path, str) else None)
+
+
+def output_cap_of_server_info(body: bytes) -> int | CapUnknown | None:
+    """The server cap on every request's output that a vLLM 0.32 ``GET /server_info`` (JSON)
+    shows (:func:`generation_limits`, the ``override_max_tokens`` of vLLM's serving classes):
+    ``None``: it caps none. Under a folder, known where the override names
+    ``max_new_tokens`` or the folder is readable on this host. Never raises."""
+    return _server_info_limits(body)[0]
+
+
+def output_default_of_server_info(body: bytes) -> int | None:
+    """The default limit of a request that names none that a vLLM 0.32 ``GET /server_info``
+    shows (:func:`generation_limits`): the model folder's ``max_new_tokens`` where that path
+    is readable on this host (an engine elsewhere: not known, ``None``)."""
+    default = _server_info_limits(body)[1]
+    return None if isinstance(default, CapUnknown) else default

@@ -69,3 +69,21 @@ async def test_cases_that_were_inexact(path: str, cut: str, cut_after: int,
     # exact, or refused for what cannot be carried (penalties, stop strings): never inexact
     assert v.outcome == "exact" or (v.outcome == "refused" and (
         "penalties" in v.detail or "stop strings" in v.detail)), f"{case.describe()}\n{v.detail}"
+
+
+async def test_a_chat_naming_no_limit_keeps_its_models_default_when_cut() -> None:
+    """A chat that names no limit gets vLLM's default: its model's generation_config.json
+    ``max_new_tokens`` (12 here), below the context left. Cut after 2 chunks, its
+    continuation asks 12 less what was produced: the default the controller read from the
+    model folder and pushed. Asking for the context left, the next engine would run on past
+    12 (no ``"length"`` finish had revealed the default yet: this oracle is fresh)."""
+    body = {"ignore_eos": True, "messages": [{"content": "tell me about engines",
+                                              "role": "user"}],
+            "model": "tiny", "stream": True, "temperature": 0}
+    async with oracle() as o:
+        for i, cut in enumerate(("reset", "crash")):
+            case = Case(1, 2_000_000 + i, "/v1/chat/completions", body, cut, 2,
+                        defaulted=True)
+            v = await o.run_case(case)
+            assert directive_fired(f"{case.seed}:{case.index}"), "the cut never landed"
+            assert v.outcome == "exact", f"{case.describe()}\n{v.detail}"

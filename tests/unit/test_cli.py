@@ -93,6 +93,21 @@ def test_check_and_sim_refuse_an_unknown_engine() -> None:
     assert out.returncode == 2 and "max_new_tokens must be an" in out.stderr
 
 
+def test_sim_takes_a_model_folders_default_limit_as_vllm_does(tmp_path: object) -> None:
+    """``fleetwarden sim --model DIR``: as vLLM's ``--generation-config auto``, the folder's
+    generation_config.json max_new_tokens is the default of a chat that names none; an
+    override's replaces it; a served name that is no folder sets none."""
+    from pathlib import Path
+
+    from fleetwarden.cli import _sim_default_max_new_tokens
+
+    assert isinstance(tmp_path, Path)
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 48}')
+    assert _sim_default_max_new_tokens(str(tmp_path), None) == 48
+    assert _sim_default_max_new_tokens(str(tmp_path), 20) == 20
+    assert _sim_default_max_new_tokens("tiny", None) is None
+
+
 def test_keys_add_prints_the_key_once_and_up_refuses_a_broken_keys_file(
         tmp_path: object) -> None:
     from pathlib import Path

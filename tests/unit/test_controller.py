@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -309,6 +310,9 @@ class ScriptedReads:
 
     def output_cap(self, url: str) -> CapUnknown:
         return CapUnknown("not read", settled=False)  # no /server_info read
+
+    def output_default(self, url: str) -> None:
+        return None  # nor the default it shows
 
     async def probe(self, target: Target) -> Report:
         self.probed.append(target)
@@ -1197,7 +1201,31 @@ def test_the_push_carries_the_server_cap_an_engine_command_sets() -> None:
                    refit=RefitCoordinator(ledger))
     facts = c.serving_push()[1]
     assert [facts[u].output_cap for u in ("http://a", "http://b", "http://c")] == [64, 64, None]
-    assert facts["http://a"] == BackendFacts(0, ledger.shard(0).weight_version, output_cap=64)
+    # the override's max_new_tokens is also the default of a chat that names none
+    assert facts["http://a"] == BackendFacts(0, ledger.shard(0).weight_version, output_cap=64,
+                                             output_default=64)
+
+
+def test_the_push_carries_the_default_limit_of_a_launched_engines_model_folder(
+        tmp_path: Path) -> None:
+    """A launched engine's model folder is on this host: its ``generation_config.json``
+    ``max_new_tokens`` is the default limit of a chat that names none (vLLM's
+    ``--generation-config auto``), pushed apart from the cap on every request; ignored under
+    ``--generation-config vllm``; an attached engine's comes only from its ``/server_info``
+    (docs/design.md 4.1)."""
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 48}')
+    config = Config.model_validate({"fleet": {
+        "engines": 1, "engine_cmd": f"vllm serve {tmp_path} --port {{port}}",
+        "backends": ["http://x"],
+        "groups": [{"engines": 1, "engine_cmd": f"vllm serve {tmp_path} --port {{port}} "
+                                                "--generation-config vllm"}]}})
+    ledger = Ledger(["http://a", "http://b", "http://x"], Policy())
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, _Watchdog(), supervisor, [], config, refit=RefitCoordinator(ledger))
+    facts = c.serving_push()[1]
+    assert [(f.output_cap, f.output_default) for f in facts.values()] == [
+        (None, 48), (None, None), (None, None)]
+    assert facts["http://a"].to_dict()["output_default"] == 48
 
 
 def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_commands(

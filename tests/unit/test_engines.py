@@ -22,8 +22,11 @@ from fleetwarden.engines import (
     EngineProfile,
     Family,
     detect,
+    generation_limits,
     output_cap_of,
     output_cap_of_server_info,
+    output_default_of,
+    output_default_of_server_info,
     profile,
 )
 
@@ -158,7 +161,7 @@ def test_the_server_cap_mirrors_vllms_override_max_tokens(
 
 @pytest.mark.parametrize(("body", "why"), [
     (_server_info("/models/gen", {}), "generation_config.json caps every request"),
-    (_server_info("/models/gen", {"temperature": 0}), "does not show that file"),
+    (_server_info("/models/gen", {"temperature": 0}), "not readable on this host"),
     (_server_info("auto", {"max_new_tokens": 0}), "is not an integer >= 1"),
     (_server_info("auto", {"max_new_tokens": "64"}), "is not an integer >= 1"),
     (b"<html>", "not JSON"),
@@ -167,3 +170,78 @@ def test_the_server_cap_mirrors_vllms_override_max_tokens(
 def test_a_server_info_that_does_not_tell_the_cap_says_why(body: bytes, why: str) -> None:
     said = output_cap_of_server_info(body)
     assert isinstance(said, CapUnknown) and said.settled and why in said.why
+
+
+def _model_folder(tmp_path: Path, max_new_tokens: object) -> str:
+    """A local model folder whose generation_config.json sets ``max_new_tokens``."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "max_new_tokens": max_new_tokens}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("template", "limits"), [
+    # auto (vLLM's default): the model folder's file is the default of a request naming none,
+    # no cap; vLLM's serve takes its positional model over --model
+    ("vllm serve {m} --port {{port}}", (None, 48)),
+    ("python -m vllm.entrypoints.openai.api_server --model={m} --port {{port}}", (None, 48)),
+    ("vllm serve {m} --model /elsewhere", (None, 48)),
+    ("vllm serve other --hf-config-path {m}", (None, 48)),  # auto reads hf_config_path's
+    # an override's max_new_tokens replaces the file's, and caps every request under auto
+    ("vllm serve {m} --override-generation-config '{{{{\"max_new_tokens\": 20}}}}'", (20, 20)),
+    ("vllm serve {m} --override-generation-config '{{{{\"max_new_tokens\": null}}}}'",
+     (None, None)),
+    # vllm: the file is ignored
+    ("vllm serve {m} --generation-config vllm", (None, None)),
+    # a folder: its file is both the default and the cap on every request
+    ("vllm serve hub/name --generation-config {m}", (48, 48)),
+    ("vllm serve hub/name --generation-config={m} --override-generation-config "
+     "'{{{{\"max_new_tokens\": 30}}}}'", (30, 30)),
+    # no readable file: the default is not known (a hub name, another host's path)
+    ("vllm serve hub/name --port {{port}}", (None, None)),
+])
+def test_an_engine_commands_limits_mirror_vllms_generation_config(
+        tmp_path: Path, template: str, limits: tuple[int | None, int | None]) -> None:
+    command = template.format(m=_model_folder(tmp_path, 48))
+    assert (output_cap_of(command), output_default_of(command)) == limits
+
+
+@pytest.mark.parametrize(("source", "override", "limits"), [
+    ("auto", {}, (None, 48)),
+    ("vllm", {}, (None, None)),
+    ("auto", {"max_new_tokens": 9}, (9, 9)),
+    ("FOLDER", {}, (48, 48)),
+    ("FOLDER", {"max_new_tokens": None}, (None, None)),  # the override unsets the file's
+])
+def test_generation_limits_mirror_get_diff_sampling_param(
+        tmp_path: Path, source: str, override: dict[str, Any],
+        limits: tuple[int | None, int | None]) -> None:
+    folder = _model_folder(tmp_path, 48)
+    assert generation_limits(folder, folder if source == "FOLDER" else source,
+                             override) == limits
+
+
+def test_an_unreadable_or_bad_generation_config_leaves_the_default_unknown(
+        tmp_path: Path) -> None:
+    missing = str(tmp_path / "absent")
+    cap, default = generation_limits(missing, "auto", {})
+    assert cap is None and isinstance(default, CapUnknown)
+    cap, default = generation_limits("hub/x", missing, {})
+    assert isinstance(cap, CapUnknown) and isinstance(default, CapUnknown)
+    cap, default = generation_limits(_model_folder(tmp_path, "64"), "auto", {})
+    assert cap is None and isinstance(default, CapUnknown) and ">= 1" in default.why
+    assert generation_limits(_model_folder(tmp_path, None), "auto", {}) == (None, None)
+
+
+def test_a_server_infos_model_folder_gives_its_default(tmp_path: Path) -> None:
+    """An attached engine in dev mode: ``/server_info`` names its model's path; where that is
+    a folder on this host, its file is read as vLLM did."""
+    folder = _model_folder(tmp_path, 48)
+    info = json.loads(_server_info("auto", {}))
+    info["vllm_config"]["model_config"]["model"] = folder
+    body = json.dumps(info).encode()
+    assert output_cap_of_server_info(body) is None and output_default_of_server_info(body) == 48
+    info["vllm_config"]["model_config"]["model"] = str(tmp_path / "elsewhere")
+    assert output_default_of_server_info(json.dumps(info).encode()) is None
+    info["vllm_config"]["model_config"].update(model="hub/x", generation_config=folder)
+    body = json.dumps(info).encode()
+    assert output_cap_of_server_info(body) == 48 and output_default_of_server_info(body) == 48

@@ -178,6 +178,17 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             # an engine that left takes its cap along (one started again may have another)
             await remote.set_serving_backends([b], {b: BackendFacts(1, 1)})
             assert limits.output_cap(a, False) is None
+            # a model's default limit (its generation_config.json): only on a chat that names
+            # no limit, apart from the cap on every request
+            await remote.set_serving_backends([a, b], {
+                a: BackendFacts(0, 1, output_cap=12, output_default=8), b: BackendFacts(1, 1)})
+            assert (limits.output_cap(a, False), limits.output_cap(a, True)) == (12, 8)
+            assert (await remote.status())["facts"][a]["output_default"] == 8
+            with pytest.raises(ControlError, match="output_default"):
+                await remote._call("PUT", "/serving", {"backends": [a], "facts": {
+                    a: {"output_default": True}}})
+            await remote.set_serving_backends([b], {b: BackendFacts(1, 1)})
+            assert limits.output_cap(a, True) is None
     finally:
         await router.stop()
 

@@ -352,11 +352,13 @@ def _facts_of(raw: object, keys: object = None) -> dict[str, BackendFacts] | Non
         if not isinstance(fact, dict):
             raise _bad_request(f"'facts.{url}' must be an object")
         values: dict[str, int | None] = {}
-        for name in ("shard", "weight_version"):
+        for name, least in (("shard", 0), ("weight_version", 0), ("output_cap", 1),
+                            ("output_default", 1)):
             value = fact.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise _bad_request(f"'facts.{url}.{name}' must be an integer >= 0 or null")
+                                      or value < least):
+                raise _bad_request(f"'facts.{url}.{name}' must be an integer >= {least} "
+                                   "or null")
             values[name] = value
         fields = fact.get("upstream_fields")
         if fields is not None and not isinstance(fields, bool):
@@ -364,13 +366,11 @@ def _facts_of(raw: object, keys: object = None) -> dict[str, BackendFacts] | Non
         incarnation = fact.get("incarnation")
         if incarnation is not None and not isinstance(incarnation, str):
             raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
-        cap = fact.get("output_cap")
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise _bad_request(f"'facts.{url}.output_cap' must be an integer >= 1 or null")
         facts[url] = BackendFacts(values["shard"], values["weight_version"],
                                   upstream_fields=fields, incarnation=incarnation,
                                   models=_models_of(url, fact.get("models")),
-                                  key=(keys or {}).get(url), output_cap=cap)
+                                  key=(keys or {}).get(url), output_cap=values["output_cap"],
+                                  output_default=values["output_default"])
     return facts
 
 

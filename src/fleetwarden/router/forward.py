@@ -1487,12 +1487,16 @@ class Forwarder:
     def forget_limits(self) -> None:
         """A push came: forget the limits of backends that left (one that comes back may have
         been started otherwise), and take the server caps it says (read from the commands
-        that started the engines: before any ``"length"`` finish could reveal them)."""
+        that started the engines: before any ``"length"`` finish could reveal them), and the
+        defaults of a chat that names no limit (its model's generation config, where the
+        controller could read it) as the cap of such chats."""
         self.limits.forget(set(self.pool.serving))
         for url in self.pool.serving:
-            cap = self.pool.facts(url).output_cap
-            if cap is not None:
-                self.limits.cap[url] = cap
+            facts = self.pool.facts(url)
+            if facts.output_cap is not None:
+                self.limits.cap[url] = facts.output_cap
+            if facts.output_default is not None:
+                self.limits.default_cap[url] = facts.output_default
 
     def _learn_context(self, backend: str) -> None:
         """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the

@@ -65,6 +65,12 @@ class BackendFacts:
     #: '{"max_new_tokens": N}'``), read from the command that started it: no endpoint tells it,
     #: and a continuation must not ask past it (docs/design.md 4.1). ``None``: not known.
     output_cap: int | None = None
+    #: The engine's default limit of a request that names none (a chat's): vLLM's
+    #: ``max_tokens`` of its ``default_sampling_params``, the model's ``generation_config.json``
+    #: ``max_new_tokens``, read where the controller can read that file. A default, not a
+    #: cap: a request that names a limit is not held to it (docs/design.md 4.1). ``None``:
+    #: none, or not known.
+    output_default: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -77,6 +83,8 @@ class BackendFacts:
             out["models"] = [card.to_dict() for card in self.models]
         if self.output_cap is not None:
             out["output_cap"] = self.output_cap
+        if self.output_default is not None:
+            out["output_default"] = self.output_default
         return out
 
 

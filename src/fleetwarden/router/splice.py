@@ -264,8 +264,9 @@ class EngineLimits:
     least of the context left, the request's limit (naming none: the generation config's
     ``max_new_tokens``, else 16 for a completion) and ``--override-generation-config``'s
     ``max_new_tokens``, which caps even a request that names more. The context length is read
-    from ``/v1/models`` in the background (never on a request's path); the caps are
-    in no endpoint: a ``"length"`` finish below the limit a request asked reveals them
+    from ``/v1/models`` in the background (never on a request's path); the caps and the
+    default come in the controller's push where it could read them (docs/design.md 4.1),
+    else a ``"length"`` finish below the limit a request asked reveals them
     (:meth:`Splice.revealed_cap`)."""
 
     #: ``max_model_len``, by backend.

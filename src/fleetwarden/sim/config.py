@@ -159,6 +159,10 @@ class SimConfig:
     #: auto``): the default of a request that names no limit (a chat's; a completion's pydantic
     #: default, 16, wins), no cap on one that names it. None: the model sets none.
     default_max_new_tokens: int | None = None
+    #: vLLM's ``--model`` where the model is served under another name
+    #: (``--served-model-name``): the path ``GET /server_info`` shows as ``model``, whose
+    #: ``generation_config.json`` sets ``default_max_new_tokens``. None: the served name.
+    model_path: str | None = None
     #: vLLM's ``VLLM_SERVER_DEV_MODE=1`` (``fleetwarden sim`` reads the variable as vLLM does):
     #: ``GET /server_info`` is served, its ``vllm_config.model_config`` showing the
     #: generation-config fields above as vLLM's does; without it, 404, as vLLM.

@@ -964,7 +964,7 @@ class Sim:
         c = self.config
         override = ({} if c.override_max_new_tokens is None
                     else {"max_new_tokens": c.override_max_new_tokens})
-        model_config = {"model": c.model, "served_model_name": c.model,
+        model_config = {"model": c.model_path or c.model, "served_model_name": c.model,
                         "max_model_len": c.max_model_len, "generation_config": "auto",
                         "override_generation_config": override}
         config: Any = {"model_config": model_config}

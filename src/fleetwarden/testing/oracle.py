@@ -49,6 +49,9 @@ class Case:
     cut_after: int  # token chunks the engine writes before the cut
     #: Sent to the engines started with a server cap (``--override-generation-config``).
     capped: bool = False
+    #: Sent to the engines whose model's ``generation_config.json`` sets the default limit of
+    #: a chat that names none (vLLM's ``--generation-config auto``).
+    defaulted: bool = False
 
     @property
     def chat(self) -> bool:
@@ -66,15 +69,17 @@ class Case:
     @property
     def kind(self) -> str:
         """greedy, sampled or seeded (sampled with a seed); ``capped`` appended where it went
-        to the engines with a server cap."""
+        to the engines with a server cap, ``defaulted`` to those with a model default."""
         sampled = self.body.get("temperature") not in (0, None)
         kind = ("seeded" if self.body.get("seed") is not None else "sampled") if sampled else (
             "greedy")
-        return kind + (", capped" if self.capped else "")
+        return kind + (", capped" if self.capped else "") + (
+            ", defaulted" if self.defaulted else "")
 
     def describe(self) -> str:
         return (f"seed={self.seed} index={self.index} {self.path} cut={self.cut}@"
-                f"{self.cut_after}{' capped' if self.capped else ''} "
+                f"{self.cut_after}{' capped' if self.capped else ''}"
+                f"{' defaulted' if self.defaulted else ''} "
                 f"body={json.dumps(self.body, sort_keys=True)}")
 
 
@@ -104,7 +109,8 @@ def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False,
     and token ids; a stop string is then ``"<from the reference>"``, for the caller to take
     from the reference's text). ``sampling``: a third of the cases at a temperature above 0,
     half of them with a ``seed`` (on a real engine all of them: an unseeded sample repeats
-    nothing to compare with); a quarter (not ``real``) go to the engines with a server cap."""
+    nothing to compare with); a quarter (not ``real``) go to the engines with a server cap,
+    a quarter of the rest to those with a model default."""
     rng = random.Random(f"{seed}:{index}")
     chance = rng.random
     chat = chance() < 0.5
@@ -169,7 +175,9 @@ def draw(seed: int, index: int, model: str = "tiny", *, real: bool = False,
         if real or more.random() < 0.5:
             body["seed"] = more.randrange(2**31)
     capped = not real and more.random() < 0.25
-    return Case(seed, index, CHAT if chat else COMPLETIONS, body, cut, cut_after, capped)
+    defaulted = not real and not capped and more.random() < 0.25
+    return Case(seed, index, CHAT if chat else COMPLETIONS, body, cut, cut_after, capped,
+                defaulted)
 
 
 # ---------------------------------------------------------------------- what the client got

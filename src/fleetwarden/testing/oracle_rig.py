@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import pathlib
+import shlex
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from fleetwarden.config import FleetConfig
-from fleetwarden.controller import output_cap_from
+from fleetwarden.controller import output_cap_from, output_default_from
 from fleetwarden.judge import Target
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
@@ -57,6 +61,17 @@ OUTPUT_CAP = 20
 CAP_SOURCES = ("command", "engine", "declared")
 CAPPED_COMMAND = ("fleetwarden sim --port {port} --override-generation-config "
                   f"'{{{{\"max_new_tokens\": {OUTPUT_CAP}}}}}'")
+#: The engines of the third fleet: no cap, but their model's ``generation_config.json`` sets
+#: ``max_new_tokens``, vLLM's default limit of a chat that names none (``--generation-config
+#: auto``; a completion's stays 16, above it), which their router is told by the push, as
+#: the controller learns it (``controller.output_default_from``): two launched (their
+#: command's model folder), one attached in vLLM's dev mode (its ``/server_info``'s model
+#: path, a folder on this host). Three, not two: a wedge's rescue cuts every stream held on
+#: its engine, and with two those often find no other engine left.
+DEFAULTED_TOKENS_PER_STEP = (1, 3, 1)
+OUTPUT_DEFAULT = 12
+#: How each one's default is known, in the order of :data:`DEFAULTED_TOKENS_PER_STEP`.
+DEFAULT_SOURCES = ("command", "command", "engine")
 
 
 @dataclass
@@ -97,6 +112,9 @@ class Oracle:
     #: The fleet of capped engines and its router (cases with ``capped``).
     capped_router: Router
     capped_sims: list[Sim]
+    #: The fleet of engines with a model default and its router (cases with ``defaulted``).
+    defaulted_router: Router
+    defaulted_sims: list[Sim]
 
     async def _post(self, url: str, case: Case, headers: dict[str, str] | None = None
                     ) -> tuple[int, bytes]:
@@ -108,6 +126,7 @@ class Oracle:
 
     async def run_case(self, case: Case) -> Exactness:
         router, sims = ((self.capped_router, self.capped_sims) if case.capped
+                        else (self.defaulted_router, self.defaulted_sims) if case.defaulted
                         else (self.router, self.sims))
         reference = normalize(*await self._post(sims[0].url, case), chat=case.chat,
                               stream=case.stream, held_back=case.held_back)
@@ -163,26 +182,63 @@ async def capped_facts(fleet: list[Sim]) -> dict[str, BackendFacts]:
     return facts
 
 
+async def defaulted_facts(fleet: list[Sim], folder: str) -> dict[str, BackendFacts]:
+    """The defaulted engines' facts as a controller pushes them: each engine read once by a
+    watchdog (its model list too: a chat's default is bounded by the context left), then
+    ``output_default_from`` over a fleet config that launches the first ones (a vLLM command
+    naming the model folder; the simulator stands in for it) and attaches the last (its
+    ``/server_info`` names the folder)."""
+    urls = [s.url for s in fleet]
+    command = f"vllm serve {shlex.quote(folder)} --served-model-name tiny --port {{port}}"
+    config = FleetConfig(engines=len(urls) - 1, engine_cmd=command, backends=urls[-1:])
+    facts = {}
+    async with Watchdog() as watchdog:
+        for shard, url in enumerate(urls):
+            report = await watchdog.probe(Target(url, engine="vllm"))
+            await watchdog.learn_output_cap(report)
+            await watchdog.learn_models(report)  # the context left, a chat's other bound
+            said = watchdog.output_default(url)
+            assert (said is None) == (DEFAULT_SOURCES[shard] == "command"), (url, said)
+            default = output_default_from(said, config, shard)
+            assert default == OUTPUT_DEFAULT, (url, default)
+            facts[url] = BackendFacts(models=watchdog.models(url), output_default=default)
+    return facts
+
+
+def _model_folder() -> tempfile.TemporaryDirectory[str]:
+    """The model folder of the defaulted engines: its generation_config.json, as a model's."""
+    folder = tempfile.TemporaryDirectory(prefix="fleetwarden-oracle-model-")
+    pathlib.Path(folder.name, "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "max_new_tokens": OUTPUT_DEFAULT}))
+    return folder
+
+
 @contextlib.asynccontextmanager
 async def oracle(settings: RouterSettings | None = None, *,
                  eos_period: int = EOS_PERIOD) -> AsyncIterator[Oracle]:
     """Engines and a router, started; stopped at the end."""
-    def engines(steps: tuple[int, ...], cap: int | None) -> list[Sim]:
+    def engines(steps: tuple[int, ...], cap: int | None, sources: tuple[str, ...] = (),
+                default: int | None = None) -> list[Sim]:
         return [Sim(SimConfig(steps_per_s=STEPS_PER_S, tokens_per_step=n, slots=256,
                               max_model_len=MAX_MODEL_LEN, eos_period=eos_period,
                               reasoning_parser=True, override_max_new_tokens=cap,
-                              dev_mode=cap is not None and CAP_SOURCES[i] == "engine"))
+                              default_max_new_tokens=default,
+                              model_path=None if default is None else model_folder.name,
+                              dev_mode=i < len(sources) and sources[i] == "engine"))
                 for i, n in enumerate(steps)]
 
-    sims, capped = engines(TOKENS_PER_STEP, None), engines(CAPPED_TOKENS_PER_STEP, OUTPUT_CAP)
+    model_folder = _model_folder()
+    sims = engines(TOKENS_PER_STEP, None)
+    capped = engines(CAPPED_TOKENS_PER_STEP, OUTPUT_CAP, CAP_SOURCES)
+    defaulted = engines(DEFAULTED_TOKENS_PER_STEP, None, DEFAULT_SOURCES, OUTPUT_DEFAULT)
     # Every request here is cut: a retry budget sized for a fleet where few fail would refuse
     # most of them for the budget's sake, which says nothing of exactness.
     routers = [Router([], settings or RouterSettings(continue_answers=True, max_retries=4,
                                                      retry_budget_ratio=1.0))
-               for _ in range(2)]
+               for _ in range(3)]
     loop = asyncio.get_running_loop()
     try:
-        for router, fleet in zip(routers, (sims, capped), strict=True):
+        for router, fleet in zip(routers, (sims, capped, defaulted), strict=True):
             for sim in fleet:
                 await sim.start()
 
@@ -192,6 +248,7 @@ async def oracle(settings: RouterSettings | None = None, *,
 
                 sim.on_directive = rescue
             facts = (await capped_facts(fleet) if fleet is capped
+                     else await defaulted_facts(fleet, model_folder.name) if fleet is defaulted
                      else {s.url: BackendFacts() for s in fleet})
             router.set_serving_backends([s.url for s in fleet], facts)
             await router.start()
@@ -200,9 +257,10 @@ async def oracle(settings: RouterSettings | None = None, *,
         # under a request sent on it (aiohttp keeps one 15 s): a reset that is no case's.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-            yield Oracle(routers[0], sims, http, routers[1], capped)
+            yield Oracle(routers[0], sims, http, routers[1], capped, routers[2], defaulted)
     finally:
         for router in routers:
             await router.stop()
-        for sim in (*sims, *capped):
+        for sim in (*sims, *capped, *defaulted):
             await sim.stop()
+        model_folder.cleanup()
