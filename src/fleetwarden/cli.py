@@ -265,8 +265,10 @@ def _sim_default_max_new_tokens(model: str, cap: int | None) -> int | None:
     (its default) takes it from ``--model``'s folder (:func:`fleetwarden.engines.
     generation_limits`): a served name that is no folder here sets none."""
     from fleetwarden.engines import generation_limits
+    from fleetwarden.model_files import generation_config_file
 
-    default = generation_limits(model, "auto", {} if cap is None else {"max_new_tokens": cap})[1]
+    default = generation_limits(model, "auto", {} if cap is None else {"max_new_tokens": cap},
+                                read=generation_config_file)[1]
     return default if isinstance(default, int) else None
 
 

@@ -66,6 +66,7 @@ from fleetwarden.ledger import (
     Transition,
     tally,
 )
+from fleetwarden.model_files import generation_config_file
 from fleetwarden.refit import ProcessSeen, RefitCoordinator
 from fleetwarden.reports import ReportBook
 from fleetwarden.router.links import CONTROL_TIMEOUT_S, RouterLink
@@ -127,7 +128,8 @@ def output_cap_from(said: int | CapUnknown | None, fleet: FleetConfig,
         return (None if declared == "none" else int(declared)), "declared"
     if shard < fleet.launched:
         group = fleet.group_of(shard)
-        return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd), "command"
+        return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd,
+                             generation_config_file), "command"
     return None, f"unknown: {said.why}"
 
 
@@ -141,7 +143,8 @@ def output_default_from(said: int | None, fleet: FleetConfig, shard: int) -> int
     if said is not None or shard >= fleet.launched:
         return said
     group = fleet.group_of(shard)
-    return output_default_of(fleet.engine_cmd if group is None else group.engine_cmd)
+    return output_default_of(fleet.engine_cmd if group is None else group.engine_cmd,
+                             generation_config_file)
 
 
 def fleet_status(shards: Sequence[ShardRecord], min_serving_shards: int,

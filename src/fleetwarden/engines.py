@@ -52,10 +52,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shlex
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,17 +366,16 @@ def _limit_args(command: str) -> dict[str, str] | None:
     return found
 
 
-def _generation_config_file(folder: str) -> dict[str, Any] | None:
-    """A local folder's ``generation_config.json`` (what ``GenerationConfig.from_pretrained``
-    reads there), or ``None`` where there is none to read (a hub name, another host's path,
-    no such file: vLLM then falls back to the model's ``config.json``, which is not
-    mirrored here)."""
-    try:
-        with open(os.path.join(folder, "generation_config.json"), encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+#: Reads a folder's ``generation_config.json`` (what ``GenerationConfig.from_pretrained``
+#: reads there): its object, or ``None`` where there is none to read (a hub name, another
+#: host's path, no such file: vLLM then falls back to the model's ``config.json``, which is
+#: not mirrored here). The shell's ``model_files.generation_config_file``: this module reads
+#: no file itself.
+ConfigReader = Callable[[str], "dict[str, Any] | None"]
+
+
+def _no_file(folder: str) -> dict[str, Any] | None:
+    return None
 
 
 def _tokens(value: object) -> int | None:
@@ -386,7 +384,7 @@ def _tokens(value: object) -> int | None:
 
 
 def generation_limits(model: str | None, source: str, override: Mapping[str, Any],
-                      hf_config_path: str | None = None,
+                      hf_config_path: str | None = None, read: ConfigReader = _no_file,
                       ) -> tuple[int | CapUnknown | None, int | CapUnknown | None]:
     """``(cap, default)`` of a vLLM 0.32 engine's output, mirroring its source line for line:
     ``default`` is ``ModelConfig.get_diff_sampling_param()``'s ``max_tokens`` (the serving
@@ -397,11 +395,12 @@ def generation_limits(model: str | None, source: str, override: Mapping[str, Any
     with ``--override-generation-config`` (its ``max_new_tokens``, even ``null``, replaces the
     file's). ``cap`` is the serving classes' ``override_max_tokens``, on every request: under
     ``auto`` or ``vllm`` the override's ``max_new_tokens``, under a folder the default.
-    ``None``: none; :class:`CapUnknown`: the file that decides cannot be read here."""
+    ``None``: none; :class:`CapUnknown`: the file that decides cannot be read here
+    (``read``: how a folder's file is read; by default none is)."""
     config: dict[str, Any] | None = {}
     if source != "vllm":
         folder = (hf_config_path or model) if source == "auto" else source
-        config = None if folder is None else _generation_config_file(folder)
+        config = None if folder is None else read(folder)
         if config is None and "max_new_tokens" not in override:
             return (None if source == "auto" else CapUnknown(
                         f"--generation-config {source}: the max_new_tokens of its "
@@ -419,8 +418,8 @@ def generation_limits(model: str | None, source: str, override: Mapping[str, Any
         f"--override-generation-config max_new_tokens {cap!r} is not an integer >= 1")), default
 
 
-def _command_limits(command: str | None) -> tuple[int | CapUnknown | None,
-                                                  int | CapUnknown | None]:
+def _command_limits(command: str | None, read: ConfigReader,
+                    ) -> tuple[int | CapUnknown | None, int | CapUnknown | None]:
     args = None if not command else _limit_args(command)
     if args is None:
         return None, None
@@ -432,25 +431,25 @@ def _command_limits(command: str | None) -> tuple[int | CapUnknown | None,
     if not isinstance(override, dict):
         return CapUnknown(f"{OVERRIDE_GENERATION_CONFIG}: not a JSON object"), None
     return generation_limits(args.get("--model"), args.get(GENERATION_CONFIG, "auto"),
-                             override, args.get("--hf-config-path"))
+                             override, args.get("--hf-config-path"), read)
 
 
-def output_cap_of(command: str | None) -> int | None:
+def output_cap_of(command: str | None, read: ConfigReader = _no_file) -> int | None:
     """The server cap on every request's output that an engine command sets
     (:func:`generation_limits`: ``--override-generation-config '{"max_new_tokens": N}'``,
     or under ``--generation-config FOLDER`` that folder's ``max_new_tokens``, read from
     this host's disk). ``None``: it sets none, or it cannot be read (then a continuation
     learns the cap only from a ``"length"`` finish)."""
-    cap = _command_limits(command)[0]
+    cap = _command_limits(command, read)[0]
     return None if isinstance(cap, CapUnknown) else cap
 
 
-def output_default_of(command: str | None) -> int | None:
+def output_default_of(command: str | None, read: ConfigReader = _no_file) -> int | None:
     """The default limit of a request that names none (a chat's) that an engine command
     sets (:func:`generation_limits`: the model folder's ``generation_config.json``
     ``max_new_tokens`` under vLLM's ``--generation-config auto``, read from this host's
     disk). ``None``: none, or not known."""
-    default = _command_limits(command)[1]
+    default = _command_limits(command, read)[1]
     return None if isinstance(default, CapUnknown) else default
 
 
@@ -469,8 +468,8 @@ class CapUnknown:
     settled: bool = True
 
 
-def _server_info_limits(body: bytes) -> tuple[int | CapUnknown | None,
-                                              int | CapUnknown | None]:
+def _server_info_limits(body: bytes, read: ConfigReader,
+                        ) -> tuple[int | CapUnknown | None, int | CapUnknown | None]:
     """``(cap, default)`` as a vLLM 0.32 ``GET /server_info`` (JSON) shows them
     (:func:`generation_limits`): its ``vllm_config.model_config`` holds ``model`` (the path
     or hub name), ``hf_config_path``, ``generation_config`` and
@@ -493,20 +492,21 @@ def _server_info_limits(body: bytes) -> tuple[int | CapUnknown | None,
         unknown = CapUnknown("GET /server_info: generation_config or its override unreadable")
         return unknown, unknown
     return generation_limits(path if isinstance(path, str) else None, source, override,
-                             hf_path if isinstance(hf_path, str) else None)
+                             hf_path if isinstance(hf_path, str) else None, read)
 
 
-def output_cap_of_server_info(body: bytes) -> int | CapUnknown | None:
+def output_cap_of_server_info(body: bytes, read: ConfigReader = _no_file,
+                              ) -> int | CapUnknown | None:
     """The server cap on every request's output that a vLLM 0.32 ``GET /server_info`` (JSON)
     shows (:func:`generation_limits`, the ``override_max_tokens`` of vLLM's serving classes):
     ``None``: it caps none. Under a folder, known where the override names
     ``max_new_tokens`` or the folder is readable on this host. Never raises."""
-    return _server_info_limits(body)[0]
+    return _server_info_limits(body, read)[0]
 
 
-def output_default_of_server_info(body: bytes) -> int | None:
+def output_default_of_server_info(body: bytes, read: ConfigReader = _no_file) -> int | None:
     """The default limit of a request that names none that a vLLM 0.32 ``GET /server_info``
     shows (:func:`generation_limits`): the model folder's ``max_new_tokens`` where that path
     is readable on this host (an engine elsewhere: not known, ``None``)."""
-    default = _server_info_limits(body)[1]
+    default = _server_info_limits(body, read)[1]
     return None if isinstance(default, CapUnknown) else default

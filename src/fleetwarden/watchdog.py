@@ -84,6 +84,7 @@ from fleetwarden.judge import (
     asked_wrong,
     exit_code,
 )
+from fleetwarden.model_files import generation_config_file
 from fleetwarden.probe import describe as _describe
 from fleetwarden.probe import health_status
 from fleetwarden.router.models import ModelCard, cards_of
@@ -365,7 +366,8 @@ class Watchdog:
             return CapUnknown(f"GET /server_info: {_describe(e)}", settled=False), None
         if body is None:
             return CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes"), None
-        return output_cap_of_server_info(body), output_default_of_server_info(body)
+        return (output_cap_of_server_info(body, generation_config_file),
+                output_default_of_server_info(body, generation_config_file))
 
     @staticmethod
     def _tell_faults(url: str, memory: _Memory, faults: tuple[str, ...]) -> None:

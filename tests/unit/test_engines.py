@@ -29,6 +29,7 @@ from fleetwarden.engines import (
     output_default_of_server_info,
     profile,
 )
+from fleetwarden.model_files import generation_config_file
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 BODIES = {
@@ -37,6 +38,9 @@ BODIES = {
     "sglang": FIXTURES / "sglang" / "metrics_busy_1.txt",
     "tgi": FIXTURES / "tgi" / "metrics_busy_1.txt",
 }
+
+#: How the shell reads a model folder's generation config (the pure module reads none).
+READ = generation_config_file
 
 
 @pytest.mark.parametrize("name", sorted(BODIES))
@@ -202,7 +206,7 @@ def _model_folder(tmp_path: Path, max_new_tokens: object) -> str:
 def test_an_engine_commands_limits_mirror_vllms_generation_config(
         tmp_path: Path, template: str, limits: tuple[int | None, int | None]) -> None:
     command = template.format(m=_model_folder(tmp_path, 48))
-    assert (output_cap_of(command), output_default_of(command)) == limits
+    assert (output_cap_of(command, READ), output_default_of(command, READ)) == limits
 
 
 @pytest.mark.parametrize(("source", "override", "limits"), [
@@ -217,19 +221,19 @@ def test_generation_limits_mirror_get_diff_sampling_param(
         limits: tuple[int | None, int | None]) -> None:
     folder = _model_folder(tmp_path, 48)
     assert generation_limits(folder, folder if source == "FOLDER" else source,
-                             override) == limits
+                             override, read=READ) == limits
 
 
 def test_an_unreadable_or_bad_generation_config_leaves_the_default_unknown(
         tmp_path: Path) -> None:
     missing = str(tmp_path / "absent")
-    cap, default = generation_limits(missing, "auto", {})
+    cap, default = generation_limits(missing, "auto", {}, read=READ)
     assert cap is None and isinstance(default, CapUnknown)
-    cap, default = generation_limits("hub/x", missing, {})
+    cap, default = generation_limits("hub/x", missing, {}, read=READ)
     assert isinstance(cap, CapUnknown) and isinstance(default, CapUnknown)
-    cap, default = generation_limits(_model_folder(tmp_path, "64"), "auto", {})
+    cap, default = generation_limits(_model_folder(tmp_path, "64"), "auto", {}, read=READ)
     assert cap is None and isinstance(default, CapUnknown) and ">= 1" in default.why
-    assert generation_limits(_model_folder(tmp_path, None), "auto", {}) == (None, None)
+    assert generation_limits(_model_folder(tmp_path, None), "auto", {}, read=READ) == (None, None)
 
 
 def test_a_server_infos_model_folder_gives_its_default(tmp_path: Path) -> None:
@@ -239,9 +243,12 @@ def test_a_server_infos_model_folder_gives_its_default(tmp_path: Path) -> None:
     info = json.loads(_server_info("auto", {}))
     info["vllm_config"]["model_config"]["model"] = folder
     body = json.dumps(info).encode()
-    assert output_cap_of_server_info(body) is None and output_default_of_server_info(body) == 48
+    assert output_cap_of_server_info(body, READ) is None
+    assert output_default_of_server_info(body, READ) == 48
+    assert output_default_of_server_info(body) is None  # the pure module reads no file itself
     info["vllm_config"]["model_config"]["model"] = str(tmp_path / "elsewhere")
-    assert output_default_of_server_info(json.dumps(info).encode()) is None
+    assert output_default_of_server_info(json.dumps(info).encode(), READ) is None
     info["vllm_config"]["model_config"].update(model="hub/x", generation_config=folder)
     body = json.dumps(info).encode()
-    assert output_cap_of_server_info(body) == 48 and output_default_of_server_info(body) == 48
+    assert output_cap_of_server_info(body, READ) == 48
+    assert output_default_of_server_info(body, READ) == 48
