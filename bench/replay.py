@@ -24,12 +24,18 @@ Per router and fault, one run: four fresh simulated vLLM engines (``fleetwarden 
 tokens, and a cached prefix is cheaper), the router in front of them (started as
 ``bench/failover.py`` starts it: fleetwarden attached at its defaults, sglang-router and
 vllm-router in their own environments at their defaults and tuned, nginx with passive checks),
-the trace replayed through it, and the fault injected into engine 1 (every engine, one by one,
-for the rolling restart) ``--fault-at`` seconds after the trace's first request left (AIPerf's
-log says when).
+the trace replayed through it, and the fault injected ``--fault-at`` seconds after the trace's
+first request left (AIPerf's log says when). The faults (``testing.replay``): into engine 1, a
+crash, a wedge, a SIGSTOP of its process, TCP resets of a share of its connections, a black
+hole (it accepts and never answers), a slow drain (new connections refused while its streams
+finish slowly); into every engine one by one, a rolling restart; into fleetwarden itself (for
+the peers "not run"), its own upgrade (``kill -HUP``: new router processes), a SIGKILL of its
+router process (its supervisor starts another) and a SIGKILL of ``fleetwarden up`` restarted
+3 s later as a supervisor would; and a mixed run: a crash of engine 1, a wedge of engine 2
+and resets on engine 3, ``--restart-gap`` apart.
 
-After the run, the fault's post-check (``testing.replay``: the kernel's view of the process, the
-engine's own counters and answers) says whether it happened; a fault that did not happen fails
+After the run, the fault's post-check (``testing.replay``: the kernel's view of the process and
+of who listens on the router's port, the engine's own counters and answers) says whether it happened; a fault that did not happen fails
 the run. ``--control`` aims every fault at nothing (a port nobody listens on, a process that is
 no engine) and expects every post-check to fail.
 
@@ -73,9 +79,11 @@ from _peers import PeerUnavailable, peer_python
 from failover import ROUTERS, Launcher, RunningRouter, _readline, _wait_serving
 from fleetwarden.testing.replay import (
     FAULTS,
+    ROUTER_FAULTS,
     Counters,
     Fault,
     ReplayResult,
+    RouterFault,
     Target,
     decoys,
     replay,
@@ -405,7 +413,10 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
     fault: Fault | None = None
     if fault_name != "none":
         fault = (FAULTS[fault_name](gap_s=args.restart_gap)  # type: ignore[call-arg]
-                 if fault_name == "rolling-restart" else FAULTS[fault_name]())
+                 if fault_name in ("rolling-restart", "mixed") else FAULTS[fault_name]())
+    if fault_name in ROUTER_FAULTS and ROUTERS[router_name].kind != "fleetwarden":
+        row.not_run = "a fault of fleetwarden's own processes"
+        return row
     try:
         engines = start_sims(launcher, ENGINES)
         try:
@@ -414,6 +425,10 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
             row.not_run = str(exc)
             return row
         row.version = router.version
+        if isinstance(fault, RouterFault):
+            log = folder / f"{router_name}-restarted.log"
+            fault.bind(router.url, router.proc,
+                       lambda argv, cwd: launcher.spawn(argv, log, cwd=cwd))
         asyncio.run(_drive(records, router, engines, fault, args.control, args.driver, aiperf,
                            folder, shape, args.seed, args.fault_at, row))
         ejected, notes = router.verdicts(row.fault_wall)
