@@ -47,7 +47,8 @@ faithful:
   counts them).
 * ``drain`` closes the listening socket as ``refuse`` does, while the streams in flight finish
   at ``factor`` times the step time (``drained`` in ``/sim/stats`` counts those that finished
-  during a drain): a graceful shutdown that takes its time. It needs ``duration_s``.
+  during a drain, ``listener_closed`` the closings): a graceful shutdown that takes its time.
+  It needs ``duration_s``.
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
 * A poison request: a completion whose prompt starts with :data:`POISON_PROMPT` is answered
@@ -194,6 +195,7 @@ class Sim:
         self._reset_credit = 0.0  # its share accumulated over the requests that arrived
         self._drained = 0  # requests finished while the ``drain`` fault held
         self._faults_taken: Counter[str] = Counter()  # every fault set, by mode
+        self._closed_listener = 0  # times ``refuse`` or ``drain`` closed the listening socket
         self._no_blackhole = asyncio.Event()
         self._no_blackhole.set()
         #: The KV-event publisher (``--kv-events-config``), bound at :meth:`start`.
@@ -393,6 +395,7 @@ class Sim:
         self._spawn(clear(), "sim-fault-clear")
 
     def _refuse(self) -> None:
+        self._closed_listener += 1
         self._close_listener()
         assert self._runner is not None and self._runner.server is not None
         for connection in self._runner.server.connections:
@@ -1264,6 +1267,7 @@ class Sim:
             "blackholed": self._blackholed,
             "reset": self._resets,
             "drained": self._drained,
+            "listener_closed": self._closed_listener,
             "faults_taken": dict(self._faults_taken),
             "by_path": dict(self._by_path),
             "log": list(self._log),

@@ -445,8 +445,9 @@ class BlackHole(_One):
 class SlowDrain(_One):
     """The engine drains slowly (``/sim/fault drain``): new connections refused, its streams
     in flight finished at ``factor`` times its step time, for ``duration_s``; then it listens
-    again. Signature, read once it listens again: the engine's own count of the streams it
-    finished during the drain, and of the drains it took."""
+    again. Signature, read once it listens again: the engine's own count of the drains it
+    took and of the times it closed its listening socket. (How many streams it finished
+    during the drain is the router's doing: one that moves them elsewhere leaves none.)"""
 
     factor: float = 4.0
     duration_s: float = 12.0
@@ -460,7 +461,7 @@ class SlowDrain(_One):
             if stats is not None:
                 taken = stats.get("faults_taken")
                 drains = int(taken.get("drain", 0)) if isinstance(taken, dict) else 0
-                return drains, _count(stats, "drained")
+                return drains, _count(stats, "listener_closed")
             if time.monotonic() > deadline:
                 return None
             await asyncio.sleep(0.2)
@@ -479,11 +480,10 @@ class SlowDrain(_One):
             if now is None:
                 problems.append(f"{t.url}: not listening again after the drain")
                 continue
-            drains, drained = now[0] - self._before[0], now[1] - self._before[1]
-            if drains <= 0:
+            if now[0] <= self._before[0]:
                 problems.append(f"{t.url}: the engine took no drain")
-            if drained <= 0:
-                problems.append(f"{t.url}: no stream finished during a drain")
+            if now[1] <= self._before[1]:
+                problems.append(f"{t.url}: the engine never closed its listening socket")
         return problems
 
 
