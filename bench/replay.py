@@ -163,6 +163,7 @@ class Row:
     healthy_ejected: int | None = 0  # None: the router's own account could not be read
     post_check: str = ""  # "passed", "failed: ...", or "" (no fault)
     fault_at_s: float | None = None  # after the first request
+    fault_gap_s: float | None = None  # between a rolling restart's or a mixed run's faults
     fault_wall: float | None = None  # time.time() at the fault
     notes: list[str] = field(default_factory=list)
     load_avg: float = 0.0
@@ -473,6 +474,8 @@ def _score(records: list[TraceRecord], results: list[ReplayResult], counters: Co
 def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape: TraceShape,
             args: argparse.Namespace, aiperf: Path | None) -> Row:
     row = Row(router_name, fault_name, args.driver)
+    if fault_name in ("rolling-restart", "mixed"):
+        row.fault_gap_s = args.restart_gap
     started = time.monotonic()
     folder = Path(tempfile.mkdtemp(prefix=f"replay-{router_name}-{fault_name}-"))
     launcher = Launcher(folder, quick=False)

@@ -28,6 +28,9 @@ PICTURES = BENCH / "replay"
 #: fleetwarden's own, then the mixed run.
 ORDER = ("none", "crash", "wedge", "sigstop", "tcp-reset", "blackhole", "slow-drain",
          "rolling-restart", "reload", "router-kill", "fleetwarden-kill", "mixed")
+#: The mixed run's faults in the order ``bench/replay.py`` injects them, ``fault_gap_s`` apart
+#: (``testing.replay.Mixed``).
+MIXED_PARTS = ("crash", "wedge", "tcp-reset")
 #: Requests per point of a picture's line: the median latency of this many, in send order.
 WINDOW = 5
 
@@ -86,6 +89,7 @@ def picture(fault: str, rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     colours = ["#2a9d8f", "#e76f51", "#8d6cab", "#f4a261", "#6c757d", "#b5a0cc"]
@@ -107,10 +111,20 @@ def picture(fault: str, rows: list[dict[str, Any]], path: Path) -> None:
         failed = [t for t, _, good in series if not good]
         ax.plot(failed, [top * 1.15] * len(failed), "x", color=colour, ms=5)
     fault_at = next((r["fault_at_s"] for r in rows if r.get("fault_at_s") is not None), None)
-    if fault_at is not None:
-        ax.axvline(fault_at, color="#c1121f", ls="--", lw=1)
-        ax.text(fault_at, top * 1.3, f" {fault}", color="#c1121f", fontsize=8, va="top")
+    gap = next((r["fault_gap_s"] for r in rows if r.get("fault_gap_s")), None)
+    parts = MIXED_PARTS if fault == "mixed" and gap else (fault,)
+    for k, part in enumerate(parts):
+        if fault_at is None:
+            break
+        at = float(fault_at) + k * float(gap or 0.0)
+        ax.axvline(at, color="#c1121f", ls="--", lw=1)
+        ax.text(at, 0.03, f" {part}", color="#c1121f", fontsize=8,
+                transform=ax.get_xaxis_transform())
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.1, 0.2, 0.5, 1, 2, 5, 10,
+                                                                20, 60]))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("seconds into the trace (request sent)", fontsize=8)
     ax.set_ylabel("latency s (line: median of 5)", fontsize=8)
     ax.set_title(f"Trace replay, {fault}: latency over time (x: failed)", fontsize=9)
