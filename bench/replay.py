@@ -24,14 +24,20 @@ Per router and fault, one run: four fresh simulated vLLM engines (``fleetwarden 
 tokens, and a cached prefix is cheaper), the router in front of them (started as
 ``bench/failover.py`` starts it: fleetwarden attached at its defaults, sglang-router and
 vllm-router in their own environments at their defaults and tuned, nginx with passive checks),
-the trace replayed through it, and the fault injected into engine 1 (every engine, one by one,
-for the rolling restart) ``--fault-at`` seconds after the trace's first request left (AIPerf's
-log says when).
+the trace replayed through it, and the fault injected ``--fault-at`` seconds after the trace's
+first request left (AIPerf's log says when). The faults (``testing.replay``): into engine 1, a
+crash, a wedge, a SIGSTOP of its process, TCP resets of a share of its connections, a black
+hole (it accepts and never answers), a slow drain (new connections refused while its streams
+finish slowly); into every engine one by one, a rolling restart; into fleetwarden itself (for
+the peers "not run"), its own upgrade (``kill -HUP``: new router processes), a SIGKILL of its
+router process (its supervisor starts another) and a SIGKILL of ``fleetwarden up`` restarted
+3 s later as a supervisor would; and a mixed run: a crash of engine 1, a wedge of engine 2
+and resets on engine 3, ``--restart-gap`` apart.
 
-After the run, the fault's post-check (``testing.replay``: the kernel's view of the process, the
-engine's own counters and answers) says whether it happened; a fault that did not happen fails
-the run. ``--control`` aims every fault at nothing (a port nobody listens on, a process that is
-no engine) and expects every post-check to fail.
+After the run, the fault's post-check (``testing.replay``: the kernel's view of the process and
+of who listens on the router's port, the engine's own counters and answers) says whether it
+happened; a fault that did not happen fails the run. ``--control`` aims every fault at nothing
+(a port nobody listens on, a process that is no engine) and expects every post-check to fail.
 
 What is reported, per run: goodput (requests answered whole within the SLO: first token within
 :data:`SLO_TTFT_S`, the whole answer within that plus :data:`SLO_TPOT_S` a token), requests lost
@@ -45,6 +51,7 @@ post-check.
     python bench/replay.py --faults crash --driver own   # this project's driver instead
     python bench/replay.py --control                     # every post-check must fail
     python bench/replay.py --write-trace trace.jsonl     # the generated trace, and stop
+    python bench/replay.py --routers ... --write         # and bench/replay-report.md again
 """
 
 from __future__ import annotations
@@ -70,12 +77,21 @@ from typing import Any
 import aiohttp
 
 from _peers import PeerUnavailable, peer_python
-from failover import ROUTERS, Launcher, RunningRouter, _readline, _wait_serving
+from failover import (
+    GENERATION_PATHS,
+    ROUTERS,
+    Launcher,
+    RunningRouter,
+    _readline,
+    _wait_serving,
+)
 from fleetwarden.testing.replay import (
     FAULTS,
+    ROUTER_FAULTS,
     Counters,
     Fault,
     ReplayResult,
+    RouterFault,
     Target,
     decoys,
     replay,
@@ -110,6 +126,9 @@ REQUEST_TIMEOUT_S = 60.0
 #: about 80 s), and the rolling restart's engines this far apart.
 FAULT_AT_S = 20.0
 RESTART_GAP_S = 8.0
+#: "During the fault", for the cache hit rate: this long from the fault on (a rolling
+#: restart's last engine comes back about three gaps after its first).
+DURING_S = 20.0
 FAULT_NAMES = ("none", *FAULTS)
 #: What AIPerf 0.13.0 logs as it starts sending the trace.
 AIPERF_STARTED = "Phase profiling (profiling) started"
@@ -131,10 +150,20 @@ class Row:
     ttft_p99_s: float | None = None
     hit_rate: float | None = None
     hit_rate_before: float | None = None
+    hit_rate_during: float | None = None
     hit_rate_after: float | None = None
+    #: The faulted engine's own log (one engine's fault): generation requests it received
+    #: after the fault, and when the last came (seconds after the fault): the router's time to
+    #: eject it as the engine saw it, whatever the router says of itself. None: not read (a
+    #: crashed engine, a fault of several engines or of the router).
+    bad_after: int | None = None
+    bad_last_s: float | None = None
+    #: Every request: (sent, seconds after the trace's start; latency s; answered whole).
+    series: list[tuple[float, float, bool]] = field(default_factory=list)
     healthy_ejected: int | None = 0  # None: the router's own account could not be read
     post_check: str = ""  # "passed", "failed: ...", or "" (no fault)
     fault_at_s: float | None = None  # after the first request
+    fault_gap_s: float | None = None  # between a rolling restart's or a mixed run's faults
     fault_wall: float | None = None  # time.time() at the fault
     notes: list[str] = field(default_factory=list)
     load_avg: float = 0.0
@@ -143,6 +172,11 @@ class Row:
     @property
     def goodput(self) -> float | None:
         return self.within_slo / self.requests if self.requests else None
+
+    @property
+    def slow(self) -> int:
+        """Answered whole, outside the SLO."""
+        return self.answered - self.within_slo
 
 
 # ---------------------------------------------------------------------- AIPerf
@@ -266,21 +300,60 @@ def _percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(len(values) * q))]
 
 
-def _hit_rate_split(counters: Counters, fault_t: float | None) -> tuple[float | None,
-                                                                         float | None]:
-    """The engines' hit rate over the readings before the fault, and after it."""
+def _hit_rate_split(counters: Counters, fault_t: float | None
+                    ) -> tuple[float | None, float | None, float | None]:
+    """The engines' hit rate over the readings before the fault, during it (its first
+    :data:`DURING_S`), and after that."""
     if fault_t is None:
-        return None, None
-    last_before: dict[str, tuple[float, float]] = {}
-    for t, url, q, h in counters.series:
-        if t <= fault_t:
-            last_before[url] = (q, h)
-    qb = sum(q for q, _ in last_before.values())
-    hb = sum(h for _, h in last_before.values())
-    qa, ha = counters.totals()
-    before = hb / qb if qb else None
-    after = (ha - hb) / (qa - qb) if qa - qb > 0 else None
-    return before, after
+        return None, None, None
+
+    def upto(t: float) -> tuple[float, float]:
+        """Queries and hits counted up to ``t``, summed over engines and incarnations (a
+        restarted engine's counters start again from zero: a reading below the last one)."""
+        last: dict[str, tuple[float, float]] = {}
+        total = [0.0, 0.0]
+        for at, url, q, h in counters.series:
+            if at > t:
+                continue
+            pq, ph = last.get(url, (0.0, 0.0))
+            fresh = q < pq
+            total[0] += q if fresh else q - pq
+            total[1] += h if fresh else h - ph
+            last[url] = (q, h)
+        return total[0], total[1]
+
+    def rate(a: tuple[float, float], b: tuple[float, float]) -> float | None:
+        return (b[1] - a[1]) / (b[0] - a[0]) if b[0] - a[0] > 0 else None
+
+    start, fault, during, end = (0.0, 0.0), upto(fault_t), upto(fault_t + DURING_S), \
+        upto(float("inf"))
+    return rate(start, fault), rate(fault, during), rate(during, end)
+
+
+#: Faults whose engine's log cannot say when the router stopped sending: a stopped process
+#: logs what reached it while stopped only once it is continued, at that time; a draining one
+#: refuses every new connection, whatever the router does.
+_LOG_UNREAD = frozenset({"sigstop", "slow-drain"})
+
+
+async def _bad_engine_log(fault: Fault, engines: list[Target], fault_wall: float | None,
+                          row: Row) -> None:
+    """What the faulted engine's own log says the router sent it after the fault: read for a
+    fault of one engine that still answers ``/sim/stats`` (a crashed one does not)."""
+    picks = fault.picks(engines)
+    if (fault_wall is None or len(picks) != 1 or picks[0] not in engines
+            or fault.name in _LOG_UNREAD):
+        return
+    # A fault that ends by itself: what came after its end is the engine serving again.
+    until = fault_wall + float(getattr(fault, "duration_s", float("inf")))
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, \
+                http.get(picks[0].url + "/sim/stats") as resp:
+            log = (await resp.json())["log"]
+        after = [e["at"] - fault_wall for e in log if e["path"] in GENERATION_PATHS
+                 and fault_wall < e["at"] <= until
+                 and not (e.get("request_id") or "").startswith("fleetwarden-canary")]
+        row.bad_after, row.bad_last_s = len(after), max(after, default=0.0)
 
 
 async def _drive(records: list[TraceRecord], router: RunningRouter, engines: list[Target],
@@ -361,7 +434,8 @@ async def _drive(records: list[TraceRecord], router: RunningRouter, engines: lis
         done.set()
         await watcher
         if fault is not None:
-            await fault.undo(engines)
+            await fault.undo(engines)  # first: a stopped engine answers its log after it
+            await _bad_engine_log(fault, engines, row.fault_wall, row)
         if aimed_decoy is not None:
             aimed_decoy.kill()
             aimed_decoy.wait()
@@ -386,8 +460,9 @@ def _score(records: list[TraceRecord], results: list[ReplayResult], counters: Co
     row.ttft_p50_s = statistics.median(ttfts) if ttfts else None
     row.ttft_p99_s = _percentile(ttfts, 0.99)
     row.hit_rate = counters.hit_rate()
-    row.hit_rate_before, row.hit_rate_after = _hit_rate_split(
+    row.hit_rate_before, row.hit_rate_during, row.hit_rate_after = _hit_rate_split(
         counters, fault_t[0] if fault_t else None)
+    row.series = [(round(r.sent_s, 3), round(r.latency_s, 3), r.ok) for r in results]
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -399,13 +474,18 @@ def _score(records: list[TraceRecord], results: list[ReplayResult], counters: Co
 def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape: TraceShape,
             args: argparse.Namespace, aiperf: Path | None) -> Row:
     row = Row(router_name, fault_name, args.driver)
+    if fault_name in ("rolling-restart", "mixed"):
+        row.fault_gap_s = args.restart_gap
     started = time.monotonic()
     folder = Path(tempfile.mkdtemp(prefix=f"replay-{router_name}-{fault_name}-"))
     launcher = Launcher(folder, quick=False)
     fault: Fault | None = None
     if fault_name != "none":
         fault = (FAULTS[fault_name](gap_s=args.restart_gap)  # type: ignore[call-arg]
-                 if fault_name == "rolling-restart" else FAULTS[fault_name]())
+                 if fault_name in ("rolling-restart", "mixed") else FAULTS[fault_name]())
+    if fault_name in ROUTER_FAULTS and ROUTERS[router_name].kind != "fleetwarden":
+        row.not_run = "a fault of fleetwarden's own processes"
+        return row
     try:
         engines = start_sims(launcher, ENGINES)
         try:
@@ -414,6 +494,10 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
             row.not_run = str(exc)
             return row
         row.version = router.version
+        if isinstance(fault, RouterFault):
+            log = folder / f"{router_name}-restarted.log"
+            fault.bind(router.url, router.proc,
+                       lambda argv, cwd: launcher.spawn(argv, log, cwd=cwd))
         asyncio.run(_drive(records, router, engines, fault, args.control, args.driver, aiperf,
                            folder, shape, args.seed, args.fault_at, row))
         ejected, notes = router.verdicts(row.fault_wall)
@@ -486,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-trace", type=Path, help="write the trace here and stop")
     parser.add_argument("--json", type=Path, help="also write every row as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs)")
+    parser.add_argument("--write", action="store_true", help="add the rows to "
+                        "bench/replay-runs.json and write bench/replay-report.md and its "
+                        "pictures again (bench/replay_report.py)")
     args = parser.parse_args(argv)
 
     shape = TraceShape(requests=args.requests, rate_per_s=args.rate,
@@ -546,9 +633,14 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"- {r.router} / {r.fault}: {n}" for r in rows for n in r.notes]
     if notes:
         print("\n" + "\n".join(notes))
+    result = {"command": command, "summary": summary, "rows": [
+        {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}
     if args.json:
-        args.json.write_text(json.dumps({"command": command, "summary": summary, "rows": [
-            {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}, indent=2))
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.write:
+        import replay_report
+
+        replay_report.add(result)
     ran = [r for r in rows if not r.not_run and r.fault != "none"]
     if args.control:
         bad = [r for r in ran if r.post_check == "passed"]

@@ -9,15 +9,29 @@ install (about 1.2 GB in its own environment) is too heavy for the suite to pay 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+import subprocess
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
 
-from fleetwarden.testing.replay import FAULTS, Counters, Target, decoys, replay
+from fleetwarden.testing.replay import (
+    FAULTS,
+    ROUTER_FAULTS,
+    Counters,
+    Fault,
+    RouterFault,
+    Target,
+    decoys,
+    replay,
+)
 from fleetwarden.testing.traces import TraceShape, generate, reuse_ratio
-from support.sim import SimProcess
+from fleetwarden.testing.up import UpProcess
+from support.sim import SimProcess, free_port
 
 pytestmark = pytest.mark.scenario
 
@@ -70,33 +84,129 @@ async def _warm(targets: list[Target]) -> None:
                 assert resp.status == 200
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
+#: Each engine fault, short: what the bench runs for tens of seconds lasts about one here.
+SHORT_FAULTS: dict[str, Callable[[], Fault]] = {
+    "crash": FAULTS["crash"], "wedge": FAULTS["wedge"], "sigstop": FAULTS["sigstop"],
+    "tcp-reset": lambda: FAULTS["tcp-reset"](duration_s=5.0),  # type: ignore[call-arg]
+    "blackhole": lambda: FAULTS["blackhole"](probe_s=1.0),  # type: ignore[call-arg]
+    "slow-drain": lambda: FAULTS["slow-drain"](duration_s=1.5),  # type: ignore[call-arg]
+    "rolling-restart": lambda: FAULTS["rolling-restart"](gap_s=0.2),  # type: ignore[call-arg]
+    "mixed": lambda: FAULTS["mixed"](gap_s=0.2),  # type: ignore[call-arg]
+}
+
+
+async def _traffic(targets: list[Target], inject: Callable[[], object]) -> None:
+    """Requests on every engine across the injection, as a replay's are: one in flight
+    before it (a drain finishes it), a few after (a reset or a black hole takes them).
+    Their answers do not matter here: the post-check reads the engines."""
+    async def one(url: str, max_tokens: int) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as h, \
+                    h.post(url + "/v1/completions", json={
+                        "model": "tiny", "prompt": "traffic", "max_tokens": max_tokens}) as r:
+                await r.read()
+
+    before = [asyncio.create_task(one(t.url, 30)) for t in targets]
+    await asyncio.sleep(0.2)  # in flight
+    await inject()  # type: ignore[misc]
+    await asyncio.sleep(0.3)  # a crash's exit, a drain's closed socket
+    await asyncio.gather(*before, *(one(t.url, 2) for t in targets for _ in range(4)))
+
+
+def test_every_fault_of_the_bench_has_a_short_form_here() -> None:
+    assert set(SHORT_FAULTS) | ROUTER_FAULTS == set(FAULTS)
+
+
+@pytest.mark.parametrize("name", sorted(SHORT_FAULTS))
 async def test_each_fault_is_proved_by_its_post_check_and_a_control_aimed_at_nothing_fails_it(
         spawn: Callable[..., SimProcess], name: str) -> None:
-    sims, engines = _engines(spawn, 2)
+    fault = SHORT_FAULTS[name]()
+    sims, engines = _engines(spawn, 4 if name == "mixed" else 2)
     await _warm(engines)
-    fault = FAULTS[name](gap_s=0.2) if name == "rolling-restart" else FAULTS[name]()
     picked = fault.picks(engines)
     fakes, decoy = decoys(len(picked))
+    started = time.monotonic()
     try:
         # The control first: the same injection aimed at nothing, then the same post-check
         # on the engines it should have hit. Its signature must be missing.
         await fault.before(engines)
-        await fault.inject(fakes)
-        await asyncio.sleep(0.5)  # as long as a crash takes to exit (the check polls further)
+        await _traffic(engines, lambda: fault.inject(fakes))
         missing = await fault.verify(engines)
         print(f"\n{name} aimed at nothing: {missing}")
         assert missing, f"{name}: the post-check passed with the fault aimed at nothing"
         assert all(s.proc.poll() is None for s in sims)
         # Now for real: the signature is there.
         await fault.before(engines)
-        await fault.inject(picked)
-        await asyncio.sleep(0.5)
+        await _traffic(engines, lambda: fault.inject(picked))
         missing = await fault.verify(engines)
-        print(f"{name} aimed at the engines: {missing or 'every signature found'}")
+        print(f"{name} aimed at the engines: {missing or 'every signature found'} "
+              f"({time.monotonic() - started:.1f} s)")
         assert missing == []
     finally:
         await fault.undo(engines)
         decoy.kill()
         decoy.wait()
 
+
+async def test_fleetwardens_own_faults_are_proved_by_the_kernel_and_fail_aimed_at_nothing(
+        spawn: Callable[..., SimProcess], tmp_path: Path) -> None:
+    """A reload (SIGHUP), a SIGKILL of the router process, and a SIGKILL of `fleetwarden up`
+    then its restart, on one fleet in front of one engine: each control first (aimed at a
+    process that is no fleetwarden), then each for real, the controller's kill last."""
+    sim = spawn("--steps-per-s", "50")
+    port = free_port()
+    up = UpProcess(tmp_path, "--backend", sim.url, "--port", str(port), "--router-workers",
+                   "1", drain=True)
+    started = time.monotonic()
+    restarted: list[subprocess.Popen[str]] = []
+
+    def spawn_up(argv: list[str], cwd: str | None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        restarted.append(proc)
+        return proc
+
+    faults: list[RouterFault] = []
+    for name in ("reload", "router-kill", "fleetwarden-kill"):
+        fault = FAULTS[name]()
+        assert isinstance(fault, RouterFault)
+        fault.bind(up.router, up.proc, spawn_up)
+        faults.append(fault)
+    fakes, decoy = decoys(1)
+    try:
+        for fault in faults:
+            await fault.before([])
+            if hasattr(fault, "wait_s"):
+                fault.wait_s = 1.0  # a control's signature never comes: do not wait long
+            await fault.inject(fakes[:1] if fault.name != "router-kill" else [
+                Target(fakes[0].url, decoy.pid)])
+            missing = await fault.verify([])
+            print(f"\n{fault.name} aimed at nothing: {missing}")
+            assert missing, f"{fault.name}: the post-check passed aimed at nothing"
+            assert up.running
+        for fault in faults:
+            await fault.before([])
+            if hasattr(fault, "wait_s"):
+                fault.wait_s = 60.0
+            await fault.inject(fault.picks([]))
+            missing = await fault.verify([])
+            print(f"{fault.name} aimed at fleetwarden: {missing or 'every signature found'} "
+                  f"({time.monotonic() - started:.1f} s)")
+            assert missing == []
+        # Through it all the router serves: a request after the restart is answered.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
+                http.post(up.router + "/v1/completions", json={
+                    "model": "tiny", "prompt": "after", "max_tokens": 2}) as resp:
+            assert resp.status == 200
+    finally:
+        for fault in faults:
+            await fault.undo([])
+        for proc in restarted:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.terminate()
+                proc.wait(30)
+        if up.running:
+            up.stop()
+        decoy.kill()
+        decoy.wait()
+        print(f"fleetwarden's own faults: {time.monotonic() - started:.1f} s")

@@ -31,6 +31,13 @@ class FaultMode(enum.Enum):
     #: ``factor`` seconds; everything else runs as usual.
     SLOW_LOAD = "slow_load"
     BLACKHOLE = "blackhole"
+    #: A share (``factor``, at most 1) of the generation requests that arrive have their
+    #: connection reset (a TCP RST, before any answer): a flaky network path or proxy.
+    RESET = "reset"
+    #: The engine drains, slowly: its listening socket closes (new connections refused, as
+    #: ``refuse``) while what it holds finishes at ``factor`` times its step time, as an
+    #: engine told to shut down gracefully finishes its long streams. Give it ``duration_s``.
+    DRAIN = "drain"
 
     def __str__(self) -> str:
         return self.value

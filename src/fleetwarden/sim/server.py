@@ -42,6 +42,13 @@ faithful:
   and every request but the control endpoints (``/sim/...``) is held unanswered, ``/health``
   and ``/metrics`` too, until it is cleared (``blackholed`` in ``/sim/stats`` counts them): a
   process that hangs whole, or a network path that swallows every answer.
+* ``reset`` resets the connection (a TCP RST, before any answer) of a share ``factor`` of the
+  generation requests that arrive, every ``1/factor``-th one (``reset`` in ``/sim/stats``
+  counts them).
+* ``drain`` closes the listening socket as ``refuse`` does, while the streams in flight finish
+  at ``factor`` times the step time (``drained`` in ``/sim/stats`` counts those that finished
+  during a drain, ``listener_closed`` the closings): a graceful shutdown that takes its time.
+  It needs ``duration_s``.
 * ``slow`` divides the step rate by ``factor``; ``error5xx`` answers generations with vLLM's 500
   body; ``no_metrics`` answers ``/metrics`` 404; ``garbage_metrics`` answers it with junk.
 * A poison request: a completion whose prompt starts with :data:`POISON_PROMPT` is answered
@@ -64,6 +71,8 @@ import hmac
 import json
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 from collections import Counter, deque
@@ -182,6 +191,11 @@ class Sim:
         #: Requests the black hole took in (and held, unanswered, while it lasted), and the
         #: event they wait on: set while there is no black hole.
         self._blackholed = 0
+        self._resets = 0  # connections reset by the ``reset`` fault
+        self._reset_credit = 0.0  # its share accumulated over the requests that arrived
+        self._drained = 0  # requests finished while the ``drain`` fault held
+        self._faults_taken: Counter[str] = Counter()  # every fault set, by mode
+        self._closed_listener = 0  # times ``refuse`` or ``drain`` closed the listening socket
         self._no_blackhole = asyncio.Event()
         self._no_blackhole.set()
         #: The KV-event publisher (``--kv-events-config``), bound at :meth:`start`.
@@ -346,15 +360,18 @@ class Sim:
         if self._crashed:
             return self._fault  # a dead process takes no more orders
         previous = self._fault.mode
-        if previous is FaultMode.REFUSE and mode is not FaultMode.REFUSE:
+        if previous in _CLOSED and mode not in _CLOSED:
             await self._listen()
         if mode is FaultMode.RESTART:
             self._restart()
             mode = None
         until = None if duration_s is None or mode is None else loop.time() + duration_s
         self._fault = Fault(mode, factor if factor is not None else (
-            self.config.fault_factor if mode is FaultMode.SLOW else 1.0), until)
-        if mode is FaultMode.REFUSE and previous is not FaultMode.REFUSE:
+            self.config.fault_factor if mode in (FaultMode.SLOW, FaultMode.DRAIN) else 1.0),
+            until)
+        if mode is not None:
+            self._faults_taken[mode.value] += 1
+        if mode in _CLOSED and previous not in _CLOSED:
             self._refuse()
         if mode is FaultMode.CRASH:
             self._crash()
@@ -380,6 +397,7 @@ class Sim:
         self._spawn(clear(), "sim-fault-clear")
 
     def _refuse(self) -> None:
+        self._closed_listener += 1
         self._close_listener()
         assert self._runner is not None and self._runner.server is not None
         for connection in self._runner.server.connections:
@@ -797,8 +815,8 @@ class Sim:
     # ------------------------------------------------------------------ the engine loop
 
     def _step_interval(self) -> float:
-        factor = self._fault.factor if self._fault.mode is FaultMode.SLOW else 1.0
-        return factor / self.config.steps_per_s
+        slow = self._fault.mode in (FaultMode.SLOW, FaultMode.DRAIN)
+        return (self._fault.factor if slow else 1.0) / self.config.steps_per_s
 
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -855,6 +873,8 @@ class Sim:
                 pending.events.put_nowait(("step", request.generation.take()))
                 if request in finished:
                     del self._pending[request]
+                    if self._fault.mode is FaultMode.DRAIN:
+                        self._drained += 1
 
     # ------------------------------------------------------------------ middleware
 
@@ -869,6 +889,14 @@ class Sim:
         if self._fault.mode is FaultMode.BLACKHOLE and not request.path.startswith("/sim/"):
             self._blackholed += 1
             await self._no_blackhole.wait()  # held until it is cleared
+        if self._fault.mode is FaultMode.RESET and request.path in _GENERATION_PATHS:
+            # Every 1/factor-th generation, counted over arrivals: a deterministic share.
+            self._reset_credit += min(1.0, self._fault.factor)
+            if self._reset_credit >= 1.0:
+                self._reset_credit -= 1.0
+                self._resets += 1
+                _reset_connection(request)
+                raise asyncio.CancelledError
         return await handler(request)
 
     @web.middleware
@@ -1261,6 +1289,10 @@ class Sim:
         return {
             "received": self._received,
             "blackholed": self._blackholed,
+            "reset": self._resets,
+            "drained": self._drained,
+            "listener_closed": self._closed_listener,
+            "faults_taken": dict(self._faults_taken),
             "by_path": dict(self._by_path),
             "log": list(self._log),
             "log_size": self.config.stats_log_size,
@@ -1304,7 +1336,7 @@ class Sim:
                                    "duration_s numbers"}, 400)
         if factor is not None and not factor > 0:
             return _json({"error": "factor must be > 0"}, 400)
-        if mode is FaultMode.REFUSE:
+        if mode in _CLOSED:
             # Answer first: the socket this answer travels on is about to be closed.
             response = _json({"fault": replace(self._fault, mode=mode).to_dict()})
             await response.prepare(request)
@@ -1312,6 +1344,25 @@ class Sim:
             await self.set_fault(mode, factor, duration)
             return response
         return _json({"fault": (await self.set_fault(mode, factor, duration)).to_dict()})
+
+
+#: The faults that close the listening socket.
+_CLOSED = (FaultMode.REFUSE, FaultMode.DRAIN)
+#: The requests the ``reset`` fault takes its share of.
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Close the request's connection with a TCP RST (``SO_LINGER`` 0), not a FIN: what a
+    client sees when a path or a proxy resets it."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 #: vLLM's endpoints that call into its engine core: with the core dead each raises

@@ -26,18 +26,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetwarden.launchers.procs import process_info
+from fleetwarden.launchers.procs import listening_processes, process_info
+from fleetwarden.testing.faults import check_fault
 from fleetwarden.testing.traces import TraceRecord, prompt_text
 
-__all__ = ["FAULTS", "Counters", "Crash", "Fault", "ReplayResult", "RollingRestart", "SigStop",
-           "Target", "Wedge", "decoys", "replay"]
+__all__ = ["FAULTS", "ROUTER_FAULTS", "BlackHole", "Counters", "Crash", "Fault",
+           "FleetwardenKill", "Mixed", "Reload", "ReplayResult", "RollingRestart", "RouterFault",
+           "RouterKill", "SigStop", "SlowDrain", "Target", "TcpReset", "Wedge", "decoys", "replay"]
 
 
 # ---------------------------------------------------------------------- the driver
@@ -227,11 +229,27 @@ class Fault(Protocol):
         ...
 
 
-async def _post_fault(url: str, mode: str) -> None:
+async def _post_fault(url: str, mode: str, **extra: float) -> None:
     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http, \
-                http.post(url + "/sim/fault", json={"mode": mode}) as resp:
+                http.post(url + "/sim/fault", json={"mode": mode, **extra}) as resp:
             await resp.read()
+
+
+async def _sim_stats(url: str, timeout_s: float = 3.0) -> dict[str, object] | None:
+    """The simulated engine's own account (``/sim/stats``), or None when it does not answer."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as h, \
+                h.get(url + "/sim/stats") as resp:
+            body = await resp.json()
+            return body if isinstance(body, dict) else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+def _count(stats: dict[str, object] | None, key: str) -> int:
+    value = None if stats is None else stats.get(key)
+    return int(value) if isinstance(value, int | float) else 0
 
 
 async def _answers(url: str, path: str, timeout_s: float) -> int | None:
@@ -254,6 +272,15 @@ async def _generates(url: str, timeout_s: float) -> bool:
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False
+
+
+def _signal(aimed: Sequence[Target], sig: int) -> None:
+    """Send ``sig`` to each target's process; one that is gone or not ours is skipped (the
+    post-check shows it)."""
+    for t in aimed:
+        if t.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(t.pid, sig)
 
 
 @dataclass
@@ -331,10 +358,7 @@ class SigStop(_One):
     name: str = "sigstop"
 
     async def inject(self, aimed: Sequence[Target]) -> None:
-        for t in aimed:
-            if t.pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(t.pid, signal.SIGSTOP)
+        _signal(aimed, signal.SIGSTOP)
 
     async def verify(self, engines: Sequence[Target]) -> list[str]:
         problems = []
@@ -355,6 +379,112 @@ class SigStop(_One):
             if t.pid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(t.pid, signal.SIGCONT)
+
+
+@dataclass
+class TcpReset(_One):
+    """A share of the engine's connections reset (``/sim/fault reset``: every
+    ``1/share``-th generation that arrives gets a TCP RST before any answer), for
+    ``duration_s``. Signature: the engine's own count of the connections it reset."""
+
+    share: float = 0.3
+    duration_s: float = 20.0
+    name: str = "tcp-reset"
+    _before: int = 0
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        self._before = _count(await _sim_stats(self.picks(engines)[0].url), "reset")
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        await asyncio.gather(*(_post_fault(t.url, "reset", factor=self.share,
+                                           duration_s=self.duration_s) for t in aimed))
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        for t in self.picks(engines):
+            n = _count(await _sim_stats(t.url), "reset") - self._before
+            if n <= 0:
+                problems.append(f"{t.url}: the engine reset no connection")
+        return problems
+
+
+@dataclass
+class BlackHole(_One):
+    """The engine accepts every connection and answers nothing (``/sim/fault blackhole``),
+    ``/health`` and ``/metrics`` included. Signature: its ``/health`` unanswered within
+    ``probe_s``, and its own count of the requests it swallowed
+    (``fleetwarden.testing.faults.check_fault``, which ``bench/failover.py`` reads too)."""
+
+    probe_s: float = 2.0
+    name: str = "blackhole"
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        await asyncio.gather(*(_post_fault(t.url, "blackhole") for t in aimed))
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        for t in self.picks(engines):
+            health = await _answers(t.url, "/health", self.probe_s)
+            if health is not None:
+                problems.append(f"{t.url}: /health answered {health} (not a black hole)")
+            checked = await check_fault(t.url, "blackhole", t.pid or 0)
+            if not checked.startswith("verified"):
+                problems.append(f"{t.url}: {checked}")
+        return problems
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        # What it holds is let go, so that the engine stops at once when asked.
+        for t in self.picks(engines):
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as h, \
+                        h.delete(t.url + "/sim/fault") as resp:
+                    await resp.read()
+
+
+@dataclass
+class SlowDrain(_One):
+    """The engine drains slowly (``/sim/fault drain``): new connections refused, its streams
+    in flight finished at ``factor`` times its step time, for ``duration_s``; then it listens
+    again. Signature, read once it listens again: the engine's own count of the drains it
+    took and of the times it closed its listening socket. (How many streams it finished
+    during the drain is the router's doing: one that moves them elsewhere leaves none.)"""
+
+    factor: float = 4.0
+    duration_s: float = 12.0
+    name: str = "slow-drain"
+    _before: tuple[int, int] = (0, 0)
+
+    async def _counts(self, url: str, wait_s: float) -> tuple[int, int] | None:
+        deadline = time.monotonic() + wait_s
+        while True:  # refused while it drains: read once it listens again
+            stats = await _sim_stats(url)
+            if stats is not None:
+                taken = stats.get("faults_taken")
+                drains = int(taken.get("drain", 0)) if isinstance(taken, dict) else 0
+                return drains, _count(stats, "listener_closed")
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.2)
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        self._before = await self._counts(self.picks(engines)[0].url, 0.0) or (0, 0)
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        await asyncio.gather(*(_post_fault(t.url, "drain", factor=self.factor,
+                                           duration_s=self.duration_s) for t in aimed))
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        for t in self.picks(engines):
+            now = await self._counts(t.url, self.duration_s + 5.0)
+            if now is None:
+                problems.append(f"{t.url}: not listening again after the drain")
+                continue
+            if now[0] <= self._before[0]:
+                problems.append(f"{t.url}: the engine took no drain")
+            if now[1] <= self._before[1]:
+                problems.append(f"{t.url}: the engine never closed its listening socket")
+        return problems
 
 
 @dataclass
@@ -405,8 +535,228 @@ class RollingRestart:
         return None
 
 
-#: The faults by name, each a fresh one (the rolling restart keeps its readings).
-FAULTS = {"crash": Crash, "wedge": Wedge, "sigstop": SigStop, "rolling-restart": RollingRestart}
+#: Starts a process (its argv, in its working directory) as the fleet's own was started.
+Spawn = Callable[[list[str], str | None], "subprocess.Popen[str]"]
+
+
+def _router_listeners(port: int, controller: int | None) -> set[int]:
+    """The kernel's view: the processes listening on the router's port, the controller left
+    out (it may hold the socket it hands over)."""
+    return {p.pid for p in listening_processes(port) if p.pid != controller}
+
+
+async def _within(wait_s: float, missing: Callable[[], str]) -> list[str]:
+    """Read ``missing`` every 0.5 s until it says nothing is (""), for at most ``wait_s``:
+    what it said last, or nothing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        problem = missing()
+        if not problem or time.monotonic() >= deadline:
+            return [problem] if problem else []
+        await asyncio.sleep(0.5)
+
+
+@dataclass
+class RouterFault:
+    """A fault of fleetwarden's own (its router processes, its controller), not an engine's.
+    The bench binds it to the running fleetwarden (:meth:`bind`) before the run: the router's
+    URL, the controller's process, and how to start a process as the supervisor would."""
+
+    name: str = ""
+    url: str = ""
+    controller: subprocess.Popen[str] | None = None
+    #: Starts a process (argv) as the fleet's own was started, and keeps it to stop later.
+    spawn: Spawn | None = None
+    _listeners: set[int] = field(default_factory=set)
+
+    def bind(self, url: str, controller: subprocess.Popen[str], spawn: Spawn) -> None:
+        self.url, self.controller, self.spawn = url, controller, spawn
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rstrip("/").rpartition(":")[2])
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.controller is None else self.controller.pid
+
+    def picks(self, engines: Sequence[Target]) -> list[Target]:
+        return [Target(self.url, self.pid)]
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        self._listeners = _router_listeners(self.port, self.pid)
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        return None
+
+
+@dataclass
+class Reload(RouterFault):
+    """fleetwarden's own upgrade under load: ``kill -HUP`` to ``fleetwarden up`` starts new
+    router processes on the same port and drains the old ones (docs/operations.md, "Replacing
+    the routers"). Signature, the kernel's: the processes listening on the router's port
+    afterwards are all new (none of those before), and there is one."""
+
+    name: str = "reload"
+    wait_s: float = 30.0
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        _signal(aimed, signal.SIGHUP)
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        if not self._listeners:
+            return [f"{self.url}: no router process listened before the reload"]
+
+        def replaced() -> str:  # the old ones exit once their streams are done
+            now = _router_listeners(self.port, self.pid)
+            return "" if now and not now & self._listeners else (
+                f"{self.url}: router processes before {sorted(self._listeners)}, after "
+                f"{sorted(now)}: not replaced")
+
+        return await _within(self.wait_s, replaced)
+
+
+@dataclass
+class RouterKill(RouterFault):
+    """``kill -9`` of fleetwarden's router process(es) under load: the controller's supervisor
+    starts another on the same port (docs/operations.md, "The router processes"). Aimed at the
+    processes the kernel shows listening on the router's port. Signature, the kernel's: each
+    of them gone, and a new one listening within ``wait_s``."""
+
+    name: str = "router-kill"
+    wait_s: float = 30.0
+
+    def picks(self, engines: Sequence[Target]) -> list[Target]:
+        return [Target(self.url, pid) for pid in sorted(self._listeners)]
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        _signal(aimed, signal.SIGKILL)
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        if not self._listeners:
+            return [f"{self.url}: no router process listened before the kill"]
+
+        def replaced() -> str:
+            alive = {p for p in self._listeners
+                     if (info := process_info(p)) is not None and info.state not in "ZX"}
+            now = _router_listeners(self.port, self.pid)
+            return "" if not alive and now else (
+                f"{self.url}: router processes {sorted(alive)} still alive, listening now "
+                f"{sorted(now)}")
+
+        return await _within(self.wait_s, replaced)
+
+
+@dataclass
+class FleetwardenKill(RouterFault):
+    """``kill -9`` of ``fleetwarden up`` under load, and its restart ``restart_after_s`` later
+    with the same command line, as a supervisor (systemd's ``Restart=always``) would do once
+    it sees the process gone (docs/operations.md, "When fleetwarden itself dies": the router
+    processes serve on, and the next run adopts them). Signature, the kernel's: the
+    controller ended by SIGKILL, the router processes listening before still listen, and a
+    new controller runs."""
+
+    name: str = "fleetwarden-kill"
+    restart_after_s: float = 3.0
+    _argv: list[str] = field(default_factory=list)
+    _cwd: str = ""
+    _restarted: subprocess.Popen[str] | None = None
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        await super().before(engines)
+        info = process_info(self.pid) if self.pid is not None else None
+        self._argv = list(info.cmdline) if info is not None else []
+        with contextlib.suppress(OSError):
+            self._cwd = os.readlink(f"/proc/{self.pid}/cwd")
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        _signal(aimed, signal.SIGKILL)
+        await asyncio.sleep(self.restart_after_s)
+        # The supervisor's rule: restart the process it runs once that one has exited.
+        if (self.controller is not None and self.controller.poll() is not None
+                and self._argv and self.spawn is not None):
+            self._restarted = self.spawn(self._argv, self._cwd or None)
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        code = None if self.controller is None else self.controller.poll()
+        if code != -signal.SIGKILL:
+            problems.append(f"{self.url}: controller {self.pid} not ended by SIGKILL "
+                            f"(exit status {code})")
+        if not self._listeners:
+            problems.append(f"{self.url}: no router process listened before the kill")
+        else:
+            now = _router_listeners(self.port, None)
+            if not self._listeners <= now:
+                problems.append(f"{self.url}: router processes {sorted(self._listeners)} "
+                                f"did not serve on (now {sorted(now)})")
+        new = self._restarted
+        if new is None or new.poll() is not None:
+            problems.append(f"{self.url}: no new controller running")
+        return problems
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        new = self._restarted
+        if new is not None and new.poll() is None:
+            # Stopped here so that its journal is complete before the bench reads it; it
+            # stops the router processes it adopted.
+            new.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(new.wait, 20.0)
+        if self.controller is not None and self.controller.poll() is not None:
+            # No controller left to stop the router processes it started (the restart
+            # failed, or never came): they are this run's, so they are ended here.
+            for pid in self._listeners | _router_listeners(self.port, None):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class Mixed:
+    """Several faults in one run, ``gap_s`` apart, each on an engine of its own: a crash of
+    engine 1, a wedge of engine 2, TCP resets on engine 3 (engine 0 stays healthy).
+    Signature: every part's own."""
+
+    gap_s: float = 8.0
+    name: str = "mixed"
+    parts: list[Fault] = field(default_factory=lambda: [
+        Crash(index=1), Wedge(index=2), TcpReset(index=3)])
+
+    def picks(self, engines: Sequence[Target]) -> list[Target]:
+        return [t for part in self.parts for t in part.picks(engines)]
+
+    async def before(self, engines: Sequence[Target]) -> None:
+        for part in self.parts:
+            await part.before(engines)
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        at = 0
+        for i, part in enumerate(self.parts):
+            if i:
+                await asyncio.sleep(self.gap_s)
+            n = len(part.picks(aimed)) if isinstance(part, RollingRestart) else 1
+            await part.inject(aimed[at:at + n])
+            at += n
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = []
+        for part in self.parts:
+            problems += [f"{part.name}: {p}" for p in await part.verify(engines)]
+        return problems
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        for part in self.parts:
+            await part.undo(engines)
+
+
+#: The faults by name, each a fresh one (several keep readings from before the fault).
+FAULTS: dict[str, type[Fault]] = {
+    "crash": Crash, "wedge": Wedge, "sigstop": SigStop, "tcp-reset": TcpReset,
+    "blackhole": BlackHole, "slow-drain": SlowDrain, "rolling-restart": RollingRestart,
+    "reload": Reload, "router-kill": RouterKill, "fleetwarden-kill": FleetwardenKill,
+    "mixed": Mixed}
+#: The faults of fleetwarden's own processes: for fleetwarden only, bound to it before a run.
+ROUTER_FAULTS = frozenset({"reload", "router-kill", "fleetwarden-kill"})
 
 
 def decoys(n: int) -> tuple[list[Target], subprocess.Popen[bytes]]:
