@@ -36,7 +36,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/reports.py src/fleetwarden/tasks.py src/fleetwarden/timeline.py \
           src/fleetwarden/supervisor.py src/fleetwarden/client.py src/fleetwarden/weight_sync.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
-          src/fleetwarden/credentials.py \
+          src/fleetwarden/credentials.py src/fleetwarden/model_files.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py \
                        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py \
@@ -47,7 +47,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
 CHROMIUM ?= /usr/bin/chromium
 # The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
 BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py bench/cache_model.py \
-               bench/router_ab.py
+               bench/router_ab.py bench/refit_latency.py bench/replay.py bench/replay_report.py
 
 VLLM_READY := from fleetwarden.testing.tiny_model import ensure_tiny_model; print(ensure_tiny_model())
 
