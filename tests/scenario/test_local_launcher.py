@@ -60,7 +60,7 @@ async def test_an_exit_is_reported_at_once_with_its_code(tmp_path: Path) -> None
 
 
 async def test_an_engine_that_never_answers_fails_its_start(tmp_path: Path) -> None:
-    lau = launcher(tmp_path, "--never-ready")
+    lau = launcher(tmp_path, "--never-ready --api-key sk-never-shown")
     h = await lau.launch(0)
     try:
         # Its process listens first (a loaded machine may take seconds to start Python): what
@@ -74,6 +74,7 @@ async def test_an_engine_that_never_answers_fails_its_start(tmp_path: Path) -> N
         log = h.log_path.read_text()
         assert "# fleetwarden: not ready; its processes now:" in log, log
         assert f"#   pid {h.pid} state " in log and "tiny_engine.py" in log, log
+        assert "--api-key ***" in log and "sk-never-shown" not in log, log  # keys hidden
     finally:
         await lau.close()
     assert group_members(h.pgid or 0) == []

@@ -341,7 +341,7 @@ class LocalLauncher:
         except (LaunchError, asyncio.CancelledError):
             # given up (its own timeout, or the attempt's): say in its log what it was doing
             if not handle.exited and handle.pgid is not None and handle.log_path is not None:
-                snapshot = describe_group(handle.pgid)
+                snapshot = describe_group(handle.pgid, redacted)
                 with open(handle.log_path, "a") as out:  # noqa: ASYNC230 - a few lines
                     out.write("# fleetwarden: not ready; its processes now:\n"
                               + "".join(f"#   {line}\n" for line in snapshot or ["none"]))

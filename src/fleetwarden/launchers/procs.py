@@ -24,6 +24,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,10 +176,12 @@ def group_members(pgid: int) -> list[ProcessInfo]:
     return sorted(members, key=lambda p: p.pid)
 
 
-def describe_group(pgid: int) -> list[str]:
+def describe_group(pgid: int,
+                   shown: Callable[[list[str]], list[str]] = lambda argv: argv) -> list[str]:
     """One line per live member of group ``pgid``: what a start that never finished was doing
     when it was given up (its state, where the kernel has it waiting, CPU seconds, threads).
-    A start that hangs before the engine prints anything leaves nothing else to go on."""
+    A start that hangs before the engine prints anything leaves nothing else to go on.
+    ``shown``: each command line as it may be shown (a launcher hides its keys)."""
     lines = []
     for p in group_members(pgid):
         base = _PROC / str(p.pid)
@@ -192,8 +195,9 @@ def describe_group(pgid: int) -> list[str]:
         cpu_s = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
         threads = next((line.split()[1] for line in status.splitlines()
                         if line.startswith("Threads:")), "?")
+        title = " ".join(shown(list(p.cmdline))) if p.cmdline else f"[{p.comm}]"
         lines.append(f"pid {p.pid} state {p.state} wchan {wchan} cpu {cpu_s:.1f} s "
-                     f"threads {threads}: {p.title[:160]!r}")
+                     f"threads {threads}: {title[:160]!r}")
     return lines
 
 

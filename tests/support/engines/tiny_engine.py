@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--exit-after", type=float, default=None)
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--never-ready", action="store_true")
+    p.add_argument("--api-key", default=None)  # taken and unused: a keyed command's argv
     args = p.parse_args()
 
     if args.ignore_term:
