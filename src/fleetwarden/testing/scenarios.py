@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,8 @@ class Figures:
     restarts: int = 0
     requests: int = 0
     client_errors: int = 0
+    #: What each client error was: its status and the client's error (at most 300 chars).
+    failures: list[str] = field(default_factory=list)
     #: The slowest request that was in flight when the fault struck, minus the median.
     extra_latency_s: float | None = None
     old_pid: int | None = None
@@ -91,7 +93,8 @@ class Figures:
                 f"{self.rescued} rescued, {self.hedged} answered by hedges, "
                 f"{self.retried} retried, {self.restarts} restarts, "
                 f"{self.client_errors} client errors of {self.requests} requests, "
-                f"extra latency {s(self.extra_latency_s)}")
+                f"extra latency {s(self.extra_latency_s)}"
+                + "".join(f"\n  failed: {f}" for f in self.failures))
 
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
@@ -227,6 +230,8 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     results = load.results
     fig.requests = len(results)
     fig.client_errors = len(load.failures)
+    fig.failures = [f"{r.status} after {r.latency_s:.1f} s: {r.error or r.incomplete}"[:300]
+                    for r in load.failures]
     ok = sorted(r.latency_s for r in results if r.ok)
     caught = [r.latency_s for r in results if r.ok and (
         r.started <= struck < r.started + r.latency_s or then_route)]
