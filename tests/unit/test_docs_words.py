@@ -2,7 +2,7 @@
 
 No pointer to the seed's system spec (not in the repository: the rules are in docs/design.md)
 and no issue number (a reader cannot open one: say the rule, and keep the story in
-docs/design.md's history section), in src/, tests/, bench/, examples/, README.md,
+docs/history.md), in src/, tests/, bench/, examples/, README.md,
 BENCHMARKS.md or docs/. Every relative link of README.md, BENCHMARKS.md and docs/ names a file
 that exists. README.md is what a newcomer reads first: at most 250 lines, the reference in
 docs/. docs/configuration.md holds the current ``fleetwarden config --example``.
