@@ -122,5 +122,5 @@ def test_each_benchmark_topic_is_one_undated_section_with_its_runs() -> None:
             assert re.fullmatch(r"20\d\d-\d\d-\d\d", date), f"{topic!r}: {row[:80]}: a date"
             assert re.match(r"\[.+\]\(docs/history\.md#", run), (
                 f"{topic!r}: {row[:80]}: the run links to its record in docs/history.md")
-            assert command.startswith("`") or command == "(in the record)", (
+            assert command.startswith("`"), (
                 f"{topic!r}: {row[:80]}: the command that produced it")
