@@ -38,26 +38,17 @@ def engine_key() -> str:
 
 
 @pytest.fixture(scope="module")
-def engine_launched(vllm_python: Path, tiny_model_dir: Path,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
-    """The module's one real engine, launched and not yet waited for; stopped as a group
-    however the tests end. A module names it in ``usefixtures`` so that the engine's start
-    (30-60 s on 2 cores, one core's work) runs beside its first tests that need no engine.
-    Started with ``--api-key`` (:data:`ENGINE_KEY`): /v1 wants it, /health and /metrics do
-    not."""
+def engine(vllm_python: Path, tiny_model_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+    """One real engine for the module's tests, in file order (the last one kills its core), up
+    and answering /health; stopped as a group however the tests end. Started with
+    ``--api-key`` (:data:`ENGINE_KEY`): /v1 wants it, /health and /metrics do not."""
     eng = start_vllm_engine(vllm_python, tiny_model_dir, tmp_path_factory.mktemp("engine"),
                             extra_args=f"--api-key {ENGINE_KEY}")
     try:
+        eng.wait_ready()
         yield eng
     finally:
         # A test that stopped the engine itself leaves nothing to do here.
         stop = eng.stop()
         assert stop.clean, f"engine group {eng.pgid} left {stop.left}"
-
-
-@pytest.fixture(scope="module")
-def engine(engine_launched: VllmEngine) -> VllmEngine:
-    """One real engine for the module's tests, in file order (the last one kills its core), up
-    and answering /health."""
-    engine_launched.wait_ready()
-    return engine_launched

