@@ -560,6 +560,12 @@ class Fleet:
         cfg = self.config.refit
         started = time.monotonic()
         lease = await self.begin_refit(version)
+        if self.ledger.weights_loaded():
+            # From the first load on, a good canary would label a new process's launch
+            # weights with the checkpoint's version (docs/rl.md, a replacement's weights).
+            log.warning("weights = \"static\" no longer holds: fleetwarden loads %s as version "
+                        "%d, so a new engine process waits in STALE until it is loaded with the "
+                        "fleet's checkpoint (as with weights = \"trainer\")", path, version)
         try:
             parts = [(p.shard, p.url) for p in lease.participants
                      if self.ledger.shard(p.shard).base_url == p.url
@@ -683,7 +689,7 @@ class Fleet:
         status = c.status_of(shards)
         return Snapshot(
             at=time.time(), started_at=self.started_at, router_url=self.router.url,
-            admin_url=self.admin.url, weights=self.config.fleet.weights,
+            admin_url=self.admin.url, weights=self.ledger.policy.weights,
             shards=shards,
             max_restart_attempts=self.ledger.policy.max_restart_attempts,
             controller=c.describe(status), status=status,
