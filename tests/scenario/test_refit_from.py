@@ -360,11 +360,13 @@ async def test_a_replacement_engine_is_loaded_at_once_and_serves_only_then(
     weights) waits in STALE only until fleetwarden has loaded the same checkpoint into it,
     alone, and its engine confirmed it: no trainer step, no refit of the fleet. With static
     weights too: once fleetwarden has loaded a checkpoint, a good canary is no refit (it
-    would label the launch command's weights with the checkpoint's version)."""
+    would label the launch command's weights with the checkpoint's version). No tick comes
+    during the test: the load starts at the replacement's return, not at a tick."""
     path = tmp_path / "ckpt-1"
     path.write_text("weights after step 1\n")
     expected = {p: reference(p, load_weights(str(path))) for p in PROMPTS[:3]}
-    async with running_fleet(tmp_path, fleet={"weights": weights, "engines": 2}) as f, \
+    async with running_fleet(tmp_path, fleet={"weights": weights, "engines": 2},
+                             health={"probe_interval_s": 600.0}) as f, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         done = await f.refit_from(str(path), 1)
         assert done.credited == [0, 1] and f.snapshot().weights == "trainer"
