@@ -608,8 +608,8 @@ REFIT_COMEBACK_LIMIT_S = 420.0
 #: with the loop going on, on a loaded machine).
 REFIT_TRAIN_S = 3.0
 #: From the replacement's /health to its weights confirmed by its catch-up load, while the
-#: trainer holds its next load: a tick and one load (about 1 s on the 2 cores). A bound on a
-#: hang, not a target.
+#: trainer holds its next load: one load, begun at its return (under 1 s on the 2 cores; it
+#: waited for the next tick, 5.2 s, before). A bound on a hang, not a target.
 REFIT_CATCH_UP_LIMIT_S = 60.0
 
 Rollout = tuple[str, str, int | None, int | None, float, float, bool]
