@@ -308,7 +308,7 @@ class Controller:
             self._push_soon()
         if t.event is Event.EJECTED:
             self.confirm(t.shard, "ejected")
-        elif t.event in _COMEBACKS and t.to_state is ShardState.STALE:
+        elif t.event in COMEBACKS and t.to_state is ShardState.STALE:
             # A new process answers: proven now, by one canary while it is idle (or by its
             # progress), not at the next read of the round, up to a tick away. With static
             # weights that canary is its refit (HEALTHY, routed by this same channel); with a
@@ -827,7 +827,9 @@ class Controller:
 
 
 #: The events that give a shard a new process: each is proven at once (:meth:`_on_transition`).
-_COMEBACKS = frozenset({Event.LOADED, Event.NEW_INCARNATION, Event.NEW_INCARNATION_WEIGHTS_LOST,
+#: A new process answers (a restart, one seen, a new run): its proof, and with a checkpoint
+#: source its catch-up load (``Fleet``), start at this transition, not at the next tick.
+COMEBACKS = frozenset({Event.LOADED, Event.NEW_INCARNATION, Event.NEW_INCARNATION_WEIGHTS_LOST,
                         Event.NEW_RUN, Event.NEW_RUN_WEIGHTS_LOST})
 
 

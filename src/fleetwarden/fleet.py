@@ -35,14 +35,14 @@ from fleetwarden.admin.views import FleetCollector
 from fleetwarden.admin.work import WorkCollector
 from fleetwarden.auth import load_or_create_token
 from fleetwarden.config import Config
-from fleetwarden.controller import Controller, TickReport
+from fleetwarden.controller import COMEBACKS, Controller, TickReport
 from fleetwarden.credentials import NO_KEYS, EngineKeys, Secret
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
-from fleetwarden.ledger import ABSENT, Ledger, Outcome, ShardState
+from fleetwarden.ledger import ABSENT, Ledger, Outcome, ShardState, Transition
 from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord, confirmation
 from fleetwarden.restore import adopt_or_stop, begin_run, read_attached
 from fleetwarden.router import Router
@@ -333,6 +333,7 @@ class Fleet:
         if local is not None:
             local.taken_urls = lambda: {r.base_url for r in ledger.snapshot()}
         ledger.subscribe(self.admin.events.transition)
+        ledger.subscribe(self._on_transition)
         journal.attach(ledger)
         return ledger, first
 
@@ -455,6 +456,17 @@ class Fleet:
 
     def _after_tick(self, report: TickReport) -> None:
         self.admin.after_tick(self, self.router.stats)
+        self._catch_up_soon()  # one that came back during a load waits for it to end
+
+    def _on_transition(self, t: Transition) -> None:
+        if t.event in COMEBACKS and t.to_state is ShardState.STALE:
+            # At its return, not at the next tick (up to probe_interval_s later, 5 s by
+            # default): a replacement's capacity waits for nothing but its load.
+            self._catch_up_soon()
+
+    def _catch_up_soon(self) -> None:
+        """Start a catch-up load (:meth:`_catch_up`) when a replacement waits for one and no
+        load runs."""
         if (self._source is not None and self.refit.lease is None and not self._loading.locked()
                 and (self._catching_up is None or self._catching_up.done())
                 and self._stale_replacements()):
@@ -560,6 +572,12 @@ class Fleet:
         cfg = self.config.refit
         started = time.monotonic()
         lease = await self.begin_refit(version)
+        if self.ledger.weights_loaded():
+            # From the first load on, a good canary would label a new process's launch
+            # weights with the checkpoint's version (docs/rl.md, a replacement's weights).
+            log.warning("weights = \"static\" no longer holds: fleetwarden loads %s as version "
+                        "%d, so a new engine process waits in STALE until it is loaded with the "
+                        "fleet's checkpoint (as with weights = \"trainer\")", path, version)
         try:
             parts = [(p.shard, p.url) for p in lease.participants
                      if self.ledger.shard(p.shard).base_url == p.url
@@ -683,7 +701,7 @@ class Fleet:
         status = c.status_of(shards)
         return Snapshot(
             at=time.time(), started_at=self.started_at, router_url=self.router.url,
-            admin_url=self.admin.url, weights=self.config.fleet.weights,
+            admin_url=self.admin.url, weights=self.ledger.policy.weights,
             shards=shards,
             max_restart_attempts=self.ledger.policy.max_restart_attempts,
             controller=c.describe(status), status=status,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 __all__ = [
@@ -918,6 +918,18 @@ class Ledger:
         return self._apply(s, E.CONDEMNED, cause, last_error=cause, **_NOT_ASLEEP)
 
     # ------------------------------------------------------------------ refits
+
+    def weights_loaded(self) -> bool:
+        """Fleetwarden is loading weights into the fleet from a checkpoint (``Fleet.
+        refit_from``): ``static`` holds no more. A new process starts with its launch
+        command's weights, not the fleet's version, so from now on it waits in STALE until it
+        is loaded (a good canary is no refit), and a silent restart loses the weights, as with
+        ``weights = "trainer"``. True when this changed the mode. In memory only: a fleetwarden
+        restarted on its journal starts ``static`` again (docs/rl.md, the limits)."""
+        if self.policy.weights == "trainer":
+            return False
+        self.policy = replace(self.policy, weights="trainer")
+        return True
 
     def mark_weights_partial(self, i: int,
                              cause: str = "a refit aborted while its weights were loading"

@@ -353,18 +353,23 @@ async def load(f: Fleet, path: str, version: int, loads: list[RefitLoad]) -> Ref
     raise AssertionError("no load could begin")
 
 
+@pytest.mark.parametrize("weights", ["trainer", "static"])
 async def test_a_replacement_engine_is_loaded_at_once_and_serves_only_then(
-        tmp_path: Path) -> None:
+        tmp_path: Path, weights: str) -> None:
     """After a load fleetwarden ran, a restarted engine (a new process, the checkpoint's base
     weights) waits in STALE only until fleetwarden has loaded the same checkpoint into it,
-    alone, and its engine confirmed it: no trainer step, no refit of the fleet."""
+    alone, and its engine confirmed it: no trainer step, no refit of the fleet. With static
+    weights too: once fleetwarden has loaded a checkpoint, a good canary is no refit (it
+    would label the launch command's weights with the checkpoint's version). No tick comes
+    during the test: the load starts at the replacement's return, not at a tick."""
     path = tmp_path / "ckpt-1"
     path.write_text("weights after step 1\n")
     expected = {p: reference(p, load_weights(str(path))) for p in PROMPTS[:3]}
-    async with running_fleet(tmp_path, fleet={"weights": "trainer", "engines": 2}) as f, \
+    async with running_fleet(tmp_path, fleet={"weights": weights, "engines": 2},
+                             health={"probe_interval_s": 600.0}) as f, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         done = await f.refit_from(str(path), 1)
-        assert done.credited == [0, 1]
+        assert done.credited == [0, 1] and f.snapshot().weights == "trainer"
         refits = len(f.refit.history)
         old = f.ledger.shard(1).base_url
         seen = record_transitions(f)

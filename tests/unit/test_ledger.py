@@ -338,6 +338,33 @@ def test_a_silent_restart_goes_stale_in_trainer_mode_and_not_in_static_mode() ->
     assert not trainer.observe_incarnation(0, "start=2").transition  # same process: nothing
 
 
+def test_once_weights_are_loaded_a_static_fleet_keeps_new_processes_stale_until_loaded() -> None:
+    """Static: a good canary is a new process's refit, since its launch weights are the only
+    ones. Once fleetwarden loads a checkpoint (``weights_loaded``) they are not: a canary
+    would label the launch weights with the checkpoint's version. A replacement then waits in
+    STALE for its load, and a silent restart goes STALE, as in trainer mode."""
+    ledger, _ = make(2, weights="static")
+    kill(ledger, 1)
+    ledger.mark_restarting(1)
+    ledger.mark_loaded(1, "http://127.0.0.1:9101", "launch-2")
+    ledger.record_reading(1, Reading("proven", "IDLE", canary_ok=True))
+    assert ledger.state(1) is H  # before any load: promoted by its canary
+    assert ledger.weights_loaded() and not ledger.weights_loaded()  # changed once
+    assert ledger.policy.weights == "trainer"
+    ledger.report_refit(0, 4)
+    ledger.report_refit(1, 4)
+    kill(ledger, 1)
+    ledger.mark_restarting(1)
+    ledger.mark_loaded(1, "http://127.0.0.1:9102", "launch-3")
+    ledger.record_reading(1, Reading("proven", "IDLE", canary_ok=True))
+    assert ledger.state(1) is ST and ledger.serving() == [0]  # its canary is no refit
+    ledger.report_refit(1, 4)  # its load, confirmed
+    assert ledger.state(1) is H
+    ledger.observe_incarnation(0, "start=1")
+    ledger.observe_incarnation(0, "start=2")  # restarted on its own: the weights are lost
+    assert ledger.state(0) is ST
+
+
 # ---------------------------------------------------------------- events, queries, shape
 
 

@@ -29,6 +29,7 @@ from fleetwarden.launchers.procs import group_members
 from fleetwarden.testing.checkpoints import ensure_checkpoint
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import (
+    Ejections,
     Figures,
     condemned_as_a_stopped_core,
     crash_under_load,
@@ -630,29 +631,55 @@ def test_real_vllm_asleep_under_load_is_left_alone_and_serves_again_on_wake(
     whole(fleet)
 
 
+#: The restarted engine's whole way back (out at the kill, restarted, loaded, confirmed,
+#: served) is bounded by this, counted from the kill: the fleet's startup timeout and its
+#: load, with room. A bound on a hang, not a target.
+REFIT_COMEBACK_LIMIT_S = 420.0
+#: The trainer's training between two syncs, while the killed engine is away: the loop's
+#: steps go on on the other engine, and a pause between them leaves the 2 cores to the
+#: replacement's start (three processes, each importing vLLM: 45 s to its first log line
+#: with the loop going on, on a loaded machine).
+REFIT_TRAIN_S = 3.0
+#: From the replacement's /health to its weights confirmed by its catch-up load, while the
+#: trainer holds its next load: one load, begun at its return (0.38 s measured; 3.9-5.2 s
+#: when it waited for the next tick). A bound on a hang, not a target.
+REFIT_CATCH_UP_LIMIT_S = 60.0
+
+Rollout = tuple[str, str, int | None, int | None, float, float, bool]
+"""prompt, text, version named, shard named, sent at, answered at (wall clock), answered
+during a load."""
+
+
+@pytest.mark.timeout(900)  # alone, the module's engines' start (up to 300 s) is this test's
 def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
         fleet: UpProcess, vllm_python: Path, tiny_model_dir: Path, faulted: set[int]) -> None:
-    """Ten steps of a trainer loop on the real engines: rollouts in flight through the router
-    while fleetwarden loads the next checkpoint itself (``FleetClient.refit_from``: out of
-    routing, vLLM's /pause, /collective_rpc reload_weights, /update_weight_version, /resume,
-    then each engine's /weight_info read back). Two checkpoints of the tiny model whose greedy
-    answers differ, alternately; every answer matched by its text to the checkpoint that
-    produced it and compared with the version its header names. Ends on the base model again.
+    """A trainer loop on the real engines: rollouts in flight through the router while
+    fleetwarden loads the next checkpoint itself (``FleetClient.refit_from``: out of routing,
+    vLLM's /pause, /collective_rpc reload_weights, /update_weight_version, /resume, then each
+    engine's /weight_info read back). Two checkpoints of the tiny model whose greedy answers
+    differ, alternately; every answer matched by its text to the checkpoint that produced it
+    and compared with the version its header names. At least ten loads, then the base model
+    again, on both engines.
 
-    One fault, folded in where it costs no engine restart: at the fifth step the trainer first
-    names a checkpoint that is not there. Every engine refuses it with its own error (vLLM's
-    reload fails, its model left on the meta device), none is credited, each is STALE and
-    serves nothing; the right checkpoint loaded next is taken and confirmed by both, and every
-    answer after it is that checkpoint's.
+    Three faults, on the two engines the tier already runs:
 
-    And an engine killed mid-sync, where its restart is paid for by no test: the last load
-    (back to the base model) has shard 1's whole engine (its process group) killed as soon as
-    its engine says it is paused for it. The trainer's outcome names it (not credited, with
-    its error; or, a kill that lands after its load, credited and then found gone), shard 0 is
-    credited, and every rollout after it is shard 0's, with the base model's answer and
-    version. It is the module's last test: its replacement comes up after, as the fleet
-    stops, and is loaded by no test here (``test_refit_from`` loads replacements on simulated
-    engines). A restart waited for here cost about 115 s of ``make test``."""
+    - a bad path (the third step): the trainer first names a checkpoint that is not there.
+      Every engine refuses it with its own error (vLLM's reload fails, its model left on the
+      meta device), none is credited, each is STALE and serves nothing; the right checkpoint
+      loaded next is taken and confirmed by both.
+    - a kill mid-sync (the fourth): shard 1's whole engine (its process group) is killed as
+      soon as its engine says it is paused for the load. The trainer's outcome names it (not
+      credited, with its error; or, a kill that lands after its load, credited and then found
+      gone), shard 0 is credited.
+    - a restart between steps: the supervisor restarts shard 1 while the loop goes on on
+      shard 0. Its new process (the launch command's weights: the base model's) must wait in
+      STALE, serving nothing, until fleetwarden has loaded the fleet's current checkpoint into
+      it alone and its engine confirmed it (its catch-up load); then it serves that
+      checkpoint's answers. Once the new process answers, the trainer holds its next load
+      (rollouts go on) so that the catch-up, not the next step, is what is tested; one that
+      came back in the instant before a load is that load's participant instead (printed).
+      The loop goes on until it has served. The restart costs its start (89-104 s to /health
+      on a quiet machine, 154-198 s at load 10-20), overlapped with the loop."""
     whole(fleet)
     paths = {0: tiny_model_dir, 1: ensure_checkpoint(tiny_model_dir, 1, vllm_python),
              2: ensure_checkpoint(tiny_model_dir, 2, vllm_python)}
@@ -660,30 +687,32 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
                "A step and", "Weights change"]
     urls = [s["base_url"] for s in fleet.client.shards()]
     first = fleet.client.refits()["current_version"] + 1
-    key_of = {first + step: 1 + step % 2 for step in range(10)}  # version -> checkpoint
-    bad_at = first + 4  # this step's good load follows a load of a path that is not there
+    bad_at, kill_at = first + 2, first + 3  # both checkpoints' references are read by then
+    key_of: dict[int, int] = {}  # version -> the checkpoint loaded as it (0: the base model)
+    seq = Ejections(fleet).since  # the fleet's history from here: shard 1's way back
+    direct: list[float] = []  # latencies straight to an engine: no fleetwarden, no load
+    bad_s: list[float] = []  # the bad load's time, then the good one's after it
+    killed: dict[str, Any] = {}  # the killed engine's outcome, and its way back
+    loads: list[tuple[float, float, dict[str, Any]]] = []  # (began, ended, the outcome)
 
     async def complete(http: aiohttp.ClientSession, base: str, prompt: str
-                       ) -> tuple[str, int | None, float, float]:
-        """(text, version named, sent at, answered at), re-sent on a 409 (nothing serves while
-        the engines load)."""
-        sent = time.monotonic()
+                       ) -> tuple[str, int | None, int | None, float, float]:
+        """(text, version named, shard named, sent at, answered at), re-sent on a 409
+        (nothing serves while the engines load)."""
+        sent = time.time()
         for _ in range(200):
             async with http.post(base + "/v1/completions", json={
                     "model": "tiny", "prompt": prompt, "max_tokens": 12,
                     "temperature": 0}) as r:
                 body = await r.json()
                 if r.status == 200:
-                    v = r.headers.get("x-fleetwarden-weight-version")
-                    return (body["choices"][0]["text"], None if v is None else int(v), sent,
-                            time.monotonic())
+                    v, s = (r.headers.get(h) for h in ("x-fleetwarden-weight-version",
+                                                       "x-fleetwarden-shard"))
+                    return (body["choices"][0]["text"], None if v is None else int(v),
+                            None if s is None else int(s), sent, time.time())
                 assert r.status in (409, 503), body
             await asyncio.sleep(0.05)
         raise AssertionError(f"no answer to {prompt!r}")
-
-    direct: list[float] = []  # latencies straight to an engine: no fleetwarden, no load
-    bad_s: list[float] = []  # the bad load's time, then the good one's after it
-    killed: dict[str, Any] = {}  # the killed engine's outcome in the last load
 
     async def kill_when_paused(http: aiohttp.ClientSession, url: str, pid: int,
                                loading: asyncio.Future[Any]) -> str:
@@ -700,6 +729,7 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
                         break
             await asyncio.sleep(0.005)
         os.killpg(pid, signal.SIGKILL)
+        killed["at"] = time.time()
         return when
 
     async def reference(http: aiohttp.ClientSession) -> dict[str, str]:
@@ -707,78 +737,129 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
         said: dict[str, dict[str, str]] = {}
         for url in urls:
             for p in prompts:
-                text, _, sent, answered = await complete(http, url, p)
+                text, _, _, sent, answered = await complete(http, url, p)
                 said.setdefault(url, {})[p] = text
                 direct.append(answered - sent)
         assert all(s == said[urls[0]] for s in said.values()), said
         return said[urls[0]]
 
-    Rollout = tuple[str, str, int | None, float, bool]  # prompt, text, named, latency, in a load
-
-    async def loop() -> tuple[dict[int, dict[str, str]], list[Rollout], list[dict[str, Any]]]:
-        refs: dict[int, dict[str, str]] = {}  # by checkpoint (0: the base model)
-        rollouts: list[Rollout] = []
-        loads = []
-        # The engines want their key, asked directly (the references) or through the router,
-        # which passes the client's Authorization on.
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), headers={
-                "Authorization": f"Bearer {ENGINE_KEY}"}) as http:
-            refs[0] = await reference(http)
-            for version, key in key_of.items():
-                tasks = [asyncio.ensure_future(complete(http, fleet.router, p))
-                         for p in prompts * 2]
-                await asyncio.sleep(0.05 * (version % 3))  # rollouts in flight as it starts
-                began = time.monotonic()
-                if version == bad_at:
-                    t0 = time.monotonic()
-                    bad = await asyncio.to_thread(fleet.client.refit_from,
-                                                  str(paths[0] / "not-there"), version)
-                    bad_s.append(time.monotonic() - t0)
-                    assert bad["credited"] == [] and all(
-                        not e["took"] and e["state"] == "STALE"
-                        and "reload_weights" in e["error"] for e in bad["engines"]), bad
-                    states = {s["state"] for s in fleet.client.shards()}
-                    assert states == {"STALE"}, states  # nothing serves those weights
-                t0 = time.monotonic()
-                done = await asyncio.to_thread(fleet.client.refit_from, str(paths[key]),
-                                               version)
-                if version == bad_at:
-                    bad_s.append(time.monotonic() - t0)
-                loads.append(done)
-                assert done["credited"] == [0, 1] and all(
-                    e["took"] and e["confirmed"] for e in done["engines"]), done
-                for p, (text, named, sent, answered) in zip(
-                        prompts * 2, await asyncio.gather(*tasks), strict=True):
-                    rollouts.append((p, text, named, answered - sent, answered > began))
-                if key not in refs:
-                    refs[key] = await reference(http)
-            faulted.add(1)
-            victim = fleet.client.shards()[1]
+    async def refit(http: aiohttp.ClientSession, version: int, key: int) -> dict[str, Any]:
+        """The trainer's sync of ``version`` (the bad path first at ``bad_at``; shard 1
+        killed in it at ``kill_at``): checked, and kept with its times."""
+        if version == bad_at:
             t0 = time.monotonic()
-            loading = asyncio.ensure_future(asyncio.to_thread(
-                fleet.client.refit_from, str(paths[0]), first + 10))
-            when = await kill_when_paused(http, urls[1], victim["pid"], loading)
-            back = await loading
-            outcome = next(e for e in back["engines"] if e["shard"] == 1)
-            killed.update(killed=when, load_s=time.monotonic() - t0, **outcome)
-            assert 0 in back["credited"] and (1 not in back["credited"]) == bool(
-                outcome["error"]), back
-            if when != "after its load":
-                assert 1 not in back["credited"] and not outcome["took"], back
+            bad = await asyncio.to_thread(fleet.client.refit_from,
+                                          str(paths[0] / "not-there"), version)
+            bad_s.append(time.monotonic() - t0)
+            assert bad["credited"] == [] and all(
+                not e["took"] and e["state"] == "STALE"
+                and "reload_weights" in e["error"] for e in bad["engines"]), bad
+            states = {s["state"] for s in fleet.client.shards()}
+            assert states == {"STALE"}, states  # nothing serves those weights
+        if version == kill_at:
+            faulted.add(1)
+            killed["pid"] = fleet.client.shards()[1]["pid"]
+        began = time.time()
+        loading = asyncio.ensure_future(asyncio.to_thread(
+            fleet.client.refit_from, str(paths[key]), version))
+        if version == kill_at:
+            killed["killed"] = await kill_when_paused(http, urls[1], killed["pid"], loading)
+        done = await loading
+        loads.append((began, time.time(), done))
+        if version == bad_at:
+            bad_s.append(time.time() - began)
+        if version == kill_at:
+            outcome = next(e for e in done["engines"] if e["shard"] == 1)
+            killed.update(load_s=time.time() - began, **outcome)
+            assert 0 in done["credited"] and (1 not in done["credited"]) == bool(
+                outcome["error"]), done
+            if killed["killed"] != "after its load":
+                assert 1 not in done["credited"] and not outcome["took"], done
             # Gone from routing within a few probes, whatever the load was told.
             deadline = time.monotonic() + 30
             while fleet.client.shards()[1]["state"] in ("HEALTHY", "SUSPECT"):
                 assert time.monotonic() < deadline, fleet.client.shards()
                 await asyncio.sleep(0.1)
             killed["state_after"] = fleet.client.shards()[1]["state"]
-            urls[1:] = []  # the base model's answers again, from the engine left
-            assert await reference(http) == refs[0]
-            after = await asyncio.gather(*(complete(http, fleet.router, p) for p in prompts))
-            assert all(t == refs[0][p] and v == first + 10
-                       for p, (t, v, _, _) in zip(prompts, after, strict=True)), after
-        return refs, rollouts, loads
+        else:
+            # Every participant took it and confirmed it: shard 0, and shard 1 whenever it
+            # has a process (before the kill, and back, STALE or caught up already).
+            assert 0 in done["credited"] and done["credited"] == sorted(
+                e["shard"] for e in done["engines"]) and all(
+                e["took"] and e["confirmed"] for e in done["engines"]), done
+        return done
 
-    refs, rollouts, loads = asyncio.run(loop())
+    def way_back() -> tuple[list[dict[str, Any]], float | None]:
+        """Shard 1's transitions since the loop began, and when its new process was first
+        routable again (None: not yet)."""
+        story, since = [], seq
+        while page := fleet.client.transitions(since):
+            story += [t for t in page if t["shard"] == 1]
+            since = page[-1]["seq"]
+        up = next((k for k, t in enumerate(story) if t["event"] == "loaded"), None)
+        routed = None if up is None else next(
+            (t["wall"] for t in story[up:] if t["to"] in ("HEALTHY", "SUSPECT")), None)
+        return story, routed
+
+    async def hold(http: aiohttp.ClientSession) -> list[Rollout]:
+        """The trainer holds its next load while shard 1's new process waits in STALE: the
+        rollouts go on through the router until its catch-up has loaded and confirmed it,
+        and one batch more (which may reach it)."""
+        held: list[Rollout] = []
+        deadline = time.monotonic() + REFIT_CATCH_UP_LIMIT_S
+        while True:
+            confirmed = way_back()[1]
+            for p, (text, named, shard, sent, answered) in zip(prompts, await asyncio.gather(
+                    *(complete(http, fleet.router, p) for p in prompts)), strict=True):
+                held.append((p, text, named, shard, sent, answered, False))
+            if confirmed is not None:
+                killed["held_s"] = held[-1][5] - held[0][4]
+                return held
+            assert time.monotonic() < deadline, (way_back()[0], fleet.client.shards())
+
+    async def loop() -> tuple[dict[int, dict[str, str]], list[Rollout]]:
+        refs: dict[int, dict[str, str]] = {}  # by checkpoint (0: the base model)
+        rollouts: list[Rollout] = []
+        # The engines want their key, asked directly (the references) or through the router,
+        # which passes the client's Authorization on.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), headers={
+                "Authorization": f"Bearer {ENGINE_KEY}"}) as http:
+            refs[0] = await reference(http)
+            version, last = first, False
+            while True:
+                story, confirmed = way_back() if version > kill_at else ([], None)
+                if confirmed is None and any(t["event"] == "loaded" for t in story):
+                    rollouts += await hold(http)  # it is back: caught up, not next step
+                    confirmed = way_back()[1]
+                served = confirmed is not None and any(
+                    r[3] == 1 and r[4] > confirmed for r in rollouts)
+                last = version - first >= 10 and served
+                key = 0 if last else 1 + (version - first) % 2
+                key_of[version] = key
+                tasks = [asyncio.ensure_future(complete(http, fleet.router, p))
+                         for p in prompts * 2]
+                await asyncio.sleep(0.05 * (version % 3))  # rollouts in flight as it starts
+                began = time.time()
+                await refit(http, version, key)
+                for p, (text, named, shard, sent, answered) in zip(
+                        prompts * 2, await asyncio.gather(*tasks), strict=True):
+                    rollouts.append((p, text, named, shard, sent, answered, answered > began))
+                if key not in refs:
+                    refs[key] = await reference(http)
+                if last:
+                    break
+                assert "at" not in killed or time.time() - killed["at"] < \
+                    REFIT_COMEBACK_LIMIT_S, (way_back()[0], fleet.client.shards())
+                if version > kill_at and confirmed is None:
+                    await asyncio.sleep(REFIT_TRAIN_S)
+                version += 1
+            # Both engines straight, the restarted one at its new address: the base model.
+            urls[:] = [s["base_url"] for s in fleet.client.shards()]
+            assert await reference(http) == refs[0]
+        return refs, rollouts
+
+    refs, rollouts = asyncio.run(loop())
+    whole(fleet)
     # Answers differ by checkpoint, on every prompt: a text names the checkpoint behind it.
     assert all(len({refs[k][p] for k in refs}) == len(refs) for p in prompts), refs
 
@@ -789,16 +870,35 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
                         min(len(a), len(b)))
         return max(refs, key=lambda k: shared(refs[k][prompt], text))
 
-    mislabeled = [(p, t, v) for p, t, v, _, _ in rollouts
+    mislabeled = [(p, t, v) for p, t, v, *_ in rollouts
                   if v is None or produced_by(p, t) != key_of.get(v, 0)]
-    exact = sum(1 for p, t, v, _, _ in rollouts
-                if v is not None and refs[key_of.get(v, 0)][p] == t)
-    per_engine = [e["seconds"] for ld in loads for e in ld["engines"]]
-    during = [lat for *_, lat, in_load in rollouts if in_load]
-    print(f"\n10 loads on 2 real engines: {len(rollouts)} rollouts, none lost, {exact} exactly "
-          f"their checkpoint's greedy text, mislabeled {len(mislabeled)}, from a STALE engine 0 "
-          f"(none left STALE); a load took {statistics.mean(ld['seconds'] for ld in loads):.2f}"
-          f" s mean (max {max(ld['seconds'] for ld in loads):.2f}); per engine "
+    exact = sum(1 for p, t, v, *_ in rollouts if v is not None and refs[key_of.get(v, 0)][p] == t)
+    # Shard 1's way back: killed, restarted (its new process answered /health: "loaded"),
+    # STALE until its load was confirmed, never routable before.
+    story, confirmed = way_back()
+    seen = [(t["to"], t["event"], round(t["wall"] - killed["at"], 1)) for t in story
+            if t["wall"] >= killed["at"]]
+    up = next(t for t in story if t["event"] == "loaded" and t["wall"] >= killed["at"])
+    routed = next(t for t in story if t["wall"] > up["wall"] and t["to"] in ("HEALTHY",
+                                                                               "SUSPECT"))
+    assert up["to"] == "STALE" and routed["event"] == "refit", seen
+    assert confirmed == routed["wall"]
+    # Loaded with the fleet's version then: the last load done, or the one under way.
+    current = {max(d["version"] for _, e, d in loads if e <= routed["wall"] and d["credited"])}
+    current |= {d["version"] for b, e, d in loads if b <= routed["wall"] <= e}
+    assert routed["record"]["weight_version"] in current, (routed, current)
+    by = next((f"the trainer's load of version {d['version']}" for b, e, d in loads
+               if b <= routed["wall"] <= e and 1 in d["credited"]), "its catch-up load")
+    kill_began = next(b for b, _, d in loads if d["version"] == kill_at)
+    from_stale = [r for r in rollouts if r[3] == 1 and r[4] > kill_began and r[5] < routed["wall"]]
+    after = [r for r in rollouts if r[3] == 1 and r[4] > routed["wall"]]
+    per_engine = [e["seconds"] for _, _, d in loads for e in d["engines"]]
+    during = [r[5] - r[4] for r in rollouts if r[6]]
+    print(f"\n{len(loads)} loads on 2 real engines: {len(rollouts)} rollouts, lost 0, "
+          f"{exact} exactly their checkpoint's greedy text, mislabeled {len(mislabeled)}, "
+          f"from a STALE engine {len(from_stale)}; a load took "
+          f"{statistics.mean(d['seconds'] for *_, d in loads):.2f} s mean (max "
+          f"{max(d['seconds'] for *_, d in loads):.2f}); per engine "
           f"{statistics.median(per_engine) * 1000:.0f} ms p50, {max(per_engine) * 1000:.0f} ms "
           f"max; rollouts answered during a load ({len(during)}): latency p50 "
           f"{statistics.median(during) if during else 0:.2f} s, max "
@@ -806,5 +906,24 @@ def test_real_vllm_refit_from_loads_each_checkpoint_and_every_answer_names_it(
           f"({len(direct)}): p50 {statistics.median(direct):.2f} s, max {max(direct):.2f} s")
     print(f"the bad path: refused by both engines in {bad_s[0]:.2f} s; the good load after it "
           f"{bad_s[1]:.2f} s, both confirmed")
-    print(f"shard 1's engine killed in the last load: {killed}")
+    print(f"shard 1's engine killed in the load of version {kill_at}: {killed}")
+    told: list[tuple[int, int, str]] = []  # (first version, last version, what it said)
+    for d in (d for b, _, d in loads if b > kill_began):
+        said = next(("credited" if 1 in d["credited"] else e["state"]
+                     for e in d["engines"] if e["shard"] == 1), "not a participant")
+        if told and told[-1][2] == said:
+            told[-1] = (told[-1][0], d["version"], said)
+        else:
+            told.append((d["version"], d["version"], said))
+    print("shard 1 in the trainer's loads after it, as each load's outcome named it: " + ", ".join(
+        f"versions {a}-{b}: {said}" for a, b, said in told))
+    print(f"shard 1's way back, seconds from the kill: {seen}; its new process answered "
+          f"/health {up['wall'] - killed['at']:.1f} s after the kill and was confirmed "
+          f"{routed['wall'] - up['wall']:.2f} s later, as version "
+          f"{routed['record']['weight_version']}, by {by}; answers from it before: "
+          f"{len(from_stale)}, after: {len(after)}, each its checkpoint's greedy text: "
+          f"{all(refs[key_of[r[2]]][r[0]] == r[1] for r in after if r[2] is not None)}")
     assert mislabeled == [], mislabeled[:5]
+    assert from_stale == [], from_stale
+    assert after and all(r[2] is not None and refs[key_of[r[2]]][r[0]] == r[1]
+                         for r in after), after
