@@ -8,7 +8,7 @@ front of them in turn, one run:
   watches the engines and pushes each one's incarnation, so it sees the restart below);
 - fleetwarden ``cache_aware`` under ``fleetwarden route`` (no controller: the policy alone,
   in the same process layout as the next; it is told of no restart);
-- fleetwarden ``least_in_flight`` (``fleetwarden route``: the default policy);
+- fleetwarden ``least_in_flight`` (``fleetwarden route --routing least_in_flight``);
 - sglang-router 0.3.2 ``cache_aware`` and ``round_robin`` (installed on first use into its own
   virtual environment, bench/_peers.py).
 

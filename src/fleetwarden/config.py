@@ -26,7 +26,7 @@ import string
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self, cast
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -435,7 +435,10 @@ class RouterConfig(_Section):
     session_header: str | None = _ROUTER.session_header
     affinity_load_factor: Annotated[float, Field(ge=1)] = _ROUTER.affinity_load_factor
     affinity_virtual_nodes: PositiveInt = _ROUTER.affinity_virtual_nodes
-    routing: Literal["cache_aware", "least_in_flight"] = "least_in_flight"
+    # Its default, and the reason for it, in router/settings.py (the choices are checked
+    # against the router's own list by the config tests).
+    routing: Literal["cache_aware", "least_in_flight"] = cast(
+        Literal["cache_aware", "least_in_flight"], _ROUTER.routing)
     cache_ttl_s: PositiveFloat = _ROUTER.cache_ttl_s
     cache_max_blocks: PositiveInt = _ROUTER.cache_max_blocks
     cache_threshold: Annotated[float, Field(ge=0, lt=1)] = _ROUTER.cache_threshold

@@ -45,7 +45,11 @@ ENGINES = "llama.cpp"
 def fleet(llama_server: Path, tiny_gguf: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     toml = fleet_toml(llamacpp_engine_command(llama_server, tiny_gguf), llamacpp_engine_env(),
-                      0, 0, startup_timeout_s=30.0, stop_grace_s=2.0)
+                      0, 0, startup_timeout_s=30.0, stop_grace_s=2.0,
+                      # least in flight: the fault scenarios strike a chosen shard under a
+                      # load of one repeated prompt, which cache-aware routing deliberately
+                      # stacks on one engine (an RL group's siblings); the point is the faults
+                      routing="least_in_flight")
     with up_fleet(tmp_path_factory.mktemp("llama-fleet"), toml, start_timeout_s=60,
                   stop_timeout_s=60) as up:
         whole(up, 60)

@@ -9,6 +9,7 @@ at a 0.5 s tick, two good metrics reads would otherwise lift it within a second.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -255,9 +256,13 @@ async def test_every_rollout_names_its_weights_and_a_minimum_version_is_kept(
         client = openai.AsyncOpenAI(base_url=f.router_url + "/v1", api_key="unused",
                                     max_retries=0)
         try:
+            sent = itertools.count()
+
             async def rollout(**headers: str) -> tuple[str, str]:
+                # a prompt of its own each (one prompt repeated is an RL group, which the
+                # default cache-aware routing keeps on one engine): they spread by load
                 raw = await client.completions.with_raw_response.create(
-                    model="tiny", prompt="hi", max_tokens=2,
+                    model="tiny", prompt=f"hi {next(sent)}", max_tokens=2,
                     extra_headers={k.replace("_", "-"): v for k, v in headers.items()})
                 return (raw.headers["x-fleetwarden-weight-version"],
                         raw.headers["x-fleetwarden-shard"])

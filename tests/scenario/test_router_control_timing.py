@@ -40,14 +40,16 @@ async def test_fleetwarden_route_serves_a_static_list_and_its_control_api(
         url = listening.split(" on ", 1)[1].split(",")[0]
         control = control_line.rsplit(" ", 1)[1].strip()
         async with aiohttp.ClientSession() as http:
-            for _ in range(4):
+            # A prompt of its own each: the default cache-aware routing spreads them by load
+            # (one prompt repeated is an RL group, kept on one engine).
+            for i in range(4):
                 async with http.post(url + "/v1/completions",
-                                     json={"model": "tiny", "prompt": "hi"}) as response:
+                                     json={"model": "tiny", "prompt": f"hi {i}"}) as response:
                     assert response.status == 200
             await engines[1].crash()  # static list, no health management: retries cover it
-            for _ in range(4):
+            for i in range(4, 8):
                 async with http.post(url + "/v1/completions",
-                                     json={"model": "tiny", "prompt": "hi"}) as response:
+                                     json={"model": "tiny", "prompt": f"hi {i}"}) as response:
                     assert response.status == 200
         assert engines[0].answered == 6
         async with RemoteRouter(control, token_file.read_text().strip()) as remote:

@@ -57,7 +57,9 @@ async def test_twenty_thousand_requests_through_a_failing_wedging_recovering_eng
             path = "/v1/chat/completions" if stream else "/v1/completions"
             payload = ({"model": "tiny", "messages": [], "stream": True, "max_tokens": 16}
                        if stream
-                       else {"model": "tiny", "prompt": "hello", "max_tokens": 8})
+                       # a prompt of its own, as distinct clients': the default routing
+                       # places distinct prompts by load (one prompt repeated it keeps home)
+                       else {"model": "tiny", "prompt": f"hello {issued}", "max_tokens": 8})
             try:
                 async with http.post(router.url + path, json=payload) as response:
                     body = await response.read()

@@ -63,6 +63,10 @@ class RawEngine:
     received: list[Received] = field(default_factory=list)
     #: Connections that ended (the router closed or reset them).
     disconnects: int = 0
+    #: The router's reads of ``/kv_event_sources`` (cache-aware routing asks each engine once
+    #: where it publishes its KV events): answered 404 and counted here alone, not in
+    #: ``received``, so that what a test reads there is what its clients sent.
+    kv_sources_read: int = 0
     server: asyncio.Server | None = None
 
     @property
@@ -85,6 +89,11 @@ class RawEngine:
                 request = Received(head, b"")
                 length = int(request.headers.get(b"content-length", b"0"))
                 request.body = await reader.readexactly(length) if length else b""
+                if head.startswith(b"GET /kv_event_sources "):  # publishes none
+                    self.kv_sources_read += 1
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
                 self.received.append(request)
                 if not await self.script(request, writer):
                     break

@@ -21,12 +21,18 @@ class Rig:
     router: Router
     engines: list[ScriptedEngine]
     http: aiohttp.ClientSession
+    #: Default requests sent so far: each one's prompt is its own ("hello 1", "hello 2"...),
+    #: as distinct clients' are, so that cache-aware routing (the default) places them by
+    #: load as least in flight does. One prompt repeated is an RL group, kept on one engine
+    #: on purpose: a test about that names its payload.
+    sent: int = 0
 
     async def post(self, path: str = "/v1/completions", payload: Any = None,
                    **kwargs: Any) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:
         """POST through the router; (status, headers, body)."""
         if payload is None and "data" not in kwargs:
-            payload = {"model": "tiny", "prompt": "hello", "max_tokens": 8}
+            self.sent += 1
+            payload = {"model": "tiny", "prompt": f"hello {self.sent}", "max_tokens": 8}
         url = URL(self.router.url + path, encoded=True)  # the path exactly as written
         async with self.http.post(url, json=payload, **kwargs) as response:
             return response.status, response.headers, await response.read()

@@ -71,6 +71,10 @@ class ScriptedEngine:
 
     received: int = 0  # requests that reached the handler
     answered: int = 0  # requests answered (any status)
+    #: The router's reads of ``/kv_event_sources`` (cache-aware routing asks each engine once
+    #: per incarnation where it publishes its KV events): counted here alone, not as requests,
+    #: so that what a test counts is what it sent, whenever the read happens to land.
+    kv_sources_read: int = 0
     held: int = 0  # requests being held by a wedge right now
     cancelled: int = 0  # held requests whose connection the router closed
     seen: list[Seen] = field(default_factory=list)
@@ -145,6 +149,9 @@ class ScriptedEngine:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        if request.path == "/kv_event_sources":  # a scripted engine publishes none
+            self.kv_sources_read += 1
+            return web.Response(status=404)
         self.received += 1
         if self.keep_seen:
             self.seen.append(Seen(request.method, request.raw_path,

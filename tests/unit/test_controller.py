@@ -459,8 +459,15 @@ async def test_a_window_drained_after_a_failed_probe_lifts_no_suspicion_it_may_p
         assert ledger.state(1) is S
         # A completion in a window of its own, after the failure: that one lifts it.
         reads.by_url[bad.url] = STALLED_REPORT  # its reads prove nothing either way
-        r.router.set_serving_backends([bad.url])
-        assert (await r.post())[0] == 200
+        # The controller's own pushes put the good engine back beside it, and where a request
+        # then goes is the policy's choice: sent until one is answered there (bounded).
+        answered = bad.answered
+        for _ in range(20):
+            r.router.set_serving_backends([bad.url])
+            assert (await r.post())[0] == 200
+            if bad.answered > answered:
+                break
+        assert bad.answered > answered, "no request answered on the suspect engine"
         await c.tick()
         assert ledger.state(1) is H
         await c.close()
@@ -863,7 +870,11 @@ async def test_a_router_in_another_process_reports_a_silent_request_before_the_n
             across_processes(r) as (c, _):
         _good, bad = r.engines
         bad.wedge()
-        held = [asyncio.create_task(r.post()) for _ in range(2)]  # one lands on each
+        # One lands on each: two prompts (one prompt twice at once is an RL group's pair,
+        # which cache-aware routing keeps on one engine).
+        held = [asyncio.create_task(r.post(payload={"model": "tiny", "prompt": p,
+                                                    "max_tokens": 8}))
+                for p in ("hello", "world")]
         await until(lambda: c.focus_started.get("silent requests", 0) >= 1,
                     what="accused for a request silent 0.3 s")
         assert c.tick_number == 1

@@ -273,7 +273,10 @@ async def test_a_new_url_pushed_is_served() -> None:
 
 @pytest.mark.parametrize("fault", ["refused", "reset", "timeout", "server_error"])
 async def test_a_failed_request_is_retried_on_another_backend(fault: str) -> None:
-    async with rig(2, backend_timeout_s=0.3) as r:
+    # Least in flight pinned: the counts below are its rotating ties (cache-aware routing
+    # breaks ties by the blocks each engine holds instead, and a retried request leaves its
+    # prompt on the engine that answered it).
+    async with rig(2, backend_timeout_s=0.3, routing="least_in_flight") as r:
         good, bad = r.engines
         if fault == "refused":
             await bad.crash()
@@ -433,7 +436,8 @@ ABORTED = Capture.load("completions-aborted.http")
 
 
 async def test_a_generation_the_engine_aborted_is_re_sent_like_a_5xx() -> None:
-    async with rig(2) as r:
+    # Least in flight pinned: the counts below are its rotating ties, as above.
+    async with rig(2, routing="least_in_flight") as r:
         _good, bad = r.engines
         bad.answer(ABORTED)
         answers = [await r.post() for _ in range(4)]
@@ -1034,7 +1038,10 @@ async def test_streaming_passes_through_with_the_openai_client() -> None:
 
 
 async def test_session_affinity_keeps_a_session_on_one_engine() -> None:
-    async with rig(3) as r:
+    # Least in flight pinned: this is its session ring, which keeps a session home whatever
+    # its prompts (cache-aware routing takes a session as a hint only where its home holds
+    # some of the prompt: test_router_affinity.py).
+    async with rig(3, routing="least_in_flight") as r:
         homes = set()
         for _ in range(6):
             before = [e.received for e in r.engines]
@@ -1256,7 +1263,7 @@ async def test_a_minimum_weight_version_is_never_served_by_an_engine_behind_it()
         assert new.answered == 6 and old.received == 0 and unknown.received == 0
         for _ in range(3):  # without the demand, everyone serves
             assert (await r.post())[0] == 200
-        assert old.received == 1 and unknown.received == 1
+        assert old.received >= 1 and unknown.received >= 1
 
         # None qualifies: answered deliberately, never sent anywhere, never a 504
         received = [e.received for e in r.engines]
@@ -1267,15 +1274,16 @@ async def test_a_minimum_weight_version_is_never_served_by_an_engine_behind_it()
         assert error["min_weight_version"] == 6 and error["serving_versions"] == [4, 5]
         assert "version 6" in str(error["message"])
         assert [e.received for e in r.engines] == received
-        assert r.router.drain_outcomes() == {old.url: (1, 0, 0), new.url: (7, 0, 0),
-                                             unknown.url: (1, 0, 0)}  # nobody failed
+        assert r.router.drain_outcomes() == {  # nobody failed
+            e.url: (e.received, 0, 0) for e in r.engines}
 
         # The one qualifying engine fails: the retry never falls back to older weights, and
         # for this request no backend is left
+        others = (old.received, unknown.received)
         await new.crash()
         status, _, body = await r.post(headers=demand)
         assert status == 409 and error_of(body)["cause"] == "refused"
-        assert old.received == 1 and unknown.received == 1
+        assert (old.received, unknown.received) == others
 
         for bad in ("-1", "five", "1.5", "", "²"):
             status, _, body = await r.post(headers={"x-fleetwarden-min-weight-version": bad})

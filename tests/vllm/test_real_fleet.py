@@ -74,7 +74,12 @@ def fleet(vllm_python: Path, tiny_model_dir: Path,
                       # a start beside a loaded engine on 2 cores: 130-140 s measured under
                       # a trickle of load with other work on the machine (three processes,
                       # each importing vLLM: the CPU platform spawns)
-                      startup_timeout_s=300)
+                      startup_timeout_s=300,
+                      # least in flight: the fault scenarios strike a chosen shard under a
+                      # load of one repeated prompt, which cache-aware routing deliberately
+                      # stacks on one engine (an RL group's siblings), so a shard could be
+                      # struck while its twin holds the load; this tier's point is the faults
+                      routing="least_in_flight")
     with up_fleet(tmp_path_factory.mktemp("real-fleet"), toml, start_timeout_s=300,
                   stop_timeout_s=180, env=KEYED, client_key=ENGINE_KEY) as up:
         yield up

@@ -96,15 +96,17 @@ class RouterSettings:
     affinity_virtual_nodes: int = 64
     #: How a new request picks its engine: ``cache_aware`` (router/affinity.py: the engine
     #: that likely holds the prompt's prefix in its KV cache, within a load guard; RL groups
-    #: kept together; sessions as hints) or ``least_in_flight`` (fewest requests in flight,
-    #: plus the session ring above). least_in_flight by default for now: cache_aware
-    #: deliberately stacks identical requests (an RL group's siblings) on one engine, which
-    #: changes what every existing deployment (and test) sees. Its hit rate is the higher
-    #: where prompts share prefixes (BENCHMARKS.md, "Cache-aware by KV events beside the
-    #: guess": 0.82-0.85 against 0.56 on simulated engines; 0.77 against 0.63 on two real
-    #: vLLM engines), and by KV events it keeps it with 2 and 4 router workers; the switch
-    #: waits for a run of the whole suite under it.
-    routing: str = "least_in_flight"
+    #: kept together; sessions as hints; least in flight where nothing is cached) or
+    #: ``least_in_flight`` (fewest requests in flight, plus the session ring above).
+    #: cache_aware by default: where prompts share prefixes its hit rate is the higher, and
+    #: where they do not it places as least_in_flight does. Measured (BENCHMARKS.md,
+    #: "Cache-aware by KV events beside the guess"; ``bench/cache.py --events --seeds 3``):
+    #: 0.82-0.85 against 0.56 on four simulated engines; 0.77 against 0.63 on two real vLLM
+    #: engines (tests/vllm/test_real_cache.py), and by KV events it keeps that with 2 and 4
+    #: router workers. Its load guard (``cache_balance_abs``, ``cache_balance_rel``) keeps a
+    #: hot prefix from stacking one engine while others idle; an RL group's siblings share
+    #: one engine up to ``rl_group_per_engine`` by design.
+    routing: str = "cache_aware"
     #: How long the router takes an engine to keep a prefix it sent there, after its last
     #: use. 120 s: an engine under steady load evicts within minutes (sglang-router evicts
     #: its tree every 120 s); a prefix believed held too long costs only a miss.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import statistics
 import time
@@ -37,6 +38,8 @@ _LIMITS = type(DEFAULT_CONNECTION_LIMITS)(
     max_connections=DEFAULT_CONNECTION_LIMITS.max_connections,
     max_keepalive_connections=DEFAULT_CONNECTION_LIMITS.max_keepalive_connections,
     keepalive_expiry=4.0)
+#: Each Load's number in this process: its prompts are its own (``Load.numbered``).
+_LOADS = itertools.count(1)
 
 __all__ = ["Load", "RequestResult"]
 
@@ -68,6 +71,12 @@ class Load:
     seed: int = 0
     model: str = "tiny"
     prompt: str = "hello"
+    #: Each request's prompt is ``prompt``, this load's number in the process and the
+    #: request's ("hello 3.17"), as distinct clients' are: cache-aware routing (the default)
+    #: then places them by load, and a later load's prompts are new too. False: the same
+    #: ``prompt`` every time, which that routing keeps where its cache is (one engine, or a
+    #: few in a large fleet), as it does an RL group's siblings.
+    numbered: bool = True
     #: Streamed completions, with usage: a stream counts as answered only when it is whole
     #: (one chunk per token, as vLLM and the simulator send them, plus llama.cpp's closing
     #: chunk without text; a finish; the usage's count of tokens equal to the chunks of tokens
@@ -91,6 +100,7 @@ class Load:
     api_key: str = field(default="none", repr=False)
     results: list[RequestResult] = field(default_factory=list)
     _sent: int = 0
+    _serial: int = field(default_factory=lambda: next(_LOADS))
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -126,13 +136,15 @@ class Load:
             if self.total is not None and self._sent >= self.total:
                 return
             self._sent += 1
-            result = await self._one(f"{self.id_prefix}{self._sent}")
+            prompt = (f"{self.prompt} {self._serial}.{self._sent}" if self.numbered
+                      else self.prompt)
+            result = await self._one(f"{self.id_prefix}{self._sent}", prompt)
             pause = self.think_s + (0.0 if result.ok else self.pause_after_failure_s)
             if pause:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), pause)
 
-    async def _one(self, request_id: str) -> RequestResult:
+    async def _one(self, request_id: str, prompt: str) -> RequestResult:
         max_tokens = (self._rng.randint(*self.max_tokens_range)
                       if self.max_tokens_range is not None else self.max_tokens)
         started = time.monotonic()
@@ -141,7 +153,7 @@ class Load:
             headers = {"x-request-id": request_id}
             if self.stream:
                 stream = await self._client.completions.create(
-                    model=self.model, prompt=self.prompt, max_tokens=max_tokens,
+                    model=self.model, prompt=prompt, max_tokens=max_tokens,
                     stream=True, stream_options={"include_usage": True},
                     extra_headers=headers)
                 chunks, finish, usage, closing = 0, None, None, False
@@ -162,7 +174,7 @@ class Load:
                                   f"max_tokens {max_tokens}")
             else:
                 await self._client.completions.create(
-                    model=self.model, prompt=self.prompt, max_tokens=max_tokens,
+                    model=self.model, prompt=prompt, max_tokens=max_tokens,
                     extra_headers=headers)
         except openai.APIStatusError as exc:
             status, error = exc.status_code, str(exc)[:300]

@@ -99,12 +99,12 @@ class Figures:
 
 def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
                admin_port: int, *, engines: int = 2, startup_timeout_s: float = 180.0,
-               stop_grace_s: float = 10.0, routing: str = "least_in_flight",
+               stop_grace_s: float = 10.0, routing: str | None = None,
                api_key_env: str | None = None, api_key_file: str | None = None) -> str:
     """A fleet judged as a user's is: no ``[health]`` setting at all, so the tick, the stall
     limit and the canaries are the defaults. What is set is about the machine and the tier:
     ``startup_timeout_s`` and ``stop_grace_s`` (the caller's engines), the restart budget, and
-    ``routing``, the router's policy.
+    ``routing``, the router's policy (``None``: the default, as a user's fleet gets it).
 
     The budget: the default is 5 restarts per shard for the fleet's whole life, and one fleet
     serves a whole test module, which faults the same shard on purpose up to five times (a
@@ -112,6 +112,7 @@ def fleet_toml(engine_cmd: str, engine_env: dict[str, str], router_port: int,
     and fail the next test for a reason that is the tier's, not the judge's."""
     env = "\n".join(f'{k} = "{v}"' for k, v in engine_env.items())
     key = "" if api_key_env is None else f'api_key_env = "{api_key_env}"\n'
+    policy = "" if routing is None else f'routing = "{routing}"\n'
     if api_key_file is not None:
         key += f'api_key_file = "{api_key_file}"\n'
     return f"""
@@ -125,8 +126,7 @@ startup_timeout_s = {startup_timeout_s}
 
 [router]
 port = {router_port}
-routing = "{routing}"
-
+{policy}
 [admin]
 port = {admin_port}
 
