@@ -680,6 +680,8 @@ class Forwarder:
         attempt of ``backend`` (the caller knows no step is in progress there: a lost core);
         otherwise it only leaves this router's list until the next push (a long step looks the
         same as a wedge until it ends)."""
+        if not math.isfinite(held_s) or held_s < 0:
+            raise ValueError(f"held_s must be a finite number >= 0, got {held_s}")
         moved = self._move_streams(backend, held_s, lost_race_fails)
         waiting = self._waiting.get(backend)
         if not waiting:
