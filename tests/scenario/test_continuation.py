@@ -189,7 +189,7 @@ async def test_a_stream_on_a_wedged_engine_is_rescued_and_goes_on_elsewhere(
             url = holder(router)
             await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
             await asyncio.sleep(0.3)  # the stream hangs, as it would for backend_timeout_s
-            rescued.append(router.forwarder.rescue(url))  # the controller's call at condemnation
+            rescued.append(router.forwarder.waiting.rescue(url))  # the controller condemns it
 
         got = await read_stream(http, router.url, path, body, wedge_then_condemn)
         assert rescued == [1]
@@ -216,7 +216,7 @@ async def test_a_stream_on_a_wedge_is_held_there_and_continued_exactly(
             await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
             await until(lambda: url in router.silent_backends(0.3), what="the stream silent")
             held.append(router.silent_backends(0.3))
-            assert router.forwarder.hedge(url, 0.3) == 1
+            assert router.forwarder.waiting.hedge(url, 0.3) == 1
 
         got = await read_stream(http, router.url, path, body, wedge_then_hedge)
         assert len(held) == 1 and len(held[0]) == 1
@@ -240,7 +240,7 @@ async def test_a_slow_stream_that_progresses_is_never_held(http: aiohttp.ClientS
                 if any(router.in_flight().values()):
                     ages.extend(router.silent_backends(0.0).values())
                     silent.append(router.silent_backends(1.0))
-                    hedged.append(router.forwarder.hedge(holder(router), 1.0))
+                    hedged.append(router.forwarder.waiting.hedge(holder(router), 1.0))
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
@@ -467,7 +467,7 @@ async def test_a_non_streamed_answer_goes_on_elsewhere_and_keeps_vllms_shape(
                 await crash(sim)
             else:
                 await sim.set_fault(FaultMode.WEDGE)
-                assert router.forwarder.rescue(sim.url) == 1  # the controller condemns it
+                assert router.forwarder.waiting.rescue(sim.url) == 1  # the controller condemns it
 
         task = asyncio.create_task(cut()) if fault else None
         async with http.post(router.url + path, json=body) as r:
@@ -633,7 +633,7 @@ async def test_an_answer_whose_end_is_lost_after_a_weight_load_still_names_every
         headers = {FAULT_HEADER: directive, FAULT_ID_HEADER: f"lost-end-{directive}-{stream}"}
 
         async def load() -> None:  # the weights change under it (refit_from's keep pause)
-            await until(lambda: router.forwarder.weights_changing(url, 8) == 1)
+            await until(lambda: router.forwarder.waiting.weights_changing(url, 8) == 1)
 
         if stream:
             async def cut() -> None:

@@ -12,6 +12,7 @@ import aiohttp
 from yarl import URL
 
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.waiting import WaitingRequests
 from support import wait
 from support.scripted_engine import ScriptedEngine
 
@@ -21,6 +22,11 @@ class Rig:
     router: Router
     engines: list[ScriptedEngine]
     http: aiohttp.ClientSession
+
+    @property
+    def waiting(self) -> WaitingRequests:
+        """The router's waiting requests, where the controller's commands act."""
+        return self.router.forwarder.waiting
 
     async def post(self, path: str = "/v1/completions", payload: Any = None,
                    **kwargs: Any) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.ledger import Ledger
 from fleetwarden.router import Router, RouterSettings
-from fleetwarden.router.forward import Forwarder, _Failure
+from fleetwarden.router.exchange import Failure
+from fleetwarden.router.forward import Forwarder
 from fleetwarden.router.links import ControlError, RemoteRouter
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.retry import Cause
@@ -491,7 +492,7 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         parked = wedged.held
         assert parked >= 1
         r.router.set_serving_backends([good.url])  # the controller condemned it: a push...
-        assert r.router.forwarder.rescue(wedged.url) == parked  # ... then the rescue
+        assert r.waiting.rescue(wedged.url) == parked  # ... then the rescue
         statuses = [(await t)[0] for t in tasks]
         assert statuses == [200] * 6
         assert good.answered == 6
@@ -499,7 +500,7 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         assert r.router.in_flight() == {good.url: 0}
         assert r.router.stats.rescues == parked
         assert r.router.pool.drain_outcomes() == {good.url: (6, 0, 0)}  # a rescue is no failure
-        assert r.router.forwarder.rescue(wedged.url) == 0
+        assert r.waiting.rescue(wedged.url) == 0
 
 
 async def test_a_rescue_that_spares_streams_moves_only_what_has_not_begun() -> None:
@@ -545,7 +546,7 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step(
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.forwarder.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
+        assert r.waiting.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
         status, _, body = await task
         assert (status, body) == (200, COMPLETION.body)  # the second engine's answer
         assert good.answered == 1
@@ -560,7 +561,7 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step(
         assert r.router.pool.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
         assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
         assert r.router.serving_backends() == [good.url]
-        assert r.router.forwarder.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
+        assert r.waiting.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
 
 
 async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, bytes]],
@@ -570,7 +571,7 @@ async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, byte
     first.wedge()
     second.wedge()
     [task] = await _held_on(r, first)
-    assert r.router.forwarder.hedge(first.url, 0.0) == 1
+    assert r.waiting.hedge(first.url, 0.0) == 1
     await until(lambda: second.held == 1, what="the hedge in flight on the other engine")
     return task, first, second
 
@@ -578,7 +579,7 @@ async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, byte
 async def test_the_first_answer_wins_and_the_other_attempt_is_cancelled() -> None:
     async with rig(2, health_managed=True) as r:
         task, slow, other = await _hedge_in_flight(r)
-        assert r.router.forwarder.hedge(slow.url, 0.0) == 0  # hedged once, never twice
+        assert r.waiting.hedge(slow.url, 0.0) == 0  # hedged once, never twice
         slow.unwedge()  # a long step ends: the original answers first
         assert (await task)[0] == 200
         await until(lambda: other.cancelled == 1, what="the hedge cancelled")
@@ -596,10 +597,10 @@ async def test_a_rescue_of_the_hedged_engine_leaves_the_answer_to_its_hedge() ->
         spare.wedge()
         [task] = await _held_on(r, wedged)
         r.router.set_serving_backends([wedged.url, hedge.url])
-        assert r.router.forwarder.hedge(wedged.url, 0.0) == 1
+        assert r.waiting.hedge(wedged.url, 0.0) == 1
         await until(lambda: hedge.held == 1, what="the hedge in flight")
         r.router.set_serving_backends([hedge.url, spare.url])  # the wedge condemned...
-        assert r.router.forwarder.rescue(wedged.url) == 1  # ... its request moves on: to its hedge
+        assert r.waiting.rescue(wedged.url) == 1  # ... its request moves on: to its hedge
         await until(lambda: wedged.cancelled == 1, what="the original cancelled")
         hedge.unwedge()
         assert (await task)[0] == 200
@@ -614,7 +615,7 @@ async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
         slow.wedge()
         failing.answer_status(503)
         [task] = await _held_on(r, slow)
-        assert r.router.forwarder.hedge(slow.url, 0.0) == 1
+        assert r.waiting.hedge(slow.url, 0.0) == 1
         await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
                     what="the failed hedge gave its token back")
         assert failing.answered == 1 and not task.done()
@@ -645,10 +646,10 @@ async def test_a_hedge_cancelled_before_its_first_step_gives_its_token_and_slot_
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.forwarder.hedge(wedged.url, 0.0) == 1
+        assert r.waiting.hedge(wedged.url, 0.0) == 1
         assert r.router.pool.retry_budget.retries_in_flight == 1
         assert r.router.in_flight()[good.url] == 1  # counted on its engine as it is sent
-        [hedge] = r.router.forwarder._hedging.values()
+        [hedge] = r.waiting.hedging.values()
         hedge.cancel()
         await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
                     what="the token given back")
@@ -663,7 +664,7 @@ async def test_the_hedges_of_one_call_spread_over_the_other_engines() -> None:
         for engine in r.engines:
             engine.wedge()
         tasks = await _held_on(r, wedged, 4)
-        assert r.router.forwarder.hedge(wedged.url, 0.0) == 4
+        assert r.waiting.hedge(wedged.url, 0.0) == 4
         # Each hedge counts on its engine as it is sent: the next pick sees it.
         await until(lambda: (a.held, b.held) == (2, 2), what="two hedges on each")
         assert r.router.in_flight() == {wedged.url: 4, a.url: 2, b.url: 2}
@@ -679,12 +680,12 @@ async def test_what_is_never_hedged() -> None:
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.forwarder.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        assert r.waiting.hedge(wedged.url, 60.0) == 0  # not held that long yet
         # The fleet's retry budget is spent (0 here) while the engine still serves: a hedge
         # would add load. Out of the serving set, a hedge only moves its load: it is sent.
-        assert r.router.forwarder.hedge(wedged.url, 0.0) == 0
+        assert r.waiting.hedge(wedged.url, 0.0) == 0
         r.router.set_serving_backends([good.url])
-        assert r.router.forwarder.hedge(wedged.url, 0.0) == 1
+        assert r.waiting.hedge(wedged.url, 0.0) == 1
         assert (await task)[0] == 200
         assert r.router.stats.hedges == 1
 
@@ -701,8 +702,8 @@ async def test_a_stream_held_where_a_request_would_be_hedged_is_moved_not_hedged
         wedged, good = r.engines
         wedged.wedge()
         [streamed] = await _held_on(r, wedged, payload=STREAM)  # waiting for its head
-        assert r.router.forwarder.hedge(wedged.url, 60.0) == 0  # not held that long yet
-        assert r.router.forwarder.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
+        assert r.waiting.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        assert r.waiting.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
         status, _, body = await streamed
         assert (status, body) == (200, COMPLETION_STREAM.body)  # from the start, elsewhere
         await until(lambda: wedged.cancelled == 1, what="the engine saw it leave")
@@ -729,7 +730,7 @@ async def test_a_stream_whose_engine_stops_after_its_head_is_held_there_and_move
                     what="the stream reported silent")
         assert list(r.router.silent_backends(0.2)) == [stopped.url]
         assert r.router.in_flight()[stopped.url] == 1
-        assert r.router.forwarder.hedge(stopped.url, 0.2) == 1
+        assert r.waiting.hedge(stopped.url, 0.2) == 1
         status, _, body = await task
         assert (status, body) == (200, COMPLETION_STREAM.body)  # whole, once
         assert good.answered == 1
@@ -768,9 +769,9 @@ def test_a_lost_race_never_takes_the_last_backend_out() -> None:
     every request was answered 409 until the next push)."""
     pool = Pool(["http://a", "http://b"])
     forwarder = Forwarder(pool, RouterSettings(), RouterStats(), health_managed=True)
-    forwarder._lost_race(_Failure("http://a", Cause.HEDGED))
+    forwarder._lost_race(Failure("http://a", Cause.HEDGED))
     assert pool.serving == ("http://b",)  # the reflex, while another serves
-    forwarder._lost_race(_Failure("http://b", Cause.HEDGED))
+    forwarder._lost_race(Failure("http://b", Cause.HEDGED))
     assert pool.serving == ("http://b",)  # never the last
     assert forwarder.stats.backend_failures == {("http://a", "hedged"): 1,
                                                 ("http://b", "hedged"): 1}
@@ -788,7 +789,7 @@ async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None
             # No other engine to go on: moved, it could only end. It waits on, as a request
             # is not hedged where no other backend is left (a rescue at the condemnation
             # still ends it with why).
-            assert r.router.forwarder.hedge(engine.url, 0.2) == 0
+            assert r.waiting.hedge(engine.url, 0.2) == 0
             engine.unwedge()
             rest = await response.read()
         assert first + rest == COMPLETION_STREAM.body
@@ -825,7 +826,7 @@ async def test_a_stream_whose_client_does_not_read_is_not_held_on_its_engine() -
             # Held on its engine, it would count as silent from its last event on, and show
             # at any age asked down to 0 s: no wait is needed to see it.
             assert r.router.silent_backends(0.0) == {}
-            assert r.router.forwarder.hedge(engine.url, 0.0) == 0
+            assert r.waiting.hedge(engine.url, 0.0) == 0
         finally:
             writer.transport.abort()
 
@@ -856,7 +857,7 @@ async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued
         payload = {"model": "tiny", "messages": [], "stream": True}
         async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
             first = await response.content.readuntil(b"\n\n")  # the answer has begun
-            assert r.router.forwarder.rescue(engine.url) == 0  # its client has bytes: it stays
+            assert r.waiting.rescue(engine.url) == 0  # its client has bytes: it stays
             engine.unwedge()
             rest = await response.read()
         assert first + rest == CHAT_STREAM.body
@@ -879,7 +880,7 @@ async def test_rescue_reaches_a_begun_stream_which_ends_with_why_when_it_cannot_
         payload = {"model": "tiny", "messages": [], "stream": True}
         async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
             first = await response.content.readuntil(b"\n\n")  # the answer has begun
-            assert r.router.forwarder.rescue(engine.url) == 1  # a wedge must not hold it for 600 s
+            assert r.waiting.rescue(engine.url) == 1  # a wedge must not hold it for 600 s
             rest = await response.read()
         assert first == CHAT_STREAM.events()[0]  # the role chunk, as the engine sent it
         error = stream_error(rest)
@@ -1150,8 +1151,8 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         a.wedge()
         held = asyncio.create_task(r.post())
         await until(lambda: a.held == 1)
-        assert r.router.forwarder.weights_changing(a.url, 8) == 1
-        assert r.router.forwarder.weights_changing(a.url, 8) == 0  # marked once per version
+        assert r.waiting.weights_changing(a.url, 8) == 1
+        assert r.waiting.weights_changing(a.url, 8) == 0  # marked once per version
         a.unwedge()
         status, headers, _ = await held
         assert status == 200 and headers["x-fleetwarden-weight-versions"] == "7,8"
@@ -1164,7 +1165,7 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         async with r.http.post(r.router.url + "/v1/completions",
                                json={"model": "tiny", "prompt": "hi", "stream": True}) as resp:
             assert resp.headers["x-fleetwarden-weight-version"] == "7"  # its head went first
-            await until(lambda: r.router.forwarder.weights_changing(a.url, 8) == 1)
+            await until(lambda: r.waiting.weights_changing(a.url, 8) == 1)
             a.unwedge()
             events = [e for e in (await resp.read()).split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
@@ -1179,10 +1180,10 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         held = asyncio.create_task(r.post())
         await until(lambda: a.held + b.held == 1)
         loading, other = (a, b) if a.held else (b, a)
-        assert r.router.forwarder.weights_changing(loading.url, 10) == 1
+        assert r.waiting.weights_changing(loading.url, 10) == 1
         other.unwedge()
         r.router.set_serving_backends([other.url], {other.url: BackendFacts(1, 9)})
-        assert r.router.forwarder.rescue(loading.url) == 1
+        assert r.waiting.rescue(loading.url) == 1
         status, headers, _ = await held
         assert status == 200 and headers["x-fleetwarden-weight-version"] == "9"
         loading.unwedge()
@@ -1330,7 +1331,7 @@ async def test_backends_holding_silent_requests_are_named_with_their_oldest_wait
         assert list(r.router.silent_backends(silent[wedged.url])) == [wedged.url]  # at its age
         assert r.router.silent_backends(waited + TICK_S) == {}  # past any wait: not
         r.router.set_serving_backends([good.url])
-        r.router.forwarder.rescue(wedged.url)
+        r.waiting.rescue(wedged.url)
         assert [(await t)[0] for t in tasks] == [200] * 4
         assert r.router.silent_backends(0.0) == {}
 
@@ -1344,7 +1345,7 @@ async def test_a_backend_on_trial_takes_one_request_at_a_time() -> None:
         await until(lambda: good.answered + trial.held == 6, what="all 6 placed")
         assert trial.held == 1 and good.answered == 5
         r.router.set_serving_backends([good.url])
-        r.router.forwarder.rescue(trial.url)
+        r.waiting.rescue(trial.url)
         assert [(await t)[0] for t in tasks] == [200] * 6
 
 

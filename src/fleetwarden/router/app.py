@@ -6,7 +6,7 @@ Must not: decide health: a controller pushes the serving set; the router counts 
 It counts and obeys; it never decides health. A controller pushes the serving set
 (:meth:`Router.set_serving_backends`, the whole list every tick), drains what happened to the
 requests (its pool's ``drain_outcomes``), and moves requests off a backend it condemned
-(:meth:`Forwarder.rescue <fleetwarden.router.forward.Forwarder.rescue>`): the control
+(:meth:`WaitingRequests.rescue <fleetwarden.router.waiting.WaitingRequests.rescue>`): the control
 operations of :data:`~fleetwarden.router.ops.OPERATIONS`, each a row naming its call here. The
 same calls are served on an optional control port
 (:mod:`fleetwarden.router.control`), so one controller can drive several router processes.
@@ -167,7 +167,7 @@ class Router:
         engines the controller expects back soon; while it is not 0, a request that finds no
         backend waits for one (``comeback_wait_s``) instead of a 409 at once."""
         self.pool.replace(urls, facts)
-        self.forwarder.forget_idle(set(self.pool.serving))
+        self.forwarder.waiting.forget_idle(set(self.pool.serving))
         self.forwarder.sync_affinity()
         self.forwarder.forget_limits()
         self.forwarder.pushed(coming_back)
@@ -200,7 +200,7 @@ class Router:
     def silent_backends(self, after_s: float) -> dict[str, float]:
         """Backends holding a request that has received nothing for ``after_s`` seconds or
         more, with the oldest such wait: a wedge shows here before any timeout."""
-        return self.forwarder.silent(after_s)
+        return self.forwarder.waiting.silent(after_s)
 
     def serving_backends(self) -> list[str]:
         return list(self.pool.serving)

@@ -21,12 +21,12 @@ section 4):
   is held until the request ends: counted once another engine has answered the request, or
   when no other engine repeated it (:func:`~fleetwarden.router.pool.blamed_5xx`).
 * While a request waits on a backend with nothing sent to its client, the controller may
-  :meth:`Forwarder.rescue` it: it is cancelled there and re-sent elsewhere at once.
+  :meth:`WaitingRequests.rescue` it: it is cancelled there and re-sent elsewhere at once.
 * A request held on a backend is one that has received nothing from it: waiting for its head,
   or a stream with its head and no event since its send or its last event (a stream's head
-  comes at once; its tokens are the evidence). :meth:`Forwarder.silent` reports both alike, so
+  comes at once; its tokens are the evidence). :meth:`WaitingRequests.silent` reports both alike, so
   a stream parked on a wedge accuses its engine as fast as a request waiting there does.
-* The controller may also :meth:`Forwarder.hedge` a backend that holds requests while it takes
+* The controller may also :meth:`WaitingRequests.hedge` a backend that holds requests while it takes
   no step: each request waiting there long enough with nothing sent to its client is sent to
   another backend as well, and the first answer is the client's; the other attempt is
   cancelled (its engine sees the disconnect and aborts). The engine keeps its chance: a long
@@ -71,10 +71,11 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
+from fleetwarden.router.exchange import Exchange, Failure, Hold, Stream, Won, classify
 from fleetwarden.router.kv_events import KVEvents, Source, sources_of
 from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import (
@@ -105,7 +106,6 @@ from fleetwarden.router.settings import (
 from fleetwarden.router.splice import (
     ABORTED_ERROR,
     DONE,
-    Continuation,
     EngineLimits,
     EventAction,
     Splice,
@@ -117,12 +117,10 @@ from fleetwarden.router.stats import RouterStats
 from fleetwarden.router.upstream import (
     Address,
     Answer,
-    ConnectFailed,
-    ConnectTimeout,
-    LocalExhaustion,
     UpstreamClient,
     UpstreamError,
 )
+from fleetwarden.router.waiting import WaitingRequests
 
 __all__ = ["Forwarder", "error_response"]
 
@@ -174,118 +172,6 @@ _DESCRIPTIONS = {
 _ABORTED = re.compile(rb'"finish_reason":\s*"abort"')
 
 
-def _classify(exc: BaseException) -> Cause:
-    # Order matters: the connect errors are subclasses of the generic ones below them.
-    if isinstance(exc, LocalExhaustion):
-        return Cause.LOCAL_EXHAUSTION
-    if isinstance(exc, ConnectTimeout):
-        return Cause.CONNECT_TIMEOUT
-    if isinstance(exc, ConnectFailed):
-        return Cause.REFUSED
-    if isinstance(exc, TimeoutError):  # the total timeout, or a socket read timeout
-        return Cause.TIMEOUT
-    return Cause.RESET
-
-
-@dataclass(slots=True)
-class _Failure:
-    """One attempt that ended without an answer the client could be given as it stands."""
-
-    backend: str
-    cause: Cause
-    #: For SERVER_ERROR and ABORTED: the engine's answer, kept so that it can be passed
-    #: through when it cannot be re-sent.
-    status: int = 0
-    headers: RawHeaders | None = None
-    body: bytes = b""
-    #: What the push said of the backend when the attempt left (it may have left the list since).
-    facts: BackendFacts = UNKNOWN_FACTS
-    #: Already counted against its backend (where a hedge was awaited after it).
-    counted: bool = False
-    #: HEDGED only: the controller said a lost race of this request fails its engine (one
-    #: whose gauges show no work: no step is in progress there, so no long one either).
-    race_fails: bool = False
-
-
-@dataclass(slots=True)
-class _Won:
-    """A hedge's answer that arrived first: its headers are in, nothing reached the client."""
-
-    backend: str
-    upstream: Answer
-    backend_time: float
-    facts: BackendFacts
-
-
-@dataclass(slots=True, eq=False)
-class _Exchange:
-    """One client request on its way through the backends, across its attempts: what each
-    attempt sends, and what the attempts so far left. A hedge of a waiting request reads it
-    too (the hedge's backend joins ``tried``)."""
-
-    request: Request
-    body: bytes
-    #: The client's headers as forwarded (hop-by-hop and recomputed ones dropped).
-    headers: RawHeaders
-    #: ``time.perf_counter()`` when it arrived.
-    started: float
-    session: str | None
-    #: The client's minimum weight version (``x-fleetwarden-min-weight-version``).
-    min_version: int | None
-    #: A streamed completion or chat the router continues; None: an answer relayed as it is.
-    stream: _Stream | None
-    #: What the cache-aware policy reads of it (None without that policy, or unreadable).
-    query: Query | None
-    tried: list[str] = field(default_factory=list)
-    #: The last failed attempt, and the step it led to.
-    last: _Failure | None = None
-    resend: AfterFailure | None = None
-    #: Its paid retries, from its first failure that counts against an engine.
-    retries: Retries | None = None
-    #: The 5xx not yet reported against their backends: whether the request is poison (the
-    #: same 5xx from every engine it may try) is known only when it ends, and a request that
-    #: fails everywhere must eject no engine it touched. Reported when it ends, as
-    #: :func:`blamed_5xx` says; the reflex drops of the others are undone.
-    held: list[_Failure] = field(default_factory=list)
-    #: An engine answered the request (a whole answer, or a stream's first bytes).
-    answered: bool = False
-    #: When it first found no backend left while one was coming back (the start of its
-    #: wait, ``comeback_wait_s`` at most); None: it has not, or a backend took it since.
-    none_left_since: float | None = None
-    #: The weight versions loaded into its engine while it was there (:meth:`Forwarder.
-    #: weights_changing`): its tokens may come from each, after the version it began on.
-    crossed: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Stream:
-    """A streamed completion or chat on its way to its client, across attempts."""
-
-    splice: Splice
-    #: The client's response, once its first byte went: from then on the stream is continued,
-    #: never restarted.
-    response: StreamResponse | None = None
-    #: How the current attempt continues the stream (``None``: it is the first).
-    continuation: Continuation | None = None
-    #: The first engine's weight version: a continuation must come from the same weights.
-    weight_version: int | None = None
-    #: The backends its attempts went to, and the client's minimum weight version: where it
-    #: could go next (:meth:`Forwarder._elsewhere`).
-    tried: list[str] = field(default_factory=list)
-    min_version: int | None = None
-    #: The backend whose attempt began the generation: its limits are the ones kept.
-    began_on: str | None = None
-    #: Its exchange's ``crossed`` (the same list).
-    crossed: list[int] = field(default_factory=list)
-
-    @property
-    def began(self) -> bool:
-        """From here on it is continued, never restarted: its first bytes reached the client,
-        or (an answer the router assembles) the engine produced tokens."""
-        return self.response is not None or (self.splice.request.assemble
-                                             and self.splice.produced > 0)
-
-
 def error_response(status: int, message: str, error_type: str,
                    headers: dict[str, str] | None = None, **extra: object) -> Response:
     """A JSON error in the OpenAI shape (``{"error": {...}}``), with extra fields if given."""
@@ -305,7 +191,7 @@ def _versions(version: int | None, crossed: list[int]) -> list[int]:
     return versions
 
 
-def _versions_label(stream: _Stream, version: int | None) -> bytes:
+def _versions_label(stream: Stream, version: int | None) -> bytes:
     """The event that names the weight versions of a stream begun on weights ``version``,
     where a load crossed it (its head named the first only); ``b""`` where one version made
     it all."""
@@ -403,46 +289,6 @@ async def _read(upstream: Answer) -> bytes:
         raise
 
 
-class _Hold:
-    """A request's wait on a backend that the controller may interrupt (a rescue) or its hedge
-    may end (its answer came first): the wait's task is cancelled, and the wait, catching that,
-    asks :meth:`caught` whether it was this interrupt (then it moves on) or its client leaving
-    (then it ends). What ``asyncio.timeout(None)`` with ``reschedule(now)`` did, without its
-    ``async with`` (5 µs a request, measured under uvloop); the same cancel-count rule, so a
-    client that leaves at the same moment still ends its handler."""
-
-    __slots__ = ("_cancelling", "_interrupted", "_task", "crossed", "since", "stream", "why")
-
-    def __init__(self, *, stream: _Stream | None = None, since: float = 0.0,
-                 crossed: list[int] | None = None) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._cancelling = task.cancelling()
-        self._interrupted = False
-        #: The stream the router continues whose wait this is: moved, never hedged.
-        self.stream = stream
-        #: For a stream relayed (:attr:`Forwarder._streaming`): the loop time since which it has
-        #: waited on its engine with nothing received (what :meth:`Forwarder.silent` reports;
-        #: infinity while it is written to its client: then it waits on nobody's engine).
-        self.since = since
-        #: What the attempt ends as when this hold is interrupted.
-        self.why = Cause.RESCUED
-        #: Where a weight load on its backend is noted (its request's ``crossed``).
-        self.crossed = crossed
-
-    def interrupt(self, why: Cause = Cause.RESCUED) -> None:
-        if not self._interrupted:
-            self._interrupted = True
-            self.why = why
-            self._task.cancel()
-
-    def caught(self) -> bool:
-        """In ``except CancelledError``: whether this hold's interrupt was the cancel (it is
-        then spent: the task goes on)."""
-        return self._interrupted and self._task.uncancel() <= self._cancelling
-
-
 class Forwarder:
     """Sends requests to the pool's backends over keep-alive connections
     (:mod:`fleetwarden.router.upstream`)."""
@@ -460,23 +306,9 @@ class Forwarder:
         self.coming_back = 0
         self._push_seen = asyncio.Event()
         self._client: UpstreamClient | None = None
-        #: Requests waiting on each backend with nothing sent to their client: what a rescue
-        #: may cancel. Each is the hold around its wait, with the loop time it began
-        #: (what :meth:`silent` reports) and its request, for a hedge (None: not hedgeable).
-        self._waiting: dict[str, dict[_Hold, tuple[float, _Exchange | None]]] = {}
-        #: Hedges in flight, by the hold of the wait they hedge (:meth:`hedge`).
-        self._hedging: dict[_Hold, asyncio.Task[_Won | _Failure]] = {}
-        #: The holds whose hedges were sent with ``lost_race_fails`` (:meth:`hedge`).
-        self._races_fail: set[_Hold] = set()
-        #: Streams being relayed from each backend (their answer has begun): a rescue cuts
-        #: them too, and they go on elsewhere. Each hold's ``since`` is when it last received
-        #: anything: a stream whose engine stopped after its head is held there all the same.
-        self._streaming: dict[str, set[_Hold]] = {}
-        #: The loop time each backend last answered anything on the request path (a head, a
-        #: stream's bytes): a request waiting there is silent only as long as its engine is.
-        #: A saturated engine queues requests for seconds while it answers others; a stopped
-        #: one answers none (docs/design.md, "Silence is evidence").
-        self._heard: dict[str, float] = {}
+        #: The requests each backend holds, and the fleet's commands on them (rescue, hedge,
+        #: a weight load with the requests kept, the silence read).
+        self.waiting = WaitingRequests(pool, stats, self._hedge)
         #: Set the tokens of each stream it relays event by event on its response
         #: (``StreamResponse.usage``): the router counts them per client key.
         self.count_usage = False
@@ -518,7 +350,7 @@ class Forwarder:
         seen, self._push_seen = self._push_seen, asyncio.Event()
         seen.set()
 
-    async def _wait_for_comeback(self, ex: _Exchange) -> bool:
+    async def _wait_for_comeback(self, ex: Exchange) -> bool:
         """No backend is left for ``ex``: wait for the next push while one is coming back,
         until ``comeback_wait_s`` from the first time it found none. True: look again."""
         if self.coming_back <= 0:
@@ -635,160 +467,6 @@ class Forwarder:
 
     # ------------------------------------------------------------------ control
 
-    def rescue(self, backend: str, *, streams: bool = True) -> int:
-        """Cancel the requests on ``backend``: those waiting with nothing sent to their client
-        are re-sent elsewhere at once; streams whose answer has begun go on elsewhere from
-        where they are (or end with an error event where they cannot). ``streams`` False
-        leaves the streams whose answer has begun to finish there (the trainer's sleep
-        bracket: its engine still works until it is asked to sleep). Returns how many."""
-        holds = set(self._waiting.pop(backend, {}))
-        if streams:
-            holds |= self._streaming.pop(backend, set())
-        if not holds:
-            return 0
-        for hold in holds:
-            hold.interrupt()  # the request moves on from its wait at once
-        self.stats.rescues += len(holds)
-        return len(holds)
-
-    def weights_changing(self, backend: str, version: int) -> int:
-        """``backend``'s engine is about to load ``version`` with the requests on it kept
-        (vLLM's ``pause?mode=keep``: they go on under the new weights). Each request there now
-        (waiting for its head, or streaming) may end with tokens of both: its answer names
-        every version (:func:`_response_headers`, and a stream's last event). One that ends
-        before the pause is named so too: the label may list a version that produced none of
-        its tokens, never leave out one that did. Returns how many were marked."""
-        holds = [*self._waiting.get(backend, {}), *self._streaming.get(backend, ())]
-        marked = 0
-        for hold in holds:
-            if hold.crossed is not None and version not in hold.crossed[-1:]:
-                hold.crossed.append(version)
-                marked += 1
-        return marked
-
-    def hedge(self, backend: str, held_s: float, *, lost_race_fails: bool = False) -> int:
-        """Send each request that has waited on ``backend`` for at least ``held_s`` with nothing
-        sent to its client (and is not a stream, nor hedged already) to another backend as
-        well; the first answer is the client's. Each hedge takes a retry-budget token while in
-        flight unless ``backend`` is out of the serving set; a hedge for which no token or no
-        other backend is left is not sent (a later call may). A stream the router continues,
-        held there as long (waiting for its head, or with no event since), cannot have two
-        engines write to its client: it is moved instead (:meth:`_move_streams`). Returns how
-        many were sent or moved.
-
-        ``lost_race_fails``: a held request that loses its race, or a stream moved, is a failed
-        attempt of ``backend`` (the caller knows no step is in progress there: a lost core);
-        otherwise it only leaves this router's list until the next push (a long step looks the
-        same as a wedge until it ends)."""
-        if not math.isfinite(held_s) or held_s < 0:
-            raise ValueError(f"held_s must be a finite number >= 0, got {held_s}")
-        moved = self._move_streams(backend, held_s, lost_race_fails)
-        waiting = self._waiting.get(backend)
-        if not waiting:
-            return moved
-        pool = self.pool
-        budget = pool.retry_budget
-        free = backend not in pool.serving
-        now = asyncio.get_running_loop().time()
-        sent = 0
-        for scope, (since, ex) in list(waiting.items()):
-            if ex is None or now - since < held_s or scope in self._hedging:
-                continue  # a stream (moved above), a hedge's own wait, or not held that long
-            other = pool.pick([*ex.tried, backend], None, min_version=ex.min_version)
-            if other is None:
-                continue  # no other backend for this one (its weight version, say)
-            if not free and not budget.try_acquire():
-                break  # the fleet's retry budget is spent: the next call may find a token
-            ex.tried.append(other)
-            # In flight on ``other`` from now, so the next pick of this call sees it (several
-            # held requests' hedges spread as requests do).
-            pool.dispatched(other)
-            task = asyncio.create_task(
-                self._hedge(scope, backend, ex.request, ex.body, ex.headers, other),
-                name=f"hedge:{other}")
-            # Whatever ends it: a task cancelled before its first step (its original answered
-            # in the same turn of the loop) runs none of its own code.
-            task.add_done_callback(partial(_hedge_ended, pool, other))
-            if not free:
-                task.add_done_callback(lambda _: budget.release())
-            self._hedging[scope] = task
-            if lost_race_fails:
-                self._races_fail.add(scope)
-            sent += 1
-        self.stats.hedges += sent
-        if sent:
-            log.info("hedged %d request(s) held on %s", sent, backend)
-        return moved + sent
-
-    def _move_streams(self, backend: str, held_s: float, lost_race_fails: bool) -> int:
-        """Move the streams the router continues that ``backend`` has held for ``held_s`` with
-        nothing received, where another backend could take them: each goes on elsewhere at
-        once, from where it is (from the start if its client has nothing yet), as a rescue
-        moves it. Where a waiting request's hedge
-        would have won the race, the engine held the stream without a step while the fleet
-        moved it: the attempt ends ``hedged``, a lost race (:meth:`forward`), which fails the
-        engine only with ``lost_race_fails``; it moves the load rather than adding to it, so it
-        takes no token of the retry budget."""
-        now = asyncio.get_running_loop().time()
-        waiting = self._waiting.get(backend, {})
-        held = [hold for hold, (since, _) in waiting.items()
-                if hold.stream is not None and now - since >= held_s
-                and self._elsewhere(hold.stream, backend)]
-        for hold in held:
-            del waiting[hold]
-        streaming = self._streaming.get(backend, set())
-        relayed = [hold for hold in streaming
-                   if now - hold.since >= held_s and hold.stream is not None
-                   and self._elsewhere(hold.stream, backend)]
-        streaming.difference_update(relayed)
-        held += relayed
-        for hold in held:
-            hold.interrupt(Cause.HEDGED)
-            if lost_race_fails:
-                self._races_fail.add(hold)
-        if held:
-            self.stats.rescues += len(held)
-            log.info("moved %d stream(s) held on %s with nothing received for %g s", len(held),
-                     backend, held_s)
-        return len(held)
-
-    def _elsewhere(self, stream: _Stream, backend: str) -> bool:
-        """Whether another backend could take ``stream`` off ``backend`` now: where none could,
-        moved it would end (with an error event, or refused), so it waits on, as a request is
-        not hedged where no other backend is left."""
-        exclude = [*stream.tried, backend]
-        if stream.began:
-            return self.pool.pick_same_weights(stream.weight_version, exclude) is not None
-        return self.pool.pick(exclude, min_version=stream.min_version) is not None
-
-    def silent(self, after_s: float) -> dict[str, float]:
-        """Backends holding a request while they have answered nothing for at least
-        ``after_s``: ``{backend: seconds}``, the oldest request's wait or, where the engine
-        answered another request since it began, the time since that answer. A stream counts
-        from its send as a waiting request does, and from each event it receives: one whose
-        engine stops after its head (or mid-answer) is held there, silent, like a request
-        waiting for its head. An engine that answers others while requests queue there is
-        saturated, not silent: only an engine that answers nothing at all is."""
-        now = asyncio.get_running_loop().time()
-        out: dict[str, float] = {}
-        for backend in self._waiting.keys() | self._streaming.keys():
-            sinces = [since for since, _ in self._waiting.get(backend, {}).values()]
-            sinces += [hold.since for hold in self._streaming.get(backend, ())]
-            if sinces:
-                oldest = now - max(min(sinces), self._heard.get(backend, -math.inf))
-                if oldest >= after_s:
-                    out[backend] = oldest
-        return out
-
-    def forget_idle(self, keep: set[str]) -> None:
-        """Drop bookkeeping for backends that are neither kept nor have anything waiting."""
-        for table in (self._waiting, self._streaming):
-            for url in [u for u, w in table.items() if not w and u not in keep]:
-                del table[url]
-        for url in [u for u in self._heard if u not in keep
-                    and not self._waiting.get(u) and not self._streaming.get(u)]:
-            del self._heard[url]
-
     # ------------------------------------------------------------------ the request path
 
     async def forward(self, request: Request) -> StreamResponse:
@@ -827,7 +505,7 @@ class Forwarder:
                     self.stats.retries[ex.resend.value] += 1
                 ex.tried.append(backend)
                 answer = await self._attempt(ex, backend)
-                if not isinstance(answer, _Failure):
+                if not isinstance(answer, Failure):
                     ex.answered = True
                     return answer
                 if answer.cause is Cause.ABORTED or (
@@ -867,7 +545,7 @@ class Forwarder:
                 408, f"The request body did not arrive within "
                 f"{self.settings.client_body_timeout_s:g} s.", "request_timeout")
 
-    def _exchange(self, request: Request, body: bytes, started: float) -> _Exchange | Response:
+    def _exchange(self, request: Request, body: bytes, started: float) -> Exchange | Response:
         """What every attempt of ``request`` sends, read once; or the answer to a request the
         router refuses as it came (a malformed minimum weight version, JSON nested too deep)."""
         # One pass over the headers as they came: what is forwarded, and what the router reads.
@@ -904,17 +582,17 @@ class Forwarder:
                 return error_response(400, "The request body is JSON nested too deeply.",
                                       "invalid_request_error")
             if read is not None:
-                stream = _Stream(Splice(read), min_version=min_version)
+                stream = Stream(Splice(read), min_version=min_version)
                 headers.append(_CLOSE)  # never pooled (router/upstream.py)
         query = None if self.affinity is None else self._query(body, session)
-        exchange = _Exchange(request, body, headers, started, session, min_version, stream,
+        exchange = Exchange(request, body, headers, started, session, min_version, stream,
                              query)
         if stream is not None:
             stream.tried = exchange.tried
             stream.crossed = exchange.crossed
         return exchange
 
-    def _after_failure(self, ex: _Exchange, failure: _Failure) -> AfterFailure:
+    def _after_failure(self, ex: Exchange, failure: Failure) -> AfterFailure:
         """What follows a failed attempt (:mod:`~fleetwarden.router.retry`), with the failure
         counted where it counts."""
         stream = ex.stream
@@ -930,9 +608,9 @@ class Forwarder:
             step = ex.retries.resend(failure.cause, began=began, replaced=(
                 self.health_managed and failure.backend not in self.pool.serving))
         elif step is AfterFailure.AT_ONCE and failure.cause is Cause.HEDGED:
-            # A stream moved off an engine that held it without a step (:meth:`_move_streams`):
-            # a lost race, that engine's failure only on a lost core; the stream goes on at
-            # once, as a rescued one does.
+            # A stream moved off an engine that held it without a step
+            # (:meth:`WaitingRequests._move_streams`): a lost race, that engine's failure only
+            # on a lost core; the stream goes on at once, as a rescued one does.
             if failure.race_fails:
                 self._count_failure(failure)
             else:
@@ -940,7 +618,7 @@ class Forwarder:
         ex.last, ex.resend = failure, step
         return step
 
-    def _count(self, ex: _Exchange, failure: _Failure, began: bool) -> None:
+    def _count(self, ex: Exchange, failure: Failure, began: bool) -> None:
         """A failure that counts against its engine: reported now or, a 5xx, held back until
         the request's end tells whether the request itself is the problem."""
         if not failure.counted:
@@ -952,7 +630,7 @@ class Forwarder:
             else:
                 self._count_failure(failure)
 
-    async def _give_up(self, ex: _Exchange, failure: _Failure, step: AfterFailure
+    async def _give_up(self, ex: Exchange, failure: Failure, step: AfterFailure
                        ) -> StreamResponse:
         """The answer of a request that is re-sent no more (``step``)."""
         if step is AfterFailure.WHOLE:
@@ -981,7 +659,7 @@ class Forwarder:
             return self._pass_through(failure)  # the engine's answer, as it stands
         return self._refuse(failure, ex.min_version)
 
-    async def _continue_on(self, ex: _Exchange, stream: _Stream) -> str | StreamResponse:
+    async def _continue_on(self, ex: Exchange, stream: Stream) -> str | StreamResponse:
         """Bytes reached the client: the generation goes on elsewhere, from where it is, on
         the same weights; where it cannot, the stream ends with why."""
         backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
@@ -1017,7 +695,7 @@ class Forwarder:
             self.affinity.moved(ex.query, backend, time.monotonic())
         return backend
 
-    def _pick(self, ex: _Exchange) -> str | Response | None:
+    def _pick(self, ex: Exchange) -> str | Response | None:
         """The backend of a first attempt or a re-send from the start, the refusal of a
         request no backend may take, or ``None`` when none is left to try (the caller waits
         for one coming back, or refuses)."""
@@ -1045,9 +723,9 @@ class Forwarder:
             affinity.placed(query, backend, time.monotonic())
         return backend
 
-    async def _attempt(self, ex: _Exchange, backend: str) -> StreamResponse | _Failure:
+    async def _attempt(self, ex: Exchange, backend: str) -> StreamResponse | Failure:
         """One try on one backend: its answer relayed, or why there is none. A request the
-        router does not continue as a stream may be hedged (:meth:`hedge`)."""
+        router does not continue as a stream may be hedged (:meth:`WaitingRequests.hedge`)."""
         pool = self.pool
         request, body, stream = ex.request, ex.body, ex.stream
         key = backend + request.raw_path  # the request target exactly as the client sent it
@@ -1072,12 +750,12 @@ class Forwarder:
                                                   None if stream is not None else ex,
                                                   stream=stream, crossed=ex.crossed)
             if hedge is not None:
-                if not isinstance(answer, _Failure):
+                if not isinstance(answer, Failure):
                     self._drop_hedge(hedge)  # this answer came first
                 else:
                     return await self._after_hedge(request, hedge, answer, ex.started,
                                                    ex.crossed)
-            if isinstance(answer, _Failure):
+            if isinstance(answer, Failure):
                 return answer
             return await self._deliver(request, answer, backend, ex.started,
                                        time.perf_counter() - sent, stream, facts, ex.crossed)
@@ -1086,39 +764,40 @@ class Forwarder:
 
     async def _wait_head(self, backend: str, method: str, target: Address, body: bytes,
                          headers: RawHeaders, facts: BackendFacts,
-                         context: _Exchange | None, *, stream: _Stream | None = None,
+                         context: Exchange | None, *, stream: Stream | None = None,
                          crossed: list[int] | None = None,
-                         ) -> tuple[Answer | _Failure,
-                                    asyncio.Task[_Won | _Failure] | None]:
+                         ) -> tuple[Answer | Failure,
+                                    asyncio.Task[Won | Failure] | None]:
         """Send the request to ``backend`` and wait for the head of its answer, in
         ``backend``'s waiting list (a rescue, or the answer of its hedge, ends the wait at
         once). Returns the answer (a 5xx as a failure) and the hedge that was in flight for
         it when the wait ended, if any. ``stream``: the wait of a stream the router continues
         (moved, never hedged)."""
         assert self._client is not None, "Forwarder.open() was not awaited"
-        waiting = self._waiting.get(backend)
+        waits = self.waiting
+        waiting = waits.heads.get(backend)
         if waiting is None:
-            waiting = self._waiting[backend] = {}
-        hedge: asyncio.Task[_Won | _Failure] | None = None
+            waiting = waits.heads[backend] = {}
+        hedge: asyncio.Task[Won | Failure] | None = None
         race_fails = False
-        answer: Answer | _Failure
-        hold = _Hold(stream=stream, crossed=crossed)
+        answer: Answer | Failure
+        hold = Hold(stream=stream, crossed=crossed)
         waiting[hold] = (asyncio.get_running_loop().time(), context)
         try:
             try:
                 upstream = await self._client.request(
                     target, method, headers, body, keep_alive=_CLOSE not in headers)
-                self._heard[backend] = asyncio.get_running_loop().time()
+                waits.heard[backend] = asyncio.get_running_loop().time()
                 if upstream.status >= 500:
                     answer = await self._server_error(backend, upstream, facts)
                 else:
                     answer = upstream  # an event stream's connection is never pooled
             finally:
                 waiting.pop(hold, None)
-                if self._hedging:
-                    hedge = self._hedging.pop(hold, None)
-                    race_fails = hold in self._races_fail
-                    self._races_fail.discard(hold)
+                if waits.hedging:
+                    hedge = waits.hedging.pop(hold, None)
+                    race_fails = hold in waits.races_fail
+                    waits.races_fail.discard(hold)
         except asyncio.CancelledError:
             if not hold.caught():  # the client left while both waited
                 if hedge is not None:
@@ -1126,14 +805,14 @@ class Forwarder:
                 raise
             # Interrupted: the hedge's answer came first, a rescue, or a stream moved.
             if (hedge is not None and hedge.done() and not hedge.cancelled()
-                    and isinstance(hedge.result(), _Won)):
-                answer = _Failure(backend, Cause.HEDGED, race_fails=race_fails)
+                    and isinstance(hedge.result(), Won)):
+                answer = Failure(backend, Cause.HEDGED, race_fails=race_fails)
             else:
-                answer = _Failure(backend, hold.why, race_fails=self._race_fails(hold))
+                answer = Failure(backend, hold.why, race_fails=self.waiting.race_fails(hold))
         except TimeoutError as exc:  # the backend timeout
-            answer = _Failure(backend, _classify(exc))
+            answer = Failure(backend, classify(exc))
         except UpstreamError as exc:
-            answer = _Failure(backend, _classify(exc))
+            answer = Failure(backend, classify(exc))
         except BaseException:  # the client left while both waited
             if hedge is not None:
                 self._drop_hedge(hedge)
@@ -1141,7 +820,7 @@ class Forwarder:
         return answer, hedge
 
     async def _server_error(self, backend: str, upstream: Answer,
-                            facts: BackendFacts) -> _Failure:
+                            facts: BackendFacts) -> Failure:
         """An engine's 5xx, its body read to ``max_error_body_bytes``: one over it is not waited
         on to its end (its connection is dropped), and what the client may be given of it is
         the router's word, naming the bound."""
@@ -1152,10 +831,10 @@ class Forwarder:
             upstream.close()
             raise
         if not cut:
-            return _Failure(backend, Cause.SERVER_ERROR, upstream.status, upstream.raw_headers,
+            return Failure(backend, Cause.SERVER_ERROR, upstream.status, upstream.raw_headers,
                             body, facts)
         status = upstream.status
-        return _Failure(backend, Cause.SERVER_ERROR, status,
+        return Failure(backend, Cause.SERVER_ERROR, status,
                         [(b"Content-Type", b"application/json")],
                         error_body(status, f"Backend {backend} answered {status} with a body "
                                    f"over {limit} bytes (not relayed); it began: "
@@ -1164,8 +843,8 @@ class Forwarder:
 
     async def _deliver(self, request: Request, upstream: Answer,
                        backend: str, started: float, backend_time: float,
-                       stream: _Stream | None, facts: BackendFacts,
-                       crossed: list[int]) -> StreamResponse | _Failure:
+                       stream: Stream | None, facts: BackendFacts,
+                       crossed: list[int]) -> StreamResponse | Failure:
         """Relay an answer whose headers have come (nothing of it reached the client yet)."""
         try:
             if stream is not None:
@@ -1184,20 +863,20 @@ class Forwarder:
                 whole = await _read(upstream)
                 if (upstream.status == 200 and b'"abort"' in whole
                         and _ABORTED.search(whole) is not None):
-                    return _Failure(backend, Cause.ABORTED, upstream.status, upstream.raw_headers,
+                    return Failure(backend, Cause.ABORTED, upstream.status, upstream.raw_headers,
                                     whole, facts)
                 return await self._answer_whole(request, upstream, whole, backend, started,
                                                 backend_time, facts, crossed)
         except (TimeoutError, UpstreamError) as exc:
-            return _Failure(backend, _classify(exc))
+            return Failure(backend, classify(exc))
         return await self._relay(request, upstream, backend, started, backend_time, facts,
                                  crossed)
 
     # ------------------------------------------------------------------ hedges
 
-    async def _hedge(self, scope: _Hold, backend: str, request: Request,
+    async def _hedge(self, scope: Hold, backend: str, request: Request,
                      body: bytes, headers: RawHeaders, other: str,
-                     ) -> _Won | _Failure:
+                     ) -> Won | Failure:
         """The hedge of the request waiting in ``scope`` on ``backend``: the same request on
         ``other``, up to its headers. The first of the two to answer wakes or drops the other
         (:meth:`_attempt`); a failure here is counted against ``other`` and leaves the original
@@ -1211,18 +890,18 @@ class Forwarder:
         answer, _ = await self._wait_head(other, request.method,
                                           self._target(other + request.raw_path), body,
                                           headers, facts, None, crossed=scope.crossed)
-        if isinstance(answer, _Failure):
+        if isinstance(answer, Failure):
             if answer.cause is not Cause.RESCUED:
                 self._count_failure(answer)
             return answer
-        if self._hedging.get(scope) is asyncio.current_task():
+        if self.waiting.hedging.get(scope) is asyncio.current_task():
             # the original still waits: wake it, this is the client's answer
             scope.interrupt()
-        return _Won(other, answer, time.perf_counter() - sent, facts)
+        return Won(other, answer, time.perf_counter() - sent, facts)
 
-    async def _after_hedge(self, request: Request, hedge: asyncio.Task[_Won | _Failure],
-                           failure: _Failure, started: float,
-                           crossed: list[int]) -> StreamResponse | _Failure:
+    async def _after_hedge(self, request: Request, hedge: asyncio.Task[Won | Failure],
+                           failure: Failure, started: float,
+                           crossed: list[int]) -> StreamResponse | Failure:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
         if failure.cause is Cause.HEDGED and not failure.race_fails:
@@ -1232,7 +911,7 @@ class Forwarder:
             self._count_failure(failure)  # the original's own failure is evidence all the same
             failure.counted = True
         won = await hedge  # cancelled with this handler, if the client leaves
-        if isinstance(won, _Failure):
+        if isinstance(won, Failure):
             return failure
         self.stats.hedges_won += 1
         try:
@@ -1241,7 +920,7 @@ class Forwarder:
         finally:
             self.pool.finished(won.backend)
 
-    def _drop_hedge(self, hedge: asyncio.Task[_Won | _Failure]) -> None:
+    def _drop_hedge(self, hedge: asyncio.Task[Won | Failure]) -> None:
         """The original answered first (or its client left): cancel the hedge, or close the
         answer it already has (its engine sees the disconnect and aborts)."""
         if not hedge.done():
@@ -1250,7 +929,7 @@ class Forwarder:
         if hedge.cancelled():
             return
         won = hedge.result()
-        if isinstance(won, _Won):
+        if isinstance(won, Won):
             won.upstream.close()
             self.pool.finished(won.backend)
 
@@ -1310,7 +989,7 @@ class Forwarder:
                 except (UpstreamError, TimeoutError) as exc:
                     # The engine broke off mid-answer. Its status is already sent, so all that
                     # is left is to make the client see an incomplete response: close.
-                    failure = _Failure(backend, _classify(exc))
+                    failure = Failure(backend, classify(exc))
                     self._count_failure(failure)
                     if request.transport is not None:
                         request.transport.close()
@@ -1333,36 +1012,37 @@ class Forwarder:
 
     async def _relay_stream(self, request: Request, upstream: Answer,
                             backend: str, started: float, backend_time: float,
-                            stream: _Stream, facts: BackendFacts) -> StreamResponse | _Failure:
+                            stream: Stream, facts: BackendFacts) -> StreamResponse | Failure:
         """Relay a stream event by event through its splice. The client's response begins with
         the first event it is given, so an attempt that fails before that is re-sent from the
         start; one that fails after it is continued (by the caller)."""
         splice = stream.splice
         self._begin_relay(stream, backend)
-        streaming = self._streaming.setdefault(backend, set())
+        streaming = self.waiting.streams.setdefault(backend, set())
+        heard = self.waiting.heard
         splitter = SseSplitter()
         complete = False
         loop = asyncio.get_running_loop()
         # Its head is no token: the attempt has waited on the engine since it was sent, as a
-        # request waiting for its head has (:meth:`silent`).
-        hold = _Hold(stream=stream, since=loop.time() - backend_time, crossed=stream.crossed)
+        # request waiting for its head has (:meth:`WaitingRequests.silent`).
+        hold = Hold(stream=stream, since=loop.time() - backend_time, crossed=stream.crossed)
         streaming.add(hold)
         try:
             while True:
                 try:
                     data = await upstream.readany()
                 except (UpstreamError, TimeoutError) as exc:
-                    return _Failure(backend, _classify(exc))
+                    return Failure(backend, classify(exc))
                 if not data:
-                    return _Failure(backend, Cause.RESET)  # it ended without [DONE]
-                self._heard[backend] = loop.time()
+                    return Failure(backend, Cause.RESET)  # it ended without [DONE]
+                heard[backend] = loop.time()
                 # Until its events are written, it waits on its client, not on its engine: a
                 # slow reader (the engine done, its answer in buffers) is never held there.
                 hold.since = math.inf
                 for event in splitter.feed(data):
                     outcome, out = splice.on_event(event)
                     if outcome is EventAction.ENGINE_ERROR:
-                        return _Failure(backend, Cause.STREAM_ERROR)
+                        return Failure(backend, Cause.STREAM_ERROR)
                     if outcome is EventAction.SKIP:
                         continue
                     if splice.request.assemble:
@@ -1403,13 +1083,13 @@ class Forwarder:
             if not hold.caught():
                 raise  # the client left
             # rescued or moved: it goes on elsewhere
-            return _Failure(backend, hold.why, race_fails=self._race_fails(hold))
+            return Failure(backend, hold.why, race_fails=self.waiting.race_fails(hold))
         finally:
             streaming.discard(hold)
             if not complete:
                 upstream.close()  # the engine sees the disconnect and aborts the generation
 
-    def _begin_relay(self, stream: _Stream, backend: str) -> None:
+    def _begin_relay(self, stream: Stream, backend: str) -> None:
         """An attempt of ``stream`` begins on ``backend``: its splice is told; a first attempt
         notes its engine (whose context a request naming no limit takes); a continuation is
         counted, with the tokens it generates again."""
@@ -1423,7 +1103,7 @@ class Forwarder:
             self.stats.continuations[stream.continuation.mode.value] += 1
             self.stats.tokens_discarded += len(stream.continuation.replay)
 
-    async def _send(self, request: Request, stream: _Stream, data: bytes,
+    async def _send(self, request: Request, stream: Stream, data: bytes,
                     upstream: Answer, started: float,
                     backend_time: float, facts: BackendFacts) -> StreamResponse | None:
         """Write one event to the client, beginning its response with the first; ``None`` if
@@ -1450,7 +1130,7 @@ class Forwarder:
         stream.splice.events_sent += 1
         return response
 
-    async def _answer_assembled(self, request: Request, stream: _Stream,
+    async def _answer_assembled(self, request: Request, stream: Stream,
                                 upstream: Answer, started: float,
                                 backend_time: float, facts: BackendFacts, *,
                                 error: bool = False) -> StreamResponse:
@@ -1534,7 +1214,7 @@ class Forwarder:
                 and backend in self.pool.serving):
             self.limits.context[backend] = value
 
-    async def _end_whole(self, request: Request, stream: _Stream,
+    async def _end_whole(self, request: Request, stream: Stream,
                          backend: str) -> StreamResponse:
         """A generation whose final chunk came (from ``backend``) and whose connection went
         before ``[DONE]``: its client gets its end (the usage it asked for, where the router can
@@ -1557,7 +1237,7 @@ class Forwarder:
         return await self._end_stream(stream, None, "the usage the client asked for was lost "
                                       "with the connection")
 
-    async def _end_stream(self, stream: _Stream, failure: _Failure | None,
+    async def _end_stream(self, stream: Stream, failure: Failure | None,
                           reason: str) -> StreamResponse:
         """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
         cause, then ``[DONE]``, as vLLM ends a stream that failed. A generation that was
@@ -1598,7 +1278,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ outcomes and answers
 
-    def _aborted(self, failure: _Failure) -> None:
+    def _aborted(self, failure: Failure) -> None:
         """An attempt whose engine aborted its generation: counted, and a whole answer's
         tokens (its usage says them) as discarded: the request goes again from the start."""
         self.stats.aborted += 1
@@ -1608,11 +1288,11 @@ class Forwarder:
                 if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
                     self.stats.tokens_discarded += tokens
 
-    def _count_failure(self, failure: _Failure) -> None:
+    def _count_failure(self, failure: Failure) -> None:
         self._report_failure(failure)
         self._reflex(failure)
 
-    def _poison(self, ex: _Exchange, failure: _Failure) -> bool:
+    def _poison(self, ex: Exchange, failure: Failure) -> bool:
         """Whether ``failure`` (a 5xx) makes the request poison: the same status from every
         engine it may try (:func:`poison_quorum`). Those are the engines that answered it 5xx
         and those it has not tried yet; one that failed it otherwise (refused, reset) could
@@ -1627,7 +1307,7 @@ class Forwarder:
         routable = answered_5xx | untried
         return len(same) >= poison_quorum(len(routable), self.settings.max_retries)
 
-    def _settle_held(self, ex: _Exchange) -> None:
+    def _settle_held(self, ex: Exchange) -> None:
         """A request's held 5xx at its end: those :func:`blamed_5xx` names are reported; the
         others were perhaps the request's own, and their reflex drops are undone."""
         pool = self.pool
@@ -1641,21 +1321,14 @@ class Forwarder:
             elif self.health_managed:
                 pool.undrop(h.backend)
 
-    def _report_failure(self, failure: _Failure) -> None:
+    def _report_failure(self, failure: Failure) -> None:
         """The failure into the tallies the controller drains, and its evidence stream."""
         self.pool.record_failure(failure.backend)
         self.stats.backend_failed(failure.backend, failure.cause.value)
         if self.on_failure is not None:
             self.on_failure(failure.backend, failure.cause.value)
 
-    def _race_fails(self, hold: _Hold) -> bool:
-        """Whether ``hold`` was moved by a hedge that said a lost race fails its engine (spent)."""
-        if hold in self._races_fail:
-            self._races_fail.discard(hold)
-            return True
-        return False
-
-    def _lost_race(self, failure: _Failure) -> None:
+    def _lost_race(self, failure: Failure) -> None:
         """The held attempt lost the race to its hedge: out of this router's list until the next
         push (no new request waits there meanwhile), but no failure of its engine. A hedge is
         sent on a second without a step; a healthy engine in one long step (a long prefill
@@ -1668,12 +1341,12 @@ class Forwarder:
             # answer every request 409 until the next push.
             self._reflex(failure)
 
-    def _reflex(self, failure: _Failure) -> None:
+    def _reflex(self, failure: Failure) -> None:
         if self.health_managed and self.pool.drop(failure.backend):
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
                      _DESCRIPTIONS[failure.cause])
 
-    def _pass_through(self, failure: _Failure) -> Response:
+    def _pass_through(self, failure: Failure) -> Response:
         """The engine's own 5xx (or aborted 200), untouched, unless it is the one status never
         to send."""
         if failure.status == FORBIDDEN_STATUS:
@@ -1684,7 +1357,7 @@ class Forwarder:
                             headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE,
                                                       failure.facts))
 
-    def _refuse(self, failure: _Failure | None, min_version: int | None = None) -> Response:
+    def _refuse(self, failure: Failure | None, min_version: int | None = None) -> Response:
         """The deliberate answer when the router cannot serve this request (one demanding
         ``min_version``: no backend is left when none holding such weights serves)."""
         pool = self.pool
@@ -1746,10 +1419,3 @@ def _stream_usage(splice: Splice) -> tuple[int, int]:
         completion = splice.produced
     return prompt, completion
 
-
-def _hedge_ended(pool: Pool, backend: str, task: asyncio.Task[_Won | _Failure]) -> None:
-    """A hedge's attempt on ``backend`` is no longer in flight, unless it won: then its
-    answer is, until the client has it or it is dropped (:meth:`Forwarder._after_hedge`,
-    :meth:`Forwarder._drop_hedge`)."""
-    if task.cancelled() or task.exception() is not None or not isinstance(task.result(), _Won):
-        pool.finished(backend)

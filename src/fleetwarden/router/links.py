@@ -112,8 +112,8 @@ class RouterLink(Protocol):
         return await self.call(DRAIN)
 
     async def rescue(self, url: str, *, streams: bool = True) -> int:
-        """Move what waits on ``url`` elsewhere (:meth:`Forwarder.rescue
-        <fleetwarden.router.forward.Forwarder.rescue>`); how many were moved."""
+        """Move what waits on ``url`` elsewhere (:meth:`WaitingRequests.rescue
+        <fleetwarden.router.waiting.WaitingRequests.rescue>`); how many were moved."""
         return await self.call(RESCUE, backend=url, streams=streams)
 
     async def weights_changing(self, url: str, version: int) -> int:
@@ -122,7 +122,7 @@ class RouterLink(Protocol):
 
     async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
         """Send what has waited on ``url`` for ``held_s`` to another backend as well
-        (:meth:`Forwarder.hedge <fleetwarden.router.forward.Forwarder.hedge>`); how many."""
+        (:meth:`~fleetwarden.router.waiting.WaitingRequests.hedge`); how many."""
         return await self.call(HEDGE, backend=url, held_s=held_s,
                                lost_race_fails=lost_race_fails)
 

@@ -44,8 +44,8 @@ _ABSENT: Any = object()  # a field the body leaves out
 class Holding:
     """What a router holds on each backend, in one read: requests in flight (counted from
     dispatch to the last byte), and the backends holding one that has received nothing for
-    the read's ``silent_after_s``, with that wait (:meth:`Forwarder.silent
-    <fleetwarden.router.forward.Forwarder.silent>`)."""
+    the read's ``silent_after_s``, with that wait (:meth:`WaitingRequests.silent
+    <fleetwarden.router.waiting.WaitingRequests.silent>`)."""
 
     in_flight: dict[str, int] = field(default_factory=dict)
     silent: dict[str, float] = field(default_factory=dict)
@@ -80,7 +80,7 @@ class Operation(Generic[R]):
     args: tuple[Arg, ...]
     answer: str | None   # the answer's key holding the result; None: the answer is it
     decode: Callable[[Any], R]  # the answer's value as the link's result
-    target: str          # the call that does it, from the router: ``forwarder.hedge``
+    target: str          # the call that does it, from the router: ``forwarder.waiting.hedge``
     quiet: Callable[[], R]  # the answer of a link to a router that holds nothing
     fan: Fan = "now"
     encode: Callable[[Any], Any] = lambda result: result  # the target's result as JSON
@@ -261,16 +261,16 @@ DRAIN: Operation[Outcomes] = Operation(
 RESCUE: Operation[int] = Operation(
     "rescue", "POST", "/rescue",
     (_field("backend", _backend), _field("streams", _flag("streams"), default=True)),
-    "rescued", int, "forwarder.rescue", int, fan="sum")
+    "rescued", int, "forwarder.waiting.rescue", int, fan="sum")
 WEIGHTS_CHANGING: Operation[int] = Operation(
     "weights_changing", "POST", "/weights-changing",
     (_field("backend", _backend), _field("version", _count("version"))),
-    "marked", int, "forwarder.weights_changing", int, fan="sum")
+    "marked", int, "forwarder.waiting.weights_changing", int, fan="sum")
 HEDGE: Operation[int] = Operation(
     "hedge", "POST", "/hedge",
     (_field("backend", _backend), _field("held_s", _held_s),
      _field("lost_race_fails", _flag("lost_race_fails"), default=False)),
-    "hedged", int, "forwarder.hedge", int)
+    "hedged", int, "forwarder.waiting.hedge", int)
 HOLDING: Operation[Holding] = Operation(
     "holding", "GET", "/holding", (_query_seconds("silent_after_s"),), "holding",
     Holding.of_json, "holding", Holding, encode=Holding.to_json)

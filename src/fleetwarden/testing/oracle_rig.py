@@ -245,7 +245,7 @@ async def oracle(settings: RouterSettings | None = None, *,
                 def rescue_on_wedge(kind: str, url: str = sim.url,
                                     router: Router = router) -> None:
                     if kind == "wedge":  # the controller's call at condemnation, a moment later
-                        loop.call_later(0.01, router.forwarder.rescue, url)
+                        loop.call_later(0.01, router.forwarder.waiting.rescue, url)
 
                 sim.on_directive = rescue_on_wedge
             facts = (await capped_facts(fleet) if fleet is capped
