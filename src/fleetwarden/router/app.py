@@ -36,8 +36,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
+from fleetwarden.router.answers import error_response
 from fleetwarden.router.control import make_control_app
-from fleetwarden.router.forward import Forwarder, error_response
+from fleetwarden.router.forward import Forwarder
 from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
 from fleetwarden.router.links import InProcessRouter
 from fleetwarden.router.models import model_list
@@ -227,7 +228,7 @@ class Router:
         answers carry ``Retry-After``; ``None`` removes it."""
         if seconds is not None and (not math.isfinite(seconds) or seconds < 0):
             raise ValueError(f"retry_after must be a finite number >= 0 or None, got {seconds}")
-        self.forwarder.retry_after = seconds
+        self.forwarder.answers.retry_after = seconds
         return seconds
 
     def control(self) -> InProcessRouter:
@@ -247,7 +248,7 @@ class Router:
             "in_flight": self.in_flight(),
             "health_managed": self.health_managed,
             "reflex_armed": self.reflex_armed,
-            "retry_after": self.forwarder.retry_after,
+            "retry_after": self.forwarder.answers.retry_after,
             "requests": self.stats.requests,
             "worker": self.worker,
             "stats": {"requests": self.stats.requests,

@@ -75,6 +75,7 @@ from dataclasses import replace
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
+from fleetwarden.router.answers import DESCRIPTIONS, OwnAnswers, error_response
 from fleetwarden.router.exchange import Exchange, Failure, Hold, Stream, Won, classify
 from fleetwarden.router.kv_events import KVEvents, Source, sources_of
 from fleetwarden.router.kv_index import KVIndex
@@ -122,7 +123,7 @@ from fleetwarden.router.upstream import (
 )
 from fleetwarden.router.waiting import WaitingRequests
 
-__all__ = ["Forwarder", "error_response"]
+__all__ = ["Forwarder"]
 
 log = logging.getLogger("fleetwarden.router")
 
@@ -155,28 +156,8 @@ _MAX_CACHED_TARGETS = 4096
 _WHOLE_ANSWER_BYTES = 256 * 1024
 
 
-_DESCRIPTIONS = {
-    Cause.REFUSED: "refused the connection",
-    Cause.CONNECT_TIMEOUT: "did not accept a connection in time",
-    Cause.RESET: "broke the connection",
-    Cause.TIMEOUT: "did not answer within the backend timeout",
-    Cause.SERVER_ERROR: "answered with a server error",
-    Cause.RESCUED: "was condemned while the request waited on it",
-    Cause.HEDGED: "held the request without a step while another engine took it over",
-    Cause.STREAM_ERROR: "ended the stream with a server error",
-    Cause.ABORTED: "aborted the generation",
-    Cause.LOCAL_EXHAUSTION: "could not be reached: the router is out of descriptors or buffers",
-}
-
 #: A choice the engine aborted, in a whole answer (compact JSON, as vLLM writes it, or spaced).
 _ABORTED = re.compile(rb'"finish_reason":\s*"abort"')
-
-
-def error_response(status: int, message: str, error_type: str,
-                   headers: dict[str, str] | None = None, **extra: object) -> Response:
-    """A JSON error in the OpenAI shape (``{"error": {...}}``), with extra fields if given."""
-    return Response(status=status, body=error_body(status, message, error_type, **extra),
-                    content_type="application/json", headers=headers)
 
 
 def _versions(version: int | None, crossed: list[int]) -> list[int]:
@@ -299,8 +280,8 @@ class Forwarder:
         self.settings = settings
         self.stats = stats
         self.health_managed = health_managed
-        #: Seconds a client should wait before retrying, when the caller expects a backend back.
-        self.retry_after: float | None = None
+        #: The router's own answers (it cannot serve, a version none holds, its own trouble).
+        self.answers = OwnAnswers(pool, settings, stats)
         #: Engines the last push said are coming back (:meth:`pushed`), and the event the
         #: requests waiting for one wait on: set, and replaced, at every push.
         self.coming_back = 0
@@ -494,7 +475,7 @@ class Forwarder:
                     if backend is None:
                         if await self._wait_for_comeback(ex):
                             continue
-                        return self._refuse(ex.last, ex.min_version)
+                        return self.answers.refuse(ex.last, ex.min_version)
                     if ex.none_left_since is not None and isinstance(backend, str):
                         self.stats.comeback_served += 1
                         ex.none_left_since = None
@@ -527,7 +508,7 @@ class Forwarder:
         """The client's whole body, or the answer to a client that sent too much or stalled."""
         length = request.content_length
         if length is not None and length > self.settings.max_body_bytes:
-            return self._too_large()
+            return self.answers.too_large()
         try:
             if request.body_arrived:
                 # The whole body has arrived (a small one comes with its headers): reading it
@@ -536,7 +517,7 @@ class Forwarder:
             async with asyncio.timeout(self.settings.client_body_timeout_s):
                 return await request.read()
         except BodyTooLarge:
-            return self._too_large()
+            return self.answers.too_large()
         except TimeoutError:
             # A client that sent its headers and stalled: no backend was picked yet, so it
             # held nothing but this handler, which it now gives back.
@@ -648,8 +629,8 @@ class Forwarder:
         if step is AfterFailure.EXHAUSTED:
             # The router's own trouble: no engine is blamed, none is tried next.
             self.stats.local_exhaustion += 1
-            log.warning("%s: %s", failure.backend, _DESCRIPTIONS[failure.cause])
-            return self._exhausted()
+            log.warning("%s: %s", failure.backend, DESCRIPTIONS[failure.cause])
+            return self.answers.exhausted()
         # Not re-sent (max_retries, or the fleet's retry budget is spent): the engine's own
         # 5xx goes back as it is; a transport failure gets the router's answer.
         if step is AfterFailure.END_STREAM:
@@ -657,7 +638,7 @@ class Forwarder:
             return await self._end_stream(ex.stream, failure, "retries spent")
         if step is AfterFailure.PASS_THROUGH:
             return self._pass_through(failure)  # the engine's answer, as it stands
-        return self._refuse(failure, ex.min_version)
+        return self.answers.refuse(failure, ex.min_version)
 
     async def _continue_on(self, ex: Exchange, stream: Stream) -> str | StreamResponse:
         """Bytes reached the client: the generation goes on elsewhere, from where it is, on
@@ -709,7 +690,7 @@ class Forwarder:
         self.stats.picked(time.perf_counter() - picking)
         if backend is None:
             if ex.last is None and min_version is not None and self.pool.serving:
-                return self._refuse_version(min_version)
+                return self.answers.refuse_version(min_version)
             if ex.held and self._poison(ex, ex.held[-1]):
                 # Every engine left that could answer it gave the same 5xx (the others
                 # refused it): poison, as in :meth:`_give_up`.
@@ -1249,7 +1230,7 @@ class Forwarder:
         splice = stream.splice
         if response is None:  # an answer being assembled: nothing reached the client yet
             self.stats.stream_ended(reason)
-            return self._refuse(failure)
+            return self.answers.refuse(failure)
         closing = splice.closing_usage() if splice.finished() else None
         label = _versions_label(stream, stream.weight_version)
         if closing is not None:
@@ -1262,7 +1243,7 @@ class Forwarder:
         else:
             what = "The stream broke off"
             if failure is not None:
-                what = f"Backend {failure.backend} {_DESCRIPTIONS[failure.cause]}"
+                what = f"Backend {failure.backend} {DESCRIPTIONS[failure.cause]}"
                 if failure.cause is Cause.STREAM_ERROR and isinstance(splice.error, dict):
                     what += f" ({splice.error.get('message')})"
             self.stats.stream_ended(reason)
@@ -1344,68 +1325,18 @@ class Forwarder:
     def _reflex(self, failure: Failure) -> None:
         if self.health_managed and self.pool.drop(failure.backend):
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
-                     _DESCRIPTIONS[failure.cause])
+                     DESCRIPTIONS[failure.cause])
 
     def _pass_through(self, failure: Failure) -> Response:
         """The engine's own 5xx (or aborted 200), untouched, unless it is the one status never
         to send."""
         if failure.status == FORBIDDEN_STATUS:
-            return self._refuse(failure)
+            return self.answers.refuse(failure)
         self.stats.responded(failure.status)
         assert failure.headers is not None
         return Response(status=failure.status, body=failure.body,
                             headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE,
                                                       failure.facts))
-
-    def _refuse(self, failure: Failure | None, min_version: int | None = None) -> Response:
-        """The deliberate answer when the router cannot serve this request (one demanding
-        ``min_version``: no backend is left when none holding such weights serves)."""
-        pool = self.pool
-        none_left = not any(pool.qualifies(u, min_version) for u in pool.serving)
-        s = self.settings
-        status = s.status_when_none_left if none_left else s.status_when_others_serve
-        if failure is None:
-            cause, backend = "no_backend", None
-            message = "No backend is serving."
-        else:
-            cause, backend = failure.cause.value, failure.backend
-            message = f"Backend {failure.backend} {_DESCRIPTIONS[failure.cause]}"
-            if failure.cause is Cause.SERVER_ERROR:
-                message += f" ({failure.status})"
-            message += "; no backend is left." if none_left else "; other backends still serve."
-        headers = None
-        if self.retry_after is not None:
-            headers = {"Retry-After": str(max(0, math.ceil(self.retry_after)))}
-        self.stats.responded(status)
-        return error_response(status, message,
-                              "no_backend_left" if none_left else "backend_failed",
-                              headers, cause=cause, backend=backend)
-
-    def _refuse_version(self, min_version: int) -> Response:
-        """No serving backend holds weights at ``min_version`` or later: for this request, no
-        backend is left (``status_when_none_left``; never a 504 a client would retry blindly)."""
-        held = sorted({v for u in self.pool.serving
-                       if (v := self.pool.facts(u).weight_version) is not None})
-        status = self.settings.status_when_none_left
-        self.stats.responded(status)
-        said = ", ".join(map(str, held)) if held else "none known"
-        return error_response(
-            status, f"No serving backend holds weights of version {min_version} or later "
-            f"(serving versions: {said}).", "weight_version_unavailable",
-            None, min_weight_version=min_version, serving_versions=held)
-
-    def _exhausted(self) -> Response:
-        self.stats.responded(503)
-        return error_response(
-            503, "The router is out of file descriptors or buffers; try again shortly.",
-            "router_exhausted", {"Retry-After": "1"})
-
-    def _too_large(self) -> Response:
-        self.stats.responded(413)
-        return error_response(
-            413, f"Request body larger than {self.settings.max_body_bytes} bytes.",
-            "request_too_large")
-
 
 def _stream_usage(splice: Splice) -> tuple[int, int]:
     """A whole stream's (prompt, completion) tokens: its usage where the engine sent one (the
