@@ -131,7 +131,7 @@ class Router:
         handler = self._dispatch
         if self.keys is not None:
             handler = self._dispatch_keyed
-            self.forwarder.count_usage = True
+            self.forwarder.relay.count_usage = True
             self.forwarder.engine_keys_always = True
         self._server = serve.Server(handler, max_body_bytes=s.max_body_bytes,
                                     settings=s, closed_for=self.stats.connections_closed)

@@ -1,6 +1,11 @@
-"""Forwarding one request: pick a backend, send, stream the answer back, count what happened.
+"""Forwarding one request: pick a backend, send, hand the answer to the relay, count.
 
-Owns: one request's way through the backends: send, retry, rescue, stream back, count.
+Owns: the attempt loop, one request's way through the backends (pick, send, wait for the
+head, retry, hedge's race, continue a stream), and the failures it counts. Beside it, by job:
+the waits the fleet's commands act on (:mod:`~fleetwarden.router.waiting`), the relay of an
+answer to its client (:mod:`~fleetwarden.router.relay`), the router's own answers
+(:mod:`~fleetwarden.router.answers`) and the records an exchange's attempts share
+(:mod:`~fleetwarden.router.exchange`).
 Must not: decide health or change the serving set: it reports outcomes, the controller and the
 ledger judge.
 
@@ -67,11 +72,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
-import re
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
@@ -80,12 +82,12 @@ from fleetwarden.router.exchange import Exchange, Failure, Hold, Stream, Won, cl
 from fleetwarden.router.kv_events import KVEvents, Source, sources_of
 from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import (
-    UNKNOWN_FACTS,
     BackendFacts,
     Pool,
     blamed_5xx,
     poison_quorum,
 )
+from fleetwarden.router.relay import HOP_BY_HOP, Answering, Relay, read_all
 from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
 from fleetwarden.router.serve import (
     BodyTooLarge,
@@ -96,22 +98,13 @@ from fleetwarden.router.serve import (
     error_body,
 )
 from fleetwarden.router.settings import (
-    FORBIDDEN_STATUS,
-    GENERATE,
     MIN_VERSION_HEADER,
-    SHARD_HEADER,
-    WEIGHT_VERSION_HEADER,
-    WEIGHT_VERSIONS_HEADER,
     RouterSettings,
 )
 from fleetwarden.router.splice import (
     ABORTED_ERROR,
-    DONE,
     EngineLimits,
-    EventAction,
     Splice,
-    SseSplitter,
-    error_event,
     read_stream_request,
 )
 from fleetwarden.router.stats import RouterStats
@@ -127,115 +120,15 @@ __all__ = ["Forwarder"]
 
 log = logging.getLogger("fleetwarden.router")
 
-#: Hop-by-hop headers (RFC 9110 section 7.6.1) and those the router recomputes: never forwarded.
-#: Lower case, as bytes: headers travel as they came on the wire (``RawHeaders``).
-_HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
-    b"proxy-connection", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
-})
 #: The body is buffered and re-sent, so its length is recomputed and there is nothing left to
 #: expect; the Host is the backend's.
-_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-#: An answer relayed whole is re-framed: its length is recomputed.
-_NOT_RELAYED_WHOLE = _HOP_BY_HOP | {b"content-length"}
-#: The router's word on which weights answered, never an engine's header of the same name.
-_FACT_HEADERS = frozenset({WEIGHT_VERSION_HEADER.encode(), WEIGHT_VERSIONS_HEADER.encode(),
-                           SHARD_HEADER.encode()})
-_WEIGHT_VERSION = WEIGHT_VERSION_HEADER.encode()
-_WEIGHT_VERSIONS = WEIGHT_VERSIONS_HEADER.encode()
-_SHARD = SHARD_HEADER.encode()
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _MIN_VERSION = MIN_VERSION_HEADER.encode()
 _CLOSE = (b"Connection", b"close")
 #: Digits of a minimum weight version read (a 64-bit counter has 20).
 _MAX_VERSION_DIGITS = 20
 #: Parsed target URLs kept (backends x allowlisted paths, plus any query strings).
 _MAX_CACHED_TARGETS = 4096
-#: Answers of known length up to this size are read whole and sent in one write: a
-#: non-streamed completion arrives in one or two TCP segments anyway, and this saves a system
-#: call and several awaits per request. Streams (no length) and larger bodies go chunk by chunk.
-_WHOLE_ANSWER_BYTES = 256 * 1024
-
-
-#: A choice the engine aborted, in a whole answer (compact JSON, as vLLM writes it, or spaced).
-_ABORTED = re.compile(rb'"finish_reason":\s*"abort"')
-
-
-def _versions(version: int | None, crossed: list[int]) -> list[int]:
-    """Every weight version that may have produced an answer begun on weights ``version``, in
-    order: its own, then those loaded under it (``crossed``)."""
-    if version is None:
-        return []
-    versions = [version]
-    for v in crossed:
-        if v != versions[-1]:
-            versions.append(v)
-    return versions
-
-
-def _versions_label(stream: Stream, version: int | None) -> bytes:
-    """The event that names the weight versions of a stream begun on weights ``version``,
-    where a load crossed it (its head named the first only); ``b""`` where one version made
-    it all."""
-    versions = _versions(version, stream.crossed)
-    return stream.splice.versions_event(versions) if len(versions) > 1 else b""
-
-
-#: A span's version as a header may carry it: what ``str(int)`` gives, or a label of vLLM's own
-#: (``"default"``); never a comma, which would split it.
-_SPAN_VERSION = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-
-
-def _span_versions(body: bytes) -> list[str] | None:
-    """The weight versions a whole ``/inference/v1/generate`` answer's spans name, in order of
-    their first token over its choices; ``None`` where it names none (an engine that reports
-    no spans, an error) or one a header cannot carry."""
-    if b'"weight_versions"' not in body:
-        return None
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    versions: list[str] = []
-    choices = parsed.get("choices") if isinstance(parsed, dict) else None
-    for choice in choices if isinstance(choices, list) else ():
-        spans = choice.get("weight_versions") if isinstance(choice, dict) else None
-        for span in spans if isinstance(spans, list) else ():
-            v = span.get("version") if isinstance(span, dict) else None
-            if not isinstance(v, str) or _SPAN_VERSION.fullmatch(v) is None:
-                return None
-            if v not in versions:
-                versions.append(v)
-    return versions or None
-
-
-def _response_headers(upstream: RawHeaders, dropped: frozenset[bytes] = _HOP_BY_HOP,
-                      facts: BackendFacts = UNKNOWN_FACTS,
-                      crossed: list[int] | None = None,
-                      spans: list[str] | None = None) -> RawHeaders:
-    """The engine's answer headers the client gets: ``dropped``, those the engine's
-    ``Connection`` names (hop-by-hop, RFC 9110 7.6.1) and any it gave of the router's own
-    removed, then the facts of the push added. An answer whose engine loaded other weights
-    while it was there (``crossed``) names every version in ``x-fleetwarden-weight-versions``
-    and none in ``x-fleetwarden-weight-version``: one version named for a mixed answer would
-    be a wrong label (docs/rl.md). ``spans``: the versions the engine itself reported for the
-    answer's tokens (:func:`_span_versions`): its word, exact, is named in place of the push's."""
-    named = [v for k, v in upstream if k.lower() == b"connection"]
-    if named:
-        dropped = dropped | {t.strip().lower() for v in named for t in v.split(b",")}
-    headers = [(k, v) for k, v in upstream
-               if (lowered := k.lower()) not in dropped and lowered not in _FACT_HEADERS]
-    if spans is None and not crossed:  # nearly every answer: the push's one version
-        if facts.weight_version is not None:
-            headers.append((_WEIGHT_VERSION, str(facts.weight_version).encode()))
-    else:
-        versions = spans or [str(v) for v in _versions(facts.weight_version, crossed or [])]
-        if len(versions) > 1 or (spans and not spans[0].isdigit()):
-            headers.append((_WEIGHT_VERSIONS, ",".join(versions).encode()))
-        elif versions:
-            headers.append((_WEIGHT_VERSION, versions[0].encode()))
-    if facts.shard is not None:
-        headers.append((_SHARD, str(facts.shard).encode()))
-    return headers
 
 
 def _with_key(headers: RawHeaders, key: str | None) -> RawHeaders:
@@ -261,15 +154,6 @@ def _min_version(value: bytes | None) -> int | Response | None:
     return int(digits)
 
 
-async def _read(upstream: Answer) -> bytes:
-    """The whole body; on any interruption the connection is closed, never pooled half-read."""
-    try:
-        return await upstream.read()
-    except BaseException:
-        upstream.close()
-        raise
-
-
 class Forwarder:
     """Sends requests to the pool's backends over keep-alive connections
     (:mod:`fleetwarden.router.upstream`)."""
@@ -290,9 +174,6 @@ class Forwarder:
         #: The requests each backend holds, and the fleet's commands on them (rescue, hedge,
         #: a weight load with the requests kept, the silence read).
         self.waiting = WaitingRequests(pool, stats, self._hedge)
-        #: Set the tokens of each stream it relays event by event on its response
-        #: (``StreamResponse.usage``): the router counts them per client key.
-        self.count_usage = False
         #: Every attempt carries its engine's key (the push's ``key``), not only the router's
         #: own continuations: set when the router checks client keys, whose keys never go on
         #: to an engine (router/keys.py), so that clients never need to hold the engines' key.
@@ -306,6 +187,9 @@ class Forwarder:
         #: reads of ``/v1/models`` under way (:meth:`_learn_context`).
         self.limits = EngineLimits()
         self._learning: dict[str, asyncio.Task[None]] = {}
+        #: The answers on their way to their clients.
+        self.relay = Relay(pool, stats, self.waiting, self.answers, self.limits,
+                           count_failure=self._count_failure, learn_context=self._learn_context)
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
@@ -400,7 +284,7 @@ class Forwarder:
                 self._target(backend + "/kv_event_sources"), "GET",
                 _with_key([], self.pool.facts(backend).key), b"")
             status = answer.status
-            raw = await _read(answer)
+            raw = await read_all(answer)
             source = sources_of(json.loads(raw), backend) if status == 200 else None
         except (UpstreamError, TimeoutError, ValueError):
             self._kv_asked.pop(backend, None)  # unreachable now: the next push asks again
@@ -618,14 +502,14 @@ class Forwarder:
             # Its final chunk was read: the generation is whole whatever became of [DONE], a
             # success of the engine, never continued past its end.
             assert ex.stream is not None
-            self._whole(failure.backend, ex.stream.splice)
-            return await self._end_whole(ex.request, ex.stream, failure.backend)
+            self.relay.whole(failure.backend, ex.stream.splice)
+            return await self.relay.end_whole(ex.request, ex.stream, failure.backend)
         if step is AfterFailure.POISON:
             # The same 5xx from every engine it may try: the request is the problem, not
             # them. None is counted, and their reflex drops are undone (at its end).
             self.stats.poison_requests += 1
             ex.held.append(failure)  # one of the same 5xx: the others are not alone
-            return self._pass_through(failure)
+            return self.relay.pass_through(failure)
         if step is AfterFailure.EXHAUSTED:
             # The router's own trouble: no engine is blamed, none is tried next.
             self.stats.local_exhaustion += 1
@@ -635,9 +519,9 @@ class Forwarder:
         # 5xx goes back as it is; a transport failure gets the router's answer.
         if step is AfterFailure.END_STREAM:
             assert ex.stream is not None
-            return await self._end_stream(ex.stream, failure, "retries spent")
+            return await self.relay.end_stream(ex.stream, failure, "retries spent")
         if step is AfterFailure.PASS_THROUGH:
-            return self._pass_through(failure)  # the engine's answer, as it stands
+            return self.relay.pass_through(failure)  # the engine's answer, as it stands
         return self.answers.refuse(failure, ex.min_version)
 
     async def _continue_on(self, ex: Exchange, stream: Stream) -> str | StreamResponse:
@@ -648,7 +532,7 @@ class Forwarder:
             # None left, one coming: the stream waits for it as a new request would.
             backend = self.pool.pick_same_weights(stream.weight_version, ex.tried)
         if backend is None:
-            return await self._end_stream(stream, ex.last,
+            return await self.relay.end_stream(stream, ex.last,
                                           "no other backend with the same weights")
         if ex.none_left_since is not None:
             self.stats.comeback_served += 1
@@ -665,7 +549,7 @@ class Forwarder:
             next_output_cap=limits.output_cap(backend, False))
         if isinstance(plan, str):
             if stream.response is not None:
-                return await self._end_stream(stream, ex.last, plan)
+                return await self.relay.end_stream(stream, ex.last, plan)
             # An answer being assembled that cannot go on exactly: nothing reached its
             # client, so it is sent again from the start instead.
             stream.splice = Splice(stream.splice.request)
@@ -695,7 +579,7 @@ class Forwarder:
                 # Every engine left that could answer it gave the same 5xx (the others
                 # refused it): poison, as in :meth:`_give_up`.
                 self.stats.poison_requests += 1
-                return self._pass_through(ex.held[-1])
+                return self.relay.pass_through(ex.held[-1])
             return None  # nobody left to try
         if ex.stream is not None:
             ex.stream.weight_version = self.pool.facts(backend).weight_version
@@ -738,8 +622,9 @@ class Forwarder:
                                                    ex.crossed)
             if isinstance(answer, Failure):
                 return answer
-            return await self._deliver(request, answer, backend, ex.started,
-                                       time.perf_counter() - sent, stream, facts, ex.crossed)
+            return await self.relay.deliver(Answering(request, answer, backend, ex.started,
+                                                      time.perf_counter() - sent, facts,
+                                                      ex.crossed, stream))
         finally:
             pool.finished(backend)
 
@@ -822,37 +707,6 @@ class Forwarder:
                                    f"{body[:300].decode(errors='replace')}", "backend_error"),
                         facts)
 
-    async def _deliver(self, request: Request, upstream: Answer,
-                       backend: str, started: float, backend_time: float,
-                       stream: Stream | None, facts: BackendFacts,
-                       crossed: list[int]) -> StreamResponse | Failure:
-        """Relay an answer whose headers have come (nothing of it reached the client yet)."""
-        try:
-            if stream is not None:
-                if upstream.status == 200 and upstream.content_type == "text/event-stream":
-                    return await self._relay_stream(request, upstream, backend, started,
-                                                    backend_time, stream, facts)
-                if stream.began:  # the continuation was refused: say so, and end
-                    answer = (await _read(upstream))[:300].decode(errors="replace")
-                    return await self._end_stream(
-                        stream, None, f"the next engine answered {upstream.status}: {answer}")
-            length = upstream.content_length
-            if length is not None and length <= _WHOLE_ANSWER_BYTES:
-                # A small answer of known length: taken whole, then sent in one write. Nothing
-                # has reached the client yet, so a break here can still be retried, and so can
-                # a generation the engine aborted (a search of a few KB).
-                whole = await _read(upstream)
-                if (upstream.status == 200 and b'"abort"' in whole
-                        and _ABORTED.search(whole) is not None):
-                    return Failure(backend, Cause.ABORTED, upstream.status, upstream.raw_headers,
-                                    whole, facts)
-                return await self._answer_whole(request, upstream, whole, backend, started,
-                                                backend_time, facts, crossed)
-        except (TimeoutError, UpstreamError) as exc:
-            return Failure(backend, classify(exc))
-        return await self._relay(request, upstream, backend, started, backend_time, facts,
-                                 crossed)
-
     # ------------------------------------------------------------------ hedges
 
     async def _hedge(self, scope: Hold, backend: str, request: Request,
@@ -896,8 +750,9 @@ class Forwarder:
             return failure
         self.stats.hedges_won += 1
         try:
-            return await self._deliver(request, won.upstream, won.backend, started,
-                                       won.backend_time, None, won.facts, crossed)
+            return await self.relay.deliver(Answering(request, won.upstream, won.backend,
+                                                      started, won.backend_time, won.facts,
+                                                      crossed))
         finally:
             self.pool.finished(won.backend)
 
@@ -923,229 +778,11 @@ class Forwarder:
             target = self._targets[key] = Address.parse(key)
         return target
 
-    async def _answer_whole(self, request: Request, upstream: Answer,
-                            body: bytes, backend: str, started: float,
-                            backend_time: float, facts: BackendFacts,
-                            crossed: list[int]) -> StreamResponse:
-        """Send a complete answer: headers and body in one write."""
-        status = upstream.status
-        spans = _span_versions(body) if request.path == GENERATE and status == 200 else None
-        response = Response(status=status, reason=upstream.reason, body=body,
-                                headers=_response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE,
-                                                          facts, crossed, spans))
-        if status < 400:
-            self.pool.record_success(backend)  # the engine's answer is complete
-        try:
-            await response.prepare(request)
-            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
-            self.stats.responded(status)
-            await response.write_eof()
-        except ConnectionError:
-            pass  # the client left: its loss, not the engine's
-        return response
-
-    async def _relay(self, request: Request, upstream: Answer,
-                     backend: str, started: float, backend_time: float,
-                     facts: BackendFacts, crossed: list[int]) -> StreamResponse:
-        """Stream the engine's answer to the client chunk by chunk; count it when complete.
-        Its headers go first: a weight load under it later is not named (only the streams the
-        router continues end with the versions, :meth:`_relay_stream`)."""
-        status = upstream.status
-        response = StreamResponse(status=status, reason=upstream.reason,
-                                      headers=_response_headers(upstream.raw_headers, _HOP_BY_HOP,
-                                                                facts, crossed))
-        complete = False
-        try:
-            try:
-                await response.prepare(request)
-            except ConnectionError:
-                return response  # the client left before its answer began: nothing to count
-            # What the router added before the first byte: all of the wait but the answering
-            # engine's own time to headers (failed attempts and retries count as added).
-            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
-            self.stats.responded(status)
-            while True:
-                try:
-                    chunk = await upstream.readany()
-                except (UpstreamError, TimeoutError) as exc:
-                    # The engine broke off mid-answer. Its status is already sent, so all that
-                    # is left is to make the client see an incomplete response: close.
-                    failure = Failure(backend, classify(exc))
-                    self._count_failure(failure)
-                    if request.transport is not None:
-                        request.transport.close()
-                    return response
-                if not chunk:
-                    break
-                try:
-                    await response.write(chunk)
-                except ConnectionError:
-                    return response  # the client left: not the engine's doing, not counted
-            complete = True
-            if status < 400:
-                self.pool.record_success(backend)
-            with contextlib.suppress(ConnectionError):  # the client left after the last byte
-                await response.write_eof()
-            return response
-        finally:
-            if not complete:
-                upstream.close()  # the engine sees the disconnect and aborts the generation
-
-    async def _relay_stream(self, request: Request, upstream: Answer,
-                            backend: str, started: float, backend_time: float,
-                            stream: Stream, facts: BackendFacts) -> StreamResponse | Failure:
-        """Relay a stream event by event through its splice. The client's response begins with
-        the first event it is given, so an attempt that fails before that is re-sent from the
-        start; one that fails after it is continued (by the caller)."""
-        splice = stream.splice
-        self._begin_relay(stream, backend)
-        streaming = self.waiting.streams.setdefault(backend, set())
-        heard = self.waiting.heard
-        splitter = SseSplitter()
-        complete = False
-        loop = asyncio.get_running_loop()
-        # Its head is no token: the attempt has waited on the engine since it was sent, as a
-        # request waiting for its head has (:meth:`WaitingRequests.silent`).
-        hold = Hold(stream=stream, since=loop.time() - backend_time, crossed=stream.crossed)
-        streaming.add(hold)
-        try:
-            while True:
-                try:
-                    data = await upstream.readany()
-                except (UpstreamError, TimeoutError) as exc:
-                    return Failure(backend, classify(exc))
-                if not data:
-                    return Failure(backend, Cause.RESET)  # it ended without [DONE]
-                heard[backend] = loop.time()
-                # Until its events are written, it waits on its client, not on its engine: a
-                # slow reader (the engine done, its answer in buffers) is never held there.
-                hold.since = math.inf
-                for event in splitter.feed(data):
-                    outcome, out = splice.on_event(event)
-                    if outcome is EventAction.ENGINE_ERROR:
-                        return Failure(backend, Cause.STREAM_ERROR)
-                    if outcome is EventAction.SKIP:
-                        continue
-                    if splice.request.assemble:
-                        if outcome is EventAction.CLIENT_ERROR:
-                            # The request's fault (a 4xx error event): its answer is that
-                            # error, and the engine did its part.
-                            complete = True
-                            self.pool.record_success(backend)
-                            return await self._answer_assembled(
-                                request, stream, upstream, started, backend_time, facts,
-                                error=True)
-                        if outcome is EventAction.DONE:
-                            complete = not splice.ended_by_router()
-                            self._whole(backend, splice)
-                            return await self._answer_assembled(
-                                request, stream, upstream, started, backend_time, facts)
-                        continue
-                    if outcome is EventAction.DONE:
-                        out = _versions_label(stream, facts.weight_version) + out
-                    response = await self._send(request, stream, out, upstream, started,
-                                                backend_time, facts)
-                    if response is None:  # the client left: not the engine's doing
-                        assert stream.response is not None
-                        return stream.response
-                    if outcome is EventAction.DONE:
-                        # A stop string the router matched ends it before its engine does:
-                        # that engine is let go (it would go on to its limit), as vLLM aborts
-                        # a generation its detokenizer stopped.
-                        complete = not splice.ended_by_router()
-                        self._whole(backend, splice)
-                        if self.count_usage:
-                            response.usage = _stream_usage(splice)
-                        with contextlib.suppress(ConnectionError):
-                            await response.write_eof()
-                        return response
-                hold.since = loop.time()  # waiting on the engine again
-        except asyncio.CancelledError:
-            if not hold.caught():
-                raise  # the client left
-            # rescued or moved: it goes on elsewhere
-            return Failure(backend, hold.why, race_fails=self.waiting.race_fails(hold))
-        finally:
-            streaming.discard(hold)
-            if not complete:
-                upstream.close()  # the engine sees the disconnect and aborts the generation
-
-    def _begin_relay(self, stream: Stream, backend: str) -> None:
-        """An attempt of ``stream`` begins on ``backend``: its splice is told; a first attempt
-        notes its engine (whose context a request naming no limit takes); a continuation is
-        counted, with the tokens it generates again."""
-        splice = stream.splice
-        splice.begin_attempt(stream.continuation if stream.began else None)
-        if not stream.began:
-            stream.began_on = backend
-            if splice.names_no_limit():
-                self._learn_context(backend)
-        if stream.began and stream.continuation is not None:
-            self.stats.continuations[stream.continuation.mode.value] += 1
-            self.stats.tokens_discarded += len(stream.continuation.replay)
-
-    async def _send(self, request: Request, stream: Stream, data: bytes,
-                    upstream: Answer, started: float,
-                    backend_time: float, facts: BackendFacts) -> StreamResponse | None:
-        """Write one event to the client, beginning its response with the first; ``None`` if
-        the client has left."""
-        response = stream.response
-        if response is None:
-            # The events are the router's to frame: rewritten, continued from another engine or
-            # ended with an error event, so an engine's Content-Length would cut them short.
-            response = StreamResponse(status=upstream.status, reason=upstream.reason,
-                                          headers=_response_headers(upstream.raw_headers,
-                                                                    _NOT_RELAYED_WHOLE, facts,
-                                                                    stream.crossed))
-            stream.response = response
-            try:
-                await response.prepare(request)
-            except ConnectionError:
-                return None
-            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
-            self.stats.responded(upstream.status)
-        try:
-            await response.write(data)
-        except ConnectionError:
-            return None
-        stream.splice.events_sent += 1
-        return response
-
-    async def _answer_assembled(self, request: Request, stream: Stream,
-                                upstream: Answer, started: float,
-                                backend_time: float, facts: BackendFacts, *,
-                                error: bool = False) -> StreamResponse:
-        """The whole answer to a non-streamed request, assembled from the stream(s); with
-        ``error``, the error its stream ended with."""
-        headers = _response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE | {b"content-type"},
-                                    facts, stream.crossed)
-        status, body = (stream.splice.error_answer() if error
-                        else (200, stream.splice.answer()))
-        response = Response(status=status, body=body, headers=headers,
-                            content_type="application/json")
-        stream.response = response
-        try:
-            await response.prepare(request)
-            self.stats.observe_added_latency(time.perf_counter() - started - backend_time)
-            self.stats.responded(status)
-            await response.write_eof()
-        except ConnectionError:
-            pass  # the client left: its loss, not the engine's
-        return response
-
     def _takes_fields(self, backend: str) -> bool:
         """Whether ``backend``'s engine takes vLLM's own request fields: its profile's word in
         the controller's push, else the router's ``upstream_fields`` setting."""
         said = self.pool.facts(backend).upstream_fields
         return self.settings.upstream_fields if said is None else said
-
-    def _whole(self, backend: str, splice: Splice) -> None:
-        """A generation came whole from ``backend``: a success of the engine, and a
-        ``"length"`` finish short of its limit tells that engine's server cap."""
-        self.pool.record_success(backend)
-        revealed = splice.revealed_cap(self.limits.context.get(backend))
-        if revealed is not None:
-            self.limits.learn_cap(backend, revealed)
 
     def forget_limits(self) -> None:
         """A push came: forget the limits of backends that left (one that comes back may have
@@ -1188,74 +825,12 @@ class Forwarder:
             answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
                                                 _with_key([], self.pool.facts(backend).key),
                                                 b"")
-            value = json.loads(await _read(answer))["data"][0]["max_model_len"]
+            value = json.loads(await read_all(answer))["data"][0]["max_model_len"]
         except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
             return
         if (isinstance(value, int) and not isinstance(value, bool) and value > 0
                 and backend in self.pool.serving):
             self.limits.context[backend] = value
-
-    async def _end_whole(self, request: Request, stream: Stream,
-                         backend: str) -> StreamResponse:
-        """A generation whose final chunk came (from ``backend``) and whose connection went
-        before ``[DONE]``: its client gets its end (the usage it asked for, where the router can
-        count it), labelled as one that ended well is (the versions its tokens may come
-        from)."""
-        splice = stream.splice
-        if stream.response is None:  # an answer being assembled: it is whole
-            facts = replace(self.pool.facts(backend),
-                            weight_version=stream.weight_version)
-            response = Response(status=200, body=splice.answer(),
-                                headers=_response_headers([], facts=facts,
-                                                          crossed=stream.crossed),
-                                content_type="application/json")
-            stream.response = response
-            self.stats.responded(200)
-            with contextlib.suppress(ConnectionError):
-                await response.prepare(request)
-                await response.write_eof()
-            return response
-        return await self._end_stream(stream, None, "the usage the client asked for was lost "
-                                      "with the connection")
-
-    async def _end_stream(self, stream: Stream, failure: Failure | None,
-                          reason: str) -> StreamResponse:
-        """End a begun stream that cannot go on: an error event in the OpenAI shape naming the
-        cause, then ``[DONE]``, as vLLM ends a stream that failed. A generation that was
-        already whole (its finish came, its end was lost) just ends. Either way, first, the
-        event naming the weight versions its tokens may come from, where a load crossed it:
-        the label is owed however the stream ends, and a client library stops reading at the
-        error event."""
-        response = stream.response
-        splice = stream.splice
-        if response is None:  # an answer being assembled: nothing reached the client yet
-            self.stats.stream_ended(reason)
-            return self.answers.refuse(failure)
-        closing = splice.closing_usage() if splice.finished() else None
-        label = _versions_label(stream, stream.weight_version)
-        if closing is not None:
-            data = label + closing + DONE
-        elif splice.finished():
-            # Whole, but its usage cannot be counted (no token ids): it ends as a whole answer
-            # does, without the usage event, never with an error a client library would raise
-            # after it had every token.
-            data = label + DONE
-        else:
-            what = "The stream broke off"
-            if failure is not None:
-                what = f"Backend {failure.backend} {DESCRIPTIONS[failure.cause]}"
-                if failure.cause is Cause.STREAM_ERROR and isinstance(splice.error, dict):
-                    what += f" ({splice.error.get('message')})"
-            self.stats.stream_ended(reason)
-            data = label + error_event(
-                f"{what} after {splice.produced} tokens, and the generation could not be "
-                f"continued: {reason}.", "stream_interrupted", 500,
-                cause=None if failure is None else failure.cause.value,
-                backend=None if failure is None else failure.backend, reason=reason) + DONE
-        with contextlib.suppress(ConnectionError):
-            await response.write(data)
-            await response.write_eof()
-        return response
 
     # ------------------------------------------------------------------ outcomes and answers
 
@@ -1326,27 +901,3 @@ class Forwarder:
         if self.health_managed and self.pool.drop(failure.backend):
             log.info("reflex drop: %s %s; out until the next push", failure.backend,
                      DESCRIPTIONS[failure.cause])
-
-    def _pass_through(self, failure: Failure) -> Response:
-        """The engine's own 5xx (or aborted 200), untouched, unless it is the one status never
-        to send."""
-        if failure.status == FORBIDDEN_STATUS:
-            return self.answers.refuse(failure)
-        self.stats.responded(failure.status)
-        assert failure.headers is not None
-        return Response(status=failure.status, body=failure.body,
-                            headers=_response_headers(failure.headers, _NOT_RELAYED_WHOLE,
-                                                      failure.facts))
-
-def _stream_usage(splice: Splice) -> tuple[int, int]:
-    """A whole stream's (prompt, completion) tokens: its usage where the engine sent one (the
-    whole generation's, across continuations), else the prompt's token ids and the tokens
-    produced (the router asks vLLM for the ids)."""
-    usage = splice.usage or {}
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if not isinstance(prompt, int):
-        prompt = len(splice.prompt_ids or ())
-    if not isinstance(completion, int):
-        completion = splice.produced
-    return prompt, completion
-

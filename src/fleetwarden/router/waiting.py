@@ -80,9 +80,10 @@ class WaitingRequests:
         """``backend``'s engine is about to load ``version`` with the requests on it kept
         (vLLM's ``pause?mode=keep``: they go on under the new weights). Each request there now
         (waiting for its head, or streaming) may end with tokens of both: its answer names
-        every version (:func:`_response_headers`, and a stream's last event). One that ends
-        before the pause is named so too: the label may list a version that produced none of
-        its tokens, never leave out one that did. Returns how many were marked."""
+        every version (:func:`~fleetwarden.router.relay.response_headers`, and a stream's
+        last event). One that ends before the pause is named so too: the label may list a
+        version that produced none of its tokens, never leave out one that did. Returns how
+        many were marked."""
         holds = [*self.heads.get(backend, {}), *self.streams.get(backend, ())]
         marked = 0
         for hold in holds:
