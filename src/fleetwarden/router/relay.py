@@ -244,10 +244,14 @@ class Relay:
                                                      a.facts, a.crossed, spans))
         if status < 400:
             self.pool.record_success(backend)  # the engine's answer is complete
+        return await self._send_whole(a, response)
+
+    async def _send_whole(self, a: Answering, response: Response) -> Response:
+        """Send an answer that is whole, headers and body in one write; counted as sent."""
         try:
-            await response.prepare(request)
+            await response.prepare(a.request)
             self.stats.observe_added_latency(time.perf_counter() - a.started - a.backend_time)
-            self.stats.responded(status)
+            self.stats.responded(response.status)
             await response.write_eof()
         except ConnectionError:
             pass  # the client left: its loss, not the engine's
@@ -417,7 +421,7 @@ class Relay:
                                 error: bool = False) -> StreamResponse:
         """The whole answer to a non-streamed request, assembled from the stream(s); with
         ``error``, the error its stream ended with."""
-        request, upstream = a.request, a.upstream
+        upstream = a.upstream
         headers = response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE | {b"content-type"},
                                    a.facts, stream.crossed)
         status, body = (stream.splice.error_answer() if error
@@ -425,14 +429,7 @@ class Relay:
         response = Response(status=status, body=body, headers=headers,
                             content_type="application/json")
         stream.response = response
-        try:
-            await response.prepare(request)
-            self.stats.observe_added_latency(time.perf_counter() - a.started - a.backend_time)
-            self.stats.responded(status)
-            await response.write_eof()
-        except ConnectionError:
-            pass  # the client left: its loss, not the engine's
-        return response
+        return await self._send_whole(a, response)
 
     def whole(self, backend: str, splice: Splice) -> None:
         """A generation came whole from ``backend``: a success of the engine, and a
