@@ -769,9 +769,9 @@ def test_a_lost_race_never_takes_the_last_backend_out() -> None:
     every request was answered 409 until the next push)."""
     pool = Pool(["http://a", "http://b"])
     forwarder = Forwarder(pool, RouterSettings(), RouterStats(), health_managed=True)
-    forwarder._lost_race(Failure("http://a", Cause.HEDGED))
+    forwarder.tally.lost_race(Failure("http://a", Cause.HEDGED))
     assert pool.serving == ("http://b",)  # the reflex, while another serves
-    forwarder._lost_race(Failure("http://b", Cause.HEDGED))
+    forwarder.tally.lost_race(Failure("http://b", Cause.HEDGED))
     assert pool.serving == ("http://b",)  # never the last
     assert forwarder.stats.backend_failures == {("http://a", "hedged"): 1,
                                                 ("http://b", "hedged"): 1}

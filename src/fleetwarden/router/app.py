@@ -120,7 +120,7 @@ class Router:
         self.worker = worker
         self.forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
         self.registry = make_registry(self.stats, self.pool, worker, self.forwarder.affinity)
-        self.forwarder.on_failure = self._failed
+        self.forwarder.tally.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
         #: The client keys in force, when the router checks them (router/keys.py); ``None``:
         #: the data port is open, and its handler is the one that never looks at a key.
@@ -155,7 +155,7 @@ class Router:
         if not self.health_managed:
             log.info("a controller drives this router: reflex drop armed")
         self.health_managed = True
-        self.forwarder.health_managed = True
+        self.forwarder.tally.health_managed = True
 
     def set_serving_backends(self, urls: Iterable[str],
                              facts: Mapping[str, BackendFacts] | None = None, *,

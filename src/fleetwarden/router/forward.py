@@ -1,9 +1,10 @@
 """Forwarding one request: pick a backend, send, hand the answer to the relay, count.
 
 Owns: the attempt loop, one request's way through the backends (pick, send, wait for the
-head, retry, hedge's race, continue a stream), and the failures it counts. Beside it, by job:
+head, retry, hedge's race, continue a stream). Beside it, by job:
 the waits the fleet's commands act on (:mod:`~fleetwarden.router.waiting`), the relay of an
-answer to its client (:mod:`~fleetwarden.router.relay`), the router's own answers
+answer to its client (:mod:`~fleetwarden.router.relay`), the failures counted
+(:mod:`~fleetwarden.router.tally`), the router's own answers
 (:mod:`~fleetwarden.router.answers`) and the records an exchange's attempts share
 (:mod:`~fleetwarden.router.exchange`).
 Must not: decide health or change the serving set: it reports outcomes, the controller and the
@@ -69,11 +70,9 @@ section 4):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
@@ -84,8 +83,6 @@ from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import (
     BackendFacts,
     Pool,
-    blamed_5xx,
-    poison_quorum,
 )
 from fleetwarden.router.relay import HOP_BY_HOP, Answering, Relay, read_all
 from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
@@ -108,6 +105,7 @@ from fleetwarden.router.splice import (
     read_stream_request,
 )
 from fleetwarden.router.stats import RouterStats
+from fleetwarden.router.tally import Tally
 from fleetwarden.router.upstream import (
     Address,
     Answer,
@@ -163,7 +161,8 @@ class Forwarder:
         self.pool = pool
         self.settings = settings
         self.stats = stats
-        self.health_managed = health_managed
+        #: The failures of its attempts, counted where they count (and the reflex drop).
+        self.tally = Tally(pool, settings, stats, health_managed=health_managed)
         #: The router's own answers (it cannot serve, a version none holds, its own trouble).
         self.answers = OwnAnswers(pool, settings, stats)
         #: Engines the last push said are coming back (:meth:`pushed`), and the event the
@@ -178,9 +177,6 @@ class Forwarder:
         #: own continuations: set when the router checks client keys, whose keys never go on
         #: to an engine (router/keys.py), so that clients never need to hold the engines' key.
         self.engine_keys_always = False
-        #: Told of every failed attempt as it happens: (backend, cause). The router's evidence
-        #: stream; whoever listens must not raise.
-        self.on_failure: Callable[[str, str], None] | None = None
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, Address] = {}
         #: Each engine's context length and server caps (:class:`EngineLimits`), and the
@@ -189,7 +185,8 @@ class Forwarder:
         self._learning: dict[str, asyncio.Task[None]] = {}
         #: The answers on their way to their clients.
         self.relay = Relay(pool, stats, self.waiting, self.answers, self.limits,
-                           count_failure=self._count_failure, learn_context=self._learn_context)
+                           count_failure=self.tally.count_failure,
+                           learn_context=self._learn_context)
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
@@ -376,14 +373,14 @@ class Forwarder:
                 if answer.cause is Cause.ABORTED or (
                         answer.cause is Cause.STREAM_ERROR and stream is not None
                         and stream.splice.error is ABORTED_ERROR):
-                    self._aborted(answer)
+                    self.tally.aborted(answer)
                 ex.answered = ex.answered or (stream is not None and stream.began)
                 step = self._after_failure(ex, answer)
                 if not step.resends:
                     return await self._give_up(ex, answer, step)
         finally:
             if ex.held:
-                self._settle_held(ex)
+                self.tally.settle_held(ex)
             budget.requests_in_flight -= 1
             if ex.retries is not None:
                 ex.retries.release()
@@ -465,35 +462,23 @@ class Forwarder:
         step = settle(failure.cause, streamed=stream is not None, began=began,
                       finished=began and stream is not None and stream.splice.finished(),
                       same_5xx_again=failure.cause is Cause.SERVER_ERROR
-                      and self._poison(ex, failure))
+                      and self.tally.poison(ex, failure))
         if step is None:
-            self._count(ex, failure, began)
+            self.tally.count(ex, failure, began)
             if ex.retries is None:  # the first failure that counts: most requests have none
                 ex.retries = Retries(self.pool.retry_budget, self.settings.max_retries)
             step = ex.retries.resend(failure.cause, began=began, replaced=(
-                self.health_managed and failure.backend not in self.pool.serving))
+                self.tally.health_managed and failure.backend not in self.pool.serving))
         elif step is AfterFailure.AT_ONCE and failure.cause is Cause.HEDGED:
             # A stream moved off an engine that held it without a step
             # (:meth:`WaitingRequests._move_streams`): a lost race, that engine's failure only
             # on a lost core; the stream goes on at once, as a rescued one does.
             if failure.race_fails:
-                self._count_failure(failure)
+                self.tally.count_failure(failure)
             else:
-                self._lost_race(failure)
+                self.tally.lost_race(failure)
         ex.last, ex.resend = failure, step
         return step
-
-    def _count(self, ex: Exchange, failure: Failure, began: bool) -> None:
-        """A failure that counts against its engine: reported now or, a 5xx, held back until
-        the request's end tells whether the request itself is the problem."""
-        if not failure.counted:
-            if failure.cause is Cause.SERVER_ERROR and not began:
-                # Out of this router's list at once (the reflex), reported when the request
-                # ends (:meth:`_settle_held`).
-                self._reflex(failure)
-                ex.held.append(failure)
-            else:
-                self._count_failure(failure)
 
     async def _give_up(self, ex: Exchange, failure: Failure, step: AfterFailure
                        ) -> StreamResponse:
@@ -575,7 +560,7 @@ class Forwarder:
         if backend is None:
             if ex.last is None and min_version is not None and self.pool.serving:
                 return self.answers.refuse_version(min_version)
-            if ex.held and self._poison(ex, ex.held[-1]):
+            if ex.held and self.tally.poison(ex, ex.held[-1]):
                 # Every engine left that could answer it gave the same 5xx (the others
                 # refused it): poison, as in :meth:`_give_up`.
                 self.stats.poison_requests += 1
@@ -727,7 +712,7 @@ class Forwarder:
                                           headers, facts, None, crossed=scope.crossed)
         if isinstance(answer, Failure):
             if answer.cause is not Cause.RESCUED:
-                self._count_failure(answer)
+                self.tally.count_failure(answer)
             return answer
         if self.waiting.hedging.get(scope) is asyncio.current_task():
             # the original still waits: wake it, this is the client's answer
@@ -740,10 +725,10 @@ class Forwarder:
         """The original attempt ended without an answer while its hedge was in flight (or
         because the hedge's answer came): the hedge's answer is the client's, if it has one."""
         if failure.cause is Cause.HEDGED and not failure.race_fails:
-            self._lost_race(failure)
+            self.tally.lost_race(failure)
             failure.counted = True
         elif failure.cause is not Cause.RESCUED:
-            self._count_failure(failure)  # the original's own failure is evidence all the same
+            self.tally.count_failure(failure)  # the original's own failure is evidence all the same
             failure.counted = True
         won = await hedge  # cancelled with this handler, if the client leaves
         if isinstance(won, Failure):
@@ -832,72 +817,3 @@ class Forwarder:
                 and backend in self.pool.serving):
             self.limits.context[backend] = value
 
-    # ------------------------------------------------------------------ outcomes and answers
-
-    def _aborted(self, failure: Failure) -> None:
-        """An attempt whose engine aborted its generation: counted, and a whole answer's
-        tokens (its usage says them) as discarded: the request goes again from the start."""
-        self.stats.aborted += 1
-        if failure.body:
-            with contextlib.suppress(ValueError, RecursionError, AttributeError, TypeError):
-                tokens = json.loads(failure.body)["usage"]["completion_tokens"]
-                if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
-                    self.stats.tokens_discarded += tokens
-
-    def _count_failure(self, failure: Failure) -> None:
-        self._report_failure(failure)
-        self._reflex(failure)
-
-    def _poison(self, ex: Exchange, failure: Failure) -> bool:
-        """Whether ``failure`` (a 5xx) makes the request poison: the same status from every
-        engine it may try (:func:`poison_quorum`). Those are the engines that answered it 5xx
-        and those it has not tried yet; one that failed it otherwise (refused, reset) could
-        not answer it at all, and has no say."""
-        pool, held = self.pool, ex.held
-        answered_5xx = {h.backend for h in held} | {failure.backend}
-        same = {h.backend for h in held if h.status == failure.status} | {failure.backend}
-        if len(same) < len(answered_5xx):
-            return False  # another 5xx among them: not the same answer everywhere
-        untried = {u for u in pool.serving
-                   if u not in ex.tried and pool.qualifies(u, ex.min_version)}
-        routable = answered_5xx | untried
-        return len(same) >= poison_quorum(len(routable), self.settings.max_retries)
-
-    def _settle_held(self, ex: Exchange) -> None:
-        """A request's held 5xx at its end: those :func:`blamed_5xx` names are reported; the
-        others were perhaps the request's own, and their reflex drops are undone."""
-        pool = self.pool
-        answered = ex.answered or (ex.stream is not None and ex.stream.began)
-        untried = sum(1 for u in pool.serving
-                      if u not in ex.tried and pool.qualifies(u, ex.min_version))
-        blamed = blamed_5xx([(h.backend, h.status) for h in ex.held], answered, untried)
-        for h in ex.held:
-            if h.backend in blamed:
-                self._report_failure(h)
-            elif self.health_managed:
-                pool.undrop(h.backend)
-
-    def _report_failure(self, failure: Failure) -> None:
-        """The failure into the tallies the controller drains, and its evidence stream."""
-        self.pool.record_failure(failure.backend)
-        self.stats.backend_failed(failure.backend, failure.cause.value)
-        if self.on_failure is not None:
-            self.on_failure(failure.backend, failure.cause.value)
-
-    def _lost_race(self, failure: Failure) -> None:
-        """The held attempt lost the race to its hedge: out of this router's list until the next
-        push (no new request waits there meanwhile), but no failure of its engine. A hedge is
-        sent on a second without a step; a healthy engine in one long step (a long prefill
-        before its cadence learned one) looks the same until the step ends, and counted, its
-        lost races ejected it from the fleet, to come back only on proof. A wedge is condemned
-        by the stall limit, or by the canary that watches a hedged lost core."""
-        self.stats.backend_failed(failure.backend, failure.cause.value)
-        if len(self.pool.serving) > 1 or failure.backend not in self.pool.serving:
-            # Never the last: a lost race is no failure of its engine, and an empty list would
-            # answer every request 409 until the next push.
-            self._reflex(failure)
-
-    def _reflex(self, failure: Failure) -> None:
-        if self.health_managed and self.pool.drop(failure.backend):
-            log.info("reflex drop: %s %s; out until the next push", failure.backend,
-                     DESCRIPTIONS[failure.cause])
