@@ -1,8 +1,9 @@
 """One client request's way through the backends: the records its attempts share.
 
 Owns: :class:`Exchange` (a request across its attempts), :class:`Stream` (a streamed answer
-the router continues), :class:`Hold` (one wait that the fleet may interrupt), and what an
-attempt ends as (:class:`Failure`, or a hedge's :class:`Won`).
+the router continues), :class:`Hold` (one wait that the fleet may interrupt), what an
+attempt ends as (:class:`Failure`, or a hedge's :class:`Won`), and :func:`with_key` (the
+headers of a request the router makes on its own account).
 Must not: send or decide anything: :mod:`fleetwarden.router.forward` runs the attempts,
 :mod:`fleetwarden.router.waiting` keeps the waits the fleet's commands act on.
 """
@@ -19,7 +20,7 @@ from fleetwarden.router.serve import RawHeaders, Request, StreamResponse
 from fleetwarden.router.splice import Continuation, Splice
 from fleetwarden.router.upstream import Answer, ConnectFailed, ConnectTimeout, LocalExhaustion
 
-__all__ = ["Exchange", "Failure", "Hold", "Stream", "Won", "classify"]
+__all__ = ["Exchange", "Failure", "Hold", "Stream", "Won", "classify", "with_key"]
 
 
 def classify(exc: BaseException) -> Cause:
@@ -174,3 +175,12 @@ class Hold:
         """In ``except CancelledError``: whether this hold's interrupt was the cancel (it is
         then spent: the task goes on)."""
         return self._interrupted and self._task.uncancel() <= self._cancelling
+
+
+def with_key(headers: RawHeaders, key: str | None) -> RawHeaders:
+    """``headers`` with ``Authorization: Bearer key`` in place of any the client sent, for a
+    request the router makes on its own account; as they are without a key."""
+    if key is None:
+        return headers
+    kept = [(k, v) for k, v in headers if k.lower() != b"authorization"]
+    return [*kept, (b"Authorization", b"Bearer " + key.encode("latin-1", "replace"))]

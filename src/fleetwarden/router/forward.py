@@ -4,7 +4,8 @@ Owns: the attempt loop, one request's way through the backends (pick, send, wait
 head, retry, hedge's race, continue a stream). Beside it, by job:
 the waits the fleet's commands act on (:mod:`~fleetwarden.router.waiting`), the relay of an
 answer to its client (:mod:`~fleetwarden.router.relay`), the failures counted
-(:mod:`~fleetwarden.router.tally`), the router's own answers
+(:mod:`~fleetwarden.router.tally`), the cache-aware index kept in step with the fleet
+(:mod:`~fleetwarden.router.cache_sync`), the router's own answers
 (:mod:`~fleetwarden.router.answers`) and the records an exchange's attempts share
 (:mod:`~fleetwarden.router.exchange`).
 Must not: decide health or change the serving set: it reports outcomes, the controller and the
@@ -77,8 +78,17 @@ from functools import partial
 
 from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
 from fleetwarden.router.answers import DESCRIPTIONS, OwnAnswers, error_response
-from fleetwarden.router.exchange import Exchange, Failure, Hold, Stream, Won, classify
-from fleetwarden.router.kv_events import KVEvents, Source, sources_of
+from fleetwarden.router.cache_sync import CacheSync
+from fleetwarden.router.exchange import (
+    Exchange,
+    Failure,
+    Hold,
+    Stream,
+    Won,
+    classify,
+    with_key,
+)
+from fleetwarden.router.kv_events import KVEvents
 from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.pool import (
     BackendFacts,
@@ -127,15 +137,6 @@ _CLOSE = (b"Connection", b"close")
 _MAX_VERSION_DIGITS = 20
 #: Parsed target URLs kept (backends x allowlisted paths, plus any query strings).
 _MAX_CACHED_TARGETS = 4096
-
-
-def _with_key(headers: RawHeaders, key: str | None) -> RawHeaders:
-    """``headers`` with ``Authorization: Bearer key`` in place of any the client sent, for a
-    request the router makes on its own account; as they are without a key."""
-    if key is None:
-        return headers
-    kept = [(k, v) for k, v in headers if k.lower() != b"authorization"]
-    return [*kept, (b"Authorization", b"Bearer " + key.encode("latin-1", "replace"))]
 
 
 def _min_version(value: bytes | None) -> int | Response | None:
@@ -191,20 +192,27 @@ class Forwarder:
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
         self.affinity: Affinity | None = None
-        #: The subscriptions to the engines' KV events (router/kv_events.py), opened with the
-        #: forwarder; None: cache-aware routing off, or ``kv_events`` off.
-        self.kv_events: KVEvents | None = None
-        #: Each backend whose ``/kv_event_sources`` was read, by the incarnation it was read
-        #: at (asked again only when that changes), and the reads under way.
-        self._kv_asked: dict[str, str | None] = {}
-        self._kv_asking: dict[str, asyncio.Task[None]] = {}
-        self._kv_configured = settings.kv_event_sources()
+        #: The policy's index kept in step with the serving set, and the engines' KV events
+        #: (router/cache_sync.py); None: least in flight.
+        self.cache: CacheSync | None = None
         if settings.routing == "cache_aware":
             self.affinity = Affinity(AffinitySettings.of(settings))
             if settings.kv_events:
                 # A gap no replay fills is served by the guess for the guess's own lifetime.
                 self.affinity.precise = KVIndex(self.affinity.settings.token_block,
                                                 resync_s=settings.cache_ttl_s)
+            self.cache = CacheSync(pool, settings, self.affinity)
+
+    @property
+    def kv_events(self) -> KVEvents | None:
+        """The subscriptions to the engines' KV events, opened with the forwarder; None:
+        cache-aware routing off, or ``kv_events`` off."""
+        return None if self.cache is None else self.cache.kv_events
+
+    def sync_affinity(self) -> None:
+        """A push arrived: the cache-aware policy follows it (:meth:`CacheSync.sync`)."""
+        if self.cache is not None:
+            self.cache.sync()
 
     def pushed(self, coming_back: int) -> None:
         """A push arrived: the requests waiting for a backend look again."""
@@ -234,62 +242,6 @@ class Forwarder:
         ex.tried.clear()
         return True
 
-    def sync_affinity(self) -> None:
-        """A push arrived: the policy forgets backends that left, restarted or were refit, and
-        the engines that publish KV events are listened to."""
-        if self.affinity is not None:
-            pool = self.pool
-            facts = pool.all_facts()
-            self.affinity.sync(pool.serving, {
-                u: (f.incarnation, f.weight_version) for u, f in facts.items()})
-            self._sync_kv_events()
-
-    def _sync_kv_events(self) -> None:
-        """Listen to the KV events of every serving backend that publishes them (asked at its
-        ``/kv_event_sources`` once per incarnation); stop listening to those that left."""
-        events = self.kv_events
-        if events is None:
-            return
-        serving = set(self.pool.serving)
-        events.keep(serving)
-        for url in [u for u in self._kv_asked if u not in serving]:
-            del self._kv_asked[url]
-        configured = self._kv_configured
-        for url in serving:
-            named = configured.get(url.rstrip("/"))
-            if named is not None:  # the configuration says where: nothing to ask
-                events.watch(url, Source(*named))
-                continue
-            incarnation = self.pool.facts(url).incarnation
-            if url in self._kv_asking or (url in self._kv_asked
-                                          and self._kv_asked[url] == incarnation):
-                continue
-            self._kv_asked[url] = incarnation
-            task = asyncio.create_task(self._read_kv_sources(url), name=f"kv-sources:{url}")
-            self._kv_asking[url] = task
-            task.add_done_callback(partial(self._kv_asked_done, url))
-
-    def _kv_asked_done(self, backend: str, _: asyncio.Task[None]) -> None:
-        self._kv_asking.pop(backend, None)
-
-    async def _read_kv_sources(self, backend: str) -> None:
-        """Where ``backend`` publishes its KV events (vLLM's ``GET /kv_event_sources``), and
-        listen there; an engine that does not say is routed by the guess."""
-        assert self._client is not None, "Forwarder.open() was not awaited"
-        try:
-            answer = await self._client.request(
-                self._target(backend + "/kv_event_sources"), "GET",
-                _with_key([], self.pool.facts(backend).key), b"")
-            status = answer.status
-            raw = await read_all(answer)
-            source = sources_of(json.loads(raw), backend) if status == 200 else None
-        except (UpstreamError, TimeoutError, ValueError):
-            self._kv_asked.pop(backend, None)  # unreachable now: the next push asks again
-            return
-        if source is not None and self.kv_events is not None and backend in self.pool.serving:
-            log.info("KV events of %s: listening at %s", backend, source.endpoint)
-            self.kv_events.watch(backend, source)
-
     def _query(self, body: bytes, session: str | None) -> Query | None:
         """What the cache-aware policy reads of a request; None for a body it cannot read
         (the engine answers that one with its own error)."""
@@ -311,18 +263,15 @@ class Forwarder:
                                       keepalive_timeout_s=s.keepalive_timeout_s,
                                       max_head_bytes=s.max_head_bytes,
                                       max_headers=s.max_headers)
-        if self.affinity is not None and self.affinity.precise is not None:
-            self.kv_events = KVEvents(self.affinity.precise, clock=time.monotonic)
-            self.sync_affinity()  # the backends it was given: theirs are listened to at once
+        if self.cache is not None:
+            self.cache.open(self._client, self._target)
 
     async def close(self) -> None:
-        for task in [*self._learning.values(), *self._kv_asking.values()]:
+        for task in self._learning.values():
             task.cancel()
         self._learning.clear()
-        self._kv_asking.clear()
-        if self.kv_events is not None:
-            await self.kv_events.close()
-            self.kv_events = None
+        if self.cache is not None:
+            await self.cache.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -588,9 +537,9 @@ class Forwarder:
                 body = stream.continuation.body
                 # A continuation is the router's own request, not the client's: it carries
                 # the engine's key where the push gave one (the client's otherwise).
-                headers = _with_key(headers, facts.key)
+                headers = with_key(headers, facts.key)
         if self.engine_keys_always:
-            headers = _with_key(headers, facts.key)
+            headers = with_key(headers, facts.key)
         target = self._target(key)
         pool.dispatched(backend)
         try:
@@ -703,7 +652,7 @@ class Forwarder:
         waiting."""
         facts = self.pool.facts(other)
         if self.engine_keys_always:
-            headers = _with_key(headers, facts.key)
+            headers = with_key(headers, facts.key)
         sent = time.perf_counter()
         # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is never
         # hedged itself: the original is its hedge).
@@ -808,7 +757,7 @@ class Forwarder:
         assert self._client is not None, "Forwarder.open() was not awaited"
         try:
             answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
-                                                _with_key([], self.pool.facts(backend).key),
+                                                with_key([], self.pool.facts(backend).key),
                                                 b"")
             value = json.loads(await read_all(answer))["data"][0]["max_model_len"]
         except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
