@@ -170,7 +170,7 @@ class Router:
         self.pool.replace(urls, facts)
         self.forwarder.waiting.forget_idle(set(self.pool.serving))
         self.forwarder.sync_affinity()
-        self.forwarder.forget_limits()
+        self.forwarder.learner.forget()
         self.forwarder.pushed(coming_back)
 
     def set_trial_backends(self, urls: Iterable[str]) -> list[str]:

@@ -5,7 +5,8 @@ head, retry, hedge's race, continue a stream). Beside it, by job:
 the waits the fleet's commands act on (:mod:`~fleetwarden.router.waiting`), the relay of an
 answer to its client (:mod:`~fleetwarden.router.relay`), the failures counted
 (:mod:`~fleetwarden.router.tally`), the cache-aware index kept in step with the fleet
-(:mod:`~fleetwarden.router.cache_sync`), the router's own answers
+(:mod:`~fleetwarden.router.cache_sync`), the engines' limits learnt
+(:mod:`~fleetwarden.router.limits_learning`), the router's own answers
 (:mod:`~fleetwarden.router.answers`) and the records an exchange's attempts share
 (:mod:`~fleetwarden.router.exchange`).
 Must not: decide health or change the serving set: it reports outcomes, the controller and the
@@ -90,11 +91,12 @@ from fleetwarden.router.exchange import (
 )
 from fleetwarden.router.kv_events import KVEvents
 from fleetwarden.router.kv_index import KVIndex
+from fleetwarden.router.limits_learning import LimitsLearner
 from fleetwarden.router.pool import (
     BackendFacts,
     Pool,
 )
-from fleetwarden.router.relay import HOP_BY_HOP, Answering, Relay, read_all
+from fleetwarden.router.relay import HOP_BY_HOP, Answering, Relay
 from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
 from fleetwarden.router.serve import (
     BodyTooLarge,
@@ -180,14 +182,14 @@ class Forwarder:
         self.engine_keys_always = False
         #: Parsed target URLs, by backend + path (the allowlist keeps this small).
         self._targets: dict[str, Address] = {}
-        #: Each engine's context length and server caps (:class:`EngineLimits`), and the
-        #: reads of ``/v1/models`` under way (:meth:`_learn_context`).
+        #: Each engine's context length and server caps (:class:`EngineLimits`), as the
+        #: pushes say them and the engines' ``/v1/models`` tell.
         self.limits = EngineLimits()
-        self._learning: dict[str, asyncio.Task[None]] = {}
+        self.learner = LimitsLearner(pool, self.limits)
         #: The answers on their way to their clients.
         self.relay = Relay(pool, stats, self.waiting, self.answers, self.limits,
                            count_failure=self.tally.count_failure,
-                           learn_context=self._learn_context)
+                           learn_context=self.learner.learn_context)
         header = settings.session_header
         self._session_header = None if header is None else header.strip().lower().encode()
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
@@ -263,20 +265,17 @@ class Forwarder:
                                       keepalive_timeout_s=s.keepalive_timeout_s,
                                       max_head_bytes=s.max_head_bytes,
                                       max_headers=s.max_headers)
+        self.learner.open(self._client, self._target)
         if self.cache is not None:
             self.cache.open(self._client, self._target)
 
     async def close(self) -> None:
-        for task in self._learning.values():
-            task.cancel()
-        self._learning.clear()
+        self.learner.close()
         if self.cache is not None:
             await self.cache.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
-
-    # ------------------------------------------------------------------ control
 
     # ------------------------------------------------------------------ the request path
 
@@ -717,52 +716,3 @@ class Forwarder:
         the controller's push, else the router's ``upstream_fields`` setting."""
         said = self.pool.facts(backend).upstream_fields
         return self.settings.upstream_fields if said is None else said
-
-    def forget_limits(self) -> None:
-        """A push came: forget the limits of backends that left (one that comes back may have
-        been started otherwise), and take the server caps it says (read from the commands
-        that started the engines: before any ``"length"`` finish could reveal them), and the
-        defaults of a chat that names no limit (its model's generation config, where the
-        controller could read it) as the cap of such chats."""
-        self.limits.forget(set(self.pool.serving))
-        for url in self.pool.serving:
-            facts = self.pool.facts(url)
-            if facts.output_cap is not None:
-                self.limits.cap[url] = facts.output_cap
-            if facts.output_default is not None:
-                self.limits.default_cap[url] = facts.output_default
-
-    def _learn_context(self, backend: str) -> None:
-        """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the
-        background, once a chat sent without a limit begins there: its continuation keeps the
-        context of the engine that began it, and a read on the continuation's own path would
-        sit outside every rescue and hedge. Unknown when a cut comes: refused."""
-        if backend in self.limits.context or backend in self._learning:
-            return
-        pushed = self.pool.facts(backend).models
-        if pushed and pushed[0].max_model_len is not None:
-            # The watchdog read it already and the push said it: nothing to ask.
-            self.limits.context[backend] = pushed[0].max_model_len
-            return
-        task = asyncio.create_task(self._read_context(backend), name=f"context:{backend}")
-        self._learning[backend] = task
-        task.add_done_callback(partial(self._learnt, backend))
-
-    def _learnt(self, backend: str, _: asyncio.Task[None]) -> None:
-        self._learning.pop(backend, None)
-
-    async def _read_context(self, backend: str) -> None:
-        """``backend``'s context length, where its ``/v1/models`` says it (unknown otherwise:
-        the next chat that begins there asks again)."""
-        assert self._client is not None, "Forwarder.open() was not awaited"
-        try:
-            answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
-                                                with_key([], self.pool.facts(backend).key),
-                                                b"")
-            value = json.loads(await read_all(answer))["data"][0]["max_model_len"]
-        except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
-            return
-        if (isinstance(value, int) and not isinstance(value, bool) and value > 0
-                and backend in self.pool.serving):
-            self.limits.context[backend] = value
-
