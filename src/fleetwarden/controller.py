@@ -793,7 +793,7 @@ class Controller:
 
     async def weights_changing(self, urls: Sequence[str], version: int) -> int:
         """Every router marks the requests on ``urls`` as kept across a load of ``version``
-        (their answers name each version: router/forward.py). Returns how many."""
+        (their answers name each version: router/relay.py). Returns how many."""
         marked = 0
         for url in urls:
             for link in self.routers:
