@@ -338,6 +338,10 @@ def sim(
         None, help="Start with a fault: " + ", ".join(_FAULTS) + "."),
     factor: float = typer.Option(_SIM.fault_factor, min=0.001,
                                  help="Slowdown of the 'slow' fault."),
+    crash_notice_s: float = typer.Option(
+        _SIM.crash_notice_s, min=0.0, help="After a crash, seconds before the API server "
+        "notices (requests held, /health 200, /metrics frozen), as vLLM's does until its "
+        "monitor sees the core gone; 0: at once."),
     engine: str = typer.Option(_SIM.engine, help="Whose wire to speak: "
                                + ", ".join(SIM_ENGINES) + " (their /metrics names and "
                                "endpoints)."),
@@ -378,6 +382,7 @@ def sim(
                        max_num_batched_tokens=max_num_batched_tokens,
                        max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
+                       crash_notice_s=crash_notice_s,
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
                        api_keys=tuple(api_key or ()),
                        override_max_new_tokens=cap, default_max_new_tokens=default,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,7 @@ async def test_an_engine_that_never_answers_fails_its_start(tmp_path: Path) -> N
         log = h.log_path.read_text()
         assert "# fleetwarden: not ready; its processes now:" in log, log
         assert f"#   pid {h.pid} state " in log and "tiny_engine.py" in log, log
+        assert re.search(r"\) nice -?\d+ policy \d+ cpus [0-9]", log), log  # what it was given
         assert "--api-key ***" in log and "sk-never-shown" not in log, log  # keys hidden
     finally:
         await lau.close()

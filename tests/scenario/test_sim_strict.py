@@ -230,6 +230,36 @@ async def test_a_crashed_engine_takes_no_sleep_wake_or_cache_call(
         assert s.sleep_level == 0
 
 
+async def test_a_crash_not_yet_noticed_holds_its_requests_then_fails_them(
+        http: aiohttp.ClientSession) -> None:
+    """vLLM 0.32's API server learns that its core died from a monitor thread: until then it
+    holds what it took, answers /health 200, and its gauges stay where the kill left them;
+    then every request in it ends 500 (``crash_notice_s``)."""
+    import asyncio
+
+    async with Sim(SimConfig(steps_per_s=50, crash_exit_s=30, crash_notice_s=0.5)) as s:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+        held = asyncio.ensure_future(http.post(s.url + "/v1/completions", json=body))
+        await asyncio.sleep(0.1)  # it runs
+        await s.set_fault(FaultMode.CRASH)
+        def engine_lines(text: str) -> list[str]:
+            return [line for line in text.splitlines() if line.startswith("vllm:")]
+
+        async with http.get(s.url + "/metrics") as r:
+            frozen = engine_lines(await r.text())
+        async with http.get(s.url + "/health") as r:
+            assert r.status == 200  # not noticed yet
+        await asyncio.sleep(0.2)
+        async with http.get(s.url + "/metrics") as r:
+            assert engine_lines(await r.text()) == frozen  # no step since the kill
+        assert not held.done()
+        async with await held as r:
+            assert r.status == 500
+            assert "EngineCore encountered an issue" in (await r.json())["error"]["message"]
+        async with http.get(s.url + "/health") as r:
+            assert r.status == 503
+
+
 def test_server_caps_limit_the_output_as_vllms_get_max_tokens_does() -> None:
     """vLLM's ``get_max_tokens``: the override's ``max_new_tokens`` caps even a request that
     names more; the generation config's is only the default of a chat that names none."""

@@ -193,12 +193,32 @@ def describe_group(pgid: int,
             continue  # it ended while being read
         ticks = os.sysconf("SC_CLK_TCK")
         cpu_s = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
-        threads = next((line.split()[1] for line in status.splitlines()
-                        if line.startswith("Threads:")), "?")
+        field = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        # What the scheduler gives it: its nice and policy (stat fields 19 and 41), the CPUs
+        # it may run on, how often it gave up or lost the CPU, and its threads by state: a
+        # runnable start that gets no CPU shows here.
+        sched = (f"nice {int(fields[16])} policy {int(fields[38])} "
+                 f"cpus {field.get('Cpus_allowed_list', '?').strip()} "
+                 f"switches {field.get('voluntary_ctxt_switches', '?').strip()}/"
+                 f"{field.get('nonvoluntary_ctxt_switches', '?').strip()}")
         title = " ".join(shown(list(p.cmdline))) if p.cmdline else f"[{p.comm}]"
         lines.append(f"pid {p.pid} state {p.state} wchan {wchan} cpu {cpu_s:.1f} s "
-                     f"threads {threads}: {title[:160]!r}")
+                     f"threads {field.get('Threads', '?').strip()} ({_thread_states(base)}) "
+                     f"{sched}: {title[:160]!r}")
     return lines
+
+
+def _thread_states(base: Path) -> str:
+    """``base``'s threads counted by state (``R 2 S 30``), "?" where they cannot be read."""
+    counts: dict[str, int] = {}
+    try:
+        for task in (base / "task").iterdir():
+            with contextlib.suppress(OSError, IndexError):
+                state = (task / "stat").read_bytes().rsplit(b")", 1)[1].split()[0].decode()
+                counts[state] = counts.get(state, 0) + 1
+    except OSError:
+        return "?"
+    return " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def find_group_member(pgid: int, name: str) -> ProcessInfo | None:

@@ -126,6 +126,13 @@ class SimConfig:
     #: After ``crash``: how long the dying process still answers (503 /health) before it goes.
     #: Real vLLM refused connections ~0.4 s after its EngineCore was killed.
     crash_exit_s: float = 0.4
+    #: After ``crash``: how long before the API server notices its core is gone. Meanwhile it
+    #: holds what it took, steps nothing, answers /health 200 and /metrics with the gauges
+    #: frozen at the kill, as vLLM 0.32's API server does until its monitor thread sees the
+    #: core process end (``MPClient.start_engine_core_monitor``; every call then raises
+    #: ``EngineDeadError``, answered 500). 0: at once. On a loaded machine that thread waits
+    #: for the CPU: requests held a second or more were hedged on the real engines.
+    crash_notice_s: float = 0.0
     #: Whether it honours vLLM's ``return_token_ids``. False: an engine that ignores it (an
     #: OpenAI-compatible server that is not vLLM 0.32), whose streams a router can continue
     #: only from text.

@@ -179,6 +179,7 @@ class Sim:
         self.restarts = 0
         self._fault = Fault()
         self._crashed = False
+        self._dying = False  # crashed, not noticed yet (SimConfig.crash_notice_s)
         self._sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights offloaded, 2 discarded
         self._wake = asyncio.Event()
         self._inbox: list[tuple[str, _Pending]] = []
@@ -357,7 +358,7 @@ class Sim:
         if self._fault_timer is not None:
             self._fault_timer.cancel()
             self._fault_timer = None
-        if self._crashed:
+        if self._crashed or self._dying:
             return self._fault  # a dead process takes no more orders
         previous = self._fault.mode
         if previous in _CLOSED and mode not in _CLOSED:
@@ -374,14 +375,18 @@ class Sim:
         if mode in _CLOSED and previous not in _CLOSED:
             self._refuse()
         if mode is FaultMode.CRASH:
-            self._crash()
+            if self.config.crash_notice_s > 0:
+                self._dying = True  # a core killed, its API server not told yet
+                self._spawn(self._notice_crash(), "sim-crash-notice")
+            else:
+                self._crash()
         if mode is FaultMode.BLACKHOLE:
             self._no_blackhole.clear()
         else:
             self._no_blackhole.set()
         if until is not None:
             self._fault_timer = loop.call_at(until, self._clear_by_timer)
-        if mode is FaultMode.WEDGE:
+        if mode is FaultMode.WEDGE or self._dying:
             self._unwedged.clear()
         else:
             self._unwedged.set()
@@ -402,6 +407,12 @@ class Sim:
         assert self._runner is not None and self._runner.server is not None
         for connection in self._runner.server.connections:
             connection.close()  # idle ones at once, busy ones after their current response
+
+    async def _notice_crash(self) -> None:
+        await asyncio.sleep(self.config.crash_notice_s)
+        self._dying = False
+        self._crash()
+        self._unwedged.set()  # the core calls that waited now find it dead
 
     def _crash(self) -> None:
         self._crashed = True
@@ -823,7 +834,7 @@ class Sim:
         next_at = loop.time()
         while True:
             if (self._fault.mode in (FaultMode.WEDGE, FaultMode.BLACKHOLE) or self._crashed
-                    or self._sleep_level or self._paused in _FROZEN):
+                    or self._dying or self._sleep_level or self._paused in _FROZEN):
                 self._wake.clear()
                 await self._wake.wait()  # frozen: nothing below runs, no metric changes
                 next_at = loop.time()
