@@ -34,7 +34,7 @@ CLASSES_TO_SPLIT = {
     ("fleetwarden/launchers/routers.py", "RouterWorkers"): 489,
     ("fleetwarden/ledger.py", "Ledger"): 750,
     ("fleetwarden/router/app.py", "Router"): 515,
-    ("fleetwarden/router/forward.py", "Forwarder"): 561,
+    ("fleetwarden/router/forward.py", "Forwarder"): 556,
     ("fleetwarden/router/splice.py", "Splice"): 674,
     ("fleetwarden/sim/server.py", "Sim"): 1191,
     ("fleetwarden/testing/fleet_model.py", "FleetModel"): 724,

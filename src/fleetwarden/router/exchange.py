@@ -1,9 +1,10 @@
 """One client request's way through the backends: the records its attempts share.
 
-Owns: :class:`Exchange` (a request across its attempts), :class:`Stream` (a streamed answer
-the router continues), :class:`Hold` (one wait that the fleet may interrupt), what an
-attempt ends as (:class:`Failure`, or a hedge's :class:`Won`), and :func:`with_key` (the
-headers of a request the router makes on its own account).
+Owns: :class:`Attempt` (one try on one backend), :class:`Exchange` (a request across its
+attempts), :class:`Stream` (a streamed answer the router continues), :class:`Hold` (one wait
+that the fleet may interrupt), what an attempt ends as (:class:`Failure`, or a hedge's
+:class:`Won`), and :func:`with_key` (the headers of a request the router makes on its own
+account).
 Must not: send or decide anything: :mod:`fleetwarden.router.forward` runs the attempts,
 :mod:`fleetwarden.router.waiting` keeps the waits the fleet's commands act on.
 """
@@ -18,9 +19,15 @@ from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts
 from fleetwarden.router.retry import AfterFailure, Cause, Retries
 from fleetwarden.router.serve import RawHeaders, Request, StreamResponse
 from fleetwarden.router.splice import Continuation, Splice
-from fleetwarden.router.upstream import Answer, ConnectFailed, ConnectTimeout, LocalExhaustion
+from fleetwarden.router.upstream import (
+    Address,
+    Answer,
+    ConnectFailed,
+    ConnectTimeout,
+    LocalExhaustion,
+)
 
-__all__ = ["Exchange", "Failure", "Hold", "Stream", "Won", "classify", "with_key"]
+__all__ = ["Attempt", "Exchange", "Failure", "Hold", "Stream", "Won", "classify", "with_key"]
 
 
 def classify(exc: BaseException) -> Cause:
@@ -64,6 +71,26 @@ class Won:
     upstream: Answer
     backend_time: float
     facts: BackendFacts
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of a request on one backend, as it leaves: where it goes and what it sends."""
+
+    backend: str
+    method: str
+    target: Address
+    body: bytes
+    headers: RawHeaders
+    #: What the push said of the backend as the attempt left.
+    facts: BackendFacts
+    #: Its request, where a hedge may race it; None: a stream the router continues (moved,
+    #: never hedged) or a hedge's own wait.
+    hedgeable: Exchange | None = None
+    #: The stream the router continues whose attempt this is.
+    stream: Stream | None = None
+    #: Where a weight load on its backend is noted (its request's ``crossed``).
+    crossed: list[int] | None = None
 
 
 @dataclass(slots=True, eq=False)

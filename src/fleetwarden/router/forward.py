@@ -81,6 +81,7 @@ from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query
 from fleetwarden.router.answers import DESCRIPTIONS, OwnAnswers, error_response
 from fleetwarden.router.cache_sync import CacheSync
 from fleetwarden.router.exchange import (
+    Attempt,
     Exchange,
     Failure,
     Hold,
@@ -543,10 +544,9 @@ class Forwarder:
         pool.dispatched(backend)
         try:
             sent = time.perf_counter()
-            answer, hedge = await self._wait_head(backend, request.method, target, body,
-                                                  headers, facts,
-                                                  None if stream is not None else ex,
-                                                  stream=stream, crossed=ex.crossed)
+            answer, hedge = await self._wait_head(Attempt(
+                backend, request.method, target, body, headers, facts,
+                None if stream is not None else ex, stream, ex.crossed))
             if hedge is not None:
                 if not isinstance(answer, Failure):
                     self._drop_hedge(hedge)  # this answer came first
@@ -561,18 +561,14 @@ class Forwarder:
         finally:
             pool.finished(backend)
 
-    async def _wait_head(self, backend: str, method: str, target: Address, body: bytes,
-                         headers: RawHeaders, facts: BackendFacts,
-                         context: Exchange | None, *, stream: Stream | None = None,
-                         crossed: list[int] | None = None,
-                         ) -> tuple[Answer | Failure,
-                                    asyncio.Task[Won | Failure] | None]:
-        """Send the request to ``backend`` and wait for the head of its answer, in
-        ``backend``'s waiting list (a rescue, or the answer of its hedge, ends the wait at
-        once). Returns the answer (a 5xx as a failure) and the hedge that was in flight for
-        it when the wait ended, if any. ``stream``: the wait of a stream the router continues
-        (moved, never hedged)."""
+    async def _wait_head(self, at: Attempt) -> tuple[Answer | Failure,
+                                                     asyncio.Task[Won | Failure] | None]:
+        """Send attempt ``at`` to its backend and wait for the head of its answer, in the
+        backend's waiting list (a rescue, or the answer of its hedge, ends the wait at once).
+        Returns the answer (a 5xx as a failure) and the hedge that was in flight for it when
+        the wait ended, if any."""
         assert self._client is not None, "Forwarder.open() was not awaited"
+        backend, headers = at.backend, at.headers
         waits = self.waiting
         waiting = waits.heads.get(backend)
         if waiting is None:
@@ -580,15 +576,15 @@ class Forwarder:
         hedge: asyncio.Task[Won | Failure] | None = None
         race_fails = False
         answer: Answer | Failure
-        hold = Hold(stream=stream, crossed=crossed)
-        waiting[hold] = (asyncio.get_running_loop().time(), context)
+        hold = Hold(stream=at.stream, crossed=at.crossed)
+        waiting[hold] = (asyncio.get_running_loop().time(), at.hedgeable)
         try:
             try:
                 upstream = await self._client.request(
-                    target, method, headers, body, keep_alive=_CLOSE not in headers)
+                    at.target, at.method, headers, at.body, keep_alive=_CLOSE not in headers)
                 waits.heard[backend] = asyncio.get_running_loop().time()
                 if upstream.status >= 500:
-                    answer = await self._server_error(backend, upstream, facts)
+                    answer = await self._server_error(backend, upstream, at.facts)
                 else:
                     answer = upstream  # an event stream's connection is never pooled
             finally:
@@ -655,9 +651,9 @@ class Forwarder:
         sent = time.perf_counter()
         # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is never
         # hedged itself: the original is its hedge).
-        answer, _ = await self._wait_head(other, request.method,
-                                          self._target(other + request.raw_path), body,
-                                          headers, facts, None, crossed=scope.crossed)
+        answer, _ = await self._wait_head(Attempt(
+            other, request.method, self._target(other + request.raw_path), body, headers,
+            facts, crossed=scope.crossed))
         if isinstance(answer, Failure):
             if answer.cause is not Cause.RESCUED:
                 self.tally.count_failure(answer)
