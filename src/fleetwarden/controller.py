@@ -618,8 +618,8 @@ class Controller:
                        ) -> tuple[dict[str, int], dict[str, float]]:
         """What the routers hold on each engine: requests in flight, and how long the oldest
         has been silent."""
-        errors = _errors(report)
-        return await self.evidence.in_flight(errors), await self.evidence.held(errors)
+        holding = await self.evidence.holding(_errors(report))
+        return holding.in_flight, holding.silent
 
     def _target(self, url: str, i: int, in_flight: Mapping[str, int],
                 held: Mapping[str, float]) -> Target:
@@ -684,8 +684,8 @@ class Controller:
         if self.refit is None or self.refit.lease is None or self.watchdog is None:
             return {}
         watchdog = self.watchdog
-        in_flight = await self.evidence.in_flight(None)
-        held = await self.evidence.held(None)
+        holding = await self.evidence.holding(None)
+        in_flight, held = holding.in_flight, holding.silent
         excused = self.refit.stalls_excused()
         parts = [(p.shard, p.url) for p in self.refit.lease.participants
                  if self.ledger.shard(p.shard).base_url == p.url
@@ -793,7 +793,7 @@ class Controller:
 
     async def weights_changing(self, urls: Sequence[str], version: int) -> int:
         """Every router marks the requests on ``urls`` as kept across a load of ``version``
-        (their answers name each version: router/forward.py). Returns how many."""
+        (their answers name each version: router/relay.py). Returns how many."""
         marked = 0
         for url in urls:
             for link in self.routers:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from fleetwarden.config import Config
 from fleetwarden.ledger import Ledger
 from fleetwarden.router.links import EVIDENCE_WAIT_S, ControlError, RouterLink
+from fleetwarden.router.ops import Holding
 from fleetwarden.tasks import TaskOwner, sleep_unless
 from fleetwarden.workmeter import WorkMeter
 
@@ -150,29 +151,24 @@ class Evidence:
 
     # ------------------------------------------------------------------ what the routers hold
 
-    async def in_flight(self, errors: list[str] | None) -> dict[str, int]:
-        """Per engine, the requests every router has in flight there (``errors``: where a
-        router's failure is noted; ``None``: logged)."""
+    async def holding(self, errors: list[str] | None) -> Holding:
+        """Per engine, the requests every router has in flight there, and how long the oldest
+        request any router holds there has received nothing (engines holding none left out,
+        as ``silent``): one read of each router (``errors``: where a router's failure is
+        noted; ``None``: logged)."""
         total: dict[str, int] = {}
-        for link in self.routers:
-            try:
-                for url, n in (await link.in_flight()).items():
-                    total[url] = total.get(url, 0) + n
-            except Exception as exc:
-                router_error(errors, f"{link.name}: in-flight: {exc}")
-        return total
-
-    async def held(self, errors: list[str] | None) -> dict[str, float]:
-        """Per engine, how long the oldest request any router holds there has received
-        nothing (engines holding none are left out)."""
         oldest: dict[str, float] = {}
         for link in self.routers:
             try:
-                for url, age in (await link.silent_backends(0.0)).items():
-                    oldest[url] = max(oldest.get(url, 0.0), age)
+                holding = await link.holding()
             except Exception as exc:
-                router_error(errors, f"{link.name}: held requests: {exc}")
-        return oldest
+                router_error(errors, f"{link.name}: holding: {exc}")
+                continue
+            for url, n in holding.in_flight.items():
+                total[url] = total.get(url, 0) + n
+            for url, age in holding.silent.items():
+                oldest[url] = max(oldest.get(url, 0.0), age)
+        return Holding(total, oldest)
 
     # ------------------------------------------------------------------ watching
 
@@ -232,7 +228,7 @@ class Evidence:
         after = self.config.health.silent_after_s
         for link in links:
             try:
-                silent = await link.silent_backends(after)
+                silent = (await link.holding(after)).silent
             except Exception as exc:
                 log.warning("router %s: silent: %s", link.name, exc)
                 continue

@@ -180,8 +180,8 @@ class Focus:
             # until it wakes, and a stall while asleep is no fault.
             asleep = rec.state is ShardState.SLEEPING
             excused = asleep or (self.refit is not None and i in self.refit.stalls_excused())
-            in_flight = (await self.evidence.in_flight(None)).get(url, 0)
-            held = (await self.evidence.held(None)).get(url, 0.0)
+            holding = await self.evidence.holding(None)
+            in_flight, held = holding.in_flight.get(url, 0), holding.silent.get(url, 0.0)
             # A canary, if the engine is idle: on the first read (the accusation itself), and
             # once per ejection when its time is up (the only proof that puts it on trial; a
             # busy engine gets none, and is asked again at the next read).
@@ -254,7 +254,7 @@ class Focus:
         report ends this (:meth:`_end_between`; docs/design.md, "Silence is evidence")."""
         while True:
             await asyncio.sleep(self.config.health.confirm_interval_s)
-            if (await self.evidence.held(None)).get(url, 0.0) >= held_s:
+            if (await self.evidence.holding(None)).silent.get(url, 0.0) >= held_s:
                 await self._hedge(i, url, held_s)
 
     async def _hedge_lost_core(self, i: int, url: str, r: Report, held_s: float) -> None:

@@ -107,7 +107,7 @@ async def _busy(controller: Controller, urls: set[str]) -> set[str]:
     busy: set[str] = set()
     for link in controller.routers:
         try:
-            counts = await link.in_flight()
+            counts = (await link.holding()).in_flight
         except Exception:
             continue  # a router that does not answer holds nothing we can wait for
         busy |= {url for url in urls if counts.get(url, 0) > 0}

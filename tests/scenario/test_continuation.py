@@ -189,7 +189,7 @@ async def test_a_stream_on_a_wedged_engine_is_rescued_and_goes_on_elsewhere(
             url = holder(router)
             await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
             await asyncio.sleep(0.3)  # the stream hangs, as it would for backend_timeout_s
-            rescued.append(router.rescue(url))  # the controller's call at condemnation
+            rescued.append(router.forwarder.waiting.rescue(url))  # the controller condemns it
 
         got = await read_stream(http, router.url, path, body, wedge_then_condemn)
         assert rescued == [1]
@@ -216,7 +216,7 @@ async def test_a_stream_on_a_wedge_is_held_there_and_continued_exactly(
             await sim_at(sims, url).set_fault(FaultMode.WEDGE)  # /health 200, nothing moves
             await until(lambda: url in router.silent_backends(0.3), what="the stream silent")
             held.append(router.silent_backends(0.3))
-            assert router.hedge(url, 0.3) == 1
+            assert router.forwarder.waiting.hedge(url, 0.3) == 1
 
         got = await read_stream(http, router.url, path, body, wedge_then_hedge)
         assert len(held) == 1 and len(held[0]) == 1
@@ -240,7 +240,7 @@ async def test_a_slow_stream_that_progresses_is_never_held(http: aiohttp.ClientS
                 if any(router.in_flight().values()):
                     ages.extend(router.silent_backends(0.0).values())
                     silent.append(router.silent_backends(1.0))
-                    hedged.append(router.hedge(holder(router), 1.0))
+                    hedged.append(router.forwarder.waiting.hedge(holder(router), 1.0))
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
@@ -467,7 +467,7 @@ async def test_a_non_streamed_answer_goes_on_elsewhere_and_keeps_vllms_shape(
                 await crash(sim)
             else:
                 await sim.set_fault(FaultMode.WEDGE)
-                assert router.rescue(sim.url) == 1  # the controller's call at condemnation
+                assert router.forwarder.waiting.rescue(sim.url) == 1  # the controller condemns it
 
         task = asyncio.create_task(cut()) if fault else None
         async with http.post(router.url + path, json=body) as r:
@@ -526,12 +526,12 @@ async def test_a_stream_whose_final_chunk_came_is_whole_and_its_engine_not_blame
     body = {**COMPLETION, **USAGE, "max_tokens": 12}
     async with fleet() as (router, sims):
         reference = await read_stream(http, sims[0].url, "/v1/completions", body)
-        router.drain_outcomes()
+        router.pool.drain_outcomes()
         headers = {FAULT_HEADER: "after_final", FAULT_ID_HEADER: "whole-1"}
         got = await read_stream(http, router.url, "/v1/completions", body, headers=headers)
         assert directive_fired("whole-1")
         assert_whole(got, reference, chat=False)
-        outcomes = router.drain_outcomes()
+        outcomes = router.pool.drain_outcomes()
         assert [(s, f) for s, f, _ in outcomes.values()] == [(1, 0)], outcomes
         assert sorted(router.pool.serving) == sorted(s.url for s in sims)
         assert await continuations(http, router) == {"tokens": 0, "text": 0, "restart": 0}
@@ -633,7 +633,7 @@ async def test_an_answer_whose_end_is_lost_after_a_weight_load_still_names_every
         headers = {FAULT_HEADER: directive, FAULT_ID_HEADER: f"lost-end-{directive}-{stream}"}
 
         async def load() -> None:  # the weights change under it (refit_from's keep pause)
-            await until(lambda: router._forwarder.weights_changing(url, 8) == 1)
+            await until(lambda: router.forwarder.waiting.weights_changing(url, 8) == 1)
 
         if stream:
             async def cut() -> None:
@@ -686,7 +686,7 @@ async def test_a_chat_without_a_limit_keeps_the_context_of_the_engine_that_began
         # the first such chat on the engine: its context is read beside it
         first = await read_stream(http, router.url, "/v1/chat/completions", body)
         assert text(chunks(first)) == text(chunks(reference))
-        await until(lambda: short.url in router._forwarder.limits.context)
+        await until(lambda: short.url in router.forwarder.limits.context)
 
         async def cut() -> None:
             router.set_serving_backends([short.url, long_.url])

@@ -22,6 +22,7 @@ import pytest
 from fleetwarden.journal import Journal
 from fleetwarden.launchers.local import kill_launched, launch_id_of, live_launch_ids
 from fleetwarden.ledger import Event, ShardState
+from fleetwarden.router.ops import Holding
 from fleetwarden.testing.load import Load
 from fleetwarden.testing.scenarios import condemned_as_a_stopped_core
 from support.fleet import (
@@ -473,7 +474,7 @@ async def test_a_router_that_fails_never_stops_the_loop(tmp_path: Path) -> None:
         async def rescue(self, url: str, *, streams: bool = True) -> int:
             raise ConnectionError("router unreachable")
 
-        async def in_flight(self) -> dict[str, int]:
+        async def holding(self, silent_after_s: float = 0.0) -> Holding:
             raise ConnectionError("router unreachable")
 
         async def set_retry_after(self, seconds: float | None) -> None:

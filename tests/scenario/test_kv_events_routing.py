@@ -221,7 +221,7 @@ async def test_a_router_told_where_an_engine_publishes_listens_there_without_ask
         router = Router([sim.url], settings)
         await router.start()
         try:
-            events = router._forwarder.kv_events
+            events = router.forwarder.kv_events
             assert events is not None
             await until(lambda: sim.url in events.watched)
             await _complete(http, router.url, list(range(64)))
@@ -263,7 +263,7 @@ async def _hit_rate(http: aiohttp.ClientSession, seed: int, kv_events: bool,
             await router.start()
             stack.push_async_callback(router.stop)
             routers.append(router)
-            events = router._forwarder.kv_events
+            events = router.forwarder.kv_events
             if kv_events:  # listening before the load, as in a fleet that runs
                 assert events is not None
                 await until(lambda events=events: len(events.watched) == len(sims))
@@ -417,7 +417,7 @@ async def _caught_up(index: KVIndex, sims: list[Sim]) -> None:
 async def _events_router(sims: list[Sim]) -> Router:
     router = Router([s.url for s in sims], RouterSettings(routing="cache_aware"))
     await router.start()
-    events = router._forwarder.kv_events
+    events = router.forwarder.kv_events
     assert events is not None
     await until(lambda: len(events.watched) == len(sims))
     return router
@@ -452,7 +452,7 @@ async def test_no_request_goes_for_a_cache_its_engine_said_it_lost(
 
             # The stream dropped mid-run (the router's socket closed) while the engines went on
             # serving and evicting; the new subscription catches up from the replay.
-            events = router._forwarder.kv_events
+            events = router.forwarder.kv_events
             assert events is not None
             source = events.watched[a.url]
             events.unwatch(a.url)

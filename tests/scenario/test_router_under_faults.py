@@ -71,7 +71,7 @@ async def test_twenty_thousand_requests_through_a_failing_wedging_recovering_eng
             done += 1
 
     def drain() -> None:
-        for url, (s, f, t) in router.drain_outcomes().items():
+        for url, (s, f, t) in router.pool.drain_outcomes().items():
             successes[url] += s
             failures[url] += f
             i = ledger.shard_for_url(url)
@@ -111,7 +111,7 @@ async def test_twenty_thousand_requests_through_a_failing_wedging_recovering_eng
                     phase = "replaced" if phase == "failing" else "recovered"
             router.set_serving_backends(ledger.serving_urls())
             for url in condemned:
-                rescued[url] = router.rescue(url)
+                rescued[url] = router.forwarder.waiting.rescue(url)
                 timeline.append(f"rescued {rescued[url]} off {url} at {done}")
                 old_engine = by_url[url]
                 # the supervisor stops the old process once the rescued requests left it

@@ -2,52 +2,30 @@
 
 A test double states only the calls its test is about and inherits the rest from
 :class:`QuietLink`, so that every double implements the whole
-:class:`~fleetwarden.router.links.RouterLink` (mypy checks it where a controller takes one).
+:class:`~fleetwarden.router.links.RouterLink` (mypy checks it where a controller takes one):
+each operation answers its row's ``quiet`` value (:data:`~fleetwarden.router.ops.OPERATIONS`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.links import RouterLink
+from fleetwarden.router.ops import Operation
+
+R = TypeVar("R")
 
 
-class QuietLink:
+class QuietLink(RouterLink):
     """A router in another process that serves nothing, holds nothing and never fails."""
 
     name = "quiet router"
     in_process = False
 
-    async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None, *,
-                                   coming_back: int = 0) -> None:
-        pass
-
-    async def set_trial_backends(self, urls: Sequence[str]) -> None:
-        pass
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        pass
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        return {}
-
-    async def rescue(self, url: str, *, streams: bool = True) -> int:
-        return 0
-
-    async def weights_changing(self, url: str, version: int) -> int:
-        return 0
-
-    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
-        return 0
-
-    async def in_flight(self) -> dict[str, int]:
-        return {}
-
-    async def silent_backends(self, after_s: float) -> dict[str, float]:
-        return {}
+    async def call(self, op: Operation[R], **args: Any) -> R:
+        return op.quiet()
 
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
         return lambda: None  # no evidence ever comes
@@ -56,6 +34,3 @@ class QuietLink:
                        ) -> tuple[int, dict[str, float]]:
         await asyncio.sleep(wait_s)  # a long poll that nothing answers: empty at wait_s
         return 0, {}
-
-    async def status(self) -> dict[str, Any]:
-        return {}

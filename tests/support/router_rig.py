@@ -12,6 +12,7 @@ import aiohttp
 from yarl import URL
 
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.waiting import WaitingRequests
 from support import wait
 from support.scripted_engine import ScriptedEngine
 
@@ -26,6 +27,11 @@ class Rig:
     #: load as least in flight does. One prompt repeated is an RL group, kept on one engine
     #: on purpose: a test about that names its payload.
     sent: int = 0
+
+    @property
+    def waiting(self) -> WaitingRequests:
+        """The router's waiting requests, where the controller's commands act."""
+        return self.router.forwarder.waiting
 
     async def post(self, path: str = "/v1/completions", payload: Any = None,
                    **kwargs: Any) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:

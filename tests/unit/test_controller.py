@@ -22,6 +22,7 @@ from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.router import InProcessRouter, RemoteRouter, Router
+from fleetwarden.router.ops import Holding
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import DEFAULT_CONCURRENCY, CanaryResult, Report, Target, Watchdog
 from support.clock import Clock
@@ -883,14 +884,14 @@ async def test_a_router_in_another_process_reports_a_silent_request_before_the_n
 
 
 class _HoldingRouter(_Router):
-    """A router holding requests that got nothing: ``silent_backends`` gives their ages."""
+    """A router holding requests that got nothing: ``holding`` gives their ages."""
 
     def __init__(self, held: dict[str, float]) -> None:
         super().__init__()
         self.held = held
 
-    async def silent_backends(self, after_s: float) -> dict[str, float]:
-        return {url: age for url, age in self.held.items() if age >= after_s}
+    async def holding(self, silent_after_s: float = 0.0) -> Holding:
+        return Holding({}, {url: age for url, age in self.held.items() if age >= silent_after_s})
 
 
 class _TargetsWatchdog(_Watchdog):

@@ -93,9 +93,9 @@ def test_a_key_in_an_engine_command_is_not_copied_into_its_log() -> None:
 
 
 def test_the_routers_facts_never_show_the_key() -> None:
-    from fleetwarden.router.control import _facts_of
+    from fleetwarden.router.ops import facts_of
 
     facts = BackendFacts(0, 1, key=KEY)
     assert KEY not in repr(facts) and KEY not in str(facts.to_dict())
-    parsed = _facts_of({"http://e": {"shard": 0, "weight_version": 1}}, {"http://e": KEY})
+    parsed = facts_of({"http://e": {"shard": 0, "weight_version": 1}}, {"http://e": KEY})
     assert parsed is not None and parsed["http://e"].key == KEY

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.ledger import Ledger
 from fleetwarden.router import Router, RouterSettings
-from fleetwarden.router.forward import Forwarder, _Failure
+from fleetwarden.router.exchange import Failure
+from fleetwarden.router.forward import Forwarder
 from fleetwarden.router.links import ControlError, RemoteRouter
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.retry import Cause
@@ -176,7 +177,7 @@ async def test_reflex_drop_is_disarmed_without_fleet_health(
             assert statuses == [200] * 6  # each failure is retried on the good backend
             assert failing.received >= 3  # it kept getting requests: nothing dropped it
             assert r.router.serving_backends() == [good.url, failing.url]
-            assert r.router.drain_outcomes()[failing.url] == (0, failing.received,
+            assert r.router.pool.drain_outcomes()[failing.url] == (0, failing.received,
                                                               failing.received)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fleetwarden.router"):
@@ -194,8 +195,8 @@ async def test_drain_counts_once_and_resets() -> None:
         # request's own: test_a_poison_request_meeting_a_dead_engine_ejects_no_healthy_one)
         engine.reset()
         assert [(await r.post())[0] for _ in range(3)] == [500] * 3
-        assert r.router.drain_outcomes() == {url: (0, 3, 3)}
-        assert r.router.drain_outcomes() == {}  # handed over once
+        assert r.router.pool.drain_outcomes() == {url: (0, 3, 3)}
+        assert r.router.pool.drain_outcomes() == {}  # handed over once
         engine.reset(False)
         await r.post()
         engine.reset()
@@ -206,8 +207,8 @@ async def test_drain_counts_once_and_resets() -> None:
         await r.post()
         await r.post()
         # 2 successes, 3 failures, and the window ended on 2 failures since the last success
-        assert r.router.drain_outcomes() == {url: (2, 3, 2)}
-        assert r.router.drain_outcomes() == {}
+        assert r.router.pool.drain_outcomes() == {url: (2, 3, 2)}
+        assert r.router.pool.drain_outcomes() == {}
 
 
 async def test_successes_are_counted_for_the_ledger() -> None:
@@ -222,7 +223,7 @@ async def test_successes_are_counted_for_the_ledger() -> None:
         await r.post("/v1/completions")
         await r.post("/v1/chat/completions", {"model": "tiny", "messages": [], "stream": True})
         assert (await r.get("/v1/models"))[0] == 200
-        outcomes = r.router.drain_outcomes()
+        outcomes = r.router.pool.drain_outcomes()
         assert outcomes == {engine.url: (3, 0, 0)}
         for url, (successes, failures, trailing) in outcomes.items():
             i = ledger.shard_for_url(url)
@@ -249,7 +250,7 @@ async def test_4xx_and_429_are_not_failures() -> None:
         assert a.received + b.received == 4  # none was retried
         # not failures; not successes either: a wedged vLLM still answers validation errors
         # from its API process, so they prove nothing about generation
-        assert r.router.drain_outcomes() == {}
+        assert r.router.pool.drain_outcomes() == {}
         assert r.router.serving_backends() == [a.url, b.url]  # nothing dropped
 
 
@@ -264,7 +265,7 @@ async def test_a_new_url_pushed_is_served() -> None:
             assert [(await r.post())[0] for _ in range(3)] == [200] * 3
             assert new.answered == 3 and old.received == 0
             assert r.router.in_flight() == {new.url: 0}  # the idle leaver is forgotten
-            assert r.router.drain_outcomes() == {new.url: (3, 0, 0)}
+            assert r.router.pool.drain_outcomes() == {new.url: (3, 0, 0)}
         finally:
             await new.stop()
 
@@ -288,7 +289,7 @@ async def test_a_failed_request_is_retried_on_another_backend(fault: str) -> Non
             bad.answer(ENGINE_DEAD)
         # least in flight with rotating ties: consecutive requests start on alternate backends
         assert [(await r.post())[0] for _ in range(4)] == [200] * 4
-        outcomes = r.router.drain_outcomes()
+        outcomes = r.router.pool.drain_outcomes()
         assert outcomes[good.url] == (4, 0, 0)
         assert outcomes[bad.url][1] == 2
         kind = "free" if fault == "refused" else "paid"
@@ -354,7 +355,7 @@ async def test_a_poison_request_is_not_retried_across_the_fleet() -> None:
         status, _, body = await r.post()
         assert (status, body) == (500, ENGINE_DEAD.body)  # answered with the engine's own error
         assert sum(e.received for e in r.engines) == 3  # its tries, not the whole fleet
-        outcomes = r.router.drain_outcomes()
+        outcomes = r.router.pool.drain_outcomes()
         assert sum(f for _, f, _ in outcomes.values()) == 0  # the request failed, not them
         assert r.router.stats.poison_requests == 1
 
@@ -370,7 +371,7 @@ async def test_a_poison_request_ejects_no_engine_it_touched() -> None:
             e.answer(ENGINE_DEAD)
         status, _, body = await r.post()
         assert (status, body) == (500, ENGINE_DEAD.body)
-        assert failed == [] and r.router.drain_outcomes() == {}
+        assert failed == [] and r.router.pool.drain_outcomes() == {}
         assert sorted(r.router.serving_backends()) == sorted(e.url for e in r.engines)
         assert r.router.stats.backend_failures == {}
         # a 5xx that the next engine does not repeat is its engine's: reported then
@@ -445,7 +446,7 @@ async def test_a_generation_the_engine_aborted_is_re_sent_like_a_5xx() -> None:
         assert all(json.loads(body)["choices"][0]["finish_reason"] != "abort"
                    for _, _, body in answers)
         assert r.router.stats.backend_failures == {(bad.url, "aborted"): 2}
-        assert r.router.drain_outcomes()[bad.url][1] == 2  # failures, for the ledger
+        assert r.router.pool.drain_outcomes()[bad.url][1] == 2  # failures, for the ledger
         assert r.router.stats.retries["paid"] == 2
 
 
@@ -495,15 +496,15 @@ async def test_rescue_moves_waiting_requests_off_a_condemned_backend() -> None:
         parked = wedged.held
         assert parked >= 1
         r.router.set_serving_backends([good.url])  # the controller condemned it: a push...
-        assert r.router.rescue(wedged.url) == parked  # ... then the rescue
+        assert r.waiting.rescue(wedged.url) == parked  # ... then the rescue
         statuses = [(await t)[0] for t in tasks]
         assert statuses == [200] * 6
         assert good.answered == 6
         await until(lambda: wedged.cancelled == parked, what="the engine saw them leave")
         assert r.router.in_flight() == {good.url: 0}
         assert r.router.stats.rescues == parked
-        assert r.router.drain_outcomes() == {good.url: (6, 0, 0)}  # a rescue is no failure
-        assert r.router.rescue(wedged.url) == 0
+        assert r.router.pool.drain_outcomes() == {good.url: (6, 0, 0)}  # a rescue is no failure
+        assert r.waiting.rescue(wedged.url) == 0
 
 
 async def test_a_rescue_that_spares_streams_moves_only_what_has_not_begun() -> None:
@@ -549,7 +550,7 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step(
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
+        assert r.waiting.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
         status, _, body = await task
         assert (status, body) == (200, COMPLETION.body)  # the second engine's answer
         assert good.answered == 1
@@ -561,10 +562,10 @@ async def test_a_hedge_answers_a_request_held_on_an_engine_that_takes_no_step(
         # failed attempt only where the caller said so (a lost core: no step in progress),
         # never otherwise (a long step looks like this until it ends).
         lost = {wedged.url: (0, 1, 1)} if lost_race_fails else {}
-        assert r.router.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
+        assert r.router.pool.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
         assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
         assert r.router.serving_backends() == [good.url]
-        assert r.router.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
+        assert r.waiting.hedge(wedged.url, 0.0) == 0  # nothing is held there any more
 
 
 async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, bytes]],
@@ -574,7 +575,7 @@ async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, byte
     first.wedge()
     second.wedge()
     [task] = await _held_on(r, first)
-    assert r.router.hedge(first.url, 0.0) == 1
+    assert r.waiting.hedge(first.url, 0.0) == 1
     await until(lambda: second.held == 1, what="the hedge in flight on the other engine")
     return task, first, second
 
@@ -582,14 +583,14 @@ async def _hedge_in_flight(r: Rig) -> tuple[asyncio.Task[tuple[int, object, byte
 async def test_the_first_answer_wins_and_the_other_attempt_is_cancelled() -> None:
     async with rig(2, health_managed=True) as r:
         task, slow, other = await _hedge_in_flight(r)
-        assert r.router.hedge(slow.url, 0.0) == 0  # hedged once, never twice
+        assert r.waiting.hedge(slow.url, 0.0) == 0  # hedged once, never twice
         slow.unwedge()  # a long step ends: the original answers first
         assert (await task)[0] == 200
         await until(lambda: other.cancelled == 1, what="the hedge cancelled")
         assert (r.router.stats.hedges, r.router.stats.hedges_won) == (1, 0)
         assert r.router.pool.retry_budget.retries_in_flight == 0
         await until(lambda: r.router.in_flight() == {slow.url: 0, other.url: 0})
-        assert r.router.drain_outcomes() == {slow.url: (1, 0, 0)}
+        assert r.router.pool.drain_outcomes() == {slow.url: (1, 0, 0)}
 
 
 async def test_a_rescue_of_the_hedged_engine_leaves_the_answer_to_its_hedge() -> None:
@@ -600,16 +601,16 @@ async def test_a_rescue_of_the_hedged_engine_leaves_the_answer_to_its_hedge() ->
         spare.wedge()
         [task] = await _held_on(r, wedged)
         r.router.set_serving_backends([wedged.url, hedge.url])
-        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert r.waiting.hedge(wedged.url, 0.0) == 1
         await until(lambda: hedge.held == 1, what="the hedge in flight")
         r.router.set_serving_backends([hedge.url, spare.url])  # the wedge condemned...
-        assert r.router.rescue(wedged.url) == 1  # ... its request moves on: to its hedge
+        assert r.waiting.rescue(wedged.url) == 1  # ... its request moves on: to its hedge
         await until(lambda: wedged.cancelled == 1, what="the original cancelled")
         hedge.unwedge()
         assert (await task)[0] == 200
         assert spare.received == 0  # not sent a third time
         assert (r.router.stats.rescues, r.router.stats.hedges_won) == (1, 1)
-        assert r.router.drain_outcomes() == {hedge.url: (1, 0, 0)}  # a rescue is no failure
+        assert r.router.pool.drain_outcomes() == {hedge.url: (1, 0, 0)}  # a rescue is no failure
 
 
 async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
@@ -618,7 +619,7 @@ async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
         slow.wedge()
         failing.answer_status(503)
         [task] = await _held_on(r, slow)
-        assert r.router.hedge(slow.url, 0.0) == 1
+        assert r.waiting.hedge(slow.url, 0.0) == 1
         await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
                     what="the failed hedge gave its token back")
         assert failing.answered == 1 and not task.done()
@@ -626,7 +627,7 @@ async def test_a_hedge_that_fails_leaves_the_original_to_answer() -> None:
         assert (await task)[0] == 200
         assert r.router.stats.hedges_won == 0
         # The hedge's 5xx counts against its engine (and the reflex dropped it).
-        assert r.router.drain_outcomes() == {slow.url: (1, 0, 0), failing.url: (0, 1, 1)}
+        assert r.router.pool.drain_outcomes() == {slow.url: (1, 0, 0), failing.url: (0, 1, 1)}
         assert r.router.serving_backends() == [slow.url]
 
 
@@ -639,7 +640,7 @@ async def test_a_client_that_leaves_cancels_both_attempts() -> None:
         await until(lambda: a.cancelled == 1 and b.cancelled == 1, what="both cancelled")
         await until(lambda: r.router.in_flight() == {a.url: 0, b.url: 0})
         assert r.router.pool.retry_budget.retries_in_flight == 0
-        assert r.router.drain_outcomes() == {}
+        assert r.router.pool.drain_outcomes() == {}
 
 
 async def test_a_hedge_cancelled_before_its_first_step_gives_its_token_and_slot_back() -> None:
@@ -649,10 +650,10 @@ async def test_a_hedge_cancelled_before_its_first_step_gives_its_token_and_slot_
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert r.waiting.hedge(wedged.url, 0.0) == 1
         assert r.router.pool.retry_budget.retries_in_flight == 1
         assert r.router.in_flight()[good.url] == 1  # counted on its engine as it is sent
-        [hedge] = r.router._forwarder._hedging.values()
+        [hedge] = r.waiting.hedging.values()
         hedge.cancel()
         await until(lambda: r.router.pool.retry_budget.retries_in_flight == 0,
                     what="the token given back")
@@ -667,7 +668,7 @@ async def test_the_hedges_of_one_call_spread_over_the_other_engines() -> None:
         for engine in r.engines:
             engine.wedge()
         tasks = await _held_on(r, wedged, 4)
-        assert r.router.hedge(wedged.url, 0.0) == 4
+        assert r.waiting.hedge(wedged.url, 0.0) == 4
         # Each hedge counts on its engine as it is sent: the next pick sees it.
         await until(lambda: (a.held, b.held) == (2, 2), what="two hedges on each")
         assert r.router.in_flight() == {wedged.url: 4, a.url: 2, b.url: 2}
@@ -683,12 +684,12 @@ async def test_what_is_never_hedged() -> None:
         wedged, good = r.engines
         wedged.wedge()
         [task] = await _held_on(r, wedged)
-        assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        assert r.waiting.hedge(wedged.url, 60.0) == 0  # not held that long yet
         # The fleet's retry budget is spent (0 here) while the engine still serves: a hedge
         # would add load. Out of the serving set, a hedge only moves its load: it is sent.
-        assert r.router.hedge(wedged.url, 0.0) == 0
+        assert r.waiting.hedge(wedged.url, 0.0) == 0
         r.router.set_serving_backends([good.url])
-        assert r.router.hedge(wedged.url, 0.0) == 1
+        assert r.waiting.hedge(wedged.url, 0.0) == 1
         assert (await task)[0] == 200
         assert r.router.stats.hedges == 1
 
@@ -705,8 +706,8 @@ async def test_a_stream_held_where_a_request_would_be_hedged_is_moved_not_hedged
         wedged, good = r.engines
         wedged.wedge()
         [streamed] = await _held_on(r, wedged, payload=STREAM)  # waiting for its head
-        assert r.router.hedge(wedged.url, 60.0) == 0  # not held that long yet
-        assert r.router.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
+        assert r.waiting.hedge(wedged.url, 60.0) == 0  # not held that long yet
+        assert r.waiting.hedge(wedged.url, 0.0, lost_race_fails=lost_race_fails) == 1
         status, _, body = await streamed
         assert (status, body) == (200, COMPLETION_STREAM.body)  # from the start, elsewhere
         await until(lambda: wedged.cancelled == 1, what="the engine saw it leave")
@@ -717,7 +718,7 @@ async def test_a_stream_held_where_a_request_would_be_hedged_is_moved_not_hedged
         # attempt only where the caller said no step is in progress there (a lost core)
         assert r.router.stats.backend_failures == {(wedged.url, "hedged"): 1}
         lost = {wedged.url: (0, 1, 1)} if lost_race_fails else {}
-        assert r.router.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
+        assert r.router.pool.drain_outcomes() == {**lost, good.url: (1, 0, 0)}
         assert r.router.serving_backends() == [good.url]  # the reflex, as for a lost race
 
 
@@ -733,7 +734,7 @@ async def test_a_stream_whose_engine_stops_after_its_head_is_held_there_and_move
                     what="the stream reported silent")
         assert list(r.router.silent_backends(0.2)) == [stopped.url]
         assert r.router.in_flight()[stopped.url] == 1
-        assert r.router.hedge(stopped.url, 0.2) == 1
+        assert r.waiting.hedge(stopped.url, 0.2) == 1
         status, _, body = await task
         assert (status, body) == (200, COMPLETION_STREAM.body)  # whole, once
         assert good.answered == 1
@@ -772,9 +773,9 @@ def test_a_lost_race_never_takes_the_last_backend_out() -> None:
     every request was answered 409 until the next push)."""
     pool = Pool(["http://a", "http://b"])
     forwarder = Forwarder(pool, RouterSettings(), RouterStats(), health_managed=True)
-    forwarder._lost_race(_Failure("http://a", Cause.HEDGED))
+    forwarder.tally.lost_race(Failure("http://a", Cause.HEDGED))
     assert pool.serving == ("http://b",)  # the reflex, while another serves
-    forwarder._lost_race(_Failure("http://b", Cause.HEDGED))
+    forwarder.tally.lost_race(Failure("http://b", Cause.HEDGED))
     assert pool.serving == ("http://b",)  # never the last
     assert forwarder.stats.backend_failures == {("http://a", "hedged"): 1,
                                                 ("http://b", "hedged"): 1}
@@ -792,11 +793,11 @@ async def test_a_stream_stopped_mid_answer_is_held_from_its_last_event() -> None
             # No other engine to go on: moved, it could only end. It waits on, as a request
             # is not hedged where no other backend is left (a rescue at the condemnation
             # still ends it with why).
-            assert r.router.hedge(engine.url, 0.2) == 0
+            assert r.waiting.hedge(engine.url, 0.2) == 0
             engine.unwedge()
             rest = await response.read()
         assert first + rest == COMPLETION_STREAM.body
-        assert r.router.stats.rescues == 0 and r.router.drain_outcomes() == {
+        assert r.router.stats.rescues == 0 and r.router.pool.drain_outcomes() == {
             engine.url: (1, 0, 0)}
 
 
@@ -829,7 +830,7 @@ async def test_a_stream_whose_client_does_not_read_is_not_held_on_its_engine() -
             # Held on its engine, it would count as silent from its last event on, and show
             # at any age asked down to 0 s: no wait is needed to see it.
             assert r.router.silent_backends(0.0) == {}
-            assert r.router.hedge(engine.url, 0.0) == 0
+            assert r.waiting.hedge(engine.url, 0.0) == 0
         finally:
             writer.transport.abort()
 
@@ -850,7 +851,7 @@ async def test_the_control_api_hedges_and_refuses_bad_input() -> None:
             assert await remote.hedge(wedged.url, 0.0, lost_race_fails=True) == 1
         assert (await task)[0] == 200
         await until(lambda: wedged.cancelled == 1, what="the held one cancelled")
-        assert r.router.drain_outcomes()[wedged.url] == (0, 1, 1)  # its lost race failed it
+        assert r.router.pool.drain_outcomes()[wedged.url] == (0, 1, 1)  # its lost race failed it
 
 
 async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued() -> None:
@@ -860,11 +861,11 @@ async def test_rescue_leaves_a_begun_answer_alone_when_streams_are_not_continued
         payload = {"model": "tiny", "messages": [], "stream": True}
         async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
             first = await response.content.readuntil(b"\n\n")  # the answer has begun
-            assert r.router.rescue(engine.url) == 0  # its client has bytes: it stays
+            assert r.waiting.rescue(engine.url) == 0  # its client has bytes: it stays
             engine.unwedge()
             rest = await response.read()
         assert first + rest == CHAT_STREAM.body
-        assert r.router.drain_outcomes() == {engine.url: (1, 0, 0)}
+        assert r.router.pool.drain_outcomes() == {engine.url: (1, 0, 0)}
 
 
 def stream_error(body: bytes) -> dict[str, object]:
@@ -883,14 +884,14 @@ async def test_rescue_reaches_a_begun_stream_which_ends_with_why_when_it_cannot_
         payload = {"model": "tiny", "messages": [], "stream": True}
         async with r.http.post(r.router.url + "/v1/chat/completions", json=payload) as response:
             first = await response.content.readuntil(b"\n\n")  # the answer has begun
-            assert r.router.rescue(engine.url) == 1  # a wedge must not hold it for 600 s
+            assert r.waiting.rescue(engine.url) == 1  # a wedge must not hold it for 600 s
             rest = await response.read()
         assert first == CHAT_STREAM.events()[0]  # the role chunk, as the engine sent it
         error = stream_error(rest)
         assert error["cause"] == "rescued" and error["backend"] == engine.url
         assert error["reason"] == "no other backend with the same weights"
         assert r.router.stats.streams_ended == {"no other backend with the same weights": 1}
-        assert r.router.drain_outcomes() == {}  # a rescue is the controller's call, no failure
+        assert r.router.pool.drain_outcomes() == {}  # a rescue is the controller's call, no failure
         await until(lambda: r.router.in_flight() == {engine.url: 0})
 
 
@@ -907,7 +908,7 @@ async def test_an_engine_breaking_off_mid_answer_is_cut_when_streams_are_not_con
             await engine.crash()  # bytes already reached the client: no retry can hide this
             with pytest.raises(aiohttp.ClientPayloadError):
                 await response.read()
-        assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
+        assert r.router.pool.drain_outcomes() == {engine.url: (0, 1, 1)}
         assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
         await until(lambda: r.router.in_flight() == {engine.url: 0})
 
@@ -924,7 +925,7 @@ async def test_an_engine_breaking_off_mid_answer_ends_the_stream_with_an_error_e
             await engine.crash()
             error = stream_error(await response.read())  # never a silent cut
         assert error["cause"] == "reset" and error["backend"] == engine.url
-        assert r.router.drain_outcomes() == {engine.url: (0, 1, 1)}
+        assert r.router.pool.drain_outcomes() == {engine.url: (0, 1, 1)}
         assert r.router.stats.backend_failures == {(engine.url, "reset"): 1}
         await until(lambda: r.router.in_flight() == {engine.url: 0})
 
@@ -941,7 +942,7 @@ async def test_client_disconnect_cancels_the_upstream_request() -> None:
             await request
         await until(lambda: engine.cancelled == 1, what="the engine saw the disconnect")
         await until(lambda: r.router.in_flight() == {engine.url: 0})
-        assert r.router.drain_outcomes() == {}  # the engine did nothing wrong
+        assert r.router.pool.drain_outcomes() == {}  # the engine did nothing wrong
 
 
 # ---------------------------------------------------------------------- the surface
@@ -1157,8 +1158,8 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         a.wedge()
         held = asyncio.create_task(r.post())
         await until(lambda: a.held == 1)
-        assert r.router.weights_changing(a.url, 8) == 1
-        assert r.router.weights_changing(a.url, 8) == 0  # marked once per version
+        assert r.waiting.weights_changing(a.url, 8) == 1
+        assert r.waiting.weights_changing(a.url, 8) == 0  # marked once per version
         a.unwedge()
         status, headers, _ = await held
         assert status == 200 and headers["x-fleetwarden-weight-versions"] == "7,8"
@@ -1171,7 +1172,7 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         async with r.http.post(r.router.url + "/v1/completions",
                                json={"model": "tiny", "prompt": "hi", "stream": True}) as resp:
             assert resp.headers["x-fleetwarden-weight-version"] == "7"  # its head went first
-            await until(lambda: r.router.weights_changing(a.url, 8) == 1)
+            await until(lambda: r.waiting.weights_changing(a.url, 8) == 1)
             a.unwedge()
             events = [e for e in (await resp.read()).split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
@@ -1186,10 +1187,10 @@ async def test_an_answer_kept_across_a_weight_load_names_both_versions_never_one
         held = asyncio.create_task(r.post())
         await until(lambda: a.held + b.held == 1)
         loading, other = (a, b) if a.held else (b, a)
-        assert r.router.weights_changing(loading.url, 10) == 1
+        assert r.waiting.weights_changing(loading.url, 10) == 1
         other.unwedge()
         r.router.set_serving_backends([other.url], {other.url: BackendFacts(1, 9)})
-        assert r.router.rescue(loading.url) == 1
+        assert r.waiting.rescue(loading.url) == 1
         status, headers, _ = await held
         assert status == 200 and headers["x-fleetwarden-weight-version"] == "9"
         loading.unwedge()
@@ -1274,7 +1275,7 @@ async def test_a_minimum_weight_version_is_never_served_by_an_engine_behind_it()
         assert error["min_weight_version"] == 6 and error["serving_versions"] == [4, 5]
         assert "version 6" in str(error["message"])
         assert [e.received for e in r.engines] == received
-        assert r.router.drain_outcomes() == {  # nobody failed
+        assert r.router.pool.drain_outcomes() == {  # nobody failed
             e.url: (e.received, 0, 0) for e in r.engines}
 
         # The one qualifying engine fails: the retry never falls back to older weights, and
@@ -1304,10 +1305,10 @@ async def test_every_failed_attempt_is_reported_as_it_happens() -> None:
             status, _, _ = await r.post()
         assert status == 200  # the refused attempt was re-sent to the good engine
         assert seen == [(bad.url, "refused")]  # reported before any drain asked for it
-        assert r.router.drain_outcomes()[bad.url] == (0, 1, 1)  # and still tallied once
+        assert r.router.pool.drain_outcomes()[bad.url] == (0, 1, 1)  # and still tallied once
         unlisten()
         r.router.set_serving_backends([good.url, bad.url])
-        while r.router.drain_outcomes().get(bad.url) is None:
+        while r.router.pool.drain_outcomes().get(bad.url) is None:
             await r.post()
         assert seen == [(bad.url, "refused")]  # no longer listening
 
@@ -1338,7 +1339,7 @@ async def test_backends_holding_silent_requests_are_named_with_their_oldest_wait
         assert list(r.router.silent_backends(silent[wedged.url])) == [wedged.url]  # at its age
         assert r.router.silent_backends(waited + TICK_S) == {}  # past any wait: not
         r.router.set_serving_backends([good.url])
-        r.router.rescue(wedged.url)
+        r.waiting.rescue(wedged.url)
         assert [(await t)[0] for t in tasks] == [200] * 4
         assert r.router.silent_backends(0.0) == {}
 
@@ -1352,7 +1353,7 @@ async def test_a_backend_on_trial_takes_one_request_at_a_time() -> None:
         await until(lambda: good.answered + trial.held == 6, what="all 6 placed")
         assert trial.held == 1 and good.answered == 5
         r.router.set_serving_backends([good.url])
-        r.router.rescue(trial.url)
+        r.waiting.rescue(trial.url)
         assert [(await t)[0] for t in tasks] == [200] * 6
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import inspect
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,11 @@ from fleetwarden.router import (
     RouterLink,
 )
 from fleetwarden.router.control import merge_outcomes
+from fleetwarden.router.ops import IN_FLIGHT, OPERATIONS, SILENT, Holding
 from support.links import QuietLink
 from support.router_rig import rig, until
 from support.scripted_engine import ScriptedEngine
+from support.source import runtime_nodes
 
 TOKEN = "s3cret-token"
 
@@ -40,6 +44,7 @@ async def test_the_control_api_refuses_callers_without_the_token() -> None:
             for method, path in [("GET", "/status"), ("PUT", "/serving"),
                                  ("POST", "/outcomes/drain"), ("POST", "/rescue"),
                                  ("GET", "/in-flight"), ("PUT", "/retry-after"),
+                                 ("GET", "/holding"), ("POST", "/hedge"),
                                  ("GET", "/nowhere")]:
                 for headers in ({}, {"Authorization": "Bearer wrong"},
                                 {"Authorization": TOKEN}):
@@ -82,7 +87,8 @@ async def test_a_remote_router_is_driven_like_an_in_process_one() -> None:
             new.wedge()
             held = asyncio.create_task(r.post())
             await until(lambda: new.held == 1)
-            assert await remote.in_flight() == {new.url: 1}
+            holding = await remote.holding()  # silent for 0 s or more: every request held
+            assert holding.in_flight == {new.url: 1} and list(holding.silent) == [new.url]
             # Marked as kept across a load there (a rescue sends it again from the start).
             assert await remote.weights_changing(new.url, 7) == 1
             assert await remote.weights_changing(old.url, 7) == 0
@@ -158,9 +164,9 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
                 await remote._call("PUT", "/serving", {"backends": [a], "keys": {a: 7}})
             # How many engines are coming back rides with the push (0 when left out).
             await remote.set_serving_backends([a], coming_back=2)
-            assert router._forwarder.coming_back == 2
+            assert router.forwarder.coming_back == 2
             await remote._call("PUT", "/serving", {"backends": [a]})
-            assert router._forwarder.coming_back == 0
+            assert router.forwarder.coming_back == 0
             with pytest.raises(ControlError, match="coming_back"):
                 await remote._call("PUT", "/serving", {"backends": [a], "coming_back": -1})
             # An engine's server cap (read from its command): a continuation of a generation
@@ -169,7 +175,7 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             await remote.set_serving_backends([a, b], {a: BackendFacts(0, 1, output_cap=12),
                                                        b: BackendFacts(1, 1)})
             assert router.pool.facts(a).output_cap == 12
-            limits = router._forwarder.limits
+            limits = router.forwarder.limits
             assert (limits.output_cap(a, False), limits.output_cap(b, False)) == (12, None)
             assert (await remote.status())["facts"][a]["output_cap"] == 12
             with pytest.raises(ControlError, match="output_cap"):
@@ -219,7 +225,14 @@ async def test_malformed_control_calls_are_400_and_change_nothing() -> None:
                                        ("POST", "/weights-changing", {"backend": "http://x:1",
                                                                       "version": -1}),
                                        ("PUT", "/retry-after", {"seconds": -1}),
-                                       ("PUT", "/retry-after", {})]:
+                                       ("PUT", "/retry-after", {}),
+                                       ("POST", "/hedge", {"held_s": 1}),
+                                       ("POST", "/hedge", {"backend": "http://x:1",
+                                                           "held_s": -1}),
+                                       ("POST", "/hedge", {"backend": "http://x:1",
+                                                           "held_s": 1, "lost_race_fails": 1}),
+                                       ("GET", "/holding?silent_after_s=x", None),
+                                       ("GET", "/holding?silent_after_s=-1", None)]:
                 with pytest.raises(ControlError) as bad:
                     await remote._call(method, path, body)
                 assert bad.value.status == 400, (method, path, body)
@@ -342,10 +355,48 @@ def _calls(cls: type) -> set[str]:
                          ids=lambda c: c.__name__)
 def test_every_router_link_implements_the_whole_interface(link: type) -> None:
     # The controller calls every one of them on every link: none is optional, none forwarded.
+    # A link implements the three calls below itself; every operation is RouterLink's own,
+    # one ``call`` of its row, and no link writes one again.
     wanted = {name for name in vars(RouterLink) if not name.startswith("_")}
-    assert {"hedge", "evidence", "listen", "in_process", "name"} <= wanted
+    assert {"hedge", "holding", "evidence", "listen", "in_process", "name", "call"} <= wanted
     assert wanted - _calls(link) == set()
     assert "__getattr__" not in _calls(link)
+    own = {name for klass in link.__mro__ if klass not in (RouterLink, object)
+           for name in vars(klass)}
+    assert {"call", "listen", "evidence"} <= own
+    assert own & {op.name for op in OPERATIONS} == set()
+
+
+def test_each_operation_is_a_router_call_that_takes_its_arguments() -> None:
+    # The in-process link and the control server call a row's target with the row's
+    # arguments by name: a renamed parameter would fail here, not in a fleet.
+    router = Router([])
+    links = {name for name in vars(RouterLink) if not name.startswith("_")}
+    for op in OPERATIONS:
+        target = attrgetter(op.target)(router)
+        inspect.signature(target).bind(**{arg.name: None for arg in op.args})
+        assert op.name in links or op in (IN_FLIGHT, SILENT), op.name  # those two: older callers
+        assert op.path.startswith("/") and op.method in ("GET", "PUT", "POST")
+    assert len({(op.method, op.path) for op in OPERATIONS}) == len(OPERATIONS)
+    assert len({op.name for op in OPERATIONS}) == len(OPERATIONS)
+
+
+async def test_a_holding_read_is_in_flight_and_silence_in_one_call() -> None:
+    async with rig(1, control_token=TOKEN) as r:
+        (engine,) = r.engines
+        engine.wedge()
+        held = asyncio.create_task(r.post())
+        await until(lambda: engine.held == 1)
+        control = r.router.control_url
+        assert control is not None
+        async with RemoteRouter(control, TOKEN) as remote:
+            for link in (remote, r.router.control()):
+                now = await link.holding()
+                assert now.in_flight == {engine.url: 1} and list(now.silent) == [engine.url]
+                assert (await link.holding(3600.0)).silent == {}  # not silent that long
+        engine.unwedge()
+        assert (await held)[0] == 200
+        await until(lambda: r.router.holding() == Holding({engine.url: 0}, {}))
 
 
 def test_no_router_module_imports_one_that_imports_it_back() -> None:
@@ -359,8 +410,8 @@ def test_no_router_module_imports_one_that_imports_it_back() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 hidden = [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)]
                 assert not hidden, f"{path.name}: an import inside {node.name}()"
-        imports[path.stem] = {
-            node.module.rsplit(".", 1)[1] for node in ast.walk(tree)
+        imports[path.stem] = {  # those under ``if TYPE_CHECKING:`` never run
+            node.module.rsplit(".", 1)[1] for node in runtime_nodes(tree)
             if isinstance(node, ast.ImportFrom) and node.module is not None
             and node.module.startswith("fleetwarden.router.")}
     for module, names in imports.items():

@@ -37,6 +37,7 @@ from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Ledger, Policy, ShardState
 from fleetwarden.restore import begin_run
+from fleetwarden.router.ops import Holding
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
 from support.clock import elapse
@@ -144,8 +145,8 @@ class RandomRouter(QuietLink):
             out[url] = (ok, bad, self.rng.randrange(bad + 1))
         return out
 
-    async def in_flight(self) -> dict[str, int]:
-        return {url: self.rng.randrange(3) for url in self.serving}
+    async def holding(self, silent_after_s: float = 0.0) -> Holding:
+        return Holding({url: self.rng.randrange(3) for url in self.serving})
 
 
 class Shell:

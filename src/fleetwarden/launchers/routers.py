@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,7 +59,8 @@ from fleetwarden.launchers.procs import (
 )
 from fleetwarden.router.affinity import Predicted
 from fleetwarden.router.keys import KeysFileError, read_keys
-from fleetwarden.router.links import RemoteRouter
+from fleetwarden.router.links import RemoteRouter, RouterLink
+from fleetwarden.router.ops import OPERATIONS, SERVING, Operation
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import KeyTally, RouterStats
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RouterRecord", "RouterWorkers", "WorkerLink"]
 
+R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 #: Seconds a router process may take from launch to its control API answering. A Python
@@ -111,11 +113,12 @@ class RouterRecord:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
-class WorkerLink:
+class WorkerLink(RouterLink):
     """One worker slot, as the controller drives it (:class:`~fleetwarden.router.links.RouterLink`).
 
     The slot outlives its processes: when a worker is replaced, the link talks to the new one.
-    It remembers the last push, so a replacement starts with the serving set at once.
+    It remembers the last push, so a replacement starts with the serving set at once. Each
+    operation goes where its row's ``fan`` says (:data:`~fleetwarden.router.ops.Fan`).
     """
 
     in_process = False
@@ -138,8 +141,8 @@ class WorkerLink:
         #: The last push's count of shards coming back (resent with it to a new worker).
         self.last_coming = 0
         #: The shards on trial and the Retry-After last pushed: a replacement gets them too.
-        self.last_trial: list[str] = []
-        self.last_retry_after: float | None = None
+        #: Every push operation's last arguments, by operation (resent to a new worker).
+        self._pushed: dict[Operation[Any], dict[str, Any]] = {}
 
     @property
     def url(self) -> str:
@@ -191,84 +194,53 @@ class WorkerLink:
         for url in list(self._predecessors):
             await self.release(url)
 
-    async def _push(self, push: Callable[[RemoteRouter], Awaitable[None]]) -> None:
-        """The push, to the slot's worker (its failure raised, as before), then to every
-        predecessor still here. A predecessor's failure is logged, never raised: it is
-        exiting (its drain is over), and the slot's worker got the push."""
-        try:
-            await push(self._now())
-        finally:
-            for url, remote in list(self._predecessors.items()):
-                try:
-                    await push(remote)
-                except Exception as exc:
-                    log.info("router worker %d: a push to its predecessor %s failed: %s",
-                             self.worker, url, exc)
-
-    async def set_serving_backends(self, urls: Sequence[str],
-                                   facts: Mapping[str, BackendFacts] | None = None, *,
-                                   coming_back: int = 0) -> None:
-        self.last_push, self.last_facts, self.last_coming = list(urls), facts, coming_back
-        await self._push(lambda r: r.set_serving_backends(urls, facts,
-                                                          coming_back=coming_back))
-
-    async def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        return await self._now().drain_outcomes()
-
-    async def weights_changing(self, url: str, version: int) -> int:
-        """On the slot's worker and on each predecessor still draining: either may relay a
-        request kept across the load."""
-        marked = await self._now().weights_changing(url, version)
-        for other, remote in list(self._predecessors.items()):
+    async def call(self, op: Operation[R], **args: Any) -> R:
+        """``op`` on the slot's worker (its failure raised), then, for a push or a sum, on
+        every predecessor still here (a push even where the slot's worker failed it). A push
+        is remembered for a replacement; a sum adds the answers (a request a predecessor holds
+        on a wedged engine is rescued like any other, not left until its drain's bound cuts
+        it)."""
+        if op.fan == "now":
+            return await self._now().call(op, **args)
+        if op.fan == "push":
+            if op is SERVING:
+                self.last_push, self.last_facts = list(args["urls"]), args["facts"]
+                self.last_coming = args["coming_back"]
+            else:
+                self._pushed[op] = args
             try:
-                marked += await remote.weights_changing(url, version)
-            except Exception as exc:
-                log.info("router worker %d: marking a load on its predecessor %s failed: %s",
-                         self.worker, other, exc)
-        return marked
+                return await self._now().call(op, **args)
+            finally:
+                await self._on_predecessors(op, args)
+        result = await self._now().call(op, **args)
+        for more in await self._on_predecessors(op, args):
+            result += more  # type: ignore[operator]  # a sum's rows answer counts
+        return result
 
-    async def rescue(self, url: str, *, streams: bool = True) -> int:
-        """Rescue on the slot's worker and on each predecessor still draining: a request a
-        predecessor holds on a wedged engine is rescued like any other, not left until its
-        drain's bound cuts it."""
-        rescued = await self._now().rescue(url, streams=streams)
-        for other, remote in list(self._predecessors.items()):
+    async def _on_predecessors(self, op: Operation[R], args: dict[str, Any]) -> list[R]:
+        """``op`` on every predecessor still here: their answers. A predecessor's failure is
+        logged, never raised: it is exiting (its drain is over), and the slot's worker got
+        the call."""
+        answers = []
+        for url, remote in list(self._predecessors.items()):
             try:
-                rescued += await remote.rescue(url, streams=streams)
+                answers.append(await remote.call(op, **args))
             except Exception as exc:
-                log.info("router worker %d: a rescue on its predecessor %s failed: %s",
-                         self.worker, other, exc)
-        return rescued
-
-    async def in_flight(self) -> dict[str, int]:
-        return await self._now().in_flight()
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        self.last_retry_after = seconds
-        await self._push(lambda r: r.set_retry_after(seconds))
-
-    async def set_trial_backends(self, urls: Sequence[str]) -> None:
-        self.last_trial = list(urls)
-        await self._push(lambda r: r.set_trial_backends(urls))
+                log.info("router worker %d: %s on its predecessor %s failed: %s",
+                         self.worker, op.name, url, exc)
+        return answers
 
     async def push_last(self) -> None:
-        """Everything last pushed, again: for the process now in the slot (a replacement)."""
+        """Everything last pushed, again: for the process now in the slot (a replacement),
+        in the table's order."""
         await self.set_serving_backends(self.last_push, self.last_facts,
                                         coming_back=self.last_coming)
-        await self.set_trial_backends(self.last_trial)
-        await self.set_retry_after(self.last_retry_after)
-
-    async def status(self) -> dict[str, Any]:
-        return await self._now().status()
+        for op in OPERATIONS:
+            if op in self._pushed:
+                await self.call(op, **self._pushed[op])
 
     async def metrics_text(self) -> str:
         return await self._now().metrics_text()
-
-    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
-        return await self._now().hedge(url, held_s, lost_race_fails=lost_race_fails)
-
-    async def silent_backends(self, after_s: float) -> dict[str, float]:
-        return await self._now().silent_backends(after_s)
 
     async def evidence(self, wait_s: float, silent_after_s: float
                        ) -> tuple[int, dict[str, float]]:

@@ -5,8 +5,9 @@ Must not: import aiohttp for a reader of ``settings`` alone.
 
 ``pool`` (pure) holds the serving backends, their in-flight counts, picking and the outcome
 tallies; ``forward`` sends one request through them, with retries, rescue and deliberate
-statuses; ``app`` is the :class:`Router` itself; ``control`` its control API; ``links`` the
-controller's links to a router, here or across that API;
+statuses; ``app`` is the :class:`Router` itself; ``ops`` the table of its control operations;
+``control`` its control API, and ``links`` the controller's links to a router, here or across
+that API, both built from that table;
 ``settings`` every default with its reason; ``stats`` its own Prometheus registry.
 
 The names below are imported on first use, so that ``fleetwarden.router.settings`` (pure) can

@@ -5,8 +5,10 @@ Must not: decide health: a controller pushes the serving set; the router counts 
 
 It counts and obeys; it never decides health. A controller pushes the serving set
 (:meth:`Router.set_serving_backends`, the whole list every tick), drains what happened to the
-requests (:meth:`Router.drain_outcomes`), and moves requests off a backend it condemned
-(:meth:`Router.rescue`). The same calls are served on an optional control port
+requests (its pool's ``drain_outcomes``), and moves requests off a backend it condemned
+(:meth:`WaitingRequests.rescue <fleetwarden.router.waiting.WaitingRequests.rescue>`): the control
+operations of :data:`~fleetwarden.router.ops.OPERATIONS`, each a row naming its call here. The
+same calls are served on an optional control port
 (:mod:`fleetwarden.router.control`), so one controller can drive several router processes.
 
 Several routers can run in one event loop: each has its own server, client and Prometheus
@@ -34,11 +36,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
+from fleetwarden.router.answers import error_response
 from fleetwarden.router.control import make_control_app
-from fleetwarden.router.forward import Forwarder, error_response
+from fleetwarden.router.forward import Forwarder
 from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
 from fleetwarden.router.links import InProcessRouter
 from fleetwarden.router.models import model_list
+from fleetwarden.router.ops import Holding
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.settings import GENERATE, RouterSettings
 from fleetwarden.router.stats import KeyTally, RouterStats, make_registry
@@ -114,9 +118,9 @@ class Router:
         )
         self.stats = RouterStats()
         self.worker = worker
-        self._forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
-        self.registry = make_registry(self.stats, self.pool, worker, self._forwarder.affinity)
-        self._forwarder.on_failure = self._failed
+        self.forwarder = Forwarder(self.pool, s, self.stats, health_managed=health_managed)
+        self.registry = make_registry(self.stats, self.pool, worker, self.forwarder.affinity)
+        self.forwarder.tally.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
         #: The client keys in force, when the router checks them (router/keys.py); ``None``:
         #: the data port is open, and its handler is the one that never looks at a key.
@@ -127,8 +131,8 @@ class Router:
         handler = self._dispatch
         if self.keys is not None:
             handler = self._dispatch_keyed
-            self._forwarder.count_usage = True
-            self._forwarder.engine_keys_always = True
+            self.forwarder.relay.count_usage = True
+            self.forwarder.engine_keys_always = True
         self._server = serve.Server(handler, max_body_bytes=s.max_body_bytes,
                                     settings=s, closed_for=self.stats.connections_closed)
         #: The data port's listeners (several: the sockets a replaced router handed over).
@@ -151,7 +155,7 @@ class Router:
         if not self.health_managed:
             log.info("a controller drives this router: reflex drop armed")
         self.health_managed = True
-        self._forwarder.health_managed = True
+        self.forwarder.tally.health_managed = True
 
     def set_serving_backends(self, urls: Iterable[str],
                              facts: Mapping[str, BackendFacts] | None = None, *,
@@ -164,14 +168,16 @@ class Router:
         engines the controller expects back soon; while it is not 0, a request that finds no
         backend waits for one (``comeback_wait_s``) instead of a 409 at once."""
         self.pool.replace(urls, facts)
-        self._forwarder.forget_idle(set(self.pool.serving))
-        self._forwarder.sync_affinity()
-        self._forwarder.forget_limits()
-        self._forwarder.pushed(coming_back)
+        self.forwarder.waiting.forget_idle(set(self.pool.serving))
+        self.forwarder.sync_affinity()
+        self.forwarder.learner.forget()
+        self.forwarder.pushed(coming_back)
 
-    def set_trial_backends(self, urls: Iterable[str]) -> None:
-        """Backends on probation: each takes one request at a time (the ledger lifts it)."""
+    def set_trial_backends(self, urls: Iterable[str]) -> list[str]:
+        """Backends on probation: each takes one request at a time (the ledger lifts it).
+        Returns them, sorted."""
         self.pool.set_trial(urls)
+        return self.trial_backends()
 
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
         """Call ``callback(backend, cause)`` for every failed attempt, as it happens (the
@@ -195,7 +201,7 @@ class Router:
     def silent_backends(self, after_s: float) -> dict[str, float]:
         """Backends holding a request that has received nothing for ``after_s`` seconds or
         more, with the oldest such wait: a wedge shows here before any timeout."""
-        return self._forwarder.silent(after_s)
+        return self.forwarder.waiting.silent(after_s)
 
     def serving_backends(self) -> list[str]:
         return list(self.pool.serving)
@@ -208,40 +214,22 @@ class Router:
         """The last push's facts, per serving backend it gave them for."""
         return self.pool.all_facts()
 
-    def drain_outcomes(self) -> dict[str, tuple[int, int, int]]:
-        """``{url: (successes, failures, trailing_failures)}`` since the last drain, then zero."""
-        return self.pool.drain_outcomes()
-
-    def rescue(self, url: str, *, streams: bool = True) -> int:
-        """Move the requests waiting on ``url`` with nothing sent to their client to other
-        backends, at once, and (``streams``) the streams whose answer has begun there, which
-        go on elsewhere from where they are. Returns how many were moved."""
-        return self._forwarder.rescue(url, streams=streams)
-
-    def weights_changing(self, url: str, version: int) -> int:
-        """``url``'s engine loads ``version`` with the requests on it kept: each answer under
-        way there names every version it may hold. Returns how many were marked."""
-        return self._forwarder.weights_changing(url, version)
-
-    def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
-        """Send each request held on ``url`` for ``held_s`` with nothing sent to its client to
-        another backend as well; the first answer is the client's
-        (:meth:`Forwarder.hedge <fleetwarden.router.forward.Forwarder.hedge>`; there, what
-        ``lost_race_fails`` means). Returns how many were sent."""
-        if not math.isfinite(held_s) or held_s < 0:
-            raise ValueError(f"held_s must be a finite number >= 0, got {held_s}")
-        return self._forwarder.hedge(url, held_s, lost_race_fails=lost_race_fails)
-
     def in_flight(self) -> dict[str, int]:
         """Requests in flight per backend, counted from dispatch to the last byte."""
         return self.pool.in_flight()
 
-    def set_retry_after(self, seconds: float | None) -> None:
+    def holding(self, silent_after_s: float = 0.0) -> Holding:
+        """What this router holds on each backend, in one read: :meth:`in_flight` and
+        :meth:`silent_backends` (the control operation ``holding``)."""
+        return Holding(self.in_flight(), self.silent_backends(silent_after_s))
+
+    def set_retry_after(self, seconds: float | None) -> float | None:
         """When the caller expects a backend back in ``seconds``, the router's deliberate
         answers carry ``Retry-After``; ``None`` removes it."""
         if seconds is not None and (not math.isfinite(seconds) or seconds < 0):
             raise ValueError(f"retry_after must be a finite number >= 0 or None, got {seconds}")
-        self._forwarder.retry_after = seconds
+        self.forwarder.answers.retry_after = seconds
+        return seconds
 
     def control(self) -> InProcessRouter:
         """This router behind the async methods a controller calls on any router."""
@@ -260,7 +248,7 @@ class Router:
             "in_flight": self.in_flight(),
             "health_managed": self.health_managed,
             "reflex_armed": self.reflex_armed,
-            "retry_after": self._forwarder.retry_after,
+            "retry_after": self.forwarder.answers.retry_after,
             "requests": self.stats.requests,
             "worker": self.worker,
             "stats": {"requests": self.stats.requests,
@@ -299,13 +287,13 @@ class Router:
     def cache_predictions(self) -> dict[str, Predicted]:
         """Per backend: requests the cache-aware policy placed, their prompt blocks, and the
         blocks it predicted the backend held (empty under least in flight)."""
-        affinity = self._forwarder.affinity
+        affinity = self.forwarder.affinity
         return {} if affinity is None else affinity.predicted()
 
     @property
     def affinity(self) -> Affinity | None:
         """The cache-aware policy's index, or ``None`` under least in flight."""
-        return self._forwarder.affinity
+        return self.forwarder.affinity
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -330,7 +318,7 @@ class Router:
             raise RuntimeError("Router.start() was already called")
         if control_port is not None and not control_token:
             raise ValueError("a control port needs a control token")
-        await self._forwarder.open()
+        await self.forwarder.open()
         loop = asyncio.get_running_loop()
         try:
             if sockets:
@@ -344,7 +332,7 @@ class Router:
             for listener in self._listeners:
                 listener.close()
             self._listeners = []
-            await self._forwarder.close()
+            await self.forwarder.close()
             raise
         self._started = True
         self._url = serve.listening_url(self._listeners)
@@ -458,7 +446,7 @@ class Router:
             self._listeners = []
             await self._server.shutdown(self.settings.shutdown_grace_s)
             self._started = False
-        await self._forwarder.close()
+        await self.forwarder.close()
 
     async def __aenter__(self) -> Router:
         if not self._started:
@@ -497,7 +485,7 @@ class Router:
             if listed is not None:
                 return self._answer_models(listed)
         if ((method == "POST" and path in _POST) or (method == "GET" and path in _GET)):
-            return self._forwarder.forward(request)
+            return self.forwarder.forward(request)
         return self._own(request)
 
     def _dispatch_keyed(self, request: serve.Request) -> Awaitable[serve.StreamResponse]:
@@ -541,7 +529,7 @@ class Router:
     async def _counted(self, request: serve.Request, tally: KeyTally) -> serve.StreamResponse:
         """Forward, then add the answer's tokens to its key's tally: a stream's as the
         forwarder counted them, a whole answer's from its ``usage``."""
-        response = await self._forwarder.forward(request)
+        response = await self.forwarder.forward(request)
         usage = response.usage
         if usage is None and isinstance(response, serve.Response) and response.status == 200:
             usage = _usage_of(response.body)

@@ -39,10 +39,15 @@ POST     /stop-accepting  -                                ``{"accepting": false
 GET      /metrics         -                                the router's own ``/metrics``
 =======  ===============  ===============================  ==============================
 
-:class:`~fleetwarden.router.links.RemoteRouter` is the client of this API and
-:class:`~fleetwarden.router.links.InProcessRouter` wraps a router in the same async methods, so
-a controller treats a router in its own process and one across a socket alike
-(:class:`~fleetwarden.router.links.RouterLink`).
+Every route above but ``/evidence``, ``/stop-accepting`` and ``/metrics`` is a row of
+:data:`~fleetwarden.router.ops.OPERATIONS`, and served from it: the row's arguments read from
+the body (the query, for a GET) by its readers, a 400 naming the field where one is wrong, then
+its target called on the router. :class:`~fleetwarden.router.links.RemoteRouter` is the client
+built from the same rows and :class:`~fleetwarden.router.links.InProcessRouter` calls their
+targets in this process, so a controller treats a router in its own process and one across a
+socket alike (:class:`~fleetwarden.router.links.RouterLink`). ``GET /holding?silent_after_s``
+answers ``{"holding": {"in_flight": {url: n}, "silent": {url: seconds}}}``: the two reads
+``/in-flight`` and ``/silent`` (still served) make, in one.
 
 Drains are acknowledged, so that a lost answer loses no outcome: each drain's answer carries a
 ``batch`` id, and the router keeps that batch until a later drain names it in ``ack``. A drain
@@ -80,24 +85,21 @@ import json
 import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from fleetwarden.router.links import (
-    EVIDENCE_WAIT_S,
-    EvidenceFeed,
-    LocalRouter,
-    Outcomes,
-    facts_json,
-)
-from fleetwarden.router.models import MAX_CARDS, ModelCard, card_error
-from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.links import EVIDENCE_WAIT_S, EvidenceFeed
+from fleetwarden.router.ops import DRAIN, OPERATIONS, SERVING, Operation, Outcomes, facts_json
 from fleetwarden.router.serve import error_body
 
-__all__ = ["ControlledRouter", "control_error", "make_control_app", "merge_outcomes"]
+if TYPE_CHECKING:
+    from fleetwarden.router.app import Router
+
+__all__ = ["control_error", "make_control_app", "merge_outcomes"]
 
 #: How long ``GET /evidence`` waits for evidence at most: the bound keeps a connection from
 #: outliving a controller that went away unseen.
@@ -106,26 +108,13 @@ EVIDENCE_WAIT_MAX_S = 60.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class ControlledRouter(LocalRouter, Protocol):
-    """What the control API calls on the router it serves
-    (:class:`~fleetwarden.router.app.Router`): a link's calls and a few reads of its own."""
-
-    @property
-    def registry(self) -> CollectorRegistry: ...
-    def arm_reflex(self) -> None: ...
-    def serving_backends(self) -> list[str]: ...
-    def trial_backends(self) -> list[str]: ...
-    def backend_facts(self) -> dict[str, BackendFacts]: ...
-    async def stop_accepting(self) -> bool: ...
-
-
 def control_error(status: int, message: str, error_type: str) -> web.Response:
     """A JSON error in the OpenAI shape, as the data port answers them."""
     return web.Response(status=status, body=error_body(status, message, error_type),
                         content_type="application/json")
 
 
-def make_control_app(router: ControlledRouter, token: str) -> web.Application:
+def make_control_app(router: Router, token: str) -> web.Application:
     """The control API of ``router``, for callers presenting ``Bearer <token>``."""
     if not token:
         raise ValueError("the control API needs a non-empty token")
@@ -133,16 +122,9 @@ def make_control_app(router: ControlledRouter, token: str) -> web.Application:
     app = web.Application(middlewares=[_require(f"Bearer {token}".encode())],
                           client_max_size=1024 * 1024)
     app.on_shutdown.append(api.on_shutdown)
-    app.router.add_get("/status", api.status)
-    app.router.add_put("/serving", api.put_serving)
-    app.router.add_post("/outcomes/drain", api.drain)
-    app.router.add_post("/rescue", api.rescue)
-    app.router.add_post("/hedge", api.hedge)
-    app.router.add_post("/weights-changing", api.weights_changing)
-    app.router.add_get("/in-flight", api.in_flight)
-    app.router.add_put("/retry-after", api.put_retry_after)
-    app.router.add_put("/trial", api.put_trial)
-    app.router.add_get("/silent", api.silent, allow_head=False)
+    for op in OPERATIONS:
+        handler = api.put_serving if op is SERVING else api.drain if op is DRAIN else api.serve(op)
+        app.router.add_route(op.method, op.path, handler)
     app.router.add_get("/evidence", api.evidence, allow_head=False)
     app.router.add_post("/stop-accepting", api.stop_accepting)
     app.router.add_get("/metrics", api.metrics)
@@ -171,9 +153,10 @@ async def _not_found(request: web.Request) -> web.Response:
 
 
 class _ControlApi:
-    """The handlers of one router's control API: each checks its body, then makes one call."""
+    """The handlers of one router's control API: each reads its arguments, then makes one
+    call."""
 
-    def __init__(self, router: ControlledRouter) -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
         #: The drain batch handed out last, kept until a drain acknowledges it.
         self.held: Outcomes = {}
@@ -184,25 +167,27 @@ class _ControlApi:
     async def on_shutdown(self, app: web.Application) -> None:
         self.feed.close()  # the router is stopping: held polls are answered now
 
-    async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.router.status())
+    def serve(self, op: Operation[Any]) -> Handler:
+        """The handler of ``op``'s route: its arguments read, its target called, the result
+        under its answer's key."""
+        target = attrgetter(op.target)(self.router)
+
+        async def handle(request: web.Request) -> web.Response:
+            result = target(**await _args(op, request))
+            answer = op.encode(result)
+            return web.json_response(answer if op.answer is None else {op.answer: answer})
+
+        return handle
 
     async def put_serving(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        backends = _urls(body, "backends")
-        coming = body.get("coming_back", 0)
-        if isinstance(coming, bool) or not isinstance(coming, int) or coming < 0:
-            raise _bad_request("'coming_back' must be an integer >= 0")
-        self.router.set_serving_backends(backends, _facts_of(body.get("facts"),
-                                                             body.get("keys")),
-                                         coming_back=coming)
+        self.router.set_serving_backends(**await _args(SERVING, request))
         self.router.arm_reflex()  # pushed from the fleet's health: the next push undoes a drop
         return web.json_response({"serving": self.router.serving_backends(),
                                   "facts": facts_json(self.router.backend_facts())})
 
     async def drain(self, request: web.Request) -> web.Response:
         body = await _json_object(request) if request.can_read_body else {}
-        fresh = self.router.drain_outcomes()
+        fresh = self.router.pool.drain_outcomes()
         if "ack" not in body:  # an older controller: each window handed over once
             self.held = {}
             return web.json_response({"outcomes": fresh})
@@ -214,61 +199,6 @@ class _ControlApi:
         self.held = fresh
         self.held_batch = f"{self.held_batch.split('-')[0]}-{next(self._batches)}"
         return web.json_response({"outcomes": fresh, "batch": self.held_batch})
-
-    async def rescue(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        backend = body.get("backend")
-        if not isinstance(backend, str):
-            raise _bad_request("'backend' must be a URL string")
-        streams = _flag(body, "streams", True)
-        return web.json_response({"rescued": self.router.rescue(backend, streams=streams)})
-
-    async def weights_changing(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        backend, version = body.get("backend"), body.get("version")
-        if not isinstance(backend, str):
-            raise _bad_request("'backend' must be a URL string")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise _bad_request("'version' must be an integer >= 0")
-        return web.json_response({"marked": self.router.weights_changing(backend, version)})
-
-    async def hedge(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        backend, held_s = body.get("backend"), body.get("held_s")
-        if not isinstance(backend, str):
-            raise _bad_request("'backend' must be a URL string")
-        if (isinstance(held_s, bool) or not isinstance(held_s, int | float)
-                or not math.isfinite(held_s) or held_s < 0):
-            raise _bad_request("'held_s' must be a number of seconds >= 0")
-        fails = _flag(body, "lost_race_fails", False)
-        return web.json_response({"hedged": self.router.hedge(backend, float(held_s),
-                                                              lost_race_fails=fails)})
-
-    async def in_flight(self, request: web.Request) -> web.Response:
-        return web.json_response({"in_flight": self.router.in_flight()})
-
-    async def put_retry_after(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        seconds = body.get("seconds", ...)
-        if seconds is not None and (isinstance(seconds, bool)
-                                    or not isinstance(seconds, int | float)
-                                    or not math.isfinite(seconds) or seconds < 0):
-            raise _bad_request("'seconds' must be a number >= 0 or null")
-        self.router.set_retry_after(seconds)
-        return web.json_response({"retry_after": seconds})
-
-    async def put_trial(self, request: web.Request) -> web.Response:
-        self.router.set_trial_backends(_urls(await _json_object(request), "backends"))
-        return web.json_response({"trial": self.router.trial_backends()})
-
-    async def silent(self, request: web.Request) -> web.Response:
-        try:
-            after_s = float(request.query.get("after_s", "0"))
-        except ValueError:
-            raise _bad_request("'after_s' must be a number of seconds") from None
-        if not math.isfinite(after_s) or after_s < 0:
-            raise _bad_request("'after_s' must be a number >= 0")
-        return web.json_response({"silent": self.router.silent_backends(after_s)})
 
     async def evidence(self, request: web.Request) -> web.Response:
         wait_s = _seconds(request, "wait_s", EVIDENCE_WAIT_S, EVIDENCE_WAIT_MAX_S)
@@ -288,20 +218,6 @@ class _ControlApi:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.router.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _urls(body: Mapping[str, Any], name: str) -> list[str]:
-    urls = body.get(name)
-    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
-        raise _bad_request(f"'{name}' must be a list of URL strings")
-    return urls
-
-
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise _bad_request(f"'{name}' must be true or false")
-    return value
 
 
 def _seconds(request: web.Request, name: str, default: float, most: float) -> float:
@@ -336,57 +252,15 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
         content_type="application/json")
 
 
-def _facts_of(raw: object, keys: object = None) -> dict[str, BackendFacts] | None:
-    """``facts`` of a push: absent or null (an older controller), or ``{url: {"shard": i,
-    "weight_version": v}}`` with either field absent or null when unknown; ``keys``: the
-    engines' API keys by URL (absent: none), never echoed (no error names one)."""
-    if keys is not None and (not isinstance(keys, dict) or not all(
-            isinstance(k, str) and k for k in keys.values())):
-        raise _bad_request("'keys' must be an object mapping URLs to non-empty strings")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise _bad_request("'facts' must be an object mapping URLs to facts")
-    facts = {}
-    for url, fact in raw.items():
-        if not isinstance(fact, dict):
-            raise _bad_request(f"'facts.{url}' must be an object")
-        values: dict[str, int | None] = {}
-        for name, least in (("shard", 0), ("weight_version", 0), ("output_cap", 1),
-                            ("output_default", 1)):
-            value = fact.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < least):
-                raise _bad_request(f"'facts.{url}.{name}' must be an integer >= {least} "
-                                   "or null")
-            values[name] = value
-        fields = fact.get("upstream_fields")
-        if fields is not None and not isinstance(fields, bool):
-            raise _bad_request(f"'facts.{url}.upstream_fields' must be true, false or null")
-        incarnation = fact.get("incarnation")
-        if incarnation is not None and not isinstance(incarnation, str):
-            raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
-        facts[url] = BackendFacts(values["shard"], values["weight_version"],
-                                  upstream_fields=fields, incarnation=incarnation,
-                                  models=_models_of(url, fact.get("models")),
-                                  key=(keys or {}).get(url), output_cap=values["output_cap"],
-                                  output_default=values["output_default"])
-    return facts
-
-
-def _models_of(url: str, raw: object) -> tuple[ModelCard, ...] | None:
-    """``facts.URL.models`` of a push: absent or null (not read yet, or an older
-    controller), or a list of cards (:class:`~fleetwarden.router.models.ModelCard`)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or len(raw) > MAX_CARDS:
-        raise _bad_request(f"'facts.{url}.models' must be a list of at most {MAX_CARDS} "
-                           "model cards or null")
-    for k, card in enumerate(raw):
-        problem = card_error(card)
-        if problem is not None:
-            raise _bad_request(f"'facts.{url}.models[{k}]': {problem}")
-    return tuple(ModelCard.of(card) for card in raw)
+async def _args(op: Operation[Any], request: web.Request) -> dict[str, Any]:
+    """``op``'s arguments from ``request``: its query for a GET, else its JSON body; a 400
+    naming the field where one is wrong."""
+    source: Mapping[str, Any] = (request.query if op.method == "GET" else
+                                 await _json_object(request) if op.args else {})
+    try:
+        return {arg.name: arg.read(source) for arg in op.args}
+    except ValueError as exc:
+        raise _bad_request(str(exc)) from None
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

@@ -1,19 +1,21 @@
 """The links a controller drives routers through: one interface, wherever the router runs.
 
-Owns: :class:`RouterLink` (every call a controller makes on a router), its two
-implementations (:class:`InProcessRouter` for a router in this process, :class:`RemoteRouter`
-across the control API of :mod:`fleetwarden.router.control`), and :class:`EvidenceFeed`, the
-long poll of failed attempts both the in-process link and the control server answer from.
+Owns: :class:`RouterLink` (every call a controller makes on a router), its implementations
+(:class:`InProcessRouter` for a router in this process, :class:`RemoteRouter` across the
+control API of :mod:`fleetwarden.router.control`), and :class:`EvidenceFeed`, the long poll of
+failed attempts both the in-process link and the control server answer from.
 Must not: decide anything: a link carries the controller's pushes and drains.
 
-Every link implements all of :class:`RouterLink`; the controller never asks whether a call
-exists. Where a router runs tells one thing apart, :attr:`RouterLink.in_process`: a router in
-this process calls :meth:`RouterLink.listen`'s callbacks inside its request path as each
-attempt fails, and its silent requests are an in-memory read; a router across a socket is
-asked with :meth:`RouterLink.evidence`, one long poll held open at a time.
+Each control operation is a row of :data:`~fleetwarden.router.ops.OPERATIONS`, and each
+:class:`RouterLink` method a call of :meth:`RouterLink.call` with that row: a link implements
+:meth:`~RouterLink.call` once (an HTTP request built from the row's route, or the row's target
+called on the router in this process), never an operation by itself. Where a router runs tells
+one thing apart, :attr:`RouterLink.in_process`: a router in this process calls
+:meth:`RouterLink.listen`'s callbacks inside its request path as each attempt fails, and its
+silent requests are an in-memory read; a router across a socket is asked with
+:meth:`RouterLink.evidence`, one long poll held open at a time.
 
-This module imports no router: it names what it calls on one (:class:`LocalRouter`), which
-:class:`~fleetwarden.router.app.Router` is, so that ``app`` may hand out its own link without
+This module imports no router at run time, so that ``app`` may hand out its own link without
 an import circle.
 """
 
@@ -22,16 +24,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from urllib.parse import urlencode
 
 import aiohttp
 
+from fleetwarden.router.ops import (
+    DRAIN,
+    HEDGE,
+    HOLDING,
+    RESCUE,
+    RETRY_AFTER,
+    SERVING,
+    STATUS,
+    TRIAL,
+    WEIGHTS_CHANGING,
+    Holding,
+    Operation,
+    Outcomes,
+)
 from fleetwarden.router.pool import BackendFacts
 
+if TYPE_CHECKING:
+    from fleetwarden.router.app import Router
+
 __all__ = ["CONTROL_TIMEOUT_S", "EVIDENCE_WAIT_S", "ControlError", "EvidenceFeed",
-           "InProcessRouter", "LocalRouter", "RemoteRouter", "RouterLink", "facts_json"]
+           "InProcessRouter", "RemoteRouter", "RouterLink"]
+
+R = TypeVar("R")
 
 #: How long a control call may take. The calls are in-memory operations on the router, so
 #: seconds without an answer mean the router process is gone or stuck; the tick moves on.
@@ -43,12 +66,11 @@ EVIDENCE_WAIT_S = 20.0
 #: once): the in-process controller's own evidence_poll_s is 0.5 s.
 EVIDENCE_SCAN_S = 0.25
 
-#: ``{url: (successes, failures, trailing_failures)}``: one window of a router's outcomes.
-Outcomes = dict[str, tuple[int, int, int]]
-
 
 class RouterLink(Protocol):
-    """Every call a controller makes on a router, in this process or another."""
+    """Every call a controller makes on a router, in this process or another. A link
+    implements :meth:`call`, :meth:`listen` and :meth:`evidence`; the operations below are
+    each one :meth:`call` (their arguments named as the table's rows name them)."""
 
     @property
     def name(self) -> str:
@@ -59,41 +81,59 @@ class RouterLink(Protocol):
         """Whether the router runs in this process: :meth:`listen`'s callbacks then come as
         each attempt fails; otherwise evidence is pulled with :meth:`evidence`."""
 
+    async def call(self, op: Operation[R], **args: Any) -> R:
+        """Operation ``op`` on this router, its arguments by the names of ``op.args``."""
+
+    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
+        """``callback(backend, cause)`` for each failed attempt; returns the unsubscribe."""
+
+    async def evidence(self, wait_s: float, silent_after_s: float
+                       ) -> tuple[int, dict[str, float]]:
+        """Up to ``wait_s``: (failed attempts since the last answer, backends holding a
+        request silent for ``silent_after_s``), answered as soon as there is any."""
+
     async def set_serving_backends(self, urls: Sequence[str],
                                    facts: Mapping[str, BackendFacts] | None = None, *,
-                                   coming_back: int = 0) -> None: ...
-    async def set_trial_backends(self, urls: Sequence[str]) -> None: ...
-    async def set_retry_after(self, seconds: float | None) -> None: ...
-    async def drain_outcomes(self) -> Outcomes: ...
-    async def rescue(self, url: str, *, streams: bool = True) -> int: ...
-    async def weights_changing(self, url: str, version: int) -> int: ...
-    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False
-                    ) -> int: ...
-    async def in_flight(self) -> dict[str, int]: ...
-    async def silent_backends(self, after_s: float) -> dict[str, float]: ...
-    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]: ...
-    async def evidence(self, wait_s: float, silent_after_s: float
-                       ) -> tuple[int, dict[str, float]]: ...
-    async def status(self) -> dict[str, Any]: ...
+                                   coming_back: int = 0) -> None:
+        """The serving set, each backend's facts, and how many engines are coming back
+        (:meth:`~fleetwarden.router.app.Router.set_serving_backends`)."""
+        await self.call(SERVING, urls=list(urls), facts=facts, coming_back=coming_back)
 
+    async def set_trial_backends(self, urls: Sequence[str]) -> None:
+        """Backends on probation: one request at a time each."""
+        await self.call(TRIAL, urls=list(urls))
 
-class LocalRouter(Protocol):
-    """What a link and the control API call on a router in this process
-    (:class:`~fleetwarden.router.app.Router`): the same calls, synchronous."""
+    async def set_retry_after(self, seconds: float | None) -> None:
+        """The ``Retry-After`` of the router's deliberate answers; ``None`` removes it."""
+        await self.call(RETRY_AFTER, seconds=seconds)
 
-    def set_serving_backends(self, urls: Iterable[str],
-                             facts: Mapping[str, BackendFacts] | None = None, *,
-                             coming_back: int = 0) -> None: ...
-    def set_trial_backends(self, urls: Iterable[str]) -> None: ...
-    def set_retry_after(self, seconds: float | None) -> None: ...
-    def drain_outcomes(self) -> Outcomes: ...
-    def rescue(self, url: str, *, streams: bool = True) -> int: ...
-    def weights_changing(self, url: str, version: int) -> int: ...
-    def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int: ...
-    def in_flight(self) -> dict[str, int]: ...
-    def silent_backends(self, after_s: float) -> dict[str, float]: ...
-    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]: ...
-    def status(self) -> dict[str, Any]: ...
+    async def drain_outcomes(self) -> Outcomes:
+        """The outcomes since the last drain (:data:`~fleetwarden.router.ops.Outcomes`)."""
+        return await self.call(DRAIN)
+
+    async def rescue(self, url: str, *, streams: bool = True) -> int:
+        """Move what waits on ``url`` elsewhere (:meth:`WaitingRequests.rescue
+        <fleetwarden.router.waiting.WaitingRequests.rescue>`); how many were moved."""
+        return await self.call(RESCUE, backend=url, streams=streams)
+
+    async def weights_changing(self, url: str, version: int) -> int:
+        """``url`` loads ``version`` with its requests kept; how many were marked."""
+        return await self.call(WEIGHTS_CHANGING, backend=url, version=version)
+
+    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
+        """Send what has waited on ``url`` for ``held_s`` to another backend as well
+        (:meth:`~fleetwarden.router.waiting.WaitingRequests.hedge`); how many."""
+        return await self.call(HEDGE, backend=url, held_s=held_s,
+                               lost_race_fails=lost_race_fails)
+
+    async def holding(self, silent_after_s: float = 0.0) -> Holding:
+        """What the router holds on each backend, in one read (:class:`Holding`)."""
+        return await self.call(HOLDING, silent_after_s=silent_after_s)
+
+    async def status(self) -> dict[str, Any]:
+        """What the router is doing now (:meth:`Router.status
+        <fleetwarden.router.app.Router.status>`)."""
+        return await self.call(STATUS)
 
 
 class ControlError(Exception):
@@ -104,18 +144,13 @@ class ControlError(Exception):
         self.status = status
 
 
-def facts_json(facts: Mapping[str, BackendFacts]) -> dict[str, dict[str, Any]]:
-    """``facts`` of a push as JSON (the control API's ``PUT /serving``)."""
-    return {url: f.to_dict() for url, f in facts.items()}
-
-
 class EvidenceFeed:
     """The failed attempts of one router in this process, as a long poll: counted from the
     router's start, so that a caller that names the count it last saw misses none between two
     polls. The control API's ``GET /evidence`` and :meth:`InProcessRouter.evidence` answer
     from it."""
 
-    def __init__(self, router: LocalRouter) -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
         #: Failed attempts since this feed began: what a poll's ``after`` counts against.
         self.failures = 0
@@ -152,46 +187,21 @@ class EvidenceFeed:
                 await asyncio.wait_for(self._came.wait(), min(left, EVIDENCE_SCAN_S))
 
 
-class InProcessRouter:
-    """A router in this process (:class:`LocalRouter`), behind the async :class:`RouterLink`
-    calls."""
+class InProcessRouter(RouterLink):
+    """A router in this process, behind the async :class:`RouterLink` calls: each operation
+    is its row's ``target`` called on the router."""
 
     name = "router in this process"
     in_process = True
 
-    def __init__(self, router: LocalRouter) -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
         self._feed: EvidenceFeed | None = None
         self._failures = 0  # the feed's count at the last evidence answer
 
-    async def set_serving_backends(self, urls: Iterable[str],
-                                   facts: Mapping[str, BackendFacts] | None = None, *,
-                                   coming_back: int = 0) -> None:
-        self.router.set_serving_backends(urls, facts, coming_back=coming_back)
-
-    async def set_trial_backends(self, urls: Iterable[str]) -> None:
-        self.router.set_trial_backends(urls)
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        self.router.set_retry_after(seconds)
-
-    async def drain_outcomes(self) -> Outcomes:
-        return self.router.drain_outcomes()
-
-    async def rescue(self, url: str, *, streams: bool = True) -> int:
-        return self.router.rescue(url, streams=streams)
-
-    async def weights_changing(self, url: str, version: int) -> int:
-        return self.router.weights_changing(url, version)
-
-    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
-        return self.router.hedge(url, held_s, lost_race_fails=lost_race_fails)
-
-    async def in_flight(self) -> dict[str, int]:
-        return self.router.in_flight()
-
-    async def silent_backends(self, after_s: float) -> dict[str, float]:
-        return self.router.silent_backends(after_s)
+    async def call(self, op: Operation[R], **args: Any) -> R:
+        result: R = attrgetter(op.target)(self.router)(**args)
+        return result
 
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
         """Every failed attempt, as it happens: ``callback(backend, cause)``."""
@@ -206,11 +216,8 @@ class InProcessRouter:
         self._failures = self._feed.failures
         return failed, silent
 
-    async def status(self) -> dict[str, Any]:
-        return self.router.status()
 
-
-class RemoteRouter:
+class RemoteRouter(RouterLink):
     """A router in another process, driven through its control API.
 
     ``url`` is the control API's base URL (``http://127.0.0.1:PORT``), ``token`` its bearer
@@ -271,51 +278,21 @@ class RemoteRouter:
         """The router's own ``/metrics``, in Prometheus' text format."""
         return await self._text("GET", "/metrics")
 
-    async def set_serving_backends(self, urls: Iterable[str],
-                                   facts: Mapping[str, BackendFacts] | None = None, *,
-                                   coming_back: int = 0) -> None:
-        body: dict[str, Any] = {"backends": list(urls), "coming_back": coming_back}
-        if facts is not None:
-            body["facts"] = facts_json(facts)
-            # The engines' keys, apart from the facts: the facts are echoed in answers and
-            # statuses, the keys never.
-            keys = {url: f.key for url, f in facts.items() if f.key is not None}
-            if keys:
-                body["keys"] = keys
-        await self._call("PUT", "/serving", body)
-
-    async def drain_outcomes(self) -> Outcomes:
-        answer = await self._call("POST", "/outcomes/drain", {"ack": self._last_batch})
-        self._last_batch = answer.get("batch")
-        return {url: (int(s), int(f), int(t)) for url, (s, f, t) in answer["outcomes"].items()}
-
-    async def rescue(self, url: str, *, streams: bool = True) -> int:
-        answer = await self._call("POST", "/rescue", {"backend": url, "streams": streams})
-        return int(answer["rescued"])
-
-    async def weights_changing(self, url: str, version: int) -> int:
-        answer = await self._call("POST", "/weights-changing",
-                                  {"backend": url, "version": version})
-        return int(answer["marked"])
-
-    async def hedge(self, url: str, held_s: float, *, lost_race_fails: bool = False) -> int:
-        answer = await self._call("POST", "/hedge", {"backend": url, "held_s": held_s,
-                                                     "lost_race_fails": lost_race_fails})
-        return int(answer["hedged"])
-
-    async def in_flight(self) -> dict[str, int]:
-        return {url: int(n) for url, n in (await self._call("GET", "/in-flight"))["in_flight"]
-                .items()}
-
-    async def set_retry_after(self, seconds: float | None) -> None:
-        await self._call("PUT", "/retry-after", {"seconds": seconds})
-
-    async def set_trial_backends(self, urls: Iterable[str]) -> None:
-        await self._call("PUT", "/trial", {"backends": list(urls)})
-
-    async def silent_backends(self, after_s: float) -> dict[str, float]:
-        answer = await self._call("GET", f"/silent?after_s={after_s:g}")
-        return {url: float(x) for url, x in answer["silent"].items()}
+    async def call(self, op: Operation[R], **args: Any) -> R:
+        """``op``'s route, its arguments written as the row says; a drain acknowledges the
+        batch the last drain answered."""
+        body: dict[str, Any] = {}
+        for arg in op.args:
+            body.update(arg.write(args[arg.name]))
+        if op is DRAIN:
+            body["ack"] = self._last_batch
+        if op.method == "GET":
+            answer = await self._call("GET", op.path + ("?" + urlencode(body) if body else ""))
+        else:
+            answer = await self._call(op.method, op.path, body)
+        if op is DRAIN:
+            self._last_batch = answer.get("batch")
+        return op.decode(answer if op.answer is None else answer[op.answer])
 
     async def evidence(self, wait_s: float, silent_after_s: float) -> tuple[int, dict[str, float]]:
         """Wait up to ``wait_s`` for evidence: (failed attempts since the last call's answer,
@@ -342,10 +319,6 @@ class RemoteRouter:
                 self._listeners.remove(callback)
 
         return unsubscribe
-
-    async def status(self) -> dict[str, Any]:
-        answer: dict[str, Any] = await self._call("GET", "/status")
-        return answer
 
     async def stop_accepting(self) -> None:
         """Close the router's listeners; returns once they are closed (a reload's first

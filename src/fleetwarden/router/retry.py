@@ -36,7 +36,7 @@ class Cause(enum.Enum):
     SERVER_ERROR = "server_error"  # a 5xx before any byte reached the client
     RESCUED = "rescued"  # the controller condemned the backend while the request waited there
     #: It held the request, taking no step, while another engine answered it (a hedge), or a
-    #: stream was moved off it for that (:meth:`Forwarder.hedge`): a lost race, not a failure
+    #: stream was moved off it for that (``WaitingRequests.hedge``): a lost race, not a failure
     #: of its engine (out of this router's list until the next push), unless the hedge said no
     #: step is in progress there (``lost_race_fails``: a lost core).
     HEDGED = "hedged"

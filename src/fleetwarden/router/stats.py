@@ -84,7 +84,7 @@ class RouterStats:
         self.retries: dict[str, int] = {"free": 0, "paid": 0, "replaced": 0}
         self.rescues = 0
         #: Requests sent to a second backend while the first held them taking no step
-        #: (:meth:`Forwarder.hedge`), and of those, the ones whose second answer came first.
+        #: (``WaitingRequests.hedge``), and of those, the ones whose second answer came first.
         self.hedges = 0
         self.hedges_won = 0
         self.poison_requests = 0

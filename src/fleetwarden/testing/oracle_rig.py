@@ -242,11 +242,12 @@ async def oracle(settings: RouterSettings | None = None, *,
             for sim in fleet:
                 await sim.start()
 
-                def rescue(kind: str, url: str = sim.url, router: Router = router) -> None:
+                def rescue_on_wedge(kind: str, url: str = sim.url,
+                                    router: Router = router) -> None:
                     if kind == "wedge":  # the controller's call at condemnation, a moment later
-                        loop.call_later(0.01, router.rescue, url)
+                        loop.call_later(0.01, router.forwarder.waiting.rescue, url)
 
-                sim.on_directive = rescue
+                sim.on_directive = rescue_on_wedge
             facts = (await capped_facts(fleet) if fleet is capped
                      else await defaulted_facts(fleet, model_folder.name) if fleet is defaulted
                      else {s.url: BackendFacts() for s in fleet})

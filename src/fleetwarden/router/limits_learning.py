@@ -1,0 +1,94 @@
+"""What the router learns of each engine's limits: its context length and its server caps.
+
+Owns: :class:`LimitsLearner`: the caps a push says (read from the commands that started the
+engines) and the defaults of a chat that names no limit, forgotten for backends that left;
+and an engine's context length, read from its ``/v1/models`` in the background once a chat
+sent without a limit begins there (its continuation keeps the context of the engine that
+began it). The limits themselves are :class:`~fleetwarden.router.splice.EngineLimits`.
+Must not: decide what a continuation asks: :mod:`fleetwarden.router.splice` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from functools import partial
+
+from fleetwarden.router.exchange import with_key
+from fleetwarden.router.pool import Pool
+from fleetwarden.router.relay import read_all
+from fleetwarden.router.splice import EngineLimits
+from fleetwarden.router.upstream import Address, UpstreamClient, UpstreamError
+
+__all__ = ["LimitsLearner"]
+
+
+class LimitsLearner:
+    """Keeps one router's :class:`~fleetwarden.router.splice.EngineLimits` up to date."""
+
+    def __init__(self, pool: Pool, limits: EngineLimits) -> None:
+        self.pool = pool
+        self.limits = limits
+        #: The reads of ``/v1/models`` under way, by backend (:meth:`learn_context`).
+        self._learning: dict[str, asyncio.Task[None]] = {}
+        self._client: UpstreamClient | None = None
+        self._target: Callable[[str], Address] = Address.parse
+
+    def open(self, client: UpstreamClient, target: Callable[[str], Address]) -> None:
+        """The router opened: the reads go through ``client``, to ``target(url)``."""
+        self._client, self._target = client, target
+
+    def close(self) -> None:
+        for task in self._learning.values():
+            task.cancel()
+        self._learning.clear()
+        self._client = None
+
+    def forget(self) -> None:
+        """A push came: forget the limits of backends that left (one that comes back may have
+        been started otherwise), and take the server caps it says (read from the commands
+        that started the engines: before any ``"length"`` finish could reveal them), and the
+        defaults of a chat that names no limit (its model's generation config, where the
+        controller could read it) as the cap of such chats."""
+        self.limits.forget(set(self.pool.serving))
+        for url in self.pool.serving:
+            facts = self.pool.facts(url)
+            if facts.output_cap is not None:
+                self.limits.cap[url] = facts.output_cap
+            if facts.output_default is not None:
+                self.limits.default_cap[url] = facts.output_default
+
+    def learn_context(self, backend: str) -> None:
+        """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the
+        background, once a chat sent without a limit begins there: its continuation keeps the
+        context of the engine that began it, and a read on the continuation's own path would
+        sit outside every rescue and hedge. Unknown when a cut comes: refused."""
+        if backend in self.limits.context or backend in self._learning:
+            return
+        pushed = self.pool.facts(backend).models
+        if pushed and pushed[0].max_model_len is not None:
+            # The watchdog read it already and the push said it: nothing to ask.
+            self.limits.context[backend] = pushed[0].max_model_len
+            return
+        task = asyncio.create_task(self._read_context(backend), name=f"context:{backend}")
+        self._learning[backend] = task
+        task.add_done_callback(partial(self._learnt, backend))
+
+    def _learnt(self, backend: str, _: asyncio.Task[None]) -> None:
+        self._learning.pop(backend, None)
+
+    async def _read_context(self, backend: str) -> None:
+        """``backend``'s context length, where its ``/v1/models`` says it (unknown otherwise:
+        the next chat that begins there asks again)."""
+        assert self._client is not None, "LimitsLearner.open() was not called"
+        try:
+            answer = await self._client.request(self._target(backend + "/v1/models"), "GET",
+                                                with_key([], self.pool.facts(backend).key),
+                                                b"")
+            value = json.loads(await read_all(answer))["data"][0]["max_model_len"]
+        except (UpstreamError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return
+        if (isinstance(value, int) and not isinstance(value, bool) and value > 0
+                and backend in self.pool.serving):
+            self.limits.context[backend] = value
