@@ -20,10 +20,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -36,11 +38,13 @@ import pytest
 
 from fleetwarden.config import FleetConfig
 from fleetwarden.controller import output_cap_from
-from fleetwarden.engines import output_cap_of
+from fleetwarden.engines import generation_limits, output_cap_of
 from fleetwarden.judge import DEFAULT_POLICY, Target
 from fleetwarden.launchers import procs
+from fleetwarden.model_files import generation_config_file
 from fleetwarden.router import BackendFacts, Router, RouterSettings
-from fleetwarden.router.splice import check_stop_strings
+from fleetwarden.router.splice import EngineLimits, Splice, check_stop_strings, read_stream_request
+from fleetwarden.testing.model_folders import NO_GENERATION_CONFIG, without_generation_config
 from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME, SERVED_MODEL_NAME
@@ -287,3 +291,120 @@ def test_the_routers_stop_check_is_vllms_own(vllm_python: Path) -> None:
         include = rng.random() < 0.5
         assert check_stop_strings(text, new, stops, include) == vllm(
             text, new, list(stops), include), (text, new, stops, include)
+
+
+#: Run in the vLLM env: each engine's ``(override_max_tokens, default max_tokens)`` from
+#: vLLM's own ``ModelConfig.try_get_generation_config`` and ``get_diff_sampling_param`` (on a
+#: stand-in holding the fields they read), and each request's output limit as its serving
+#: class computes it: the body through vLLM's own pydantic request class (an explicit null
+#: included), then ``get_max_tokens`` (``entrypoints/serve/utils/api_utils.py``).
+_VLLMS_LIMITS = """
+import json, sys
+from types import SimpleNamespace
+from vllm.config.model import ModelConfig
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+spec = json.load(sys.stdin)
+engines = []
+for e in spec["engines"]:
+    m = SimpleNamespace(generation_config=e["source"], hf_config_path=None, model=e["model"],
+                        trust_remote_code=False, _hf_config_revision=None, revision=None,
+                        code_revision=None, config_format="auto", hf_token=None,
+                        override_generation_config=e["override"])
+    m.try_get_generation_config = lambda m=m: ModelConfig.try_get_generation_config(m)
+    default = ModelConfig.get_diff_sampling_param(m)
+    # the serving classes' override_max_tokens (openai/completion/serving.py, chat's alike)
+    cap = (default.get("max_tokens") if e["source"] not in ("auto", "vllm")
+           else e["override"].get("max_new_tokens"))
+    engines.append([cap, default])
+limits = []
+for r in spec["requests"]:
+    cap, default = engines[r["engine"]]
+    if r["chat"]:
+        q = ChatCompletionRequest.model_validate(r["body"])
+        asked = q.max_completion_tokens if q.max_completion_tokens is not None else q.max_tokens
+    else:
+        asked = CompletionRequest.model_validate(r["body"]).max_tokens
+    limits.append(get_max_tokens(r["max_model_len"], asked, r["input_length"], default, cap))
+print(json.dumps({"engines": [[c, d.get("max_tokens")] for c, d in engines],
+                  "limits": limits}))
+"""
+
+#: The limit fields a request may carry, explicit nulls included.
+_LIMIT_FIELDS: dict[str, list[dict[str, Any]]] = {
+    "completion": [{}, {"max_tokens": None}, {"max_tokens": 30}, {"max_tokens": 100}],
+    "chat": [{}, {"max_tokens": None}, {"max_completion_tokens": None},
+             {"max_tokens": None, "max_completion_tokens": None}, {"max_tokens": 30},
+             {"max_completion_tokens": 25, "max_tokens": 30},
+             {"max_completion_tokens": None, "max_tokens": 100}],
+}
+
+
+def _cut_splice(chat: bool, limit_fields: dict[str, Any]) -> Splice:
+    """A stream of the captured vLLM answers, cut after 3 events, with ``limit_fields``."""
+    path, capture = (("/v1/chat/completions", "chat-stream-token-ids.http") if chat
+                     else ("/v1/completions", "completions-stream-token-ids.http"))
+    head = ({"messages": [{"role": "user", "content": "hi"}]} if chat
+            else {"prompt": "hello there"})
+    body = {"model": SERVED_MODEL_NAME, "stream": True, **head, **limit_fields}
+    read = read_stream_request(path, json.dumps(body).encode(), {})
+    assert read is not None
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm" / "continuation-and-sleep"
+    events = (captures / capture).read_bytes().split(b"\n\n", 2)[2].split(b"\n\n")
+    for event in [e for e in events if e][:3]:
+        splice.on_event(event)
+    return splice
+
+
+def test_the_routers_output_limits_are_vllms_own(vllm_python: Path, tmp_path: Path) -> None:
+    """What the router takes for an engine's limits (``engines.generation_limits`` on a
+    model folder, read by ``model_files``) and a request's output limit (its continuation's
+    ``max_tokens`` plus what it produced) are what the installed vLLM's own code gives: model
+    folders with and without a ``generation_config.json`` (then ``config.json``'s), with and
+    without ``--override-generation-config``; requests naming a limit, none, or an explicit
+    null (a completion's pydantic default is 16 even then; a chat's null is no limit)."""
+    folders = [without_generation_config(tmp_path / f"m{i}", case)
+               for i, case in enumerate(sorted(NO_GENERATION_CONFIG))]
+    with_file = tmp_path / "with-file"
+    with_file.mkdir()
+    (with_file / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                       "max_new_tokens": 77}))
+    (with_file / "generation_config.json").write_text(json.dumps({"max_new_tokens": 48}))
+    engines: list[dict[str, Any]] = [
+        {"model": str(with_file), "source": "auto", "override": {}},
+        {"model": str(with_file), "source": "auto", "override": {"max_new_tokens": 20}},
+        {"model": str(with_file), "source": "vllm", "override": {}},
+        {"model": "hub/x", "source": str(with_file), "override": {}},
+        *({"model": f, "source": "auto", "override": {}} for f in folders)]
+    max_model_len = 256
+    requests, splices = [], []
+    for engine, (kind, fields) in itertools.product(
+            range(len(engines)), [(k, f) for k, fs in _LIMIT_FIELDS.items() for f in fs]):
+        splice = _cut_splice(kind == "chat", fields)
+        splices.append((engine, splice))
+        requests.append({"chat": kind == "chat", "engine": engine, "max_model_len": max_model_len,
+                         "input_length": len(splice.prompt_ids or ()),
+                         "body": {**splice.request.body, "stream": False}})
+    started = time.monotonic()
+    done = subprocess.run([str(vllm_python), "-c", _VLLMS_LIMITS], capture_output=True,
+                          text=True, timeout=300,
+                          input=json.dumps({"engines": engines, "requests": requests}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\nvLLM's own limits for {len(engines)} engines, {len(requests)} requests in "
+          f"{time.monotonic() - started:.1f} s")
+    ours = [list(generation_limits(e["model"], e["source"], e["override"],
+                                   read=generation_config_file)) for e in engines]
+    assert ours == vllm["engines"]
+    for (engine, splice), want, request in zip(splices, vllm["limits"], requests, strict=True):
+        cap, default = ours[engine]
+        limits = EngineLimits(cap={} if cap is None else {"e": cap},
+                              default_cap={} if default is None else {"e": default})
+        plan = splice.continuation(max_model_len=max_model_len,
+                                   output_cap=limits.output_cap("e", splice.names_no_limit()))
+        assert not isinstance(plan, str) and not plan.replay, (plan, request)
+        got = json.loads(plan.body)["max_tokens"] + splice.produced
+        assert got == want, (engines[engine], request["body"], got, want)
