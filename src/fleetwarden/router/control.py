@@ -363,14 +363,18 @@ def _facts_of(raw: object, keys: object = None) -> dict[str, BackendFacts] | Non
         fields = fact.get("upstream_fields")
         if fields is not None and not isinstance(fields, bool):
             raise _bad_request(f"'facts.{url}.upstream_fields' must be true, false or null")
-        incarnation = fact.get("incarnation")
-        if incarnation is not None and not isinstance(incarnation, str):
-            raise _bad_request(f"'facts.{url}.incarnation' must be a string or null")
+        strings: dict[str, str | None] = {}
+        for name in ("incarnation", "output_cap_unknown"):
+            value = fact.get(name)
+            if value is not None and not isinstance(value, str):
+                raise _bad_request(f"'facts.{url}.{name}' must be a string or null")
+            strings[name] = value
         facts[url] = BackendFacts(values["shard"], values["weight_version"],
-                                  upstream_fields=fields, incarnation=incarnation,
+                                  upstream_fields=fields, incarnation=strings["incarnation"],
                                   models=_models_of(url, fact.get("models")),
                                   key=(keys or {}).get(url), output_cap=values["output_cap"],
-                                  output_default=values["output_default"])
+                                  output_default=values["output_default"],
+                                  output_cap_unknown=strings["output_cap_unknown"])
     return facts
 
 

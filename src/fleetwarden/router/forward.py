@@ -1001,7 +1001,8 @@ class Forwarder:
             max_model_len=None if began_on is None else limits.context.get(began_on),
             upstream_fields=self._takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),
-            next_output_cap=limits.output_cap(backend, False))
+            next_output_cap=limits.output_cap(backend, False),
+            cap_unknown=limits.cap_unknown(began_on, backend))
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self._end_stream(stream, ex.last, plan)
@@ -1489,10 +1490,15 @@ class Forwarder:
         been started otherwise), and take the server caps it says (read from the commands
         that started the engines: before any ``"length"`` finish could reveal them), and the
         defaults of a chat that names no limit (its model's generation config, where the
-        controller could read it) as the cap of such chats."""
+        controller could read it) as the cap of such chats; where it says the cap is unknown,
+        continuations there are refused until a finish reveals it."""
         self.limits.forget(set(self.pool.serving))
         for url in self.pool.serving:
             facts = self.pool.facts(url)
+            if facts.output_cap_unknown is None:
+                self.limits.unknown.pop(url, None)
+            elif url not in self.limits.cap:  # not revealed by a finish yet
+                self.limits.unknown[url] = facts.output_cap_unknown
             if facts.output_cap is not None:
                 self.limits.cap[url] = facts.output_cap
             if facts.output_default is not None:
