@@ -114,13 +114,17 @@ class FleetStatus:
     tally: dict[str, int] = field(default_factory=dict)
 
 
+#: How :func:`output_cap_from` begins the source of a cap it does not know.
+UNKNOWN = "unknown: "
+
+
 def output_cap_from(said: int | CapUnknown | None, fleet: FleetConfig,
                     shard: int) -> tuple[int | None, str]:
     """A shard's server cap on every request's output, and where it comes from, in the order
     of trust: what its engine's ``/server_info`` says (the running process's word); the
     config's declared ``output_cap``; a launched engine's command
-    (``--override-generation-config``); else ``unknown: why`` (an attached engine that
-    says nothing, with no declaration), with ``None``."""
+    (``--override-generation-config``); else ``unknown: why`` (:data:`UNKNOWN`: an attached
+    engine that says nothing, with no declaration), with ``None``."""
     if not isinstance(said, CapUnknown):
         return said, "engine"
     declared = fleet.declared_output_cap(shard)
@@ -130,7 +134,7 @@ def output_cap_from(said: int | CapUnknown | None, fleet: FleetConfig,
         group = fleet.group_of(shard)
         return output_cap_of(fleet.engine_cmd if group is None else group.engine_cmd,
                              generation_config_file), "command"
-    return None, f"unknown: {said.why}"
+    return None, f"{UNKNOWN}{said.why}"
 
 
 def output_default_from(said: int | None, fleet: FleetConfig, shard: int) -> int | None:
@@ -351,26 +355,31 @@ class Controller:
         its server cap (:meth:`output_cap`) and default limit (:func:`output_default_from`)."""
         urls = self.serving()
         wanted = set(urls)
-        facts = {rec.base_url: BackendFacts(rec.index, rec.weight_version,
-                                            upstream_fields=self._upstream_fields(rec.index),
-                                            incarnation=rec.incarnation,
-                                            models=self.watchdog.models(rec.base_url),
-                                            key=self._key(rec.index),
-                                            output_cap=self.output_cap(rec)[0],
-                                            output_default=output_default_from(
-                                                self.watchdog.output_default(rec.base_url),
-                                                self.config.fleet, rec.index))
+        facts = {rec.base_url: self._facts(rec)
                  for rec in self.ledger.snapshot() if rec.base_url in wanted}
         return urls, facts
+
+    def _facts(self, rec: ShardRecord) -> BackendFacts:
+        cap, source = self.output_cap(rec)
+        return BackendFacts(rec.index, rec.weight_version,
+                            upstream_fields=self._upstream_fields(rec.index),
+                            incarnation=rec.incarnation,
+                            models=self.watchdog.models(rec.base_url), key=self._key(rec.index),
+                            output_cap=cap,
+                            output_default=output_default_from(
+                                self.watchdog.output_default(rec.base_url), self.config.fleet,
+                                rec.index),
+                            output_cap_unknown=(source.removeprefix(UNKNOWN)
+                                                if source.startswith(UNKNOWN) else None))
 
     def output_cap(self, rec: ShardRecord) -> tuple[int | None, str]:
         """The server cap on every request's output of ``rec``'s engine (``None``: none, or
         not known) and where it comes from: ``engine`` (its own ``GET /server_info``, the
         running process's word), ``declared`` (the config's ``output_cap``), ``command`` (a
         launched engine's ``--override-generation-config``), or ``unknown: why`` (an attached
-        engine that says nothing and has no declaration: its continuations go on to the
-        client's limit, docs/design.md 4.1; said once per process in the log, and on its
-        status row)."""
+        engine that says nothing and has no declaration: continuations begun there or sent
+        there are refused until a ``"length"`` finish reveals it, docs/design.md 4.1; said
+        once per process in the log, and on its status row)."""
         said = self.watchdog.output_cap(rec.base_url)
         cap, source = output_cap_from(said, self.config.fleet, rec.index)
         if isinstance(said, CapUnknown) and source.startswith("unknown"):
@@ -382,9 +391,11 @@ class Controller:
         if said.settled and self._cap_told.get(rec.index, "") != rec.incarnation:
             self._cap_told[rec.index] = rec.incarnation
             log.warning("shard %d (%s): its server cap on a request's output is unknown (%s; "
-                        "no output_cap on its [[fleet.backends]] table): a continuation there "
-                        "may run past a cap until a \"length\" finish reveals it "
-                        "(docs/design.md 4.1)", rec.index, rec.base_url, said.why)
+                        "no output_cap on its [[fleet.backends]] table): a stream cut there is "
+                        "not continued until a \"length\" finish reveals it; declare "
+                        "output_cap (\"none\" where it caps nothing) or run vLLM with "
+                        "VLLM_SERVER_DEV_MODE=1 (docs/design.md 4.1)", rec.index, rec.base_url,
+                        said.why)
 
     def _key(self, shard: int) -> str | None:
         key = self.engine_keys.of_shard(shard)

@@ -366,11 +366,10 @@ def _limit_args(command: str) -> dict[str, str] | None:
     return found
 
 
-#: Reads a folder's ``generation_config.json`` (what ``GenerationConfig.from_pretrained``
-#: reads there): its object, or ``None`` where there is none to read (a hub name, another
-#: host's path, no such file: vLLM then falls back to the model's ``config.json``, which is
-#: not mirrored here). The shell's ``model_files.generation_config_file``: this module reads
-#: no file itself.
+#: Reads a folder's generation config (what vLLM's ``try_get_generation_config`` reads there:
+#: its ``generation_config.json``, else the model's ``config.json``): its object, or ``None``
+#: where there is none to read (a hub name, another host's path). The shell's
+#: ``model_files.generation_config_file``: this module reads no file itself.
 ConfigReader = Callable[[str], "dict[str, Any] | None"]
 
 

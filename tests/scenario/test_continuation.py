@@ -721,3 +721,40 @@ async def test_a_server_cap_a_length_finish_revealed_is_kept_by_the_continuation
         got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
         assert_whole(got, reference, chat=False)
         assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
+
+
+async def test_a_cut_on_an_engine_whose_cap_is_unknown_is_refused_until_a_finish_reveals_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Engines capped at 12 that say nothing of it (attached, no vLLM dev mode, nothing
+    declared): the push says their caps are unknown. Where a cap is not known, learn it or
+    refuse: a stream cut before any finish revealed it ends with the error event naming why
+    (continued to the client's 30, it would run past the 12 the engine would have stopped
+    at); once a whole generation on each of the others ended ``"length"`` at 12, a cut there
+    is continued exactly, to that cap."""
+    async with fleet(n=3, override_max_new_tokens=12) as (router, sims):
+        facts = {s.url: BackendFacts(i, output_cap_unknown="no GET /server_info")
+                 for i, s in enumerate(sims)}
+        router.set_serving_backends([s.url for s in sims], facts)
+        reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
+        crashed: list[str] = []
+
+        async def cut() -> None:
+            crashed.append(holder(router))
+            await crash(sim_at(sims, crashed[-1]))
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert error["type"] == "stream_interrupted" and got[-1] == b"data: [DONE]"
+        assert "server cap of the engine that began it is unknown (no GET /server_info" in (
+            error["reason"]), error
+        # the two left: one whole generation on each (least in flight spreads two at once)
+        router.set_serving_backends([s.url for s in sims if s.url != crashed[0]], facts)
+        await asyncio.gather(*(read_stream(http, router.url, "/v1/completions", COMPLETION)
+                               for _ in range(2)))
+        limits = router._forwarder.limits  # both revealed; the crashed one left the set
+        assert limits.unknown == {} and limits.cap == {
+            s.url: 12 for s in sims if s.url != crashed[0]}
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert_whole(got, reference, chat=False)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}

@@ -109,7 +109,8 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
         caplog: pytest.LogCaptureFixture) -> None:
     """Three attached engines capped at 24: one in vLLM's dev mode (its /server_info says
     it), one declared on its [[fleet.backends]] table, one that says nothing. The routers get
-    the first two; the third is unknown: one warning, its status row, the status count."""
+    the first two; the third is unknown: one warning, its status row, the status count, and
+    the push says so."""
     caplog.set_level(logging.WARNING, logger="fleetwarden.controller")
     cap = ["--override-generation-config", '{"max_new_tokens": 24}']
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # read by `fleetwarden sim`, as by vLLM
@@ -137,6 +138,9 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
             assert isinstance(router, Router)  # workers = 0: the router in the fleet's process
             await until(lambda: [router.pool.facts(s.url).output_cap for s in sims]
                         == [24, 24, None], timeout=10, what="the caps pushed")
+            # and the third's as unknown, with why: continuations there are refused
+            unknown = [router.pool.facts(s.url).output_cap_unknown for s in sims]
+            assert unknown[:2] == [None, None] and "VLLM_SERVER_DEV_MODE=1" in str(unknown[2])
         told = [r.getMessage() for r in caplog.records if "server cap" in r.getMessage()]
         assert len(told) == 1 and silent.url in told[0], told
     finally:

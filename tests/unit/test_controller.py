@@ -1245,7 +1245,7 @@ def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_comm
     """An attached engine's command is not fleetwarden's: its cap comes from its own
     ``GET /server_info`` (vLLM's dev mode), else from its ``[[fleet.backends]]`` table; where
     neither says, it is unknown: said once per process in the log and on its status row, and
-    pushed as no cap (docs/design.md 4.1)."""
+    pushed as unknown, with why (docs/design.md 4.1)."""
     command = ("vllm serve m --port {port} --override-generation-config "
                "'{{\"max_new_tokens\": 64}}'")
     backends = ["http://said", "http://declared", "http://silent", "http://none"]
@@ -1268,7 +1268,11 @@ def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_comm
         (None, "unknown: no GET /server_info"), (None, "declared")]
     said["http://declared"] = CapUnknown("no GET /server_info")
     assert c.output_cap(ledger.shard(3)) == (32, "declared")
-    assert [f.output_cap for f in c.serving_push()[1].values()] == [100, 64, 120, 32, None, None]
+    pushed = c.serving_push()[1].values()
+    assert [f.output_cap for f in pushed] == [100, 64, 120, 32, None, None]
+    # the router refuses continuations on the unknown one, and is told why
+    assert [f.output_cap_unknown for f in pushed] == [
+        None, None, None, None, "no GET /server_info", None]
     told = [r for r in caplog.records if "server cap" in r.getMessage()]
     assert len(told) == 1 and "http://silent" in told[0].getMessage()
     # a new process: not told until it was asked (nothing is known to be missing), then once

@@ -30,6 +30,7 @@ from fleetwarden.engines import (
     profile,
 )
 from fleetwarden.model_files import generation_config_file
+from fleetwarden.testing.model_folders import NO_GENERATION_CONFIG, without_generation_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 BODIES = {
@@ -234,6 +235,19 @@ def test_an_unreadable_or_bad_generation_config_leaves_the_default_unknown(
     cap, default = generation_limits(_model_folder(tmp_path, "64"), "auto", {}, read=READ)
     assert cap is None and isinstance(default, CapUnknown) and ">= 1" in default.why
     assert generation_limits(_model_folder(tmp_path, None), "auto", {}, read=READ) == (None, None)
+
+
+@pytest.mark.parametrize("case", sorted(NO_GENERATION_CONFIG))
+def test_a_folder_without_a_generation_config_gives_its_config_jsons_default(
+        tmp_path: Path, case: str) -> None:
+    """vLLM falls back to the model's config.json (tests/vllm/test_real_oracle.py checks each
+    case against vLLM's own ModelConfig)."""
+    folder = without_generation_config(tmp_path / "model", case)
+    default = NO_GENERATION_CONFIG[case][2]
+    assert generation_limits(folder, "auto", {}, read=READ) == (None, default)
+    # under --generation-config FOLDER, the same file is also the cap on every request
+    assert generation_limits("hub/x", folder, {}, read=READ) == (default, default)
+    assert output_default_of(f"vllm serve {folder} --port 8000", READ) == default
 
 
 def test_a_server_infos_model_folder_gives_its_default(tmp_path: Path) -> None:

@@ -328,6 +328,37 @@ def test_a_length_finish_short_of_the_limit_reveals_a_server_cap_the_continuatio
     assert limits.output_cap("a", True) is None
 
 
+def test_an_unknown_server_cap_refuses_a_continuation_until_a_finish_reveals_it() -> None:
+    """Where a cap is not known, learn it or refuse (docs/design.md 4.1): the push says an
+    attached engine's cap is unknown; a cut there, or one that would go on there, is refused
+    with why and the fix; a stream of which nothing reached the client is sent again whole;
+    a ``"length"`` finish that reveals the cap (on every request) lifts the refusal."""
+    limits = EngineLimits(unknown={"a": "no GET /server_info"})
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 30, "stream": True}
+    cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
+    for began_on, backend, which in (("a", "b", "the engine that began it"),
+                                     ("b", "a", "the next engine")):
+        refusal = cut.continuation(cap_unknown=limits.cap_unknown(began_on, backend))
+        assert isinstance(refusal, str), refusal
+        assert f"the server cap of {which} is unknown (no GET /server_info" in refusal
+        assert "output_cap" in refusal and "VLLM_SERVER_DEV_MODE=1" in refusal
+    assert limits.cap_unknown("b", "c") is None
+    fresh = Splice(request(body))
+    fresh.begin_attempt(None)
+    plan = fresh.continuation(cap_unknown=limits.cap_unknown("a", "b"))
+    assert not isinstance(plan, str) and plan.mode is Mode.RESTART
+    limits.learn_cap("a", (20, False))  # a chat's default: the cap on every request unknown
+    assert limits.cap_unknown("a", "b") is not None
+    limits.learn_cap("a", (24, True))
+    assert limits.cap_unknown("a", "b") is None
+    plan = cut.continuation(output_cap=limits.output_cap("a", False),
+                            cap_unknown=limits.cap_unknown("a", "b"))
+    assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 24 - 3
+    limits.unknown["c"] = "why"
+    limits.forget({"a"})
+    assert limits.unknown == {}
+
+
 def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:
     """The text and token ids a client reads from what the splice sent it."""
     text, ids = [], []

@@ -8,6 +8,12 @@ must come out exactly the reference (text, token ids when asked, finish and stop
 usage, logprobs) or refused naming its cause. Stop strings are taken from the reference's own
 text, so that they match.
 
+A second round cuts a third engine, C, whose model folder's ``generation_config.json`` sets
+a default limit (vLLM's limit of a chat that names none), on chats that name none; they go on
+on B, to C's default. And with no engine: the router's output limits and a model folder's
+default against vLLM's own code (``get_max_tokens``, the request classes, ``ModelConfig``),
+and its stop check against vLLM's own ``check_stop_strings``.
+
 Each run draws one random seed (printed; ``FLEETWARDEN_ORACLE_SEED`` replays it) and runs its
 cases together with the kept ones (:data:`KEPT_CASES`), all cut by the one kill: one pair of
 engines, one kill. Where a case is cut depends on timing, so a kept case replays its request,
@@ -20,10 +26,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -35,12 +43,18 @@ import aiohttp
 import pytest
 
 from fleetwarden.config import FleetConfig
-from fleetwarden.controller import output_cap_from
-from fleetwarden.engines import output_cap_of
+from fleetwarden.controller import output_cap_from, output_default_from
+from fleetwarden.engines import generation_limits, output_cap_of
 from fleetwarden.judge import DEFAULT_POLICY, Target
 from fleetwarden.launchers import procs
+from fleetwarden.model_files import generation_config_file
 from fleetwarden.router import BackendFacts, Router, RouterSettings
-from fleetwarden.router.splice import check_stop_strings
+from fleetwarden.router.splice import EngineLimits, Splice, check_stop_strings, read_stream_request
+from fleetwarden.testing.model_folders import (
+    NO_GENERATION_CONFIG,
+    with_generation_config,
+    without_generation_config,
+)
 from fleetwarden.testing.oracle import Case, compare, draw, normalize
 from fleetwarden.testing.vllm_engine import LocalEngine, start_vllm_engine
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME, SERVED_MODEL_NAME
@@ -69,6 +83,12 @@ LONGER = 150
 #: (the tier runs vLLM with ``VLLM_SERVER_DEV_MODE=1``), which must say what the command set
 #: (``engines.output_cap_of``).
 CAP_ARGS = "--override-generation-config '{{\"max_new_tokens\": 120}}'"
+#: The model default of engine C (its folder's ``generation_config.json`` ``max_new_tokens``,
+#: vLLM's limit of a chat that names none), below B's cap: the chats begun on C that name no
+#: limit are cut there and go on on B, to this default, not B's 120.
+MODEL_DEFAULT = 100
+#: Cases of the model-default round (C cut, B goes on): chats with their limits dropped.
+DEFAULTED_CASES = 12
 
 
 async def _post(http: aiohttp.ClientSession, url: str, case: Case,
@@ -109,10 +129,13 @@ async def _finished(http: aiohttp.ClientSession, url: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-async def _learnt_caps(*engines: LocalEngine) -> dict[str, BackendFacts]:
-    """Each engine's facts as a controller pushes those of attached engines: its cap read by
-    the watchdog from its ``/server_info`` (vLLM's first answer runs ``pip list`` and more:
-    seconds, so a longer read timeout than the watchdog's 2 s, instead of a second read)."""
+async def _learnt_limits(engines: list[LocalEngine],
+                         want: list[tuple[int | None, int | None]]) -> dict[str, BackendFacts]:
+    """Each engine's facts as a controller pushes those of attached engines: its cap and its
+    model's default read by the watchdog from its ``/server_info`` (the default from the
+    model folder it names, on this host), checked to be ``want`` (vLLM's first answer runs
+    ``pip list`` and more: seconds, so a longer read timeout than the watchdog's 2 s, instead
+    of a second read)."""
     urls = [e.base_url for e in engines]
     config = FleetConfig(engines=0, backends=urls)
     started = time.monotonic()
@@ -124,36 +147,59 @@ async def _learnt_caps(*engines: LocalEngine) -> dict[str, BackendFacts]:
         await asyncio.gather(*(learn(url) for url in urls))
         caps = [output_cap_from(watchdog.output_cap(url), config, shard)
                 for shard, url in enumerate(urls)]
-    print(f"\nthe engines' caps from GET /server_info: {caps} in "
+        defaults = [output_default_from(watchdog.output_default(url), config, shard)
+                    for shard, url in enumerate(urls)]
+    print(f"\nthe engines' caps and defaults from GET /server_info: {caps} {defaults} in "
           f"{time.monotonic() - started:.1f} s")
-    assert caps == [(output_cap_of(CAP_ARGS), "engine")] * len(urls) == [(120, "engine")] * 2
-    return {url: BackendFacts(output_cap=cap) for url, (cap, _) in zip(urls, caps, strict=True)}
+    assert [(cap, default) for (cap, _), default in zip(caps, defaults, strict=True)] == want
+    assert all(source == "engine" for _, source in caps)
+    return {url: BackendFacts(output_cap=cap, output_default=default)
+            for url, (cap, _), default in zip(urls, caps, defaults, strict=True)}
 
 
-async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
+def _cases(seed: int, defaulted: bool) -> list[Case]:
+    """The round's cases: fresh ones of ``seed`` and the kept ones, each explicit limit
+    raised by :data:`LONGER`; in the model-default round, fresh chats alone, their limits
+    dropped (vLLM's default there is the model's)."""
+    if defaulted:
+        drawn = ((seed, i) for i in itertools.count())
+        chats = (draw(s, i, SERVED_MODEL_NAME, real=True) for s, i in drawn)
+        picked = list(itertools.islice((c for c in chats if c.chat), DEFAULTED_CASES))
+    else:
+        picked = [draw(s, i, SERVED_MODEL_NAME, real=True, sampling=(s, i) not in KEPT_CASES)
+                  for s, i in [*((seed, i) for i in range(CASES)), *KEPT_CASES]]
+    cases = []
+    for case in picked:  # a third of the fresh cases sampled with a seed; the kept ones as were
+        body = dict(case.body)
+        if case.stream is False and (defaulted or case.index % 2):  # mostly streams: cut
+            body["stream"] = True
+        for key in ("max_tokens", "max_completion_tokens"):
+            if key in body and defaulted:
+                del body[key]
+            elif key in body:
+                body[key] += LONGER
+        cases.append(Case(case.seed, case.index, case.path, body, case.cut, case.cut_after))
+    return cases
+
+
+async def _run(a: LocalEngine, b: LocalEngine, seed: int,
+               want: list[tuple[int | None, int | None]], defaulted: bool = False) -> None:
     router = Router([], RouterSettings(continue_answers=True, max_retries=4,
                                        retry_budget_ratio=1.0))
     # The caps are read while the references run (vLLM's first /server_info takes seconds,
     # in a thread of its API server), and pushed before anything goes through the router.
-    learning = asyncio.ensure_future(_learnt_caps(a, b))
+    learning = asyncio.ensure_future(_learnt_limits([a, b], want))
     await router.start()
     try:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            cases = []
-            for seed_, i in [*((seed, i) for i in range(CASES)), *KEPT_CASES]:
-                # a third of the fresh cases sampled with a seed; the kept ones as they were
-                case = draw(seed_, i, SERVED_MODEL_NAME, real=True,
-                            sampling=(seed_, i) not in KEPT_CASES)
-                body = dict(case.body)
-                if case.stream is False and i % 2:  # mostly streams: they are what is cut
-                    body["stream"] = True
-                for key in ("max_tokens", "max_completion_tokens"):
-                    if key in body:
-                        body[key] += LONGER
-                case = Case(seed_, i, case.path, body, case.cut, case.cut_after)
-                cases.append(await _with_stop_from_reference(http, b.base_url, case))
-            references = await asyncio.gather(*(_post(http, b.base_url, c) for c in cases))
+            # The references come from the engine the cases begin on, A, before its kill
+            # (the same model as B's; in the model-default round A's default is its own).
+            reference = a if defaulted else b
+            cases = [await _with_stop_from_reference(http, reference.base_url, c)
+                     for c in _cases(seed, defaulted)]
+            references = await asyncio.gather(*(_post(http, reference.base_url, c)
+                                                for c in cases))
             facts = await learning
             router.set_serving_backends([a.base_url], facts)
             core = procs.find_group_member(a.pgid, ENGINE_CORE_PROCESS_NAME)
@@ -170,8 +216,13 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
                 runs = [asyncio.ensure_future(_post(http, router.url, c, progress))
                         for c in cases]
                 for _ in range(3000):  # bounded: 30 s
-                    if sum(progress.get(id(c), 0) >= UNDER_WAY
-                           for c in streams) >= len(streams) // 4:
+                    if defaulted and all(progress.get(id(c), 0) >= UNDER_WAY or run.done()
+                                         for c, run in zip(cases, runs, strict=True)):
+                        # every case begun on A (a token past a chat's role chunk): one sent
+                        # to B fresh, or again whole, takes B's default, not A's
+                        break
+                    if not defaulted and sum(progress.get(id(c), 0) >= UNDER_WAY
+                                             for c in streams) >= len(streams) // 4:
                         break
                     await asyncio.sleep(0.01)
                 under_way = sum(1 for c in streams if progress.get(id(c), 0) >= UNDER_WAY)
@@ -202,10 +253,13 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
     continued = router.stats.continuations
     sampled = sum(1 for c in cases if c.body.get("temperature") not in (0, None)
                   and c.body.get("n", 1) == 1)
+    limit = MODEL_DEFAULT if defaulted else 120
     capped = sum(1 for _, got in zip(cases, answers, strict=True)
-                 if b'"length"' in got[1] and b'"completion_tokens":120' in got[1])
-    print(f"\nreal vLLM oracle: FLEETWARDEN_ORACLE_SEED={seed} kept {KEPT_CASES} "
-          f"cases={len(cases)} seeded sampled={sampled} ended at the cap (usage seen)={capped} "
+                 if b'"length"' in got[1] and f'"completion_tokens":{limit}'.encode() in got[1])
+    print(f"\nreal vLLM oracle{', model default round' if defaulted else ''}: "
+          f"FLEETWARDEN_ORACLE_SEED={seed} kept {() if defaulted else KEPT_CASES} "
+          f"cases={len(cases)} seeded sampled={sampled} "
+          f"ended at the {'default' if defaulted else 'cap'} {limit} (usage seen)={capped} "
           f"streams under way at the kill={under_way} outcomes={outcomes} "
           f"continuations={continued}")
     assert not inexact, json.dumps([c.describe() + " " + v.detail for c, v in inexact])
@@ -216,7 +270,8 @@ async def _run(a: LocalEngine, b: LocalEngine, seed: int) -> None:
 def pair(vllm_python: Path, tiny_model_dir: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalEngine, LocalEngine]]:
     """Engines A (its core killed by the oracle) and B (the reference, and where the cut cases
-    go on), up and answering /health; stopped as groups however the tests end."""
+    go on), both capped (:data:`CAP_ARGS`), up and answering /health; stopped as groups
+    however the tests end."""
     log_dir = tmp_path_factory.mktemp("oracle")
     engines: list[LocalEngine] = []
     try:
@@ -230,6 +285,27 @@ def pair(vllm_python: Path, tiny_model_dir: Path,
         for engine in engines:
             stop = engine.stop()
             assert stop.clean, f"engine group {engine.pgid} left {stop.left}"
+
+
+@pytest.fixture(scope="module")
+def defaulted(vllm_python: Path, tiny_model_dir: Path, pair: tuple[LocalEngine, LocalEngine],
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
+    """Engine C: no cap, its model folder's ``generation_config.json`` setting a default
+    (:data:`MODEL_DEFAULT`; a copy of the tiny model's folder, its files linked). Started
+    once A's core is dead, on A's CPU: three starting together on two cores ran past the
+    startup timeout."""
+    log_dir = tmp_path_factory.mktemp("oracle-default")
+    folder = with_generation_config(tiny_model_dir, log_dir / "model",
+                                    {"max_new_tokens": MODEL_DEFAULT})
+    engine = start_vllm_engine(vllm_python, folder, log_dir, 0)
+    try:
+        # as the real fleet module's starts: a start beside the tier's other engines on two
+        # cores took 103 s at load 10, near the 120 s default
+        print(f"\nengine C up in {engine.wait_ready(300):.1f} s")
+        yield engine
+    finally:
+        stop = engine.stop()
+        assert stop.clean, f"engine group {engine.pgid} left {stop.left}"
 
 
 def _call(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +338,20 @@ def test_random_cases_cut_by_a_killed_engine_core_are_exact_or_refused(
         pair: tuple[LocalEngine, LocalEngine]) -> None:
     seed = int(os.environ.get("FLEETWARDEN_ORACLE_SEED") or random.randrange(2**31))
     print(f"\nreal vLLM oracle: FLEETWARDEN_ORACLE_SEED={seed}, kept cases {KEPT_CASES}")
-    asyncio.run(_run(*pair, seed))
+    cap = output_cap_of(CAP_ARGS)
+    assert cap == 120
+    asyncio.run(_run(pair[0], pair[1], seed, [(cap, cap)] * 2))
+
+
+def test_chats_naming_no_limit_cut_on_an_engine_with_a_model_default_are_exact_or_refused(
+        pair: tuple[LocalEngine, LocalEngine], defaulted: LocalEngine) -> None:
+    """The second round: C (its model's default :data:`MODEL_DEFAULT`, read by the watchdog
+    from the folder its ``/server_info`` names) is cut, and its chats, which name no limit,
+    go on on B (capped at 120 by its override, which is also its default): each must end
+    where C alone would have, or be refused."""
+    seed = int(os.environ.get("FLEETWARDEN_ORACLE_SEED") or random.randrange(2**31))
+    asyncio.run(_run(defaulted, pair[1], seed, [(None, MODEL_DEFAULT), (120, 120)],
+                     defaulted=True))
 
 
 def test_the_routers_stop_check_is_vllms_own(vllm_python: Path) -> None:
@@ -287,3 +376,120 @@ def test_the_routers_stop_check_is_vllms_own(vllm_python: Path) -> None:
         include = rng.random() < 0.5
         assert check_stop_strings(text, new, stops, include) == vllm(
             text, new, list(stops), include), (text, new, stops, include)
+
+
+#: Run in the vLLM env: each engine's ``(override_max_tokens, default max_tokens)`` from
+#: vLLM's own ``ModelConfig.try_get_generation_config`` and ``get_diff_sampling_param`` (on a
+#: stand-in holding the fields they read), and each request's output limit as its serving
+#: class computes it: the body through vLLM's own pydantic request class (an explicit null
+#: included), then ``get_max_tokens`` (``entrypoints/serve/utils/api_utils.py``).
+_VLLMS_LIMITS = """
+import json, sys
+from types import SimpleNamespace
+from vllm.config.model import ModelConfig
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+spec = json.load(sys.stdin)
+engines = []
+for e in spec["engines"]:
+    m = SimpleNamespace(generation_config=e["source"], hf_config_path=None, model=e["model"],
+                        trust_remote_code=False, _hf_config_revision=None, revision=None,
+                        code_revision=None, config_format="auto", hf_token=None,
+                        override_generation_config=e["override"])
+    m.try_get_generation_config = lambda m=m: ModelConfig.try_get_generation_config(m)
+    default = ModelConfig.get_diff_sampling_param(m)
+    # the serving classes' override_max_tokens (openai/completion/serving.py, chat's alike)
+    cap = (default.get("max_tokens") if e["source"] not in ("auto", "vllm")
+           else e["override"].get("max_new_tokens"))
+    engines.append([cap, default])
+limits = []
+for r in spec["requests"]:
+    cap, default = engines[r["engine"]]
+    if r["chat"]:
+        q = ChatCompletionRequest.model_validate(r["body"])
+        asked = q.max_completion_tokens if q.max_completion_tokens is not None else q.max_tokens
+    else:
+        asked = CompletionRequest.model_validate(r["body"]).max_tokens
+    limits.append(get_max_tokens(r["max_model_len"], asked, r["input_length"], default, cap))
+print(json.dumps({"engines": [[c, d.get("max_tokens")] for c, d in engines],
+                  "limits": limits}))
+"""
+
+#: The limit fields a request may carry, explicit nulls included.
+_LIMIT_FIELDS: dict[str, list[dict[str, Any]]] = {
+    "completion": [{}, {"max_tokens": None}, {"max_tokens": 30}, {"max_tokens": 100}],
+    "chat": [{}, {"max_tokens": None}, {"max_completion_tokens": None},
+             {"max_tokens": None, "max_completion_tokens": None}, {"max_tokens": 30},
+             {"max_completion_tokens": 25, "max_tokens": 30},
+             {"max_completion_tokens": None, "max_tokens": 100}],
+}
+
+
+def _cut_splice(chat: bool, limit_fields: dict[str, Any]) -> Splice:
+    """A stream of the captured vLLM answers, cut after 3 events, with ``limit_fields``."""
+    path, capture = (("/v1/chat/completions", "chat-stream-token-ids.http") if chat
+                     else ("/v1/completions", "completions-stream-token-ids.http"))
+    head = ({"messages": [{"role": "user", "content": "hi"}]} if chat
+            else {"prompt": "hello there"})
+    body = {"model": SERVED_MODEL_NAME, "stream": True, **head, **limit_fields}
+    read = read_stream_request(path, json.dumps(body).encode(), {})
+    assert read is not None
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm" / "continuation-and-sleep"
+    events = (captures / capture).read_bytes().split(b"\n\n", 2)[2].split(b"\n\n")
+    for event in [e for e in events if e][:3]:
+        splice.on_event(event)
+    return splice
+
+
+def test_the_routers_output_limits_are_vllms_own(vllm_python: Path, tmp_path: Path) -> None:
+    """What the router takes for an engine's limits (``engines.generation_limits`` on a
+    model folder, read by ``model_files``) and a request's output limit (its continuation's
+    ``max_tokens`` plus what it produced) are what the installed vLLM's own code gives: model
+    folders with and without a ``generation_config.json`` (then ``config.json``'s), with and
+    without ``--override-generation-config``; requests naming a limit, none, or an explicit
+    null (a completion's pydantic default is 16 even then; a chat's null is no limit)."""
+    folders = [without_generation_config(tmp_path / f"m{i}", case)
+               for i, case in enumerate(sorted(NO_GENERATION_CONFIG))]
+    with_file = tmp_path / "with-file"
+    with_file.mkdir()
+    (with_file / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                       "max_new_tokens": 77}))
+    (with_file / "generation_config.json").write_text(json.dumps({"max_new_tokens": 48}))
+    engines: list[dict[str, Any]] = [
+        {"model": str(with_file), "source": "auto", "override": {}},
+        {"model": str(with_file), "source": "auto", "override": {"max_new_tokens": 20}},
+        {"model": str(with_file), "source": "vllm", "override": {}},
+        {"model": "hub/x", "source": str(with_file), "override": {}},
+        *({"model": f, "source": "auto", "override": {}} for f in folders)]
+    max_model_len = 256
+    requests, splices = [], []
+    for engine, (kind, fields) in itertools.product(
+            range(len(engines)), [(k, f) for k, fs in _LIMIT_FIELDS.items() for f in fs]):
+        splice = _cut_splice(kind == "chat", fields)
+        splices.append((engine, splice))
+        requests.append({"chat": kind == "chat", "engine": engine, "max_model_len": max_model_len,
+                         "input_length": len(splice.prompt_ids or ()),
+                         "body": {**splice.request.body, "stream": False}})
+    started = time.monotonic()
+    done = subprocess.run([str(vllm_python), "-c", _VLLMS_LIMITS], capture_output=True,
+                          text=True, timeout=300,
+                          input=json.dumps({"engines": engines, "requests": requests}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\nvLLM's own limits for {len(engines)} engines, {len(requests)} requests in "
+          f"{time.monotonic() - started:.1f} s")
+    ours = [list(generation_limits(e["model"], e["source"], e["override"],
+                                   read=generation_config_file)) for e in engines]
+    assert ours == vllm["engines"]
+    for (engine, splice), want, request in zip(splices, vllm["limits"], requests, strict=True):
+        cap, default = ours[engine]
+        limits = EngineLimits(cap={} if cap is None else {"e": cap},
+                              default_cap={} if default is None else {"e": default})
+        plan = splice.continuation(max_model_len=max_model_len,
+                                   output_cap=limits.output_cap("e", splice.names_no_limit()))
+        assert not isinstance(plan, str) and not plan.replay, (plan, request)
+        got = json.loads(plan.body)["max_tokens"] + splice.produced
+        assert got == want, (engines[engine], request["body"], got, want)

@@ -480,7 +480,8 @@ class Forwarder:
             max_model_len=None if began_on is None else limits.context.get(began_on),
             upstream_fields=self._takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),
-            next_output_cap=limits.output_cap(backend, False))
+            next_output_cap=limits.output_cap(backend, False),
+            cap_unknown=limits.cap_unknown(began_on, backend))
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self.relay.end_stream(stream, ex.last, plan)

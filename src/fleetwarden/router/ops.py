@@ -204,13 +204,18 @@ def _fact_of(url: str, fact: object, key: str | None) -> BackendFacts:
     fields = fact.get("upstream_fields")
     if fields is not None and not isinstance(fields, bool):
         raise ValueError(f"'facts.{url}.upstream_fields' must be true, false or null")
-    incarnation = fact.get("incarnation")
-    if incarnation is not None and not isinstance(incarnation, str):
-        raise ValueError(f"'facts.{url}.incarnation' must be a string or null")
+    strings: dict[str, str | None] = {}
+    for name in ("incarnation", "output_cap_unknown"):
+        value = fact.get(name)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"'facts.{url}.{name}' must be a string or null")
+        strings[name] = value
     return BackendFacts(values["shard"], values["weight_version"], upstream_fields=fields,
-                        incarnation=incarnation, models=_models_of(url, fact.get("models")),
+                        incarnation=strings["incarnation"],
+                        models=_models_of(url, fact.get("models")),
                         key=key, output_cap=values["output_cap"],
-                        output_default=values["output_default"])
+                        output_default=values["output_default"],
+                        output_cap_unknown=strings["output_cap_unknown"])
 
 
 def _models_of(url: str, raw: object) -> tuple[ModelCard, ...] | None:

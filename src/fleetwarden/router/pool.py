@@ -71,6 +71,11 @@ class BackendFacts:
     #: cap: a request that names a limit is not held to it (docs/design.md 4.1). ``None``:
     #: none, or not known.
     output_default: int | None = None
+    #: Why the engine's server cap is not known: an attached engine that shows none (no
+    #: vLLM dev mode) and declares none (docs/design.md 4.1). A continuation begun there, or
+    #: sent there, is refused until a ``"length"`` finish reveals the cap. ``None``: known
+    #: (``output_cap``, ``None`` there meaning none), or the push did not say.
+    output_cap_unknown: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -85,6 +90,8 @@ class BackendFacts:
             out["output_cap"] = self.output_cap
         if self.output_default is not None:
             out["output_default"] = self.output_default
+        if self.output_cap_unknown is not None:
+            out["output_cap_unknown"] = self.output_cap_unknown
         return out
 
 

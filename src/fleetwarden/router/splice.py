@@ -276,10 +276,13 @@ class EngineLimits:
     #: A cap on the output of a chat that names no limit (the generation config's
     #: ``max_new_tokens`` too), by backend.
     default_cap: dict[str, int] = field(default_factory=dict)
+    #: Why a backend's cap on every request is not known (the push's word), until a finish
+    #: reveals it: a continuation begun there or sent there is refused.
+    unknown: dict[str, str] = field(default_factory=dict)
 
     def forget(self, keep: set[str]) -> None:
         """Forget backends that left (one that comes back may have been started otherwise)."""
-        for table in (self.context, self.cap, self.default_cap):
+        for table in (self.context, self.cap, self.default_cap, self.unknown):
             for url in [u for u in table if u not in keep]:
                 del table[url]
 
@@ -288,6 +291,21 @@ class EngineLimits:
         tokens, everyone = revealed
         table = self.cap if everyone else self.default_cap
         table[backend] = min(tokens, table.get(backend, tokens))
+        if everyone:
+            self.unknown.pop(backend, None)
+
+    def cap_unknown(self, began_on: str | None, backend: str) -> str | None:
+        """Why a continuation begun on ``began_on`` and sent to ``backend`` cannot know the
+        cap it must end at (either engine's is unknown: it might end the generation short of
+        the limit, or the continuation run past where the first engine would have ended it);
+        ``None``: both are known. "Where a cap is not known, learn it or refuse"
+        (docs/design.md 4.1, "Server caps")."""
+        for which, url in (("the engine that began it", began_on), ("the next engine", backend)):
+            why = None if url is None else self.unknown.get(url)
+            if why is not None:
+                return (f"the server cap of {which} is unknown ({why}; declare its "
+                        "output_cap, or run vLLM with VLLM_SERVER_DEV_MODE=1)")
+        return None
 
     def output_cap(self, backend: str | None, names_no_limit: bool) -> int | None:
         """The least cap known on ``backend``'s output for such a request (``None``: none)."""
@@ -902,13 +920,15 @@ class Splice:
     def continuation(self, chat_as_completion: bool = True, *,
                      max_model_len: int | None = None,
                      upstream_fields: bool = True, output_cap: int | None = None,
-                     next_output_cap: int | None = None) -> Continuation | str:
+                     next_output_cap: int | None = None, cap_unknown: str | None = None,
+                     ) -> Continuation | str:
         """The request that continues this stream, or why there can be none (the rules:
         docs/design.md, "Continuing a generation"; where in doubt, refuse).
         ``upstream_fields``: the next engine takes vLLM's own request fields (else nothing
         but what any OpenAI server takes is sent, and only a completion of text can go on).
         ``max_model_len``, ``output_cap``: the context and server cap of the engine that began
-        it (its limit is kept); ``next_output_cap``: the next one's, which must leave room."""
+        it (its limit is kept); ``next_output_cap``: the next one's, which must leave room;
+        ``cap_unknown``: why either is not known (then only a request sent again whole)."""
         request = self.request
         if request.refusal is not None:
             return request.refusal
@@ -920,8 +940,7 @@ class Splice:
             # be generated again did reach it: their chunks came, and perhaps some text.)
             path = CHAT if request.chat else COMPLETIONS
             return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
-        refusal = self._inexact()
-        if refusal is not None:
+        if (refusal := self._inexact() or cap_unknown) is not None:
             return refusal
         body = dict(request.body)
         # A prompt of ids is vLLM's to take.
