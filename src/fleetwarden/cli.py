@@ -378,17 +378,15 @@ def sim(
     default = _sim_default_max_new_tokens(model, cap)
     kv_events = _sim_kv_events(kv_events_config)
     config = SimConfig(host=host, port=port, model=model, slots=slots, steps_per_s=steps_per_s,
-                       tokens_per_step=tokens_per_step,
+                       tokens_per_step=tokens_per_step, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len,
                        fault=None if fault is None else FaultMode(fault), fault_factor=factor,
                        crash_notice_s=crash_notice_s,
                        engine=engine, prefix_cache_blocks=prefix_cache_blocks,
                        api_keys=tuple(api_key or ()),
                        override_max_new_tokens=cap, default_max_new_tokens=default,
                        weights_path=weights, enable_scale_out=enable_scale_out,
-                       kv_events=kv_events,
-                       guard_dev_api=guard_dev_api,
+                       kv_events=kv_events, guard_dev_api=guard_dev_api,
                        # vLLM reads it as bool(int(...)): "1" on, "0" or unset off
                        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in
                        ("", "0"))
