@@ -10,7 +10,7 @@ a report to a state (the ledger's table does), or push the serving set (the cont
 
 An accusation is anything that puts a shard in doubt between two reads of the round: an
 ejection for failed requests, requests held silent, a stall or an unreachable read, a read that
-left it SUSPECT (docs/design.md section 6, "Judgement at the speed of evidence").
+left it SUSPECT (docs/design.md section 12, "Judgement at the speed of evidence").
 """
 
 from __future__ import annotations
