@@ -377,9 +377,9 @@ class Controller:
         not known) and where it comes from: ``engine`` (its own ``GET /server_info``, the
         running process's word), ``declared`` (the config's ``output_cap``), ``command`` (a
         launched engine's ``--override-generation-config``), or ``unknown: why`` (an attached
-        engine that says nothing and has no declaration: its continuations go on to the
-        client's limit until a ``"length"`` finish reveals it, docs/design.md 4.1; said once
-        per process in the log, and on its status row)."""
+        engine that says nothing and has no declaration: its continuations go only as far as
+        what requests there produced proves, until a ``"length"`` finish reveals it,
+        docs/design.md 4.1; said once per process in the log, and on its status row)."""
         said = self.watchdog.output_cap(rec.base_url)
         cap, source = output_cap_from(said, self.config.fleet, rec.index)
         if isinstance(said, CapUnknown) and source.startswith("unknown"):
@@ -392,10 +392,10 @@ class Controller:
             self._cap_told[rec.index] = rec.incarnation
             log.warning("shard %d (%s): its server cap on a request's output is unknown (%s; "
                         "no output_cap on its [[fleet.backends]] table): a stream cut there is "
-                        "continued to the client's limit until a \"length\" finish reveals "
-                        "it; declare output_cap (\"none\" where it caps nothing) or run vLLM "
-                        "with VLLM_SERVER_DEV_MODE=1 (docs/design.md 4.1)", rec.index, rec.base_url,
-                        said.why)
+                        "continued only as far as what requests there produced proves, until "
+                        "a \"length\" finish reveals it; declare output_cap (\"none\" where "
+                        "it caps nothing) or run vLLM with VLLM_SERVER_DEV_MODE=1 "
+                        "(docs/design.md 4.1)", rec.index, rec.base_url, said.why)
 
     def _key(self, shard: int) -> str | None:
         key = self.engine_keys.of_shard(shard)

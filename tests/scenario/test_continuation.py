@@ -721,3 +721,48 @@ async def test_a_server_cap_a_length_finish_revealed_is_kept_by_the_continuation
         got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
         assert_whole(got, reference, chat=False)
         assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
+
+
+@pytest.mark.parametrize("cap", [12, None])
+async def test_a_cut_where_the_cap_is_unknown_goes_on_only_as_far_as_finishes_prove(
+    http: aiohttp.ClientSession, cap: int | None,
+) -> None:
+    """Engines that say nothing of their cap (attached, no vLLM dev mode, nothing declared):
+    the push says their caps are unknown. Where a cap is not known, learn it or refuse: a
+    stream cut before any finish there ends with the error event naming why (continued to the
+    client's 30, it would run past a cap of 12 the engine would have stopped at). Then one
+    whole generation on each of the others: capped at 12, its ``"length"`` finish short of 30
+    reveals the cap; uncapped, its 30 tokens prove a floor of 30. A cut then is continued
+    exactly, to the cap or to the client's limit. Least in flight: two generations of one
+    prompt must reach both engines, where cache-aware routing keeps a shared prefix on one."""
+    async with fleet(n=3, settings=RouterSettings(routing="least_in_flight"),
+                     override_max_new_tokens=cap) as (router, sims):
+        facts = {s.url: BackendFacts(i, output_cap_unknown="no GET /server_info")
+                 for i, s in enumerate(sims)}
+        router.set_serving_backends([s.url for s in sims], facts)
+        reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
+        assert len(chunks(reference)) == (cap or 30)
+        crashed: list[str] = []
+
+        async def cut() -> None:
+            crashed.append(holder(router))
+            await crash(sim_at(sims, crashed[-1]))
+
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+        assert error["type"] == "stream_interrupted" and got[-1] == b"data: [DONE]"
+        assert ("server cap of the engine that began it is unknown (no GET /server_info; "
+                "0 tokens proven of the 30 needed") in error["reason"], error
+        # the two left: one whole generation on each (least in flight spreads two at once)
+        left = [s.url for s in sims if s.url != crashed[0]]
+        router.set_serving_backends(left, facts)
+        await asyncio.gather(*(read_stream(http, router.url, "/v1/completions", COMPLETION)
+                               for _ in range(2)))
+        limits = router.forwarder.limits  # the crashed one left the set
+        if cap is not None:
+            assert limits.unknown == {} and limits.cap == {url: cap for url in left}
+        else:
+            assert set(limits.unknown) == set(left) and limits.floor == {url: 30 for url in left}
+        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
+        assert_whole(got, reference, chat=False)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}

@@ -138,7 +138,8 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
             assert isinstance(router, Router)  # workers = 0: the router in the fleet's process
             await until(lambda: [router.pool.facts(s.url).output_cap for s in sims]
                         == [24, 24, None], timeout=10, what="the caps pushed")
-            # and the third's as unknown, with why: continuations there are refused
+            # and the third's as unknown, with why: continuations there go only as far as
+            # its floor proves
             unknown = [router.pool.facts(s.url).output_cap_unknown for s in sims]
             assert unknown[:2] == [None, None] and "VLLM_SERVER_DEV_MODE=1" in str(unknown[2])
         told = [r.getMessage() for r in caplog.records if "server cap" in r.getMessage()]

@@ -195,11 +195,13 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
                     a: {"output_default": True}}})
             await remote.set_serving_backends([b], {b: BackendFacts(1, 1)})
             assert limits.output_cap(a, True) is None
-            # an unknown cap: carried both ways and shown, continuations there not refused
+            # an unknown cap: carried both ways and shown; continuations there go only as far
+            # as its floor proves
             await remote.set_serving_backends([a, b], {
                 a: BackendFacts(0, 1, output_cap_unknown="no GET /server_info"),
                 b: BackendFacts(1, 1)})
-            assert limits.unknown == {} and limits.cap_unknown(b, a) is None
+            assert limits.unknown == {a: "no GET /server_info"}
+            assert limits.unknown_cap(a) is not None and limits.unknown_cap(b) is None
             assert (await remote.status())["facts"][a]["output_cap_unknown"] == (
                 "no GET /server_info")
             with pytest.raises(ControlError, match="output_cap_unknown"):
@@ -207,7 +209,7 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
                     a: {"output_cap_unknown": 3}}})
             await remote.set_serving_backends([a, b], {
                 a: BackendFacts(0, 1, output_cap=12), b: BackendFacts(1, 1)})
-            assert limits.unknown == {} and limits.cap_unknown(a, b) is None
+            assert limits.unknown == {} and limits.unknown_cap(a) is None
     finally:
         await router.stop()
 

@@ -17,6 +17,7 @@ from fleetwarden.router.splice import (
     Mode,
     Splice,
     SseSplitter,
+    UnknownCap,
     read_stream_request,
 )
 
@@ -328,35 +329,72 @@ def test_a_length_finish_short_of_the_limit_reveals_a_server_cap_the_continuatio
     assert limits.output_cap("a", True) is None
 
 
-def test_an_unknown_server_cap_refuses_a_continuation_until_a_finish_reveals_it() -> None:
+def test_an_unknown_server_cap_continues_only_as_far_as_its_floor_proves() -> None:
     """Where a cap is not known, learn it or refuse (docs/design.md 4.1): the push says an
-    attached engine's cap is unknown; a cut there, or one that would go on there, is refused
-    with why and the fix; a stream of which nothing reached the client is sent again whole;
-    a ``"length"`` finish that reveals the cap (on every request) lifts the refusal."""
+    attached engine's cap is unknown; what requests there produced proves a floor (vLLM ends
+    every request at its cap). A cut whose limit the floor of the engine that began it does
+    not cover, or whose tokens left the next one's does not, is refused with why and the fix;
+    covered, it goes on; a stream of which nothing reached the client is sent again whole; a
+    ``"length"`` finish that reveals the cap (on every request) makes it known."""
     limits = EngineLimits(unknown={"a": "no GET /server_info"})
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 30, "stream": True}
     cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
-    for began_on, backend, which in (("a", "b", "the engine that began it"),
-                                     ("b", "a", "the next engine")):
-        refusal = cut.continuation(cap_unknown=limits.cap_unknown(began_on, backend))
+
+    def plan(began_on: str, backend: str) -> object:
+        return cut.continuation(began_unknown=limits.unknown_cap(began_on),
+                                next_unknown=limits.unknown_cap(backend))
+
+    for began_on, backend, which, needed in (("a", "b", "the engine that began it", 30),
+                                             ("b", "a", "the next engine", 27)):
+        refusal = plan(began_on, backend)
         assert isinstance(refusal, str), refusal
-        assert f"the server cap of {which} is unknown (no GET /server_info" in refusal
+        assert f"the server cap of {which} is unknown (no GET /server_info; 0 tokens proven " \
+               f"of the {needed} needed" in refusal
         assert "output_cap" in refusal and "VLLM_SERVER_DEV_MODE=1" in refusal
-    assert limits.cap_unknown("b", "c") is None
+    assert limits.unknown_cap("b") is None and limits.unknown_cap(None) is None
+    # a floor one short of each need refuses; one that covers it continues
+    limits.produced("a", 29)
+    limits.produced("a", 5)  # a shorter generation proves less: the floor stays
+    assert limits.unknown_cap("a") == UnknownCap(29, "no GET /server_info")
+    assert isinstance(plan("a", "b"), str) and not isinstance(plan("b", "a"), str)
+    limits.produced("a", 30)
+    continued = plan("a", "b")
+    assert not isinstance(continued, str) and json.loads(continued.body)["max_tokens"] == 27
+    limits.floor["a"] = 26
+    assert isinstance(plan("b", "a"), str)
     fresh = Splice(request(body))
     fresh.begin_attempt(None)
-    plan = fresh.continuation(cap_unknown=limits.cap_unknown("a", "b"))
-    assert not isinstance(plan, str) and plan.mode is Mode.RESTART
+    whole = fresh.continuation(began_unknown=limits.unknown_cap("a"))
+    assert not isinstance(whole, str) and whole.mode is Mode.RESTART
     limits.learn_cap("a", (20, False))  # a chat's default: the cap on every request unknown
-    assert limits.cap_unknown("a", "b") is not None
+    assert limits.unknown_cap("a") is not None
     limits.learn_cap("a", (24, True))
-    assert limits.cap_unknown("a", "b") is None
-    plan = cut.continuation(output_cap=limits.output_cap("a", False),
-                            cap_unknown=limits.cap_unknown("a", "b"))
-    assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 24 - 3
+    assert limits.unknown_cap("a") is None
+    known = cut.continuation(output_cap=limits.output_cap("a", False),
+                             began_unknown=limits.unknown_cap("a"))
+    assert not isinstance(known, str) and json.loads(known.body)["max_tokens"] == 24 - 3
     limits.unknown["c"] = "why"
+    limits.floor["c"] = 7
     limits.forget({"a"})
-    assert limits.unknown == {}
+    assert limits.unknown == {} and limits.floor == {"a": 26}
+
+
+def test_a_whole_generation_proves_its_engines_floor() -> None:
+    """The tokens an attempt produced, counted by their ids, are the least its engine's cap
+    can be; a continuation's attempt counts only its own; without ids, nothing is proven."""
+    events = captured_events("completions-stream-token-ids.http")
+    body = {"model": "tiny", "prompt": "hello there", "stream": True, "max_tokens": 30}
+    whole = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http",
+                       len(events))
+    assert whole.produced_here() == whole.produced == 6
+    cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
+    produced = cut.produced
+    continuation = cut.continuation()
+    assert not isinstance(continuation, str)
+    cut.begin_attempt(continuation)
+    assert cut.produced_here() == 0 and cut.produced == produced
+    cut.ids_complete = False
+    assert cut.produced_here() is None
 
 
 def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:

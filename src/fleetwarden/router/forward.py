@@ -481,7 +481,7 @@ class Forwarder:
             upstream_fields=self._takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),
             next_output_cap=limits.output_cap(backend, False),
-            cap_unknown=limits.cap_unknown(began_on, backend))
+            began_unknown=limits.unknown_cap(began_on), next_unknown=limits.unknown_cap(backend))
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self.relay.end_stream(stream, ex.last, plan)

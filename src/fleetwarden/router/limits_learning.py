@@ -51,13 +51,16 @@ class LimitsLearner:
         that started the engines: before any ``"length"`` finish could reveal them), and the
         defaults of a chat that names no limit (its model's generation config, where the
         controller could read it) as the cap of such chats. Where it says the cap is unknown
-        (``output_cap_unknown``), continuations there still go on, to the client's limit
-        (docs/design.md 4.1, "Server caps", rule 5): refusing them ended 4 of 45 streams in
-        the stream-wedge bench and 10 of 664 in a stream rolling restart on attached engines
-        that declare nothing, the deployment most users run."""
+        (``output_cap_unknown``), a continuation begun there or sent there goes on only as far
+        as what requests there produced proves (:class:`~fleetwarden.router.splice.UnknownCap`,
+        docs/design.md 4.1, "Server caps", rule 5)."""
         self.limits.forget(set(self.pool.serving))
         for url in self.pool.serving:
             facts = self.pool.facts(url)
+            if facts.output_cap_unknown is None:
+                self.limits.unknown.pop(url, None)
+            elif url not in self.limits.cap:  # not revealed by a finish yet
+                self.limits.unknown[url] = facts.output_cap_unknown
             if facts.output_cap is not None:
                 self.limits.cap[url] = facts.output_cap
             if facts.output_default is not None:

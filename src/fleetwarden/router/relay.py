@@ -433,8 +433,11 @@ class Relay:
 
     def whole(self, backend: str, splice: Splice) -> None:
         """A generation came whole from ``backend``: a success of the engine, and a
-        ``"length"`` finish short of its limit tells that engine's server cap."""
+        ``"length"`` finish short of its limit tells that engine's server cap (any finish:
+        the least it can be)."""
         self.pool.record_success(backend)
+        if (tokens := splice.produced_here()) is not None:
+            self.limits.produced(backend, tokens)
         revealed = splice.revealed_cap(self.limits.context.get(backend))
         if revealed is not None:
             self.limits.learn_cap(backend, revealed)

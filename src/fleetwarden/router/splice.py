@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["OPT_OUT_HEADER", "EngineLimits", "Mode", "Splice", "SseSplitter", "StreamRequest",
-           "error_event", "read_stream_request"]
+           "UnknownCap", "error_event", "read_stream_request"]
 
 #: A client that wants a cut stream to end rather than go on elsewhere sends this header with
 #: ``off`` (or ``0``, ``false``, ``no``).
@@ -256,6 +256,37 @@ class Continuation:
     held_stop: bool = False
 
 
+@dataclass(frozen=True)
+class UnknownCap:
+    """An engine's server cap on every request that nothing told (``why``): only that it is at
+    least ``floor`` tokens, the most one request there produced. A continuation is exact where
+    the floors cover it: the engine that began it would not have ended it before the limit,
+    and the next one will not end it before what is left (docs/design.md 4.1, "Server caps")."""
+
+    floor: int
+    why: str
+
+    def short_of(self, tokens: int, which: str) -> str | None:
+        """Why ``tokens`` are not proven to fit under this cap on ``which`` engine, or ``None``."""
+        if tokens <= self.floor:
+            return None
+        return (f"the server cap of {which} is unknown ({self.why}; {self.floor} tokens proven "
+                f"of the {tokens} needed; declare its output_cap, or run vLLM with "
+                "VLLM_SERVER_DEV_MODE=1)")
+
+
+
+def _cap_refusal(next_cap: int | None, began: UnknownCap | None, next_: UnknownCap | None,
+                 produced: int, left: int) -> str | None:
+    """Why a continuation that asks ``left`` after ``produced`` would not end where the first
+    engine would have: the next engine's known cap below ``left``, or a floor short of the
+    generation's limit on the engine that began it or of ``left`` on the next one."""
+    if next_cap is not None and left > next_cap:
+        return f"the next engine's server cap ({next_cap} tokens), below the {left} left"
+    return ((began and began.short_of(produced + left, "the engine that began it"))
+            or (next_ and next_.short_of(left, "the next engine")) or None)
+
+
 @dataclass(slots=True)
 class EngineLimits:
     """What the router knows of each engine's output limits, which a continuation must keep.
@@ -267,7 +298,8 @@ class EngineLimits:
     from ``/v1/models`` in the background (never on a request's path); the caps and the
     default come in the controller's push where it could read them (docs/design.md 4.1),
     else a ``"length"`` finish below the limit a request asked reveals them
-    (:meth:`Splice.revealed_cap`)."""
+    (:meth:`Splice.revealed_cap`); until then, what requests there produced proves a floor
+    (:class:`UnknownCap`)."""
 
     #: ``max_model_len``, by backend.
     context: dict[str, int] = field(default_factory=dict)
@@ -277,12 +309,15 @@ class EngineLimits:
     #: ``max_new_tokens`` too), by backend.
     default_cap: dict[str, int] = field(default_factory=dict)
     #: Why a backend's cap on every request is not known (the push's word), until a finish
-    #: reveals it: a continuation begun there or sent there is refused.
+    #: reveals it: a continuation that its floor does not cover is refused.
     unknown: dict[str, str] = field(default_factory=dict)
+    #: The most tokens one request produced on a backend: its cap, known or not, is at least
+    #: that (vLLM ends every request at its cap).
+    floor: dict[str, int] = field(default_factory=dict)
 
     def forget(self, keep: set[str]) -> None:
         """Forget backends that left (one that comes back may have been started otherwise)."""
-        for table in (self.context, self.cap, self.default_cap, self.unknown):
+        for table in (self.context, self.cap, self.default_cap, self.unknown, self.floor):
             for url in [u for u in table if u not in keep]:
                 del table[url]
 
@@ -294,18 +329,19 @@ class EngineLimits:
         if everyone:
             self.unknown.pop(backend, None)
 
-    def cap_unknown(self, began_on: str | None, backend: str) -> str | None:
-        """Why a continuation begun on ``began_on`` and sent to ``backend`` cannot know the
-        cap it must end at (either engine's is unknown: it might end the generation short of
-        the limit, or the continuation run past where the first engine would have ended it);
-        ``None``: both are known. "Where a cap is not known, learn it or refuse"
-        (docs/design.md 4.1, "Server caps")."""
-        for which, url in (("the engine that began it", began_on), ("the next engine", backend)):
-            why = None if url is None else self.unknown.get(url)
-            if why is not None:
-                return (f"the server cap of {which} is unknown ({why}; declare its "
-                        "output_cap, or run vLLM with VLLM_SERVER_DEV_MODE=1)")
-        return None
+    def produced(self, backend: str, tokens: int) -> None:
+        """One request on ``backend`` produced ``tokens``: its cap is at least that."""
+        if tokens > self.floor.get(backend, 0):
+            self.floor[backend] = tokens
+
+    def unknown_cap(self, backend: str | None) -> UnknownCap | None:
+        """``backend``'s cap on every request where it is not known: why, and the least it
+        can be (:attr:`floor`); ``None``: known, or no push said it is not."""
+        why = None if backend is None else self.unknown.get(backend)
+        if why is None:
+            return None
+        assert backend is not None
+        return UnknownCap(self.floor.get(backend, 0), why)
 
     def output_cap(self, backend: str | None, names_no_limit: bool) -> int | None:
         """The least cap known on ``backend``'s output for such a request (``None``: none)."""
@@ -887,8 +923,7 @@ class Splice:
     # ------------------------------------------------------------------ the next attempt
 
     def names_no_limit(self) -> bool:
-        """A chat that names neither ``max_tokens`` nor ``max_completion_tokens``: its limit is
-        the engine's default (the context left, or the generation config's)."""
+        """A chat naming neither ``max_tokens`` nor ``max_completion_tokens`` (its default)."""
         body = self.request.body
         return (self.request.chat and body.get("max_tokens") is None
                 and body.get("max_completion_tokens") is None)
@@ -896,17 +931,20 @@ class Splice:
     def revealed_cap(self, max_model_len: int | None) -> tuple[int, bool] | None:
         """The server cap a whole generation revealed, if it did: a ``"length"`` finish of an
         attempt sent as the client wrote it, below the limit it asked (vLLM refuses a request
-        whose prompt and limit exceed the context, so only a cap ends one short). Returns
-        ``(tokens, whether it caps every request)``; a chat that named no limit reveals only
-        the cap of such chats (its default may be the generation config's)."""
+        whose prompt and limit exceed the context: only a cap ends one short). ``(tokens,
+        whether it caps every request)``: a chat naming no limit reveals only its default."""
         if (self.mode not in (None, Mode.RESTART) or not self.finished()
-                or self.finish_reason != "length" or not self.ids_complete
-                or _number(self.request.body.get("n"), 1) != 1):
+                or self.finish_reason != "length" or self.produced_here() is None):
             return None
         asked = self._tokens_left(max_model_len, 0)
         if isinstance(asked, str) or self.produced >= asked:
             return None
         return self.produced, not self.names_no_limit()
+
+    def produced_here(self) -> int | None:
+        """Tokens the last attempt's engine produced, by their ids (``None``: not counted)."""
+        counted = self.ids_complete and _number(self.request.body.get("n"), 1) == 1
+        return self.produced - self._before if counted else None
 
     def ended_by_router(self) -> bool:
         """The router matched a stop string and ended the generation before its engine did."""
@@ -917,18 +955,17 @@ class Splice:
         became of ``[DONE]``. It is never continued past its end."""
         return len(self.finished_choices) >= max(1, _number(self.request.body.get("n"), 1))
 
-    def continuation(self, chat_as_completion: bool = True, *,
-                     max_model_len: int | None = None,
+    def continuation(self, chat_as_completion: bool = True, *, max_model_len: int | None = None,
                      upstream_fields: bool = True, output_cap: int | None = None,
-                     next_output_cap: int | None = None, cap_unknown: str | None = None,
-                     ) -> Continuation | str:
-        """The request that continues this stream, or why there can be none (the rules:
-        docs/design.md, "Continuing a generation"; where in doubt, refuse).
-        ``upstream_fields``: the next engine takes vLLM's own request fields (else nothing
-        but what any OpenAI server takes is sent, and only a completion of text can go on).
-        ``max_model_len``, ``output_cap``: the context and server cap of the engine that began
-        it (its limit is kept); ``next_output_cap``: the next one's, which must leave room;
-        ``cap_unknown``: why either is not known (then only a request sent again whole)."""
+                     next_output_cap: int | None = None, began_unknown: UnknownCap | None = None,
+                     next_unknown: UnknownCap | None = None) -> Continuation | str:
+        """The request that continues this stream, or why there can be none (docs/design.md,
+        "Continuing a generation"; where in doubt, refuse). ``upstream_fields``: the next
+        engine takes vLLM's own request fields (else only what any OpenAI server takes is sent,
+        and only a completion of text can go on). ``max_model_len``, ``output_cap``: the
+        context and server cap of the engine that began it (its limit is kept);
+        ``next_output_cap``: the next one's; ``began_unknown``, ``next_unknown``: either's cap
+        where unknown, whose floor must cover the limit (the first) or what is left (next)."""
         request = self.request
         if request.refusal is not None:
             return request.refusal
@@ -940,7 +977,7 @@ class Splice:
             # be generated again did reach it: their chunks came, and perhaps some text.)
             path = CHAT if request.chat else COMPLETIONS
             return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
-        if (refusal := self._inexact() or cap_unknown) is not None:
+        if (refusal := self._inexact()) is not None:
             return refusal
         body = dict(request.body)
         # A prompt of ids is vLLM's to take.
@@ -975,9 +1012,8 @@ class Splice:
         left = self._tokens_left(max_model_len, produced, output_cap)
         if isinstance(left, str):
             return left
-        if next_output_cap is not None and left > next_output_cap:
-            return (f"the next engine's server cap ({next_output_cap} tokens), below the "
-                    f"{left} left")
+        if refusal := _cap_refusal(next_output_cap, began_unknown, next_unknown, produced, left):
+            return refusal
         refusal = (self._continued_fields(body, left, produced, upstream_fields)
                    or self._refused_fields(body, exact, bool(replay), check is not None,
                                            upstream_fields))
