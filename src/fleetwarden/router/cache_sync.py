@@ -9,14 +9,13 @@ attempt loop (:class:`~fleetwarden.router.forward.Forwarder`) asks it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 
 from fleetwarden.router.affinity import Affinity
+from fleetwarden.router.background import TaskPerBackend
 from fleetwarden.router.exchange import with_key
 from fleetwarden.router.kv_events import KVEvents, Source, sources_of
 from fleetwarden.router.pool import Pool
@@ -42,7 +41,7 @@ class CacheSync:
         #: Each backend whose ``/kv_event_sources`` was read, by the incarnation it was read
         #: at (asked again only when that changes), and the reads under way.
         self._kv_asked: dict[str, str | None] = {}
-        self._kv_asking: dict[str, asyncio.Task[None]] = {}
+        self._kv_asking = TaskPerBackend("kv-sources")
         self._kv_configured = settings.kv_event_sources()
         self._client: UpstreamClient | None = None
         self._target: Callable[[str], Address] = Address.parse
@@ -56,9 +55,7 @@ class CacheSync:
             self.sync()
 
     async def close(self) -> None:
-        for task in self._kv_asking.values():
-            task.cancel()
-        self._kv_asking.clear()
+        self._kv_asking.cancel_all()
         if self.kv_events is not None:
             await self.kv_events.close()
             self.kv_events = None
@@ -94,12 +91,7 @@ class CacheSync:
                                           and self._kv_asked[url] == incarnation):
                 continue
             self._kv_asked[url] = incarnation
-            task = asyncio.create_task(self._read_kv_sources(url), name=f"kv-sources:{url}")
-            self._kv_asking[url] = task
-            task.add_done_callback(partial(self._kv_asked_done, url))
-
-    def _kv_asked_done(self, backend: str, _: asyncio.Task[None]) -> None:
-        self._kv_asking.pop(backend, None)
+            self._kv_asking.start(url, self._read_kv_sources(url))
 
     async def _read_kv_sources(self, backend: str) -> None:
         """Where ``backend`` publishes its KV events (vLLM's ``GET /kv_event_sources``), and

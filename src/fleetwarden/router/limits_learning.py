@@ -10,11 +10,10 @@ Must not: decide what a continuation asks: :mod:`fleetwarden.router.splice` does
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
-from functools import partial
 
+from fleetwarden.router.background import TaskPerBackend
 from fleetwarden.router.exchange import with_key
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.relay import read_all
@@ -31,7 +30,7 @@ class LimitsLearner:
         self.pool = pool
         self.limits = limits
         #: The reads of ``/v1/models`` under way, by backend (:meth:`learn_context`).
-        self._learning: dict[str, asyncio.Task[None]] = {}
+        self._learning = TaskPerBackend("context")
         self._client: UpstreamClient | None = None
         self._target: Callable[[str], Address] = Address.parse
 
@@ -40,9 +39,7 @@ class LimitsLearner:
         self._client, self._target = client, target
 
     def close(self) -> None:
-        for task in self._learning.values():
-            task.cancel()
-        self._learning.clear()
+        self._learning.cancel_all()
         self._client = None
 
     def forget(self) -> None:
@@ -78,12 +75,7 @@ class LimitsLearner:
             # The watchdog read it already and the push said it: nothing to ask.
             self.limits.context[backend] = pushed[0].max_model_len
             return
-        task = asyncio.create_task(self._read_context(backend), name=f"context:{backend}")
-        self._learning[backend] = task
-        task.add_done_callback(partial(self._learnt, backend))
-
-    def _learnt(self, backend: str, _: asyncio.Task[None]) -> None:
-        self._learning.pop(backend, None)
+        self._learning.start(backend, self._read_context(backend))
 
     async def _read_context(self, backend: str) -> None:
         """``backend``'s context length, where its ``/v1/models`` says it (unknown otherwise:
