@@ -34,8 +34,10 @@ SLOW_TICK = {"probe_interval_s": 60.0}
 async def test_a_refusing_engine_is_condemned_by_a_focused_read_at_once(tmp_path: Path) -> None:
     # The process lives on (no exit to see), its socket is closed: every connection refused,
     # as an attached engine that crashed looks to fleetwarden.
-    # least in flight: both engines get requests at once, so one is refused by shard 0 (the
-    # cache-aware placement may keep two clients' prompts on the other until a read)
+    # Least in flight: both engines get requests at once, so one meets shard 0's refusal.
+    # Under cache-aware placement no request did (3 runs of 3): shard 0 was accused of silent
+    # requests instead and condemned by three failed reads (FAILURES_AT_THRESHOLD, about 6 s),
+    # a path the wedge tests below cover; this test is about the refusal on the request path.
     async with running_fleet(tmp_path, health=SLOW_TICK,
                              router={"routing": "least_in_flight"}) as fleet:
         await until(lambda: len(fleet.controller.reports) == 2, what="a first round")
