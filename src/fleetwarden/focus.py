@@ -6,7 +6,9 @@ or ``confirm_max_s`` passes); the hedges its reads ask for (every router sends w
 an engine that takes no step to another engine as well), and a silent engine's between its
 reads; the canary that watches a hedged lost core.
 Must not: conclude what a read means (the judge's report does: ``hedge()``, ``settled``), map
-a report to a state (the ledger's table does), or push the serving set (the controller does).
+a report to a state (the ledger's table does), decide who is routed or when a hold ends (the
+ledger's :class:`~fleetwarden.ledger.Admission` does: focus asks it to hold and release), or
+push the serving set (the controller does).
 
 An accusation is anything that puts a shard in doubt between two reads of the round: an
 ejection for failed requests, requests held silent, a stall or an unreachable read, a read that
@@ -16,11 +18,11 @@ left it SUSPECT (docs/design.md section 12, "Judgement at the speed of evidence"
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
+from fleetwarden.admission import HoldCause
 from fleetwarden.config import Config
 from fleetwarden.evidence import Evidence
 from fleetwarden.judge import Hedge, Verdict
@@ -31,7 +33,7 @@ from fleetwarden.router.links import RouterLink
 from fleetwarden.tasks import TaskOwner
 from fleetwarden.watchdog import Report, Target, Watchdog
 
-__all__ = ["Focus", "held_out_of"]
+__all__ = ["Focus"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,6 @@ class Focus:
                  config: Config, *, evidence: Evidence, book: ReportBook, tasks: TaskOwner,
                  refit: RefitCoordinator | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 push: Callable[[], None] = lambda: None,
                  stopped: Callable[[int], bool] = lambda i: False) -> None:
         self.ledger = ledger
         self.watchdog = watchdog
@@ -60,28 +61,11 @@ class Focus:
         self._watching: dict[int, asyncio.Task[None]] = {}
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.started: dict[str, int] = {}
-        #: Asks the controller to push the serving set now (a hold began or ended).
-        self._push = push
         #: Whether the OS reports shard i's engine process stopped (launched engines only).
         self._stopped = stopped
-        #: URLs held out of every push: lost cores whose hedges' canary watches
-        #: (:meth:`_hedge_lost_core`), and engines that show work with hedged requests and
-        #: take no step (:meth:`_hold_stalled`).
-        self._watched_out: set[str] = set()
-        self._stalled_out: set[str] = set()
-        #: When each URL's hold began (a token its expiry checks), and the URLs whose hold
-        #: expired: none again until their focused reads end (:meth:`_hold`).
-        self._held_since: dict[str, object] = {}
         #: A silent engine's hedges while its next read waits out its silence, by shard
         #: (:meth:`_hedge_while_silent`): ended by that read's report.
         self._between: dict[int, asyncio.Task[None]] = {}
-        self._spent: set[str] = set()
-        #: Set at the controller's close: a hold that ends then pushes nothing.
-        self.closing = False
-
-    def held_out(self) -> set[str]:
-        """The URLs held out of every push now (:meth:`Controller.serving`)."""
-        return self._watched_out | self._stalled_out
 
     def __contains__(self, shard: int) -> bool:
         """Whether ``shard`` is under focused reads now (the round does not read it)."""
@@ -110,47 +94,18 @@ class Focus:
             await self._focused_reads(i, url)
         finally:
             self._end_between(i)
-            self._hold_stalled(url, False)  # its reads end: the ledger's set decides again
-            self._spent.discard(url)
+            # its reads end: its stalled hold with them, and the next accusation may hold it
+            self.ledger.admission.reads_ended(url)
 
-    def _hold(self, kind: set[str], url: str) -> None:
-        """Hold ``url`` out of the pushes (``kind``: why), for at most the stall floor. Past
-        the floor, a pause is one an engine's own cadence may allow (a long prefill step
-        learned): held out as long as the stall limit, a healthy engine in such a step would
-        be kept from serving as long as a wedge (the fleet model: a wedged engine whose
-        learned limit was 45 s stayed HEALTHY and unrouted for 15 s). The floor covers what a
-        hold is for at the defaults: a wedge is condemned at it."""
-        if url in kind or url in self._spent:
-            return
-        first = url not in self.held_out()
-        kind.add(url)
-        if first:
-            token = self._held_since[url] = object()
-            with contextlib.suppress(RuntimeError):  # no loop: a unit test of the mapping
-                asyncio.get_running_loop().call_later(self.config.health.stall_s,
-                                                      self._expire, url, token)
-        self._pushed()
-
-    def _release(self, kind: set[str], url: str) -> None:
-        if url not in kind:
-            return
-        kind.discard(url)
-        if url not in self.held_out():
-            self._held_since.pop(url, None)
-        self._pushed()
-
-    def _expire(self, url: str, token: object) -> None:
-        if self._held_since.get(url) is not token:
-            return  # released (and perhaps held again) since
-        del self._held_since[url]
-        self._watched_out.discard(url)
-        self._stalled_out.discard(url)
-        self._spent.add(url)
-        self._pushed()
-
-    def _pushed(self) -> None:
-        if not self.closing:
-            self._push()
+    def _hold(self, cause: HoldCause, url: str) -> None:
+        """Hold ``url`` out of the pushes for ``cause``, for at most the stall floor (the
+        ledger ends it then, on its clock: :meth:`Admission.expire`). Past the floor, a pause
+        is one an engine's own cadence may allow (a long prefill step learned): held out as
+        long as the stall limit, a healthy engine in such a step would be kept from serving
+        as long as a wedge (the fleet model: a wedged engine whose learned limit was 45 s
+        stayed HEALTHY and unrouted for 15 s). The floor covers what a hold is for at the
+        defaults: a wedge is condemned at it."""
+        self.ledger.admission.hold(url, cause, self.config.health.stall_s)
 
     def _hold_stalled(self, url: str, held: bool) -> None:
         """Whether ``url`` is held out of the pushes for hedged requests on an engine that
@@ -162,9 +117,9 @@ class Focus:
         stall floor (:meth:`_hold`); it is no verdict: the ledger still calls it HEALTHY, and a
         long step that ends routes it again at that read."""
         if held:
-            self._hold(self._stalled_out, url)
+            self._hold(HoldCause.STALLED, url)
         else:
-            self._release(self._stalled_out, url)
+            self.ledger.admission.release(url, HoldCause.STALLED)
 
     async def _focused_reads(self, i: int, url: str) -> None:
         h = self.config.health
@@ -215,8 +170,11 @@ class Focus:
             if rec.state in ABSENT:
                 return
             hedge = r.hedge(h.hedge_after_s)
+            admission = self.ledger.admission
+            admission.expire()  # each read is a tick of the ledger's clock for its holds
             self._hold_stalled(url, hedge is Hedge.STEP or (
-                url in self._stalled_out and r.verdict in (Verdict.STALLED, Verdict.SILENT)))
+                admission.holds(url, HoldCause.STALLED)
+                and r.verdict in (Verdict.STALLED, Verdict.SILENT)))
             if hedge is Hedge.STEP:
                 await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
                 if r.verdict is Verdict.SILENT:
@@ -268,7 +226,7 @@ class Focus:
                                                f"watch-hedged:{i}")
             if task is not None:
                 self._watching[i] = task
-                self._hold(self._watched_out, url)
+                self._hold(HoldCause.LOST_CORE, url)
                 task.add_done_callback(lambda _: self._watch_ended(i, url))
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
@@ -281,7 +239,7 @@ class Focus:
 
     def _watch_ended(self, i: int, url: str) -> None:
         self._watching.pop(i, None)
-        self._release(self._watched_out, url)  # back in routing, unless it condemned it
+        self.ledger.admission.release(url, HoldCause.LOST_CORE)  # routed, unless condemned
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core; what it concludes (the watch's, in
@@ -312,9 +270,3 @@ class Focus:
                 log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
                          held_s, link.name)
 
-
-def held_out_of(serving: list[str], held: set[str]) -> list[str]:
-    """``serving`` less the URLs ``held`` out, unless that would leave none: an engine in
-    doubt still serves when it is all there is (a held-out engine is no condemned one)."""
-    kept = [u for u in serving if u not in held]
-    return kept or serving
