@@ -1,14 +1,15 @@
 """Focused reads: an accused engine read again and again until the reads conclude, and hedges.
 
-Owns: one run of focused reads per accused shard (right away, then every
+Owns: the I/O of one run of focused reads per accused shard (right away, then every
 ``confirm_interval_s``, until they conclude — condemned, proven, or nothing left to prove —
 or ``confirm_max_s`` passes); the hedges its reads ask for (every router sends what it holds on
 an engine that takes no step to another engine as well), and a silent engine's between its
 reads; the canary that watches a hedged lost core.
-Must not: conclude what a read means (the judge's report does: ``hedge()``, ``settled``), map
-a report to a state (the ledger's table does), decide who is routed or when a hold ends (the
-ledger's :class:`~fleetwarden.ledger.Admission` does: focus asks it to hold and release), or
-push the serving set (the controller does).
+Must not: decide what a read asks or what its report leads to (accusation.py does: canary,
+hold, hedge, done), conclude what a read means (the judge's report does), map a report to a
+state (the ledger's table does), decide who is routed or when a hold ends (the ledger's
+:class:`~fleetwarden.ledger.Admission` does: focus asks it to hold and release), or push the
+serving set (the controller does).
 
 An accusation is anything that puts a shard in doubt between two reads of the round: an
 ejection for failed requests, requests held silent, a stall or an unreachable read, a read that
@@ -22,10 +23,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from fleetwarden.accusation import Accusation, Facts
 from fleetwarden.admission import HoldCause
 from fleetwarden.config import Config
 from fleetwarden.evidence import Evidence
-from fleetwarden.judge import Hedge, Verdict
+from fleetwarden.judge import Hedge
 from fleetwarden.ledger import ABSENT, Ledger, ShardState
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.reports import ReportBook
@@ -122,71 +124,60 @@ class Focus:
             self.ledger.admission.release(url, HoldCause.STALLED)
 
     async def _focused_reads(self, i: int, url: str) -> None:
+        """Read shard ``i``'s engine until the reads conclude: what each read asks and what
+        its report leads to is the accusation's (accusation.py); this does the I/O."""
         h = self.config.health
-        deadline = self.clock() + h.confirm_max_s
-        first = True
-        canaried_for: float | None = -1.0  # the ejection a canary was sent for
+        accusation = Accusation(deadline=self.clock() + h.confirm_max_s)
         while True:
             rec = self.ledger.shard(i)
             if rec.base_url != url or rec.state in ABSENT:
                 return  # condemned, or a new process: nothing left to confirm about this one
-            # Asleep in the ledger: never canaried nor judged stuck, as in the round
-            # (controller.py, ``_target``): a canary to an engine in vLLM's sleep mode waits
-            # until it wakes, and a stall while asleep is no fault.
-            asleep = rec.state is ShardState.SLEEPING
-            excused = asleep or (self.refit is not None and i in self.refit.stalls_excused())
+            facts = self._facts(i)
+            plan = accusation.plan(facts)
+            # Asleep in the ledger: never judged stuck either, as in the round (controller.py,
+            # ``_target``): a stall while asleep is no fault.
+            excused = facts.asleep or (self.refit is not None
+                                       and i in self.refit.stalls_excused())
             holding = await self.evidence.holding(None)
-            in_flight, held = holding.in_flight.get(url, 0), holding.silent.get(url, 0.0)
-            # A canary, if the engine is idle: on the first read (the accusation itself), and
-            # once per ejection when its time is up (the only proof that puts it on trial; a
-            # busy engine gets none, and is asked again at the next read).
-            due = self.ledger.ejection_due(i)  # on the ledger's clock, as ejected_until is
-            # And at every read of an engine in doubt (SUSPECT on reads alone), as the round
-            # does (controller.py, ``_target``): an idle engine proves itself by nothing else.
-            doubted = self.in_doubt(i)
-            ask = not asleep and (first or doubted or (due and canaried_for != rec.ejected_until))
-            # Out of routing for failed requests: its health path too, where that proves a
-            # dead core (vLLM's API server outlives its killed core for seconds, /metrics
-            # frozen, /health 503).
-            r = await self.watchdog.probe(Target(url=url, in_flight=in_flight, held_s=held,
-                                                 stalls_excused=excused, confirm=ask,
-                                                 check_health=rec.ejected_until is not None,
-                                                 stopped=self._stopped(i)))
+            r = await self.watchdog.probe(Target(
+                url=url, in_flight=holding.in_flight.get(url, 0),
+                held_s=holding.silent.get(url, 0.0), stalls_excused=excused,
+                confirm=plan.canary, check_health=plan.check_health, stopped=self._stopped(i)))
             self._end_between(i)  # this read says what the silence is now
-            if due and ask and r.canary is not None:
-                canaried_for = rec.ejected_until
-            rec = self.ledger.shard(i)
-            if rec.base_url != url:
+            accusation.read(facts, plan, r)
+            if self.ledger.shard(i).base_url != url:
                 return
             self.book.last[i] = r
             self.book.count(r)
             # The first read compares with the tick's sample, taken before the accusation:
             # progress it shows may predate the fault, so it proves nothing (a canary does).
-            self.book.enter(i, r, progress_proves=not first)
+            self.book.enter(i, r, progress_proves=not accusation.first)
             # The tick does not read a shard under focused reads: a lease's status of it is
             # kept from these reads, or it would show the last tick's (stale) liveness.
             self.book.observe_participant(i, url, r)
-            rec = self.ledger.shard(i)
-            if rec.state in ABSENT:
+            if self.ledger.state(i) in ABSENT:
                 return
-            hedge = r.hedge(h.hedge_after_s)
             admission = self.ledger.admission
             admission.expire()  # each read is a tick of the ledger's clock for its holds
-            self._hold_stalled(url, hedge is Hedge.STEP or (
-                admission.holds(url, HoldCause.STALLED)
-                and r.verdict in (Verdict.STALLED, Verdict.SILENT)))
-            if hedge is Hedge.STEP:
-                await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
-                if r.verdict is Verdict.SILENT:
-                    self._between_reads(i, url, r.hedge_after(h.hedge_after_s))
-            elif hedge is Hedge.LOST_CORE:
-                await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
-            if not first and r.settled and rec.ejected_until is None and not self.in_doubt(i):
-                return  # proven, or nothing to prove: the tick takes over again
-            if self.clock() >= deadline:
-                return
-            first = False
+            step = accusation.next(r, hedge_after_s=h.hedge_after_s,
+                                   held_stalled=admission.holds(url, HoldCause.STALLED))
+            self._hold_stalled(url, step.hold_stalled)
+            if step.hedge is Hedge.STEP:
+                await self._hedge(i, url, step.held_s)
+                if step.between_reads:
+                    self._between_reads(i, url, step.held_s)
+            elif step.hedge is Hedge.LOST_CORE:
+                await self._hedge_lost_core(i, url, r, step.held_s)
+            if accusation.concluded(r, self._facts(i), self.clock()):
+                return  # proven, nothing to prove (the tick takes over again), or time is up
             await asyncio.sleep(h.confirm_interval_s)
+
+    def _facts(self, i: int) -> Facts:
+        """What the ledger says of shard ``i`` now, as the accusation reads it (ejection on
+        the ledger's clock, as ``ejected_until`` is)."""
+        rec = self.ledger.shard(i)
+        return Facts(asleep=rec.state is ShardState.SLEEPING, ejected_until=rec.ejected_until,
+                     ejection_due=self.ledger.ejection_due(i), in_doubt=self.in_doubt(i))
 
     def _between_reads(self, i: int, url: str, held_s: float) -> None:
         task = self.tasks.start_if_running(self._hedge_while_silent(i, url, held_s),
