@@ -1,7 +1,8 @@
 """An accusation's course: what each focused read of an accused engine asks, and what its report
 leads to (read again with or without a canary, hold or release, hedge, done).
 
-Owns: one accusation from read to read (:class:`Accusation`): whether a read sends a canary and
+Owns: when a read of the round starts an accusation (:func:`accused_by`); one accusation from
+read to read (:class:`Accusation`): whether a read sends a canary and
 reads the health path, whether the engine is held for a stall or released, which hedge its report
 asks for, and when the reads conclude (proven, nothing left to prove, or their time is up).
 Must not: do I/O or read a clock (focus.py reads, and passes the time and the ledger's facts in),
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from fleetwarden.judge import Hedge, Report, Verdict
 
-__all__ = ["Accusation", "Facts", "Next", "Plan"]
+__all__ = ["Accusation", "Facts", "Next", "Plan", "accused_by"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +109,16 @@ class Accusation:
                    and not after.in_doubt)
         self.first = False
         return settled or now >= self.deadline
+
+
+def accused_by(report: Report, *, has_process: bool, in_doubt: bool) -> str | None:
+    """Why a read of the round starts focused reads of its engine (``None``: it does not): a
+    read that accuses (a stall, an unreachable read ...) of a shard with a process, by its
+    verdict's name; or one that left it in doubt (SUSPECT on reads alone, a first canary that
+    timed out, a failed read), ``suspect``: it needs ``healthy_threshold`` good reads in a row
+    to be lifted, and the round comes back to it only once per round, which at a thousand
+    engines is a minute or more. Focused reads settle the doubt at their own pace, whatever
+    the fleet's size."""
+    if report.accuses and has_process:
+        return report.verdict.name.lower()
+    return "suspect" if in_doubt else None

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetwarden.accusation import accused_by
 from fleetwarden.config import Config, FleetConfig
 from fleetwarden.credentials import NO_KEYS, EngineKeys
 from fleetwarden.engines import AUTO, CapUnknown, output_cap_of, output_default_of, profile
@@ -667,14 +668,10 @@ class Controller:
         finished_at: Mapping[str, float] = self.watchdog.finished_at
         now = time.monotonic()
         self.meter.decided(now - finished_at.get(url, now))
-        if r.accuses and self.ledger.state(i) not in ABSENT:
-            self.confirm(i, r.verdict.name.lower())
-        elif self.focus.in_doubt(i):
-            # A read left it SUSPECT (a first canary that timed out, a failed read): it needs
-            # healthy_threshold good reads in a row to be lifted, and the round comes back to
-            # it only once per round, which at a thousand engines is a minute or more. Focused
-            # reads settle the doubt at their own pace, whatever the fleet's size.
-            self.confirm(i, "suspect")
+        why = accused_by(r, has_process=self.ledger.state(i) not in ABSENT,
+                         in_doubt=self.focus.in_doubt(i))
+        if why is not None:
+            self.confirm(i, why)
 
     @staticmethod
     def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from fleetwarden.accusation import Accusation, Facts
+from fleetwarden.accusation import Accusation, Facts, accused_by
 from fleetwarden.judge import CanaryResult, CanaryRule, Evidence, Health, Hedge, Report, Verdict
 from support.clock import TICK_S
 
@@ -92,3 +92,15 @@ def test_the_reads_conclude_at_their_deadline(now: float, concludes: bool) -> No
     a = Accusation(DEADLINE)
     a.concluded(read(Verdict.STALLED), IDLE, 1000.0)
     assert a.concluded(read(Verdict.STALLED), IDLE, now) is concludes
+
+
+@pytest.mark.parametrize(("verdict", "has_process", "in_doubt", "why"), [
+    (Verdict.STALLED, True, False, "stalled"),
+    (Verdict.UNREACHABLE, True, True, "unreachable"),  # the verdict's word first
+    (Verdict.SILENT, False, False, None),  # condemned meanwhile: nothing to read again
+    (Verdict.IDLE, True, True, "suspect"),  # a read that left it in doubt
+    (Verdict.BUSY, True, False, None),
+])
+def test_a_read_of_the_round_starts_an_accusation(verdict: Verdict, has_process: bool,
+                                                  in_doubt: bool, why: str | None) -> None:
+    assert accused_by(read(verdict), has_process=has_process, in_doubt=in_doubt) == why
