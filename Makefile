@@ -21,7 +21,8 @@ STAMP  := $(VENV)/.installed-dev
 
 # The pure core: no I/O, no clock read, nothing imported that does either; checked with
 # mypy --strict, and by tests/unit/test_purity.py, which reads this list.
-CORE := src/fleetwarden/ledger.py src/fleetwarden/story.py src/fleetwarden/refit.py \
+CORE := src/fleetwarden/ledger.py src/fleetwarden/admission.py src/fleetwarden/accusation.py \
+        src/fleetwarden/story.py src/fleetwarden/refit.py \
         src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
         src/fleetwarden/router/settings.py src/fleetwarden/workmeter.py \

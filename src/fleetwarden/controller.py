@@ -14,8 +14,9 @@ Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 2. a supervisor tick: restarts start for DEAD shards (so a shard condemned this tick is
    RESTARTING before the push), finished restarts are collected;
 3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
-4. the ledger's ``serving_urls()`` (less an engine the focused reads hold out:
-   :meth:`Controller.serving`) is pushed to every router, every tick, unconditionally (no
+4. holds past their until-time end (the ledger's clock), and the ledger's routed set
+   (:meth:`Admission.routed`: less an engine the focused reads hold out) is pushed to every
+   router, every tick, unconditionally (no
    deltas, so a restarted router converges on the next push), with each backend's facts
    (shard index, weight version, the models it serves) beside it;
 5. the routers rescue the requests waiting on shards condemned this tick.
@@ -49,11 +50,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetwarden.accusation import accused_by
 from fleetwarden.config import Config, FleetConfig
 from fleetwarden.credentials import NO_KEYS, EngineKeys
 from fleetwarden.engines import AUTO, CapUnknown, output_cap_of, output_default_of, profile
 from fleetwarden.evidence import Evidence, router_error
-from fleetwarden.focus import Focus, held_out_of
+from fleetwarden.focus import Focus
 from fleetwarden.journal import Journal
 from fleetwarden.launchers.procs import process_info
 from fleetwarden.ledger import (
@@ -240,7 +242,7 @@ class Controller:
         #: The focused reads of accused shards, and the hedges they ask for.
         self.focus = Focus(ledger, watchdog, self.routers, config, evidence=self.evidence,
                            book=self.book, tasks=self.tasks, refit=refit, clock=clock,
-                           push=self._push_soon, stopped=self.process_stopped)
+                           stopped=self.process_stopped)
         self._unsubscribe = ledger.subscribe(self._on_transition)
         self._wake = asyncio.Event()
         #: While :meth:`run` reads each engine on its own schedule (:meth:`_read_loop`), the
@@ -339,14 +341,14 @@ class Controller:
         return n
 
     def serving(self) -> list[str]:
-        """What the routers may use: the ledger's serving set, less the engines the focused
-        reads hold out (:attr:`Focus.held_out`: a lost core its hedges' canary watches, an
-        engine with hedged requests that shows work and takes no step), unless none would be
-        left. A lost race drops an engine from its router's list only until the next push,
-        and a tick's push put a wedge back in routing before its condemnation (history:
-        docs/design.md section 13). Held out is no verdict: the ledger still calls it HEALTHY,
-        and it is pushed again when the hold ends."""
-        return held_out_of(self.ledger.serving_urls(), self.focus.held_out())
+        """What the routers may use: the ledger's routed set (:meth:`Admission.routed`: its
+        serving set less the engines the focused reads hold out, a lost core its hedges'
+        canary watches or an engine with hedged requests that shows work and takes no step,
+        unless none would be left). A lost race drops an engine from its router's list only
+        until the next push, and a tick's push put a wedge back in routing before its
+        condemnation (history: docs/design.md section 13). Held out is no verdict: the ledger
+        still calls it HEALTHY, and it is pushed again when the hold ends (a transition)."""
+        return self.ledger.admission.routed()
 
     def serving_push(self) -> tuple[list[str], dict[str, BackendFacts]]:
         """What every push carries: the serving URLs, and each one's shard, weight version,
@@ -495,7 +497,8 @@ class Controller:
         # 3. outcomes from every router, one window each (evidence.py)
         await self.evidence.take_windows(failed_probe, report.router_errors)
 
-        # 4. push, every tick, unconditionally (the heartbeat: a restarted router converges)
+        # 4. holds past their until-time end; push, every tick (a restarted router converges)
+        self._guarded(report, "holds", self.ledger.admission.expire)
         await self._push(report)
         retry_after = self._retry_after_estimate()
         for link in self.routers:
@@ -665,14 +668,10 @@ class Controller:
         finished_at: Mapping[str, float] = self.watchdog.finished_at
         now = time.monotonic()
         self.meter.decided(now - finished_at.get(url, now))
-        if r.accuses and self.ledger.state(i) not in ABSENT:
-            self.confirm(i, r.verdict.name.lower())
-        elif self.focus.in_doubt(i):
-            # A read left it SUSPECT (a first canary that timed out, a failed read): it needs
-            # healthy_threshold good reads in a row to be lifted, and the round comes back to
-            # it only once per round, which at a thousand engines is a minute or more. Focused
-            # reads settle the doubt at their own pace, whatever the fleet's size.
-            self.confirm(i, "suspect")
+        why = accused_by(r, has_process=self.ledger.state(i) not in ABSENT,
+                         in_doubt=self.focus.in_doubt(i))
+        if why is not None:
+            self.confirm(i, why)
 
     @staticmethod
     def _guarded(report: TickReport, step: str, fn: Callable[..., object], *args: Any) -> None:
@@ -819,7 +818,6 @@ class Controller:
         self._wake.set()
 
     async def close(self) -> None:
-        self.focus.closing = True
         self._unsubscribe()
         self.evidence.close()
         await self.tasks.cancel_all()

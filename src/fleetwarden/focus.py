@@ -1,12 +1,15 @@
 """Focused reads: an accused engine read again and again until the reads conclude, and hedges.
 
-Owns: one run of focused reads per accused shard (right away, then every
+Owns: the I/O of one run of focused reads per accused shard (right away, then every
 ``confirm_interval_s``, until they conclude — condemned, proven, or nothing left to prove —
 or ``confirm_max_s`` passes); the hedges its reads ask for (every router sends what it holds on
 an engine that takes no step to another engine as well), and a silent engine's between its
 reads; the canary that watches a hedged lost core.
-Must not: conclude what a read means (the judge's report does: ``hedge()``, ``settled``), map
-a report to a state (the ledger's table does), or push the serving set (the controller does).
+Must not: decide what a read asks or what its report leads to (accusation.py does: canary,
+hold, hedge, done), conclude what a read means (the judge's report does), map a report to a
+state (the ledger's table does), decide who is routed or when a hold ends (the ledger's
+:class:`~fleetwarden.ledger.Admission` does: focus asks it to hold and release), or push the
+serving set (the controller does).
 
 An accusation is anything that puts a shard in doubt between two reads of the round: an
 ejection for failed requests, requests held silent, a stall or an unreachable read, a read that
@@ -16,14 +19,15 @@ left it SUSPECT (docs/design.md section 12, "Judgement at the speed of evidence"
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
+from fleetwarden.accusation import Accusation, Facts
+from fleetwarden.admission import HoldCause
 from fleetwarden.config import Config
 from fleetwarden.evidence import Evidence
-from fleetwarden.judge import Hedge, Verdict
+from fleetwarden.judge import Hedge
 from fleetwarden.ledger import ABSENT, Ledger, ShardState
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.reports import ReportBook
@@ -31,7 +35,7 @@ from fleetwarden.router.links import RouterLink
 from fleetwarden.tasks import TaskOwner
 from fleetwarden.watchdog import Report, Target, Watchdog
 
-__all__ = ["Focus", "held_out_of"]
+__all__ = ["Focus"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,6 @@ class Focus:
                  config: Config, *, evidence: Evidence, book: ReportBook, tasks: TaskOwner,
                  refit: RefitCoordinator | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 push: Callable[[], None] = lambda: None,
                  stopped: Callable[[int], bool] = lambda i: False) -> None:
         self.ledger = ledger
         self.watchdog = watchdog
@@ -60,28 +63,11 @@ class Focus:
         self._watching: dict[int, asyncio.Task[None]] = {}
         #: Focused read runs started, by why (for the fleet's metrics and the tests).
         self.started: dict[str, int] = {}
-        #: Asks the controller to push the serving set now (a hold began or ended).
-        self._push = push
         #: Whether the OS reports shard i's engine process stopped (launched engines only).
         self._stopped = stopped
-        #: URLs held out of every push: lost cores whose hedges' canary watches
-        #: (:meth:`_hedge_lost_core`), and engines that show work with hedged requests and
-        #: take no step (:meth:`_hold_stalled`).
-        self._watched_out: set[str] = set()
-        self._stalled_out: set[str] = set()
-        #: When each URL's hold began (a token its expiry checks), and the URLs whose hold
-        #: expired: none again until their focused reads end (:meth:`_hold`).
-        self._held_since: dict[str, object] = {}
         #: A silent engine's hedges while its next read waits out its silence, by shard
         #: (:meth:`_hedge_while_silent`): ended by that read's report.
         self._between: dict[int, asyncio.Task[None]] = {}
-        self._spent: set[str] = set()
-        #: Set at the controller's close: a hold that ends then pushes nothing.
-        self.closing = False
-
-    def held_out(self) -> set[str]:
-        """The URLs held out of every push now (:meth:`Controller.serving`)."""
-        return self._watched_out | self._stalled_out
 
     def __contains__(self, shard: int) -> bool:
         """Whether ``shard`` is under focused reads now (the round does not read it)."""
@@ -110,47 +96,18 @@ class Focus:
             await self._focused_reads(i, url)
         finally:
             self._end_between(i)
-            self._hold_stalled(url, False)  # its reads end: the ledger's set decides again
-            self._spent.discard(url)
+            # its reads end: its stalled hold with them, and the next accusation may hold it
+            self.ledger.admission.reads_ended(url)
 
-    def _hold(self, kind: set[str], url: str) -> None:
-        """Hold ``url`` out of the pushes (``kind``: why), for at most the stall floor. Past
-        the floor, a pause is one an engine's own cadence may allow (a long prefill step
-        learned): held out as long as the stall limit, a healthy engine in such a step would
-        be kept from serving as long as a wedge (the fleet model: a wedged engine whose
-        learned limit was 45 s stayed HEALTHY and unrouted for 15 s). The floor covers what a
-        hold is for at the defaults: a wedge is condemned at it."""
-        if url in kind or url in self._spent:
-            return
-        first = url not in self.held_out()
-        kind.add(url)
-        if first:
-            token = self._held_since[url] = object()
-            with contextlib.suppress(RuntimeError):  # no loop: a unit test of the mapping
-                asyncio.get_running_loop().call_later(self.config.health.stall_s,
-                                                      self._expire, url, token)
-        self._pushed()
-
-    def _release(self, kind: set[str], url: str) -> None:
-        if url not in kind:
-            return
-        kind.discard(url)
-        if url not in self.held_out():
-            self._held_since.pop(url, None)
-        self._pushed()
-
-    def _expire(self, url: str, token: object) -> None:
-        if self._held_since.get(url) is not token:
-            return  # released (and perhaps held again) since
-        del self._held_since[url]
-        self._watched_out.discard(url)
-        self._stalled_out.discard(url)
-        self._spent.add(url)
-        self._pushed()
-
-    def _pushed(self) -> None:
-        if not self.closing:
-            self._push()
+    def _hold(self, cause: HoldCause, url: str) -> None:
+        """Hold ``url`` out of the pushes for ``cause``, for at most the stall floor (the
+        ledger ends it then, on its clock: :meth:`Admission.expire`). Past the floor, a pause
+        is one an engine's own cadence may allow (a long prefill step learned): held out as
+        long as the stall limit, a healthy engine in such a step would be kept from serving
+        as long as a wedge (the fleet model: a wedged engine whose learned limit was 45 s
+        stayed HEALTHY and unrouted for 15 s). The floor covers what a hold is for at the
+        defaults: a wedge is condemned at it."""
+        self.ledger.admission.hold(url, cause, self.config.health.stall_s)
 
     def _hold_stalled(self, url: str, held: bool) -> None:
         """Whether ``url`` is held out of the pushes for hedged requests on an engine that
@@ -162,73 +119,65 @@ class Focus:
         stall floor (:meth:`_hold`); it is no verdict: the ledger still calls it HEALTHY, and a
         long step that ends routes it again at that read."""
         if held:
-            self._hold(self._stalled_out, url)
+            self._hold(HoldCause.STALLED, url)
         else:
-            self._release(self._stalled_out, url)
+            self.ledger.admission.release(url, HoldCause.STALLED)
 
     async def _focused_reads(self, i: int, url: str) -> None:
+        """Read shard ``i``'s engine until the reads conclude: what each read asks and what
+        its report leads to is the accusation's (accusation.py); this does the I/O."""
         h = self.config.health
-        deadline = self.clock() + h.confirm_max_s
-        first = True
-        canaried_for: float | None = -1.0  # the ejection a canary was sent for
+        accusation = Accusation(deadline=self.clock() + h.confirm_max_s)
         while True:
             rec = self.ledger.shard(i)
             if rec.base_url != url or rec.state in ABSENT:
                 return  # condemned, or a new process: nothing left to confirm about this one
-            # Asleep in the ledger: never canaried nor judged stuck, as in the round
-            # (controller.py, ``_target``): a canary to an engine in vLLM's sleep mode waits
-            # until it wakes, and a stall while asleep is no fault.
-            asleep = rec.state is ShardState.SLEEPING
-            excused = asleep or (self.refit is not None and i in self.refit.stalls_excused())
+            facts = self._facts(i)
+            plan = accusation.plan(facts)
+            # Asleep in the ledger: never judged stuck either, as in the round (controller.py,
+            # ``_target``): a stall while asleep is no fault.
+            excused = facts.asleep or (self.refit is not None
+                                       and i in self.refit.stalls_excused())
             holding = await self.evidence.holding(None)
-            in_flight, held = holding.in_flight.get(url, 0), holding.silent.get(url, 0.0)
-            # A canary, if the engine is idle: on the first read (the accusation itself), and
-            # once per ejection when its time is up (the only proof that puts it on trial; a
-            # busy engine gets none, and is asked again at the next read).
-            due = self.ledger.ejection_due(i)  # on the ledger's clock, as ejected_until is
-            # And at every read of an engine in doubt (SUSPECT on reads alone), as the round
-            # does (controller.py, ``_target``): an idle engine proves itself by nothing else.
-            doubted = self.in_doubt(i)
-            ask = not asleep and (first or doubted or (due and canaried_for != rec.ejected_until))
-            # Out of routing for failed requests: its health path too, where that proves a
-            # dead core (vLLM's API server outlives its killed core for seconds, /metrics
-            # frozen, /health 503).
-            r = await self.watchdog.probe(Target(url=url, in_flight=in_flight, held_s=held,
-                                                 stalls_excused=excused, confirm=ask,
-                                                 check_health=rec.ejected_until is not None,
-                                                 stopped=self._stopped(i)))
+            r = await self.watchdog.probe(Target(
+                url=url, in_flight=holding.in_flight.get(url, 0),
+                held_s=holding.silent.get(url, 0.0), stalls_excused=excused,
+                confirm=plan.canary, check_health=plan.check_health, stopped=self._stopped(i)))
             self._end_between(i)  # this read says what the silence is now
-            if due and ask and r.canary is not None:
-                canaried_for = rec.ejected_until
-            rec = self.ledger.shard(i)
-            if rec.base_url != url:
+            accusation.read(facts, plan, r)
+            if self.ledger.shard(i).base_url != url:
                 return
             self.book.last[i] = r
             self.book.count(r)
             # The first read compares with the tick's sample, taken before the accusation:
             # progress it shows may predate the fault, so it proves nothing (a canary does).
-            self.book.enter(i, r, progress_proves=not first)
+            self.book.enter(i, r, progress_proves=not accusation.first)
             # The tick does not read a shard under focused reads: a lease's status of it is
             # kept from these reads, or it would show the last tick's (stale) liveness.
             self.book.observe_participant(i, url, r)
-            rec = self.ledger.shard(i)
-            if rec.state in ABSENT:
+            if self.ledger.state(i) in ABSENT:
                 return
-            hedge = r.hedge(h.hedge_after_s)
-            self._hold_stalled(url, hedge is Hedge.STEP or (
-                url in self._stalled_out and r.verdict in (Verdict.STALLED, Verdict.SILENT)))
-            if hedge is Hedge.STEP:
-                await self._hedge(i, url, r.hedge_after(h.hedge_after_s))
-                if r.verdict is Verdict.SILENT:
-                    self._between_reads(i, url, r.hedge_after(h.hedge_after_s))
-            elif hedge is Hedge.LOST_CORE:
-                await self._hedge_lost_core(i, url, r, r.hedge_after(h.hedge_after_s))
-            if not first and r.settled and rec.ejected_until is None and not self.in_doubt(i):
-                return  # proven, or nothing to prove: the tick takes over again
-            if self.clock() >= deadline:
-                return
-            first = False
+            admission = self.ledger.admission
+            admission.expire()  # each read is a tick of the ledger's clock for its holds
+            step = accusation.next(r, hedge_after_s=h.hedge_after_s,
+                                   held_stalled=admission.holds(url, HoldCause.STALLED))
+            self._hold_stalled(url, step.hold_stalled)
+            if step.hedge is Hedge.STEP:
+                await self._hedge(i, url, step.held_s)
+                if step.between_reads:
+                    self._between_reads(i, url, step.held_s)
+            elif step.hedge is Hedge.LOST_CORE:
+                await self._hedge_lost_core(i, url, r, step.held_s)
+            if accusation.concluded(r, self._facts(i), self.clock()):
+                return  # proven, nothing to prove (the tick takes over again), or time is up
             await asyncio.sleep(h.confirm_interval_s)
+
+    def _facts(self, i: int) -> Facts:
+        """What the ledger says of shard ``i`` now, as the accusation reads it (ejection on
+        the ledger's clock, as ``ejected_until`` is)."""
+        rec = self.ledger.shard(i)
+        return Facts(asleep=rec.state is ShardState.SLEEPING, ejected_until=rec.ejected_until,
+                     ejection_due=self.ledger.ejection_due(i), in_doubt=self.in_doubt(i))
 
     def _between_reads(self, i: int, url: str, held_s: float) -> None:
         task = self.tasks.start_if_running(self._hedge_while_silent(i, url, held_s),
@@ -268,7 +217,7 @@ class Focus:
                                                f"watch-hedged:{i}")
             if task is not None:
                 self._watching[i] = task
-                self._hold(self._watched_out, url)
+                self._hold(HoldCause.LOST_CORE, url)
                 task.add_done_callback(lambda _: self._watch_ended(i, url))
                 # Its task starts before the hedges are asked for; a hedge answers (and cancels
                 # a held request) only after a generation elsewhere, so the canary is there.
@@ -281,7 +230,7 @@ class Focus:
 
     def _watch_ended(self, i: int, url: str) -> None:
         self._watching.pop(i, None)
-        self._release(self._watched_out, url)  # back in routing, unless it condemned it
+        self.ledger.admission.release(url, HoldCause.LOST_CORE)  # routed, unless condemned
 
     async def _watch_hedged(self, i: int, url: str, r: Report) -> None:
         """The canary that watches a hedged lost core; what it concludes (the watch's, in
@@ -312,9 +261,3 @@ class Focus:
                 log.info("shard %d: %d request(s) held %g s with no step hedged by %s", i, n,
                          held_s, link.name)
 
-
-def held_out_of(serving: list[str], held: set[str]) -> list[str]:
-    """``serving`` less the URLs ``held`` out, unless that would leave none: an engine in
-    doubt still serves when it is all there is (a held-out engine is no condemned one)."""
-    kept = [u for u in serving if u not in held]
-    return kept or serving

@@ -1,6 +1,7 @@
 """The health ledger: which shards serve, which join a weight sync, which are restarted.
 
-Owns: the shards' states, records and counters, the transition table and every operation on it.
+Owns: the shards' states, records and counters, the transition table and every operation on it;
+admission (who the routers may use: :class:`Admission`, which holds admission.py's hold table).
 Must not: do I/O, read the clock (one is injected) or know asyncio, sockets or files.
 
 Two rules, as in h11's ``_state.py``:
@@ -30,6 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
+from fleetwarden.admission import Admitted, HoldCause, Holds, admitted, never_empty
+
 __all__ = [
     "ABSENT",
     "COMING_BACK",
@@ -37,6 +40,7 @@ __all__ = [
     "ROUTABLE",
     "TRANSITIONS",
     "UNNAMED_PREFIX",
+    "Admission",
     "Event",
     "FleetExhausted",
     "Ledger",
@@ -131,12 +135,23 @@ class Event(enum.Enum):
     WOKE = "woke"  # it reports awake again: back to HEALTHY, as it was before the sleep
     WOKE_SUSPECT = "woke, still suspect"  # ... back to SUSPECT: a sleep proves nothing
     WOKE_STALE = "woke, still stale"  # ... back to STALE: its weights are still not current
+    # Admission (:class:`Admission`): held out of routing by focused reads, with no verdict;
+    # self-loops of every state with a process (the shard's record does not change).
+    HELD = "held"  # out of routing while focused reads watch it (a cause added)
+    RELEASED = "released"  # a cause of its hold ended
+    HOLD_EXPIRED = "hold expired"  # its hold reached its until-time: every cause ends
 
     def __str__(self) -> str:
         return self.value
 
 
 E = Event
+
+#: A hold's moves (:class:`Admission`): a self-loop of every state that has a process. A shard
+#: with none routes nothing, so a hold of it ends with no transition.
+def _holds(state: ShardState) -> dict[Event, ShardState]:
+    return {E.HELD: state, E.RELEASED: state, E.HOLD_EXPIRED: state}
+
 
 # fmt: off
 #: Every move the ledger can make: state -> {evidence -> next state}. A move that is not here
@@ -162,6 +177,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
+        **_holds(HEALTHY),
     },
     SUSPECT: {
         E.PROBE_OK: SUSPECT,
@@ -186,6 +202,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
+        **_holds(SUSPECT),
     },
     STALE: {  # left only by a completed refit, a death (conclusive, or proven by failed reads)
         # or retirement. Its process is judged like any other: reads that keep failing
@@ -208,6 +225,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
         E.ASLEEP: SLEEPING,
+        **_holds(STALE),
     },
     DEAD: {  # re-entry is always DEAD -> RESTARTING -> STALE -> (refit) -> HEALTHY
         E.REQUEST_OK: DEAD,
@@ -252,6 +270,7 @@ TRANSITIONS: Mapping[ShardState, Mapping[Event, ShardState]] = {
         E.NEW_RUN: STALE,
         E.NEW_RUN_WEIGHTS_LOST: STALE,
         E.RETIRED_BY_OPERATOR: RETIRED,
+        **_holds(SLEEPING),
     },
 }
 # fmt: on
@@ -547,6 +566,8 @@ class Ledger:
         self._shards = [_Shard(i, url, last_transition_at=now) for i, url in enumerate(urls)]
         self._by_url = {s.base_url: s.index for s in self._shards}
         self._subscribers: list[Subscriber] = []
+        #: Who the routers may use: the panic threshold, trials and the holds (admission.py).
+        self.admission = Admission(self)
 
     @classmethod
     def from_records(
@@ -610,15 +631,14 @@ class Ledger:
         if "base_url" in changes:
             self._by_url = {s.base_url: s.index for s in self._shards}
         shard._record = None
-        transition = Transition(
-            shard=shard.index,
-            from_state=from_state,
-            to_state=to_state,
-            event=event,
-            cause=cause,
-            at=now,
-            record=shard.record(),
-        )
+        return self._emit(shard, from_state, event, cause, now)
+
+    def _emit(self, shard: _Shard, from_state: ShardState, event: Event, cause: str,
+              now: float) -> Outcome:
+        """Tell every subscriber of the change just made to ``shard`` (:meth:`_apply`, and
+        :class:`Admission`'s self-loops)."""
+        transition = Transition(shard.index, from_state, shard.state, event, cause, now,
+                                shard.record())
         errors: list[Exception] = []
         for subscriber in list(self._subscribers):
             try:
@@ -1229,34 +1249,18 @@ class Ledger:
         return [s.index for s in self._shards if s.state not in ABSENT]
 
     def serving_urls(self) -> list[str]:
-        """What the routers may use: serving shards, less those ejected for failed requests
-        (a shard on trial is in, and :meth:`trial_urls` says which); below the panic
-        threshold, every serving shard, ejected or not (:meth:`panicking`)."""
-        if self.panicking():
-            return [s.base_url for s in self._shards if s.state in ROUTABLE]
-        return [s.base_url for s in self._shards
-                if s.state in ROUTABLE and s.ejected_until is None]
+        """Serving shards not ejected, or all below the panic threshold; before any hold
+        (:meth:`Admission.serving_urls`; the routers get :meth:`Admission.routed`)."""
+        return self.admission.serving_urls()
 
     def panicking(self) -> bool:
-        """Envoy's panic rule: fewer than ``panic_threshold_percent`` of the fleet's shards
-        (RETIRED ones are no longer part of it) are routable, and some that are ejected could
-        serve. Ejection then yields: a failed request was evidence against an engine, not a
-        condemnation, and the others that would take its load are too few (or none: a 409
-        for every client while engines that answer stand by)."""
-        members = [s for s in self._shards if s.state is not RETIRED]
-        routable = sum(1 for s in members if s.state in ROUTABLE and s.ejected_until is None)
-        ejected = any(s.state in ROUTABLE and s.ejected_until is not None for s in members)
-        return ejected and 100 * routable < self.policy.panic_threshold_percent * len(members)
+        return self.admission.panicking()
 
     def trial_urls(self) -> list[str]:
-        """Routable shards on probation: a router sends each one request at a time."""
-        return [s.base_url for s in self._shards
-                if s.state in ROUTABLE and s.ejected_until is None and s.on_trial]
+        return self.admission.trial_urls()
 
     def ejected(self) -> list[int]:
-        """Serving shards kept out of routing for failed requests, until proof."""
-        return [s.index for s in self._shards
-                if s.state in ROUTABLE and s.ejected_until is not None]
+        return self.admission.ejected()
 
     def ejection_due(self, i: int) -> bool:
         """Shard ``i`` is ejected and its time out is up: proof may now put it on trial. Read
@@ -1290,6 +1294,135 @@ class Ledger:
                 f"{remaining} of {len(self._shards)} shards can still serve; "
                 f"min_serving_shards is {self.policy.min_serving_shards}"
             )
+
+
+class Admission:
+    """Who the routers may use, decided in one place: the ledger's states and ejections, the
+    panic threshold, trials, and the holds of focused reads (admission.py's table), with the
+    rule that a hold never leaves none. Every change of a hold is emitted as a
+    :class:`Transition` of its shard (a self-loop: :data:`TRANSITIONS`); time is the ledger's
+    clock, and a hold ends at its until-time at the first :meth:`expire` after it (the tick's,
+    or a focused read's), holding nothing from that time on whenever it is asked."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._holds = Holds()
+
+    # ------------------------------------------------------------------ the fleet's sets
+
+    def _members(self) -> list[_Shard]:
+        return self._ledger._shards
+
+    def serving_urls(self) -> list[str]:
+        """Serving shards, less those ejected for failed requests (a shard on trial is in,
+        and :meth:`trial_urls` says which); below the panic threshold, every serving shard,
+        ejected or not (:meth:`panicking`). Before any hold: :meth:`routed` is the pushed set."""
+        if self.panicking():
+            return [s.base_url for s in self._members() if s.state in ROUTABLE]
+        return [s.base_url for s in self._members()
+                if s.state in ROUTABLE and s.ejected_until is None]
+
+    def routed(self) -> list[str]:
+        """What the routers may use: :meth:`serving_urls` less the engines held out, unless
+        none would be left (:func:`never_empty`, the panic threshold's floor: an ejection
+        yields when too few others are left, a hold when none is)."""
+        return never_empty(self.serving_urls(), self.held())
+
+    def panicking(self) -> bool:
+        """Envoy's panic rule: fewer than ``panic_threshold_percent`` of the fleet's shards
+        (RETIRED ones are no longer part of it) are routable, and some that are ejected could
+        serve. Ejection then yields: a failed request was evidence against an engine, not a
+        condemnation, and the others that would take its load are too few (or none: a 409
+        for every client while engines that answer stand by)."""
+        members = [s for s in self._members() if s.state is not RETIRED]
+        routable = sum(1 for s in members if s.state in ROUTABLE and s.ejected_until is None)
+        ejected = any(s.state in ROUTABLE and s.ejected_until is not None for s in members)
+        percent = self._ledger.policy.panic_threshold_percent
+        return ejected and 100 * routable < percent * len(members)
+
+    def trial_urls(self) -> list[str]:
+        """Routable shards on probation: a router sends each one request at a time."""
+        return [s.base_url for s in self._members()
+                if s.state in ROUTABLE and s.ejected_until is None and s.on_trial]
+
+    def ejected(self) -> list[int]:
+        """Serving shards kept out of routing for failed requests, until proof."""
+        return [s.index for s in self._members()
+                if s.state in ROUTABLE and s.ejected_until is not None]
+
+    def of(self, i: int) -> Admitted:
+        """Shard ``i``'s admission now (before the never-empty rule, which looks at all)."""
+        s = self._ledger._shard(i)
+        return admitted(serves=s.state in ROUTABLE, ejected=s.ejected_until is not None,
+                        on_trial=s.on_trial, held=s.base_url in self.held(),
+                        panicking=self.panicking())
+
+    # ------------------------------------------------------------------ holds
+
+    def held(self) -> set[str]:
+        """The URLs held out of routing now (on the ledger's clock)."""
+        return self._holds.held(self._ledger.now())
+
+    def holds(self, url: str, cause: HoldCause) -> bool:
+        """Whether ``url`` is held for ``cause`` now."""
+        h = self._holds.get(url)
+        return h is not None and cause in h.causes and h.holds(self._ledger.now())
+
+    def hold(self, url: str, cause: HoldCause, for_s: float) -> Outcome:
+        """Hold ``url``'s engine out of routing for ``cause``, for at most ``for_s`` from its
+        first cause; not again once a hold of it ran out, until its reads end
+        (:meth:`reads_ended`). Ignored for a URL no shard with a process has."""
+        self.expire()  # a hold past its until-time is spent before it is asked again
+        s = self._process(url)
+        if s is None:
+            return Outcome(applied=False, reason=f"{url}: no shard with a process has it")
+        now = self._ledger.now()
+        new = self._holds.hold(url, cause, now, for_s)
+        if new is None:
+            return _UNCHANGED
+        return self._ledger._emit(s, s.state, E.HELD, f"held out of routing: {cause} (until "
+                                  f"{new.until:.3f}, {for_s:g} s at most)", now)
+
+    def release(self, url: str, cause: HoldCause) -> Outcome:
+        """``cause`` no longer holds ``url``: routed again unless another cause holds it."""
+        if self._holds.release(url, cause) is None:
+            return _UNCHANGED
+        left = self._holds.get(url)
+        return self._note(url, E.RELEASED, f"released: {cause} ended" + (
+            "" if left is None else f"; still held: {left.why}"))
+
+    def expire(self) -> list[Outcome]:
+        """End every hold at or past its until-time (the ledger's clock): all its causes at
+        once, and none again for that accusation."""
+        now = self._ledger.now()
+        out = []
+        for url in self._holds.due(now):
+            old = self._holds.expire(url)
+            assert old is not None
+            out.append(self._note(url, E.HOLD_EXPIRED,
+                                  f"hold expired after {old.until - old.since:g} s ({old.why})"))
+        return out
+
+    def reads_ended(self, url: str) -> Outcome:
+        """``url``'s focused reads ended: its stalled hold ends with them, and a new
+        accusation may hold it again."""
+        self._holds.reads_ended(url)
+        return self.release(url, HoldCause.STALLED)
+
+    def _process(self, url: str) -> _Shard | None:
+        i = self._ledger.shard_for_url(url)
+        if i is None:
+            return None
+        s = self._ledger._shard(i)
+        return None if s.state in ABSENT else s
+
+    def _note(self, url: str, event: Event, cause: str) -> Outcome:
+        """Emit a hold's end: a shard with no process (or no shard) routes nothing, and has
+        no move for it, so its hold ends silently."""
+        s = self._process(url)
+        if s is None:
+            return _UNCHANGED
+        return self._ledger._emit(s, s.state, event, cause, self._ledger.now())
 
 
 #: The prefix of the incarnations the ledger names itself (:func:`unnamed_incarnation`).

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from fleetwarden.admission import never_empty
 from fleetwarden.config import Config
 from fleetwarden.controller import Controller, TickReport
 from fleetwarden.engines import CapUnknown
-from fleetwarden.focus import held_out_of
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
@@ -1091,11 +1091,11 @@ async def test_a_read_that_leaves_an_engine_in_doubt_is_followed_by_reads_that_s
 
 
 def test_a_lost_core_is_held_out_of_pushes_unless_it_is_all_there_is() -> None:
-    assert held_out_of(["a", "b", "c"], {"b"}) == ["a", "c"]
-    assert held_out_of(["a", "b"], {"a", "b"}) == ["a", "b"]  # none left: all still serve
-    assert held_out_of(["a"], {"a"}) == ["a"]
-    assert held_out_of([], {"a"}) == []
-    assert held_out_of(["a", "b"], {"z"}) == ["a", "b"]  # a URL no longer serving
+    assert never_empty(["a", "b", "c"], {"b"}) == ["a", "c"]
+    assert never_empty(["a", "b"], {"a", "b"}) == ["a", "b"]  # none left: all still serve
+    assert never_empty(["a"], {"a"}) == ["a"]
+    assert never_empty([], {"a"}) == []
+    assert never_empty(["a", "b"], {"z"}) == ["a", "b"]  # a URL no longer serving
 
 
 # ---------------------------------------------------------------------- the status headline

@@ -12,6 +12,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from fleetwarden.admission import HoldCause
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
@@ -179,10 +180,33 @@ class LedgerMachine(RuleBasedStateMachine):
         self._op("retire", i)
         self.ledger.retire(i, "operator")
 
+    @rule(i=shard, cause=st.sampled_from(HoldCause), held=st.booleans())
+    def hold(self, i: int, cause: HoldCause, held: bool) -> None:
+        """Focused reads hold an engine out (3 s at most: three operations) or release it."""
+        self._op("hold" if held else "release", i)
+        url = self.ledger.shard(i).base_url
+        if held:
+            self.ledger.admission.hold(url, cause, 3.0)
+        else:
+            self.ledger.admission.release(url, cause)
+
+    @rule(i=shard)
+    def expire_holds_and_end_reads(self, i: int) -> None:
+        self._op("expire", i)
+        self.ledger.admission.expire()
+        self.ledger.admission.reads_ended(self.ledger.shard(i).base_url)
+
     # ------------------------------------------------------------ invariants
 
     def _pairs(self) -> list[tuple[ShardRecord, ShardRecord]]:
         return list(zip(self.before, self.ledger.snapshot(), strict=True))
+
+    @invariant()
+    def a_hold_never_leaves_the_routers_none(self) -> None:
+        routed, serving = self.ledger.admission.routed(), self.ledger.serving_urls()
+        assert set(routed) <= set(serving) and bool(routed) == bool(serving)
+        held = self.ledger.admission.held()
+        assert all(u in held for u in set(serving) - set(routed))
 
     @invariant()
     def only_moves_in_the_table(self) -> None:
