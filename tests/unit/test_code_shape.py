@@ -28,11 +28,11 @@ DATA_CLASSES: frozenset[tuple[str, str]] = frozenset()
 #: The classes still over :data:`MAX_CLASS_LINES`, each with the most lines it may have: a
 #: ceiling at its size when the guard came, so that none grows while it waits to be split.
 CLASSES_TO_SPLIT = {
-    ("fleetwarden/controller.py", "Controller"): 653,
+    ("fleetwarden/controller.py", "Controller"): 649,
     ("fleetwarden/fleet.py", "Fleet"): 610,
     ("fleetwarden/journal.py", "Journal"): 432,
     ("fleetwarden/launchers/routers.py", "RouterWorkers"): 489,
-    ("fleetwarden/ledger.py", "Ledger"): 762,
+    ("fleetwarden/ledger.py", "Ledger"): 747,
     ("fleetwarden/router/app.py", "Router"): 515,
     ("fleetwarden/router/forward.py", "Forwarder"): 557,
     ("fleetwarden/router/splice.py", "Splice"): 675,
