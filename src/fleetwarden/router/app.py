@@ -132,7 +132,7 @@ class Router:
         if self.keys is not None:
             handler = self._dispatch_keyed
             self.forwarder.relay.count_usage = True
-            self.forwarder.engine_keys_always = True
+            self.forwarder.attempts.engine_keys_always = True
         self._server = serve.Server(handler, max_body_bytes=s.max_body_bytes,
                                     settings=s, closed_for=self.stats.connections_closed)
         #: The data port's listeners (several: the sockets a replaced router handed over).
