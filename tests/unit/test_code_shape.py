@@ -33,8 +33,6 @@ CLASSES_TO_SPLIT = {
     ("fleetwarden/journal.py", "Journal"): 432,
     ("fleetwarden/launchers/routers.py", "RouterWorkers"): 489,
     ("fleetwarden/ledger.py", "Ledger"): 747,
-    ("fleetwarden/router/app.py", "Router"): 515,
-    ("fleetwarden/router/forward.py", "Forwarder"): 557,
     ("fleetwarden/router/splice.py", "Splice"): 675,
     ("fleetwarden/sim/server.py", "Sim"): 1191,
     ("fleetwarden/testing/fleet_model.py", "FleetModel"): 724,

@@ -16,7 +16,6 @@ from prometheus_client import generate_latest
 
 from fleetwarden.config import RouterConfig
 from fleetwarden.router import keys as keys_module
-from fleetwarden.router.app import _usage_of
 from fleetwarden.router.keys import (
     KEY_PREFIX,
     MAX_KEY_BYTES,
@@ -32,6 +31,7 @@ from fleetwarden.router.keys import (
     without_client_key,
 )
 from fleetwarden.router.pool import Pool
+from fleetwarden.router.routes import _usage_of
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import RouterStats, make_registry
 from support.keys import recorded_comparisons

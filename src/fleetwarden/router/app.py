@@ -1,6 +1,9 @@
 """The router: the OpenAI API on one URL, in front of the backends it is told may serve.
 
-Owns: the router's routes, its start and stop, and the serving set it is told.
+Owns: the router's start and stop (its listeners, a drain's hand-over, the control port), the
+serving set it is told and the controller's other calls on it, and its status; beside it, the
+data port's routes (:mod:`~fleetwarden.router.routes`) and the attempt loop
+(:mod:`~fleetwarden.router.forward`).
 Must not: decide health: a controller pushes the serving set; the router counts and obeys.
 
 It counts and obeys; it never decides health. A controller pushes the serving set
@@ -20,48 +23,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
-import re
 import socket
-import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
-from fleetwarden.router.answers import error_response
 from fleetwarden.router.control import make_control_app
 from fleetwarden.router.forward import Forwarder
-from fleetwarden.router.keys import RELOAD_EVERY_S, KeysFile, without_client_key
+from fleetwarden.router.keys import KeysFile
 from fleetwarden.router.links import InProcessRouter
-from fleetwarden.router.models import model_list
 from fleetwarden.router.ops import Holding
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
-from fleetwarden.router.settings import GENERATE, RouterSettings
-from fleetwarden.router.stats import KeyTally, RouterStats, make_registry
+from fleetwarden.router.routes import Routes
+from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.stats import RouterStats, make_registry
 
-__all__ = ["FORWARDED_GET", "FORWARDED_POST", "Router", "runner_url"]
+__all__ = ["Router", "runner_url"]
 
 log = logging.getLogger("fleetwarden.router")
-
-#: The OpenAI API the router forwards (docs/design.md section 4). Anything else is a 404 here.
-FORWARDED_POST: tuple[str, ...] = (
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-    "/tokenize", "/detokenize",
-    # vLLM's token-in/token-out endpoint (``--enable-scale-out``), what RL frameworks sample
-    # rollouts with: its answers carry the engine's own weight-version spans.
-    GENERATE,
-)
-FORWARDED_GET: tuple[str, ...] = ("/v1/models",)
-_POST = frozenset(FORWARDED_POST)
-_GET = frozenset(FORWARDED_GET)
 
 #: While a router drains (:meth:`Router.drain`), a keep-alive connection idle this long is
 #: closed. Clients reuse an idle connection at once or not for a while (httpx, and with it the
@@ -123,17 +109,13 @@ class Router:
         self.forwarder.tally.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
         #: The client keys in force, when the router checks them (router/keys.py); ``None``:
-        #: the data port is open, and its handler is the one that never looks at a key.
+        #: the data port is open.
         self.keys = KeysFile(s.keys_file) if s.keys_file is not None else None
-        self._engine_authorization = (None if engine_key is None
-                                      else b"Bearer " + engine_key.encode())
         self._keys_watch: asyncio.Task[None] | None = None
-        handler = self._dispatch
-        if self.keys is not None:
-            handler = self._dispatch_keyed
-            self.forwarder.relay.count_usage = True
-            self.forwarder.engine_keys_always = True
-        self._server = serve.Server(handler, max_body_bytes=s.max_body_bytes,
+        #: The data port's routes, behind the keys when there are keys.
+        self.routes = Routes(self.forwarder, self.pool, self.stats, self.registry, self.keys,
+                             engine_key)
+        self._server = serve.Server(self.routes.handler, max_body_bytes=s.max_body_bytes,
                                     settings=s, closed_for=self.stats.connections_closed)
         #: The data port's listeners (several: the sockets a replaced router handed over).
         self._listeners: list[asyncio.Server] = []
@@ -251,27 +233,7 @@ class Router:
             "retry_after": self.forwarder.answers.retry_after,
             "requests": self.stats.requests,
             "worker": self.worker,
-            "stats": {"requests": self.stats.requests,
-                      "responses": {str(k): n for k, n in self.stats.responses.items()},
-                      "backend_failures": sum(self.stats.backend_failures.values()),
-                      "retries": dict(self.stats.retries),
-                      "rescues": self.stats.rescues,
-                      "hedges": self.stats.hedges,
-                      "hedges_won": self.stats.hedges_won,
-                      # What faults cost the requests (a trainer's step: fleet.refit_from).
-                      "continuations": dict(self.stats.continuations),
-                      "streams_ended": dict(self.stats.streams_ended),
-                      "aborted": self.stats.aborted,
-                      "tokens_discarded": self.stats.tokens_discarded,
-                      "failures": _failures_by_backend(self.stats.backend_failures),
-                      "poison_requests": self.stats.poison_requests,
-                      "comeback_waits": self.stats.comeback_waits,
-                      "comeback_served": self.stats.comeback_served,
-                      "local_exhaustion": self.stats.local_exhaustion,
-                      "connections_closed": dict(self.stats.connections_closed),
-                      # name -> [requests, prompt tokens, completion tokens]
-                      "keys": {name: t.to_list() for name, t in self.stats.keys.items()},
-                      "key_refusals": dict(self.stats.key_refusals)},
+            "stats": self.stats.summary(),
             "routing": self.settings.routing,
             # The data port's keys file: how many keys are in force, and why its last change
             # was not taken (the keys before it stay in force); None: no keys.
@@ -337,7 +299,7 @@ class Router:
         self._started = True
         self._url = serve.listening_url(self._listeners)
         if self.keys is not None:
-            self._keys_watch = loop.create_task(self._watch_keys(), name="keys-file")
+            self._keys_watch = loop.create_task(self.routes.watch_keys(), name="keys-file")
         if control_port is not None:
             assert control_token is not None
             control = web.AppRunner(make_control_app(self, control_token), access_log=None,
@@ -457,6 +419,10 @@ class Router:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.stop()
 
+    def reload_keys(self) -> bool:
+        """Reread the keys file if it changed (:meth:`Routes.reload_keys`)."""
+        return self.routes.reload_keys()
+
     @property
     def url(self) -> str:
         """``http://host:port`` the router listens on (after :meth:`start`)."""
@@ -472,156 +438,6 @@ class Router:
     def control_url(self) -> str | None:
         """``http://127.0.0.1:port`` of the control API, if one was started."""
         return self._control_url
-
-    # ------------------------------------------------------------------ the application
-
-    def _dispatch(self, request: serve.Request) -> Awaitable[serve.StreamResponse]:
-        """The data port's routes: the OpenAI API forwarded, the router's own /metrics, and a
-        404 for anything else (a known path asked with another method included). Returns the
-        forwarding coroutine itself: one coroutine fewer on every request's way."""
-        method, path = request.method, request.path
-        if method == "GET" and path == "/v1/models":
-            listed = self.model_list()
-            if listed is not None:
-                return self._answer_models(listed)
-        if ((method == "POST" and path in _POST) or (method == "GET" and path in _GET)):
-            return self.forwarder.forward(request)
-        return self._own(request)
-
-    def _dispatch_keyed(self, request: serve.Request) -> Awaitable[serve.StreamResponse]:
-        """:meth:`_dispatch` behind the client keys (router/keys.py): the router's /metrics is
-        open (as vLLM's is); anything else needs a key of the file, or is answered 401. The
-        client's key goes no further: toward the engines it is replaced by theirs, and the
-        query string is dropped."""
-        method, path = request.method, request.path
-        if method == "GET" and path == "/metrics":
-            return self._own(request)
-        assert self.keys is not None
-        presented: bytes | None = None
-        why = "missing"
-        for name, value in request.raw_headers:
-            if name.lower() == b"authorization":
-                if presented is not None:
-                    why = "ambiguous"  # two credentials: which one is meant is not guessed
-                    break
-                presented, why = value, "wrong"
-        else:
-            key = None if presented is None else self.keys.ring.name_for(presented)
-            if key is not None:
-                request.raw_headers[:] = without_client_key(request.raw_headers,
-                                                            self._engine_authorization)
-                if "?" in request.raw_path:
-                    # Nor does a query string go on: a key put there (the client's, or
-                    # another's) would be in the engine's access log. The API the router
-                    # forwards takes nothing from one.
-                    request.raw_path = request.raw_path.partition("?")[0]
-                tally = self.stats.key(key)
-                tally.requests += 1
-                if method == "GET" and path == "/v1/models":
-                    listed = self.model_list()
-                    if listed is not None:
-                        return self._answer_models(listed)
-                if (method == "POST" and path in _POST) or (method == "GET" and path in _GET):
-                    return self._counted(request, tally)
-                return self._own(request)
-        return self._refuse_key(request, why)
-
-    async def _counted(self, request: serve.Request, tally: KeyTally) -> serve.StreamResponse:
-        """Forward, then add the answer's tokens to its key's tally: a stream's as the
-        forwarder counted them, a whole answer's from its ``usage``."""
-        response = await self.forwarder.forward(request)
-        usage = response.usage
-        if usage is None and isinstance(response, serve.Response) and response.status == 200:
-            usage = _usage_of(response.body)
-        if usage is not None:
-            tally.prompt_tokens += usage[0]
-            tally.completion_tokens += usage[1]
-        return response
-
-    async def _refuse_key(self, request: serve.Request, why: str) -> serve.StreamResponse:
-        """401 in OpenAI's shape (``invalid_api_key``), with ``WWW-Authenticate: Bearer``.
-        Nothing the client sent is repeated in it."""
-        refusals = self.stats.key_refusals
-        refusals[why] = refusals.get(why, 0) + 1
-        self.stats.responded(401)
-        message = {
-            "missing": "No API key: send one as 'Authorization: Bearer <key>'.",
-            "wrong": "Incorrect API key: no key of this router has that value.",
-            "ambiguous": "More than one Authorization header: send one key.",
-        }[why]
-        if why == "missing" and "?" in request.raw_path:
-            message += " A key in the query string is never read."
-        return error_response(401, message, "invalid_request_error",
-                              {"WWW-Authenticate": 'Bearer realm="fleetwarden"'},
-                              code="invalid_api_key")
-
-    def reload_keys(self) -> bool:
-        """Reread the keys file if it changed (:class:`KeysFile`); whether the keys changed."""
-        return self.keys is not None and self.keys.reload_if_changed()
-
-    async def _watch_keys(self) -> None:
-        """Look at the keys file every :data:`RELOAD_EVERY_S`: a key added or removed is in
-        force without a restart (owned by :meth:`start`, ended by :meth:`stop`)."""
-        while True:
-            await asyncio.sleep(RELOAD_EVERY_S)
-            try:
-                self.reload_keys()
-            except Exception:
-                # The watch never ends the data port: the keys in force stay in force.
-                log.exception("rereading the keys file failed")
-
-    def model_list(self) -> dict[str, Any] | None:
-        """``GET /v1/models`` as this router answers it: every model that the backends it may
-        use serve, each once (:func:`~fleetwarden.router.models.model_list`), from what the
-        last push said of them. ``None`` when it named none: the request is then forwarded to
-        one backend, as a router whose pushes carry no models (an older controller, a
-        fleet's first moments) always did."""
-        cards = [facts.models for facts in map(self.pool.facts, self.pool.serving)
-                 if facts.models is not None]
-        return model_list(cards, int(time.time())) if cards else None
-
-    async def _answer_models(self, listed: dict[str, Any]) -> serve.StreamResponse:
-        self.stats.responded(200)
-        return serve.Response(body=json.dumps(listed).encode(), content_type="application/json")
-
-    async def _own(self, request: serve.Request) -> serve.StreamResponse:
-        """What the router answers itself: its /metrics, or a 404."""
-        method, path = request.method, request.path
-        if method == "GET" and path == "/metrics":
-            return serve.Response(body=generate_latest(self.registry),
-                                  headers={"Content-Type": CONTENT_TYPE_LATEST})
-        self.stats.responded(404)
-        return error_response(
-            404, f"No route for {method} {path}: the router serves "
-            "POST " + ", ".join(FORWARDED_POST) + "; GET " + ", ".join(FORWARDED_GET)
-            + " and its own /metrics.", "not_found")
-
-
-#: A whole answer's token counts, in its ``usage`` object (a search each: no alternation).
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
-
-
-def _usage_of(body: bytes) -> tuple[int, int] | None:
-    """(prompt, completion) tokens of a whole OpenAI answer, from its ``usage``; ``None``
-    without one. Searched for after its last ``"usage":`` (vLLM writes it last), not parsed:
-    the answer is not read as JSON on the request path. An embedding's usage has no
-    completion tokens: 0."""
-    at = body.rfind(b'"usage":')
-    if at < 0:
-        return None
-    prompt = _PROMPT_TOKENS.search(body, at, at + 512)
-    completion = _COMPLETION_TOKENS.search(body, at, at + 512)
-    return (0 if prompt is None else int(prompt.group(1)),
-            0 if completion is None else int(completion.group(1)))
-
-
-def _failures_by_backend(failures: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
-    """``{backend: {cause: n}}`` of the router's ``(backend, cause) -> n``."""
-    out: dict[str, dict[str, int]] = {}
-    for (backend, cause), n in failures.items():
-        out.setdefault(backend, {})[cause] = n
-    return out
 
 
 def runner_url(runner: web.AppRunner) -> str:

@@ -3,10 +3,11 @@
 Owns: :class:`Attempt` (one try on one backend), :class:`Exchange` (a request across its
 attempts), :class:`Stream` (a streamed answer the router continues), :class:`Hold` (one wait
 that the fleet may interrupt), what an attempt ends as (:class:`Failure`, or a hedge's
-:class:`Won`), and :func:`with_key` (the headers of a request the router makes on its own
-account).
-Must not: send or decide anything: :mod:`fleetwarden.router.forward` runs the attempts,
-:mod:`fleetwarden.router.waiting` keeps the waits the fleet's commands act on.
+:class:`Won`), and :func:`with_key` and :data:`CLOSE` (the headers of a request the router
+makes on its own account, and of one whose connection is never pooled).
+Must not: send or decide anything: :mod:`fleetwarden.router.forward` runs the attempt loop,
+:mod:`fleetwarden.router.attempts` each attempt, :mod:`fleetwarden.router.waiting` keeps the
+waits the fleet's commands act on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from fleetwarden.router.upstream import (
     LocalExhaustion,
 )
 
-__all__ = ["Attempt", "Exchange", "Failure", "Hold", "Stream", "Won", "classify", "with_key"]
+__all__ = ["CLOSE", "Attempt", "Exchange", "Failure", "Hold", "Stream", "Won", "classify",
+           "with_key"]
+
+#: The header of a request whose connection is never pooled (a stream the router continues:
+#: router/upstream.py); an attempt that carries it asks for no keep-alive.
+CLOSE = (b"Connection", b"close")
 
 
 def classify(exc: BaseException) -> Cause:

@@ -1,12 +1,13 @@
 """Forwarding one request: pick a backend, send, hand the answer to the relay, count.
 
-Owns: the attempt loop, one request's way through the backends (pick, send, wait for the
-head, retry, hedge's race, continue a stream). Beside it, by job:
-the waits the fleet's commands act on (:mod:`~fleetwarden.router.waiting`), the relay of an
-answer to its client (:mod:`~fleetwarden.router.relay`), the failures counted
-(:mod:`~fleetwarden.router.tally`), the cache-aware index kept in step with the fleet
-(:mod:`~fleetwarden.router.cache_sync`), the engines' limits learnt
-(:mod:`~fleetwarden.router.limits_learning`), the router's own answers
+Owns: the attempt loop, one request's way through the backends (pick, try, retry, wait for
+an engine coming back, continue a stream, give up with the answer that fits). Beside it, by
+job: a client's request read into its exchange (:mod:`~fleetwarden.router.intake`), one try
+on one backend and a hedge's race (:mod:`~fleetwarden.router.attempts`), the waits the fleet's
+commands act on (:mod:`~fleetwarden.router.waiting`), the relay of an answer to its client
+(:mod:`~fleetwarden.router.relay`), the failures counted (:mod:`~fleetwarden.router.tally`),
+the cache-aware index kept in step with the fleet (:mod:`~fleetwarden.router.cache_sync`), the
+engines' limits learnt (:mod:`~fleetwarden.router.limits_learning`), the router's own answers
 (:mod:`~fleetwarden.router.answers`) and the records an exchange's attempts share
 (:mod:`~fleetwarden.router.exchange`).
 Must not: decide health or change the serving set: it reports outcomes, the controller and the
@@ -72,93 +73,40 @@ section 4):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
+from collections.abc import Coroutine
 from functools import partial
+from typing import Any
 
-from fleetwarden.router.affinity import Affinity, AffinitySettings, Query, query_of
-from fleetwarden.router.answers import DESCRIPTIONS, OwnAnswers, error_response
+from fleetwarden.router.affinity import Affinity, AffinitySettings
+from fleetwarden.router.answers import DESCRIPTIONS, OwnAnswers
+from fleetwarden.router.attempts import Attempts
 from fleetwarden.router.cache_sync import CacheSync
-from fleetwarden.router.exchange import (
-    Attempt,
-    Exchange,
-    Failure,
-    Hold,
-    Stream,
-    Won,
-    classify,
-    with_key,
-)
+from fleetwarden.router.exchange import Exchange, Failure, Hold, Stream, Won
+from fleetwarden.router.intake import Intake
 from fleetwarden.router.kv_events import KVEvents
 from fleetwarden.router.kv_index import KVIndex
 from fleetwarden.router.limits_learning import LimitsLearner
-from fleetwarden.router.pool import (
-    BackendFacts,
-    Pool,
-)
-from fleetwarden.router.relay import HOP_BY_HOP, Answering, Relay
+from fleetwarden.router.pool import Pool
+from fleetwarden.router.relay import Relay
 from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
-from fleetwarden.router.serve import (
-    BodyTooLarge,
-    RawHeaders,
-    Request,
-    Response,
-    StreamResponse,
-    error_body,
-)
-from fleetwarden.router.settings import (
-    MIN_VERSION_HEADER,
-    RouterSettings,
-)
-from fleetwarden.router.splice import (
-    ABORTED_ERROR,
-    EngineLimits,
-    Splice,
-    read_stream_request,
-)
+from fleetwarden.router.serve import RawHeaders, Request, Response, StreamResponse
+from fleetwarden.router.settings import RouterSettings
+from fleetwarden.router.splice import ABORTED_ERROR, EngineLimits, Splice
 from fleetwarden.router.stats import RouterStats
 from fleetwarden.router.tally import Tally
-from fleetwarden.router.upstream import (
-    Address,
-    Answer,
-    UpstreamClient,
-    UpstreamError,
-)
 from fleetwarden.router.waiting import WaitingRequests
 
 __all__ = ["Forwarder"]
 
 log = logging.getLogger("fleetwarden.router")
 
-#: The body is buffered and re-sent, so its length is recomputed and there is nothing left to
-#: expect; the Host is the backend's.
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-_MIN_VERSION = MIN_VERSION_HEADER.encode()
-_CLOSE = (b"Connection", b"close")
-#: Digits of a minimum weight version read (a 64-bit counter has 20).
-_MAX_VERSION_DIGITS = 20
-#: Parsed target URLs kept (backends x allowlisted paths, plus any query strings).
-_MAX_CACHED_TARGETS = 4096
-
-
-def _min_version(value: bytes | None) -> int | Response | None:
-    """The request's minimum weight version, ``None`` without one, or the 400 for a bad one."""
-    if value is None:
-        return None
-    raw = value.decode("latin-1")
-    digits = raw.strip()
-    # Bounded: Python refuses to read an integer of over 4,300 digits (ValueError), and no
-    # weight version needs more than a 64-bit counter's 20.
-    if not (digits.isascii() and digits.isdigit()) or len(digits) > _MAX_VERSION_DIGITS:
-        return error_response(400, f"{MIN_VERSION_HEADER} must be an integer >= 0, got "
-                              f"{raw!r}.", "invalid_request_error", param=MIN_VERSION_HEADER)
-    return int(digits)
-
 
 class Forwarder:
-    """Sends requests to the pool's backends over keep-alive connections
-    (:mod:`fleetwarden.router.upstream`)."""
+    """The attempt loop: each request tried on the pool's backends until one answers or it
+    gives up, with the jobs beside it (its intake, its attempts, the waits, the relay) made
+    and joined here."""
 
     def __init__(self, pool: Pool, settings: RouterSettings, stats: RouterStats, *,
                  health_managed: bool) -> None:
@@ -173,16 +121,9 @@ class Forwarder:
         #: requests waiting for one wait on: set, and replaced, at every push.
         self.coming_back = 0
         self._push_seen = asyncio.Event()
-        self._client: UpstreamClient | None = None
         #: The requests each backend holds, and the fleet's commands on them (rescue, hedge,
         #: a weight load with the requests kept, the silence read).
         self.waiting = WaitingRequests(pool, stats, self._hedge)
-        #: Every attempt carries its engine's key (the push's ``key``), not only the router's
-        #: own continuations: set when the router checks client keys, whose keys never go on
-        #: to an engine (router/keys.py), so that clients never need to hold the engines' key.
-        self.engine_keys_always = False
-        #: Parsed target URLs, by backend + path (the allowlist keeps this small).
-        self._targets: dict[str, Address] = {}
         #: Each engine's context length and server caps (:class:`EngineLimits`), as the
         #: pushes say them and the engines' ``/v1/models`` tell.
         self.limits = EngineLimits()
@@ -191,8 +132,8 @@ class Forwarder:
         self.relay = Relay(pool, stats, self.waiting, self.answers, self.limits,
                            count_failure=self.tally.count_failure,
                            learn_context=self.learner.learn_context)
-        header = settings.session_header
-        self._session_header = None if header is None else header.strip().lower().encode()
+        #: Each try on one backend, and the hedges that race them.
+        self.attempts = Attempts(pool, settings, stats, self.tally, self.waiting, self.relay)
         #: The cache-aware policy's index (router/affinity.py); None: least in flight.
         self.affinity: Affinity | None = None
         #: The policy's index kept in step with the serving set, and the engines' KV events
@@ -205,6 +146,8 @@ class Forwarder:
                 self.affinity.precise = KVIndex(self.affinity.settings.token_block,
                                                 resync_s=settings.cache_ttl_s)
             self.cache = CacheSync(pool, settings, self.affinity)
+        #: Each client request read once, into the exchange its attempts share.
+        self.intake = Intake(settings, stats, self.answers, self.affinity)
 
     @property
     def kv_events(self) -> KVEvents | None:
@@ -245,38 +188,19 @@ class Forwarder:
         ex.tried.clear()
         return True
 
-    def _query(self, body: bytes, session: str | None) -> Query | None:
-        """What the cache-aware policy reads of a request; None for a body it cannot read
-        (the engine answers that one with its own error)."""
-        assert self.affinity is not None
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return None
-        return query_of(parsed, session, self.affinity.settings,
-                        self.settings.cache_user_is_session)
-
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
-        s = self.settings
-        # No limit on connections: the engines queue; the router never should.
-        self._client = UpstreamClient(connect_timeout_s=s.connect_timeout_s,
-                                      total_timeout_s=s.backend_timeout_s,
-                                      keepalive_timeout_s=s.keepalive_timeout_s,
-                                      max_head_bytes=s.max_head_bytes,
-                                      max_headers=s.max_headers)
-        self.learner.open(self._client, self._target)
+        client = self.attempts.open()
+        self.learner.open(client, self.attempts.target)
         if self.cache is not None:
-            self.cache.open(self._client, self._target)
+            self.cache.open(client, self.attempts.target)
 
     async def close(self) -> None:
         self.learner.close()
         if self.cache is not None:
             await self.cache.close()
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self.attempts.close()
 
     # ------------------------------------------------------------------ the request path
 
@@ -286,10 +210,10 @@ class Forwarder:
         this loop does what it says)."""
         started = time.perf_counter()
         self.stats.requests += 1
-        body = await self._read_body(request)
+        body = await self.intake.read_body(request)
         if isinstance(body, Response):
             return body
-        ex = self._exchange(request, body, started)
+        ex = self.intake.exchange(request, body, started)
         if isinstance(ex, Response):
             return ex
         budget = self.pool.retry_budget
@@ -315,7 +239,7 @@ class Forwarder:
                 if ex.resend is not None and ex.resend is not AfterFailure.AT_ONCE:
                     self.stats.retries[ex.resend.value] += 1
                 ex.tried.append(backend)
-                answer = await self._attempt(ex, backend)
+                answer = await self.attempts.send(ex, backend)
                 if not isinstance(answer, Failure):
                     ex.answered = True
                     return answer
@@ -333,75 +257,6 @@ class Forwarder:
             budget.requests_in_flight -= 1
             if ex.retries is not None:
                 ex.retries.release()
-
-    async def _read_body(self, request: Request) -> bytes | Response:
-        """The client's whole body, or the answer to a client that sent too much or stalled."""
-        length = request.content_length
-        if length is not None and length > self.settings.max_body_bytes:
-            return self.answers.too_large()
-        try:
-            if request.body_arrived:
-                # The whole body has arrived (a small one comes with its headers): reading it
-                # cannot stall, so no timer is set and cancelled for it.
-                return await request.read()
-            async with asyncio.timeout(self.settings.client_body_timeout_s):
-                return await request.read()
-        except BodyTooLarge:
-            return self.answers.too_large()
-        except TimeoutError:
-            # A client that sent its headers and stalled: no backend was picked yet, so it
-            # held nothing but this handler, which it now gives back.
-            self.stats.responded(408)
-            return error_response(
-                408, f"The request body did not arrive within "
-                f"{self.settings.client_body_timeout_s:g} s.", "request_timeout")
-
-    def _exchange(self, request: Request, body: bytes, started: float) -> Exchange | Response:
-        """What every attempt of ``request`` sends, read once; or the answer to a request the
-        router refuses as it came (a malformed minimum weight version, JSON nested too deep)."""
-        # One pass over the headers as they came: what is forwarded, and what the router reads.
-        headers: RawHeaders = []
-        connection = session_value = min_value = None
-        session_header = self._session_header
-        for name, value in request.raw_headers:
-            lowered = name.lower()
-            if lowered in _NOT_FORWARDED:
-                if lowered == b"connection" and connection is None:
-                    connection = value
-                continue
-            if lowered == session_header and session_value is None:
-                session_value = value
-            elif lowered == _MIN_VERSION and min_value is None:
-                min_value = value
-            headers.append((name, value))
-        if connection is not None:  # headers it names are hop-by-hop too
-            named = {t.strip().lower() for t in connection.split(b",")}
-            headers = [(k, v) for k, v in headers if k.lower() not in named]
-        session = (None if session_value is None
-                   else session_value.decode("utf-8", "surrogateescape"))
-        min_version = _min_version(min_value)
-        if isinstance(min_version, Response):
-            self.stats.responded(min_version.status)
-            return min_version
-        stream = None
-        if self.settings.continue_streams:
-            try:
-                read = read_stream_request(request.path, body, request.headers,
-                                           assemble_answers=self.settings.continue_answers)
-            except RecursionError:  # JSON nested deeper than Python's parser goes
-                self.stats.responded(400)
-                return error_response(400, "The request body is JSON nested too deeply.",
-                                      "invalid_request_error")
-            if read is not None:
-                stream = Stream(Splice(read), min_version=min_version)
-                headers.append(_CLOSE)  # never pooled (router/upstream.py)
-        query = None if self.affinity is None else self._query(body, session)
-        exchange = Exchange(request, body, headers, started, session, min_version, stream,
-                             query)
-        if stream is not None:
-            stream.tried = exchange.tried
-            stream.crossed = exchange.crossed
-        return exchange
 
     def _after_failure(self, ex: Exchange, failure: Failure) -> AfterFailure:
         """What follows a failed attempt (:mod:`~fleetwarden.router.retry`), with the failure
@@ -478,7 +333,7 @@ class Forwarder:
         no_limit = stream.splice.names_no_limit()
         plan = stream.splice.continuation(
             max_model_len=None if began_on is None else limits.context.get(began_on),
-            upstream_fields=self._takes_fields(backend),
+            upstream_fields=self.attempts.takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),
             next_output_cap=limits.output_cap(backend, False),
             began_unknown=limits.unknown_cap(began_on), next_unknown=limits.unknown_cap(backend))
@@ -523,193 +378,8 @@ class Forwarder:
             affinity.placed(query, backend, time.monotonic())
         return backend
 
-    async def _attempt(self, ex: Exchange, backend: str) -> StreamResponse | Failure:
-        """One try on one backend: its answer relayed, or why there is none. A request the
-        router does not continue as a stream may be hedged (:meth:`WaitingRequests.hedge`)."""
-        pool = self.pool
-        request, body, stream = ex.request, ex.body, ex.stream
-        key = backend + request.raw_path  # the request target exactly as the client sent it
-        headers = ex.headers
-        facts = pool.facts(backend)  # what the push said of it as the attempt leaves
-        if stream is not None:
-            body = stream.splice.request.body_for(self._takes_fields(backend))
-            if stream.began and stream.continuation is not None:
-                key = backend + stream.continuation.path
-                body = stream.continuation.body
-                # A continuation is the router's own request, not the client's: it carries
-                # the engine's key where the push gave one (the client's otherwise).
-                headers = with_key(headers, facts.key)
-        if self.engine_keys_always:
-            headers = with_key(headers, facts.key)
-        target = self._target(key)
-        pool.dispatched(backend)
-        try:
-            sent = time.perf_counter()
-            answer, hedge = await self._wait_head(Attempt(
-                backend, request.method, target, body, headers, facts,
-                None if stream is not None else ex, stream, ex.crossed))
-            if hedge is not None:
-                if not isinstance(answer, Failure):
-                    self._drop_hedge(hedge)  # this answer came first
-                else:
-                    return await self._after_hedge(request, hedge, answer, ex.started,
-                                                   ex.crossed)
-            if isinstance(answer, Failure):
-                return answer
-            return await self.relay.deliver(Answering(request, answer, backend, ex.started,
-                                                      time.perf_counter() - sent, facts,
-                                                      ex.crossed, stream))
-        finally:
-            pool.finished(backend)
-
-    async def _wait_head(self, at: Attempt) -> tuple[Answer | Failure,
-                                                     asyncio.Task[Won | Failure] | None]:
-        """Send attempt ``at`` to its backend and wait for the head of its answer, in the
-        backend's waiting list (a rescue, or the answer of its hedge, ends the wait at once).
-        Returns the answer (a 5xx as a failure) and the hedge that was in flight for it when
-        the wait ended, if any."""
-        assert self._client is not None, "Forwarder.open() was not awaited"
-        backend, headers = at.backend, at.headers
-        waits = self.waiting
-        waiting = waits.heads.get(backend)
-        if waiting is None:
-            waiting = waits.heads[backend] = {}
-        hedge: asyncio.Task[Won | Failure] | None = None
-        race_fails = False
-        answer: Answer | Failure
-        hold = Hold(stream=at.stream, crossed=at.crossed)
-        waiting[hold] = (asyncio.get_running_loop().time(), at.hedgeable)
-        try:
-            try:
-                upstream = await self._client.request(
-                    at.target, at.method, headers, at.body, keep_alive=_CLOSE not in headers)
-                waits.heard[backend] = asyncio.get_running_loop().time()
-                if upstream.status >= 500:
-                    answer = await self._server_error(backend, upstream, at.facts)
-                else:
-                    answer = upstream  # an event stream's connection is never pooled
-            finally:
-                waiting.pop(hold, None)
-                if waits.hedging:
-                    hedge = waits.hedging.pop(hold, None)
-                    race_fails = hold in waits.races_fail
-                    waits.races_fail.discard(hold)
-        except asyncio.CancelledError:
-            if not hold.caught():  # the client left while both waited
-                if hedge is not None:
-                    self._drop_hedge(hedge)
-                raise
-            # Interrupted: the hedge's answer came first, a rescue, or a stream moved.
-            if (hedge is not None and hedge.done() and not hedge.cancelled()
-                    and isinstance(hedge.result(), Won)):
-                answer = Failure(backend, Cause.HEDGED, race_fails=race_fails)
-            else:
-                answer = Failure(backend, hold.why, race_fails=self.waiting.race_fails(hold))
-        except TimeoutError as exc:  # the backend timeout
-            answer = Failure(backend, classify(exc))
-        except UpstreamError as exc:
-            answer = Failure(backend, classify(exc))
-        except BaseException:  # the client left while both waited
-            if hedge is not None:
-                self._drop_hedge(hedge)
-            raise
-        return answer, hedge
-
-    async def _server_error(self, backend: str, upstream: Answer,
-                            facts: BackendFacts) -> Failure:
-        """An engine's 5xx, its body read to ``max_error_body_bytes``: one over it is not waited
-        on to its end (its connection is dropped), and what the client may be given of it is
-        the router's word, naming the bound."""
-        limit = self.settings.max_error_body_bytes
-        try:
-            body, cut = await upstream.read_at_most(limit)
-        except BaseException:
-            upstream.close()
-            raise
-        if not cut:
-            return Failure(backend, Cause.SERVER_ERROR, upstream.status, upstream.raw_headers,
-                            body, facts)
-        status = upstream.status
-        return Failure(backend, Cause.SERVER_ERROR, status,
-                        [(b"Content-Type", b"application/json")],
-                        error_body(status, f"Backend {backend} answered {status} with a body "
-                                   f"over {limit} bytes (not relayed); it began: "
-                                   f"{body[:300].decode(errors='replace')}", "backend_error"),
-                        facts)
-
-    # ------------------------------------------------------------------ hedges
-
-    async def _hedge(self, scope: Hold, backend: str, request: Request,
-                     body: bytes, headers: RawHeaders, other: str,
-                     ) -> Won | Failure:
-        """The hedge of the request waiting in ``scope`` on ``backend``: the same request on
-        ``other``, up to its headers. The first of the two to answer wakes or drops the other
-        (:meth:`_attempt`); a failure here is counted against ``other`` and leaves the original
-        waiting."""
-        facts = self.pool.facts(other)
-        if self.engine_keys_always:
-            headers = with_key(headers, facts.key)
-        sent = time.perf_counter()
-        # In ``other``'s waiting list: its silence is seen, a rescue moves it on (it is never
-        # hedged itself: the original is its hedge).
-        answer, _ = await self._wait_head(Attempt(
-            other, request.method, self._target(other + request.raw_path), body, headers,
-            facts, crossed=scope.crossed))
-        if isinstance(answer, Failure):
-            if answer.cause is not Cause.RESCUED:
-                self.tally.count_failure(answer)
-            return answer
-        if self.waiting.hedging.get(scope) is asyncio.current_task():
-            # the original still waits: wake it, this is the client's answer
-            scope.interrupt()
-        return Won(other, answer, time.perf_counter() - sent, facts)
-
-    async def _after_hedge(self, request: Request, hedge: asyncio.Task[Won | Failure],
-                           failure: Failure, started: float,
-                           crossed: list[int]) -> StreamResponse | Failure:
-        """The original attempt ended without an answer while its hedge was in flight (or
-        because the hedge's answer came): the hedge's answer is the client's, if it has one."""
-        if failure.cause is Cause.HEDGED and not failure.race_fails:
-            self.tally.lost_race(failure)
-            failure.counted = True
-        elif failure.cause is not Cause.RESCUED:
-            self.tally.count_failure(failure)  # the original's own failure is evidence all the same
-            failure.counted = True
-        won = await hedge  # cancelled with this handler, if the client leaves
-        if isinstance(won, Failure):
-            return failure
-        self.stats.hedges_won += 1
-        try:
-            return await self.relay.deliver(Answering(request, won.upstream, won.backend,
-                                                      started, won.backend_time, won.facts,
-                                                      crossed))
-        finally:
-            self.pool.finished(won.backend)
-
-    def _drop_hedge(self, hedge: asyncio.Task[Won | Failure]) -> None:
-        """The original answered first (or its client left): cancel the hedge, or close the
-        answer it already has (its engine sees the disconnect and aborts)."""
-        if not hedge.done():
-            hedge.cancel()
-            return
-        if hedge.cancelled():
-            return
-        won = hedge.result()
-        if isinstance(won, Won):
-            won.upstream.close()
-            self.pool.finished(won.backend)
-
-    def _target(self, key: str) -> Address:
-        """Where ``key`` (backend + path) goes, parsed once and cached."""
-        target = self._targets.get(key)
-        if target is None:
-            if len(self._targets) >= _MAX_CACHED_TARGETS:
-                self._targets.clear()  # query strings or many restarts: start afresh
-            target = self._targets[key] = Address.parse(key)
-        return target
-
-    def _takes_fields(self, backend: str) -> bool:
-        """Whether ``backend``'s engine takes vLLM's own request fields: its profile's word in
-        the controller's push, else the router's ``upstream_fields`` setting."""
-        said = self.pool.facts(backend).upstream_fields
-        return self.settings.upstream_fields if said is None else said
+    def _hedge(self, scope: Hold, backend: str, request: Request, body: bytes,
+               headers: RawHeaders, other: str) -> Coroutine[Any, Any, Won | Failure]:
+        """The hedge the fleet's command sends (:meth:`Attempts.hedge`), looked up when sent:
+        the waits and the attempts each hold the other."""
+        return self.attempts.hedge(scope, backend, request, body, headers, other)

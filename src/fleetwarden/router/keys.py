@@ -3,7 +3,7 @@
 Owns: the keys file's format (parsing it, naming the line and field of a mistake, writing it
 for ``fleetwarden keys``), hashing and checking a presented key, the client's ``Authorization``
 replaced toward the engines, and reloading the file when it changes.
-Must not: answer a request or count one (``app.py`` does), or know the engines' own key (it is
+Must not: answer a request or count one (``routes.py`` does), or know the engines' own key (it is
 given, as a value, by whoever configured it).
 
 The rules (docs/operations.md, "Keys on the data port"):

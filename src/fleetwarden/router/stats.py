@@ -1,6 +1,6 @@
 """The router's own Prometheus metrics.
 
-Owns: the router's own counters and their Prometheus registry.
+Owns: the router's own counters, their Prometheus registry and their summary in its status.
 Must not: forward an engine's metrics, or decide anything from the counters.
 
 The request path only bumps plain integers in :class:`RouterStats` (no locks, no label lookups);
@@ -150,6 +150,38 @@ class RouterStats:
         self.added_latency_buckets[bisect.bisect_left(ADDED_LATENCY_BUCKETS_S, seconds)] += 1
         self.added_latency_count += 1
         self.added_latency_sum += seconds
+
+    def summary(self) -> dict[str, Any]:
+        """The counters as plain JSON-able data (the router's ``status()``)."""
+        return {"requests": self.requests,
+                "responses": {str(k): n for k, n in self.responses.items()},
+                "backend_failures": sum(self.backend_failures.values()),
+                "retries": dict(self.retries),
+                "rescues": self.rescues,
+                "hedges": self.hedges,
+                "hedges_won": self.hedges_won,
+                # What faults cost the requests (a trainer's step: fleet.refit_from).
+                "continuations": dict(self.continuations),
+                "streams_ended": dict(self.streams_ended),
+                "aborted": self.aborted,
+                "tokens_discarded": self.tokens_discarded,
+                "failures": _by_backend(self.backend_failures),
+                "poison_requests": self.poison_requests,
+                "comeback_waits": self.comeback_waits,
+                "comeback_served": self.comeback_served,
+                "local_exhaustion": self.local_exhaustion,
+                "connections_closed": dict(self.connections_closed),
+                # name -> [requests, prompt tokens, completion tokens]
+                "keys": {name: t.to_list() for name, t in self.keys.items()},
+                "key_refusals": dict(self.key_refusals)}
+
+
+def _by_backend(failures: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """``{backend: {cause: n}}`` of the router's ``(backend, cause) -> n``."""
+    out: dict[str, dict[str, int]] = {}
+    for (backend, cause), n in failures.items():
+        out.setdefault(backend, {})[cause] = n
+    return out
 
 
 class RouterCollector(Collector):

@@ -4,8 +4,8 @@ Owns: :class:`WaitingRequests`: every request waiting on a backend for its answe
 stream relayed from one, the hedges in flight, and when each backend last answered; the
 controller's commands on them (rescue, hedge, a weight load with the requests kept) and its
 read of them (:meth:`WaitingRequests.silent`).
-Must not: send a request: a hedge is sent by the attempt loop
-(:class:`~fleetwarden.router.forward.Forwarder`), whose waits enter and leave these tables.
+Must not: send a request: a hedge is sent by the attempts
+(:class:`~fleetwarden.router.attempts.Attempts`), whose waits enter and leave these tables.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = logging.getLogger("fleetwarden.router")
 
 #: How a hedge is sent: (the hold of the wait it hedges, its backend, the request, its body,
 #: its headers, the other backend) -> the hedge's attempt
-#: (:meth:`Forwarder._hedge <fleetwarden.router.forward.Forwarder._hedge>`).
+#: (:meth:`Attempts.hedge <fleetwarden.router.attempts.Attempts.hedge>`).
 SendHedge = Callable[[Hold, str, Request, bytes, RawHeaders, str],
                      Coroutine[Any, Any, Won | Failure]]
 
@@ -224,7 +224,8 @@ class WaitingRequests:
 
 def hedge_ended(pool: Pool, backend: str, task: asyncio.Task[Won | Failure]) -> None:
     """A hedge's attempt on ``backend`` is no longer in flight, unless it won: then its
-    answer is, until the client has it or it is dropped (:meth:`Forwarder._after_hedge`,
-    :meth:`Forwarder._drop_hedge`)."""
+    answer is, until the client has it or it is dropped (:meth:`Attempts._after_hedge
+    <fleetwarden.router.attempts.Attempts._after_hedge>`, :meth:`Attempts._drop_hedge
+    <fleetwarden.router.attempts.Attempts._drop_hedge>`)."""
     if task.cancelled() or task.exception() is not None or not isinstance(task.result(), Won):
         pool.finished(backend)
