@@ -156,8 +156,9 @@ class Oracle:
             result.by_cut[(case.cut, v.outcome)] += 1
             result.by_kind[(case.kind, v.outcome)] += 1
             if v.outcome == "refused":
-                # counted by cause: the figures in a reason (tokens proven, needed) vary
-                result.refused[re.sub(r"\d+", "N", v.detail)] += 1
+                # counted by cause: the token counts in a reason (proven, needed, left) vary
+                result.refused[re.sub(r"\d+(?= tokens\b| needed\b| left\b)", "N",
+                                      v.detail)] += 1
             elif v.outcome == "inexact":
                 result.inexact.append((case, v))
 
