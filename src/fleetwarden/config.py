@@ -34,6 +34,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -78,7 +79,8 @@ OutputCap = Annotated[int, Field(ge=1)] | Literal["none"]
 
 
 def _output_cap(where: str, value: object) -> int | str:
-    """A declared ``output_cap``, checked here so that the error names the entry it is on."""
+    """A declared ``output_cap`` or ``output_default``, checked here so that the error names
+    the entry it is on."""
     if value == "none" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise ValueError(f'{where}: must be an integer >= 1 (tokens) or "none", got {value!r}')
@@ -187,11 +189,14 @@ class EngineGroup(_Section):
     #: The server cap on every request's output of this group's engines, where their command
     #: does not show it (a wrapper script): as `fleet.output_cap`.
     output_cap: OutputCap | None = None
+    #: Their default limit of a chat that names none, where this host cannot read their
+    #: model's generation config: as `fleet.output_default`.
+    output_default: OutputCap | None = None
 
-    @field_validator("output_cap", mode="before")
+    @field_validator("output_cap", "output_default", mode="before")
     @classmethod
-    def _cap(cls, value: object) -> object:
-        return value if value is None else _output_cap("output_cap", value)
+    def _cap(cls, value: object, info: ValidationInfo) -> object:
+        return value if value is None else _output_cap(str(info.field_name), value)
 
     @model_validator(mode="after")
     def _has_port(self) -> EngineGroup:
@@ -242,11 +247,20 @@ class FleetConfig(_Section):
     backends: list[str] = Field(default_factory=list)
     #: The `output_cap` each `[[fleet.backends]]` table declares, by URL (filled from them).
     backend_output_caps: dict[str, OutputCap] = Field(default_factory=dict)
+    #: The `output_default` each table declares (its default limit of a chat that names none:
+    #: its model's generation config `max_new_tokens`, or "none"), by URL.
+    backend_output_defaults: dict[str, OutputCap] = Field(default_factory=dict)
     #: The server cap on every request's output of the fleet's own launched engines, where
     #: `engine_cmd` does not show it (a wrapper script; their command's
     #: `--override-generation-config` is read otherwise): tokens, or "none". An engine's own
     #: `GET /server_info` wins over both. Unset: the command says.
     output_cap: OutputCap | None = None
+    #: The launched engines' default limit of a chat that names none (their model's
+    #: `generation_config.json` `max_new_tokens`; "none": it sets none), where this host cannot
+    #: read it (a hub name, not a folder here). Unset: read from the command's model folder;
+    #: unknown where that cannot be read, and a chat naming no limit cut there is continued
+    #: only as far as its finishes proved (docs/design.md 4.1, "Server caps").
+    output_default: OutputCap | None = None
     #: Attach mode: how to restart a condemned attached engine, e.g. `kubectl delete pod
     #: {name}` or `systemctl restart vllm@{shard}`; `{shard}`, `{url}`, `{name}` (the
     #: URL's host) are filled in. Unset: a condemned attached engine is only dropped from
@@ -300,33 +314,36 @@ class FleetConfig(_Section):
     @classmethod
     def _backend_tables(cls, data: Any) -> Any:
         """`[[fleet.backends]]` tables to URLs, their `output_cap`s to `backend_output_caps`
-        (each checked here, so that an error names the entry)."""
+        and `output_default`s to `backend_output_defaults` (each checked here, so that an error
+        names the entry)."""
         if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
             return data
         urls: list[Any] = []
-        caps = dict(data.get("backend_output_caps") or {})
+        declared = {name: dict(data.get(f"backend_{name}s") or {})
+                    for name in ("output_cap", "output_default")}
         for i, entry in enumerate(data["backends"]):
             if not isinstance(entry, dict):
                 urls.append(entry)
                 continue
-            unknown = sorted(set(entry) - {"url", "output_cap"})
+            unknown = sorted(set(entry) - {"url", "output_cap", "output_default"})
             if unknown:
                 raise ValueError(f"backends[{i}]: unknown field(s) {', '.join(unknown)}; "
-                                 "a backend table takes url and output_cap")
+                                 "a backend table takes url, output_cap and output_default")
             url = entry.get("url")
             if not isinstance(url, str):
                 raise ValueError(f"backends[{i}].url: give the engine's URL, "
                                  "e.g. http://10.0.0.5:8000")
             urls.append(url)
-            if "output_cap" in entry:
-                caps[url.strip().rstrip("/")] = _output_cap(f"backends[{i}].output_cap",
-                                                            entry["output_cap"])
-        return {**data, "backends": urls, "backend_output_caps": caps}
+            for name, table in declared.items():
+                if name in entry:
+                    table[url.strip().rstrip("/")] = _output_cap(f"backends[{i}].{name}",
+                                                                 entry[name])
+        return {**data, "backends": urls, **{f"backend_{n}s": t for n, t in declared.items()}}
 
-    @field_validator("output_cap", mode="before")
+    @field_validator("output_cap", "output_default", mode="before")
     @classmethod
-    def _cap(cls, value: object) -> object:
-        return value if value is None else _output_cap("output_cap", value)
+    def _cap(cls, value: object, info: ValidationInfo) -> object:
+        return value if value is None else _output_cap(str(info.field_name), value)
 
     @field_validator("backends")
     @classmethod
@@ -360,9 +377,11 @@ class FleetConfig(_Section):
                                  "/v1/..., /metrics and /health itself)")
         if self.engine_cmd is not None:
             _check_template("engine_cmd", self.engine_cmd, ENGINE_PLACEHOLDERS)
-        for url in self.backend_output_caps:
-            if url not in self.backends:
-                raise ValueError(f"backend_output_caps: {url!r} is not one of the backends")
+        for name, table in (("backend_output_caps", self.backend_output_caps),
+                            ("backend_output_defaults", self.backend_output_defaults)):
+            for url in table:
+                if url not in self.backends:
+                    raise ValueError(f"{name}: {url!r} is not one of the backends")
         for key, value in self.engine_env.items():
             _check_template(f"engine_env.{key}", value, ENGINE_PLACEHOLDERS)
         if self.restart_command is not None:
@@ -389,12 +408,20 @@ class FleetConfig(_Section):
         """The `output_cap` the config declares for a shard (a launched one's group's or the
         fleet's own, an attached one's `[[fleet.backends]]` table): tokens, "none", or None
         where it declares nothing."""
+        return self._declared(shard, "output_cap", self.backend_output_caps)
+
+    def declared_output_default(self, shard: int) -> int | str | None:
+        """The `output_default` the config declares for a shard, as :meth:`declared_output_cap`."""
+        return self._declared(shard, "output_default", self.backend_output_defaults)
+
+    def _declared(self, shard: int, name: str, tables: dict[str, OutputCap]) -> int | str | None:
         if shard >= self.launched:
             index = shard - self.launched
             url = self.backends[index] if index < len(self.backends) else None
-            return None if url is None else self.backend_output_caps.get(url)
+            return None if url is None else tables.get(url)
         group = self.group_of(shard)
-        return self.output_cap if group is None else group.output_cap
+        value: int | str | None = getattr(self if group is None else group, name)
+        return value
 
     def engine_of(self, shard: int) -> str:
         """The engine kind of a shard (``auto``: recognised at its first read)."""

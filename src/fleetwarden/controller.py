@@ -139,18 +139,27 @@ def output_cap_from(said: int | CapUnknown | None, fleet: FleetConfig,
     return None, f"{UNKNOWN}{said.why}"
 
 
-def output_default_from(said: int | None, fleet: FleetConfig, shard: int) -> int | None:
+def output_default_from(said: int | CapUnknown | None, fleet: FleetConfig,
+                        shard: int) -> tuple[int | None, str | None]:
     """A shard's default limit of a request that names none (a chat's; vLLM's
-    ``default_sampling_params``, :func:`~fleetwarden.engines.generation_limits`): what its
-    engine's ``/server_info`` shows (its model folder, where that is on this host), else a
-    launched engine's command (its model folder, ``--generation-config``, the override);
-    ``None``: none, or not known (an attached engine elsewhere: a ``"length"`` finish of
-    such a chat reveals it, docs/design.md 4.1)."""
-    if said is not None or shard >= fleet.launched:
-        return said
-    group = fleet.group_of(shard)
-    return output_default_of(fleet.engine_cmd if group is None else group.engine_cmd,
-                             generation_config_file)
+    ``default_sampling_params``, :func:`~fleetwarden.engines.generation_limits`) and why it is
+    not known, if it is not: what its engine's ``/server_info`` shows (its model folder, where
+    that is on this host), else the config's declared ``output_default``, else a launched
+    engine's command (its model folder, ``--generation-config``, the override); else unknown
+    (an attached engine elsewhere: its chats naming no limit are continued only as far as
+    their finishes proved, docs/design.md 4.1)."""
+    if not isinstance(said, CapUnknown):
+        return said, None
+    declared = fleet.declared_output_default(shard)
+    if declared is not None:
+        return (None if declared == "none" else int(declared)), None
+    if shard < fleet.launched:
+        group = fleet.group_of(shard)
+        said = output_default_of(fleet.engine_cmd if group is None else group.engine_cmd,
+                                 generation_config_file)
+        if not isinstance(said, CapUnknown):
+            return said, None
+    return None, said.why
 
 
 def fleet_status(shards: Sequence[ShardRecord], min_serving_shards: int,
@@ -363,16 +372,16 @@ class Controller:
 
     def _facts(self, rec: ShardRecord) -> BackendFacts:
         cap, source = self.output_cap(rec)
+        default, default_unknown = output_default_from(
+            self.watchdog.output_default(rec.base_url), self.config.fleet, rec.index)
         return BackendFacts(rec.index, rec.weight_version,
                             upstream_fields=self._upstream_fields(rec.index),
                             incarnation=rec.incarnation,
                             models=self.watchdog.models(rec.base_url), key=self._key(rec.index),
-                            output_cap=cap,
-                            output_default=output_default_from(
-                                self.watchdog.output_default(rec.base_url), self.config.fleet,
-                                rec.index),
+                            output_cap=cap, output_default=default,
                             output_cap_unknown=(source.removeprefix(UNKNOWN)
-                                                if source.startswith(UNKNOWN) else None))
+                                                if source.startswith(UNKNOWN) else None),
+                            output_default_unknown=default_unknown)
 
     def output_cap(self, rec: ShardRecord) -> tuple[int | None, str]:
         """The server cap on every request's output of ``rec``'s engine (``None``: none, or

@@ -443,13 +443,13 @@ def output_cap_of(command: str | None, read: ConfigReader = _no_file) -> int | N
     return None if isinstance(cap, CapUnknown) else cap
 
 
-def output_default_of(command: str | None, read: ConfigReader = _no_file) -> int | None:
+def output_default_of(command: str | None,
+                      read: ConfigReader = _no_file) -> int | CapUnknown | None:
     """The default limit of a request that names none (a chat's) that an engine command
     sets (:func:`generation_limits`: the model folder's ``generation_config.json``
     ``max_new_tokens`` under vLLM's ``--generation-config auto``, read from this host's
-    disk). ``None``: none, or not known."""
-    default = _command_limits(command, read)[1]
-    return None if isinstance(default, CapUnknown) else default
+    disk). ``None``: none; :class:`CapUnknown`: its file is not readable here."""
+    return _command_limits(command, read)[1]
 
 
 #: vLLM's dev-mode endpoint (``VLLM_SERVER_DEV_MODE=1``) that shows the engine's config: the
@@ -503,9 +503,9 @@ def output_cap_of_server_info(body: bytes, read: ConfigReader = _no_file,
     return _server_info_limits(body, read)[0]
 
 
-def output_default_of_server_info(body: bytes, read: ConfigReader = _no_file) -> int | None:
+def output_default_of_server_info(body: bytes,
+                                  read: ConfigReader = _no_file) -> int | CapUnknown | None:
     """The default limit of a request that names none that a vLLM 0.32 ``GET /server_info``
     shows (:func:`generation_limits`): the model folder's ``max_new_tokens`` where that path
-    is readable on this host (an engine elsewhere: not known, ``None``)."""
-    default = _server_info_limits(body, read)[1]
-    return None if isinstance(default, CapUnknown) else default
+    is readable on this host (an engine elsewhere: :class:`CapUnknown`)."""
+    return _server_info_limits(body, read)[1]

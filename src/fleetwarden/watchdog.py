@@ -138,12 +138,21 @@ class _Memory:
     #: the process it was read of.
     output_cap: int | CapUnknown | None = _NOT_ASKED
     output_cap_of: str | None = None
-    #: Its default limit of a request that names none, from the same answer (``None``: none,
-    #: or not known: its model's folder is not on this host).
-    output_default: int | None = None
+    #: Its default limit of a request that names none, from the same answer (``None``: none;
+    #: unknown where it has no ``/server_info`` or its model's folder is not on this host).
+    output_default: int | CapUnknown | None = _NOT_ASKED
     #: The configuration faults already logged for this URL (:meth:`Watchdog._tell_faults`):
     #: one log line per engine and cause, not one per read.
     faults_told: frozenset[str] = frozenset()
+
+
+#: A limit an engine's ``/server_info`` says: tokens, none, or why not known.
+_Limit = int | CapUnknown | None
+
+
+def _both(unknown: CapUnknown) -> tuple[CapUnknown, CapUnknown]:
+    """No ``/server_info`` to read: the cap and the default unknown for the same reason."""
+    return unknown, unknown
 
 
 class _NoModels(NamedTuple):
@@ -332,40 +341,40 @@ class Watchdog:
             if known is not None:  # only vLLM has /server_info; the others' caps are declared
                 memory.output_cap_of = incarnation
                 memory.output_cap = CapUnknown(f"a {known.name} engine shows no server cap")
-                memory.output_default = None
+                memory.output_default = None  # vLLM's generation config: not theirs
             return
         if memory.output_cap_of == incarnation and not (
                 isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):
             return
         if memory.output_cap_of != incarnation:
             memory.output_cap = _NOT_ASKED  # a new process may have been started otherwise
-            memory.output_default = None
+            memory.output_default = _NOT_ASKED
         said = await self._server_cap(url)
         memory.output_cap_of, memory.output_cap = incarnation, said[0]
         memory.output_default = said[1]
 
-    def output_default(self, url: str) -> int | None:
+    def output_default(self, url: str) -> int | CapUnknown | None:
         """The default limit of a request that names none that the engine at ``url`` shows
-        (its ``/server_info``'s model folder, read on this host): ``None``: none, or not
-        known."""
+        (its ``/server_info``'s model folder, read on this host): ``None``: none; else why it
+        is not known."""
         memory = self._memory.get(url)
-        return None if memory is None else memory.output_default
+        return _NOT_ASKED if memory is None else memory.output_default
 
-    async def _server_cap(self, url: str) -> tuple[int | CapUnknown | None, int | None]:
+    async def _server_cap(self, url: str) -> tuple[_Limit, _Limit]:
         try:
             async with self._http().get(url + SERVER_INFO_PATH, timeout=self._read_timeout(),
                                         headers=self._auth(url)) as resp:
                 if resp.status == 404:
-                    return CapUnknown("no GET /server_info (vLLM shows it only with "
-                                      "VLLM_SERVER_DEV_MODE=1)"), None
+                    return _both(CapUnknown("no GET /server_info (vLLM shows it only with "
+                                            "VLLM_SERVER_DEV_MODE=1)"))
                 if resp.status != 200:
-                    return CapUnknown(f"GET /server_info answered {resp.status}",
-                                      settled=resp.status < 500), None
+                    return _both(CapUnknown(f"GET /server_info answered {resp.status}",
+                                            settled=resp.status < 500))
                 body = await _read_bounded(resp, _SERVER_INFO_BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return CapUnknown(f"GET /server_info: {_describe(e)}", settled=False), None
+            return _both(CapUnknown(f"GET /server_info: {_describe(e)}", settled=False))
         if body is None:
-            return CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes"), None
+            return _both(CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes"))
         return (output_cap_of_server_info(body, generation_config_file),
                 output_default_of_server_info(body, generation_config_file))
 

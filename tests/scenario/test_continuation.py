@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetwarden.router import Router, RouterSettings
+from fleetwarden.router.models import ModelCard
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import FaultMode, Sim, SimConfig
 from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
@@ -742,17 +743,10 @@ async def test_a_cut_where_the_cap_is_unknown_goes_on_only_as_far_as_finishes_pr
         router.set_serving_backends([s.url for s in sims], facts)
         reference = await read_stream(http, sims[0].url, "/v1/completions", COMPLETION)
         assert len(chunks(reference)) == (cap or 30)
-        crashed: list[str] = []
-
-        async def cut() -> None:
-            crashed.append(holder(router))
-            await crash(sim_at(sims, crashed[-1]))
-
-        got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
-        error = json.loads(got[-2].removeprefix(b"data: "))["error"]
-        assert error["type"] == "stream_interrupted" and got[-1] == b"data: [DONE]"
+        crashed, cut, reason = await _a_refused_cut(http, router, sims, "/v1/completions",
+                                                    COMPLETION)
         assert ("server cap of the engine that began it is unknown (no GET /server_info; "
-                "0 tokens proven of the 30 needed") in error["reason"], error
+                "0 tokens proven of the 30 needed") in reason, reason
         # the two left: one whole generation on each (least in flight spreads two at once)
         left = [s.url for s in sims if s.url != crashed[0]]
         router.set_serving_backends(left, facts)
@@ -766,3 +760,60 @@ async def test_a_cut_where_the_cap_is_unknown_goes_on_only_as_far_as_finishes_pr
         got = await read_stream(http, router.url, "/v1/completions", COMPLETION, cut)
         assert_whole(got, reference, chat=False)
         assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
+
+
+@pytest.mark.parametrize("default", [12, None])
+async def test_a_chat_naming_no_limit_where_the_models_default_is_unknown(
+    http: aiohttp.ClientSession, default: int | None,
+) -> None:
+    """The push says the engines' default limit is unknown (their model is no folder on this
+    host, nothing declared). A chat naming no limit cut before any such chat finished there is
+    refused, naming why (continued to the context left, it would run past a generation
+    config's 12). Then one whole such chat on each of the others: with a default, its
+    ``"length"`` finish at 12, short of the context left, reveals it; with none, its finish at
+    the context left proves a floor that covers it. A cut then is continued exactly."""
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    async with fleet(n=3, settings=RouterSettings(routing="least_in_flight"), max_model_len=64,
+                     default_max_new_tokens=default) as (router, sims):
+        card = (ModelCard("tiny", max_model_len=64),)
+        facts = {s.url: BackendFacts(i, models=card, output_default_unknown="not on this host")
+                 for i, s in enumerate(sims)}
+        router.set_serving_backends([s.url for s in sims], facts)
+        reference = await read_stream(http, sims[0].url, "/v1/chat/completions", body)
+        produced = len(chunks(reference)) - 1  # the role chunk
+        assert produced == default or default is None
+        crashed, cut, reason = await _a_refused_cut(http, router, sims,
+                                                    "/v1/chat/completions", body)
+        assert "default limit of the engine that began it is unknown (not on this host; " \
+               "0 tokens proven" in reason, reason
+        left = [s.url for s in sims if s.url != crashed[0]]
+        router.set_serving_backends(left, facts)
+        await asyncio.gather(*(read_stream(http, router.url, "/v1/chat/completions", body)
+                               for _ in range(2)))
+        limits = router.forwarder.limits
+        if default is not None:
+            assert limits.default_unknown == {} and limits.default_cap == {
+                url: default for url in left}
+        else:
+            assert set(limits.default_unknown) == set(left)
+            assert limits.default_floor == {url: produced for url in left}
+        got = await read_stream(http, router.url, "/v1/chat/completions", body, cut)
+        assert_whole(got, reference, chat=True)
+        assert await continuations(http, router) == {"tokens": 1, "text": 0, "restart": 0}
+
+
+async def _a_refused_cut(http: aiohttp.ClientSession, router: Router, sims: list[Sim],
+                         path: str, body: dict[str, Any],
+                         ) -> tuple[list[str], Callable[[], Awaitable[None]], str]:
+    """A stream through ``router`` whose engine crashes mid-answer and that ends with the
+    error event: the engines crashed (this one, and each later ``cut``'s), the cut, and why."""
+    crashed: list[str] = []
+
+    async def cut() -> None:
+        crashed.append(holder(router))
+        await crash(sim_at(sims, crashed[-1]))
+
+    got = await read_stream(http, router.url, path, body, cut)
+    error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+    assert error["type"] == "stream_interrupted" and got[-1] == b"data: [DONE]"
+    return crashed, cut, str(error["reason"])

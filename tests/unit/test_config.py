@@ -137,6 +137,21 @@ def test_a_backend_table_declares_its_output_cap() -> None:
     assert mixed.backend_output_caps == {"http://b:1": 8}
 
 
+def test_a_model_default_is_declared_where_this_host_cannot_read_it() -> None:
+    """A chat that names no limit gets its model's generation config default; where this host
+    cannot read it, `output_default` declares it (tokens, or "none"), as `output_cap`."""
+    config = parse_config(tomllib.loads(
+        '[fleet]\nengines = 1\noutput_default = 512\n'
+        '[[fleet.groups]]\nengine_cmd = "vllm serve m --port {port}"\noutput_default = "none"\n'
+        '[[fleet.backends]]\nurl = "http://10.0.0.5:8000"\noutput_default = 256\n'
+        'output_cap = 1024\n'
+        '[[fleet.backends]]\nurl = "http://10.0.0.6:8000"\n'))
+    fleet = config.fleet
+    assert [fleet.declared_output_default(i) for i in range(4)] == [512, "none", 256, None]
+    assert [fleet.declared_output_cap(i) for i in range(4)] == [None, None, 1024, None]
+    assert fleet.backend_output_defaults == {"http://10.0.0.5:8000": 256}
+
+
 @pytest.mark.parametrize(("toml", "error"), [
     ('[[fleet.backends]]\nurl = "http://a:1"\noutput_cap = 0\n',
      'backends[0].output_cap: must be an integer >= 1 (tokens) or "none", got 0'),
@@ -148,6 +163,13 @@ def test_a_backend_table_declares_its_output_cap() -> None:
      "backends[0]: unknown field(s) cap"),
     ('[[fleet.backends]]\noutput_cap = 3\n', "backends[0].url: give the engine's URL"),
     ('[fleet]\noutput_cap = -1\n', "output_cap: must be an integer >= 1"),
+    ('[fleet]\noutput_default = 0\n', "output_default: must be an integer >= 1"),
+    ('[[fleet.groups]]\nengine_cmd = "x {port}"\noutput_default = "all"\n',
+     "output_default: must be an integer >= 1"),
+    ('[[fleet.backends]]\nurl = "http://a:1"\noutput_default = false\n',
+     "backends[0].output_default: must be"),
+    ('[fleet]\nengines = 0\nbackends = ["http://a:1"]\n[fleet.backend_output_defaults]\n'
+     '"http://b:1" = 4\n', "backend_output_defaults: 'http://b:1' is not one of the backends"),
     ('[fleet]\nengines = 0\nbackends = ["http://a:1"]\n[fleet.backend_output_caps]\n'
      '"http://b:1" = 4\n', "'http://b:1' is not one of the backends"),
 ])

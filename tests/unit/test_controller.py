@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from fleetwarden.admission import never_empty
-from fleetwarden.config import Config
-from fleetwarden.controller import Controller, TickReport
+from fleetwarden.config import Config, FleetConfig
+from fleetwarden.controller import Controller, TickReport, output_default_from
 from fleetwarden.engines import CapUnknown
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
@@ -1284,3 +1284,23 @@ def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_comm
     c.output_cap(restarted)
     c.output_cap(restarted)
     assert len([r for r in caplog.records if "server cap" in r.getMessage()]) == 2
+
+
+def test_a_models_default_is_the_engines_word_else_declared_else_the_command_else_unknown(
+        tmp_path: Path) -> None:
+    """A chat naming no limit gets its model's generation config default: what the engine's
+    ``/server_info`` shows, else the config's ``output_default``, else a launched command's
+    model folder; where none says, pushed as unknown, with why (docs/design.md 4.1)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 48}')
+    fleet = FleetConfig.model_validate({
+        "engines": 2, "engine_cmd": f"vllm serve {folder} --port {{port}}",
+        "groups": [{"engines": 1, "engine_cmd": "vllm serve hub/x --port {port}"}],
+        "backends": ["http://a:1", {"url": "http://b:1", "output_default": "none"}]})
+    unknown = CapUnknown("no GET /server_info")
+    assert [output_default_from(said, fleet, shard) for said, shard in (
+        (30, 0), (unknown, 1), (unknown, 2), (unknown, 3), (unknown, 4), (None, 3))] == [
+        (30, None), (48, None),
+        (None, "the model's generation_config.json is not readable in 'hub/x' on this host"),
+        (None, "no GET /server_info"), (None, None), (None, None)]

@@ -202,12 +202,14 @@ def _model_folder(tmp_path: Path, max_new_tokens: object) -> str:
     ("vllm serve hub/name --generation-config={m} --override-generation-config "
      "'{{{{\"max_new_tokens\": 30}}}}'", (30, 30)),
     # no readable file: the default is not known (a hub name, another host's path)
-    ("vllm serve hub/name --port {{port}}", (None, None)),
+    ("vllm serve hub/name --port {{port}}", (None, "unknown")),
 ])
 def test_an_engine_commands_limits_mirror_vllms_generation_config(
         tmp_path: Path, template: str, limits: tuple[int | None, int | None]) -> None:
     command = template.format(m=_model_folder(tmp_path, 48))
-    assert (output_cap_of(command, READ), output_default_of(command, READ)) == limits
+    default = output_default_of(command, READ)
+    assert (output_cap_of(command, READ),
+            "unknown" if isinstance(default, CapUnknown) else default) == limits
 
 
 @pytest.mark.parametrize(("source", "override", "limits"), [
@@ -259,9 +261,10 @@ def test_a_server_infos_model_folder_gives_its_default(tmp_path: Path) -> None:
     body = json.dumps(info).encode()
     assert output_cap_of_server_info(body, READ) is None
     assert output_default_of_server_info(body, READ) == 48
-    assert output_default_of_server_info(body) is None  # the pure module reads no file itself
+    # the pure module reads no file itself: not known
+    assert isinstance(output_default_of_server_info(body), CapUnknown)
     info["vllm_config"]["model_config"]["model"] = str(tmp_path / "elsewhere")
-    assert output_default_of_server_info(json.dumps(info).encode(), READ) is None
+    assert isinstance(output_default_of_server_info(json.dumps(info).encode(), READ), CapUnknown)
     info["vllm_config"]["model_config"].update(model="hub/x", generation_config=folder)
     body = json.dumps(info).encode()
     assert output_cap_of_server_info(body, READ) == 48

@@ -207,6 +207,15 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             with pytest.raises(ControlError, match="output_cap_unknown"):
                 await remote._call("PUT", "/serving", {"backends": [a], "facts": {
                     a: {"output_cap_unknown": 3}}})
+            # an unknown model default too: only a chat that names no limit is bound by it
+            await remote.set_serving_backends([a, b], {
+                a: BackendFacts(0, 1), b: BackendFacts(1, 1, output_default_unknown="hub")})
+            assert limits.default_unknown == {b: "hub"} and limits.unknown == {}
+            assert limits.unknown_cap(b) is None and limits.unknown_cap(b, True) is not None
+            assert (await remote.status())["facts"][b]["output_default_unknown"] == "hub"
+            with pytest.raises(ControlError, match="output_default_unknown"):
+                await remote._call("PUT", "/serving", {"backends": [a], "facts": {
+                    a: {"output_default_unknown": 3}}})
             await remote.set_serving_backends([a, b], {
                 a: BackendFacts(0, 1, output_cap=12), b: BackendFacts(1, 1)})
             assert limits.unknown == {} and limits.unknown_cap(a) is None

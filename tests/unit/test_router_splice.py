@@ -353,11 +353,11 @@ def test_an_unknown_server_cap_continues_only_as_far_as_its_floor_proves() -> No
         assert "output_cap" in refusal and "VLLM_SERVER_DEV_MODE=1" in refusal
     assert limits.unknown_cap("b") is None and limits.unknown_cap(None) is None
     # a floor one short of each need refuses; one that covers it continues
-    limits.produced("a", 29)
-    limits.produced("a", 5)  # a shorter generation proves less: the floor stays
+    limits.produced("a", 29, False)
+    limits.produced("a", 5, False)  # a shorter generation proves less: the floor stays
     assert limits.unknown_cap("a") == UnknownCap(29, "no GET /server_info")
     assert isinstance(plan("a", "b"), str) and not isinstance(plan("b", "a"), str)
-    limits.produced("a", 30)
+    limits.produced("a", 30, False)
     continued = plan("a", "b")
     assert not isinstance(continued, str) and json.loads(continued.body)["max_tokens"] == 27
     limits.floor["a"] = 26
@@ -377,6 +377,29 @@ def test_an_unknown_server_cap_continues_only_as_far_as_its_floor_proves() -> No
     limits.floor["c"] = 7
     limits.forget({"a"})
     assert limits.unknown == {} and limits.floor == {"a": 26}
+
+
+def test_an_unknown_default_binds_only_a_chat_that_names_no_limit() -> None:
+    """A model's default limit (its generation config's ``max_new_tokens``) not known here:
+    only a chat that names no limit is held to it, by the floor of such chats there; the cap
+    on every request and its floor are apart; a finish that reveals the default ends it."""
+    limits = EngineLimits(default_unknown={"a": "not readable here"})
+    assert limits.unknown_cap("a") is None  # a request that names a limit: not bound
+    assert limits.unknown_cap("a", True) == UnknownCap(0, "not readable here", default=True)
+    limits.produced("a", 40, False)  # a request naming a limit proves nothing of the default
+    limits.produced("a", 12, True)
+    assert limits.unknown_cap("a", True) == UnknownCap(12, "not readable here", default=True)
+    limits.unknown["a"] = "no GET /server_info"  # both unknown: the lower floor binds
+    assert limits.unknown_cap("a", True).default  # type: ignore[union-attr]
+    limits.produced("a", 50, True)
+    assert limits.unknown_cap("a", True) == UnknownCap(50, "no GET /server_info")
+    refusal = UnknownCap(12, "x", default=True).short_of(40, "the engine that began it")
+    assert refusal is not None and "the default limit of the engine that began it" in refusal
+    assert "output_default" in refusal
+    limits.learn_cap("a", (60, False))
+    assert "a" not in limits.default_unknown and limits.default_cap == {"a": 60}
+    limits.forget(set())
+    assert limits.default_floor == {} and limits.floor == {}
 
 
 def test_a_whole_generation_proves_its_engines_floor() -> None:

@@ -147,7 +147,7 @@ async def _learnt_limits(engines: list[LocalEngine],
         await asyncio.gather(*(learn(url) for url in urls))
         caps = [output_cap_from(watchdog.output_cap(url), config, shard)
                 for shard, url in enumerate(urls)]
-        defaults = [output_default_from(watchdog.output_default(url), config, shard)
+        defaults = [output_default_from(watchdog.output_default(url), config, shard)[0]
                     for shard, url in enumerate(urls)]
     print(f"\nthe engines' caps and defaults from GET /server_info: {caps} {defaults} in "
           f"{time.monotonic() - started:.1f} s")

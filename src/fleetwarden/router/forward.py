@@ -336,7 +336,8 @@ class Forwarder:
             upstream_fields=self.attempts.takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),
             next_output_cap=limits.output_cap(backend, False),
-            began_unknown=limits.unknown_cap(began_on), next_unknown=limits.unknown_cap(backend))
+            began_unknown=limits.unknown_cap(began_on, no_limit),
+            next_unknown=limits.unknown_cap(backend))
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self.relay.end_stream(stream, ex.last, plan)

@@ -54,10 +54,14 @@ class LimitsLearner:
         self.limits.forget(set(self.pool.serving))
         for url in self.pool.serving:
             facts = self.pool.facts(url)
-            if facts.output_cap_unknown is None:
-                self.limits.unknown.pop(url, None)
-            elif url not in self.limits.cap:  # not revealed by a finish yet
-                self.limits.unknown[url] = facts.output_cap_unknown
+            for why, known, unknown in (
+                    (facts.output_cap_unknown, self.limits.cap, self.limits.unknown),
+                    (facts.output_default_unknown, self.limits.default_cap,
+                     self.limits.default_unknown)):
+                if why is None:
+                    unknown.pop(url, None)
+                elif url not in known:  # not revealed by a finish yet
+                    unknown[url] = why
             if facts.output_cap is not None:
                 self.limits.cap[url] = facts.output_cap
             if facts.output_default is not None:

@@ -205,7 +205,7 @@ def _fact_of(url: str, fact: object, key: str | None) -> BackendFacts:
     if fields is not None and not isinstance(fields, bool):
         raise ValueError(f"'facts.{url}.upstream_fields' must be true, false or null")
     strings: dict[str, str | None] = {}
-    for name in ("incarnation", "output_cap_unknown"):
+    for name in ("incarnation", "output_cap_unknown", "output_default_unknown"):
         value = fact.get(name)
         if value is not None and not isinstance(value, str):
             raise ValueError(f"'facts.{url}.{name}' must be a string or null")
@@ -215,7 +215,8 @@ def _fact_of(url: str, fact: object, key: str | None) -> BackendFacts:
                         models=_models_of(url, fact.get("models")),
                         key=key, output_cap=values["output_cap"],
                         output_default=values["output_default"],
-                        output_cap_unknown=strings["output_cap_unknown"])
+                        output_cap_unknown=strings["output_cap_unknown"],
+                        output_default_unknown=strings["output_default_unknown"])
 
 
 def _models_of(url: str, raw: object) -> tuple[ModelCard, ...] | None:

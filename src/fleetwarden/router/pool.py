@@ -73,9 +73,14 @@ class BackendFacts:
     output_default: int | None = None
     #: Why the engine's server cap is not known: an attached engine that shows none (no
     #: vLLM dev mode) and declares none (docs/design.md 4.1). A continuation begun there, or
-    #: sent there, is refused until a ``"length"`` finish reveals the cap. ``None``: known
-    #: (``output_cap``, ``None`` there meaning none), or the push did not say.
+    #: sent there, goes only as far as its finishes proved, until a ``"length"`` finish
+    #: reveals the cap. ``None``: known (``output_cap``, ``None`` there meaning none), or the
+    #: push did not say.
     output_cap_unknown: str | None = None
+    #: Why its default limit of a chat that names none is not known (its model's generation
+    #: config not readable here, nothing declared): such a chat begun there is continued only
+    #: as far as its finishes proved. ``None``: known (``output_default``), or not said.
+    output_default_unknown: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -92,6 +97,8 @@ class BackendFacts:
             out["output_default"] = self.output_default
         if self.output_cap_unknown is not None:
             out["output_cap_unknown"] = self.output_cap_unknown
+        if self.output_default_unknown is not None:
+            out["output_default_unknown"] = self.output_default_unknown
         return out
 
 

@@ -437,7 +437,7 @@ class Relay:
         the least it can be)."""
         self.pool.record_success(backend)
         if (tokens := splice.produced_here()) is not None:
-            self.limits.produced(backend, tokens)
+            self.limits.produced(backend, tokens, splice.names_no_limit())
         revealed = splice.revealed_cap(self.limits.context.get(backend))
         if revealed is not None:
             self.limits.learn_cap(backend, revealed)

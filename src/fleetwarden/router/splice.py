@@ -258,20 +258,24 @@ class Continuation:
 
 @dataclass(frozen=True)
 class UnknownCap:
-    """An engine's server cap on every request that nothing told (``why``): only that it is at
-    least ``floor`` tokens, the most one request there produced. A continuation is exact where
-    the floors cover it: the engine that began it would not have ended it before the limit,
-    and the next one will not end it before what is left (docs/design.md 4.1, "Server caps")."""
+    """An engine's limit that nothing told (``why``): its server cap on every request, or its
+    default limit of a chat that names none (``default``); only that it is at least ``floor``
+    tokens, the most one such request there produced. A continuation is exact where the floors
+    cover it: the engine that began it would not have ended it before the limit, and the next
+    one will not end it before what is left (docs/design.md 4.1, "Server caps")."""
 
     floor: int
     why: str
+    default: bool = False
 
     def short_of(self, tokens: int, which: str) -> str | None:
-        """Why ``tokens`` are not proven to fit under this cap on ``which`` engine, or ``None``."""
+        """Why ``tokens`` are not proven to fit under this limit on ``which`` engine."""
         if tokens <= self.floor:
             return None
-        return (f"the server cap of {which} is unknown ({self.why}; {self.floor} tokens proven "
-                f"of the {tokens} needed; declare its output_cap, or run vLLM with "
+        what, key = (("default limit", "output_default") if self.default
+                     else ("server cap", "output_cap"))
+        return (f"the {what} of {which} is unknown ({self.why}; {self.floor} tokens proven of "
+                f"the {tokens} needed; declare its {key}, or run vLLM with "
                 "VLLM_SERVER_DEV_MODE=1)")
 
 
@@ -311,13 +315,18 @@ class EngineLimits:
     #: Why a backend's cap on every request is not known (the push's word), until a finish
     #: reveals it: a continuation that its floor does not cover is refused.
     unknown: dict[str, str] = field(default_factory=dict)
+    #: Why a backend's default limit of a chat that names none is not known (the push's word),
+    #: until a finish reveals it.
+    default_unknown: dict[str, str] = field(default_factory=dict)
     #: The most tokens one request produced on a backend: its cap, known or not, is at least
-    #: that (vLLM ends every request at its cap).
+    #: that (vLLM ends every request at its cap); one chat that named no limit: its default.
     floor: dict[str, int] = field(default_factory=dict)
+    default_floor: dict[str, int] = field(default_factory=dict)
 
     def forget(self, keep: set[str]) -> None:
         """Forget backends that left (one that comes back may have been started otherwise)."""
-        for table in (self.context, self.cap, self.default_cap, self.unknown, self.floor):
+        for table in (self.context, self.cap, self.default_cap, self.unknown, self.floor,
+                      self.default_unknown, self.default_floor):
             for url in [u for u in table if u not in keep]:
                 del table[url]
 
@@ -326,22 +335,27 @@ class EngineLimits:
         tokens, everyone = revealed
         table = self.cap if everyone else self.default_cap
         table[backend] = min(tokens, table.get(backend, tokens))
-        if everyone:
-            self.unknown.pop(backend, None)
+        (self.unknown if everyone else self.default_unknown).pop(backend, None)
 
-    def produced(self, backend: str, tokens: int) -> None:
-        """One request on ``backend`` produced ``tokens``: its cap is at least that."""
-        if tokens > self.floor.get(backend, 0):
-            self.floor[backend] = tokens
+    def produced(self, backend: str, tokens: int, names_no_limit: bool) -> None:
+        """One request on ``backend`` produced ``tokens``: its cap is at least that (and its
+        default, where the request named no limit)."""
+        for table, counts in ((self.floor, True), (self.default_floor, names_no_limit)):
+            if counts and tokens > table.get(backend, 0):
+                table[backend] = tokens
 
-    def unknown_cap(self, backend: str | None) -> UnknownCap | None:
-        """``backend``'s cap on every request where it is not known: why, and the least it
-        can be (:attr:`floor`); ``None``: known, or no push said it is not."""
-        why = None if backend is None else self.unknown.get(backend)
-        if why is None:
+    def unknown_cap(self, backend: str | None, names_no_limit: bool = False,
+                    ) -> UnknownCap | None:
+        """``backend``'s limit on such a request where it is not known: why, and the least it
+        can be (its floor); the cap on every request, and for a chat that names no limit its
+        default too (the lower floor binds). ``None``: known, or no push said it is not."""
+        if backend is None:
             return None
-        assert backend is not None
-        return UnknownCap(self.floor.get(backend, 0), why)
+        unknown = [UnknownCap(self.floor.get(backend, 0), why)
+                   for why in [self.unknown.get(backend)] if why is not None]
+        if names_no_limit and (why := self.default_unknown.get(backend)) is not None:
+            unknown.append(UnknownCap(self.default_floor.get(backend, 0), why, default=True))
+        return min(unknown, key=lambda u: u.floor, default=None)
 
     def output_cap(self, backend: str | None, names_no_limit: bool) -> int | None:
         """The least cap known on ``backend``'s output for such a request (``None``: none)."""

@@ -30,6 +30,7 @@ import aiohttp
 
 from fleetwarden.config import FleetConfig
 from fleetwarden.controller import UNKNOWN, output_cap_from, output_default_from
+from fleetwarden.engines import CapUnknown
 from fleetwarden.judge import Target
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
@@ -204,9 +205,10 @@ async def defaulted_facts(fleet: list[Sim], folder: str) -> dict[str, BackendFac
             await watchdog.learn_output_cap(report)
             await watchdog.learn_models(report)  # the context left, a chat's other bound
             said = watchdog.output_default(url)
-            assert (said is None) == (DEFAULT_SOURCES[shard] == "command"), (url, said)
-            default = output_default_from(said, config, shard)
-            assert default == OUTPUT_DEFAULT, (url, default)
+            assert isinstance(said, CapUnknown) == (DEFAULT_SOURCES[shard] == "command"), (
+                url, said)
+            default, unknown = output_default_from(said, config, shard)
+            assert (default, unknown) == (OUTPUT_DEFAULT, None), (url, default, unknown)
             facts[url] = BackendFacts(models=watchdog.models(url), output_default=default)
     return facts
 
