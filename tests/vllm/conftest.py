@@ -42,9 +42,9 @@ class KeyedEngineStart:
     once a session: by the first fixture that asks for it, waited for by the one that uses it.
 
     The oracle's engine C (tests/vllm/test_real_oracle.py) asks for it when it starts, so the
-    two start together, as the oracle's pair does (two starts on two cores: 37 s measured,
-    against 32 s for C and 25 s for this engine one after the other). Never beside a third
-    start: three together ran past the startup timeout. Alone (that module run by itself),
+    two start together, as the oracle's pair does (measured alternated on two cores: 41-46 s
+    together against 73-83 s one after the other). Never beside a third start: three together
+    ran past the startup timeout. Alone (that module run by itself),
     the engine fixture launches it."""
 
     def __init__(self, vllm_python: Path, tiny_model_dir: Path, log_dir: Path) -> None:
