@@ -108,7 +108,7 @@ async def test_a_whole_engine_sigstopped_under_load_is_silent_and_its_requests_h
             await until(lambda: fleet.ledger.state(1) is not H, timeout=30,
                         what="shard 1 taken out")
             out_after = time.monotonic() - struck
-            await asyncio.sleep(3.0)
+            await load.carried_on(3.0)  # its held requests hedged, the load on the other
         verdicts = fleet.controller.verdict_counts
         print(f"\nSIGSTOP of a launched engine: {verified}; out of the serving states after "
               f"{out_after:.1f} s; {fleet.router.stats.hedges_won} answered by hedges; "

@@ -194,6 +194,24 @@ class Load:
     def since(self, t: float) -> list[RequestResult]:
         return [r for r in self.results if r.started >= t]
 
+    async def carried_on(self, limit_s: float) -> float:
+        """Until every request sent before the call has its answer and as many sent after it
+        as the load has clients have theirs: what a fault or a stop held is finished (rescued,
+        retried, re-sent) and the engines left carry the load. At most ``limit_s``; past it
+        the caller goes on as after a fixed wait, and :meth:`stop` waits for the rest (a
+        failure among them is the load's). Returns the seconds it took: a wait on the load's
+        own answers, where a fixed sleep would wait its whole length every time."""
+        # A worker counts a request sent and stamps its start with no await between: the two
+        # reads below, with none between them either, split the requests exactly.
+        since, before = time.monotonic(), self._sent
+        deadline = since + limit_s
+        while time.monotonic() < deadline:
+            answered_before = sum(1 for r in self.results if r.started < since)
+            if answered_before >= before and len(self.since(since)) >= self.concurrency:
+                break
+            await asyncio.sleep(0.05)
+        return time.monotonic() - since
+
     def summary(self) -> dict[str, Any]:
         lat = sorted(r.latency_s for r in self.results if r.ok)
         by_status: dict[str, int] = {}

@@ -188,7 +188,9 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
                        load: Load, then_route: bool = False) -> Figures:
     """Inject ``fault`` into ``shard`` while ``load`` runs (started by the caller, or by this
     function ``then_route``: an idle wedge found by the first routed requests); detect; let
-    the load run on a few seconds on the engines left; stop it; wait for the replacement.
+    the load run on until what the fault held is answered and the engines left carry it
+    (``Load.carried_on``, at most :data:`_AFTER_DETECTION_S`); stop it; wait for the
+    replacement.
     ``fault`` is a ``fleetwarden chaos`` fault, or ``sigstop``: SIGSTOP to the engine's whole
     process group, sent from here (what stops a one-process engine, llama.cpp's, whole).
 
@@ -209,7 +211,9 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
         await asyncio.sleep(1.0)
         load.start()
     await _until_condemned(up, shard, struck_wall, 120)
-    await asyncio.sleep(_AFTER_DETECTION_S)  # the rescued and retried requests finish
+    carried_s = await load.carried_on(_AFTER_DETECTION_S)  # what it held is answered
+    print(f"\n{name}: the load carried on {carried_s:.1f} s after the condemnation "
+          f"(at most {_AFTER_DETECTION_S:g} s)")
     await load.stop()
     await _until_state(up, shard, {"HEALTHY"}, 300)
     # the times the fleet itself recorded, not when this poll happened to look
@@ -240,8 +244,9 @@ async def _fault_under(up: UpProcess, name: str, engines: str, shard: int, fault
     return fig
 
 
-#: Seconds the load runs on after detection: long enough for every rescued or retried
-#: request to be answered by the engines left.
+#: Seconds the load runs on after detection at most: until every rescued or retried request
+#: is answered and the engines left have answered as many more as the load has clients
+#: (``Load.carried_on``), no longer than the fixed 5 s this was before.
 _AFTER_DETECTION_S = 5.0
 
 
