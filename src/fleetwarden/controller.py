@@ -581,18 +581,14 @@ class Controller:
             targets = [self._target(url, i, counts, ages) for url, i in shards.items()]
         else:
             targets = [Target(url) for url in shards]
-        decided: set[str] = set()
 
         def decide(url: str, r: Report) -> None:
             # Each read is decided on as it finishes (the watchdog calls back), not at the
             # round's end: a round of a large fleet lasts seconds, and a condemning read would
-            # otherwise wait for the slowest of the others. What a watchdog does not call back
-            # for (a double's round), the loop below decides on at the end.
+            # otherwise wait for the slowest of the others.
             i = shards.get(url)
-            if i is None or url in decided:
-                return
-            decided.add(url)
-            self._decide(report, i, url, r)
+            if i is not None:
+                self._decide(report, i, url, r)
 
         per_slice = self.watchdog.concurrency
         # What the routers hold, asked again once per slice of the round: a figure seconds old
@@ -620,22 +616,10 @@ class Controller:
                         asked_at, in_flight, held = time.monotonic(), counts, ages
             return self._target(t.url, i, in_flight, held)
 
-        hooked = hasattr(self.watchdog, "on_report")
-        if hooked:
-            self.watchdog.on_report = decide
-        try:
-            if spread_s is None:
-                reports = await self.watchdog.round(targets)
-            else:
-                reports = await self.watchdog.round(targets, spread_s=spread_s, fresh=fresh)
-        finally:
-            if hooked:
-                self.watchdog.on_report = None
-        for url in shards:
-            r = reports.get(url)
-            if r is not None:
-                decide(url, r)
-        return reports
+        if spread_s is None:
+            return await self.watchdog.round(targets, on_report=decide)
+        return await self.watchdog.round(targets, spread_s=spread_s, fresh=fresh,
+                                         on_report=decide)
 
     async def _holding(self, report: TickReport | None,
                        ) -> tuple[dict[str, int], dict[str, float]]:

@@ -194,9 +194,6 @@ class Watchdog:
         #: When each read of the last round finished (monotonic seconds, by URL): how long its
         #: evidence then waited for the round's end (the controller's evidence-to-decision).
         self.finished_at: dict[str, float] = {}
-        #: Called with each read of a round as it finishes (the controller decides on it then,
-        #: not at the round's end); what it raises is logged, and the round goes on.
-        self.on_report: Callable[[str, Report], None] | None = None
 
     async def __aenter__(self) -> Watchdog:
         return self
@@ -233,6 +230,7 @@ class Watchdog:
 
     async def round(self, targets: Iterable[Target], *, spread_s: float = 0.0,
                     fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    on_report: Callable[[str, Report], None] | None = None,
                     ) -> dict[str, Report]:
         """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL read.
 
@@ -241,7 +239,8 @@ class Watchdog:
         its next target is due waits for it, one that is late reads at once, so a round
         takes ``spread_s`` or, when the reads are slower, what they take. ``fresh``: called
         with each target just before its read, for what the routers know about it now
-        (``None``: no longer to be read, left out of the round)."""
+        (``None``: no longer to be read, left out of the round). ``on_report``: called with
+        each read as it finishes, before the round goes on (a crash in it is logged)."""
         targets = list(targets)
         urls = [t.url for t in targets]
         if len(set(urls)) != len(urls):
@@ -269,9 +268,9 @@ class Watchdog:
                     continue
                 reports[now.url] = report = await self.probe(now)
                 self.finished_at[now.url] = time.monotonic()
-                if self.on_report is not None:
+                if on_report is not None:
                     try:
-                        self.on_report(now.url, report)
+                        on_report(now.url, report)
                     except Exception:
                         log.exception("%s: deciding on its read failed", now.url)
                 await self.learn_models(report)

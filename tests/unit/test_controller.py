@@ -61,8 +61,13 @@ class _Watchdog(Watchdog):
         super().__init__()
         self.next: dict[str, Report] = {}
 
-    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
+    async def round(self, targets: Iterable[Target], *,
+                    on_report: Callable[[str, Report], None] | None = None,
+                    **_: object) -> dict[str, Report]:
         reports, self.next = self.next, {}
+        for url, report in reports.items():
+            if on_report is not None:
+                on_report(url, report)
         return reports
 
 
@@ -322,12 +327,15 @@ class ScriptedReads:
 
     async def round(self, targets: list[Target], *, spread_s: float = 0.0,
                     fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    on_report: Callable[[str, Report], None] | None = None,
                     ) -> dict[str, Report]:
         out: dict[str, Report] = {}
         for t in targets:  # one at a time, all at once: the spread is the watchdog's
             now = t if fresh is None else await fresh(t)
             if now is not None:
                 out[now.url] = await self.probe(now)
+                if on_report is not None:
+                    on_report(now.url, out[now.url])
         return out
 
     async def watch_hedged(self, report: Report) -> Report | None:
@@ -821,10 +829,12 @@ class HangingReads(ScriptedReads):
 
     async def round(self, targets: list[Target], *, spread_s: float = 0.0,
                     fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    on_report: Callable[[str, Report], None] | None = None,
                     ) -> dict[str, Report]:
         self.hanging += 1
         await self.release.wait()
-        return await super().round(targets, spread_s=spread_s, fresh=fresh)
+        return await super().round(targets, spread_s=spread_s, fresh=fresh,
+                                   on_report=on_report)
 
 
 async def test_the_running_tick_waits_for_no_engine_read() -> None:
@@ -899,9 +909,9 @@ class _TargetsWatchdog(_Watchdog):
         super().__init__()
         self.targets: list[Target] = []
 
-    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
+    async def round(self, targets: Iterable[Target], **kwargs: Any) -> dict[str, Report]:
         self.targets += list(targets)
-        return await super().round(targets)
+        return await super().round(targets, **kwargs)
 
 
 async def test_every_read_is_told_how_long_the_routers_have_held_a_request_there() -> None:
@@ -1033,7 +1043,6 @@ async def test_a_read_is_decided_on_as_it_finishes_not_at_the_rounds_end() -> No
     assert ledger.state(0) in (D, ShardState.RESTARTING)
     assert report.verdicts == {0: "STUCK", 1: "IDLE"}
     assert c.meter.evidence_to_decision.count == 2
-    assert watchdog.on_report is None  # the hook lives for the round only
     await c.close()
 
 

@@ -79,3 +79,24 @@ async def test_a_round_reads_the_engines_never_read_first() -> None:
         new = Target("http://new:8000")
         await watchdog.round([*old, new], spread_s=0.03)
     assert watchdog.visits[0][1].url == new.url
+
+
+async def test_each_read_is_handed_on_as_it_finishes_and_a_failing_hand_on_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``on_report`` gets each read before the round goes on to the next (one reader: in
+    order), never a read left out; one that raises is logged, and the round still ends."""
+    told: list[tuple[str, int]] = []
+
+    def on_report(url: str, report: Report) -> None:
+        told.append((url, len(watchdog.visits)))
+        if url.endswith("b:8000"):
+            raise RuntimeError("deciding failed")
+
+    async with Recording(concurrency=1) as watchdog:
+        reports = await watchdog.round(
+            [Target("http://a:8000"), Target("http://b:8000"), Target("http://c:8000")],
+            on_report=on_report)
+    assert told == [("http://a:8000", 1), ("http://b:8000", 2), ("http://c:8000", 3)]
+    assert list(reports) == ["http://a:8000", "http://b:8000", "http://c:8000"]
+    assert ["http://b:8000: deciding on its read failed"] == [
+        r.getMessage() for r in caplog.records if "deciding" in r.getMessage()]

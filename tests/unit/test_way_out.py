@@ -110,7 +110,9 @@ class RandomWatchdog(Watchdog):
         super().__init__()
         self.rng = rng
 
-    async def round(self, targets: Iterable[Target]) -> dict[str, Report]:
+    async def round(self, targets: Iterable[Target], *,
+                    on_report: Callable[[str, Report], None] | None = None,
+                    **_: object) -> dict[str, Report]:
         out = {}
         for t in targets:
             roll = self.rng.random()
@@ -126,6 +128,8 @@ class RandomWatchdog(Watchdog):
             incarnation = f"inc-{self.rng.randrange(1000)}" if self.rng.random() < 0.8 else None
             out[t.url] = Report(t.url, verdict, Evidence(verdict.name.lower()), health,
                                 CanaryRule.NEVER, None, None, canary, incarnation)
+            if on_report is not None:
+                on_report(t.url, out[t.url])
         return out
 
 
