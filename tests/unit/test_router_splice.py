@@ -404,7 +404,8 @@ def test_an_unknown_default_binds_only_a_chat_that_names_no_limit() -> None:
 
 def test_a_whole_generation_proves_its_engines_floor() -> None:
     """The tokens an attempt produced, counted by their ids, are the least its engine's cap
-    can be; a continuation's attempt counts only its own; without ids, nothing is proven."""
+    can be; a continuation's attempt counts only its own; without ids, one a chunk but the
+    final one (which may carry none); with several choices, nothing."""
     events = captured_events("completions-stream-token-ids.http")
     body = {"model": "tiny", "prompt": "hello there", "stream": True, "max_tokens": 30}
     whole = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http",
@@ -416,8 +417,11 @@ def test_a_whole_generation_proves_its_engines_floor() -> None:
     assert not isinstance(continuation, str)
     cut.begin_attempt(continuation)
     assert cut.produced_here() == 0 and cut.produced == produced
-    cut.ids_complete = False
-    assert cut.produced_here() is None
+    cut.ids_complete = False  # counted by chunks: the final one may carry no token
+    assert cut.produced_here() == 0
+    whole.ids_complete = False
+    assert whole.produced_here() == 5
+    assert Splice(request({**body, "n": 2})).produced_here() is None
 
 
 def _client_sees(outs: list[tuple[EventAction, bytes]], chat: bool) -> tuple[str, list[int]]:

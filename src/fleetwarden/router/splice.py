@@ -943,11 +943,10 @@ class Splice:
                 and body.get("max_completion_tokens") is None)
 
     def revealed_cap(self, max_model_len: int | None) -> tuple[int, bool] | None:
-        """The server cap a whole generation revealed, if it did: a ``"length"`` finish of an
-        attempt sent as the client wrote it, below the limit it asked (vLLM refuses a request
-        whose prompt and limit exceed the context: only a cap ends one short). ``(tokens,
+        """The server cap a whole generation revealed: a ``"length"`` finish below the limit
+        asked (vLLM refuses a request past its context: only a cap ends one short). ``(tokens,
         whether it caps every request)``: a chat naming no limit reveals only its default."""
-        if (self.mode not in (None, Mode.RESTART) or not self.finished()
+        if (self.mode not in (None, Mode.RESTART) or not self.finished() or not self.ids_complete
                 or self.finish_reason != "length" or self.produced_here() is None):
             return None
         asked = self._tokens_left(max_model_len, 0)
@@ -956,9 +955,10 @@ class Splice:
         return self.produced, not self.names_no_limit()
 
     def produced_here(self) -> int | None:
-        """Tokens the last attempt's engine produced, by their ids (``None``: not counted)."""
-        counted = self.ids_complete and _number(self.request.body.get("n"), 1) == 1
-        return self.produced - self._before if counted else None
+        """Tokens the last attempt made, at least: by ids, else a chunk each but the last."""
+        gone = 0 if self.ids_complete or not self.finished() else 1
+        counted = _number(self.request.body.get("n"), 1) == 1
+        return max(0, self.produced - self._before - gone) if counted else None
 
     def ended_by_router(self) -> bool:
         """The router matched a stop string and ended the generation before its engine did."""
