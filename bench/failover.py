@@ -380,7 +380,7 @@ class Launcher:
     def _fleetwarden(self, port: int, engines: list[str], log: Path,
                      answers: bool = False) -> RunningRouter:
         config: dict[str, dict[str, Any]] = {
-            "fleet": {"log_dir": str(self.folder / "fw-logs")},
+            "fleet": {"engines": 0, "log_dir": str(self.folder / "fw-logs")},
             "admin": {"token_file": str(self.folder / "fw-admin.token")},
         }
         if answers:
@@ -388,13 +388,17 @@ class Launcher:
         if self.quick:
             config["health"] = dict(QUICK_HEALTH)
         conf = self.folder / "fleetwarden.toml"
-        conf.write_text(_toml(config))
+        # The engines are attached, and the simulated ones cap nothing on a request's output:
+        # said, as fleetwarden's warning asks of a user (an engine whose cap is unknown has a
+        # stream cut before its first generations finished refused, not guessed: 4 of 44 in
+        # the quick stream-wedge, docs/history.md, "An unknown cap learnt from floors").
+        conf.write_text(_toml(config) + "".join(
+            f'[[fleet.backends]]\nurl = {json.dumps(url)}\noutput_cap = "none"\n'
+            for url in engines))
         journal = self.folder / "fleetwarden.sqlite"
         argv = [sys.executable, "-m", "fleetwarden", "up", "--config", str(conf),
                 "--port", str(port), "--admin-port", str(free_port()), "--journal", str(journal),
                 "--quiet", "--log-level", "warning"]
-        for url in engines:
-            argv += ["--backend", url]
         proc = self.spawn(argv, log)
 
         def verdicts(fault_at: float | None) -> tuple[set[str], list[str]]:
