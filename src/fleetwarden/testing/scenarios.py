@@ -330,18 +330,39 @@ async def wedge_while_running(up: UpProcess, shard: int,
     timed: caught in a gap, the engine is let go and struck again. Only for load sent straight
     to the engine: with the router's requests in flight, a core stopped in a gap is a lost
     core, which the fleet condemns within a second or two, before the engine is let go.
+
+    The faults go through the admin API in this process, not the CLI: a core caught in a gap
+    stays stopped until it is let go, and the CLI's own start (2 s and more on a loaded
+    machine) would hold it stopped that long each time.
     """
-    url = (await _state(up, shard))["base_url"]
+    first = await _state(up, shard)
+    url = first["base_url"]
     deadline = time.monotonic() + limit_s
+    tries = 0
     while True:
         asked, asked_wall = time.monotonic(), time.time()
-        landed = await asyncio.to_thread(chaos, up, "wedge", shard)
-        if await engine_metric(url, "vllm:num_requests_running") > 0:
+        landed = (await asyncio.to_thread(up.client.chaos, shard, "wedge"))["at"]
+        running = await engine_metric(url, "vllm:num_requests_running")
+        if running > 0:
             return asked + (landed - asked_wall), landed
-        await asyncio.to_thread(chaos, up, "unwedge", shard)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"shard {shard} never caught running within {limit_s} s")
+        await asyncio.to_thread(up.client.chaos, shard, "unwedge")
+        tries += 1
+        now = await _state(up, shard)
+        taken_out = now["base_url"] != url or now["state"] in ("DEAD", "RESTARTING", "RETIRED")
+        if taken_out or time.monotonic() > deadline:
+            raise AssertionError(
+                f"shard {shard} never caught running ({tries} tries, "
+                f"{time.monotonic() - (deadline - limit_s):.1f} s; the last read "
+                f"{running:g} running, {await _waiting(url):g} waiting); the fleet shows it "
+                f"{now['state']} at {now['base_url']} (was {first['state']} at {url})")
         await asyncio.sleep(0.05)
+
+
+async def _waiting(url: str) -> float:
+    try:
+        return await engine_metric(url, "vllm:num_requests_waiting")
+    except (aiohttp.ClientError, TimeoutError):
+        return float("nan")
 
 
 def whole(up: UpProcess, limit_s: float = 300.0) -> None:
