@@ -271,10 +271,10 @@ async def test_each_shard_shows_the_routers_predicted_cache_hit_rate(tmp_path: P
 
 def test_the_workers_cache_tallies_are_added_up() -> None:
     """Under several router workers each keeps its own index: the fleet adds their tallies."""
-    from fleetwarden.launchers.routers import RouterWorkers
+    from fleetwarden.launchers.routers import WorkerStatuses
 
-    workers = RouterWorkers.__new__(RouterWorkers)
-    workers._statuses = {  # what each worker's GET /status said last, by its control URL
+    workers = WorkerStatuses()
+    workers._last = {  # what each worker's GET /status said last, by its control URL
         "http://127.0.0.1:1": {"cache": {"http://a": {"requests": 2, "blocks": 10,
                                                       "predicted_hit_blocks": 4}}},
         "http://127.0.0.1:2": {"cache": {

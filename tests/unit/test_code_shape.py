@@ -31,7 +31,6 @@ CLASSES_TO_SPLIT = {
     ("fleetwarden/controller.py", "Controller"): 649,
     ("fleetwarden/fleet.py", "Fleet"): 610,
     ("fleetwarden/journal.py", "Journal"): 432,
-    ("fleetwarden/launchers/routers.py", "RouterWorkers"): 489,
     ("fleetwarden/ledger.py", "Ledger"): 747,
     ("fleetwarden/router/splice.py", "Splice"): 675,
     ("fleetwarden/sim/server.py", "Sim"): 1191,

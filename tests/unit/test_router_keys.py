@@ -295,12 +295,11 @@ def test_router_processes_get_the_keys_file_as_an_absolute_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`fleetwarden up` gives its router processes every setting as JSON; the keys file's
     path is made absolute, so that a worker reads the same file whatever its directory."""
-    from fleetwarden.launchers.routers import RouterWorkers
+    from fleetwarden.launchers.routers import worker_argv
 
     monkeypatch.chdir(tmp_path)
-    workers = RouterWorkers(RouterConfig(keys_file="keys", workers=1), "t" * 20,
-                            tmp_path / "token", tmp_path)
-    argv = workers._command(0, 9999)
+    argv = worker_argv(RouterConfig(keys_file="keys", workers=1), 8000, tmp_path / "token",
+                       0, 9999)
     settings = json.loads(argv[argv.index("--settings-json") + 1])
     assert settings["keys_file"] == str(tmp_path / "keys")
     assert RouterSettings(**settings).keys_file == str(tmp_path / "keys")

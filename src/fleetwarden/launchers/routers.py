@@ -69,7 +69,7 @@ from fleetwarden.tasks import TaskOwner
 if TYPE_CHECKING:
     from fleetwarden.journal import Journal
 
-__all__ = ["RouterRecord", "RouterWorkers", "WorkerLink"]
+__all__ = ["RouterRecord", "RouterWorkers", "WorkerLink", "WorkerStatuses", "worker_argv"]
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
@@ -261,6 +261,136 @@ class WorkerLink(RouterLink):
         return unsubscribe
 
 
+class WorkerStatuses:
+    """What each worker process last said of itself (its ``GET /status`` and ``/metrics``),
+    added up for the views, the dashboard's rates and the fleet's ``/metrics``."""
+
+    def __init__(self) -> None:
+        #: Each worker process's last status, by its control URL: during a reload a slot's
+        #: old and new workers both count, each once, until the old one is retired.
+        self._last: dict[str, dict[str, Any]] = {}
+        self._metrics: dict[int, str] = {}
+        #: Counters of workers that are gone, so the fleet's totals never go backwards.
+        self._gone = RouterStats()
+
+    @property
+    def stats(self) -> RouterStats:
+        """Every worker's counters added up, as of the last status read (at most
+        :data:`STATUS_EVERY_S` old), with those of workers that are gone."""
+        total = RouterStats()
+        _add(total, self._gone)
+        for status in self._last.values():
+            _add_status(total, status.get("stats", {}))
+        return total
+
+    def in_flight(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for status in self._last.values():
+            for url, n in status.get("in_flight", {}).items():
+                total[url] = total.get(url, 0) + int(n)
+        return total
+
+    def cache_predictions(self) -> dict[str, Predicted]:
+        """Every worker's cache-aware tallies per backend added up, as of the last status read
+        (each worker keeps its own index: a connection stays with one worker)."""
+        total: dict[str, Predicted] = {}
+        for status in self._last.values():
+            for url, t in status.get("cache", {}).items():
+                p = total.setdefault(url, Predicted())
+                p.requests += int(t.get("requests", 0))
+                p.blocks += int(t.get("blocks", 0))
+                p.hit_blocks += int(t.get("predicted_hit_blocks", 0))
+        return total
+
+    def collector(self) -> Collector:
+        """Every worker's own metrics (each series labelled ``worker="N"``), as last read: for
+        the fleet's ``/metrics``, so that one scrape sees the whole router. (A scrape of the
+        router's port reaches one worker, whichever the kernel picks.)"""
+        return _WorkersCollector(self._metrics)
+
+    def retire(self, worker: int, control_url: str) -> None:
+        """The worker process at ``control_url`` of slot ``worker`` is gone, or going: its
+        last totals join those of the gone (its own: the slot's new worker may have been
+        read already)."""
+        self._metrics.pop(worker, None)
+        status = self._last.pop(control_url.rstrip("/"), None)
+        if status is not None:
+            _add_status(self._gone, status.get("stats", {}))
+
+    async def read(self, links: Sequence[WorkerLink]) -> None:
+        """Each slot's worker now, read once (one that does not answer keeps its last)."""
+        for link in links:
+            answering = link.url.rstrip("/")  # the worker now in the slot
+            with contextlib.suppress(Exception):
+                self._last[answering] = await link.status()
+                self._metrics[link.worker] = await link.metrics_text()
+
+
+def worker_argv(config: RouterConfig, port: int, token_file: Path, worker: int,
+                control_port: int, backends: Sequence[str] = (),
+                take_from: Sequence[str] = ()) -> list[str]:
+    """The command line of router worker ``worker``: every setting as JSON (the keys file's
+    path made absolute: the worker's own directory may differ), its first serving set, and
+    the launch ids of the workers whose listening sockets it takes (a reload)."""
+    settings = {k: getattr(config, k) for k in RouterSettings.__dataclass_fields__}
+    if settings["keys_file"] is not None:
+        settings["keys_file"] = str(Path(settings["keys_file"]).expanduser().resolve())
+    argv = [sys.executable, "-m", "fleetwarden", "route",
+            "--host", config.host, "--port", str(port), "--reuse-port",
+            "--control-port", str(control_port), "--token-file", str(token_file),
+            "--settings-json", json.dumps(settings), "--managed", "--worker", str(worker),
+            "--log-level", "info"]
+    for url in backends:
+        argv += ["--backend", url]
+    for launch_id in take_from:
+        argv += ["--take-listeners", launch_id]
+    return argv
+
+
+async def _journal_write(write: Callable[..., None], *args: Any) -> None:
+    """A journal row, written off the loop (its commit's fsync never holds the workers'
+    control). The journal counts and reports a failed write itself; whatever else goes
+    wrong is logged here, never raised: a watcher that raised would never start its
+    worker again."""
+    try:
+        await asyncio.to_thread(write, *args)
+    except Exception as exc:
+        log.error("router workers: a journal write failed: %s", exc)
+
+
+def _alive(saved: RouterRecord) -> bool:
+    info = process_info(saved.pid)
+    return (info is not None and info.start_ticks == saved.proc_start_ticks
+            and info.state not in ("Z", "X") and launch_id_of(saved.pid) == saved.launch_id)
+
+
+async def _answers(control_url: str, token: str) -> bool:
+    try:
+        async with RemoteRouter(control_url, token, timeout_s=3.0) as remote:
+            await remote.status()
+        return True
+    except Exception:
+        return False
+
+
+async def _stop_leftover(saved: RouterRecord, grace_s: float) -> None:
+    """Stop what is left of an earlier run's worker that is not adopted: the members of its
+    process group that carry its launch id (never a process without it)."""
+    members = [p for p in await asyncio.to_thread(group_members, saved.pgid)
+               if launch_id_of(p.pid) == saved.launch_id]
+    for p in members:
+        signal_process(p.pid, p.start_ticks, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + _STOP_MARGIN_S
+    while time.monotonic() < deadline and any(  # noqa: ASYNC110 - /proc has no event
+            _same(p.pid, p.start_ticks) for p in members):
+        await asyncio.sleep(_POLL_S)
+    for p in members:
+        signal_process(p.pid, p.start_ticks, signal.SIGKILL)
+    if members:
+        log.warning("router worker %d: stopped %s of an earlier run (not adoptable)",
+                    saved.worker, saved.launch_id)
+
+
 @dataclass(eq=False)
 class _Process:
     record: RouterRecord
@@ -289,12 +419,8 @@ class RouterWorkers:
         self.adopted = 0
         self.started = 0
         self._procs: dict[int, _Process] = {}
-        #: Each worker process's last status, by its control URL: during a reload a slot's
-        #: old and new workers both count, each once, until the old one is retired.
-        self._statuses: dict[str, dict[str, Any]] = {}
-        self._metrics: dict[int, str] = {}
-        #: Counters of workers that are gone, so the fleet's totals never go backwards.
-        self._gone = RouterStats()
+        #: What each worker last said of itself: what the views read.
+        self.statuses = WorkerStatuses()
         #: Replaced workers being reaped as they drain (:meth:`_reap`).
         self._reaps = TaskOwner()
         #: Replaced workers still draining (a reload).
@@ -315,38 +441,16 @@ class RouterWorkers:
 
     @property
     def stats(self) -> RouterStats:
-        """Every worker's counters added up, as of the last status read (at most
-        :data:`STATUS_EVERY_S` old), with those of workers that are gone."""
-        total = RouterStats()
-        _add(total, self._gone)
-        for status in self._statuses.values():
-            _add_status(total, status.get("stats", {}))
-        return total
+        return self.statuses.stats
 
     def in_flight(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for status in self._statuses.values():
-            for url, n in status.get("in_flight", {}).items():
-                total[url] = total.get(url, 0) + int(n)
-        return total
+        return self.statuses.in_flight()
 
     def cache_predictions(self) -> dict[str, Predicted]:
-        """Every worker's cache-aware tallies per backend added up, as of the last status read
-        (each worker keeps its own index: a connection stays with one worker)."""
-        total: dict[str, Predicted] = {}
-        for status in self._statuses.values():
-            for url, t in status.get("cache", {}).items():
-                p = total.setdefault(url, Predicted())
-                p.requests += int(t.get("requests", 0))
-                p.blocks += int(t.get("blocks", 0))
-                p.hit_blocks += int(t.get("predicted_hit_blocks", 0))
-        return total
+        return self.statuses.cache_predictions()
 
     def collector(self) -> Collector:
-        """Every worker's own metrics (each series labelled ``worker="N"``), as last read: for
-        the fleet's ``/metrics``, so that one scrape sees the whole router. (A scrape of the
-        router's port reaches one worker, whichever the kernel picks.)"""
-        return _WorkersCollector(self._metrics)
+        return self.statuses.collector()
 
     # ------------------------------------------------------------------ start / stop
 
@@ -390,15 +494,15 @@ class RouterWorkers:
                     and (self.config.port in (0, port))
                     and (self.port in (0, port)))
             holder = self._procs.get(saved.worker)
-            if (holder is not None and holder.record.url == saved.url and self._alive(saved)
-                    and await self._answers(saved.control_url)):
+            if (holder is not None and holder.record.url == saved.url and _alive(saved)
+                    and await _answers(saved.control_url, self.token)):
                 # The predecessor in its slot of the worker just adopted: a reload that a
                 # SIGKILL interrupted. Finish it as the reload would have: stopping it
                 # (SIGTERM, up to shutdown_grace_s, then SIGKILL) cut the requests it held,
                 # one on a wedged engine among them, which nothing could rescue.
                 await self._finish_handover(saved)
                 continue
-            if fits and self._alive(saved) and await self._answers(saved.control_url):
+            if fits and _alive(saved) and await _answers(saved.control_url, self.token):
                 self.port = port
                 self._procs[saved.worker] = _Process(saved, None)
                 self._watch(saved.worker, _pid_exit(saved.pid))
@@ -410,8 +514,8 @@ class RouterWorkers:
                 log.info("router worker %d: adopted pid %d on %s from an earlier run",
                          saved.worker, saved.pid, saved.url)
                 continue
-            await self._stop_leftover(saved)
-            await self._journal_write(self.journal.router_stopped, saved.launch_id)
+            await _stop_leftover(saved, self.config.shutdown_grace_s)
+            await _journal_write(self.journal.router_stopped, saved.launch_id)
 
     async def _finish_handover(self, saved: RouterRecord) -> None:
         """A reload's old worker found running beside its adopted replacement: pushed and
@@ -424,68 +528,13 @@ class RouterWorkers:
         log.warning("router worker %d: %s, replaced by a reload that did not finish, drains "
                     "(up to %g s)", saved.worker, saved.launch_id, self.config.drain_s)
 
-    @staticmethod
-    async def _journal_write(write: Callable[..., None], *args: Any) -> None:
-        """A journal row, written off the loop (its commit's fsync never holds the workers'
-        control). The journal counts and reports a failed write itself; whatever else goes
-        wrong is logged here, never raised: a watcher that raised would never start its
-        worker again."""
-        try:
-            await asyncio.to_thread(write, *args)
-        except Exception as exc:
-            log.error("router workers: a journal write failed: %s", exc)
-
-    @staticmethod
-    def _alive(saved: RouterRecord) -> bool:
-        info = process_info(saved.pid)
-        return (info is not None and info.start_ticks == saved.proc_start_ticks
-                and info.state not in ("Z", "X") and launch_id_of(saved.pid) == saved.launch_id)
-
-    async def _answers(self, control_url: str) -> bool:
-        try:
-            async with RemoteRouter(control_url, self.token, timeout_s=3.0) as remote:
-                await remote.status()
-            return True
-        except Exception:
-            return False
-
-    async def _stop_leftover(self, saved: RouterRecord) -> None:
-        members = [p for p in await asyncio.to_thread(group_members, saved.pgid)
-                   if launch_id_of(p.pid) == saved.launch_id]
-        for p in members:
-            signal_process(p.pid, p.start_ticks, signal.SIGTERM)
-        deadline = time.monotonic() + self.config.shutdown_grace_s + _STOP_MARGIN_S
-        while time.monotonic() < deadline and any(  # noqa: ASYNC110 - /proc has no event
-                _same(p.pid, p.start_ticks) for p in members):
-            await asyncio.sleep(_POLL_S)
-        for p in members:
-            signal_process(p.pid, p.start_ticks, signal.SIGKILL)
-        if members:
-            log.warning("router worker %d: stopped %s of an earlier run (not adoptable)",
-                        saved.worker, saved.launch_id)
-
-    def _command(self, worker: int, control_port: int,
-                 take_from: Sequence[str] = ()) -> list[str]:
-        settings = {k: getattr(self.config, k) for k in RouterSettings.__dataclass_fields__}
-        if settings["keys_file"] is not None:  # the worker's own directory may differ
-            settings["keys_file"] = str(Path(settings["keys_file"]).expanduser().resolve())
-        argv = [sys.executable, "-m", "fleetwarden", "route",
-                "--host", self.config.host, "--port", str(self.port), "--reuse-port",
-                "--control-port", str(control_port), "--token-file", str(self.token_file),
-                "--settings-json", json.dumps(settings), "--managed", "--worker", str(worker),
-                "--log-level", "info"]
-        for url in self.links[worker].last_push:
-            argv += ["--backend", url]
-        for launch_id in take_from:
-            argv += ["--take-listeners", launch_id]
-        return argv
-
     async def _launch(self, worker: int, take_from: Sequence[str] = ()) -> None:
         """Start worker ``worker``. ``take_from``: launch ids of the workers it replaces (a
         reload); it listens on their listening sockets instead of binding its own."""
         control_port = free_port("127.0.0.1")
         launch_id = f"r{worker}-{uuid.uuid4().hex[:12]}"
-        argv = self._command(worker, control_port, take_from)
+        argv = worker_argv(self.config, self.port, self.token_file, worker, control_port,
+                           self.links[worker].last_push, take_from)
         env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": launch_id}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"router-{worker}-{launch_id}.log"
@@ -503,7 +552,7 @@ class RouterWorkers:
             launched_at=time.time())
         self._procs[worker] = _Process(record, proc)
         if self.journal is not None:
-            await self._journal_write(self.journal.router_launched, launch_id, worker,
+            await _journal_write(self.journal.router_launched, launch_id, worker,
                                       record.to_dict())
         self._watch(worker, proc.wait())
         await self._wait_answering(record, proc)
@@ -519,7 +568,7 @@ class RouterWorkers:
             if proc.returncode is not None:
                 raise LaunchError(f"router worker {record.worker} exited with code "
                                   f"{proc.returncode} while starting; see {record.log_path}")
-            if await self._answers(record.control_url):
+            if await _answers(record.control_url, self.token):
                 return
             await asyncio.sleep(_POLL_S)
         raise LaunchError(f"router worker {record.worker}: no control API within "
@@ -535,7 +584,7 @@ class RouterWorkers:
             log.warning("router worker %d (pid %d) exited with code %s; starting another",
                         worker, p.record.pid, code)
             if self.journal is not None:
-                await self._journal_write(self.journal.router_stopped, p.record.launch_id)
+                await _journal_write(self.journal.router_stopped, p.record.launch_id)
             self._retire_counters(worker, p)
             await self.links[worker].disconnect()
             await asyncio.sleep(RESTART_DELAY_S)
@@ -558,12 +607,7 @@ class RouterWorkers:
         await self._push_last(worker)
 
     def _retire_counters(self, worker: int, p: _Process) -> None:
-        """Worker process ``p`` of slot ``worker`` is gone, or going: its last totals join
-        those of the gone (its own: the slot's new worker may have been read already)."""
-        self._metrics.pop(worker, None)
-        status = self._statuses.pop(p.record.control_url.rstrip("/"), None)
-        if status is not None:
-            _add_status(self._gone, status.get("stats", {}))
+        self.statuses.retire(worker, p.record.control_url)
 
     async def _read_statuses(self) -> None:
         while not self._closing:
@@ -571,11 +615,7 @@ class RouterWorkers:
             await asyncio.sleep(STATUS_EVERY_S)
 
     async def _read_statuses_once(self) -> None:
-        for link in self.links:
-            answering = link.url.rstrip("/")  # the worker now in the slot
-            with contextlib.suppress(Exception):
-                self._statuses[answering] = await link.status()
-                self._metrics[link.worker] = await link.metrics_text()
+        await self.statuses.read(self.links)
 
     async def reload(self) -> None:
         """Replace every worker with no request failed: new processes (the code installed
@@ -656,7 +696,7 @@ class RouterWorkers:
                             "another", worker, old.record.pid)
                 self._procs[worker] = old
                 if self.journal is not None:
-                    await self._journal_write(self.journal.router_stopped,
+                    await _journal_write(self.journal.router_stopped,
                                               old.record.launch_id)
                 self._retire_counters(worker, old)
                 await self.links[worker].disconnect()
@@ -711,7 +751,7 @@ class RouterWorkers:
         if old.watcher is not None:
             old.watcher.cancel()
         if self.journal is not None:
-            await self._journal_write(self.journal.router_stopped, rec.launch_id)
+            await _journal_write(self.journal.router_stopped, rec.launch_id)
 
     async def stop(self) -> None:
         """Stop every worker (SIGTERM: they stop accepting and finish what they hold, up to
@@ -756,7 +796,7 @@ class RouterWorkers:
             with contextlib.suppress(asyncio.CancelledError):
                 await p.watcher
         if self.journal is not None:
-            await self._journal_write(self.journal.router_stopped, rec.launch_id)
+            await _journal_write(self.journal.router_stopped, rec.launch_id)
         log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
 
 
