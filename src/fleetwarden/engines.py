@@ -417,8 +417,42 @@ def generation_limits(model: str | None, source: str, override: Mapping[str, Any
         f"--override-generation-config max_new_tokens {cap!r} is not an integer >= 1")), default
 
 
+#: llama-server's flags for its default output limit: a request that names no limit gets it,
+#: one that names a limit is not held to it (build 10434: started with ``-n 8``, a completion
+#: asking 20 tokens got 20, one asking none got 8); -1 (its default) and -2 mean none.
+_LLAMACPP_PREDICT_FLAGS = ("-n", "--n-predict", "--predict")
+
+
+@functools.lru_cache(maxsize=256)
+def _llamacpp_default(command: str) -> tuple[bool, int | CapUnknown | None]:
+    """Whether ``command`` runs ``llama-server``, and its default output limit
+    (:data:`_LLAMACPP_PREDICT_FLAGS`, the last one named)."""
+    try:
+        names = {n for _, n, _, _ in string.Formatter().parse(command) if n}
+        words = shlex.split(command.format(**dict.fromkeys(names, "0")))
+    except (ValueError, KeyError, IndexError):
+        return False, None
+    if not any(w.rsplit("/", 1)[-1].startswith("llama-server") for w in words):
+        return False, None
+    value: str | None = None
+    for i, word in enumerate(words):
+        flag, eq, rest = word.partition("=")
+        if flag in _LLAMACPP_PREDICT_FLAGS:
+            value = rest if eq else (words[i + 1] if i + 1 < len(words) else "")
+    if value is None:
+        return True, None
+    try:
+        tokens = int(value)
+    except ValueError:
+        return True, CapUnknown(f"llama-server -n {value!r} is not an integer")
+    return True, tokens if tokens >= 1 else None
+
+
 def _command_limits(command: str | None, read: ConfigReader,
                     ) -> tuple[int | CapUnknown | None, int | CapUnknown | None]:
+    llamacpp, default = (False, None) if not command else _llamacpp_default(command)
+    if llamacpp:  # it caps no request: its -n is only a default
+        return None, default
     args = None if not command else _limit_args(command)
     if args is None:
         return None, None
@@ -437,8 +471,8 @@ def output_cap_of(command: str | None, read: ConfigReader = _no_file) -> int | N
     """The server cap on every request's output that an engine command sets
     (:func:`generation_limits`: ``--override-generation-config '{"max_new_tokens": N}'``,
     or under ``--generation-config FOLDER`` that folder's ``max_new_tokens``, read from
-    this host's disk). ``None``: it sets none, or it cannot be read (then a continuation
-    learns the cap only from a ``"length"`` finish)."""
+    this host's disk; a ``llama-server`` command sets none). ``None``: it sets none, or it
+    cannot be read (then a continuation learns the cap only from a ``"length"`` finish)."""
     cap = _command_limits(command, read)[0]
     return None if isinstance(cap, CapUnknown) else cap
 
@@ -448,7 +482,8 @@ def output_default_of(command: str | None,
     """The default limit of a request that names none (a chat's) that an engine command
     sets (:func:`generation_limits`: the model folder's ``generation_config.json``
     ``max_new_tokens`` under vLLM's ``--generation-config auto``, read from this host's
-    disk). ``None``: none; :class:`CapUnknown`: its file is not readable here."""
+    disk; ``llama-server``'s ``-n``). ``None``: none; :class:`CapUnknown`: its file is not
+    readable here."""
     return _command_limits(command, read)[1]
 
 

@@ -282,3 +282,50 @@ def test_a_keyed_llama_server_is_read_with_its_key_and_never_failed_without(
     assert healths == [Health.UNPROVEN] * 3
     assert any(f.startswith("GET /metrics answered 401") for f in faults), faults
     assert keyed_health is Health.PROVEN
+
+
+def test_the_output_limits_read_from_a_llama_server_command_are_the_servers_own(
+        llama_server: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    """What fleetwarden takes from a launched ``llama-server``'s command (``-n``: the default
+    of a request that names no limit, a cap on none) against the running server: a completion
+    and a chat naming no limit end at the default with ``"length"``; one naming more than it
+    gets all it asked for; one naming less, its own. (Once llama.cpp capped every request at
+    ``-n``; the build pinned here does not, and a continuation asking past a cap that is not
+    there would be refused for nothing.)"""
+    from fleetwarden.engines import output_cap_of, output_default_of
+    from fleetwarden.testing.llamacpp_env import llamacpp_engine_command
+
+    n = 8
+    command = llamacpp_engine_command(llama_server, tiny_gguf) + f" -n {n}"
+    cap, default = output_cap_of(command), output_default_of(command)
+    assert (cap, default) == (None, n)
+    eng = start_llamacpp_engine(llama_server, tiny_gguf, tmp_path, extra_args=f"-n {n}")
+    try:
+        eng.wait_ready(timeout_s=30)
+
+        async def run() -> list[tuple[str, int | None, int, str]]:
+            got = []
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                for path, limit in (("/v1/completions", None), ("/v1/chat/completions", None),
+                                    ("/v1/completions", 3 * n), ("/v1/chat/completions", 3 * n),
+                                    ("/v1/completions", n // 2)):
+                    body: dict[str, Any] = (
+                        {"prompt": "Once upon a time"} if path == "/v1/completions"
+                        else {"messages": [{"role": "user", "content": "Tell me a story"}]})
+                    # the limit ends each one, not the tiny model's end of text
+                    body.update(temperature=0, ignore_eos=True)
+                    if limit is not None:
+                        body["max_tokens"] = limit
+                    async with http.post(eng.base_url + path, json=body) as r:
+                        answer = await r.json()
+                    got.append((path, limit, answer["usage"]["completion_tokens"],
+                                answer["choices"][0]["finish_reason"]))
+            return got
+
+        got = asyncio.run(run())
+    finally:
+        stop = eng.stop()
+        assert stop.clean, f"engine group {eng.pgid} left {stop.left}"
+    print(f"\nllama-server -n {n}: (path, max_tokens, tokens, finish) {got}")
+    for _path, limit, tokens, finish in got:
+        assert (tokens, finish) == (default if limit is None else limit, "length"), got

@@ -212,6 +212,26 @@ def test_an_engine_commands_limits_mirror_vllms_generation_config(
             "unknown" if isinstance(default, CapUnknown) else default) == limits
 
 
+@pytest.mark.parametrize(("command", "limits"), [
+    ("/opt/llama/bin/llama-server -m m.gguf --port {port} -n 8", (None, 8)),
+    ("env LD_LIBRARY_PATH=/x llama-server -m m.gguf --n-predict=64 -np 4", (None, 64)),
+    ("llama-server -m m.gguf --predict 12 -n 30", (None, 30)),  # the last one named
+    ("llama-server -m m.gguf -n -1", (None, None)),  # its default: no limit
+    ("llama-server -m m.gguf -n -2", (None, None)),  # until the context is full
+    ("llama-server -m m.gguf --port {port}", (None, None)),
+    ("llama-server -m m.gguf -n many", (None, "unknown")),
+    # a vLLM command's -n is not llama-server's (vLLM has none): its file decides
+    ("vllm serve hub/name -n 8", (None, "unknown")),
+])
+def test_a_llama_server_commands_n_is_its_default_and_caps_nothing(
+        command: str, limits: tuple[int | None, int | str | None]) -> None:
+    """llama-server's ``-n`` is what a request that names no limit gets; one that names a
+    limit is not held to it (tests/llamacpp: the real server agrees)."""
+    default = output_default_of(command)
+    assert (output_cap_of(command),
+            "unknown" if isinstance(default, CapUnknown) else default) == limits
+
+
 @pytest.mark.parametrize(("source", "override", "limits"), [
     ("auto", {}, (None, 48)),
     ("vllm", {}, (None, None)),

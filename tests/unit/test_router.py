@@ -1332,7 +1332,10 @@ async def test_backends_holding_silent_requests_are_named_with_their_oldest_wait
         loop = asyncio.get_running_loop()
         sent = loop.time()
         tasks = [asyncio.create_task(r.post()) for _ in range(4)]
-        await until(lambda: good.answered + wedged.held == 4, what="all 4 placed")
+        # placed, and the good engine's answers relayed to their last byte (an answer sent
+        # but not yet relayed is a request in flight there, of some age)
+        await until(lambda: good.answered + wedged.held == 4
+                    and r.router.in_flight().get(good.url, 0) == 0, what="all 4 placed")
         silent = r.router.silent_backends(0.0)  # no need to wait: the ages are what they are
         waited = loop.time() - sent
         assert list(silent) == [wedged.url] and 0.0 <= silent[wedged.url] <= waited
