@@ -70,10 +70,13 @@ __all__ = ["Fleet", "ShardLaunchers"]
 log = logging.getLogger(__name__)
 
 class _JournalEngines:
-    """Engines started and stopped, written to the journal as it happens."""
+    """Engines about to start, started and stopped, written to the journal as it happens."""
 
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
+
+    def launching(self, handle: EngineHandle) -> None:
+        self.journal.engine_launched(handle.launch_id, handle.shard, EngineRecord.intent(handle))
 
     def launched(self, handle: EngineHandle) -> None:
         self.journal.engine_launched(handle.launch_id, handle.shard,
@@ -232,10 +235,10 @@ class Fleet:
         journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
 
         # Engines an earlier run left running: the current one of each shard is adopted, the
-        # rest (a restart in progress, a condemned engine not yet stopped) are stopped. (Ray
-        # engines are Ray's: their actors end with the driver that started them.)
+        # rest (a restart in progress, a condemned engine not yet stopped, any of a run that
+        # died before its first snapshot) are stopped. (Ray's actors end with their driver.)
         adopted: dict[int, EngineHandle] = {}
-        if restored is not None and local is not None:
+        if local is not None:
             adopted = await adopt_or_stop(journal, local, restored)
         ledger, first = await self._first_engines(journal, launcher, local, launched,
                                                   attached, restored, adopted)

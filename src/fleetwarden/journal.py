@@ -105,6 +105,15 @@ CREATE TABLE IF NOT EXISTS restarts (
 VERDICTS_KEPT = 100_000
 
 
+#: An engine's row. A launch writes it twice: its intent before the spawn (``pid`` None), so
+#: an engine whose PID never reaches the journal (fleetwarden killed between the spawn and the
+#: second write, or that write failed) is still named by its launch id, which the next run
+#: finds it by (``restore.adopt_or_stop``); then its process, which fills in the record and
+#: leaves a stop written meanwhile standing (a stop racing the launch's last write).
+_ENGINE_ROW = ("INSERT INTO engines (launch_id, shard, record, launched_wall) VALUES (?, ?, ?, ?) "
+               "ON CONFLICT(launch_id) DO UPDATE SET record = excluded.record")
+
+
 class JournalError(Exception):
     """The journal file cannot be used as it is. The message names the file and what to do."""
 
@@ -252,11 +261,10 @@ class Journal:
     # ------------------------------------------------------------------ engines
 
     def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
-        """An engine process started (PID, process group, start time, URL): written at once,
-        so a fleetwarden killed a moment later still knows what it left running."""
-        self._process_write(
-            "INSERT OR REPLACE INTO engines (launch_id, shard, record, launched_wall) "
-            "VALUES (?, ?, ?, ?)", (launch_id, shard, json.dumps(record), time.time()))
+        """An engine process about to start (``pid`` None, before the spawn) or started (PID,
+        process group, start time, URL): written at once, so a fleetwarden killed a moment
+        later still knows what it left running (:data:`_ENGINE_ROW`)."""
+        self._process_write(_ENGINE_ROW, (launch_id, shard, json.dumps(record), time.time()))
 
     def engine_stopped(self, launch_id: str) -> None:
         self._process_write("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
@@ -284,7 +292,8 @@ class Journal:
         return {r[0] for r in self._read.execute("SELECT launch_id FROM engines")}
 
     def running_engines(self) -> list[dict[str, Any]]:
-        """Engines launched and never seen stopped: what an earlier run may have left."""
+        """Engines launched and never seen stopped: what an earlier run may have left (``pid``
+        None: a launch whose process never reached the journal, known by its launch id)."""
         rows = self._read.execute(
             "SELECT shard, record FROM engines WHERE stopped_wall IS NULL ORDER BY launched_wall"
         ).fetchall()

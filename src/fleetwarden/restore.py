@@ -44,24 +44,33 @@ async def _answers(url: str) -> bool:
 
 
 async def adopt_or_stop(
-    journal: Journal, local: LocalLauncher, restored: Ledger
+    journal: Journal, local: LocalLauncher, restored: Ledger | None
 ) -> dict[int, EngineHandle]:
     """Engines an earlier run left running: the current one of each shard is adopted, the
-    rest (a restart in progress, a condemned engine not yet stopped) are stopped."""
+    rest (a restart in progress, a condemned engine not yet stopped) are stopped. A launch
+    journaled only by its intent (no PID: fleetwarden died between the spawn and the record of
+    its process, or that write failed) is stopped wherever a process carries its launch id,
+    never adopted: nothing recorded which process it is, and no ledger load followed it.
+    With no ledger restored (a run killed during its first start, before its first snapshot)
+    none is current: every one is stopped."""
     adopted: dict[int, EngineHandle] = {}
     for d in journal.running_engines():
-        saved = EngineRecord(**{k: d[k] for k in EngineRecord.__dataclass_fields__})
-        current = (saved.shard < len(restored) and saved.shard not in adopted
-                   and restored.shard(saved.shard).base_url == saved.url
-                   and restored.state(saved.shard) not in ABSENT)
-        if current and local.adoptable(saved) and await _answers(saved.url):
-            adopted[saved.shard] = await local.adopt(saved)
-            continue
-        stopped = await local.stop_leftover(saved)
-        journal.engine_stopped(saved.launch_id)
+        if d.get("pid") is None:
+            stopped = await local.stop_unrecorded(d["shard"], d["launch_id"])
+        else:
+            saved = EngineRecord(**{k: d[k] for k in EngineRecord.__dataclass_fields__})
+            current = (restored is not None and saved.shard < len(restored)
+                       and saved.shard not in adopted
+                       and restored.shard(saved.shard).base_url == saved.url
+                       and restored.state(saved.shard) not in ABSENT)
+            if current and local.adoptable(saved) and await _answers(saved.url):
+                adopted[saved.shard] = await local.adopt(saved)
+                continue
+            stopped = await local.stop_leftover(saved)
+        journal.engine_stopped(d["launch_id"])
         if stopped:
             log.warning("shard %d: an engine of the earlier run (%s) was not adopted and "
-                        "was stopped", saved.shard, saved.launch_id)
+                        "was stopped", d["shard"], d["launch_id"])
     return adopted
 
 

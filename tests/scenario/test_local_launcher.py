@@ -124,6 +124,21 @@ async def test_a_missing_program_is_a_launch_error(tmp_path: Path) -> None:
         await lau.launch(0)
 
 
+async def test_a_spawn_that_fails_leaves_no_running_record(tmp_path: Path) -> None:
+    """A launch is journaled before its spawn; one that never started a process is closed
+    at once, so the next run does not look for it."""
+    from fleetwarden.fleet import _JournalEngines
+    from fleetwarden.journal import Journal
+
+    fleet = FleetConfig(engine_cmd="/nonexistent/engine --port {port}", log_dir=tmp_path)
+    lau = LocalLauncher(fleet, SupervisorConfig(), lambda h: None)
+    with Journal(tmp_path / "fleetwarden.sqlite") as journal:
+        lau.events = _JournalEngines(journal)
+        with pytest.raises(LaunchError, match="cannot start"):
+            await lau.launch(0)
+        assert len(journal.launch_ids()) == 1 and journal.running_engines() == []
+
+
 async def test_a_port_that_a_shard_records_is_not_handed_out_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel may hand back the port of a DEAD or RETIRED shard's

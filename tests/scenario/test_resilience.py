@@ -15,7 +15,7 @@ import pytest
 
 from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
-from fleetwarden.launchers import EngineRecord
+from fleetwarden.launchers import EngineHandle, EngineRecord
 from fleetwarden.launchers.local import LocalLauncher, kill_launched, live_launch_ids
 from fleetwarden.launchers.procs import process_start_ticks
 from fleetwarden.testing.up import UpProcess
@@ -145,6 +145,52 @@ async def test_a_reused_pid_is_never_adopted(tmp_path: Path) -> None:
     finally:
         stranger.kill()
         stranger.wait()
+
+
+class _Died(Exception):
+    """fleetwarden killed between an engine's spawn and the journal's record of its PID."""
+
+
+async def test_an_engine_whose_pid_never_reached_the_journal_is_stopped_by_the_next_run(
+        tmp_path: Path) -> None:
+    """fleetwarden killed between an engine's spawn and the commit that records its PID (an
+    fsync, seconds on a busy disk) left the engine running, named by no journal row: the next
+    run neither adopted nor stopped it (the fleet model found one, an orphan holding an
+    engine's memory). The launch's intent is journaled before the spawn; the next run finds
+    its process by launch id and stops it, and only it."""
+    from fleetwarden.fleet import _JournalEngines
+    from fleetwarden.restore import adopt_or_stop
+
+    class DiesAfterTheSpawn(_JournalEngines):
+        def launched(self, handle: EngineHandle) -> None:
+            raise _Died
+
+    fleet = FleetConfig(engine_cmd="{python} -c 'import time; time.sleep(60)' {port}",
+                        log_dir=tmp_path, engines_outlive_fleetwarden=True)
+    path = tmp_path / "fleetwarden.sqlite"
+    env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": "s0-another-launch"}
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env=env, start_new_session=True)
+    first = LocalLauncher(fleet, SupervisorConfig(stop_grace_s=5), lambda h: None)
+    try:
+        with Journal(path) as journal:
+            first.events = DiesAfterTheSpawn(journal)
+            with pytest.raises(_Died):
+                await first.launch(0)
+            [engine] = first.handles
+            assert [e["pid"] for e in journal.running_engines()] == [None]  # its intent only
+        assert live_launch_ids({engine.launch_id}) == {engine.launch_id}  # it runs on
+
+        with Journal(path) as journal:  # the next run; killed before its first snapshot too
+            again = LocalLauncher(fleet, SupervisorConfig(stop_grace_s=5), lambda h: None)
+            assert await adopt_or_stop(journal, again, None) == {}
+            assert journal.running_engines() == []  # the journal says it stopped
+        assert live_launch_ids({engine.launch_id}) == set()
+        assert bystander.poll() is None  # another launch id: never signalled
+    finally:
+        kill_launched({h.launch_id for h in first.handles})
+        bystander.kill()
+        bystander.wait()
 
 
 async def test_an_engine_with_the_same_launch_id_is_adopted_and_stopped_through_its_group(

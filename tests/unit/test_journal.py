@@ -289,3 +289,20 @@ def test_engine_rows_can_be_written_from_another_thread(tmp_path: Path) -> None:
         t.join()
         assert journal.launch_ids() == {"l-1"}
         assert [e["shard"] for e in journal.running_engines()] == [0]
+
+
+def test_a_launch_is_journaled_before_its_process_and_a_stop_is_never_undone(
+        tmp_path: Path) -> None:
+    """A launch's intent (no PID yet) is a running engine until it is stopped, so the next run
+    looks for its process by launch id; the record of its process fills that row in and
+    leaves a stop already written standing (a stop racing the launch's last write)."""
+    with Journal(tmp_path / "fleet.sqlite") as journal:
+        journal.engine_launched("l-1", 0, {"url": "u", "pid": None})
+        assert [(e["shard"], e["pid"]) for e in journal.running_engines()] == [(0, None)]
+        journal.engine_launched("l-1", 0, {"url": "u", "pid": 42})
+        assert [e["pid"] for e in journal.running_engines()] == [42]
+        journal.engine_launched("l-2", 1, {"url": "v", "pid": None})
+        journal.engine_stopped("l-2")
+        journal.engine_launched("l-2", 1, {"url": "v", "pid": 43})
+        assert [e["pid"] for e in journal.running_engines()] == [42]
+        assert journal.launch_ids() == {"l-1", "l-2"}

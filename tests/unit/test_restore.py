@@ -7,9 +7,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleetwarden.launchers import EngineHandle, LaunchError
+from fleetwarden.config import FleetConfig, SupervisorConfig
+from fleetwarden.journal import Journal
+from fleetwarden.launchers import EngineHandle, EngineRecord, LaunchError
+from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState, Transition, unnamed_incarnation
-from fleetwarden.restore import begin_run, read_attached, same_process
+from fleetwarden.restore import adopt_or_stop, begin_run, read_attached, same_process
 from fleetwarden.watchdog import Target, Watchdog
 from support.wait import free_port
 
@@ -254,3 +257,20 @@ async def test_read_attached_names_each_engine_as_the_watchdog_does_and_never_ra
     start = next(line.split()[-1] for line in metrics.splitlines()
                  if line.startswith("process_start_time_seconds"))
     assert got == {3: repr(float(start)), 4: None}
+
+
+async def test_a_launch_journaled_only_by_its_intent_is_marked_stopped_when_nothing_runs(
+        tmp_path: Path) -> None:
+    """A launch whose PID never reached the journal: when no process carries its launch id,
+    the next run signals nothing and closes its record, adopting nothing, whether a ledger was
+    restored or not (a run killed before its first snapshot). Its process found running is
+    tests/scenario/test_resilience.py's."""
+    for ledger in (restored(1)[0], None):
+        handle = EngineHandle(0, "http://127.0.0.1:8000", f"s0-never-spawned-{id(ledger)}")
+        with Journal(tmp_path / "fleet.sqlite") as journal:
+            journal.engine_launched(handle.launch_id, 0, EngineRecord.intent(handle))
+            launcher = LocalLauncher(FleetConfig(log_dir=tmp_path), SupervisorConfig(),
+                                     lambda h: None)
+            assert await adopt_or_stop(journal, launcher, ledger) == {}
+            assert journal.running_engines() == []
+            assert handle.launch_id in journal.launch_ids()

@@ -90,9 +90,25 @@ class EngineRecord:
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
+    @staticmethod
+    def intent(handle: EngineHandle) -> dict[str, object]:
+        """What the journal keeps of a launch before its process exists: a record's fields,
+        the PID, process group and start time ``None``. Written before the spawn, so an
+        engine whose PID never reached the journal (fleetwarden killed in between, a failed
+        write) is still named, by its launch id, for the next run to stop."""
+        return {"shard": handle.shard, "launch_id": handle.launch_id, "url": handle.url,
+                "pid": None, "pgid": None, "proc_start_ticks": None,
+                "log_path": str(handle.log_path) if handle.log_path else None,
+                "launched_at": handle.launched_at}
+
 
 class LaunchEvents(Protocol):
-    """Told of every engine process started and stopped (the journal implements it)."""
+    """Told of every engine process about to start, started and stopped (the journal
+    implements it)."""
+
+    def launching(self, handle: EngineHandle) -> None:
+        """Before the spawn: ``handle`` has its launch id, URL and log, no PID yet."""
+        ...
 
     def launched(self, handle: EngineHandle) -> None: ...
 

@@ -48,7 +48,7 @@ from fleetwarden.launchers.procs import (
 )
 from fleetwarden.probe import health_status
 
-__all__ = ["LocalLauncher", "default_engine_command", "free_port", "kill_launched",
+__all__ = ["LocalLauncher", "carrying", "default_engine_command", "free_port", "kill_launched",
            "launch_id_of", "live_launch_ids", "redacted", "wait_healthy"]
 
 log = logging.getLogger(__name__)
@@ -102,20 +102,26 @@ def launch_id_of(pid: int) -> str | None:
     return None
 
 
-def live_launch_ids(launch_ids: set[str]) -> set[str]:
-    """Which of ``launch_ids`` a live process still carries (an engine may be several
-    processes: a shell and its child, a server and its engine core). What a check that
-    nothing was left behind reads."""
-    alive = set()
+def carrying(launch_ids: set[str]) -> list[tuple[str, ProcessInfo]]:
+    """Every live process whose environment carries one of ``launch_ids``, with the one it
+    carries (an engine may be several processes: a shell and its child, a server and its
+    engine core)."""
+    found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         launch_id = launch_id_of(int(entry.name))
-        if launch_id in launch_ids:
+        if launch_id is not None and launch_id in launch_ids:
             info = process_info(int(entry.name))
             if info is not None and info.state not in ("Z", "X"):
-                alive.add(launch_id)
-    return alive
+                found.append((launch_id, info))
+    return found
+
+
+def live_launch_ids(launch_ids: set[str]) -> set[str]:
+    """Which of ``launch_ids`` a live process still carries. What a check that nothing was
+    left behind reads."""
+    return {launch_id for launch_id, _ in carrying(launch_ids)}
 
 
 def kill_launched(launch_ids: set[str]) -> int:
@@ -251,6 +257,14 @@ class LocalLauncher:
         env.update(FLEETWARDEN_LAUNCH_ID=launch_id, FLEETWARDEN_SHARD=str(shard))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"shard-{shard}-{launch_id}.log"
+        handle = EngineHandle(shard=shard, url=f"http://{self.fleet.host}:{port}",
+                              launch_id=launch_id, log_path=log_path, launched_at=time.time())
+        if self.events is not None:
+            # Journaled before the spawn (docs/design.md, "The supervisor and launchers"): an
+            # engine whose PID never reaches the journal is still named by its launch id, and
+            # the next run stops it. A synchronous SQLite commit (an fsync, seconds on a busy
+            # disk): off the loop.
+            await asyncio.to_thread(self.events.launching, handle)
         with open(log_path, "ab") as out:  # noqa: ASYNC230 - a local create, microseconds
             out.write(f"# fleetwarden: {shlex.join(redacted(argv))}\n".encode())
             out.flush()
@@ -262,12 +276,11 @@ class LocalLauncher:
                     else _term_when_parent_dies,
                 )
             except OSError as exc:
+                if self.events is not None:  # no process: its record is closed at once
+                    await asyncio.to_thread(self.events.stopped, handle)
                 raise LaunchError(f"shard {shard}: cannot start {argv[0]!r}: {exc}") from exc
-        handle = EngineHandle(
-            shard=shard, url=f"http://{self.fleet.host}:{port}", launch_id=launch_id,
-            pid=proc.pid, pgid=proc.pid, proc_start_ticks=process_start_ticks(proc.pid),
-            log_path=log_path, launched_at=time.time(),
-        )
+        handle.pid = handle.pgid = proc.pid
+        handle.proc_start_ticks = process_start_ticks(proc.pid)
         self._handles[launch_id] = handle
         self._procs[launch_id] = proc
         if self.events is not None:
@@ -320,6 +333,21 @@ class LocalLauncher:
         touched."""
         members = [p for p in await asyncio.to_thread(group_members, saved.pgid)
                    if launch_id_of(p.pid) == saved.launch_id]
+        return await self._stop_members(members, saved.shard, saved.launch_id)
+
+    async def stop_unrecorded(self, shard: int, launch_id: str) -> int:
+        """Stop what runs of an earlier run's launch whose PID the journal never recorded
+        (only its intent, written before the spawn): every live process whose environment
+        carries ``launch_id``, wherever its group. Returns how many; a process without the
+        launch id is never touched."""
+        found = await asyncio.to_thread(carrying, {launch_id})
+        return await self._stop_members([p for _, p in found], shard, launch_id)
+
+    async def _stop_members(self, members: list[ProcessInfo], shard: int,
+                            launch_id: str) -> int:
+        """SIGTERM (and SIGCONT, for a stopped one) to each of ``members``, SIGKILL to those
+        alive after the grace. Each signal names the start time: a PID reused meanwhile is
+        never signalled."""
         if not members:
             return 0
         for p in members:
@@ -332,7 +360,7 @@ class LocalLauncher:
             if _alive(p):
                 signal_process(p.pid, p.start_ticks, signal.SIGKILL)
         log.warning("shard %d: stopped %d leftover process(es) of %s from an earlier run",
-                    saved.shard, len(members), saved.launch_id)
+                    shard, len(members), launch_id)
         return len(members)
 
     async def wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
