@@ -488,6 +488,16 @@ def _print_check(result: Check) -> None:
                                                 "on its [[fleet.backends]] table)")
             if isinstance(cap, CapUnknown)
             else "none" if cap is None else f"{cap} tokens (from its /server_info)"))
+    default = result.output_default
+    if not (isinstance(default, CapUnknown) and not default.settled):
+        # What a chat that names no limit is held to there, from the same answer.
+        console.print("  output default: " + (
+            "[bold yellow]unknown[/] " + escape(f"({default.why}; in a fleet, declare "
+                                                "output_default on its [[fleet.backends]] "
+                                                "table)")
+            if isinstance(default, CapUnknown)
+            else "none" if default is None
+            else f"{default} tokens (its model's generation config)"))
     for fault in report.faults:
         # Never held against the engine (it proves nothing either way): a config fix.
         console.print(f"  [bold red]config fault[/]: {escape(fault)}")

@@ -372,8 +372,7 @@ class Controller:
 
     def _facts(self, rec: ShardRecord) -> BackendFacts:
         cap, source = self.output_cap(rec)
-        default, default_unknown = output_default_from(
-            self.watchdog.output_default(rec.base_url), self.config.fleet, rec.index)
+        default, default_unknown = self.output_default(rec)
         return BackendFacts(rec.index, rec.weight_version,
                             upstream_fields=self._upstream_fields(rec.index),
                             incarnation=rec.incarnation,
@@ -396,6 +395,14 @@ class Controller:
         if isinstance(said, CapUnknown) and source.startswith("unknown"):
             self._tell_unknown_cap(rec, said)
         return cap, source
+
+    def output_default(self, rec: ShardRecord) -> tuple[int | None, str | None]:
+        """``rec``'s engine's default limit of a chat that names none (``None``: none, or not
+        known) and why it is not known (:func:`output_default_from`; ``None``: known): a
+        chat begun there is then continued only as far as such chats there proved
+        (docs/design.md 4.1), and its status row says so."""
+        return output_default_from(self.watchdog.output_default(rec.base_url),
+                                   self.config.fleet, rec.index)
 
     def _tell_unknown_cap(self, rec: ShardRecord, said: CapUnknown) -> None:
         """Log an attached engine's unknown cap once per process, once it was asked."""

@@ -704,8 +704,7 @@ class Fleet:
         status = c.status_of(shards)
         return Snapshot(
             at=time.time(), started_at=self.started_at, router_url=self.router.url,
-            admin_url=self.admin.url, weights=self.ledger.policy.weights,
-            shards=shards,
+            admin_url=self.admin.url, weights=self.ledger.policy.weights, shards=shards,
             max_restart_attempts=self.ledger.policy.max_restart_attempts,
             controller=c.describe(status), status=status,
             verdict_counts=dict(c.verdict_counts),
@@ -720,4 +719,5 @@ class Fleet:
             cache_predicted={u: (t.blocks, t.hit_blocks)
                              for u, t in self.router.cache_predictions().items()},
             output_caps={rec.index: c.output_cap(rec) for rec in shards},
+            output_defaults={rec.index: c.output_default(rec) for rec in shards},
         )

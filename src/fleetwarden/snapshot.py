@@ -92,6 +92,9 @@ class Snapshot:
     #: Each shard's server cap on a request's output and where it comes from
     #: (``Controller.output_cap``: ``engine``, ``declared``, ``command``, ``unknown: why``).
     output_caps: Mapping[int, tuple[int | None, str]] = field(default_factory=dict)
+    #: Each shard's default limit of a chat that names none, and why it is not known
+    #: (``Controller.output_default``; ``None``: known).
+    output_defaults: Mapping[int, tuple[int | None, str | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -668,12 +668,18 @@ class Check:
     #: Its server cap on every request's output, as its ``/server_info`` said (``None``: it
     #: caps none), or why that is unknown: an attached engine's cap is then to be declared.
     output_cap: int | CapUnknown | None = _NOT_ASKED
+    #: Its default limit of a request that names none (a chat's), from the same answer
+    #: (its model folder, where that is on this host), or why that is unknown.
+    output_default: int | CapUnknown | None = _NOT_ASKED
 
     def to_dict(self) -> dict[str, Any]:
-        cap = self.output_cap
+        cap, default = self.output_cap, self.output_default
         return {**self.report.to_dict(), "reads": self.reads, "exit_code": self.exit_code,
                 "output_cap": None if isinstance(cap, CapUnknown) else cap,
-                "output_cap_unknown": cap.why if isinstance(cap, CapUnknown) else None}
+                "output_cap_unknown": cap.why if isinstance(cap, CapUnknown) else None,
+                "output_default": None if isinstance(default, CapUnknown) else default,
+                "output_default_unknown": (default.why if isinstance(default, CapUnknown)
+                                           else None)}
 
 
 async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
@@ -702,7 +708,8 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
             reads += 1
             if not report.compare_again or reads >= MAX_CHECK_READS:
                 await watchdog.learn_output_cap(report)
-                return Check(report, reads, exit_code(report), watchdog.output_cap(target.url))
+                return Check(report, reads, exit_code(report), watchdog.output_cap(target.url),
+                             watchdog.output_default(target.url))
             wait = report.compare_in(interval_s)
 
 

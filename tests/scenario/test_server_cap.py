@@ -84,19 +84,26 @@ async def test_the_watchdog_learns_the_cap_from_server_info_once_per_process() -
 
 
 async def test_check_says_the_cap_or_that_it_is_unknown() -> None:
+    """And the default limit of a chat that names none, from the same answer (the override
+    is that default too)."""
     async with sims(SimConfig(port=0, override_max_new_tokens=48, dev_mode=True),
                     SimConfig(port=0, override_max_new_tokens=48)) as (dev, plain):
         code, report = await run_check(dev.url, "--engine", "vllm")
         assert (code, report["output_cap"], report["output_cap_unknown"]) == (0, 48, None)
+        assert (report["output_default"], report["output_default_unknown"]) == (48, None)
         code, report = await run_check(plain.url, "--engine", "vllm")
         assert code == 0 and report["output_cap"] is None
         assert "VLLM_SERVER_DEV_MODE=1" in report["output_cap_unknown"]
+        assert report["output_default"] is None
+        assert "VLLM_SERVER_DEV_MODE=1" in report["output_default_unknown"]
         proc = await asyncio.create_subprocess_exec(  # in words, as an operator reads it
             sys.executable, "-m", "fleetwarden", "check", plain.url, *CHECK_FAST,
             stdout=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "200"})
         words = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
         assert "output cap: unknown (no GET /server_info" in words, words
         assert "declare output_cap on its [[fleet.backends]] table)" in words, words
+        assert "output default: unknown (no GET /server_info" in words, words
+        assert "declare output_default on its [[fleet.backends]] table)" in words, words
     async with sims(SimConfig(port=0, engine="llamacpp")) as (llama,):
         code, report = await run_check(llama.url, "--engine", "llamacpp")
         assert (code, report["output_cap_unknown"]) == (0, "a llamacpp engine shows no "
@@ -110,7 +117,8 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
     """Three attached engines capped at 24: one in vLLM's dev mode (its /server_info says
     it), one declared on its [[fleet.backends]] table, one that says nothing. The routers get
     the first two; the third is unknown: one warning, its status row, the status count, and
-    the push says so."""
+    the push says so. A chat's default unknown (the declared one declares only its cap) is
+    shown and counted as the cap is."""
     caplog.set_level(logging.WARNING, logger="fleetwarden.controller")
     cap = ["--override-generation-config", '{"max_new_tokens": 24}']
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # read by `fleetwarden sim`, as by vLLM
@@ -134,6 +142,13 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
             assert got[:2] == [(24, "engine"), (24, "declared")]
             assert got[2][0] is None and "VLLM_SERVER_DEV_MODE=1" in str(got[2][1])
             assert views.status_view(fleet.snapshot())["output_caps_unknown"] == 1
+            defaults = [(s["output_default"], s["output_default_unknown"])
+                        for s in views.shards_view(fleet.snapshot())]
+            print(f"defaults on the status rows: {defaults}")
+            assert defaults[0] == (24, None)  # the override is a chat's default too
+            assert [d[0] for d in defaults[1:]] == [None, None]
+            assert all("VLLM_SERVER_DEV_MODE=1" in str(d[1]) for d in defaults[1:])
+            assert views.status_view(fleet.snapshot())["output_defaults_unknown"] == 2
             router = fleet.router
             assert isinstance(router, Router)  # workers = 0: the router in the fleet's process
             await until(lambda: [router.pool.facts(s.url).output_cap for s in sims]

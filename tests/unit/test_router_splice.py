@@ -4,12 +4,16 @@ captures in tests/fixtures/vllm/continuation-and-sleep/."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from fleetwarden.router.limits_learning import LimitsLearner
+from fleetwarden.router.models import ModelCard
+from fleetwarden.router.pool import BackendFacts, Pool
 from fleetwarden.router.splice import (
     DONE,
     EngineLimits,
@@ -20,6 +24,7 @@ from fleetwarden.router.splice import (
     UnknownCap,
     read_stream_request,
 )
+from fleetwarden.router.upstream import Address, UpstreamClient
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm" / "continuation-and-sleep"
 
@@ -377,6 +382,142 @@ def test_an_unknown_server_cap_continues_only_as_far_as_its_floor_proves() -> No
     limits.floor["c"] = 7
     limits.forget({"a"})
     assert limits.unknown == {} and limits.floor == {"a": 26}
+
+
+ENGINE, SPARE = "http://127.0.0.1:8100", "http://127.0.0.1:8101"
+
+
+def _learner(limits: EngineLimits) -> tuple[Pool, LimitsLearner]:
+    pool = Pool([])
+    return pool, LimitsLearner(pool, limits)
+
+
+def _push(pool: Pool, learner: LimitsLearner, incarnation: str | None,
+          models: tuple[ModelCard, ...] | None = None) -> None:
+    """A push of an attached engine whose server cap is unknown, beside a spare with none."""
+    pool.replace([ENGINE, SPARE], {
+        ENGINE: BackendFacts(0, 1, incarnation=incarnation, models=models,
+                             output_cap_unknown="no GET /server_info"),
+        SPARE: BackendFacts(1, 1)})
+    learner.forget()
+
+
+def test_a_new_process_on_the_same_url_is_held_to_nothing_the_old_one_proved() -> None:
+    """An engine restarted on its URL (attached, or started again with other flags) may have
+    a smaller cap: a floor its old process proved must not let a continuation ask past the
+    new one's, nor may a cap a finish revealed there or its context length outlive it. The
+    push names the new process (its incarnation): all of it is forgotten before the push's
+    own facts are taken, and learnt again."""
+    limits = EngineLimits()
+    pool, learner = _learner(limits)
+    _push(pool, learner, "1795973023.5")
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 30, "stream": True}
+    cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
+
+    def plan() -> object:
+        return cut.continuation(began_unknown=limits.unknown_cap(ENGINE),
+                                next_unknown=limits.unknown_cap(SPARE))
+
+    limits.produced(ENGINE, 30, True)  # the old process ended a 30-token request: cap >= 30
+    limits.context[ENGINE] = 256
+    assert not isinstance(plan(), str)
+    _push(pool, learner, "1795973023.5")  # the same process: it keeps all it proved
+    assert not isinstance(plan(), str) and limits.context == {ENGINE: 256}
+    _push(pool, learner, "1795979999.0")  # started again: its cap may now be 20
+    refusal = plan()
+    assert isinstance(refusal, str) and "0 tokens proven of the 30 needed" in refusal
+    assert (limits.floor, limits.default_floor, limits.context) == ({}, {}, {})
+    assert limits.unknown == {ENGINE: "no GET /server_info"}  # the push's own word, taken
+    # a cap a finish revealed goes too (the push says it is unknown again)
+    limits.learn_cap(ENGINE, (24, True))
+    limits.learn_cap(ENGINE, (12, False))
+    _push(pool, learner, "1795979999.0")
+    assert limits.output_cap(ENGINE, True) == 12
+    _push(pool, learner, "restart-seen-1")
+    assert limits.output_cap(ENGINE, True) is None and limits.unknown_cap(ENGINE) is not None
+
+
+@pytest.mark.parametrize("before,after,forgotten", [
+    (None, None, False),  # no name either time: nothing tells a new process
+    ("1795973023.5", None, True),  # a new process the ledger names no more (not read yet)
+    (None, "restart-seen-1", True),  # a restart the ledger saw, named by it
+    ("launch-3", "launch-3", False)])
+def test_a_process_named_or_unnamed_anew_is_a_new_one(before: str | None, after: str | None,
+                                                      forgotten: bool) -> None:
+    """``None`` compares as a name: a change from or to it is a new process (forgetting
+    costs only what is learnt again; keeping could ask past a new cap)."""
+    limits = EngineLimits()
+    pool, learner = _learner(limits)
+    _push(pool, learner, before)
+    limits.produced(ENGINE, 30, True)
+    limits.produced(SPARE, 9, False)
+    _push(pool, learner, after)
+    assert limits.floor == ({SPARE: 9} if forgotten else {ENGINE: 30, SPARE: 9})
+    # one that left and came back was forgotten when it left, whatever it is named
+    limits.produced(ENGINE, 30, True)
+    pool.replace([SPARE], {SPARE: BackendFacts(1, 1)})
+    learner.forget()
+    _push(pool, learner, after)
+    assert limits.floor == {SPARE: 9}
+
+
+class _Answer:
+    def __init__(self, body: bytes, ready: asyncio.Event) -> None:
+        self.body, self.ready = body, ready
+
+    async def read(self) -> bytes:
+        await self.ready.wait()
+        return self.body
+
+    def close(self) -> None:
+        pass
+
+
+class _Models:
+    """An engine's ``/v1/models``, answered once ``ready`` is set."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len, self.asked = max_model_len, 0
+        self.ready = asyncio.Event()
+
+    async def request(self, target: object, method: str, headers: object,
+                      body: bytes) -> _Answer:
+        self.asked += 1
+        card = {"id": "tiny", "max_model_len": self.max_model_len}
+        return _Answer(json.dumps({"data": [card]}).encode(), self.ready)
+
+
+async def test_a_new_process_has_its_context_read_again_not_the_old_ones_list() -> None:
+    """Its context length is read again, from the engine, while the push still carries the
+    old process's model list (the watchdog reads the new one's after the push that names
+    it); a read of the old process under way when the new one is named is dropped."""
+    limits = EngineLimits()
+    pool, learner = _learner(limits)
+    engine = _Models(512)
+    learner.open(cast(UpstreamClient, engine), Address.parse)
+    old = (ModelCard("tiny", max_model_len=256),)
+    _push(pool, learner, "1795973023.5", old)
+    learner.learn_context(ENGINE)
+    assert limits.context == {ENGINE: 256} and engine.asked == 0  # the push said it
+    _push(pool, learner, "1795979999.0", old)
+    assert limits.context == {}
+    learner.learn_context(ENGINE)  # the push's list is the old process's: asked
+    await asyncio.sleep(0)
+    assert engine.asked == 1
+    _push(pool, learner, "restart-seen-1", old)  # restarted again while it was asked
+    engine.ready.set()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert limits.context == {}  # that answer may be the process before
+    learner.learn_context(ENGINE)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert limits.context == {ENGINE: 512} and engine.asked == 2
+    new = (ModelCard("tiny", max_model_len=1024),)
+    _push(pool, learner, "restart-seen-2", new)
+    learner.learn_context(ENGINE)  # a list that is not the old one's: the push says it
+    assert limits.context == {ENGINE: 1024} and engine.asked == 2
+    learner.close()
 
 
 def test_an_unknown_default_binds_only_a_chat_that_names_no_limit() -> None:

@@ -54,9 +54,13 @@ def status_view(snap: Snapshot) -> dict[str, Any]:
                              if (r := snap.reports.get(rec.index)) is not None and r.faults
                              and r.url == rec.base_url),
         # Shards whose server cap on a request's output is unknown (shards_view, output_cap):
-        # continued there to the client's limit, not proven exact (docs/design.md 4.1).
+        # a stream cut there goes on only as far as its floor proves (docs/design.md 4.1).
         "output_caps_unknown": sum(1 for _, source in snap.output_caps.values()
                                    if source.startswith("unknown")),
+        # And those whose default limit of a chat that names none is (shards_view,
+        # output_default): such a chat cut there goes on only as far as its floor proves.
+        "output_defaults_unknown": sum(1 for _, why in snap.output_defaults.values()
+                                       if why is not None),
         "router": {"requests": snap.router.requests,
                    "rescues": snap.router.rescues,
                    "hedges": snap.router.hedges,
@@ -101,6 +105,10 @@ def shards_view(snap: Snapshot) -> list[dict[str, Any]]:
         # Its server cap on a request's output, and where it was learnt; "unknown: why" for
         # an attached engine that says nothing and has no declared output_cap.
         d.update(output_cap=cap, output_cap_from=source)
+        # Its default limit of a chat that names none, and why that is unknown (None: known):
+        # an attached engine whose model folder is not on this host, none declared.
+        default, why = snap.output_defaults.get(rec.index, (None, "not read"))
+        d.update(output_default=default, output_default_unknown=why)
         out.append(d)
     return out
 

@@ -1,8 +1,8 @@
 """The router's background reads, one per backend at a time.
 
 Owns: :class:`TaskPerBackend`, at most one background task per backend (a read of its
-``/v1/models``, of its ``/kv_event_sources``), forgotten when it ends, all cancelled when the
-router closes.
+``/v1/models``, of its ``/kv_event_sources``), forgotten when it ends or is cancelled (one
+backend's, or all when the router closes).
 Must not: decide what a task reads or when (its owner does); outlive the router.
 """
 
@@ -40,6 +40,13 @@ class TaskPerBackend:
     def _ended(self, backend: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(backend) is task:
             del self._tasks[backend]
+
+    def cancel(self, backend: str) -> None:
+        """Cancel ``backend``'s task, if one runs: what it would learn is no longer true (a
+        new process answers there); the next one asked starts at once."""
+        task = self._tasks.pop(backend, None)
+        if task is not None:
+            task.cancel()
 
     def cancel_all(self) -> None:
         """Cancel every task still running (the router closes): none is asked again."""

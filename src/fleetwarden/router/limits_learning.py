@@ -1,7 +1,8 @@
 """What the router learns of each engine's limits: its context length and its server caps.
 
 Owns: :class:`LimitsLearner`: the caps a push says (read from the commands that started the
-engines) and the defaults of a chat that names no limit, forgotten for backends that left;
+engines) and the defaults of a chat that names no limit; all that was learnt of a backend,
+forgotten when it leaves or when a push names another process there (its incarnation);
 and an engine's context length, read from its ``/v1/models`` in the background once a chat
 sent without a limit begins there (its continuation keeps the context of the engine that
 began it). The limits themselves are :class:`~fleetwarden.router.splice.EngineLimits`.
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 from fleetwarden.router.background import TaskPerBackend
 from fleetwarden.router.exchange import with_key
+from fleetwarden.router.models import ModelCard
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.relay import read_all
 from fleetwarden.router.splice import EngineLimits
@@ -33,6 +35,13 @@ class LimitsLearner:
         self._learning = TaskPerBackend("context")
         self._client: UpstreamClient | None = None
         self._target: Callable[[str], Address] = Address.parse
+        #: What the last push said of each serving backend: its process (``None``: not
+        #: named) and its models, which the next process's limits are told apart from.
+        self._pushed: dict[str, tuple[str | None, tuple[ModelCard, ...] | None]] = {}
+        #: The model list of the process a backend's new one replaced: a push that still
+        #: carries it (the watchdog reads a new process's list after the push that names it)
+        #: does not tell the new one's context length (:meth:`learn_context`).
+        self._replaced_models: dict[str, tuple[ModelCard, ...]] = {}
 
     def open(self, client: UpstreamClient, target: Callable[[str], Address]) -> None:
         """The router opened: the reads go through ``client``, to ``target(url)``."""
@@ -50,10 +59,21 @@ class LimitsLearner:
         controller could read it) as the cap of such chats. Where it says the cap is unknown
         (``output_cap_unknown``), a continuation begun there or sent there goes on only as far
         as what requests there produced proves (:class:`~fleetwarden.router.splice.UnknownCap`,
-        docs/design.md 4.1, "Server caps", rule 5)."""
-        self.limits.forget(set(self.pool.serving))
+        docs/design.md 4.1, "Server caps", rule 5).
+
+        A backend whose push names another process than the last one did (a restart on the
+        same URL: an attached engine, an operator's restart with other flags) is forgotten
+        whole before the push's own facts are taken: a floor the old process proved is no
+        proof of the new one's cap, nor is a cap a finish revealed there, nor its context
+        length (read again: :meth:`learn_context`)."""
+        serving = set(self.pool.serving)
+        self.limits.forget(serving)
+        for url in [u for u in self._pushed if u not in serving]:
+            del self._pushed[url]
+            self._replaced_models.pop(url, None)
         for url in self.pool.serving:
             facts = self.pool.facts(url)
+            self._new_process(url, facts.incarnation, facts.models)
             for why, known, unknown in (
                     (facts.output_cap_unknown, self.limits.cap, self.limits.unknown),
                     (facts.output_default_unknown, self.limits.default_cap,
@@ -67,6 +87,35 @@ class LimitsLearner:
             if facts.output_default is not None:
                 self.limits.default_cap[url] = facts.output_default
 
+    def _new_process(self, url: str, incarnation: str | None,
+                     models: tuple[ModelCard, ...] | None) -> None:
+        """Forget ``url`` whole if the push names another process there than the last did.
+
+        ``None`` is compared as a name too: a change from or to it is a new process, and
+        ``None`` twice is the same. The ledger changes a shard's incarnation only for a new
+        process (a restart it saw is named even where the engine gives no start time,
+        ``restart-seen-N``; a process whose name is not known yet is a new one, launched or
+        found at fleetwarden's start; the first name of a process already known is given
+        before the routers start), so a name that comes or goes is a process that came; and
+        were it not one, forgetting costs only what requests there proved, learnt again,
+        where keeping a restarted engine's old floors would let a continuation ask past its
+        cap. ``None`` twice: the ledger saw no restart there, or the pusher names no
+        processes (an older controller): nothing tells a new process, as before."""
+        # Not pushed before (new to the set, or the first push): what was learnt of it before
+        # came from a process nobody named.
+        before = self._pushed.get(url, (None, None))
+        self._pushed[url] = (incarnation, models)
+        if before[0] == incarnation:
+            if models != self._replaced_models.get(url):
+                self._replaced_models.pop(url, None)  # the new process's list came
+            return
+        self.limits.forget_backend(url)
+        self._learning.cancel(url)  # its answer may be the old process's
+        if before[1] is not None:
+            self._replaced_models[url] = before[1]
+        else:
+            self._replaced_models.pop(url, None)
+
     def learn_context(self, backend: str) -> None:
         """Read ``backend``'s context length (``max_model_len`` in ``/v1/models``) in the
         background, once a chat sent without a limit begins there: its continuation keeps the
@@ -75,7 +124,8 @@ class LimitsLearner:
         if backend in self.limits.context or backend in self._learning:
             return
         pushed = self.pool.facts(backend).models
-        if pushed and pushed[0].max_model_len is not None:
+        if (pushed and pushed[0].max_model_len is not None
+                and pushed != self._replaced_models.get(backend)):
             # The watchdog read it already and the push said it: nothing to ask.
             self.limits.context[backend] = pushed[0].max_model_len
             return

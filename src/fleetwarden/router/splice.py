@@ -325,10 +325,19 @@ class EngineLimits:
 
     def forget(self, keep: set[str]) -> None:
         """Forget backends that left (one that comes back may have been started otherwise)."""
-        for table in (self.context, self.cap, self.default_cap, self.unknown, self.floor,
-                      self.default_unknown, self.default_floor):
+        for table in self._tables():
             for url in [u for u in table if u not in keep]:
                 del table[url]
+
+    def forget_backend(self, backend: str) -> None:
+        """Forget all that was learnt of ``backend``: a new process answers there (its caps,
+        its context and what it produced may all differ from the old one's)."""
+        for table in self._tables():
+            table.pop(backend, None)
+
+    def _tables(self) -> tuple[dict[str, int] | dict[str, str], ...]:
+        return (self.context, self.cap, self.default_cap, self.unknown, self.floor,
+                self.default_unknown, self.default_floor)
 
     def learn_cap(self, backend: str, revealed: tuple[int, bool]) -> None:
         """A cap a finish revealed: ``(tokens, whether it caps every request)``."""
