@@ -592,3 +592,32 @@ async def test_a_reload_rolled_back_replaces_an_old_worker_that_died_during_it(
         [now] = journal.running_routers()
         assert now["launch_id"] != old["launch_id"]
         assert (await workers.links[0].status())["serving"] == [BACKEND]
+
+
+async def test_a_worker_whose_pid_never_reached_the_journal_is_stopped_by_the_next_run(
+        tmp_path: Path) -> None:
+    """fleetwarden killed between a router worker's spawn and the commit of its PID left the
+    worker serving, named by no journal row. Its launch's intent is journaled before the
+    spawn: the next run finds its processes by launch id and stops them, and only them."""
+    intent = {"launch_id": "r0-no-pid-yet", "worker": 0, "pid": None}
+    env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": intent["launch_id"]}
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env=env, start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env={**env, "FLEETWARDEN_LAUNCH_ID": "r0-another"},
+                                 start_new_session=True)
+    try:
+        with Journal(tmp_path / "j.sqlite") as journal:
+            journal.router_launched("r0-no-pid-yet", 0, intent)
+            journal.flush()
+            workers = RouterWorkers(RouterConfig(port=0, workers=1, shutdown_grace_s=1.0),
+                                    "t" * 20, tmp_path / "token", tmp_path, journal)
+            await workers._adopt_or_stop()
+            journal.flush()
+            assert journal.running_routers() == []  # the journal says it stopped
+        assert orphan.wait(timeout=10) is not None
+        assert bystander.poll() is None  # another launch id: never signalled
+    finally:
+        for p in (orphan, bystander):
+            p.kill()
+            p.wait()

@@ -45,13 +45,13 @@ async def test_a_reload_keeps_the_old_workers_totals_and_counts_the_new_ones_onc
     link = _Link()
     workers.links[0] = link  # type: ignore[assignment]
     workers._procs[0] = _process(OLD)
-    await workers._read_statuses_once()
+    await workers.statuses.read(workers.links)
     assert workers.stats.requests == 5
 
     async def replace(worker: int, take_from: Sequence[str]) -> None:
         workers._procs[worker] = _process(NEW)
         link.url = NEW
-        await workers._read_statuses_once()  # the status loop, while the reload goes on
+        await workers.statuses.read(workers.links)  # the status loop, while the reload goes on
 
     async def nothing(*_: object) -> None:
         return None
@@ -61,5 +61,5 @@ async def test_a_reload_keeps_the_old_workers_totals_and_counts_the_new_ones_onc
     workers._drain = lambda old: None  # type: ignore[method-assign]
     await workers._reload()
     assert workers.stats.requests == 5 + 1
-    await workers._read_statuses_once()
+    await workers.statuses.read(workers.links)
     assert workers.stats.requests == 5 + 1

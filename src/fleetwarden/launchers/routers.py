@@ -46,10 +46,12 @@ from fleetwarden.launchers import LaunchError
 from fleetwarden.launchers.local import (
     _pid_exit,
     _term_when_parent_dies,
+    carrying,
     free_port,
     launch_id_of,
 )
 from fleetwarden.launchers.procs import (
+    ProcessInfo,
     group_members,
     listening_processes,
     process_info,
@@ -378,6 +380,22 @@ async def _stop_leftover(saved: RouterRecord, grace_s: float) -> None:
     process group that carry its launch id (never a process without it)."""
     members = [p for p in await asyncio.to_thread(group_members, saved.pgid)
                if launch_id_of(p.pid) == saved.launch_id]
+    if await _stop_all(members, grace_s):
+        log.warning("router worker %d: stopped %s of an earlier run (not adoptable)",
+                    saved.worker, saved.launch_id)
+
+
+async def _stop_unrecorded(launch_id: str, grace_s: float) -> None:
+    """Stop an earlier run's worker whose PID the journal never recorded (only its intent,
+    written before the spawn): every live process carrying ``launch_id``."""
+    if await _stop_all([p for _, p in await asyncio.to_thread(carrying, {launch_id})], grace_s):
+        log.warning("router workers: stopped %s of an earlier run (its PID never journaled)",
+                    launch_id)
+
+
+async def _stop_all(members: list[ProcessInfo], grace_s: float) -> int:
+    """SIGTERM to each of ``members``, SIGKILL to those alive past the grace (and a margin);
+    each signal names the start time, so a PID reused meanwhile is never signalled."""
     for p in members:
         signal_process(p.pid, p.start_ticks, signal.SIGTERM)
     deadline = time.monotonic() + grace_s + _STOP_MARGIN_S
@@ -386,9 +404,7 @@ async def _stop_leftover(saved: RouterRecord, grace_s: float) -> None:
         await asyncio.sleep(_POLL_S)
     for p in members:
         signal_process(p.pid, p.start_ticks, signal.SIGKILL)
-    if members:
-        log.warning("router worker %d: stopped %s of an earlier run (not adoptable)",
-                    saved.worker, saved.launch_id)
+    return len(members)
 
 
 @dataclass(eq=False)
@@ -484,6 +500,10 @@ class RouterWorkers:
         # have closed its own and be draining). Adopting the older and stopping the newer
         # left no listener at all (the fleet model measured connections refused for 30 s).
         for d in reversed(self.journal.running_routers()):
+            if d.get("pid") is None:  # its intent only: stopped wherever its launch id runs
+                await _stop_unrecorded(str(d.get("launch_id")), self.config.shutdown_grace_s)
+                await _journal_write(self.journal.router_stopped, str(d.get("launch_id")))
+                continue
             try:
                 saved = RouterRecord.from_dict(d)
             except (KeyError, TypeError):
@@ -538,6 +558,9 @@ class RouterWorkers:
         env = {**os.environ, "FLEETWARDEN_LAUNCH_ID": launch_id}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"router-{worker}-{launch_id}.log"
+        if self.journal is not None:  # before the spawn: a SIGKILL after it leaves no orphan
+            await _journal_write(self.journal.router_launched, launch_id, worker,
+                                 {"launch_id": launch_id, "worker": worker, "pid": None})
         with open(log_path, "ab") as out:  # noqa: ASYNC230 - a local create, microseconds
             out.write(f"# fleetwarden: {shlex.join(argv)}\n".encode())
             out.flush()
@@ -585,7 +608,7 @@ class RouterWorkers:
                         worker, p.record.pid, code)
             if self.journal is not None:
                 await _journal_write(self.journal.router_stopped, p.record.launch_id)
-            self._retire_counters(worker, p)
+            self.statuses.retire(worker, p.record.control_url)
             await self.links[worker].disconnect()
             await asyncio.sleep(RESTART_DELAY_S)
             if self._closing or self._procs.get(worker) is not p:
@@ -606,16 +629,10 @@ class RouterWorkers:
         # without them until the controller's next change, which may be an hour away.
         await self._push_last(worker)
 
-    def _retire_counters(self, worker: int, p: _Process) -> None:
-        self.statuses.retire(worker, p.record.control_url)
-
     async def _read_statuses(self) -> None:
         while not self._closing:
-            await self._read_statuses_once()
+            await self.statuses.read(self.links)
             await asyncio.sleep(STATUS_EVERY_S)
-
-    async def _read_statuses_once(self) -> None:
-        await self.statuses.read(self.links)
 
     async def reload(self) -> None:
         """Replace every worker with no request failed: new processes (the code installed
@@ -654,7 +671,7 @@ class RouterWorkers:
         # not answer closes its own on SIGUSR1 and waits HANDOVER_SETTLE_S for the others.
         await asyncio.gather(*(self._stop_accepting(old) for old in olds.values()))
         for worker, old in olds.items():
-            self._retire_counters(worker, old)
+            self.statuses.retire(worker, old.record.control_url)
             self._drain(old)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
 
@@ -698,7 +715,7 @@ class RouterWorkers:
                 if self.journal is not None:
                     await _journal_write(self.journal.router_stopped,
                                               old.record.launch_id)
-                self._retire_counters(worker, old)
+                self.statuses.retire(worker, old.record.control_url)
                 await self.links[worker].disconnect()
                 await self._start_again(worker)
                 continue
