@@ -780,16 +780,13 @@ async def test_a_condemned_engine_is_stopped_only_after_its_requests_were_moved(
 def evidence_polls_taken_in(router: Router) -> list[int]:
     """Each evidence poll as the router's control API takes it in (its count fixed): the
     list grows by one per poll."""
-    app = router._control_runner.app  # type: ignore[attr-defined]
-    api = next(route.handler.__self__ for route in app.router.routes()
-               if route.resource.canonical == "/evidence")
-    wait, opened = api.feed.wait, []
+    wait, opened = router.feed.wait, []
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         opened.append(len(opened))
         return await wait(*args, **kwargs)
 
-    api.feed.wait = counted
+    router.feed.wait = counted  # type: ignore[method-assign]
     return opened
 
 
