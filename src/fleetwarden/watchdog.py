@@ -145,6 +145,16 @@ class _Memory:
     #: one log line per engine and cause, not one per read.
     faults_told: frozenset[str] = frozenset()
 
+    def read(self, report: Report) -> None:
+        """A read made: one that saw a new process drops what the old one said of its limits
+        before the read is decided on (docs/design.md 4.1, "Server caps"), so that it is
+        asked again (:meth:`Watchdog.learn_output_cap`) and none of it is pushed meanwhile. An
+        engine that gives no start time needs it: the ledger names its new process itself
+        (``restart-seen-N``), which no read says, so :func:`_said` cannot tell them apart."""
+        if report.restarted:
+            self.output_cap = self.output_default = _NOT_ASKED
+            self.output_cap_of = None
+
 
 #: A limit an engine's ``/server_info`` says: tokens, none, or why not known.
 _Limit = int | CapUnknown | None
@@ -309,6 +319,7 @@ class Watchdog:
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
         self._tell_faults(target.url, memory, report.faults)
+        memory.read(report)
         return report
 
     def models(self, url: str) -> tuple[ModelCard, ...] | None:
