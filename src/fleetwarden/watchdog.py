@@ -145,9 +145,39 @@ class _Memory:
     #: one log line per engine and cause, not one per read.
     faults_told: frozenset[str] = frozenset()
 
+    def read(self, report: Report) -> None:
+        """A read made: one that saw a new process drops what the old one said of its limits
+        before the read is decided on (docs/design.md 4.1, "Server caps"), so that it is
+        asked again (:meth:`Watchdog.learn_output_cap`) and none of it is pushed meanwhile. An
+        engine that gives no start time needs it: the ledger names its new process itself
+        (``restart-seen-N``), which no read says, so :func:`_said` cannot tell them apart."""
+        if report.restarted:
+            self.output_cap = self.output_default = _NOT_ASKED
+            self.output_cap_of = None
+
 
 #: A limit an engine's ``/server_info`` says: tokens, none, or why not known.
 _Limit = int | CapUnknown | None
+
+
+#: What a restarted engine's limits are until its new process was read (docs/design.md 4.1,
+#: "Server caps"): not settled, so that the controller tells no missing cap meanwhile.
+_NOT_READ_YET = CapUnknown("not read from the new process yet", settled=False)
+
+
+def _said(memory: _Memory | None, incarnation: str | None) -> tuple[_Limit, _Limit]:
+    """The cap and default an engine's ``/server_info`` said, if the process that said them
+    is ``incarnation`` (the one the ledger names there now); else not read yet. A restart on
+    the same URL (an attached engine, one started again with other flags) is named by the
+    read that sees it, and that read is decided on, and may be pushed, before the new process
+    is asked: the old process's word may be a bigger cap than the new one's, which a
+    continuation sent there would ask past. Read of no named process (an engine that gives no
+    start time): what it said, nothing tells its processes apart."""
+    if memory is None:
+        return _NOT_ASKED, _NOT_ASKED
+    if memory.output_cap_of is not None and memory.output_cap_of != incarnation:
+        return _NOT_READ_YET, _NOT_READ_YET
+    return memory.output_cap, memory.output_default
 
 
 def _both(unknown: CapUnknown) -> tuple[CapUnknown, CapUnknown]:
@@ -289,6 +319,7 @@ class Watchdog:
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
         self._tell_faults(target.url, memory, report.faults)
+        memory.read(report)
         return report
 
     def models(self, url: str) -> tuple[ModelCard, ...] | None:
@@ -318,11 +349,11 @@ class Watchdog:
             log.info("%s: GET /v1/models %s: the router lists none of its models", url,
                      cards.why)
 
-    def output_cap(self, url: str) -> int | CapUnknown | None:
+    def output_cap(self, url: str, incarnation: str | None) -> int | CapUnknown | None:
         """The server cap on every request's output that the engine at ``url`` says (its
-        ``/server_info``; ``None``: it caps none), or why that is not known."""
-        memory = self._memory.get(url)
-        return _NOT_ASKED if memory is None else memory.output_cap
+        ``/server_info``; ``None``: it caps none), or why that is not known: its process
+        ``incarnation``'s word only (:func:`_said`)."""
+        return _said(self._memory.get(url), incarnation)[0]
 
     async def learn_output_cap(self, report: Report) -> None:
         """After a read that answered: a vLLM engine's server cap, from its ``GET
@@ -352,12 +383,11 @@ class Watchdog:
         memory.output_cap_of, memory.output_cap = incarnation, said[0]
         memory.output_default = said[1]
 
-    def output_default(self, url: str) -> int | CapUnknown | None:
+    def output_default(self, url: str, incarnation: str | None) -> int | CapUnknown | None:
         """The default limit of a request that names none that the engine at ``url`` shows
         (its ``/server_info``'s model folder, read on this host): ``None``: none; else why it
-        is not known."""
-        memory = self._memory.get(url)
-        return _NOT_ASKED if memory is None else memory.output_default
+        is not known. Its process ``incarnation``'s word only, as :meth:`output_cap`."""
+        return _said(self._memory.get(url), incarnation)[1]
 
     async def _server_cap(self, url: str) -> tuple[_Limit, _Limit]:
         try:
@@ -708,8 +738,9 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
             reads += 1
             if not report.compare_again or reads >= MAX_CHECK_READS:
                 await watchdog.learn_output_cap(report)
-                return Check(report, reads, exit_code(report), watchdog.output_cap(target.url),
-                             watchdog.output_default(target.url))
+                said = (target.url, report.incarnation)
+                return Check(report, reads, exit_code(report), watchdog.output_cap(*said),
+                             watchdog.output_default(*said))
             wait = report.compare_in(interval_s)
 
 
