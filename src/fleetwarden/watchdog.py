@@ -147,13 +147,15 @@ class _Memory:
 
     def read(self, report: Report) -> None:
         """A read made: one that saw a new process drops what the old one said of its limits
-        before the read is decided on (docs/design.md 4.1, "Server caps"), so that it is
-        asked again (:meth:`Watchdog.learn_output_cap`) and none of it is pushed meanwhile. An
+        and its models before the read is decided on (docs/design.md 4.1, "Server caps"), so
+        that they are asked again (:meth:`Watchdog.learn_output_cap`, :meth:`learn_models`)
+        and none of it is pushed meanwhile. An
         engine that gives no start time needs it: the ledger names its new process itself
         (``restart-seen-N``), which no read says, so :func:`_said` cannot tell them apart."""
         if report.restarted:
             self.output_cap = self.output_default = _NOT_ASKED
             self.output_cap_of = None
+            self.models, self.models_read = None, False  # a new one may serve other models
 
 
 #: A limit an engine's ``/server_info`` says: tokens, none, or why not known.

@@ -16,6 +16,7 @@ from fleetwarden.judge import (
     Target,
     Verdict,
 )
+from fleetwarden.router.models import ModelCard
 from fleetwarden.watchdog import FORGET_AFTER_S, Watchdog, _Memory
 
 
@@ -114,3 +115,37 @@ async def test_a_restart_of_an_engine_that_names_no_process_drops_its_old_cap_at
         assert isinstance(decided[0], CapUnknown) and not decided[0].settled
         assert (watchdog.output_cap(url, "restart-seen-1"), watchdog.asked) == (16, 2)
         assert watchdog.output_default(url, "restart-seen-1") is None
+
+
+async def test_a_restart_of_an_engine_that_names_no_process_has_its_models_read_again(
+        ) -> None:
+    """The models an engine serves are read once per process: one that gives no start time
+    (no incarnation in its reads) is told apart only by the read that sees its restart, which
+    drops the old list, so the new process's ``/v1/models`` is read (it may serve others)."""
+    url = "http://127.0.0.1:8000"
+
+    def read(verdict: Verdict) -> Report:
+        return Report(url, verdict, Evidence(verdict.value), Health.UNPROVEN, CanaryRule.NEVER,
+                      None, None, None, None)
+
+    class Lists(_Answers):
+        served = "old"
+        lists = 0
+
+        async def learn_models(self, report: Report) -> None:
+            await Watchdog.learn_models(self, report)
+
+        async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...], bool]:
+            self.lists += 1
+            return (ModelCard.of({"id": self.served, "object": "model"}),), True
+
+    watchdog = Lists(read(Verdict.IDLE), read(Verdict.IDLE), read(Verdict.RESTARTED))
+    async with watchdog:
+        target = Target(url, engine="vllm")
+        for _ in range(2):
+            await watchdog.round([target])
+        assert watchdog.lists == 1  # once for the process
+        watchdog.served = "new"
+        await watchdog.round([target])
+        models = watchdog.models(url)
+        assert watchdog.lists == 2 and models is not None and [m.id for m in models] == ["new"]
