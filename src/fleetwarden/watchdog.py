@@ -198,40 +198,16 @@ class _NoModels(NamedTuple):
 DEFAULT_CONCURRENCY = 64
 
 
-class Watchdog:
-    """Visits engines and judges them. Use as ``async with Watchdog() as watchdog:``.
+class _EngineWord:
+    """What an engine says of itself, asked once per process beside the reads (the models it
+    serves, its ``/v1/models``; its output limits, its ``/server_info``), and the HTTP session
+    every request of the watchdog goes through, each carrying its engine's key."""
 
-    ``model`` names the model a canary asks for; without it, each engine's ``/v1/models`` is
-    asked once (and again after a restart). ``clock`` is monotonic seconds (inject one in tests).
-    """
-
-    def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY, *, model: str | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 session: aiohttp.ClientSession | None = None,
-                 concurrency: int = DEFAULT_CONCURRENCY,
-                 key_of: Callable[[str], Secret | None] | None = None) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        self.policy = policy
-        #: Engines a round reads at once (``health.max_concurrent_reads``).
-        self.concurrency = concurrency
-        self.model = model
-        #: The API key each engine URL wants (``credentials.EngineKeys``), carried by every
-        #: request sent there; ``None``: none wants one.
-        self.key_of = key_of
-        self._clock = clock
-        self._session = session
-        self._own_session = session is None
-        self._memory: dict[str, _Memory] = {}
-        #: When each read of the last round finished (monotonic seconds, by URL): how long its
-        #: evidence then waited for the round's end (the controller's evidence-to-decision).
-        self.finished_at: dict[str, float] = {}
-
-    async def __aenter__(self) -> Watchdog:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    policy: WatchdogPolicy
+    key_of: Callable[[str], Secret | None] | None
+    _session: aiohttp.ClientSession | None
+    _own_session: bool
+    _memory: dict[str, _Memory]
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -253,76 +229,6 @@ class Watchdog:
         """The headers that carry ``url``'s key, if its engine wants one."""
         key = None if self.key_of is None else self.key_of(url)
         return {} if key is None else key.bearer()
-
-    def forget(self, url: str) -> None:
-        """Drop what is remembered of an engine (it left the fleet, or moved)."""
-        self._memory.pop(url, None)
-
-    # ------------------------------------------------------------------ a round
-
-    async def round(self, targets: Iterable[Target], *, spread_s: float = 0.0,
-                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
-                    on_report: Callable[[str, Report], None] | None = None,
-                    ) -> dict[str, Report]:
-        """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL read.
-
-        ``spread_s``: when each target is read, :func:`read_offsets` (engines never read
-        first and at once, the others in slices spread over ``spread_s``); a reader free before
-        its next target is due waits for it, one that is late reads at once, so a round
-        takes ``spread_s`` or, when the reads are slower, what they take. ``fresh``: called
-        with each target just before its read, for what the routers know about it now
-        (``None``: no longer to be read, left out of the round). ``on_report``: called with
-        each read as it finishes, before the round goes on (a crash in it is logged)."""
-        targets = list(targets)
-        urls = [t.url for t in targets]
-        if len(set(urls)) != len(urls):
-            raise ValueError("each engine URL may appear once in a round")
-        self._forget_gone()
-        self.finished_at = {}
-        reports: dict[str, Report] = {}
-        known = [t.url in self._memory for t in targets]
-        offsets = read_offsets(known, self.concurrency, spread_s)
-        # Never read first (known sorts after unknown), then by when due, then in order.
-        order = sorted(range(len(targets)), key=lambda k: (known[k], offsets[k], k))
-        waiting = ((offsets[k], targets[k]) for k in order)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-
-        async def reader() -> None:
-            # Each reader takes the next engine when its last read is done: at most
-            # ``concurrency`` reads at once, and as many tasks, whatever the fleet's size.
-            for offset, target in waiting:
-                due = started + offset
-                if due > loop.time():
-                    await asyncio.sleep(due - loop.time())
-                now = target if fresh is None else await fresh(target)
-                if now is None:
-                    continue
-                reports[now.url] = report = await self.probe(now)
-                self.finished_at[now.url] = time.monotonic()
-                if on_report is not None:
-                    try:
-                        on_report(now.url, report)
-                    except Exception:
-                        log.exception("%s: deciding on its read failed", now.url)
-                await self.learn_models(report)
-                await self.learn_output_cap(report)
-
-        async with asyncio.TaskGroup() as group:
-            for _ in range(min(self.concurrency, len(targets))):
-                group.create_task(reader())
-        return {t.url: reports[t.url] for t in targets if t.url in reports}
-
-    async def probe(self, target: Target) -> Report:
-        """One visit: the watch of the engine says what to fetch (a read, a canary, a read
-        after it) until it has its report; this only fetches."""
-        memory = self._remember(target)
-        step = memory.watch.next(Visit(target, self._clock()))
-        report = await self._fetch_for(target.url, memory, step)
-        assert report is not None  # a visit always ends in a report
-        self._tell_faults(target.url, memory, report.faults)
-        memory.read(report)
-        return report
 
     def models(self, url: str) -> tuple[ModelCard, ...] | None:
         """The models the engine at ``url`` serves, as its ``/v1/models`` said (``None``: not
@@ -408,6 +314,134 @@ class Watchdog:
             return _both(CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes"))
         return (output_cap_of_server_info(body, generation_config_file),
                 output_default_of_server_info(body, generation_config_file))
+
+    async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
+        """The served model names, or why they could not be had."""
+        cards, _ = await self._model_cards(url)
+        return cards if isinstance(cards, _NoModels) else tuple(card.id for card in cards)
+
+    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | _NoModels, bool]:
+        """The served models' cards, or why they could not be had; and whether the engine
+        answered at all."""
+        try:
+            async with self._http().get(url + "/v1/models", timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
+                if resp.status != 200:
+                    return _NoModels(resp.status, f"answered {resp.status}"), True
+                body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return _NoModels(None, _describe(e)), False
+        cards = cards_of(body or b"")
+        return (_NoModels(None, cards) if isinstance(cards, str) else cards), True
+
+    def _read_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
+
+
+class Watchdog(_EngineWord):
+    """Visits engines and judges them. Use as ``async with Watchdog() as watchdog:``.
+
+    ``model`` names the model a canary asks for; without it, each engine's ``/v1/models`` is
+    asked once (and again after a restart). ``clock`` is monotonic seconds (inject one in tests).
+    """
+
+    def __init__(self, policy: WatchdogPolicy = DEFAULT_POLICY, *, model: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 session: aiohttp.ClientSession | None = None,
+                 concurrency: int = DEFAULT_CONCURRENCY,
+                 key_of: Callable[[str], Secret | None] | None = None) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.policy = policy
+        #: Engines a round reads at once (``health.max_concurrent_reads``).
+        self.concurrency = concurrency
+        self.model = model
+        #: The API key each engine URL wants (``credentials.EngineKeys``), carried by every
+        #: request sent there; ``None``: none wants one.
+        self.key_of = key_of
+        self._clock = clock
+        self._session = session
+        self._own_session = session is None
+        self._memory: dict[str, _Memory] = {}
+        #: When each read of the last round finished (monotonic seconds, by URL): how long its
+        #: evidence then waited for the round's end (the controller's evidence-to-decision).
+        self.finished_at: dict[str, float] = {}
+
+    async def __aenter__(self) -> Watchdog:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def forget(self, url: str) -> None:
+        """Drop what is remembered of an engine (it left the fleet, or moved)."""
+        self._memory.pop(url, None)
+
+    # ------------------------------------------------------------------ a round
+
+    async def round(self, targets: Iterable[Target], *, spread_s: float = 0.0,
+                    fresh: Callable[[Target], Awaitable[Target | None]] | None = None,
+                    on_report: Callable[[str, Report], None] | None = None,
+                    ) -> dict[str, Report]:
+        """Visit every target, ``concurrency`` at a time; one :class:`Report` per URL read.
+
+        ``spread_s``: when each target is read, :func:`read_offsets` (engines never read
+        first and at once, the others in slices spread over ``spread_s``); a reader free before
+        its next target is due waits for it, one that is late reads at once, so a round
+        takes ``spread_s`` or, when the reads are slower, what they take. ``fresh``: called
+        with each target just before its read, for what the routers know about it now
+        (``None``: no longer to be read, left out of the round). ``on_report``: called with
+        each read as it finishes, before the round goes on (a crash in it is logged)."""
+        targets = list(targets)
+        urls = [t.url for t in targets]
+        if len(set(urls)) != len(urls):
+            raise ValueError("each engine URL may appear once in a round")
+        self._forget_gone()
+        self.finished_at = {}
+        reports: dict[str, Report] = {}
+        known = [t.url in self._memory for t in targets]
+        offsets = read_offsets(known, self.concurrency, spread_s)
+        # Never read first (known sorts after unknown), then by when due, then in order.
+        order = sorted(range(len(targets)), key=lambda k: (known[k], offsets[k], k))
+        waiting = ((offsets[k], targets[k]) for k in order)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def reader() -> None:
+            # Each reader takes the next engine when its last read is done: at most
+            # ``concurrency`` reads at once, and as many tasks, whatever the fleet's size.
+            for offset, target in waiting:
+                due = started + offset
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
+                now = target if fresh is None else await fresh(target)
+                if now is None:
+                    continue
+                reports[now.url] = report = await self.probe(now)
+                self.finished_at[now.url] = time.monotonic()
+                if on_report is not None:
+                    try:
+                        on_report(now.url, report)
+                    except Exception:
+                        log.exception("%s: deciding on its read failed", now.url)
+                await self.learn_models(report)
+                await self.learn_output_cap(report)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(self.concurrency, len(targets))):
+                group.create_task(reader())
+        return {t.url: reports[t.url] for t in targets if t.url in reports}
+
+    async def probe(self, target: Target) -> Report:
+        """One visit: the watch of the engine says what to fetch (a read, a canary, a read
+        after it) until it has its report; this only fetches."""
+        memory = self._remember(target)
+        step = memory.watch.next(Visit(target, self._clock()))
+        report = await self._fetch_for(target.url, memory, step)
+        assert report is not None  # a visit always ends in a report
+        self._tell_faults(target.url, memory, report.faults)
+        memory.read(report)
+        return report
 
     @staticmethod
     def _tell_faults(url: str, memory: _Memory, faults: tuple[str, ...]) -> None:
@@ -570,28 +604,6 @@ class Watchdog:
     async def _get_status(self, base: str, path: str) -> int | str:
         return await health_status(self._http(), base + path, read_timeout=self._read_timeout(),
                                    headers=self._auth(base))
-
-    async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
-        """The served model names, or why they could not be had."""
-        cards, _ = await self._model_cards(url)
-        return cards if isinstance(cards, _NoModels) else tuple(card.id for card in cards)
-
-    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | _NoModels, bool]:
-        """The served models' cards, or why they could not be had; and whether the engine
-        answered at all."""
-        try:
-            async with self._http().get(url + "/v1/models", timeout=self._read_timeout(),
-                                        headers=self._auth(url)) as resp:
-                if resp.status != 200:
-                    return _NoModels(resp.status, f"answered {resp.status}"), True
-                body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _NoModels(None, _describe(e)), False
-        cards = cards_of(body or b"")
-        return (_NoModels(None, cards) if isinstance(cards, str) else cards), True
-
-    def _read_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
 
     # ------------------------------------------------------------------ the canary
 

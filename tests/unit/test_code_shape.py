@@ -33,7 +33,6 @@ CLASSES_TO_SPLIT = {
     ("fleetwarden/router/splice.py", "Splice"): 675,
     ("fleetwarden/sim/server.py", "Sim"): 1191,
     ("fleetwarden/testing/fleet_model.py", "FleetModel"): 724,
-    ("fleetwarden/watchdog.py", "Watchdog"): 448,
 }
 
 
