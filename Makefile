@@ -37,7 +37,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/reports.py src/fleetwarden/tasks.py src/fleetwarden/timeline.py \
           src/fleetwarden/supervisor.py src/fleetwarden/client.py src/fleetwarden/weight_sync.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
-          src/fleetwarden/credentials.py src/fleetwarden/model_files.py \
+          src/fleetwarden/credentials.py src/fleetwarden/model_files.py src/fleetwarden/loads.py \
           src/fleetwarden/admin/*.py src/fleetwarden/launchers/*.py \
           $(filter-out src/fleetwarden/router/pool.py src/fleetwarden/router/settings.py \
                        src/fleetwarden/router/affinity.py src/fleetwarden/router/retry.py \

@@ -21,14 +21,10 @@ are reachable for tests; callers outside tests use the surface.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import aiohttp
 
 from fleetwarden.admin.server import AdminServer
 from fleetwarden.admin.views import FleetCollector
@@ -42,27 +38,20 @@ from fleetwarden.launchers import EngineHandle, EngineRecord, Launcher
 from fleetwarden.launchers.attach import AttachLauncher
 from fleetwarden.launchers.local import LocalLauncher
 from fleetwarden.launchers.routers import RouterWorkers, refuse_if_taken
-from fleetwarden.ledger import ABSENT, Ledger, Outcome, ShardState, Transition
-from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord, confirmation
+from fleetwarden.ledger import Ledger, Outcome, ShardState, Transition
+from fleetwarden.loads import CheckpointLoads
+from fleetwarden.refit import Lease, RefitCoordinator, RefitRecord
 from fleetwarden.restore import adopt_or_stop, begin_run, read_attached
 from fleetwarden.router import Router
 from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.pool import BackendFacts
-from fleetwarden.sleep import SleepResult, drain_routers, put_to_sleep
+from fleetwarden.sleep import SleepResult, put_to_sleep
 from fleetwarden.sleep import wake as wake_shards
 from fleetwarden.snapshot import Acted, RouterCounters, Snapshot
 from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import Target, Watchdog
 from fleetwarden.weight_sync import (
-    CONFIRM_READ_S,
-    PAUSE_MODES,
-    EngineOutcome,
     RefitLoad,
-    cost_since,
-    cost_totals,
-    load_checkpoint,
-    read_all,
-    read_weights,
 )
 
 __all__ = ["Fleet", "ShardLaunchers"]
@@ -138,18 +127,8 @@ class Fleet:
         self._launchers: ShardLaunchers | None = None
         self.routers: list[RouterLink] = []
         self._remotes: list[RemoteRouter] = []
-        #: The checkpoint of the last load fleetwarden ran (``refit_from``): a replacement
-        #: engine waiting in STALE is loaded from it at once (:meth:`_catch_up`).
-        self._source: tuple[str, int, Mapping[str, str] | None] | None = None
-        #: Loads fleetwarden runs, one at a time: a fleet's and a replacement's never overlap.
-        self._loading = asyncio.Lock()
-        self._catching_up: asyncio.Task[None] | None = None
-        #: (shard, incarnation, version) already tried: a replacement is loaded once per
-        #: process and checkpoint, so an engine that cannot load is not tried every tick.
-        self._caught: set[tuple[int, str | None, int]] = set()
-        #: The routers' fault counters at the end of the last load (``refit_from``): the next
-        #: one charges the trainer's step with what they counted since (``RefitLoad.cost``).
-        self._costs_at_load: dict[str, Any] = cost_totals([])
+        #: The checkpoint loads fleetwarden runs itself, and a replacement's catch-up.
+        self.loads = CheckpointLoads(self)
         self.admin.registry.register(FleetCollector(
             lambda: self.snapshot() if self._controller is not None else None))
         self.admin.registry.register(WorkCollector(
@@ -229,8 +208,8 @@ class Fleet:
                 f"journal {cfg.journal.path} records a fleet of {len(restored)} shards, the "
                 f"config has {size}; use another journal.path for a different fleet"
             )
-        launcher, local, self._launchers = await self._start_launchers(journal, launched,
-                                                                        attached)
+        launcher, local, self._launchers = await _start_launchers(
+            cfg, journal, launched, attached, self._engine_exited, self.engine_keys.fleet)
         clean = journal.get_meta("clean_shutdown") == "1"
         journal.set_meta("clean_shutdown", "0")  # until this run stops cleanly
 
@@ -257,8 +236,8 @@ class Fleet:
         else:
             for i, incarnation in running.items():
                 ledger.observe_incarnation(i, incarnation)  # who it is: no restart
-        self._supervisor = supervisor = self._start_supervisor(
-            ledger, journal, self._launchers, adopted, first, fresh=restored is None)
+        self._supervisor = supervisor = _start_supervisor(
+            cfg, ledger, journal, self._launchers, adopted, first, fresh=restored is None)
         await self._start_routers(ledger)
         self._refit = RefitCoordinator(ledger, lease_s=cfg.refit.lease_s, clock=time.time)
         self._controller = Controller(
@@ -284,28 +263,6 @@ class Fleet:
             self._shard_at = {rec.base_url: rec.index for rec in self._ledger.snapshot()}
             shard = self._shard_at.get(url)
         return keys.fleet if shard is None else keys.of_shard(shard)
-
-    async def _start_launchers(self, journal: Journal, launched: list[int],
-                               attached: dict[int, str],
-                               ) -> tuple[Launcher, LocalLauncher | None, ShardLaunchers]:
-        """The launcher of the launched shards (and the local one, when it is local), and
-        every shard's launcher (attached shards: the attach launcher)."""
-        cfg = self.config
-        launcher: Launcher
-        local: LocalLauncher | None = None
-        if cfg.fleet.launcher == "ray" and launched:
-            from fleetwarden.launchers.ray import RayLauncher  # the optional extra
-
-            ray_launcher = RayLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
-            await ray_launcher.connect()  # a wrong address fails the start, not each shard
-            launcher = ray_launcher
-        else:
-            local = LocalLauncher(cfg.fleet, cfg.supervisor, self._engine_exited)
-            local.events = _JournalEngines(journal)
-            launcher = local
-        attach = AttachLauncher(cfg.fleet, cfg.health, key=self.engine_keys.fleet)
-        shards = ShardLaunchers({i: launcher for i in launched} | {i: attach for i in attached})
-        return launcher, local, shards
 
     async def _first_engines(self, journal: Journal, launcher: Launcher,
                              local: LocalLauncher | None,
@@ -339,27 +296,6 @@ class Fleet:
         ledger.subscribe(self._on_transition)
         journal.attach(ledger)
         return ledger, first
-
-    def _start_supervisor(self, ledger: Ledger, journal: Journal, launchers: ShardLaunchers,
-                          adopted: dict[int, EngineHandle],
-                          first: dict[int, EngineHandle | BaseException], *,
-                          fresh: bool) -> Supervisor:
-        """The supervisor, with every engine running adopted; a first engine that did not
-        start is condemned (the supervisor restarts it within budget)."""
-        cfg = self.config
-        supervisor = Supervisor(ledger, launchers, cfg.fleet, cfg.supervisor, journal=journal,
-                                passive=launchers.passive)
-        for i, handle in adopted.items():
-            supervisor.adopt(i, handle)
-        for i, result in first.items():
-            if isinstance(result, EngineHandle):
-                supervisor.adopt(i, result)
-                if fresh:
-                    ledger.observe_incarnation(i, result.incarnation)
-            else:
-                log.error("shard %d: first engine did not start: %s", i, result)
-                ledger.condemn(i, f"first start failed: {result}")
-        return supervisor
 
     async def _start_routers(self, ledger: Ledger) -> None:
         """The routers: this process's, or router worker processes of their own; and the
@@ -406,10 +342,7 @@ class Fleet:
         """Stop serving, then stop every engine this fleet started, leaving nothing running."""
         self._stop.set()
         await self.admin.stop()
-        if self._catching_up is not None:
-            self._catching_up.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._catching_up
+        await self.loads.close()
         if self._controller is not None:
             await self._controller.close()
         if self._router is not None:
@@ -459,21 +392,13 @@ class Fleet:
 
     def _after_tick(self, report: TickReport) -> None:
         self.admin.after_tick(self, self.router.stats)
-        self._catch_up_soon()  # one that came back during a load waits for it to end
+        self.loads.catch_up_soon()  # one that came back during a load waits for it to end
 
     def _on_transition(self, t: Transition) -> None:
         if t.event in COMEBACKS and t.to_state is ShardState.STALE:
             # At its return, not at the next tick (up to probe_interval_s later, 5 s by
             # default): a replacement's capacity waits for nothing but its load.
-            self._catch_up_soon()
-
-    def _catch_up_soon(self) -> None:
-        """Start a catch-up load (:meth:`_catch_up`) when a replacement waits for one and no
-        load runs."""
-        if (self._source is not None and self.refit.lease is None and not self._loading.locked()
-                and (self._catching_up is None or self._catching_up.done())
-                and self._stale_replacements()):
-            self._catching_up = asyncio.ensure_future(self._catch_up())
+            self.loads.catch_up_soon()
 
     # ------------------------------------------------------------------ operations (the surface)
 
@@ -513,178 +438,21 @@ class Fleet:
         return results
 
     async def begin_refit(self, version: int) -> Lease:
-        lease = self.refit.begin_refit(version)
-        # Every participant read at the start: the baseline its read at the completion is
-        # compared with (docs/design.md section 8).
-        self.refit.read_at_start(await self.controller.read_participants())
-        self.admin.announce("refit", phase="begin", version=version)
-        return lease
+        return await self.loads.begin_refit(version)
 
     async def complete_refit(self, version: int, checksums: Mapping[str, str] | None = None,
                              *, failed: Mapping[int, str] | None = None) -> RefitRecord:
-        # Every participant read once more first: a version is credited only to a process
-        # known alive through the whole lease, and whose engine, where it can say, says it
-        # holds that version (and the trainer's checksums, when given): docs/design.md
-        # section 8.
-        lease = self.refit.lease
-        targets = {} if lease is None else {
-            p.shard: (p.url, self.config.fleet.engine_of(p.shard)) for p in lease.participants}
-        read, weights = await asyncio.gather(
-            self.controller.read_participants(),
-            read_all(targets, checksums=checksums is not None,
-                     timeout_s=max(self.config.health.probe_timeout_s, CONFIRM_READ_S),
-                     keys={i: self.engine_keys.of_shard(i) for i in targets}))
-        record = self.refit.complete_refit(version, read_at_end=read, weights=weights,
-                                           checksums=checksums, failed=failed)
-        self.controller.wake()
-        self.admin.announce("refit", phase="complete", version=version)
-        return record
+        return await self.loads.complete_refit(version, checksums, failed=failed)
+
+    def abort_refit(self, version: int, reason: str) -> RefitRecord:
+        return self.loads.abort_refit(version, reason)
 
     async def refit_from(self, path: str, version: int, *, pause_mode: str | None = None,
                          checksums: Mapping[str, str] | None = None) -> RefitLoad:
-        """Load the checkpoint at ``path`` into every participant as ``version``, and credit
-        only the engines that confirm it. Out of routing first (each participant STALE: no
-        request is sent to an engine whose weights are changing, nor labelled with a version
-        it no longer holds), the routers' requests on them drained for ``[refit] drain_s``;
-        then on every engine at once: pause (``pause_mode``, default ``[refit] pause_mode``),
-        reload from ``path``, stamp ``version``, resume; then the completion reads each
-        engine's own version (and checksums, when given). An engine whose load failed stays
-        STALE with the error; the others serve ``version``; the routers know before this
-        returns. Per engine: :class:`~fleetwarden.weight_sync.EngineOutcome`."""
-        mode = self.config.refit.pause_mode if pause_mode is None else pause_mode
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        if self._catching_up is not None and not self._catching_up.done():
-            # The trainer's load goes first: a replacement being caught up is a participant
-            # of it (STALE), loaded with the newer checkpoint after whatever its engine was
-            # doing (vLLM's core takes one call at a time).
-            self._catching_up.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._catching_up
-        async with self._loading:
-            load = await self._refit_from(path, version, mode, checksums)
-        now = await self._fault_costs()
-        load = dataclasses.replace(load, cost=cost_since(self._costs_at_load, now))
-        self._costs_at_load = now
-        if load.credited:
-            self._source = (path, version, checksums)  # what a replacement is loaded from
-        return load
-
-    async def _refit_from(self, path: str, version: int, mode: str,
-                          checksums: Mapping[str, str] | None) -> RefitLoad:
-        cfg = self.config.refit
-        started = time.monotonic()
-        lease = await self.begin_refit(version)
-        if self.ledger.weights_loaded():
-            # From the first load on, a good canary would label a new process's launch
-            # weights with the checkpoint's version (docs/rl.md, a replacement's weights).
-            log.warning("weights = \"static\" no longer holds: fleetwarden loads %s as version "
-                        "%d, so a new engine process waits in STALE until it is loaded with the "
-                        "fleet's checkpoint (as with weights = \"trainer\")", path, version)
-        try:
-            parts = [(p.shard, p.url) for p in lease.participants
-                     if self.ledger.shard(p.shard).base_url == p.url
-                     and self.ledger.state(p.shard) not in ABSENT]
-            for i, _ in parts:
-                self.ledger.mark_weights_partial(i, f"loading weight version {version} from "
-                                                    f"{path}")
-            await self.controller.push_now()
-            # Requests already sent finish where they are (for drain_s at most; past it the
-            # pause mode decides), so none reaches an engine in the middle of its load.
-            await drain_routers(self.controller, {url for _, url in parts}, cfg.drain_s)
-            if mode == "keep":
-                # Those still under way go on under the new weights: their answers name both
-                # versions, never the old one alone (docs/rl.md, the pause mode).
-                await self.controller.weights_changing([url for _, url in parts], version)
-            timeout = aiohttp.ClientTimeout(total=cfg.load_timeout_s)
-            async with aiohttp.ClientSession(timeout=timeout) as http:
-                loads = await asyncio.gather(*(
-                    load_checkpoint(http, url, path, version, pause_mode=mode,
-                                    key=self.engine_keys.of_shard(i))
-                    for i, url in parts))
-            failed = {i: r.error for (i, _), r in zip(parts, loads, strict=True) if not r.took}
-            record = await self.complete_refit(version, checksums, failed=failed)
-        except BaseException:
-            if self.refit.lease is not None and self.refit.lease.version == version:
-                self.abort_refit(version, "the load was interrupted")
-            raise
-        await self.push()
-        disagreed = dict(record.unconfirmed)
-        engines = tuple(
-            EngineOutcome(i, url, took=r.took,
-                          confirmed=True if i in record.confirmed
-                          else False if i in disagreed else None,
-                          state=self.ledger.state(i).value,
-                          error=r.error or disagreed.get(i, ""), seconds=r.seconds)
-            for (i, url), r in zip(parts, loads, strict=True))
-        return RefitLoad(version, path, mode, engines, time.monotonic() - started)
-
-    async def _fault_costs(self) -> dict[str, Any]:
-        """The routers' fault counters now, summed (:func:`~fleetwarden.weight_sync.
-        cost_totals`); a router that does not answer is left out of this read."""
-        said = []
-        for link in self.controller.routers:
-            try:
-                said.append((await link.status())["stats"])
-            except Exception as exc:
-                log.warning("router %s: its counters were not read: %s", link.name, exc)
-        return cost_totals(said)
-
-    def _stale_replacements(self) -> list[int]:
-        """STALE shards not yet tried with the current source, in this process."""
-        if self._source is None:
-            return []
-        version = self._source[1]
-        return [r.index for r in self.ledger.snapshot()
-                if r.state is ShardState.STALE and r.weight_version <= version
-                and (r.index, r.incarnation, version) not in self._caught]
-
-    async def _catch_up(self) -> None:
-        """Load the last checkpoint fleetwarden loaded into each replacement engine waiting in
-        STALE (restarted, or attached after the load), only it, at once: without this it
-        would wait for the trainer's next step, or, worse, in static mode be promoted with the
-        checkpoint's weights under the current version. Credited only where its engine
-        confirms the version (an engine that cannot say waits for the next refit) and its
-        process is the one loaded (the same URL and incarnation before and after)."""
-        assert self._source is not None
-        path, version, checksums = self._source
-        async with self._loading:
-            if self.refit.lease is not None:
-                return
-            shards = [(i, self.ledger.shard(i)) for i in self._stale_replacements()]
-            self._caught = {c for c in self._caught if c[2] == version}  # older: done with
-            self._caught.update((i, r.incarnation, version) for i, r in shards)
-            timeout = aiohttp.ClientTimeout(total=self.config.refit.load_timeout_s)
-            async with aiohttp.ClientSession(timeout=timeout) as http:
-                loads = await asyncio.gather(*(
-                    load_checkpoint(http, r.base_url, path, version,
-                                    pause_mode=self.config.refit.pause_mode,
-                                    key=self.engine_keys.of_shard(i))
-                    for i, r in shards))
-                said = await asyncio.gather(*(
-                    read_weights(http, r.base_url, self.config.fleet.engine_of(i),
-                                 checksums=checksums is not None,
-                                 key=self.engine_keys.of_shard(i)) for i, r in shards))
-            credited = []
-            for (i, before), load, weights in zip(shards, loads, said, strict=True):
-                now = self.ledger.shard(i)
-                ok, why = confirmation(version, checksums, weights)
-                if not load.took or ok is not True or now.state is not ShardState.STALE or (
-                        now.base_url, now.incarnation) != (before.base_url, before.incarnation):
-                    log.warning("shard %d: not loaded with version %d from %s: %s", i,
-                                version, path, load.error or why)
-                    continue
-                self.ledger.report_refit(i, version)
-                credited.append(i)
-        if credited:
-            await self.push()
-            self.admin.announce("refit", phase="catch-up", version=version)
-
-    def abort_refit(self, version: int, reason: str) -> RefitRecord:
-        record = self.refit.abort_refit(version, reason)
-        self.controller.wake()
-        self.admin.announce("refit", phase="abort", version=version)
-        return record
+        """Load the checkpoint at ``path`` into every participant as ``version``
+        (:meth:`CheckpointLoads.refit_from <fleetwarden.loads.CheckpointLoads.refit_from>`)."""
+        return await self.loads.refit_from(path, version, pause_mode=pause_mode,
+                                           checksums=checksums)
 
     async def inject_fault(self, i: int, fault: str, options: dict[str, Any]) -> str:
         """Inject ``fault`` into shard ``i``'s engine: through a simulated engine's fault
@@ -721,3 +489,48 @@ class Fleet:
             output_caps={rec.index: c.output_cap(rec) for rec in shards},
             output_defaults={rec.index: c.output_default(rec) for rec in shards},
         )
+
+
+async def _start_launchers(cfg: Config, journal: Journal, launched: list[int],
+                           attached: dict[int, str], on_exit: Callable[[EngineHandle], None],
+                           key: Secret | None,
+                           ) -> tuple[Launcher, LocalLauncher | None, ShardLaunchers]:
+    """The launcher of the launched shards (and the local one, when it is local), and
+    every shard's launcher (attached shards: the attach launcher). ``on_exit``: told of an
+    engine that exits; ``key``: the fleet's engine key, for the attach launcher's reads."""
+    launcher: Launcher
+    local: LocalLauncher | None = None
+    if cfg.fleet.launcher == "ray" and launched:
+        from fleetwarden.launchers.ray import RayLauncher  # the optional extra
+
+        ray_launcher = RayLauncher(cfg.fleet, cfg.supervisor, on_exit)
+        await ray_launcher.connect()  # a wrong address fails the start, not each shard
+        launcher = ray_launcher
+    else:
+        local = LocalLauncher(cfg.fleet, cfg.supervisor, on_exit)
+        local.events = _JournalEngines(journal)
+        launcher = local
+    attach = AttachLauncher(cfg.fleet, cfg.health, key=key)
+    shards = ShardLaunchers({i: launcher for i in launched} | {i: attach for i in attached})
+    return launcher, local, shards
+
+
+def _start_supervisor(cfg: Config, ledger: Ledger, journal: Journal, launchers: ShardLaunchers,
+                      adopted: dict[int, EngineHandle],
+                      first: dict[int, EngineHandle | BaseException], *,
+                      fresh: bool) -> Supervisor:
+    """The supervisor, with every engine running adopted; a first engine that did not
+    start is condemned (the supervisor restarts it within budget)."""
+    supervisor = Supervisor(ledger, launchers, cfg.fleet, cfg.supervisor, journal=journal,
+                            passive=launchers.passive)
+    for i, handle in adopted.items():
+        supervisor.adopt(i, handle)
+    for i, result in first.items():
+        if isinstance(result, EngineHandle):
+            supervisor.adopt(i, result)
+            if fresh:
+                ledger.observe_incarnation(i, result.incarnation)
+        else:
+            log.error("shard %d: first engine did not start: %s", i, result)
+            ledger.condemn(i, f"first start failed: {result}")
+    return supervisor
