@@ -31,7 +31,6 @@ CLASSES_TO_SPLIT = {
     ("fleetwarden/controller.py", "Controller"): 649,
     ("fleetwarden/router/splice.py", "Splice"): 675,
     ("fleetwarden/sim/server.py", "Sim"): 1191,
-    ("fleetwarden/testing/fleet_model.py", "FleetModel"): 724,
 }
 
 

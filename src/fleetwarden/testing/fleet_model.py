@@ -260,8 +260,10 @@ async def stamp_version(urls: list[str], version: int) -> None:
 
 # ---------------------------------------------------------------------- one epoch
 
+class _ModelState:
+    """The model's state and plumbing: its fleet's files and process, the reads of it, and
+    what the model remembers of what it did (the faults, wedges, repairs, downtime)."""
 
-class FleetModel:
     def __init__(self, epoch: Epoch, rng: random.Random, workdir: Path, report: ModelReport,
                  log: Callable[[str], None]) -> None:
         self.epoch, self.rng, self.workdir, self.report, self.log = (
@@ -313,8 +315,6 @@ class FleetModel:
         #: and accepts connections.
         self.slots = 0
         self.slots_serving = 0
-
-    # ------------------------------------------------------------------ plumbing
 
     def violation(self, invariant: str, detail: str, gate: str | None = None) -> None:
         v = Violation(self.epoch.name, self.step, self.op, invariant, detail, gate)
@@ -409,8 +409,6 @@ path = "{self.journal_path}"
         self.slots_serving = len(serving)
         return out
 
-    # ------------------------------------------------------------------ the operations
-
     async def healthy_shard(self, *, idle: bool = False) -> dict[str, Any] | None:
         """A HEALTHY shard to act on, while at least one other stays HEALTHY: faults one at a
         time over a serving fleet, as an operator's fault drill."""
@@ -427,169 +425,6 @@ path = "{self.journal_path}"
             if a.url == shard["base_url"]:
                 return a
         return None
-
-    async def chaos(self, fault: str, *, idle: bool = False, **options: Any) -> str:
-        s = await self.healthy_shard(idle=idle)
-        if s is None:
-            return SKIPPED
-        assert self.client is not None
-        self.faulted_at[s["index"]] = time.monotonic()
-        # A wedge stays until the process is replaced or restarted; any other fault replaces
-        # it (the simulator has one fault at a time).
-        if fault == "wedge":
-            self.wedged[s["index"]] = self.identity(s)
-        else:
-            self.wedged.pop(s["index"], None)
-        try:
-            await self.call(self.client.chaos, s["index"], fault, **options)
-        except FleetClientError as exc:
-            return f"refused: {exc}"
-        return f"shard {s['index']}"
-
-    async def op_crash(self) -> str:
-        return await self.chaos("crash")
-
-    async def op_wedge(self) -> str:
-        return await self.chaos("wedge")
-
-    async def op_idle_wedge(self) -> str:
-        return await self.chaos("wedge", idle=True)
-
-    async def op_trickle(self) -> str:
-        return await self.chaos("error5xx", duration_s=3.0)
-
-    async def op_poison(self, http: aiohttp.ClientSession) -> str:
-        assert self.up is not None
-        shards = await self.shards()
-        self.remember_wedges(shards)
-        before = {s["index"]: s["state"] for s in shards}
-        seq = await self.last_seq()
-        body = {"model": "tiny", "prompt": POISON_PROMPT, "max_tokens": 4}
-        status = 0
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with http.post(self.up.router + "/v1/completions", json=body) as resp:
-                status = resp.status
-        self.poison_sent += 1
-        self.poison_at = time.monotonic()
-        await asyncio.sleep(3 * PROBE_INTERVAL_S)  # the router's window reaches the ledger
-        for shard, cause in self.journal_rows(
-                f"SELECT shard, cause FROM transitions WHERE seq > {seq} AND event = 'ejected'"):
-            # A shard the model broke lately is no healthy engine: its own requests fail (a
-            # trickle, a crash) and eject it, poison or not.
-            broken = self.faulted_at.get(shard, -1e9) >= self.poison_at - FAULT_MEMORY_S
-            if before.get(shard) == "HEALTHY" and not broken:
-                self.violation("no healthy engine is ejected by a request that failed "
-                               "everywhere", f"shard {shard}: {cause}")
-        return f"answered {status}"
-
-    async def last_seq(self) -> int:
-        rows = self.journal_rows("SELECT COALESCE(MAX(seq), 0) FROM transitions")
-        return int(rows[0][0])
-
-    async def restart_engine(self, s: dict[str, Any]) -> str:
-        """Its engine restarted outside fleetwarden: an attached one by the model (a new
-        process on the same port), a launched one by its own hand (the simulator's restart:
-        counters back to zero, a new start time)."""
-        a = self.attached_of(s)
-        self.faulted_at[s["index"]] = time.monotonic()
-        if a is not None:
-            await asyncio.to_thread(a.restart)
-        else:
-            assert self.client is not None
-            before = await sim_restarts(s["base_url"])
-            with contextlib.suppress(FleetClientError):
-                await self.call(self.client.chaos, s["index"], "restart")
-            # Only a restart the simulator made: a crashed one (its API server outliving its
-            # core, as vLLM's does) takes no more orders, and a restart counted that never
-            # happened reads as a process changed during a lease.
-            if before is None or await sim_restarts(s["base_url"]) != before:
-                self.restarts_by_model[s["index"]] += 1
-        if self.epoch.weights == "trainer":
-            engine = a.engine if a is not None else "vllm"
-            self.lost_weights[s["index"]] = (time.monotonic(), engine)
-        return f"shard {s['index']} ({'attached' if a else 'launched'})"
-
-    async def op_restart_outside(self) -> str:
-        s = await self.healthy_shard()
-        return SKIPPED if s is None else await self.restart_engine(s)
-
-    async def op_kill9_restart(self) -> str:
-        assert self.up is not None
-        await asyncio.to_thread(self.up.kill9)
-        await self.start_fleet()  # its engines and router workers lived on: adopted
-        return "fleetwarden SIGKILLed and started again"
-
-    async def stop_fleet(self) -> None:
-        assert self.up is not None
-        await self.repaired()
-        t0 = time.monotonic()
-        out = await asyncio.to_thread(self.up.stop)
-        self.down.append((t0, float("inf")))
-        if "nothing left running" not in out:
-            self.violation("a clean stop leaves nothing running", out[-500:])
-        self.check_nothing_left("after a clean stop")
-
-    async def restarted(self) -> None:
-        await self.start_fleet()
-        t0, _ = self.down[-1]
-        self.down[-1] = (t0, time.monotonic())
-
-    async def op_clean_restart(self) -> str:
-        await self.stop_fleet()
-        await self.restarted()
-        return "stopped cleanly and started again"
-
-    async def op_config_edit(self) -> str:
-        """One --backend replaced by a new engine (of the same profile, on a new port)."""
-        await self.stop_fleet()
-        k = self.rng.randrange(len(self.attached))
-        old = self.attached[k]
-        new = AttachedEngine(old.engine, free_port("127.0.0.1"), self.sims_dir)
-        await asyncio.to_thread(new.start)
-        self.attached[k] = new
-        self.retired_engines.append(old)  # it serves on: routed to, it would be a violation
-        await self.restarted()
-        return f"backend {k}: {old.url} -> {new.url}"
-
-    async def op_reload(self) -> str:
-        assert self.up is not None
-        os.kill(self.up.proc.pid, signal.SIGHUP)
-        await asyncio.sleep(1.0)
-        return "SIGHUP"
-
-    async def op_sighup_storm(self) -> str:
-        assert self.up is not None
-        for _ in range(3):
-            os.kill(self.up.proc.pid, signal.SIGHUP)
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
-        return "3 SIGHUPs"
-
-    async def op_reload_fail(self) -> str:
-        """A reload whose new worker cannot start (its token file is readable by others)."""
-        assert self.up is not None
-        t0 = time.time()
-        self.router_token.chmod(0o644)
-        try:
-            os.kill(self.up.proc.pid, signal.SIGHUP)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # until a worker of this reload has exited
-                rows = self.journal_rows(
-                    f"SELECT COUNT(*) FROM routers WHERE launched_wall > {t0} "
-                    "AND stopped_wall IS NOT NULL")
-                if rows[0][0]:
-                    break
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(0.5)  # the roll-back's push
-        finally:
-            self.router_token.chmod(0o600)
-        return "SIGHUP with a new worker that cannot start"
-
-    async def participants(self) -> dict[int, tuple[int, int | None]]:
-        """Shard -> the identity of its process now, as the model knows it (not as fleetwarden
-        has seen it yet): its count of processes for an attached engine; for a launched one
-        the PID fleetwarden started and the model's count of the restarts it made in place."""
-        return {s["index"]: self.identity(s) for s in await self.shards()}
 
     def identity(self, s: dict[str, Any]) -> tuple[int, int | None]:
         """The identity of shard ``s``'s process now, as the model knows it (participants)."""
@@ -610,126 +445,9 @@ path = "{self.journal_path}"
             else:
                 del self.wedged[i]
 
-    async def refit(self, *, finish: str, restart_one: bool = False, overrun: bool = False
-                    ) -> str:
-        assert self.client is not None
-        self.version += 1
-        v = self.version
-        try:
-            lease = await self.call(self.client.begin_refit, v)
-        except FleetClientError as exc:
-            return f"begin refused: {exc}"
-        before = await self.participants()
-        shards = await self.shards()
-        restarted: set[int] = set()
-        if restart_one:
-            live = [s for s in shards if s["state"] not in ("DEAD", "RESTARTING", "RETIRED")]
-            if live:
-                s = self.rng.choice(live)
-                was = self.identity(s)
-                await self.restart_engine(s)
-                if self.identity(s) != was:  # a crashed engine takes no restart order
-                    restarted.add(s["index"])
-        if overrun:
-            await asyncio.sleep(LEASE_S + 2 * PROBE_INTERVAL_S)
-        if finish != "complete":
-            # An abort leaves every participant's weights partial (STALE, by the trainer's
-            # word): no healthy engine from then on, whatever the last check saw.
-            for p in lease["participants"]:
-                self.faulted_at[p["shard"]] = time.monotonic()
-        if finish == "complete":
-            await stamp_version([p["url"] for p in lease["participants"]], v)
-        try:
-            if finish == "complete":
-                await self.call(self.client.complete_refit, v)
-            else:
-                await self.call(self.client.abort_refit, v, "the trainer gave up")
-        except FleetClientError as exc:
-            return f"{finish} refused: {exc}"
-        after = await self.participants()
-        for s in await self.shards():
-            i = s["index"]
-            if s["weight_version"] != v or finish != "complete":
-                continue
-            now_proc = after.get(i)
-            gone = now_proc is not None and now_proc[1] is None  # a launched one, no PID
-            # A process gone by the time the model reads (no PID) may have died after the
-            # completion, credited while alive: only another live process is a violation.
-            if (before.get(i) != now_proc and not gone) or i in restarted:
-                # The model replaced its engine during the lease (the operation, or a
-                # repair): the read at the completion must have told.
-                self.violation("a refit credits a version only to a process alive through "
-                               "the whole lease", f"shard {i} holds v{v}; its process changed "
-                               f"during the lease ({before.get(i)} -> {after.get(i)})")
-            else:
-                self.lost_weights.pop(i, None)  # credited: its weights are current again
-        return f"v{v} {finish} over {[p['shard'] for p in lease['participants']]}" + (
-            f", shard(s) {sorted(restarted)} restarted during it" if restarted else "")
 
-    async def op_refit_complete(self) -> str:
-        return await self.refit(finish="complete")
-
-    async def op_refit_abort(self) -> str:
-        return await self.refit(finish="abort")
-
-    async def op_refit_overrun(self) -> str:
-        return await self.refit(finish="complete", overrun=True)
-
-    async def op_refit_participant_restarted(self) -> str:
-        return await self.refit(finish="complete", restart_one=True)
-
-    async def sleep(self, level: int) -> str:
-        s = await self.healthy_shard()
-        if s is None:
-            return SKIPPED
-        assert self.client is not None
-        self.faulted_at[s["index"]] = time.monotonic()
-        result = await self.call(self.client.sleep, level, [s["index"]])
-        if level == 2:
-            self.lost_weights[s["index"]] = (time.monotonic(), "level 2")
-        return f"shard {s['index']}: {result.get('shards')}"
-
-    async def op_sleep1(self) -> str:
-        return await self.sleep(1)
-
-    async def op_sleep2(self) -> str:
-        return await self.sleep(2)
-
-    async def op_wake(self) -> str:
-        assert self.client is not None
-        result = await self.call(self.client.wake)
-        return f"{result.get('shards')}"
-
-    async def op_pause(self) -> str:
-        await asyncio.sleep(self.rng.uniform(0.2, 1.0))
-        return "the load runs on"
-
-    # ------------------------------------------------------------------ repair (not an op)
-
-    async def repair(self) -> None:
-        """The system that runs the attached engines replaces one fleetwarden condemned (the
-        passive wait's other half), at most once every few seconds."""
-        now = time.monotonic()
-        for s in await self.shards():
-            a = self.attached_of(s)
-            if a is None or s["state"] != "DEAD":
-                continue
-            if now - self.replaced_since.get(a.url, 0.0) < 3.0:
-                continue
-            self.replaced_since[a.url] = now
-            self.faulted_at[s["index"]] = now
-            task = asyncio.create_task(asyncio.to_thread(a.restart), name=f"repair {a.url}")
-            self.repairs.add(task)
-            task.add_done_callback(self.repairs.discard)
-            if self.epoch.weights == "trainer":
-                self.lost_weights[s["index"]] = (now, a.engine)
-
-    async def repaired(self) -> None:
-        """Every repair under way, finished (before the model stops or replaces engines)."""
-        while self.repairs:
-            await asyncio.gather(*self.repairs, return_exceptions=True)
-
-    # ------------------------------------------------------------------ the contract
+class _Contract(_ModelState):
+    """The fleet's contract (docs/design.md section 14), checked after every operation."""
 
     async def check(self, http: aiohttp.ClientSession) -> None:
         await self.check_healthy_routed(http)
@@ -917,6 +635,295 @@ path = "{self.journal_path}"
             self.violation("after the final stop no process fleetwarden started is left",
                            f"{when}: still running: {sorted(left)}")
             kill_launched(left)
+
+
+class FleetModel(_Contract):
+    """One epoch of the model: the operations on a fleet, the repair of what they broke, and
+    the run that draws them at random and checks the contract after each."""
+
+    # ------------------------------------------------------------------ the operations
+
+    async def chaos(self, fault: str, *, idle: bool = False, **options: Any) -> str:
+        s = await self.healthy_shard(idle=idle)
+        if s is None:
+            return SKIPPED
+        assert self.client is not None
+        self.faulted_at[s["index"]] = time.monotonic()
+        # A wedge stays until the process is replaced or restarted; any other fault replaces
+        # it (the simulator has one fault at a time).
+        if fault == "wedge":
+            self.wedged[s["index"]] = self.identity(s)
+        else:
+            self.wedged.pop(s["index"], None)
+        try:
+            await self.call(self.client.chaos, s["index"], fault, **options)
+        except FleetClientError as exc:
+            return f"refused: {exc}"
+        return f"shard {s['index']}"
+
+    async def op_crash(self) -> str:
+        return await self.chaos("crash")
+
+    async def op_wedge(self) -> str:
+        return await self.chaos("wedge")
+
+    async def op_idle_wedge(self) -> str:
+        return await self.chaos("wedge", idle=True)
+
+    async def op_trickle(self) -> str:
+        return await self.chaos("error5xx", duration_s=3.0)
+
+    async def op_poison(self, http: aiohttp.ClientSession) -> str:
+        assert self.up is not None
+        shards = await self.shards()
+        self.remember_wedges(shards)
+        before = {s["index"]: s["state"] for s in shards}
+        seq = await self.last_seq()
+        body = {"model": "tiny", "prompt": POISON_PROMPT, "max_tokens": 4}
+        status = 0
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with http.post(self.up.router + "/v1/completions", json=body) as resp:
+                status = resp.status
+        self.poison_sent += 1
+        self.poison_at = time.monotonic()
+        await asyncio.sleep(3 * PROBE_INTERVAL_S)  # the router's window reaches the ledger
+        for shard, cause in self.journal_rows(
+                f"SELECT shard, cause FROM transitions WHERE seq > {seq} AND event = 'ejected'"):
+            # A shard the model broke lately is no healthy engine: its own requests fail (a
+            # trickle, a crash) and eject it, poison or not.
+            broken = self.faulted_at.get(shard, -1e9) >= self.poison_at - FAULT_MEMORY_S
+            if before.get(shard) == "HEALTHY" and not broken:
+                self.violation("no healthy engine is ejected by a request that failed "
+                               "everywhere", f"shard {shard}: {cause}")
+        return f"answered {status}"
+
+    async def last_seq(self) -> int:
+        rows = self.journal_rows("SELECT COALESCE(MAX(seq), 0) FROM transitions")
+        return int(rows[0][0])
+
+    async def restart_engine(self, s: dict[str, Any]) -> str:
+        """Its engine restarted outside fleetwarden: an attached one by the model (a new
+        process on the same port), a launched one by its own hand (the simulator's restart:
+        counters back to zero, a new start time)."""
+        a = self.attached_of(s)
+        self.faulted_at[s["index"]] = time.monotonic()
+        if a is not None:
+            await asyncio.to_thread(a.restart)
+        else:
+            assert self.client is not None
+            before = await sim_restarts(s["base_url"])
+            with contextlib.suppress(FleetClientError):
+                await self.call(self.client.chaos, s["index"], "restart")
+            # Only a restart the simulator made: a crashed one (its API server outliving its
+            # core, as vLLM's does) takes no more orders, and a restart counted that never
+            # happened reads as a process changed during a lease.
+            if before is None or await sim_restarts(s["base_url"]) != before:
+                self.restarts_by_model[s["index"]] += 1
+        if self.epoch.weights == "trainer":
+            engine = a.engine if a is not None else "vllm"
+            self.lost_weights[s["index"]] = (time.monotonic(), engine)
+        return f"shard {s['index']} ({'attached' if a else 'launched'})"
+
+    async def op_restart_outside(self) -> str:
+        s = await self.healthy_shard()
+        return SKIPPED if s is None else await self.restart_engine(s)
+
+    async def op_kill9_restart(self) -> str:
+        assert self.up is not None
+        await asyncio.to_thread(self.up.kill9)
+        await self.start_fleet()  # its engines and router workers lived on: adopted
+        return "fleetwarden SIGKILLed and started again"
+
+    async def stop_fleet(self) -> None:
+        assert self.up is not None
+        await self.repaired()
+        t0 = time.monotonic()
+        out = await asyncio.to_thread(self.up.stop)
+        self.down.append((t0, float("inf")))
+        if "nothing left running" not in out:
+            self.violation("a clean stop leaves nothing running", out[-500:])
+        self.check_nothing_left("after a clean stop")
+
+    async def restarted(self) -> None:
+        await self.start_fleet()
+        t0, _ = self.down[-1]
+        self.down[-1] = (t0, time.monotonic())
+
+    async def op_clean_restart(self) -> str:
+        await self.stop_fleet()
+        await self.restarted()
+        return "stopped cleanly and started again"
+
+    async def op_config_edit(self) -> str:
+        """One --backend replaced by a new engine (of the same profile, on a new port)."""
+        await self.stop_fleet()
+        k = self.rng.randrange(len(self.attached))
+        old = self.attached[k]
+        new = AttachedEngine(old.engine, free_port("127.0.0.1"), self.sims_dir)
+        await asyncio.to_thread(new.start)
+        self.attached[k] = new
+        self.retired_engines.append(old)  # it serves on: routed to, it would be a violation
+        await self.restarted()
+        return f"backend {k}: {old.url} -> {new.url}"
+
+    async def op_reload(self) -> str:
+        assert self.up is not None
+        os.kill(self.up.proc.pid, signal.SIGHUP)
+        await asyncio.sleep(1.0)
+        return "SIGHUP"
+
+    async def op_sighup_storm(self) -> str:
+        assert self.up is not None
+        for _ in range(3):
+            os.kill(self.up.proc.pid, signal.SIGHUP)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        return "3 SIGHUPs"
+
+    async def op_reload_fail(self) -> str:
+        """A reload whose new worker cannot start (its token file is readable by others)."""
+        assert self.up is not None
+        t0 = time.time()
+        self.router_token.chmod(0o644)
+        try:
+            os.kill(self.up.proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until a worker of this reload has exited
+                rows = self.journal_rows(
+                    f"SELECT COUNT(*) FROM routers WHERE launched_wall > {t0} "
+                    "AND stopped_wall IS NOT NULL")
+                if rows[0][0]:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # the roll-back's push
+        finally:
+            self.router_token.chmod(0o600)
+        return "SIGHUP with a new worker that cannot start"
+
+    async def participants(self) -> dict[int, tuple[int, int | None]]:
+        """Shard -> the identity of its process now, as the model knows it (not as fleetwarden
+        has seen it yet): its count of processes for an attached engine; for a launched one
+        the PID fleetwarden started and the model's count of the restarts it made in place."""
+        return {s["index"]: self.identity(s) for s in await self.shards()}
+
+    async def refit(self, *, finish: str, restart_one: bool = False, overrun: bool = False
+                    ) -> str:
+        assert self.client is not None
+        self.version += 1
+        v = self.version
+        try:
+            lease = await self.call(self.client.begin_refit, v)
+        except FleetClientError as exc:
+            return f"begin refused: {exc}"
+        before = await self.participants()
+        shards = await self.shards()
+        restarted: set[int] = set()
+        if restart_one:
+            live = [s for s in shards if s["state"] not in ("DEAD", "RESTARTING", "RETIRED")]
+            if live:
+                s = self.rng.choice(live)
+                was = self.identity(s)
+                await self.restart_engine(s)
+                if self.identity(s) != was:  # a crashed engine takes no restart order
+                    restarted.add(s["index"])
+        if overrun:
+            await asyncio.sleep(LEASE_S + 2 * PROBE_INTERVAL_S)
+        if finish != "complete":
+            # An abort leaves every participant's weights partial (STALE, by the trainer's
+            # word): no healthy engine from then on, whatever the last check saw.
+            for p in lease["participants"]:
+                self.faulted_at[p["shard"]] = time.monotonic()
+        if finish == "complete":
+            await stamp_version([p["url"] for p in lease["participants"]], v)
+        try:
+            if finish == "complete":
+                await self.call(self.client.complete_refit, v)
+            else:
+                await self.call(self.client.abort_refit, v, "the trainer gave up")
+        except FleetClientError as exc:
+            return f"{finish} refused: {exc}"
+        after = await self.participants()
+        for s in await self.shards():
+            i = s["index"]
+            if s["weight_version"] != v or finish != "complete":
+                continue
+            now_proc = after.get(i)
+            gone = now_proc is not None and now_proc[1] is None  # a launched one, no PID
+            # A process gone by the time the model reads (no PID) may have died after the
+            # completion, credited while alive: only another live process is a violation.
+            if (before.get(i) != now_proc and not gone) or i in restarted:
+                # The model replaced its engine during the lease (the operation, or a
+                # repair): the read at the completion must have told.
+                self.violation("a refit credits a version only to a process alive through "
+                               "the whole lease", f"shard {i} holds v{v}; its process changed "
+                               f"during the lease ({before.get(i)} -> {after.get(i)})")
+            else:
+                self.lost_weights.pop(i, None)  # credited: its weights are current again
+        return f"v{v} {finish} over {[p['shard'] for p in lease['participants']]}" + (
+            f", shard(s) {sorted(restarted)} restarted during it" if restarted else "")
+
+    async def op_refit_complete(self) -> str:
+        return await self.refit(finish="complete")
+
+    async def op_refit_abort(self) -> str:
+        return await self.refit(finish="abort")
+
+    async def op_refit_overrun(self) -> str:
+        return await self.refit(finish="complete", overrun=True)
+
+    async def op_refit_participant_restarted(self) -> str:
+        return await self.refit(finish="complete", restart_one=True)
+
+    async def sleep(self, level: int) -> str:
+        s = await self.healthy_shard()
+        if s is None:
+            return SKIPPED
+        assert self.client is not None
+        self.faulted_at[s["index"]] = time.monotonic()
+        result = await self.call(self.client.sleep, level, [s["index"]])
+        if level == 2:
+            self.lost_weights[s["index"]] = (time.monotonic(), "level 2")
+        return f"shard {s['index']}: {result.get('shards')}"
+
+    async def op_sleep1(self) -> str:
+        return await self.sleep(1)
+
+    async def op_sleep2(self) -> str:
+        return await self.sleep(2)
+
+    async def op_wake(self) -> str:
+        assert self.client is not None
+        result = await self.call(self.client.wake)
+        return f"{result.get('shards')}"
+
+    async def op_pause(self) -> str:
+        await asyncio.sleep(self.rng.uniform(0.2, 1.0))
+        return "the load runs on"
+
+    # ------------------------------------------------------------------ repair (not an op)
+
+    async def repair(self) -> None:
+        """The system that runs the attached engines replaces one fleetwarden condemned (the
+        passive wait's other half), at most once every few seconds."""
+        now = time.monotonic()
+        for s in await self.shards():
+            a = self.attached_of(s)
+            if a is None or s["state"] != "DEAD":
+                continue
+            if now - self.replaced_since.get(a.url, 0.0) < 3.0:
+                continue
+            self.replaced_since[a.url] = now
+            self.faulted_at[s["index"]] = now
+            task = asyncio.create_task(asyncio.to_thread(a.restart), name=f"repair {a.url}")
+            self.repairs.add(task)
+            task.add_done_callback(self.repairs.discard)
+            if self.epoch.weights == "trainer":
+                self.lost_weights[s["index"]] = (now, a.engine)
+
+    async def repaired(self) -> None:
+        """Every repair under way, finished (before the model stops or replaces engines)."""
+        while self.repairs:
+            await asyncio.gather(*self.repairs, return_exceptions=True)
 
     # ------------------------------------------------------------------ the run
 
