@@ -108,6 +108,8 @@ async def test_check_says_the_cap_or_that_it_is_unknown() -> None:
         code, report = await run_check(llama.url, "--engine", "llamacpp")
         assert (code, report["output_cap_unknown"]) == (0, "a llamacpp engine shows no "
                                                             "server cap")
+        # nor its default (-n): a launched one's command, or a declaration, says it
+        assert report["output_default_unknown"] == "a llamacpp engine shows no default limit"
         assert "/server_info" not in llama.stats()["by_path"]  # not asked: it has none
 
 
