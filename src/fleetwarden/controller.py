@@ -410,7 +410,7 @@ class Controller:
         engine that says nothing and has no declaration: its continuations go only as far as
         what requests there produced proves, until a ``"length"`` finish reveals it,
         docs/design.md 4.1; said once per process in the log, and on its status row)."""
-        said = self.watchdog.output_cap(rec.base_url)
+        said = self.watchdog.output_cap(rec.base_url, rec.incarnation)
         cap, source = output_cap_from(said, self.config.fleet, rec.index)
         if isinstance(said, CapUnknown) and source.startswith("unknown"):
             self._tell_unknown_cap(rec, said)
@@ -421,7 +421,7 @@ class Controller:
         known) and why it is not known (:func:`output_default_from`; ``None``: known): a
         chat begun there is then continued only as far as such chats there proved
         (docs/design.md 4.1), and its status row says so."""
-        return output_default_from(self.watchdog.output_default(rec.base_url),
+        return output_default_from(self.watchdog.output_default(rec.base_url, rec.incarnation),
                                    self.config.fleet, rec.index)
 
     def _tell_unknown_cap(self, rec: ShardRecord, said: CapUnknown) -> None:

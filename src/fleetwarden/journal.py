@@ -174,7 +174,91 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-class Journal:
+class _ProcessRows:
+    """The rows of the processes fleetwarden started, engines and router workers: each
+    committed before its call returns, from any thread (its own connection, one writer at a
+    time), so that a fleetwarden killed a moment later still knows what it left running; their
+    reads; and the journal's first failed write, of either writer."""
+
+    path: Path
+    _read: sqlite3.Connection
+    #: Items not written because the journal had failed (:class:`Journal`).
+    dropped: int
+    _writer_error: BaseException | None
+    _engines_lock: threading.Lock
+    _engines_conn: sqlite3.Connection | None
+
+    def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
+        """An engine process about to start (``pid`` None, before the spawn) or started (PID,
+        process group, start time, URL): written at once, so a fleetwarden killed a moment
+        later still knows what it left running (:data:`_ENGINE_ROW`)."""
+        self._process_write(_ENGINE_ROW, (launch_id, shard, json.dumps(record), time.time()))
+
+    def engine_stopped(self, launch_id: str) -> None:
+        self._process_write("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
+                           (time.time(), launch_id))
+
+    def _process_write(self, sql: str, args: tuple[Any, ...]) -> None:
+        """One engine or router row, committed before this returns. Callable from any thread
+        (the launchers call it from a worker thread, so the commit's fsync never holds the
+        event loop): a connection of its own, one writer at a time. A failed write is counted
+        and reported, never raised: the process runs all the same, and a caller that raised
+        here would leave it unwatched (a router worker's watcher that died on a full disk
+        never started the worker again)."""
+        try:
+            with self._engines_lock:
+                if self._engines_conn is None:
+                    self._engines_conn = _connect(self.path)
+                with self._engines_conn:
+                    self._engines_conn.execute(sql, args)
+        except sqlite3.Error as exc:  # the engine runs all the same; the failure is reported
+            self.dropped += 1
+            self._failed(exc)
+
+    def launch_ids(self) -> set[str]:
+        """Every engine this journal ever recorded."""
+        return {r[0] for r in self._read.execute("SELECT launch_id FROM engines")}
+
+    def running_engines(self) -> list[dict[str, Any]]:
+        """Engines launched and never seen stopped: what an earlier run may have left (``pid``
+        None: a launch whose process never reached the journal, known by its launch id)."""
+        rows = self._read.execute(
+            "SELECT shard, record FROM engines WHERE stopped_wall IS NULL ORDER BY launched_wall"
+        ).fetchall()
+        return [{"shard": shard, **json.loads(record)} for shard, record in rows]
+
+    # ------------------------------------------------------------------ router processes
+
+    def router_launched(self, launch_id: str, worker: int, record: dict[str, Any]) -> None:
+        """A router process started (``[router] workers``): written at once, as an engine's."""
+        self._process_write(
+            "INSERT OR REPLACE INTO routers (launch_id, worker, record, launched_wall) "
+            "VALUES (?, ?, ?, ?)", (launch_id, worker, json.dumps(record), time.time()))
+
+    def router_stopped(self, launch_id: str) -> None:
+        self._process_write("UPDATE routers SET stopped_wall = ? WHERE launch_id = ?",
+                            (time.time(), launch_id))
+
+    def router_launch_ids(self) -> set[str]:
+        """Every router process this journal ever recorded."""
+        return {r[0] for r in self._read.execute("SELECT launch_id FROM routers")}
+
+    def running_routers(self) -> list[dict[str, Any]]:
+        """Router processes launched and never seen stopped: what an earlier run may have
+        left serving."""
+        rows = self._read.execute(
+            "SELECT worker, record FROM routers WHERE stopped_wall IS NULL ORDER BY launched_wall"
+        ).fetchall()
+        return [{"worker": worker, **json.loads(record)} for worker, record in rows]
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._writer_error is None:
+            self._writer_error = exc
+            log.error("journal %s: writes fail (%s); the fleet goes on without a history until "
+                      "the journal is fixed and fleetwarden restarted", self.path, exc)
+
+
+class Journal(_ProcessRows):
     """A journal file. Open it, :meth:`restore` from it, then :meth:`attach` a ledger."""
 
     def __init__(self, path: str | Path, *, snapshot_every: int = 1000, batch_max: int = 2000,
@@ -258,71 +342,6 @@ class Journal:
             return None  # a summary that cannot be read is no summary; the journal is intact
         return found if isinstance(found, dict) else None
 
-    # ------------------------------------------------------------------ engines
-
-    def engine_launched(self, launch_id: str, shard: int, record: dict[str, Any]) -> None:
-        """An engine process about to start (``pid`` None, before the spawn) or started (PID,
-        process group, start time, URL): written at once, so a fleetwarden killed a moment
-        later still knows what it left running (:data:`_ENGINE_ROW`)."""
-        self._process_write(_ENGINE_ROW, (launch_id, shard, json.dumps(record), time.time()))
-
-    def engine_stopped(self, launch_id: str) -> None:
-        self._process_write("UPDATE engines SET stopped_wall = ? WHERE launch_id = ?",
-                           (time.time(), launch_id))
-
-    def _process_write(self, sql: str, args: tuple[Any, ...]) -> None:
-        """One engine or router row, committed before this returns. Callable from any thread
-        (the launchers call it from a worker thread, so the commit's fsync never holds the
-        event loop): a connection of its own, one writer at a time. A failed write is counted
-        and reported, never raised: the process runs all the same, and a caller that raised
-        here would leave it unwatched (a router worker's watcher that died on a full disk
-        never started the worker again)."""
-        try:
-            with self._engines_lock:
-                if self._engines_conn is None:
-                    self._engines_conn = _connect(self.path)
-                with self._engines_conn:
-                    self._engines_conn.execute(sql, args)
-        except sqlite3.Error as exc:  # the engine runs all the same; the failure is reported
-            self.dropped += 1
-            self._failed(exc)
-
-    def launch_ids(self) -> set[str]:
-        """Every engine this journal ever recorded."""
-        return {r[0] for r in self._read.execute("SELECT launch_id FROM engines")}
-
-    def running_engines(self) -> list[dict[str, Any]]:
-        """Engines launched and never seen stopped: what an earlier run may have left (``pid``
-        None: a launch whose process never reached the journal, known by its launch id)."""
-        rows = self._read.execute(
-            "SELECT shard, record FROM engines WHERE stopped_wall IS NULL ORDER BY launched_wall"
-        ).fetchall()
-        return [{"shard": shard, **json.loads(record)} for shard, record in rows]
-
-    # ------------------------------------------------------------------ router processes
-
-    def router_launched(self, launch_id: str, worker: int, record: dict[str, Any]) -> None:
-        """A router process started (``[router] workers``): written at once, as an engine's."""
-        self._process_write(
-            "INSERT OR REPLACE INTO routers (launch_id, worker, record, launched_wall) "
-            "VALUES (?, ?, ?, ?)", (launch_id, worker, json.dumps(record), time.time()))
-
-    def router_stopped(self, launch_id: str) -> None:
-        self._process_write("UPDATE routers SET stopped_wall = ? WHERE launch_id = ?",
-                            (time.time(), launch_id))
-
-    def router_launch_ids(self) -> set[str]:
-        """Every router process this journal ever recorded."""
-        return {r[0] for r in self._read.execute("SELECT launch_id FROM routers")}
-
-    def running_routers(self) -> list[dict[str, Any]]:
-        """Router processes launched and never seen stopped: what an earlier run may have
-        left serving."""
-        rows = self._read.execute(
-            "SELECT worker, record FROM routers WHERE stopped_wall IS NULL ORDER BY launched_wall"
-        ).fetchall()
-        return [{"worker": worker, **json.loads(record)} for worker, record in rows]
-
     # ------------------------------------------------------------------ restore
 
     def restore(
@@ -386,12 +405,6 @@ class Journal:
             return
         self._start()
         self._queue.put(item)
-
-    def _failed(self, exc: BaseException) -> None:
-        if self._writer_error is None:
-            self._writer_error = exc
-            log.error("journal %s: writes fail (%s); the fleet goes on without a history until "
-                      "the journal is fixed and fleetwarden restarted", self.path, exc)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until everything queued so far is committed."""

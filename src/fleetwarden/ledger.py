@@ -29,7 +29,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Self, get_args
 
 from fleetwarden.admission import Admitted, HoldCause, Holds, admitted, never_empty
 
@@ -547,12 +547,11 @@ class _Shard:
         return self._record
 
 
-class Ledger:
-    """The single authority on which shards serve, join a refit, or are restarted.
-
-    Shards are addressed by index. Every operation returns an :class:`Outcome`; every change
-    is emitted as a :class:`Transition` to the subscribers, in order, before the call returns.
-    """
+class _LedgerCore:
+    """The ledger's shards, its one writer (:meth:`_apply`: a move looked up in
+    :data:`TRANSITIONS`, then emitted to the subscribers) and its reads. The operations are
+    :class:`Ledger`'s, by job: health (:class:`_HealthOps`), then readings, refits, sleep
+    and restarts."""
 
     def __init__(
         self,
@@ -575,7 +574,7 @@ class Ledger:
         records: Iterable[ShardRecord],
         policy: Policy | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ) -> Ledger:
+    ) -> Self:
         """Rebuild a ledger from records (a journal restore). Indices must be 0..n-1 in order."""
         records = list(records)
         for expected, rec in enumerate(records):
@@ -657,6 +656,79 @@ class Ledger:
     @staticmethod
     def _ignored(shard: _Shard, why: str) -> Outcome:
         return Outcome(applied=False, reason=f"shard {shard.index} is {shard.state}: {why}")
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def shard(self, i: int) -> ShardRecord:
+        return self._shard(i).record()
+
+    def state(self, i: int) -> ShardState:
+        return self._shard(i).state
+
+    def serving(self) -> list[int]:
+        return [s.index for s in self._shards if s.state in ROUTABLE]
+
+    def absent(self) -> list[int]:
+        return [s.index for s in self._shards if s.state in ABSENT]
+
+    def refit_participants(self) -> list[int]:
+        """Serving and STALE shards: everyone with a process that can take new weights."""
+        return [s.index for s in self._shards if s.state not in ABSENT]
+
+    def serving_urls(self) -> list[str]:
+        """Serving shards not ejected, or all below the panic threshold; before any hold
+        (:meth:`Admission.serving_urls`; the routers get :meth:`Admission.routed`)."""
+        return self.admission.serving_urls()
+
+    def panicking(self) -> bool:
+        return self.admission.panicking()
+
+    def trial_urls(self) -> list[str]:
+        return self.admission.trial_urls()
+
+    def ejected(self) -> list[int]:
+        return self.admission.ejected()
+
+    def ejection_due(self, i: int) -> bool:
+        """Shard ``i`` is ejected and its time out is up: proof may now put it on trial. Read
+        on the ledger's own clock (``ejected_until`` is a time of that clock: the journal's
+        wall clock in a fleet, not the controller's monotonic one)."""
+        until = self._shard(i).ejected_until
+        return until is not None and self._clock() >= until
+
+    def now(self) -> float:
+        """This ledger's clock: what evidence is dated with (``report_outcomes``)."""
+        return self._clock()
+
+    def shard_for_url(self, url: str) -> int | None:
+        return self._by_url.get(url)
+
+    def snapshot(self) -> list[ShardRecord]:
+        return [s.record() for s in self._shards]
+
+    def counts_by_state(self) -> dict[ShardState, int]:
+        counts = dict.fromkeys(ShardState, 0)
+        for s in self._shards:
+            counts[s.state] += 1
+        return counts
+
+    def raise_if_exhausted(self) -> None:
+        """Raise :class:`FleetExhausted` once fewer than ``min_serving_shards`` shards could
+        ever serve again (all others retired)."""
+        remaining = sum(1 for s in self._shards if s.state is not RETIRED)
+        if remaining < self.policy.min_serving_shards:
+            raise FleetExhausted(
+                f"{remaining} of {len(self._shards)} shards can still serve; "
+                f"min_serving_shards is {self.policy.min_serving_shards}"
+            )
+
+
+class _HealthOps(_LedgerCore):
+    """The ledger's operations on health: probes, request outcomes, readings and conclusive
+    evidence (a condemnation)."""
 
     # ------------------------------------------------------------------ probes and requests
 
@@ -878,6 +950,28 @@ class Ledger:
             )
         return _UNCHANGED
 
+    # ------------------------------------------------------------------ conclusive evidence
+
+    def condemn(self, i: int, cause: str) -> Outcome:
+        """Conclusive evidence (process exited, proven stall, failed lost-core canary): DEAD."""
+        s = self._shard(i)
+        if s.state in ABSENT:
+            return self._ignored(s, "already out of the fleet")
+        return self._apply(s, E.CONDEMNED, cause, last_error=cause, **_NOT_ASLEEP)
+
+
+class Ledger(_HealthOps):
+    """The single authority on which shards serve, join a refit, or are restarted.
+
+    Shards are addressed by index. Every operation returns an :class:`Outcome`; every change
+    is emitted as a :class:`Transition` to the subscribers, in order, before the call returns.
+    Its health operations are :class:`_HealthOps`', its writer and reads
+    :class:`_LedgerCore`'s; here, a reading's moves (:meth:`record_reading`), refits, sleep
+    and restarts.
+    """
+
+    # ------------------------------------------------------------------ readings
+
     def record_reading(self, i: int, r: Reading) -> Outcome:
         """One watchdog verdict, as the judge summed it up (the table in ``watchdog.py``).
 
@@ -927,15 +1021,6 @@ class Ledger:
         if r.health == "failing":
             return self.record_probe(i, False, why)
         return outcome
-
-    # ------------------------------------------------------------------ conclusive evidence
-
-    def condemn(self, i: int, cause: str) -> Outcome:
-        """Conclusive evidence (process exited, proven stall, failed lost-core canary): DEAD."""
-        s = self._shard(i)
-        if s.state in ABSENT:
-            return self._ignored(s, "already out of the fleet")
-        return self._apply(s, E.CONDEMNED, cause, last_error=cause, **_NOT_ASLEEP)
 
     # ------------------------------------------------------------------ refits
 
@@ -1227,74 +1312,6 @@ class Ledger:
             return self._ignored(s, "already retired")
         return self._apply(s, E.RETIRED_BY_OPERATOR, reason, last_error=reason, **_NOT_ASLEEP)
 
-    # ------------------------------------------------------------------ queries
-
-    def __len__(self) -> int:
-        return len(self._shards)
-
-    def shard(self, i: int) -> ShardRecord:
-        return self._shard(i).record()
-
-    def state(self, i: int) -> ShardState:
-        return self._shard(i).state
-
-    def serving(self) -> list[int]:
-        return [s.index for s in self._shards if s.state in ROUTABLE]
-
-    def absent(self) -> list[int]:
-        return [s.index for s in self._shards if s.state in ABSENT]
-
-    def refit_participants(self) -> list[int]:
-        """Serving and STALE shards: everyone with a process that can take new weights."""
-        return [s.index for s in self._shards if s.state not in ABSENT]
-
-    def serving_urls(self) -> list[str]:
-        """Serving shards not ejected, or all below the panic threshold; before any hold
-        (:meth:`Admission.serving_urls`; the routers get :meth:`Admission.routed`)."""
-        return self.admission.serving_urls()
-
-    def panicking(self) -> bool:
-        return self.admission.panicking()
-
-    def trial_urls(self) -> list[str]:
-        return self.admission.trial_urls()
-
-    def ejected(self) -> list[int]:
-        return self.admission.ejected()
-
-    def ejection_due(self, i: int) -> bool:
-        """Shard ``i`` is ejected and its time out is up: proof may now put it on trial. Read
-        on the ledger's own clock (``ejected_until`` is a time of that clock: the journal's
-        wall clock in a fleet, not the controller's monotonic one)."""
-        until = self._shard(i).ejected_until
-        return until is not None and self._clock() >= until
-
-    def now(self) -> float:
-        """This ledger's clock: what evidence is dated with (``report_outcomes``)."""
-        return self._clock()
-
-    def shard_for_url(self, url: str) -> int | None:
-        return self._by_url.get(url)
-
-    def snapshot(self) -> list[ShardRecord]:
-        return [s.record() for s in self._shards]
-
-    def counts_by_state(self) -> dict[ShardState, int]:
-        counts = dict.fromkeys(ShardState, 0)
-        for s in self._shards:
-            counts[s.state] += 1
-        return counts
-
-    def raise_if_exhausted(self) -> None:
-        """Raise :class:`FleetExhausted` once fewer than ``min_serving_shards`` shards could
-        ever serve again (all others retired)."""
-        remaining = sum(1 for s in self._shards if s.state is not RETIRED)
-        if remaining < self.policy.min_serving_shards:
-            raise FleetExhausted(
-                f"{remaining} of {len(self._shards)} shards can still serve; "
-                f"min_serving_shards is {self.policy.min_serving_shards}"
-            )
-
 
 class Admission:
     """Who the routers may use, decided in one place: the ledger's states and ejections, the
@@ -1304,7 +1321,7 @@ class Admission:
     clock, and a hold ends at its until-time at the first :meth:`expire` after it (the tick's,
     or a focused read's), holding nothing from that time on whenever it is asked."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: _LedgerCore) -> None:
         self._ledger = ledger
         self._holds = Holds()
 

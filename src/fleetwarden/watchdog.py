@@ -145,9 +145,41 @@ class _Memory:
     #: one log line per engine and cause, not one per read.
     faults_told: frozenset[str] = frozenset()
 
+    def read(self, report: Report) -> None:
+        """A read made: one that saw a new process drops what the old one said of its limits
+        and its models before the read is decided on (docs/design.md 4.1, "Server caps"), so
+        that they are asked again (:meth:`Watchdog.learn_output_cap`, :meth:`learn_models`)
+        and none of it is pushed meanwhile. An
+        engine that gives no start time needs it: the ledger names its new process itself
+        (``restart-seen-N``), which no read says, so :func:`_said` cannot tell them apart."""
+        if report.restarted:
+            self.output_cap = self.output_default = _NOT_ASKED
+            self.output_cap_of = None
+            self.models, self.models_read = None, False  # a new one may serve other models
+
 
 #: A limit an engine's ``/server_info`` says: tokens, none, or why not known.
 _Limit = int | CapUnknown | None
+
+
+#: What a restarted engine's limits are until its new process was read (docs/design.md 4.1,
+#: "Server caps"): not settled, so that the controller tells no missing cap meanwhile.
+_NOT_READ_YET = CapUnknown("not read from the new process yet", settled=False)
+
+
+def _said(memory: _Memory | None, incarnation: str | None) -> tuple[_Limit, _Limit]:
+    """The cap and default an engine's ``/server_info`` said, if the process that said them
+    is ``incarnation`` (the one the ledger names there now); else not read yet. A restart on
+    the same URL (an attached engine, one started again with other flags) is named by the
+    read that sees it, and that read is decided on, and may be pushed, before the new process
+    is asked: the old process's word may be a bigger cap than the new one's, which a
+    continuation sent there would ask past. Read of no named process (an engine that gives no
+    start time): what it said, nothing tells its processes apart."""
+    if memory is None:
+        return _NOT_ASKED, _NOT_ASKED
+    if memory.output_cap_of is not None and memory.output_cap_of != incarnation:
+        return _NOT_READ_YET, _NOT_READ_YET
+    return memory.output_cap, memory.output_default
 
 
 def _both(unknown: CapUnknown) -> tuple[CapUnknown, CapUnknown]:
@@ -166,7 +198,148 @@ class _NoModels(NamedTuple):
 DEFAULT_CONCURRENCY = 64
 
 
-class Watchdog:
+class _EngineWord:
+    """What an engine says of itself, asked once per process beside the reads (the models it
+    serves, its ``/v1/models``; its output limits, its ``/server_info``), and the HTTP session
+    every request of the watchdog goes through, each carrying its engine's key."""
+
+    policy: WatchdogPolicy
+    key_of: Callable[[str], Secret | None] | None
+    _session: aiohttp.ClientSession | None
+    _own_session: bool
+    _memory: dict[str, _Memory]
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No keep-alive: a pooled connection could outlive the engine it reached, and a
+            # fresh connect per visit is what tells "refused" from "answers". It costs one TCP
+            # handshake per request, a few per engine per tick.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                headers={"user-agent": "fleetwarden-watchdog"},
+            )
+        return self._session
+
+    def _auth(self, url: str) -> dict[str, str]:
+        """The headers that carry ``url``'s key, if its engine wants one."""
+        key = None if self.key_of is None else self.key_of(url)
+        return {} if key is None else key.bearer()
+
+    def models(self, url: str) -> tuple[ModelCard, ...] | None:
+        """The models the engine at ``url`` serves, as its ``/v1/models`` said (``None``: not
+        known yet, or it has no model list): what the routers' own ``GET /v1/models`` lists."""
+        memory = self._memory.get(url)
+        return None if memory is None else memory.models
+
+    async def learn_models(self, report: Report) -> None:
+        """After a read that answered: ``/v1/models`` of its engine, once per process (a new
+        one may serve other models), one small GET, never a generation. A read that got no
+        answer is tried again after the next; an answer that is no model list is kept as none
+        until the process changes. Called once the report was decided on, so that a slow
+        list delays no verdict."""
+        memory = self._memory.get(report.url)
+        if memory is None or memory.watch.proxy or not report.answered:
+            return
+        url, incarnation = report.url, report.incarnation
+        if memory.models_read and memory.models_of == incarnation:
+            return
+        if memory.models_of != incarnation:
+            memory.models = None
+        cards, answered = await self._model_cards(url)
+        memory.models_of, memory.models_read = incarnation, answered
+        memory.models = None if isinstance(cards, _NoModels) else cards
+        if isinstance(cards, _NoModels) and answered:
+            log.info("%s: GET /v1/models %s: the router lists none of its models", url,
+                     cards.why)
+
+    def output_cap(self, url: str, incarnation: str | None) -> int | CapUnknown | None:
+        """The server cap on every request's output that the engine at ``url`` says (its
+        ``/server_info``; ``None``: it caps none), or why that is not known: its process
+        ``incarnation``'s word only (:func:`_said`)."""
+        return _said(self._memory.get(url), incarnation)[0]
+
+    async def learn_output_cap(self, report: Report) -> None:
+        """After a read that answered: a vLLM engine's server cap, from its ``GET
+        /server_info`` (dev mode, ``VLLM_SERVER_DEV_MODE=1``), once per process, with its key;
+        never on a request's path (docs/design.md 4.1, "Server caps"). One that got no answer
+        (vLLM's first answer runs ``pip list`` and more: seconds) is asked again after the next
+        read; a 404 (no dev mode) or an answer that does not tell is kept until the process
+        changes. Called once the report was decided on, as :meth:`learn_models`."""
+        memory = self._memory.get(report.url)
+        if memory is None or memory.watch.proxy or not report.answered:
+            return
+        url, incarnation = report.url, report.incarnation
+        known = memory.watch.profile
+        if known is not VLLM:
+            if known is not None:  # only vLLM has /server_info; the others' caps are declared
+                memory.output_cap_of = incarnation
+                memory.output_cap = CapUnknown(f"a {known.name} engine shows no server cap")
+                # Not "none": a launched one's command (llama-server -n) or a declaration says it
+                memory.output_default = CapUnknown(f"a {known.name} engine shows no default limit")
+            return
+        if memory.output_cap_of == incarnation and not (
+                isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):
+            return
+        if memory.output_cap_of != incarnation:
+            memory.output_cap = _NOT_ASKED  # a new process may have been started otherwise
+            memory.output_default = _NOT_ASKED
+        said = await self._server_cap(url)
+        memory.output_cap_of, memory.output_cap = incarnation, said[0]
+        memory.output_default = said[1]
+
+    def output_default(self, url: str, incarnation: str | None) -> int | CapUnknown | None:
+        """The default limit of a request that names none that the engine at ``url`` shows
+        (its ``/server_info``'s model folder, read on this host): ``None``: none; else why it
+        is not known. Its process ``incarnation``'s word only, as :meth:`output_cap`."""
+        return _said(self._memory.get(url), incarnation)[1]
+
+    async def _server_cap(self, url: str) -> tuple[_Limit, _Limit]:
+        try:
+            async with self._http().get(url + SERVER_INFO_PATH, timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
+                if resp.status == 404:
+                    return _both(CapUnknown("no GET /server_info (vLLM shows it only with "
+                                            "VLLM_SERVER_DEV_MODE=1)"))
+                if resp.status != 200:
+                    return _both(CapUnknown(f"GET /server_info answered {resp.status}",
+                                            settled=resp.status < 500))
+                body = await _read_bounded(resp, _SERVER_INFO_BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return _both(CapUnknown(f"GET /server_info: {_describe(e)}", settled=False))
+        if body is None:
+            return _both(CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes"))
+        return (output_cap_of_server_info(body, generation_config_file),
+                output_default_of_server_info(body, generation_config_file))
+
+    async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
+        """The served model names, or why they could not be had."""
+        cards, _ = await self._model_cards(url)
+        return cards if isinstance(cards, _NoModels) else tuple(card.id for card in cards)
+
+    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | _NoModels, bool]:
+        """The served models' cards, or why they could not be had; and whether the engine
+        answered at all."""
+        try:
+            async with self._http().get(url + "/v1/models", timeout=self._read_timeout(),
+                                        headers=self._auth(url)) as resp:
+                if resp.status != 200:
+                    return _NoModels(resp.status, f"answered {resp.status}"), True
+                body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return _NoModels(None, _describe(e)), False
+        cards = cards_of(body or b"")
+        return (_NoModels(None, cards) if isinstance(cards, str) else cards), True
+
+    def _read_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
+
+
+class Watchdog(_EngineWord):
     """Visits engines and judges them. Use as ``async with Watchdog() as watchdog:``.
 
     ``model`` names the model a canary asks for; without it, each engine's ``/v1/models`` is
@@ -200,27 +373,6 @@ class Watchdog:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def close(self) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No keep-alive: a pooled connection could outlive the engine it reached, and a
-            # fresh connect per visit is what tells "refused" from "answers". It costs one TCP
-            # handshake per request, a few per engine per tick.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                headers={"user-agent": "fleetwarden-watchdog"},
-            )
-        return self._session
-
-    def _auth(self, url: str) -> dict[str, str]:
-        """The headers that carry ``url``'s key, if its engine wants one."""
-        key = None if self.key_of is None else self.key_of(url)
-        return {} if key is None else key.bearer()
 
     def forget(self, url: str) -> None:
         """Drop what is remembered of an engine (it left the fleet, or moved)."""
@@ -289,94 +441,8 @@ class Watchdog:
         report = await self._fetch_for(target.url, memory, step)
         assert report is not None  # a visit always ends in a report
         self._tell_faults(target.url, memory, report.faults)
+        memory.read(report)
         return report
-
-    def models(self, url: str) -> tuple[ModelCard, ...] | None:
-        """The models the engine at ``url`` serves, as its ``/v1/models`` said (``None``: not
-        known yet, or it has no model list): what the routers' own ``GET /v1/models`` lists."""
-        memory = self._memory.get(url)
-        return None if memory is None else memory.models
-
-    async def learn_models(self, report: Report) -> None:
-        """After a read that answered: ``/v1/models`` of its engine, once per process (a new
-        one may serve other models), one small GET, never a generation. A read that got no
-        answer is tried again after the next; an answer that is no model list is kept as none
-        until the process changes. Called once the report was decided on, so that a slow
-        list delays no verdict."""
-        memory = self._memory.get(report.url)
-        if memory is None or memory.watch.proxy or not report.answered:
-            return
-        url, incarnation = report.url, report.incarnation
-        if memory.models_read and memory.models_of == incarnation:
-            return
-        if memory.models_of != incarnation:
-            memory.models = None
-        cards, answered = await self._model_cards(url)
-        memory.models_of, memory.models_read = incarnation, answered
-        memory.models = None if isinstance(cards, _NoModels) else cards
-        if isinstance(cards, _NoModels) and answered:
-            log.info("%s: GET /v1/models %s: the router lists none of its models", url,
-                     cards.why)
-
-    def output_cap(self, url: str) -> int | CapUnknown | None:
-        """The server cap on every request's output that the engine at ``url`` says (its
-        ``/server_info``; ``None``: it caps none), or why that is not known."""
-        memory = self._memory.get(url)
-        return _NOT_ASKED if memory is None else memory.output_cap
-
-    async def learn_output_cap(self, report: Report) -> None:
-        """After a read that answered: a vLLM engine's server cap, from its ``GET
-        /server_info`` (dev mode, ``VLLM_SERVER_DEV_MODE=1``), once per process, with its key;
-        never on a request's path (docs/design.md 4.1, "Server caps"). One that got no answer
-        (vLLM's first answer runs ``pip list`` and more: seconds) is asked again after the next
-        read; a 404 (no dev mode) or an answer that does not tell is kept until the process
-        changes. Called once the report was decided on, as :meth:`learn_models`."""
-        memory = self._memory.get(report.url)
-        if memory is None or memory.watch.proxy or not report.answered:
-            return
-        url, incarnation = report.url, report.incarnation
-        known = memory.watch.profile
-        if known is not VLLM:
-            if known is not None:  # only vLLM has /server_info; the others' caps are declared
-                memory.output_cap_of = incarnation
-                memory.output_cap = CapUnknown(f"a {known.name} engine shows no server cap")
-                # Not "none": a launched one's command (llama-server -n) or a declaration says it
-                memory.output_default = CapUnknown(f"a {known.name} engine shows no default limit")
-            return
-        if memory.output_cap_of == incarnation and not (
-                isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):
-            return
-        if memory.output_cap_of != incarnation:
-            memory.output_cap = _NOT_ASKED  # a new process may have been started otherwise
-            memory.output_default = _NOT_ASKED
-        said = await self._server_cap(url)
-        memory.output_cap_of, memory.output_cap = incarnation, said[0]
-        memory.output_default = said[1]
-
-    def output_default(self, url: str) -> int | CapUnknown | None:
-        """The default limit of a request that names none that the engine at ``url`` shows
-        (its ``/server_info``'s model folder, read on this host): ``None``: none; else why it
-        is not known."""
-        memory = self._memory.get(url)
-        return _NOT_ASKED if memory is None else memory.output_default
-
-    async def _server_cap(self, url: str) -> tuple[_Limit, _Limit]:
-        try:
-            async with self._http().get(url + SERVER_INFO_PATH, timeout=self._read_timeout(),
-                                        headers=self._auth(url)) as resp:
-                if resp.status == 404:
-                    return _both(CapUnknown("no GET /server_info (vLLM shows it only with "
-                                            "VLLM_SERVER_DEV_MODE=1)"))
-                if resp.status != 200:
-                    return _both(CapUnknown(f"GET /server_info answered {resp.status}",
-                                            settled=resp.status < 500))
-                body = await _read_bounded(resp, _SERVER_INFO_BODY_LIMIT)
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _both(CapUnknown(f"GET /server_info: {_describe(e)}", settled=False))
-        if body is None:
-            return _both(CapUnknown(f"GET /server_info over {_SERVER_INFO_BODY_LIMIT} bytes"))
-        return (output_cap_of_server_info(body, generation_config_file),
-                output_default_of_server_info(body, generation_config_file))
 
     @staticmethod
     def _tell_faults(url: str, memory: _Memory, faults: tuple[str, ...]) -> None:
@@ -540,28 +606,6 @@ class Watchdog:
         return await health_status(self._http(), base + path, read_timeout=self._read_timeout(),
                                    headers=self._auth(base))
 
-    async def _models(self, url: str) -> tuple[str, ...] | _NoModels:
-        """The served model names, or why they could not be had."""
-        cards, _ = await self._model_cards(url)
-        return cards if isinstance(cards, _NoModels) else tuple(card.id for card in cards)
-
-    async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...] | _NoModels, bool]:
-        """The served models' cards, or why they could not be had; and whether the engine
-        answered at all."""
-        try:
-            async with self._http().get(url + "/v1/models", timeout=self._read_timeout(),
-                                        headers=self._auth(url)) as resp:
-                if resp.status != 200:
-                    return _NoModels(resp.status, f"answered {resp.status}"), True
-                body = await _read_bounded(resp, _MODELS_BODY_LIMIT)
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return _NoModels(None, _describe(e)), False
-        cards = cards_of(body or b"")
-        return (_NoModels(None, cards) if isinstance(cards, str) else cards), True
-
-    def _read_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.policy.read_timeout_s)
-
     # ------------------------------------------------------------------ the canary
 
     async def canary(self, url: str, memory: _Memory | None = None,
@@ -709,8 +753,9 @@ async def check(url: str, *, proxy: bool = False, in_flight: int = 0,
             reads += 1
             if not report.compare_again or reads >= MAX_CHECK_READS:
                 await watchdog.learn_output_cap(report)
-                return Check(report, reads, exit_code(report), watchdog.output_cap(target.url),
-                             watchdog.output_default(target.url))
+                said = (target.url, report.incarnation)
+                return Check(report, reads, exit_code(report), watchdog.output_cap(*said),
+                             watchdog.output_default(*said))
             wait = report.compare_in(interval_s)
 
 

@@ -61,11 +61,12 @@ async def test_the_watchdog_learns_the_cap_from_server_info_once_per_process() -
                 "auto", {"max_new_tokens": 48})
         targets = [Target(dev.url, engine="vllm"), Target(plain.url, engine="vllm")]
         async with Watchdog(key_of=lambda url: Secret(KEY) if url == dev.url else None) as wd:
-            assert isinstance(wd.output_cap(dev.url), CapUnknown)  # not read yet
+            assert isinstance(wd.output_cap(dev.url, None), CapUnknown)  # not read yet
             for _ in range(3):
-                await wd.round(targets)
-            assert wd.output_cap(dev.url) == 48
-            said = wd.output_cap(plain.url)
+                reports = await wd.round(targets)
+            old = reports[dev.url].incarnation
+            assert old is not None and wd.output_cap(dev.url, old) == 48
+            said = wd.output_cap(plain.url, reports[plain.url].incarnation)
             assert isinstance(said, CapUnknown) and said.settled
             assert "VLLM_SERVER_DEV_MODE=1" in said.why
             # once per process, not per read (the test's own GET above was the first)
@@ -74,12 +75,16 @@ async def test_the_watchdog_learns_the_cap_from_server_info_once_per_process() -
             assert plain.stats()["by_path"].get("/server_info") == 2
             await dev.set_fault(FaultMode.RESTART)  # a new process: asked again
             for _ in range(3):
-                await wd.round(targets)
+                reports = await wd.round(targets)
             assert dev.stats()["by_path"].get("/server_info") == 3
-            assert wd.output_cap(dev.url) == 48
+            new = reports[dev.url].incarnation
+            assert new != old and wd.output_cap(dev.url, new) == 48
+            # the old process's word is not the new one's, nor the other way round
+            said = wd.output_cap(dev.url, old)
+            assert isinstance(said, CapUnknown) and not said.settled
         async with Watchdog() as keyless:  # the key is what lets it read
-            await keyless.round([targets[0]])
-            said = keyless.output_cap(dev.url)
+            read = await keyless.round([targets[0]])
+            said = keyless.output_cap(dev.url, read[dev.url].incarnation)
             assert isinstance(said, CapUnknown) and "401" in said.why
 
 

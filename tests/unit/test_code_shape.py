@@ -30,12 +30,9 @@ DATA_CLASSES: frozenset[tuple[str, str]] = frozenset()
 CLASSES_TO_SPLIT = {
     ("fleetwarden/controller.py", "Controller"): 649,
     ("fleetwarden/fleet.py", "Fleet"): 610,
-    ("fleetwarden/journal.py", "Journal"): 432,
-    ("fleetwarden/ledger.py", "Ledger"): 747,
     ("fleetwarden/router/splice.py", "Splice"): 675,
     ("fleetwarden/sim/server.py", "Sim"): 1191,
     ("fleetwarden/testing/fleet_model.py", "FleetModel"): 724,
-    ("fleetwarden/watchdog.py", "Watchdog"): 448,
 }
 
 

@@ -335,10 +335,10 @@ class ScriptedReads:
     def models(self, url: str) -> None:
         return None  # no model list read: the push names none
 
-    def output_cap(self, url: str) -> CapUnknown:
+    def output_cap(self, url: str, incarnation: str | None) -> CapUnknown:
         return CapUnknown("not read", settled=False)  # no /server_info read
 
-    def output_default(self, url: str) -> None:
+    def output_default(self, url: str, incarnation: str | None) -> None:
         return None  # nor the default it shows
 
     async def probe(self, target: Target) -> Report:
@@ -801,16 +801,13 @@ async def test_a_condemned_engine_is_stopped_only_after_its_requests_were_moved(
 def evidence_polls_taken_in(router: Router) -> list[int]:
     """Each evidence poll as the router's control API takes it in (its count fixed): the
     list grows by one per poll."""
-    app = router._control_runner.app  # type: ignore[attr-defined]
-    api = next(route.handler.__self__ for route in app.router.routes()
-               if route.resource.canonical == "/evidence")
-    wait, opened = api.feed.wait, []
+    wait, opened = router.feed.wait, []
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         opened.append(len(opened))
         return await wait(*args, **kwargs)
 
-    api.feed.wait = counted
+    router.feed.wait = counted  # type: ignore[method-assign]
     return opened
 
 
@@ -1292,7 +1289,7 @@ def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_comm
         "http://silent": CapUnknown("no GET /server_info"),
         "http://none": CapUnknown("no GET /server_info")}
     watchdog.output_cap = (  # type: ignore[method-assign]
-        lambda url: said.get(url, CapUnknown("not read", settled=False)))
+        lambda url, incarnation: said.get(url, CapUnknown("not read", settled=False)))
     supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
     c = Controller(ledger, watchdog, supervisor, [], config, refit=RefitCoordinator(ledger))
     assert [c.output_cap(ledger.shard(i)) for i in range(len(urls))] == [
@@ -1336,3 +1333,56 @@ def test_a_models_default_is_the_engines_word_else_declared_else_the_command_els
         (30, None), (48, None),
         (None, "the model's generation_config.json is not readable in 'hub/x' on this host"),
         (None, "no GET /server_info"), (None, None), (None, None)]
+
+
+class _SaysItsCap(Watchdog):
+    """A watchdog whose engines' ``/server_info`` says what ``says`` holds for the process
+    now there (cap, default): its memory is the real one, only the GET is not made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.says: tuple[int | None, int | None] = (None, None)
+
+    async def _server_cap(self, url: str) -> tuple[int | None, int | None]:
+        return self.says
+
+    async def read_process(self, url: str, incarnation: str) -> None:
+        """A read of ``url``'s process ``incarnation`` that answered, then its
+        ``/server_info``, as a round makes them."""
+        self._remember(Target(url, engine="vllm"))
+        await self.learn_output_cap(Report(url, Verdict.IDLE, Evidence("idle"), Health.UNPROVEN,
+                                           CanaryRule.NEVER, None, None, None, incarnation))
+
+
+async def test_a_restarted_engine_is_not_held_to_the_cap_its_old_process_said() -> None:
+    """An engine restarted on the same URL (an attached one, or one started again with other
+    flags) is named as a new process by the ledger at the read that sees it, and that read is
+    decided on (and may be pushed) before the watchdog asks the new process's
+    ``/server_info``. Until then the push says what the config says (declared), else that the
+    cap is unknown: never the old process's word, which may be bigger than the new one's cap
+    (a continuation sent there would ask past it) (docs/design.md 4.1, "Server caps")."""
+    config = Config.model_validate({"fleet": {"engines": 0, "backends": [
+        "http://a", {"url": "http://b", "output_cap": 32, "output_default": 24}]}})
+    ledger = Ledger(["http://a", "http://b"], Policy())
+    watchdog = _SaysItsCap()
+    supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
+    c = Controller(ledger, watchdog, supervisor, [], config, refit=RefitCoordinator(ledger))
+
+    def pushed() -> list[tuple[int | None, str | None, int | None, str | None]]:
+        facts = c.serving_push()[1]
+        return [(f.output_cap, f.output_cap_unknown, f.output_default,
+                 f.output_default_unknown) for f in (facts["http://a"], facts["http://b"])]
+
+    watchdog.says = (64, 48)
+    for i, url in enumerate(("http://a", "http://b")):
+        ledger.observe_incarnation(i, "1.0")
+        await watchdog.read_process(url, "1.0")
+    assert pushed() == [(64, None, 48, None), (64, None, 48, None)]  # the engine's word
+    for i in range(2):
+        ledger.observe_incarnation(i, "2.0")  # its new process read and decided on
+    new = "not read from the new process yet"
+    assert pushed() == [(None, new, None, new), (32, None, 24, None)]
+    watchdog.says = (16, None)  # the new process was started with a smaller cap
+    for url in ("http://a", "http://b"):
+        await watchdog.read_process(url, "2.0")
+    assert pushed() == [(16, None, None, None), (16, None, None, None)]

@@ -404,15 +404,15 @@ def _calls(cls: type) -> set[str]:
                          ids=lambda c: c.__name__)
 def test_every_router_link_implements_the_whole_interface(link: type) -> None:
     # The controller calls every one of them on every link: none is optional, none forwarded.
-    # A link implements the three calls below itself; every operation is RouterLink's own,
-    # one ``call`` of its row, and no link writes one again.
+    # A link implements the two calls below itself; every operation (the evidence long poll
+    # too) is RouterLink's own, one ``call`` of its row, and no link writes one again.
     wanted = {name for name in vars(RouterLink) if not name.startswith("_")}
     assert {"hedge", "holding", "evidence", "listen", "in_process", "name", "call"} <= wanted
     assert wanted - _calls(link) == set()
     assert "__getattr__" not in _calls(link)
     own = {name for klass in link.__mro__ if klass not in (RouterLink, object)
            for name in vars(klass)}
-    assert {"call", "listen", "evidence"} <= own
+    assert {"call", "listen"} <= own
     assert own & {op.name for op in OPERATIONS} == set()
 
 

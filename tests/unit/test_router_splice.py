@@ -883,3 +883,40 @@ def test_several_choices_are_whole_only_once_each_has_finished() -> None:
     assert not splice.finished()  # choice 1 may still be going: cut there, it is refused
     splice.on_event(final(1))
     assert splice.finished()
+
+
+def test_a_cap_a_push_said_is_replaced_by_the_next_push_of_the_same_process() -> None:
+    """The controller's word on a cap changes for one process only for a reason (a
+    declaration changed or removed; a controller started afresh that has not read the engine
+    yet): the next push's word replaces it, unknown or none included, rather than a cap no
+    one vouches for any more being kept (too big: a continuation asks past the engine's cap;
+    too small: it stops short). A cap a finish revealed is the process's own proof: kept
+    while the push's changes, the least of the two holding."""
+    limits = EngineLimits()
+    pool, learner = _learner(limits)
+
+    def push(cap: int | None, unknown: str | None, default: int | None = None) -> None:
+        pool.replace([ENGINE], {ENGINE: BackendFacts(
+            0, 1, incarnation="1795973023.5", output_cap=cap, output_cap_unknown=unknown,
+            output_default=default,
+            output_default_unknown=None if default is not None else unknown)})
+        learner.forget()
+
+    push(64, None, 48)
+    assert (limits.cap, limits.default_cap, limits.unknown) == ({ENGINE: 64}, {ENGINE: 48}, {})
+    push(None, "not read from the new process yet")  # the controller no longer says it
+    assert (limits.cap, limits.default_cap) == ({}, {})
+    assert limits.unknown == limits.default_unknown == {
+        ENGINE: "not read from the new process yet"}
+    assert limits.unknown_cap(ENGINE) is not None  # refused past its floor, not guessed
+    push(32, None, 24)
+    push(None, None)  # declared "none": it caps nothing
+    assert (limits.cap, limits.default_cap, limits.unknown, limits.default_unknown) == (
+        {}, {}, {}, {})
+    # a finish revealed 20 under the pushed 64: the least holds, and outlives the push's word
+    push(64, None)
+    limits.learn_cap(ENGINE, (20, True))
+    push(64, None)
+    assert limits.cap == {ENGINE: 20}
+    push(None, "no GET /server_info")
+    assert limits.cap == {ENGINE: 20} and limits.unknown == {}

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetwarden.judge import EngineWatch
+from fleetwarden.engines import CapUnknown
+from fleetwarden.judge import (
+    CanaryRule,
+    EngineWatch,
+    Evidence,
+    Fetch,
+    Health,
+    Report,
+    Target,
+    Verdict,
+)
+from fleetwarden.router.models import ModelCard
 from fleetwarden.watchdog import FORGET_AFTER_S, Watchdog, _Memory
 
 
@@ -53,3 +64,88 @@ async def test_a_canary_that_timed_out_waited_its_whole_timeout() -> None:
     assert result.latency_s == 0.05
     for w in silent:
         w.close()
+
+
+class _Answers(Watchdog):
+    """A watchdog whose reads find ``reports`` in turn and whose engine's ``/server_info``
+    says ``says`` (cap, default): its memory is the real one, only the fetching is not made."""
+
+    def __init__(self, *reports: Report) -> None:
+        super().__init__()
+        self.reports = list(reports)
+        self.says: tuple[int | None, int | None] = (None, None)
+        self.asked = 0
+
+    async def _fetch_for(self, url: str, memory: _Memory,
+                         step: Report | Fetch | None) -> Report:
+        return self.reports.pop(0)
+
+    async def _server_cap(self, url: str) -> tuple[int | None, int | None]:
+        self.asked += 1
+        return self.says
+
+    async def learn_models(self, report: Report) -> None:
+        return None  # not what this asks
+
+
+async def test_a_restart_of_an_engine_that_names_no_process_drops_its_old_cap_at_once(
+        ) -> None:
+    """An engine that gives no start time (no incarnation in its reads) restarts: the ledger
+    names its new process itself (``restart-seen-1``) when the read that saw the restart is
+    decided on, before the watchdog asks the new process's ``/server_info``. What the old
+    process said is dropped by that read, so that no push meanwhile carries it, and asked
+    again after it (still once per process)."""
+    url = "http://127.0.0.1:8000"
+
+    def read(verdict: Verdict) -> Report:
+        return Report(url, verdict, Evidence(verdict.value), Health.UNPROVEN, CanaryRule.NEVER,
+                      None, None, None, None)
+
+    target = Target(url, engine="vllm")
+    decided: list[int | CapUnknown | None] = []
+    watchdog = _Answers(read(Verdict.IDLE), read(Verdict.IDLE), read(Verdict.RESTARTED))
+    async with watchdog:
+        watchdog.says = (64, 48)
+        for _ in range(2):
+            await watchdog.round([target])
+        assert (watchdog.output_cap(url, None), watchdog.asked) == (64, 1)
+        watchdog.says = (16, None)  # started again with a smaller cap
+        await watchdog.round([target], on_report=lambda u, r: decided.append(
+            watchdog.output_cap(u, "restart-seen-1")))
+        assert isinstance(decided[0], CapUnknown) and not decided[0].settled
+        assert (watchdog.output_cap(url, "restart-seen-1"), watchdog.asked) == (16, 2)
+        assert watchdog.output_default(url, "restart-seen-1") is None
+
+
+async def test_a_restart_of_an_engine_that_names_no_process_has_its_models_read_again(
+        ) -> None:
+    """The models an engine serves are read once per process: one that gives no start time
+    (no incarnation in its reads) is told apart only by the read that sees its restart, which
+    drops the old list, so the new process's ``/v1/models`` is read (it may serve others)."""
+    url = "http://127.0.0.1:8000"
+
+    def read(verdict: Verdict) -> Report:
+        return Report(url, verdict, Evidence(verdict.value), Health.UNPROVEN, CanaryRule.NEVER,
+                      None, None, None, None)
+
+    class Lists(_Answers):
+        served = "old"
+        lists = 0
+
+        async def learn_models(self, report: Report) -> None:
+            await Watchdog.learn_models(self, report)
+
+        async def _model_cards(self, url: str) -> tuple[tuple[ModelCard, ...], bool]:
+            self.lists += 1
+            return (ModelCard.of({"id": self.served, "object": "model"}),), True
+
+    watchdog = Lists(read(Verdict.IDLE), read(Verdict.IDLE), read(Verdict.RESTARTED))
+    async with watchdog:
+        target = Target(url, engine="vllm")
+        for _ in range(2):
+            await watchdog.round([target])
+        assert watchdog.lists == 1  # once for the process
+        watchdog.served = "new"
+        await watchdog.round([target])
+        models = watchdog.models(url)
+        assert watchdog.lists == 2 and models is not None and [m.id for m in models] == ["new"]

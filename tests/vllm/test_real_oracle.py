@@ -141,14 +141,16 @@ async def _learnt_limits(engines: list[LocalEngine],
     started = time.monotonic()
     async with Watchdog(dataclasses.replace(DEFAULT_POLICY, read_timeout_s=60)) as watchdog:
 
-        async def learn(url: str) -> None:
-            await watchdog.learn_output_cap(await watchdog.probe(Target(url, engine="vllm")))
+        async def learn(url: str) -> str | None:
+            report = await watchdog.probe(Target(url, engine="vllm"))
+            await watchdog.learn_output_cap(report)
+            return report.incarnation  # the process whose word it is
 
-        await asyncio.gather(*(learn(url) for url in urls))
-        caps = [output_cap_from(watchdog.output_cap(url), config, shard)
+        read = dict(zip(urls, await asyncio.gather(*(learn(url) for url in urls)), strict=True))
+        caps = [output_cap_from(watchdog.output_cap(url, read[url]), config, shard)
                 for shard, url in enumerate(urls)]
-        defaults = [output_default_from(watchdog.output_default(url), config, shard)[0]
-                    for shard, url in enumerate(urls)]
+        defaults = [output_default_from(watchdog.output_default(url, read[url]), config,
+                                        shard)[0] for shard, url in enumerate(urls)]
     print(f"\nthe engines' caps and defaults from GET /server_info: {caps} {defaults} in "
           f"{time.monotonic() - started:.1f} s")
     assert [(cap, default) for (cap, _), default in zip(caps, defaults, strict=True)] == want

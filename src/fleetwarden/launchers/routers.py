@@ -169,8 +169,6 @@ class WorkerLink(RouterLink):
             self._remote = None
         await self._close_current()
         self._remote = RemoteRouter(control_url, self._token)
-        for callback in self._listeners:
-            self._remote.listen(callback)
 
     def keep_predecessor(self, control_url: str) -> None:
         """A worker of this slot that a reload replaced and that may still take a request (one
@@ -244,23 +242,20 @@ class WorkerLink(RouterLink):
     async def metrics_text(self) -> str:
         return await self._now().metrics_text()
 
-    async def evidence(self, wait_s: float, silent_after_s: float
-                       ) -> tuple[int, dict[str, float]]:
-        return await self._now().evidence(wait_s, silent_after_s)
-
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
-        """As :meth:`RemoteRouter.listen`, on whichever worker is in the slot (a replacement
-        is subscribed as it connects)."""
+        """As :meth:`RemoteRouter.listen`, whichever worker is in the slot: each failed
+        attempt an evidence answer counts."""
         self._listeners.append(callback)
-        unlisten = self._remote.listen(callback) if self._remote is not None else None
 
         def unsubscribe() -> None:
             if callback in self._listeners:
                 self._listeners.remove(callback)
-            if unlisten is not None:
-                unlisten()
 
         return unsubscribe
+
+    def _heard(self, failed: int) -> None:
+        for callback in list(self._listeners) * failed:
+            callback("", "remote")
 
 
 class WorkerStatuses:

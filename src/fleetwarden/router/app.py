@@ -36,6 +36,7 @@ from aiohttp import web
 from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
 from fleetwarden.router.control import make_control_app
+from fleetwarden.router.feed import Evidence, EvidenceFeed
 from fleetwarden.router.forward import Forwarder
 from fleetwarden.router.keys import KeysFile
 from fleetwarden.router.links import InProcessRouter
@@ -108,6 +109,8 @@ class Router:
         self.registry = make_registry(self.stats, self.pool, worker, self.forwarder.affinity)
         self.forwarder.tally.on_failure = self._failed
         self._evidence: list[Callable[[str, str], None]] = []
+        #: The failed attempts as a long poll (the control operation ``evidence``).
+        self.feed = EvidenceFeed(self.listen, self.silent_backends)
         #: The client keys in force, when the router checks them (router/keys.py); ``None``:
         #: the data port is open.
         self.keys = KeysFile(s.keys_file) if s.keys_file is not None else None
@@ -184,6 +187,12 @@ class Router:
         """Backends holding a request that has received nothing for ``after_s`` seconds or
         more, with the oldest such wait: a wedge shows here before any timeout."""
         return self.forwarder.waiting.silent(after_s)
+
+    async def evidence(self, wait_s: float, silent_after_s: float,
+                       after: int | None = None) -> Evidence:
+        """Up to ``wait_s``: the failed attempts since the count ``after`` (``None``: from
+        now) and the backends silent for ``silent_after_s``, as soon as there is any."""
+        return await self.feed.wait(after, wait_s, silent_after_s)
 
     def serving_backends(self) -> list[str]:
         return list(self.pool.serving)

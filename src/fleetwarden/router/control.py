@@ -39,7 +39,7 @@ POST     /stop-accepting  -                                ``{"accepting": false
 GET      /metrics         -                                the router's own ``/metrics``
 =======  ===============  ===============================  ==============================
 
-Every route above but ``/evidence``, ``/stop-accepting`` and ``/metrics`` is a row of
+Every route above but ``/stop-accepting`` and ``/metrics`` is a row of
 :data:`~fleetwarden.router.ops.OPERATIONS`, and served from it: the row's arguments read from
 the body (the query, for a GET) by its readers, a 400 naming the field where one is wrong, then
 its target called on the router. :class:`~fleetwarden.router.links.RemoteRouter` is the client
@@ -72,7 +72,7 @@ Evidence (each failed attempt, as it happens) reaches a controller in the same p
 controller's open at a time: it is answered the moment an attempt fails (``failed``: how many
 since the count ``after`` the caller last saw, so none falls between two polls; ``failures`` is
 the new count), or a backend holds a request silent for ``silent_after_s``, else empty after
-``wait_s`` (:class:`~fleetwarden.router.links.EvidenceFeed`). The controller then
+``wait_s`` (:class:`~fleetwarden.router.feed.EvidenceFeed`). The controller then
 drains that router's outcomes, or accuses the silent engines, at once: the same pace as in its
 own process, give or take a loopback round trip.
 """
@@ -80,9 +80,9 @@ own process, give or take a loopback round trip.
 from __future__ import annotations
 
 import hmac
+import inspect
 import itertools
 import json
-import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from operator import attrgetter
@@ -92,7 +92,6 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from fleetwarden.router.links import EVIDENCE_WAIT_S, EvidenceFeed
 from fleetwarden.router.ops import DRAIN, OPERATIONS, SERVING, Operation, Outcomes, facts_json
 from fleetwarden.router.serve import error_body
 
@@ -100,10 +99,6 @@ if TYPE_CHECKING:
     from fleetwarden.router.app import Router
 
 __all__ = ["control_error", "make_control_app", "merge_outcomes"]
-
-#: How long ``GET /evidence`` waits for evidence at most: the bound keeps a connection from
-#: outliving a controller that went away unseen.
-EVIDENCE_WAIT_MAX_S = 60.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -125,7 +120,6 @@ def make_control_app(router: Router, token: str) -> web.Application:
     for op in OPERATIONS:
         handler = api.put_serving if op is SERVING else api.drain if op is DRAIN else api.serve(op)
         app.router.add_route(op.method, op.path, handler)
-    app.router.add_get("/evidence", api.evidence, allow_head=False)
     app.router.add_post("/stop-accepting", api.stop_accepting)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_route("*", "/{tail:.*}", _not_found)
@@ -162,10 +156,9 @@ class _ControlApi:
         self.held: Outcomes = {}
         self._batches = itertools.count(1)
         self.held_batch = f"{secrets.token_hex(4)}-0"  # unique to this router process
-        self.feed = EvidenceFeed(router)
 
     async def on_shutdown(self, app: web.Application) -> None:
-        self.feed.close()  # the router is stopping: held polls are answered now
+        self.router.feed.close()  # the router is stopping: held polls are answered now
 
     def serve(self, op: Operation[Any]) -> Handler:
         """The handler of ``op``'s route: its arguments read, its target called, the result
@@ -174,6 +167,8 @@ class _ControlApi:
 
         async def handle(request: web.Request) -> web.Response:
             result = target(**await _args(op, request))
+            if inspect.isawaitable(result):  # a wait (the evidence long poll)
+                result = await result
             answer = op.encode(result)
             return web.json_response(answer if op.answer is None else {op.answer: answer})
 
@@ -200,17 +195,6 @@ class _ControlApi:
         self.held_batch = f"{self.held_batch.split('-')[0]}-{next(self._batches)}"
         return web.json_response({"outcomes": fresh, "batch": self.held_batch})
 
-    async def evidence(self, request: web.Request) -> web.Response:
-        wait_s = _seconds(request, "wait_s", EVIDENCE_WAIT_S, EVIDENCE_WAIT_MAX_S)
-        silent_after_s = _seconds(request, "silent_after_s", 1.0, math.inf)
-        try:
-            after = int(request.query.get("after", self.feed.failures))
-        except ValueError:
-            raise _bad_request("'after' must be a count of failed attempts") from None
-        failed, silent = await self.feed.wait(after, wait_s, silent_after_s)
-        return web.json_response({"failed": failed, "failures": self.feed.failures,
-                                  "silent": silent})
-
     async def stop_accepting(self, request: web.Request) -> web.Response:
         await self.router.stop_accepting()
         return web.json_response({"accepting": False})
@@ -218,16 +202,6 @@ class _ControlApi:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.router.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _seconds(request: web.Request, name: str, default: float, most: float) -> float:
-    try:
-        value = float(request.query.get(name, default))
-    except ValueError:
-        raise _bad_request(f"'{name}' must be a number of seconds") from None
-    if not math.isfinite(value) or value < 0 or value > most:
-        raise _bad_request(f"'{name}' must be a number of seconds from 0 to {most:g}")
-    return value
 
 
 def merge_outcomes(

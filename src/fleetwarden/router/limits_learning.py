@@ -42,6 +42,9 @@ class LimitsLearner:
         #: carries it (the watchdog reads a new process's list after the push that names it)
         #: does not tell the new one's context length (:meth:`learn_context`).
         self._replaced_models: dict[str, tuple[ModelCard, ...]] = {}
+        #: The caps the last push said of each serving backend (on every request, on a chat
+        #: that names no limit): the controller's word, which its next push replaces.
+        self._said: dict[str, tuple[int | None, int | None]] = {}
 
     def open(self, client: UpstreamClient, target: Callable[[str], Address]) -> None:
         """The router opened: the reads go through ``client``, to ``target(url)``."""
@@ -66,27 +69,41 @@ class LimitsLearner:
         same URL: an attached engine, an operator's restart with other flags) is forgotten
         whole before the push's own facts are taken: a floor the old process proved is no
         proof of the new one's cap, nor is a cap a finish revealed there, nor its context
-        length (read again: :meth:`learn_context`)."""
+        length (read again: :meth:`learn_context`).
+
+        Of the same process, a cap a push said is replaced by what the next push says, even
+        unknown or none: the controller's word changes only for a reason (a declaration
+        changed or removed in its config; a controller started afresh that has not read the
+        engine yet), and a cap it no longer vouches for is a guess, which may be bigger than
+        the engine's (a continuation would ask past it) or smaller (it would stop short of
+        what the engine gives). A cap a finish revealed there is that process's own proof, and
+        is kept until the process changes, the least of it and a pushed cap holding (one equal
+        to the pushed cap goes with it: learnt again at the next such finish; meanwhile the
+        floor holds what requests proved)."""
         serving = set(self.pool.serving)
         self.limits.forget(serving)
         for url in [u for u in self._pushed if u not in serving]:
             del self._pushed[url]
             self._replaced_models.pop(url, None)
+            self._said.pop(url, None)
         for url in self.pool.serving:
             facts = self.pool.facts(url)
             self._new_process(url, facts.incarnation, facts.models)
-            for why, known, unknown in (
-                    (facts.output_cap_unknown, self.limits.cap, self.limits.unknown),
-                    (facts.output_default_unknown, self.limits.default_cap,
-                     self.limits.default_unknown)):
+            said = self._said.get(url, (None, None))
+            self._said[url] = (facts.output_cap, facts.output_default)
+            for before, now, why, known, unknown in (
+                    (said[0], facts.output_cap, facts.output_cap_unknown, self.limits.cap,
+                     self.limits.unknown),
+                    (said[1], facts.output_default, facts.output_default_unknown,
+                     self.limits.default_cap, self.limits.default_unknown)):
+                if before is not None and known.get(url) == before:
+                    del known[url]  # the last push's word, which this one replaces
+                if now is not None:  # below a cap a finish revealed here: the least holds
+                    known[url] = min(now, known.get(url, now))
                 if why is None:
                     unknown.pop(url, None)
                 elif url not in known:  # not revealed by a finish yet
                     unknown[url] = why
-            if facts.output_cap is not None:
-                self.limits.cap[url] = facts.output_cap
-            if facts.output_default is not None:
-                self.limits.default_cap[url] = facts.output_default
             rule = facts.completion_default
             if rule is None and facts.upstream_fields is not None:  # an older controller's
                 rule = (CompletionDefault.FIXED if facts.upstream_fields

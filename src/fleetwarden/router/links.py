@@ -2,8 +2,7 @@
 
 Owns: :class:`RouterLink` (every call a controller makes on a router), its implementations
 (:class:`InProcessRouter` for a router in this process, :class:`RemoteRouter` across the
-control API of :mod:`fleetwarden.router.control`), and :class:`EvidenceFeed`, the long poll of
-failed attempts both the in-process link and the control server answer from.
+control API of :mod:`fleetwarden.router.control`).
 Must not: decide anything: a link carries the controller's pushes and drains.
 
 Each control operation is a row of :data:`~fleetwarden.router.ops.OPERATIONS`, and each
@@ -13,7 +12,8 @@ called on the router in this process), never an operation by itself. Where a rou
 one thing apart, :attr:`RouterLink.in_process`: a router in this process calls
 :meth:`RouterLink.listen`'s callbacks inside its request path as each attempt fails, and its
 silent requests are an in-memory read; a router across a socket is asked with
-:meth:`RouterLink.evidence`, one long poll held open at a time.
+:meth:`RouterLink.evidence` (the operation ``evidence``, answered from the router's
+:class:`~fleetwarden.router.feed.EvidenceFeed`), one long poll held open at a time.
 
 This module imports no router at run time, so that ``app`` may hand out its own link without
 an import circle.
@@ -21,19 +21,20 @@ an import circle.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 from urllib.parse import urlencode
 
 import aiohttp
 
 from fleetwarden.router.ops import (
     DRAIN,
+    EVIDENCE,
+    EVIDENCE_WAIT_S,
     HEDGE,
     HOLDING,
     RESCUE,
@@ -51,20 +52,14 @@ from fleetwarden.router.pool import BackendFacts
 if TYPE_CHECKING:
     from fleetwarden.router.app import Router
 
-__all__ = ["CONTROL_TIMEOUT_S", "EVIDENCE_WAIT_S", "ControlError", "EvidenceFeed",
-           "InProcessRouter", "RemoteRouter", "RouterLink"]
+__all__ = ["CONTROL_TIMEOUT_S", "EVIDENCE_WAIT_S", "ControlError", "InProcessRouter",
+           "RemoteRouter", "RouterLink"]
 
 R = TypeVar("R")
 
 #: How long a control call may take. The calls are in-memory operations on the router, so
 #: seconds without an answer mean the router process is gone or stuck; the tick moves on.
 CONTROL_TIMEOUT_S = 5.0
-#: How long an evidence poll waits for evidence by default: a long poll held open, answered
-#: at once when there is any.
-EVIDENCE_WAIT_S = 20.0
-#: How often a held evidence poll looks for requests that turned silent (failures wake it at
-#: once): the in-process controller's own evidence_poll_s is 0.5 s.
-EVIDENCE_SCAN_S = 0.25
 
 
 class RouterLink(Protocol):
@@ -87,10 +82,24 @@ class RouterLink(Protocol):
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
         """``callback(backend, cause)`` for each failed attempt; returns the unsubscribe."""
 
+    #: The router's count of failed attempts at the last evidence answer (``None``: none yet,
+    #: and the first poll counts from its own time).
+    _evidence_seen: int | None = None
+
     async def evidence(self, wait_s: float, silent_after_s: float
                        ) -> tuple[int, dict[str, float]]:
         """Up to ``wait_s``: (failed attempts since the last answer, backends holding a
         request silent for ``silent_after_s``), answered as soon as there is any."""
+        answer = await self.call(EVIDENCE, wait_s=wait_s, silent_after_s=silent_after_s,
+                                 after=self._evidence_seen)
+        self._evidence_seen = answer.failures
+        self._heard(answer.failed)
+        return answer.failed, answer.silent
+
+    def _heard(self, failed: int) -> None:
+        """``failed`` attempts an evidence answer counted, for :meth:`listen`'s callbacks
+        where the router is in another process (in this one they heard each as it failed)."""
+        return None
 
     async def set_serving_backends(self, urls: Sequence[str],
                                    facts: Mapping[str, BackendFacts] | None = None, *,
@@ -144,49 +153,6 @@ class ControlError(Exception):
         self.status = status
 
 
-class EvidenceFeed:
-    """The failed attempts of one router in this process, as a long poll: counted from the
-    router's start, so that a caller that names the count it last saw misses none between two
-    polls. The control API's ``GET /evidence`` and :meth:`InProcessRouter.evidence` answer
-    from it."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        #: Failed attempts since this feed began: what a poll's ``after`` counts against.
-        self.failures = 0
-        self._came = asyncio.Event()  # set at each failure, cleared as a poll takes it
-        self._closing = False
-        self._unlisten = router.listen(self._failed)
-
-    def _failed(self, backend: str, cause: str) -> None:
-        self.failures += 1
-        self._came.set()
-
-    def close(self) -> None:
-        """The router is stopping: held polls are answered now, not at their wait."""
-        self._closing = True
-        self._came.set()
-        self._unlisten()
-
-    async def wait(self, after: int, wait_s: float, silent_after_s: float
-                   ) -> tuple[int, dict[str, float]]:
-        """Up to ``wait_s``: (failed attempts since the count ``after``, backends holding a
-        request silent for ``silent_after_s``), answered as soon as there is any."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while True:
-            # ``after`` above the count: the caller counted in an earlier router process
-            new = self.failures - after if self.failures >= after else self.failures
-            silent = self.router.silent_backends(silent_after_s)
-            left = deadline - loop.time()
-            if new or silent or left <= 0 or self._closing:
-                return new, silent
-            self._came.clear()
-            # a request turns silent without an event: looked for again every EVIDENCE_SCAN_S
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._came.wait(), min(left, EVIDENCE_SCAN_S))
-
-
 class InProcessRouter(RouterLink):
     """A router in this process, behind the async :class:`RouterLink` calls: each operation
     is its row's ``target`` called on the router."""
@@ -196,25 +162,16 @@ class InProcessRouter(RouterLink):
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self._feed: EvidenceFeed | None = None
-        self._failures = 0  # the feed's count at the last evidence answer
 
     async def call(self, op: Operation[R], **args: Any) -> R:
-        result: R = attrgetter(op.target)(self.router)(**args)
-        return result
+        result = attrgetter(op.target)(self.router)(**args)
+        if inspect.isawaitable(result):  # a wait (the evidence long poll)
+            result = await result
+        return cast("R", result)
 
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
         """Every failed attempt, as it happens: ``callback(backend, cause)``."""
         return self.router.listen(callback)
-
-    async def evidence(self, wait_s: float, silent_after_s: float
-                       ) -> tuple[int, dict[str, float]]:
-        """As :meth:`RemoteRouter.evidence`, counted from this link's first call."""
-        if self._feed is None:
-            self._feed = EvidenceFeed(self.router)
-        failed, silent = await self._feed.wait(self._failures, wait_s, silent_after_s)
-        self._failures = self._feed.failures
-        return failed, silent
 
 
 class RemoteRouter(RouterLink):
@@ -233,8 +190,6 @@ class RemoteRouter(RouterLink):
         self._session: aiohttp.ClientSession | None = None
         #: The batch of the last drain answered: acknowledged by the next drain.
         self._last_batch: str | None = None
-        #: The router's count of failed attempts at the last evidence answer.
-        self._failures: int | None = None
         self._listeners: list[Callable[[str, str], None]] = []
 
     @property
@@ -287,26 +242,20 @@ class RemoteRouter(RouterLink):
         if op is DRAIN:
             body["ack"] = self._last_batch
         if op.method == "GET":
-            answer = await self._call("GET", op.path + ("?" + urlencode(body) if body else ""))
+            # a long poll may take its whole wait, and then the answer's round trip
+            waits = args["wait_s"] + (self._timeout.total or CONTROL_TIMEOUT_S) \
+                if op is EVIDENCE else None
+            answer = await self._call("GET", op.path + ("?" + urlencode(body) if body else ""),
+                                      timeout_s=waits)
         else:
             answer = await self._call(op.method, op.path, body)
         if op is DRAIN:
             self._last_batch = answer.get("batch")
         return op.decode(answer if op.answer is None else answer[op.answer])
 
-    async def evidence(self, wait_s: float, silent_after_s: float) -> tuple[int, dict[str, float]]:
-        """Wait up to ``wait_s`` for evidence: (failed attempts since the last call's answer,
-        silent backends). Answered at once when there is any."""
-        query = f"wait_s={wait_s:g}&silent_after_s={silent_after_s:g}"
-        if self._failures is not None:
-            query += f"&after={self._failures}"
-        answer = await self._call("GET", "/evidence?" + query,
-                                  timeout_s=wait_s + (self._timeout.total or CONTROL_TIMEOUT_S))
-        self._failures = int(answer["failures"])
-        failed = int(answer["failed"])
+    def _heard(self, failed: int) -> None:
         for callback in list(self._listeners) * failed:
             callback("", "remote")
-        return failed, {url: float(x) for url, x in answer["silent"].items()}
 
     def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
         """``callback(backend, cause)`` for each failed attempt an :meth:`evidence` answer

@@ -20,13 +20,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+from fleetwarden.router.feed import Evidence
 from fleetwarden.router.models import MAX_CARDS, ModelCard, card_error
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.splice import CompletionDefault
 
-__all__ = ["DRAIN", "HEDGE", "HOLDING", "OPERATIONS", "RESCUE", "RETRY_AFTER", "SERVING",
-           "STATUS", "TRIAL", "WEIGHTS_CHANGING", "Arg", "Fan", "Holding", "Operation",
-           "Outcomes", "facts_json"]
+__all__ = ["DRAIN", "EVIDENCE", "EVIDENCE_WAIT_MAX_S", "EVIDENCE_WAIT_S", "HEDGE", "HOLDING",
+           "OPERATIONS", "RESCUE", "RETRY_AFTER", "SERVING", "STATUS", "TRIAL",
+           "WEIGHTS_CHANGING", "Arg", "Fan", "Holding", "Operation", "Outcomes", "facts_json"]
 
 R = TypeVar("R")
 
@@ -39,6 +40,13 @@ Outcomes = dict[str, tuple[int, int, int]]
 Fan = Literal["push", "sum", "now"]
 
 _ABSENT: Any = object()  # a field the body leaves out
+
+#: How long an evidence poll waits for evidence by default: a long poll held open, answered
+#: at once when there is any.
+EVIDENCE_WAIT_S = 20.0
+#: How long ``GET /evidence`` waits at most: the bound keeps a connection from outliving a
+#: controller that went away unseen.
+EVIDENCE_WAIT_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -146,19 +154,38 @@ def _retry_after(value: Any) -> float | None:
     return value
 
 
-def _query_seconds(name: str) -> Arg:
-    """Seconds in a GET's query: absent is 0."""
+def _query_seconds(name: str, default: float = 0.0, most: float = math.inf) -> Arg:
+    """Seconds in a GET's query, from 0 to ``most``; absent is ``default``."""
 
     def read(query: Mapping[str, Any]) -> float:
         try:
-            value = float(query.get(name, "0"))
+            value = float(query.get(name, default))
         except ValueError:
             raise ValueError(f"'{name}' must be a number of seconds") from None
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"'{name}' must be a number >= 0")
+        if not math.isfinite(value) or value < 0 or value > most:
+            raise ValueError(f"'{name}' must be a number of seconds from 0 to {most:g}"
+                             if math.isfinite(most) else f"'{name}' must be a number >= 0")
         return value
 
     return Arg(name, read, lambda value: {name: f"{value:g}"})
+
+
+def _query_count(name: str) -> Arg:
+    """A count in a GET's query; absent is ``None``."""
+
+    def read(query: Mapping[str, Any]) -> int | None:
+        raw = query.get(name)
+        if raw is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"'{name}' must be a count of failed attempts") from None
+        if value < 0:
+            raise ValueError(f"'{name}' must be a count of failed attempts")
+        return value
+
+    return Arg(name, read, lambda value: {} if value is None else {name: str(value)})
 
 
 def _facts_arg() -> Arg:
@@ -296,6 +323,13 @@ HOLDING: Operation[Holding] = Operation(
     Holding.of_json, "holding", Holding, encode=Holding.to_json)
 STATUS: Operation[dict[str, Any]] = Operation(
     "status", "GET", "/status", (), None, _status, "status", dict)
+#: The long poll of failed attempts and silent backends (a router in another process:
+#: :meth:`~fleetwarden.router.links.RouterLink.evidence`); ``after``: the count the caller saw.
+EVIDENCE: Operation[Evidence] = Operation(
+    "evidence", "GET", "/evidence",
+    (_query_seconds("wait_s", EVIDENCE_WAIT_S, EVIDENCE_WAIT_MAX_S),
+     _query_seconds("silent_after_s", 1.0), _query_count("after")),
+    None, Evidence.of_json, "evidence", Evidence, encode=Evidence.to_json)
 #: The two reads :data:`HOLDING` makes in one, still served to an older controller.
 IN_FLIGHT: Operation[dict[str, int]] = Operation(
     "in_flight", "GET", "/in-flight", (), "in_flight", dict, "in_flight", dict)
@@ -307,4 +341,4 @@ SILENT: Operation[dict[str, float]] = Operation(
 #: pushes (serving set, then trial set, then Retry-After).
 OPERATIONS: tuple[Operation[Any], ...] = (
     SERVING, TRIAL, RETRY_AFTER, DRAIN, RESCUE, WEIGHTS_CHANGING, HEDGE, HOLDING, STATUS,
-    IN_FLIGHT, SILENT)
+    EVIDENCE, IN_FLIGHT, SILENT)

@@ -181,8 +181,10 @@ async def capped_facts(fleet: list[Sim]) -> dict[str, BackendFacts]:
     facts = {}
     async with Watchdog() as watchdog:
         for shard, url in enumerate((launched, learnt, declared, silent)):
-            await watchdog.learn_output_cap(await watchdog.probe(Target(url, engine="vllm")))
-            cap, source = output_cap_from(watchdog.output_cap(url), config, shard)
+            report = await watchdog.probe(Target(url, engine="vllm"))
+            await watchdog.learn_output_cap(report)
+            cap, source = output_cap_from(watchdog.output_cap(url, report.incarnation), config,
+                                          shard)
             assert source.split(":")[0] == CAP_SOURCES[shard], (url, source)
             facts[url] = BackendFacts(output_cap=cap, output_cap_unknown=(
                 source.removeprefix(UNKNOWN) if source.startswith(UNKNOWN) else None))
@@ -204,7 +206,7 @@ async def defaulted_facts(fleet: list[Sim], folder: str) -> dict[str, BackendFac
             report = await watchdog.probe(Target(url, engine="vllm"))
             await watchdog.learn_output_cap(report)
             await watchdog.learn_models(report)  # the context left, a chat's other bound
-            said = watchdog.output_default(url)
+            said = watchdog.output_default(url, report.incarnation)
             assert isinstance(said, CapUnknown) == (DEFAULT_SOURCES[shard] == "command"), (
                 url, said)
             default, unknown = output_default_from(said, config, shard)
