@@ -352,7 +352,9 @@ async def _continue_a_cut_completion(base_url: str, default: int,
     assert read is not None
     splice = Splice(read)
     splice.begin_attempt(None)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+    # a connection each: the cut one is closed, never taken again for the continuation
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as http:
         async with http.post(base_url + "/v1/completions", data=read.body_for(False),
                              headers={"Content-Type": "application/json"}) as r:
             async for line in r.content:  # one token a chunk; the connection cut after 3
