@@ -11,7 +11,7 @@ utils.py`` ``check_stop``, ``vllm/v1/engine/detokenizer.py``, ``serving_chat.py`
 
 * ``max_tokens`` absent: 16 for a completion, the context left (``max_model_len`` less the
   prompt) for a chat; a chat's ``max_completion_tokens`` wins over its ``max_tokens``. In the
-  llama.cpp and TGI dialects a completion gets a chat's (:data:`_COMPLETION_AS_CHAT`).
+  llama.cpp dialect a completion gets a chat's (:data:`_COMPLETION_AS_CHAT`).
 * A step's order of checks is the scheduler's: the length cap first, then nothing before
   ``min_tokens`` (the min-tokens logits processor masks EOS and ``stop_token_ids`` there, so
   they are never sampled), then EOS (unless ``ignore_eos``), then ``stop_token_ids``
@@ -57,8 +57,8 @@ EOS_TEXT = "</s>"  # its string, as logprobs name it
 #: vLLM's completions default when a request has no ``max_tokens``.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: The dialects whose engines give a completion that names no limit their default, as a chat
-#: (llama-server's ``-n``, TGI's context left: ``engines.COMPLETION_ENGINE``), not 16.
-_COMPLETION_AS_CHAT = frozenset({"llamacpp", "tgi"})
+#: (llama-server's ``-n``: ``engines.COMPLETION_ENGINE``), not 16.
+_COMPLETION_AS_CHAT = frozenset({"llamacpp"})
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _VOCAB = len(wire._PIECES)
 
