@@ -53,7 +53,14 @@ from typing import Any
 from fleetwarden.accusation import accused_by
 from fleetwarden.config import Config, FleetConfig
 from fleetwarden.credentials import NO_KEYS, EngineKeys
-from fleetwarden.engines import AUTO, CapUnknown, output_cap_of, output_default_of, profile
+from fleetwarden.engines import (
+    AUTO,
+    COMPLETION_UNKNOWN,
+    CapUnknown,
+    output_cap_of,
+    output_default_of,
+    profile,
+)
 from fleetwarden.evidence import Evidence, router_error
 from fleetwarden.focus import Focus
 from fleetwarden.journal import Journal
@@ -73,6 +80,7 @@ from fleetwarden.refit import ProcessSeen, RefitCoordinator
 from fleetwarden.reports import ReportBook
 from fleetwarden.router.links import CONTROL_TIMEOUT_S, RouterLink
 from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.splice import CompletionDefault
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.tasks import TaskOwner, sleep_unless
 from fleetwarden.watchdog import Report, Target, Watchdog
@@ -160,6 +168,15 @@ def output_default_from(said: int | CapUnknown | None, fleet: FleetConfig,
         if not isinstance(said, CapUnknown):
             return said, None
     return None, said.why
+
+
+def completion_default_of(engine: str, report: Report | None) -> CompletionDefault:
+    """What a shard's engine gives a completion that names no limit: its kind's rule
+    (:data:`~fleetwarden.engines.COMPLETION_FIXED` and the others), the kind configured (its
+    ``engine``) or, under ``engine = "auto"``, recognised at its last read (``report``); not
+    known before (the router then ends such a completion cut there rather than guess)."""
+    kind = profile(engine) if engine != AUTO else None if report is None else report.engine
+    return CompletionDefault(COMPLETION_UNKNOWN if kind is None else kind.completion_default)
 
 
 def fleet_status(shards: Sequence[ShardRecord], min_serving_shards: int,
@@ -380,7 +397,10 @@ class Controller:
                             output_cap=cap, output_default=default,
                             output_cap_unknown=(source.removeprefix(UNKNOWN)
                                                 if source.startswith(UNKNOWN) else None),
-                            output_default_unknown=default_unknown)
+                            output_default_unknown=default_unknown,
+                            completion_default=completion_default_of(
+                                self.config.fleet.engine_of(rec.index),
+                                self.book.last.get(rec.index)))
 
     def output_cap(self, rec: ShardRecord) -> tuple[int | None, str]:
         """The server cap on every request's output of ``rec``'s engine (``None``: none, or

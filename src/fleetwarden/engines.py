@@ -38,6 +38,9 @@ What each field means:
   so that a sleeping engine is not mistaken for a wedged one).
 * ``upstream_fields`` — the engine takes vLLM's own request fields (``return_token_ids``, a
   prompt of token ids, ``continue_final_message``), which an exact continuation needs.
+* ``completion_default`` — what a ``/v1/completions`` request that names no ``max_tokens``
+  gets there (:data:`COMPLETION_FIXED`, :data:`COMPLETION_ENGINE`, :data:`COMPLETION_UNKNOWN`):
+  a stream cut there goes on to the limit it would have had (docs/design.md 4.1).
 * ``limits`` — what this profile cannot prove, printed by ``fleetwarden check``.
 
 Sources: vLLM and llama.cpp from captures on this project's machines
@@ -60,6 +63,9 @@ from typing import Any
 
 __all__ = [
     "AUTO",
+    "COMPLETION_ENGINE",
+    "COMPLETION_FIXED",
+    "COMPLETION_UNKNOWN",
     "ENGINE_NAMES",
     "LLAMACPP",
     "OPENAI",
@@ -75,6 +81,30 @@ __all__ = [
 
 #: ``engine = "auto"``: the kind is recognised from ``/metrics`` at the first read.
 AUTO = "auto"
+
+#: What a ``/v1/completions`` request that names no ``max_tokens`` (or names ``null``) gets,
+#: by engine kind (:attr:`EngineProfile.completion_default`; the router's words for it,
+#: ``CompletionDefault`` in ``router/splice.py``). Each from the engine's source or measured:
+#:
+#: * vLLM 0.32: 16, its ``CompletionRequest``'s ``max_tokens: int | None = 16``
+#:   (``vllm/entrypoints/openai/completion/protocol.py`` line 63; ``normalize_null_max_tokens``,
+#:   line 432, turns ``null`` into it): its generation config's default is a chat's only.
+#: * SGLang: 16, ``CompletionRequest.max_tokens: int = 16`` (sgl-project/sglang
+#:   ``python/sglang/srt/entrypoints/openai/protocol.py`` at 004c82e0), passed as
+#:   ``max_new_tokens`` (``serving_completions.py``, ``_build_sampling_params``).
+#: * llama.cpp ``llama-server``: its own default, ``-n`` (-1: none, to the end of text or its
+#:   context), as for a chat: measured on the pinned build (tests/llamacpp): started with
+#:   ``-n 8`` a completion and a chat naming no limit got 8 tokens each.
+#: * TGI: the context left, as for a chat: ``CompletionRequest.max_tokens: Option<u32>``
+#:   (``router/src/lib.rs`` line 505 at db931fcf; its schema's "1024" is a chunk size) goes
+#:   on as ``max_new_tokens`` (``router/src/server.rs`` line 739), and ``validate_input``
+#:   (``router/src/validation.rs`` line 164) gives ``None`` ``max_total_tokens -
+#:   input_length``.
+#: * any other OpenAI-compatible server: not known (OpenAI's own API says 16; Ollama and
+#:   others differ): such a completion, cut, is not continued.
+COMPLETION_FIXED = "fixed"  # 16 tokens, whatever the engine's default
+COMPLETION_ENGINE = "engine"  # the engine's default limit, else the context left: a chat's
+COMPLETION_UNKNOWN = "unknown"  # not known: not continued
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +146,9 @@ class EngineProfile:
     #: them to no other engine (a strict OpenAI-compatible server answers 400 to a field it
     #: does not know): a stream there continues from text, or is refused.
     upstream_fields: bool = False
+    #: What a completion that names no ``max_tokens`` gets (:data:`COMPLETION_FIXED`,
+    #: :data:`COMPLETION_ENGINE`, :data:`COMPLETION_UNKNOWN`).
+    completion_default: str = COMPLETION_UNKNOWN
     #: The fields of :class:`Sample` this profile fills (the rest read 0 / unknown).
     fields: frozenset[str] = field(init=False)
 
@@ -168,6 +201,7 @@ VLLM = EngineProfile(
                                               "sleep_level", False),
     },
     detect="vllm:", health_proves_core=True, upstream_fields=True,
+    completion_default=COMPLETION_FIXED,
     progress="vllm:iteration_tokens_total_count: +1 per engine step",
     sleep="vllm:engine_sleep_state (read: the SLEEPING verdict); /sleep, /wake_up and "
           "/is_sleeping with VLLM_SERVER_DEV_MODE=1",
@@ -192,7 +226,7 @@ LLAMACPP = EngineProfile(
         "llamacpp:prompt_tokens_total": Family("counter", "llamacpp:prompt_tokens_total",
                                                "prompt_tokens", False),
     },
-    detect="llamacpp:",
+    detect="llamacpp:", completion_default=COMPLETION_ENGINE,
     progress="llamacpp:n_decode_total: +1 per llama_decode() call (one call for all busy slots)",
     start_header="Process-Start-Time-Unix",
     sleep="none read (llama-server has no sleep state in /metrics)",
@@ -233,7 +267,7 @@ SGLANG = EngineProfile(
         "sglang:num_requests_total":     Family("counter", "sglang:num_requests_total",
                                                 "finished_requests", False),
     },
-    detect="sglang:",
+    detect="sglang:", completion_default=COMPLETION_FIXED,
     progress="sglang:realtime_tokens_total (all modes): + batch size per decode iteration, "
              "+ prompt tokens per prefill batch",
     min_stall_s=45.0,
@@ -269,7 +303,7 @@ TGI = EngineProfile(
                                             "finished_requests", False,
                                             written="tgi_request_success"),
     },
-    detect="tgi_",
+    detect="tgi_", completion_default=COMPLETION_ENGINE,
     progress="tgi_batch_inference_count (prefill + decode): +1 at the start of every step",
     sleep="none",
     limits=(

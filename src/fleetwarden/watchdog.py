@@ -279,7 +279,8 @@ class _EngineWord:
             if known is not None:  # only vLLM has /server_info; the others' caps are declared
                 memory.output_cap_of = incarnation
                 memory.output_cap = CapUnknown(f"a {known.name} engine shows no server cap")
-                memory.output_default = None  # vLLM's generation config: not theirs
+                # Not "none": a launched one's command (llama-server -n) or a declaration says it
+                memory.output_default = CapUnknown(f"a {known.name} engine shows no default limit")
             return
         if memory.output_cap_of == incarnation and not (
                 isinstance(memory.output_cap, CapUnknown) and not memory.output_cap.settled):

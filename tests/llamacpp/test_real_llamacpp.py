@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fleetwarden.engines import COMPLETION_ENGINE, LLAMACPP
 from fleetwarden.judge import Verdict
 from fleetwarden.testing import tiny_gguf as writer
 from fleetwarden.testing.llamacpp_env import (
@@ -323,9 +324,50 @@ def test_the_output_limits_read_from_a_llama_server_command_are_the_servers_own(
             return got
 
         got = asyncio.run(run())
+        continued = asyncio.run(_continue_a_cut_completion(eng.base_url, n))
     finally:
         stop = eng.stop()
         assert stop.clean, f"engine group {eng.pgid} left {stop.left}"
-    print(f"\nllama-server -n {n}: (path, max_tokens, tokens, finish) {got}")
+    print(f"\nllama-server -n {n}: (path, max_tokens, tokens, finish) {got}; a completion "
+          f"naming no limit cut after 3 chunks, continued: {continued}")
     for _path, limit, tokens, finish in got:
         assert (tokens, finish) == (default if limit is None else limit, "length"), got
+    # Its profile's rule: a completion naming no limit gets the engine's default, as a chat
+    # (not vLLM's 16): cut after 3 tokens, its continuation asks the 5 left of -n 8 and ends
+    # where the uninterrupted one did, 8 tokens in all.
+    assert LLAMACPP.completion_default == COMPLETION_ENGINE
+    assert continued == (n - 3, n - 3, "length")
+
+
+async def _continue_a_cut_completion(base_url: str, default: int,
+                                     ) -> tuple[int, int, str]:
+    """Stream a completion that names no limit from ``base_url``, cut it after 3 chunks, and
+    send the router's continuation of it there (text mode: llama-server gives no ids, pushed
+    ``-n`` as the default, the profile's rule): ``(max_tokens asked, tokens it made, its
+    finish)``."""
+    from fleetwarden.router.splice import CompletionDefault, Splice, read_stream_request
+
+    body = {"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True, "stream": True}
+    read = read_stream_request("/v1/completions", json.dumps(body).encode(), {})
+    assert read is not None
+    splice = Splice(read)
+    splice.begin_attempt(None)
+    # a connection each: the cut one is closed, never taken again for the continuation
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as http:
+        async with http.post(base_url + "/v1/completions", data=read.body_for(False),
+                             headers={"Content-Type": "application/json"}) as r:
+            async for line in r.content:  # one token a chunk; the connection cut after 3
+                if line.startswith(b"data: {"):
+                    splice.on_event(line.rstrip(b"\r\n"))
+                    if splice.produced == 3:
+                        break
+        plan = splice.continuation(upstream_fields=False, output_cap=default,
+                                   completion=CompletionDefault(LLAMACPP.completion_default))
+        assert not isinstance(plan, str), plan
+        asked = json.loads(plan.body)
+        asked.update(stream=False)
+        async with http.post(base_url + plan.path, json=asked) as r:
+            answer = await r.json()
+    return (asked["max_tokens"], answer["usage"]["completion_tokens"],
+            answer["choices"][0]["finish_reason"])

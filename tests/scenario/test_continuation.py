@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.models import ModelCard
 from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.splice import CompletionDefault
 from fleetwarden.sim import FaultMode, Sim, SimConfig
 from fleetwarden.sim.server import FAULT_HEADER, FAULT_ID_HEADER, directive_fired
 from support.sim import SimProcess, until
@@ -516,6 +517,37 @@ async def test_an_engine_whose_profile_takes_no_vllm_fields_is_sent_none(
         got = await read_stream(http, router.url, "/v1/chat/completions", CHAT, cut)
         error = json.loads(got[-2].removeprefix(b"data: "))["error"]
         assert "continue_final_message" in error["reason"], error
+
+
+@pytest.mark.parametrize("rule", ["engine", "unknown"])
+async def test_a_completion_naming_no_limit_goes_on_to_its_engines_own_default(
+    http: aiohttp.ClientSession, rule: str,
+) -> None:
+    """llama.cpp gives a completion that names no limit its default (``-n``, here 12) as a
+    chat, not vLLM's 16 (the sim's llama.cpp dialect too): the push says so (its profile's
+    rule, and the default its command sets), and a cut one is continued from its text to the
+    12 the uninterrupted one made, not to 16. Where the push says the engine's kind is not
+    known, such a completion, cut, ends with the error event naming why."""
+    body = {k: v for k, v in COMPLETION.items() if k != "max_tokens"}
+    async with fleet(engine="llamacpp", default_max_new_tokens=12) as (router, sims):
+        router.set_serving_backends([s.url for s in sims], {
+            s.url: BackendFacts(i, upstream_fields=False, output_default=12,
+                                completion_default=CompletionDefault(rule))
+            for i, s in enumerate(sims)})
+        reference = await read_stream(http, sims[0].url, "/v1/completions", body)
+        assert len(chunks(reference)) == 12  # a token a chunk: the engine's default, not 16
+
+        async def cut() -> None:
+            await reset(sim_at(sims, holder(router)))
+
+        got = await read_stream(http, router.url, "/v1/completions", body, cut)
+        if rule == "engine":
+            assert_whole(got, reference, chat=False)
+            assert await continuations(http, router) == {"tokens": 0, "text": 1, "restart": 0}
+        else:
+            error = json.loads(got[-2].removeprefix(b"data: "))["error"]
+            assert "a completion sent without max_tokens, on an engine of no known kind" in (
+                error["reason"]), error
 
 
 async def test_a_stream_whose_final_chunk_came_is_whole_and_its_engine_not_blamed(

@@ -113,6 +113,8 @@ async def test_check_says_the_cap_or_that_it_is_unknown() -> None:
         code, report = await run_check(llama.url, "--engine", "llamacpp")
         assert (code, report["output_cap_unknown"]) == (0, "a llamacpp engine shows no "
                                                             "server cap")
+        # nor its default (-n): a launched one's command, or a declaration, says it
+        assert report["output_default_unknown"] == "a llamacpp engine shows no default limit"
         assert "/server_info" not in llama.stats()["by_path"]  # not asked: it has none
 
 
@@ -139,20 +141,26 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
                 return [(s["output_cap"], s["output_cap_from"])
                         for s in views.shards_view(fleet.snapshot())]
 
+            def defaults() -> list[tuple[object, object]]:
+                return [(s["output_default"], s["output_default_unknown"])
+                        for s in views.shards_view(fleet.snapshot())]
+
+            # the declared one's /server_info is asked too (its default is not declared): read
+            # apart from the silent one's, it may come a round later
             await until(lambda: caps()[0] == (24, "engine") and caps()[2][1] != (
-                "unknown: its /server_info not read yet"), timeout=20,
-                what="the dev-mode engine's cap read and the silent one asked")
+                "unknown: its /server_info not read yet") and all(
+                    d[1] != "its /server_info not read yet" for d in defaults()), timeout=20,
+                what="the dev-mode engine's cap read and the others asked")
             got = caps()
             print(f"\ncaps on the status rows: {got}")
             assert got[:2] == [(24, "engine"), (24, "declared")]
             assert got[2][0] is None and "VLLM_SERVER_DEV_MODE=1" in str(got[2][1])
             assert views.status_view(fleet.snapshot())["output_caps_unknown"] == 1
-            defaults = [(s["output_default"], s["output_default_unknown"])
-                        for s in views.shards_view(fleet.snapshot())]
-            print(f"defaults on the status rows: {defaults}")
-            assert defaults[0] == (24, None)  # the override is a chat's default too
-            assert [d[0] for d in defaults[1:]] == [None, None]
-            assert all("VLLM_SERVER_DEV_MODE=1" in str(d[1]) for d in defaults[1:])
+            said = defaults()
+            print(f"defaults on the status rows: {said}")
+            assert said[0] == (24, None)  # the override is a chat's default too
+            assert [d[0] for d in said[1:]] == [None, None]
+            assert all("VLLM_SERVER_DEV_MODE=1" in str(d[1]) for d in said[1:])
             assert views.status_view(fleet.snapshot())["output_defaults_unknown"] == 2
             router = fleet.router
             assert isinstance(router, Router)  # workers = 0: the router in the fleet's process

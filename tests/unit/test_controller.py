@@ -15,14 +15,20 @@ import pytest
 
 from fleetwarden.admission import never_empty
 from fleetwarden.config import Config, FleetConfig
-from fleetwarden.controller import Controller, TickReport, output_default_from
-from fleetwarden.engines import CapUnknown
+from fleetwarden.controller import (
+    Controller,
+    TickReport,
+    completion_default_of,
+    output_default_from,
+)
+from fleetwarden.engines import LLAMACPP, CapUnknown
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.router import InProcessRouter, RemoteRouter, Router
 from fleetwarden.router.ops import Holding
+from fleetwarden.router.splice import CompletionDefault
 from fleetwarden.supervisor import Supervisor
 from fleetwarden.watchdog import DEFAULT_CONCURRENCY, CanaryResult, Report, Target, Watchdog
 from support.clock import Clock
@@ -130,6 +136,19 @@ def test_an_unreachable_stale_shard_is_condemned_after_the_threshold() -> None:
     assert ledger.state(0) is D
 
 
+def test_the_push_says_what_each_engine_kind_gives_a_completion_naming_no_limit() -> None:
+    """vLLM and SGLang give 16, llama.cpp and TGI their own default (a chat's), an engine of
+    no known kind (``openai``, ``auto`` before it is recognised) is not known: the router then
+    ends such a completion, cut, rather than guess its limit."""
+    seen = dataclasses.replace(report(Verdict.IDLE, Health.PROVEN), engine=LLAMACPP)
+    F, E, U = CompletionDefault.FIXED, CompletionDefault.ENGINE, CompletionDefault.UNKNOWN
+    assert [completion_default_of(kind, None) for kind in (
+        "vllm", "sglang", "llamacpp", "tgi", "openai", "auto")] == [F, F, E, E, U, U]
+    assert completion_default_of("auto", report(Verdict.IDLE, Health.PROVEN)) is U
+    assert completion_default_of("auto", seen) is E  # recognised at its read
+    assert completion_default_of("vllm", seen) is F  # the configured kind decides
+
+
 def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None:
     from fleetwarden.router.pool import BackendFacts
 
@@ -137,7 +156,9 @@ def test_the_push_names_each_serving_backends_shard_and_weight_version() -> None
     refit.begin_refit(4)
     refit.complete_refit(4)
     ledger.condemn(0, "gone")
-    assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(1, 4)})
+    # engine "auto", not recognised yet: what it gives a completion naming no limit is not known
+    assert c.serving_push() == (["http://b"], {"http://b": BackendFacts(
+        1, 4, completion_default=CompletionDefault.UNKNOWN)})
 
 
 class _Router(QuietLink):
@@ -1049,7 +1070,8 @@ def test_the_push_carries_each_backends_incarnation_so_a_router_sees_a_restart()
     c, ledger, _ = controller("static")
     ledger.observe_incarnation(1, "1.5")
     before = c.serving_push()[1]["http://b"]
-    assert before == BackendFacts(1, ledger.shard(1).weight_version, incarnation="1.5")
+    assert before == BackendFacts(1, ledger.shard(1).weight_version, incarnation="1.5",
+                                  completion_default=CompletionDefault.UNKNOWN)
     ledger.observe_incarnation(1, "2.5")  # a silent restart
     assert c.serving_push()[1]["http://b"].incarnation == "2.5"
 
@@ -1221,7 +1243,8 @@ def test_the_push_carries_the_server_cap_an_engine_command_sets() -> None:
     assert [facts[u].output_cap for u in ("http://a", "http://b", "http://c")] == [64, 64, None]
     # the override's max_new_tokens is also the default of a chat that names none
     assert facts["http://a"] == BackendFacts(0, ledger.shard(0).weight_version, output_cap=64,
-                                             output_default=64)
+                                             output_default=64,
+                                             completion_default=CompletionDefault.UNKNOWN)
 
 
 def test_the_push_carries_the_default_limit_of_a_launched_engines_model_folder(

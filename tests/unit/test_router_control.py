@@ -26,6 +26,7 @@ from fleetwarden.router import (
 )
 from fleetwarden.router.control import merge_outcomes
 from fleetwarden.router.ops import IN_FLIGHT, OPERATIONS, SILENT, Holding
+from fleetwarden.router.splice import CompletionDefault
 from support.links import QuietLink
 from support.router_rig import rig, until
 from support.scripted_engine import ScriptedEngine
@@ -219,6 +220,30 @@ async def test_a_push_carries_each_backends_shard_and_weight_version_both_ways()
             await remote.set_serving_backends([a, b], {
                 a: BackendFacts(0, 1, output_cap=12), b: BackendFacts(1, 1)})
             assert limits.unknown == {} and limits.unknown_cap(a) is None
+            # What each engine gives a completion naming no limit (its kind's rule): carried
+            # both ways and shown; a push that says nothing leaves the router's assumption
+            # (its upstream_fields setting, here on: vLLM's 16), an older controller's
+            # upstream_fields off says not known.
+            E, U = CompletionDefault.ENGINE, CompletionDefault.UNKNOWN
+            await remote.set_serving_backends([a, b], {
+                a: BackendFacts(0, 1, completion_default=E),
+                b: BackendFacts(1, 1, completion_default=U)})
+            assert router.pool.facts(a).completion_default is E
+            assert (limits.completion_rule(a), limits.completion_rule(b)) == (E, U)
+            facts = (await remote.status())["facts"]
+            assert (facts[a]["completion_default"], facts[b]["completion_default"]) == (
+                "engine", "unknown")
+            await remote.set_serving_backends([a, b], {
+                a: BackendFacts(0, 1), b: BackendFacts(1, 1, upstream_fields=False)})
+            assert (limits.completion_rule(a), limits.completion_rule(b)) == (
+                CompletionDefault.FIXED, U)
+            assert "completion_default" not in (await remote.status())["facts"][a]
+            with pytest.raises(ControlError, match=r"facts\..*\.completion_default.*'fixed'"):
+                await remote._call("PUT", "/serving", {"backends": [a], "facts": {
+                    a: {"completion_default": "sixteen"}}})
+            with pytest.raises(ControlError, match="completion_default"):
+                await remote._call("PUT", "/serving", {"backends": [a], "facts": {
+                    a: {"completion_default": 16}}})
     finally:
         await router.stop()
 

@@ -16,6 +16,7 @@ from fleetwarden.router.models import ModelCard
 from fleetwarden.router.pool import BackendFacts, Pool
 from fleetwarden.router.splice import (
     DONE,
+    CompletionDefault,
     EngineLimits,
     EventAction,
     Mode,
@@ -258,6 +259,91 @@ def test_a_completion_without_max_tokens_keeps_vllms_default_of_16() -> None:
     plan = splice.continuation()
     assert not isinstance(plan, str)
     assert json.loads(plan.body)["max_tokens"] == 16 - 3
+
+
+def _llamacpp_cut(body: dict[str, Any], texts: list[str]) -> Splice:
+    """A completion streamed by llama-server (its chunks carry no token ids), cut after
+    ``texts``: a stream of that shape, one token a chunk."""
+    splice = Splice(request(body))
+    splice.begin_attempt(None)
+    for text in texts:
+        splice.on_event(b"data: " + json.dumps({
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
+            "created": 1, "model": "tiny", "system_fingerprint": "b1-x",
+            "object": "text_completion", "id": "chatcmpl-x"}).encode())
+    return splice
+
+
+def test_a_completion_without_max_tokens_on_llamacpp_keeps_its_default_not_16() -> None:
+    """llama.cpp gives a completion that names no limit its own default (``-n``), as a chat,
+    not vLLM's 16: cut at 3 tokens on a server started with ``-n 40``, it goes on for 37
+    (vLLM's rule would give the client 16 where the engine gave 40). Its default pushed, or
+    the context left where the ids tell it; neither known (``-n`` -1, no ids): refused."""
+    engine = CompletionDefault.ENGINE
+    body = {"model": "tiny", "prompt": "Once upon", "stream": True, "temperature": 0}
+    splice = _llamacpp_cut(body, [" a", " time", ","])
+    assert splice.names_no_limit(engine) and not splice.names_no_limit()
+    plan = splice.continuation(upstream_fields=False, output_cap=40, completion=engine)
+    assert not isinstance(plan, str) and plan.mode is Mode.TEXT
+    assert json.loads(plan.body) == {**body, "prompt": "Once upon a time,", "max_tokens": 37}
+    refusal = splice.continuation(upstream_fields=False, completion=engine)
+    assert isinstance(refusal, str) and "completion sent without max_tokens" in refusal
+    assert "context length" in refusal
+    # a limit it names is its own, whatever the engine's default
+    named = _llamacpp_cut({**body, "max_tokens": 20}, [" a", " time", ","])
+    assert not named.names_no_limit(engine)
+    plan = named.continuation(upstream_fields=False, output_cap=40, completion=engine)
+    assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 17
+    # with the prompt's ids and the context known, the context left, as a chat's
+    cut = _cut_after({"model": "tiny", "prompt": "hello there", "stream": True},
+                     "/v1/completions", "completions-stream-token-ids.http", 3)
+    assert cut.prompt_ids is not None
+    plan = cut.continuation(max_model_len=256, completion=engine)
+    assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
+    assert json.loads(plan.body)["max_tokens"] == 256 - len(cut.prompt_ids) - 3
+
+
+def test_a_completion_without_max_tokens_on_an_engine_of_no_known_kind_is_refused() -> None:
+    """What an engine of no known kind (``openai``, or ``auto`` not recognised yet) gives a
+    completion naming no limit is not known (16 on vLLM, its ``-n`` on llama.cpp, the
+    context on TGI): such a completion, cut, ends with why, never goes on to a guess; one
+    that names its limit goes on."""
+    unknown = CompletionDefault.UNKNOWN
+    body = {"model": "tiny", "prompt": "Once upon", "stream": True, "temperature": 0}
+    refusal = _llamacpp_cut(body, [" a", " time"]).continuation(
+        upstream_fields=False, output_cap=40, completion=unknown)
+    assert isinstance(refusal, str) and "no known kind" in refusal
+    named = _llamacpp_cut({**body, "max_tokens": 9}, [" a", " time"])
+    plan = named.continuation(upstream_fields=False, completion=unknown)
+    assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 7
+    # nothing of it reached the client: the request itself goes again, whatever its limit
+    fresh = _llamacpp_cut(body, [])
+    plan = fresh.continuation(upstream_fields=False, completion=unknown)
+    assert not isinstance(plan, str) and plan.mode is Mode.RESTART
+
+
+def test_the_push_says_each_backends_completion_rule_else_the_routers_setting() -> None:
+    """The rule comes with each backend's facts (its profile's word); a push that says
+    nothing of it leaves what its ``upstream_fields`` says (vLLM's fields: vLLM's 16; not:
+    not known), and, saying neither, the router's own assumption (:attr:`unsaid`)."""
+    limits = EngineLimits(unsaid=CompletionDefault.UNKNOWN)
+    pool, learner = _learner(limits)
+    pool.replace(["http://l", "http://v", "http://o", "http://n"], {
+        "http://l": BackendFacts(0, 1, completion_default=CompletionDefault.ENGINE,
+                                 output_default=40),
+        "http://v": BackendFacts(1, 1, upstream_fields=True),
+        "http://o": BackendFacts(2, 1, upstream_fields=False),
+        "http://n": BackendFacts(3, 1)})
+    learner.forget()
+    assert [limits.completion_rule(u) for u in ("http://l", "http://v", "http://o",
+                                                "http://n", None)] == [
+        CompletionDefault.ENGINE, CompletionDefault.FIXED, CompletionDefault.UNKNOWN,
+        CompletionDefault.UNKNOWN, CompletionDefault.UNKNOWN]
+    # llama.cpp's default binds a completion that names no limit there, as a chat's
+    assert limits.output_cap("http://l", True) == 40
+    pool.replace(["http://v"], {"http://v": BackendFacts(1, 1)})
+    learner.forget()
+    assert limits.completion == {}
 
 
 def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:

@@ -93,7 +93,7 @@ from fleetwarden.router.relay import Relay
 from fleetwarden.router.retry import AfterFailure, Cause, Retries, settle
 from fleetwarden.router.serve import RawHeaders, Request, Response, StreamResponse
 from fleetwarden.router.settings import RouterSettings
-from fleetwarden.router.splice import ABORTED_ERROR, EngineLimits, Splice
+from fleetwarden.router.splice import ABORTED_ERROR, CompletionDefault, EngineLimits, Splice
 from fleetwarden.router.stats import RouterStats
 from fleetwarden.router.tally import Tally
 from fleetwarden.router.waiting import WaitingRequests
@@ -126,7 +126,8 @@ class Forwarder:
         self.waiting = WaitingRequests(pool, stats, self._hedge)
         #: Each engine's context length and server caps (:class:`EngineLimits`), as the
         #: pushes say them and the engines' ``/v1/models`` tell.
-        self.limits = EngineLimits()
+        self.limits = EngineLimits(unsaid=CompletionDefault.FIXED if settings.upstream_fields
+                                   else CompletionDefault.UNKNOWN)
         self.learner = LimitsLearner(pool, self.limits)
         #: The answers on their way to their clients.
         self.relay = Relay(pool, stats, self.waiting, self.answers, self.limits,
@@ -330,14 +331,15 @@ class Forwarder:
         # every rescue and hedge); a chat with no limit on an engine whose context length is
         # not known yet is refused.
         limits, began_on = self.limits, stream.began_on
-        no_limit = stream.splice.names_no_limit()
+        rule = limits.completion_rule(began_on)
+        no_limit = stream.splice.names_no_limit(rule)
         plan = stream.splice.continuation(
             max_model_len=None if began_on is None else limits.context.get(began_on),
             upstream_fields=self.attempts.takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),
             next_output_cap=limits.output_cap(backend, False),
             began_unknown=limits.unknown_cap(began_on, no_limit),
-            next_unknown=limits.unknown_cap(backend))
+            next_unknown=limits.unknown_cap(backend), completion=rule)
         if isinstance(plan, str):
             if stream.response is not None:
                 return await self.relay.end_stream(stream, ex.last, plan)

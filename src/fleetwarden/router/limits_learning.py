@@ -19,7 +19,7 @@ from fleetwarden.router.exchange import with_key
 from fleetwarden.router.models import ModelCard
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.relay import read_all
-from fleetwarden.router.splice import EngineLimits
+from fleetwarden.router.splice import CompletionDefault, EngineLimits
 from fleetwarden.router.upstream import Address, UpstreamClient, UpstreamError
 
 __all__ = ["LimitsLearner"]
@@ -59,7 +59,8 @@ class LimitsLearner:
         been started otherwise), and take the server caps it says (read from the commands
         that started the engines: before any ``"length"`` finish could reveal them), and the
         defaults of a chat that names no limit (its model's generation config, where the
-        controller could read it) as the cap of such chats. Where it says the cap is unknown
+        controller could read it) as the cap of such chats, and what each engine gives a
+        completion that names no limit (its kind's rule). Where it says the cap is unknown
         (``output_cap_unknown``), a continuation begun there or sent there goes on only as far
         as what requests there produced proves (:class:`~fleetwarden.router.splice.UnknownCap`,
         docs/design.md 4.1, "Server caps", rule 5).
@@ -103,6 +104,14 @@ class LimitsLearner:
                     unknown.pop(url, None)
                 elif url not in known:  # not revealed by a finish yet
                     unknown[url] = why
+            rule = facts.completion_default
+            if rule is None and facts.upstream_fields is not None:  # an older controller's
+                rule = (CompletionDefault.FIXED if facts.upstream_fields
+                        else CompletionDefault.UNKNOWN)
+            if rule is None:
+                self.limits.completion.pop(url, None)
+            else:
+                self.limits.completion[url] = rule
 
     def _new_process(self, url: str, incarnation: str | None,
                      models: tuple[ModelCard, ...] | None) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Generic, Literal, TypeVar
 from fleetwarden.router.feed import Evidence
 from fleetwarden.router.models import MAX_CARDS, ModelCard, card_error
 from fleetwarden.router.pool import BackendFacts
+from fleetwarden.router.splice import CompletionDefault
 
 __all__ = ["DRAIN", "EVIDENCE", "EVIDENCE_WAIT_MAX_S", "EVIDENCE_WAIT_S", "HEDGE", "HOLDING",
            "OPERATIONS", "RESCUE", "RETRY_AFTER", "SERVING", "STATUS", "TRIAL",
@@ -232,7 +233,8 @@ def _fact_of(url: str, fact: object, key: str | None) -> BackendFacts:
     if fields is not None and not isinstance(fields, bool):
         raise ValueError(f"'facts.{url}.upstream_fields' must be true, false or null")
     strings: dict[str, str | None] = {}
-    for name in ("incarnation", "output_cap_unknown", "output_default_unknown"):
+    for name in ("incarnation", "output_cap_unknown", "output_default_unknown",
+                 "completion_default"):
         value = fact.get(name)
         if value is not None and not isinstance(value, str):
             raise ValueError(f"'facts.{url}.{name}' must be a string or null")
@@ -243,7 +245,19 @@ def _fact_of(url: str, fact: object, key: str | None) -> BackendFacts:
                         key=key, output_cap=values["output_cap"],
                         output_default=values["output_default"],
                         output_cap_unknown=strings["output_cap_unknown"],
-                        output_default_unknown=strings["output_default_unknown"])
+                        output_default_unknown=strings["output_default_unknown"],
+                        completion_default=_completion_default(url, strings))
+
+
+def _completion_default(url: str, strings: dict[str, str | None]) -> CompletionDefault | None:
+    """``facts.URL.completion_default``: one of :class:`CompletionDefault`'s words, or null."""
+    value = strings["completion_default"]
+    try:
+        return None if value is None else CompletionDefault(value)
+    except ValueError:
+        words = ", ".join(repr(r.value) for r in CompletionDefault)
+        raise ValueError(f"'facts.{url}.completion_default' must be one of {words} or "
+                         "null") from None
 
 
 def _models_of(url: str, raw: object) -> tuple[ModelCard, ...] | None:

@@ -28,6 +28,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from fleetwarden.router.models import ModelCard
+from fleetwarden.router.splice import CompletionDefault
 
 __all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "RetryBudget",
            "SessionRing", "blamed_5xx", "poison_quorum"]
@@ -81,6 +82,11 @@ class BackendFacts:
     #: config not readable here, nothing declared): such a chat begun there is continued only
     #: as far as its finishes proved. ``None``: known (``output_default``), or not said.
     output_default_unknown: str | None = None
+    #: What its engine gives a completion that names no ``max_tokens``: vLLM's 16, or its
+    #: default as a chat's, or not known (its kind is not: such a completion, cut, ends):
+    #: its profile's word (docs/design.md 4.1). ``None``: the push did not say (its
+    #: ``upstream_fields``, else the router's setting, decides: vLLM's fields, vLLM's 16).
+    completion_default: CompletionDefault | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -99,6 +105,8 @@ class BackendFacts:
             out["output_cap_unknown"] = self.output_cap_unknown
         if self.output_default_unknown is not None:
             out["output_default_unknown"] = self.output_default_unknown
+        if self.completion_default is not None:
+            out["completion_default"] = self.completion_default.value
         return out
 
 

@@ -385,7 +385,7 @@ class Relay:
         splice.begin_attempt(stream.continuation if stream.began else None)
         if not stream.began:
             stream.began_on = backend
-            if splice.names_no_limit():
+            if splice.names_no_limit(self.limits.completion_rule(backend)):
                 self._learn_context(backend)
         if stream.began and stream.continuation is not None:
             self.stats.continuations[stream.continuation.mode.value] += 1
@@ -436,9 +436,10 @@ class Relay:
         ``"length"`` finish short of its limit tells that engine's server cap (any finish:
         the least it can be)."""
         self.pool.record_success(backend)
+        rule = self.limits.completion_rule(backend)
         if (tokens := splice.produced_here()) is not None:
-            self.limits.produced(backend, tokens, splice.names_no_limit())
-        revealed = splice.revealed_cap(self.limits.context.get(backend))
+            self.limits.produced(backend, tokens, splice.names_no_limit(rule))
+        revealed = splice.revealed_cap(self.limits.context.get(backend), rule)
         if revealed is not None:
             self.limits.learn_cap(backend, revealed)
 

@@ -50,8 +50,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OPT_OUT_HEADER", "EngineLimits", "Mode", "Splice", "SseSplitter", "StreamRequest",
-           "UnknownCap", "error_event", "read_stream_request"]
+__all__ = ["OPT_OUT_HEADER", "CompletionDefault", "EngineLimits", "Mode", "Splice",
+           "SseSplitter", "StreamRequest", "UnknownCap", "error_event", "output_limit",
+           "read_stream_request"]
 
 #: A client that wants a cut stream to end rather than go on elsewhere sends this header with
 #: ``off`` (or ``0``, ``false``, ``no``).
@@ -62,7 +63,8 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 DONE = b"data: [DONE]\n\n"
-#: vLLM's ``max_tokens`` for a completion that names none (a chat's is the context left).
+#: vLLM's and SGLang's ``max_tokens`` for a completion that names none (a chat's is the
+#: engine's default, else the context left): :attr:`CompletionDefault.FIXED`.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 #: What an engine's ``return_token_ids`` adds to a chunk, when the router asked for it and the
@@ -89,6 +91,16 @@ class Mode(enum.Enum):
     TOKENS = "tokens"  # exact: from the prompt's and the output's token ids
     TEXT = "text"  # from the prompt and the text produced so far
     RESTART = "restart"  # nothing produced yet: the request itself, sent again
+
+
+class CompletionDefault(enum.Enum):
+    """What an engine gives a completion that names no ``max_tokens``, which a continuation of
+    one must keep (docs/design.md 4.1; per engine, with its source: docs/engines.md). Values:
+    the controller's push's words (its engine profile's ``completion_default``)."""
+
+    FIXED = "fixed"  # COMPLETION_DEFAULT_MAX_TOKENS, whatever its default (vLLM, SGLang)
+    ENGINE = "engine"  # its default limit, else the context left, as a chat (llama.cpp, TGI)
+    UNKNOWN = "unknown"  # an engine of no known kind: such a completion, cut, ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +334,15 @@ class EngineLimits:
     #: that (vLLM ends every request at its cap); one chat that named no limit: its default.
     floor: dict[str, int] = field(default_factory=dict)
     default_floor: dict[str, int] = field(default_factory=dict)
+    #: What each backend gives a completion that names no limit (the push's word).
+    completion: dict[str, CompletionDefault] = field(default_factory=dict)
+    #: ... for a backend the push said nothing of: vLLM's rule where the router's
+    #: ``upstream_fields`` setting takes its engines for vLLM, else not known.
+    unsaid: CompletionDefault = CompletionDefault.FIXED
+
+    def completion_rule(self, backend: str | None) -> CompletionDefault:
+        """What ``backend`` gives a completion that names no limit."""
+        return self.unsaid if backend is None else self.completion.get(backend, self.unsaid)
 
     def forget(self, keep: set[str]) -> None:
         """Forget backends that left (one that comes back may have been started otherwise)."""
@@ -335,9 +356,10 @@ class EngineLimits:
         for table in self._tables():
             table.pop(backend, None)
 
-    def _tables(self) -> tuple[dict[str, int] | dict[str, str], ...]:
+    def _tables(self) -> tuple[dict[str, int] | dict[str, str]
+                               | dict[str, CompletionDefault], ...]:
         return (self.context, self.cap, self.default_cap, self.unknown, self.floor,
-                self.default_unknown, self.default_floor)
+                self.default_unknown, self.default_floor, self.completion)
 
     def learn_cap(self, backend: str, revealed: tuple[int, bool]) -> None:
         """A cap a finish revealed: ``(tokens, whether it caps every request)``."""
@@ -945,23 +967,28 @@ class Splice:
 
     # ------------------------------------------------------------------ the next attempt
 
-    def names_no_limit(self) -> bool:
-        """A chat naming neither ``max_tokens`` nor ``max_completion_tokens`` (its default)."""
+    def names_no_limit(self, completion: CompletionDefault = CompletionDefault.FIXED) -> bool:
+        """A request that gets its engine's default limit: a chat naming neither
+        ``max_tokens`` nor ``max_completion_tokens``, a completion naming no ``max_tokens``
+        where ``completion`` (the rule of the engine it began on) is that default."""
         body = self.request.body
-        return (self.request.chat and body.get("max_tokens") is None
-                and body.get("max_completion_tokens") is None)
+        if not self.request.chat:
+            return completion is CompletionDefault.ENGINE and body.get("max_tokens") is None
+        return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
 
-    def revealed_cap(self, max_model_len: int | None) -> tuple[int, bool] | None:
+    def revealed_cap(self, max_model_len: int | None,
+                     completion: CompletionDefault = CompletionDefault.FIXED,
+                     ) -> tuple[int, bool] | None:
         """The server cap a whole generation revealed: a ``"length"`` finish below the limit
         asked (vLLM refuses a request past its context: only a cap ends one short). ``(tokens,
         whether it caps every request)``: a chat naming no limit reveals only its default."""
         if (self.mode not in (None, Mode.RESTART) or not self.finished() or not self.ids_complete
                 or self.finish_reason != "length" or self.produced_here() is None):
             return None
-        asked = self._tokens_left(max_model_len, 0)
+        asked = self._tokens_left(max_model_len, 0, None, completion)
         if isinstance(asked, str) or self.produced >= asked:
             return None
-        return self.produced, not self.names_no_limit()
+        return self.produced, not self.names_no_limit(completion)
 
     def produced_here(self) -> int | None:
         """Tokens the last attempt made, at least: by ids, else a chunk each but the last."""
@@ -981,14 +1008,16 @@ class Splice:
     def continuation(self, chat_as_completion: bool = True, *, max_model_len: int | None = None,
                      upstream_fields: bool = True, output_cap: int | None = None,
                      next_output_cap: int | None = None, began_unknown: UnknownCap | None = None,
-                     next_unknown: UnknownCap | None = None) -> Continuation | str:
+                     next_unknown: UnknownCap | None = None,
+                     completion: CompletionDefault = CompletionDefault.FIXED) -> Continuation | str:
         """The request that continues this stream, or why there can be none (docs/design.md,
         "Continuing a generation"; where in doubt, refuse). ``upstream_fields``: the next
         engine takes vLLM's own request fields (else only what any OpenAI server takes is sent,
         and only a completion of text can go on). ``max_model_len``, ``output_cap``: the
         context and server cap of the engine that began it (its limit is kept);
         ``next_output_cap``: the next one's; ``began_unknown``, ``next_unknown``: either's cap
-        where unknown, whose floor must cover the limit (the first) or what is left (next)."""
+        where unknown, whose floor must cover the limit (the first) or what is left (next);
+        ``completion``: what the first gives a completion that names no limit."""
         request = self.request
         if request.refusal is not None:
             return request.refusal
@@ -1032,7 +1061,7 @@ class Splice:
                 return ("stop strings in a sampled generation, cut where the engine held text "
                         "back (its tokens, generated again, would not come the same)")
             body.pop("stop", None)
-        left = self._tokens_left(max_model_len, produced, output_cap)
+        left = self._tokens_left(max_model_len, produced, output_cap, completion)
         if isinstance(left, str):
             return left
         if refusal := _cap_refusal(next_output_cap, began_unknown, next_unknown, produced, left):
@@ -1046,10 +1075,10 @@ class Splice:
         ids = (self.prompt_ids or []) + self.output_ids[:len(self.output_ids) - again]
         held = check is not None
         if exact and request.chat and chat_as_completion:
-            completion = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
-            completion.update(prompt=ids, stream=True,
-                              return_token_ids=True, max_tokens=body["max_tokens"])
-            return Continuation(COMPLETIONS, _dumps(completion), Mode.TOKENS, True, replay,
+            plain = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
+            plain.update(prompt=ids, stream=True,
+                         return_token_ids=True, max_tokens=body["max_tokens"])
+            return Continuation(COMPLETIONS, _dumps(plain), Mode.TOKENS, True, replay,
                                 replay_text if replay else "", held)
         if exact and not request.chat:
             body["prompt"] = ids
@@ -1100,26 +1129,14 @@ class Splice:
         return None
 
     def _tokens_left(self, max_model_len: int | None, produced: int,
-                     output_cap: int | None = None) -> int | str:
-        """How many tokens the continuation may generate (the client's limit, or the
-        engine's default, or its server cap where less, less the ``produced`` its prompt
-        holds), or why that is unknown."""
-        request, body = self.request, self.request.body
-        limit = body.get("max_completion_tokens") if request.chat else None
-        if limit is None:
-            limit = body.get("max_tokens")
-        if limit is None:
-            if not request.chat:
-                limit = COMPLETION_DEFAULT_MAX_TOKENS
-            elif max_model_len is None or self.prompt_ids is None:
-                return ("a chat sent without max_tokens, and the engine's context length (its "
-                        "default) is unknown")
-            else:
-                limit = max_model_len - len(self.prompt_ids)
-        if not isinstance(limit, int) or isinstance(limit, bool):
-            return "max_tokens is not a number"
-        if output_cap is not None:
-            limit = min(limit, output_cap)
+                     output_cap: int | None = None,
+                     completion: CompletionDefault = CompletionDefault.FIXED) -> int | str:
+        """How many tokens the continuation may generate: the generation's limit
+        (:func:`output_limit`) less the ``produced`` its prompt holds; or why not known."""
+        prompt = None if self.prompt_ids is None else len(self.prompt_ids)
+        limit = output_limit(self.request, prompt, max_model_len, output_cap, completion)
+        if isinstance(limit, str):
+            return limit
         if limit - produced < 1:
             return "nothing left to generate"
         return limit - produced
@@ -1181,6 +1198,38 @@ class Splice:
         if self.diverged:
             return "the continuation generated other tokens than those the client had"
         return None
+
+
+def output_limit(request: StreamRequest, prompt: int | None, max_model_len: int | None,
+                 output_cap: int | None, completion: CompletionDefault) -> int | str:
+    """The limit of a whole generation (docs/design.md 4.1): the client's; or, naming none,
+    the engine's default: a completion's 16 (:attr:`CompletionDefault.FIXED`), else the
+    context left (its ``max_model_len`` less the ``prompt``'s tokens); and the server cap
+    (``output_cap``, with such a request's default) where less. Or why it is not known."""
+    body = request.body
+    limit = body.get("max_completion_tokens") if request.chat else None
+    if limit is None:
+        limit = body.get("max_tokens")
+    if limit is None:
+        if not request.chat and completion is CompletionDefault.UNKNOWN:
+            return ("a completion sent without max_tokens, on an engine of no known kind "
+                    "(engine \"openai\", or \"auto\" not recognised yet): what it gives one "
+                    "naming no limit is not known")
+        if not request.chat and completion is CompletionDefault.FIXED:
+            limit = COMPLETION_DEFAULT_MAX_TOKENS
+        elif max_model_len is not None and prompt is not None:
+            limit = max_model_len - prompt
+        elif not request.chat and output_cap is not None:
+            # No token ids tell the context left, and the default is known: it is the limit
+            # (an engine that gives a completion its default, llama.cpp, ends a generation at
+            # its context itself, where the continuation's prompt, as long, ends it too).
+            limit = output_cap
+        else:
+            return (f"a {'chat' if request.chat else 'completion'} sent without max_tokens, "
+                    "and the engine's context length (its default) is unknown")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return "max_tokens is not a number"
+    return limit if output_cap is None else min(limit, output_cap)
 
 
 def _greedy(body: Mapping[str, Any]) -> bool:

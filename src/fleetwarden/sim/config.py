@@ -171,7 +171,8 @@ class SimConfig:
     override_max_new_tokens: int | None = None
     #: The model's ``generation_config.json`` ``max_new_tokens`` (vLLM's ``--generation-config
     #: auto``): the default of a request that names no limit (a chat's; a completion's pydantic
-    #: default, 16, wins), no cap on one that names it. None: the model sets none.
+    #: default, 16, wins, but for ``engine`` llamacpp, where it is llama-server's ``-n``), no
+    #: cap on one that names it. None: the model sets none.
     default_max_new_tokens: int | None = None
     #: vLLM's ``--model`` where the model is served under another name
     #: (``--served-model-name``): the path ``GET /server_info`` shows as ``model``, whose

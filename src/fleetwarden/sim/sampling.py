@@ -10,7 +10,8 @@ utils.py`` ``check_stop``, ``vllm/v1/engine/detokenizer.py``, ``serving_chat.py`
 ``tests/fixtures/vllm/defaults-and-stops/``:
 
 * ``max_tokens`` absent: 16 for a completion, the context left (``max_model_len`` less the
-  prompt) for a chat; a chat's ``max_completion_tokens`` wins over its ``max_tokens``.
+  prompt) for a chat; a chat's ``max_completion_tokens`` wins over its ``max_tokens``. In the
+  llama.cpp dialect a completion gets a chat's (:data:`_COMPLETION_AS_CHAT`).
 * A step's order of checks is the scheduler's: the length cap first, then nothing before
   ``min_tokens`` (the min-tokens logits processor masks EOS and ``stop_token_ids`` there, so
   they are never sampled), then EOS (unless ``ignore_eos``), then ``stop_token_ids``
@@ -55,6 +56,9 @@ EOS = wire.FIRST_PIECE + len(wire._PIECES)
 EOS_TEXT = "</s>"  # its string, as logprobs name it
 #: vLLM's completions default when a request has no ``max_tokens``.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: The dialects whose engines give a completion that names no limit their default, as a chat
+#: (llama-server's ``-n``: ``engines.COMPLETION_ENGINE``), not 16.
+_COMPLETION_AS_CHAT = frozenset({"llamacpp"})
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _VOCAB = len(wire._PIECES)
 
@@ -95,23 +99,26 @@ def _number(value: Any) -> bool:
 def parse_params(body: Mapping[str, Any], *, chat: bool, prompt_tokens: int,
                  max_model_len: int, reasoning_parser: bool,
                  override_max_new_tokens: int | None = None,
-                 default_max_new_tokens: int | None = None) -> Params | dict[str, Any]:
+                 default_max_new_tokens: int | None = None,
+                 engine: str = "vllm") -> Params | dict[str, Any]:
     """The request's :class:`Params`, or vLLM's 400 body for what it refuses.
 
     The output limit is vLLM's ``get_max_tokens`` (``entrypoints/serve/utils/api_utils.py``):
     the least of the context left, the request's limit (or, naming none, the generation
     config's ``max_new_tokens``, which ``--override-generation-config`` replaces) and the
     override's ``max_new_tokens``, which caps even a request that names a larger one. A
-    completion that names none has pydantic's 16."""
+    completion that names none has pydantic's 16 (a chat's in the ``engine`` dialects of
+    :data:`_COMPLETION_AS_CHAT`)."""
     raw = body.get("max_completion_tokens") if chat else None
     if raw is None:
         raw = body.get("max_tokens")
     default = (default_max_new_tokens if override_max_new_tokens is None
                else override_max_new_tokens)
+    as_chat = chat or engine in _COMPLETION_AS_CHAT
     if raw is None:
-        max_tokens = (max_model_len - prompt_tokens if chat
+        max_tokens = (max_model_len - prompt_tokens if as_chat
                       else COMPLETION_DEFAULT_MAX_TOKENS)
-        if chat and default is not None:
+        if as_chat and default is not None:
             max_tokens = min(max_tokens, default)
     elif not _int(raw) or raw < 1:
         return wire.invalid(f"max_tokens must be at least 1, got {raw!r}.", "max_tokens")

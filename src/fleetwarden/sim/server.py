@@ -615,7 +615,7 @@ class _SimGenerations(_SimBase):
         params = parse_params(
             body, chat=chat, prompt_tokens=len(prompt_ids), max_model_len=c.max_model_len,
             reasoning_parser=c.reasoning_parser, override_max_new_tokens=c.override_max_new_tokens,
-            default_max_new_tokens=c.default_max_new_tokens)
+            default_max_new_tokens=c.default_max_new_tokens, engine=c.engine)
         if isinstance(params, dict):
             return _json(params, 400)
         self._die_without_weights()
