@@ -21,6 +21,7 @@ Two rules, after Envoy's outlier detection:
 from __future__ import annotations
 
 import bisect
+import enum
 import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -28,7 +29,6 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from fleetwarden.router.models import ModelCard
-from fleetwarden.router.splice import CompletionDefault
 
 __all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "RetryBudget",
            "SessionRing", "blamed_5xx", "poison_quorum"]
@@ -37,6 +37,16 @@ __all__ = ["UNKNOWN_FACTS", "BackendFacts", "OutcomeTally", "Pool", "Prefer", "R
 #: A placement policy's say in :meth:`Pool.pick`: given the backends left and the in-flight
 #: counts, the one it prefers, or ``None`` to leave the choice to the pool.
 Prefer = Callable[[Sequence[str], Mapping[str, int]], "str | None"]
+
+
+class CompletionDefault(enum.Enum):
+    """What an engine gives a completion that names no ``max_tokens``, which a continuation of
+    one must keep (docs/design.md 4.1; per engine, with its source: docs/engines.md). Values:
+    the controller's push's words (its engine profile's ``completion_default``)."""
+
+    FIXED = "fixed"  # 16 (splice.COMPLETION_DEFAULT_MAX_TOKENS): vLLM, SGLang
+    ENGINE = "engine"  # its default limit, else the context left, as a chat (llama.cpp, TGI)
+    UNKNOWN = "unknown"  # an engine of no known kind: such a completion, cut, ends
 
 
 @dataclass(frozen=True, slots=True)

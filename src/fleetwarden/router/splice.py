@@ -50,6 +50,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetwarden.router.pool import CompletionDefault
+
 __all__ = ["OPT_OUT_HEADER", "CompletionDefault", "EngineLimits", "Mode", "Splice",
            "SseSplitter", "StreamRequest", "UnknownCap", "error_event", "output_limit",
            "read_stream_request"]
@@ -91,16 +93,6 @@ class Mode(enum.Enum):
     TOKENS = "tokens"  # exact: from the prompt's and the output's token ids
     TEXT = "text"  # from the prompt and the text produced so far
     RESTART = "restart"  # nothing produced yet: the request itself, sent again
-
-
-class CompletionDefault(enum.Enum):
-    """What an engine gives a completion that names no ``max_tokens``, which a continuation of
-    one must keep (docs/design.md 4.1; per engine, with its source: docs/engines.md). Values:
-    the controller's push's words (its engine profile's ``completion_default``)."""
-
-    FIXED = "fixed"  # COMPLETION_DEFAULT_MAX_TOKENS, whatever its default (vLLM, SGLang)
-    ENGINE = "engine"  # its default limit, else the context left, as a chat (llama.cpp, TGI)
-    UNKNOWN = "unknown"  # an engine of no known kind: such a completion, cut, ends
 
 
 @dataclass(frozen=True, slots=True)
