@@ -687,6 +687,14 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
                            folder, shape, args.seed, args.fault_at, row,
                            # the tiny model may end an answer early: every token asked for
                            ["--extra-inputs", "ignore_eos:true"] if pool is not None else None))
+        if isinstance(fault, RealRollingRestart) and row.fault_wall is not None \
+                and row.fault_at_s is not None:
+            # in the trace's time, as the requests' send times: the handovers under load
+            into = row.fault_at_s - row.fault_wall
+            index = {t.url: f"engine {i}" for i, t in enumerate(engines)}
+            row.notes += [f"{index.get(url, url)} stopped {began + into:.1f} s into the trace, "
+                          f"serving again {served + into:.1f} s"
+                          for url, began, served in fault.handovers]
         ejected, notes = router.verdicts(row.fault_wall)
         healthy = {t.url for t in engines} - (
             {t.url for t in fault.picks(engines)} if fault is not None and not args.control

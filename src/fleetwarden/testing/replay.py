@@ -609,6 +609,9 @@ class RealRollingRestart(RollingRestart):
 
     restart: Restart | None = None
     probe_s: float = 10.0
+    #: (url, wall time its stop began, wall time it served again) per engine restarted: when
+    #: each handover fell in the trace.
+    handovers: list[tuple[str, float, float]] = field(default_factory=list)
     _failed: list[str] = field(default_factory=list)
 
     def bind(self, restart: Restart) -> None:
@@ -621,10 +624,13 @@ class RealRollingRestart(RollingRestart):
             if self.restart is None:
                 self._failed.append("no restart bound")
                 return
+            began = time.time()
             try:
                 await self.restart(t)
             except (RuntimeError, OSError) as exc:  # shows in the post-check, as said
                 self._failed.append(f"{t.url}: restart failed: {exc}"[:300])
+            else:
+                self.handovers.append((t.url, began, time.time()))
 
     async def verify(self, engines: Sequence[Target]) -> list[str]:
         problems = await super().verify(engines) + self._failed
