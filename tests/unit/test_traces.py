@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from fleetwarden.testing.traces import (
+    CONTEXT_HEADROOM,
     TraceShape,
+    fit_context,
     generate,
     prompt_text,
     read_jsonl,
@@ -98,3 +100,28 @@ def test_shared_ids_are_shared_text_and_a_file_round_trips(tmp_path: Path) -> No
     (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "input_length": "x"}\n')
     with pytest.raises(ValueError, match="input_length"):
         read_jsonl(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("max_model_len", [512, 2048])
+def test_a_trace_fitted_to_a_context_fits_it_and_keeps_its_reuse(max_model_len: int) -> None:
+    shape = fit_context(TraceShape(requests=300), max_model_len)
+    budget = max_model_len * CONTEXT_HEADROOM
+    assert shape.input_max + shape.output_max <= budget
+    records = generate(shape, 1)
+    assert max(r.input_length + r.output_length for r in records) <= budget
+    # one factor for every length: the proportions, and so the prefix reuse, stay
+    assert shape.input_mean / shape.output_mean == pytest.approx(
+        TraceShape().input_mean / TraceShape().output_mean)
+    assert reuse_ratio(records) > 0.3
+
+
+def test_a_trace_that_fits_already_is_left_as_it_is() -> None:
+    shape = TraceShape()
+    assert fit_context(shape, 16384) is shape
+
+
+def test_fitting_refuses_a_context_too_small_naming_it() -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        fit_context(TraceShape(), 1)
+    with pytest.raises(ValueError, match="headroom"):
+        fit_context(TraceShape(), 512, headroom=0)

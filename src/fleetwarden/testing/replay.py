@@ -26,20 +26,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetwarden.launchers.procs import listening_processes, process_info
+from fleetwarden.launchers.procs import (
+    find_group_member,
+    group_members,
+    listening_processes,
+    process_info,
+    signal_process,
+)
 from fleetwarden.testing.faults import check_fault
 from fleetwarden.testing.traces import TraceRecord, prompt_text
+from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME
 
-__all__ = ["FAULTS", "ROUTER_FAULTS", "BlackHole", "Counters", "Crash", "Fault",
-           "FleetwardenKill", "Mixed", "Reload", "ReplayResult", "RollingRestart", "RouterFault",
-           "RouterKill", "SigStop", "SlowDrain", "Target", "TcpReset", "Wedge", "decoys", "replay"]
+__all__ = ["FAULTS", "REAL_FAULTS", "ROUTER_FAULTS", "BlackHole", "Counters", "Crash", "Fault",
+           "FleetwardenKill", "Mixed", "RealCrash", "RealRollingRestart", "RealWedge", "Reload",
+           "ReplayResult", "RollingRestart", "RouterFault", "RouterKill", "SigStop", "SlowDrain",
+           "Target", "TcpReset", "Wedge", "decoys", "replay"]
 
 
 # ---------------------------------------------------------------------- the driver
@@ -535,6 +543,104 @@ class RollingRestart:
         return None
 
 
+# ---------------------------------------------------------------------- real engines' faults
+# The same faults on real vLLM engines (``fleetwarden.testing.vllm_engine``: each in a process
+# group of its own whose id is its API server's pid, the Target's pid). Injected through the
+# kernel, not an endpoint; each keeps its simulated twin's post-check, read from the engine.
+
+
+@dataclass
+class RealCrash(Crash):
+    """A real engine dies: SIGKILL to its whole process group (API server, ``VLLM::EngineCore``,
+    its workers). Signature: the simulated crash's (its API server not running, its port
+    refusing) and no live process left in its group."""
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        for t in aimed:
+            if t.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(t.pid, signal.SIGKILL)
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = await super().verify(engines)
+        for t in self.picks(engines):
+            left = group_members(t.pid) if t.pid is not None else []
+            if left:
+                problems.append(f"{t.url}: group {t.pid} still has live processes "
+                                f"{[(p.pid, p.comm) for p in left]}")
+        return problems
+
+
+def _signal_core(aimed: Sequence[Target], sig: int) -> None:
+    """Send ``sig`` to each target group's ``VLLM::EngineCore``; a group without one (gone,
+    or no vLLM) is skipped: the post-check shows it."""
+    for t in aimed:
+        core = find_group_member(t.pid, ENGINE_CORE_PROCESS_NAME) if t.pid is not None else None
+        if core is not None:
+            signal_process(core.pid, core.start_ticks, sig)
+
+
+@dataclass
+class RealWedge(Wedge):
+    """A real engine's loop stops: SIGSTOP of its ``VLLM::EngineCore`` (what ``chaos wedge``
+    does); its API server still answers ``/health``. Signature: the simulated wedge's
+    (``/health`` 200, a one-token completion straight to it unanswered after ``probe_s``).
+    Undone by SIGCONT."""
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        await asyncio.to_thread(_signal_core, aimed, signal.SIGSTOP)
+
+    async def undo(self, engines: Sequence[Target]) -> None:
+        await asyncio.to_thread(_signal_core, self.picks(engines), signal.SIGCONT)
+
+
+#: Stops one engine and starts it again on the same port, as an operator's process manager
+#: would; returns once it serves again. Raises when it does not.
+Restart = Callable[[Target], Awaitable[None]]
+
+
+@dataclass
+class RealRollingRestart(RollingRestart):
+    """Every real engine stopped and started again in turn on the same port by the caller's
+    :data:`Restart` (bound with :meth:`bind` before the run), ``gap_s`` apart counting from
+    the previous one serving again. Signature: the simulated rolling restart's (each engine's
+    ``process_start_time_seconds`` moved, ``/health`` 200) and a one-token completion straight
+    to each answered."""
+
+    restart: Restart | None = None
+    probe_s: float = 10.0
+    #: (url, wall time its stop began, wall time it served again) per engine restarted: when
+    #: each handover fell in the trace.
+    handovers: list[tuple[str, float, float]] = field(default_factory=list)
+    _failed: list[str] = field(default_factory=list)
+
+    def bind(self, restart: Restart) -> None:
+        self.restart = restart
+
+    async def inject(self, aimed: Sequence[Target]) -> None:
+        for i, t in enumerate(aimed):
+            if i:
+                await asyncio.sleep(self.gap_s)
+            if self.restart is None:
+                self._failed.append("no restart bound")
+                return
+            began = time.time()
+            try:
+                await self.restart(t)
+            except (RuntimeError, OSError) as exc:  # shows in the post-check, as said
+                self._failed.append(f"{t.url}: restart failed: {exc}"[:300])
+            else:
+                self.handovers.append((t.url, began, time.time()))
+
+    async def verify(self, engines: Sequence[Target]) -> list[str]:
+        problems = await super().verify(engines) + self._failed
+        for t in engines:
+            if not any(p.startswith(t.url) for p in problems) \
+                    and not await _generates(t.url, self.probe_s):
+                problems.append(f"{t.url}: restarted but no token within {self.probe_s:g} s")
+        return problems
+
+
 #: Starts a process (its argv, in its working directory) as the fleet's own was started.
 Spawn = Callable[[list[str], str | None], "subprocess.Popen[str]"]
 
@@ -755,6 +861,9 @@ FAULTS: dict[str, type[Fault]] = {
     "blackhole": BlackHole, "slow-drain": SlowDrain, "rolling-restart": RollingRestart,
     "reload": Reload, "router-kill": RouterKill, "fleetwarden-kill": FleetwardenKill,
     "mixed": Mixed}
+#: The faults a replay on real vLLM engines injects, by the same names.
+REAL_FAULTS: dict[str, type[Fault]] = {
+    "crash": RealCrash, "wedge": RealWedge, "rolling-restart": RealRollingRestart}
 #: The faults of fleetwarden's own processes: for fleetwarden only, bound to it before a run.
 ROUTER_FAULTS = frozenset({"reload", "router-kill", "fleetwarden-kill"})
 

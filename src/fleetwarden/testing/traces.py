@@ -35,6 +35,7 @@ prefix reuse comes from, and :func:`reuse_ratio` measures it on the result.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -44,8 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TraceRecord", "TraceShape", "generate", "prompt_text", "read_jsonl",
-           "reuse_ratio", "write_jsonl"]
+__all__ = ["CONTEXT_HEADROOM", "TraceRecord", "TraceShape", "fit_context", "generate",
+           "prompt_text", "read_jsonl", "reuse_ratio", "write_jsonl"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,9 @@ class TraceShape:
     #: Spread of the log-normal answer lengths. Ours (BurstGPT's response lengths: long-tailed).
     output_sigma: float = 0.7
     output_max: int = 400
+    #: Shortest answer, tokens. Ours: 1 (any); a real tiny model's text for one or two tokens
+    #: may be empty (a piece of a character), which a load generator counts as no answer.
+    output_min: int = 1
     #: Mean turns per session (geometric). Ours, inside BurstGPT's conversation logs' shape
     #: (most conversations a few turns, a long tail).
     turns_mean: float = 2.5
@@ -94,7 +98,8 @@ class TraceShape:
 
     def __post_init__(self) -> None:
         positive = ("requests", "rate_per_s", "burst_shape", "block_tokens", "input_mean",
-                    "input_max", "output_mean", "output_max", "turns_mean", "think_mean_s")
+                    "input_max", "output_mean", "output_max", "output_min", "turns_mean",
+                    "think_mean_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"trace shape: {name} must be > 0, got {getattr(self, name)}")
@@ -126,6 +131,34 @@ class TraceRecord:
         out = asdict(self)
         out["hash_ids"] = list(self.hash_ids)
         return out
+
+
+#: The share of an engine's context a fitted trace's longest prompt plus longest answer may
+#: take: a load generator builds each prompt from text in the model's tokenizer, and the engine
+#: counts it again, a few tokens off (a start-of-text token, merges across block edges).
+CONTEXT_HEADROOM = 0.9
+
+
+def fit_context(shape: TraceShape, max_model_len: int,
+                headroom: float = CONTEXT_HEADROOM) -> TraceShape:
+    """``shape`` with every length (the prompts' and answers' means and caps, the block size)
+    times one factor, so that its longest prompt plus its longest answer fit in ``headroom`` of
+    an engine's context of ``max_model_len`` tokens; the trace keeps its proportions and its
+    reuse. Unchanged when it fits already."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+    budget = int(max_model_len * headroom)
+    need = shape.input_max + shape.output_max
+    if need <= budget:
+        return shape
+    f = budget / need
+    return dataclasses.replace(
+        shape, block_tokens=max(1, round(shape.block_tokens * f)),
+        input_mean=max(1.0, shape.input_mean * f), input_max=max(1, int(shape.input_max * f)),
+        output_mean=max(1.0, shape.output_mean * f),
+        output_max=max(1, int(shape.output_max * f)))
 
 
 def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
@@ -178,7 +211,7 @@ def generate(shape: TraceShape, seed: int) -> list[TraceRecord]:
                 prefix = []
             blocks = -(-want // bt)
             hash_ids = prefix + new_blocks(blocks - len(prefix))
-            output = max(1, min(shape.output_max,
+            output = max(shape.output_min, min(shape.output_max,
                                 round(_lognormal(rng, shape.output_mean, shape.output_sigma))))
             records.append(TraceRecord(round(at * 1000), want, output, tuple(hash_ids),
                                        f"s{session}", turn))
