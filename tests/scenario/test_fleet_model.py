@@ -11,11 +11,12 @@ its count and still checked.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
-from fleetwarden.testing.fleet_model import GATES, run_model
+from fleetwarden.testing.fleet_model import GATES, AttachedEngine, run_model
 
 pytestmark = pytest.mark.scenario
 
@@ -39,3 +40,25 @@ async def test_the_fleet_keeps_its_contract_through_random_operator_sequences(
     assert set(report.operations) >= {"crash", "refit_complete", "sleep2", "kill9_restart"}, (
         report.summary())
     assert report.ungated == [], "\n".join(str(v) for v in report.ungated)
+
+
+def test_an_attached_engine_whose_port_was_taken_starts_on_another(tmp_path: Path) -> None:
+    """The model draws each attached engine's port before any starts, side by side with
+    other tests: one bound meanwhile is drawn again (not an error that fails the run), and
+    the cause of a start that fails is in its message."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine = AttachedEngine("vllm", port, tmp_path)
+        try:
+            engine.start()
+            assert engine.port != port and engine.proc is not None
+            assert engine.proc.poll() is None
+            first = tmp_path / f"sim-{port}-1.err"
+            assert "address already in use" in first.read_text().lower()
+        finally:
+            engine.stop()
+        engine.port = port
+        with pytest.raises(RuntimeError, match="address already in use"):
+            engine.restart()  # the same port, still taken: waited out, then refused

@@ -89,6 +89,12 @@ FAULT_MEMORY_S = 15.0
 SKIPPED = "skipped: fewer than two HEALTHY shards"
 SKIP_WAIT_S = 0.3
 SIM_START_TIMEOUT_S = 30.0
+#: First starts of one attached engine before the model gives up on finding a free port.
+SIM_START_TRIES = 3
+
+
+class _PortTaken(RuntimeError):
+    """The simulated engine exited at start because its port was bound by someone else."""
 
 
 @dataclass(frozen=True)
@@ -190,24 +196,44 @@ class AttachedEngine:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """The first start. The port was only free when it was drawn: a test running beside
+        this one may have bound it since, so an engine that exits before it is ready (the
+        port taken) is started again on a newly drawn port, before anything knows its URL."""
         with self._lock:
-            self._start()
+            for attempt in range(SIM_START_TRIES):
+                try:
+                    self._start()
+                    return
+                except _PortTaken:
+                    if attempt == SIM_START_TRIES - 1:
+                        raise
+                    self.port = free_port("127.0.0.1")
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetwarden", "sim", "--port", str(self.port),
-             "--engine", self.engine, *SIM_ARGS],
-            cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            start_new_session=True)
         self.generation += 1
+        err_path = self.cwd / f"sim-{self.port}-{self.generation}.err"
+        with err_path.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fleetwarden", "sim", "--port", str(self.port),
+                 "--engine", self.engine, *SIM_ARGS],
+                cwd=self.cwd, stdout=subprocess.PIPE, stderr=err, text=True,
+                start_new_session=True)
         assert self.proc.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             ready = sel.select(timeout=SIM_START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("ready "):
-            self.stop()
-            raise RuntimeError(f"sim {self.engine} on {self.port} did not start: {line!r}")
+        if line.startswith("ready "):
+            return
+        exited = self.proc.poll() is not None
+        self._stop()
+        said = err_path.read_text(errors="replace")[-800:]
+        why = (f"sim {self.engine} on {self.port} did not start "
+               f"({'exited' if exited else f'not ready in {SIM_START_TIMEOUT_S:.0f} s'}): "
+               f"{line!r}; stderr: {said!r}")
+        if exited and "address already in use" in said.lower():
+            raise _PortTaken(why)
+        raise RuntimeError(why)
 
     def stop(self) -> None:
         with self._lock:
@@ -228,9 +254,18 @@ class AttachedEngine:
             proc.stdout.close()
 
     def restart(self) -> None:
+        """A new process on the same port (its URL is the fleet's): a port taken while the
+        engine was down (a connection's ephemeral port) is waited out a moment at a time."""
         with self._lock:
             self._stop()
-            self._start()
+            for attempt in range(SIM_START_TRIES):
+                try:
+                    self._start()
+                    return
+                except _PortTaken:
+                    if attempt == SIM_START_TRIES - 1:
+                        raise
+                    time.sleep(1.0)
 
 
 async def sim_restarts(url: str) -> int | None:
