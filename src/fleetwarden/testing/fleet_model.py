@@ -225,12 +225,18 @@ class AttachedEngine:
         line = self.proc.stdout.readline() if ready else ""
         if line.startswith("ready "):
             return
-        exited = self.proc.poll() is not None
+        if ready:
+            # Its stdout at an end comes a moment before its exit status (a loaded machine
+            # widens the moment): a process that closed it is waited for, not judged alive.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
+        code = self.proc.poll()
+        exited = code is not None
         self._stop()
         said = err_path.read_text(errors="replace")[-800:]
-        why = (f"sim {self.engine} on {self.port} did not start "
-               f"({'exited' if exited else f'not ready in {SIM_START_TIMEOUT_S:.0f} s'}): "
-               f"{line!r}; stderr: {said!r}")
+        how = (f"exited {code}" if exited
+               else "still running" if ready else f"not ready in {SIM_START_TIMEOUT_S:.0f} s")
+        why = f"sim {self.engine} on {self.port} did not start ({how}): {line!r}; stderr: {said!r}"
         if exited and "address already in use" in said.lower():
             raise _PortTaken(why)
         raise RuntimeError(why)
