@@ -43,11 +43,11 @@ import aiohttp
 import pytest
 
 from fleetwarden.config import FleetConfig
-from fleetwarden.controller import output_cap_from, output_default_from
 from fleetwarden.engines import generation_limits, output_cap_of
 from fleetwarden.judge import DEFAULT_POLICY, Target
 from fleetwarden.launchers import procs
 from fleetwarden.model_files import generation_config_file
+from fleetwarden.pushes import output_cap_from, output_default_from
 from fleetwarden.router import BackendFacts, Router, RouterSettings
 from fleetwarden.router.splice import EngineLimits, Splice, check_stop_strings, read_stream_request
 from fleetwarden.testing.model_folders import (
