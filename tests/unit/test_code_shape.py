@@ -29,7 +29,6 @@ DATA_CLASSES: frozenset[tuple[str, str]] = frozenset()
 #: ceiling at its size when the guard came, so that none grows while it waits to be split.
 CLASSES_TO_SPLIT = {
     ("fleetwarden/controller.py", "Controller"): 643,
-    ("fleetwarden/router/splice.py", "Splice"): 670,
 }
 
 
