@@ -34,6 +34,7 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py src/fleetwarden/restore.py \
           src/fleetwarden/probe.py src/fleetwarden/sim/sampling.py src/fleetwarden/sim/many.py src/fleetwarden/sim/weights.py \
           src/fleetwarden/sim/kv_events.py src/fleetwarden/controller.py src/fleetwarden/evidence.py src/fleetwarden/focus.py \
+          src/fleetwarden/pushes.py src/fleetwarden/reads.py \
           src/fleetwarden/reports.py src/fleetwarden/tasks.py src/fleetwarden/timeline.py \
           src/fleetwarden/supervisor.py src/fleetwarden/client.py src/fleetwarden/weight_sync.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \

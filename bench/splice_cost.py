@@ -16,7 +16,8 @@ import json
 import time
 from pathlib import Path
 
-from fleetwarden.router.splice import Continuation, Mode, Splice, SseSplitter, read_stream_request
+from fleetwarden.router.continuation import Continuation, Mode, read_stream_request
+from fleetwarden.router.splice import Splice, SseSplitter
 
 CAPTURES = Path(__file__).resolve().parent.parent / "tests/fixtures/vllm/continuation-and-sleep"
 

@@ -75,7 +75,7 @@ class Accusation:
 
     def plan(self, facts: Facts) -> Plan:
         """A canary, if the engine is idle: on the first read (the accusation itself), at
-        every read of an engine in doubt (as the round does, controller.py ``_target``), and
+        every read of an engine in doubt (as the round does, reads.py ``_target``), and
         once per ejection when its time is up (the only proof that puts it on trial; a busy
         engine gets none, and is asked again at the next read). Never to a sleeper."""
         due = facts.ejection_due and self._canaried_for != facts.ejected_until

@@ -426,13 +426,14 @@ class Fleet:
         await self.controller.push_now()
 
     async def sleep(self, level: int, shards: list[int] | None) -> list[SleepResult]:
-        results = await put_to_sleep(self.ledger, self.controller, level=level, shards=shards)
+        results = await put_to_sleep(self.ledger, self.controller.pushes, level=level,
+                                     shards=shards)
         self.controller.wake()
         self.admin.announce("sleep", phase="sleep", level=level)
         return results
 
     async def wake(self, shards: list[int] | None) -> list[SleepResult]:
-        results = await wake_shards(self.ledger, self.controller, shards=shards)
+        results = await wake_shards(self.ledger, self.controller.pushes, shards=shards)
         self.controller.wake()
         self.admin.announce("sleep", phase="wake")
         return results
@@ -486,8 +487,8 @@ class Fleet:
             journal_dropped=self._journal.dropped if self._journal is not None else 0,
             cache_predicted={u: (t.blocks, t.hit_blocks)
                              for u, t in self.router.cache_predictions().items()},
-            output_caps={rec.index: c.output_cap(rec) for rec in shards},
-            output_defaults={rec.index: c.output_default(rec) for rec in shards},
+            output_caps={rec.index: c.pushes.output_cap(rec) for rec in shards},
+            output_defaults={rec.index: c.pushes.output_default(rec) for rec in shards},
         )
 
 

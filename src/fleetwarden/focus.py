@@ -134,7 +134,7 @@ class Focus:
                 return  # condemned, or a new process: nothing left to confirm about this one
             facts = self._facts(i)
             plan = accusation.plan(facts)
-            # Asleep in the ledger: never judged stuck either, as in the round (controller.py,
+            # Asleep in the ledger: never judged stuck either, as in the round (reads.py,
             # ``_target``): a stall while asleep is no fault.
             excused = facts.asleep or (self.refit is not None
                                        and i in self.refit.stalls_excused())

@@ -75,7 +75,7 @@ class CheckpointLoads:
         lease = self.fleet.refit.begin_refit(version)
         # Every participant read at the start: the baseline its read at the completion is
         # compared with (docs/design.md section 8).
-        self.fleet.refit.read_at_start(await self.fleet.controller.read_participants())
+        self.fleet.refit.read_at_start(await self.fleet.controller.reads.read_participants())
         self.fleet.admin.announce("refit", phase="begin", version=version)
         return lease
 
@@ -90,7 +90,7 @@ class CheckpointLoads:
         targets = {} if lease is None else {
             p.shard: (p.url, engine_of(p.shard)) for p in lease.participants}
         read, weights = await asyncio.gather(
-            self.fleet.controller.read_participants(),
+            self.fleet.controller.reads.read_participants(),
             read_all(targets, checksums=checksums is not None,
                      timeout_s=max(self.fleet.config.health.probe_timeout_s, CONFIRM_READ_S),
                      keys={i: self.fleet.engine_keys.of_shard(i) for i in targets}))
@@ -154,14 +154,15 @@ class CheckpointLoads:
             for i, _ in parts:
                 self.fleet.ledger.mark_weights_partial(i, f"loading weight version {version} from "
                                                     f"{path}")
-            await self.fleet.controller.push_now()
+            pushes = self.fleet.controller.pushes
+            await pushes.push()
             # Requests already sent finish where they are (for drain_s at most; past it the
             # pause mode decides), so none reaches an engine in the middle of its load.
-            await drain_routers(self.fleet.controller, {url for _, url in parts}, cfg.drain_s)
+            await drain_routers(pushes, {url for _, url in parts}, cfg.drain_s)
             if mode == "keep":
                 # Those still under way go on under the new weights: their answers name both
                 # versions, never the old one alone (docs/rl.md, the pause mode).
-                await self.fleet.controller.weights_changing([url for _, url in parts], version)
+                await pushes.weights_changing([url for _, url in parts], version)
             timeout = aiohttp.ClientTimeout(total=cfg.load_timeout_s)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 loads = await asyncio.gather(*(

@@ -6,7 +6,7 @@ report per shard and the count of verdicts by name.
 Must not: read an engine, or decide what a report means (the judge concluded it; the ledger's
 table maps it).
 
-The round (controller.py), the focused reads (focus.py) and a lease's reads of its
+The round (reads.py), the focused reads (focus.py) and a lease's reads of its
 participants all enter their reports here, so each is applied one way whoever read it.
 """
 

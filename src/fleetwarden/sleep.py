@@ -39,8 +39,8 @@ import aiohttp
 from fleetwarden.ledger import ABSENT, Ledger, ShardState
 
 if TYPE_CHECKING:
-    from fleetwarden.controller import Controller
     from fleetwarden.credentials import Secret
+    from fleetwarden.pushes import Pushes
 
 __all__ = ["SLEEP_CALL_TIMEOUT_S", "SLEEP_DRAIN_S", "SleepResult", "drain_routers", "put_to_sleep",
            "wake"]
@@ -102,10 +102,10 @@ async def _call(http: aiohttp.ClientSession, method: str, url: str,
         return f"{type(exc).__name__}: {exc}".rstrip(": ") if str(exc) else type(exc).__name__
 
 
-async def _busy(controller: Controller, urls: set[str]) -> set[str]:
+async def _busy(pushes: Pushes, urls: set[str]) -> set[str]:
     """Those of ``urls`` on which some router has a request in flight."""
     busy: set[str] = set()
-    for link in controller.routers:
+    for link in pushes.routers:
         try:
             counts = (await link.holding()).in_flight
         except Exception:
@@ -114,20 +114,20 @@ async def _busy(controller: Controller, urls: set[str]) -> set[str]:
     return busy
 
 
-async def drain_routers(controller: Controller, urls: set[str], limit_s: float) -> set[str]:
+async def drain_routers(pushes: Pushes, urls: set[str], limit_s: float) -> set[str]:
     """Until no router has a request in flight on ``urls``, or ``limit_s`` has passed; returns
     the URLs still busy then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
     while urls:
-        busy = await _busy(controller, urls)
+        busy = await _busy(pushes, urls)
         if not busy or loop.time() >= deadline:
             return busy
         await asyncio.sleep(_DRAIN_POLL_S)
     return set()
 
 
-async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1,
+async def put_to_sleep(ledger: Ledger, pushes: Pushes, *, level: int = 1,
                        shards: Iterable[int] | None = None,
                        timeout_s: float = SLEEP_CALL_TIMEOUT_S,
                        drain_s: float = SLEEP_DRAIN_S) -> list[SleepResult]:
@@ -150,14 +150,14 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
             continue
         ledger.report_asleep(i, f"put to sleep by the trainer (level {level})", held=True)
         marked.append((i, rec.base_url))
-    await controller.push_and_rescue_now()  # nothing more is sent there; what waits moves
-    late = await drain_routers(controller, {url for _, url in marked}, drain_s)
+    await pushes.push_and_rescue_now()  # nothing more is sent there; what waits moves
+    late = await drain_routers(pushes, {url for _, url in marked}, drain_s)
     if late:
         # Past the drain bound: a sleeping engine would freeze them until its wake-up, so they
         # go on elsewhere from where they are (a stream that cannot ends with why it stopped).
-        await controller.rescue_now(sorted(late))
+        await pushes.rescue_now(sorted(late))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        keys = controller.engine_keys
+        keys = pushes.engine_keys
         answers = await asyncio.gather(*(_call(http, "POST", f"{url}/sleep?level={level}",
                                                keys.of_shard(i))
                                          for i, url in marked))
@@ -176,11 +176,11 @@ async def put_to_sleep(ledger: Ledger, controller: Controller, *, level: int = 1
                                  weights_discarded=True)
         results[i] = SleepResult(i, url, ledger.state(i).value, error)
     if any(r.error for r in results.values()):
-        await controller.push_now()
+        await pushes.push()
     return [results[i] for i in sorted(results)]
 
 
-async def wake(ledger: Ledger, controller: Controller, *, shards: Iterable[int] | None = None,
+async def wake(ledger: Ledger, pushes: Pushes, *, shards: Iterable[int] | None = None,
                timeout_s: float = SLEEP_CALL_TIMEOUT_S) -> list[SleepResult]:
     """Wake ``shards`` (default: every sleeping one): ``POST /wake_up`` on each engine, then
     ``GET /is_sleeping``; a shard whose engine says it is awake goes back to the state it
@@ -196,7 +196,7 @@ async def wake(ledger: Ledger, controller: Controller, *, shards: Iterable[int] 
             asleep.append((i, rec.base_url))
 
     async def one(http: aiohttp.ClientSession, i: int, url: str) -> str:
-        key = controller.engine_keys.of_shard(i)
+        key = pushes.engine_keys.of_shard(i)
         answer = await _call(http, "POST", f"{url}/wake_up", key)
         if isinstance(answer, str):
             return f"POST /wake_up: {answer}"
@@ -214,5 +214,5 @@ async def wake(ledger: Ledger, controller: Controller, *, shards: Iterable[int] 
         if not error and ledger.shard(i).base_url == url:
             ledger.report_awake(i, "woken by the trainer", by_trainer=True)
         results[i] = SleepResult(i, url, ledger.state(i).value, error)
-    await controller.push_now()
+    await pushes.push()
     return [results[i] for i in sorted(results)]

@@ -90,10 +90,10 @@ class Snapshot:
     #: predicted held); empty under least in flight.
     cache_predicted: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     #: Each shard's server cap on a request's output and where it comes from
-    #: (``Controller.output_cap``: ``engine``, ``declared``, ``command``, ``unknown: why``).
+    #: (``Pushes.output_cap``: ``engine``, ``declared``, ``command``, ``unknown: why``).
     output_caps: Mapping[int, tuple[int | None, str]] = field(default_factory=dict)
     #: Each shard's default limit of a chat that names none, and why it is not known
-    #: (``Controller.output_default``; ``None``: known).
+    #: (``Pushes.output_default``; ``None``: known).
     output_defaults: Mapping[int, tuple[int | None, str | None]] = field(default_factory=dict)
 
 

@@ -82,7 +82,7 @@ class Supervisor:
         self._not_before: dict[int, float] = {}
         self._failures_in_a_row: dict[int, int] = {}
         #: Awaited before a condemned engine's process is stopped, with its URL: the routers
-        #: must have moved its requests first (the controller's :meth:`Controller.released`).
+        #: must have moved its requests first (``Pushes.released``, pushes.py).
         #: Stopped first, a wedged vLLM is let go (SIGCONT) into its shutdown, which aborts
         #: what it held and answers each one 200 with ``finish_reason`` "abort": a truncated
         #: answer the router would pass on as a success (seen in CI's real-vLLM tier).

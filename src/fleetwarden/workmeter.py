@@ -4,7 +4,8 @@ Owns: :class:`WorkMeter` (what the controller measured of its own work, kept as 
 and running totals) and :class:`Series` (one such measure: recent values for quantiles, and a
 Prometheus-style histogram since start).
 Must not: read a clock or do I/O: the controller measures and hands the figures in
-(``controller.py``); ``admin/work.py`` exports them, the journal keeps their summary.
+(``controller.py``, ``reads.py``, ``pushes.py``); ``admin/work.py`` exports them, the journal
+keeps their summary.
 
 An operator sees a fleet approach its limit here before its engines see it: a tick that takes
 longer than ``probe_interval_s`` delays every verdict; a read round that takes most of the tick

@@ -345,7 +345,8 @@ async def _continue_a_cut_completion(base_url: str, default: int,
     send the router's continuation of it there (text mode: llama-server gives no ids, pushed
     ``-n`` as the default, the profile's rule): ``(max_tokens asked, tokens it made, its
     finish)``."""
-    from fleetwarden.router.splice import CompletionDefault, Splice, read_stream_request
+    from fleetwarden.router.continuation import read_stream_request
+    from fleetwarden.router.splice import CompletionDefault, Splice
 
     body = {"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True, "stream": True}
     read = read_stream_request("/v1/completions", json.dumps(body).encode(), {})
@@ -362,8 +363,8 @@ async def _continue_a_cut_completion(base_url: str, default: int,
                     splice.on_event(line.rstrip(b"\r\n"))
                     if splice.produced == 3:
                         break
-        plan = splice.continuation(upstream_fields=False, output_cap=default,
-                                   completion=CompletionDefault(LLAMACPP.completion_default))
+        plan = splice.cut().continuation(upstream_fields=False, output_cap=default,
+                                         completion=CompletionDefault(LLAMACPP.completion_default))
         assert not isinstance(plan, str), plan
         asked = json.loads(plan.body)
         asked.update(stream=False)

@@ -126,7 +126,7 @@ async def test_a_fleet_pushes_each_attached_engines_cap_and_shows_the_unknown_on
     the first two; the third is unknown: one warning, its status row, the status count, and
     the push says so. A chat's default unknown (the declared one declares only its cap) is
     shown and counted as the cap is."""
-    caplog.set_level(logging.WARNING, logger="fleetwarden.controller")
+    caplog.set_level(logging.WARNING, logger="fleetwarden.pushes")
     cap = ["--override-generation-config", '{"max_new_tokens": 24}']
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # read by `fleetwarden sim`, as by vLLM
     dev = SimProcess(*cap)

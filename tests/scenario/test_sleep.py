@@ -256,7 +256,8 @@ async def test_past_the_drain_bound_a_stream_under_way_goes_on_elsewhere(
         i = fleet.ledger.shard_for_url(url)
         assert i is not None
         # The drain bound (SLEEP_DRAIN_S) at 0.5 s: the stream has 2.5 s left.
-        [result] = await put_to_sleep(fleet.ledger, fleet.controller, shards=[i], drain_s=0.5)
+        [result] = await put_to_sleep(fleet.ledger, fleet.controller.pushes, shards=[i],
+                                      drain_s=0.5)
         assert (result.state, result.error) == ("SLEEPING", "")
         shard, status, chunks = await asyncio.wait_for(task, 30)  # never frozen asleep
         assert status == 200 and shard == str(i)  # its answer began there...

@@ -15,16 +15,12 @@ import pytest
 
 from fleetwarden.admission import never_empty
 from fleetwarden.config import Config, FleetConfig
-from fleetwarden.controller import (
-    Controller,
-    TickReport,
-    completion_default_of,
-    output_default_from,
-)
+from fleetwarden.controller import Controller, TickReport
 from fleetwarden.engines import LLAMACPP, CapUnknown
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
 from fleetwarden.ledger import Event, Ledger, Policy, ShardState
+from fleetwarden.pushes import completion_default_of, output_default_from
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.router import InProcessRouter, RemoteRouter, Router
 from fleetwarden.router.ops import Holding
@@ -291,7 +287,7 @@ def test_a_sleeping_engine_leaves_the_serving_set_and_comes_back_when_it_reports
         c.apply_report(i, read(asleep, Verdict.SLEEPING, Health.UNPROVEN))
     assert ledger.sleeping() == [0, 1] and ledger.serving_urls() == []
     assert c.serving_push() == ([], {})
-    assert sorted(c._fell_asleep) == [0, 1]  # their waiting requests are rescued at the push
+    assert sorted(c.pushes._fell_asleep) == [0, 1]  # their waiting requests are rescued at the push
     assert c._status().state == "asleep"
     for _ in range(5):  # unreachable twice: proves nothing yet; a failed canary proves nothing
         c.apply_report(0, read(asleep, Verdict.SLEEPING, Health.UNPROVEN))
@@ -1197,15 +1193,15 @@ async def test_a_new_process_is_proven_by_one_canary_at_once_and_routed() -> Non
         c, ledger = evidence_controller(r, reads)
         ledger.condemn(1, "engine process exited with code -9")
         ledger.mark_restarting(1)
-        assert c.coming_back() == 0  # an idle double of a supervisor: nothing it restarts
+        assert c.pushes.coming_back() == 0  # an idle double of a supervisor: nothing it restarts
         ledger.mark_loaded(1, back.url, "2.0")
-        assert ledger.state(1) is ST and c.coming_back() == 1  # one canary away
+        assert ledger.state(1) is ST and c.pushes.coming_back() == 1  # one canary away
         await until(lambda: ledger.state(1) is H, what="proven by its canary")
         assert c.focus_started.get("comeback") == 1
         assert reads.probed[0].url == back.url and reads.probed[0].confirm
         await until(lambda: set(r.router.serving_backends()) == {good.url, back.url},
                     what="pushed back into routing")
-        assert c.coming_back() == 0
+        assert c.pushes.coming_back() == 0
         await c.close()
 
 
@@ -1221,7 +1217,7 @@ async def test_a_trainer_fleets_new_process_stays_stale_until_its_refit() -> Non
         ledger.mark_restarting(1)
         ledger.mark_loaded(1, r.engines[1].url, "2.0")
         await until(lambda: len(reads.probed) >= 2, what="its focused reads")
-        assert ledger.state(1) is ST and c.coming_back() == 0
+        assert ledger.state(1) is ST and c.pushes.coming_back() == 0
         await c.close()
 
 
@@ -1292,11 +1288,11 @@ def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_comm
         lambda url, incarnation: said.get(url, CapUnknown("not read", settled=False)))
     supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
     c = Controller(ledger, watchdog, supervisor, [], config, refit=RefitCoordinator(ledger))
-    assert [c.output_cap(ledger.shard(i)) for i in range(len(urls))] == [
+    assert [c.pushes.output_cap(ledger.shard(i)) for i in range(len(urls))] == [
         (100, "engine"), (64, "command"), (120, "engine"), (16, "engine"),
         (None, "unknown: no GET /server_info"), (None, "declared")]
     said["http://declared"] = CapUnknown("no GET /server_info")
-    assert c.output_cap(ledger.shard(3)) == (32, "declared")
+    assert c.pushes.output_cap(ledger.shard(3)) == (32, "declared")
     pushed = c.serving_push()[1].values()
     assert [f.output_cap for f in pushed] == [100, 64, 120, 32, None, None]
     # the router refuses continuations on the unknown one, and is told why
@@ -1307,11 +1303,11 @@ def test_the_push_carries_the_cap_an_engine_says_else_the_declared_else_the_comm
     # a new process: not told until it was asked (nothing is known to be missing), then once
     restarted = dataclasses.replace(ledger.shard(4), incarnation="new")
     said.pop("http://silent")
-    assert c.output_cap(restarted)[1] == "unknown: not read"
+    assert c.pushes.output_cap(restarted)[1] == "unknown: not read"
     assert len([r for r in caplog.records if "server cap" in r.getMessage()]) == 1
     said["http://silent"] = CapUnknown("no GET /server_info")
-    c.output_cap(restarted)
-    c.output_cap(restarted)
+    c.pushes.output_cap(restarted)
+    c.pushes.output_cap(restarted)
     assert len([r for r in caplog.records if "server cap" in r.getMessage()]) == 2
 
 

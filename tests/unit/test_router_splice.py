@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import pytest
 
+from fleetwarden.router.continuation import Mode, UnknownCap, read_stream_request
 from fleetwarden.router.limits_learning import LimitsLearner
 from fleetwarden.router.models import ModelCard
 from fleetwarden.router.pool import BackendFacts, Pool
@@ -19,11 +20,10 @@ from fleetwarden.router.splice import (
     CompletionDefault,
     EngineLimits,
     EventAction,
-    Mode,
     Splice,
     SseSplitter,
-    UnknownCap,
-    read_stream_request,
+    assembled_answer,
+    error_answer,
 )
 from fleetwarden.router.upstream import Address, UpstreamClient
 
@@ -74,7 +74,7 @@ def test_what_may_not_be_continued_says_why_and_goes_upstream_untouched(
                                CIMultiDict(headers))
     assert read is not None and read.refusal == why
     assert read.upstream_body == json.dumps(body).encode()
-    assert Splice(read).continuation() == why
+    assert Splice(read).cut().continuation() == why
 
 
 def test_plain_choices_are_continuable() -> None:
@@ -127,7 +127,7 @@ def test_a_completion_continues_from_its_ids_with_what_is_left() -> None:
     splice.begin_attempt(None)
     for e in events[:3]:  # three tokens, then the engine is gone
         splice.on_event(e)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     assert (plan.path, plan.mode, plan.as_completion) == ("/v1/completions", Mode.TOKENS, False)
     body = json.loads(plan.body)
@@ -160,7 +160,7 @@ def test_a_chat_continues_as_a_completion_and_its_chunks_become_chat_chunks_agai
     for e in events[:3]:  # the role chunk and two tokens
         splice.on_event(e)
     assert splice.produced == 2 and splice.prompt_ids == [4, 79, 80, 7, 5]
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.as_completion and plan.mode is Mode.TOKENS
     assert json.loads(plan.body) == {
         "model": "tiny", "temperature": 0, "top_k": 3, "max_tokens": 4,
@@ -185,7 +185,7 @@ def test_without_ids_a_chat_continues_its_final_message_and_its_role_chunk_is_no
     splice.begin_attempt(None)
     for e in events[:4]:
         splice.on_event(e)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.mode is Mode.TEXT and not plan.as_completion
     body = json.loads(plan.body)
     assert body["messages"][-1] == {"role": "assistant", "content": "\ufffdate3"}
@@ -203,14 +203,14 @@ def test_a_server_error_event_is_a_failure_and_a_client_error_event_is_the_clien
     bad = b'data: {"error":{"message":"bad","code":400}}'
     assert splice.on_event(bad) == (EventAction.CLIENT_ERROR, bad + b"\n\n")
     # an answer being assembled ends as that error, with its code
-    assert splice.error_answer() == (400, b'{"error":{"message":"bad","code":400}}')
+    assert error_answer(splice) == (400, b'{"error":{"message":"bad","code":400}}')
 
 
 def test_a_token_id_prompt_without_ids_back_cannot_go_on() -> None:
     splice = Splice(request({"prompt": [1, 2, 3], "stream": True}))
     splice.begin_attempt(None)
     splice.on_event(b'data: {"id":"c","created":1,"choices":[{"index":0,"text":"a"}]}')
-    assert splice.continuation() == "a prompt of token ids, and no token ids from the engine"
+    assert splice.cut().continuation() == "a prompt of token ids, and no token ids from the engine"
 
 
 def test_an_answer_assembled_from_vllms_stream_is_vllms_own_answer_byte_for_byte() -> None:
@@ -231,7 +231,7 @@ def test_an_answer_assembled_from_vllms_stream_is_vllms_own_answer_byte_for_byte
                     b'"created":1796051753,"model":"tiny","choices":[],"usage":{'
                     b'"prompt_tokens":6,"total_tokens":12,"completion_tokens":6}}')
     whole = (CAPTURES / "completions-token-ids.http").read_bytes().split(b"\n\n", 2)[2]
-    ours = splice.answer()
+    ours = assembled_answer(splice)
     real = json.loads(whole)
     assert json.loads(ours)["id"] == "cmpl-9ecf665361bdd0e3"
     assert ours.replace(b"cmpl-9ecf665361bdd0e3", real["id"].encode()).replace(
@@ -256,7 +256,7 @@ def _cut_after(body: dict[str, Any], path: str, name: str, n: int) -> Splice:
 def test_a_completion_without_max_tokens_keeps_vllms_default_of_16() -> None:
     splice = _cut_after({"model": "tiny", "prompt": "hello there", "stream": True},
                         "/v1/completions", "completions-stream-token-ids.http", 3)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     assert json.loads(plan.body)["max_tokens"] == 16 - 3
 
@@ -282,23 +282,23 @@ def test_a_completion_without_max_tokens_on_llamacpp_keeps_its_default_not_16() 
     engine = CompletionDefault.ENGINE
     body = {"model": "tiny", "prompt": "Once upon", "stream": True, "temperature": 0}
     splice = _llamacpp_cut(body, [" a", " time", ","])
-    assert splice.names_no_limit(engine) and not splice.names_no_limit()
-    plan = splice.continuation(upstream_fields=False, output_cap=40, completion=engine)
+    assert splice.request.names_no_limit(engine) and not splice.request.names_no_limit()
+    plan = splice.cut().continuation(upstream_fields=False, output_cap=40, completion=engine)
     assert not isinstance(plan, str) and plan.mode is Mode.TEXT
     assert json.loads(plan.body) == {**body, "prompt": "Once upon a time,", "max_tokens": 37}
-    refusal = splice.continuation(upstream_fields=False, completion=engine)
+    refusal = splice.cut().continuation(upstream_fields=False, completion=engine)
     assert isinstance(refusal, str) and "completion sent without max_tokens" in refusal
     assert "context length" in refusal
     # a limit it names is its own, whatever the engine's default
     named = _llamacpp_cut({**body, "max_tokens": 20}, [" a", " time", ","])
-    assert not named.names_no_limit(engine)
-    plan = named.continuation(upstream_fields=False, output_cap=40, completion=engine)
+    assert not named.request.names_no_limit(engine)
+    plan = named.cut().continuation(upstream_fields=False, output_cap=40, completion=engine)
     assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 17
     # with the prompt's ids and the context known, the context left, as a chat's
     cut = _cut_after({"model": "tiny", "prompt": "hello there", "stream": True},
                      "/v1/completions", "completions-stream-token-ids.http", 3)
     assert cut.prompt_ids is not None
-    plan = cut.continuation(max_model_len=256, completion=engine)
+    plan = cut.cut().continuation(max_model_len=256, completion=engine)
     assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
     assert json.loads(plan.body)["max_tokens"] == 256 - len(cut.prompt_ids) - 3
 
@@ -310,15 +310,15 @@ def test_a_completion_without_max_tokens_on_an_engine_of_no_known_kind_is_refuse
     that names its limit goes on."""
     unknown = CompletionDefault.UNKNOWN
     body = {"model": "tiny", "prompt": "Once upon", "stream": True, "temperature": 0}
-    refusal = _llamacpp_cut(body, [" a", " time"]).continuation(
+    refusal = _llamacpp_cut(body, [" a", " time"]).cut().continuation(
         upstream_fields=False, output_cap=40, completion=unknown)
     assert isinstance(refusal, str) and "no known kind" in refusal
     named = _llamacpp_cut({**body, "max_tokens": 9}, [" a", " time"])
-    plan = named.continuation(upstream_fields=False, completion=unknown)
+    plan = named.cut().continuation(upstream_fields=False, completion=unknown)
     assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 7
     # nothing of it reached the client: the request itself goes again, whatever its limit
     fresh = _llamacpp_cut(body, [])
-    plan = fresh.continuation(upstream_fields=False, completion=unknown)
+    plan = fresh.cut().continuation(upstream_fields=False, completion=unknown)
     assert not isinstance(plan, str) and plan.mode is Mode.RESTART
 
 
@@ -349,12 +349,12 @@ def test_the_push_says_each_backends_completion_rule_else_the_routers_setting() 
 def test_a_chat_without_max_tokens_keeps_the_context_left_or_refuses() -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     splice = _cut_after(body, "/v1/chat/completions", "chat-stream-token-ids.http", 3)
-    assert splice.names_no_limit()
+    assert splice.request.names_no_limit()
     # vLLM's chat default: the context less the rendered prompt (5 ids), less what came (2)
-    plan = splice.continuation(max_model_len=256)
+    plan = splice.cut().continuation(max_model_len=256)
     assert not isinstance(plan, str) and plan.as_completion
     assert json.loads(plan.body)["max_tokens"] == 256 - 5 - 2
-    refusal = splice.continuation()
+    refusal = splice.cut().continuation()
     assert isinstance(refusal, str) and "context length" in refusal
 
 
@@ -373,7 +373,7 @@ def test_what_a_new_prompt_cannot_carry_is_refused_with_its_cause(extra: dict[st
     splice = _cut_after({"model": "tiny", "prompt": "hello there", "max_tokens": 9,
                          "stream": True, **extra},
                         "/v1/completions", "completions-stream-token-ids.http", 3)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert isinstance(plan, str) and cause in plan
 
 
@@ -383,10 +383,10 @@ def test_a_seeded_greedy_generation_goes_on_and_a_seeded_sampled_one_starts_agai
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True}
     splice = _cut_after({**body, "seed": 7, "temperature": 0},
                         "/v1/completions", "completions-stream-token-ids.http", 3)
-    assert not isinstance(splice.continuation(), str)
+    assert not isinstance(splice.cut().continuation(), str)
     splice = Splice(request({**body, "seed": 7, "temperature": 0.8}))
     splice.begin_attempt(None)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.mode is Mode.RESTART
 
 
@@ -408,9 +408,9 @@ def test_a_length_finish_short_of_the_limit_reveals_a_server_cap_the_continuatio
     assert limits.output_cap("b", True) == 9
     cut = _cut_after({**body, "max_tokens": 30}, "/v1/completions",
                      "completions-stream-token-ids.http", 3)
-    plan = cut.continuation(output_cap=6)
+    plan = cut.cut().continuation(output_cap=6)
     assert not isinstance(plan, str) and json.loads(plan.body)["max_tokens"] == 6 - 3
-    refusal = cut.continuation(output_cap=20, next_output_cap=5)
+    refusal = cut.cut().continuation(output_cap=20, next_output_cap=5)
     assert isinstance(refusal, str) and "server cap" in refusal
     # a chat with no limit: a finish short of the context left reveals its default's cap
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -432,8 +432,8 @@ def test_an_unknown_server_cap_continues_only_as_far_as_its_floor_proves() -> No
     cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
 
     def plan(began_on: str, backend: str) -> object:
-        return cut.continuation(began_unknown=limits.unknown_cap(began_on),
-                                next_unknown=limits.unknown_cap(backend))
+        return cut.cut().continuation(began_unknown=limits.unknown_cap(began_on),
+                                      next_unknown=limits.unknown_cap(backend))
 
     for began_on, backend, which, needed in (("a", "b", "the engine that began it", 30),
                                              ("b", "a", "the next engine", 27)):
@@ -455,14 +455,14 @@ def test_an_unknown_server_cap_continues_only_as_far_as_its_floor_proves() -> No
     assert isinstance(plan("b", "a"), str)
     fresh = Splice(request(body))
     fresh.begin_attempt(None)
-    whole = fresh.continuation(began_unknown=limits.unknown_cap("a"))
+    whole = fresh.cut().continuation(began_unknown=limits.unknown_cap("a"))
     assert not isinstance(whole, str) and whole.mode is Mode.RESTART
     limits.learn_cap("a", (20, False))  # a chat's default: the cap on every request unknown
     assert limits.unknown_cap("a") is not None
     limits.learn_cap("a", (24, True))
     assert limits.unknown_cap("a") is None
-    known = cut.continuation(output_cap=limits.output_cap("a", False),
-                             began_unknown=limits.unknown_cap("a"))
+    known = cut.cut().continuation(output_cap=limits.output_cap("a", False),
+                                   began_unknown=limits.unknown_cap("a"))
     assert not isinstance(known, str) and json.loads(known.body)["max_tokens"] == 24 - 3
     limits.unknown["c"] = "why"
     limits.floor["c"] = 7
@@ -501,8 +501,8 @@ def test_a_new_process_on_the_same_url_is_held_to_nothing_the_old_one_proved() -
     cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
 
     def plan() -> object:
-        return cut.continuation(began_unknown=limits.unknown_cap(ENGINE),
-                                next_unknown=limits.unknown_cap(SPARE))
+        return cut.cut().continuation(began_unknown=limits.unknown_cap(ENGINE),
+                                      next_unknown=limits.unknown_cap(SPARE))
 
     limits.produced(ENGINE, 30, True)  # the old process ended a 30-token request: cap >= 30
     limits.context[ENGINE] = 256
@@ -640,7 +640,7 @@ def test_a_whole_generation_proves_its_engines_floor() -> None:
     assert whole.produced_here() == whole.produced == 6
     cut = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 3)
     produced = cut.produced
-    continuation = cut.continuation()
+    continuation = cut.cut().continuation()
     assert not isinstance(continuation, str)
     cut.begin_attempt(continuation)
     assert cut.produced_here() == 0 and cut.produced == produced
@@ -701,7 +701,7 @@ def test_a_cut_inside_a_character_continues_before_it_and_sends_nothing_twice(
     splice.begin_attempt(None)
     first = [splice.on_event(e) for e in events[:inside]]
     assert splice.unwritten == 1
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
     sent = json.loads(plan.body)
     assert sent["prompt"] == (splice.prompt_ids or []) + splice.output_ids[:-1]
@@ -731,7 +731,7 @@ def test_a_chunk_of_several_tokens_is_generated_again_and_its_text_not_sent_twic
     splice.begin_attempt(None)
     first = [splice.on_event(e) for e in (events[0], merged)]
     assert splice.unwritten == 2
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     assert json.loads(plan.body)["prompt"] == (splice.prompt_ids or []) + [267]
     assert (plan.replay, plan.replay_text) == ((120, 91), "\ufffdt")
@@ -744,13 +744,13 @@ def test_a_chunk_of_several_tokens_is_generated_again_and_its_text_not_sent_twic
     splice.begin_attempt(None)
     for e in (events[0], merged):
         splice.on_event(e)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     splice.begin_attempt(plan)
     splice.on_event(events[1])
     assert splice.on_event(events[2].replace(b'"text":"\xef\xbf\xbdt"', b'"text":"xt"'))[0] is (
         EventAction.ENGINE_ERROR)
-    assert "other tokens" in str(splice.continuation())
+    assert "other tokens" in str(splice.cut().continuation())
 
 
 def test_a_token_generated_again_otherwise_is_refused_where_the_client_had_its_id() -> None:
@@ -758,21 +758,21 @@ def test_a_token_generated_again_otherwise_is_refused_where_the_client_had_its_i
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 9, "stream": True,
             "temperature": 0, "return_token_ids": True}
     splice = _cut_after(body, "/v1/completions", "completions-stream-token-ids.http", 2)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     splice.begin_attempt(plan)
     other = events[1].replace(b'"token_ids":[120]', b'"token_ids":[121]')
     assert splice.on_event(other) == (EventAction.ENGINE_ERROR, b"")
-    refusal = splice.continuation()
+    refusal = splice.cut().continuation()
     assert isinstance(refusal, str) and "other tokens" in refusal
     # Sampled, the token would not come again the same: refused before it is tried.
     splice = _cut_after({**body, "temperature": 0.7}, "/v1/completions",
                         "completions-stream-token-ids.http", 2)
-    assert "sampled" in str(splice.continuation())
+    assert "sampled" in str(splice.cut().continuation())
     # Logprobs' offsets for a token generated again are not rebuilt: refused.
     splice = _cut_after({**body, "logprobs": 1}, "/v1/completions",
                         "completions-stream-token-ids.http", 2)
-    assert "inside a character" in str(splice.continuation())
+    assert "inside a character" in str(splice.cut().continuation())
 
 
 def test_reasoning_and_images_in_a_chat_are_refused() -> None:
@@ -780,21 +780,21 @@ def test_reasoning_and_images_in_a_chat_are_refused() -> None:
                                          {"type": "image_url", "image_url": {"url": "x"}}]}
     splice = _cut_after({"model": "tiny", "messages": [image], "max_tokens": 9, "stream": True},
                         "/v1/chat/completions", "chat-stream-token-ids.http", 3)
-    assert "non-text content" in str(splice.continuation())
+    assert "non-text content" in str(splice.cut().continuation())
     splice = Splice(request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                              "max_tokens": 9, "stream": True}, "/v1/chat/completions"))
     splice.begin_attempt(None)
     splice.on_event(captured_events("chat-stream-token-ids.http")[0])
     splice.on_event(b'data: {"id":"c","created":1,"choices":[{"index":0,"delta":'
                     b'{"reasoning_content":"hmm"},"token_ids":[7]}]}')
-    assert "reasoning" in str(splice.continuation())
+    assert "reasoning" in str(splice.cut().continuation())
 
 
 def test_a_chat_cut_after_its_role_chunk_alone_is_sent_again_as_it_was() -> None:
     splice = _cut_after({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                          "stream": True, "stop": ["x"], "presence_penalty": 1},
                         "/v1/chat/completions", "chat-stream-token-ids.http", 1)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     assert (plan.mode, plan.path, plan.body) == (Mode.RESTART, "/v1/chat/completions",
                                                  splice.request.upstream_body)
@@ -824,7 +824,7 @@ def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_
                          "logprobs": 1, "stream": True},
                         "/v1/completions", "completions-stream-token-ids.http", 3)
     had = len("".join(splice.text))
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.mode is Mode.TOKENS
     splice.begin_attempt(plan)
     chunk = {"id": "cmpl-x", "object": "text_completion", "created": 2, "model": "tiny",
@@ -840,7 +840,7 @@ def test_a_completions_logprobs_go_on_with_their_offsets_moved_past_the_clients_
     chat = _cut_after({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 9, "logprobs": True, "stream": True},
                       "/v1/chat/completions", "chat-stream-token-ids.http", 3)
-    assert "logprobs" in str(chat.continuation())
+    assert "logprobs" in str(chat.cut().continuation())
 
 
 def test_logprobs_offsets_go_on_from_the_token_strings_not_the_text() -> None:
@@ -863,7 +863,7 @@ def test_logprobs_offsets_go_on_from_the_token_strings_not_the_text() -> None:
     splice.on_event(chunk("", [8], [""], [1]))
     splice.on_event(chunk("\u00e9", [9], ["\ufffd\ufffd"], [1]))
     assert "".join(splice.text) == "a\u00e9"  # 2 characters; the tokens' strings count 3
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str)
     splice.begin_attempt(plan)
     _, data = splice.on_event(chunk("b", [10], ["b"], [0]))

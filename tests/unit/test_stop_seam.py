@@ -17,12 +17,8 @@ from typing import Any
 
 import pytest
 
-from fleetwarden.router.splice import (
-    EventAction,
-    Mode,
-    Splice,
-    read_stream_request,
-)
+from fleetwarden.router.continuation import Mode, read_stream_request
+from fleetwarden.router.splice import EventAction, Splice
 from fleetwarden.sim import wire
 from fleetwarden.sim.sampling import Generation, parse_params
 
@@ -125,7 +121,7 @@ def _run(seed: int, index: int) -> tuple[str, str]:
                 (_client(out), whole, body, chunking, cuts))
         if splice.finished():
             return "whole", ""
-        next_plan = splice.continuation()
+        next_plan = splice.cut().continuation()
         if isinstance(next_plan, str):
             return "refused", next_plan
         plan = next_plan
@@ -210,7 +206,7 @@ def test_the_router_matches_a_stop_string_across_the_cut_and_ends_there() -> Non
     whole = _client([e + b"\n\n" for e in _events(_engine(wire.encode("the"), body, 0), 1)])
     assert whole["stop_reason"] == stop
     splice, out = _begun(body, 4)
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.held_stop
     got = _go_on(splice, plan, out)
     assert splice.ended_by_router()
@@ -226,11 +222,11 @@ def test_a_cut_before_the_tokens_generated_again_came_goes_on_from_the_seam() ->
             "max_tokens": 30, "stop": ["zzzzzzzzzzzz"], "return_token_ids": True}
     splice, out = _begun(body, 4)
     assert _client([*out, b"data: [DONE]\n\n"])["text"]  # the client has some text
-    plan = splice.continuation()
+    plan = splice.cut().continuation()
     assert not isinstance(plan, str) and plan.replay and plan.held_stop
     splice.begin_attempt(plan)
     assert splice.produced == 0
-    again = splice.continuation()  # cut before its first chunk
+    again = splice.cut().continuation()  # cut before its first chunk
     assert not isinstance(again, str) and again.mode is plan.mode and again.replay == plan.replay
     whole = _client([e + b"\n\n" for e in _events(_engine(wire.encode("the"), body, 0), 1)])
     assert _go_on(splice, again, out) == whole

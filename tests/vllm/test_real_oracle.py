@@ -43,13 +43,14 @@ import aiohttp
 import pytest
 
 from fleetwarden.config import FleetConfig
-from fleetwarden.controller import output_cap_from, output_default_from
 from fleetwarden.engines import generation_limits, output_cap_of
 from fleetwarden.judge import DEFAULT_POLICY, Target
 from fleetwarden.launchers import procs
 from fleetwarden.model_files import generation_config_file
+from fleetwarden.pushes import output_cap_from, output_default_from
 from fleetwarden.router import BackendFacts, Router, RouterSettings
-from fleetwarden.router.splice import EngineLimits, Splice, check_stop_strings, read_stream_request
+from fleetwarden.router.continuation import read_stream_request
+from fleetwarden.router.splice import EngineLimits, Splice, check_stop_strings
 from fleetwarden.testing.model_folders import (
     NO_GENERATION_CONFIG,
     with_generation_config,
@@ -495,8 +496,9 @@ def test_the_routers_output_limits_are_vllms_own(vllm_python: Path, tmp_path: Pa
         cap, default = ours[engine]
         limits = EngineLimits(cap={} if cap is None else {"e": cap},
                               default_cap={} if default is None else {"e": default})
-        plan = splice.continuation(max_model_len=max_model_len,
-                                   output_cap=limits.output_cap("e", splice.names_no_limit()))
+        no_limit = splice.request.names_no_limit()
+        plan = splice.cut().continuation(max_model_len=max_model_len,
+                                         output_cap=limits.output_cap("e", no_limit))
         assert not isinstance(plan, str) and not plan.replay, (plan, request)
         got = json.loads(plan.body)["max_tokens"] + splice.produced
         assert got == want, (engines[engine], request["body"], got, want)

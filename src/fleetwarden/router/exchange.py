@@ -16,10 +16,11 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleetwarden.router.affinity import Query
+from fleetwarden.router.continuation import Continuation
 from fleetwarden.router.pool import UNKNOWN_FACTS, BackendFacts
 from fleetwarden.router.retry import AfterFailure, Cause, Retries
 from fleetwarden.router.serve import RawHeaders, Request, StreamResponse
-from fleetwarden.router.splice import Continuation, Splice
+from fleetwarden.router.splice import Splice
 from fleetwarden.router.upstream import (
     Address,
     Answer,

@@ -332,8 +332,8 @@ class Forwarder:
         # not known yet is refused.
         limits, began_on = self.limits, stream.began_on
         rule = limits.completion_rule(began_on)
-        no_limit = stream.splice.names_no_limit(rule)
-        plan = stream.splice.continuation(
+        no_limit = stream.splice.request.names_no_limit(rule)
+        plan = stream.splice.cut().continuation(
             max_model_len=None if began_on is None else limits.context.get(began_on),
             upstream_fields=self.attempts.takes_fields(backend),
             output_cap=limits.output_cap(began_on, no_limit),

@@ -17,11 +17,12 @@ import json
 
 from fleetwarden.router.affinity import Affinity, Query, query_of
 from fleetwarden.router.answers import OwnAnswers, error_response
+from fleetwarden.router.continuation import read_stream_request
 from fleetwarden.router.exchange import CLOSE, Exchange, Stream
 from fleetwarden.router.relay import HOP_BY_HOP
 from fleetwarden.router.serve import BodyTooLarge, RawHeaders, Request, Response
 from fleetwarden.router.settings import MIN_VERSION_HEADER, RouterSettings
-from fleetwarden.router.splice import Splice, read_stream_request
+from fleetwarden.router.splice import Splice
 from fleetwarden.router.stats import RouterStats
 
 __all__ = ["Intake"]

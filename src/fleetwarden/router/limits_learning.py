@@ -62,8 +62,9 @@ class LimitsLearner:
         controller could read it) as the cap of such chats, and what each engine gives a
         completion that names no limit (its kind's rule). Where it says the cap is unknown
         (``output_cap_unknown``), a continuation begun there or sent there goes on only as far
-        as what requests there produced proves (:class:`~fleetwarden.router.splice.UnknownCap`,
-        docs/design.md 4.1, "Server caps", rule 5).
+        as what requests there produced proves
+        (:class:`~fleetwarden.router.continuation.UnknownCap`, docs/design.md 4.1, "Server caps",
+        rule 5).
 
         A backend whose push names another process than the last one did (a restart on the
         same URL: an attached engine, an operator's restart with other flags) is forgotten

@@ -44,7 +44,7 @@ class CompletionDefault(enum.Enum):
     one must keep (docs/design.md 4.1; per engine, with its source: docs/engines.md). Values:
     the controller's push's words (its engine profile's ``completion_default``)."""
 
-    FIXED = "fixed"  # 16 (splice.COMPLETION_DEFAULT_MAX_TOKENS): vLLM, SGLang
+    FIXED = "fixed"  # 16 (continuation.COMPLETION_DEFAULT_MAX_TOKENS): vLLM, SGLang
     ENGINE = "engine"  # its default limit, else the context left, as a chat (llama.cpp, TGI)
     UNKNOWN = "unknown"  # an engine of no known kind: such a completion, cut, ends
 

@@ -38,6 +38,8 @@ from fleetwarden.router.splice import (
     EventAction,
     Splice,
     SseSplitter,
+    assembled_answer,
+    error_answer,
     error_event,
 )
 from fleetwarden.router.stats import RouterStats
@@ -385,7 +387,7 @@ class Relay:
         splice.begin_attempt(stream.continuation if stream.began else None)
         if not stream.began:
             stream.began_on = backend
-            if splice.names_no_limit(self.limits.completion_rule(backend)):
+            if splice.request.names_no_limit(self.limits.completion_rule(backend)):
                 self._learn_context(backend)
         if stream.began and stream.continuation is not None:
             self.stats.continuations[stream.continuation.mode.value] += 1
@@ -424,8 +426,8 @@ class Relay:
         upstream = a.upstream
         headers = response_headers(upstream.raw_headers, _NOT_RELAYED_WHOLE | {b"content-type"},
                                    a.facts, stream.crossed)
-        status, body = (stream.splice.error_answer() if error
-                        else (200, stream.splice.answer()))
+        status, body = (error_answer(stream.splice) if error
+                        else (200, assembled_answer(stream.splice)))
         response = Response(status=status, body=body, headers=headers,
                             content_type="application/json")
         stream.response = response
@@ -438,7 +440,7 @@ class Relay:
         self.pool.record_success(backend)
         rule = self.limits.completion_rule(backend)
         if (tokens := splice.produced_here()) is not None:
-            self.limits.produced(backend, tokens, splice.names_no_limit(rule))
+            self.limits.produced(backend, tokens, splice.request.names_no_limit(rule))
         revealed = splice.revealed_cap(self.limits.context.get(backend), rule)
         if revealed is not None:
             self.limits.learn_cap(backend, revealed)
@@ -453,7 +455,7 @@ class Relay:
         if stream.response is None:  # an answer being assembled: it is whole
             facts = replace(self.pool.facts(backend),
                             weight_version=stream.weight_version)
-            response = Response(status=200, body=splice.answer(),
+            response = Response(status=200, body=assembled_answer(splice),
                                 headers=response_headers([], facts=facts,
                                                           crossed=stream.crossed),
                                 content_type="application/json")

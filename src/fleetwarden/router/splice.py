@@ -1,43 +1,29 @@
-"""Continuing a streamed generation on another engine: the pure parts (no I/O, no clock).
+"""Continuing a streamed generation on another engine: the events (pure: no I/O, no clock).
 
-Owns: how a broken stream continues on another engine: the prompt, the chunks, the seam.
-Must not: do I/O or read a clock (pure).
+Owns: what a continued stream's client gets: each engine's events rewritten into one stream,
+and the answer assembled from them.
+Must not: do I/O or read a clock (pure); plan what goes upstream
+(:mod:`fleetwarden.router.continuation`, which plans from what this module says the client
+has: :meth:`Splice.cut`).
 
 When an engine fails a stream whose first bytes already reached the client (a crash, a reset,
 a rescue from a wedge), the router does not cut it: it asks another engine to go on from the
 tokens already produced, and splices that engine's chunks into the client's stream, so the
 client sees one unbroken stream: every token once, in order, one ``[DONE]``, and a final
 ``finish_reason`` and ``usage`` that cover the whole generation. The forwarding shell
-(:mod:`fleetwarden.router.forward`) does the I/O; this module decides and rewrites:
+(:mod:`fleetwarden.router.forward`) does the I/O; this module rewrites:
 
-* :func:`read_stream_request`: is a request a streamed completion or chat, may it be continued
-  (and if not, why), and the body to send upstream (``return_token_ids`` added, so that the
-  engine says which tokens it produced).
 * :class:`SseSplitter`: bytes from the engine into whole SSE events.
 * :class:`Splice`: one client stream across its attempts: what each upstream event becomes for
   the client (fields the router added stripped, ids and ``created`` of the first attempt,
-  completion chunks turned back into chat chunks, ``usage`` summed), and the request that
-  continues it (:meth:`Splice.continuation`).
-
-Two ways to continue, and the metrics say which one happened:
-
-* ``tokens`` (exact): where the engine gave token ids (vLLM's ``return_token_ids``), the
-  continuation is a completion whose ``prompt`` is the prompt's ids plus the output's ids: a
-  chat continues from its rendered template, as a completion, and its chunks are turned back
-  into chat chunks.
-* ``text``: where it did not, a completion continues from its prompt plus the text produced so
-  far, a chat from the partial assistant message with ``continue_final_message``. The output
-  may differ from an uninterrupted run where the text does not re-tokenize to the same tokens.
+  completion chunks turned back into chat chunks, ``usage`` summed), and what the client has
+  where it was cut (:meth:`Splice.cut`).
+* :func:`assembled_answer`, :func:`error_answer`: the non-streamed answer the router assembles
+  from the stream(s).
 
 Stop strings are the router's to check across a cut (:class:`StopCheck`): the continuation
 goes on from the last token boundary whose text the router knows, without the stop strings,
 and the router runs vLLM's own check over the text known from the start.
-
-A request is not continuable where a continuation cannot be exact or is not allowed: several
-choices (``n`` > 1, ``best_of``, several prompts), ``echo``, prompt logprobs, structured output
-or tools (their grammar state would restart), or a client that opted out with
-:data:`OPT_OUT_HEADER`. Such a stream, cut after its first bytes, ends with an error event in
-the OpenAI shape naming the cause, never silently.
 """
 
 from __future__ import annotations
@@ -46,143 +32,33 @@ import enum
 import json
 import re
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# ``_dumps`` and ``_number`` come from the request side: JSON is written one way (vLLM's) and a
+# count read one way, in what goes upstream and in what the client gets.
+from fleetwarden.router.continuation import (
+    Continuation,
+    Cut,
+    Mode,
+    StreamRequest,
+    UnknownCap,
+    _dumps,
+    _number,
+    output_limit,
+    stop_strings,
+)
 from fleetwarden.router.pool import CompletionDefault
 
-__all__ = ["OPT_OUT_HEADER", "CompletionDefault", "EngineLimits", "Mode", "Splice",
-           "SseSplitter", "StreamRequest", "UnknownCap", "error_event", "output_limit",
-           "read_stream_request"]
-
-#: A client that wants a cut stream to end rather than go on elsewhere sends this header with
-#: ``off`` (or ``0``, ``false``, ``no``).
-OPT_OUT_HEADER = "x-fleetwarden-continuation"
-_OFF = frozenset({"off", "0", "false", "no"})
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+__all__ = ["CompletionDefault", "EngineLimits", "Splice", "SseSplitter", "assembled_answer",
+           "error_answer", "error_event"]
 
 DONE = b"data: [DONE]\n\n"
-#: vLLM's and SGLang's ``max_tokens`` for a completion that names none (a chat's is the
-#: engine's default, else the context left): :attr:`CompletionDefault.FIXED`.
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 #: What an engine's ``return_token_ids`` adds to a chunk, when the router asked for it and the
 #: client did not: set back to ``null``, as vLLM writes them when not asked (byte for byte).
 _ADDED_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\s*\[[0-9,\s]*\]')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
-
-#: Sampling and output fields a chat continued as a completion keeps (everything else in a chat
-#: request is about messages, templates or tools, which the rendered prompt already holds).
-_CHAT_TO_COMPLETION = (
-    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-    "ignore_eos", "logit_bias", "bad_words", "allowed_token_ids", "min_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "priority", "user", "stream_options", "cache_salt", "vllm_xargs", "kv_transfer_params",
-)
-_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structured_outputs", "guided_decoding_backend")
-
-
-class Mode(enum.Enum):
-    """How a generation was continued. Values are metric labels."""
-
-    TOKENS = "tokens"  # exact: from the prompt's and the output's token ids
-    TEXT = "text"  # from the prompt and the text produced so far
-    RESTART = "restart"  # nothing produced yet: the request itself, sent again
-
-
-@dataclass(frozen=True, slots=True)
-class StreamRequest:
-    """A client's streamed completion or chat request, as the router reads it."""
-
-    chat: bool
-    #: The client's body, parsed.
-    body: Mapping[str, Any]
-    #: Why it cannot be continued, or ``None`` if it can.
-    refusal: str | None
-    #: The client asked for ``return_token_ids`` itself: the ids stay in what it receives.
-    wants_ids: bool
-    #: What goes upstream on the first attempt.
-    upstream_body: bytes
-    #: A non-streamed request whose answer the router assembles from a stream it asked the
-    #: engine for (``continue_answers``), so that it too can go on elsewhere.
-    assemble: bool = False
-    #: What goes upstream to an engine that does not take vLLM's own fields: the client's
-    #: request with nothing of the router's added but what any OpenAI server takes.
-    plain_body: bytes = b""
-
-    def body_for(self, upstream_fields: bool) -> bytes:
-        """The first attempt's body for an engine that does (or does not) take vLLM's own
-        request fields."""
-        return self.upstream_body if upstream_fields or not self.plain_body else self.plain_body
-
-
-def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
-                        assemble_answers: bool = False) -> StreamRequest | None:
-    """The streamed completion or chat in ``body``, or ``None`` for anything else (which the
-    router relays as it always has). With ``assemble_answers``, a non-streamed completion or
-    chat that could be continued is read too: it goes upstream streamed, and the router
-    assembles its answer (one with logprobs is not: their merge is not done here)."""
-    if path not in (COMPLETIONS, CHAT) or (not assemble_answers and b'"stream"' not in body):
-        return None
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(parsed, dict):
-        return None
-    chat = path == CHAT
-    refusal = _refusal(parsed, chat, headers.get(OPT_OUT_HEADER, "").strip().lower() in _OFF)
-    wants_ids = parsed.get("return_token_ids") is True
-    if parsed.get("stream") is not True:
-        if (not assemble_answers or refusal is not None
-                or _asks_logprobs(parsed) or parsed.get("stream") not in (None, False)):
-            return None
-        plain = {**parsed, "stream": True, "stream_options": {"include_usage": True}}
-        upstream = _dumps({**plain, "return_token_ids": True})
-        return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True,
-                             plain_body=_dumps(plain))
-    upstream = body
-    if refusal is None and not wants_ids:
-        upstream = _dumps({**parsed, "return_token_ids": True})
-    return StreamRequest(chat, parsed, refusal, wants_ids, upstream, plain_body=body)
-
-
-def _refusal(body: Mapping[str, Any], chat: bool, opted_out: bool) -> str | None:
-    if opted_out:
-        return f"the client opted out ({OPT_OUT_HEADER})"
-    if _number(body.get("n"), 1) > 1 or _number(body.get("best_of"), 1) > 1:
-        return "several choices (n > 1)"
-    if body.get("echo"):
-        return "echo"
-    if body.get("prompt_logprobs") is not None:
-        return "prompt logprobs"
-    response_format = body.get("response_format")
-    if ((isinstance(response_format, dict) and response_format.get("type", "text") != "text")
-            or any(body.get(k) is not None for k in _STRUCTURED)):
-        return "structured output"
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (
-            None, "none", "auto"):
-        return "tools"
-    if not chat:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not all(
-                isinstance(t, int) for t in prompt) and len(prompt) > 1:
-            return "several prompts"
-    return None
-
-
-def _number(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _dumps(obj: Any) -> bytes:
-    """JSON as vLLM writes it: compact, raw UTF-8."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 #: A stream's ``error`` when its engine aborted it (``finish_reason`` "abort"); the one object,
@@ -236,63 +112,9 @@ class EventAction(enum.Enum):
     DONE = "done"  # the engine's ``[DONE]``: the generation is complete
     ENGINE_ERROR = "engine_error"  # the engine ended the stream with an error event, or aborted
     #: An error event coded below 500: the request's fault, not the engine's. A stream's client
-    #: gets it as it came; an answer being assembled ends as that error (:meth:`Splice.
-    #: error_answer`), never as a 200 with the content so far.
+    #: gets it as it came; an answer being assembled ends as that error (:func:`error_answer`),
+    #: never as a 200 with the content so far.
     CLIENT_ERROR = "client_error"
-
-
-@dataclass(frozen=True, slots=True)
-class Continuation:
-    """The request that continues a stream: where, what, and how."""
-
-    path: str
-    body: bytes
-    mode: Mode
-    #: The engine's chunks are completions, to be turned back into chat chunks.
-    as_completion: bool
-    #: The output's last token ids, whose text the engine had not written when it was cut:
-    #: left out of the prompt, generated again, and not sent twice (:meth:`Splice.continuation`).
-    replay: tuple[int, ...] = ()
-    #: The text the client had of those tokens: not sent twice either.
-    replay_text: str = ""
-    #: The request's stop strings are the router's to check on this attempt (it is sent
-    #: without them): :class:`StopCheck`.
-    held_stop: bool = False
-
-
-@dataclass(frozen=True)
-class UnknownCap:
-    """An engine's limit that nothing told (``why``): its server cap on every request, or its
-    default limit of a chat that names none (``default``); only that it is at least ``floor``
-    tokens, the most one such request there produced. A continuation is exact where the floors
-    cover it: the engine that began it would not have ended it before the limit, and the next
-    one will not end it before what is left (docs/design.md 4.1, "Server caps")."""
-
-    floor: int
-    why: str
-    default: bool = False
-
-    def short_of(self, tokens: int, which: str) -> str | None:
-        """Why ``tokens`` are not proven to fit under this limit on ``which`` engine."""
-        if tokens <= self.floor:
-            return None
-        what, key = (("default limit", "output_default") if self.default
-                     else ("server cap", "output_cap"))
-        return (f"the {what} of {which} is unknown ({self.why}; {self.floor} tokens proven of "
-                f"the {tokens} needed; declare its {key}, or run vLLM with "
-                "VLLM_SERVER_DEV_MODE=1)")
-
-
-
-def _cap_refusal(next_cap: int | None, began: UnknownCap | None, next_: UnknownCap | None,
-                 produced: int, left: int) -> str | None:
-    """Why a continuation that asks ``left`` after ``produced`` would not end where the first
-    engine would have: the next engine's known cap below ``left``, or a floor short of the
-    generation's limit on the engine that began it or of ``left`` on the next one."""
-    if next_cap is not None and left > next_cap:
-        return f"the next engine's server cap ({next_cap} tokens), below the {left} left"
-    return ((began and began.short_of(produced + left, "the engine that began it"))
-            or (next_ and next_.short_of(left, "the next engine")) or None)
 
 
 @dataclass(slots=True)
@@ -389,19 +211,6 @@ class EngineLimits:
             caps.append(self.default_cap.get(backend))
         known = [c for c in caps if c is not None]
         return min(known) if known else None
-
-
-def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...] | None:
-    """A request's stop strings as vLLM reads them (one string is a list of one); ``None``
-    where they are not strings."""
-    stop = body.get("stop")
-    if stop is None or stop == []:
-        return ()
-    if isinstance(stop, str):
-        return (stop,) if stop else ()
-    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
-        return tuple(stop)
-    return None
 
 
 def check_stop_strings(text: str, new_chars: int, stops: tuple[str, ...],
@@ -512,12 +321,25 @@ class StopCheck:
         self.sent = max(self.sent, end)
         return out, None if found is None else found[0]
 
-
-#: A continuation cut again once the ids it was to give again had come, with the text a stop
-#: check holds: the client has ids the count no longer shows, and sent again whole, it would
-#: get them twice.
-_SECOND_CUT = ("a second cut, after ids the client had came again with text a stop string "
-               "held back")
+    def rewrite(self, chunk: dict[str, Any]) -> bool:
+        """The check on an engine's chunk of an attempt sent without the stop strings (in
+        place): its text becomes what the client gets, and a match ends the generation
+        (``False``: where vLLM would have cut cannot be proven)."""
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get("token_ids")
+            text = choice.get("text")
+            if not isinstance(ids, list) or not isinstance(text, str):
+                self.unprovable = "stop strings, with a chunk without token ids or text"
+                return False
+            out, stop = self.chunk(ids, text, choice.get("finish_reason") is not None)
+            if self.unprovable is not None:
+                return False
+            choice["text"] = out
+            if stop is not None:
+                choice["finish_reason"], choice["stop_reason"] = "stop", stop
+        return True
 
 
 class Splice:
@@ -664,7 +486,7 @@ class Splice:
             return EventAction.ENGINE_ERROR, b""
         check = self.stop_check
         if check is not None and check.active:
-            if not self._check_stops(chunk, check):
+            if not check.rewrite(chunk):
                 self.error = {"message": check.unprovable, "code": 500}
                 return EventAction.ENGINE_ERROR, b""
             replayed = (replayed[0], 0)  # the check counted the client's text already
@@ -685,26 +507,6 @@ class Splice:
         if out is None:
             return EventAction.SKIP, b""
         return EventAction.SEND, b"data: " + _dumps(out) + b"\n\n"
-
-    def _check_stops(self, chunk: dict[str, Any], check: StopCheck) -> bool:
-        """The router's stop check on a chunk of an attempt sent without the stop strings: its
-        text becomes what the client gets, and a match ends the generation (``False``: where
-        vLLM would have cut cannot be proven)."""
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            ids = choice.get("token_ids")
-            text = choice.get("text")
-            if not isinstance(ids, list) or not isinstance(text, str):
-                check.unprovable = "stop strings, with a chunk without token ids or text"
-                return False
-            out, stop = check.chunk(ids, text, choice.get("finish_reason") is not None)
-            if check.unprovable is not None:
-                return False
-            choice["text"] = out
-            if stop is not None:
-                choice["finish_reason"], choice["stop_reason"] = "stop", stop
-        return True
 
     def _take_replay(self, chunk: dict[str, Any]) -> tuple[int, int] | None:
         """How many of a chunk's first ids and characters the client had already (tokens
@@ -793,40 +595,14 @@ class Splice:
         wants_ids = self.request.wants_ids
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            usage = self.usage = self._whole_usage(usage)
+            usage = self.usage = _whole_usage(usage, self._before)
         if any(replayed):
-            choices_ = []
-            for c in chunk.get("choices") or ():
-                ids = c.get("token_ids")
-                c = {**c, "token_ids": ids[replayed[0]:]} if isinstance(ids, list) else c
-                if isinstance(c.get("text"), str):
-                    c["text"] = c["text"][replayed[1]:]
-                text = c.get("text", (c.get("delta") or {}).get("content"))
-                if c.get("token_ids") or text or c.get("finish_reason") is not None:
-                    choices_.append(c)
-            if chunk.get("choices") and not choices_:
+            unseen = _unseen(chunk, replayed)
+            if unseen is None:
                 return None  # a token the client had: its chunk came, text and all
-            chunk = {**chunk, "choices": choices_}
+            chunk = unseen
         if self._as_completion:  # a completion chunk back into a chat chunk
-            out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
-                                   "created": self.created, "model": chunk.get("model")}
-            choices = []
-            for c in chunk.get("choices") or ():
-                choice: dict[str, Any] = {"index": c.get("index", 0),
-                                          "delta": {"content": c.get("text", "")},
-                                          "logprobs": None,
-                                          "finish_reason": c.get("finish_reason")}
-                if c.get("finish_reason") is not None:
-                    choice["stop_reason"] = c.get("stop_reason")
-                choice["token_ids"] = c.get("token_ids") if wants_ids else None
-                choices.append(choice)
-            out["choices"] = choices
-            if usage is not None:
-                out["usage"] = usage
-            for key in ("system_fingerprint",):
-                if key in chunk:
-                    out[key] = chunk[key]
-            return out
+            return _as_chat_chunk(chunk, self.id, self.created, usage, wants_ids)
         out = dict(chunk)
         out["id"] = self.id
         out["created"] = self.created
@@ -871,18 +647,6 @@ class Splice:
                 and isinstance(offsets[-1], int) and isinstance(tokens[-1], str)):
             self._offset_end = offsets[-1] + moved + len(tokens[-1])
 
-    def _whole_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """An attempt's usage as the whole generation's: its prompt held what came before."""
-        before = self._before
-        out = dict(usage)
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
-            out["prompt_tokens"] = prompt - before
-            out["completion_tokens"] = completion + before
-            out["total_tokens"] = prompt + completion
-        return out
-
     def closing_usage(self) -> bytes | None:
         """What a generation that was whole but lost its end still owes its client: the usage
         event, where it asked for one and none came (``b""`` where it owes nothing; ``None``
@@ -912,61 +676,7 @@ class Splice:
             "created": self.created, "model": self.model, "choices": [],
             "fleetwarden_weight_versions": versions}) + b"\n\n"
 
-    def error_answer(self) -> tuple[int, bytes]:
-        """The non-streamed answer to a request whose stream ended with an error event of the
-        request's own (:attr:`EventAction.CLIENT_ERROR`): its code and its error, as vLLM
-        answers a request that fails before it streams."""
-        code = self.error.get("code") if isinstance(self.error, dict) else None
-        return (code if isinstance(code, int) and 400 <= code < 500 else 400,
-                _dumps({"error": self.error}))
-
-    def answer(self) -> bytes:
-        """The non-streamed answer, assembled from the stream(s), in vLLM 0.32's shape
-        (``completions.http``, ``chat.http``, ``completions-token-ids.http``)."""
-        text = "".join(self.text)
-        ids = self.output_ids if self.request.wants_ids else None
-        prompt_ids = self.prompt_ids if self.request.wants_ids else None
-        usage = self.usage or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens", self.produced)
-        whole_usage = {"prompt_tokens": prompt,
-                       "total_tokens": None if prompt is None else prompt + completion,
-                       "completion_tokens": completion, "prompt_tokens_details": None,
-                       "completion_tokens_details": None}
-        head = {"id": self.id,
-                "object": "chat.completion" if self.request.chat else "text_completion",
-                "created": self.created, "model": self.model}
-        if self.request.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
-                                       "annotations": None, "audio": None,
-                                       "function_call": None, "reasoning": None}
-            if self.saw_reasoning:
-                message["reasoning_content"] = "".join(self.reasoning)
-            return _dumps({**head, "choices": [{
-                "index": 0, "message": message, "logprobs": None,
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-                "token_ids": ids, "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": self.fingerprint,
-                "usage": whole_usage, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
-                "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
-                "metrics": None})
-        return _dumps({**head, "choices": [{
-            "index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason, "token_ids": ids, "prompt_logprobs": None,
-            "prompt_token_ids": prompt_ids, "routed_experts": None}],
-            "service_tier": None, "system_fingerprint": self.fingerprint, "usage": whole_usage,
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
-
     # ------------------------------------------------------------------ the next attempt
-
-    def names_no_limit(self, completion: CompletionDefault = CompletionDefault.FIXED) -> bool:
-        """A request that gets its engine's default limit: a chat naming neither
-        ``max_tokens`` nor ``max_completion_tokens``, a completion naming no ``max_tokens``
-        where ``completion`` (the rule of the engine it began on) is that default."""
-        body = self.request.body
-        if not self.request.chat:
-            return completion is CompletionDefault.ENGINE and body.get("max_tokens") is None
-        return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
 
     def revealed_cap(self, max_model_len: int | None,
                      completion: CompletionDefault = CompletionDefault.FIXED,
@@ -977,10 +687,11 @@ class Splice:
         if (self.mode not in (None, Mode.RESTART) or not self.finished() or not self.ids_complete
                 or self.finish_reason != "length" or self.produced_here() is None):
             return None
-        asked = self._tokens_left(max_model_len, 0, None, completion)
+        prompt = None if self.prompt_ids is None else len(self.prompt_ids)
+        asked = output_limit(self.request, prompt, max_model_len, None, completion)
         if isinstance(asked, str) or self.produced >= asked:
             return None
-        return self.produced, not self.names_no_limit(completion)
+        return self.produced, not self.request.names_no_limit(completion)
 
     def produced_here(self) -> int | None:
         """Tokens the last attempt made, at least: by ids, else a chunk each but the last."""
@@ -997,249 +708,118 @@ class Splice:
         became of ``[DONE]``. It is never continued past its end."""
         return len(self.finished_choices) >= max(1, _number(self.request.body.get("n"), 1))
 
-    def continuation(self, chat_as_completion: bool = True, *, max_model_len: int | None = None,
-                     upstream_fields: bool = True, output_cap: int | None = None,
-                     next_output_cap: int | None = None, began_unknown: UnknownCap | None = None,
-                     next_unknown: UnknownCap | None = None,
-                     completion: CompletionDefault = CompletionDefault.FIXED) -> Continuation | str:
-        """The request that continues this stream, or why there can be none (docs/design.md,
-        "Continuing a generation"; where in doubt, refuse). ``upstream_fields``: the next
-        engine takes vLLM's own request fields (else only what any OpenAI server takes is sent,
-        and only a completion of text can go on). ``max_model_len``, ``output_cap``: the
-        context and server cap of the engine that began it (its limit is kept);
-        ``next_output_cap``: the next one's; ``began_unknown``, ``next_unknown``: either's cap
-        where unknown, whose floor must cover the limit (the first) or what is left (next);
-        ``completion``: what the first gives a completion that names no limit."""
-        request = self.request
-        if request.refusal is not None:
-            return request.refusal
-        if self.produced == 0 and not self._replay:
-            if self.ids_sent:
-                return _SECOND_CUT
-            # Nothing of the generation reached the client (a chat's role chunk at most): the
-            # request itself goes again, and its role chunk is not repeated. (Tokens still to
-            # be generated again did reach it: their chunks came, and perhaps some text.)
-            path = CHAT if request.chat else COMPLETIONS
-            return Continuation(path, request.body_for(upstream_fields), Mode.RESTART, False)
-        if (refusal := self._inexact()) is not None:
-            return refusal
-        body = dict(request.body)
-        # A prompt of ids is vLLM's to take.
-        exact = self.prompt_ids is not None and self.ids_complete and upstream_fields
-        # Where the last tokens came with no text (the start of a character whose bytes span
-        # tokens, or a skipped special token), the prompt of ids stops before them and they
-        # are generated again: vLLM's detokenizer starts a prompt of ids that decodes to text
-        # ending inside a character with no prefix, and would write the whole decoded prompt
-        # in front of its first chunk. At temperature 0 they come again the same; the client,
-        # who had their chunks with no text, is not sent them twice.
-        from_ids = exact and (chat_as_completion or not request.chat)
-        replay_text = self._tail_text + self._replay_text
-        replay = (*self.output_ids[len(self.output_ids) - self.unwritten:], *self._replay) if (
-            from_ids and (self.unwritten or self._replay)) else ()
-        produced = self.produced - self.unwritten if replay else self.produced
+    def cut(self) -> Cut:
+        """What the client has of the stream, read where it was cut: what the request that
+        continues it goes on from (:meth:`Cut.continuation`)."""
         check = self.stop_check
-        if check is not None:
-            # The router holds the stop check from here (:class:`StopCheck`): the prompt of
-            # ids stops at the seam, and the tokens after it are generated again.
-            if not from_ids:
-                return ("stop strings, without token ids to go on from (the text held back "
-                        "at the cut, and a match across it)")
-            seam_tokens, seam_chars = check.seam
-            replay = (*self.output_ids[seam_tokens:], *self._replay)
-            client = "".join(self.text)
-            replay_text = client[seam_chars:]
-            produced = seam_tokens
-            if replay and not _greedy(body):
-                return ("stop strings in a sampled generation, cut where the engine held text "
-                        "back (its tokens, generated again, would not come the same)")
-            body.pop("stop", None)
-        left = self._tokens_left(max_model_len, produced, output_cap, completion)
-        if isinstance(left, str):
-            return left
-        if refusal := _cap_refusal(next_output_cap, began_unknown, next_unknown, produced, left):
-            return refusal
-        refusal = (self._continued_fields(body, left, produced, upstream_fields)
-                   or self._refused_fields(body, exact, bool(replay), check is not None,
-                                           upstream_fields))
-        if refusal is not None:
-            return refusal
-        again = len(replay) - len(self._replay) if replay else 0  # output ids made again
-        ids = (self.prompt_ids or []) + self.output_ids[:len(self.output_ids) - again]
-        held = check is not None
-        if exact and request.chat and chat_as_completion:
-            plain = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
-            plain.update(prompt=ids, stream=True,
-                         return_token_ids=True, max_tokens=body["max_tokens"])
-            return Continuation(COMPLETIONS, _dumps(plain), Mode.TOKENS, True, replay,
-                                replay_text if replay else "", held)
-        if exact and not request.chat:
-            body["prompt"] = ids
-            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay,
-                                replay_text if replay else "", held)
-        return self._from_text(body)
+        return Cut(request=self.request, prompt_ids=self.prompt_ids, output_ids=self.output_ids,
+                   ids_complete=self.ids_complete, produced=self.produced,
+                   unwritten=self.unwritten, tail_text=self._tail_text, replay=self._replay,
+                   replay_text=self._replay_text, ids_sent=self.ids_sent, text=self.text,
+                   stop_seam=None if check is None else check.seam,
+                   stop_unprovable=None if check is None else check.unprovable,
+                   saw_logprobs=self.saw_logprobs, saw_reasoning=self.saw_reasoning,
+                   diverged=self.diverged)
 
-    def _continued_fields(self, body: dict[str, Any], left: int, produced: int,
-                          upstream_fields: bool) -> str | None:
-        """Set the continuation's limits and stream fields in ``body``; or why it cannot."""
-        request = self.request
-        body.pop("max_completion_tokens", None)
-        body["max_tokens"] = left
-        min_tokens = body.get("min_tokens")
-        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens:
-            body["min_tokens"] = max(0, min_tokens - produced)
-        if upstream_fields:
-            body["return_token_ids"] = True
-        elif not request.wants_ids:
-            body.pop("return_token_ids", None)
-        else:
-            return "the client's return_token_ids, which the next engine does not take"
-        if request.assemble:  # the client's request was not streamed; its continuation is
-            body.update(stream=True, stream_options={"include_usage": True})
+
+def error_answer(splice: Splice) -> tuple[int, bytes]:
+    """The non-streamed answer to a request whose stream ended with an error event of the
+    request's own (:attr:`EventAction.CLIENT_ERROR`): its code and its error, as vLLM
+    answers a request that fails before it streams."""
+    code = splice.error.get("code") if isinstance(splice.error, dict) else None
+    return (code if isinstance(code, int) and 400 <= code < 500 else 400,
+            _dumps({"error": splice.error}))
+
+
+def assembled_answer(splice: Splice) -> bytes:
+    """The non-streamed answer, assembled from the stream(s), in vLLM 0.32's shape
+    (``completions.http``, ``chat.http``, ``completions-token-ids.http``)."""
+    text = "".join(splice.text)
+    ids = splice.output_ids if splice.request.wants_ids else None
+    prompt_ids = splice.prompt_ids if splice.request.wants_ids else None
+    usage = splice.usage or {}
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", splice.produced)
+    whole_usage = {"prompt_tokens": prompt,
+                   "total_tokens": None if prompt is None else prompt + completion,
+                   "completion_tokens": completion, "prompt_tokens_details": None,
+                   "completion_tokens_details": None}
+    head = {"id": splice.id,
+            "object": "chat.completion" if splice.request.chat else "text_completion",
+            "created": splice.created, "model": splice.model}
+    if splice.request.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
+                                   "annotations": None, "audio": None,
+                                   "function_call": None, "reasoning": None}
+        if splice.saw_reasoning:
+            message["reasoning_content"] = "".join(splice.reasoning)
+        return _dumps({**head, "choices": [{
+            "index": 0, "message": message, "logprobs": None,
+            "finish_reason": splice.finish_reason, "stop_reason": splice.stop_reason,
+            "token_ids": ids, "routed_experts": None}],
+            "service_tier": None, "system_fingerprint": splice.fingerprint,
+            "usage": whole_usage, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+            "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+            "metrics": None})
+    return _dumps({**head, "choices": [{
+        "index": 0, "text": text, "logprobs": None, "finish_reason": splice.finish_reason,
+        "stop_reason": splice.stop_reason, "token_ids": ids, "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": splice.fingerprint, "usage": whole_usage,
+        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+
+
+def _unseen(chunk: dict[str, Any], replayed: tuple[int, int]) -> dict[str, Any] | None:
+    """A continuation's chunk less its first ``replayed`` ids and characters, which the client
+    had already; ``None`` where it had all of it."""
+    choices = []
+    for c in chunk.get("choices") or ():
+        ids = c.get("token_ids")
+        c = {**c, "token_ids": ids[replayed[0]:]} if isinstance(ids, list) else c
+        if isinstance(c.get("text"), str):
+            c["text"] = c["text"][replayed[1]:]
+        text = c.get("text", (c.get("delta") or {}).get("content"))
+        if c.get("token_ids") or text or c.get("finish_reason") is not None:
+            choices.append(c)
+    if chunk.get("choices") and not choices:
         return None
-
-    def _refused_fields(self, body: dict[str, Any], exact: bool, replay: bool, held: bool,
-                        upstream_fields: bool) -> str | None:
-        """Why the continuation's fields cannot be continued exactly, or ``None``."""
-        request = self.request
-        logprobs = self.saw_logprobs or _asks_logprobs(body)
-        if logprobs and (request.chat or not exact):
-            # A completion's continue from its ids, their text offsets moved on by the text
-            # the client has; a chat's would come in a completion's shape, from which its own
-            # (token bytes, alternatives by rank) cannot be rebuilt without the tokenizer.
-            return "logprobs (a chat's, or without token ids)"
-        if not upstream_fields and request.chat:
-            return "a chat, on an engine that takes no continue_final_message"
-        if exact and replay and logprobs:
-            if held:
-                return ("logprobs, at a cut where stop strings held text back (the text "
-                        "offsets of the tokens generated again)")
-            return ("logprobs, at a cut inside a character (the text offsets of the tokens "
-                    "generated again)")
-        if exact and replay and not _greedy(body):
-            return ("a cut inside a character of a sampled generation (its last tokens would "
-                    "not come again the same)")
-        return None
-
-    def _tokens_left(self, max_model_len: int | None, produced: int,
-                     output_cap: int | None = None,
-                     completion: CompletionDefault = CompletionDefault.FIXED) -> int | str:
-        """How many tokens the continuation may generate: the generation's limit
-        (:func:`output_limit`) less the ``produced`` its prompt holds; or why not known."""
-        prompt = None if self.prompt_ids is None else len(self.prompt_ids)
-        limit = output_limit(self.request, prompt, max_model_len, output_cap, completion)
-        if isinstance(limit, str):
-            return limit
-        if limit - produced < 1:
-            return "nothing left to generate"
-        return limit - produced
-
-    def _from_text(self, body: dict[str, Any]) -> Continuation | str:
-        """The continuation from the text the client has (no token ids to go on from):
-        ``body`` is the continuation's, its limits already set."""
-        request = self.request
-        options = request.body.get("stream_options")
-        if request.assemble or (isinstance(options, dict) and options.get("include_usage")):
-            # From text, the continuation's prompt tokens are the text re-read, not the
-            # tokens produced: the whole generation's usage could only be estimated.
-            return "usage, which a continuation from text cannot count"
-        text = "".join(self.text)
-        if not request.chat:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                return "a prompt of token ids, and no token ids from the engine"
-            body["prompt"] = prompt + text
-            return Continuation(COMPLETIONS, _dumps(body), Mode.TEXT, False)
-        messages = list(body.get("messages") or [])
-        if body.get("continue_final_message") and messages:
-            last = dict(messages[-1])
-            content = last.get("content")
-            if isinstance(content, list):
-                last["content"] = [*content, {"type": "text", "text": text}]
-            else:
-                last["content"] = ("" if content is None else str(content)) + text
-            messages[-1] = last
-        else:
-            messages.append({"role": "assistant", "content": text})
-        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
-        return Continuation(CHAT, _dumps(body), Mode.TEXT, False)
-
-    def _inexact(self) -> str | None:
-        """Why a continuation from here could not be proven the same answer, if it could not.
-        Each is a state the engine kept that a new prompt does not carry."""
-        body = self.request.body
-        if stop_strings(body) is None:
-            return "stop strings that are not strings"
-        if self.stop_check is not None and self.stop_check.unprovable is not None:
-            return self.stop_check.unprovable
-        if body.get("seed") is not None and not _greedy(body):
-            # vLLM draws a seeded request's tokens from one generator, seeded once at its start:
-            # a continuation's generator starts again at the cut, and its tokens after it are
-            # not the reproducible ones the seed promised (at temperature 0 nothing is drawn).
-            return "a seeded sampled generation (its random draws would restart at the cut)"
-        if any(isinstance(body.get(k), int | float) and body.get(k)
-               for k in ("presence_penalty", "frequency_penalty")):
-            return "presence or frequency penalties (they count the output before the cut)"
-        if self.saw_reasoning or (self.request.chat and isinstance(
-                body.get("chat_template_kwargs"), dict)
-                and body["chat_template_kwargs"].get("enable_thinking")):
-            return "reasoning output (its parser's state does not carry over)"
-        if self.request.chat and _multimodal(body.get("messages")):
-            return "images or other non-text content (a prompt of ids does not carry them)"
-        if self.diverged:
-            return "the continuation generated other tokens than those the client had"
-        return None
+    return {**chunk, "choices": choices}
 
 
-def output_limit(request: StreamRequest, prompt: int | None, max_model_len: int | None,
-                 output_cap: int | None, completion: CompletionDefault) -> int | str:
-    """The limit of a whole generation (docs/design.md 4.1): the client's; or, naming none,
-    the engine's default: a completion's 16 (:attr:`CompletionDefault.FIXED`), else the
-    context left (its ``max_model_len`` less the ``prompt``'s tokens); and the server cap
-    (``output_cap``, with such a request's default) where less. Or why it is not known."""
-    body = request.body
-    limit = body.get("max_completion_tokens") if request.chat else None
-    if limit is None:
-        limit = body.get("max_tokens")
-    if limit is None:
-        if not request.chat and completion is CompletionDefault.UNKNOWN:
-            return ("a completion sent without max_tokens, on an engine of no known kind "
-                    "(engine \"openai\", or \"auto\" not recognised yet): what it gives one "
-                    "naming no limit is not known")
-        if not request.chat and completion is CompletionDefault.FIXED:
-            limit = COMPLETION_DEFAULT_MAX_TOKENS
-        elif max_model_len is not None and prompt is not None:
-            limit = max_model_len - prompt
-        elif not request.chat and output_cap is not None:
-            # No token ids tell the context left, and the default is known: it is the limit
-            # (an engine that gives a completion its default, llama.cpp, ends a generation at
-            # its context itself, where the continuation's prompt, as long, ends it too).
-            limit = output_cap
-        else:
-            return (f"a {'chat' if request.chat else 'completion'} sent without max_tokens, "
-                    "and the engine's context length (its default) is unknown")
-    if not isinstance(limit, int) or isinstance(limit, bool):
-        return "max_tokens is not a number"
-    return limit if output_cap is None else min(limit, output_cap)
+def _as_chat_chunk(chunk: dict[str, Any], id_: str | None, created: int | None,
+                   usage: Any, wants_ids: bool) -> dict[str, Any]:
+    """A completion's chunk (a chat continued as a completion) as the chat chunk the client's
+    stream goes on with: the stream's ``id_`` and ``created``, the whole generation's
+    ``usage``, the token ids only where the client asked for them."""
+    out: dict[str, Any] = {"id": id_, "object": "chat.completion.chunk",
+                           "created": created, "model": chunk.get("model")}
+    choices = []
+    for c in chunk.get("choices") or ():
+        choice: dict[str, Any] = {"index": c.get("index", 0),
+                                  "delta": {"content": c.get("text", "")},
+                                  "logprobs": None,
+                                  "finish_reason": c.get("finish_reason")}
+        if c.get("finish_reason") is not None:
+            choice["stop_reason"] = c.get("stop_reason")
+        choice["token_ids"] = c.get("token_ids") if wants_ids else None
+        choices.append(choice)
+    out["choices"] = choices
+    if usage is not None:
+        out["usage"] = usage
+    for key in ("system_fingerprint",):
+        if key in chunk:
+            out[key] = chunk[key]
+    return out
 
 
-def _greedy(body: Mapping[str, Any]) -> bool:
-    """Temperature 0: the same prompt gives the same tokens (vLLM's default is 1)."""
-    temperature = body.get("temperature")
-    return isinstance(temperature, int | float) and temperature == 0
-
-
-def _asks_logprobs(body: Mapping[str, Any]) -> bool:
-    """A completion's ``logprobs`` is a count (0 asks for the chosen token's alone), a chat's a
-    flag: either way, anything but absent or false asks."""
-    value = body.get("logprobs")
-    return (value is not None and value is not False) or bool(body.get("top_logprobs"))
-
-
-def _multimodal(messages: Any) -> bool:
-    if not isinstance(messages, list):
-        return False
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-        isinstance(p, dict) and p.get("type", "text") != "text" for p in m["content"])
-        for m in messages)
+def _whole_usage(usage: dict[str, Any], before: int) -> dict[str, Any]:
+    """An attempt's usage as the whole generation's: its prompt held the ``before`` tokens
+    produced before it."""
+    out = dict(usage)
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        out["prompt_tokens"] = prompt - before
+        out["completion_tokens"] = completion + before
+        out["total_tokens"] = prompt + completion
+    return out

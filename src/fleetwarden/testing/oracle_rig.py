@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from fleetwarden.config import FleetConfig
-from fleetwarden.controller import UNKNOWN, output_cap_from, output_default_from
 from fleetwarden.engines import CapUnknown
 from fleetwarden.judge import Target
+from fleetwarden.pushes import UNKNOWN, output_cap_from, output_default_from
 from fleetwarden.router import Router, RouterSettings
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.sim import Sim, SimConfig
@@ -53,7 +53,7 @@ STEPS_PER_S = 2000.0
 TOKENS_PER_STEP = (1, 1, 3, 1)
 #: The engines of the second fleet: started with a server cap (vLLM's
 #: ``--override-generation-config '{"max_new_tokens": N}'``) below many cases' limits, which
-#: their router is told by the push, as the controller learns it (``controller.
+#: their router is told by the push, as the controller learns it (``pushes.
 #: output_cap_from``): one launched (read from its command), one attached in vLLM's dev mode
 #: (read from its ``GET /server_info``), one attached that says nothing (its
 #: ``[[fleet.backends]]`` table declares it), and one attached that says nothing and declares
@@ -67,7 +67,7 @@ CAPPED_COMMAND = ("fleetwarden sim --port {port} --override-generation-config "
 #: The engines of the third fleet: no cap, but their model's ``generation_config.json`` sets
 #: ``max_new_tokens``, vLLM's default limit of a chat that names none (``--generation-config
 #: auto``; a completion's stays 16, above it), which their router is told by the push, as
-#: the controller learns it (``controller.output_default_from``): two launched (their
+#: the controller learns it (``pushes.output_default_from``): two launched (their
 #: command's model folder), one attached in vLLM's dev mode (its ``/server_info``'s model
 #: path, a folder on this host). Three, not two: a wedge's rescue cuts every stream held on
 #: its engine, and with two those often find no other engine left.
