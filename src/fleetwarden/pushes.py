@@ -168,15 +168,21 @@ class Pushes:
         restart to come or a return awaited (:meth:`Supervisor.coming_back`), or a new process
         that only its proof stands between it and routing (STALE with static weights: one
         canary). A STALE shard with a trainer's weights waits for a refit nobody can time, so
-        it is not counted. Pushed beside the serving set: a router that finds no engine waits
-        for one while this is not 0 (docs/design.md, "None left, one coming")."""
+        it is not counted. A serving engine held or ejected out of the push is counted too: a
+        proof or its time puts it back, and once the others fail the never-empty rule or the
+        panic threshold does, a push away: a request that finds none waits for that push
+        rather than a 409 (docs/design.md section 12, "None left, one coming"). Pushed beside the
+        serving set: a router that finds no engine waits for one while this is not 0."""
         static = self.ledger.policy.weights == "static"
+        routed = set(self.serving())
         n = 0
         for rec in self.ledger.snapshot():
             if rec.state is ShardState.STALE:
                 n += static and not rec.weights_discarded
             elif rec.state in ABSENT:
                 n += self.supervisor.coming_back(rec.index)
+            elif rec.state in ROUTABLE and rec.base_url not in routed:
+                n += 1
         return n
 
     def serving(self) -> list[str]:

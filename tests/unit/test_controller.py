@@ -1221,6 +1221,24 @@ async def test_a_trainer_fleets_new_process_stays_stale_until_its_refit() -> Non
         await c.close()
 
 
+def test_a_serving_engine_held_or_ejected_out_of_the_push_counts_as_coming_back() -> None:
+    """A held or ejected engine is on its way back (a proof, its time, or the never-empty rule
+    and the panic threshold once the others fail): a router whose last engine fails meanwhile
+    waits for the push that brings it, instead of a 409 at once."""
+    from fleetwarden.admission import HoldCause
+
+    urls = ["http://a", "http://b", "http://c"]
+    ledger = Ledger(urls, Policy())
+    c = Controller(ledger, ScriptedReads(BUSY_REPORT), IdleSupervisor(), [], Config())  # type: ignore[arg-type]
+    assert c.pushes.coming_back() == 0 and c.pushes.serving() == urls
+    ledger.admission.hold("http://a", HoldCause.STALLED, 30.0)
+    assert c.pushes.serving() == ["http://b", "http://c"]
+    assert c.pushes.coming_back() == 1  # held: no verdict, a push away
+    ledger.report_outcomes(1, 0, 3, 3)
+    assert ledger.ejected() == [1] and c.pushes.serving() == ["http://c"]
+    assert c.pushes.coming_back() == 2  # ejected too: back on proof after its time
+
+
 def test_the_push_carries_the_server_cap_an_engine_command_sets() -> None:
     """vLLM's ``--override-generation-config '{"max_new_tokens": N}'`` caps every request and no
     endpoint tells it: the push says it, from the command, before any finish could reveal it
