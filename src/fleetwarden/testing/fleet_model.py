@@ -200,14 +200,18 @@ class AttachedEngine:
         this one may have bound it since, so an engine that exits before it is ready (the
         port taken) is started again on a newly drawn port, before anything knows its URL."""
         with self._lock:
-            for attempt in range(SIM_START_TRIES):
-                try:
-                    self._start()
-                    return
-                except _PortTaken:
-                    if attempt == SIM_START_TRIES - 1:
-                        raise
-                    self.port = free_port("127.0.0.1")
+            self._start_trying(lambda: setattr(self, "port", free_port("127.0.0.1")))
+
+    def _start_trying(self, port_taken: Callable[[], None]) -> None:
+        """:meth:`_start`, with ``port_taken`` done before each try after a port was taken."""
+        for attempt in range(SIM_START_TRIES):
+            try:
+                self._start()
+                return
+            except _PortTaken:
+                if attempt == SIM_START_TRIES - 1:
+                    raise
+                port_taken()
 
     def _start(self) -> None:
         self.generation += 1
@@ -264,14 +268,7 @@ class AttachedEngine:
         engine was down (a connection's ephemeral port) is waited out a moment at a time."""
         with self._lock:
             self._stop()
-            for attempt in range(SIM_START_TRIES):
-                try:
-                    self._start()
-                    return
-                except _PortTaken:
-                    if attempt == SIM_START_TRIES - 1:
-                        raise
-                    time.sleep(1.0)
+            self._start_trying(lambda: time.sleep(1.0))
 
 
 async def sim_restarts(url: str) -> int | None:
