@@ -39,7 +39,8 @@ from typing import Any
 from fleetwarden.router.pool import CompletionDefault
 
 __all__ = ["CHAT", "COMPLETIONS", "OPT_OUT_HEADER", "Continuation", "Cut", "Mode",
-           "StreamRequest", "UnknownCap", "output_limit", "read_stream_request", "stop_strings"]
+           "StreamRequest", "UnknownCap", "int_or", "output_limit", "read_stream_request",
+           "stop_strings", "vllm_json"]
 
 #: A client that wants a cut stream to end rather than go on elsewhere sends this header with
 #: ``off`` (or ``0``, ``false``, ``no``).
@@ -131,19 +132,19 @@ def read_stream_request(path: str, body: bytes, headers: Mapping[str, str], *,
                 or _asks_logprobs(parsed) or parsed.get("stream") not in (None, False)):
             return None
         plain = {**parsed, "stream": True, "stream_options": {"include_usage": True}}
-        upstream = _dumps({**plain, "return_token_ids": True})
+        upstream = vllm_json({**plain, "return_token_ids": True})
         return StreamRequest(chat, parsed, None, wants_ids, upstream, assemble=True,
-                             plain_body=_dumps(plain))
+                             plain_body=vllm_json(plain))
     upstream = body
     if refusal is None and not wants_ids:
-        upstream = _dumps({**parsed, "return_token_ids": True})
+        upstream = vllm_json({**parsed, "return_token_ids": True})
     return StreamRequest(chat, parsed, refusal, wants_ids, upstream, plain_body=body)
 
 
 def _refusal(body: Mapping[str, Any], chat: bool, opted_out: bool) -> str | None:
     if opted_out:
         return f"the client opted out ({OPT_OUT_HEADER})"
-    if _number(body.get("n"), 1) > 1 or _number(body.get("best_of"), 1) > 1:
+    if int_or(body.get("n"), 1) > 1 or int_or(body.get("best_of"), 1) > 1:
         return "several choices (n > 1)"
     if body.get("echo"):
         return "echo"
@@ -164,12 +165,14 @@ def _refusal(body: Mapping[str, Any], chat: bool, opted_out: bool) -> str | None
     return None
 
 
-def _number(value: Any, default: int) -> int:
+def int_or(value: Any, default: int) -> int:
+    """A request's count as vLLM reads it (``n``, ``min_tokens``): an int, else ``default``;
+    one reading for what goes upstream and what the client is told."""
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
-def _dumps(obj: Any) -> bytes:
-    """JSON as vLLM writes it: compact, raw UTF-8."""
+def vllm_json(obj: Any) -> bytes:
+    """JSON as vLLM writes it: compact, raw UTF-8 (upstream and to the client alike)."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -343,11 +346,11 @@ class Cut:
             plain = {k: body[k] for k in _CHAT_TO_COMPLETION if k in body}
             plain.update(prompt=ids, stream=True,
                          return_token_ids=True, max_tokens=body["max_tokens"])
-            return Continuation(COMPLETIONS, _dumps(plain), Mode.TOKENS, True, replay,
+            return Continuation(COMPLETIONS, vllm_json(plain), Mode.TOKENS, True, replay,
                                 replay_text if replay else "", held)
         if exact and not request.chat:
             body["prompt"] = ids
-            return Continuation(COMPLETIONS, _dumps(body), Mode.TOKENS, False, replay,
+            return Continuation(COMPLETIONS, vllm_json(body), Mode.TOKENS, False, replay,
                                 replay_text if replay else "", held)
         return self._from_text(body)
 
@@ -423,7 +426,7 @@ class Cut:
             if not isinstance(prompt, str):
                 return "a prompt of token ids, and no token ids from the engine"
             body["prompt"] = prompt + text
-            return Continuation(COMPLETIONS, _dumps(body), Mode.TEXT, False)
+            return Continuation(COMPLETIONS, vllm_json(body), Mode.TEXT, False)
         messages = list(body.get("messages") or [])
         if body.get("continue_final_message") and messages:
             last = dict(messages[-1])
@@ -436,7 +439,7 @@ class Cut:
         else:
             messages.append({"role": "assistant", "content": text})
         body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
-        return Continuation(CHAT, _dumps(body), Mode.TEXT, False)
+        return Continuation(CHAT, vllm_json(body), Mode.TEXT, False)
 
     def _inexact(self) -> str | None:
         """Why a continuation from here could not be proven the same answer, if it could not.

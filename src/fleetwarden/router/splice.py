@@ -35,18 +35,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-# ``_dumps`` and ``_number`` come from the request side: JSON is written one way (vLLM's) and a
-# count read one way, in what goes upstream and in what the client gets.
 from fleetwarden.router.continuation import (
     Continuation,
     Cut,
     Mode,
     StreamRequest,
     UnknownCap,
-    _dumps,
-    _number,
+    int_or,
     output_limit,
     stop_strings,
+    vllm_json,
 )
 from fleetwarden.router.pool import CompletionDefault
 
@@ -70,7 +68,7 @@ def error_event(message: str, error_type: str, code: int, **extra: object) -> by
     """An error in the OpenAI shape as an SSE event (vLLM ends a failed stream this way too;
     the ``openai`` client raises it as an ``APIError``)."""
     error = {"message": message, "type": error_type, "param": None, "code": code, **extra}
-    return b"data: " + _dumps({"error": error}) + b"\n\n"
+    return b"data: " + vllm_json({"error": error}) + b"\n\n"
 
 
 class SseSplitter:
@@ -409,7 +407,7 @@ class Splice:
         stops = stop_strings(request.body)
         if stops:
             include = request.body.get("include_stop_str_in_output") is True
-            min_tokens = _number(request.body.get("min_tokens"), 0)
+            min_tokens = int_or(request.body.get("min_tokens"), 0)
             self.stop_check = StopCheck(stops, include, min_tokens,
                                         0 if include else max(map(len, stops)) - 1)
 
@@ -502,11 +500,11 @@ class Splice:
             prompt = len(self.prompt_ids or ())
             self.usage = {"prompt_tokens": prompt, "total_tokens": prompt + self.produced,
                           "completion_tokens": self.produced}
-            final = b"" if out is None else b"data: " + _dumps(out) + b"\n\n"
+            final = b"" if out is None else b"data: " + vllm_json(out) + b"\n\n"
             return EventAction.DONE, final + (self.closing_usage() or b"") + DONE
         if out is None:
             return EventAction.SKIP, b""
-        return EventAction.SEND, b"data: " + _dumps(out) + b"\n\n"
+        return EventAction.SEND, b"data: " + vllm_json(out) + b"\n\n"
 
     def _take_replay(self, chunk: dict[str, Any]) -> tuple[int, int] | None:
         """How many of a chunk's first ids and characters the client had already (tokens
@@ -657,7 +655,7 @@ class Splice:
         if self.prompt_ids is None or not self.ids_complete:
             return None
         prompt = len(self.prompt_ids)
-        return b"data: " + _dumps({
+        return b"data: " + vllm_json({
             "id": self.id,
             "object": "chat.completion.chunk" if self.request.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": [],
@@ -670,7 +668,7 @@ class Splice:
         """The event that ends a stream whose tokens may come from several weight versions
         (loaded under it), naming them in order: shaped as a usage chunk (no choices), which
         OpenAI clients read without complaint; the head named the first only."""
-        return b"data: " + _dumps({
+        return b"data: " + vllm_json({
             "id": self.id, "object": ("chat.completion.chunk" if self.request.chat
                                       else "text_completion"),
             "created": self.created, "model": self.model, "choices": [],
@@ -696,7 +694,7 @@ class Splice:
     def produced_here(self) -> int | None:
         """Tokens the last attempt made, at least: by ids, else a chunk each but the last."""
         gone = 0 if self.ids_complete or not self.finished() else 1
-        counted = _number(self.request.body.get("n"), 1) == 1
+        counted = int_or(self.request.body.get("n"), 1) == 1
         return max(0, self.produced - self._before - gone) if counted else None
 
     def ended_by_router(self) -> bool:
@@ -706,7 +704,7 @@ class Splice:
     def finished(self) -> bool:
         """The generation is whole: its final chunk (``finish_reason`` set) was read, whatever
         became of ``[DONE]``. It is never continued past its end."""
-        return len(self.finished_choices) >= max(1, _number(self.request.body.get("n"), 1))
+        return len(self.finished_choices) >= max(1, int_or(self.request.body.get("n"), 1))
 
     def cut(self) -> Cut:
         """What the client has of the stream, read where it was cut: what the request that
@@ -728,7 +726,7 @@ def error_answer(splice: Splice) -> tuple[int, bytes]:
     answers a request that fails before it streams."""
     code = splice.error.get("code") if isinstance(splice.error, dict) else None
     return (code if isinstance(code, int) and 400 <= code < 500 else 400,
-            _dumps({"error": splice.error}))
+            vllm_json({"error": splice.error}))
 
 
 def assembled_answer(splice: Splice) -> bytes:
@@ -753,7 +751,7 @@ def assembled_answer(splice: Splice) -> bytes:
                                    "function_call": None, "reasoning": None}
         if splice.saw_reasoning:
             message["reasoning_content"] = "".join(splice.reasoning)
-        return _dumps({**head, "choices": [{
+        return vllm_json({**head, "choices": [{
             "index": 0, "message": message, "logprobs": None,
             "finish_reason": splice.finish_reason, "stop_reason": splice.stop_reason,
             "token_ids": ids, "routed_experts": None}],
@@ -761,7 +759,7 @@ def assembled_answer(splice: Splice) -> bytes:
             "usage": whole_usage, "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
             "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
             "metrics": None})
-    return _dumps({**head, "choices": [{
+    return vllm_json({**head, "choices": [{
         "index": 0, "text": text, "logprobs": None, "finish_reason": splice.finish_reason,
         "stop_reason": splice.stop_reason, "token_ids": ids, "prompt_logprobs": None,
         "prompt_token_ids": prompt_ids, "routed_experts": None}],
