@@ -60,6 +60,7 @@ from fleetwarden.launchers.procs import (
     terminate_group,
 )
 from fleetwarden.router.affinity import Predicted
+from fleetwarden.router.handover import KeptListeners
 from fleetwarden.router.keys import KeysFileError, read_keys
 from fleetwarden.router.links import RemoteRouter, RouterLink
 from fleetwarden.router.ops import OPERATIONS, SERVING, Operation
@@ -438,6 +439,9 @@ class RouterWorkers:
         self._replaced: list[_Process] = []
         self._status_task: asyncio.Task[None] | None = None
         self._closing = False
+        #: A copy of each slot's listening sockets, so that a worker's death leaves its
+        #: connections queued for its replacement instead of refused.
+        self._kept = KeptListeners(token)
         #: One reload at a time, and a stop waits for the one under way: a reload swaps
         #: ``_procs`` entries for processes it is still starting, so a stop in the middle of
         #: one would miss the generation not yet recorded (docs/design.md section 13).
@@ -523,6 +527,7 @@ class RouterWorkers:
                 self._watch(saved.worker, _pid_exit(saved.pid))
                 link = self.links[saved.worker]
                 await link.connect(saved.control_url)
+                await self._kept.keep(saved.worker, saved.launch_id, saved.pid)
                 with contextlib.suppress(Exception):  # what it serves: a replacement's start
                     link.last_push = list((await link.status())["serving"])
                 self.adopted += 1
@@ -574,7 +579,10 @@ class RouterWorkers:
                                       record.to_dict())
         self._watch(worker, proc.wait())
         await self._wait_answering(record, proc)
+        # (A worker started again after a death takes the kept copy: its link has no worker
+        # connected, so there is no predecessor to keep.)
         await self.links[worker].connect(record.control_url, keep_predecessor=bool(take_from))
+        await self._kept.keep(worker, launch_id, proc.pid)
         self.started += 1
         log.info("router worker %d: pid %d on %s (control %s)", worker, proc.pid, record.url,
                  record.control_url)
@@ -613,11 +621,14 @@ class RouterWorkers:
         p.watcher = asyncio.create_task(watch(), name=f"router-watch:{worker}")
 
     async def _start_again(self, worker: int) -> None:
-        """A new worker in slot ``worker``, whose worker died, with the last push."""
+        """A new worker in slot ``worker``, whose worker died, with the last push, on the
+        dead one's listening sockets (kept here: the connections queued since are served)."""
+        kept = self._kept.launch_id(worker)
         try:
-            await self._launch(worker)
+            await self._launch(worker, [kept] if kept else ())
         except Exception as exc:  # its own watcher starts another once it exits
             log.error("router worker %d: could not start again: %s", worker, exc)
+            await self._kept.drop(worker)  # queued with no one to accept: refused instead
             return
         # Its command line names the last serving set, not the facts that go with it
         # (weight versions, the shards on trial): without this push a replacement serves
@@ -668,6 +679,9 @@ class RouterWorkers:
         for worker, old in olds.items():
             self.statuses.retire(worker, old.record.control_url)
             self._drain(old)
+        for slot in self._kept.slots():
+            if slot >= n:  # a slot fewer workers left: its sockets went to slot mod N
+                await self._kept.drop(slot)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
 
     async def _replace(self, worker: int, take_from: Sequence[str]) -> None:
@@ -693,7 +707,8 @@ class RouterWorkers:
         news = [p for w, p in self._procs.items() if p is not olds.get(w)]
         for p in news:
             p.stopping = True
-        results = await asyncio.gather(*(self._stop_one(p) for p in news),
+        grace_s = self.config.shutdown_grace_s
+        results = await asyncio.gather(*(_stop_worker(p, grace_s, self.journal) for p in news),
                                        return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -717,6 +732,7 @@ class RouterWorkers:
             old.stopping = False  # its exit is a failure again: another is started for it
             self._procs[worker] = old
             await self.links[worker].connect(old.record.control_url)
+            await self._kept.keep(worker, old.record.launch_id, old.record.pid)
             await self._push_last(worker)
         log.error("router reload rolled back: the workers %s serve on",
                   [p.record.pid for p in self._procs.values()])
@@ -771,6 +787,8 @@ class RouterWorkers:
         self._closing = True
         async with self._reloading:  # the reload under way, if any, ends first
             pass
+        # First: a copy left open would queue connections after the workers stop accepting.
+        await self._kept.close()
         if self._status_task is not None:
             self._status_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -785,31 +803,35 @@ class RouterWorkers:
         procs = list(self._procs.values()) + replaced
         for p in procs:
             p.stopping = True
-        results = await asyncio.gather(*(self._stop_one(p) for p in procs),
+        grace_s = self.config.shutdown_grace_s
+        results = await asyncio.gather(*(_stop_worker(p, grace_s, self.journal) for p in procs),
                                        return_exceptions=True)
         self._procs.clear()
         failed = [str(r) for r in results if isinstance(r, BaseException)]
         if failed:
             raise LaunchError("; ".join(failed))
 
-    async def _stop_one(self, p: _Process) -> None:
-        rec = p.record
-        if _same(rec.pid, rec.proc_start_ticks) or p.proc is not None:
-            stopped = await asyncio.to_thread(
-                terminate_group, rec.pgid, self.config.shutdown_grace_s + _STOP_MARGIN_S, 5.0)
-            if stopped.left:
-                raise LaunchError(f"router worker {rec.worker}: processes "
-                                  f"{[x.pid for x in stopped.left]} survived SIGKILL")
-        if p.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                await asyncio.wait_for(p.proc.wait(), 5.0)
-        if p.watcher is not None:
-            p.watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await p.watcher
-        if self.journal is not None:
-            await _journal_write(self.journal.router_stopped, rec.launch_id)
-        log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
+
+async def _stop_worker(p: _Process, grace_s: float, journal: Journal | None) -> None:
+    """SIGTERM to a worker's group (it finishes what it holds, up to ``grace_s``), then SIGKILL;
+    its stop journaled."""
+    rec = p.record
+    if _same(rec.pid, rec.proc_start_ticks) or p.proc is not None:
+        stopped = await asyncio.to_thread(
+            terminate_group, rec.pgid, grace_s + _STOP_MARGIN_S, 5.0)
+        if stopped.left:
+            raise LaunchError(f"router worker {rec.worker}: processes "
+                              f"{[x.pid for x in stopped.left]} survived SIGKILL")
+    if p.proc is not None:
+        with contextlib.suppress(ProcessLookupError):
+            await asyncio.wait_for(p.proc.wait(), 5.0)
+    if p.watcher is not None:
+        p.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await p.watcher
+    if journal is not None:
+        await _journal_write(journal.router_stopped, rec.launch_id)
+    log.info("router worker %d: stopped %s", rec.worker, rec.launch_id)
 
 
 def refuse_if_taken(host: str, port: int) -> None:

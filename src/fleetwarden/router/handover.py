@@ -32,10 +32,11 @@ import logging
 import os
 import socket
 import struct
+import uuid
 from collections.abc import Callable, Sequence
 
-__all__ = ["HandoverError", "ListenerHandover", "handover_address", "peer_credentials",
-           "take_listeners"]
+__all__ = ["HandoverError", "KeptListeners", "ListenerHandover", "handover_address",
+           "peer_credentials", "take_listeners"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 MAX_SOCKETS = 16
 #: Seconds a taker may take to send its token.
 _READ_TOKEN_S = 5.0
+#: Tries, 0.1 s apart, to take a copy of a router's listeners: it serves them a moment after
+#: its control API first answers.
+_KEEP_TRIES = 30
+_KEEP_POLL_S = 0.1
 
 
 class HandoverError(RuntimeError):
@@ -167,3 +172,90 @@ def take_listeners(launch_id: str, token: str, timeout_s: float = 5.0, *,
         s.setblocking(False)
         taken.append(s)
     return taken
+
+
+class KeptListeners:
+    """A copy of each router slot's listening sockets, held by the process that supervises the
+    routers, so that the sockets outlive a router that dies.
+
+    Why: a router that dies (SIGKILL, the OOM killer) closes its listening sockets; the kernel
+    resets the connections queued on them and refuses new ones until a replacement binds the
+    port (with one worker, every connection for a second or more). With a copy held here the socket stays open: connections wait in its
+    queue, and the replacement takes it from here (:meth:`launch_id`) as a reload's router takes
+    its predecessor's. Only the requests the dead router held are lost.
+
+    A copy that no router accepts from holds connections nobody answers, so it is dropped
+    whenever no router of its slot will accept again: a slot whose router cannot be started
+    again (the port refuses instead, which a client sees at once), a slot a reload removed, and
+    every slot before the routers are stopped.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+        self._id = f"kept-{uuid.uuid4().hex[:12]}"
+        self._kept: dict[int, list[socket.socket]] = {}
+        self._givers: dict[int, ListenerHandover] = {}
+        self._closed = False
+
+    def launch_id(self, slot: int) -> str | None:
+        """The launch id a replacement for ``slot`` takes its listeners from (as from a
+        predecessor); None when none are kept."""
+        return f"{self._id}-{slot}" if self._kept.get(slot) else None
+
+    def slots(self) -> list[int]:
+        return sorted(self._kept)
+
+    async def keep(self, slot: int, launch_id: str, pid: int) -> bool:
+        """Take a copy of the listeners of the router ``launch_id`` (process ``pid``), now in
+        ``slot``, in place of the slot's last copy. False, logged, when it cannot be had: the
+        slot then keeps none (never a copy of a socket its router no longer listens on)."""
+        error: Exception | None = None
+        for _ in range(_KEEP_TRIES):
+            try:
+                taken = await asyncio.to_thread(take_listeners, launch_id, self._token,
+                                                owner_pid=pid)
+                break
+            except HandoverError as exc:
+                error = exc
+                await asyncio.sleep(_KEEP_POLL_S)
+        else:
+            log.warning("the listeners of router %s could not be kept (%s): if it dies, its "
+                        "port refuses connections until its replacement listens", launch_id,
+                        error)
+            await self.drop(slot)
+            return False
+        if self._closed:  # the routers are being stopped: a worker started meanwhile is too
+            for s in taken:
+                s.close()
+            return False
+        if slot not in self._givers:
+            giver = ListenerHandover(f"{self._id}-{slot}", self._token,
+                                     lambda: self._kept.get(slot, []))
+            try:
+                await giver.start()
+            except OSError as exc:
+                log.warning("the listeners of router slot %d cannot be handed on from here "
+                            "(%s): not kept", slot, exc)
+                for s in taken:
+                    s.close()
+                await self.drop(slot)
+                return False
+            self._givers[slot] = giver
+        for s in self._kept.pop(slot, []):
+            s.close()
+        self._kept[slot] = taken
+        return True
+
+    async def drop(self, slot: int) -> None:
+        """No copy for ``slot`` any more: its sockets live on only in routers that hold them."""
+        giver = self._givers.pop(slot, None)
+        if giver is not None:
+            await giver.close()
+        for s in self._kept.pop(slot, []):
+            s.close()
+
+    async def close(self) -> None:
+        """Every copy dropped, and none taken from now on."""
+        self._closed = True
+        for slot in list(self._kept) + list(self._givers):
+            await self.drop(slot)
