@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,11 +54,23 @@ class PeerUnavailable(RuntimeError):
     """This peer cannot be installed or started here; the message says why."""
 
 
+#: Ports this process handed out: runs side by side (``bench/replay.py --parallel``) never get
+#: the same one between its draw and its bind.
+_HANDED: set[int] = set()
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (another process may take it before it is used)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now (another process may take it before it is used; this
+    one never hands it out twice)."""
+    with _HANDED_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _HANDED:
+                _HANDED.add(port)
+                return port
 
 
 def stop_group(proc: subprocess.Popen[str] | subprocess.Popen[bytes],
@@ -154,12 +167,15 @@ def nginx_version(binary: str) -> str:
 
 def nginx_config(folder: Path, port: int, upstreams: list[str], *, max_fails: int,
                  fail_timeout_s: int, read_timeout_s: float, connect_timeout_s: float = 2.0,
-                 tries: int = 3) -> Path:
+                 tries: int = 3,
+                 next_upstream: str = "error timeout http_500 http_502 http_503 non_idempotent"
+                 ) -> Path:
     """A foreground nginx proxying 127.0.0.1:``port`` to ``upstreams`` with passive health
     checks: an upstream that fails ``max_fails`` times within ``fail_timeout_s`` is left out for
     ``fail_timeout_s``; a response that takes longer than ``read_timeout_s`` between two reads
-    is a failure. POSTs are re-sent to the next upstream (``non_idempotent``): a completion may
-    be repeated safely here, and fleetwarden re-sends them too."""
+    is a failure. By default POSTs are re-sent to the next upstream (``non_idempotent``): a
+    completion may be repeated safely here, and fleetwarden re-sends them too. ``tries`` 0:
+    unbounded (nginx's default)."""
     for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     servers = "\n".join(
@@ -197,7 +213,7 @@ http {{
       proxy_connect_timeout {ms(connect_timeout_s)};
       proxy_send_timeout {ms(read_timeout_s)};
       proxy_read_timeout {ms(read_timeout_s)};
-      proxy_next_upstream error timeout http_500 http_502 http_503 non_idempotent;
+      proxy_next_upstream {next_upstream};
       proxy_next_upstream_tries {tries};
     }}
   }}

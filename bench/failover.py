@@ -239,6 +239,12 @@ ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
     RouterSpec("sglang-router-tuned", "sglang", True, f"{' '.join(TUNED_RUST)}, {RUST_POLICY}"),
     RouterSpec("vllm-router", "vllm", flags=f"defaults, {RUST_POLICY}"),
     RouterSpec("vllm-router-tuned", "vllm", True, f"{' '.join(TUNED_RUST)}, {RUST_POLICY}"),
+    # nginx's own failure handling (max_fails=1 fail_timeout=10s, 60 s timeouts, a POST never
+    # sent again once sent); the streaming settings any LLM deployment needs are on both nginx.
+    RouterSpec("nginx-defaults", "nginx", False,
+               "defaults: max_fails=1 fail_timeout=10s proxy_read_timeout=60s "
+               "proxy_connect_timeout=60s, proxy_next_upstream error timeout; "
+               "proxy_buffering off, HTTP/1.1 keep-alive"),
     RouterSpec("nginx", "nginx", True,
                f"max_fails={NGINX_MAX_FAILS} fail_timeout={NGINX_FAIL_TIMEOUT_S}s "
                f"proxy_read_timeout={TUNED_TIMEOUT_S}s, proxy_next_upstream error timeout "
@@ -247,7 +253,7 @@ ROUTERS: dict[str, RouterSpec] = {r.name: r for r in [
 
 
 #: Run only when named in --routers.
-OPTIONAL_ROUTERS = ("fleetwarden-answers",)
+OPTIONAL_ROUTERS = ("fleetwarden-answers", "nginx-defaults")
 
 
 @dataclass
@@ -368,9 +374,12 @@ class Launcher:
         if spec.kind == "nginx":
             binary = ensure_nginx()
             folder = self.folder / "nginx"
-            conf = nginx_config(folder, port, engines, max_fails=NGINX_MAX_FAILS,
-                                fail_timeout_s=NGINX_FAIL_TIMEOUT_S,
-                                read_timeout_s=TUNED_TIMEOUT_S)
+            conf = (nginx_config(folder, port, engines, max_fails=NGINX_MAX_FAILS,
+                                 fail_timeout_s=NGINX_FAIL_TIMEOUT_S,
+                                 read_timeout_s=TUNED_TIMEOUT_S) if spec.tuned else
+                    nginx_config(folder, port, engines, max_fails=1, fail_timeout_s=10,
+                                 read_timeout_s=60, connect_timeout_s=60, tries=0,
+                                 next_upstream="error timeout"))
             proc = self.spawn([binary, "-c", str(conf), "-p", str(folder), "-e",
                                str(folder / "error.log")], log)
             return RunningRouter(url, nginx_version(binary), proc, log,

