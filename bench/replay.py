@@ -147,10 +147,12 @@ SLO_TTFT_S = 2.0
 SLO_TPOT_S = 0.1
 #: A request with no answer after this long is lost (the longest answer here takes 8 s).
 REQUEST_TIMEOUT_S = 60.0
-#: Default: the fault this long after the trace's first request left (of a trace of
-#: about 80 s), and the rolling restart's engines this far apart.
+#: Default: the trace's length (120 requests over 52 s at the generated shape's 2.3/s: the
+#: whole matrix stays under 45 minutes), the fault this long after its first request left,
+#: and the rolling restart's engines this far apart (all four restarted within the trace).
+SIM_REQUESTS = 120
 FAULT_AT_S = 20.0
-RESTART_GAP_S = 8.0
+RESTART_GAP_S = 6.0
 #: "During the fault", for the cache hit rate: this long from the fault on (a rolling
 #: restart's last engine comes back about three gaps after its first).
 DURING_S = 20.0
@@ -775,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
                         "generated one (its hash ids taken as blocks of --block-tokens)")
     parser.add_argument("--block-tokens", type=int, default=TraceShape().block_tokens)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--requests", type=int, help=f"default {TraceShape().requests} "
+    parser.add_argument("--requests", type=int, help=f"default {SIM_REQUESTS} "
                         f"(--engines vllm: {VLLM_REQUESTS})")
     parser.add_argument("--rate", type=float, help=f"default {TraceShape().rate_per_s:g}/s "
                         f"(--engines vllm: {VLLM_RATE:g}/s)")
@@ -797,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     real = args.engines == "vllm"
     if args.requests is None:
-        args.requests = VLLM_REQUESTS if real else TraceShape().requests
+        args.requests = VLLM_REQUESTS if real else SIM_REQUESTS
     if args.rate is None:
         args.rate = VLLM_RATE if real else TraceShape().rate_per_s
     if args.fault_at is None:
