@@ -180,9 +180,10 @@ class KeptListeners:
 
     Why: a router that dies (SIGKILL, the OOM killer) closes its listening sockets; the kernel
     resets the connections queued on them and refuses new ones until a replacement binds the
-    port (with one worker, every connection for a second or more). With a copy held here the socket stays open: connections wait in its
-    queue, and the replacement takes it from here (:meth:`launch_id`) as a reload's router takes
-    its predecessor's. Only the requests the dead router held are lost.
+    port (with one worker, every connection for a second or more). With a copy held here the
+    socket stays open: connections wait in its queue, and the replacement takes it from here
+    (:meth:`launch_id`) as a reload's router takes its predecessor's. Only the requests the dead
+    router held are lost.
 
     A copy that no router accepts from holds connections nobody answers, so it is dropped
     whenever no router of its slot will accept again: a slot whose router cannot be started
