@@ -108,6 +108,7 @@ from failover import (
 )
 from fleetwarden.testing.replay import (
     FAULTS,
+    POST_CHECK_ID_PREFIX,
     REAL_FAULTS,
     ROUTER_FAULTS,
     Counters,
@@ -534,10 +535,13 @@ async def _bad_engine_log(fault: Fault, engines: list[Target], fault_wall: float
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, \
                 http.get(picks[0].url + "/sim/stats") as resp:
             log = (await resp.json())["log"]
-        after = [e["at"] - fault_wall for e in log if e["path"] in GENERATION_PATHS
-                 and fault_wall < e["at"] <= until
-                 and not (e.get("request_id") or "").startswith("fleetwarden-canary")]
-        row.bad_after, row.bad_last_s = len(after), max(after, default=0.0)
+        came = sorted((e["at"] - fault_wall, e.get("request_id") or "-") for e in log
+                      if e["path"] in GENERATION_PATHS and fault_wall < e["at"] <= until
+                      and not (e.get("request_id") or "").startswith(
+                          ("fleetwarden-canary", POST_CHECK_ID_PREFIX)))
+        row.bad_after, row.bad_last_s = len(came), max((t for t, _ in came), default=0.0)
+        row.notes += [f"the faulted engine's log: a request +{t:.1f} s after the fault, "
+                      f"x-request-id {rid}" for t, rid in came[-3:]]
 
 
 async def _drive(records: list[TraceRecord], router: RunningRouter, engines: list[Target],

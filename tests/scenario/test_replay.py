@@ -21,11 +21,13 @@ import pytest
 
 from fleetwarden.testing.replay import (
     FAULTS,
+    POST_CHECK_ID_PREFIX,
     ROUTER_FAULTS,
     Counters,
     Fault,
     RouterFault,
     Target,
+    Wedge,
     decoys,
     replay,
 )
@@ -111,6 +113,19 @@ async def _traffic(targets: list[Target], inject: Callable[[], object]) -> None:
     await inject()  # type: ignore[misc]
     await asyncio.sleep(0.3)  # a crash's exit, a drain's closed socket
     await asyncio.gather(*before, *(one(t.url, 2) for t in targets for _ in range(4)))
+
+
+async def test_a_post_checks_own_requests_are_named_so_that_the_engines_log_leaves_them_out(
+        spawn: Callable[..., SimProcess]) -> None:
+    """Before: the wedge's post-check sent the engine a completion with no id, and the bench
+    counted it as the router's last request to the wedged engine (+36.7 s after the fault,
+    30 s after fleetwarden had condemned it)."""
+    _, [engine] = _engines(spawn, 1)
+    await Wedge(index=0).verify([engine])  # not wedged: it answers, all this needs
+    async with aiohttp.ClientSession() as http, http.get(engine.url + "/sim/stats") as resp:
+        log = (await resp.json())["log"]
+    sent = [e.get("request_id") or "" for e in log if e["path"] == "/v1/completions"]
+    assert sent and all(rid.startswith(POST_CHECK_ID_PREFIX) for rid in sent), sent
 
 
 def test_every_fault_of_the_bench_has_a_short_form_here() -> None:

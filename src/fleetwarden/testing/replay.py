@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,7 +45,8 @@ from fleetwarden.testing.faults import check_fault
 from fleetwarden.testing.traces import TraceRecord, prompt_text
 from fleetwarden.testing.vllm_env import ENGINE_CORE_PROCESS_NAME
 
-__all__ = ["FAULTS", "REAL_FAULTS", "ROUTER_FAULTS", "BlackHole", "Counters", "Crash", "Fault",
+__all__ = ["FAULTS", "POST_CHECK_ID_PREFIX", "REAL_FAULTS", "ROUTER_FAULTS", "BlackHole",
+           "Counters", "Crash", "Fault",
            "FleetwardenKill", "Mixed", "RealCrash", "RealRollingRestart", "RealWedge", "Reload",
            "ReplayResult", "RollingRestart", "RouterFault", "RouterKill", "SigStop", "SlowDrain",
            "Target", "TcpReset", "Wedge", "decoys", "replay"]
@@ -270,12 +272,18 @@ async def _answers(url: str, path: str, timeout_s: float) -> int | None:
         return None
 
 
+#: The ``x-request-id`` of every request a post-check sends an engine itself, so that what the
+#: engine's log says the router sent it leaves them out.
+POST_CHECK_ID_PREFIX = "replay-post-check-"
+
+
 async def _generates(url: str, timeout_s: float) -> bool:
     """Whether a one-token completion sent straight to the engine is answered in time."""
     body = {"model": "tiny", "prompt": "post-check", "max_tokens": 1}
+    headers = {"x-request-id": POST_CHECK_ID_PREFIX + uuid.uuid4().hex[:12]}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as h, \
-                h.post(url + "/v1/completions", json=body) as resp:
+                h.post(url + "/v1/completions", json=body, headers=headers) as resp:
             await resp.read()
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError):
