@@ -435,6 +435,25 @@ async def test_a_dead_worker_that_cannot_be_started_again_leaves_the_port_refusi
         await until(lambda: not refused(workers.url), 30, "a worker listening again")
 
 
+async def test_with_several_workers_no_copy_of_their_sockets_is_kept(tmp_path: Path) -> None:
+    """While one of several workers is replaced, the kernel hands new connections to the others
+    at once; a kept copy of the dead one's socket would hold its share until the replacement."""
+    journal = Journal(tmp_path / "j.sqlite")
+    token_file = tmp_path / "token"
+    workers = RouterWorkers(RouterConfig(port=0, workers=2), load_or_create_token(token_file),
+                            token_file, tmp_path / "logs", journal)
+    try:
+        await workers.start([BACKEND])
+        assert len(journal.running_routers()) == 2
+        assert not held_here(workers.url)
+    finally:
+        try:
+            await workers.stop()
+        finally:
+            kill_launched(journal.router_launch_ids())
+            journal.close()
+
+
 async def until_async(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not await cond():

@@ -439,9 +439,9 @@ class RouterWorkers:
         self._replaced: list[_Process] = []
         self._status_task: asyncio.Task[None] | None = None
         self._closing = False
-        #: A copy of each slot's listening sockets, so that a worker's death leaves its
+        #: A copy of the listening sockets, so that the lone worker's death leaves its
         #: connections queued for its replacement instead of refused.
-        self._kept = KeptListeners(token)
+        self._kept = KeptListeners(token, enabled=config.workers == 1)
         #: One reload at a time, and a stop waits for the one under way: a reload swaps
         #: ``_procs`` entries for processes it is still starting, so a stop in the middle of
         #: one would miss the generation not yet recorded (docs/design.md section 13).

@@ -189,9 +189,14 @@ class KeptListeners:
     whenever no router of its slot will accept again: a slot whose router cannot be started
     again (the port refuses instead, which a client sees at once), a slot a reload removed, and
     every slot before the routers are stopped.
+
+    ``enabled`` False (several routers share the port): nothing is kept. While one of them is
+    replaced the kernel hands new connections to the others at once, where a kept copy would
+    hold its share until the replacement accepts.
     """
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._token = token
         self._id = f"kept-{uuid.uuid4().hex[:12]}"
         self._kept: dict[int, list[socket.socket]] = {}
@@ -210,6 +215,8 @@ class KeptListeners:
         """Take a copy of the listeners of the router ``launch_id`` (process ``pid``), now in
         ``slot``, in place of the slot's last copy. False, logged, when it cannot be had: the
         slot then keeps none (never a copy of a socket its router no longer listens on)."""
+        if not self.enabled:
+            return False
         error: Exception | None = None
         for _ in range(_KEEP_TRIES):
             try:
