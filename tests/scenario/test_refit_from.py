@@ -436,6 +436,23 @@ async def generate_rollout(http: aiohttp.ClientSession, router: str, prompt: str
         return [span["version"] for span in choice["weight_versions"]], header
 
 
+async def generating(http: aiohttp.ClientSession, engines: list[str], n: int) -> None:
+    """Wait until the engines' ``vllm:num_requests_running`` add up to ``n`` (10 s at most)."""
+    deadline = time.monotonic() + 10.0
+    total = 0.0
+    while time.monotonic() < deadline:
+        total = 0.0
+        for url in engines:
+            async with http.get(url + "/metrics") as r:
+                total += sum(float(line.rsplit(" ", 1)[1])
+                             for line in (await r.text()).splitlines()
+                             if line.startswith("vllm:num_requests_running"))
+        if total >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{total:g} of {n} requests generating after 10 s")
+
+
 async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_told(
         tmp_path: Path) -> None:
     """With ``pause_mode = "keep"`` a generation under way when its engine pauses goes on
@@ -469,8 +486,9 @@ async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_tol
         return g.content
 
     refs = {v: {p: ref(p, v) for p in prompts} for v in weights}
+    # 16 slots: every rollout generates at once, wherever the router puts it.
     cmd = ("{python} -m fleetwarden sim --host {host} --port {port} --steps-per-s 100 "
-           "--enable-scale-out")
+           "--slots 16 --enable-scale-out")
     answers: list[tuple[str, str, list[int]]] = []  # (prompt, text, versions named)
     async with running_fleet(
             tmp_path, fleet={"weights": "trainer", "engines": 2, "engine_cmd": cmd},
@@ -483,7 +501,11 @@ async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_tol
                     for p, s in jobs]
         generated = [asyncio.ensure_future(generate_rollout(http, f.router_url, p, s,
                                                             max_tokens)) for p, s in jobs]
-        await asyncio.sleep(0.2)  # about 20 tokens in: each spans the load
+        # Each spans the load: every one generating (a fixed 0.2 s left the whole answers
+        # unsent on a loaded machine, named by the new weights alone), then 10 tokens in.
+        engines = [r.base_url for r in f.ledger.snapshot()]
+        await generating(http, engines, 2 * len(jobs))
+        await asyncio.sleep(0.1)
         done = await f.refit_from(str(tmp_path / "ckpt-2"), 2)
         assert done.credited == [0, 1], done.to_dict()
         for (p, _), (text, named) in zip(jobs, await asyncio.gather(*rollouts), strict=True):
@@ -495,7 +517,8 @@ async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_tol
                   for _ in range(4)]
         streams = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, True, max_tokens))
                    for p in prompts]
-        await asyncio.sleep(0.2)  # about 20 tokens in
+        await generating(http, engines, len(wholes) + len(streams))
+        await asyncio.sleep(0.1)  # about 10 tokens in
         aborted = await f.refit_from(str(tmp_path / "ckpt-1"), 3, pause_mode="abort")
         await asyncio.gather(*wholes, *streams)
         quiet = await f.refit_from(str(tmp_path / "ckpt-2"), 4)
