@@ -17,7 +17,7 @@ from fleetwarden.config import FleetConfig, SupervisorConfig
 from fleetwarden.journal import Journal
 from fleetwarden.launchers import EngineHandle, EngineRecord
 from fleetwarden.launchers.local import LocalLauncher, kill_launched, live_launch_ids
-from fleetwarden.launchers.procs import process_start_ticks
+from fleetwarden.launchers.procs import listening_processes, process_start_ticks
 from fleetwarden.testing.up import UpProcess
 from support.fleet import SIM
 from support.wait import wait_until
@@ -61,6 +61,12 @@ def test_fleetwarden_restart_keeps_budgets_and_adopts_engines(tmp_path: Path) ->
         wait_for(lambda: up.client.shards()[0]["restart_attempts"] == 1
                  and up.client.shards()[0]["state"] == "HEALTHY", what="shard 0 restarted")
         before = {s["index"]: (s["pid"], s["base_url"]) for s in up.client.shards()}
+        # The engine started after the routers holds none of their listening sockets: one it
+        # held (inherited from fleetwarden's copy) would outlive the routers and queue their
+        # port's connections where nobody accepts them.
+        port = int(up.router.rsplit(":", 1)[1])
+        holders = {p.pid for p in listening_processes(port)}
+        assert holders and not holders & {pid for pid, _ in before.values()}, holders
         up.kill9()
 
         again = Up(tmp_path, *FAST)

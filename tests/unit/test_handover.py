@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import uuid
 
 import aiohttp
@@ -152,3 +153,33 @@ async def test_the_token_is_never_sent_to_a_squatter_on_the_handover_socket(
         assert TOKEN.encode() not in squatter.heard and squatter.heard == b""
     finally:
         squatter.sock.close()
+
+
+async def test_the_sockets_taken_are_not_inherited_by_a_process_started_afterwards() -> None:
+    """The supervisor keeps a copy of its router's sockets, then starts processes (a router's
+    replacement, engines) on uvloop, whose subprocesses inherit every fd not marked
+    close-on-exec. Before: SCM_RIGHTS fds were not, and a replacement router that could not
+    take the copy (its giver killed meanwhile) held it beside a socket of its own, never
+    accepting there: half of the port's new connections waited forever."""
+    old = _listener()
+    launch_id = f"t-{uuid.uuid4().hex}"
+    handover = ListenerHandover(launch_id, TOKEN, lambda: [old])
+    await handover.start()
+    try:
+        taken = await asyncio.to_thread(take_listeners, launch_id, TOKEN)
+        assert not any(os.get_inheritable(s.fileno()) for s in taken)
+        inode = os.fstat(taken[0].fileno()).st_ino
+        # close_fds=False: a spawner that closes nothing, as uvloop's
+        child = subprocess.Popen(["sleep", "30"], close_fds=False)
+        try:
+            held = {os.stat(f"/proc/{child.pid}/fd/{fd}").st_ino
+                    for fd in os.listdir(f"/proc/{child.pid}/fd")}
+        finally:
+            child.kill()
+            child.wait()
+        assert inode not in held
+        for s in taken:
+            s.close()
+    finally:
+        await handover.close()
+        old.close()

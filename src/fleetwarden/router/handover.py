@@ -161,13 +161,20 @@ def take_listeners(launch_id: str, token: str, timeout_s: float = 5.0, *,
                 raise HandoverError(f"router {launch_id}: its socket is held by pid {pid}, not "
                                     f"{owner_pid}: the token is not sent")
             conn.sendall(token.encode() + b"\n")
-            msg, fds, _flags, _addr = socket.recv_fds(conn, 1024, MAX_SOCKETS)
+            # Close-on-exec, as every socket Python makes itself: a process started later by
+            # this one must not hold a listener it never accepts on (the kernel would queue
+            # its share of the port's connections there). uvloop's subprocesses inherit
+            # every fd that lacks the flag, and SCM_RIGHTS gives fds without it. The flag
+            # here sets it atomically; set again below where a kernel ignores it.
+            msg, fds, _flags, _addr = socket.recv_fds(conn, 1024, MAX_SOCKETS,
+                                                      socket.MSG_CMSG_CLOEXEC)
         except OSError as exc:
             raise HandoverError(f"router {launch_id}: {exc}") from exc
     if not fds:
         raise HandoverError(f"router {launch_id}: {msg.decode(errors='replace').strip()}")
     taken = []
     for fd in fds:
+        os.set_inheritable(fd, False)
         s = socket.socket(fileno=fd)
         s.setblocking(False)
         taken.append(s)
@@ -187,8 +194,8 @@ class KeptListeners:
 
     A copy that no router accepts from holds connections nobody answers, so it is dropped
     whenever no router of its slot will accept again: a slot whose router cannot be started
-    again (the port refuses instead, which a client sees at once), a slot a reload removed, and
-    every slot before the routers are stopped.
+    again (the port refuses instead, which a client sees at once), and every slot before the
+    routers are stopped.
 
     ``enabled`` False (several routers share the port): nothing is kept. While one of them is
     replaced the kernel hands new connections to the others at once, where a kept copy would
@@ -207,9 +214,6 @@ class KeptListeners:
         """The launch id a replacement for ``slot`` takes its listeners from (as from a
         predecessor); None when none are kept."""
         return f"{self._id}-{slot}" if self._kept.get(slot) else None
-
-    def slots(self) -> list[int]:
-        return sorted(self._kept)
 
     async def keep(self, slot: int, launch_id: str, pid: int) -> bool:
         """Take a copy of the listeners of the router ``launch_id`` (process ``pid``), now in
