@@ -37,6 +37,7 @@ from fleetwarden.refit import RefitError
 from fleetwarden.sim import wire
 from fleetwarden.sim.sampling import Generation, parse_params
 from fleetwarden.sim.weights import BASE, Weights, load_weights
+from fleetwarden.testing.scenarios import engine_metric
 from fleetwarden.weight_sync import RefitLoad
 from support.fleet import record_transitions, running_fleet, until
 
@@ -436,17 +437,12 @@ async def generate_rollout(http: aiohttp.ClientSession, router: str, prompt: str
         return [span["version"] for span in choice["weight_versions"]], header
 
 
-async def generating(http: aiohttp.ClientSession, engines: list[str], n: int) -> None:
+async def generating(engines: list[str], n: int) -> None:
     """Wait until the engines' ``vllm:num_requests_running`` add up to ``n`` (10 s at most)."""
     deadline = time.monotonic() + 10.0
     total = 0.0
     while time.monotonic() < deadline:
-        total = 0.0
-        for url in engines:
-            async with http.get(url + "/metrics") as r:
-                total += sum(float(line.rsplit(" ", 1)[1])
-                             for line in (await r.text()).splitlines()
-                             if line.startswith("vllm:num_requests_running"))
+        total = sum([await engine_metric(url, "vllm:num_requests_running") for url in engines])
         if total >= n:
             return
         await asyncio.sleep(0.02)
@@ -504,7 +500,7 @@ async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_tol
         # Each spans the load: every one generating (a fixed 0.2 s left the whole answers
         # unsent on a loaded machine, named by the new weights alone), then 10 tokens in.
         engines = [r.base_url for r in f.ledger.snapshot()]
-        await generating(http, engines, 2 * len(jobs))
+        await generating(engines, 2 * len(jobs))
         await asyncio.sleep(0.1)
         done = await f.refit_from(str(tmp_path / "ckpt-2"), 2)
         assert done.credited == [0, 1], done.to_dict()
@@ -517,7 +513,7 @@ async def test_rollouts_across_a_load_are_labelled_truthfully_and_their_cost_tol
                   for _ in range(4)]
         streams = [asyncio.ensure_future(keep_rollout(http, f.router_url, p, True, max_tokens))
                    for p in prompts]
-        await generating(http, engines, len(wholes) + len(streams))
+        await generating(engines, len(wholes) + len(streams))
         await asyncio.sleep(0.1)  # about 10 tokens in
         aborted = await f.refit_from(str(tmp_path / "ckpt-1"), 3, pause_mode="abort")
         await asyncio.gather(*wholes, *streams)

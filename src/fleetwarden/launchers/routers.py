@@ -679,9 +679,6 @@ class RouterWorkers:
         for worker, old in olds.items():
             self.statuses.retire(worker, old.record.control_url)
             self._drain(old)
-        for slot in self._kept.slots():
-            if slot >= n:  # a slot fewer workers left: its sockets went to slot mod N
-                await self._kept.drop(slot)
         log.info("router workers replaced: %s", [p.record.pid for p in self._procs.values()])
 
     async def _replace(self, worker: int, take_from: Sequence[str]) -> None:
