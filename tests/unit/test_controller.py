@@ -974,7 +974,9 @@ async def test_with_every_engine_ejected_the_router_serves_through_the_panic_thr
     """Both engines ejected for one failed request each (two different 5xx: no poison), and
     both answer again. Below the panic threshold the ledger pushes them both back (Envoy's
     rule), so clients are answered; with panic off they get 409s until proof comes."""
-    async with rig(2, health_managed=True, max_retries=1) as r:
+    # comeback_wait_s: how long a request waits for a backend before its 409; the default
+    # (5 s) made this test wait 20 s for its four 409s
+    async with rig(2, health_managed=True, max_retries=1, comeback_wait_s=0.05) as r:
         a, b = r.engines
         reads = ScriptedReads(STALLED_REPORT)  # nothing proves them either way
         config = Config.model_validate({"health": {
