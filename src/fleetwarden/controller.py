@@ -9,8 +9,9 @@ Must not: decide health itself (the judge and the ledger's table do), start and 
 
 Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 
-1. a watchdog round for every shard that has a process (serving and STALE), concurrently;
-   verdicts go into the ledger (reports.py);
+1. the reads since the last tick (reads.py reads every shard that has a process, serving and
+   STALE, once per interval beside the tick, each verdict into the ledger as it finishes:
+   reports.py) become the tick's report;
 2. a supervisor tick: restarts start for DEAD shards (so a shard condemned this tick is
    RESTARTING before the push), finished restarts are collected;
 3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
@@ -247,20 +248,13 @@ class Controller:
     async def tick(self) -> TickReport:
         self.tick_number += 1
         started = time.perf_counter()
-        reports: Mapping[str, Report]
-        if self.reads.apart:
-            # The reads since the last tick were decided as each finished: this tick's.
-            report, reports = self.reads.take(self.tick_number, self.clock())
-        else:
-            report = TickReport(self.tick_number, self.clock())
+        # 0. the reads since the last tick (reads.py reads beside the tick, each decided as it
+        # finished): this tick's report
+        report, reports = self.reads.take(self.tick_number, self.clock())
 
-        # 0. a refit lease that overran marks its participants SUSPECT
+        # 1. a refit lease that overran marks its participants SUSPECT
         if self.refit is not None:
             guarded(report, "refit lease", self.refit.check_lease)
-
-        # 1. the watchdog round, each read decided on as it finishes (read apart: done)
-        if not self.reads.apart:
-            reports = await self.reads.round(report)
         failed_probe = frozenset(url for url, r in reports.items() if r.failed_probe)
         if self.refit is not None and self.refit.lease is not None:
             guarded(report, "refit participants", self.book.observe_participants, reports)
@@ -313,7 +307,6 @@ class Controller:
         """Tick every ``probe_interval_s`` until ``stop`` is set. A tick that raises is logged;
         the loop goes on."""
         interval = self.config.health.probe_interval_s
-        self.reads.apart = True
         watchers = TaskOwner()
         self.evidence.watch(stop, watchers)
         watchers.start(self.reads.loop(stop), "reads")
@@ -327,7 +320,6 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_either(stop), interval)
         finally:
-            self.reads.apart = False
             await watchers.cancel_all()
 
     async def _wait_either(self, stop: asyncio.Event) -> None:

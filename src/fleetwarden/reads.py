@@ -1,11 +1,11 @@
-"""The read round: every engine with a process read, each read decided on as it finishes.
+"""The reads: every engine with a process read, each read decided on as it finishes.
 
-Owns: the round (within a tick called on its own; beside the tick, on its own schedule, in the
-running fleet: docs/design.md 6.2); each read's target (what the routers hold there, whether
-its stalls are excused, whether it is canaried); each read's way into the ledger
-(:class:`~fleetwarden.reports.ReportBook`) and, when it accuses, to the focused reads; the
-reads of a refit lease's participants; the tick's report (:class:`TickReport`) and what the
-reads decided since the last tick, until the tick takes it over.
+Owns: the reads (beside the tick, each engine on its own schedule in the running fleet:
+docs/design.md 6.2; or every engine at once, :meth:`Reads.round`); each read's target (what
+the routers hold there, whether its stalls are excused, whether it is canaried); each read's
+way into the ledger (:class:`~fleetwarden.reports.ReportBook`) and, when it accuses, to the
+focused reads; the reads of a refit lease's participants; the tick's report
+(:class:`TickReport`): what the reads decided since the last tick, until the tick takes it.
 Must not: judge a read (the judge does), map a report to a state (the ledger's table does),
 read an engine under focused reads (focus.py does), or tell the routers anything (pushes.py).
 """
@@ -78,10 +78,8 @@ class Reads:
         self.refit = refit
         #: Whether the OS reports shard i's engine process stopped (launched engines only).
         self._stopped = stopped
-        #: While the fleet runs (:meth:`loop` reads each engine on its own schedule), the tick
-        #: reads nothing: what the reads decided since the last tick waits here, and the tick
-        #: takes it over as its own report (``False``: each tick reads the fleet, :meth:`round`).
-        self.apart = False
+        #: The tick reads nothing: what the reads decided since the last tick waits here, and
+        #: the tick takes it over as its own report.
         self._pending = TickReport(1, 0.0)
         self._pending_reports: dict[str, Report] = {}
 
@@ -93,10 +91,12 @@ class Reads:
         reports, self._pending_reports = self._pending_reports, {}
         return report, reports
 
-    async def round(self, report: TickReport) -> Mapping[str, Report]:
-        """The watchdog round, for every shard with a process, within the tick."""
+    async def round(self) -> Mapping[str, Report]:
+        """Every shard with a process read now, at once, each decided into the next tick's
+        report as :meth:`loop`'s reads are: what a caller that runs no loop does before a tick
+        (a unit test's step)."""
         round_started = time.monotonic()
-        reports = await self._read(report, self._to_read(range(len(self.ledger))))
+        reports = await self._read(self._to_read(range(len(self.ledger))))
         round_ended = time.monotonic()
         self.meter.round_done(round_ended, round_ended - round_started, len(reports))
         return reports
@@ -119,7 +119,7 @@ class Reads:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                reports = await self._read(None, self._to_read(range(len(self.ledger))),
+                reports = await self._read(self._to_read(range(len(self.ledger))),
                                            spread_s=interval)
             except Exception:
                 log.exception("a read round failed; the next one runs as usual")
@@ -128,13 +128,13 @@ class Reads:
             self.meter.round_done(ended, ended - started, len(reports))
             await sleep_unless(stop, started + interval - time.monotonic())
 
-    async def _read(self, report: TickReport | None, shards: Mapping[str, int], *,
+    async def _read(self, shards: Mapping[str, int], *,
                     spread_s: float | None = None) -> Mapping[str, Report]:
-        """Read ``shards`` (by URL), each read into the ledger as it finishes (``report``
-        ``None``: into the next tick's report). ``spread_s``: the reads spread over that many
-        seconds, each target made afresh just before its read (:meth:`_target`)."""
+        """Read ``shards`` (by URL), each read into the ledger as it finishes and into the next
+        tick's report. ``spread_s``: the reads spread over that many seconds, each target made
+        afresh just before its read (:meth:`_target`)."""
         if spread_s is None:
-            counts, ages = await self._holding(report)
+            counts, ages = await self._holding()
             targets = [self._target(url, i, counts, ages) for url, i in shards.items()]
         else:
             targets = [Target(url) for url in shards]
@@ -145,7 +145,7 @@ class Reads:
             # otherwise wait for the slowest of the others.
             i = shards.get(url)
             if i is not None:
-                self._decide(report, i, url, r)
+                self._decide(i, url, r)
 
         per_slice = self.watchdog.concurrency
         # What the routers hold, asked again once per slice of the round: a figure seconds old
@@ -169,7 +169,7 @@ class Reads:
                 # the round's first reads wait for an answer: none is older than the round.
                 async with asking:
                     if time.monotonic() - asked_at >= fresh_for:
-                        counts, ages = await self._holding(report)
+                        counts, ages = await self._holding()
                         asked_at, in_flight, held = time.monotonic(), counts, ages
             return self._target(t.url, i, in_flight, held)
 
@@ -178,11 +178,10 @@ class Reads:
         return await self.watchdog.round(targets, spread_s=spread_s, fresh=fresh,
                                          on_report=decide)
 
-    async def _holding(self, report: TickReport | None,
-                       ) -> tuple[dict[str, int], dict[str, float]]:
+    async def _holding(self) -> tuple[dict[str, int], dict[str, float]]:
         """What the routers hold on each engine: requests in flight, and how long the oldest
-        has been silent."""
-        holding = await self.evidence.holding(_errors(report))
+        has been silent (a router that fails to say is noted in the next tick's report)."""
+        holding = await self.evidence.holding(self._pending.router_errors)
         return holding.in_flight, holding.silent
 
     def _target(self, url: str, i: int, in_flight: Mapping[str, int],
@@ -203,14 +202,13 @@ class Reads:
                       held_s=held.get(url, 0.0), engine=self.config.fleet.engine_of(i),
                       confirm=state is ShardState.SUSPECT, stopped=self._stopped(i))
 
-    def _decide(self, report: TickReport | None, i: int, url: str, r: Report) -> None:
-        """One read of the round into the ledger; a stall or a refusal is confirmed at once.
-        ``report`` ``None``: the read belongs to the next tick's report."""
+    def _decide(self, i: int, url: str, r: Report) -> None:
+        """One read into the ledger and the next tick's report; a stall or a refusal is
+        confirmed at once."""
         if self.ledger.shard(i).base_url != url:
             return  # the shard moved during the round (a restart finished)
-        if report is None:
-            report = self._pending
-            self._pending_reports[url] = r
+        report = self._pending
+        self._pending_reports[url] = r
         self.book.last[i] = r
         report.verdicts[i] = r.verdict.name
         self.book.count(r)
@@ -258,8 +256,3 @@ class Reads:
                 answered[i] = ProcessSeen(
                     r.incarnation, {} if r.sample is None else r.sample.counters())
         return answered
-
-
-def _errors(report: TickReport | None) -> list[str] | None:
-    """Where a router's failure is noted: the tick's report, or (``None``) the log."""
-    return None if report is None else report.router_errors

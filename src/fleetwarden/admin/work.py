@@ -23,10 +23,10 @@ __all__ = ["WorkCollector"]
 #: (name, help, the meter's series) of every histogram exported.
 _HISTOGRAMS: tuple[tuple[str, str, Callable[[WorkMeter], Series]], ...] = (
     ("fleetwarden_tick_seconds",
-     "A controller tick, start to end: the read round, the supervisor, the routers' outcomes, "
-     "the push and the rescue.", lambda m: m.tick),
+     "A controller tick, start to end: the reads' verdicts taken, the supervisor, the routers' "
+     "outcomes, the push and the rescue.", lambda m: m.tick),
     ("fleetwarden_read_round_seconds",
-     "The tick's watchdog round: every engine with a process read once.", lambda m: m.read_round),
+     "A read round: every engine with a process read once.", lambda m: m.read_round),
     ("fleetwarden_read_round_reads", "Engines read in one round.", lambda m: m.round_reads),
     ("fleetwarden_evidence_to_decision_seconds",
      "From evidence in hand (a read finished, a router's failed attempt reported) to the "
@@ -56,7 +56,7 @@ class WorkCollector:
             family.add_metric([], series.cumulative(), series.total)
             out.append(family)
         reads = CounterMetricFamily("fleetwarden_engine_reads",
-                                    "Engine reads done by the tick's rounds since start.")
+                                    "Engine reads done by the read rounds since start.")
         reads.add_metric([], meter.reads)
         out.append(reads)
         rate = meter.reads_per_s()
