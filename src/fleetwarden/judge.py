@@ -265,8 +265,9 @@ VERDICTS: Mapping[Verdict, VerdictRule] = {
     Verdict.SILENT: VerdictRule(
         "``/metrics`` accepted the connection and answered nothing within the read timeout "
         "(``silence_read_s`` while a request is held there), or the OS reports the engine's "
-        "process stopped; a failed probe only when stopped, or silent (over reads in a row) "
-        "for the whole read timeout", "never", None),
+        "process stopped; a failed probe only when stopped, or silent (over reads in a row, "
+        "and, with requests there, to the routers too) for the whole read timeout", "never",
+        None),
     Verdict.NO_METRICS: VerdictRule(
         "reachable; ``/metrics`` missing, unparseable or lacking", "when due; none in flight",
         None),
@@ -1404,6 +1405,13 @@ class EngineWatch:
         held = t.held_s + (v.now - v.began) if t.held_s > 0 else 0.0
         silent_for = held if reading.stopped else max(v.now - self.silent_since,
                                                       reading.waited_s)
+        if held > 0:
+            # With requests there, the silence is the engine's only as long as the routers
+            # heard nothing from it either (their held time runs from its last head or event,
+            # on any request). A saturated engine on a starved host lets /metrics hang while
+            # its streams go on: two such reads in a row added up to a failed probe, and the
+            # real demo's saturated stretch moved both healthy engines to SUSPECT.
+            silent_for = min(silent_for, held)
         v.held_flat_s = 0.0 if t.stalls_excused else min(held, silent_for)
         if reading.stopped or silent_for >= self.judged_by().read_timeout_s:
             # Nothing answered for a whole read timeout, over one read or several in a row:

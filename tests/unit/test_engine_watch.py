@@ -33,6 +33,7 @@ from fleetwarden.judge import (
     Visit,
     exit_code,
 )
+from support.clock import TICK_S
 
 URL = "http://engine:8000"
 IDLE = Sample(running=0, waiting=0, steps=1000, generation_tokens=4000, prompt_tokens=40,
@@ -437,3 +438,31 @@ def test_an_engine_whose_reads_were_already_slow_is_starved_not_silent() -> None
     assert step.timeout_s == DEFAULT_POLICY.silence_read_s and step.silence_counts
     r = watch.next(Read(step.visit, Silent("no answer", waited_s=1.0), 14.0))
     assert isinstance(r, Report) and r.verdict is Verdict.SILENT
+
+
+def test_an_engine_that_streams_while_its_metrics_hang_is_not_a_failed_probe() -> None:
+    """A saturated engine on a starved host: /metrics hangs past the silence timeout on reads
+    in a row while the routers hear its events (their held time there stays short). Before,
+    two such reads added up to a read timeout of silence and a failed probe (the real demo's
+    saturated stretch: both healthy engines SUSPECT). Once the routers too hear nothing for a
+    read timeout, the silence is the engine's and condemns as before."""
+    watch = EngineWatch()
+    watch.keep_baseline(BUSY, 0.0)
+    policy = DEFAULT_POLICY
+    streaming = Target(URL, in_flight=16, held_s=0.05)  # an event 50 ms before each read
+    first = silent_visit(watch, streaming, 10.0, 11.0, Silent("no answer", waited_s=1.0))
+    second = silent_visit(watch, streaming, 11.25, 12.25, Silent("no answer", waited_s=1.0))
+    assert policy.read_timeout_s <= 12.25 - 10.0  # reads alone: a failed probe, as before
+    for r in (first, second):
+        assert r.verdict is Verdict.SILENT and r.health is Health.UNPROVEN
+    # what a hedge is decided on: the read's second, then the routers' 1.05 s
+    assert (first.held_flat_s, second.held_flat_s) == pytest.approx((1.0, 1.05))
+    # One tick either side of the read timeout, as the routers see the engine: their held
+    # time plus the read's own wait.
+    below = silent_visit(watch, Target(URL, in_flight=16,
+                                       held_s=policy.read_timeout_s - 1.0 - TICK_S),
+                         12.5, 13.5, Silent("no answer", waited_s=1.0))
+    assert below.health is Health.UNPROVEN
+    at = silent_visit(watch, Target(URL, in_flight=16, held_s=policy.read_timeout_s - 1.0),
+                      13.75, 14.75, Silent("no answer", waited_s=1.0))
+    assert at.health is Health.FAILING
