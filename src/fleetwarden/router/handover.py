@@ -161,24 +161,34 @@ def take_listeners(launch_id: str, token: str, timeout_s: float = 5.0, *,
                 raise HandoverError(f"router {launch_id}: its socket is held by pid {pid}, not "
                                     f"{owner_pid}: the token is not sent")
             conn.sendall(token.encode() + b"\n")
-            # Close-on-exec, as every socket Python makes itself: a process started later by
-            # this one must not hold a listener it never accepts on (the kernel would queue
-            # its share of the port's connections there). uvloop's subprocesses inherit
-            # every fd that lacks the flag, and SCM_RIGHTS gives fds without it. The flag
-            # here sets it atomically; set again below where a kernel ignores it.
-            msg, fds, _flags, _addr = socket.recv_fds(conn, 1024, MAX_SOCKETS,
-                                                      socket.MSG_CMSG_CLOEXEC)
+            msg, fds = _recv_fds_cloexec(conn)
         except OSError as exc:
             raise HandoverError(f"router {launch_id}: {exc}") from exc
     if not fds:
         raise HandoverError(f"router {launch_id}: {msg.decode(errors='replace').strip()}")
     taken = []
     for fd in fds:
-        os.set_inheritable(fd, False)
         s = socket.socket(fileno=fd)
         s.setblocking(False)
         taken.append(s)
     return taken
+
+
+def _recv_fds_cloexec(conn: socket.socket) -> tuple[bytes, list[int]]:
+    """One message and the fds it carries, each close-on-exec from the moment it exists, as
+    every socket Python makes itself: a process started later by this one must not hold a
+    listener it never accepts on (the kernel would queue its share of the port's connections
+    there), and uvloop's subprocesses inherit every fd without the flag. SCM_RIGHTS gives fds
+    without it unless asked (``MSG_CMSG_CLOEXEC``), and ``socket.recv_fds`` drops the flags it
+    is given (Python 3.11), so the message is read here. Atomic: the taker runs in a thread
+    while the event loop may be starting a process."""
+    fds = array.array("i")
+    msg, ancdata, _flags, _addr = conn.recvmsg(
+        1024, socket.CMSG_LEN(MAX_SOCKETS * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
 
 
 class KeptListeners:
