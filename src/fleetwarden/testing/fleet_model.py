@@ -437,6 +437,8 @@ path = "{self.journal_path}"
         out: dict[str, dict[str, Any]] = {}
         serving: set[int] = set()
         for r in rows:
+            if "control_url" not in r:
+                continue  # only its launch's intent is journaled yet: still starting
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with http.get(r["control_url"] + "/status",
                                     headers={"Authorization": f"Bearer {token}"}) as resp:
