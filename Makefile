@@ -21,7 +21,7 @@ STAMP  := $(VENV)/.installed-dev
 
 # The pure core: no I/O, no clock read, nothing imported that does either; checked with
 # mypy --strict, and by tests/unit/test_purity.py, which reads this list.
-CORE := src/fleetwarden/ledger.py src/fleetwarden/admission.py src/fleetwarden/accusation.py \
+CORE := src/fleetwarden/ledger.py \
         src/fleetwarden/story.py src/fleetwarden/refit.py \
         src/fleetwarden/engine_metrics.py src/fleetwarden/engines.py src/fleetwarden/judge.py \
         src/fleetwarden/snapshot.py src/fleetwarden/router/pool.py \
@@ -33,9 +33,9 @@ CORE := src/fleetwarden/ledger.py src/fleetwarden/admission.py src/fleetwarden/a
 STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarden/config.py \
           src/fleetwarden/watchdog.py src/fleetwarden/cli.py src/fleetwarden/fleet.py src/fleetwarden/restore.py \
           src/fleetwarden/probe.py src/fleetwarden/sim/sampling.py src/fleetwarden/sim/many.py src/fleetwarden/sim/weights.py \
-          src/fleetwarden/sim/kv_events.py src/fleetwarden/controller.py src/fleetwarden/evidence.py src/fleetwarden/focus.py \
+          src/fleetwarden/sim/kv_events.py src/fleetwarden/controller.py \
           src/fleetwarden/pushes.py src/fleetwarden/reads.py \
-          src/fleetwarden/reports.py src/fleetwarden/tasks.py src/fleetwarden/timeline.py \
+          src/fleetwarden/tasks.py src/fleetwarden/timeline.py \
           src/fleetwarden/supervisor.py src/fleetwarden/client.py src/fleetwarden/weight_sync.py \
           src/fleetwarden/console.py src/fleetwarden/chaos.py src/fleetwarden/sleep.py src/fleetwarden/auth.py \
           src/fleetwarden/credentials.py src/fleetwarden/model_files.py src/fleetwarden/loads.py \
@@ -49,7 +49,8 @@ STRICT := src/fleetwarden/testing/*.py src/fleetwarden/journal.py src/fleetwarde
 CHROMIUM ?= /usr/bin/chromium
 # The benchmarks that are kept --strict clean (bench/ is on the path: they import _peers).
 BENCH_TYPED := bench/_peers.py bench/failover.py bench/scale.py bench/cache.py bench/cache_model.py \
-               bench/router_ab.py bench/refit_latency.py bench/replay.py bench/replay_report.py
+               bench/router_ab.py bench/refit_latency.py bench/replay.py bench/replay_report.py \
+               bench/wedge_walk.py
 
 VLLM_READY := from fleetwarden.testing.tiny_model import ensure_tiny_model; print(ensure_tiny_model())
 

@@ -1,17 +1,17 @@
 """The controller tick: the one loop that couples watchdog, ledger, supervisor and routers.
 
 Owns: the tick and the loop that runs it, the one transition channel, the fleet's status; it
-builds its collaborators and hands each what it needs: the read round (reads.py), what the
-routers are told (pushes.py), the routers' evidence (evidence.py), the focused reads and
-hedges (focus.py), every finished read's entry (reports.py).
+builds its collaborators and hands each what it needs: what it learns of the engines (reads.py:
+the routers' evidence, the reads, the focused reads and their hedges, every finished read's
+entry) and what the routers are told (pushes.py).
 Must not: decide health itself (the judge and the ledger's table do), start and stop engines
 (the supervisor does), or do a collaborator's job itself: it calls the one that owns it.
 
 Every ``probe_interval_s`` (docs/design.md section 6), in this order:
 
 1. the reads since the last tick (reads.py reads every shard that has a process, serving and
-   STALE, once per interval beside the tick, each verdict into the ledger as it finishes:
-   reports.py) become the tick's report;
+   STALE, once per interval beside the tick, each verdict into the ledger as it finishes)
+   become the tick's report;
 2. a supervisor tick: restarts start for DEAD shards (so a shard condemned this tick is
    RESTARTING before the push), finished restarts are collected;
 3. every router's outcomes are drained into ``report_outcomes``; unknown URLs are ignored;
@@ -32,10 +32,12 @@ speed of evidence"):
 * **One channel.** Whatever moves a shard (a verdict, a drained window, a process exit the
   supervisor saw, an operator), the routers learn it from the ledger's transition stream: a
   transition that changes what may be routed, or condemns a shard, pushes and rescues at once.
-* **Evidence is an event** (evidence.py): a failed attempt a router reports is drained at
-  once, and engines holding requests silent are accused between ticks.
-* **Confirm at once** (focus.py): an accused shard (ejected, silent requests, a stall or an
-  unreachable read at the tick) gets focused reads until they conclude.
+* **Evidence is an event** (reads.py's :class:`~fleetwarden.reads.Evidence`): a failed attempt
+  a router reports is drained at once, and engines holding requests silent are accused between
+  ticks.
+* **Confirm at once** (reads.py's :class:`~fleetwarden.reads.Focus`): an accused shard
+  (ejected, silent requests, a stall or an unreachable read at the tick) gets focused reads
+  until they conclude.
 
 Every task the controller and its collaborators start has one owner (:class:`TaskOwner`),
 cancelled and awaited by :meth:`Controller.close`.
@@ -53,15 +55,12 @@ from typing import Any
 
 from fleetwarden.config import Config
 from fleetwarden.credentials import NO_KEYS, EngineKeys
-from fleetwarden.evidence import Evidence
-from fleetwarden.focus import Focus
 from fleetwarden.journal import Journal
 from fleetwarden.launchers.procs import process_info
 from fleetwarden.ledger import Event, Ledger, ShardRecord, ShardState, Transition, tally
 from fleetwarden.pushes import Pushes
-from fleetwarden.reads import Reads, TickReport, guarded
+from fleetwarden.reads import Evidence, Focus, Reads, ReportBook, TickReport, guarded
 from fleetwarden.refit import RefitCoordinator
-from fleetwarden.reports import ReportBook
 from fleetwarden.router.links import RouterLink
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.supervisor import Supervisor
@@ -205,7 +204,7 @@ class Controller:
         return info is not None and info.state == "T"
 
     def confirm(self, shard: int, why: str) -> None:
-        """Accuse ``shard``: focused reads of its engine until they conclude (focus.py)."""
+        """Accuse ``shard``: focused reads of its engine until they conclude (:class:`Focus`)."""
         self.focus.confirm(shard, why)
 
     def apply_report(self, i: int, r: Report, *, progress_proves: bool = True) -> None:
@@ -262,7 +261,7 @@ class Controller:
         # 2. the supervisor: a shard condemned above is RESTARTING before the push
         guarded(report, "supervisor", self.supervisor.tick)
 
-        # 3. outcomes from every router, one window each (evidence.py)
+        # 3. outcomes from every router, one window each (Evidence)
         await self.evidence.take_windows(failed_probe, report.router_errors)
 
         # 4. holds past their until-time end; push, every tick (a restarted router converges)

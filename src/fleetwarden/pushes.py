@@ -28,10 +28,9 @@ from fleetwarden.engines import (
     output_default_of,
     profile,
 )
-from fleetwarden.evidence import router_error
 from fleetwarden.ledger import ABSENT, ROUTABLE, Ledger, ShardRecord, ShardState, Transition
 from fleetwarden.model_files import generation_config_file
-from fleetwarden.reports import ReportBook
+from fleetwarden.reads import ReportBook, router_error
 from fleetwarden.router.links import CONTROL_TIMEOUT_S, RouterLink
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.splice import CompletionDefault

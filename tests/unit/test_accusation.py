@@ -1,5 +1,6 @@
-"""An accusation's course, as decisions alone (accusation.py): what each focused read asks, and
-what its report leads to. focus.py's tests in test_controller.py run the same course with I/O."""
+"""An accusation's course, as decisions alone (the judge's :class:`Accusation`): what each focused
+read asks, and what its report leads to. The tests of :class:`Focus` in test_controller.py run the
+same course with I/O."""
 
 from __future__ import annotations
 
@@ -7,11 +8,21 @@ from dataclasses import replace
 
 import pytest
 
-from fleetwarden.accusation import Accusation, Facts, accused_by
-from fleetwarden.judge import CanaryResult, CanaryRule, Evidence, Health, Hedge, Report, Verdict
+from fleetwarden.judge import (
+    Accusation,
+    AccusedFacts,
+    CanaryResult,
+    CanaryRule,
+    Evidence,
+    Health,
+    Hedge,
+    Report,
+    Verdict,
+    accused_by,
+)
 from support.clock import TICK_S
 
-IDLE = Facts(asleep=False, ejected_until=None, ejection_due=False, in_doubt=False)
+IDLE = AccusedFacts(asleep=False, ejected_until=None, ejection_due=False, in_doubt=False)
 DOUBTED = replace(IDLE, in_doubt=True)
 EJECTED = replace(IDLE, ejected_until=1001.0)
 DUE = replace(EJECTED, ejection_due=True)
@@ -79,7 +90,7 @@ def test_a_lost_core_is_hedged_and_not_held_for_a_stall() -> None:
 @pytest.mark.parametrize(("after", "concludes"), [
     (IDLE, True), (EJECTED, False), (DOUBTED, False)])
 def test_a_settled_read_after_the_first_concludes_unless_ejected_or_in_doubt(
-        after: Facts, concludes: bool) -> None:
+        after: AccusedFacts, concludes: bool) -> None:
     a = Accusation(DEADLINE)
     assert not a.concluded(read(Verdict.BUSY), IDLE, 1000.0)  # the first never settles it
     assert a.concluded(read(Verdict.BUSY), after, 1001.0) is concludes

@@ -1,4 +1,4 @@
-"""Admission: who the routers may use, in the ledger (its :class:`Admission`, admission.py's table).
+"""Admission: who the routers may use, in the ledger (its :class:`Admission` and hold table).
 
 Every hold ends at its until-time on the ledger's clock, tested one tick either side with a
 :class:`~support.clock.Clock` the test moves (a hold ends *at* it, as the timer it replaces
@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import pytest
 
-from fleetwarden.admission import Admitted, HoldCause, Holds, admitted
-from fleetwarden.ledger import TRANSITIONS, Event, Ledger, Policy, ShardState, Transition
+from fleetwarden.ledger import (
+    TRANSITIONS,
+    Admitted,
+    Event,
+    HoldCause,
+    Holds,
+    Ledger,
+    Policy,
+    ShardState,
+    Transition,
+    admitted,
+)
 from support.clock import TICK_S, Clock
 
 FOR_S = 3.0  # a hold's longest life in these tests (the fleet's: health.stall_s)

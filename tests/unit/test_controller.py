@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 
-from fleetwarden.admission import never_empty
 from fleetwarden.config import Config, FleetConfig
 from fleetwarden.controller import Controller, TickReport
 from fleetwarden.engines import LLAMACPP, CapUnknown
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.launchers import EngineHandle, LaunchError
-from fleetwarden.ledger import Event, Ledger, Policy, ShardState
+from fleetwarden.ledger import Event, Ledger, Policy, ShardState, never_empty
 from fleetwarden.pushes import completion_default_of, output_default_from
 from fleetwarden.refit import RefitCoordinator
 from fleetwarden.router import InProcessRouter, RemoteRouter, Router
@@ -1227,7 +1226,7 @@ def test_a_serving_engine_held_or_ejected_out_of_the_push_counts_as_coming_back(
     """A held or ejected engine is on its way back (a proof, its time, or the never-empty rule
     and the panic threshold once the others fail): a router whose last engine fails meanwhile
     waits for the push that brings it, instead of a 409 at once."""
-    from fleetwarden.admission import HoldCause
+    from fleetwarden.ledger import HoldCause
 
     urls = ["http://a", "http://b", "http://c"]
     ledger = Ledger(urls, Policy())

@@ -312,7 +312,7 @@ def test_a_configuration_fault_is_shown_until_the_same_request_is_answered() -> 
 def test_a_refused_canary_is_none_for_the_ledger() -> None:
     """The ledger is told no canary was sent (it proves nothing), so it counts no failed
     probe; a canary that failed otherwise is told as failed."""
-    from fleetwarden.reports import reading_of
+    from fleetwarden.reads import reading_of
 
     watch = EngineWatch()
     watch.keep_baseline(IDLE, 0.0)

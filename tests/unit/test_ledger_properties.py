@@ -12,11 +12,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from fleetwarden.admission import HoldCause
 from fleetwarden.ledger import (
     ABSENT,
     ROUTABLE,
     TRANSITIONS,
+    HoldCause,
     Ledger,
     Policy,
     Reading,

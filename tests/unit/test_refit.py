@@ -6,6 +6,7 @@ import pytest
 
 from fleetwarden.judge import CanaryRule, Evidence, Health, Verdict
 from fleetwarden.ledger import Ledger, Policy, Reading, ShardState
+from fleetwarden.reads import ReportBook
 from fleetwarden.refit import (
     CANNOT_SAY,
     EngineWeights,
@@ -14,7 +15,6 @@ from fleetwarden.refit import (
     RefitError,
     confirmation,
 )
-from fleetwarden.reports import ReportBook
 from fleetwarden.watchdog import Report
 from support.clock import Clock
 

@@ -36,15 +36,15 @@ from aiohttp import web
 from fleetwarden.router import serve
 from fleetwarden.router.affinity import Affinity, Predicted
 from fleetwarden.router.control import make_control_app
-from fleetwarden.router.feed import Evidence, EvidenceFeed
 from fleetwarden.router.forward import Forwarder
 from fleetwarden.router.keys import KeysFile
 from fleetwarden.router.links import InProcessRouter
-from fleetwarden.router.ops import Holding
+from fleetwarden.router.ops import Evidence, Holding
 from fleetwarden.router.pool import BackendFacts, Pool, RetryBudget
 from fleetwarden.router.routes import Routes
 from fleetwarden.router.settings import RouterSettings
 from fleetwarden.router.stats import RouterStats, make_registry
+from fleetwarden.router.waiting import EvidenceFeed
 
 __all__ = ["Router", "runner_url"]
 

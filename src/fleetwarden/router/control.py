@@ -72,7 +72,7 @@ Evidence (each failed attempt, as it happens) reaches a controller in the same p
 controller's open at a time: it is answered the moment an attempt fails (``failed``: how many
 since the count ``after`` the caller last saw, so none falls between two polls; ``failures`` is
 the new count), or a backend holds a request silent for ``silent_after_s``, else empty after
-``wait_s`` (:class:`~fleetwarden.router.feed.EvidenceFeed`). The controller then
+``wait_s`` (:class:`~fleetwarden.router.waiting.EvidenceFeed`). The controller then
 drains that router's outcomes, or accuses the silent engines, at once: the same pace as in its
 own process, give or take a loopback round trip.
 """

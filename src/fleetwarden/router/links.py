@@ -13,7 +13,7 @@ one thing apart, :attr:`RouterLink.in_process`: a router in this process calls
 :meth:`RouterLink.listen`'s callbacks inside its request path as each attempt fails, and its
 silent requests are an in-memory read; a router across a socket is asked with
 :meth:`RouterLink.evidence` (the operation ``evidence``, answered from the router's
-:class:`~fleetwarden.router.feed.EvidenceFeed`), one long poll held open at a time.
+:class:`~fleetwarden.router.waiting.EvidenceFeed`), one long poll held open at a time.
 
 This module imports no router at run time, so that ``app`` may hand out its own link without
 an import circle.

@@ -1,7 +1,8 @@
 """The router's control operations, declared once: the table both sides are built from.
 
 Owns: :data:`OPERATIONS`, each :class:`Operation` with its name, arguments, answer and HTTP
-route; the readers that check each argument as the control API receives it; :class:`Holding`.
+route; the readers that check each argument as the control API receives it; the answers of
+the reads, :class:`Holding` and :class:`Evidence`.
 Must not: send or serve anything: :mod:`fleetwarden.router.links` builds its clients from this
 table (a router across a socket, a router in this process, a slot of worker processes), and
 :mod:`fleetwarden.router.control` its server.
@@ -20,14 +21,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-from fleetwarden.router.feed import Evidence
 from fleetwarden.router.models import MAX_CARDS, ModelCard, card_error
 from fleetwarden.router.pool import BackendFacts
 from fleetwarden.router.splice import CompletionDefault
 
 __all__ = ["DRAIN", "EVIDENCE", "EVIDENCE_WAIT_MAX_S", "EVIDENCE_WAIT_S", "HEDGE", "HOLDING",
            "OPERATIONS", "RESCUE", "RETRY_AFTER", "SERVING", "STATUS", "TRIAL",
-           "WEIGHTS_CHANGING", "Arg", "Fan", "Holding", "Operation", "Outcomes", "facts_json"]
+           "WEIGHTS_CHANGING", "Arg", "Evidence", "Fan", "Holding", "Operation", "Outcomes",
+           "facts_json"]
 
 R = TypeVar("R")
 
@@ -65,6 +66,26 @@ class Holding:
     @classmethod
     def of_json(cls, raw: Mapping[str, Any]) -> Holding:
         return cls({url: int(n) for url, n in raw["in_flight"].items()},
+                   {url: float(x) for url, x in raw["silent"].items()})
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One answer of the evidence long poll (:class:`~fleetwarden.router.waiting.EvidenceFeed`):
+    ``failed`` attempts since the count the caller named, ``failures`` the router's count now
+    (what the caller names next time), and the backends holding a request silent for the poll's
+    ``silent_after_s``, with that wait."""
+
+    failed: int = 0
+    failures: int = 0
+    silent: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"failed": self.failed, "failures": self.failures, "silent": self.silent}
+
+    @classmethod
+    def of_json(cls, raw: Mapping[str, Any]) -> Evidence:
+        return cls(int(raw["failed"]), int(raw["failures"]),
                    {url: float(x) for url, x in raw["silent"].items()})
 
 

@@ -3,7 +3,9 @@
 Owns: :class:`WaitingRequests`: every request waiting on a backend for its answer's head, every
 stream relayed from one, the hedges in flight, and when each backend last answered; the
 controller's commands on them (rescue, hedge, a weight load with the requests kept) and its
-read of them (:meth:`WaitingRequests.silent`).
+read of them (:meth:`WaitingRequests.silent`); :class:`EvidenceFeed`, the long poll a controller
+holds open for the router's failed attempts and its backends turned silent (``GET /evidence``,
+and an in-process link's :meth:`~fleetwarden.router.links.RouterLink.evidence`).
 Must not: send a request: a hedge is sent by the attempts
 (:class:`~fleetwarden.router.attempts.Attempts`), whose waits enter and leave these tables.
 """
@@ -11,6 +13,7 @@ Must not: send a request: a hedge is sent by the attempts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Coroutine
@@ -18,14 +21,19 @@ from functools import partial
 from typing import Any
 
 from fleetwarden.router.exchange import Exchange, Failure, Hold, Stream, Won
+from fleetwarden.router.ops import Evidence
 from fleetwarden.router.pool import Pool
 from fleetwarden.router.retry import Cause
 from fleetwarden.router.serve import RawHeaders, Request
 from fleetwarden.router.stats import RouterStats
 
-__all__ = ["WaitingRequests", "hedge_ended"]
+__all__ = ["EVIDENCE_SCAN_S", "EvidenceFeed", "WaitingRequests", "hedge_ended"]
 
 log = logging.getLogger("fleetwarden.router")
+
+#: How often a held evidence poll looks for requests that turned silent (failures wake it at
+#: once): the in-process controller's own evidence_poll_s is 0.5 s.
+EVIDENCE_SCAN_S = 0.25
 
 #: How a hedge is sent: (the hold of the wait it hedges, its backend, the request, its body,
 #: its headers, the other backend) -> the hedge's attempt
@@ -229,3 +237,51 @@ def hedge_ended(pool: Pool, backend: str, task: asyncio.Task[Won | Failure]) -> 
     <fleetwarden.router.attempts.Attempts._drop_hedge>`)."""
     if task.cancelled() or task.exception() is not None or not isinstance(task.result(), Won):
         pool.finished(backend)
+
+
+class EvidenceFeed:
+    """The failed attempts of one router, counted from the router's start, so that a caller
+    that names the count it last saw misses none between two polls.
+
+    ``listen`` subscribes a callback to each failed attempt (the router's own
+    :meth:`~fleetwarden.router.app.Router.listen`); ``silent`` reads the backends holding a
+    request silent for so long (:meth:`~fleetwarden.router.app.Router.silent_backends`)."""
+
+    def __init__(self, listen: Callable[[Callable[[str, str], None]], Callable[[], None]],
+                 silent: Callable[[float], dict[str, float]]) -> None:
+        self._silent = silent
+        #: Failed attempts since this feed began: what a poll's ``after`` counts against.
+        self.failures = 0
+        self._came = asyncio.Event()  # set at each failure, cleared as a poll takes it
+        self._closing = False
+        self._unlisten = listen(self._failed)
+
+    def _failed(self, backend: str, cause: str) -> None:
+        self.failures += 1
+        self._came.set()
+
+    def close(self) -> None:
+        """The router is stopping: held polls are answered now, not at their wait."""
+        self._closing = True
+        self._came.set()
+        self._unlisten()
+
+    async def wait(self, after: int | None, wait_s: float, silent_after_s: float) -> Evidence:
+        """Up to ``wait_s``: the failed attempts since the count ``after`` (``None``: from
+        now) and the backends holding a request silent for ``silent_after_s``, answered as
+        soon as there is any."""
+        if after is None:
+            after = self.failures
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            # ``after`` above the count: the caller counted in an earlier router process
+            new = self.failures - after if self.failures >= after else self.failures
+            silent = self._silent(silent_after_s)
+            left = deadline - loop.time()
+            if new or silent or left <= 0 or self._closing:
+                return Evidence(new, self.failures, silent)
+            self._came.clear()
+            # a request turns silent without an event: looked for again every EVIDENCE_SCAN_S
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._came.wait(), min(left, EVIDENCE_SCAN_S))
