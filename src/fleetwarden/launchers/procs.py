@@ -135,13 +135,24 @@ def listening_processes(port: int) -> list[ProcessInfo]:
         if not entry.name.isdigit():
             continue
         try:
-            held = any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir())
+            fds = list((entry / "fd").iterdir())
         except OSError:  # it exited, or it is not ours to read
             continue
-        info = process_info(int(entry.name)) if held else None
+        info = process_info(int(entry.name)) if any(_links_to(fd, inodes) for fd in fds) else None
         if info is not None:
             holders.append(info)
     return holders
+
+
+def _links_to(fd: Path, inodes: set[str]) -> bool:
+    """Whether ``fd`` (a ``/proc/PID/fd`` entry) is one of ``inodes``. An fd closed since its
+    directory was listed is none of them: listing this process's own directory opens an fd
+    and closes it before it is read, and taken as the process gone, it hid every socket this
+    process holds whose number came after it."""
+    try:
+        return os.readlink(fd) in inodes
+    except OSError:
+        return False
 
 
 def process_start_ticks(pid: int) -> int | None:
