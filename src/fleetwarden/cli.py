@@ -692,8 +692,11 @@ async def _serve_router(backends: list[str], settings: RouterSettings, host: str
 
     sockets = await _take_listeners(take_from, token) if take_from else []
     router: Router = Router(backends, settings, health_managed=managed, worker=worker)
+    # A managed router's control port is held bound by the `fleetwarden up` that launched it
+    # until the API answers there (launchers.local.reserve_port): shared, SO_REUSEPORT.
     await router.start(host, port, control_port=control_port, control_token=token,
-                       control_host=control_host, reuse_port=reuse_port, sockets=sockets)
+                       control_host=control_host, reuse_port=reuse_port,
+                       control_reuse_port=managed, sockets=sockets)
     # A managed router hands its listening sockets to the one that replaces it (a reload):
     # see fleetwarden.router.handover.
     launch_id = os.environ.get("FLEETWARDEN_LAUNCH_ID")

@@ -446,7 +446,7 @@ class RouterConfig(_Section):
 
     #: Where the router listens for the OpenAI API.
     host: str = DEFAULT_HOST
-    #: 0 picks a free port (printed at start).
+    #: 0 picks a free port (printed at start), held by `fleetwarden up` while it runs.
     port: Port = DEFAULT_PORT
     backend_timeout_s: PositiveFloat = _ROUTER.backend_timeout_s
     connect_timeout_s: PositiveFloat = _ROUTER.connect_timeout_s

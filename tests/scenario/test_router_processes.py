@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -381,6 +382,19 @@ def held_here(url: str) -> bool:
     return os.getpid() in {p.pid for p in listening_processes(port)}
 
 
+def bindable(url: str) -> bool:
+    """A socket without SO_REUSEPORT may bind the URL's port now."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
 def refused(url: str) -> bool:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     try:
@@ -431,6 +445,10 @@ async def test_a_dead_worker_that_cannot_be_started_again_leaves_the_port_refusi
         # With the copy kept after the failed start, the kernel would complete every handshake.
         await until(lambda: not held_here(workers.url), 30, "the copy dropped")
         assert refused(workers.url)
+        # No worker listens and no copy is kept, yet the port picked for port 0 is still the
+        # fleet's: another server, or an outgoing connection's local port, taking it now would
+        # fail the next worker's start (before: a plain bind here succeeded).
+        assert not bindable(workers.url)
         token_file.chmod(0o600)  # the next try starts one: the stop finds it
         await until(lambda: not refused(workers.url), 30, "a worker listening again")
 

@@ -71,10 +71,33 @@ def default_engine_command() -> str:
 
 
 def free_port(host: str) -> int:
+    """A port free now: anything may take it before the caller binds it (an outgoing
+    connection's local port, another server). For a process whose start must not fail on that,
+    :func:`reserve_port`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A port of ``host`` held for a process that will listen on it with ``SO_REUSEPORT``:
+    a socket bound to it with ``SO_REUSEPORT``, never listening, that the caller keeps until
+    that process listens (or for as long as such processes come and go). While it is bound, a
+    bind without ``SO_REUSEPORT`` (``SO_REUSEADDR`` or not) is refused and the kernel hands the
+    port to no other bind to port 0 nor, as its local port, to an outgoing connection; a
+    listener of the same user with ``SO_REUSEPORT`` shares it and takes every connection (a
+    socket that does not listen takes none). :func:`free_port`'s port is free only until its
+    probe closes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 #: prctl(2) option: the signal this process gets when the thread that forked it ends.

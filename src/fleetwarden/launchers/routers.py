@@ -47,8 +47,8 @@ from fleetwarden.launchers.local import (
     _pid_exit,
     _term_when_parent_dies,
     carrying,
-    free_port,
     launch_id_of,
+    reserve_port,
 )
 from fleetwarden.launchers.procs import (
     ProcessInfo,
@@ -442,6 +442,9 @@ class RouterWorkers:
         #: A copy of the listening sockets, so that the lone worker's death leaves its
         #: connections queued for its replacement instead of refused.
         self._kept = KeptListeners(token, enabled=config.workers == 1)
+        #: The data port picked for ``port`` 0, held bound while the fleet runs
+        #: (:func:`~fleetwarden.launchers.local.reserve_port`).
+        self._reserved: socket.socket | None = None
         #: One reload at a time, and a stop waits for the one under way: a reload swaps
         #: ``_procs`` entries for processes it is still starting, so a stop in the middle of
         #: one would miss the generation not yet recorded (docs/design.md section 13).
@@ -474,7 +477,10 @@ class RouterWorkers:
         the rest with ``backends`` as their first serving set."""
         await self._adopt_or_stop()
         if self.port == 0:
-            self.port = free_port(self.config.host)
+            # Held while the fleet runs: one picked free and let go may be taken before the
+            # first worker binds it, which then exits at start (reserve_port).
+            self._reserved = reserve_port(self.config.host)
+            self.port = self._reserved.getsockname()[1]
         elif not self.adopted:
             # SO_REUSEPORT lets any process of this user bind a port our workers would share:
             # a second fleet on it would silently take half of the first one's requests.
@@ -551,7 +557,10 @@ class RouterWorkers:
     async def _launch(self, worker: int, take_from: Sequence[str] = ()) -> None:
         """Start worker ``worker``. ``take_from``: launch ids of the workers it replaces (a
         reload); it listens on their listening sockets instead of binding its own."""
-        control_port = free_port("127.0.0.1")
+        with reserve_port("127.0.0.1") as control:  # held till its API answers there
+            await self._launch_on(worker, control.getsockname()[1], take_from)
+
+    async def _launch_on(self, worker: int, control_port: int, take_from: Sequence[str]) -> None:
         launch_id = f"r{worker}-{uuid.uuid4().hex[:12]}"
         argv = worker_argv(self.config, self.port, self.token_file, worker, control_port,
                            self.links[worker].last_push, take_from)
@@ -578,7 +587,7 @@ class RouterWorkers:
             await _journal_write(self.journal.router_launched, launch_id, worker,
                                       record.to_dict())
         self._watch(worker, proc.wait())
-        await self._wait_answering(record, proc)
+        await _wait_answering(record, proc, self.token)
         # (A worker started again after a death takes the kept copy: its link has no worker
         # connected, so there is no predecessor to keep.)
         await self.links[worker].connect(record.control_url, keep_predecessor=bool(take_from))
@@ -586,19 +595,6 @@ class RouterWorkers:
         self.started += 1
         log.info("router worker %d: pid %d on %s (control %s)", worker, proc.pid, record.url,
                  record.control_url)
-
-    async def _wait_answering(self, record: RouterRecord,
-                              proc: asyncio.subprocess.Process) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                raise LaunchError(f"router worker {record.worker} exited with code "
-                                  f"{proc.returncode} while starting; see {record.log_path}")
-            if await _answers(record.control_url, self.token):
-                return
-            await asyncio.sleep(_POLL_S)
-        raise LaunchError(f"router worker {record.worker}: no control API within "
-                          f"{START_TIMEOUT_S:g} s; see {record.log_path}")
 
     def _watch(self, worker: int, exited: Awaitable[int]) -> None:
         p = self._procs[worker]
@@ -786,6 +782,9 @@ class RouterWorkers:
             pass
         # First: a copy left open would queue connections after the workers stop accepting.
         await self._kept.close()
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
         if self._status_task is not None:
             self._status_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -807,6 +806,22 @@ class RouterWorkers:
         failed = [str(r) for r in results if isinstance(r, BaseException)]
         if failed:
             raise LaunchError("; ".join(failed))
+
+
+async def _wait_answering(record: RouterRecord, proc: asyncio.subprocess.Process,
+                          token: str) -> None:
+    """Until a starting worker's control API answers; :class:`LaunchError` if it exits first
+    or does not answer within ``START_TIMEOUT_S``."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise LaunchError(f"router worker {record.worker} exited with code "
+                              f"{proc.returncode} while starting; see {record.log_path}")
+        if await _answers(record.control_url, token):
+            return
+        await asyncio.sleep(_POLL_S)
+    raise LaunchError(f"router worker {record.worker}: no control API within "
+                      f"{START_TIMEOUT_S:g} s; see {record.log_path}")
 
 
 async def _stop_worker(p: _Process, grace_s: float, journal: Journal | None) -> None:

@@ -277,14 +277,17 @@ class Router:
         control_token: str | None = None,
         control_host: str = "127.0.0.1",
         reuse_port: bool = False,
+        control_reuse_port: bool = False,
         sockets: Sequence[socket.socket] = (),
     ) -> None:
         """Listen on ``host:port`` (0: any free port; read :attr:`url` or :attr:`port`). With a
         ``control_port``, also serve the control API there, behind ``control_token``.
         ``reuse_port``: ``SO_REUSEPORT``, so that several router processes share the port (the
-        kernel spreads connections over them). ``sockets``: listen on these listening sockets
-        instead (taken from the router this one replaces: :mod:`fleetwarden.router.handover`);
-        ``host``, ``port`` and ``reuse_port`` are then not used."""
+        kernel spreads connections over them); ``control_reuse_port``: the same on the control
+        port (the launcher holds it bound until the API answers there). ``sockets``: listen on
+        these listening sockets instead (taken from the router this one replaces:
+        :mod:`fleetwarden.router.handover`); ``host``, ``port`` and ``reuse_port`` are then not
+        used."""
         if self._started:
             raise RuntimeError("Router.start() was already called")
         if control_port is not None and not control_token:
@@ -315,7 +318,8 @@ class Router:
                                     shutdown_timeout=self.settings.shutdown_grace_s)
             try:
                 await control.setup()
-                await web.TCPSite(control, control_host, control_port).start()
+                await web.TCPSite(control, control_host, control_port,
+                                  reuse_port=control_reuse_port or None).start()
             except BaseException:
                 await control.cleanup()
                 await self.stop()
