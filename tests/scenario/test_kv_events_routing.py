@@ -333,11 +333,15 @@ async def test_events_place_prompts_where_their_blocks_still_are_one_view_for_ev
     # +0.027 over 27 seed-runs (standard error 0.006), but -0.011 to +0.057 for the mean of
     # one run's three seeds (BENCHMARKS.md): one run cannot show it. Never worse beyond that.
     assert margin > -0.03
-    # Two workers: each guess knows only what its worker placed; the events are one view
-    # (measured +0.075 to +0.123 in nine runs). Workers cost the events no hit rate beyond
-    # the spread (the guess loses 0.03-0.12 with a second worker on the same seeds).
-    assert margin2 > 0.05
-    assert drift >= -0.03
+    # Two workers: each guess knows only what its worker placed; the events are one view.
+    # Workers cost the events no hit rate beyond the spread (the guess loses 0.03-0.12 with a
+    # second worker on the same seeds). 29 runs (docs/history.md, "Routing by the engines' own
+    # KV events, simulated engines"): the events' gain with two workers +0.057 to +0.140 (mean
+    # 0.099, SD 0.019), two workers' events less one's -0.034 to +0.020 (mean -0.001, SD
+    # 0.013); -0.03 failed 2 of them. Events each worker kept to itself are expected to gain
+    # about 0 and lose about 0.10 (the two-worker guess's level): the bounds sit halfway.
+    assert margin2 > 0.03
+    assert drift >= -0.06
 
 
 def _mean(values: list[float]) -> float:
