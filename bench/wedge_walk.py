@@ -81,7 +81,6 @@ class Walk:
     entries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     crossings: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     by_root: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    roots_of: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     #: When the wedge's own roots first entered each file.
     first_by_wedge: dict[str, float] = field(default_factory=dict)
     #: Per root: calls that crossed from one file of the package into another, and the
@@ -119,7 +118,6 @@ class Walk:
         key = f"{root.f_code.co_filename[len(PACKAGE):]}:{root.f_code.co_name}"
         if file not in self.by_root[key]:
             self.by_root[key].append(file)
-        self.roots_of[file].add(key)
         if file not in self.first_by_wedge and group_of(key) == "wedge":
             self.first_by_wedge[file] = time.monotonic() - self.started
         self.root_crossings[key] += crossed
